@@ -1,0 +1,364 @@
+/*
+ * kvpq.h — KV-cache compression by product quantization, and attention from codes.
+ *
+ * kvpq stores the keys and values of a transformer's KV cache as product-quantization (PQ) codes
+ * (VecInfer, arXiv 2510.06175): each head vector of `d = head_dim` dims is split into `M`
+ * sub-vectors of `dsub = d / M` dims, and each sub-vector is replaced by the index of its nearest
+ * centroid in a codebook of `ksub = 2^nbits` centroids trained by k-means on real activations.
+ * Before encoding, keys are divided per channel by smoothing factors `lambda = sqrt(max |K|)` and
+ * rotated by a normalized Walsh-Hadamard transform; queries are multiplied by the same factors and
+ * rotated, so `q . k` is unchanged. Attention is computed directly from the codes through a lookup
+ * table `LUT[m][c] = q_m . C[m][c]`.
+ *
+ * Conventions (every function):
+ *   - Fallible calls return kvpq_status: KVPQ_OK (0) or a negative error. kvpq_last_error() gives a
+ *     thread-local message naming the problem. The library never calls exit() or abort().
+ *   - Opaque handles are made by `*_new`/`*_load` and released by `*_free`; `*_free(NULL)` is a no-op.
+ *   - Params structs are filled by `*_default()` and passed by const pointer.
+ *   - The caller owns outputs; size helpers (kvpq_pq_code_size, ...) say how much to allocate.
+ *   - Arrays are row-major float32 unless said otherwise; shapes are given as (outer, ..., inner).
+ *
+ * Usage (encode and decode vectors with a trained quantizer):
+ *
+ *     kvpq_pq_params pp = kvpq_pq_params_default();      // d=64, M=16 (dsub=4), nbits=8
+ *     kvpq_pq *pq;
+ *     if (kvpq_pq_new(&pq, &pp) != KVPQ_OK) { fprintf(stderr, "%s\n", kvpq_last_error()); ... }
+ *     kvpq_kmeans_params kp = kvpq_kmeans_params_default();
+ *     kvpq_pq_train(pq, &kp, n_train, x_train, NULL);    // x_train: (n_train, d)
+ *     uint8_t *codes = malloc(n * kvpq_pq_code_size(pq));
+ *     kvpq_pq_encode(pq, n, x, codes);                   // x: (n, d) -> codes: (n, code_size)
+ *     kvpq_pq_decode(pq, n, codes, x_hat);               // x_hat: (n, d)
+ *     kvpq_pq_free(pq);
+ */
+#ifndef KVPQ_H
+#define KVPQ_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVPQ_VERSION_MAJOR 0
+#define KVPQ_VERSION_MINOR 1
+#define KVPQ_VERSION_PATCH 0
+#define KVPQ_VERSION_NUMBER (KVPQ_VERSION_MAJOR * 10000 + KVPQ_VERSION_MINOR * 100 + KVPQ_VERSION_PATCH)
+
+#if defined(_WIN32) && defined(KVPQ_BUILD_SHARED)
+#define KVPQ_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define KVPQ_API __attribute__((visibility("default")))
+#else
+#define KVPQ_API
+#endif
+
+/* ---- status, errors, version ---------------------------------------------------------------- */
+
+/* Return codes. Values are stable: never renumbered; new codes are added at the end. */
+typedef enum {
+    KVPQ_OK = 0,
+    KVPQ_ERR_INVALID_ARG = -1,   /* a NULL pointer, a value out of range, an inconsistent shape */
+    KVPQ_ERR_NOMEM = -2,         /* an allocation failed */
+    KVPQ_ERR_IO = -3,            /* a file could not be opened, read, written or mapped */
+    KVPQ_ERR_FORMAT = -4,        /* a file is truncated, corrupt or lies about its contents */
+    KVPQ_ERR_UNSUPPORTED = -5,   /* valid input this build does not handle (tensor type, head_dim) */
+    KVPQ_ERR_NONFINITE = -6,     /* NaN or Inf where finite numbers are required */
+    KVPQ_ERR_MISMATCH = -7,      /* two inputs that must agree do not (codebook vs model) */
+    KVPQ_ERR_NO_DEVICE = -8,     /* a GPU was required and none is usable */
+    KVPQ_ERR_DEVICE = -9,        /* a GPU call failed */
+    KVPQ_ERR_CAPACITY = -10,     /* a sequence or buffer limit would be exceeded */
+    KVPQ_ERR_INTERNAL = -11,     /* a bug in kvpq: please report it */
+} kvpq_status;
+
+/* Short fixed name of a status ("ok", "invalid argument", ...). Never NULL. */
+KVPQ_API const char *kvpq_status_string(kvpq_status s);
+
+/* Detail of the last error raised on the calling thread ("" if none). The string is owned by the
+ * library and valid until the next failing kvpq call on the same thread. */
+KVPQ_API const char *kvpq_last_error(void);
+
+/* Library version as "MAJOR.MINOR.PATCH". */
+KVPQ_API const char *kvpq_version(void);
+
+/* Progress callback: `done` of `total` units of the named stage are complete. Return non-zero to
+ * cancel the operation (it then fails with KVPQ_ERR_INVALID_ARG and "cancelled"). */
+typedef int (*kvpq_progress_fn)(void *user, const char *stage, double done, double total);
+
+/* ---- CPU SIMD dispatch ---------------------------------------------------------------------- */
+
+/* SIMD levels of the CPU kernels. The best level the CPU supports is chosen at first use; the
+ * environment variable KVPQ_SIMD=scalar|avx2|avx512 forces a lower one (tests run every level). */
+typedef enum { KVPQ_SIMD_SCALAR = 0, KVPQ_SIMD_AVX2 = 1, KVPQ_SIMD_AVX512 = 2 } kvpq_simd_level;
+
+/* The level in use now. */
+KVPQ_API kvpq_simd_level kvpq_simd_get(void);
+/* Force a level. Fails with KVPQ_ERR_UNSUPPORTED if the CPU (or build) lacks it. */
+KVPQ_API kvpq_status kvpq_simd_set(kvpq_simd_level level);
+/* "scalar", "avx2", "avx512". */
+KVPQ_API const char *kvpq_simd_name(kvpq_simd_level level);
+
+/* ---- backends ------------------------------------------------------------------------------- */
+
+/* Where a cache or quantizer runs. AUTO picks CUDA when it is built and a device is present, else
+ * the CPU, and reports the choice; CUDA fails at creation with KVPQ_ERR_NO_DEVICE, naming why,
+ * when CUDA is unavailable. */
+typedef enum { KVPQ_BACKEND_AUTO = 0, KVPQ_BACKEND_CPU = 1, KVPQ_BACKEND_CUDA = 2 } kvpq_backend;
+
+/* Resolve AUTO to CPU or CUDA; fails for CUDA when unavailable (message says why). */
+KVPQ_API kvpq_status kvpq_backend_resolve(kvpq_backend want, kvpq_backend *got);
+/* "auto", "cpu", "cuda". */
+KVPQ_API const char *kvpq_backend_name(kvpq_backend b);
+
+/* ---- product quantizer ---------------------------------------------------------------------- */
+
+/* Whether one codebook serves every sub-space, (ksub, dsub), as in the VecInfer reference code, or
+ * each sub-space has its own, (M, ksub, dsub), as in faiss's ProductQuantizer. */
+typedef enum { KVPQ_CODEBOOK_SHARED = 0, KVPQ_CODEBOOK_SUBSPACE = 1 } kvpq_codebook_granularity;
+
+typedef struct {
+    int d;          /* vector dimension (head_dim); a multiple of dsub */
+    int M;          /* number of sub-spaces; dsub = d / M must be 1, 2, 4, 8 or 16 */
+    int nbits;      /* bits per code, 1..12; ksub = 2^nbits centroids */
+    kvpq_codebook_granularity granularity;
+} kvpq_pq_params;
+
+/* d=64, M=16 (dsub 4), nbits 8: 2 bits per element; granularity SHARED. */
+KVPQ_API kvpq_pq_params kvpq_pq_params_default(void);
+
+/* Fill M and nbits from a preset name and d: "d8b8" (1 bit/elem), "d8b12" (1.5), "d4b8" (2),
+ * "d2b8" (4). Fails with KVPQ_ERR_INVALID_ARG naming the preset if unknown or d % dsub != 0. */
+KVPQ_API kvpq_status kvpq_pq_params_preset(kvpq_pq_params *p, const char *preset, int d);
+
+typedef struct kvpq_pq kvpq_pq;
+
+/* Create a quantizer with zeroed centroids. Errors: KVPQ_ERR_INVALID_ARG naming the bad field. */
+KVPQ_API kvpq_status kvpq_pq_new(kvpq_pq **out, const kvpq_pq_params *p);
+KVPQ_API void kvpq_pq_free(kvpq_pq *pq);
+KVPQ_API kvpq_pq_params kvpq_pq_get_params(const kvpq_pq *pq);
+
+/* Number of centroid floats: ksub*dsub (SHARED) or M*ksub*dsub (SUBSPACE). */
+KVPQ_API size_t kvpq_pq_centroids_size(const kvpq_pq *pq);
+/* Borrowed pointer to the centroids: (ksub, dsub) or (M, ksub, dsub) float32. */
+KVPQ_API const float *kvpq_pq_centroids(const kvpq_pq *pq);
+/* Copy `n` centroid floats in (n must equal kvpq_pq_centroids_size). Rejects NaN/Inf. */
+KVPQ_API kvpq_status kvpq_pq_set_centroids(kvpq_pq *pq, const float *centroids, size_t n);
+
+/* Bytes of one packed code vector: ceil(M * nbits / 8). */
+KVPQ_API size_t kvpq_pq_code_size(const kvpq_pq *pq);
+
+typedef struct {
+    int niter;                    /* Lloyd iterations (default 25, as faiss Kmeans) */
+    int max_points_per_centroid;  /* subsample to at most ksub * this points (default 256, faiss) */
+    uint64_t seed;                /* same seed, same data, same threads count -> same codebook */
+    int n_threads;                /* 0 = OpenMP default */
+    kvpq_progress_fn progress;    /* optional */
+    void *progress_user;
+} kvpq_kmeans_params;
+KVPQ_API kvpq_kmeans_params kvpq_kmeans_params_default(void);
+
+typedef struct {
+    double mse_init;     /* mean squared error per vector after k-means++ initialization */
+    double mse_final;    /* after the last iteration */
+    int iterations;      /* Lloyd iterations run */
+    int empty_repaired;  /* clusters that were empty and were re-seeded (total over iterations) */
+    size_t n_used;       /* points used after subsampling */
+} kvpq_kmeans_report;
+
+/* k-means (k-means++ initialization, Lloyd iterations, empty clusters split from the largest).
+ * x: (n, d) float32; centroids out: (k, d). MSE (sum of squared distances / n) never rises between
+ * iterations. Errors: n < k, NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
+KVPQ_API kvpq_status kvpq_kmeans(int d, int k, size_t n, const float *x, const kvpq_kmeans_params *kp,
+                                 float *centroids, kvpq_kmeans_report *report);
+
+/* Train the quantizer's codebook(s) on x: (n, d). SHARED pools the n*M sub-vectors into one
+ * k-means; SUBSPACE runs M k-means. report may be NULL (for SUBSPACE it sums over sub-spaces). */
+KVPQ_API kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, const float *x,
+                                   kvpq_kmeans_report *report);
+
+/* Encode x: (n, d) float32 into packed codes: (n, code_size) bytes. Fused nearest-centroid search
+ * (||c||^2 - 2 x.c with precomputed norms, no (n, ksub, dsub) intermediate); ties go to the lowest
+ * index. Packing: the M codes of a vector form a little-endian bit stream, code m in bits
+ * [m*nbits, (m+1)*nbits). Errors: NaN/Inf in x (KVPQ_ERR_NONFINITE). */
+KVPQ_API kvpq_status kvpq_pq_encode(const kvpq_pq *pq, size_t n, const float *x, uint8_t *codes);
+
+/* Unpacked variant: idx (n, M) uint16 centroid indices. */
+KVPQ_API kvpq_status kvpq_pq_assign(const kvpq_pq *pq, size_t n, const float *x, uint16_t *idx);
+
+/* Decode (gather): codes (n, code_size) -> x (n, d). */
+KVPQ_API kvpq_status kvpq_pq_decode(const kvpq_pq *pq, size_t n, const uint8_t *codes, float *x);
+
+/* Pack idx (n, M) uint16 (each < 2^nbits) into (n, ceil(M*nbits/8)) bytes, and back. */
+KVPQ_API size_t kvpq_codes_size(int M, int nbits);
+KVPQ_API kvpq_status kvpq_codes_pack(int M, int nbits, size_t n, const uint16_t *idx, uint8_t *packed);
+KVPQ_API kvpq_status kvpq_codes_unpack(int M, int nbits, size_t n, const uint8_t *packed, uint16_t *idx);
+
+/* ---- outlier suppression for keys (VecInfer sec. 3) ----------------------------------------- */
+
+/* In-place normalized fast Walsh-Hadamard transform (Sylvester order, scaled by 1/sqrt(d)) of n
+ * vectors x: (n, d). Orthonormal and self-inverse; O(d log d) per vector. d must be a power of
+ * two (else KVPQ_ERR_UNSUPPORTED naming d). */
+KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
+
+/* Smoothing factors lambda_c = sqrt(max_t |k_tc|), floored at `floor` (default 1e-2 keeps
+ * near-silent channels from blowing up), per KV head and channel.
+ * k: (n_tokens, n_head_kv, head_dim); lambda out: (n_head_kv, head_dim). */
+KVPQ_API kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
+                                         float floor, float *lambda);
+
+/* ---- codebook file (safetensors) ------------------------------------------------------------ */
+
+/* A model's trained codebooks: per layer, key and value quantizers, key smoothing factors. Saved as
+ * safetensors; tensor names:
+ *   layers.{i}.k.smooth    (n_head_kv, head_dim) F32   key smoothing factors lambda
+ *   layers.{i}.k.codebook  (ksub, dsub) or (M, ksub, dsub) F32
+ *   layers.{i}.v.codebook  likewise
+ * and metadata (all strings): kvpq.format_version, n_layer, n_head_kv, head_dim, k.M, k.nbits,
+ * k.granularity, v.M, v.nbits, v.granularity, v.rotate, plus free-form keys (model, text, tokens).
+ */
+typedef struct kvpq_codebook kvpq_codebook;
+
+typedef struct {
+    int n_layer;
+    int n_head_kv;
+    int head_dim;
+    kvpq_pq_params key;     /* key.d == head_dim */
+    kvpq_pq_params value;   /* value.d == head_dim */
+    int value_rotate;       /* 1: values are Hadamard-rotated before encoding */
+} kvpq_codebook_params;
+KVPQ_API kvpq_codebook_params kvpq_codebook_params_default(void);
+
+KVPQ_API kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p);
+KVPQ_API void kvpq_codebook_free(kvpq_codebook *cb);
+KVPQ_API kvpq_codebook_params kvpq_codebook_get_params(const kvpq_codebook *cb);
+/* Borrowed: the key (is_value=0) or value (is_value=1) quantizer of a layer. NULL if out of range. */
+KVPQ_API kvpq_pq *kvpq_codebook_pq(kvpq_codebook *cb, int layer, int is_value);
+KVPQ_API const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int layer, int is_value);
+/* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
+KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
+KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
+/* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. */
+KVPQ_API kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value);
+KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key);
+/* Number of metadata entries and the i-th key (for listing). */
+KVPQ_API size_t kvpq_codebook_meta_count(const kvpq_codebook *cb);
+KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
+
+/* Write atomically (temp file then rename: an existing file is never left half-written). */
+KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path);
+/* Load and validate every offset, shape and dtype; rejects NaN/Inf (KVPQ_ERR_NONFINITE) and any
+ * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
+KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
+
+/* ---- KV cache ------------------------------------------------------------------------------- */
+
+/* Cache kinds. Enum values are stable; new kinds are added at the end. */
+typedef enum {
+    KVPQ_CACHE_FP32 = 0,
+    KVPQ_CACHE_FP16 = 1,
+    KVPQ_CACHE_Q8_0 = 2,   /* llama.cpp-style blocks of 32: fp16 scale + 32 int8 */
+    KVPQ_CACHE_Q4_0 = 3,   /* blocks of 32: fp16 scale + 32 4-bit */
+    KVPQ_CACHE_KIVI2 = 4,  /* KIVI (arXiv 2402.02750): keys per channel, values per token, 2 bits */
+    KVPQ_CACHE_KIVI4 = 5,  /* likewise, 4 bits */
+    KVPQ_CACHE_VQ = 6,     /* product-quantization codes with attention from codes */
+} kvpq_cache_type;
+
+typedef struct {
+    kvpq_cache_type type;
+    int n_layer;
+    int n_head;         /* query heads */
+    int n_head_kv;      /* KV heads; n_head % n_head_kv == 0 (GQA) */
+    int head_dim;
+    int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond) */
+    int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128) */
+    int page_tokens;    /* tokens per allocated page (default 256) */
+    const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
+    int n_threads;      /* 0 = OpenMP default */
+    kvpq_backend backend;
+} kvpq_cache_params;
+KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
+
+/* Parse a SPEC string: fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE. Sets p->type; for vq: returns the
+ * FILE part in *vq_path (pointer into spec; NULL otherwise). Errors name the SPEC. */
+KVPQ_API kvpq_status kvpq_cache_type_parse(const char *spec, kvpq_cache_type *type, const char **vq_path);
+KVPQ_API const char *kvpq_cache_type_name(kvpq_cache_type t);
+
+typedef struct kvpq_cache kvpq_cache;
+
+KVPQ_API kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p);
+KVPQ_API void kvpq_cache_free(kvpq_cache *c);
+
+/* Append n positions to a layer, after the ones it holds. k, v: (n, n_head_kv, head_dim) float32;
+ * keys post-RoPE. Errors: NaN/Inf, capacity. On error the cache is unchanged. */
+KVPQ_API kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const float *k, const float *v);
+
+/* Causal attention for the newest n_q positions of a layer (the queries of the positions just
+ * appended): query i, at position L - n_q + i (L = positions held), attends to positions
+ * 0 .. L - n_q + i with scale 1/sqrt(head_dim). Query head h reads KV head h / (n_head/n_head_kv).
+ * q: (n_q, n_head, head_dim); out: (n_q, n_head, head_dim). */
+KVPQ_API kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q, float *out);
+
+/* Keep only positions [0, n_pos) of every layer. */
+KVPQ_API kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos);
+
+/* Positions held by a layer. */
+KVPQ_API int kvpq_cache_seq_len(const kvpq_cache *c, int layer);
+
+/* Read back positions [pos0, pos0+n) of a layer as the cache would attend over them (dequantized,
+ * in the model's original space). k, v: (n, n_head_kv, head_dim); either may be NULL. */
+KVPQ_API kvpq_status kvpq_cache_read(const kvpq_cache *c, int layer, int pos0, int n, float *k, float *v);
+
+/* Bytes resident for the stored K and V: codes, window, scales, pages, codebooks and smoothing. */
+KVPQ_API size_t kvpq_cache_resident_bytes(const kvpq_cache *c);
+
+typedef struct {
+    size_t resident_bytes;
+    int64_t elements;          /* K and V elements stored: 2 * n_layer * seq_len * n_head_kv * head_dim */
+    double bits_per_element;   /* resident_bytes * 8 / elements (0 when empty) */
+    int64_t tokens_coded;      /* per layer, summed: positions held as codes (VQ/KIVI) */
+    int64_t tokens_window;     /* per layer, summed: positions held in full precision */
+    kvpq_backend backend;      /* where it runs */
+} kvpq_cache_stats;
+KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st);
+
+/* ---- models (GGUF, Llama family) ------------------------------------------------------------ */
+
+typedef struct kvpq_model kvpq_model;
+
+typedef struct {
+    int n_threads;   /* 0 = OpenMP default */
+} kvpq_model_params;
+KVPQ_API kvpq_model_params kvpq_model_params_default(void);
+
+typedef struct {
+    char arch[32];       /* general.architecture */
+    char name[128];      /* general.name */
+    int n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_vocab, n_ctx_train;
+    float rope_freq_base;
+    float rms_eps;
+    int32_t bos_id, eos_id;
+} kvpq_model_info;
+
+/* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
+ * KVPQ_ERR_UNSUPPORTED (architecture or tensor type, named). */
+KVPQ_API kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model_params *p);
+KVPQ_API void kvpq_model_free(kvpq_model *m);
+KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *info);
+
+/* Tokenize UTF-8 text with the model's byte-level BPE. parse_special: text like "<|im_start|>"
+ * becomes the special token. Writes up to cap ids; *n_tokens gets the full count (call with cap 0
+ * to size). Errors: invalid UTF-8 (KVPQ_ERR_INVALID_ARG with the byte offset). */
+KVPQ_API kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t len, int add_bos,
+                                   int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
+/* Bytes of one token's text (may be a partial UTF-8 sequence). *len gets the full length. */
+KVPQ_API kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len);
+
+/* Run n tokens at positions L .. L+n-1, L = kvpq_cache_seq_len(cache, 0), appending their K/V to
+ * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. */
+KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
+                                     int logits_all, float *logits);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVPQ_H */

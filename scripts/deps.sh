@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install what kvpq needs on a fresh Debian/Ubuntu machine (apt packages, then PyPI packages).
+# Idempotent: skips what is already there. Run as root or with sudo available.
+set -euo pipefail
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+apt_pkgs=(build-essential cmake pkg-config libcriterion-dev libcjson-dev libpcre2-dev libopenblas-dev
+          clang python3 python3-pip)
+missing=()
+for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deps: apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+if ! python3 -c "import sys; import importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in ['numpy','safetensors','gguf','faiss','tokenizers','matplotlib','pytest']))" 2>/dev/null; then
+  echo "deps: pip install -r python/requirements-dev.txt"
+  python3 -m pip install -q -r "$root/python/requirements-dev.txt" 2>&1 | grep -v "Running pip as the 'root' user" || true
+fi

@@ -1,0 +1,32 @@
+/* cli.h — the kvpq command-line tool's subcommands and small shared helpers. Uses kvpq.h only. */
+#ifndef KVPQ_CLI_H
+#define KVPQ_CLI_H
+
+#include <stdio.h>
+#include "kvpq.h"
+
+/* Each subcommand gets argv starting at its own name (argv[0] = "info", ...); returns the exit code. */
+int cmd_info_gguf(int argc, char **argv, const char *path);      /* info_gguf.c */
+int cmd_info_codebook(int argc, char **argv, const char *path);  /* info_codebook.c */
+int cmd_bench_encode(int argc, char **argv);                     /* bench_encode.c */
+int cmd_bench_attend(int argc, char **argv);                     /* bench_attend.c */
+int cmd_calibrate(int argc, char **argv);                        /* cmd_calibrate.c */
+int cmd_generate(int argc, char **argv);                         /* cmd_generate.c */
+int cmd_ppl(int argc, char **argv);                              /* cmd_ppl.c */
+
+/* Print "kvpq <what>: <status string>: <kvpq_last_error()>" to stderr; returns exit code 1. */
+int cli_fail(const char *what, kvpq_status s);
+/* Print "kvpq: <printf message>" to stderr; returns exit code 2 (usage error). */
+int cli_usage_error(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+/* Strict number parsing: the whole string must be a number in range; else a usage error message
+ * naming the option and 0 is returned. */
+int cli_parse_int(const char *opt, const char *s, long lo, long hi, long *out);
+int cli_parse_double(const char *opt, const char *s, double lo, double hi, double *out);
+/* Seconds from a monotonic clock. */
+double cli_now(void);
+
+#endif

@@ -1,0 +1,59 @@
+/* kvpq.c — the kvpq command-line tool: dispatch to subcommands. */
+#include <string.h>
+
+#include "cli.h"
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "kvpq %s — KV-cache compression by product quantization\n"
+            "\n"
+            "usage: kvpq <command> [options]   (kvpq <command> --help for its options)\n"
+            "  info FILE                  what a GGUF model or a kvpq codebook file holds\n"
+            "  calibrate --model M ...    train codebooks on a model's real keys and values\n"
+            "  generate --model M ...     generate text, with a chosen KV cache\n"
+            "  ppl --model M --text F ... perplexity, with a chosen KV cache beside a baseline\n"
+            "  bench encode|attend ...    benchmarks (ours beside baselines, one table)\n"
+            "  version                    print the version\n",
+            kvpq_version());
+}
+
+static int cmd_info(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        fprintf(argc < 2 ? stderr : stdout, "usage: kvpq info FILE   (a .gguf model or a .safetensors codebook file)\n");
+        return argc < 2 ? 2 : 0;
+    }
+    const char *path = argv[1];
+    FILE *f = fopen(path, "rb");
+    if (!f) return cli_usage_error("info: cannot open '%s'", path);
+    char magic[4] = {0};
+    size_t n = fread(magic, 1, 4, f);
+    fclose(f);
+    if (n == 4 && !memcmp(magic, "GGUF", 4)) return cmd_info_gguf(argc, argv, path);
+    return cmd_info_codebook(argc, argv, path);
+}
+
+static int cmd_bench(int argc, char **argv) {
+    if (argc >= 2 && !strcmp(argv[1], "encode")) return cmd_bench_encode(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "attend")) return cmd_bench_attend(argc - 1, argv + 1);
+    fprintf(stderr, "usage: kvpq bench encode|attend [options]   (kvpq bench encode --help)\n");
+    return 2;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    const char *c = argv[1];
+    if (!strcmp(c, "version") || !strcmp(c, "--version")) {
+        printf("kvpq %s (simd %s)\n", kvpq_version(), kvpq_simd_name(kvpq_simd_get()));
+        return 0;
+    }
+    if (!strcmp(c, "info")) return cmd_info(argc - 1, argv + 1);
+    if (!strcmp(c, "bench")) return cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(c, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
+    if (!strcmp(c, "generate")) return cmd_generate(argc - 1, argv + 1);
+    if (!strcmp(c, "ppl")) return cmd_ppl(argc - 1, argv + 1);
+    usage(stderr);
+    return cli_usage_error("unknown command '%s'", c);
+}
