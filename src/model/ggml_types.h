@@ -1,0 +1,45 @@
+/* ggml_types.h — GGML tensor types: block layouts, dequantization, and dot products that
+ * dequantize blocks on the fly. Numbering and block layouts as in ggml (ggml.h, ggml-common.h). */
+#ifndef KVPQ_GGML_TYPES_H
+#define KVPQ_GGML_TYPES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvpq.h"
+
+enum {
+    GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q4_1 = 3,
+    GGML_TYPE_Q5_0 = 6, GGML_TYPE_Q5_1 = 7, GGML_TYPE_Q8_0 = 8, GGML_TYPE_Q8_1 = 9,
+    GGML_TYPE_BF16 = 30,
+};
+
+/* "F32", "Q4_1", ...; "type <n>" style name for unknown types is written into a static buffer. */
+const char *ggml_type_name(uint32_t type);
+/* 1 if kvpq can dequantize this type. */
+int ggml_type_supported(uint32_t type);
+/* Elements per block (1 for F32/F16/BF16, 32 for Q4_0/Q4_1/Q8_0) and bytes per block; 0 if unknown. */
+int64_t ggml_blck_size(uint32_t type);
+size_t ggml_type_size(uint32_t type);
+/* Bytes of a row of n elements (n a multiple of the block size). */
+size_t ggml_row_size(uint32_t type, int64_t n);
+
+/* Dequantize n elements (a multiple of the block size) to float32, bit-exact with ggml's
+ * dequantize_row_* (checked against the PyPI gguf package). Errors: unsupported type. */
+kvpq_status ggml_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n);
+
+/* y[r] = dot(row r of W, x) for r in [0, n_rows): W is (n_rows, n) of `type`, rows contiguous
+ * (row stride ggml_row_size(type, n)); x: (n) float32. Dequantizes blocks on the fly (SIMD). */
+void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const float *x, float *y);
+
+/* Y (n_tok, n_rows) = X (n_tok, n) @ W^T, W as above. Batched: each weight row is dequantized once
+ * and used for every token (or whole tiles dequantized and handed to OpenBLAS sgemm). OpenMP inside. */
+void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
+                 float *Y);
+
+/* fp16 <-> fp32 (IEEE half), round-to-nearest-even. */
+float kvpq_fp16_to_fp32(uint16_t h);
+uint16_t kvpq_fp32_to_fp16(float f);
+float kvpq_bf16_to_fp32(uint16_t h);
+
+#endif
