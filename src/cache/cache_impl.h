@@ -1,0 +1,52 @@
+/* cache_impl.h — the KV-cache operations table behind kvpq_cache (kvpq.h). Internal.
+ *
+ * cache.c owns the public entry points: it checks arguments (NULL, layer range, NaN/Inf in K/V,
+ * capacity) once, keeps the per-layer positions count, and calls the kind's ops. Each kind
+ * (fp32, fp16, q8_0, q4_0, kivi, vq) lives in its own file and fills a kvpq_cache_ops. */
+#ifndef KVPQ_CACHE_IMPL_H
+#define KVPQ_CACHE_IMPL_H
+
+#include "kvpq.h"
+
+typedef struct kvpq_cache_ops {
+    const char *name;
+    /* Create the kind's state from validated params. */
+    kvpq_status (*create)(void **state, const kvpq_cache_params *p);
+    void (*destroy)(void *state);
+    /* Append n positions after the `len` already held by `layer`. k, v: (n, n_head_kv, head_dim). */
+    kvpq_status (*append)(void *state, int layer, int len, int n, const float *k, const float *v);
+    /* Causal attention of the newest n_q positions (see kvpq_cache_attend); `len` positions held. */
+    kvpq_status (*attend)(void *state, int layer, int len, int n_q, const float *q, float *out);
+    /* Drop positions >= n_pos of every layer (lens[l] were held before). */
+    kvpq_status (*truncate)(void *state, const int *lens, int n_pos);
+    /* Dequantized K/V of positions [pos0, pos0+n); k or v may be NULL. */
+    kvpq_status (*read)(const void *state, int layer, int len, int pos0, int n, float *k, float *v);
+    size_t (*resident_bytes)(const void *state, const int *lens);
+    /* Optional: fill tokens_coded / tokens_window. */
+    void (*stats)(const void *state, const int *lens, kvpq_cache_stats *st);
+} kvpq_cache_ops;
+
+struct kvpq_cache {
+    kvpq_cache_params p;
+    const kvpq_cache_ops *ops;
+    void *state;
+    int *len; /* (n_layer) positions held per layer */
+};
+
+/* The kinds; a kind not built yet is NULL and kvpq_cache_new reports it as unsupported. */
+extern const kvpq_cache_ops kvpq_cache_ops_fp32;
+extern const kvpq_cache_ops kvpq_cache_ops_fp16;
+
+/* Online-softmax state {m, d, o} (FlashAttention; Milakov & Gimelshein 2018): m running max of
+ * scores, d sum of exp(score - m), o (head_dim) sum of exp(score - m) * v. Merging two partial
+ * states over disjoint key sets gives the state over their union. Shared by every CPU path. */
+typedef struct {
+    float m;
+    float d;
+} kvpq_softmax_state;
+
+/* Merge (mb, db, ob) into (ma, da, oa) in place; o vectors have head_dim floats. */
+void kvpq_softmax_merge(kvpq_softmax_state *a, float *oa, const kvpq_softmax_state *b, const float *ob,
+                        int head_dim);
+
+#endif
