@@ -181,7 +181,7 @@ static void run_config(const cfg *c, int len, int window, int page_tokens) {
         if (n > len - 3 - done) n = len - 3 - done;
         append_random(cache, 0, c, n, NULL, NULL);
         done += n;
-        check_attend(cache, c, n < 24 ? n : 24, "prefill");
+        check_attend(cache, c, n < 8 ? n : 8, "prefill");
     }
     for (; done < len; done++) {
         append_random(cache, 0, c, 1, NULL, NULL);
