@@ -71,6 +71,15 @@ static kvpq_codebook *make_codebook(int n_layer, const cfg *c) {
             kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
             kvpq_pq_params pp = kvpq_pq_get_params(pq);
             int ksub = 1 << pp.nbits;
+            if (pp.nbits > 8) {
+                /* 4096 centroids: k-means would dominate the test's time; random centroids serve
+                 * the table path just as well (set through the public API). */
+                size_t nc = kvpq_pq_centroids_size(pq);
+                float *cent = randn(nc, 1.0f);
+                cr_assert_eq(kvpq_pq_set_centroids(pq, cent, nc), KVPQ_OK, "%s", kvpq_last_error());
+                free(cent);
+                continue;
+            }
             /* Enough vectors for k-means: n*M >= ksub (shared) or n >= ksub (per sub-space). */
             size_t n = pp.granularity == KVPQ_CODEBOOK_SHARED ? (size_t)(2 * ksub + pp.M - 1) / pp.M : (size_t)2 * ksub;
             float *x = randn(n * pp.d, 1.0f);
@@ -195,6 +204,7 @@ static void run_config(const cfg *c, int len, int window, int page_tokens) {
     kvpq_codebook_free(cb);
 }
 
+/* At every SIMD level (the kernels are also checked one by one against *_ref below). */
 static void for_each_simd(const cfg *c, int len, int window, int page_tokens) {
     kvpq_simd_level best = kvpq_simd_get();
     for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
@@ -206,10 +216,11 @@ static void for_each_simd(const cfg *c, int len, int window, int page_tokens) {
 
 Test(cache_vq, gqa_ratios_match_fp64) {
     const int ratios[][2] = {{4, 4}, {9, 3}, {8, 2}, {16, 2}, {16, 1}, {6, 3}};
-    int len = quick() ? 300 : 700;
+    int len = quick() ? 300 : 600;
     for (size_t i = 0; i < sizeof ratios / sizeof ratios[0]; i++) {
         cfg c = {ratios[i][0], ratios[i][1], 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
-        for_each_simd(&c, len, 64, 96);
+        if (i == 1 || i == 3) for_each_simd(&c, len, 64, 96);
+        else run_config(&c, len, 64, 96);
     }
 }
 
@@ -218,13 +229,14 @@ Test(cache_vq, head_dims_match_fp64) {
     int len = quick() ? 250 : 500;
     for (size_t i = 0; i < 3; i++) {
         cfg c = {8, 2, dims[i], "d4b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 1};
-        for_each_simd(&c, len, 32, 64);
+        if (i == 1) for_each_simd(&c, len, 32, 64);
+        else run_config(&c, len, 32, 64);
     }
 }
 
 Test(cache_vq, nbits_dsub_granularity_rotation_match_fp64) {
     const char *presets[][2] = {{"d8b12", "d8b12"}, {"d2b8", "d8b8"}, {"d8b8", "d2b8"}, {"d4b8", "d8b12"}};
-    int len = quick() ? 250 : 450;
+    int len = quick() ? 200 : 400;
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
         for (int gran = 0; gran < 2; gran++)
             for (int rot = 0; rot < 2; rot++) {

@@ -556,7 +556,7 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
     /* Split one head's coded context when there are too few (query, head) jobs for the threads. */
     const int base_jobs = n_q * nkv;
     int n_split = 1;
-    if (base_jobs < 4 * nt) {
+    if (nt > 1 && base_jobs < 4 * nt) {
         n_split = (4 * nt + base_jobs - 1) / base_jobs;
         int smax = nc / VQ_MIN_SPLIT;
         if (smax < 1) smax = 1;
@@ -567,7 +567,7 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
     KVPQ_TRY(vq_grow((void **)&st->part, &st->part_cap, (size_t)n_jobs * psz, sizeof(float)));
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
     float *parts = st->part;
-#pragma omp parallel num_threads(nt)
+#pragma omp parallel num_threads(nt) if (nt > 1 && n_jobs > 1)
     {
         vq_scratch *s = &st->scr[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)

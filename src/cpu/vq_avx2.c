@@ -6,6 +6,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "cpu/vq_kernels.h"
 
@@ -35,7 +36,7 @@ static inline __m256 exp256_ps(__m256 x) {
 // ---- scores and accumulation ----------------------------------------------------------------
 
 #define VQ_SCORE_AVX2(NAME, T, REF)                                                               \
-    void NAME(int n, int M, int ksub, int gp, const T *codes, const float *lut, float *s) {       \
+    LINKAGE void NAME(int n, int M, int ksub, int gp, const T *codes, const float *lut, float *s) {       \
         const size_t ms = (size_t)ksub * gp; /* stride between sub-spaces */                      \
         if (gp == 4) {                                                                            \
             for (int t = 0; t < n; t++) {                                                         \
@@ -77,11 +78,14 @@ static inline __m256 exp256_ps(__m256 x) {
             REF(n, M, ksub, gp, codes, lut, s);                                                   \
         }                                                                                         \
     }
-VQ_SCORE_AVX2(kvpq__vq_score_u8_avx2, uint8_t, kvpq__vq_score_u8_ref)
+#define LINKAGE static
+VQ_SCORE_AVX2(score_u8_generic, uint8_t, kvpq__vq_score_u8_ref)
+#undef LINKAGE
+#define LINKAGE
 VQ_SCORE_AVX2(kvpq__vq_score_u16_avx2, uint16_t, kvpq__vq_score_u16_ref)
 
 #define VQ_ACCUM_AVX2(NAME, T, REF)                                                               \
-    void NAME(int n, int M, int ksub, int gp, const T *codes, const float *p, float *table) {     \
+    LINKAGE void NAME(int n, int M, int ksub, int gp, const T *codes, const float *p, float *table) {     \
         const size_t ms = (size_t)ksub * gp;                                                      \
         if (gp == 4) {                                                                            \
             for (int t = 0; t < n; t++) {                                                         \
@@ -108,8 +112,90 @@ VQ_SCORE_AVX2(kvpq__vq_score_u16_avx2, uint16_t, kvpq__vq_score_u16_ref)
             REF(n, M, ksub, gp, codes, p, table);                                                 \
         }                                                                                         \
     }
-VQ_ACCUM_AVX2(kvpq__vq_accum_u8_avx2, uint8_t, kvpq__vq_accum_u8_ref)
+#undef LINKAGE
+#define LINKAGE static
+VQ_ACCUM_AVX2(accum_u8_generic, uint8_t, kvpq__vq_accum_u8_ref)
+#undef LINKAGE
+#define LINKAGE
 VQ_ACCUM_AVX2(kvpq__vq_accum_u16_avx2, uint16_t, kvpq__vq_accum_u16_ref)
+
+// ---- nbits = 8, gp = 4 or 8: codes read 8 at a time ------------------------------------------------
+
+/* The byte codes of 8 sub-spaces come in one 64-bit load and are peeled by shifts, so each
+ * (token, m) costs one table-row load (or load-add-store) instead of two loads. */
+#define VQ_ROW8_LOOP(BODY)                                                                        \
+    int m = 0;                                                                                    \
+    for (; m + 8 <= M; m += 8) {                                                                  \
+        uint64_t w;                                                                               \
+        memcpy(&w, c + m, 8);                                                                     \
+        for (int u = 0; u < 8; u++) {                                                             \
+            const size_t mm = (size_t)(m + u), ci = (size_t)((w >> (8 * u)) & 0xff);              \
+            BODY;                                                                                 \
+        }                                                                                         \
+    }                                                                                             \
+    for (; m < M; m++) {                                                                          \
+        const size_t mm = (size_t)m, ci = c[m];                                                   \
+        const int u = m & 7;                                                                      \
+        BODY;                                                                                     \
+    }
+
+static void score_u8_g4(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
+    const size_t ms = (size_t)ksub * 4;
+    for (int t = 0; t < n; t++) {
+        const uint8_t *c = codes + (size_t)t * M;
+        __m128 a[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+        VQ_ROW8_LOOP(a[u & 3] = _mm_add_ps(a[u & 3], _mm_loadu_ps(lut + mm * ms + ci * 4)))
+        _mm_storeu_ps(s + (size_t)t * 4, _mm_add_ps(_mm_add_ps(a[0], a[1]), _mm_add_ps(a[2], a[3])));
+    }
+}
+
+static void score_u8_g8(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
+    const size_t ms = (size_t)ksub * 8;
+    for (int t = 0; t < n; t++) {
+        const uint8_t *c = codes + (size_t)t * M;
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        VQ_ROW8_LOOP(a[u & 3] = _mm256_add_ps(a[u & 3], _mm256_loadu_ps(lut + mm * ms + ci * 8)))
+        _mm256_storeu_ps(s + (size_t)t * 8, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    }
+}
+
+static void accum_u8_g4(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
+    const size_t ms = (size_t)ksub * 4;
+    for (int t = 0; t < n; t++) {
+        const uint8_t *c = codes + (size_t)t * M;
+        const __m128 pv = _mm_loadu_ps(p + (size_t)t * 4);
+        VQ_ROW8_LOOP({
+            (void)u;
+            float *row = table + mm * ms + ci * 4;
+            _mm_storeu_ps(row, _mm_add_ps(_mm_loadu_ps(row), pv));
+        })
+    }
+}
+
+static void accum_u8_g8(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
+    const size_t ms = (size_t)ksub * 8;
+    for (int t = 0; t < n; t++) {
+        const uint8_t *c = codes + (size_t)t * M;
+        const __m256 pv = _mm256_loadu_ps(p + (size_t)t * 8);
+        VQ_ROW8_LOOP({
+            (void)u;
+            float *row = table + mm * ms + ci * 8;
+            _mm256_storeu_ps(row, _mm256_add_ps(_mm256_loadu_ps(row), pv));
+        })
+    }
+}
+
+void kvpq__vq_score_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s) {
+    if (gp == 4) score_u8_g4(n, M, ksub, codes, lut, s);
+    else if (gp == 8) score_u8_g8(n, M, ksub, codes, lut, s);
+    else score_u8_generic(n, M, ksub, gp, codes, lut, s);
+}
+
+void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table) {
+    if (gp == 4) accum_u8_g4(n, M, ksub, codes, p, table);
+    else if (gp == 8) accum_u8_g8(n, M, ksub, codes, p, table);
+    else accum_u8_generic(n, M, ksub, gp, codes, p, table);
+}
 
 // ---- online softmax step --------------------------------------------------------------------
 
