@@ -167,13 +167,22 @@ typedef struct {
 } kvpq_kmeans_report;
 
 /* k-means (k-means++ initialization, Lloyd iterations, empty clusters split from the largest).
- * x: (n, d) float32; centroids out: (k, d). MSE (sum of squared distances / n) never rises between
- * iterations. Errors: n < k, NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
+ * x: (n, d) float32; centroids out: (k, d). Uses at most k * max_points_per_centroid points (a
+ * uniform subsample, as faiss); k-means++ seeds from a uniform subsample of at most 16 k of them.
+ * MSE (sum of squared distances / n_used) never rises between iterations: an iteration whose MSE
+ * would rise (rounding at a fixed point) is rolled back and ends the run early (report->iterations
+ * says how many ran). The result depends only on (x, k, params, seed), not on the thread count.
+ * d = 1, 2, 4, 8, 16 use the fused nearest-centroid kernels; other d use OpenBLAS sgemm blocks.
+ * Progress: stage "kmeans", done = iterations finished of niter. kp may be NULL (defaults).
+ * Errors: n < k, bad params (named), NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
 KVPQ_API kvpq_status kvpq_kmeans(int d, int k, size_t n, const float *x, const kvpq_kmeans_params *kp,
                                  float *centroids, kvpq_kmeans_report *report);
 
 /* Train the quantizer's codebook(s) on x: (n, d). SHARED pools the n*M sub-vectors into one
- * k-means; SUBSPACE runs M k-means. report may be NULL (for SUBSPACE it sums over sub-spaces). */
+ * k-means; SUBSPACE runs M k-means. report may be NULL; its MSEs are per d-dim vector (SUBSPACE:
+ * summed over sub-spaces; SHARED: M x the sub-vector MSE), its counts summed over the k-means runs.
+ * Progress: stage "pq_train", done/total over all sub-spaces. On error the codebook is unchanged.
+ * Errors: as kvpq_kmeans; n*M < ksub (SHARED) or n < ksub (SUBSPACE). */
 KVPQ_API kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, const float *x,
                                    kvpq_kmeans_report *report);
 
@@ -207,6 +216,19 @@ KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
 KVPQ_API kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
                                          float floor, float *lambda);
 
+/* Apply smoothing factors in place to x: (n, n_head_kv, head_dim), lambda: (n_head_kv, head_dim).
+ * inverse = 0: x /= lambda (what keys get before rotation and encoding, VecInfer sec. 3);
+ * inverse = 1: x *= lambda (undoes it: decoded keys back to the model's space).
+ * Then (q * lambda) . (k / lambda) = q . k. Errors: lambda not finite and > 0 (names the index). */
+KVPQ_API kvpq_status kvpq_smooth_apply(float *x, size_t n, int n_head_kv, int head_dim, const float *lambda,
+                                       int inverse);
+
+/* Multiply queries q: (n, n_head, head_dim) in place by the factors of their KV head (GQA: query head
+ * h uses lambda row h / (n_head / n_head_kv)). lambda: (n_head_kv, head_dim). Errors: n_head not a
+ * multiple of n_head_kv, lambda not finite and > 0. */
+KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int n_head_kv, int head_dim,
+                                             const float *lambda);
+
 /* ---- codebook file (safetensors) ------------------------------------------------------------ */
 
 /* A model's trained codebooks: per layer, key and value quantizers, key smoothing factors. Saved as
@@ -238,14 +260,18 @@ KVPQ_API const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int laye
 /* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
 KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
-/* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. */
+/* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. The config keys
+ * (kvpq.format_version, n_layer, ... v.rotate) are listed and readable too, derived from the params;
+ * set fails on them with KVPQ_ERR_INVALID_ARG. Values of k.granularity: "shared" or "subspace". */
 KVPQ_API kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value);
 KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key);
 /* Number of metadata entries and the i-th key (for listing). */
 KVPQ_API size_t kvpq_codebook_meta_count(const kvpq_codebook *cb);
 KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
 
-/* Write atomically (temp file then rename: an existing file is never left half-written). */
+/* Write atomically (temp file then rename: an existing file is never left half-written). Fails
+ * with KVPQ_ERR_NONFINITE / KVPQ_ERR_INVALID_ARG (NaN/Inf, smoothing factor <= 0) rather than write
+ * a file that load would reject. New codebooks hold lambda = 1 and zero centroids. */
 KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path);
 /* Load and validate every offset, shape and dtype; rejects NaN/Inf (KVPQ_ERR_NONFINITE) and any
  * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
