@@ -238,14 +238,18 @@ KVPQ_API const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int laye
 /* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
 KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
-/* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. */
+/* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. The config keys
+ * (kvpq.format_version, n_layer, ... v.rotate) are listed and readable too, derived from the params;
+ * set fails on them with KVPQ_ERR_INVALID_ARG. Values of k.granularity: "shared" or "subspace". */
 KVPQ_API kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value);
 KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key);
 /* Number of metadata entries and the i-th key (for listing). */
 KVPQ_API size_t kvpq_codebook_meta_count(const kvpq_codebook *cb);
 KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
 
-/* Write atomically (temp file then rename: an existing file is never left half-written). */
+/* Write atomically (temp file then rename: an existing file is never left half-written). Fails
+ * with KVPQ_ERR_NONFINITE / KVPQ_ERR_INVALID_ARG (NaN/Inf, smoothing factor <= 0) rather than write
+ * a file that load would reject. New codebooks hold lambda = 1 and zero centroids. */
 KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path);
 /* Load and validate every offset, shape and dtype; rejects NaN/Inf (KVPQ_ERR_NONFINITE) and any
  * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
