@@ -167,13 +167,22 @@ typedef struct {
 } kvpq_kmeans_report;
 
 /* k-means (k-means++ initialization, Lloyd iterations, empty clusters split from the largest).
- * x: (n, d) float32; centroids out: (k, d). MSE (sum of squared distances / n) never rises between
- * iterations. Errors: n < k, NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
+ * x: (n, d) float32; centroids out: (k, d). Uses at most k * max_points_per_centroid points (a
+ * uniform subsample, as faiss); k-means++ seeds from a uniform subsample of at most 16 k of them.
+ * MSE (sum of squared distances / n_used) never rises between iterations: an iteration whose MSE
+ * would rise (rounding at a fixed point) is rolled back and ends the run early (report->iterations
+ * says how many ran). The result depends only on (x, k, params, seed), not on the thread count.
+ * d = 1, 2, 4, 8, 16 use the fused nearest-centroid kernels; other d use OpenBLAS sgemm blocks.
+ * Progress: stage "kmeans", done = iterations finished of niter. kp may be NULL (defaults).
+ * Errors: n < k, bad params (named), NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
 KVPQ_API kvpq_status kvpq_kmeans(int d, int k, size_t n, const float *x, const kvpq_kmeans_params *kp,
                                  float *centroids, kvpq_kmeans_report *report);
 
 /* Train the quantizer's codebook(s) on x: (n, d). SHARED pools the n*M sub-vectors into one
- * k-means; SUBSPACE runs M k-means. report may be NULL (for SUBSPACE it sums over sub-spaces). */
+ * k-means; SUBSPACE runs M k-means. report may be NULL; its MSEs are per d-dim vector (SUBSPACE:
+ * summed over sub-spaces; SHARED: M x the sub-vector MSE), its counts summed over the k-means runs.
+ * Progress: stage "pq_train", done/total over all sub-spaces. On error the codebook is unchanged.
+ * Errors: as kvpq_kmeans; n*M < ksub (SHARED) or n < ksub (SUBSPACE). */
 KVPQ_API kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, const float *x,
                                    kvpq_kmeans_report *report);
 
@@ -206,6 +215,19 @@ KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
  * k: (n_tokens, n_head_kv, head_dim); lambda out: (n_head_kv, head_dim). */
 KVPQ_API kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
                                          float floor, float *lambda);
+
+/* Apply smoothing factors in place to x: (n, n_head_kv, head_dim), lambda: (n_head_kv, head_dim).
+ * inverse = 0: x /= lambda (what keys get before rotation and encoding, VecInfer sec. 3);
+ * inverse = 1: x *= lambda (undoes it: decoded keys back to the model's space).
+ * Then (q * lambda) . (k / lambda) = q . k. Errors: lambda not finite and > 0 (names the index). */
+KVPQ_API kvpq_status kvpq_smooth_apply(float *x, size_t n, int n_head_kv, int head_dim, const float *lambda,
+                                       int inverse);
+
+/* Multiply queries q: (n, n_head, head_dim) in place by the factors of their KV head (GQA: query head
+ * h uses lambda row h / (n_head / n_head_kv)). lambda: (n_head_kv, head_dim). Errors: n_head not a
+ * multiple of n_head_kv, lambda not finite and > 0. */
+KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int n_head_kv, int head_dim,
+                                             const float *lambda);
 
 /* ---- codebook file (safetensors) ------------------------------------------------------------ */
 
