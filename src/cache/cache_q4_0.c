@@ -51,7 +51,7 @@ static void q4_0_decode(const void *rows, int n, int head_dim, float *x, const k
 
 static const kvpq__row_codec q4_0_codec = {
     .name = "q4_0", .row_bytes = q4_0_row_bytes, .encode = q4_0_encode, .decode = q4_0_decode,
-    .head_dim_multiple = QK4_0,
+    .head_dim_multiple = QK4_0, .max_abs = 65504.0f * 8.0f,
 };
 
 static kvpq_status q4_0_create(void **state, const kvpq_cache_params *p) {

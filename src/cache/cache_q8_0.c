@@ -40,7 +40,7 @@ static void q8_0_decode(const void *rows, int n, int head_dim, float *x, const k
 
 static const kvpq__row_codec q8_0_codec = {
     .name = "q8_0", .row_bytes = q8_0_row_bytes, .encode = q8_0_encode, .decode = q8_0_decode,
-    .head_dim_multiple = QK8_0,
+    .head_dim_multiple = QK8_0, .max_abs = 65504.0f * 127.0f,
 };
 
 static kvpq_status q8_0_create(void **state, const kvpq_cache_params *p) {
