@@ -30,8 +30,8 @@ static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
     case KVPQ_CACHE_FP16: return &kvpq_cache_ops_fp16;
     case KVPQ_CACHE_Q8_0: return &kvpq_cache_ops_q8_0;
     case KVPQ_CACHE_Q4_0: return &kvpq_cache_ops_q4_0;
-    case KVPQ_CACHE_KIVI2: return NULL;
-    case KVPQ_CACHE_KIVI4: return NULL;
+    case KVPQ_CACHE_KIVI2: return &kvpq_cache_ops_kivi2;
+    case KVPQ_CACHE_KIVI4: return &kvpq_cache_ops_kivi4;
     case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq; /* NULL while the weak reference is unresolved */
     }
     return NULL;
