@@ -19,9 +19,9 @@
  *
  * Storage: quantized groups in pages of ceil(page_tokens / 32) groups, a page laid out
  * (n_head_kv, groups, block); a key block is {scale (head_dim) fp16, min (head_dim) fp16,
- * codes (head_dim, 32 tokens) packed LSB-first}; a value block is {scale (32, head_dim/32) fp16,
+ * codes (32 tokens, head_dim) packed LSB-first}; a value block is {scale (32, head_dim/32) fp16,
  * min (32, head_dim/32) fp16, codes (32 tokens, head_dim) packed LSB-first}: (b + 1) bits per
- * element. The window is an fp16 ring of W + 32 positions per layer (allocated at the layer's first
+ * element. Codes are token-major in both, so a position decodes as one contiguous row. The window is an fp16 ring of W + 32 positions per layer (allocated at the layer's first
  * append), position t in slot t mod (W + 32).
  *
  * Truncation inside the quantized region: the positions that must return to the window (to keep
@@ -97,9 +97,10 @@ static kvpq_status kivi4_create(void **state, const kvpq_cache_params *p) { retu
 
 /* ---- quantization of one group -------------------------------------------------------------- */
 
-/* Quantize x[i * stride], i < 32, into 32 codes packed LSB-first at `codes`; fp16 scale and min out. */
+/* Quantize x[i * stride], i < 32; code i goes to bit (bit0 + i * bit_step) of `codes` (LSB-first,
+ * zeroed beforehand); fp16 scale and min out. */
 static void quant_group(const float *x, size_t stride, int bits, int levels, uint16_t *scale_h, uint16_t *min_h,
-                        unsigned char *codes) {
+                        unsigned char *codes, size_t bit0, size_t bit_step) {
     float mn = x[0], mx = x[0];
     for (int i = 1; i < G; i++) {
         float xi = x[i * stride];
@@ -109,16 +110,29 @@ static void quant_group(const float *x, size_t stride, int bits, int levels, uin
     *min_h = kvpq__f2h(mn);
     *scale_h = kvpq__f2h((mx - mn) / (float)levels);
     const float m = kvpq__h2f(*min_h), sc = kvpq__h2f(*scale_h), inv = sc > 0.0f ? 1.0f / sc : 0.0f;
-    memset(codes, 0, (size_t)G * bits / 8);
     for (int i = 0; i < G; i++) {
         float qf = roundf((x[i * stride] - m) * inv);
         int q = qf < 0.0f ? 0 : qf > (float)levels ? levels : (int)qf;
-        codes[i * bits / 8] |= (unsigned char)(q << (i * bits % 8));
+        size_t bit = bit0 + (size_t)i * bit_step;
+        codes[bit / 8] |= (unsigned char)(q << (bit % 8));
     }
 }
 
-static inline int code_at(const unsigned char *codes, int i, int bits, int levels) {
-    return (codes[i * bits / 8] >> (i * bits % 8)) & levels;
+/* Unpack one row of hd codes (bits each, LSB-first) into q[hd]; bits is 2 or 4. */
+static inline void unpack_row(const unsigned char *row, int hd, int bits, uint8_t *q) {
+    if (bits == 4) {
+        for (int j = 0; j < hd / 2; j++) {
+            q[2 * j] = row[j] & 15;
+            q[2 * j + 1] = row[j] >> 4;
+        }
+    } else {
+        for (int j = 0; j < hd / 4; j++) {
+            q[4 * j] = row[j] & 3;
+            q[4 * j + 1] = (row[j] >> 2) & 3;
+            q[4 * j + 2] = (row[j] >> 4) & 3;
+            q[4 * j + 3] = row[j] >> 6;
+        }
+    }
 }
 
 static unsigned char *block_at(const kivi_state *s, const kvpq__pages *pl, int group, int kvh) {
@@ -136,8 +150,10 @@ static void quant_from_window(kivi_state *s, int layer, int t0, float *tmp /* (3
         unsigned char *bk = block_at(s, &s->k[layer], gi, h);
         uint16_t *ksc = (uint16_t *)bk, *kmn = ksc + hd;
         unsigned char *kcodes = (unsigned char *)(kmn + hd);
-        for (int c = 0; c < hd; c++)
-            quant_group(tmp + c, (size_t)hd, s->bits, s->levels, &ksc[c], &kmn[c], kcodes + (size_t)c * G * s->bits / 8);
+        memset(kcodes, 0, (size_t)G * hd * s->bits / 8);
+        for (int c = 0; c < hd; c++) /* channel c, token i: code i*hd + c */
+            quant_group(tmp + c, (size_t)hd, s->bits, s->levels, &ksc[c], &kmn[c], kcodes, (size_t)c * s->bits,
+                        (size_t)hd * s->bits);
         /* values: per token over groups of 32 channels */
         for (int i = 0; i < G; i++)
             for (int c = 0; c < hd; c++)
@@ -146,38 +162,45 @@ static void quant_from_window(kivi_state *s, int layer, int t0, float *tmp /* (3
         const int ng = hd / G;
         uint16_t *vsc = (uint16_t *)bv, *vmn = vsc + G * ng;
         unsigned char *vcodes = (unsigned char *)(vmn + G * ng);
+        memset(vcodes, 0, (size_t)G * hd * s->bits / 8);
         for (int i = 0; i < G; i++)
             for (int j = 0; j < ng; j++)
                 quant_group(tmp + (size_t)i * hd + j * G, 1, s->bits, s->levels, &vsc[i * ng + j], &vmn[i * ng + j],
-                            vcodes + ((size_t)i * hd + j * G) * s->bits / 8);
+                            vcodes, ((size_t)i * hd + j * G) * s->bits, (size_t)s->bits);
     }
 }
 
-/* Dequantize positions [a, b) of group gi (a, b within it) of KV head h into k/v rows (b - a, hd). */
+/* Dequantize positions [a, b) of group gi (a, b within it) of KV head h into k/v rows (b - a, hd).
+ * Rows decode contiguously: codes of a block are laid out (32 tokens, head_dim) for K and V alike. */
 static void dequant_group(const kivi_state *s, int layer, int gi, int h, int a, int b, float *k, float *v) {
-    const int hd = s->p.head_dim, bits = s->bits, lv = s->levels, ng = hd / G;
+    const int hd = s->p.head_dim, bits = s->bits, ng = hd / G;
     const int ia = a - gi * G, ib = b - gi * G;
+    const size_t row_bytes = (size_t)hd * bits / 8;
+    uint8_t q[1024];
+    float sc[1024], mn[1024];
     if (k) {
         const unsigned char *bk = block_at(s, &s->k[layer], gi, h);
         const uint16_t *ksc = (const uint16_t *)bk, *kmn = ksc + hd;
         const unsigned char *kcodes = (const unsigned char *)(kmn + hd);
-        for (int c = 0; c < hd; c++) {
-            const float sc = kvpq__h2f(ksc[c]), mn = kvpq__h2f(kmn[c]);
-            const unsigned char *cc = kcodes + (size_t)c * G * bits / 8;
-            for (int i = ia; i < ib; i++) k[(size_t)(i - ia) * hd + c] = (float)code_at(cc, i, bits, lv) * sc + mn;
+        for (int c = 0; c < hd; c++) sc[c] = kvpq__h2f(ksc[c]), mn[c] = kvpq__h2f(kmn[c]);
+        for (int i = ia; i < ib; i++) {
+            unpack_row(kcodes + (size_t)i * row_bytes, hd, bits, q);
+            float *o = k + (size_t)(i - ia) * hd;
+            for (int c = 0; c < hd; c++) o[c] = (float)q[c] * sc[c] + mn[c];
         }
     }
     if (v) {
         const unsigned char *bv = block_at(s, &s->v[layer], gi, h);
         const uint16_t *vsc = (const uint16_t *)bv, *vmn = vsc + G * ng;
         const unsigned char *vcodes = (const unsigned char *)(vmn + G * ng);
-        for (int i = ia; i < ib; i++)
+        for (int i = ia; i < ib; i++) {
+            unpack_row(vcodes + (size_t)i * row_bytes, hd, bits, q);
+            float *o = v + (size_t)(i - ia) * hd;
             for (int j = 0; j < ng; j++) {
-                const float sc = kvpq__h2f(vsc[i * ng + j]), mn = kvpq__h2f(vmn[i * ng + j]);
-                const unsigned char *cc = vcodes + ((size_t)i * hd + j * G) * bits / 8;
-                float *o = v + (size_t)(i - ia) * hd + j * G;
-                for (int e = 0; e < G; e++) o[e] = (float)code_at(cc, e, bits, lv) * sc + mn;
+                const float scj = kvpq__h2f(vsc[i * ng + j]), mnj = kvpq__h2f(vmn[i * ng + j]);
+                for (int e = 0; e < G; e++) o[j * G + e] = (float)q[j * G + e] * scj + mnj;
             }
+        }
     }
 }
 

@@ -36,17 +36,7 @@ static void q4_0_encode(const float *x, int n, int head_dim, void *rows, const k
 }
 
 static void q4_0_decode(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr) {
-    (void)kr;
-    const unsigned char *y = rows;
-    for (size_t b = 0; b < (size_t)n * head_dim / QK4_0; b++, x += QK4_0, y += Q4_0_BLOCK_BYTES) {
-        uint16_t dh;
-        memcpy(&dh, y, 2);
-        const float d = kvpq__h2f(dh);
-        for (int j = 0; j < QK4_0 / 2; j++) {
-            x[j] = (float)((y[2 + j] & 0x0f) - 8) * d;
-            x[j + QK4_0 / 2] = (float)((y[2 + j] >> 4) - 8) * d;
-        }
-    }
+    kr->dequant_q4_0(rows, (size_t)n * head_dim / QK4_0, x);
 }
 
 static const kvpq__row_codec q4_0_codec = {
