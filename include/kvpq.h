@@ -405,6 +405,36 @@ KVPQ_API kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose
 KVPQ_API kvpq_status kvpq_gguf_dequantize_tensor(const char *path, const char *name, float *out, size_t cap,
                                                  size_t *numel);
 
+/* ---- tokenizer ------------------------------------------------------------------------------ */
+
+/* A model's tokenizer alone, loaded from the tokenizer.ggml.* keys of a GGUF file without its
+ * weights: byte-level BPE (GPT-2 style, tokenizer.ggml.model "gpt2") with the pre-tokenizer named
+ * by tokenizer.ggml.pre ("smollm", "starcoder", "gpt2", "default", "llama-bpe"), split by PCRE2.
+ * It gives the same ids as kvpq_tokenize() on a model loaded from the same file. */
+typedef struct kvpq_vocab kvpq_vocab;
+
+/* Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (a missing or inconsistent tokenizer key, named),
+ * KVPQ_ERR_UNSUPPORTED (another tokenizer model, or an unknown pre-tokenizer, named). */
+KVPQ_API kvpq_status kvpq_vocab_load(kvpq_vocab **out, const char *gguf_path);
+KVPQ_API void kvpq_vocab_free(kvpq_vocab *v);
+/* Number of tokens; ids are 0 .. n_tokens - 1. */
+KVPQ_API int32_t kvpq_vocab_n_tokens(const kvpq_vocab *v);
+/* BOS / EOS ids (tokenizer.ggml.bos_token_id / eos_token_id), -1 when the file has none. */
+KVPQ_API int32_t kvpq_vocab_bos(const kvpq_vocab *v);
+KVPQ_API int32_t kvpq_vocab_eos(const kvpq_vocab *v);
+/* Same contract as kvpq_tokenize(): UTF-8 text (len bytes) -> up to cap ids in tokens;
+ * *n_tokens gets the full count (call with cap 0 to size). add_bos prepends the BOS id;
+ * parse_special turns the text of CONTROL / USER_DEFINED tokens ("<|im_start|>") into those tokens
+ * (leftmost-longest), else such text is tokenized as plain text. Errors: KVPQ_ERR_INVALID_ARG for
+ * invalid UTF-8 (the message gives the byte offset); KVPQ_ERR_UNSUPPORTED for a byte the
+ * vocabulary has no token for (SmolLM2 lacks 21 control / never-valid bytes, e.g. 0x04). */
+KVPQ_API kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, size_t len, int add_bos,
+                                         int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
+/* Same contract as kvpq_token_to_piece(): the raw bytes of a token (special tokens give their
+ * text), up to cap bytes into buf, no NUL added; *len gets the full length. Concatenating the pieces
+ * of kvpq_vocab_tokenize's output gives back the text. Errors: token out of range. */
+KVPQ_API kvpq_status kvpq_vocab_piece(const kvpq_vocab *v, int32_t token, char *buf, size_t cap, size_t *len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -136,6 +136,32 @@ static void f32_to_f16_avx2(const float *src, uint16_t *dst, size_t n) {
     for (; i < n; i++) dst[i] = kvpq__f2h(src[i]);
 }
 
+static void dequant_q8_0_avx2(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 34) {
+        const __m256 d = _mm256_set1_ps(kvpq__h2f((uint16_t)(y[0] | y[1] << 8)));
+        for (int j = 0; j < 32; j += 8) {
+            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(y + 2 + j)));
+            _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+        }
+    }
+}
+
+static void dequant_q4_0_avx2(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    const __m128i lo = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 18) {
+        const __m256 d = _mm256_set1_ps(kvpq__h2f((uint16_t)(y[0] | y[1] << 8)));
+        __m128i qs = _mm_loadu_si128((const __m128i *)(y + 2));
+        __m128i q0 = _mm_sub_epi8(_mm_and_si128(qs, lo), eight);                    /* elements 0..15 */
+        __m128i q1 = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), lo), eight); /* 16..31 */
+        _mm256_storeu_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), d));
+        _mm256_storeu_ps(x + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), d));
+        _mm256_storeu_ps(x + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), d));
+        _mm256_storeu_ps(x + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), d));
+    }
+}
+
 const kvpq_attn_kernels kvpq__attn_avx2 = {
     .name = "avx2",
     .qk = qk_avx2,
@@ -145,5 +171,7 @@ const kvpq_attn_kernels kvpq__attn_avx2 = {
     .scale = scale_avx2,
     .f16_to_f32 = f16_to_f32_avx2,
     .f32_to_f16 = f32_to_f16_avx2,
+    .dequant_q8_0 = dequant_q8_0_avx2,
+    .dequant_q4_0 = dequant_q4_0_avx2,
 };
 #endif

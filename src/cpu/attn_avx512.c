@@ -128,6 +128,30 @@ static void f32_to_f16_avx512(const float *src, uint16_t *dst, size_t n) {
     for (; i < n; i++) dst[i] = kvpq__f2h(src[i]);
 }
 
+static void dequant_q8_0_avx512(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 34) {
+        const __m512 d = _mm512_set1_ps(kvpq__h2f((uint16_t)(y[0] | y[1] << 8)));
+        for (int j = 0; j < 32; j += 16) {
+            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(y + 2 + j)));
+            _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
+        }
+    }
+}
+
+static void dequant_q4_0_avx512(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    const __m128i lo = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 18) {
+        const __m512 d = _mm512_set1_ps(kvpq__h2f((uint16_t)(y[0] | y[1] << 8)));
+        __m128i qs = _mm_loadu_si128((const __m128i *)(y + 2));
+        __m128i q0 = _mm_sub_epi8(_mm_and_si128(qs, lo), eight);                    /* elements 0..15 */
+        __m128i q1 = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), lo), eight); /* 16..31 */
+        _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
+        _mm512_storeu_ps(x + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+    }
+}
+
 const kvpq_attn_kernels kvpq__attn_avx512 = {
     .name = "avx512",
     .qk = qk_avx512,
@@ -137,5 +161,7 @@ const kvpq_attn_kernels kvpq__attn_avx512 = {
     .scale = scale_avx512,
     .f16_to_f32 = f16_to_f32_avx512,
     .f32_to_f16 = f32_to_f16_avx512,
+    .dequant_q8_0 = dequant_q8_0_avx512,
+    .dequant_q4_0 = dequant_q4_0_avx512,
 };
 #endif

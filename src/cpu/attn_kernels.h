@@ -27,6 +27,12 @@ typedef struct {
     /* IEEE half <-> float32, round to nearest even: bit-exact at every level. */
     void (*f16_to_f32)(const uint16_t *src, float *dst, size_t n);
     void (*f32_to_f16)(const float *src, uint16_t *dst, size_t n);
+    /* ggml block_q8_0 {fp16 d; int8 qs[32]} (34 bytes) x n_blocks -> x (32 n_blocks): d * qs.
+     * Bit-exact at every level (one product per element). */
+    void (*dequant_q8_0)(const void *blocks, size_t n_blocks, float *x);
+    /* ggml block_q4_0 {fp16 d; uint8 qs[16]} (18 bytes) -> x: element j from the low nibble of
+     * qs[j], element j+16 from the high nibble; d * (q - 8). Bit-exact at every level. */
+    void (*dequant_q4_0)(const void *blocks, size_t n_blocks, float *x);
 } kvpq_attn_kernels;
 
 extern const kvpq_attn_kernels kvpq__attn_ref;
