@@ -182,6 +182,7 @@ int cmd_generate(int argc, char **argv) {
     }
     cli_utf8_flush(&us, stdout);
     fputc('\n', stdout);
+    fflush(stdout);
     fprintf(stderr,
             "kvpq generate: prompt %zu tokens in %.3f s (%.1f tok/s); generated %ld tokens, %ld one-token evals in "
             "%.3f s (%.1f tok/s); cache %s\n",
