@@ -600,6 +600,25 @@ Test(cache_vq, kernels_match_reference) {
                 free(c16);
                 free(lut);
             }
+        /* LUT build and value output, dsub 1..16, shared and per-sub-space books */
+        for (int dsub = 1; dsub <= 16; dsub *= 2)
+            for (size_t gi = 0; gi < 5; gi++) {
+                int gp = gps[gi], Mm = 64 / dsub, ksub = 256, nb = dsub % 4 ? 1 : Mm;
+                float *cent = randn((size_t)nb * ksub * dsub, 1.0f), *qt = randn((size_t)Mm * dsub * gp, 1.0f);
+                float *t = randn((size_t)Mm * ksub * gp, 1.0f);
+                float *l1 = malloc((size_t)Mm * ksub * gp * 4), *l2 = malloc((size_t)Mm * ksub * gp * 4);
+                kvpq__vq_lut_build_ref(Mm, ksub, dsub, nb, cent, gp, qt, l1);
+                K->lut_build(Mm, ksub, dsub, nb, cent, gp, qt, l2);
+                for (int i = 0; i < Mm * ksub * gp; i++) cr_assert_float_eq(l1[i], l2[i], 1e-4f, "lut dsub %d gp %d", dsub, gp);
+                kvpq__vq_table_out_ref(Mm, ksub, dsub, nb, cent, gp, t, l1);
+                K->table_out(Mm, ksub, dsub, nb, cent, gp, t, l2);
+                for (int i = 0; i < 64 * gp; i++) cr_assert_float_eq(l1[i], l2[i], 2e-3f, "out dsub %d gp %d", dsub, gp);
+                free(cent);
+                free(qt);
+                free(t);
+                free(l1);
+                free(l2);
+            }
         /* fp16 conversion: bit-exact with the reference, including rounding ties and subnormals. */
         float x[1000];
         for (int i = 0; i < 1000; i++) x[i] = grand() * (float)pow(2.0, (int)(urand() * 40) - 24);

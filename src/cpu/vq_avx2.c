@@ -119,69 +119,115 @@ VQ_ACCUM_AVX2(accum_u8_generic, uint8_t, kvpq__vq_accum_u8_ref)
 #define LINKAGE
 VQ_ACCUM_AVX2(kvpq__vq_accum_u16_avx2, uint16_t, kvpq__vq_accum_u16_ref)
 
-// ---- nbits = 8, gp = 4 or 8: codes read 8 at a time ------------------------------------------------
+// ---- nbits = 8, gp = 4 or 8: sub-spaces in groups that stay in L1 -----------------------------------
 
-/* The byte codes of 8 sub-spaces come in one 64-bit load and are peeled by shifts, so each
- * (token, m) costs one table-row load (or load-add-store) instead of two loads. */
-#define VQ_ROW8_LOOP(BODY)                                                                        \
-    int m = 0;                                                                                    \
-    for (; m + 8 <= M; m += 8) {                                                                  \
-        uint64_t w;                                                                               \
-        memcpy(&w, c + m, 8);                                                                     \
-        for (int u = 0; u < 8; u++) {                                                             \
-            const size_t mm = (size_t)(m + u), ci = (size_t)((w >> (8 * u)) & 0xff);              \
-            BODY;                                                                                 \
-        }                                                                                         \
-    }                                                                                             \
-    for (; m < M; m++) {                                                                          \
-        const size_t mm = (size_t)m, ci = c[m];                                                   \
-        const int u = m & 7;                                                                      \
-        BODY;                                                                                     \
-    }
+/* A whole LUT or W table is (M, ksub, gp) floats: 64 KiB for M = 16, gp = 4, more than L1. Walking
+ * the tokens of a chunk once per group of 4 sub-spaces keeps the group's slices (16 KiB for gp 4,
+ * 32 KiB for gp 8) and the chunk's scores in L1; the scores are reloaded once per group. The four
+ * codes of a group come in one 32-bit load. */
+#define VQ_MG 4
 
 static void score_u8_g4(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
     const size_t ms = (size_t)ksub * 4;
-    for (int t = 0; t < n; t++) {
-        const uint8_t *c = codes + (size_t)t * M;
-        __m128 a[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-        VQ_ROW8_LOOP(a[u & 3] = _mm_add_ps(a[u & 3], _mm_loadu_ps(lut + mm * ms + ci * 4)))
-        _mm_storeu_ps(s + (size_t)t * 4, _mm_add_ps(_mm_add_ps(a[0], a[1]), _mm_add_ps(a[2], a[3])));
+    int m0 = 0;
+    for (; m0 + VQ_MG <= M; m0 += VQ_MG) {
+        const float *L0 = lut + m0 * ms, *L1 = L0 + ms, *L2 = L1 + ms, *L3 = L2 + ms;
+        for (int t = 0; t < n; t++) {
+            uint32_t w;
+            memcpy(&w, codes + (size_t)t * M + m0, 4);
+            __m128 a = _mm_add_ps(_mm_loadu_ps(L0 + (size_t)(w & 0xff) * 4), _mm_loadu_ps(L1 + (size_t)(w >> 8 & 0xff) * 4));
+            __m128 b = _mm_add_ps(_mm_loadu_ps(L2 + (size_t)(w >> 16 & 0xff) * 4), _mm_loadu_ps(L3 + (size_t)(w >> 24) * 4));
+            a = _mm_add_ps(a, b);
+            if (m0) a = _mm_add_ps(a, _mm_loadu_ps(s + (size_t)t * 4));
+            _mm_storeu_ps(s + (size_t)t * 4, a);
+        }
+    }
+    for (; m0 < M; m0++) {
+        const float *L0 = lut + m0 * ms;
+        for (int t = 0; t < n; t++) {
+            __m128 a = _mm_loadu_ps(L0 + (size_t)codes[(size_t)t * M + m0] * 4);
+            if (m0) a = _mm_add_ps(a, _mm_loadu_ps(s + (size_t)t * 4));
+            _mm_storeu_ps(s + (size_t)t * 4, a);
+        }
     }
 }
 
 static void score_u8_g8(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
     const size_t ms = (size_t)ksub * 8;
-    for (int t = 0; t < n; t++) {
-        const uint8_t *c = codes + (size_t)t * M;
-        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        VQ_ROW8_LOOP(a[u & 3] = _mm256_add_ps(a[u & 3], _mm256_loadu_ps(lut + mm * ms + ci * 8)))
-        _mm256_storeu_ps(s + (size_t)t * 8, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    int m0 = 0;
+    for (; m0 + VQ_MG <= M; m0 += VQ_MG) {
+        const float *L0 = lut + m0 * ms, *L1 = L0 + ms, *L2 = L1 + ms, *L3 = L2 + ms;
+        for (int t = 0; t < n; t++) {
+            uint32_t w;
+            memcpy(&w, codes + (size_t)t * M + m0, 4);
+            __m256 a = _mm256_add_ps(_mm256_loadu_ps(L0 + (size_t)(w & 0xff) * 8),
+                                     _mm256_loadu_ps(L1 + (size_t)(w >> 8 & 0xff) * 8));
+            __m256 b = _mm256_add_ps(_mm256_loadu_ps(L2 + (size_t)(w >> 16 & 0xff) * 8),
+                                     _mm256_loadu_ps(L3 + (size_t)(w >> 24) * 8));
+            a = _mm256_add_ps(a, b);
+            if (m0) a = _mm256_add_ps(a, _mm256_loadu_ps(s + (size_t)t * 8));
+            _mm256_storeu_ps(s + (size_t)t * 8, a);
+        }
+    }
+    for (; m0 < M; m0++) {
+        const float *L0 = lut + m0 * ms;
+        for (int t = 0; t < n; t++) {
+            __m256 a = _mm256_loadu_ps(L0 + (size_t)codes[(size_t)t * M + m0] * 8);
+            if (m0) a = _mm256_add_ps(a, _mm256_loadu_ps(s + (size_t)t * 8));
+            _mm256_storeu_ps(s + (size_t)t * 8, a);
+        }
     }
 }
 
 static void accum_u8_g4(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
     const size_t ms = (size_t)ksub * 4;
-    for (int t = 0; t < n; t++) {
-        const uint8_t *c = codes + (size_t)t * M;
-        const __m128 pv = _mm_loadu_ps(p + (size_t)t * 4);
-        VQ_ROW8_LOOP({
-            (void)u;
-            float *row = table + mm * ms + ci * 4;
-            _mm_storeu_ps(row, _mm_add_ps(_mm_loadu_ps(row), pv));
-        })
+    int m0 = 0;
+    for (; m0 + VQ_MG <= M; m0 += VQ_MG) {
+        float *T0 = table + m0 * ms, *T1 = T0 + ms, *T2 = T1 + ms, *T3 = T2 + ms;
+        for (int t = 0; t < n; t++) {
+            uint32_t w;
+            memcpy(&w, codes + (size_t)t * M + m0, 4);
+            const __m128 pv = _mm_loadu_ps(p + (size_t)t * 4);
+            float *r0 = T0 + (size_t)(w & 0xff) * 4, *r1 = T1 + (size_t)(w >> 8 & 0xff) * 4;
+            float *r2 = T2 + (size_t)(w >> 16 & 0xff) * 4, *r3 = T3 + (size_t)(w >> 24) * 4;
+            _mm_storeu_ps(r0, _mm_add_ps(_mm_loadu_ps(r0), pv));
+            _mm_storeu_ps(r1, _mm_add_ps(_mm_loadu_ps(r1), pv));
+            _mm_storeu_ps(r2, _mm_add_ps(_mm_loadu_ps(r2), pv));
+            _mm_storeu_ps(r3, _mm_add_ps(_mm_loadu_ps(r3), pv));
+        }
+    }
+    for (; m0 < M; m0++) {
+        float *T0 = table + m0 * ms;
+        for (int t = 0; t < n; t++) {
+            float *r0 = T0 + (size_t)codes[(size_t)t * M + m0] * 4;
+            _mm_storeu_ps(r0, _mm_add_ps(_mm_loadu_ps(r0), _mm_loadu_ps(p + (size_t)t * 4)));
+        }
     }
 }
 
 static void accum_u8_g8(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
     const size_t ms = (size_t)ksub * 8;
-    for (int t = 0; t < n; t++) {
-        const uint8_t *c = codes + (size_t)t * M;
-        const __m256 pv = _mm256_loadu_ps(p + (size_t)t * 8);
-        VQ_ROW8_LOOP({
-            (void)u;
-            float *row = table + mm * ms + ci * 8;
-            _mm256_storeu_ps(row, _mm256_add_ps(_mm256_loadu_ps(row), pv));
-        })
+    int m0 = 0;
+    for (; m0 + VQ_MG <= M; m0 += VQ_MG) {
+        float *T0 = table + m0 * ms, *T1 = T0 + ms, *T2 = T1 + ms, *T3 = T2 + ms;
+        for (int t = 0; t < n; t++) {
+            uint32_t w;
+            memcpy(&w, codes + (size_t)t * M + m0, 4);
+            const __m256 pv = _mm256_loadu_ps(p + (size_t)t * 8);
+            float *r0 = T0 + (size_t)(w & 0xff) * 8, *r1 = T1 + (size_t)(w >> 8 & 0xff) * 8;
+            float *r2 = T2 + (size_t)(w >> 16 & 0xff) * 8, *r3 = T3 + (size_t)(w >> 24) * 8;
+            _mm256_storeu_ps(r0, _mm256_add_ps(_mm256_loadu_ps(r0), pv));
+            _mm256_storeu_ps(r1, _mm256_add_ps(_mm256_loadu_ps(r1), pv));
+            _mm256_storeu_ps(r2, _mm256_add_ps(_mm256_loadu_ps(r2), pv));
+            _mm256_storeu_ps(r3, _mm256_add_ps(_mm256_loadu_ps(r3), pv));
+        }
+    }
+    for (; m0 < M; m0++) {
+        float *T0 = table + m0 * ms;
+        for (int t = 0; t < n; t++) {
+            float *r0 = T0 + (size_t)codes[(size_t)t * M + m0] * 8;
+            _mm256_storeu_ps(r0, _mm256_add_ps(_mm256_loadu_ps(r0), _mm256_loadu_ps(p + (size_t)t * 8)));
+        }
     }
 }
 
@@ -303,7 +349,76 @@ static void f32_to_f16_avx2(size_t n, const float *src, uint16_t *dst) {
     kvpq__vq_f32_to_f16_ref(n - i, src + i, dst + i);
 }
 
+// ---- LUT build and value output: one gp-lane FMA per (m, c, j) ---------------------------------
+
+static void lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                           float *lut) {
+    if (gp != 4 && gp % 8) {
+        kvpq__vq_lut_build_ref(M, ksub, dsub, n_books, cent, gp, qt, lut);
+        return;
+    }
+    for (int m = 0; m < M; m++) {
+        const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub, *q = qt + (size_t)m * dsub * gp;
+        float *out = lut + (size_t)m * ksub * gp;
+        if (gp == 4) {
+            __m128 qj[16];
+            for (int j = 0; j < dsub; j++) qj[j] = _mm_loadu_ps(q + j * 4);
+            for (int c = 0; c < ksub; c++) {
+                const float *cv = book + (size_t)c * dsub;
+                __m128 a = _mm_mul_ps(_mm_broadcast_ss(cv), qj[0]);
+                for (int j = 1; j < dsub; j++) a = _mm_fmadd_ps(_mm_broadcast_ss(cv + j), qj[j], a);
+                _mm_storeu_ps(out + (size_t)c * 4, a);
+            }
+        } else {
+            for (int b = 0; b < gp; b += 8)
+                for (int c = 0; c < ksub; c++) {
+                    const float *cv = book + (size_t)c * dsub;
+                    __m256 a = _mm256_mul_ps(_mm256_broadcast_ss(cv), _mm256_loadu_ps(q + b));
+                    for (int j = 1; j < dsub; j++)
+                        a = _mm256_fmadd_ps(_mm256_broadcast_ss(cv + j), _mm256_loadu_ps(q + j * gp + b), a);
+                    _mm256_storeu_ps(out + (size_t)c * gp + b, a);
+                }
+        }
+    }
+}
+
+static void table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                           float *out) {
+    if (gp != 4 && gp % 8) {
+        kvpq__vq_table_out_ref(M, ksub, dsub, n_books, cent, gp, table, out);
+        return;
+    }
+    for (int m = 0; m < M; m++) {
+        const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub;
+        const float *tm = table + (size_t)m * ksub * gp;
+        float *o = out + (size_t)m * dsub * gp;
+        if (gp == 4) {
+            __m128 acc[16];
+            for (int j = 0; j < dsub; j++) acc[j] = _mm_setzero_ps();
+            for (int c = 0; c < ksub; c++) {
+                const __m128 w = _mm_loadu_ps(tm + (size_t)c * 4);
+                const float *cv = book + (size_t)c * dsub;
+                for (int j = 0; j < dsub; j++) acc[j] = _mm_fmadd_ps(_mm_broadcast_ss(cv + j), w, acc[j]);
+            }
+            for (int j = 0; j < dsub; j++) _mm_storeu_ps(o + j * 4, acc[j]);
+        } else {
+            for (int b = 0; b < gp; b += 8) {
+                __m256 acc[16];
+                for (int j = 0; j < dsub; j++) acc[j] = _mm256_setzero_ps();
+                for (int c = 0; c < ksub; c++) {
+                    const __m256 w = _mm256_loadu_ps(tm + (size_t)c * gp + b);
+                    const float *cv = book + (size_t)c * dsub;
+                    for (int j = 0; j < dsub; j++) acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(cv + j), w, acc[j]);
+                }
+                for (int j = 0; j < dsub; j++) _mm256_storeu_ps(o + j * gp + b, acc[j]);
+            }
+        }
+    }
+}
+
 void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {
+    k->lut_build = lut_build_avx2;
+    k->table_out = table_out_avx2;
     k->dot_rows = dot_rows_avx2;
     k->f16_to_f32 = f16_to_f32_avx2;
     k->f32_to_f16 = f32_to_f16_avx2;
