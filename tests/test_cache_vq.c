@@ -541,9 +541,11 @@ Test(cache_vq, out_of_fp16_range_is_refused_and_nothing_lost) {
 Test(cache_vq, kernels_match_reference) {
     kvpq_simd_level best = kvpq_simd_get();
     const int gps[] = {1, 4, 8, 16, 32};
-    const int n = 77, M = 16;
+    const int n = 77;
     for (int lv = KVPQ_SIMD_AVX2; lv <= (int)best; lv++) {
         const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
+        /* M = 16 and 32 take the precomputed-offsets path for gp 4 / 8, M = 12 the byte-peeling one. */
+        for (int M = 12; M <= 32; M += M == 12 ? 4 : 16)
         for (size_t gi = 0; gi < 5; gi++)
             for (int nb = 8; nb <= 12; nb += 4) {
                 int gp = gps[gi], ksub = 1 << nb;

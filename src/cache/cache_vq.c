@@ -44,7 +44,7 @@
 
 #define VQ_FLUSH 32         /* window overflow is encoded in batches of this many tokens */
 #define VQ_CHUNK 256        /* coded tokens per online-softmax step (scores stay in L1) */
-#define VQ_MIN_SPLIT 1024   /* fewest coded tokens per split of one head's context (decode) */
+#define VQ_MIN_SPLIT 512    /* fewest coded tokens per split of one head's context (decode) */
 #define VQ_FP16_MAX 65504.0f
 
 // ---- state ----------------------------------------------------------------------------------
@@ -509,8 +509,8 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
     /* Split one head's coded context when there are too few (query, head) jobs for the threads. */
     const int base_jobs = n_q * nkv;
     int n_split = 1;
-    if (nt > 1 && base_jobs < 4 * nt) {
-        n_split = (4 * nt + base_jobs - 1) / base_jobs;
+    if (nt > 1 && base_jobs < 2 * nt) {
+        n_split = (2 * nt + base_jobs - 1) / base_jobs;
         int smax = nc / VQ_MIN_SPLIT;
         if (smax < 1) smax = 1;
         if (n_split > smax) n_split = smax;

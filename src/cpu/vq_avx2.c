@@ -231,14 +231,117 @@ static void accum_u8_g8(int n, int M, int ksub, const uint8_t *codes, const floa
     }
 }
 
+// ---- nbits = 8 with precomputed row offsets ----------------------------------------------------------
+
+/* Peeling code bytes with shifts costs 2-3 ALU ops per (token, m). Instead, per block of 64 tokens,
+ * one SIMD pass turns 16 codes at a time into 16-bit row offsets (m * ksub + c) * gp, and the table
+ * loops then need one offset load and one row load per (token, m). Valid when M % 16 == 0, M <= 64
+ * and M * ksub * gp <= 65536 (offsets fit 16 bits): d4b8 / d8b8 for head_dim 64..256. */
+#define VQ_OB 64
+
+static int offsets_ok(int M, int ksub, int gp) {
+    return M % 16 == 0 && M <= 64 && (size_t)M * ksub * gp <= 65536;
+}
+
+static void make_offsets(int n, int M, int ksub, int lg, const uint8_t *codes, uint16_t *offs) {
+    __m256i base[4];
+    for (int b = 0; b < M / 16; b++) {
+        __m256i m = _mm256_add_epi16(_mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm256_set1_epi16((short)(16 * b)));
+        base[b] = _mm256_mullo_epi16(m, _mm256_set1_epi16((short)(ksub << lg)));
+    }
+    for (int t = 0; t < n; t++)
+        for (int b = 0; b < M / 16; b++) {
+            __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + (size_t)t * M + 16 * b)));
+            c = _mm256_add_epi16(_mm256_slli_epi16(c, lg), base[b]);
+            _mm256_storeu_si256((__m256i *)(offs + (size_t)t * M + 16 * b), c);
+        }
+}
+
+static void score_u8_off_g4(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
+    uint16_t offs[VQ_OB * 64];
+    for (int t0 = 0; t0 < n; t0 += VQ_OB) {
+        const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
+        make_offsets(nb, M, ksub, 2, codes + (size_t)t0 * M, offs);
+        float *sb = s + (size_t)t0 * 4;
+        for (int m0 = 0; m0 < M; m0 += 4)
+            for (int t = 0; t < nb; t++) {
+                const uint16_t *o = offs + (size_t)t * M + m0;
+                __m128 a = _mm_add_ps(_mm_loadu_ps(lut + o[0]), _mm_loadu_ps(lut + o[1]));
+                __m128 b = _mm_add_ps(_mm_loadu_ps(lut + o[2]), _mm_loadu_ps(lut + o[3]));
+                a = _mm_add_ps(a, b);
+                if (m0) a = _mm_add_ps(a, _mm_loadu_ps(sb + (size_t)t * 4));
+                _mm_storeu_ps(sb + (size_t)t * 4, a);
+            }
+    }
+}
+
+static void score_u8_off_g8(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
+    uint16_t offs[VQ_OB * 64];
+    for (int t0 = 0; t0 < n; t0 += VQ_OB) {
+        const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
+        make_offsets(nb, M, ksub, 3, codes + (size_t)t0 * M, offs);
+        float *sb = s + (size_t)t0 * 8;
+        for (int m0 = 0; m0 < M; m0 += 4)
+            for (int t = 0; t < nb; t++) {
+                const uint16_t *o = offs + (size_t)t * M + m0;
+                __m256 a = _mm256_add_ps(_mm256_loadu_ps(lut + o[0]), _mm256_loadu_ps(lut + o[1]));
+                __m256 b = _mm256_add_ps(_mm256_loadu_ps(lut + o[2]), _mm256_loadu_ps(lut + o[3]));
+                a = _mm256_add_ps(a, b);
+                if (m0) a = _mm256_add_ps(a, _mm256_loadu_ps(sb + (size_t)t * 8));
+                _mm256_storeu_ps(sb + (size_t)t * 8, a);
+            }
+    }
+}
+
+static void accum_u8_off_g4(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
+    uint16_t offs[VQ_OB * 64];
+    for (int t0 = 0; t0 < n; t0 += VQ_OB) {
+        const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
+        make_offsets(nb, M, ksub, 2, codes + (size_t)t0 * M, offs);
+        const float *pb = p + (size_t)t0 * 4;
+        for (int m0 = 0; m0 < M; m0 += 4)
+            for (int t = 0; t < nb; t++) {
+                const uint16_t *o = offs + (size_t)t * M + m0;
+                const __m128 pv = _mm_loadu_ps(pb + (size_t)t * 4);
+                for (int u = 0; u < 4; u++) {
+                    float *r = table + o[u];
+                    _mm_storeu_ps(r, _mm_add_ps(_mm_loadu_ps(r), pv));
+                }
+            }
+    }
+}
+
+static void accum_u8_off_g8(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
+    uint16_t offs[VQ_OB * 64];
+    for (int t0 = 0; t0 < n; t0 += VQ_OB) {
+        const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
+        make_offsets(nb, M, ksub, 3, codes + (size_t)t0 * M, offs);
+        const float *pb = p + (size_t)t0 * 8;
+        for (int m0 = 0; m0 < M; m0 += 4)
+            for (int t = 0; t < nb; t++) {
+                const uint16_t *o = offs + (size_t)t * M + m0;
+                const __m256 pv = _mm256_loadu_ps(pb + (size_t)t * 8);
+                for (int u = 0; u < 4; u++) {
+                    float *r = table + o[u];
+                    _mm256_storeu_ps(r, _mm256_add_ps(_mm256_loadu_ps(r), pv));
+                }
+            }
+    }
+}
+
 void kvpq__vq_score_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s) {
-    if (gp == 4) score_u8_g4(n, M, ksub, codes, lut, s);
+    if (gp == 4 && offsets_ok(M, ksub, gp)) score_u8_off_g4(n, M, ksub, codes, lut, s);
+    else if (gp == 8 && offsets_ok(M, ksub, gp)) score_u8_off_g8(n, M, ksub, codes, lut, s);
+    else if (gp == 4) score_u8_g4(n, M, ksub, codes, lut, s);
     else if (gp == 8) score_u8_g8(n, M, ksub, codes, lut, s);
     else score_u8_generic(n, M, ksub, gp, codes, lut, s);
 }
 
 void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table) {
-    if (gp == 4) accum_u8_g4(n, M, ksub, codes, p, table);
+    if (gp == 4 && offsets_ok(M, ksub, gp)) accum_u8_off_g4(n, M, ksub, codes, p, table);
+    else if (gp == 8 && offsets_ok(M, ksub, gp)) accum_u8_off_g8(n, M, ksub, codes, p, table);
+    else if (gp == 4) accum_u8_g4(n, M, ksub, codes, p, table);
     else if (gp == 8) accum_u8_g8(n, M, ksub, codes, p, table);
     else accum_u8_generic(n, M, ksub, gp, codes, p, table);
 }
