@@ -479,17 +479,12 @@ static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, con
         float *o = s->o + (size_t)g * d;
         if (nw > 0) {
             K->dot_rows(nw, d, q + (size_t)g * d, s->wkf, s->ws);
-            float mx = -INFINITY;
-            for (int t = 0; t < nw; t++) {
-                s->ws[t] *= st->scale;
-                mx = fmaxf(mx, s->ws[t]);
-            }
-            float sum = 0.0f;
+            for (int t = 0; t < nw; t++) s->ws[t] *= st->scale;
+            float mx = -INFINITY, sum = 0.0f, r;
+            K->softmax_step(nw, 1, s->ws, &mx, &sum, &r); /* ws <- exp(ws - max) */
             memset(s->ow, 0, (size_t)d * sizeof(float));
             for (int t = 0; t < nw; t++) {
-                float p = expf(s->ws[t] - mx);
-                sum += p;
-                const float *vt = s->wvf + (size_t)t * d;
+                const float p = s->ws[t], *vt = s->wvf + (size_t)t * d;
                 for (int j = 0; j < d; j++) s->ow[j] += p * vt[j];
             }
             kvpq_softmax_state b = {mx, sum};

@@ -454,8 +454,8 @@ static void f32_to_f16_avx2(size_t n, const float *src, uint16_t *dst) {
 
 // ---- LUT build and value output: one gp-lane FMA per (m, c, j) ---------------------------------
 
-static void lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
-                           float *lut) {
+void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                             float *lut) {
     if (gp != 4 && gp % 8) {
         kvpq__vq_lut_build_ref(M, ksub, dsub, n_books, cent, gp, qt, lut);
         return;
@@ -485,7 +485,7 @@ static void lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *
     }
 }
 
-static void table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
                            float *out) {
     if (gp != 4 && gp % 8) {
         kvpq__vq_table_out_ref(M, ksub, dsub, n_books, cent, gp, table, out);
@@ -496,14 +496,24 @@ static void table_out_avx2(int M, int ksub, int dsub, int n_books, const float *
         const float *tm = table + (size_t)m * ksub * gp;
         float *o = out + (size_t)m * dsub * gp;
         if (gp == 4) {
-            __m128 acc[16];
-            for (int j = 0; j < dsub; j++) acc[j] = _mm_setzero_ps();
-            for (int c = 0; c < ksub; c++) {
-                const __m128 w = _mm_loadu_ps(tm + (size_t)c * 4);
+            /* Two centroid phases per accumulator (one 256-bit FMA covers c and c+1) halve the
+             * FMA latency chain; the halves are summed at the end. */
+            __m256 acc[16];
+            for (int j = 0; j < dsub; j++) acc[j] = _mm256_setzero_ps();
+            int c = 0;
+            for (; c + 2 <= ksub; c += 2) {
+                const __m256 w = _mm256_loadu_ps(tm + (size_t)c * 4);
                 const float *cv = book + (size_t)c * dsub;
-                for (int j = 0; j < dsub; j++) acc[j] = _mm_fmadd_ps(_mm_broadcast_ss(cv + j), w, acc[j]);
+                for (int j = 0; j < dsub; j++) {
+                    __m256 cc = _mm256_set_m128(_mm_broadcast_ss(cv + dsub + j), _mm_broadcast_ss(cv + j));
+                    acc[j] = _mm256_fmadd_ps(cc, w, acc[j]);
+                }
             }
-            for (int j = 0; j < dsub; j++) _mm_storeu_ps(o + j * 4, acc[j]);
+            for (int j = 0; j < dsub; j++) {
+                __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+                if (c < ksub) r = _mm_fmadd_ps(_mm_broadcast_ss(book + (size_t)c * dsub + j), _mm_loadu_ps(tm + (size_t)c * 4), r);
+                _mm_storeu_ps(o + j * 4, r);
+            }
         } else {
             for (int b = 0; b < gp; b += 8) {
                 __m256 acc[16];
@@ -520,8 +530,8 @@ static void table_out_avx2(int M, int ksub, int dsub, int n_books, const float *
 }
 
 void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {
-    k->lut_build = lut_build_avx2;
-    k->table_out = table_out_avx2;
+    k->lut_build = kvpq__vq_lut_build_avx2;
+    k->table_out = kvpq__vq_table_out_avx2;
     k->dot_rows = dot_rows_avx2;
     k->f16_to_f32 = f16_to_f32_avx2;
     k->f32_to_f16 = f32_to_f16_avx2;

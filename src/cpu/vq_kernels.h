@@ -72,6 +72,10 @@ void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes
 void kvpq__vq_accum_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_avx2(int n, int gp, float *s, float *m, float *d, float *rescale);
 void kvpq__vq_scale_rows_avx2(size_t rows, int gp, const float *rescale, float *table);
+void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                             float *lut);
+void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                             float *out);
 #endif
 
 #endif
