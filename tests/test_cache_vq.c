@@ -637,6 +637,10 @@ Test(cache_vq, kernels_match_reference) {
         kvpq__vq_dot_rows_ref(9, 128, q, kk, o1);
         K->dot_rows(9, 128, q, kk, o2);
         for (int i = 0; i < 9; i++) cr_assert_float_eq(o1[i], o2[i], 1e-4f);
+        float w1[128], w2[128];
+        kvpq__vq_weighted_sum_ref(9, 128, o1, kk, w1);
+        K->weighted_sum(9, 128, o1, kk, w2);
+        for (int i = 0; i < 128; i++) cr_assert_float_eq(w1[i], w2[i], 1e-3f);
         free(q);
         free(kk);
     }

@@ -482,11 +482,7 @@ static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, con
             for (int t = 0; t < nw; t++) s->ws[t] *= st->scale;
             float mx = -INFINITY, sum = 0.0f, r;
             K->softmax_step(nw, 1, s->ws, &mx, &sum, &r); /* ws <- exp(ws - max) */
-            memset(s->ow, 0, (size_t)d * sizeof(float));
-            for (int t = 0; t < nw; t++) {
-                const float p = s->ws[t], *vt = s->wvf + (size_t)t * d;
-                for (int j = 0; j < d; j++) s->ow[j] += p * vt[j];
-            }
+            K->weighted_sum(nw, d, s->ws, s->wvf, s->ow);
             kvpq_softmax_state b = {mx, sum};
             vq_merge(&acc, o, &b, s->ow, d);
         }

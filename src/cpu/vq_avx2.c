@@ -437,6 +437,21 @@ static void dot_rows_avx2(int n, int d, const float *q, const float *k, float *o
     }
 }
 
+static void weighted_sum_avx2(int n, int d, const float *p, const float *v, float *out) {
+    if (d % 8 || d > 512) {
+        kvpq__vq_weighted_sum_ref(n, d, p, v, out);
+        return;
+    }
+    __m256 acc[64];
+    for (int j = 0; j < d / 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int t = 0; t < n; t++) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        const float *vt = v + (size_t)t * d;
+        for (int j = 0; j < d / 8; j++) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < d / 8; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
 static void f16_to_f32_avx2(size_t n, const uint16_t *src, float *dst) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -533,6 +548,7 @@ void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {
     k->lut_build = kvpq__vq_lut_build_avx2;
     k->table_out = kvpq__vq_table_out_avx2;
     k->dot_rows = dot_rows_avx2;
+    k->weighted_sum = weighted_sum_avx2;
     k->f16_to_f32 = f16_to_f32_avx2;
     k->f32_to_f16 = f32_to_f16_avx2;
     k->score_u8 = kvpq__vq_score_u8_avx2;

@@ -90,6 +90,12 @@ void kvpq__vq_table_out_ref(int M, int ksub, int dsub, int n_books, const float 
     }
 }
 
+void kvpq__vq_weighted_sum_ref(int n, int d, const float *p, const float *v, float *out) {
+    for (int j = 0; j < d; j++) out[j] = 0.0f;
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < d; j++) out[j] += p[t] * v[(size_t)t * d + j];
+}
+
 void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *out) {
     for (int t = 0; t < n; t++) {
         float acc = 0.0f;
@@ -121,6 +127,7 @@ static void init_tables(void) {
         .scale_rows = kvpq__vq_scale_rows_ref,
         .lut_build = kvpq__vq_lut_build_ref,
         .table_out = kvpq__vq_table_out_ref,
+        .weighted_sum = kvpq__vq_weighted_sum_ref,
         .dot_rows = kvpq__vq_dot_rows_ref,
         .f16_to_f32 = kvpq__vq_f16_to_f32_ref,
         .f32_to_f16 = kvpq__vq_f32_to_f16_ref,

@@ -38,6 +38,8 @@ typedef struct {
     /* out (M, dsub, gp): out[m][j][g] = sum_c table[m][c][g] * C[m][c][j] (the value codebook
      * applied once to the accumulated weights). */
     void (*table_out)(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table, float *out);
+    /* out (d) = sum_t p[t] * v[t] for v (n, d) (window values). */
+    void (*weighted_sum)(int n, int d, const float *p, const float *v, float *out);
     /* out[t] = q . k[t] for k (n, d) (window scores). */
     void (*dot_rows)(int n, int d, const float *q, const float *k, float *out);
     /* IEEE half <-> float, round to nearest even (the window's storage). */
@@ -58,6 +60,7 @@ void kvpq__vq_lut_build_ref(int M, int ksub, int dsub, int n_books, const float 
                             float *lut);
 void kvpq__vq_table_out_ref(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
                             float *out);
+void kvpq__vq_weighted_sum_ref(int n, int d, const float *p, const float *v, float *out);
 void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *out);
 void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst);
 void kvpq__vq_f32_to_f16_ref(size_t n, const float *src, uint16_t *dst);
