@@ -224,6 +224,15 @@ Test(cache_vq, gqa_ratios_match_fp64) {
     }
 }
 
+/* Long enough that decode splits each head's coded context across the 2 threads (>= 512 tokens
+ * per split), so the split partial states are merged. */
+Test(cache_vq, split_context_matches_fp64) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 1};
+    run_config(&c, quick() ? 1300 : 2100, 64, 256);
+    cfg c2 = {8, 1, 128, "d4b8", "d8b8", KVPQ_CODEBOOK_SHARED, 0};
+    run_config(&c2, quick() ? 1300 : 2100, 128, 200);
+}
+
 Test(cache_vq, head_dims_match_fp64) {
     const int dims[] = {64, 128, 256};
     int len = quick() ? 250 : 500;

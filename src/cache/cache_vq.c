@@ -497,14 +497,23 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
     const int nkv = st->n_head_kv, d = st->head_dim, G = st->group, gp = st->gp, nt = st->n_threads;
     if (G > 64) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "VQ cache: %d query heads per KV head (at most 64)", G);
     const int P = len - n_q, nc = L->n_coded;
-    /* Split one head's coded context when there are too few (query, head) jobs for the threads. */
+    /* Split one head's coded context when there are too few (query, head) jobs for the threads:
+     * pick the split count minimizing rounds x (work per job + a fixed per-job cost of about 1/32
+     * of a whole context: LUT build, table clear, value output), splits of >= VQ_MIN_SPLIT tokens. */
     const int base_jobs = n_q * nkv;
     int n_split = 1;
     if (nt > 1 && base_jobs < 2 * nt) {
-        n_split = (2 * nt + base_jobs - 1) / base_jobs;
         int smax = nc / VQ_MIN_SPLIT;
-        if (smax < 1) smax = 1;
-        if (n_split > smax) n_split = smax;
+        if (smax > 4 * nt) smax = 4 * nt;
+        double best = 1e30;
+        for (int sp = 1; sp <= smax; sp++) {
+            int rounds = (base_jobs * sp + nt - 1) / nt;
+            double cost = rounds * (1.0 / sp + 1.0 / 32);
+            if (cost < best - 1e-9) {
+                best = cost;
+                n_split = sp;
+            }
+        }
     }
     const int n_jobs = base_jobs * n_split;
     const size_t psz = (size_t)gp * (2 + d);
