@@ -294,7 +294,7 @@ Test(ggml_types, simd_matches_ref_at_every_level) {
 Test(ggml_types, matmul_matches_ref_at_every_level) {
     kvpq_simd_level best = kvpq_simd_get();
     /* token counts below and above the BLAS threshold; rows above one BLAS tile for n = 4096 */
-    int64_t toks[] = {1, 2, 5, 8, 33};
+    int64_t toks[] = {1, 2, 5, 8, 40};
     int64_t n_rows = quick() ? 70 : 300, n = 4096;
     for (int lvl = 0; lvl <= (int)best; lvl++) {
         cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lvl), KVPQ_OK);
