@@ -50,6 +50,24 @@ Test(attn_kernels, qk_pv_scale_max_vs_ref) {
                 ref->pv(P, R, ld, V, n, hd, O0);
                 kr->pv(P, R, ld, V, n, hd, O1);
                 cr_assert(max_rel(O1, O0, (size_t)R * hd) < DOT_RTOL * 8, "%s pv hd %d n %d", kr->name, hd, n);
+                /* the fp16 forms on the same values rounded to fp16 */
+                uint16_t *K16 = malloc((size_t)n * hd * 2), *V16 = malloc((size_t)n * hd * 2);
+                kvpq__attn_ref.f32_to_f16(K, K16, (size_t)n * hd);
+                kvpq__attn_ref.f32_to_f16(V, V16, (size_t)n * hd);
+                ref->qk_f16(Q, R, K16, n, hd, S0, ld);
+                kr->qk_f16(Q, R, K16, n, hd, S1, ld);
+                for (int r = 0; r < R; r++)
+                    for (int t = 0; t < n; t++) {
+                        double mag = 0;
+                        for (int c = 0; c < hd; c++) mag += fabs((double)Q[r * hd + c] * K[t * hd + c]);
+                        cr_assert(fabs(S0[r * ld + t] - S1[r * ld + t]) <= DOT_RTOL * mag * 1.01 + 1e-30,
+                                  "%s qk_f16 hd %d n %d", kr->name, hd, n);
+                    }
+                float *W0 = calloc((size_t)R * hd, 4), *W1 = calloc((size_t)R * hd, 4);
+                ref->pv_f16(P, R, ld, V16, n, hd, W0);
+                kr->pv_f16(P, R, ld, V16, n, hd, W1);
+                cr_assert(max_rel(W1, W0, (size_t)R * hd) < DOT_RTOL * 8, "%s pv_f16 hd %d n %d", kr->name, hd, n);
+                free(K16), free(V16), free(W0), free(W1);
                 kr->scale(O1, R * hd, 0.37f);
                 ref->scale(O0, R * hd, 0.37f);
                 cr_assert(max_rel(O1, O0, (size_t)R * hd) < DOT_RTOL * 8);
