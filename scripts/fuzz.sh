@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the libFuzzer targets (tests/fuzz/fuzz_*.c, clang, ASan+UBSan) and run each for a while.
 # usage: scripts/fuzz.sh [SECONDS_PER_TARGET (default 60)] [TARGET ...]
-# Seeds: tests/fuzz/corpus/<name>/ (fuzz_<name>.c), copied into build-fuzz/corpus/ so the committed
+# Seeds: tests/fuzz/corpus/<name>/ or tests/fuzz/corpus_<name>/ (fuzz_<name>.c), copied into build-fuzz/corpus/ so the committed
 # seeds stay small; a dictionary tests/fuzz/fuzz_<name>.dict is used when present. Crashes are
 # written to build-fuzz/crashes/ and make the script fail.
 set -euo pipefail
@@ -20,7 +20,9 @@ for t in "${targets[@]}"; do
   name=${t#fuzz_}
   corpus=build-fuzz/corpus/$name
   mkdir -p "$corpus"
-  [ -d "tests/fuzz/corpus/$name" ] && cp -n "tests/fuzz/corpus/$name"/* "$corpus"/ 2>/dev/null || true
+  for seeds in "tests/fuzz/corpus/$name" "tests/fuzz/corpus_$name"; do
+    [ -d "$seeds" ] && cp -n "$seeds"/* "$corpus"/ 2>/dev/null || true
+  done
   dict=(); [ -f "tests/fuzz/$t.dict" ] && dict=(-dict="tests/fuzz/$t.dict")
   echo "== $t for ${secs}s"
   "build-fuzz/$t" -max_total_time="$secs" -max_len=4096 -print_final_stats=1 \

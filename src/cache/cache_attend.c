@@ -79,7 +79,16 @@ kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq
      * but keep each split at least a few chunks long so the merge stays negligible. */
     int n_split = 1, base = hkv * nb;
     if (base < 2 * T) {
-        n_split = (2 * T + base - 1) / base;
+        /* Smallest count giving at least 2 tasks per thread and a whole number of tasks per thread
+         * (equal splits then finish together). */
+        int a = base, b = T;
+        while (b) {
+            int r = a % b;
+            a = b, b = r;
+        }
+        const int step = T / a; /* base * step is a multiple of T */
+        n_split = step;
+        while (base * n_split < 2 * T) n_split += step;
         int most = len / (4 * CH);
         if (most < 1) most = 1;
         if (n_split > most) n_split = most;

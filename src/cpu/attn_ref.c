@@ -68,6 +68,15 @@ static void dequant_q4_0_ref(const void *blocks, size_t n_blocks, float *x) {
     }
 }
 
+static void dequant_bits_ref(const unsigned char *codes, int bits, int n, const float *scale, const float *min,
+                             float *x) {
+    const int mask = (1 << bits) - 1;
+    for (int c = 0; c < n; c++) {
+        int q = (codes[c * bits / 8] >> (c * bits % 8)) & mask;
+        x[c] = fmaf((float)q, scale[c], min[c]);
+    }
+}
+
 const kvpq_attn_kernels kvpq__attn_ref = {
     .name = "scalar",
     .qk = qk_ref,
@@ -79,6 +88,7 @@ const kvpq_attn_kernels kvpq__attn_ref = {
     .f32_to_f16 = f32_to_f16_ref,
     .dequant_q8_0 = dequant_q8_0_ref,
     .dequant_q4_0 = dequant_q4_0_ref,
+    .dequant_bits = dequant_bits_ref,
 };
 
 const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) {
