@@ -364,6 +364,7 @@ typedef struct {
     float rope_freq_base;
     float rms_eps;
     int32_t bos_id, eos_id;
+    int add_bos;         /* tokenizer.ggml.add_bos_token (0 when absent): prepend BOS to a text */
 } kvpq_model_info;
 
 /* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
@@ -371,6 +372,9 @@ typedef struct {
 KVPQ_API kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model_params *p);
 KVPQ_API void kvpq_model_free(kvpq_model *m);
 KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *info);
+/* The model's chat template (tokenizer.chat_template, a Jinja string; NUL-terminated, owned by the
+ * model), or NULL when the file has none. */
+KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
 
 /* Tokenize UTF-8 text with the model's byte-level BPE. parse_special: text like "<|im_start|>"
  * becomes the special token. Writes up to cap ids; *n_tokens gets the full count (call with cap 0
@@ -381,7 +385,10 @@ KVPQ_API kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t
 KVPQ_API kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len);
 
 /* Run n tokens at positions L .. L+n-1, L = kvpq_cache_seq_len(cache, 0), appending their K/V to
- * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. */
+ * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. The cache must have
+ * the model's n_layer, n_head, n_head_kv and head_dim (else KVPQ_ERR_MISMATCH). Errors: L + n beyond
+ * n_ctx_train or the cache's max_seq (KVPQ_ERR_CAPACITY), a token id out of range; on error the
+ * cache is truncated back to L. One model serves one eval at a time (it owns the scratch). */
 KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
                                      int logits_all, float *logits);
 

@@ -99,6 +99,7 @@ Test(cache, odd_head_dim_and_page_sizes_fp) {
     for (int i = 0; i < 3; i++) {
         check_vs_ref(KVPQ_CACHE_FP32, 6, 2, 37, 211, 5, pages[i], 16, 50u + i);
         check_vs_ref(KVPQ_CACHE_FP16, 6, 2, 20, 211, 5, pages[i], 16, 60u + i);
+        check_vs_ref(KVPQ_CACHE_FP16, 6, 2, 24, 211, 5, pages[i], 16, 70u + i);
     }
 }
 
@@ -433,4 +434,22 @@ Test(cache, values_beyond_fp16_range_rejected) {
         kvpq_cache_free(c);
     }
     free(k);
+}
+
+Test(cache, vq_codebook_shape_mismatch_named) {
+    kvpq_codebook_params cp = kvpq_codebook_params_default();
+    cp.n_layer = 2, cp.n_head_kv = 1, cp.head_dim = 64;
+    cp.key = kvpq_pq_params_default(), cp.value = kvpq_pq_params_default();
+    kvpq_codebook *cb = NULL;
+    cr_assert_eq(kvpq_codebook_new(&cb, &cp), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ, p.codebook = cb, p.n_layer = 2, p.n_head = 2, p.n_head_kv = 1, p.head_dim = 64;
+    kvpq_cache_params b = p;
+    b.n_layer = 3;
+    expect_bad(b, KVPQ_ERR_MISMATCH, "codebook has n_layer 2, cache has n_layer 3");
+    b = p, b.n_head = 4, b.n_head_kv = 2;
+    expect_bad(b, KVPQ_ERR_MISMATCH, "n_head_kv");
+    b = p, b.head_dim = 128;
+    expect_bad(b, KVPQ_ERR_MISMATCH, "head_dim");
+    kvpq_codebook_free(cb);
 }

@@ -118,23 +118,6 @@ static void quant_group(const float *x, size_t stride, int bits, int levels, uin
     }
 }
 
-/* Unpack one row of hd codes (bits each, LSB-first) into q[hd]; bits is 2 or 4. */
-static inline void unpack_row(const unsigned char *row, int hd, int bits, uint8_t *q) {
-    if (bits == 4) {
-        for (int j = 0; j < hd / 2; j++) {
-            q[2 * j] = row[j] & 15;
-            q[2 * j + 1] = row[j] >> 4;
-        }
-    } else {
-        for (int j = 0; j < hd / 4; j++) {
-            q[4 * j] = row[j] & 3;
-            q[4 * j + 1] = (row[j] >> 2) & 3;
-            q[4 * j + 2] = (row[j] >> 4) & 3;
-            q[4 * j + 3] = row[j] >> 6;
-        }
-    }
-}
-
 static unsigned char *block_at(const kivi_state *s, const kvpq__pages *pl, int group, int kvh) {
     return pl->page[group / s->gp] + ((size_t)kvh * s->gp + group % s->gp) * s->blk;
 }
@@ -176,30 +159,27 @@ static void dequant_group(const kivi_state *s, int layer, int gi, int h, int a, 
     const int hd = s->p.head_dim, bits = s->bits, ng = hd / G;
     const int ia = a - gi * G, ib = b - gi * G;
     const size_t row_bytes = (size_t)hd * bits / 8;
-    uint8_t q[1024];
-    float sc[1024], mn[1024];
+    const kvpq_attn_kernels *kr = kvpq__attn_kernels();
+    float sc[1024], mn[1024]; /* head_dim <= 1024 (cache.c) */
     if (k) {
         const unsigned char *bk = block_at(s, &s->k[layer], gi, h);
         const uint16_t *ksc = (const uint16_t *)bk, *kmn = ksc + hd;
         const unsigned char *kcodes = (const unsigned char *)(kmn + hd);
-        for (int c = 0; c < hd; c++) sc[c] = kvpq__h2f(ksc[c]), mn[c] = kvpq__h2f(kmn[c]);
-        for (int i = ia; i < ib; i++) {
-            unpack_row(kcodes + (size_t)i * row_bytes, hd, bits, q);
-            float *o = k + (size_t)(i - ia) * hd;
-            for (int c = 0; c < hd; c++) o[c] = (float)q[c] * sc[c] + mn[c];
-        }
+        kr->f16_to_f32(ksc, sc, (size_t)hd);
+        kr->f16_to_f32(kmn, mn, (size_t)hd);
+        for (int i = ia; i < ib; i++)
+            kr->dequant_bits(kcodes + (size_t)i * row_bytes, bits, hd, sc, mn, k + (size_t)(i - ia) * hd);
     }
     if (v) {
         const unsigned char *bv = block_at(s, &s->v[layer], gi, h);
         const uint16_t *vsc = (const uint16_t *)bv, *vmn = vsc + G * ng;
         const unsigned char *vcodes = (const unsigned char *)(vmn + G * ng);
         for (int i = ia; i < ib; i++) {
-            unpack_row(vcodes + (size_t)i * row_bytes, hd, bits, q);
-            float *o = v + (size_t)(i - ia) * hd;
-            for (int j = 0; j < ng; j++) {
+            for (int j = 0; j < ng; j++) { /* this token's scale and min per 32 channels, spread per channel */
                 const float scj = kvpq__h2f(vsc[i * ng + j]), mnj = kvpq__h2f(vmn[i * ng + j]);
-                for (int e = 0; e < G; e++) o[j * G + e] = (float)q[j * G + e] * scj + mnj;
+                for (int e = 0; e < G; e++) sc[j * G + e] = scj, mn[j * G + e] = mnj;
             }
+            kr->dequant_bits(vcodes + (size_t)i * row_bytes, bits, hd, sc, mn, v + (size_t)(i - ia) * hd);
         }
     }
 }

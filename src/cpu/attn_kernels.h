@@ -17,6 +17,9 @@ typedef struct {
     void (*qk)(const float *Q, int R, const float *K, int n, int hd, float *S, int lds);
     /* O[r] += sum_t P[r*ldp + t] * V[t] for r < R.  P: (R, ldp), V: (n, hd), O: (R, hd). */
     void (*pv)(const float *P, int R, int ldp, const float *V, int n, int hd, float *O);
+    /* qk and pv with K, V as IEEE halves (n, hd), converted in registers. */
+    void (*qk_f16)(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds);
+    void (*pv_f16)(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O);
     /* max of x[0..n), n >= 1. */
     float (*max)(const float *x, int n);
     /* x[i] = exp(x[i] - m) in place; returns the sum. SIMD levels use a polynomial exp accurate to
@@ -33,6 +36,10 @@ typedef struct {
     /* ggml block_q4_0 {fp16 d; uint8 qs[16]} (18 bytes) -> x: element j from the low nibble of
      * qs[j], element j+16 from the high nibble; d * (q - 8). Bit-exact at every level. */
     void (*dequant_q4_0)(const void *blocks, size_t n_blocks, float *x);
+    /* KIVI rows: x[c] = code_c * scale[c] + min[c] for c < n (n % 32 == 0), codes of `bits` (2 or
+     * 4) bits packed LSB-first. Bit-exact at every level (one fused or two rounded ops: the SIMD
+     * levels use FMA, the reference fmaf). */
+    void (*dequant_bits)(const unsigned char *codes, int bits, int n, const float *scale, const float *min, float *x);
 } kvpq_attn_kernels;
 
 extern const kvpq_attn_kernels kvpq__attn_ref;
