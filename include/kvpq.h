@@ -35,6 +35,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -358,6 +359,25 @@ KVPQ_API kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, cha
 KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
                                      int logits_all, float *logits);
 
+/* ---- GGUF inspection ------------------------------------------------------------------------ */
+
+/* Print what a GGUF (v2/v3) file holds to `out`: format (version, alignment, counts, data offset),
+ * the general.* keys, the hyperparameters (every `<general.architecture>.*` key), a tokenizer summary
+ * (tokenizer.ggml.model, pre, vocab size, merges count, bos/eos/unk/pad ids with their text), other
+ * metadata keys (tokenizer.* arrays too when verbose), then one line per tensor: index, name, type,
+ * shape as ne[0], ne[1], ... (ne[0] innermost, the order gguf lists) and bytes. The whole file is
+ * validated first (as kvpq_model_load does). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT naming what and
+ * where ("gguf 'x.gguf': tensor 12 'blk.0.attn_q.weight': data [...] beyond file size N"). */
+KVPQ_API kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose);
+
+/* Dequantize one whole tensor of a GGUF file to float32, bit-exact with ggml's dequantize_row_*
+ * (and the PyPI gguf package's gguf.quants.dequantize). out: (ne[3], ne[2], ne[1], ne[0]) float32,
+ * ne[0] fastest; cap: floats available at out. *numel (may be NULL) gets ne[0]*ne[1]*ne[2]*ne[3];
+ * call with out NULL and cap 0 to query it. Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+ * Errors: KVPQ_ERR_IO / KVPQ_ERR_FORMAT (the file), KVPQ_ERR_INVALID_ARG (no such tensor, or
+ * cap < numel), KVPQ_ERR_UNSUPPORTED (tensor type, named). */
+KVPQ_API kvpq_status kvpq_gguf_dequantize_tensor(const char *path, const char *name, float *out, size_t cap,
+                                                 size_t *numel);
 
 /* ---- CUDA ----------------------------------------------------------------------------------- */
 /*

@@ -1,0 +1,149 @@
+/* attn_avx2.c — AVX2 + FMA + F16C kernels of the cache attention paths (see attn_kernels.h). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#include <math.h>
+
+#include "cpu/attn_kernels.h"
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float dot_avx2(const float *a, const float *b, int n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 32 <= n; c += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 16), _mm256_loadu_ps(b + c + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 24), _mm256_loadu_ps(b + c + 24), s3);
+    }
+    for (; c + 8 <= n; c += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), s0);
+    float s = hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    for (; c < n; c++) s += a[c] * b[c];
+    return s;
+}
+
+static void qk_avx2(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < R; r++) S[(size_t)r * lds + t] = dot_avx2(Q + (size_t)r * hd, K + (size_t)t * hd, hd);
+}
+
+static void pv_avx2(const float *P, int R, int ldp, const float *V, int n, int hd, float *O) {
+    for (int r = 0; r < R; r++) {
+        const float *p = P + (size_t)r * ldp;
+        float *o = O + (size_t)r * hd;
+        int c = 0;
+        for (; c + 32 <= hd; c += 32) {
+            __m256 a0 = _mm256_loadu_ps(o + c), a1 = _mm256_loadu_ps(o + c + 8);
+            __m256 a2 = _mm256_loadu_ps(o + c + 16), a3 = _mm256_loadu_ps(o + c + 24);
+            for (int t = 0; t < n; t++) {
+                const float *v = V + (size_t)t * hd + c;
+                __m256 pt = _mm256_set1_ps(p[t]);
+                a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 24), a3);
+            }
+            _mm256_storeu_ps(o + c, a0);
+            _mm256_storeu_ps(o + c + 8, a1);
+            _mm256_storeu_ps(o + c + 16, a2);
+            _mm256_storeu_ps(o + c + 24, a3);
+        }
+        for (; c + 8 <= hd; c += 8) {
+            __m256 a0 = _mm256_loadu_ps(o + c);
+            for (int t = 0; t < n; t++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(V + (size_t)t * hd + c), a0);
+            _mm256_storeu_ps(o + c, a0);
+        }
+        for (; c < hd; c++) {
+            float a = o[c];
+            for (int t = 0; t < n; t++) a += p[t] * V[(size_t)t * hd + c];
+            o[c] = a;
+        }
+    }
+}
+
+static float max_avx2(const float *x, int n) {
+    int i = 0;
+    float m = x[0];
+    if (n >= 8) {
+        __m256 vm = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + i));
+        __m128 s = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_max_ss(s, _mm_movehdup_ps(s));
+        m = _mm_cvtss_f32(s);
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts, degree-5 polynomial,
+ * 2^n by exponent arithmetic). Inputs below -87 give ~1e-38 instead of 0. */
+static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static float exp_sum_avx2(float *x, int n, float m) {
+    __m256 vm = _mm256_set1_ps(m), s = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, e);
+        s = _mm256_add_ps(s, e);
+    }
+    float sum = hsum8(s);
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    return sum;
+}
+
+static void scale_avx2(float *x, int n, float s) {
+    __m256 vs = _mm256_set1_ps(s);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+    for (; i < n; i++) x[i] *= s;
+}
+
+static void f16_to_f32_avx2(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) dst[i] = kvpq__h2f(src[i]);
+}
+
+static void f32_to_f16_avx2(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) dst[i] = kvpq__f2h(src[i]);
+}
+
+const kvpq_attn_kernels kvpq__attn_avx2 = {
+    .name = "avx2",
+    .qk = qk_avx2,
+    .pv = pv_avx2,
+    .max = max_avx2,
+    .exp_sum = exp_sum_avx2,
+    .scale = scale_avx2,
+    .f16_to_f32 = f16_to_f32_avx2,
+    .f32_to_f16 = f32_to_f16_avx2,
+};
+#endif

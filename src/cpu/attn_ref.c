@@ -1,0 +1,72 @@
+/* attn_ref.c — scalar reference kernels of the cache attention paths (the specification the SIMD
+ * versions are tested against), and the dispatch on the SIMD level. */
+#include <math.h>
+
+#include "cpu/attn_kernels.h"
+
+static void qk_ref(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float s = 0.0f;
+            for (int c = 0; c < hd; c++) s += Q[(size_t)r * hd + c] * K[(size_t)t * hd + c];
+            S[(size_t)r * lds + t] = s;
+        }
+}
+
+static void pv_ref(const float *P, int R, int ldp, const float *V, int n, int hd, float *O) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float p = P[(size_t)r * ldp + t];
+            if (p == 0.0f) continue;
+            for (int c = 0; c < hd; c++) O[(size_t)r * hd + c] += p * V[(size_t)t * hd + c];
+        }
+}
+
+static float max_ref(const float *x, int n) {
+    float m = x[0];
+    for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static float exp_sum_ref(float *x, int n, float m) {
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        s += x[i];
+    }
+    return s;
+}
+
+static void scale_ref(float *x, int n, float s) {
+    for (int i = 0; i < n; i++) x[i] *= s;
+}
+
+static void f16_to_f32_ref(const uint16_t *src, float *dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = kvpq__h2f(src[i]);
+}
+
+static void f32_to_f16_ref(const float *src, uint16_t *dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = kvpq__f2h(src[i]);
+}
+
+const kvpq_attn_kernels kvpq__attn_ref = {
+    .name = "scalar",
+    .qk = qk_ref,
+    .pv = pv_ref,
+    .max = max_ref,
+    .exp_sum = exp_sum_ref,
+    .scale = scale_ref,
+    .f16_to_f32 = f16_to_f32_ref,
+    .f32_to_f16 = f32_to_f16_ref,
+};
+
+const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (level == KVPQ_SIMD_AVX512) return &kvpq__attn_avx512;
+    if (level == KVPQ_SIMD_AVX2) return &kvpq__attn_avx2;
+#endif
+    (void)level;
+    return &kvpq__attn_ref;
+}
+
+const kvpq_attn_kernels *kvpq__attn_kernels(void) { return kvpq__attn_kernels_for(kvpq_simd_get()); }
