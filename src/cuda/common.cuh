@@ -90,6 +90,10 @@ typedef struct {
  * and the combine kernel on `stream`. max_splits bounds n_splits (workspace size). */
 kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
                                      cudaStream_t stream);
+/* kvpq_cuda_cache_attend without the final synchronization, on `stream` (benchmarks capture it in
+ * a CUDA graph). */
+kvpq_status kvpq__cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q, float *out,
+                                          cudaStream_t stream);
 /* Whether the configuration fits the device (shared memory); message names the shape if not. */
 kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p);
 
