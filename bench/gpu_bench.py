@@ -225,7 +225,7 @@ def main():
         e.update(torch_encode(e["S"], e["H"], e["D"], e["dsub"], e["nbits"], a.quick))
     for t in att:
         t.update(torch_sdpa(t["B"], t["L"], a.quick))
-    device = f"{dev['device']} ({dev['sms']} SMs), torch {torch.__version__}, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC"
+    device = f"{dev['device']} ({dev['sms']} SMs), torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     lines = [f"Device: {device}; measured HBM copy ceiling {ceil:.0f} GB/s (bytes read + written).", "",
              "Encode (nbits 8; times in us; extra = device memory beyond inputs and codes, MiB):", "",
              "| S | H | D | dsub | seed kernel | materializing | PyTorch matmul+argmin | ours (kernel) | ours (API call) "

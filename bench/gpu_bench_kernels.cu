@@ -7,7 +7,8 @@
  *   attend: kvpq_cuda_cache attention from 2-bit codes (K and V dsub 4, nbits 8, window 128),
  *           kernel time of the split + combine launches replayed from a CUDA graph.
  * Times: CUDA events; median over repeats of the mean over a graph of launches; inputs rotate over
- * several buffers so that they are not served from L2. Usage: gpu_bench_kernels [quick] */
+ * several buffers so that they are not served from L2.
+ * Usage: gpu_bench_kernels [quick] | attend B L | encode   (the last two: one shape, for ncu) */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -261,6 +262,14 @@ int main(int argc, char **argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("{\"device\": \"%s\", \"sms\": %d, \"l2_bytes\": %d}\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize);
+    if (argc > 3 && !strcmp(argv[1], "attend")) { /* one shape, for profilers */
+        bench_attend(atoi(argv[2]), atoi(argv[3]), 1);
+        return 0;
+    }
+    if (argc > 1 && !strcmp(argv[1], "encode")) {
+        bench_encode(32768, 8, 128, 4, 8, 1);
+        return 0;
+    }
     bench_encode(4096, 4, 256, 4, 8, quick);
     bench_encode(8192, 8, 128, 8, 8, quick);
     bench_encode(32768, 8, 128, 4, 8, quick);

@@ -1,12 +1,12 @@
 /* attend.cu — decode attention from PQ codes on the GPU (flash-decoding).
  *
- * Grid (n_splits + 1, n_head_kv * groups, B). CTA (s < n_splits, g, b) handles the code positions
+ * Grid (n_splits + n_wsplits, n_head_kv * groups, B). CTA (s < n_splits, g, b) handles the code positions
  * [s*chunk, (s+1)*chunk) of sequence b for GS query heads of one KV head: it builds their LUTs
  * LUT[m][c][h] = scale*log2(e) * q'_h,m . C_k[m][c] (q' = Hadamard(q * lambda)) in shared memory,
  * then each warp walks tiles of 32 positions: the key and value codes of a tile are read once
  * (cp.async, double-buffered) for all GS heads; scores come from the LUTs (lane = position), the
  * online softmax {m, d, o} is updated per warp, and values are decoded from the value codebook
- * (lane = channels). CTA s == n_splits handles the float32 window. Each CTA merges its warps and
+ * (lane = channels). CTAs s >= n_splits handle the float32 window, 32 positions each. Each CTA merges its warps and
  * writes a partial {m, d, o}; the combine kernel merges the splits (FlashAttention's rule;
  * Milakov & Gimelshein 2018), divides by d and undoes the value rotation. */
 #include <cuda_pipeline.h>
@@ -16,11 +16,12 @@
 
 namespace {
 
-constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kWarps = 16, kThreads = kWarps * 32, kWindowChunk = 32;
 
 struct Layout {  /* dynamic shared memory, in floats */
     int lut, vbook, qs, pbuf, stage, total;
     int k_stride, v_stride;  /* staged row strides in 32-bit words (odd: conflict-free lanes) */
+    int nw;                  /* warps per CTA: kWarps, or 8 when that does not fit */
     int vbook_in_smem;
 };
 
@@ -29,15 +30,16 @@ __host__ __device__ inline int odd_words(int bytes) {
     return w | 1;
 }
 
-__host__ __device__ inline Layout make_layout(const kvpq__attend_params &p, int gs, bool with_vbook) {
+__host__ __device__ inline Layout make_layout(const kvpq__attend_params &p, int gs, bool with_vbook, int nw) {
     Layout L;
+    L.nw = nw;
     int Mk = p.head_dim / p.k_dsub;
     L.k_stride = odd_words(p.k_code_size);
     L.v_stride = odd_words(p.v_code_size);
     int o = 0;
     L.lut = o;
     o += Mk * p.k_ksub * gs;
-    int merge = kWarps * gs * (p.head_dim + 2);  /* reused for the warp merge */
+    int merge = nw * gs * (p.head_dim + 2);  /* reused for the warp merge */
     if (o < merge) o = merge;
     o = (o + 3) & ~3;
     L.vbook = o;
@@ -47,10 +49,10 @@ __host__ __device__ inline Layout make_layout(const kvpq__attend_params &p, int 
     L.qs = o;
     o += gs * p.head_dim;
     L.pbuf = o;
-    o += kWarps * 32 * gs;
+    o += nw * 32 * gs;
     o = (o + 3) & ~3;
     L.stage = o;
-    o += kWarps * 2 * 32 * (L.k_stride + L.v_stride);
+    o += nw * 2 * 32 * (L.k_stride + L.v_stride);
     L.total = o;
     return L;
 }
@@ -107,7 +109,7 @@ template <int D, int GS>
 __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_params p, Layout L) {
     constexpr int EPL = D / 32;
     extern __shared__ __align__(16) float smem[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = L.nw, nthr = nw * 32;
     const int split = blockIdx.x, b = blockIdx.z;
     const int groups = p.n_head / p.n_head_kv / GS;
     const int kvh = blockIdx.y / groups, head0 = kvh * (p.n_head / p.n_head_kv) + (blockIdx.y % groups) * GS;
@@ -123,15 +125,17 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
         for (int j = 0; j < EPL; j++) o[h][j] = 0.f;
     }
 
-    if (split == p.n_splits) {
-        /* ---- the float32 window: a warp per position, scores by warp dot products ---- */
+    if (split >= p.n_splits) {
+        /* ---- the float32 window, kWindowChunk positions per CTA: a warp per position, scores by
+         * warp dot products ---- */
+        const int w0 = coded + (split - p.n_splits) * kWindowChunk, w1 = min(len, w0 + kWindowChunk);
         float qo[GS][EPL];
 #pragma unroll
         for (int h = 0; h < GS; h++)
 #pragma unroll
             for (int j = 0; j < EPL; j++) qo[h][j] = p.q[((size_t)b * p.n_head + head0 + h) * D + lane * EPL + j];
         const float scale = 1.4426950408889634f * rsqrtf((float)D);
-        for (int t = coded + warp; t < len; t += kWarps) {
+        for (int t = w0 + warp; t < w1; t += nw) {
             size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * EPL;
             float kv[EPL], vv[EPL];
 #pragma unroll
@@ -160,12 +164,10 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
         /* ---- code positions [c0, c1) ---- */
         const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
         float *lut = smem + L.lut, *qs = smem + L.qs;
-        const float *vbook = p.v_centroids;
         if (L.vbook_in_smem) {
             float *vb = smem + L.vbook;
             int nv = p.v_books * p.v_ksub * p.v_dsub;
-            for (int i = tid; i < nv; i += kThreads) vb[i] = p.v_centroids[i];
-            vbook = vb;
+            for (int i = tid; i < nv; i += nthr) vb[i] = p.v_centroids[i];
         }
         if (warp < GS) {  /* q' = Hadamard(q * lambda) for head head0 + warp */
             float v[EPL];
@@ -181,16 +183,38 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
         __syncthreads();
         const int Mk = D / p.k_dsub, ksub = p.k_ksub, kd = p.k_dsub;
         const float scale = 1.4426950408889634f * rsqrtf((float)D);
-        for (int i = tid; i < Mk * ksub; i += kThreads) {
+        /* A shared key codebook is staged (coalesced, all loads in flight) in the not yet used code
+         * staging area; sub-space codebooks are read from device memory. */
+        const float *kbook = p.k_centroids;
+        const int stage_floats = nw * 2 * 32 * (L.k_stride + L.v_stride);
+        if (p.k_books == 1 && ksub * kd <= stage_floats) {
+            float *kb = smem + L.stage;
+            for (int i = tid; i < ksub * kd; i += nthr) kb[i] = p.k_centroids[i];
+            kbook = kb;
+        }
+        __syncthreads();
+        for (int i = tid; i < Mk * ksub; i += nthr) {
             int m = i / ksub, c = i - m * ksub;
-            const float *cent = p.k_centroids + ((size_t)(p.k_books == 1 ? 0 : m) * ksub + c) * kd;
+            const float *cent = kbook + ((size_t)(p.k_books == 1 ? 0 : m) * ksub + c) * kd;
+            const float *qm = qs + m * kd;
             float acc[GS];
 #pragma unroll
             for (int h = 0; h < GS; h++) acc[h] = 0.f;
-            for (int j = 0; j < kd; j++) {
-                float cv = cent[j];
+            if ((kd & 3) == 0) {
+                for (int j = 0; j < kd; j += 4) {
+                    float4 cv = *reinterpret_cast<const float4 *>(cent + j);
 #pragma unroll
-                for (int h = 0; h < GS; h++) acc[h] = fmaf(qs[h * D + m * kd + j], cv, acc[h]);
+                    for (int h = 0; h < GS; h++) {
+                        const float *qh = qm + h * D + j;
+                        acc[h] = fmaf(qh[0], cv.x, fmaf(qh[1], cv.y, fmaf(qh[2], cv.z, fmaf(qh[3], cv.w, acc[h]))));
+                    }
+                }
+            } else {
+                for (int j = 0; j < kd; j++) {
+                    float cv = cent[j];
+#pragma unroll
+                    for (int h = 0; h < GS; h++) acc[h] = fmaf(qm[h * D + j], cv, acc[h]);
+                }
             }
 #pragma unroll
             for (int h = 0; h < GS; h++) lut[(size_t)i * GS + h] = acc[h] * scale;
@@ -204,12 +228,13 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
 #define VST(i) (stage + 2 * 32 * L.k_stride + (i) * 32 * L.v_stride)
         float *pb = smem + L.pbuf + warp * 32 * GS;
         const int vshift = __ffs(p.v_dsub) - 1, vnb = p.v_nbits, vks = p.v_ksub, vd = p.v_dsub;
+        (void)vd;
         const int knb = p.k_nbits;
 
         int t0 = c0 + warp * 32, buf = 0;
         if (t0 < c1) stage_tile(p, L, KST(0), VST(0), b, kvh, t0, min(32, c1 - t0), lane);
-        for (; t0 < c1; t0 += kWarps * 32, buf ^= 1) {
-            const int n = min(32, c1 - t0), tn = t0 + kWarps * 32;
+        for (; t0 < c1; t0 += nw * 32, buf ^= 1) {
+            const int n = min(32, c1 - t0), tn = t0 + nw * 32;
             if (tn < c1) {
                 stage_tile(p, L, KST(buf ^ 1), VST(buf ^ 1), b, kvh, tn, min(32, c1 - tn), lane);
                 __pipeline_wait_prior(1);
@@ -229,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
 #pragma unroll
                         for (int q4 = 0; q4 < 4; q4++) {
                             int c = (wv >> (8 * q4)) & 0xff;
-                            const float *e = lut + ((size_t)((w * 4 + q4) * ksub + c)) * GS;
+                            const float *e = lut + ((w * 4 + q4) * ksub + c) * GS;
                             if constexpr (GS % 4 == 0) {
 #pragma unroll
                                 for (int h = 0; h < GS; h += 4) {
@@ -245,13 +270,13 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
                     for (int m = Mk & ~3; m < Mk; m++) {
                         int c = reinterpret_cast<const uint8_t *>(row)[m];
 #pragma unroll
-                        for (int h = 0; h < GS; h++) s[h] += lut[((size_t)m * ksub + c) * GS + h];
+                        for (int h = 0; h < GS; h++) s[h] += lut[(m * ksub + c) * GS + h];
                     }
                 } else {
                     for (int m = 0; m < Mk; m++) {
                         int c = kvpq__get_code(reinterpret_cast<const uint8_t *>(row), m, knb);
 #pragma unroll
-                        for (int h = 0; h < GS; h++) s[h] += lut[((size_t)m * ksub + c) * GS + h];
+                        for (int h = 0; h < GS; h++) s[h] += lut[(m * ksub + c) * GS + h];
                     }
                 }
             } else {
@@ -269,25 +294,62 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
                 pb[lane * GS + h] = pr;
             }
             __syncwarp();
-            /* values: lane = channels lane*EPL .. +EPL */
-            for (int t = 0; t < n; t++) {
-                const uint8_t *row = reinterpret_cast<const uint8_t *>(VST(buf) + t * L.v_stride);
-                float pr[GS];
+            /* values: lane = channels lane*EPL .. +EPL. The body is instantiated for a shared-memory
+             * and a device-memory codebook so that the shared one is read with LDS. */
+            auto values = [&](const float *vb) {
+                if ((EPL % 4 == 0) && vd >= 4) {
+                    /* a lane's sub-spaces and codebook offsets do not change with the position */
+                    int mj[EPL / 4 > 0 ? EPL / 4 : 1], offj[EPL / 4 > 0 ? EPL / 4 : 1];
 #pragma unroll
-                for (int h = 0; h < GS; h++) pr[h] = pb[t * GS + h];
-                int prev = -1, code = 0;
-#pragma unroll
-                for (int j = 0; j < EPL; j++) {
-                    int e = lane * EPL + j, m = e >> vshift;
-                    if (m != prev) {
-                        code = kvpq__get_code(row, m, vnb);
-                        prev = m;
+                    for (int jj = 0; jj < EPL / 4; jj++) {
+                        int e = lane * EPL + 4 * jj;
+                        mj[jj] = e >> vshift;
+                        offj[jj] = (((p.v_books == 1 ? 0 : mj[jj]) * vks) << vshift) + (e - (mj[jj] << vshift));
                     }
-                    float val = vbook[((size_t)(p.v_books == 1 ? 0 : m) * vks + code) * vd + (e - (m << vshift))];
+                    for (int t = 0; t < n; t++) {
+                        const uint8_t *row = reinterpret_cast<const uint8_t *>(VST(buf) + t * L.v_stride);
+                        float pr[GS];
 #pragma unroll
-                    for (int h = 0; h < GS; h++) o[h][j] = fmaf(pr[h], val, o[h][j]);
+                        for (int h = 0; h < GS; h++) pr[h] = pb[t * GS + h];
+#pragma unroll
+                        for (int jj = 0; jj < EPL / 4; jj++) {
+                            const int j = 4 * jj;
+                            int code = kvpq__get_code(row, mj[jj], vnb);
+                            float4 cv = *reinterpret_cast<const float4 *>(vb + offj[jj] + (code << vshift));
+#pragma unroll
+                            for (int h = 0; h < GS; h++) {
+                                o[h][j] = fmaf(pr[h], cv.x, o[h][j]);
+                                o[h][j + 1] = fmaf(pr[h], cv.y, o[h][j + 1]);
+                                o[h][j + 2] = fmaf(pr[h], cv.z, o[h][j + 2]);
+                                o[h][j + 3] = fmaf(pr[h], cv.w, o[h][j + 3]);
+                            }
+                        }
+                    }
+                } else {
+                    int mj[EPL], offj[EPL];
+#pragma unroll
+                    for (int j = 0; j < EPL; j++) {
+                        int e = lane * EPL + j;
+                        mj[j] = e >> vshift;
+                        offj[j] = (((p.v_books == 1 ? 0 : mj[j]) * vks) << vshift) + (e - (mj[j] << vshift));
+                    }
+                    for (int t = 0; t < n; t++) {
+                        const uint8_t *row = reinterpret_cast<const uint8_t *>(VST(buf) + t * L.v_stride);
+                        float pr[GS];
+#pragma unroll
+                        for (int h = 0; h < GS; h++) pr[h] = pb[t * GS + h];
+#pragma unroll
+                        for (int j = 0; j < EPL; j++) {
+                            int code = kvpq__get_code(row, mj[j], vnb);
+                            float val = vb[offj[j] + (code << vshift)];
+#pragma unroll
+                            for (int h = 0; h < GS; h++) o[h][j] = fmaf(pr[h], val, o[h][j]);
+                        }
+                    }
                 }
-            }
+            };
+            if (L.vbook_in_smem) values(smem + L.vbook);
+            else values(p.v_centroids);
             __syncwarp();
         }
 #undef KST
@@ -296,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
 
     /* ---- merge the warps of this CTA and write the partial {m, d, o} ---- */
     __syncthreads();  /* the LUT region is reused */
-    float *mbuf = smem + L.lut;  /* (kWarps, GS, D + 2) */
+    float *mbuf = smem + L.lut;  /* (nw, GS, D + 2) */
 #pragma unroll
     for (int h = 0; h < GS; h++) {
         float dsum = warp_sum(d_lane[h]);
@@ -309,14 +371,14 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
         }
     }
     __syncthreads();
-    const int nsp = p.n_splits + 1;
-    for (int i = tid; i < GS * D; i += kThreads) {
+    const int nsp = p.n_splits + p.n_wsplits;
+    for (int i = tid; i < GS * D; i += nthr) {
         int h = i / D, e = i - h * D;
         float mx = -INFINITY;
-        for (int w = 0; w < kWarps; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + 2)]);
+        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + 2)]);
         float dd = 0.f, oo = 0.f;
         if (mx != -INFINITY) {
-            for (int w = 0; w < kWarps; w++) {
+            for (int w = 0; w < nw; w++) {
                 const float *slot = mbuf + ((size_t)w * GS + h) * (D + 2);
                 float sc = exp2f(slot[0] - mx);
                 dd += sc * slot[1];
@@ -332,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
     }
 }
 
-/* A warp per (sequence, query head): merge the n_splits + 1 partials, divide by d, undo the value
+/* A warp per (sequence, query head): merge the n_splits + n_wsplits partials, divide by d, undo the value
  * rotation. */
 template <int D>
 __global__ void __launch_bounds__(128) attend_combine_kernel(kvpq__attend_params p) {
@@ -340,7 +402,7 @@ __global__ void __launch_bounds__(128) attend_combine_kernel(kvpq__attend_params
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.x * 4 + (threadIdx.x >> 5), b = blockIdx.y;
     if (head >= p.n_head) return;
-    const int nsp = p.n_splits + 1;
+    const int nsp = p.n_splits + p.n_wsplits;
     const size_t base = ((size_t)b * p.n_head + head) * nsp;
     float mx = -INFINITY;
     for (int s = 0; s < nsp; s++) mx = fmaxf(mx, p.part_md[(base + s) * 2]);
@@ -370,16 +432,19 @@ kvpq_status plan(const kvpq__attend_params &p, int *gs_out, Layout *L_out) {
     size_t optin = 0;
     KVPQ_TRY(kvpq__cuda_props(NULL, &optin));
     int g = p.n_head / p.n_head_kv;
+    /* prefer all heads in one CTA (codes read once), then 16 warps, then the value codebook in
+     * shared memory */
     for (int gs = g < 8 ? g : 8; gs >= 1; gs--) {
         if (g % gs) continue;
-        for (int vb = 1; vb >= 0; vb--) {
-            Layout L = make_layout(p, gs, vb != 0);
-            if ((size_t)L.total * 4 <= optin) {
-                *gs_out = gs;
-                *L_out = L;
-                return KVPQ_OK;
+        for (int nw = kWarps; nw >= 8; nw /= 2)
+            for (int vb = 1; vb >= 0; vb--) {
+                Layout L = make_layout(p, gs, vb != 0, nw);
+                if ((size_t)L.total * 4 <= optin) {
+                    *gs_out = gs;
+                    *L_out = L;
+                    return KVPQ_OK;
+                }
             }
-        }
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED,
                      "cuda attend: the key LUT of one query head (M=%d x ksub=%d floats) does not fit in %zu bytes of "
@@ -393,8 +458,8 @@ kvpq_status launch_split(const kvpq__attend_params &p, const Layout &L, int B, c
     auto kern = attend_split_kernel<D, GS>;
     KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
                   "cuda attend: shared memory attribute");
-    dim3 grid(p.n_splits + 1, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
-    kern<<<grid, kThreads, bytes, stream>>>(p, L);
+    dim3 grid(p.n_splits + p.n_wsplits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
+    kern<<<grid, L.nw * 32, bytes, stream>>>(p, L);
     KVPQ_CUDA_TRY(cudaGetLastError(), "cuda attend split kernel launch");
     attend_combine_kernel<D><<<dim3((p.n_head + 3) / 4, B), 128, 0, stream>>>(p);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend combine kernel launch");
@@ -436,7 +501,7 @@ kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_code
     if (ctas_per_sm > 8) ctas_per_sm = 8;
     int pairs = B * p->n_head_kv * (p->n_head / p->n_head_kv / gs);
     int splits = n_sm * ctas_per_sm / pairs;
-    int min_chunk = 2 * kWarps * 32;  /* amortize the LUT build */
+    int min_chunk = L.nw * 32;  /* a tile per warp at least: amortizes the LUT build */
     int max_by_len = (max_coded + min_chunk - 1) / min_chunk;
     if (splits > max_by_len) splits = max_by_len;
     if (splits > max_splits) splits = max_splits;
@@ -447,6 +512,7 @@ kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_code
     p->chunk = chunk;
     p->n_splits = (max_coded + chunk - 1) / chunk;
     if (p->n_splits < 1) p->n_splits = 1;
+    p->n_wsplits = p->window > 0 ? (p->window + kWindowChunk - 1) / kWindowChunk : 1;
     switch (p->head_dim) {
     case 64: return launch_d<64>(*p, L, gs, B, stream);
     case 128: return launch_d<128>(*p, L, gs, B, stream);

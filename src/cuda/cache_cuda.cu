@@ -163,7 +163,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     size_t kpb = (size_t)p->n_head_kv * p->page_tokens * c->kq->code_size;
     size_t vpb = (size_t)p->n_head_kv * p->page_tokens * c->vq->code_size;
     size_t nwin = (size_t)p->n_seq * p->window * p->n_head_kv * p->head_dim;
-    size_t npart = (size_t)p->n_seq * p->n_head * (c->max_splits + 1);
+    size_t npart = (size_t)p->n_seq * p->n_head * (c->max_splits + p->window / 32 + 2);
     c->h_page_table = (int *)malloc((size_t)p->n_seq * c->max_pages * sizeof(int));
     c->free_pages = (int *)malloc((size_t)c->n_pages * sizeof(int));
     c->h_len = (int *)calloc((size_t)p->n_seq, sizeof(int));

@@ -68,8 +68,8 @@ kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_he
 typedef struct {
     const float *q;            /* (B, n_head, D) */
     float *out;                /* (B, n_head, D) */
-    float *part_o;             /* (B, n_head, n_splits + 1, D) workspace */
-    float *part_md;            /* (B, n_head, n_splits + 1, 2) workspace: {m (log2 domain), d} */
+    float *part_o;             /* (B, n_head, n_splits + n_wsplits, D) workspace */
+    float *part_md;            /* (B, n_head, n_splits + n_wsplits, 2) workspace: {m (log2 domain), d} */
     const int *seq_len;        /* device (B) positions held */
     const int *page_table;     /* device (B, max_pages) */
     int max_pages, page_tokens, window;
@@ -83,7 +83,8 @@ typedef struct {
     const float *k_lambda;     /* (n_head_kv, D) or NULL */
     int v_rotate;
     int head_dim, n_head, n_head_kv;
-    int n_splits, chunk;       /* filled by the launcher */
+    int n_splits, chunk;       /* filled by the launcher: code splits and their positions */
+    int n_wsplits;             /* filled by the launcher: window splits (32 positions each) */
 } kvpq__attend_params;
 
 /* Plan splits for the longest code region `max_coded` over B sequences and launch the split kernel

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p) {
         __syncthreads();
         const float *cb = cbs + book * stride;
         const float *nr = nms + book * ch;
-#pragma unroll 2
+#pragma unroll 4
         for (int c = 0; c < chn; c++) {
             float cv[DSUB];
             if constexpr (DSUB % 4 == 0) {

@@ -264,7 +264,7 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     cp.n_head_kv = n_head_kv;
     cp.head_dim = D;
     cp.n_seq = B;
-    cp.max_seq = maxL + 64;
+    cp.max_seq = maxL + 64 > window ? maxL + 64 : window;
     cp.window = window;
     cp.page_tokens = 64;
     cp.n_pages = 0;
