@@ -15,13 +15,16 @@
 typedef struct {
     kvpq_cache_type type;
     double max_rel_rms; /* read-back error bound on N(0,1) data: relative RMS */
+    int windowed;       /* KIVI: what a position holds depends on the positions after it */
 } kind_info;
 
 static const kind_info KINDS[] = {
-    {KVPQ_CACHE_FP32, 0.0},
-    {KVPQ_CACHE_FP16, 5e-4},   /* 11-bit significand: ~2^-12 relative per element */
-    {KVPQ_CACHE_Q8_0, 0.01},   /* brief: < 1% */
-    {KVPQ_CACHE_Q4_0, 0.15},   /* 16 levels over [-amax, amax]: ~10% on Gaussian blocks */
+    {KVPQ_CACHE_FP32, 0.0, 0},
+    {KVPQ_CACHE_FP16, 5e-4, 0},  /* 11-bit significand: ~2^-12 relative per element */
+    {KVPQ_CACHE_Q8_0, 0.01, 0},  /* brief: < 1% */
+    {KVPQ_CACHE_Q4_0, 0.15, 0},  /* 16 levels over [-amax, amax]: ~10% on Gaussian blocks */
+    {KVPQ_CACHE_KIVI2, 0.5, 1},  /* 4 levels over a group's [min, max] (~4 sigma): ~0.35 sigma RMS */
+    {KVPQ_CACHE_KIVI4, 0.12, 1}, /* 16 levels: ~0.08 sigma RMS */
 };
 #define N_KINDS ((int)(sizeof KINDS / sizeof KINDS[0]))
 
@@ -100,7 +103,9 @@ Test(cache, odd_head_dim_and_page_sizes_fp) {
 }
 
 Test(cache, prefill_block_equals_single_token_attends) {
-    const int n_head = 8, n_head_kv = 2, hd = 64, L0 = 150, n_q = 40;
+    /* window 128: n_coded is 32 for every length in [162, 190], so KIVI holds the same values
+     * whether the block comes at once or one position at a time. */
+    const int n_head = 8, n_head_kv = 2, hd = 64, L0 = 162, n_q = 28;
     const size_t kvw = (size_t)n_head_kv * hd, qw = (size_t)n_head * hd;
     float *k = rand_vec((size_t)(L0 + n_q) * kvw, 11, 1.0f), *v = rand_vec((size_t)(L0 + n_q) * kvw, 12, 1.0f);
     float *q = rand_vec((size_t)n_q * qw, 13, 1.0f);
@@ -156,6 +161,7 @@ Test(cache, read_back_error_per_kind) {
 Test(cache, bits_per_element_and_pages) {
     static const double bpe[] = {32.0, 16.0, 8.5, 4.5};
     for (int kk = 0; kk < N_KINDS; kk++) {
+        if (KINDS[kk].windowed) continue; /* test_cache_kivi.c counts KIVI's bytes */
         kvpq_cache *c = make(KINDS[kk].type, 2, 4, 2, 64, 4096, 256, 128);
         cr_assert_eq(kvpq_cache_resident_bytes(c) < 4096, 1, "an empty cache holds no pages");
         const int L = 512; /* two full pages */
@@ -192,6 +198,7 @@ Test(cache, truncate_then_append_equals_fresh) {
     float *ka = malloc(nr * 4), *va = malloc(nr * 4), *kb = malloc(nr * 4), *vb = malloc(nr * 4);
     float *oa = malloc(4 * 8 * hd * 4), *ob = malloc(4 * 8 * hd * 4);
     for (int kk = 0; kk < N_KINDS; kk++) {
+        if (KINDS[kk].windowed) continue; /* test_cache_kivi.c: exact only while n_coded is kept */
         kvpq_cache *a = make(KINDS[kk].type, 2, 8, hkv, hd, 1024, 128, 64);
         kvpq_cache *b = make(KINDS[kk].type, 2, 8, hkv, hd, 1024, 128, 64);
         cr_assert_eq(kvpq_cache_append(a, 0, L, k, v), KVPQ_OK);
@@ -407,4 +414,41 @@ Test(cache, every_simd_level_equals_scalar) {
         kvpq_cache_free(c0);
     }
     free(k), free(v), free(q), free(o0), free(o1), free(r0), free(r1);
+}
+
+Test(cache, values_beyond_fp16_range_rejected) {
+    /* Kinds with fp16 parts cannot hold |x| beyond their range: a named error, not an Inf. */
+    float *k = rand_vec(4 * 64, 81, 1.0f);
+    for (int kk = 1; kk < N_KINDS; kk++) {
+        kvpq_cache *c = make(KINDS[kk].type, 1, 2, 1, 64, 100, 32, 16);
+        float keep = k[64 * 2 + 9];
+        k[64 * 2 + 9] = 1e9f;
+        cr_assert_eq(kvpq_cache_append(c, 0, 4, k, k + 0), KVPQ_ERR_INVALID_ARG, "%s",
+                     kvpq_cache_type_name(KINDS[kk].type));
+        cr_assert(strstr(kvpq_last_error(), "position 2") && strstr(kvpq_last_error(), "dim 9"), "message: %s",
+                  kvpq_last_error());
+        cr_assert_eq(kvpq_cache_seq_len(c, 0), 0);
+        k[64 * 2 + 9] = keep;
+        cr_assert_eq(kvpq_cache_append(c, 0, 4, k, k), KVPQ_OK);
+        kvpq_cache_free(c);
+    }
+    free(k);
+}
+
+Test(cache, vq_codebook_shape_mismatch_named) {
+    kvpq_codebook_params cp = kvpq_codebook_params_default();
+    cp.n_layer = 2, cp.n_head_kv = 1, cp.head_dim = 64;
+    cp.key = kvpq_pq_params_default(), cp.value = kvpq_pq_params_default();
+    kvpq_codebook *cb = NULL;
+    cr_assert_eq(kvpq_codebook_new(&cb, &cp), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ, p.codebook = cb, p.n_layer = 2, p.n_head = 2, p.n_head_kv = 1, p.head_dim = 64;
+    kvpq_cache_params b = p;
+    b.n_layer = 3;
+    expect_bad(b, KVPQ_ERR_MISMATCH, "codebook has n_layer 2, cache has n_layer 3");
+    b = p, b.n_head = 4, b.n_head_kv = 2;
+    expect_bad(b, KVPQ_ERR_MISMATCH, "n_head_kv");
+    b = p, b.head_dim = 128;
+    expect_bad(b, KVPQ_ERR_MISMATCH, "head_dim");
+    kvpq_codebook_free(cb);
 }

@@ -30,8 +30,8 @@ static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
     case KVPQ_CACHE_FP16: return &kvpq_cache_ops_fp16;
     case KVPQ_CACHE_Q8_0: return &kvpq_cache_ops_q8_0;
     case KVPQ_CACHE_Q4_0: return &kvpq_cache_ops_q4_0;
-    case KVPQ_CACHE_KIVI2: return NULL;
-    case KVPQ_CACHE_KIVI4: return NULL;
+    case KVPQ_CACHE_KIVI2: return &kvpq_cache_ops_kivi2;
+    case KVPQ_CACHE_KIVI4: return &kvpq_cache_ops_kivi4;
     case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq; /* NULL while the weak reference is unresolved */
     }
     return NULL;
@@ -127,18 +127,18 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
     KVPQ_TRY(check_params(p));
     const kvpq_cache_ops *ops = ops_of(p->type);
     if (!ops) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: this kind is not built into this library",
-                               type_names[p->type]);
+                               kvpq_cache_type_name(p->type));
     kvpq_cache_params q = *p;
     kvpq_backend got;
     kvpq_status s = kvpq_backend_resolve(p->backend, &got);
     if (s != KVPQ_OK) {
-        kvpq__err_prefix("cache %s", type_names[p->type]);
+        kvpq__err_prefix("cache %s", kvpq_cache_type_name(p->type));
         return s;
     }
     if (p->type != KVPQ_CACHE_VQ) { /* the baseline kinds run on the CPU */
         if (p->backend == KVPQ_BACKEND_CUDA)
             return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: runs on the CPU only (backend cuda requested)",
-                             type_names[p->type]);
+                             kvpq_cache_type_name(p->type));
         got = KVPQ_BACKEND_CPU;
     }
     /* kvpq_cache takes host pointers, so it runs on the CPU; the GPU cache is kvpq_cuda_cache_*

@@ -31,17 +31,33 @@ kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n) {
 void kvpq__pages_shrink(kvpq__pages *pl, int n) {
     if (n < 0) n = 0;
     while (pl->n > n) free(pl->page[--pl->n]);
+    if (n == 0) { /* an empty list holds nothing, as when new */
+        free(pl->page);
+        pl->page = NULL;
+        pl->cap = 0;
+    }
 }
 
-void kvpq__pages_free(kvpq__pages *pl) {
-    kvpq__pages_shrink(pl, 0);
-    free(pl->page);
-    pl->page = NULL;
-    pl->cap = 0;
-}
+void kvpq__pages_free(kvpq__pages *pl) { kvpq__pages_shrink(pl, 0); }
 
 size_t kvpq__pages_bytes(const kvpq__pages *pl) {
     return (size_t)pl->n * ((pl->page_bytes + 63) / 64 * 64) + (size_t)pl->cap * sizeof *pl->page;
+}
+
+kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, const char *what, int layer, int pos0,
+                              int n, const float *x, float max_abs) {
+    const size_t hd = (size_t)p->head_dim, heads = (size_t)p->n_head_kv, total = (size_t)n * heads * hd;
+    float amax = 0.0f;
+    for (size_t i = 0; i < total; i++) amax = fmaxf(amax, fabsf(x[i]));
+    if (amax <= max_abs) return KVPQ_OK;
+    for (size_t i = 0; i < total; i++)
+        if (fabsf(x[i]) > max_abs)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                             "cache %s layer %d: %s value %g at position %d (head %d, dim %d) is beyond the "
+                             "format's range +-%g (fp16 storage)",
+                             kind, layer, what, (double)x[i], pos0 + (int)(i / (heads * hd)), (int)(i / hd % heads),
+                             (int)(i % hd), (double)max_abs);
+    return KVPQ_OK;
 }
 
 /* ---- attention driver ----------------------------------------------------------------------- */
@@ -63,7 +79,16 @@ kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq
      * but keep each split at least a few chunks long so the merge stays negligible. */
     int n_split = 1, base = hkv * nb;
     if (base < 2 * T) {
-        n_split = (2 * T + base - 1) / base;
+        /* Smallest count giving at least 2 tasks per thread and a whole number of tasks per thread
+         * (equal splits then finish together). */
+        int a = base, b = T;
+        while (b) {
+            int r = a % b;
+            a = b, b = r;
+        }
+        const int step = T / a; /* base * step is a multiple of T */
+        n_split = step;
+        while (base * n_split < 2 * T) n_split += step;
         int most = len / (4 * CH);
         if (most < 1) most = 1;
         if (n_split > most) n_split = most;

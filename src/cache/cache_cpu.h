@@ -22,7 +22,7 @@ typedef struct {
 
 /* Make at least n pages exist. On failure the list keeps the pages it had (KVPQ_ERR_NOMEM). */
 kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n);
-/* Free the pages beyond the first n. */
+/* Free the pages beyond the first n (and the page table when n is 0). */
 void kvpq__pages_shrink(kvpq__pages *pl, int n);
 void kvpq__pages_free(kvpq__pages *pl);
 /* Bytes held: pages plus the page table. */
@@ -63,7 +63,14 @@ typedef struct {
     void (*decode)(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr);
     /* Multiple head_dim must be of (1 for any). */
     int head_dim_multiple;
+    /* Largest |x| the format can hold (its fp16 parts overflow beyond); 0 for no limit. */
+    float max_abs;
 } kvpq__row_codec;
+
+/* KVPQ_OK if every |x| <= max_abs in x (n, n_head_kv, head_dim); else KVPQ_ERR_INVALID_ARG naming
+ * the kind, tensor, position, head and dim. */
+kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, const char *what, int layer, int pos0,
+                              int n, const float *x, float max_abs);
 
 /* Page layout: (n_head_kv, page_tokens, row_bytes) so a KV head's rows in a page are contiguous. */
 kvpq_status kvpq__rows_create(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec);

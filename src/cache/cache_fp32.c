@@ -13,6 +13,7 @@ static void fp32_encode(const float *x, int n, int head_dim, void *rows, const k
 
 static const kvpq__row_codec fp32_codec = {
     .name = "fp32", .row_bytes = fp32_row_bytes, .encode = fp32_encode, .decode = NULL, .head_dim_multiple = 1,
+    .max_abs = 0.0f,
 };
 
 static kvpq_status fp32_create(void **state, const kvpq_cache_params *p) {

@@ -36,22 +36,12 @@ static void q4_0_encode(const float *x, int n, int head_dim, void *rows, const k
 }
 
 static void q4_0_decode(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr) {
-    (void)kr;
-    const unsigned char *y = rows;
-    for (size_t b = 0; b < (size_t)n * head_dim / QK4_0; b++, x += QK4_0, y += Q4_0_BLOCK_BYTES) {
-        uint16_t dh;
-        memcpy(&dh, y, 2);
-        const float d = kvpq__h2f(dh);
-        for (int j = 0; j < QK4_0 / 2; j++) {
-            x[j] = (float)((y[2 + j] & 0x0f) - 8) * d;
-            x[j + QK4_0 / 2] = (float)((y[2 + j] >> 4) - 8) * d;
-        }
-    }
+    kr->dequant_q4_0(rows, (size_t)n * head_dim / QK4_0, x);
 }
 
 static const kvpq__row_codec q4_0_codec = {
     .name = "q4_0", .row_bytes = q4_0_row_bytes, .encode = q4_0_encode, .decode = q4_0_decode,
-    .head_dim_multiple = QK4_0,
+    .head_dim_multiple = QK4_0, .max_abs = 65504.0f * 8.0f,
 };
 
 static kvpq_status q4_0_create(void **state, const kvpq_cache_params *p) {

@@ -27,20 +27,12 @@ static void q8_0_encode(const float *x, int n, int head_dim, void *rows, const k
 }
 
 static void q8_0_decode(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr) {
-    (void)kr;
-    const unsigned char *y = rows;
-    for (size_t b = 0; b < (size_t)n * head_dim / QK8_0; b++, x += QK8_0, y += Q8_0_BLOCK_BYTES) {
-        uint16_t dh;
-        memcpy(&dh, y, 2);
-        const float d = kvpq__h2f(dh);
-        const int8_t *qs = (const int8_t *)(y + 2);
-        for (int j = 0; j < QK8_0; j++) x[j] = (float)qs[j] * d;
-    }
+    kr->dequant_q8_0(rows, (size_t)n * head_dim / QK8_0, x);
 }
 
 static const kvpq__row_codec q8_0_codec = {
     .name = "q8_0", .row_bytes = q8_0_row_bytes, .encode = q8_0_encode, .decode = q8_0_decode,
-    .head_dim_multiple = QK8_0,
+    .head_dim_multiple = QK8_0, .max_abs = 65504.0f * 127.0f,
 };
 
 static kvpq_status q8_0_create(void **state, const kvpq_cache_params *p) {

@@ -53,6 +53,10 @@ static unsigned char *row_at(const rows_state *s, const kvpq__pages *pl, int kvh
 kvpq_status kvpq__rows_append(void *state, int layer, int len, int n, const float *k, const float *v) {
     rows_state *s = state;
     const int pt = s->p.page_tokens, hkv = s->p.n_head_kv, hd = s->p.head_dim;
+    if (s->codec->max_abs > 0) {
+        KVPQ_TRY(kvpq__check_range(&s->p, s->codec->name, "K", layer, len, n, k, s->codec->max_abs));
+        KVPQ_TRY(kvpq__check_range(&s->p, s->codec->name, "V", layer, len, n, v, s->codec->max_abs));
+    }
     int need = (len + n + pt - 1) / pt;
     kvpq__pages *pk = &s->k[layer], *pv = &s->v[layer];
     int had_k = pk->n, had_v = pv->n;

@@ -27,8 +27,33 @@ static inline float dot_avx2(const float *a, const float *b, int n) {
     return s;
 }
 
+/* Sums of four accumulators, as one vector {sum a0, sum a1, sum a2, sum a3}. */
+static inline __m128 reduce4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Four keys at a time: one reduction tree for four dot products instead of four. */
 static void qk_avx2(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
-    for (int t = 0; t < n; t++)
+    int t = 0;
+    if (hd % 8 == 0)
+        for (; t + 4 <= n; t += 4) {
+            const float *k0 = K + (size_t)t * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+            for (int r = 0; r < R; r++) {
+                const float *q = Q + (size_t)r * hd;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+                       a3 = _mm256_setzero_ps();
+                for (int c = 0; c < hd; c += 8) {
+                    __m256 qv = _mm256_loadu_ps(q + c);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a1);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a2);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a3);
+                }
+                _mm_storeu_ps(S + (size_t)r * lds + t, reduce4_avx2(a0, a1, a2, a3));
+            }
+        }
+    for (; t < n; t++)
         for (int r = 0; r < R; r++) S[(size_t)r * lds + t] = dot_avx2(Q + (size_t)r * hd, K + (size_t)t * hd, hd);
 }
 
@@ -136,6 +161,66 @@ static void f32_to_f16_avx2(const float *src, uint16_t *dst, size_t n) {
     for (; i < n; i++) dst[i] = kvpq__f2h(src[i]);
 }
 
+static void dequant_q8_0_avx2(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 34) {
+        const __m256 d = _mm256_set1_ps(kvpq__h2f((uint16_t)(y[0] | y[1] << 8)));
+        for (int j = 0; j < 32; j += 8) {
+            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(y + 2 + j)));
+            _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+        }
+    }
+}
+
+static void dequant_q4_0_avx2(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    const __m128i lo = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 18) {
+        const __m256 d = _mm256_set1_ps(kvpq__h2f((uint16_t)(y[0] | y[1] << 8)));
+        __m128i qs = _mm_loadu_si128((const __m128i *)(y + 2));
+        __m128i q0 = _mm_sub_epi8(_mm_and_si128(qs, lo), eight);                    /* elements 0..15 */
+        __m128i q1 = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), lo), eight); /* 16..31 */
+        _mm256_storeu_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), d));
+        _mm256_storeu_ps(x + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), d));
+        _mm256_storeu_ps(x + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), d));
+        _mm256_storeu_ps(x + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), d));
+    }
+}
+
+/* 32 codes of `bits` bits (2 or 4) from `codes` as 32 bytes, in order, in two 128-bit halves. */
+static inline void unpack32(const unsigned char *codes, int bits, __m128i *lo16, __m128i *hi16) {
+    if (bits == 4) {
+        const __m128i m = _mm_set1_epi8(0x0f);
+        __m128i b = _mm_loadu_si128((const __m128i *)codes);
+        __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+        *lo16 = _mm_unpacklo_epi8(l, h);
+        *hi16 = _mm_unpackhi_epi8(l, h);
+    } else {
+        const __m128i m = _mm_set1_epi8(0x03);
+        __m128i b = _mm_loadl_epi64((const __m128i *)codes);
+        __m128i p0 = _mm_and_si128(b, m), p1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+        __m128i p2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), p3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+        __m128i u01 = _mm_unpacklo_epi8(p0, p1), u23 = _mm_unpacklo_epi8(p2, p3);
+        *lo16 = _mm_unpacklo_epi16(u01, u23);
+        *hi16 = _mm_unpackhi_epi16(u01, u23);
+    }
+}
+
+static void dequant_bits_avx2(const unsigned char *codes, int bits, int n, const float *scale, const float *min,
+                              float *x) {
+    for (int c = 0; c < n; c += 32, codes += 4 * bits) {
+        __m128i q[2];
+        unpack32(codes, bits, &q[0], &q[1]);
+        for (int h = 0; h < 2; h++)
+            for (int e = 0; e < 16; e += 8) {
+                __m128i qq = e ? _mm_srli_si128(q[h], 8) : q[h];
+                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(qq));
+                int o = c + 16 * h + e;
+                _mm256_storeu_ps(x + o, _mm256_fmadd_ps(f, _mm256_loadu_ps(scale + o), _mm256_loadu_ps(min + o)));
+            }
+    }
+}
+
 const kvpq_attn_kernels kvpq__attn_avx2 = {
     .name = "avx2",
     .qk = qk_avx2,
@@ -145,5 +230,8 @@ const kvpq_attn_kernels kvpq__attn_avx2 = {
     .scale = scale_avx2,
     .f16_to_f32 = f16_to_f32_avx2,
     .f32_to_f16 = f32_to_f16_avx2,
+    .dequant_q8_0 = dequant_q8_0_avx2,
+    .dequant_q4_0 = dequant_q4_0_avx2,
+    .dequant_bits = dequant_bits_avx2,
 };
 #endif

@@ -25,8 +25,37 @@ static inline float dot_avx512(const float *a, const float *b, int n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
 
+/* Sums of four accumulators, as one vector {sum a0, sum a1, sum a2, sum a3}. */
+static inline __m128 reduce4_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+    __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Four keys at a time: one reduction tree for four dot products instead of four. */
 static void qk_avx512(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
-    for (int t = 0; t < n; t++)
+    int t = 0;
+    if (hd % 16 == 0)
+        for (; t + 4 <= n; t += 4) {
+            const float *k0 = K + (size_t)t * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+            for (int r = 0; r < R; r++) {
+                const float *q = Q + (size_t)r * hd;
+                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+                       a3 = _mm512_setzero_ps();
+                for (int c = 0; c < hd; c += 16) {
+                    __m512 qv = _mm512_loadu_ps(q + c);
+                    a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + c), a0);
+                    a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + c), a1);
+                    a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + c), a2);
+                    a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + c), a3);
+                }
+                _mm_storeu_ps(S + (size_t)r * lds + t, reduce4_avx512(a0, a1, a2, a3));
+            }
+        }
+    for (; t < n; t++)
         for (int r = 0; r < R; r++) S[(size_t)r * lds + t] = dot_avx512(Q + (size_t)r * hd, K + (size_t)t * hd, hd);
 }
 
@@ -128,6 +157,57 @@ static void f32_to_f16_avx512(const float *src, uint16_t *dst, size_t n) {
     for (; i < n; i++) dst[i] = kvpq__f2h(src[i]);
 }
 
+static void dequant_q8_0_avx512(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 34) {
+        const __m512 d = _mm512_set1_ps(kvpq__h2f((uint16_t)(y[0] | y[1] << 8)));
+        for (int j = 0; j < 32; j += 16) {
+            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(y + 2 + j)));
+            _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
+        }
+    }
+}
+
+static void dequant_q4_0_avx512(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    const __m128i lo = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 18) {
+        const __m512 d = _mm512_set1_ps(kvpq__h2f((uint16_t)(y[0] | y[1] << 8)));
+        __m128i qs = _mm_loadu_si128((const __m128i *)(y + 2));
+        __m128i q0 = _mm_sub_epi8(_mm_and_si128(qs, lo), eight);                    /* elements 0..15 */
+        __m128i q1 = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), lo), eight); /* 16..31 */
+        _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
+        _mm512_storeu_ps(x + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+    }
+}
+
+static void dequant_bits_avx512(const unsigned char *codes, int bits, int n, const float *scale, const float *min,
+                                float *x) {
+    for (int c = 0; c < n; c += 32, codes += 4 * bits) {
+        __m128i q[2];
+        if (bits == 4) {
+            const __m128i m = _mm_set1_epi8(0x0f);
+            __m128i b = _mm_loadu_si128((const __m128i *)codes);
+            __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+            q[0] = _mm_unpacklo_epi8(l, h);
+            q[1] = _mm_unpackhi_epi8(l, h);
+        } else {
+            const __m128i m = _mm_set1_epi8(0x03);
+            __m128i b = _mm_loadl_epi64((const __m128i *)codes);
+            __m128i p0 = _mm_and_si128(b, m), p1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+            __m128i p2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), p3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+            __m128i u01 = _mm_unpacklo_epi8(p0, p1), u23 = _mm_unpacklo_epi8(p2, p3);
+            q[0] = _mm_unpacklo_epi16(u01, u23);
+            q[1] = _mm_unpackhi_epi16(u01, u23);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[h]));
+            int o = c + 16 * h;
+            _mm512_storeu_ps(x + o, _mm512_fmadd_ps(f, _mm512_loadu_ps(scale + o), _mm512_loadu_ps(min + o)));
+        }
+    }
+}
+
 const kvpq_attn_kernels kvpq__attn_avx512 = {
     .name = "avx512",
     .qk = qk_avx512,
@@ -137,5 +217,8 @@ const kvpq_attn_kernels kvpq__attn_avx512 = {
     .scale = scale_avx512,
     .f16_to_f32 = f16_to_f32_avx512,
     .f32_to_f16 = f32_to_f16_avx512,
+    .dequant_q8_0 = dequant_q8_0_avx512,
+    .dequant_q4_0 = dequant_q4_0_avx512,
+    .dequant_bits = dequant_bits_avx512,
 };
 #endif

@@ -27,6 +27,16 @@ typedef struct {
     /* IEEE half <-> float32, round to nearest even: bit-exact at every level. */
     void (*f16_to_f32)(const uint16_t *src, float *dst, size_t n);
     void (*f32_to_f16)(const float *src, uint16_t *dst, size_t n);
+    /* ggml block_q8_0 {fp16 d; int8 qs[32]} (34 bytes) x n_blocks -> x (32 n_blocks): d * qs.
+     * Bit-exact at every level (one product per element). */
+    void (*dequant_q8_0)(const void *blocks, size_t n_blocks, float *x);
+    /* ggml block_q4_0 {fp16 d; uint8 qs[16]} (18 bytes) -> x: element j from the low nibble of
+     * qs[j], element j+16 from the high nibble; d * (q - 8). Bit-exact at every level. */
+    void (*dequant_q4_0)(const void *blocks, size_t n_blocks, float *x);
+    /* KIVI rows: x[c] = code_c * scale[c] + min[c] for c < n (n % 32 == 0), codes of `bits` (2 or
+     * 4) bits packed LSB-first. Bit-exact at every level (one fused or two rounded ops: the SIMD
+     * levels use FMA, the reference fmaf). */
+    void (*dequant_bits)(const unsigned char *codes, int bits, int n, const float *scale, const float *min, float *x);
 } kvpq_attn_kernels;
 
 extern const kvpq_attn_kernels kvpq__attn_ref;

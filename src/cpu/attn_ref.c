@@ -49,6 +49,34 @@ static void f32_to_f16_ref(const float *src, uint16_t *dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = kvpq__f2h(src[i]);
 }
 
+static void dequant_q8_0_ref(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 34) {
+        const float d = kvpq__h2f((uint16_t)(y[0] | y[1] << 8));
+        for (int j = 0; j < 32; j++) x[j] = (float)(int8_t)y[2 + j] * d;
+    }
+}
+
+static void dequant_q4_0_ref(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 18) {
+        const float d = kvpq__h2f((uint16_t)(y[0] | y[1] << 8));
+        for (int j = 0; j < 16; j++) {
+            x[j] = (float)((y[2 + j] & 0x0f) - 8) * d;
+            x[j + 16] = (float)((y[2 + j] >> 4) - 8) * d;
+        }
+    }
+}
+
+static void dequant_bits_ref(const unsigned char *codes, int bits, int n, const float *scale, const float *min,
+                             float *x) {
+    const int mask = (1 << bits) - 1;
+    for (int c = 0; c < n; c++) {
+        int q = (codes[c * bits / 8] >> (c * bits % 8)) & mask;
+        x[c] = fmaf((float)q, scale[c], min[c]);
+    }
+}
+
 const kvpq_attn_kernels kvpq__attn_ref = {
     .name = "scalar",
     .qk = qk_ref,
@@ -58,6 +86,9 @@ const kvpq_attn_kernels kvpq__attn_ref = {
     .scale = scale_ref,
     .f16_to_f32 = f16_to_f32_ref,
     .f32_to_f16 = f32_to_f16_ref,
+    .dequant_q8_0 = dequant_q8_0_ref,
+    .dequant_q4_0 = dequant_q4_0_ref,
+    .dequant_bits = dequant_bits_ref,
 };
 
 const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) {

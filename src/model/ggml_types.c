@@ -365,7 +365,7 @@ void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const 
 
 /* From this many tokens on, tiles of W are dequantized to float32 and multiplied by OpenBLAS sgemm;
  * below it, each weight row is dequantized once and dotted with every token. */
-#define MATMUL_BLAS_MIN_TOK 8
+#define MATMUL_BLAS_MIN_TOK 32
 /* Floats per dequantized tile of W (4 MiB: fits L2/L3 alongside the sgemm panels). */
 #define MATMUL_TILE_FLOATS (1 << 20)
 

@@ -25,8 +25,9 @@ typedef struct {
     uint32_t type;         /* ggml_type (ggml_types.h) */
     int n_dims;            /* 1..4 */
     int64_t ne[4];         /* elements per dimension, ne[0] innermost (as ggml); unused dims = 1 */
-    const void *data;      /* into the mapping, aligned to general.alignment */
-    size_t nbytes;
+    const void *data;      /* into the mapping, aligned to general.alignment (relative to the file start) */
+    size_t nbytes;         /* checked to lie within the file; 0 for a type unknown to ggml (the
+                              tensor opens, ggml_type_supported() is false, the model loader rejects it) */
 } gguf_tensor;
 
 /* Open and validate. Errors: KVPQ_ERR_IO (open/mmap), KVPQ_ERR_FORMAT (with what and where). */

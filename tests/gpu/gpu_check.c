@@ -1,7 +1,8 @@
 /* gpu_check.c — checks of the CUDA backend against double-precision references (run on a GPU
  * machine by tests/gpu/run_gpu_tests.sh; registered in ctest, where it skips without a device).
  *
- *   encode: codes equal the reference argmin except near-ties (the two squared distances within
+ *   encode: codes equal the reference argmin and the library's CPU path (kvpq_smooth_apply,
+ *           kvpq_hadamard, kvpq_pq_encode) except near-ties (the two squared distances within
  *           TIE_REL of each other), and the reconstruction MSE differs by at most MSE_REL;
  *           every output byte written (two runs over outputs poisoned 0x00 and 0xFF agree).
  *   decode: equals the reference gather + inverse rotation + lambda to DECODE_REL.
@@ -205,6 +206,35 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
             if (last) bad++;
         }
     }
+    /* the CPU path of the library (smoothing, Hadamard, kvpq_pq_encode): same codes except near-ties */
+    float *xc = malloc(nx * sizeof *xc);
+    uint8_t *cc = malloc(nrow * cs);
+    memcpy(xc, x, nx * sizeof *xc);
+    if (smooth) KV_OK(kvpq_smooth_apply(xc, (size_t)n_tok, H, d, lambda, 0));
+    if (rotate) KV_OK(kvpq_hadamard(xc, nrow, d));
+    KV_OK(kvpq_pq_encode(pq, nrow, xc, cc));
+    int cpu_diff = 0, cpu_bad = 0;
+    double mse_cpu = 0;
+    for (size_t rw = 0; rw < nrow; rw++) {
+        ref_transform(x + rw * d, lambda ? lambda + (rw % H) * d : NULL, rotate, d, xt);
+        for (int m = 0; m < M; m++) {
+            int gc = get_code(c0 + rw * cs, m, nbits), ccode = get_code(cc + rw * cs, m, nbits);
+            double gd = ref_dist(&r, xt + m * dsub, m, gc), cd = ref_dist(&r, xt + m * dsub, m, ccode);
+            mse_cpu += cd;
+            if (gc != ccode) {
+                double xn = 0;
+                for (int j = 0; j < dsub; j++) xn += xt[m * dsub + j] * xt[m * dsub + j];
+                cpu_diff++;
+                if (fabs(gd - cd) > TIE_REL * (xn + cd + 1e-30)) cpu_bad++;
+            }
+        }
+    }
+    double rel_cpu = fabs(mse_gpu - mse_cpu) / (mse_cpu > 0 ? mse_cpu : 1);
+    CHECK(cpu_bad == 0 && rel_cpu <= MSE_REL,
+          "encode vs CPU kvpq_pq_encode d=%d dsub=%d nbits=%d: %d codes differ beyond ties, MSE rel diff %.3g", d, dsub,
+          nbits, cpu_bad, rel_cpu);
+    free(xc);
+    free(cc);
     double rel = fabs(mse_gpu - mse_ref) / (mse_ref > 0 ? mse_ref : 1);
     CHECK(bad == 0 && rel <= MSE_REL,
           "encode d=%d dsub=%d nbits=%d %s smooth=%d rotate=%d: %d codes differ beyond ties, MSE rel diff %.3g", d,
@@ -226,9 +256,9 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
     }
     double drel = sqrt(num / (den > 0 ? den : 1));
     CHECK(drel <= DECODE_REL, "decode d=%d dsub=%d nbits=%d: relative error %.3g", d, dsub, nbits, drel);
-    printf("  encode d=%3d dsub=%2d nbits=%2d %-8s smooth=%d rotate=%d rows=%zu: near-ties %d, MSE rel diff %.2e; "
-           "decode rel err %.2e\n",
-           d, dsub, nbits, g ? "subspace" : "shared", smooth, rotate, nrow, ties, rel, drel);
+    printf("  encode d=%3d dsub=%2d nbits=%2d %-8s smooth=%d rotate=%d rows=%zu: vs fp64 near-ties %d, MSE rel diff "
+           "%.2e; vs CPU %d differ (ties), MSE rel diff %.2e; decode rel err %.2e\n",
+           d, dsub, nbits, g ? "subspace" : "shared", smooth, rotate, nrow, ties, rel, cpu_diff, rel_cpu, drel);
     /* NaN input */
     float nan = NAN;
     CUDA_OK(cudaMemcpy(dx + (nx / 2), &nan, sizeof nan, cudaMemcpyHostToDevice));
