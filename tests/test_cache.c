@@ -99,6 +99,7 @@ Test(cache, odd_head_dim_and_page_sizes_fp) {
     for (int i = 0; i < 3; i++) {
         check_vs_ref(KVPQ_CACHE_FP32, 6, 2, 37, 211, 5, pages[i], 16, 50u + i);
         check_vs_ref(KVPQ_CACHE_FP16, 6, 2, 20, 211, 5, pages[i], 16, 60u + i);
+        check_vs_ref(KVPQ_CACHE_FP16, 6, 2, 24, 211, 5, pages[i], 16, 70u + i);
     }
 }
 

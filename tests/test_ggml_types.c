@@ -126,18 +126,21 @@ Test(ggml_types, dequant_q4_1_block) {
     }
 }
 
-Test(ggml_types, dequant_q4_1_rounds_product_then_sum) {
-    /* d*q + m rounded twice (as ggml/numpy) differs from one fused multiply-add for these values. */
+Test(ggml_types, dequant_q4_1_is_correctly_rounded) {
+    /* q*d is exact in float32 (4-bit q times an 11-bit fp16 mantissa), so ggml's d*q + m has one
+     * rounding, of the sum: the result is the float nearest the exact value, computed in double. */
     uint8_t blk[20];
-    uint16_t d = 0x3c01, m = 0x9400; /* d = 1 + 2^-10, m = -2^-10 */
+    uint16_t d = 0x3c01, m = 0x9401; /* d = 1 + 2^-10, m = -(2^-10 + 2^-20) */
     memcpy(blk, &d, 2);
     memcpy(blk + 2, &m, 2);
-    memset(blk + 4, 0xff, 16); /* q = 15 */
-    float y[32], dd = kvpq_fp16_to_fp32(d), mm = kvpq_fp16_to_fp32(m);
-    volatile float prod = 15.0f * dd; /* volatile: keep the compiler from fusing */
-    float want = prod + mm;
+    for (int j = 0; j < 16; j++) blk[4 + j] = (uint8_t)(j | ((15 - j) << 4));
+    float y[32];
     cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q4_1, blk, y, 32), KVPQ_OK);
-    for (int j = 0; j < 32; j++) cr_assert_eq(y[j], want);
+    for (int j = 0; j < 32; j++) {
+        int q = j < 16 ? j : 31 - j;
+        float want = (float)((double)q * kvpq_fp16_to_fp32(d) + kvpq_fp16_to_fp32(m));
+        cr_assert_eq(y[j], want, "element %d: %a vs %a", j, y[j], want);
+    }
 }
 
 Test(ggml_types, dequant_q8_0_block) {

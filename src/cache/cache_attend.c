@@ -65,8 +65,9 @@ kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, cons
 #define RB 16 /* query rows per block: S (RB, CHUNK) and o (RB, head_dim) stay in L1/L2 */
 #define CH KVPQ_ATTN_CHUNK
 
-kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
-                             int layer, int len, int n_q, const float *q, float *out) {
+static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvpq__load_fn load,
+                              kvpq__load16_fn load16, int align, int layer, int len, int n_q, const float *q,
+                              float *out) {
     const int hd = p->head_dim, hkv = p->n_head_kv, g = p->n_head / p->n_head_kv;
     const int rows = n_q * g; /* query rows of one KV head: row r = (query r / g, head kvh*g + r % g) */
     const int nb = (rows + RB - 1) / RB;
@@ -137,9 +138,22 @@ kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq
                 int n = te - t0 < CH ? te - t0 : CH;
                 int to_edge = align - t0 % align;
                 if (n > to_edge) n = to_edge;
-                const float *K, *V;
-                load(state, layer, kvh, t0, n, kbuf, vbuf, &K, &V);
-                kr->qk(Q, nr, K, n, hd, S, CH);
+                const float *K = NULL, *V = NULL;
+                const uint16_t *K16 = NULL, *V16 = NULL;
+                if (load16) {
+                    load16(state, layer, kvh, t0, n, &K16, &V16);
+                    if (nr <= KVPQ_ATTN_F16_ROWS) {
+                        kr->qk_f16(Q, nr, K16, n, hd, S, CH);
+                    } else { /* many rows: convert once, then the fp32 kernels */
+                        kr->f16_to_f32(K16, kbuf, (size_t)n * hd);
+                        kr->f16_to_f32(V16, vbuf, (size_t)n * hd);
+                        K = kbuf, V = vbuf, K16 = V16 = NULL;
+                        kr->qk(Q, nr, K, n, hd, S, CH);
+                    }
+                } else {
+                    load(state, layer, kvh, t0, n, kbuf, vbuf, &K, &V);
+                    kr->qk(Q, nr, K, n, hd, S, CH);
+                }
                 for (int rr = 0; rr < nr; rr++) {
                     float *srow = S + (size_t)rr * CH;
                     int nv = lim[rr] - t0 < n ? lim[rr] - t0 : n;
@@ -157,7 +171,10 @@ kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq
                     d[rr] += kr->exp_sum(srow, nv, m[rr]);
                     if (nv < n) memset(srow + nv, 0, (size_t)(n - nv) * sizeof *srow);
                 }
-                kr->pv(S, nr, CH, V, n, hd, O);
+                if (V16)
+                    kr->pv_f16(S, nr, CH, V16, n, hd, O);
+                else
+                    kr->pv(S, nr, CH, V, n, hd, O);
                 t0 += n;
             }
             for (int rr = 0; rr < nr; rr++) {
@@ -190,6 +207,16 @@ kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq
         }
     free(part);
     return KVPQ_OK;
+}
+
+kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
+                             int layer, int len, int n_q, const float *q, float *out) {
+    return attend_any(p, state, load, NULL, align, layer, len, n_q, q, out);
+}
+
+kvpq_status kvpq__attend_cpu_f16(const kvpq_cache_params *p, const void *state, kvpq__load16_fn load16, int align,
+                                 int layer, int len, int n_q, const float *q, float *out) {
+    return attend_any(p, state, NULL, load16, align, layer, len, n_q, q, out);
 }
 
 kvpq_status kvpq__read_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,

@@ -36,6 +36,10 @@ size_t kvpq__pages_bytes(const kvpq__pages *pl);
 typedef void (*kvpq__load_fn)(const void *state, int layer, int kvh, int t0, int n, float *kbuf, float *vbuf,
                               const float **k, const float **v);
 
+/* For kinds whose rows are IEEE halves: pointers to K and V (n, head_dim) fp16 in place. */
+typedef void (*kvpq__load16_fn)(const void *state, int layer, int kvh, int t0, int n, const uint16_t **k,
+                                const uint16_t **v);
+
 /* Tokens per chunk of the driver (a load never asks for more). */
 #define KVPQ_ATTN_CHUNK 64
 
@@ -47,6 +51,12 @@ typedef void (*kvpq__load_fn)(const void *state, int layer, int kvh, int t0, int
  * (split-KV decoding, "Flash-Decoding"). */
 kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
                              int layer, int len, int n_q, const float *q, float *out);
+/* The same for fp16 rows: blocks of at most KVPQ_ATTN_F16_ROWS query rows use the fused fp16
+ * kernels (qk_f16, pv_f16: conversion in registers, no fp32 copy); larger blocks (prefill)
+ * convert each chunk once into fp32 and use the fp32 kernels. */
+#define KVPQ_ATTN_F16_ROWS 4
+kvpq_status kvpq__attend_cpu_f16(const kvpq_cache_params *p, const void *state, kvpq__load16_fn load16, int align,
+                                 int layer, int len, int n_q, const float *q, float *out);
 
 /* kvpq_cache_read through `load`: k, v (n, n_head_kv, head_dim), either may be NULL. */
 kvpq_status kvpq__read_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
@@ -65,6 +75,8 @@ typedef struct {
     int head_dim_multiple;
     /* Largest |x| the format can hold (its fp16 parts overflow beyond); 0 for no limit. */
     float max_abs;
+    /* Rows are IEEE halves (head_dim each): attention uses kvpq__attend_cpu_f16. */
+    int f16_rows;
 } kvpq__row_codec;
 
 /* KVPQ_OK if every |x| <= max_abs in x (n, n_head_kv, head_dim); else KVPQ_ERR_INVALID_ARG naming

@@ -14,7 +14,7 @@ static void fp16_decode(const void *rows, int n, int head_dim, float *x, const k
 
 static const kvpq__row_codec fp16_codec = {
     .name = "fp16", .row_bytes = fp16_row_bytes, .encode = fp16_encode, .decode = fp16_decode, .head_dim_multiple = 1,
-    .max_abs = 65504.0f,
+    .max_abs = 65504.0f, .f16_rows = 1,
 };
 
 static kvpq_status fp16_create(void **state, const kvpq_cache_params *p) {

@@ -93,8 +93,18 @@ static void rows_load(const void *state, int layer, int kvh, int t0, int n, floa
     *v = vbuf;
 }
 
+static void rows_load16(const void *state, int layer, int kvh, int t0, int n, const uint16_t **k,
+                        const uint16_t **v) {
+    const rows_state *s = state;
+    (void)n;
+    *k = (const uint16_t *)row_at(s, &s->k[layer], kvh, t0);
+    *v = (const uint16_t *)row_at(s, &s->v[layer], kvh, t0);
+}
+
 kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const float *q, float *out) {
     rows_state *s = state;
+    if (s->codec->f16_rows)
+        return kvpq__attend_cpu_f16(&s->p, s, rows_load16, s->p.page_tokens, layer, len, n_q, q, out);
     return kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, q, out);
 }
 

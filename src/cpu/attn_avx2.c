@@ -57,6 +57,72 @@ static void qk_avx2(const float *Q, int R, const float *K, int n, int hd, float 
         for (int r = 0; r < R; r++) S[(size_t)r * lds + t] = dot_avx2(Q + (size_t)r * hd, K + (size_t)t * hd, hd);
 }
 
+static inline __m256 ld8h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static void qk_f16_avx2(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds) {
+    if (hd % 8) {
+        kvpq__attn_ref.qk_f16(Q, R, K, n, hd, S, lds);
+        return;
+    }
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const uint16_t *k0 = K + (size_t)t * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+        for (int r = 0; r < R; r++) {
+            const float *q = Q + (size_t)r * hd;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+                   a3 = _mm256_setzero_ps();
+            for (int c = 0; c < hd; c += 8) {
+                __m256 qv = _mm256_loadu_ps(q + c);
+                a0 = _mm256_fmadd_ps(qv, ld8h(k0 + c), a0);
+                a1 = _mm256_fmadd_ps(qv, ld8h(k1 + c), a1);
+                a2 = _mm256_fmadd_ps(qv, ld8h(k2 + c), a2);
+                a3 = _mm256_fmadd_ps(qv, ld8h(k3 + c), a3);
+            }
+            _mm_storeu_ps(S + (size_t)r * lds + t, reduce4_avx2(a0, a1, a2, a3));
+        }
+    }
+    for (; t < n; t++)
+        for (int r = 0; r < R; r++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int c = 0; c < hd; c += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(Q + (size_t)r * hd + c), ld8h(K + (size_t)t * hd + c), a);
+            S[(size_t)r * lds + t] = hsum8(a);
+        }
+}
+
+static void pv_f16_avx2(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O) {
+    if (hd % 8) {
+        kvpq__attn_ref.pv_f16(P, R, ldp, V, n, hd, O);
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        const float *p = P + (size_t)r * ldp;
+        float *o = O + (size_t)r * hd;
+        int c = 0;
+        for (; c + 32 <= hd; c += 32) {
+            __m256 a0 = _mm256_loadu_ps(o + c), a1 = _mm256_loadu_ps(o + c + 8);
+            __m256 a2 = _mm256_loadu_ps(o + c + 16), a3 = _mm256_loadu_ps(o + c + 24);
+            for (int t = 0; t < n; t++) {
+                const uint16_t *v = V + (size_t)t * hd + c;
+                __m256 pt = _mm256_set1_ps(p[t]);
+                a0 = _mm256_fmadd_ps(pt, ld8h(v), a0);
+                a1 = _mm256_fmadd_ps(pt, ld8h(v + 8), a1);
+                a2 = _mm256_fmadd_ps(pt, ld8h(v + 16), a2);
+                a3 = _mm256_fmadd_ps(pt, ld8h(v + 24), a3);
+            }
+            _mm256_storeu_ps(o + c, a0);
+            _mm256_storeu_ps(o + c + 8, a1);
+            _mm256_storeu_ps(o + c + 16, a2);
+            _mm256_storeu_ps(o + c + 24, a3);
+        }
+        for (; c < hd; c += 8) {
+            __m256 a0 = _mm256_loadu_ps(o + c);
+            for (int t = 0; t < n; t++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), ld8h(V + (size_t)t * hd + c), a0);
+            _mm256_storeu_ps(o + c, a0);
+        }
+    }
+}
+
 static void pv_avx2(const float *P, int R, int ldp, const float *V, int n, int hd, float *O) {
     for (int r = 0; r < R; r++) {
         const float *p = P + (size_t)r * ldp;
@@ -225,6 +291,8 @@ const kvpq_attn_kernels kvpq__attn_avx2 = {
     .name = "avx2",
     .qk = qk_avx2,
     .pv = pv_avx2,
+    .qk_f16 = qk_f16_avx2,
+    .pv_f16 = pv_f16_avx2,
     .max = max_avx2,
     .exp_sum = exp_sum_avx2,
     .scale = scale_avx2,

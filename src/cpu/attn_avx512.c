@@ -59,6 +59,72 @@ static void qk_avx512(const float *Q, int R, const float *K, int n, int hd, floa
         for (int r = 0; r < R; r++) S[(size_t)r * lds + t] = dot_avx512(Q + (size_t)r * hd, K + (size_t)t * hd, hd);
 }
 
+static inline __m512 ld16h(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+static void qk_f16_avx512(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds) {
+    if (hd % 16) {
+        kvpq__attn_ref.qk_f16(Q, R, K, n, hd, S, lds);
+        return;
+    }
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const uint16_t *k0 = K + (size_t)t * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+        for (int r = 0; r < R; r++) {
+            const float *q = Q + (size_t)r * hd;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+                   a3 = _mm512_setzero_ps();
+            for (int c = 0; c < hd; c += 16) {
+                __m512 qv = _mm512_loadu_ps(q + c);
+                a0 = _mm512_fmadd_ps(qv, ld16h(k0 + c), a0);
+                a1 = _mm512_fmadd_ps(qv, ld16h(k1 + c), a1);
+                a2 = _mm512_fmadd_ps(qv, ld16h(k2 + c), a2);
+                a3 = _mm512_fmadd_ps(qv, ld16h(k3 + c), a3);
+            }
+            _mm_storeu_ps(S + (size_t)r * lds + t, reduce4_avx512(a0, a1, a2, a3));
+        }
+    }
+    for (; t < n; t++)
+        for (int r = 0; r < R; r++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < hd; c += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(Q + (size_t)r * hd + c), ld16h(K + (size_t)t * hd + c), a);
+            S[(size_t)r * lds + t] = _mm512_reduce_add_ps(a);
+        }
+}
+
+static void pv_f16_avx512(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O) {
+    if (hd % 16) {
+        kvpq__attn_ref.pv_f16(P, R, ldp, V, n, hd, O);
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        const float *p = P + (size_t)r * ldp;
+        float *o = O + (size_t)r * hd;
+        int c = 0;
+        for (; c + 64 <= hd; c += 64) {
+            __m512 a0 = _mm512_loadu_ps(o + c), a1 = _mm512_loadu_ps(o + c + 16);
+            __m512 a2 = _mm512_loadu_ps(o + c + 32), a3 = _mm512_loadu_ps(o + c + 48);
+            for (int t = 0; t < n; t++) {
+                const uint16_t *v = V + (size_t)t * hd + c;
+                __m512 pt = _mm512_set1_ps(p[t]);
+                a0 = _mm512_fmadd_ps(pt, ld16h(v), a0);
+                a1 = _mm512_fmadd_ps(pt, ld16h(v + 16), a1);
+                a2 = _mm512_fmadd_ps(pt, ld16h(v + 32), a2);
+                a3 = _mm512_fmadd_ps(pt, ld16h(v + 48), a3);
+            }
+            _mm512_storeu_ps(o + c, a0);
+            _mm512_storeu_ps(o + c + 16, a1);
+            _mm512_storeu_ps(o + c + 32, a2);
+            _mm512_storeu_ps(o + c + 48, a3);
+        }
+        for (; c < hd; c += 16) {
+            __m512 a0 = _mm512_loadu_ps(o + c);
+            for (int t = 0; t < n; t++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), ld16h(V + (size_t)t * hd + c), a0);
+            _mm512_storeu_ps(o + c, a0);
+        }
+    }
+}
+
 static void pv_avx512(const float *P, int R, int ldp, const float *V, int n, int hd, float *O) {
     for (int r = 0; r < R; r++) {
         const float *p = P + (size_t)r * ldp;
@@ -212,6 +278,8 @@ const kvpq_attn_kernels kvpq__attn_avx512 = {
     .name = "avx512",
     .qk = qk_avx512,
     .pv = pv_avx512,
+    .qk_f16 = qk_f16_avx512,
+    .pv_f16 = pv_f16_avx512,
     .max = max_avx512,
     .exp_sum = exp_sum_avx512,
     .scale = scale_avx512,

@@ -17,6 +17,9 @@ typedef struct {
     void (*qk)(const float *Q, int R, const float *K, int n, int hd, float *S, int lds);
     /* O[r] += sum_t P[r*ldp + t] * V[t] for r < R.  P: (R, ldp), V: (n, hd), O: (R, hd). */
     void (*pv)(const float *P, int R, int ldp, const float *V, int n, int hd, float *O);
+    /* qk and pv with K, V as IEEE halves (n, hd), converted in registers. */
+    void (*qk_f16)(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds);
+    void (*pv_f16)(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O);
     /* max of x[0..n), n >= 1. */
     float (*max)(const float *x, int n);
     /* x[i] = exp(x[i] - m) in place; returns the sum. SIMD levels use a polynomial exp accurate to

@@ -22,6 +22,24 @@ static void pv_ref(const float *P, int R, int ldp, const float *V, int n, int hd
         }
 }
 
+static void qk_f16_ref(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float s = 0.0f;
+            for (int c = 0; c < hd; c++) s += Q[(size_t)r * hd + c] * kvpq__h2f(K[(size_t)t * hd + c]);
+            S[(size_t)r * lds + t] = s;
+        }
+}
+
+static void pv_f16_ref(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float p = P[(size_t)r * ldp + t];
+            if (p == 0.0f) continue;
+            for (int c = 0; c < hd; c++) O[(size_t)r * hd + c] += p * kvpq__h2f(V[(size_t)t * hd + c]);
+        }
+}
+
 static float max_ref(const float *x, int n) {
     float m = x[0];
     for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
@@ -81,6 +99,8 @@ const kvpq_attn_kernels kvpq__attn_ref = {
     .name = "scalar",
     .qk = qk_ref,
     .pv = pv_ref,
+    .qk_f16 = qk_f16_ref,
+    .pv_f16 = pv_f16_ref,
     .max = max_ref,
     .exp_sum = exp_sum_ref,
     .scale = scale_ref,

@@ -104,7 +104,7 @@ static kvpq_status rd_str(reader *r, size_t *off, uint64_t *len, const char *wha
     uint64_t n;
     KVPQ_TRY(rd_u64(r, &n, what));
     if (n > rd_left(r))
-        return kvpq__err(KVPQ_ERR_FORMAT, "%s: string length %llu at offset %zu exceeds the %zu bytes left", what,
+        return kvpq__err(KVPQ_ERR_FORMAT, "%s: string length %llu at offset %zu exceeds the %zu bytes left (truncated or corrupt)", what,
                          (unsigned long long)n, r->pos - 8, rd_left(r));
     *off = r->pos;
     *len = n;
@@ -180,7 +180,7 @@ static kvpq_status skip_array(reader *r, uint32_t et, uint64_t n, int depth, siz
         return kvpq__err(KVPQ_ERR_FORMAT, "%s: unknown array element type %u at offset %zu", what, et, r->pos - 12);
     if (et == GGUF_TYPE_STRING) {
         if (n > rd_left(r) / 8)
-            return kvpq__err(KVPQ_ERR_FORMAT, "%s: array of %llu strings cannot fit in the %zu bytes left", what,
+            return kvpq__err(KVPQ_ERR_FORMAT, "%s: array of %llu strings cannot fit in the %zu bytes left (truncated or corrupt)", what,
                              (unsigned long long)n, rd_left(r));
         for (uint64_t i = 0; i < n; i++) {
             size_t off, at = r->pos;
@@ -195,7 +195,7 @@ static kvpq_status skip_array(reader *r, uint32_t et, uint64_t n, int depth, siz
             return kvpq__err(KVPQ_ERR_FORMAT, "%s: arrays nested deeper than %d at offset %zu", what,
                              GGUF_MAX_ARRAY_DEPTH, r->pos);
         if (n > rd_left(r) / GGUF_MIN_NESTED_ARRAY_BYTES)
-            return kvpq__err(KVPQ_ERR_FORMAT, "%s: array of %llu arrays cannot fit in the %zu bytes left", what,
+            return kvpq__err(KVPQ_ERR_FORMAT, "%s: array of %llu arrays cannot fit in the %zu bytes left (truncated or corrupt)", what,
                              (unsigned long long)n, rd_left(r));
         for (uint64_t i = 0; i < n; i++) {
             uint32_t et2;
@@ -208,7 +208,7 @@ static kvpq_status skip_array(reader *r, uint32_t et, uint64_t n, int depth, siz
     }
     size_t es = type_sizes[et];
     if (n > rd_left(r) / es)
-        return kvpq__err(KVPQ_ERR_FORMAT, "%s: array of %llu %s (%zu bytes each) exceeds the %zu bytes left", what,
+        return kvpq__err(KVPQ_ERR_FORMAT, "%s: array of %llu %s (%zu bytes each) exceeds the %zu bytes left (truncated or corrupt)", what,
                          (unsigned long long)n, type_names[et], es, rd_left(r));
     if (et == GGUF_TYPE_BOOL) KVPQ_TRY(check_bools(r, r->pos, n, what));
     r->pos += (size_t)n * es;
@@ -240,7 +240,7 @@ static kvpq_status parse_kv(reader *r, gguf_file *f, int64_t i) {
         kv->off = r->pos;
         if (et == GGUF_TYPE_STRING && type_valid(et)) {
             if (kv->n > rd_left(r) / 8)
-                return kvpq__err(KVPQ_ERR_FORMAT, "%s: array of %llu strings cannot fit in the %zu bytes left", what,
+                return kvpq__err(KVPQ_ERR_FORMAT, "%s: array of %llu strings cannot fit in the %zu bytes left (truncated or corrupt)", what,
                                  (unsigned long long)kv->n, rd_left(r));
             kv->str_off = malloc(kv->n ? (size_t)kv->n * sizeof(size_t) : 1);
             if (!kv->str_off)
@@ -313,7 +313,7 @@ static kvpq_status parse_tensor_info(reader *r, gguf_file *f, int64_t i, uint64_
     }
     return KVPQ_OK;
 too_big:
-    return kvpq__err(KVPQ_ERR_FORMAT, "%s: %s [%lld, %lld, %lld, %lld] needs more bytes than the file size %zu", what,
+    return kvpq__err(KVPQ_ERR_FORMAT, "%s: %s [%lld, %lld, %lld, %lld] needs more bytes than the file size %zu (truncated or corrupt)", what,
                      ggml_type_name(t->type), (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
                      (long long)t->ne[3], r->size);
 }
@@ -359,11 +359,8 @@ static kvpq_status parse(gguf_file *f) {
     KVPQ_TRY(rd_u64(r, &n_tensors, "tensor_count"));
     KVPQ_TRY(rd_u64(r, &n_kv, "metadata_kv_count"));
     if (n_kv > rd_left(r) / GGUF_MIN_KV_BYTES)
-        return kvpq__err(KVPQ_ERR_FORMAT, "metadata_kv_count %llu cannot fit in the %zu bytes left",
+        return kvpq__err(KVPQ_ERR_FORMAT, "metadata_kv_count %llu cannot fit in the %zu bytes left (truncated or corrupt)",
                          (unsigned long long)n_kv, rd_left(r));
-    if (n_tensors > rd_left(r) / GGUF_MIN_TENSOR_INFO_BYTES)
-        return kvpq__err(KVPQ_ERR_FORMAT, "tensor_count %llu cannot fit in the %zu bytes left",
-                         (unsigned long long)n_tensors, rd_left(r));
 
     f->kv = calloc(n_kv ? (size_t)n_kv : 1, sizeof *f->kv);
     f->kv_cap = index_cap((int64_t)n_kv);
@@ -375,6 +372,10 @@ static kvpq_status parse(gguf_file *f) {
         KVPQ_TRY(parse_kv(r, f, (int64_t)i));
     }
     f->n_kv = (int64_t)n_kv;
+    /* Checked after the metadata so that a file truncated inside it names the key that is cut. */
+    if (n_tensors > rd_left(r) / GGUF_MIN_TENSOR_INFO_BYTES)
+        return kvpq__err(KVPQ_ERR_FORMAT, "tensor_count %llu cannot fit in the %zu bytes left after the metadata "
+                         "(truncated or corrupt)", (unsigned long long)n_tensors, rd_left(r));
 
     f->alignment = GGUF_DEFAULT_ALIGNMENT;
     if (gguf_find_key(f, "general.alignment") >= 0) {

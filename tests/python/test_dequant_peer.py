@@ -40,6 +40,9 @@ def lib():
                                               ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
     L.kvpq_gguf_dequantize_tensor.restype = ctypes.c_int
     L.kvpq_last_error.restype = ctypes.c_char_p
+    L.kvpq_simd_get.restype = ctypes.c_int
+    L.kvpq_simd_set.argtypes = [ctypes.c_int]
+    L.kvpq_simd_set.restype = ctypes.c_int
     return L
 
 
@@ -59,27 +62,28 @@ def kvpq_dequant(lib, name):
     return out
 
 
+LEVELS = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+
 @pytest.mark.parametrize("name", TENSORS)
 def test_bit_exact_with_gguf_package(lib, reader, name):
+    """At every SIMD level this CPU has (kvpq_simd_set), as the SIMD dequantizers must be bit-exact too."""
     t = next(t for t in reader.tensors if t.name == name)
     want = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(-1)
-    got = kvpq_dequant(lib, name)
-    assert got.shape == want.shape
-    # Compare bit patterns so that -0.0 vs 0.0 or NaN payloads would also be caught.
-    mism = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
-    assert mism.size == 0, f"{name} ({t.tensor_type.name}): {mism.size} of {got.size} differ, first at {mism[:5]}: " \
-                           f"kvpq {got[mism[:5]]} gguf {want[mism[:5]]}"
     # The values are not trivial (a zero-filled result would also be 'equal' to zeros).
     assert np.count_nonzero(want) > want.size // 2
-
-
-@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512"])
-def test_every_simd_level_bit_exact(level):
-    """The SIMD dequantizers must be bit-exact too: run the check in a child with KVPQ_SIMD forced."""
-    env = dict(os.environ, KVPQ_SIMD=level, KVPQ_PEER_CHILD="1")
-    r = subprocess.run(["python3", "-m", "pytest", "-q", "-x", __file__, "-k", "test_bit_exact_with_gguf_package"],
-                       env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    best = lib.kvpq_simd_get()
+    try:
+        for level in range(best + 1):
+            assert lib.kvpq_simd_set(level) == 0
+            got = kvpq_dequant(lib, name)
+            assert got.shape == want.shape
+            # Compare bit patterns so that -0.0 vs 0.0 or NaN payloads would also be caught.
+            mism = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+            assert mism.size == 0, f"{name} ({t.tensor_type.name}, simd {LEVELS[level]}): {mism.size} of " \
+                                   f"{got.size} differ, first at {mism[:5]}: kvpq {got[mism[:5]]} gguf {want[mism[:5]]}"
+    finally:
+        lib.kvpq_simd_set(best)
 
 
 def test_errors_are_named(lib):
