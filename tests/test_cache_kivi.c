@@ -194,18 +194,24 @@ Test(kivi, truncate) {
         cr_assert_eq(kvpq_cache_read(c, 0, 0, L, a, NULL), KVPQ_OK);
         cr_assert_eq(kvpq_cache_read(f, 0, 0, L, b, NULL), KVPQ_OK);
         cr_assert(!memcmp(a, b, (size_t)L * kvw * 4), "kivi%d: truncate keeping n_coded is exact", bits);
-        /* Deeper: the positions that return to the window keep their dequantized values (fp16). */
+        /* Deeper (a rollback): whole groups below 200 stay quantized, unchanged; the 8 positions of
+         * the group cut in two return to the window with their dequantized values in fp16. */
         cr_assert_eq(kvpq_cache_read(c, 0, 0, L, before, NULL), KVPQ_OK);
         cr_assert_eq(kvpq_cache_truncate(c, 200), KVPQ_OK);
         kvpq_cache_stats st;
         kvpq_cache_get_stats(c, &st);
-        cr_assert_eq(st.tokens_coded, n_coded(200, W));
+        cr_assert_eq(st.tokens_coded, 192);
+        cr_assert_eq(st.tokens_window, 8);
         cr_assert_eq(kvpq_cache_read(c, 0, 0, 200, a, NULL), KVPQ_OK);
-        for (size_t e = 0; e < (size_t)200 * kvw; e++)
+        cr_assert(!memcmp(a, before, (size_t)192 * kvw * 4), "whole groups kept as they were");
+        for (size_t e = (size_t)192 * kvw; e < (size_t)200 * kvw; e++)
             cr_assert(fabs(a[e] - before[e]) <= 1e-3 * fabs(before[e]) + 1e-6, "element %zu: %g vs %g", e, a[e],
                       before[e]);
-        /* and it keeps working: append, attend against the reference over its read-back */
+        /* It keeps working: appending catches up with the rule (at 300 positions, n_coded is
+         * floor((300 - 64) / 32) * 32 again), and attention matches the reference over its read-back. */
         cr_assert_eq(kvpq_cache_append(c, 0, 100, k, v), KVPQ_OK);
+        kvpq_cache_get_stats(c, &st);
+        cr_assert_eq(st.tokens_coded, n_coded(300, W));
         float q[4 * 64], out[4 * 64];
         double ref[4 * 64];
         for (int i = 0; i < 4 * 64; i++) q[i] = k[i];

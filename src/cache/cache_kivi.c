@@ -24,10 +24,12 @@
  * element. Codes are token-major in both, so a position decodes as one contiguous row. The window is an fp16 ring of W + 32 positions per layer (allocated at the layer's first
  * append), position t in slot t mod (W + 32).
  *
- * Truncation inside the quantized region: the positions that must return to the window (to keep
- * the rule above) get their dequantized values in fp16; the originals are gone, so a later
- * re-quantization of those positions is not bit-identical to a fresh cache's. Truncation that keeps
- * n_coded (or to 0) is exact. */
+ * Truncation to n_pos keeps every whole quantized group below n_pos as it is (n_coded becomes
+ * min(n_coded, floor(n_pos / 32) * 32), which may exceed the rule above until appends catch up:
+ * then the window holds fewer than W positions for a while). Only the positions of a group cut in
+ * two, at most 31, go back to the window, holding their dequantized values rounded to fp16: so a
+ * rollback (the model truncates after a failed eval) changes at most those by fp16 rounding, and
+ * truncation that keeps n_coded, or to 0, is exact. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -270,9 +272,9 @@ static kvpq_status kivi_truncate(void *state, const int *lens, int n_pos) {
     const kvpq_attn_kernels *kr = kvpq__attn_kernels();
     for (int l = 0; l < s->p.n_layer; l++) {
         if (lens[l] <= n_pos) continue;
-        const int old = s->coded[l], now = n_coded_of(s, n_pos);
-        /* Positions [now, min(n_pos, old)) go back to the window, dequantized. Their ring slots
-         * are distinct from those of [old, n_pos): all lie within W + 31 < cap positions. */
+        const int old = s->coded[l], now = n_pos / G * G < old ? n_pos / G * G : old;
+        /* Positions [now, min(n_pos, old)), of a group cut in two, go back to the window,
+         * dequantized (none when old <= n_pos). At most 31, so their ring slots are free. */
         const int end = n_pos < old ? n_pos : old;
         for (int gi = now / G; gi * G < end; gi++) {
             int a = gi * G, b = a + G < end ? a + G : end;
