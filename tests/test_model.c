@@ -178,6 +178,40 @@ Test(model_load, unknown_architecture_is_unsupported_and_named) {
     cr_assert(strstr(kvpq_last_error(), "gptzz"), "message names the architecture: %s", kvpq_last_error());
 }
 
+Test(model_load, unsupported_tensor_type_is_named) {
+    REQUIRE_MODEL();
+    size_t n;
+    char *b = read_all(MODEL_PATH, &n);
+    /* Tensor info: u64 name length, name, u32 n_dims, n_dims x u64 ne, u32 ggml type. Retype
+     * blk.0.ffn_down.weight ([1536, 576] Q4_1) as Q6_K (type 14): 1536 is a multiple of its 256
+     * block, so the file stays well-formed, but kvpq does not dequantize Q6_K. */
+    const char name[] = "blk.0.ffn_down.weight";
+    char *p = memmem(b, n, name, sizeof name - 1);
+    cr_assert_not_null(p);
+    p += sizeof name - 1;
+    uint32_t n_dims;
+    memcpy(&n_dims, p, 4);
+    cr_assert_eq(n_dims, 2);
+    p += 4 + 8 * n_dims;
+    uint32_t type;
+    memcpy(&type, p, 4);
+    cr_assert_eq(type, 3, "expected Q4_1, found type %u", type);
+    type = 14;
+    memcpy(p, &type, 4);
+    char path[] = "/tmp/kvpq_model_type.XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    write_all(path, b, n);
+    free(b);
+    kvpq_model *m = NULL;
+    kvpq_status s = kvpq_model_load(&m, path, NULL);
+    unlink(path);
+    cr_assert_eq(s, KVPQ_ERR_UNSUPPORTED, "status %d: %s", s, kvpq_last_error());
+    cr_assert(strstr(kvpq_last_error(), "blk.0.ffn_down.weight") && strstr(kvpq_last_error(), "Q6_K"),
+              "message names the tensor and type: %s", kvpq_last_error());
+}
+
 Test(model_load, info_matches_the_file, .init = setup_model, .fini = teardown_model) {
     REQUIRE_MODEL();
     cr_assert_str_eq(g_info.arch, "llama");
