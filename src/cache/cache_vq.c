@@ -43,7 +43,8 @@
 #include "pq/pq_impl.h"
 
 #define VQ_FLUSH 32         /* window overflow is encoded in batches of this many tokens */
-#define VQ_CHUNK 256        /* coded tokens per online-softmax step (scores stay in L1) */
+#define VQ_CHUNK 256        /* most coded tokens per kernel call (bounds the unpacked-index scratch) */
+#define VQ_BLOCK_FLOATS 4096  /* scores of one two-pass block: (block tokens, gp) floats, 16 KiB (L1) */
 #define VQ_MIN_SPLIT 512    /* fewest coded tokens per split of one head's context (decode) */
 #define VQ_FP16_MAX 65504.0f
 
@@ -61,7 +62,7 @@ typedef struct {          /* per-thread scratch, sized at creation: nothing allo
     float *qr;            /* (gp, head_dim) smoothed, rotated, scaled queries of one group */
     float *lut;           /* (Mk, ksub_k, gp) */
     float *table;         /* (Mv, ksub_v, gp) */
-    float *s;             /* (VQ_CHUNK, gp) scores, then weights */
+    float *s;             /* (block tokens, gp) scores, then weights: a whole two-pass block */
     uint16_t *idx;        /* (VQ_CHUNK, max(Mk, Mv)) unpacked codes when nbits != 8 */
     float *rescale;       /* (gp) */
     float *wkf, *wvf;     /* (cap, head_dim) window keys / values as float */
@@ -99,6 +100,12 @@ typedef struct {
 static int vq_target_coded(const vq_state *st, int len) {
     if (len < st->window + VQ_FLUSH) return 0;
     return ((len - st->window) / VQ_FLUSH) * VQ_FLUSH;
+}
+
+/* Coded tokens per two-pass block (scores of a whole block are kept, see vq_coded_part). */
+static int vq_block_tokens(int gp) {
+    int n = VQ_BLOCK_FLOATS / gp;
+    return n < VQ_CHUNK ? VQ_CHUNK : n;
 }
 
 static uint8_t *vq_kcodes(const vq_state *st, const vq_layer *L, int h, int pos) {
@@ -250,7 +257,7 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         s->qr = calloc((size_t)gp * d, sizeof(float));
         s->lut = calloc((size_t)cp.key.M * st->k_ksub * gp, sizeof(float));
         s->table = calloc((size_t)cp.value.M * st->v_ksub * gp, sizeof(float));
-        s->s = calloc((size_t)VQ_CHUNK * gp, sizeof(float));
+        s->s = calloc((size_t)vq_block_tokens(gp) * gp, sizeof(float));
         s->idx = calloc((size_t)VQ_CHUNK * mmax, sizeof(uint16_t));
         s->rescale = calloc(gp, sizeof(float));
         s->wkf = calloc((size_t)st->cap * d, sizeof(float));
@@ -377,6 +384,28 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
 
 // ---- attention --------------------------------------------------------------------------------
 
+/* Tokens from t to the end of its page, at most VQ_CHUNK and at most t1 - t. */
+static int vq_seg(const vq_state *st, int t, int t1) {
+    int n = st->page_tokens - t % st->page_tokens;
+    if (n > VQ_CHUNK) n = VQ_CHUNK;
+    return n < t1 - t ? n : t1 - t;
+}
+
+/* mx (gp) = per-lane maximum of s (n, gp), n >= 1. Lanes are folded through a 16-float period
+ * (gp in 1, 4, 8, 16) or a gp-float one (multiples of 16) so the inner loop vectorizes. */
+static void vq_lane_max(int n, int gp, const float *s, float *mx) {
+    const int per = gp <= 16 ? 16 : gp;
+    float acc[64];
+    for (int l = 0; l < per; l++) acc[l] = -INFINITY;
+    const size_t total = (size_t)n * gp;
+    size_t i = 0;
+    for (; i + per <= total; i += per)
+        for (int l = 0; l < per; l++) acc[l] = s[i + l] > acc[l] ? s[i + l] : acc[l];
+    for (int g = 0; g < gp; g++) mx[g] = -INFINITY;
+    for (int l = 0; l < per; l++) mx[l % gp] = acc[l] > mx[l % gp] ? acc[l] : mx[l % gp];
+    for (; i < total; i++) mx[i % gp] = s[i] > mx[i % gp] ? s[i] : mx[i % gp];
+}
+
 /* Softmax state of one group's queries over coded positions [t0, t1) of KV head h. part gets
  * m (gp), d (gp), o (gp, head_dim) with o in the value codebook's space (rotated if value_rotate). */
 static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int h, const float *q, int t0, int t1,
@@ -405,29 +434,50 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     memset(s->table, 0, table_rows * gp * sizeof(float));
     const int kbits8 = kpq->p.nbits == 8, vbits8 = vpq->p.nbits == 8;
     const int Mk = kpq->p.M, Mv = vpq->p.M;
-    int first = 1;
-    for (int t = t0; t < t1;) {
-        int off = t % st->page_tokens;
-        int n = st->page_tokens - off;
-        if (n > VQ_CHUNK) n = VQ_CHUNK;
-        if (n > t1 - t) n = t1 - t;
-        const uint8_t *kc = vq_kcodes(st, L, h, t), *vc = vq_vcodes(st, L, h, t);
-        if (kbits8) {
-            K->score_u8(n, Mk, kpq->ksub, gp, kc, s->lut, s->s);
-        } else {
-            kvpq_codes_unpack(Mk, kpq->p.nbits, n, kc, s->idx);
-            K->score_u16(n, Mk, kpq->ksub, gp, s->idx, s->lut, s->s);
+    /* Two passes per block of up to vq_block_tokens(gp) tokens: all scores of the block first (they
+     * stay in L2), then its per-lane maximum becomes the softmax reference m before any weight is
+     * taken, so the W table is rescaled at most once per block (not each time a chunk's maximum
+     * rises), and the exp + accumulation pass runs with factor 1. Same math as the online step. */
+    const int blk = vq_block_tokens(gp);
+    for (int b0 = t0; b0 < t1;) {
+        const int b1 = t1 - b0 < blk ? t1 : b0 + blk;
+        for (int t = b0; t < b1;) {
+            int n = vq_seg(st, t, b1);
+            const uint8_t *kc = vq_kcodes(st, L, h, t);
+            float *sc = s->s + (size_t)(t - b0) * gp;
+            if (kbits8) {
+                K->score_u8(n, Mk, kpq->ksub, gp, kc, s->lut, sc);
+            } else {
+                kvpq_codes_unpack(Mk, kpq->p.nbits, n, kc, s->idx);
+                K->score_u16(n, Mk, kpq->ksub, gp, s->idx, s->lut, sc);
+            }
+            t += n;
         }
-        if (K->softmax_step(n, gp, s->s, pm, pd, s->rescale) && !first)
-            K->scale_rows(table_rows, gp, s->rescale, s->table);
-        first = 0;
-        if (vbits8) {
-            K->accum_u8(n, Mv, vpq->ksub, gp, vc, s->s, s->table);
-        } else {
-            kvpq_codes_unpack(Mv, vpq->p.nbits, n, vc, s->idx);
-            K->accum_u16(n, Mv, vpq->ksub, gp, s->idx, s->s, s->table);
+        float mx[64];
+        vq_lane_max(b1 - b0, gp, s->s, mx);
+        int any = 0;
+        for (int g = 0; g < gp; g++) {
+            float m_new = pm[g] > mx[g] ? pm[g] : mx[g];
+            s->rescale[g] = pm[g] == -INFINITY ? 0.0f : expf(pm[g] - m_new);
+            if (s->rescale[g] != 1.0f) any = 1;
+            pd[g] *= s->rescale[g];
+            pm[g] = m_new;
         }
-        t += n;
+        if (any && b0 > t0) K->scale_rows(table_rows, gp, s->rescale, s->table);
+        for (int t = b0; t < b1;) {
+            int n = vq_seg(st, t, b1);
+            const uint8_t *vc = vq_vcodes(st, L, h, t);
+            float *sc = s->s + (size_t)(t - b0) * gp;
+            K->softmax_step(n, gp, sc, pm, pd, s->rescale); /* factor 1: pm is already the block max */
+            if (vbits8) {
+                K->accum_u8(n, Mv, vpq->ksub, gp, vc, sc, s->table);
+            } else {
+                kvpq_codes_unpack(Mv, vpq->p.nbits, n, vc, s->idx);
+                K->accum_u16(n, Mv, vpq->ksub, gp, s->idx, sc, s->table);
+            }
+            t += n;
+        }
+        b0 = b1;
     }
     /* (M, dsub, gp) = (head_dim, gp) in s->o, then heads outermost into the part. */
     K->table_out(vpq->p.M, vpq->ksub, vpq->dsub, vpq->n_books, vpq->centroids, gp, s->table, s->o);
