@@ -302,6 +302,13 @@ typedef struct {
     const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
     int n_threads;      /* 0 = OpenMP default */
     kvpq_backend backend;
+    /* VQ, 8-bit key codes: 1 = approximate key scores by "fast-scan" (André et al., VLDB 2015;
+     * faiss PQ fast-scan): the float LUT of each query head is quantized to 8 bits with one step
+     * delta = max_m (max_c LUT[m][c] - min_c LUT[m][c]) / 255 and summed in 16-bit integers with
+     * in-register byte lookups (AVX-512 VBMI; the scalar reference elsewhere). Each score (a logit
+     * already divided by sqrt(head_dim)) gains an error of at most M * delta / 2, so softmax weights
+     * move by a factor within exp(+-M * delta). Default 0: exact float LUT. */
+    int vq_fast_scan;
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
 

@@ -654,3 +654,51 @@ Test(cache_vq, kernels_match_reference) {
         free(kk);
     }
 }
+
+/* Fast-scan (8-bit LUT) scores: the quantization's error stays within its bound M * delta / 2 of the
+ * exact float-LUT scores (and is not zero: the path really is the quantized one), and every SIMD
+ * level's kernel equals the reference bit for bit (integer sums, one FMA for scale and bias).
+ * n = 150 covers two 64-token blocks and a tail; M = 16, 32 (vector path) and 12 (reference). */
+Test(cache_vq, fast_scan_scores) {
+    kvpq_simd_level best = kvpq_simd_get();
+    const int n = 150, ksub = 256;
+    const int Ms[] = {12, 16, 32};
+    const int gps[][2] = {{1, 1}, {3, 4}, {4, 4}, {6, 8}, {16, 16}};
+    for (size_t mi = 0; mi < 3; mi++)
+        for (size_t gi = 0; gi < 5; gi++) {
+            const int M = Ms[mi], G = gps[gi][0], gp = gps[gi][1];
+            float *lut = randn((size_t)M * ksub * gp, 1.0f);
+            uint8_t *c8 = malloc((size_t)n * M), *lut8 = malloc((size_t)G * M * ksub);
+            for (int i = 0; i < n * M; i++) c8[i] = (uint8_t)(urand() * ksub);
+            float *ex = malloc((size_t)n * gp * 4), *s1 = malloc((size_t)n * gp * 4), *s2 = malloc((size_t)n * gp * 4);
+            float scale[16], bias[16];
+            kvpq__vq_lut_quantize(M, ksub, gp, G, lut, lut8, scale, bias);
+            kvpq__vq_score_u8_ref(n, M, ksub, gp, c8, lut, ex);
+            kvpq__vq_score_fs_u8_ref(n, M, G, gp, c8, lut8, scale, bias, s1);
+            double max_err = 0.0;
+            for (int t = 0; t < n; t++)
+                for (int g = 0; g < gp; g++) {
+                    float e = s1[t * gp + g], x = ex[t * gp + g];
+                    if (g >= G) {
+                        cr_assert_eq(e, 0.0f);
+                        continue;
+                    }
+                    double err = fabs((double)e - x), bound = M * scale[g] / 2.0 * (1 + 1e-4) + 1e-5;
+                    cr_assert(err <= bound, "fast-scan M %d g %d t %d: error %g > bound %g", M, g, t, err, bound);
+                    if (err > max_err) max_err = err;
+                }
+            cr_assert(max_err > 0.0, "fast-scan scores equal the exact ones: not quantized?");
+            for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
+                const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
+                memset(s2, 0x7f, (size_t)n * gp * 4);
+                K->score_fs_u8(n, M, G, gp, c8, lut8, scale, bias, s2);
+                cr_assert(!memcmp(s1, s2, (size_t)n * gp * 4), "fast-scan kernel level %d M %d G %d", lv, M, G);
+            }
+            free(lut);
+            free(c8);
+            free(lut8);
+            free(ex);
+            free(s1);
+            free(s2);
+        }
+}

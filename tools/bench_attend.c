@@ -21,8 +21,9 @@ static const bench_shape shapes[] = {
     {32, 8, 128, "Llama-3-8B"},
 };
 static const int default_ctx[] = {1024, 4096, 8192, 32768};
-enum { K_FP32, K_FP16, K_VQ, N_KINDS };
-static const char *const kind_names[N_KINDS] = {"fp32", "fp16", "vq-d4b8"};
+enum { K_FP32, K_FP16, K_VQ, K_VQFS, N_KINDS };
+/* vq-d4b8-fs: the same VQ cache with kvpq_cache_params.vq_fast_scan (approximate key scores). */
+static const char *const kind_names[N_KINDS] = {"fp32", "fp16", "vq-d4b8", "vq-d4b8-fs"};
 
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 static float gauss(void) {
@@ -169,6 +170,7 @@ int cmd_bench_attend(int argc, char **argv) {
             p.codebook = cb;
             p.n_threads = (int)threads;
             p.backend = KVPQ_BACKEND_CPU;
+            p.vq_fast_scan = kind == K_VQFS;
             st = kvpq_cache_new(&caches[kind], &p);
         }
         const int chunk = 1024;
@@ -224,7 +226,18 @@ int cmd_bench_attend(int argc, char **argv) {
                 }
             }
             if (rc) break;
+            /* How far fast-scan moves the output: max |o_fs - o_exact| over all heads, beside max |o|. */
+            double fs_diff = 0.0, o_max = 0.0;
+            float *o2 = malloc((size_t)s->n_head * d * sizeof(float));
+            if (o2 && kvpq_cache_attend(caches[K_VQ], 0, 1, q, out) == KVPQ_OK &&
+                kvpq_cache_attend(caches[K_VQFS], 0, 1, q, o2) == KVPQ_OK)
+                for (int i = 0; i < s->n_head * d; i++) {
+                    fs_diff = fmax(fs_diff, fabs((double)o2[i] - out[i]));
+                    o_max = fmax(o_max, fabs((double)out[i]));
+                }
+            free(o2);
             cJSON *jr = cJSON_CreateObject();
+            cJSON_AddNumberToObject(jr, "fast_scan_max_abs_diff", fs_diff);
             cJSON_AddNumberToObject(jr, "ctx", ctx);
             for (int kind = 0; kind < N_KINDS; kind++) {
                 cJSON *jk = cJSON_AddObjectToObject(jr, kind_names[kind]);
@@ -235,6 +248,7 @@ int cmd_bench_attend(int argc, char **argv) {
                     printf("%-13s %7d  %-8s %10.1f %9.2f %10.0f %8.2fx %8.2fx\n", s->model, ctx, kind_names[kind], us[kind],
                            bytes[kind] / (us[kind] * 1e3), bytes[kind], us[K_FP32] / us[kind], us[K_FP16] / us[kind]);
             }
+            if (!json) printf("%-13s %7d  fast-scan vs exact VQ output: max |diff| %.3g (max |o| %.3g)\n", s->model, ctx, fs_diff, o_max);
             cJSON_AddNumberToObject(jr, "speedup_vs_fp32", us[K_FP32] / us[K_VQ]);
             cJSON_AddNumberToObject(jr, "speedup_vs_fp16", us[K_FP16] / us[K_VQ]);
             cJSON_AddItemToArray(jres, jr);

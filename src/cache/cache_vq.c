@@ -65,6 +65,8 @@ typedef struct {          /* per-thread scratch, sized at creation: nothing allo
     float *s;             /* (block tokens, gp) scores, then weights: a whole two-pass block */
     uint16_t *idx;        /* (VQ_CHUNK, max(Mk, Mv)) unpacked codes when nbits != 8 */
     float *rescale;       /* (gp) */
+    uint8_t *lut8;        /* (group, Mk, 256) fast-scan LUT, when fast_scan */
+    float *fs_scale, *fs_bias; /* (gp) fast-scan step and offset per head */
     float *wkf, *wvf;     /* (cap, head_dim) window keys / values as float */
     float *ws;            /* (cap) window scores */
     float *o;             /* (gp, head_dim) merged output of one group */
@@ -77,6 +79,7 @@ typedef struct {
     int gp;               /* group padded to 1, 4, 8 or a multiple of 16 lanes */
     int window, cap, page_tokens, max_pages, n_threads;
     int value_rotate;
+    int fast_scan;        /* params.vq_fast_scan and 8-bit key codes with M <= 256 */
     float scale;          /* 1 / sqrt(head_dim) */
     kvpq_pq_params kp, vp;
     int k_ksub, v_ksub, k_dsub, v_dsub;
@@ -124,6 +127,9 @@ static void vq_scratch_free(vq_scratch *s) {
     free(s->s);
     free(s->idx);
     free(s->rescale);
+    free(s->lut8);
+    free(s->fs_scale);
+    free(s->fs_bias);
     free(s->wkf);
     free(s->wvf);
     free(s->ws);
@@ -224,6 +230,7 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     if (st->n_threads < 1) st->n_threads = 1;
     st->value_rotate = cp.value_rotate != 0;
     st->scale = 1.0f / sqrtf((float)p->head_dim);
+    st->fast_scan = p->vq_fast_scan && cp.key.nbits == 8 && cp.key.M <= 256;
     st->kp = cp.key;
     st->vp = cp.value;
     st->k_ksub = 1 << cp.key.nbits;
@@ -260,6 +267,10 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         s->s = calloc((size_t)vq_block_tokens(gp) * gp, sizeof(float));
         s->idx = calloc((size_t)VQ_CHUNK * mmax, sizeof(uint16_t));
         s->rescale = calloc(gp, sizeof(float));
+        s->fs_scale = calloc(gp, sizeof(float));
+        s->fs_bias = calloc(gp, sizeof(float));
+        s->lut8 = st->fast_scan ? malloc((size_t)st->group * cp.key.M * 256) : malloc(1);
+        if (!s->fs_scale || !s->fs_bias || !s->lut8) goto nomem;
         s->wkf = calloc((size_t)st->cap * d, sizeof(float));
         s->wvf = calloc((size_t)st->cap * d, sizeof(float));
         s->ws = calloc(st->cap, sizeof(float));
@@ -430,6 +441,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     for (int g = 0; g < G; g++)
         for (int i = 0; i < d; i++) qt[(size_t)i * gp + g] = s->qr[(size_t)g * d + i];
     K->lut_build(kpq->p.M, kpq->ksub, kpq->dsub, kpq->n_books, kpq->centroids, gp, qt, s->lut);
+    if (st->fast_scan) kvpq__vq_lut_quantize(kpq->p.M, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
     const size_t table_rows = (size_t)vpq->p.M * vpq->ksub;
     memset(s->table, 0, table_rows * gp * sizeof(float));
     const int kbits8 = kpq->p.nbits == 8, vbits8 = vpq->p.nbits == 8;
@@ -445,7 +457,9 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             int n = vq_seg(st, t, b1);
             const uint8_t *kc = vq_kcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
-            if (kbits8) {
+            if (st->fast_scan) {
+                K->score_fs_u8(n, Mk, G, gp, kc, s->lut8, s->fs_scale, s->fs_bias, sc);
+            } else if (kbits8) {
                 K->score_u8(n, Mk, kpq->ksub, gp, kc, s->lut, sc);
             } else {
                 kvpq_codes_unpack(Mk, kpq->p.nbits, n, kc, s->idx);

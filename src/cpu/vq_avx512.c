@@ -105,7 +105,101 @@ static void table_out_avx512(int M, int ksub, int dsub, int n_books, const float
     }
 }
 
+// ---- fast-scan scores with AVX-512 VBMI (approximate, opt-in: kvpq_cache_params.vq_fast_scan) ----
+
+#define VQ_VBMI __attribute__((target("avx512f,avx512bw,avx512vbmi")))
+
+/* Codes of 64 tokens x 16 sub-spaces (m0..m0+15) -> cm[m] (64 bytes: code of token t at byte t).
+ * Register i first holds tokens 4i..4i+3 (16 bytes each); a byte permute makes its dword j the
+ * codes of sub-space j for those 4 tokens, then a 16 x 16 dword transpose (4 stages, each swapping
+ * one bit of the row and column index) gives dword i of register m = sub-space m, tokens 4i..4i+3. */
+VQ_VBMI static void fs_transpose16(int M, const uint8_t *codes, __m512i *cm) {
+    static const uint8_t perm_b[64] = {
+        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+    const __m512i perm = _mm512_loadu_si512(perm_b);
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) {
+        const uint8_t *c = codes + (size_t)4 * i * M;
+        __m512i x;
+        if (M == 16) {
+            x = _mm512_loadu_si512(c);
+        } else {
+            x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)c));
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(c + M)), 1);
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(c + 2 * M)), 2);
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(c + 3 * M)), 3);
+        }
+        r[i] = _mm512_permutexvar_epi8(perm, x);
+    }
+    for (int b = 1; b < 16; b <<= 1) {
+        int lo_i[16], hi_i[16];
+        for (int j = 0; j < 16; j++) {
+            lo_i[j] = (j & b) ? 16 + (j & ~b) : j;
+            hi_i[j] = (j & b) ? 16 + j : (j | b);
+        }
+        const __m512i lo = _mm512_loadu_si512(lo_i), hi = _mm512_loadu_si512(hi_i);
+        for (int i = 0; i < 16; i++) {
+            if (i & b) continue;
+            __m512i a = r[i], c = r[i | b];
+            r[i] = _mm512_permutex2var_epi32(a, lo, c);
+            r[i | b] = _mm512_permutex2var_epi32(a, hi, c);
+        }
+    }
+    for (int m = 0; m < 16; m++) cm[m] = r[m];
+}
+
+/* 256-entry byte lookups in registers: two 128-entry vpermi2b (low 7 bits of the code) merged by
+ * the code's top bit; 16-bit sums of even and odd tokens (M <= 257 keeps them below 65536). */
+VQ_VBMI static void score_fs_u8_vbmi(int n, int M, int G, int gp, const uint8_t *codes, const uint8_t *lut8,
+                                     const float *scale, const float *bias, float *s) {
+    if (M % 16 || M > 256) {
+        kvpq__vq_score_fs_u8_ref(n, M, G, gp, codes, lut8, scale, bias, s);
+        return;
+    }
+    __m512i cm[256];
+    int t0 = 0;
+    for (; t0 + 64 <= n; t0 += 64) {
+        for (int m0 = 0; m0 < M; m0 += 16) fs_transpose16(M, codes + (size_t)t0 * M + m0, cm + m0);
+        float *st = s + (size_t)t0 * gp;
+        for (int g = 0; g < gp; g++) {
+            if (g >= G) {
+                for (int t = 0; t < 64; t++) st[(size_t)t * gp + g] = 0.0f;
+                continue;
+            }
+            __m512i ae = _mm512_setzero_si512(), ao = _mm512_setzero_si512();
+            const __m512i low = _mm512_set1_epi16(0xff);
+            const uint8_t *L = lut8 + (size_t)g * M * 256;
+            for (int m = 0; m < M; m++, L += 256) {
+                const __m512i c = cm[m];
+                __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(L), c, _mm512_loadu_si512(L + 64));
+                __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(L + 128), c, _mm512_loadu_si512(L + 192));
+                __m512i v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(c), lo, hi);
+                ae = _mm512_add_epi16(ae, _mm512_and_si512(v, low));
+                ao = _mm512_add_epi16(ao, _mm512_srli_epi16(v, 8));
+            }
+            /* ae lane k = token 2k, ao lane k = token 2k + 1. */
+            const __m512 sc = _mm512_set1_ps(scale[g]), bi = _mm512_set1_ps(bias[g]);
+            float fe[32], fo[32];
+            for (int h = 0; h < 2; h++) {
+                __m256i e = h ? _mm512_extracti64x4_epi64(ae, 1) : _mm512_castsi512_si256(ae);
+                __m256i o = h ? _mm512_extracti64x4_epi64(ao, 1) : _mm512_castsi512_si256(ao);
+                _mm512_storeu_ps(fe + 16 * h, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(e)), bi));
+                _mm512_storeu_ps(fo + 16 * h, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(o)), bi));
+            }
+            for (int k = 0; k < 32; k++) {
+                st[(size_t)(2 * k) * gp + g] = fe[k];
+                st[(size_t)(2 * k + 1) * gp + g] = fo[k];
+            }
+        }
+    }
+    if (t0 < n)
+        kvpq__vq_score_fs_u8_ref(n - t0, M, G, gp, codes + (size_t)t0 * M, lut8, scale, bias, s + (size_t)t0 * gp);
+}
+
 void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k) {
+    if (__builtin_cpu_supports("avx512vbmi")) k->score_fs_u8 = score_fs_u8_vbmi;
     k->lut_build = lut_build_avx512;
     k->table_out = table_out_avx512;
     k->score_u8 = score_u8_avx512;

@@ -22,6 +22,71 @@
 VQ_SCORE_REF(kvpq__vq_score_u8_ref, uint8_t)
 VQ_SCORE_REF(kvpq__vq_score_u16_ref, uint16_t)
 
+void kvpq__vq_score_fs_u8_ref(int n, int M, int G, int gp, const uint8_t *codes, const uint8_t *lut8,
+                              const float *scale, const float *bias, float *s) {
+    for (int t = 0; t < n; t++) {
+        const uint8_t *c = codes + (size_t)t * M;
+        for (int g = 0; g < gp; g++) {
+            if (g >= G) {
+                s[(size_t)t * gp + g] = 0.0f;
+                continue;
+            }
+            uint32_t a = 0;
+            for (int m = 0; m < M; m++) a += lut8[((size_t)g * M + m) * 256 + c[m]];
+            s[(size_t)t * gp + g] = fmaf(scale[g], (float)a, bias[g]);
+        }
+    }
+}
+
+/* min and max over c of lut[m][c][g0 + g] for g < ng; chk[g] turns NaN once an entry is NaN or
+ * infinite. Heads are innermost in lut, so the inner loops run over contiguous lanes. */
+static void lut_minmax(int ksub, int gp, int ng, const float *lm, float *lo, float *hi, float *chk) {
+    for (int g = 0; g < ng; g++) lo[g] = INFINITY, hi[g] = -INFINITY;
+    for (int c = 0; c < ksub; c++) {
+        const float *r = lm + (size_t)c * gp;
+        for (int g = 0; g < ng; g++) {
+            lo[g] = r[g] < lo[g] ? r[g] : lo[g];
+            hi[g] = r[g] > hi[g] ? r[g] : hi[g];
+            chk[g] += r[g] * 0.0f;
+        }
+    }
+}
+
+void kvpq__vq_lut_quantize(int M, int ksub, int gp, int G, const float *lut, uint8_t *lut8, float *scale, float *bias) {
+    for (int g0 = 0; g0 < G; g0 += 64) { /* lanes in slices of 64 */
+        const int ng = G - g0 < 64 ? G - g0 : 64;
+        float rng[64], chk[64], lo[64], hi[64], inv[64];
+        double b[64];
+        for (int g = 0; g < ng; g++) rng[g] = chk[g] = 0.0f, b[g] = 0.0;
+        for (int m = 0; m < M; m++) {
+            lut_minmax(ksub, gp, ng, lut + (size_t)m * ksub * gp + g0, lo, hi, chk);
+            for (int g = 0; g < ng; g++) {
+                rng[g] = hi[g] - lo[g] > rng[g] ? hi[g] - lo[g] : rng[g];
+                b[g] += lo[g];
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            const int finite = chk[g] == 0.0f;
+            const float delta = finite && rng[g] > 0.0f ? rng[g] / 255.0f : 1.0f;
+            inv[g] = 1.0f / delta;
+            scale[g0 + g] = finite ? delta : NAN;
+            bias[g0 + g] = finite ? (float)b[g] : NAN;
+            if (!finite) inv[g] = 0.0f; /* codes 0; the NaN scale makes the scores NaN */
+        }
+        for (int m = 0; m < M; m++) {
+            const float *lm = lut + (size_t)m * ksub * gp + g0;
+            float dummy[64] = {0};
+            lut_minmax(ksub, gp, ng, lm, lo, hi, dummy);
+            for (int c = 0; c < ksub; c++)
+                for (int g = 0; g < ng; g++) {
+                    float q = inv[g] > 0.0f ? (lm[(size_t)c * gp + g] - lo[g]) * inv[g] + 0.5f : 0.0f;
+                    /* q >= 0.5 for finite input: truncation rounds to nearest */
+                    lut8[((size_t)(g0 + g) * M + m) * ksub + c] = (uint8_t)(q < 255.0f ? q : 255.0f);
+                }
+        }
+    }
+}
+
 #define VQ_ACCUM_REF(NAME, T)                                                                     \
     void NAME(int n, int M, int ksub, int gp, const T *codes, const float *p, float *table) {     \
         for (int t = 0; t < n; t++) {                                                             \
@@ -121,6 +186,7 @@ static void init_tables(void) {
     kvpq_vq_kernels ref = {
         .score_u8 = kvpq__vq_score_u8_ref,
         .score_u16 = kvpq__vq_score_u16_ref,
+        .score_fs_u8 = kvpq__vq_score_fs_u8_ref,
         .accum_u8 = kvpq__vq_accum_u8_ref,
         .accum_u16 = kvpq__vq_accum_u16_ref,
         .softmax_step = kvpq__vq_softmax_step_ref,

@@ -25,6 +25,11 @@ typedef struct {
     /* table[m][code(t, m)][g] += p[t][g] for every t < n, m < M. */
     void (*accum_u8)(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
     void (*accum_u16)(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
+    /* Fast-scan scores (approximate; 8-bit codes, ksub = 256, M <= 256): for g < G,
+     * s[t][g] = scale[g] * sum_m lut8[g][m][code(t, m)] + bias[g] (the sum is exact in integers);
+     * lanes G..gp-1 get 0. lut8 (G, M, 256) uint8 from kvpq__vq_lut_quantize. */
+    void (*score_fs_u8)(int n, int M, int G, int gp, const uint8_t *codes, const uint8_t *lut8, const float *scale,
+                        const float *bias, float *s);
     /* One online-softmax step over a chunk of scores s (n, gp), n >= 1 (Milakov & Gimelshein 2018):
      * m_new = max(m, max_t s[t]); s[t] <- exp(s[t] - m_new); d <- d * exp(m - m_new) + sum_t s[t];
      * m <- m_new. rescale (gp) gets exp(m_old - m_new) (0 where m_old was -inf). Returns 1 if some
@@ -52,6 +57,15 @@ const kvpq_vq_kernels *kvpq__vq_kernels(kvpq_simd_level level);
 
 void kvpq__vq_score_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s);
 void kvpq__vq_score_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *lut, float *s);
+void kvpq__vq_score_fs_u8_ref(int n, int M, int G, int gp, const uint8_t *codes, const uint8_t *lut8,
+                              const float *scale, const float *bias, float *s);
+/* Quantize the float LUT (M, ksub, gp) of heads g < G to lut8 (G, M, ksub) uint8 for fast-scan
+ * (André et al., "Cache locality is not enough", VLDB 2015; faiss fast-scan): per head g and
+ * sub-space m, lut8 = round((LUT[m][c][g] - min_c LUT[m][c][g]) / delta_g) with one step per head
+ * delta_g = max_m (max_c - min_c) / 255, so a score is scale[g] = delta_g times the integer sum plus
+ * bias[g] = sum_m min_c. Each score's added error is at most M * delta_g / 2 (rounding). Non-finite
+ * LUT entries make that head's scale and bias NaN (its scores are then NaN, as on the exact path). */
+void kvpq__vq_lut_quantize(int M, int ksub, int gp, int G, const float *lut, uint8_t *lut8, float *scale, float *bias);
 void kvpq__vq_accum_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
 void kvpq__vq_accum_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float *rescale);
