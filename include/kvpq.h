@@ -35,6 +35,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -166,13 +167,22 @@ typedef struct {
 } kvpq_kmeans_report;
 
 /* k-means (k-means++ initialization, Lloyd iterations, empty clusters split from the largest).
- * x: (n, d) float32; centroids out: (k, d). MSE (sum of squared distances / n) never rises between
- * iterations. Errors: n < k, NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
+ * x: (n, d) float32; centroids out: (k, d). Uses at most k * max_points_per_centroid points (a
+ * uniform subsample, as faiss); k-means++ seeds from a uniform subsample of at most 16 k of them.
+ * MSE (sum of squared distances / n_used) never rises between iterations: an iteration whose MSE
+ * would rise (rounding at a fixed point) is rolled back and ends the run early (report->iterations
+ * says how many ran). The result depends only on (x, k, params, seed), not on the thread count.
+ * d = 1, 2, 4, 8, 16 use the fused nearest-centroid kernels; other d use OpenBLAS sgemm blocks.
+ * Progress: stage "kmeans", done = iterations finished of niter. kp may be NULL (defaults).
+ * Errors: n < k, bad params (named), NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
 KVPQ_API kvpq_status kvpq_kmeans(int d, int k, size_t n, const float *x, const kvpq_kmeans_params *kp,
                                  float *centroids, kvpq_kmeans_report *report);
 
 /* Train the quantizer's codebook(s) on x: (n, d). SHARED pools the n*M sub-vectors into one
- * k-means; SUBSPACE runs M k-means. report may be NULL (for SUBSPACE it sums over sub-spaces). */
+ * k-means; SUBSPACE runs M k-means. report may be NULL; its MSEs are per d-dim vector (SUBSPACE:
+ * summed over sub-spaces; SHARED: M x the sub-vector MSE), its counts summed over the k-means runs.
+ * Progress: stage "pq_train", done/total over all sub-spaces. On error the codebook is unchanged.
+ * Errors: as kvpq_kmeans; n*M < ksub (SHARED) or n < ksub (SUBSPACE). */
 KVPQ_API kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, const float *x,
                                    kvpq_kmeans_report *report);
 
@@ -206,6 +216,19 @@ KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
 KVPQ_API kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
                                          float floor, float *lambda);
 
+/* Apply smoothing factors in place to x: (n, n_head_kv, head_dim), lambda: (n_head_kv, head_dim).
+ * inverse = 0: x /= lambda (what keys get before rotation and encoding, VecInfer sec. 3);
+ * inverse = 1: x *= lambda (undoes it: decoded keys back to the model's space).
+ * Then (q * lambda) . (k / lambda) = q . k. Errors: lambda not finite and > 0 (names the index). */
+KVPQ_API kvpq_status kvpq_smooth_apply(float *x, size_t n, int n_head_kv, int head_dim, const float *lambda,
+                                       int inverse);
+
+/* Multiply queries q: (n, n_head, head_dim) in place by the factors of their KV head (GQA: query head
+ * h uses lambda row h / (n_head / n_head_kv)). lambda: (n_head_kv, head_dim). Errors: n_head not a
+ * multiple of n_head_kv, lambda not finite and > 0. */
+KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int n_head_kv, int head_dim,
+                                             const float *lambda);
+
 /* ---- codebook file (safetensors) ------------------------------------------------------------ */
 
 /* A model's trained codebooks: per layer, key and value quantizers, key smoothing factors. Saved as
@@ -237,14 +260,18 @@ KVPQ_API const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int laye
 /* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
 KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
-/* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. */
+/* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. The config keys
+ * (kvpq.format_version, n_layer, ... v.rotate) are listed and readable too, derived from the params;
+ * set fails on them with KVPQ_ERR_INVALID_ARG. Values of k.granularity: "shared" or "subspace". */
 KVPQ_API kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value);
 KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key);
 /* Number of metadata entries and the i-th key (for listing). */
 KVPQ_API size_t kvpq_codebook_meta_count(const kvpq_codebook *cb);
 KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
 
-/* Write atomically (temp file then rename: an existing file is never left half-written). */
+/* Write atomically (temp file then rename: an existing file is never left half-written). Fails
+ * with KVPQ_ERR_NONFINITE / KVPQ_ERR_INVALID_ARG (NaN/Inf, smoothing factor <= 0) rather than write
+ * a file that load would reject. New codebooks hold lambda = 1 and zero centroids. */
 KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path);
 /* Load and validate every offset, shape and dtype; rejects NaN/Inf (KVPQ_ERR_NONFINITE) and any
  * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
@@ -337,6 +364,7 @@ typedef struct {
     float rope_freq_base;
     float rms_eps;
     int32_t bos_id, eos_id;
+    int add_bos;         /* tokenizer.ggml.add_bos_token (0 when absent): prepend BOS to a text */
 } kvpq_model_info;
 
 /* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
@@ -344,6 +372,9 @@ typedef struct {
 KVPQ_API kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model_params *p);
 KVPQ_API void kvpq_model_free(kvpq_model *m);
 KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *info);
+/* The model's chat template (tokenizer.chat_template, a Jinja string; NUL-terminated, owned by the
+ * model), or NULL when the file has none. */
+KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
 
 /* Tokenize UTF-8 text with the model's byte-level BPE. parse_special: text like "<|im_start|>"
  * becomes the special token. Writes up to cap ids; *n_tokens gets the full count (call with cap 0
@@ -354,9 +385,62 @@ KVPQ_API kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t
 KVPQ_API kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len);
 
 /* Run n tokens at positions L .. L+n-1, L = kvpq_cache_seq_len(cache, 0), appending their K/V to
- * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. */
+ * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. The cache must have
+ * the model's n_layer, n_head, n_head_kv and head_dim (else KVPQ_ERR_MISMATCH). Errors: L + n beyond
+ * n_ctx_train or the cache's max_seq (KVPQ_ERR_CAPACITY), a token id out of range; on error the
+ * cache is truncated back to L. One model serves one eval at a time (it owns the scratch). */
 KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
                                      int logits_all, float *logits);
+
+/* ---- GGUF inspection ------------------------------------------------------------------------ */
+
+/* Print what a GGUF (v2/v3) file holds to `out`: format (version, alignment, counts, data offset),
+ * the general.* keys, the hyperparameters (every `<general.architecture>.*` key), a tokenizer summary
+ * (tokenizer.ggml.model, pre, vocab size, merges count, bos/eos/unk/pad ids with their text), other
+ * metadata keys (tokenizer.* arrays too when verbose), then one line per tensor: index, name, type,
+ * shape as ne[0], ne[1], ... (ne[0] innermost, the order gguf lists) and bytes. The whole file is
+ * validated first (as kvpq_model_load does). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT naming what and
+ * where ("gguf 'x.gguf': tensor 12 'blk.0.attn_q.weight': data [...] beyond file size N"). */
+KVPQ_API kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose);
+
+/* Dequantize one whole tensor of a GGUF file to float32, bit-exact with ggml's dequantize_row_*
+ * (and the PyPI gguf package's gguf.quants.dequantize). out: (ne[3], ne[2], ne[1], ne[0]) float32,
+ * ne[0] fastest; cap: floats available at out. *numel (may be NULL) gets ne[0]*ne[1]*ne[2]*ne[3];
+ * call with out NULL and cap 0 to query it. Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+ * Errors: KVPQ_ERR_IO / KVPQ_ERR_FORMAT (the file), KVPQ_ERR_INVALID_ARG (no such tensor, or
+ * cap < numel), KVPQ_ERR_UNSUPPORTED (tensor type, named). */
+KVPQ_API kvpq_status kvpq_gguf_dequantize_tensor(const char *path, const char *name, float *out, size_t cap,
+                                                 size_t *numel);
+
+/* ---- tokenizer ------------------------------------------------------------------------------ */
+
+/* A model's tokenizer alone, loaded from the tokenizer.ggml.* keys of a GGUF file without its
+ * weights: byte-level BPE (GPT-2 style, tokenizer.ggml.model "gpt2") with the pre-tokenizer named
+ * by tokenizer.ggml.pre ("smollm", "starcoder", "gpt2", "default", "llama-bpe"), split by PCRE2.
+ * It gives the same ids as kvpq_tokenize() on a model loaded from the same file. */
+typedef struct kvpq_vocab kvpq_vocab;
+
+/* Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (a missing or inconsistent tokenizer key, named),
+ * KVPQ_ERR_UNSUPPORTED (another tokenizer model, or an unknown pre-tokenizer, named). */
+KVPQ_API kvpq_status kvpq_vocab_load(kvpq_vocab **out, const char *gguf_path);
+KVPQ_API void kvpq_vocab_free(kvpq_vocab *v);
+/* Number of tokens; ids are 0 .. n_tokens - 1. */
+KVPQ_API int32_t kvpq_vocab_n_tokens(const kvpq_vocab *v);
+/* BOS / EOS ids (tokenizer.ggml.bos_token_id / eos_token_id), -1 when the file has none. */
+KVPQ_API int32_t kvpq_vocab_bos(const kvpq_vocab *v);
+KVPQ_API int32_t kvpq_vocab_eos(const kvpq_vocab *v);
+/* Same contract as kvpq_tokenize(): UTF-8 text (len bytes) -> up to cap ids in tokens;
+ * *n_tokens gets the full count (call with cap 0 to size). add_bos prepends the BOS id;
+ * parse_special turns the text of CONTROL / USER_DEFINED tokens ("<|im_start|>") into those tokens
+ * (leftmost-longest), else such text is tokenized as plain text. Errors: KVPQ_ERR_INVALID_ARG for
+ * invalid UTF-8 (the message gives the byte offset); KVPQ_ERR_UNSUPPORTED for a byte the
+ * vocabulary has no token for (SmolLM2 lacks 21 control / never-valid bytes, e.g. 0x04). */
+KVPQ_API kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, size_t len, int add_bos,
+                                         int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
+/* Same contract as kvpq_token_to_piece(): the raw bytes of a token (special tokens give their
+ * text), up to cap bytes into buf, no NUL added; *len gets the full length. Concatenating the pieces
+ * of kvpq_vocab_tokenize's output gives back the text. Errors: token out of range. */
+KVPQ_API kvpq_status kvpq_vocab_piece(const kvpq_vocab *v, int32_t token, char *buf, size_t cap, size_t *len);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs dependencies, fetches the model, builds with warnings as errors, runs
 # the whole suite (C tests through ctest, Python peer checks through pytest), then runs the C suite
-# again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# again under AddressSanitizer + UndefinedBehaviorSanitizer, and runs each libFuzzer target briefly.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -18,3 +18,5 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVPQ_SANITIZE=ON -DKVPQ_WERR
 cmake --build build-asan -j"$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 KVPQ_QUICK=1 \
    ctest --output-on-failure -j1 -E '^py_')
+echo "== fuzz targets (libFuzzer + ASan/UBSan, ${KVPQ_FUZZ_SECONDS:-10}s each; longer: scripts/fuzz.sh 600)"
+./scripts/fuzz.sh "${KVPQ_FUZZ_SECONDS:-10}"

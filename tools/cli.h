@@ -26,6 +26,9 @@ int cli_usage_error(const char *fmt, ...)
  * naming the option and 0 is returned. */
 int cli_parse_int(const char *opt, const char *s, long lo, long hi, long *out);
 int cli_parse_double(const char *opt, const char *s, double lo, double hi, double *out);
+/* Re-execute once with OPENBLAS_CORETYPE set when OpenBLAS fell back to generic kernels on a CPU
+ * it did not recognize (cli_blas.c). Returns when nothing needs doing. */
+void cli_blas_fixup(char **argv);
 /* Seconds from a monotonic clock. */
 double cli_now(void);
 

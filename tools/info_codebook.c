@@ -1,10 +1,92 @@
-/* info_codebook.c — placeholder until this subcommand is built (fails loudly, never pretends). */
+/* info_codebook.c — `kvpq info FILE.safetensors`: what a kvpq codebook file holds. */
+#include <math.h>
+#include <string.h>
+
 #include "cli.h"
 
+static const char *const config_keys[] = {
+    "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
+    "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate",
+};
+
+static int is_config_key(const char *k) {
+    for (size_t i = 0; i < sizeof config_keys / sizeof config_keys[0]; i++)
+        if (!strcmp(k, config_keys[i])) return 1;
+    return 0;
+}
+
+static void print_pq(const char *what, const kvpq_pq_params *q) {
+    int dsub = q->d / q->M;
+    printf("%-6s M=%d dsub=%d nbits=%d ksub=%d granularity=%s  %.3f bits/element\n", what, q->M, dsub, q->nbits,
+           1 << q->nbits, q->granularity == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : "shared",
+           (double)q->M * q->nbits / q->d);
+}
+
+/* "[a,b]" or "[a,b,c]" of a codebook tensor. */
+static void book_shape(const kvpq_pq_params *q, char *buf, size_t cap) {
+    if (q->granularity == KVPQ_CODEBOOK_SUBSPACE)
+        snprintf(buf, cap, "[%d,%d,%d]", q->M, 1 << q->nbits, q->d / q->M);
+    else
+        snprintf(buf, cap, "[%d,%d]", 1 << q->nbits, q->d / q->M);
+}
+
+/* Root mean square of the n floats. */
+static double rms(const float *x, size_t n) {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += (double)x[i] * x[i];
+    return n ? sqrt(s / (double)n) : 0;
+}
+
 int cmd_info_codebook(int argc, char **argv, const char *path) {
-    (void)path;
     (void)argc;
     (void)argv;
-    fprintf(stderr, "kvpq: '%s' is not built yet\n", argv[0]);
-    return 3;
+    kvpq_codebook *cb;
+    kvpq_status s = kvpq_codebook_load(&cb, path);
+    if (s != KVPQ_OK) return cli_fail("info", s);
+    kvpq_codebook_params p = kvpq_codebook_get_params(cb);
+
+    printf("file:            %s\n", path);
+    printf("format:          kvpq codebook (safetensors), version %s\n",
+           kvpq_codebook_get_meta(cb, "kvpq.format_version"));
+    printf("n_layer=%d n_head_kv=%d head_dim=%d value_rotate=%d\n", p.n_layer, p.n_head_kv, p.head_dim,
+           p.value_rotate);
+    print_pq("key", &p.key);
+    print_pq("value", &p.value);
+    printf("bits/element (K and V together): %.3f\n",
+           ((double)p.key.M * p.key.nbits + (double)p.value.M * p.value.nbits) / (2.0 * p.head_dim));
+
+    size_t n_free = 0;
+    for (size_t i = 0; i < kvpq_codebook_meta_count(cb); i++) {
+        const char *k = kvpq_codebook_meta_key(cb, i);
+        if (is_config_key(k)) continue;
+        if (!n_free++) printf("metadata:\n");
+        const char *v = kvpq_codebook_get_meta(cb, k);
+        size_t len = strlen(v);
+        /* Long values (a whole text's name list, say) are cut for display. */
+        printf("  %-20s %.*s%s\n", k, len > 100 ? 100 : (int)len, v, len > 100 ? " ..." : "");
+    }
+
+    char ks[48], vs[48], ss[48];
+    snprintf(ss, sizeof ss, "[%d,%d]", p.n_head_kv, p.head_dim);
+    book_shape(&p.key, ks, sizeof ks);
+    book_shape(&p.value, vs, sizeof vs);
+    printf("tensors per layer: k.smooth %s  k.codebook %s  v.codebook %s  (F32)\n", ss, ks, vs);
+    printf("%5s %12s %12s %12s %14s %14s\n", "layer", "smooth.min", "smooth.max", "smooth.mean", "k.centroid.rms",
+           "v.centroid.rms");
+    for (int l = 0; l < p.n_layer; l++) {
+        const float *sm = kvpq_codebook_key_smooth_const(cb, l);
+        size_t n = (size_t)p.n_head_kv * p.head_dim;
+        double mn = INFINITY, mx = -INFINITY, sum = 0;
+        for (size_t i = 0; i < n; i++) {
+            mn = fmin(mn, sm[i]);
+            mx = fmax(mx, sm[i]);
+            sum += sm[i];
+        }
+        const kvpq_pq *kq = kvpq_codebook_pq_const(cb, l, 0), *vq = kvpq_codebook_pq_const(cb, l, 1);
+        printf("%5d %12.4g %12.4g %12.4g %14.4g %14.4g\n", l, mn, mx, sum / (double)n,
+               rms(kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq)),
+               rms(kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq)));
+    }
+    kvpq_codebook_free(cb);
+    return 0;
 }

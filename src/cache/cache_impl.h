@@ -36,6 +36,15 @@ struct kvpq_cache {
 /* The kinds; a kind not built yet is NULL and kvpq_cache_new reports it as unsupported. */
 extern const kvpq_cache_ops kvpq_cache_ops_fp32;
 extern const kvpq_cache_ops kvpq_cache_ops_fp16;
+extern const kvpq_cache_ops kvpq_cache_ops_q8_0;
+extern const kvpq_cache_ops kvpq_cache_ops_q4_0;
+extern const kvpq_cache_ops kvpq_cache_ops_kivi2;
+extern const kvpq_cache_ops kvpq_cache_ops_kivi4;
+/* Defined by src/cache/cache_vq.c. cache.c references it strongly when that file exists at compile
+ * time (__has_include) and weakly otherwise, so the library links before the VQ kind is written.
+ * create() receives params with backend already resolved (CPU or CUDA; AUTO never reaches it) and
+ * a codebook whose n_layer, n_head_kv and head_dim cache.c has checked against the params. */
+extern const kvpq_cache_ops kvpq_cache_ops_vq;
 
 /* Online-softmax state {m, d, o} (FlashAttention; Milakov & Gimelshein 2018): m running max of
  * scores, d sum of exp(score - m), o (head_dim) sum of exp(score - m) * v. Merging two partial

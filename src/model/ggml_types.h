@@ -27,15 +27,23 @@ size_t ggml_row_size(uint32_t type, int64_t n);
 /* Dequantize n elements (a multiple of the block size) to float32, bit-exact with ggml's
  * dequantize_row_* (checked against the PyPI gguf package). Errors: unsupported type. */
 kvpq_status ggml_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n);
+/* The scalar specification of the same (the SIMD level in use picks the version above). */
+kvpq_status ggml_dequantize_row_ref(uint32_t type, const void *src, float *dst, int64_t n);
 
 /* y[r] = dot(row r of W, x) for r in [0, n_rows): W is (n_rows, n) of `type`, rows contiguous
  * (row stride ggml_row_size(type, n)); x: (n) float32. Dequantizes blocks on the fly (SIMD). */
 void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const float *x, float *y);
+/* The specification: every element dequantized by the _ref, products summed in order in float32.
+ * SIMD versions differ only by summation order. An unsupported type gives y = NaN (never silently
+ * wrong; the model loader rejects such types by name first). */
+void ggml_matvec_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, const float *x, float *y);
 
 /* Y (n_tok, n_rows) = X (n_tok, n) @ W^T, W as above. Batched: each weight row is dequantized once
  * and used for every token (or whole tiles dequantized and handed to OpenBLAS sgemm). OpenMP inside. */
 void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
                  float *Y);
+void ggml_matmul_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
+                     float *Y);
 
 /* fp16 <-> fp32 (IEEE half), round-to-nearest-even. */
 float kvpq_fp16_to_fp32(uint16_t h);

@@ -25,8 +25,9 @@ typedef struct {
     uint32_t type;         /* ggml_type (ggml_types.h) */
     int n_dims;            /* 1..4 */
     int64_t ne[4];         /* elements per dimension, ne[0] innermost (as ggml); unused dims = 1 */
-    const void *data;      /* into the mapping, aligned to general.alignment */
-    size_t nbytes;
+    const void *data;      /* into the mapping, aligned to general.alignment (relative to the file start) */
+    size_t nbytes;         /* checked to lie within the file; 0 for a type unknown to ggml (the
+                              tensor opens, ggml_type_supported() is false, the model loader rejects it) */
 } gguf_tensor;
 
 /* Open and validate. Errors: KVPQ_ERR_IO (open/mmap), KVPQ_ERR_FORMAT (with what and where). */
@@ -37,11 +38,16 @@ void gguf_close(gguf_file *f);
 
 uint32_t gguf_version(const gguf_file *f);
 size_t gguf_alignment(const gguf_file *f);
+/* Byte offset of the tensor data section (after the header, padded to the alignment), file size. */
+size_t gguf_data_offset(const gguf_file *f);
+size_t gguf_file_size(const gguf_file *f);
+/* "uint8", ..., "float64"; "invalid" for a value outside the enum. */
+const char *gguf_type_name(gguf_type t);
 
 /* ---- metadata ---- */
 int64_t gguf_n_kv(const gguf_file *f);
-const char *gguf_key_at(const gguf_file *f, int64_t i);     /* NUL-terminated copy */
-gguf_type gguf_type_at(const gguf_file *f, int64_t i);
+const char *gguf_key_at(const gguf_file *f, int64_t i);     /* NUL-terminated copy; NULL out of range */
+gguf_type gguf_type_at(const gguf_file *f, int64_t i);       /* (gguf_type)-1 out of range */
 int64_t gguf_find_key(const gguf_file *f, const char *key);  /* -1 when absent */
 
 /* Typed getters by key. Integers of any GGUF integer type convert when the value fits; a float32
@@ -61,7 +67,7 @@ kvpq_status gguf_get_arr_str(const gguf_file *f, const char *key, uint64_t i, co
 
 /* ---- tensors ---- */
 int64_t gguf_n_tensors(const gguf_file *f);
-const gguf_tensor *gguf_tensor_at(const gguf_file *f, int64_t i);
+const gguf_tensor *gguf_tensor_at(const gguf_file *f, int64_t i);              /* NULL out of range */
 const gguf_tensor *gguf_find_tensor(const gguf_file *f, const char *name); /* NULL when absent */
 
 #endif

@@ -1,0 +1,370 @@
+#!/usr/bin/env python3
+"""llama_cpp_peer.py — kvpq's forward pass beside peers it did not write.
+
+Peers:
+  * llama.cpp, through llama-cpp-python (PyPI), when it is installed: perplexity over the same
+    text and context (llama.cpp's perplexity scoring: non-overlapping chunks of --ctx tokens, each
+    starting fresh, only the second half of each chunk scored), logits of the first positions, and
+    prefill / decode tokens/s with the same thread count.
+  * an independent numpy reference forward pass written here over the PyPI `gguf` package's
+    dequantization (always): logits of the first positions.
+
+kvpq is driven through its shared library (ctypes over include/kvpq.h: KVPQ_LIB or build/libkvpq.so).
+Prints one table; `--json` writes the numbers as JSON too.
+
+usage: python3 bench/llama_cpp_peer.py [--model M] [--text F] [--ctx 512] [--chunks 4]
+                                       [--positions 32] [--threads 2] [--json OUT]
+"""
+import argparse
+import ctypes
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ---- kvpq through ctypes ---------------------------------------------------------------------------
+
+
+class ModelInfo(ctypes.Structure):
+    _fields_ = [("arch", ctypes.c_char * 32), ("name", ctypes.c_char * 128)] + [
+        (f, ctypes.c_int)
+        for f in ("n_layer", "n_head", "n_head_kv", "head_dim", "n_embd", "n_ff", "n_vocab", "n_ctx_train")
+    ] + [("rope_freq_base", ctypes.c_float), ("rms_eps", ctypes.c_float), ("bos_id", ctypes.c_int32),
+         ("eos_id", ctypes.c_int32), ("add_bos", ctypes.c_int)]
+
+
+class CacheParams(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_int) for f in ("type", "n_layer", "n_head", "n_head_kv", "head_dim", "max_seq",
+                                            "window", "page_tokens")] + [
+        ("codebook", ctypes.c_void_p), ("n_threads", ctypes.c_int), ("backend", ctypes.c_int)]
+
+
+class ModelParams(ctypes.Structure):
+    _fields_ = [("n_threads", ctypes.c_int)]
+
+
+def openblas_coretype_fixup():
+    """OpenBLAS 0.3.21 does not recognize this VM's CPU and falls back to SSE3 kernels (3.6x slower
+    prefill); it reads OPENBLAS_CORETYPE once, when it loads, so set it before loading kvpq (the
+    kvpq CLI does the same, tools/cli_blas.c)."""
+    if "OPENBLAS_CORETYPE" in os.environ:
+        return
+    try:
+        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return
+    if all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
+        os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
+    elif "avx2" in flags and "fma" in flags:
+        os.environ["OPENBLAS_CORETYPE"] = "Haswell"
+
+
+class Kvpq:
+    """The few kvpq.h calls this benchmark needs."""
+
+    def __init__(self, lib_path, model_path, n_threads):
+        openblas_coretype_fixup()
+        L = ctypes.CDLL(lib_path)
+        self.L = L
+        L.kvpq_last_error.restype = ctypes.c_char_p
+        L.kvpq_model_params_default.restype = ModelParams
+        L.kvpq_cache_params_default.restype = CacheParams
+        L.kvpq_model_load.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.POINTER(ModelParams)]
+        L.kvpq_model_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(ModelInfo)]
+        L.kvpq_cache_new.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(CacheParams)]
+        L.kvpq_cache_free.argtypes = [ctypes.c_void_p]
+        L.kvpq_cache_truncate.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        L.kvpq_model_eval.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int,
+                                      ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+        L.kvpq_tokenize.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                    ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+        mp = L.kvpq_model_params_default()
+        mp.n_threads = n_threads
+        self.model = ctypes.c_void_p()
+        self._check(L.kvpq_model_load(ctypes.byref(self.model), model_path.encode(), ctypes.byref(mp)), "model_load")
+        self.info = ModelInfo()
+        self._check(L.kvpq_model_get_info(self.model, ctypes.byref(self.info)), "model_get_info")
+
+    def _check(self, s, what):
+        if s != 0:
+            raise RuntimeError(f"kvpq {what}: status {s}: {self.L.kvpq_last_error().decode()}")
+
+    def tokenize(self, text, add_bos):
+        b = text.encode()
+        n = ctypes.c_size_t()
+        self._check(self.L.kvpq_tokenize(self.model, b, len(b), add_bos, 0, None, 0, ctypes.byref(n)), "tokenize")
+        out = (ctypes.c_int32 * n.value)()
+        self._check(self.L.kvpq_tokenize(self.model, b, len(b), add_bos, 0, out, n.value, ctypes.byref(n)), "tokenize")
+        return list(out)
+
+    def new_cache(self, max_seq, cache_type=0):
+        cp = self.L.kvpq_cache_params_default()
+        cp.type = cache_type
+        cp.n_layer, cp.n_head, cp.n_head_kv, cp.head_dim = (self.info.n_layer, self.info.n_head, self.info.n_head_kv,
+                                                            self.info.head_dim)
+        cp.max_seq = max_seq
+        c = ctypes.c_void_p()
+        self._check(self.L.kvpq_cache_new(ctypes.byref(c), ctypes.byref(cp)), "cache_new")
+        return c
+
+    def eval(self, cache, tokens, logits_all):
+        n = len(tokens)
+        V = self.info.n_vocab
+        out = np.empty((n if logits_all else 1, V), dtype=np.float32)
+        arr = (ctypes.c_int32 * n)(*tokens)
+        self._check(self.L.kvpq_model_eval(self.model, cache, arr, n, 1 if logits_all else 0,
+                                           out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))), "model_eval")
+        return out
+
+
+# ---- llama.cpp's perplexity scoring (examples/perplexity), shared by both engines ----------------
+
+
+def score_chunk(logits, chunk):
+    """NLLs of chunk[j+1] given logits[j] for j in [n/2, n-1) (llama.cpp: first = n_ctx/2)."""
+    n = len(chunk)
+    first = n // 2
+    out = []
+    for j in range(first, n - 1):
+        row = logits[j].astype(np.float64)
+        mx = row.max()
+        lse = mx + math.log(np.exp(row - mx).sum())
+        out.append(lse - row[chunk[j + 1]])
+    return out
+
+
+def ppl_with_stderr(nll):
+    """Mean-NLL perplexity and its standard error as llama.cpp prints them."""
+    nll = np.asarray(nll, dtype=np.float64)
+    mean = nll.mean()
+    var = (nll * nll).mean() - mean * mean
+    ppl = math.exp(mean)
+    return ppl, (math.sqrt(var / (len(nll) - 1)) * ppl if var > 0 else float("nan"))
+
+
+def chunks_of(tokens, ctx, n_chunks, bos, add_bos):
+    n = min(n_chunks, len(tokens) // ctx)
+    out = []
+    for i in range(n):
+        c = list(tokens[i * ctx:(i + 1) * ctx])
+        if add_bos:
+            c[0] = bos
+        out.append(c)
+    return out
+
+
+# ---- independent numpy reference forward pass ----------------------------------------------------
+
+
+class NumpyLlama:
+    """A plain numpy Llama forward pass over weights dequantized by the `gguf` package."""
+
+    def __init__(self, path):
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+        r = GGUFReader(path)
+
+        def field(key, default=None):
+            f = r.fields.get(key)
+            return default if f is None else f.contents()
+
+        arch = field("general.architecture")
+        self.n_layer = int(field(f"{arch}.block_count"))
+        self.n_head = int(field(f"{arch}.attention.head_count"))
+        self.n_head_kv = int(field(f"{arch}.attention.head_count_kv", self.n_head))
+        self.n_embd = int(field(f"{arch}.embedding_length"))
+        self.head_dim = self.n_embd // self.n_head
+        self.n_rot = int(field(f"{arch}.rope.dimension_count", self.head_dim))
+        self.base = float(field(f"{arch}.rope.freq_base", 10000.0))
+        self.eps = float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
+        self.w = {}
+        for t in r.tensors:
+            # dequantize gives numpy shape (rows, cols) = reversed ggml ne
+            self.w[t.name] = dequantize(t.data, t.tensor_type).reshape([int(x) for x in reversed(t.shape)]).astype(
+                np.float32)
+        if "output.weight" not in self.w:
+            self.w["output.weight"] = self.w["token_embd.weight"]
+
+    def rmsnorm(self, x, w):
+        return (x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + self.eps)).astype(np.float32) * w
+
+    def rope(self, x, pos):
+        # x: (n, heads, head_dim); adjacent pairs (GGUF-permuted Q/K rows), angle pos * base^(-2i/n_rot)
+        half = self.n_rot // 2
+        inv = self.base ** (-2.0 * np.arange(half) / self.n_rot)
+        ang = pos[:, None] * inv[None, :]  # (n, half)
+        c = np.cos(ang)[:, None, :].astype(np.float32)
+        s = np.sin(ang)[:, None, :].astype(np.float32)
+        x = x.copy()
+        x0 = x[..., 0:self.n_rot:2].copy()
+        x1 = x[..., 1:self.n_rot:2].copy()
+        x[..., 0:self.n_rot:2] = x0 * c - x1 * s
+        x[..., 1:self.n_rot:2] = x0 * s + x1 * c
+        return x
+
+    def forward(self, tokens):
+        n = len(tokens)
+        w = self.w
+        hd, H, Hk = self.head_dim, self.n_head, self.n_head_kv
+        x = w["token_embd.weight"][np.asarray(tokens)]
+        pos = np.arange(n, dtype=np.float64)
+        mask = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
+        for l in range(self.n_layer):
+            p = f"blk.{l}."
+            h = self.rmsnorm(x, w[p + "attn_norm.weight"])
+            q = self.rope((h @ w[p + "attn_q.weight"].T).reshape(n, H, hd), pos)
+            k = self.rope((h @ w[p + "attn_k.weight"].T).reshape(n, Hk, hd), pos)
+            v = (h @ w[p + "attn_v.weight"].T).reshape(n, Hk, hd)
+            g = H // Hk
+            att = np.empty((n, H, hd), dtype=np.float32)
+            for hh in range(H):
+                s = q[:, hh, :] @ k[:, hh // g, :].T / math.sqrt(hd) + mask
+                s = np.exp(s - s.max(-1, keepdims=True))
+                s /= s.sum(-1, keepdims=True)
+                att[:, hh, :] = s @ v[:, hh // g, :]
+            x = x + att.reshape(n, H * hd) @ w[p + "attn_output.weight"].T
+            h = self.rmsnorm(x, w[p + "ffn_norm.weight"])
+            gt = h @ w[p + "ffn_gate.weight"].T
+            up = h @ w[p + "ffn_up.weight"].T
+            x = x + (gt / (1 + np.exp(-gt)) * up) @ w[p + "ffn_down.weight"].T
+        return self.rmsnorm(x, w["output_norm.weight"]) @ w["output.weight"].T
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.path.join(ROOT, "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--text", default=os.path.join(ROOT, "data/text/persuasion.txt"))
+    ap.add_argument("--lib", default=os.environ.get("KVPQ_LIB", os.path.join(ROOT, "build/libkvpq.so")))
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--positions", type=int, default=32, help="positions whose logits are compared")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=64, help="tokens decoded one at a time for the decode speed")
+    ap.add_argument("--json", help="also write the numbers to this JSON file")
+    a = ap.parse_args()
+
+    res = {"model": a.model, "text": a.text, "ctx": a.ctx, "threads": a.threads}
+    kv = Kvpq(a.lib, a.model, a.threads)
+    text = open(a.text, encoding="utf-8").read()
+    tokens = kv.tokenize(text, kv.info.add_bos)
+    res["text_tokens"] = len(tokens)
+    P = a.positions
+    probe = tokens[:P]
+
+    rows = []  # (quantity, kvpq, peer, comparison)
+
+    # logits of the first positions: kvpq vs numpy reference
+    c = kv.new_cache(max(a.ctx, P) + a.decode + 8)
+    ours = kv.eval(c, probe, True)
+    ref = NumpyLlama(a.model).forward(probe)
+    d = float(np.abs(ours - ref).max())
+    res["logits_maxabs_vs_numpy"] = d
+    res["argmax_agree_vs_numpy"] = float((ours.argmax(-1) == ref.argmax(-1)).mean())
+    rows.append((f"logits[0:{P}] max |diff| vs numpy reference", "", "", f"{d:.2e}"))
+    rows.append(("argmax agreement vs numpy reference", "", "", f"{res['argmax_agree_vs_numpy']:.3f}"))
+
+    # perplexity (ours)
+    chunks = chunks_of(tokens, a.ctx, a.chunks, kv.info.bos_id, kv.info.add_bos)
+    nll = []
+    t0 = time.perf_counter()
+    for ch in chunks:
+        kv.L.kvpq_cache_truncate(c, 0)
+        nll += score_chunk(kv.eval(c, ch, True), ch)
+    t_ours = time.perf_counter() - t0
+    ppl, se = ppl_with_stderr(nll)
+    res.update(ppl_kvpq=ppl, ppl_kvpq_stderr=se, scored_tokens=len(nll))
+
+    # speed (ours): prefill of one chunk, then decode one token at a time
+    kv.L.kvpq_cache_truncate(c, 0)
+    t0 = time.perf_counter()
+    last = kv.eval(c, chunks[0], False)
+    pre_ours = len(chunks[0]) / (time.perf_counter() - t0)
+    tok = int(last.argmax())
+    t0 = time.perf_counter()
+    for _ in range(a.decode):
+        tok = int(kv.eval(c, [tok], False).argmax())
+    dec_ours = a.decode / (time.perf_counter() - t0)
+    res.update(prefill_tok_s_kvpq=pre_ours, decode_tok_s_kvpq=dec_ours)
+
+    try:
+        import llama_cpp  # noqa: F401
+        have_llama = True
+    except ImportError as e:
+        have_llama = False
+        res["llama_cpp"] = f"not available: {e}"
+    if have_llama:
+        from llama_cpp import Llama
+        llm = Llama(model_path=a.model, n_ctx=a.ctx, n_batch=a.ctx, n_ubatch=a.ctx, n_threads=a.threads,
+                    n_threads_batch=a.threads, logits_all=True, verbose=False)
+        lt = llm.tokenize(text.encode(), add_bos=bool(kv.info.add_bos), special=False)
+        res["tokens_equal_llama_cpp"] = lt == tokens
+
+        def lc_eval(toks):
+            llm.reset()  # the next eval removes every cached position from n_tokens = 0 on
+            llm.eval(toks)
+            return np.array(llm.scores[:len(toks)], dtype=np.float32)
+
+        lref = lc_eval(probe)
+        d2 = float(np.abs(ours - lref).max())
+        res["logits_maxabs_vs_llama_cpp"] = d2
+        res["logits_maxabs_numpy_vs_llama_cpp"] = float(np.abs(ref - lref).max())
+        res["argmax_agree_vs_llama_cpp"] = float((ours.argmax(-1) == lref.argmax(-1)).mean())
+        rows.append((f"logits[0:{P}] max |diff| vs llama.cpp (|logit| max {np.abs(lref).max():.1f})", "", "",
+                     f"{d2:.2e}"))
+        rows.append(("numpy reference vs llama.cpp, same", "", "", f"{res['logits_maxabs_numpy_vs_llama_cpp']:.2e}"))
+        rows.append(("argmax agreement vs llama.cpp", "", "", f"{res['argmax_agree_vs_llama_cpp']:.3f}"))
+        t0 = time.perf_counter()
+        nll2 = []
+        for ch in chunks:
+            nll2 += score_chunk(lc_eval(ch), ch)
+        t_lc = time.perf_counter() - t0
+        ppl2, se2 = ppl_with_stderr(nll2)
+        res.update(ppl_llama_cpp=ppl2, ppl_llama_cpp_stderr=se2)
+        rows.append((f"perplexity ctx {a.ctx}, {len(chunks)} chunks", f"{ppl:.4f} +/- {se:.4f}",
+                     f"{ppl2:.4f} +/- {se2:.4f}", f"{(ppl / ppl2 - 1) * 100:+.3f} %"))
+        rows.append((f"ppl pass, all logits, tok/s", f"{len(chunks) * a.ctx / t_ours:.1f}",
+                     f"{len(chunks) * a.ctx / t_lc:.1f}", f"{t_lc / t_ours:.2f}x"))
+        del llm
+        # speed: a context that only returns the last logits, as kvpq's prefill does
+        llm = Llama(model_path=a.model, n_ctx=a.ctx + a.decode + 8, n_batch=a.ctx, n_ubatch=a.ctx,
+                    n_threads=a.threads, n_threads_batch=a.threads, logits_all=False, verbose=False)
+        t0 = time.perf_counter()
+        llm.eval(chunks[0])
+        pre_lc = len(chunks[0]) / (time.perf_counter() - t0)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t0 = time.perf_counter()
+        for _ in range(a.decode):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        dec_lc = a.decode / (time.perf_counter() - t0)
+        res.update(prefill_tok_s_llama_cpp=pre_lc, decode_tok_s_llama_cpp=dec_lc)
+        rows.append((f"prefill tok/s ({len(chunks[0])} tokens, {a.threads} threads)", f"{pre_ours:.1f}",
+                     f"{pre_lc:.1f}", f"{pre_ours / pre_lc:.2f}x"))
+        rows.append((f"decode tok/s (after {len(chunks[0])}, {a.threads} threads)", f"{dec_ours:.1f}",
+                     f"{dec_lc:.1f}", f"{dec_ours / dec_lc:.2f}x"))
+    else:
+        rows.append((f"perplexity ctx {a.ctx}, {len(chunks)} chunks", f"{ppl:.4f} +/- {se:.4f}", "n/a", ""))
+        rows.append((f"prefill tok/s ({len(chunks[0])} tokens)", f"{pre_ours:.1f}", "n/a", ""))
+        rows.append((f"decode tok/s", f"{dec_ours:.1f}", "n/a", ""))
+
+    print(f"model {os.path.basename(a.model)}, text {os.path.basename(a.text)}, {a.threads} threads, "
+          f"kvpq fp32 cache; peer: llama.cpp {'(llama-cpp-python)' if have_llama else 'NOT AVAILABLE: ' + res['llama_cpp']}")
+    print(f"{'quantity':52s} {'kvpq':>22s} {'llama.cpp':>22s} {'ratio/diff':>12s}")
+    for q, o, p, r in rows:
+        print(f"{q:52s} {o:>22s} {p:>22s} {r:>12s}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+/* cache.c — the public KV-cache API: argument checks (NULL, layer range, NaN/Inf, capacity) done
+ * once here, per-layer positions counts, and dispatch to the kind's ops (cache_impl.h). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/cache_impl.h"
+#include "internal.h"
+
+/* The VQ kind lives in cache_vq.c. When that file is present at compile time, reference it
+ * strongly, so that a static link pulls it in (a weak undefined reference never extracts an
+ * archive member); before it exists, a weak reference lets the library link, and a VQ cache is
+ * reported as not built. (An incremental build made before cache_vq.c appeared must recompile
+ * this file once: touch it.) */
+#if defined(__has_include)
+#if __has_include("cache_vq.c")
+#define KVPQ_CACHE_VQ_PRESENT 1
+#endif
+#endif
+#ifndef KVPQ_CACHE_VQ_PRESENT
+#pragma weak kvpq_cache_ops_vq
+#endif
+/* Codebook accessors live in the codebook module; weak so the cache links without it (only the VQ
+ * kind needs them, and it pulls that module in itself). */
+#pragma weak kvpq_codebook_get_params
+
+static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
+    switch (t) {
+    case KVPQ_CACHE_FP32: return &kvpq_cache_ops_fp32;
+    case KVPQ_CACHE_FP16: return &kvpq_cache_ops_fp16;
+    case KVPQ_CACHE_Q8_0: return &kvpq_cache_ops_q8_0;
+    case KVPQ_CACHE_Q4_0: return &kvpq_cache_ops_q4_0;
+    case KVPQ_CACHE_KIVI2: return &kvpq_cache_ops_kivi2;
+    case KVPQ_CACHE_KIVI4: return &kvpq_cache_ops_kivi4;
+    case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq; /* NULL while the weak reference is unresolved */
+    }
+    return NULL;
+}
+
+static const char *const type_names[] = {"fp32", "fp16", "q8_0", "q4_0", "kivi2", "kivi4", "vq"};
+#define N_TYPES ((int)(sizeof type_names / sizeof type_names[0]))
+
+kvpq_cache_params kvpq_cache_params_default(void) {
+    /* Shapes of SmolLM2-135M (the project's model); callers set their own. */
+    kvpq_cache_params p = {
+        .type = KVPQ_CACHE_FP32,
+        .n_layer = 30,
+        .n_head = 9,
+        .n_head_kv = 3,
+        .head_dim = 64,
+        .max_seq = 8192,
+        .window = 128,
+        .page_tokens = 256,
+        .codebook = NULL,
+        .n_threads = 0,
+        .backend = KVPQ_BACKEND_AUTO,
+    };
+    return p;
+}
+
+kvpq_status kvpq_cache_type_parse(const char *spec, kvpq_cache_type *type, const char **vq_path) {
+    if (vq_path) *vq_path = NULL;
+    if (!spec || !type) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec: NULL argument");
+    for (int t = 0; t < N_TYPES; t++)
+        if (t != KVPQ_CACHE_VQ && !strcmp(spec, type_names[t])) {
+            *type = (kvpq_cache_type)t;
+            return KVPQ_OK;
+        }
+    if (!strncmp(spec, "vq:", 3)) {
+        if (!spec[3]) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec '%s': vq needs a codebook file (vq:FILE)", spec);
+        *type = KVPQ_CACHE_VQ;
+        if (vq_path) *vq_path = spec + 3;
+        return KVPQ_OK;
+    }
+    if (!strcmp(spec, "vq"))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec 'vq': expected vq:FILE (the codebook file)");
+    return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec '%s': expected fp32, fp16, q8_0, q4_0, kivi2, kivi4 or vq:FILE",
+                     spec);
+}
+
+const char *kvpq_cache_type_name(kvpq_cache_type t) {
+    return (int)t >= 0 && (int)t < N_TYPES ? type_names[t] : "unknown";
+}
+
+static kvpq_status check_params(const kvpq_cache_params *p) {
+    if ((int)p->type < 0 || (int)p->type >= N_TYPES)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache type %d: expected 0..%d", (int)p->type, N_TYPES - 1);
+    const char *tn = type_names[p->type];
+    if (p->n_layer <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_layer %d must be > 0", tn, p->n_layer);
+    if (p->n_head <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_head %d must be > 0", tn, p->n_head);
+    if (p->n_head_kv <= 0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_head_kv %d must be > 0", tn, p->n_head_kv);
+    if (p->n_head % p->n_head_kv)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_head %d is not a multiple of n_head_kv %d (GQA)", tn,
+                         p->n_head, p->n_head_kv);
+    if (p->head_dim <= 0 || p->head_dim > 1024)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: head_dim %d: expected 1..1024", tn, p->head_dim);
+    if (p->max_seq <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: max_seq %d must be > 0", tn, p->max_seq);
+    if (p->window < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: window %d must be >= 0", tn, p->window);
+    if (p->page_tokens <= 0 || p->page_tokens > (1 << 20))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: page_tokens %d: expected 1..%d", tn, p->page_tokens, 1 << 20);
+    if (p->n_threads < 0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_threads %d must be >= 0 (0 = OpenMP default)", tn,
+                         p->n_threads);
+    if (p->type == KVPQ_CACHE_VQ) {
+        if (!p->codebook) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache vq: params.codebook is NULL (vq needs one)");
+        if (!kvpq_codebook_get_params)
+            return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache vq: the codebook module is not built into this library");
+        kvpq_codebook_params cp = kvpq_codebook_get_params(p->codebook);
+        if (cp.n_layer != p->n_layer)
+            return kvpq__err(KVPQ_ERR_MISMATCH, "cache vq: codebook has n_layer %d, cache has n_layer %d", cp.n_layer,
+                             p->n_layer);
+        if (cp.n_head_kv != p->n_head_kv)
+            return kvpq__err(KVPQ_ERR_MISMATCH, "cache vq: codebook has n_head_kv %d, cache has n_head_kv %d",
+                             cp.n_head_kv, p->n_head_kv);
+        if (cp.head_dim != p->head_dim)
+            return kvpq__err(KVPQ_ERR_MISMATCH, "cache vq: codebook has head_dim %d, cache has head_dim %d", cp.head_dim,
+                             p->head_dim);
+    }
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
+    if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_new: out is NULL");
+    *out = NULL;
+    if (!p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_new: params is NULL");
+    KVPQ_TRY(check_params(p));
+    const kvpq_cache_ops *ops = ops_of(p->type);
+    if (!ops) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: this kind is not built into this library",
+                               kvpq_cache_type_name(p->type));
+    kvpq_cache_params q = *p;
+    kvpq_backend got;
+    kvpq_status s = kvpq_backend_resolve(p->backend, &got);
+    if (s != KVPQ_OK) {
+        kvpq__err_prefix("cache %s", kvpq_cache_type_name(p->type));
+        return s;
+    }
+    if (p->type != KVPQ_CACHE_VQ) { /* the baseline kinds run on the CPU */
+        if (p->backend == KVPQ_BACKEND_CUDA)
+            return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: runs on the CPU only (backend cuda requested)",
+                             kvpq_cache_type_name(p->type));
+        got = KVPQ_BACKEND_CPU;
+    }
+    q.backend = got;
+    kvpq_cache *c = calloc(1, sizeof *c);
+    if (!c || !(c->len = calloc((size_t)p->n_layer, sizeof *c->len))) {
+        free(c);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_new: out of memory");
+    }
+    c->p = q;
+    c->ops = ops;
+    s = ops->create(&c->state, &c->p);
+    if (s != KVPQ_OK) {
+        free(c->len);
+        free(c);
+        return s;
+    }
+    *out = c;
+    return KVPQ_OK;
+}
+
+void kvpq_cache_free(kvpq_cache *c) {
+    if (!c) return;
+    if (c->state) c->ops->destroy(c->state);
+    free(c->len);
+    free(c);
+}
+
+static kvpq_status check_layer(const kvpq_cache *c, int layer, const char *fn) {
+    if (!c) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: cache is NULL", fn);
+    if (layer < 0 || layer >= c->p.n_layer)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d out of range [0, %d)", fn, layer, c->p.n_layer);
+    return KVPQ_OK;
+}
+
+/* First non-finite element of x (n, n_head_kv, head_dim), named; KVPQ_OK if none. */
+static kvpq_status check_finite(const kvpq_cache *c, const float *x, int n, int heads, const char *what, int layer,
+                                int pos0) {
+    const size_t hd = (size_t)c->p.head_dim, total = (size_t)n * heads * hd;
+    if (kvpq__all_finite(x, total)) return KVPQ_OK;
+    for (size_t i = 0; i < total; i++)
+        if (!isfinite(x[i]))
+            return kvpq__err(KVPQ_ERR_NONFINITE, "cache %s layer %d: %s is %s at position %d (head %d, dim %d)",
+                             c->ops->name, layer, what, isnan(x[i]) ? "NaN" : "Inf", pos0 + (int)(i / (heads * hd)),
+                             (int)(i / hd % heads), (int)(i % hd));
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const float *k, const float *v) {
+    KVPQ_TRY(check_layer(c, layer, "kvpq_cache_append"));
+    if (n < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append: n %d must be >= 0", n);
+    if (n == 0) return KVPQ_OK;
+    if (!k || !v) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append: k or v is NULL");
+    const int len = c->len[layer];
+    if (n > c->p.max_seq - len)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "cache %s layer %d: holds %d positions, appending %d exceeds max_seq %d",
+                         c->ops->name, layer, len, n, c->p.max_seq);
+    KVPQ_TRY(check_finite(c, k, n, c->p.n_head_kv, "K", layer, len));
+    KVPQ_TRY(check_finite(c, v, n, c->p.n_head_kv, "V", layer, len));
+    KVPQ_TRY(c->ops->append(c->state, layer, len, n, k, v));
+    c->len[layer] = len + n;
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q, float *out) {
+    KVPQ_TRY(check_layer(c, layer, "kvpq_cache_attend"));
+    const int len = c->len[layer];
+    if (n_q <= 0 || n_q > len)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_attend: n_q %d: expected 1..%d (positions held by layer %d)",
+                         n_q, len, layer);
+    if (!q || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_attend: q or out is NULL");
+    KVPQ_TRY(check_finite(c, q, n_q, c->p.n_head, "Q", layer, len - n_q));
+    return c->ops->attend(c->state, layer, len, n_q, q, out);
+}
+
+kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos) {
+    if (!c) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_truncate: cache is NULL");
+    if (n_pos < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_truncate: n_pos %d must be >= 0", n_pos);
+    KVPQ_TRY(c->ops->truncate(c->state, c->len, n_pos));
+    for (int l = 0; l < c->p.n_layer; l++)
+        if (c->len[l] > n_pos) c->len[l] = n_pos;
+    return KVPQ_OK;
+}
+
+int kvpq_cache_seq_len(const kvpq_cache *c, int layer) {
+    if (!c || layer < 0 || layer >= c->p.n_layer) return 0;
+    return c->len[layer];
+}
+
+kvpq_status kvpq_cache_read(const kvpq_cache *c, int layer, int pos0, int n, float *k, float *v) {
+    KVPQ_TRY(check_layer(c, layer, "kvpq_cache_read"));
+    const int len = c->len[layer];
+    if (pos0 < 0 || n < 0 || pos0 > len || n > len - pos0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_read: positions [%d, %d) out of range: layer %d holds %d",
+                         pos0, pos0 + n, layer, len);
+    if (n == 0 || (!k && !v)) return KVPQ_OK;
+    return c->ops->read(c->state, layer, len, pos0, n, k, v);
+}
+
+size_t kvpq_cache_resident_bytes(const kvpq_cache *c) {
+    if (!c) return 0;
+    return c->ops->resident_bytes(c->state, c->len);
+}
+
+kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st) {
+    if (!c || !st) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_get_stats: NULL argument");
+    memset(st, 0, sizeof *st);
+    st->resident_bytes = kvpq_cache_resident_bytes(c);
+    int64_t tokens = 0;
+    for (int l = 0; l < c->p.n_layer; l++) tokens += c->len[l];
+    st->elements = 2 * tokens * c->p.n_head_kv * c->p.head_dim;
+    st->bits_per_element = st->elements ? (double)st->resident_bytes * 8.0 / (double)st->elements : 0.0;
+    st->backend = c->p.backend;
+    if (c->ops->stats) c->ops->stats(c->state, c->len, st);
+    return KVPQ_OK;
+}

@@ -1,0 +1,96 @@
+/* cache_cpu.h — pieces shared by the CPU cache kinds: page lists, the blocked online-softmax
+ * attention driver, and the "row" engine behind the per-token kinds (fp32, fp16, q8_0, q4_0).
+ * Internal; additive to the cache_impl.h contract. */
+#ifndef KVPQ_CACHE_CPU_H
+#define KVPQ_CACHE_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cache/cache_impl.h"
+#include "cpu/attn_kernels.h"
+
+/* ---- pages ---------------------------------------------------------------------------------- */
+
+/* A growable list of equal-size pages, allocated as the sequence grows (64-byte aligned). */
+typedef struct {
+    unsigned char **page; /* (cap) */
+    int n;                /* pages allocated */
+    int cap;
+    size_t page_bytes;
+} kvpq__pages;
+
+/* Make at least n pages exist. On failure the list keeps the pages it had (KVPQ_ERR_NOMEM). */
+kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n);
+/* Free the pages beyond the first n (and the page table when n is 0). */
+void kvpq__pages_shrink(kvpq__pages *pl, int n);
+void kvpq__pages_free(kvpq__pages *pl);
+/* Bytes held: pages plus the page table. */
+size_t kvpq__pages_bytes(const kvpq__pages *pl);
+
+/* ---- attention driver ----------------------------------------------------------------------- */
+
+/* Give K and V of KV head `kvh`, positions [t0, t0+n) of `layer`, as float32 rows (n, head_dim):
+ * either pointers into the kind's storage (zero copy) or kbuf/vbuf, which hold n*head_dim floats,
+ * filled by dequantizing. The driver never asks for a range crossing a multiple of `align`. */
+typedef void (*kvpq__load_fn)(const void *state, int layer, int kvh, int t0, int n, float *kbuf, float *vbuf,
+                              const float **k, const float **v);
+
+/* For kinds whose rows are IEEE halves: pointers to K and V (n, head_dim) fp16 in place. */
+typedef void (*kvpq__load16_fn)(const void *state, int layer, int kvh, int t0, int n, const uint16_t **k,
+                                const uint16_t **v);
+
+/* Tokens per chunk of the driver (a load never asks for more). */
+#define KVPQ_ATTN_CHUNK 64
+
+/* Causal GQA attention of kvpq_cache_attend over any kind that can `load`. Queries of a KV head's
+ * group are processed together, so each chunk of K/V is loaded once for all of them: per chunk,
+ * scores S = Q K^T / sqrt(head_dim), the online-softmax update {m, d, o}, then o += P V
+ * (FlashAttention-2, Dao 2023, alg. 1). Work is split over (KV head, block of query rows, token
+ * range) and spread with OpenMP; token ranges of one row are combined with kvpq_softmax_merge
+ * (split-KV decoding, "Flash-Decoding"). */
+kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
+                             int layer, int len, int n_q, const float *q, float *out);
+/* The same for fp16 rows: blocks of at most KVPQ_ATTN_F16_ROWS query rows use the fused fp16
+ * kernels (qk_f16, pv_f16: conversion in registers, no fp32 copy); larger blocks (prefill)
+ * convert each chunk once into fp32 and use the fp32 kernels. */
+#define KVPQ_ATTN_F16_ROWS 4
+kvpq_status kvpq__attend_cpu_f16(const kvpq_cache_params *p, const void *state, kvpq__load16_fn load16, int align,
+                                 int layer, int len, int n_q, const float *q, float *out);
+
+/* kvpq_cache_read through `load`: k, v (n, n_head_kv, head_dim), either may be NULL. */
+kvpq_status kvpq__read_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
+                           int layer, int pos0, int n, float *k, float *v);
+
+/* ---- row engine: kinds that store each head vector on its own ------------------------------- */
+
+typedef struct {
+    const char *name;
+    size_t (*row_bytes)(int head_dim);
+    /* Encode n head vectors x (n, head_dim) into n rows of row_bytes each, consecutive. */
+    void (*encode)(const float *x, int n, int head_dim, void *rows, const kvpq_attn_kernels *kr);
+    /* Decode n consecutive rows into x (n, head_dim). NULL for fp32 (rows are the floats). */
+    void (*decode)(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr);
+    /* Multiple head_dim must be of (1 for any). */
+    int head_dim_multiple;
+    /* Largest |x| the format can hold (its fp16 parts overflow beyond); 0 for no limit. */
+    float max_abs;
+    /* Rows are IEEE halves (head_dim each): attention uses kvpq__attend_cpu_f16. */
+    int f16_rows;
+} kvpq__row_codec;
+
+/* KVPQ_OK if every |x| <= max_abs in x (n, n_head_kv, head_dim); else KVPQ_ERR_INVALID_ARG naming
+ * the kind, tensor, position, head and dim. */
+kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, const char *what, int layer, int pos0,
+                              int n, const float *x, float max_abs);
+
+/* Page layout: (n_head_kv, page_tokens, row_bytes) so a KV head's rows in a page are contiguous. */
+kvpq_status kvpq__rows_create(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec);
+void kvpq__rows_destroy(void *state);
+kvpq_status kvpq__rows_append(void *state, int layer, int len, int n, const float *k, const float *v);
+kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const float *q, float *out);
+kvpq_status kvpq__rows_truncate(void *state, const int *lens, int n_pos);
+kvpq_status kvpq__rows_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v);
+size_t kvpq__rows_resident_bytes(const void *state, const int *lens);
+
+#endif

@@ -1,0 +1,33 @@
+/* cache_fp32.c — the float32 KV cache: the reference every other kind is measured against. Rows
+ * are the floats themselves, so attention reads the pages in place (zero copy). */
+#include <string.h>
+
+#include "cache/cache_cpu.h"
+
+static size_t fp32_row_bytes(int head_dim) { return (size_t)head_dim * sizeof(float); }
+
+static void fp32_encode(const float *x, int n, int head_dim, void *rows, const kvpq_attn_kernels *kr) {
+    (void)kr;
+    memcpy(rows, x, (size_t)n * head_dim * sizeof(float));
+}
+
+static const kvpq__row_codec fp32_codec = {
+    .name = "fp32", .row_bytes = fp32_row_bytes, .encode = fp32_encode, .decode = NULL, .head_dim_multiple = 1,
+    .max_abs = 0.0f,
+};
+
+static kvpq_status fp32_create(void **state, const kvpq_cache_params *p) {
+    return kvpq__rows_create(state, p, &fp32_codec);
+}
+
+const kvpq_cache_ops kvpq_cache_ops_fp32 = {
+    .name = "fp32",
+    .create = fp32_create,
+    .destroy = kvpq__rows_destroy,
+    .append = kvpq__rows_append,
+    .attend = kvpq__rows_attend,
+    .truncate = kvpq__rows_truncate,
+    .read = kvpq__rows_read,
+    .resident_bytes = kvpq__rows_resident_bytes,
+    .stats = NULL,
+};

@@ -1,0 +1,52 @@
+/* cache_q8_0.c — llama.cpp's Q8_0 KV cache: each head vector in blocks of 32 along head_dim, a
+ * block being {fp16 d; int8 qs[32]} (34 bytes, ggml's block_q8_0), x ~= d * qs. Quantization
+ * rounds as ggml's quantize_row_q8_0_ref: d = max|x| / 127, qs = roundf(x / d) computed with
+ * the float32 d (the stored d is its fp16 rounding). 8.5 bits per element. */
+#include <math.h>
+#include <string.h>
+
+#include "cache/cache_cpu.h"
+
+#define QK8_0 32
+#define Q8_0_BLOCK_BYTES (2 + QK8_0)
+
+static size_t q8_0_row_bytes(int head_dim) { return (size_t)head_dim / QK8_0 * Q8_0_BLOCK_BYTES; }
+
+static void q8_0_encode(const float *x, int n, int head_dim, void *rows, const kvpq_attn_kernels *kr) {
+    (void)kr;
+    unsigned char *y = rows;
+    for (size_t b = 0; b < (size_t)n * head_dim / QK8_0; b++, x += QK8_0, y += Q8_0_BLOCK_BYTES) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK8_0; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = kvpq__f2h(d);
+        memcpy(y, &dh, 2);
+        for (int j = 0; j < QK8_0; j++) y[2 + j] = (unsigned char)(int8_t)roundf(x[j] * id);
+    }
+}
+
+static void q8_0_decode(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr) {
+    kr->dequant_q8_0(rows, (size_t)n * head_dim / QK8_0, x);
+}
+
+static const kvpq__row_codec q8_0_codec = {
+    .name = "q8_0", .row_bytes = q8_0_row_bytes, .encode = q8_0_encode, .decode = q8_0_decode,
+    .head_dim_multiple = QK8_0, .max_abs = 65504.0f * 127.0f,
+};
+
+static kvpq_status q8_0_create(void **state, const kvpq_cache_params *p) {
+    return kvpq__rows_create(state, p, &q8_0_codec);
+}
+
+const kvpq_cache_ops kvpq_cache_ops_q8_0 = {
+    .name = "q8_0",
+    .create = q8_0_create,
+    .destroy = kvpq__rows_destroy,
+    .append = kvpq__rows_append,
+    .attend = kvpq__rows_attend,
+    .truncate = kvpq__rows_truncate,
+    .read = kvpq__rows_read,
+    .resident_bytes = kvpq__rows_resident_bytes,
+    .stats = NULL,
+};

@@ -1,0 +1,132 @@
+/* cache_rows.c — the engine of the per-token cache kinds (fp32, fp16, q8_0, q4_0): each head
+ * vector is stored on its own as one "row" of a codec, in pages of page_tokens positions laid out
+ * (n_head_kv, page_tokens, row_bytes), allocated as the sequence grows. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/cache_cpu.h"
+#include "internal.h"
+
+typedef struct {
+    kvpq_cache_params p;
+    const kvpq__row_codec *codec;
+    size_t row_bytes;
+    kvpq__pages *k, *v; /* (n_layer) */
+} rows_state;
+
+kvpq_status kvpq__rows_create(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec) {
+    if (p->head_dim % codec->head_dim_multiple)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: head_dim %d is not a multiple of %d (its block size)",
+                         codec->name, p->head_dim, codec->head_dim_multiple);
+    rows_state *s = calloc(1, sizeof *s);
+    if (!s) return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory", codec->name);
+    s->p = *p;
+    s->codec = codec;
+    s->row_bytes = codec->row_bytes(p->head_dim);
+    s->k = calloc((size_t)p->n_layer, sizeof *s->k);
+    s->v = calloc((size_t)p->n_layer, sizeof *s->v);
+    if (!s->k || !s->v) {
+        kvpq__rows_destroy(s);
+        return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory for %d layers", codec->name, p->n_layer);
+    }
+    size_t page_bytes = (size_t)p->n_head_kv * p->page_tokens * s->row_bytes;
+    for (int l = 0; l < p->n_layer; l++) s->k[l].page_bytes = s->v[l].page_bytes = page_bytes;
+    *state = s;
+    return KVPQ_OK;
+}
+
+void kvpq__rows_destroy(void *state) {
+    rows_state *s = state;
+    if (!s) return;
+    for (int l = 0; s->k && l < s->p.n_layer; l++) kvpq__pages_free(&s->k[l]);
+    for (int l = 0; s->v && l < s->p.n_layer; l++) kvpq__pages_free(&s->v[l]);
+    free(s->k);
+    free(s->v);
+    free(s);
+}
+
+static unsigned char *row_at(const rows_state *s, const kvpq__pages *pl, int kvh, int pos) {
+    int pt = s->p.page_tokens;
+    return pl->page[pos / pt] + ((size_t)kvh * pt + pos % pt) * s->row_bytes;
+}
+
+kvpq_status kvpq__rows_append(void *state, int layer, int len, int n, const float *k, const float *v) {
+    rows_state *s = state;
+    const int pt = s->p.page_tokens, hkv = s->p.n_head_kv, hd = s->p.head_dim;
+    if (s->codec->max_abs > 0) {
+        KVPQ_TRY(kvpq__check_range(&s->p, s->codec->name, "K", layer, len, n, k, s->codec->max_abs));
+        KVPQ_TRY(kvpq__check_range(&s->p, s->codec->name, "V", layer, len, n, v, s->codec->max_abs));
+    }
+    int need = (len + n + pt - 1) / pt;
+    kvpq__pages *pk = &s->k[layer], *pv = &s->v[layer];
+    int had_k = pk->n, had_v = pv->n;
+    kvpq_status st = kvpq__pages_reserve(pk, need);
+    if (st == KVPQ_OK) st = kvpq__pages_reserve(pv, need);
+    if (st != KVPQ_OK) { /* leave the cache as it was */
+        kvpq__pages_shrink(pk, had_k);
+        kvpq__pages_shrink(pv, had_v);
+        return st;
+    }
+    const kvpq_attn_kernels *kr = kvpq__attn_kernels();
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < hkv; h++) {
+            size_t src = ((size_t)t * hkv + h) * hd;
+            s->codec->encode(k + src, 1, hd, row_at(s, pk, h, len + t), kr);
+            s->codec->encode(v + src, 1, hd, row_at(s, pv, h, len + t), kr);
+        }
+    return KVPQ_OK;
+}
+
+static void rows_load(const void *state, int layer, int kvh, int t0, int n, float *kbuf, float *vbuf,
+                      const float **k, const float **v) {
+    const rows_state *s = state;
+    const unsigned char *rk = row_at(s, &s->k[layer], kvh, t0), *rv = row_at(s, &s->v[layer], kvh, t0);
+    if (!s->codec->decode) {
+        *k = (const float *)rk;
+        *v = (const float *)rv;
+        return;
+    }
+    const kvpq_attn_kernels *kr = kvpq__attn_kernels();
+    s->codec->decode(rk, n, s->p.head_dim, kbuf, kr);
+    s->codec->decode(rv, n, s->p.head_dim, vbuf, kr);
+    *k = kbuf;
+    *v = vbuf;
+}
+
+static void rows_load16(const void *state, int layer, int kvh, int t0, int n, const uint16_t **k,
+                        const uint16_t **v) {
+    const rows_state *s = state;
+    (void)n;
+    *k = (const uint16_t *)row_at(s, &s->k[layer], kvh, t0);
+    *v = (const uint16_t *)row_at(s, &s->v[layer], kvh, t0);
+}
+
+kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const float *q, float *out) {
+    rows_state *s = state;
+    if (s->codec->f16_rows)
+        return kvpq__attend_cpu_f16(&s->p, s, rows_load16, s->p.page_tokens, layer, len, n_q, q, out);
+    return kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, q, out);
+}
+
+kvpq_status kvpq__rows_truncate(void *state, const int *lens, int n_pos) {
+    rows_state *s = state;
+    const int pt = s->p.page_tokens;
+    for (int l = 0; l < s->p.n_layer; l++) {
+        int keep = lens[l] < n_pos ? lens[l] : n_pos;
+        kvpq__pages_shrink(&s->k[l], (keep + pt - 1) / pt);
+        kvpq__pages_shrink(&s->v[l], (keep + pt - 1) / pt);
+    }
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq__rows_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v) {
+    const rows_state *s = state;
+    return kvpq__read_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, pos0, n, k, v);
+}
+
+size_t kvpq__rows_resident_bytes(const void *state, const int *lens) {
+    const rows_state *s = state;
+    size_t b = 0;
+    for (int l = 0; l < s->p.n_layer; l++) b += kvpq__pages_bytes(&s->k[l]) + kvpq__pages_bytes(&s->v[l]);
+    return b;
+}

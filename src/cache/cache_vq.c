@@ -1,0 +1,690 @@
+/* cache_vq.c — the VQ kind of kvpq_cache: keys and values stored as product-quantization codes,
+ * attention computed from the codes (VecInfer, arXiv 2510.06175).
+ *
+ * Encoding (per token, per KV head h, layer codebook from the borrowed kvpq_codebook):
+ *   key   k (head_dim) -> k' = H (k / lambda_h) -> PQ codes with the layer's key quantizer
+ *   value v (head_dim) -> v' = H v (value_rotate) or v -> PQ codes with the value quantizer
+ * H is the normalized Walsh-Hadamard transform (orthonormal, self-inverse); lambda_h are the
+ * smoothing factors of KV head h (every query head uses those of the KV head it reads).
+ *
+ * Attention from codes, per query head g of KV head h (VecInfer sec. 3.3):
+ *   q' = H (q * lambda_h) / sqrt(head_dim); LUT[m][c] = q'_m . C_k[m][c]   (M, ksub)
+ *   score(t) = sum_m LUT[m][code_k(t, m)]                                  (= q . k_hat(t) / sqrt(d))
+ *   online softmax over the coded tokens in chunks; weights p(t) summed per (m, c) into
+ *   W[m][c] = sum_{t: code_v(t, m) = c} p(t), then o'_m = sum_c W[m][c] C_v[m][c] once, and
+ *   o = H o' when values are rotated (H is linear, so it commutes with the weighted sum).
+ * The window part (fp16 keys/values in the original space) is attended exactly and merged with
+ * the coded part through the online-softmax state {m, d, o} (kvpq_softmax_merge).
+ * All query heads of a GQA group are processed together: their LUTs and W tables are interleaved
+ * on the innermost axis (vq_kernels.h), so each code byte is read once per group.
+ *
+ * Storage, per layer:
+ *   - coded positions [0, n_coded): pages of page_tokens positions, allocated as the sequence
+ *     grows; one page holds K codes (n_head_kv, page_tokens, k_code_size) then V codes
+ *     (n_head_kv, page_tokens, v_code_size), so one head's codes are contiguous within a page.
+ *   - window positions [n_coded, len): fp16 (IEEE half) keys and values in the original space, in
+ *     a ring (n_head_kv, cap, head_dim), slot = position % cap, cap = window + VQ_FLUSH.
+ *   n_coded = floor((len - window) / VQ_FLUSH) * VQ_FLUSH when len >= window + VQ_FLUSH, else 0:
+ *   the newest `window` tokens (up to window + VQ_FLUSH - 1) stay in fp16, and the overflow is
+ *   encoded in batches of VQ_FLUSH tokens (one encode call per batch instead of one per token).
+ *   n_coded depends only on len (and on truncation), so the split never depends on how the data
+ *   was chunked into appends. Encoding starts from the fp16-rounded token (as stored in the
+ *   window), so a token's codes do not depend on when it left the window either.
+ * Truncation below n_coded keeps the remaining positions as codes (their full precision is gone);
+ * the window refills from the next appends. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "cache/cache_impl.h"
+#include "cpu/vq_kernels.h"
+#include "pq/pq_impl.h"
+
+#define VQ_FLUSH 32         /* window overflow is encoded in batches of this many tokens */
+#define VQ_CHUNK 256        /* coded tokens per online-softmax step (scores stay in L1) */
+#define VQ_MIN_SPLIT 1024   /* fewest coded tokens per split of one head's context (decode) */
+#define VQ_FP16_MAX 65504.0f
+
+// ---- state ----------------------------------------------------------------------------------
+
+typedef struct {
+    uint8_t **pages;  /* (max_pages) each page_bytes: K codes then V codes, see above */
+    int n_pages;      /* pages allocated: [0, n_pages) are non-NULL */
+    uint16_t *wk;     /* (n_head_kv, cap, head_dim) fp16 window keys; NULL until the first append */
+    uint16_t *wv;     /* (n_head_kv, cap, head_dim) fp16 window values */
+    int n_coded;      /* positions [0, n_coded) are codes */
+} vq_layer;
+
+typedef struct {          /* per-thread scratch, sized at creation: nothing allocated in attend */
+    float *qr;            /* (gp, head_dim) smoothed, rotated, scaled queries of one group */
+    float *lut;           /* (Mk, ksub_k, gp) */
+    float *table;         /* (Mv, ksub_v, gp) */
+    float *s;             /* (VQ_CHUNK, gp) scores, then weights */
+    uint16_t *idx;        /* (VQ_CHUNK, max(Mk, Mv)) unpacked codes when nbits != 8 */
+    float *rescale;       /* (gp) */
+    float *acc;           /* (max(dsub_k, dsub_v), gp) */
+    float *wkf, *wvf;     /* (cap, head_dim) window keys / values as float */
+    float *ws;            /* (cap) window scores */
+    float *o;             /* (gp, head_dim) merged output of one group */
+    float *ow;            /* (head_dim) window output of one head */
+} vq_scratch;
+
+typedef struct {
+    int n_layer, n_head, n_head_kv, head_dim;
+    int group;            /* n_head / n_head_kv query heads per KV head */
+    int gp;               /* group padded to 1, 4, 8 or a multiple of 16 lanes */
+    int window, cap, page_tokens, max_pages, n_threads;
+    int value_rotate;
+    float scale;          /* 1 / sqrt(head_dim) */
+    kvpq_pq_params kp, vp;
+    int k_ksub, v_ksub, k_dsub, v_dsub;
+    size_t kcs, vcs;      /* bytes of one K / V code vector */
+    size_t page_bytes;    /* n_head_kv * page_tokens * (kcs + vcs) */
+    const kvpq_pq **kpq;  /* (n_layer) borrowed from the codebook */
+    const kvpq_pq **vpq;  /* (n_layer) */
+    const float **smooth; /* (n_layer) -> (n_head_kv, head_dim) borrowed */
+    size_t codebook_bytes;/* centroids of every layer plus smoothing factors */
+    vq_layer *layers;     /* (n_layer) */
+    vq_scratch *scr;      /* (n_threads) */
+    float *xk, *xv;       /* (tokens to encode, n_head_kv, head_dim) append staging, transformed */
+    size_t xk_cap, xv_cap;/* floats */
+    uint8_t *ck, *cv;     /* (tokens to encode, n_head_kv, code size) the encoded batch */
+    size_t ck_cap, cv_cap;/* bytes */
+    uint16_t *h16;        /* (n_head_kv, head_dim) fp16 staging of one token */
+    float *part;          /* (part_cap) per attention job: m (gp), d (gp), o (gp, head_dim) */
+    size_t part_cap;      /* floats */
+} vq_state;
+
+static int vq_target_coded(const vq_state *st, int len) {
+    if (len < st->window + VQ_FLUSH) return 0;
+    return ((len - st->window) / VQ_FLUSH) * VQ_FLUSH;
+}
+
+static uint8_t *vq_kcodes(const vq_state *st, const vq_layer *L, int h, int pos) {
+    return L->pages[pos / st->page_tokens] + ((size_t)h * st->page_tokens + pos % st->page_tokens) * st->kcs;
+}
+
+static uint8_t *vq_vcodes(const vq_state *st, const vq_layer *L, int h, int pos) {
+    return L->pages[pos / st->page_tokens] + (size_t)st->n_head_kv * st->page_tokens * st->kcs +
+           ((size_t)h * st->page_tokens + pos % st->page_tokens) * st->vcs;
+}
+
+static void vq_scratch_free(vq_scratch *s) {
+    free(s->qr);
+    free(s->lut);
+    free(s->table);
+    free(s->s);
+    free(s->idx);
+    free(s->rescale);
+    free(s->acc);
+    free(s->wkf);
+    free(s->wvf);
+    free(s->ws);
+    free(s->o);
+    free(s->ow);
+}
+
+static void vq_destroy(void *state) {
+    vq_state *st = state;
+    if (!st) return;
+    if (st->layers)
+        for (int l = 0; l < st->n_layer; l++) {
+            vq_layer *L = &st->layers[l];
+            if (L->pages)
+                for (int i = 0; i < L->n_pages; i++) free(L->pages[i]);
+            free(L->pages);
+            free(L->wk);
+            free(L->wv);
+        }
+    if (st->scr)
+        for (int t = 0; t < st->n_threads; t++) vq_scratch_free(&st->scr[t]);
+    free(st->scr);
+    free(st->layers);
+    free(st->kpq);
+    free(st->vpq);
+    free(st->smooth);
+    free(st->xk);
+    free(st->xv);
+    free(st->ck);
+    free(st->cv);
+    free(st->h16);
+    free(st->part);
+    free(st);
+}
+
+// ---- create ---------------------------------------------------------------------------------
+
+static kvpq_status vq_check_codebook(const kvpq_cache_params *p, const kvpq_codebook *cb) {
+    kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+    if (cp.n_layer != p->n_layer)
+        return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook has n_layer=%d, the cache has n_layer=%d",
+                         cp.n_layer, p->n_layer);
+    if (cp.n_head_kv != p->n_head_kv)
+        return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook has n_head_kv=%d, the cache has n_head_kv=%d",
+                         cp.n_head_kv, p->n_head_kv);
+    if (cp.head_dim != p->head_dim)
+        return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook has head_dim=%d, the cache has head_dim=%d",
+                         cp.head_dim, p->head_dim);
+    if (cp.key.d != p->head_dim || cp.value.d != p->head_dim)
+        return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook quantizers have d=%d (key) and %d (value), expected head_dim=%d",
+                         cp.key.d, cp.value.d, p->head_dim);
+    for (int l = 0; l < p->n_layer; l++) {
+        const kvpq_pq *k = kvpq_codebook_pq_const(cb, l, 0), *v = kvpq_codebook_pq_const(cb, l, 1);
+        const float *lam = kvpq_codebook_key_smooth_const(cb, l);
+        if (!k || !v || !lam) return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook lacks layer %d", l);
+        if (k->p.d != p->head_dim || v->p.d != p->head_dim)
+            return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook layer %d quantizer d=%d/%d, expected head_dim=%d", l,
+                             k->p.d, v->p.d, p->head_dim);
+        for (size_t i = 0; i < (size_t)p->n_head_kv * p->head_dim; i++)
+            if (!(lam[i] > 0.0f) || !isfinite(lam[i]))
+                return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                                 "VQ cache: codebook layer %d key smoothing factor [head %zu][channel %zu] = %g: must be finite and > 0",
+                                 l, i / (size_t)p->head_dim, i % (size_t)p->head_dim, (double)lam[i]);
+    }
+    return KVPQ_OK;
+}
+
+static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
+    *state = NULL;
+    const kvpq_codebook *cb = p->codebook;
+    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "VQ cache: params.codebook is NULL (a trained codebook is required)");
+    if (p->n_layer <= 0 || p->n_head <= 0 || p->n_head_kv <= 0 || p->n_head % p->n_head_kv || p->max_seq <= 0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "VQ cache: bad shape n_layer=%d n_head=%d n_head_kv=%d max_seq=%d",
+                         p->n_layer, p->n_head, p->n_head_kv, p->max_seq);
+    if (p->head_dim <= 0 || (p->head_dim & (p->head_dim - 1)))
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "VQ cache: head_dim=%d: the Hadamard rotation needs a power of two",
+                         p->head_dim);
+    if (p->window < 0 || p->window > p->max_seq)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "VQ cache: window=%d: expected 0..max_seq (%d)", p->window, p->max_seq);
+    if (p->page_tokens <= 0 || p->page_tokens > (1 << 20))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "VQ cache: page_tokens=%d: expected 1..%d", p->page_tokens, 1 << 20);
+    KVPQ_TRY(vq_check_codebook(p, cb));
+
+    vq_state *st = calloc(1, sizeof *st);
+    if (!st) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory");
+    kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+    st->n_layer = p->n_layer;
+    st->n_head = p->n_head;
+    st->n_head_kv = p->n_head_kv;
+    st->head_dim = p->head_dim;
+    st->group = p->n_head / p->n_head_kv;
+    st->gp = st->group == 1 ? 1 : st->group <= 4 ? 4 : st->group <= 8 ? 8 : (st->group + 15) / 16 * 16;
+    st->window = p->window;
+    st->cap = p->window + VQ_FLUSH;
+    st->page_tokens = p->page_tokens;
+    st->max_pages = (p->max_seq + p->page_tokens - 1) / p->page_tokens;
+    st->n_threads = p->n_threads > 0 ? p->n_threads : omp_get_max_threads();
+    if (st->n_threads < 1) st->n_threads = 1;
+    st->value_rotate = cp.value_rotate != 0;
+    st->scale = 1.0f / sqrtf((float)p->head_dim);
+    st->kp = cp.key;
+    st->vp = cp.value;
+    st->k_ksub = 1 << cp.key.nbits;
+    st->v_ksub = 1 << cp.value.nbits;
+    st->k_dsub = p->head_dim / cp.key.M;
+    st->v_dsub = p->head_dim / cp.value.M;
+    st->kcs = kvpq_codes_size(cp.key.M, cp.key.nbits);
+    st->vcs = kvpq_codes_size(cp.value.M, cp.value.nbits);
+    st->page_bytes = (size_t)p->n_head_kv * p->page_tokens * (st->kcs + st->vcs);
+
+    st->kpq = calloc(p->n_layer, sizeof *st->kpq);
+    st->vpq = calloc(p->n_layer, sizeof *st->vpq);
+    st->smooth = calloc(p->n_layer, sizeof *st->smooth);
+    st->layers = calloc(p->n_layer, sizeof *st->layers);
+    st->scr = calloc(st->n_threads, sizeof *st->scr);
+    st->h16 = calloc((size_t)p->n_head_kv * p->head_dim, sizeof(uint16_t));
+    if (!st->kpq || !st->vpq || !st->smooth || !st->layers || !st->scr || !st->h16) goto nomem;
+    for (int l = 0; l < p->n_layer; l++) {
+        st->kpq[l] = kvpq_codebook_pq_const(cb, l, 0);
+        st->vpq[l] = kvpq_codebook_pq_const(cb, l, 1);
+        st->smooth[l] = kvpq_codebook_key_smooth_const(cb, l);
+        st->codebook_bytes += (kvpq_pq_centroids_size(st->kpq[l]) + kvpq_pq_centroids_size(st->vpq[l])) * sizeof(float);
+        st->codebook_bytes += (size_t)p->n_head_kv * p->head_dim * sizeof(float);
+        st->layers[l].pages = calloc(st->max_pages, sizeof(uint8_t *));
+        if (!st->layers[l].pages) goto nomem;
+    }
+    const int gp = st->gp, d = st->head_dim;
+    const int mmax = cp.key.M > cp.value.M ? cp.key.M : cp.value.M;
+    const int dsmax = st->k_dsub > st->v_dsub ? st->k_dsub : st->v_dsub;
+    for (int t = 0; t < st->n_threads; t++) {
+        vq_scratch *s = &st->scr[t];
+        s->qr = calloc((size_t)gp * d, sizeof(float));
+        s->lut = calloc((size_t)cp.key.M * st->k_ksub * gp, sizeof(float));
+        s->table = calloc((size_t)cp.value.M * st->v_ksub * gp, sizeof(float));
+        s->s = calloc((size_t)VQ_CHUNK * gp, sizeof(float));
+        s->idx = calloc((size_t)VQ_CHUNK * mmax, sizeof(uint16_t));
+        s->rescale = calloc(gp, sizeof(float));
+        s->acc = calloc((size_t)dsmax * gp, sizeof(float));
+        s->wkf = calloc((size_t)st->cap * d, sizeof(float));
+        s->wvf = calloc((size_t)st->cap * d, sizeof(float));
+        s->ws = calloc(st->cap, sizeof(float));
+        s->o = calloc((size_t)gp * d, sizeof(float));
+        s->ow = calloc(d, sizeof(float));
+        if (!s->qr || !s->lut || !s->table || !s->s || !s->idx || !s->rescale || !s->acc || !s->wkf || !s->wvf ||
+            !s->ws || !s->o || !s->ow)
+            goto nomem;
+    }
+    *state = st;
+    return KVPQ_OK;
+nomem:
+    vq_destroy(st);
+    return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for the workspace");
+}
+
+// ---- append ---------------------------------------------------------------------------------
+
+static kvpq_status vq_grow(void **buf, size_t *cap, size_t want, size_t elem) {
+    if (want <= *cap) return KVPQ_OK;
+    void *nb = realloc(*buf, want * elem);
+    if (!nb) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory (%zu bytes)", want * elem);
+    *buf = nb;
+    *cap = want;
+    return KVPQ_OK;
+}
+
+static kvpq_status vq_append(void *state, int layer, int len, int n, const float *k, const float *v) {
+    vq_state *st = state;
+    vq_layer *L = &st->layers[layer];
+    const int nkv = st->n_head_kv, d = st->head_dim;
+    const size_t row = (size_t)nkv * d;
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    /* The window keeps fp16: refuse what fp16 cannot hold before touching anything. */
+    for (size_t i = 0; i < (size_t)n * row; i++)
+        if (fabsf(k[i]) > VQ_FP16_MAX || fabsf(v[i]) > VQ_FP16_MAX)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                             "VQ cache layer %d: %s[token %zu][head %zu][channel %zu] = %g exceeds the fp16 window's range (65504)",
+                             layer, fabsf(k[i]) > VQ_FP16_MAX ? "k" : "v", i / row, i % row / d, i % d,
+                             (double)(fabsf(k[i]) > VQ_FP16_MAX ? k[i] : v[i]));
+    const int new_len = len + n;
+    int target = vq_target_coded(st, new_len);
+    if (target < L->n_coded) target = L->n_coded;
+    const int first = L->n_coded, ne = target - first;
+
+    if (!L->wk) {
+        L->wk = calloc((size_t)st->cap * row, sizeof(uint16_t));
+        L->wv = calloc((size_t)st->cap * row, sizeof(uint16_t));
+        if (!L->wk || !L->wv) {
+            free(L->wk);
+            free(L->wv);
+            L->wk = L->wv = NULL;
+            return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for the window of layer %d", layer);
+        }
+    }
+    if (ne > 0) {
+        const int pages_needed = (target + st->page_tokens - 1) / st->page_tokens;
+        if (pages_needed > st->max_pages)
+            return kvpq__err(KVPQ_ERR_CAPACITY, "VQ cache layer %d: %d positions exceed max_seq", layer, target);
+        const int old_pages = L->n_pages;
+        for (int pg = L->n_pages; pg < pages_needed; pg++) {
+            L->pages[pg] = malloc(st->page_bytes);
+            if (!L->pages[pg]) {
+                for (int q = old_pages; q < pg; q++) {
+                    free(L->pages[q]);
+                    L->pages[q] = NULL;
+                }
+                L->n_pages = old_pages;
+                return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for a page of %zu bytes", st->page_bytes);
+            }
+            L->n_pages = pg + 1;
+        }
+        size_t nv = (size_t)ne * nkv;
+        KVPQ_TRY(vq_grow((void **)&st->xk, &st->xk_cap, nv * d, sizeof(float)));
+        KVPQ_TRY(vq_grow((void **)&st->xv, &st->xv_cap, nv * d, sizeof(float)));
+        KVPQ_TRY(vq_grow((void **)&st->ck, &st->ck_cap, nv * st->kcs, 1));
+        KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * st->vcs, 1));
+        /* Gather the tokens leaving the window (or passing through it), rounded to fp16 as the
+         * window stores them, so the codes do not depend on how appends were chunked. */
+        for (int t = first; t < target; t++) {
+            float *xk = st->xk + (size_t)(t - first) * row, *xv = st->xv + (size_t)(t - first) * row;
+            if (t < len) {
+                int slot = t % st->cap;
+                for (int h = 0; h < nkv; h++) {
+                    K->f16_to_f32(d, L->wk + ((size_t)h * st->cap + slot) * d, xk + (size_t)h * d);
+                    K->f16_to_f32(d, L->wv + ((size_t)h * st->cap + slot) * d, xv + (size_t)h * d);
+                }
+            } else {
+                K->f32_to_f16(row, k + (size_t)(t - len) * row, st->h16);
+                K->f16_to_f32(row, st->h16, xk);
+                K->f32_to_f16(row, v + (size_t)(t - len) * row, st->h16);
+                K->f16_to_f32(row, st->h16, xv);
+            }
+            for (int h = 0; h < nkv; h++) {
+                const float *lam = st->smooth[layer] + (size_t)h * d;
+                for (int j = 0; j < d; j++) xk[(size_t)h * d + j] /= lam[j];
+            }
+        }
+        KVPQ_TRY(kvpq_hadamard(st->xk, nv, d));
+        if (st->value_rotate) KVPQ_TRY(kvpq_hadamard(st->xv, nv, d));
+        KVPQ_TRY(kvpq_pq_encode(st->kpq[layer], nv, st->xk, st->ck));
+        KVPQ_TRY(kvpq_pq_encode(st->vpq[layer], nv, st->xv, st->cv));
+        for (int t = first; t < target; t++)
+            for (int h = 0; h < nkv; h++) {
+                size_t r = (size_t)(t - first) * nkv + h;
+                memcpy(vq_kcodes(st, L, h, t), st->ck + r * st->kcs, st->kcs);
+                memcpy(vq_vcodes(st, L, h, t), st->cv + r * st->vcs, st->vcs);
+            }
+    }
+    /* New tokens that stay in the window go to their ring slots (after the encode read the ring). */
+    for (int t = target > len ? target : len; t < new_len; t++) {
+        int slot = t % st->cap;
+        const float *kt = k + (size_t)(t - len) * row, *vt = v + (size_t)(t - len) * row;
+        for (int h = 0; h < nkv; h++) {
+            K->f32_to_f16(d, kt + (size_t)h * d, L->wk + ((size_t)h * st->cap + slot) * d);
+            K->f32_to_f16(d, vt + (size_t)h * d, L->wv + ((size_t)h * st->cap + slot) * d);
+        }
+    }
+    L->n_coded = target;
+    return KVPQ_OK;
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+/* LUT (M, ksub, GP) of a group's queries qr (GP, d) (padded rows are zero): one vector of GP lanes
+ * per (m, c). GP is a compile-time constant at the hot call sites so the lane loop vectorizes. */
+static inline __attribute__((always_inline)) void vq_lut_build(const int GP, const kvpq_pq *pq, int d,
+                                                              const float *restrict qr, float *restrict qt,
+                                                              float *restrict lut) {
+    const int M = pq->p.M, ksub = pq->ksub, dsub = pq->dsub;
+    for (int m = 0; m < M; m++) {
+        for (int j = 0; j < dsub; j++)
+            for (int g = 0; g < GP; g++) qt[j * GP + g] = qr[(size_t)g * d + m * dsub + j];
+        const float *book = kvpq__pq_book(pq, m);
+        float *out = lut + (size_t)m * ksub * GP;
+        for (int c = 0; c < ksub; c++) {
+            const float *cv = book + (size_t)c * dsub;
+            float *r = out + (size_t)c * GP;
+            for (int g = 0; g < GP; g++) r[g] = 0.0f;
+            for (int j = 0; j < dsub; j++)
+                for (int g = 0; g < GP; g++) r[g] += cv[j] * qt[j * GP + g];
+        }
+    }
+}
+
+/* o (G, d) = per sub-space m: sum_c table[m][c][g] * C_v[m][c] (the value codebook applied once). */
+static inline __attribute__((always_inline)) void vq_table_out(const int GP, int G, const kvpq_pq *pq, int d,
+                                                              const float *restrict table, float *restrict acc,
+                                                              float *restrict o) {
+    const int M = pq->p.M, ksub = pq->ksub, dsub = pq->dsub;
+    for (int m = 0; m < M; m++) {
+        for (int i = 0; i < dsub * GP; i++) acc[i] = 0.0f;
+        const float *book = kvpq__pq_book(pq, m);
+        const float *tm = table + (size_t)m * ksub * GP;
+        for (int c = 0; c < ksub; c++) {
+            const float *cv = book + (size_t)c * dsub, *w = tm + (size_t)c * GP;
+            for (int j = 0; j < dsub; j++)
+                for (int g = 0; g < GP; g++) acc[j * GP + g] += cv[j] * w[g];
+        }
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < dsub; j++) o[(size_t)g * d + m * dsub + j] = acc[j * GP + g];
+    }
+}
+
+/* Softmax state of one group's queries over coded positions [t0, t1) of KV head h. part gets
+ * m (gp), d (gp), o (gp, head_dim) with o in the value codebook's space (rotated if value_rotate). */
+static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int h, const float *q, int t0, int t1,
+                          vq_scratch *s, const kvpq_vq_kernels *K, float *part) {
+    const int gp = st->gp, G = st->group, d = st->head_dim;
+    float *pm = part, *pd = part + gp, *po = part + 2 * gp;
+    for (int g = 0; g < gp; g++) {
+        pm[g] = -INFINITY;
+        pd[g] = 0.0f;
+    }
+    memset(po, 0, (size_t)gp * d * sizeof(float));
+    if (t1 <= t0) return;
+    const kvpq_pq *kpq = st->kpq[layer], *vpq = st->vpq[layer];
+    /* q' = H (q * lambda_h) / sqrt(d), for the G heads of the group (padded rows stay zero). */
+    const float *lam = st->smooth[layer] + (size_t)h * d;
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < d; j++) s->qr[(size_t)g * d + j] = q[(size_t)g * d + j] * lam[j] * st->scale;
+    kvpq_hadamard(s->qr, G, d);
+    float *qt = s->o; /* (dsub, gp) scratch, free until the merge */
+    switch (gp) {
+    case 1: vq_lut_build(1, kpq, d, s->qr, qt, s->lut); break;
+    case 4: vq_lut_build(4, kpq, d, s->qr, qt, s->lut); break;
+    case 8: vq_lut_build(8, kpq, d, s->qr, qt, s->lut); break;
+    default: vq_lut_build(gp, kpq, d, s->qr, qt, s->lut); break;
+    }
+    const size_t table_rows = (size_t)vpq->p.M * vpq->ksub;
+    memset(s->table, 0, table_rows * gp * sizeof(float));
+    const int kbits8 = kpq->p.nbits == 8, vbits8 = vpq->p.nbits == 8;
+    const int Mk = kpq->p.M, Mv = vpq->p.M;
+    int first = 1;
+    for (int t = t0; t < t1;) {
+        int off = t % st->page_tokens;
+        int n = st->page_tokens - off;
+        if (n > VQ_CHUNK) n = VQ_CHUNK;
+        if (n > t1 - t) n = t1 - t;
+        const uint8_t *kc = vq_kcodes(st, L, h, t), *vc = vq_vcodes(st, L, h, t);
+        if (kbits8) {
+            K->score_u8(n, Mk, kpq->ksub, gp, kc, s->lut, s->s);
+        } else {
+            kvpq_codes_unpack(Mk, kpq->p.nbits, n, kc, s->idx);
+            K->score_u16(n, Mk, kpq->ksub, gp, s->idx, s->lut, s->s);
+        }
+        if (K->softmax_step(n, gp, s->s, pm, pd, s->rescale) && !first)
+            K->scale_rows(table_rows, gp, s->rescale, s->table);
+        first = 0;
+        if (vbits8) {
+            K->accum_u8(n, Mv, vpq->ksub, gp, vc, s->s, s->table);
+        } else {
+            kvpq_codes_unpack(Mv, vpq->p.nbits, n, vc, s->idx);
+            K->accum_u16(n, Mv, vpq->ksub, gp, s->idx, s->s, s->table);
+        }
+        t += n;
+    }
+    switch (gp) {
+    case 1: vq_table_out(1, G, vpq, d, s->table, s->acc, po); break;
+    case 4: vq_table_out(4, G, vpq, d, s->table, s->acc, po); break;
+    case 8: vq_table_out(8, G, vpq, d, s->table, s->acc, po); break;
+    default: vq_table_out(gp, G, vpq, d, s->table, s->acc, po); break;
+    }
+}
+
+/* Merge b into a, treating d == 0 as the empty state (m = -inf). */
+static void vq_merge(kvpq_softmax_state *a, float *oa, const kvpq_softmax_state *b, const float *ob, int d) {
+    if (b->d == 0.0f) return;
+    if (a->d == 0.0f) {
+        *a = *b;
+        memcpy(oa, ob, (size_t)d * sizeof(float));
+        return;
+    }
+    kvpq_softmax_merge(a, oa, b, ob, d);
+}
+
+/* Finish query position i of KV head h: merge the coded splits, rotate back, attend the window
+ * exactly, merge, normalize into out (G, d). */
+static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, const float *q, const float *parts,
+                      int n_split, vq_scratch *s, const kvpq_vq_kernels *K, float *out) {
+    const int gp = st->gp, G = st->group, d = st->head_dim;
+    const size_t psz = (size_t)gp * (2 + d);
+    kvpq_softmax_state a[64]; /* G <= 64, checked by vq_attend */
+    /* Coded splits (all in the value codebook's space). */
+    for (int g = 0; g < G; g++) {
+        kvpq_softmax_state acc = {-INFINITY, 0.0f};
+        float *o = s->o + (size_t)g * d;
+        memset(o, 0, (size_t)d * sizeof(float));
+        for (int sp = 0; sp < n_split; sp++) {
+            const float *pt = parts + sp * psz;
+            kvpq_softmax_state b = {pt[g], pt[gp + g]};
+            vq_merge(&acc, o, &b, pt + 2 * gp + (size_t)g * d, d);
+        }
+        a[g] = acc;
+    }
+    if (st->value_rotate) kvpq_hadamard(s->o, G, d);
+    /* Window: positions [n_coded, pos] in fp16, original space. */
+    const int w0 = L->n_coded, w1 = pos + 1;
+    const int nw = w1 > w0 ? w1 - w0 : 0;
+    for (int t = 0; t < nw; t++) {
+        int slot = (w0 + t) % st->cap;
+        K->f16_to_f32(d, L->wk + ((size_t)h * st->cap + slot) * d, s->wkf + (size_t)t * d);
+        K->f16_to_f32(d, L->wv + ((size_t)h * st->cap + slot) * d, s->wvf + (size_t)t * d);
+    }
+    for (int g = 0; g < G; g++) {
+        kvpq_softmax_state acc = a[g];
+        float *o = s->o + (size_t)g * d;
+        if (nw > 0) {
+            K->dot_rows(nw, d, q + (size_t)g * d, s->wkf, s->ws);
+            float mx = -INFINITY;
+            for (int t = 0; t < nw; t++) {
+                s->ws[t] *= st->scale;
+                mx = fmaxf(mx, s->ws[t]);
+            }
+            float sum = 0.0f;
+            memset(s->ow, 0, (size_t)d * sizeof(float));
+            for (int t = 0; t < nw; t++) {
+                float p = expf(s->ws[t] - mx);
+                sum += p;
+                const float *vt = s->wvf + (size_t)t * d;
+                for (int j = 0; j < d; j++) s->ow[j] += p * vt[j];
+            }
+            kvpq_softmax_state b = {mx, sum};
+            vq_merge(&acc, o, &b, s->ow, d);
+        }
+        float inv = acc.d > 0.0f ? 1.0f / acc.d : 0.0f;
+        for (int j = 0; j < d; j++) out[(size_t)g * d + j] = o[j] * inv;
+    }
+}
+
+static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const float *q, float *out) {
+    vq_state *st = state;
+    const vq_layer *L = &st->layers[layer];
+    const int nkv = st->n_head_kv, d = st->head_dim, G = st->group, gp = st->gp, nt = st->n_threads;
+    if (G > 64) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "VQ cache: %d query heads per KV head (at most 64)", G);
+    const int P = len - n_q, nc = L->n_coded;
+    /* Split one head's coded context when there are too few (query, head) jobs for the threads. */
+    const int base_jobs = n_q * nkv;
+    int n_split = 1;
+    if (nt > 1 && base_jobs < 4 * nt) {
+        n_split = (4 * nt + base_jobs - 1) / base_jobs;
+        int smax = nc / VQ_MIN_SPLIT;
+        if (smax < 1) smax = 1;
+        if (n_split > smax) n_split = smax;
+    }
+    const int n_jobs = base_jobs * n_split;
+    const size_t psz = (size_t)gp * (2 + d);
+    KVPQ_TRY(vq_grow((void **)&st->part, &st->part_cap, (size_t)n_jobs * psz, sizeof(float)));
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    float *parts = st->part;
+#pragma omp parallel num_threads(nt) if (nt > 1 && n_jobs > 1)
+    {
+        vq_scratch *s = &st->scr[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 1)
+        for (int j = 0; j < n_jobs; j++) {
+            int i = j / (nkv * n_split), h = (j / n_split) % nkv, sp = j % n_split;
+            int limit = P + i + 1 < nc ? P + i + 1 : nc;
+            int t0 = (int)((int64_t)limit * sp / n_split), t1 = (int)((int64_t)limit * (sp + 1) / n_split);
+            vq_coded_part(st, L, layer, h, q + ((size_t)i * st->n_head + (size_t)h * G) * d, t0, t1, s, K,
+                          parts + (size_t)j * psz);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int j = 0; j < base_jobs; j++) {
+            int i = j / nkv, h = j % nkv;
+            size_t off = ((size_t)i * st->n_head + (size_t)h * G) * d;
+            vq_finish(st, L, h, P + i, q + off, parts + (size_t)j * n_split * psz, n_split, s, K, out + off);
+        }
+    }
+    return KVPQ_OK;
+}
+
+// ---- truncate, read, sizes --------------------------------------------------------------------
+
+static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
+    vq_state *st = state;
+    for (int l = 0; l < st->n_layer; l++) {
+        vq_layer *L = &st->layers[l];
+        if (n_pos >= lens[l]) continue;
+        if (L->n_coded > n_pos) L->n_coded = n_pos;
+        int need = (L->n_coded + st->page_tokens - 1) / st->page_tokens;
+        for (int pg = need; pg < L->n_pages; pg++) {
+            free(L->pages[pg]);
+            L->pages[pg] = NULL;
+        }
+        if (L->n_pages > need) L->n_pages = need;
+    }
+    return KVPQ_OK;
+}
+
+static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v) {
+    const vq_state *st = state;
+    const vq_layer *L = &st->layers[layer];
+    const int nkv = st->n_head_kv, d = st->head_dim;
+    const size_t row = (size_t)nkv * d;
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    int c1 = pos0 + n < L->n_coded ? pos0 + n : L->n_coded; /* coded part [pos0, c1) */
+    if (c1 > pos0) {
+        size_t nv = (size_t)(c1 - pos0) * nkv;
+        size_t cs = st->kcs > st->vcs ? st->kcs : st->vcs;
+        uint8_t *codes = malloc(nv * cs);
+        float *x = malloc(nv * d * sizeof(float));
+        if (!codes || !x) {
+            free(codes);
+            free(x);
+            return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache read: out of memory");
+        }
+        kvpq_status rc = KVPQ_OK;
+        for (int which = 0; which < 2 && rc == KVPQ_OK; which++) {
+            float *dst = which ? v : k;
+            if (!dst) continue;
+            size_t sz = which ? st->vcs : st->kcs;
+            for (int t = pos0; t < c1; t++)
+                for (int h = 0; h < nkv; h++)
+                    memcpy(codes + ((size_t)(t - pos0) * nkv + h) * sz,
+                           which ? vq_vcodes(st, L, h, t) : vq_kcodes(st, L, h, t), sz);
+            rc = kvpq_pq_decode(which ? st->vpq[layer] : st->kpq[layer], nv, codes, x);
+            if (rc != KVPQ_OK) break;
+            if (!which || st->value_rotate) rc = kvpq_hadamard(x, nv, d);
+            if (rc != KVPQ_OK) break;
+            for (size_t r = 0; r < nv; r++) {
+                const float *lam = st->smooth[layer] + (r % nkv) * d;
+                for (int j = 0; j < d; j++) dst[r * d + j] = which ? x[r * d + j] : x[r * d + j] * lam[j];
+            }
+        }
+        free(codes);
+        free(x);
+        KVPQ_TRY(rc);
+    }
+    for (int t = c1 > pos0 ? c1 : pos0; t < pos0 + n; t++) {
+        int slot = t % st->cap;
+        for (int h = 0; h < nkv; h++) {
+            size_t o = (size_t)(t - pos0) * row + (size_t)h * d;
+            if (k) K->f16_to_f32(d, L->wk + ((size_t)h * st->cap + slot) * d, k + o);
+            if (v) K->f16_to_f32(d, L->wv + ((size_t)h * st->cap + slot) * d, v + o);
+        }
+    }
+    return KVPQ_OK;
+}
+
+static size_t vq_resident_bytes(const void *state, const int *lens) {
+    const vq_state *st = state;
+    size_t b = st->codebook_bytes;
+    for (int l = 0; l < st->n_layer; l++) {
+        const vq_layer *L = &st->layers[l];
+        b += (size_t)L->n_pages * st->page_bytes;
+        if (L->wk) b += 2 * (size_t)st->cap * st->n_head_kv * st->head_dim * sizeof(uint16_t);
+    }
+    return b;
+}
+
+static void vq_stats(const void *state, const int *lens, kvpq_cache_stats *s) {
+    const vq_state *st = state;
+    s->tokens_coded = 0;
+    s->tokens_window = 0;
+    for (int l = 0; l < st->n_layer; l++) {
+        s->tokens_coded += st->layers[l].n_coded;
+        s->tokens_window += lens[l] - st->layers[l].n_coded;
+    }
+}
+
+const kvpq_cache_ops kvpq_cache_ops_vq = {
+    .name = "vq",
+    .create = vq_create,
+    .destroy = vq_destroy,
+    .append = vq_append,
+    .attend = vq_attend,
+    .truncate = vq_truncate,
+    .read = vq_read,
+    .resident_bytes = vq_resident_bytes,
+    .stats = vq_stats,
+};

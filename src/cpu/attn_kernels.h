@@ -1,0 +1,91 @@
+/* attn_kernels.h — CPU kernels of the attention paths of the KV caches, one table per SIMD level.
+ *
+ * attn_ref.c holds the scalar *_ref kernels, the specification; attn_avx2.c and attn_avx512.c
+ * override them. kvpq__attn_kernels() picks the table for kvpq_simd_get(). Every kernel handles any
+ * size (SIMD kernels finish tails in scalar code). Internal. */
+#ifndef KVPQ_ATTN_KERNELS_H
+#define KVPQ_ATTN_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvpq.h"
+
+typedef struct {
+    const char *name;
+    /* S[r*lds + t] = Q[r] . K[t] for r < R, t < n.  Q: (R, hd), K: (n, hd). */
+    void (*qk)(const float *Q, int R, const float *K, int n, int hd, float *S, int lds);
+    /* O[r] += sum_t P[r*ldp + t] * V[t] for r < R.  P: (R, ldp), V: (n, hd), O: (R, hd). */
+    void (*pv)(const float *P, int R, int ldp, const float *V, int n, int hd, float *O);
+    /* qk and pv with K, V as IEEE halves (n, hd), converted in registers. */
+    void (*qk_f16)(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds);
+    void (*pv_f16)(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O);
+    /* max of x[0..n), n >= 1. */
+    float (*max)(const float *x, int n);
+    /* x[i] = exp(x[i] - m) in place; returns the sum. SIMD levels use a polynomial exp accurate to
+     * a few ulp (KVPQ_EXP_RTOL in the tests). */
+    float (*exp_sum)(float *x, int n, float m);
+    /* x[i] *= s */
+    void (*scale)(float *x, int n, float s);
+    /* IEEE half <-> float32, round to nearest even: bit-exact at every level. */
+    void (*f16_to_f32)(const uint16_t *src, float *dst, size_t n);
+    void (*f32_to_f16)(const float *src, uint16_t *dst, size_t n);
+    /* ggml block_q8_0 {fp16 d; int8 qs[32]} (34 bytes) x n_blocks -> x (32 n_blocks): d * qs.
+     * Bit-exact at every level (one product per element). */
+    void (*dequant_q8_0)(const void *blocks, size_t n_blocks, float *x);
+    /* ggml block_q4_0 {fp16 d; uint8 qs[16]} (18 bytes) -> x: element j from the low nibble of
+     * qs[j], element j+16 from the high nibble; d * (q - 8). Bit-exact at every level. */
+    void (*dequant_q4_0)(const void *blocks, size_t n_blocks, float *x);
+    /* KIVI rows: x[c] = code_c * scale[c] + min[c] for c < n (n % 32 == 0), codes of `bits` (2 or
+     * 4) bits packed LSB-first. Bit-exact at every level (one fused or two rounded ops: the SIMD
+     * levels use FMA, the reference fmaf). */
+    void (*dequant_bits)(const unsigned char *codes, int bits, int n, const float *scale, const float *min, float *x);
+} kvpq_attn_kernels;
+
+extern const kvpq_attn_kernels kvpq__attn_ref;
+#if defined(__x86_64__) || defined(__i386__)
+extern const kvpq_attn_kernels kvpq__attn_avx2;
+extern const kvpq_attn_kernels kvpq__attn_avx512;
+#endif
+
+/* The table of a level (a level the build lacks falls back to a lower one). */
+const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level);
+/* The table of kvpq_simd_get(). */
+const kvpq_attn_kernels *kvpq__attn_kernels(void);
+
+/* IEEE half <-> float32 (round to nearest even, NaN kept quiet), scalar, exact. */
+static inline float kvpq__h2f(uint16_t h) {
+    union { uint32_t u; float f; } o;
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (e == 0) {
+        o.f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24, exact */
+        o.u |= sign;
+    } else if (e == 31) {
+        o.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        o.u = sign | ((e + 112u) << 23) | (man << 13);
+    }
+    return o.f;
+}
+
+static inline uint16_t kvpq__f2h(float x) {
+    union { uint32_t u; float f; } f, magic;
+    f.f = x;
+    uint32_t sign = f.u & 0x80000000u;
+    f.u ^= sign;
+    uint16_t h;
+    if (f.u >= 0x47800000u) {               /* >= 65536 (or Inf/NaN): Inf, or a quiet NaN */
+        h = f.u > 0x7f800000u ? 0x7e00 : 0x7c00;
+    } else if (f.u < 0x38800000u) {         /* below 2^-14: subnormal half or zero */
+        magic.u = 126u << 23;               /* 0.5f: the add rounds to a multiple of 2^-24 (RNE) */
+        f.f += magic.f;
+        h = (uint16_t)(f.u - magic.u);
+    } else {                                /* normal: rebias, round the 13 dropped bits to even */
+        uint32_t odd = (f.u >> 13) & 1u;
+        f.u += 0xc8000000u + 0xfffu + odd;  /* (15 - 127) << 23 wraps modulo 2^32 */
+        h = (uint16_t)(f.u >> 13);
+    }
+    return (uint16_t)(h | (sign >> 16));
+}
+
+#endif

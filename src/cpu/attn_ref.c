@@ -1,0 +1,123 @@
+/* attn_ref.c — scalar reference kernels of the cache attention paths (the specification the SIMD
+ * versions are tested against), and the dispatch on the SIMD level. */
+#include <math.h>
+
+#include "cpu/attn_kernels.h"
+
+static void qk_ref(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float s = 0.0f;
+            for (int c = 0; c < hd; c++) s += Q[(size_t)r * hd + c] * K[(size_t)t * hd + c];
+            S[(size_t)r * lds + t] = s;
+        }
+}
+
+static void pv_ref(const float *P, int R, int ldp, const float *V, int n, int hd, float *O) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float p = P[(size_t)r * ldp + t];
+            if (p == 0.0f) continue;
+            for (int c = 0; c < hd; c++) O[(size_t)r * hd + c] += p * V[(size_t)t * hd + c];
+        }
+}
+
+static void qk_f16_ref(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float s = 0.0f;
+            for (int c = 0; c < hd; c++) s += Q[(size_t)r * hd + c] * kvpq__h2f(K[(size_t)t * hd + c]);
+            S[(size_t)r * lds + t] = s;
+        }
+}
+
+static void pv_f16_ref(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float p = P[(size_t)r * ldp + t];
+            if (p == 0.0f) continue;
+            for (int c = 0; c < hd; c++) O[(size_t)r * hd + c] += p * kvpq__h2f(V[(size_t)t * hd + c]);
+        }
+}
+
+static float max_ref(const float *x, int n) {
+    float m = x[0];
+    for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static float exp_sum_ref(float *x, int n, float m) {
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        s += x[i];
+    }
+    return s;
+}
+
+static void scale_ref(float *x, int n, float s) {
+    for (int i = 0; i < n; i++) x[i] *= s;
+}
+
+static void f16_to_f32_ref(const uint16_t *src, float *dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = kvpq__h2f(src[i]);
+}
+
+static void f32_to_f16_ref(const float *src, uint16_t *dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = kvpq__f2h(src[i]);
+}
+
+static void dequant_q8_0_ref(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 34) {
+        const float d = kvpq__h2f((uint16_t)(y[0] | y[1] << 8));
+        for (int j = 0; j < 32; j++) x[j] = (float)(int8_t)y[2 + j] * d;
+    }
+}
+
+static void dequant_q4_0_ref(const void *blocks, size_t n_blocks, float *x) {
+    const unsigned char *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 18) {
+        const float d = kvpq__h2f((uint16_t)(y[0] | y[1] << 8));
+        for (int j = 0; j < 16; j++) {
+            x[j] = (float)((y[2 + j] & 0x0f) - 8) * d;
+            x[j + 16] = (float)((y[2 + j] >> 4) - 8) * d;
+        }
+    }
+}
+
+static void dequant_bits_ref(const unsigned char *codes, int bits, int n, const float *scale, const float *min,
+                             float *x) {
+    const int mask = (1 << bits) - 1;
+    for (int c = 0; c < n; c++) {
+        int q = (codes[c * bits / 8] >> (c * bits % 8)) & mask;
+        x[c] = fmaf((float)q, scale[c], min[c]);
+    }
+}
+
+const kvpq_attn_kernels kvpq__attn_ref = {
+    .name = "scalar",
+    .qk = qk_ref,
+    .pv = pv_ref,
+    .qk_f16 = qk_f16_ref,
+    .pv_f16 = pv_f16_ref,
+    .max = max_ref,
+    .exp_sum = exp_sum_ref,
+    .scale = scale_ref,
+    .f16_to_f32 = f16_to_f32_ref,
+    .f32_to_f16 = f32_to_f16_ref,
+    .dequant_q8_0 = dequant_q8_0_ref,
+    .dequant_q4_0 = dequant_q4_0_ref,
+    .dequant_bits = dequant_bits_ref,
+};
+
+const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (level == KVPQ_SIMD_AVX512) return &kvpq__attn_avx512;
+    if (level == KVPQ_SIMD_AVX2) return &kvpq__attn_avx2;
+#endif
+    (void)level;
+    return &kvpq__attn_ref;
+}
+
+const kvpq_attn_kernels *kvpq__attn_kernels(void) { return kvpq__attn_kernels_for(kvpq_simd_get()); }

@@ -1,0 +1,29 @@
+/* ggml_kernels.h — per-ISA kernels behind ggml_matvec / ggml_matmul (model/ggml_types.c is the
+ * dispatcher and holds the scalar _ref specification). Internal. */
+#ifndef KVPQ_GGML_KERNELS_H
+#define KVPQ_GGML_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* y[r] = dot(row r of W, x) for r in [0, n_rows). W: n_rows rows of row_bytes bytes each, n
+ * elements per row (a multiple of the type's block size); x: (n) float32; xs: (n/32) sums of x over
+ * each 32-element block (used by the Q4 kernels to apply the block offset once per block; may be
+ * NULL for other types); y: (n_rows). */
+typedef void (*kvpq__matvec_fn)(const uint8_t *W, size_t row_bytes, int64_t n_rows, int64_t n, const float *x,
+                                const float *xs, float *y);
+/* dot(a, b) over n float32. */
+typedef float (*kvpq__dot_fn)(const float *a, const float *b, int64_t n);
+/* Dequantize n elements (a multiple of the block size) of a row; bit-exact with the _ref. */
+typedef void (*kvpq__dequant_fn)(const uint8_t *src, float *dst, int64_t n);
+
+/* Kernel for a ggml type at that ISA, or NULL when there is none (the dispatcher then dequantizes
+ * chunks with the _ref and uses the ISA's dot). */
+kvpq__matvec_fn kvpq__ggml_matvec_avx2(uint32_t type);
+kvpq__matvec_fn kvpq__ggml_matvec_avx512(uint32_t type);
+kvpq__dequant_fn kvpq__ggml_dequant_avx2(uint32_t type);
+kvpq__dequant_fn kvpq__ggml_dequant_avx512(uint32_t type);
+float kvpq__dot_f32_avx2(const float *a, const float *b, int64_t n);
+float kvpq__dot_f32_avx512(const float *a, const float *b, int64_t n);
+
+#endif

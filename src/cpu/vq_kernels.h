@@ -1,0 +1,67 @@
+/* vq_kernels.h — CPU kernels of attention from PQ codes (the VQ cache, src/cache/cache_vq.c). Internal.
+ *
+ * The grouped layout: all query heads of one KV head (a GQA group of G heads) are processed
+ * together, so each code is read once. Per-head quantities are interleaved on the innermost axis,
+ * padded to `gp` lanes (gp = 1, 4, 8 or a multiple of 16; padded lanes carry zeros or don't-care):
+ *   lut   (M, ksub, gp) float32: LUT[m][c][g] = q'_g,m . C_k[m][c]   (VecInfer eq. for q.k from codes)
+ *   table (M, ksub, gp) float32: W[m][c][g]  = sum of softmax weights of tokens whose code m is c
+ *   s/p   (n, gp) float32: scores, then unnormalized softmax weights exp(s - m)
+ * Codes are (n, M) uint8 when nbits == 8 (the packed code is the index), else (n, M) uint16
+ * indices unpacked from the bit stream.
+ *
+ * `*_ref` are the specification; the AVX2 / AVX-512 variants are tested against them. */
+#ifndef KVPQ_VQ_KERNELS_H
+#define KVPQ_VQ_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvpq.h"
+
+typedef struct {
+    /* scores (n, gp): s[t][g] = sum_m lut[m][code(t, m)][g]. */
+    void (*score_u8)(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s);
+    void (*score_u16)(int n, int M, int ksub, int gp, const uint16_t *idx, const float *lut, float *s);
+    /* table[m][code(t, m)][g] += p[t][g] for every t < n, m < M. */
+    void (*accum_u8)(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
+    void (*accum_u16)(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
+    /* One online-softmax step over a chunk of scores s (n, gp), n >= 1 (Milakov & Gimelshein 2018):
+     * m_new = max(m, max_t s[t]); s[t] <- exp(s[t] - m_new); d <- d * exp(m - m_new) + sum_t s[t];
+     * m <- m_new. rescale (gp) gets exp(m_old - m_new) (0 where m_old was -inf). Returns 1 if some
+     * lane's factor is not exactly 1 (the caller must then rescale its accumulators), else 0. */
+    int (*softmax_step)(int n, int gp, float *s, float *m, float *d, float *rescale);
+    /* table (rows, gp) *= rescale (gp) per lane. */
+    void (*scale_rows)(size_t rows, int gp, const float *rescale, float *table);
+    /* out[t] = q . k[t] for k (n, d) (window scores). */
+    void (*dot_rows)(int n, int d, const float *q, const float *k, float *out);
+    /* IEEE half <-> float, round to nearest even (the window's storage). */
+    void (*f16_to_f32)(size_t n, const uint16_t *src, float *dst);
+    void (*f32_to_f16)(size_t n, const float *src, uint16_t *dst);
+} kvpq_vq_kernels;
+
+/* The kernels of a SIMD level (the best this build and CPU have at or below `level`). */
+const kvpq_vq_kernels *kvpq__vq_kernels(kvpq_simd_level level);
+
+void kvpq__vq_score_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s);
+void kvpq__vq_score_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *lut, float *s);
+void kvpq__vq_accum_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
+void kvpq__vq_accum_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
+int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float *rescale);
+void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *table);
+void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *out);
+void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst);
+void kvpq__vq_f32_to_f16_ref(size_t n, const float *src, uint16_t *dst);
+
+#if defined(__x86_64__)
+/* Variants fill only the (kernel, gp) pairs they accelerate and fall back to the next level. */
+void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k);
+void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k);
+void kvpq__vq_score_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s);
+void kvpq__vq_score_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx, const float *lut, float *s);
+void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
+void kvpq__vq_accum_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
+int kvpq__vq_softmax_step_avx2(int n, int gp, float *s, float *m, float *d, float *rescale);
+void kvpq__vq_scale_rows_avx2(size_t rows, int gp, const float *rescale, float *table);
+#endif
+
+#endif

@@ -1,0 +1,419 @@
+/* ggml_types.c — GGML tensor types: sizes, fp16/bf16, dequantization (the scalar _ref is the
+ * specification, bit-exact with ggml's dequantize_row_* and the PyPI gguf package), and the
+ * matvec/matmul dispatcher over the per-ISA kernels of src/cpu/ggml_*.c. */
+#if defined(__clang__)
+/* Dequantization must round d*q and the + m separately, as ggml and numpy do: no FMA contraction. */
+#pragma STDC FP_CONTRACT OFF
+#endif
+#include <cblas.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/ggml_kernels.h"
+#include "internal.h"
+#include "model/ggml_types.h"
+
+/* ---- type table (ggml.c type_traits: block size, bytes per block) ---- */
+
+typedef struct {
+    const char *name;
+    int64_t blck;
+    size_t size;
+    int supported; /* kvpq dequantizes it */
+} type_info;
+
+static const type_info types[] = {
+    [0] = {"F32", 1, 4, 1},        [1] = {"F16", 1, 2, 1},        [2] = {"Q4_0", 32, 18, 1},
+    [3] = {"Q4_1", 32, 20, 1},     [6] = {"Q5_0", 32, 22, 1},     [7] = {"Q5_1", 32, 24, 1},
+    [8] = {"Q8_0", 32, 34, 1},     [9] = {"Q8_1", 32, 36, 0},     [10] = {"Q2_K", 256, 84, 0},
+    [11] = {"Q3_K", 256, 110, 0},  [12] = {"Q4_K", 256, 144, 0},  [13] = {"Q5_K", 256, 176, 0},
+    [14] = {"Q6_K", 256, 210, 0},  [15] = {"Q8_K", 256, 292, 0},  [16] = {"IQ2_XXS", 256, 66, 0},
+    [17] = {"IQ2_XS", 256, 74, 0}, [18] = {"IQ3_XXS", 256, 98, 0}, [19] = {"IQ1_S", 256, 50, 0},
+    [20] = {"IQ4_NL", 32, 18, 0},  [21] = {"IQ3_S", 256, 110, 0}, [22] = {"IQ2_S", 256, 82, 0},
+    [23] = {"IQ4_XS", 256, 136, 0}, [24] = {"I8", 1, 1, 0},       [25] = {"I16", 1, 2, 0},
+    [26] = {"I32", 1, 4, 0},       [27] = {"I64", 1, 8, 0},       [28] = {"F64", 1, 8, 0},
+    [29] = {"IQ1_M", 256, 56, 0},  [30] = {"BF16", 1, 2, 1},      [34] = {"TQ1_0", 256, 54, 0},
+    [35] = {"TQ2_0", 256, 66, 0},  [39] = {"MXFP4", 32, 17, 0},
+};
+#define N_TYPES (sizeof types / sizeof types[0])
+
+static const type_info *info(uint32_t t) { return t < N_TYPES && types[t].name ? &types[t] : NULL; }
+
+const char *ggml_type_name(uint32_t type) {
+    static _Thread_local char buf[24];
+    const type_info *ti = info(type);
+    if (ti) return ti->name;
+    snprintf(buf, sizeof buf, "type %u", type);
+    return buf;
+}
+
+int ggml_type_supported(uint32_t type) {
+    const type_info *ti = info(type);
+    return ti && ti->supported;
+}
+
+int64_t ggml_blck_size(uint32_t type) {
+    const type_info *ti = info(type);
+    return ti ? ti->blck : 0;
+}
+
+size_t ggml_type_size(uint32_t type) {
+    const type_info *ti = info(type);
+    return ti ? ti->size : 0;
+}
+
+size_t ggml_row_size(uint32_t type, int64_t n) {
+    const type_info *ti = info(type);
+    return ti ? (size_t)(n / ti->blck) * ti->size : 0;
+}
+
+/* ---- fp16 / bf16 (portable; the SIMD files use F16C) ---- */
+
+static float f32_from_bits(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static uint32_t f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+float kvpq_fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24, exact in float */
+        float v = (float)mant * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    if (exp == 31) return f32_from_bits(sign | 0x7f800000u | (mant << 13)); /* inf, NaN (payload kept) */
+    return f32_from_bits(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+uint16_t kvpq_fp32_to_fp16(float f) {
+    uint32_t x = f32_bits(f), ax = x & 0x7fffffffu;
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    if (ax > 0x7f800000u) return sign | 0x7e00 | (uint16_t)((ax >> 13) & 0x3ff); /* NaN stays NaN */
+    if (ax >= 0x477ff000u) return sign | 0x7c00; /* >= 65520 rounds to infinity */
+    uint32_t e = ax >> 23, mant = (ax & 0x7fffffu) | 0x800000u;
+    if (e < 113) { /* below 2^-14: half subnormal, in units of 2^-24 */
+        uint32_t s = 126 - e;
+        if (ax == 0 || s > 24) return sign;
+        uint32_t r = mant >> s, rem = mant & ((1u << s) - 1), half = 1u << (s - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return sign | (uint16_t)r;
+    }
+    uint32_t h = ((e - 112) << 10) | ((ax & 0x7fffffu) >> 13), rem = ax & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return sign | (uint16_t)h;
+}
+
+float kvpq_bf16_to_fp32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+static float half_at(const uint8_t *p) { return kvpq_fp16_to_fp32((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* ---- dequantization (_ref) ---- */
+
+/* Q4_0 block (18 bytes): fp16 d, 16 bytes of nibbles; element j is the low nibble of byte j and
+ * element j+16 its high nibble; value (q - 8) * d. */
+static void dequant_q4_0_ref(const uint8_t *src, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++, src += 18, y += 32) {
+        float d = half_at(src);
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)((src[2 + j] & 0x0f) - 8) * d;
+            y[j + 16] = (float)((src[2 + j] >> 4) - 8) * d;
+        }
+    }
+}
+
+/* Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; value q * d + m. */
+static void dequant_q4_1_ref(const uint8_t *src, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++, src += 20, y += 32) {
+        float d = half_at(src), m = half_at(src + 2);
+        for (int j = 0; j < 16; j++) {
+            float p0 = (float)(src[4 + j] & 0x0f) * d, p1 = (float)(src[4 + j] >> 4) * d;
+            y[j] = p0 + m;
+            y[j + 16] = p1 + m;
+        }
+    }
+}
+
+/* Q5_0 block (22 bytes): fp16 d, u32 qh (bit j = 5th bit of element j), 16 bytes of nibbles;
+ * value (q - 16) * d. */
+static void dequant_q5_0_ref(const uint8_t *src, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++, src += 22, y += 32) {
+        float d = half_at(src);
+        uint32_t qh = (uint32_t)src[2] | ((uint32_t)src[3] << 8) | ((uint32_t)src[4] << 16) | ((uint32_t)src[5] << 24);
+        for (int j = 0; j < 16; j++) {
+            int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
+            y[j] = (float)(((src[6 + j] & 0x0f) | (h0 << 4)) - 16) * d;
+            y[j + 16] = (float)(((src[6 + j] >> 4) | (h1 << 4)) - 16) * d;
+        }
+    }
+}
+
+/* Q5_1 block (24 bytes): fp16 d, fp16 m, u32 qh, 16 bytes of nibbles; value q * d + m. */
+static void dequant_q5_1_ref(const uint8_t *src, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++, src += 24, y += 32) {
+        float d = half_at(src), m = half_at(src + 2);
+        uint32_t qh = (uint32_t)src[4] | ((uint32_t)src[5] << 8) | ((uint32_t)src[6] << 16) | ((uint32_t)src[7] << 24);
+        for (int j = 0; j < 16; j++) {
+            int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
+            float p0 = (float)((src[8 + j] & 0x0f) | (h0 << 4)) * d, p1 = (float)((src[8 + j] >> 4) | (h1 << 4)) * d;
+            y[j] = p0 + m;
+            y[j + 16] = p1 + m;
+        }
+    }
+}
+
+/* Q8_0 block (34 bytes): fp16 d, 32 int8; value q * d. */
+static void dequant_q8_0_ref(const uint8_t *src, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++, src += 34, y += 32) {
+        float d = half_at(src);
+        for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)src[2 + j] * d;
+    }
+}
+
+static void dequant_f32_ref(const uint8_t *src, float *y, int64_t n) { memcpy(y, src, (size_t)n * 4); }
+
+static void dequant_f16_ref(const uint8_t *src, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = half_at(src + 2 * i);
+}
+
+static void dequant_bf16_ref(const uint8_t *src, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = kvpq_bf16_to_fp32((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8)));
+}
+
+static kvpq__dequant_fn dequant_ref(uint32_t type) {
+    switch (type) {
+    case GGML_TYPE_F32: return dequant_f32_ref;
+    case GGML_TYPE_F16: return dequant_f16_ref;
+    case GGML_TYPE_BF16: return dequant_bf16_ref;
+    case GGML_TYPE_Q4_0: return dequant_q4_0_ref;
+    case GGML_TYPE_Q4_1: return dequant_q4_1_ref;
+    case GGML_TYPE_Q5_0: return dequant_q5_0_ref;
+    case GGML_TYPE_Q5_1: return dequant_q5_1_ref;
+    case GGML_TYPE_Q8_0: return dequant_q8_0_ref;
+    }
+    return NULL;
+}
+
+static kvpq__dequant_fn dequant_best(uint32_t type) {
+    kvpq__dequant_fn fn = NULL;
+#if defined(__x86_64__)
+    kvpq_simd_level l = kvpq_simd_get();
+    if (l >= KVPQ_SIMD_AVX512) fn = kvpq__ggml_dequant_avx512(type);
+    if (!fn && l >= KVPQ_SIMD_AVX2) fn = kvpq__ggml_dequant_avx2(type);
+#endif
+    return fn ? fn : dequant_ref(type);
+}
+
+kvpq_status ggml_dequantize_row_ref(uint32_t type, const void *src, float *dst, int64_t n) {
+    kvpq__dequant_fn fn = dequant_ref(type);
+    if (!fn) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "tensor type %s: kvpq cannot dequantize it", ggml_type_name(type));
+    if (n < 0 || n % ggml_blck_size(type))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "dequantize %s: n = %lld is not a multiple of the block size %lld",
+                         ggml_type_name(type), (long long)n, (long long)ggml_blck_size(type));
+    fn(src, dst, n);
+    return KVPQ_OK;
+}
+
+kvpq_status ggml_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n) {
+    kvpq__dequant_fn fn = dequant_best(type);
+    if (!fn) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "tensor type %s: kvpq cannot dequantize it", ggml_type_name(type));
+    if (n < 0 || n % ggml_blck_size(type))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "dequantize %s: n = %lld is not a multiple of the block size %lld",
+                         ggml_type_name(type), (long long)n, (long long)ggml_blck_size(type));
+    fn(src, dst, n);
+    return KVPQ_OK;
+}
+
+/* ---- matvec / matmul ---- */
+
+/* Elements dequantized at a time by the generic path (a multiple of every block size). */
+#define CHUNK 256
+
+static void fill_nan(float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = NAN;
+}
+
+static float dot_ref(const float *a, const float *b, int64_t n) {
+    float s = 0;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* The specification: y[r] = sum_i w_ri x_i with w dequantized by the _ref, summed in order in float. */
+void ggml_matvec_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, const float *x, float *y) {
+    kvpq__dequant_fn dq = dequant_ref(type);
+    if (!dq) {
+        fill_nan(y, (size_t)n_rows);
+        return;
+    }
+    size_t rb = ggml_row_size(type, n);
+    float buf[CHUNK];
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *row = (const uint8_t *)W + (size_t)r * rb;
+        float s = 0;
+        for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+            int64_t len = n - i0 < CHUNK ? n - i0 : CHUNK;
+            dq(row + ggml_row_size(type, i0), buf, len);
+            for (int64_t i = 0; i < len; i++) s += buf[i] * x[i0 + i];
+        }
+        y[r] = s;
+    }
+}
+
+void ggml_matmul_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
+                     float *Y) {
+    for (int64_t t = 0; t < n_tok; t++) {
+        float *yt = malloc((size_t)n_rows * sizeof *yt);
+        if (!yt) {
+            fill_nan(Y + t * n_rows, (size_t)n_rows);
+            continue;
+        }
+        ggml_matvec_ref(type, W, n_rows, n, X + t * n, yt);
+        memcpy(Y + t * n_rows, yt, (size_t)n_rows * sizeof *yt);
+        free(yt);
+    }
+}
+
+static kvpq__dot_fn dot_best(void) {
+#if defined(__x86_64__)
+    kvpq_simd_level l = kvpq_simd_get();
+    if (l >= KVPQ_SIMD_AVX512) return kvpq__dot_f32_avx512;
+    if (l >= KVPQ_SIMD_AVX2) return kvpq__dot_f32_avx2;
+#endif
+    return dot_ref;
+}
+
+static kvpq__matvec_fn matvec_kernel(uint32_t type) {
+    kvpq__matvec_fn fn = NULL;
+#if defined(__x86_64__)
+    kvpq_simd_level l = kvpq_simd_get();
+    if (l >= KVPQ_SIMD_AVX512) fn = kvpq__ggml_matvec_avx512(type);
+    if (!fn && l >= KVPQ_SIMD_AVX2) fn = kvpq__ggml_matvec_avx2(type);
+#endif
+    return fn;
+}
+
+/* Generic rows: dequantize CHUNK elements at a time, then the ISA's dot. */
+static void matvec_generic(kvpq__dequant_fn dq, kvpq__dot_fn dot, uint32_t type, const uint8_t *W, size_t rb,
+                           int64_t n_rows, int64_t n, const float *x, float *y) {
+    float buf[CHUNK];
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *row = W + (size_t)r * rb;
+        float s = 0;
+        for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+            int64_t len = n - i0 < CHUNK ? n - i0 : CHUNK;
+            dq(row + ggml_row_size(type, i0), buf, len);
+            s += dot(buf, x + i0, len);
+        }
+        y[r] = s;
+    }
+}
+
+/* Rows per OpenMP work item: enough to amortize scheduling, few enough to balance 576-row matrices. */
+#define ROWS_PER_TASK 16
+
+void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const float *x, float *y) {
+    kvpq__dequant_fn dq = dequant_best(type);
+    if (!dq || n_rows <= 0) {
+        if (n_rows > 0) fill_nan(y, (size_t)n_rows);
+        return;
+    }
+    if (kvpq_simd_get() == KVPQ_SIMD_SCALAR) {
+        /* Scalar level: the _ref itself, in parallel over rows. */
+        size_t rb = ggml_row_size(type, n);
+#pragma omp parallel for schedule(static) if (n_rows * n >= 65536)
+        for (int64_t r0 = 0; r0 < n_rows; r0 += ROWS_PER_TASK) {
+            int64_t nr = n_rows - r0 < ROWS_PER_TASK ? n_rows - r0 : ROWS_PER_TASK;
+            ggml_matvec_ref(type, (const uint8_t *)W + (size_t)r0 * rb, nr, n, x, y + r0);
+        }
+        return;
+    }
+    size_t rb = ggml_row_size(type, n);
+    kvpq__matvec_fn kern = matvec_kernel(type);
+    kvpq__dot_fn dot = dot_best();
+    /* Per-32-block sums of x for the Q4 kernels (they add the block offset once per block). */
+    float xs_stack[512], *xs = NULL;
+    int64_t nb = n / 32;
+    if (kern && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1)) {
+        xs = nb <= 512 ? xs_stack : malloc((size_t)nb * sizeof *xs);
+        if (!xs) kern = NULL;
+        else
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0;
+                for (int j = 0; j < 32; j++) s += x[b * 32 + j];
+                xs[b] = s;
+            }
+    }
+#pragma omp parallel for schedule(static) if (n_rows * n >= 65536)
+    for (int64_t r0 = 0; r0 < n_rows; r0 += ROWS_PER_TASK) {
+        int64_t nr = n_rows - r0 < ROWS_PER_TASK ? n_rows - r0 : ROWS_PER_TASK;
+        const uint8_t *Wr = (const uint8_t *)W + (size_t)r0 * rb;
+        if (kern)
+            kern(Wr, rb, nr, n, x, xs, y + r0);
+        else
+            matvec_generic(dq, dot, type, Wr, rb, nr, n, x, y + r0);
+    }
+    if (xs && xs != xs_stack) free(xs);
+}
+
+/* From this many tokens on, tiles of W are dequantized to float32 and multiplied by OpenBLAS sgemm;
+ * below it, each weight row is dequantized once and dotted with every token. */
+#define MATMUL_BLAS_MIN_TOK 32
+/* Floats per dequantized tile of W (4 MiB: fits L2/L3 alongside the sgemm panels). */
+#define MATMUL_TILE_FLOATS (1 << 20)
+
+void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {
+    kvpq__dequant_fn dq = dequant_best(type);
+    if (n_tok <= 0 || n_rows <= 0) return;
+    if (!dq) {
+        fill_nan(Y, (size_t)(n_tok * n_rows));
+        return;
+    }
+    if (n_tok == 1) {
+        ggml_matvec(type, W, n_rows, n, X, Y);
+        return;
+    }
+    size_t rb = ggml_row_size(type, n);
+    if (n_tok >= MATMUL_BLAS_MIN_TOK) {
+        int64_t tile_rows = MATMUL_TILE_FLOATS / n;
+        if (tile_rows < 16) tile_rows = 16;
+        if (tile_rows > n_rows) tile_rows = n_rows;
+        float *Wt = malloc((size_t)tile_rows * (size_t)n * sizeof *Wt);
+        if (Wt) {
+            for (int64_t r0 = 0; r0 < n_rows; r0 += tile_rows) {
+                int64_t nr = n_rows - r0 < tile_rows ? n_rows - r0 : tile_rows;
+#pragma omp parallel for schedule(static)
+                for (int64_t r = 0; r < nr; r++) dq((const uint8_t *)W + (size_t)(r0 + r) * rb, Wt + r * n, n);
+                /* Y[:, r0:r0+nr] = X (n_tok, n) @ Wt^T (n, nr) */
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n_tok, (int)nr, (int)n, 1.0f, X, (int)n, Wt,
+                            (int)n, 0.0f, Y + r0, (int)n_rows);
+            }
+            free(Wt);
+            return;
+        }
+        /* No memory for a tile: fall through to the row-at-a-time path (needs n floats per thread). */
+    }
+    kvpq__dot_fn dot = dot_best();
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *row = malloc((size_t)n * sizeof *row);
+        if (!row) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n_rows; r++) {
+            if (!row) continue;
+            dq((const uint8_t *)W + (size_t)r * rb, row, n);
+            for (int64_t t = 0; t < n_tok; t++) Y[t * n_rows + r] = dot(row, X + t * n, n);
+        }
+        free(row);
+    }
+    if (failed) /* last resort without any allocation: one matvec per token */
+        for (int64_t t = 0; t < n_tok; t++) ggml_matvec(type, W, n_rows, n, X + t * n, Y + t * n_rows);
+}

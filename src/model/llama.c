@@ -1,0 +1,460 @@
+/* llama.c — Llama-family forward pass over a memory-mapped GGUF model, with attention through the
+ * kvpq KV cache (kvpq.h "models").
+ *
+ * One layer (Touvron et al. 2023, "LLaMA", arXiv 2302.13971; llama.cpp's graph for LLM_ARCH_LLAMA):
+ *   h   = x + Wo . attend(rope(Wq . rmsnorm(x)), rope(Wk . rmsnorm(x)), Wv . rmsnorm(x))
+ *   out = h + Wdown . (silu(Wgate . rmsnorm(h)) * (Wup . rmsnorm(h)))
+ * RoPE (Su et al. 2021, arXiv 2104.09864) in llama.cpp's "normal" form: adjacent pairs
+ * (x[2i], x[2i+1]) rotate by pos * base^(-2i / n_rot). The GGUF converter permutes the Q/K rows of
+ * HF Llama checkpoints so that this form equals HF's rotate-half form on the original weights.
+ * Keys go into the cache after RoPE; attention (causal, GQA, scale 1/sqrt(head_dim)) is the
+ * cache's (kvpq_cache_attend), so every cache kind is tested by the same forward pass. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "cache/cache_impl.h"
+#include "ggml_types.h"
+#include "gguf.h"
+#include "internal.h"
+#include "tokenizer.h"
+
+/* Tokens per internal step of kvpq_model_eval: the scratch is sized for this many, so a long
+ * prefill runs in steps of this size and decode allocates nothing. */
+#define LLAMA_BLOCK 512
+
+typedef struct {
+    const gguf_tensor *wq, *wk, *wv, *wo;   /* (n_head*head_dim, n_embd), (n_head_kv*head_dim, n_embd) x2, (n_embd, n_head*head_dim) */
+    const gguf_tensor *w_gate, *w_up, *w_down; /* (n_ff, n_embd) x2, (n_embd, n_ff) */
+    float *attn_norm; /* (n_embd) */
+    float *ffn_norm;  /* (n_embd) */
+} llama_layer;
+
+struct kvpq_model {
+    gguf_file *gf;
+    kvpq_tokenizer *tok;
+    kvpq_model_info info;
+    char *chat_template; /* NUL-terminated copy of tokenizer.chat_template, or NULL */
+    int n_rot;           /* dims rotated by RoPE (llama.rope.dimension_count) */
+    int n_threads;
+    const gguf_tensor *tok_embd; /* (n_vocab, n_embd) */
+    const gguf_tensor *output;   /* (n_vocab, n_embd); token_embd when the file ties them */
+    float *output_norm;          /* (n_embd) */
+    llama_layer *layers;         /* (n_layer) */
+    float *inv_freq;             /* (n_rot / 2) base^(-2i / n_rot) */
+
+    /* ---- scratch for LLAMA_BLOCK tokens ---- */
+    float *x;    /* (LLAMA_BLOCK, n_embd) residual stream */
+    float *xb;   /* (LLAMA_BLOCK, n_embd) normed input of a sub-layer */
+    float *xb2;  /* (LLAMA_BLOCK, n_embd) sub-layer output */
+    float *q;    /* (LLAMA_BLOCK, n_head, head_dim) */
+    float *k;    /* (LLAMA_BLOCK, n_head_kv, head_dim) */
+    float *v;    /* (LLAMA_BLOCK, n_head_kv, head_dim) */
+    float *att;  /* (LLAMA_BLOCK, n_head, head_dim) attention output */
+    float *hb;   /* (LLAMA_BLOCK, n_ff) */
+    float *hb2;  /* (LLAMA_BLOCK, n_ff) */
+};
+
+/* ---- loading -------------------------------------------------------------------------------- */
+
+static kvpq_status get_u32_key(const gguf_file *f, const char *arch, const char *suffix, int required,
+                               uint32_t dflt, int *out) {
+    char key[160];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    if (gguf_find_key(f, key) < 0) {
+        if (required) return kvpq__err(KVPQ_ERR_FORMAT, "metadata key %s: missing", key);
+        *out = (int)dflt;
+        return KVPQ_OK;
+    }
+    uint32_t v;
+    KVPQ_TRY(gguf_get_u32(f, key, &v));
+    if (v == 0 || v > (1u << 24)) return kvpq__err(KVPQ_ERR_FORMAT, "metadata key %s: value %u out of range", key, v);
+    *out = (int)v;
+    return KVPQ_OK;
+}
+
+static kvpq_status get_f32_key(const gguf_file *f, const char *arch, const char *suffix, float dflt, float *out) {
+    char key[160];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    if (gguf_find_key(f, key) < 0) {
+        *out = dflt;
+        return KVPQ_OK;
+    }
+    KVPQ_TRY(gguf_get_f32(f, key, out));
+    if (!isfinite(*out) || *out <= 0) return kvpq__err(KVPQ_ERR_FORMAT, "metadata key %s: value %g out of range", key, *out);
+    return KVPQ_OK;
+}
+
+/* Find a 2-D matrix tensor of shape (rows, cols) (ggml ne = {cols, rows}) of a supported type. */
+static kvpq_status find_matrix(const gguf_file *f, const char *name, int64_t rows, int64_t cols,
+                               const gguf_tensor **out) {
+    const gguf_tensor *t = gguf_find_tensor(f, name);
+    if (!t) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: missing", name);
+    if (!ggml_type_supported(t->type))
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "tensor %s: type %s is not supported", name, ggml_type_name(t->type));
+    if (t->ne[0] != cols || t->ne[1] != rows || t->ne[2] != 1 || t->ne[3] != 1)
+        return kvpq__err(KVPQ_ERR_FORMAT,
+                         "tensor %s: shape [%lld, %lld, %lld, %lld], expected [%lld, %lld] (ggml order)", name,
+                         (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3],
+                         (long long)cols, (long long)rows);
+    if (cols % ggml_blck_size(t->type) != 0 || t->nbytes < (size_t)rows * ggml_row_size(t->type, cols))
+        return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: %zu bytes is too small for its shape", name, t->nbytes);
+    *out = t;
+    return KVPQ_OK;
+}
+
+/* A 1-D weight of n elements, dequantized into a new float array. */
+static kvpq_status load_vector(const gguf_file *f, const char *name, int64_t n, float **out) {
+    const gguf_tensor *t = NULL;
+    KVPQ_TRY(find_matrix(f, name, 1, n, &t));
+    float *w = malloc((size_t)n * sizeof *w);
+    if (!w) return kvpq__err(KVPQ_ERR_NOMEM, "tensor %s: out of memory", name);
+    kvpq_status s = ggml_dequantize_row(t->type, t->data, w, n);
+    if (s == KVPQ_OK && !kvpq__all_finite(w, (size_t)n)) s = kvpq__err(KVPQ_ERR_NONFINITE, "tensor %s: NaN or Inf", name);
+    if (s != KVPQ_OK) {
+        free(w);
+        return s;
+    }
+    *out = w;
+    return KVPQ_OK;
+}
+
+static char *dup_n(const char *s, size_t n) {
+    char *d = malloc(n + 1);
+    if (d) {
+        memcpy(d, s, n);
+        d[n] = 0;
+    }
+    return d;
+}
+
+static kvpq_status load_hparams(kvpq_model *m) {
+    const gguf_file *f = m->gf;
+    kvpq_model_info *in = &m->info;
+    const char *s;
+    size_t n;
+    KVPQ_TRY(gguf_get_str(f, "general.architecture", &s, &n));
+    if (n >= sizeof in->arch) n = sizeof in->arch - 1;
+    memcpy(in->arch, s, n);
+    in->arch[n] = 0;
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)in->arch[i] < 0x20 || (unsigned char)in->arch[i] > 0x7e) in->arch[i] = '?';
+    if (strcmp(in->arch, "llama") != 0)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "architecture '%s' is not supported (supported: llama)", in->arch);
+    if (gguf_find_key(f, "general.name") >= 0 && gguf_get_str(f, "general.name", &s, &n) == KVPQ_OK) {
+        if (n >= sizeof in->name) n = sizeof in->name - 1;
+        memcpy(in->name, s, n);
+        in->name[n] = 0;
+    }
+    const char *a = in->arch;
+    KVPQ_TRY(get_u32_key(f, a, "block_count", 1, 0, &in->n_layer));
+    KVPQ_TRY(get_u32_key(f, a, "embedding_length", 1, 0, &in->n_embd));
+    KVPQ_TRY(get_u32_key(f, a, "feed_forward_length", 1, 0, &in->n_ff));
+    KVPQ_TRY(get_u32_key(f, a, "attention.head_count", 1, 0, &in->n_head));
+    KVPQ_TRY(get_u32_key(f, a, "attention.head_count_kv", 0, (uint32_t)in->n_head, &in->n_head_kv));
+    KVPQ_TRY(get_u32_key(f, a, "context_length", 1, 0, &in->n_ctx_train));
+    if (in->n_embd % in->n_head != 0)
+        return kvpq__err(KVPQ_ERR_FORMAT, "embedding_length %d is not a multiple of head_count %d", in->n_embd, in->n_head);
+    KVPQ_TRY(get_u32_key(f, a, "attention.key_length", 0, (uint32_t)(in->n_embd / in->n_head), &in->head_dim));
+    int v_len = 0;
+    KVPQ_TRY(get_u32_key(f, a, "attention.value_length", 0, (uint32_t)in->head_dim, &v_len));
+    if (v_len != in->head_dim)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "attention.value_length %d differs from key_length %d", v_len, in->head_dim);
+    if (in->n_head % in->n_head_kv != 0)
+        return kvpq__err(KVPQ_ERR_FORMAT, "head_count %d is not a multiple of head_count_kv %d", in->n_head, in->n_head_kv);
+    KVPQ_TRY(get_u32_key(f, a, "rope.dimension_count", 0, (uint32_t)in->head_dim, &m->n_rot));
+    if (m->n_rot > in->head_dim || m->n_rot % 2)
+        return kvpq__err(KVPQ_ERR_FORMAT, "rope.dimension_count %d: expected an even number <= head_dim %d", m->n_rot, in->head_dim);
+    KVPQ_TRY(get_f32_key(f, a, "rope.freq_base", 10000.0f, &in->rope_freq_base));
+    KVPQ_TRY(get_f32_key(f, a, "attention.layer_norm_rms_epsilon", 1e-5f, &in->rms_eps));
+    char key[160];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", a);
+    if (gguf_find_key(f, key) >= 0 && gguf_get_str(f, key, &s, &n) == KVPQ_OK && !(n == 4 && !memcmp(s, "none", 4)))
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "%s '%.*s' is not supported", key, (int)(n > 32 ? 32 : n), s);
+    return KVPQ_OK;
+}
+
+static kvpq_status load_tensors(kvpq_model *m) {
+    const gguf_file *f = m->gf;
+    const kvpq_model_info *in = &m->info;
+    int64_t E = in->n_embd, Q = (int64_t)in->n_head * in->head_dim, KV = (int64_t)in->n_head_kv * in->head_dim;
+    const gguf_tensor *te = gguf_find_tensor(f, "token_embd.weight");
+    if (!te) return kvpq__err(KVPQ_ERR_FORMAT, "tensor token_embd.weight: missing");
+    if (te->ne[1] < 1 || te->ne[1] > (1 << 24)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor token_embd.weight: bad vocabulary size");
+    m->info.n_vocab = (int)te->ne[1];
+    KVPQ_TRY(find_matrix(f, "token_embd.weight", in->n_vocab, E, &m->tok_embd));
+    if (gguf_find_tensor(f, "output.weight"))
+        KVPQ_TRY(find_matrix(f, "output.weight", in->n_vocab, E, &m->output));
+    else
+        m->output = m->tok_embd; /* tied embeddings */
+    KVPQ_TRY(load_vector(f, "output_norm.weight", E, &m->output_norm));
+    m->layers = calloc((size_t)in->n_layer, sizeof *m->layers);
+    if (!m->layers) return kvpq__err(KVPQ_ERR_NOMEM, "model layers: out of memory");
+    char name[96];
+    for (int l = 0; l < in->n_layer; l++) {
+        llama_layer *L = &m->layers[l];
+#define T(field, suffix, rows, cols)                                   \
+    snprintf(name, sizeof name, "blk.%d." suffix ".weight", l);       \
+    KVPQ_TRY(find_matrix(f, name, rows, cols, &L->field))
+        T(wq, "attn_q", Q, E);
+        T(wk, "attn_k", KV, E);
+        T(wv, "attn_v", KV, E);
+        T(wo, "attn_output", E, Q);
+        T(w_gate, "ffn_gate", in->n_ff, E);
+        T(w_up, "ffn_up", in->n_ff, E);
+        T(w_down, "ffn_down", E, in->n_ff);
+#undef T
+        snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
+        KVPQ_TRY(load_vector(f, name, E, &L->attn_norm));
+        snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
+        KVPQ_TRY(load_vector(f, name, E, &L->ffn_norm));
+    }
+    return KVPQ_OK;
+}
+
+static kvpq_status alloc_scratch(kvpq_model *m) {
+    const kvpq_model_info *in = &m->info;
+    size_t B = LLAMA_BLOCK, E = (size_t)in->n_embd, Q = (size_t)in->n_head * in->head_dim,
+           KV = (size_t)in->n_head_kv * in->head_dim, F = (size_t)in->n_ff;
+    float **bufs[] = {&m->x, &m->xb, &m->xb2, &m->q, &m->k, &m->v, &m->att, &m->hb, &m->hb2};
+    size_t sizes[] = {E, E, E, Q, KV, KV, Q, F, F};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        *bufs[i] = malloc(B * sizes[i] * sizeof(float));
+        if (!*bufs[i]) return kvpq__err(KVPQ_ERR_NOMEM, "model scratch: out of memory");
+    }
+    m->inv_freq = malloc((size_t)(m->n_rot / 2 + 1) * sizeof(float));
+    if (!m->inv_freq) return kvpq__err(KVPQ_ERR_NOMEM, "model scratch: out of memory");
+    for (int i = 0; i < m->n_rot / 2; i++)
+        m->inv_freq[i] = (float)pow((double)in->rope_freq_base, -2.0 * i / m->n_rot);
+    return KVPQ_OK;
+}
+
+kvpq_model_params kvpq_model_params_default(void) {
+    kvpq_model_params p = {.n_threads = 0};
+    return p;
+}
+
+kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model_params *p) {
+    if (!out || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_load: NULL argument");
+    *out = NULL;
+    if (p && p->n_threads < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "n_threads %d: expected >= 0", p->n_threads);
+    kvpq_model *m = calloc(1, sizeof *m);
+    if (!m) return kvpq__err(KVPQ_ERR_NOMEM, "model: out of memory");
+    m->n_threads = p ? p->n_threads : 0;
+    kvpq_status s = gguf_open(&m->gf, path);
+    if (s == KVPQ_OK) s = load_hparams(m);
+    if (s == KVPQ_OK) s = load_tensors(m);
+    if (s == KVPQ_OK) s = kvpq_tokenizer_from_gguf(&m->tok, m->gf);
+    if (s == KVPQ_OK && kvpq_tokenizer_n_vocab(m->tok) > m->info.n_vocab)
+        s = kvpq__err(KVPQ_ERR_FORMAT, "tokenizer has %d tokens but token_embd.weight only %d rows",
+                      kvpq_tokenizer_n_vocab(m->tok), m->info.n_vocab);
+    if (s == KVPQ_OK) {
+        m->info.bos_id = kvpq_tokenizer_bos(m->tok);
+        m->info.eos_id = kvpq_tokenizer_eos(m->tok);
+        m->info.add_bos = kvpq_tokenizer_add_bos_default(m->tok);
+        const char *t;
+        size_t n;
+        if (gguf_find_key(m->gf, "tokenizer.chat_template") >= 0 &&
+            gguf_get_str(m->gf, "tokenizer.chat_template", &t, &n) == KVPQ_OK) {
+            m->chat_template = dup_n(t, n);
+            if (!m->chat_template) s = kvpq__err(KVPQ_ERR_NOMEM, "chat template: out of memory");
+        }
+    }
+    if (s == KVPQ_OK) s = alloc_scratch(m);
+    if (s != KVPQ_OK) {
+        kvpq__err_prefix("model '%s'", path);
+        kvpq_model_free(m);
+        return s;
+    }
+    *out = m;
+    return KVPQ_OK;
+}
+
+void kvpq_model_free(kvpq_model *m) {
+    if (!m) return;
+    if (m->layers)
+        for (int l = 0; l < m->info.n_layer; l++) {
+            free(m->layers[l].attn_norm);
+            free(m->layers[l].ffn_norm);
+        }
+    free(m->layers);
+    free(m->output_norm);
+    free(m->inv_freq);
+    free(m->chat_template);
+    free(m->x);
+    free(m->xb);
+    free(m->xb2);
+    free(m->q);
+    free(m->k);
+    free(m->v);
+    free(m->att);
+    free(m->hb);
+    free(m->hb2);
+    kvpq_tokenizer_free(m->tok);
+    gguf_close(m->gf);
+    free(m);
+}
+
+kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *info) {
+    if (!m || !info) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_get_info: NULL argument");
+    *info = m->info;
+    return KVPQ_OK;
+}
+
+const char *kvpq_model_chat_template(const kvpq_model *m) { return m ? m->chat_template : NULL; }
+
+kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t len, int add_bos, int parse_special,
+                          int32_t *tokens, size_t cap, size_t *n_tokens) {
+    if (!m) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_tokenize: NULL model");
+    return kvpq_tokenizer_encode(m->tok, text, len, add_bos, parse_special, tokens, cap, n_tokens);
+}
+
+kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len) {
+    if (!m) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_token_to_piece: NULL model");
+    return kvpq_tokenizer_piece(m->tok, token, buf, cap, len);
+}
+
+/* ---- forward pass --------------------------------------------------------------------------- */
+
+/* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for n rows of E (ggml_rms_norm then mul; the sum of
+ * squares is accumulated in double as ggml does). */
+static void rmsnorm(int n, int E, const float *x, const float *w, float eps, float *y) {
+#pragma omp parallel for schedule(static) if (n > 8)
+    for (int t = 0; t < n; t++) {
+        const float *xr = x + (size_t)t * E;
+        float *yr = y + (size_t)t * E;
+        double ss = 0;
+        for (int i = 0; i < E; i++) ss += (double)xr[i] * xr[i];
+        float scale = 1.0f / sqrtf((float)(ss / E) + eps);
+        for (int i = 0; i < E; i++) yr[i] = xr[i] * scale * w[i];
+    }
+}
+
+/* Rotate adjacent pairs of the first n_rot dims of each head: x: (n, n_heads, head_dim) at
+ * positions pos0 .. pos0+n-1 (llama.cpp rope mode 0, "normal"). */
+static void rope(const kvpq_model *m, int n, int n_heads, int pos0, float *x) {
+    int hd = m->info.head_dim, half = m->n_rot / 2;
+#pragma omp parallel for schedule(static) if (n > 8)
+    for (int t = 0; t < n; t++) {
+        double pos = (double)(pos0 + t);
+        for (int i = 0; i < half; i++) {
+            double th = pos * m->inv_freq[i];
+            float c = (float)cos(th), s = (float)sin(th);
+            for (int h = 0; h < n_heads; h++) {
+                float *p = x + ((size_t)t * n_heads + h) * hd + 2 * i;
+                float x0 = p[0], x1 = p[1];
+                p[0] = x0 * c - x1 * s;
+                p[1] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+/* Y (n, rows) = X (n, cols) @ W^T: matvec for one token, the batched kernel otherwise. */
+static void project(const gguf_tensor *W, int n, const float *X, float *Y) {
+    if (n == 1)
+        ggml_matvec(W->type, W->data, W->ne[1], W->ne[0], X, Y);
+    else
+        ggml_matmul(W->type, W->data, W->ne[1], W->ne[0], n, X, Y);
+}
+
+/* One step of at most LLAMA_BLOCK tokens. want: 0 no logits (a prefill step before the last),
+ * 1 the last token's (n_vocab), 2 every token's (n, n_vocab). */
+static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0, int want,
+                              float *logits) {
+    const kvpq_model_info *in = &m->info;
+    int E = in->n_embd, F = in->n_ff;
+    size_t erow = ggml_row_size(m->tok_embd->type, E);
+    for (int t = 0; t < n; t++)
+        KVPQ_TRY(ggml_dequantize_row(m->tok_embd->type, (const char *)m->tok_embd->data + (size_t)tokens[t] * erow,
+                                     m->x + (size_t)t * E, E));
+    for (int l = 0; l < in->n_layer; l++) {
+        const llama_layer *L = &m->layers[l];
+        rmsnorm(n, E, m->x, L->attn_norm, in->rms_eps, m->xb);
+        project(L->wq, n, m->xb, m->q);
+        project(L->wk, n, m->xb, m->k);
+        project(L->wv, n, m->xb, m->v);
+        rope(m, n, in->n_head, pos0, m->q);
+        rope(m, n, in->n_head_kv, pos0, m->k);
+        kvpq_status s = kvpq_cache_append(cache, l, n, m->k, m->v);
+        if (s == KVPQ_OK) s = kvpq_cache_attend(cache, l, n, m->q, m->att);
+        if (s != KVPQ_OK) {
+            kvpq__err_prefix("layer %d", l);
+            return s;
+        }
+        project(L->wo, n, m->att, m->xb2);
+        for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
+
+        rmsnorm(n, E, m->x, L->ffn_norm, in->rms_eps, m->xb);
+        project(L->w_gate, n, m->xb, m->hb);
+        project(L->w_up, n, m->xb, m->hb2);
+#pragma omp parallel for schedule(static) if (n > 8)
+        for (size_t i = 0; i < (size_t)n * F; i++) {
+            float g = m->hb[i];
+            m->hb[i] = g / (1.0f + expf(-g)) * m->hb2[i]; /* SwiGLU (Shazeer 2020) */
+        }
+        project(L->w_down, n, m->hb, m->xb2);
+        for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
+    }
+    if (want == 2) {
+        rmsnorm(n, E, m->x, m->output_norm, in->rms_eps, m->xb);
+        project(m->output, n, m->xb, logits);
+    } else if (want == 1) {
+        rmsnorm(1, E, m->x + (size_t)(n - 1) * E, m->output_norm, in->rms_eps, m->xb);
+        project(m->output, 1, m->xb, logits);
+    }
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int logits_all,
+                            float *logits) {
+    if (!m || !cache || !tokens || !logits) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: NULL argument");
+    const kvpq_model_info *in = &m->info;
+    if (n < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: n = %d tokens, expected >= 1", n);
+    const kvpq_cache_params *cp = &cache->p;
+    if (cp->n_layer != in->n_layer || cp->n_head != in->n_head || cp->n_head_kv != in->n_head_kv ||
+        cp->head_dim != in->head_dim)
+        return kvpq__err(KVPQ_ERR_MISMATCH,
+                         "cache (n_layer %d, n_head %d, n_head_kv %d, head_dim %d) does not fit the model "
+                         "(n_layer %d, n_head %d, n_head_kv %d, head_dim %d)",
+                         cp->n_layer, cp->n_head, cp->n_head_kv, cp->head_dim, in->n_layer, in->n_head,
+                         in->n_head_kv, in->head_dim);
+    int L = kvpq_cache_seq_len(cache, 0);
+    for (int l = 1; l < in->n_layer; l++)
+        if (kvpq_cache_seq_len(cache, l) != L)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache layers hold different lengths (layer 0: %d, layer %d: %d)", L,
+                             l, kvpq_cache_seq_len(cache, l));
+    if ((int64_t)L + n > in->n_ctx_train)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "context of %lld tokens exceeds the model's n_ctx_train %d",
+                         (long long)L + n, in->n_ctx_train);
+    if ((int64_t)L + n > cp->max_seq)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "context of %lld tokens exceeds the cache's max_seq %d", (long long)L + n,
+                         cp->max_seq);
+    for (int t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= in->n_vocab)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "token %d at index %d: out of range [0, %d)", tokens[t], t,
+                             in->n_vocab);
+
+    int saved_threads = omp_get_max_threads();
+    if (m->n_threads > 0) omp_set_num_threads(m->n_threads);
+    kvpq_status s = KVPQ_OK;
+    for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += LLAMA_BLOCK) {
+        int nb = n - t0 < LLAMA_BLOCK ? n - t0 : LLAMA_BLOCK;
+        if (logits_all)
+            s = eval_block(m, cache, tokens + t0, nb, L + t0, 2, logits + (size_t)t0 * in->n_vocab);
+        else
+            s = eval_block(m, cache, tokens + t0, nb, L + t0, t0 + nb == n ? 1 : 0, logits);
+    }
+    if (m->n_threads > 0) omp_set_num_threads(saved_threads);
+    if (s != KVPQ_OK) {
+        /* Leave the cache as it was: a failed eval must not leave some layers longer than others. */
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", kvpq_last_error());
+        kvpq_cache_truncate(cache, L);
+        kvpq__err(s, "%s", msg);
+    }
+    return s;
+}

@@ -1,0 +1,780 @@
+/* codebook.c — a model's trained codebooks (per layer: key and value quantizers, key smoothing
+ * factors) and their safetensors file.
+ *
+ * File layout (safetensors, https://github.com/huggingface/safetensors, format description):
+ *   u64 little-endian N | N bytes of JSON header, padded with spaces | data section
+ * The header maps tensor names to {"dtype", "shape", "data_offsets": [begin, end)} (offsets relative
+ * to the data section) and "__metadata__" to a string -> string map. The JSON is written and parsed
+ * with cJSON. Tensors are written contiguously in layer order; the header is padded so the data
+ * section starts 8-byte aligned, as the reference writer does.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "internal.h"
+#include "pq/codebook_impl.h"
+#include "pq/pq_impl.h"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "codebook.c copies little-endian F32 tensors as host floats; big-endian hosts need byte swapping"
+#endif
+
+/* ---- object ----------------------------------------------------------------------------------- */
+
+/* Limits on the configuration, far above any real model, so that sizes never overflow. */
+#define CB_MAX_LAYER 4096
+#define CB_MAX_HEAD_KV 4096
+#define CB_MAX_HEAD_DIM 65536
+
+/* Metadata keys derived from the params (read-only through set_meta), in the order written. */
+enum { CB_N_CONFIG = 11 };
+static const char *const cb_config_keys[CB_N_CONFIG] = {
+    "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
+    "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate",
+};
+
+/* Tensor kinds of one layer, in file order. */
+enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_N_KIND = 3 };
+static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "v.codebook"};
+
+struct kvpq_codebook {
+    kvpq_codebook_params p;
+    kvpq_pq **pq;       /* (n_layer, 2): [2*i] key quantizer, [2*i + 1] value quantizer */
+    float *smooth;      /* (n_layer, n_head_kv, head_dim) key smoothing factors lambda */
+    size_t n_meta, cap_meta;
+    char **meta_key;    /* (n_meta); the first CB_N_CONFIG entries are cb_config_keys */
+    char **meta_val;    /* (n_meta) */
+};
+
+kvpq_codebook_params kvpq_codebook_params_default(void) {
+    /* SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; d4b8 (2 bits per element) for K and V. */
+    kvpq_codebook_params p = {.n_layer = 30, .n_head_kv = 3, .head_dim = 64, .value_rotate = 0};
+    p.key = kvpq_pq_params_default();
+    p.value = kvpq_pq_params_default();
+    p.key.d = p.value.d = p.head_dim;
+    return p;
+}
+
+static const char *granularity_name(kvpq_codebook_granularity g) {
+    return g == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : "shared";
+}
+
+static kvpq_status params_check(const kvpq_codebook_params *p) {
+    if (!p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook params: NULL");
+    if (p->n_layer < 1 || p->n_layer > CB_MAX_LAYER)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook n_layer=%d: expected 1..%d", p->n_layer, CB_MAX_LAYER);
+    if (p->n_head_kv < 1 || p->n_head_kv > CB_MAX_HEAD_KV)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook n_head_kv=%d: expected 1..%d", p->n_head_kv,
+                         CB_MAX_HEAD_KV);
+    if (p->head_dim < 1 || p->head_dim > CB_MAX_HEAD_DIM || (p->head_dim & (p->head_dim - 1)))
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "codebook head_dim=%d: expected a power of two up to %d (keys are rotated by a "
+                         "Walsh-Hadamard transform)", p->head_dim, CB_MAX_HEAD_DIM);
+    const kvpq_pq_params *pp[2] = {&p->key, &p->value};
+    for (int v = 0; v < 2; v++) {
+        const char *what = v ? "value" : "key";
+        if (pp[v]->d != p->head_dim)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook %s.d=%d: expected head_dim=%d", what, pp[v]->d,
+                             p->head_dim);
+        kvpq_status s = kvpq__pq_params_check(pp[v]);
+        if (s != KVPQ_OK) {
+            kvpq__err_prefix("codebook %s quantizer", what);
+            return s;
+        }
+    }
+    if (p->value_rotate != 0 && p->value_rotate != 1)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook value_rotate=%d: expected 0 or 1", p->value_rotate);
+    return KVPQ_OK;
+}
+
+/* 1 if s is valid UTF-8 (no overlong forms, no surrogates, at most U+10FFFF). JSON text must be. */
+static int utf8_valid(const char *str) {
+    const unsigned char *s = (const unsigned char *)str;
+    while (*s) {
+        unsigned c = *s;
+        int n;
+        unsigned cp, min;
+        if (c < 0x80) { s++; continue; }
+        if ((c & 0xE0) == 0xC0) { n = 1; cp = c & 0x1F; min = 0x80; }
+        else if ((c & 0xF0) == 0xE0) { n = 2; cp = c & 0x0F; min = 0x800; }
+        else if ((c & 0xF8) == 0xF0) { n = 3; cp = c & 0x07; min = 0x10000; }
+        else return 0;
+        for (int i = 1; i <= n; i++) {
+            if ((s[i] & 0xC0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+        s += n + 1;
+    }
+    return 1;
+}
+
+static char *str_dup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+/* Append or replace an entry, without checks. */
+static kvpq_status meta_put(kvpq_codebook *cb, const char *key, const char *value) {
+    for (size_t i = 0; i < cb->n_meta; i++) {
+        if (strcmp(cb->meta_key[i], key)) continue;
+        char *v = str_dup(value);
+        if (!v) return kvpq__err(KVPQ_ERR_NOMEM, "codebook metadata: out of memory");
+        free(cb->meta_val[i]);
+        cb->meta_val[i] = v;
+        return KVPQ_OK;
+    }
+    if (cb->n_meta == cb->cap_meta) {
+        size_t cap = cb->cap_meta ? 2 * cb->cap_meta : 16;
+        char **k = realloc(cb->meta_key, cap * sizeof *k);
+        if (!k) return kvpq__err(KVPQ_ERR_NOMEM, "codebook metadata: out of memory");
+        cb->meta_key = k;
+        char **v = realloc(cb->meta_val, cap * sizeof *v);
+        if (!v) return kvpq__err(KVPQ_ERR_NOMEM, "codebook metadata: out of memory");
+        cb->meta_val = v;
+        cb->cap_meta = cap;
+    }
+    char *k = str_dup(key), *v = str_dup(value);
+    if (!k || !v) {
+        free(k);
+        free(v);
+        return kvpq__err(KVPQ_ERR_NOMEM, "codebook metadata: out of memory");
+    }
+    cb->meta_key[cb->n_meta] = k;
+    cb->meta_val[cb->n_meta] = v;
+    cb->n_meta++;
+    return KVPQ_OK;
+}
+
+static int is_config_key(const char *key) {
+    for (int i = 0; i < CB_N_CONFIG; i++)
+        if (!strcmp(key, cb_config_keys[i])) return 1;
+    return 0;
+}
+
+static kvpq_status meta_put_config(kvpq_codebook *cb) {
+    const kvpq_codebook_params *p = &cb->p;
+    char v[CB_N_CONFIG][32];
+    snprintf(v[0], sizeof v[0], "%s", KVPQ_CODEBOOK_FORMAT_VERSION);
+    snprintf(v[1], sizeof v[1], "%d", p->n_layer);
+    snprintf(v[2], sizeof v[2], "%d", p->n_head_kv);
+    snprintf(v[3], sizeof v[3], "%d", p->head_dim);
+    snprintf(v[4], sizeof v[4], "%d", p->key.M);
+    snprintf(v[5], sizeof v[5], "%d", p->key.nbits);
+    snprintf(v[6], sizeof v[6], "%s", granularity_name(p->key.granularity));
+    snprintf(v[7], sizeof v[7], "%d", p->value.M);
+    snprintf(v[8], sizeof v[8], "%d", p->value.nbits);
+    snprintf(v[9], sizeof v[9], "%s", granularity_name(p->value.granularity));
+    snprintf(v[10], sizeof v[10], "%d", p->value_rotate);
+    for (int i = 0; i < CB_N_CONFIG; i++) KVPQ_TRY(meta_put(cb, cb_config_keys[i], v[i]));
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p) {
+    if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_new: out is NULL");
+    *out = NULL;
+    KVPQ_TRY(params_check(p));
+    kvpq_codebook *cb = calloc(1, sizeof *cb);
+    if (!cb) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory");
+    cb->p = *p;
+    size_t n_smooth = (size_t)p->n_layer * p->n_head_kv * p->head_dim;
+    cb->pq = calloc((size_t)2 * p->n_layer, sizeof *cb->pq);
+    cb->smooth = malloc(n_smooth * sizeof(float));
+    if (!cb->pq || !cb->smooth) {
+        kvpq_codebook_free(cb);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory for %d layers", p->n_layer);
+    }
+    /* lambda = 1 is the identity smoothing until trained factors are stored. */
+    for (size_t i = 0; i < n_smooth; i++) cb->smooth[i] = 1.0f;
+    for (int i = 0; i < 2 * p->n_layer; i++) {
+        kvpq_status s = kvpq_pq_new(&cb->pq[i], (i & 1) ? &p->value : &p->key);
+        if (s != KVPQ_OK) {
+            kvpq_codebook_free(cb);
+            return s;
+        }
+    }
+    kvpq_status s = meta_put_config(cb);
+    if (s != KVPQ_OK) {
+        kvpq_codebook_free(cb);
+        return s;
+    }
+    *out = cb;
+    return KVPQ_OK;
+}
+
+void kvpq_codebook_free(kvpq_codebook *cb) {
+    if (!cb) return;
+    if (cb->pq)
+        for (int i = 0; i < 2 * cb->p.n_layer; i++) kvpq_pq_free(cb->pq[i]);
+    free(cb->pq);
+    free(cb->smooth);
+    for (size_t i = 0; i < cb->n_meta; i++) {
+        free(cb->meta_key[i]);
+        free(cb->meta_val[i]);
+    }
+    free(cb->meta_key);
+    free(cb->meta_val);
+    free(cb);
+}
+
+kvpq_codebook_params kvpq_codebook_get_params(const kvpq_codebook *cb) { return cb->p; }
+
+kvpq_pq *kvpq_codebook_pq(kvpq_codebook *cb, int layer, int is_value) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return NULL;
+    return cb->pq[2 * layer + (is_value ? 1 : 0)];
+}
+
+const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int layer, int is_value) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return NULL;
+    return cb->pq[2 * layer + (is_value ? 1 : 0)];
+}
+
+float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return NULL;
+    return cb->smooth + (size_t)layer * cb->p.n_head_kv * cb->p.head_dim;
+}
+
+const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer) {
+    return kvpq_codebook_key_smooth((kvpq_codebook *)cb, layer);
+}
+
+kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value) {
+    if (!cb || !key || !value) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_meta: NULL argument");
+    if (!key[0]) return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata: empty key");
+    if (is_config_key(key))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata '%s' is derived from the codebook params "
+                         "and cannot be set", key);
+    if (!utf8_valid(key)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata key is not valid UTF-8");
+    if (!utf8_valid(value))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata '%s': value is not valid UTF-8", key);
+    return meta_put(cb, key, value);
+}
+
+const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key) {
+    if (!cb || !key) return NULL;
+    for (size_t i = 0; i < cb->n_meta; i++)
+        if (!strcmp(cb->meta_key[i], key)) return cb->meta_val[i];
+    return NULL;
+}
+
+size_t kvpq_codebook_meta_count(const kvpq_codebook *cb) { return cb ? cb->n_meta : 0; }
+
+const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i) {
+    return cb && i < cb->n_meta ? cb->meta_key[i] : NULL;
+}
+
+/* ---- shapes ----------------------------------------------------------------------------------- */
+
+#define CB_MAX_DIMS 8
+
+typedef struct {
+    int ndim;
+    uint64_t dim[CB_MAX_DIMS];
+} cb_shape;
+
+static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind) {
+    cb_shape s = {0};
+    if (kind == CB_K_SMOOTH) {
+        s.ndim = 2;
+        s.dim[0] = (uint64_t)p->n_head_kv;
+        s.dim[1] = (uint64_t)p->head_dim;
+        return s;
+    }
+    const kvpq_pq_params *q = kind == CB_K_BOOK ? &p->key : &p->value;
+    if (q->granularity == KVPQ_CODEBOOK_SUBSPACE) s.dim[s.ndim++] = (uint64_t)q->M;
+    s.dim[s.ndim++] = (uint64_t)1 << q->nbits;
+    s.dim[s.ndim++] = (uint64_t)(q->d / q->M);
+    return s;
+}
+
+static size_t shape_numel(const cb_shape *s) {
+    size_t n = 1;
+    for (int i = 0; i < s->ndim; i++) n *= (size_t)s->dim[i];
+    return n;
+}
+
+static void shape_str(const cb_shape *s, char *buf, size_t cap) {
+    size_t o = 0;
+    o += (size_t)snprintf(buf + o, cap - o, "[");
+    for (int i = 0; i < s->ndim && o < cap; i++)
+        o += (size_t)snprintf(buf + o, cap - o, "%s%llu", i ? "," : "", (unsigned long long)s->dim[i]);
+    if (o < cap) snprintf(buf + o, cap - o, "]");
+}
+
+/* Tensor data of (layer, kind): the borrowed floats and their count. */
+static float *tensor_data(const kvpq_codebook *cb, int layer, int kind, size_t *n) {
+    if (kind == CB_K_SMOOTH) {
+        *n = (size_t)cb->p.n_head_kv * cb->p.head_dim;
+        return cb->smooth + (size_t)layer * *n;
+    }
+    kvpq_pq *pq = cb->pq[2 * layer + (kind == CB_V_BOOK)];
+    *n = kvpq_pq_centroids_size(pq);
+    return pq->centroids;
+}
+
+/* Check one tensor's floats: finite everywhere, and positive for smoothing factors (they divide
+ * the keys). `name` names it in the message. */
+static kvpq_status check_values(const float *x, size_t n, int kind, const char *name) {
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(x[i]))
+            return kvpq__err(KVPQ_ERR_NONFINITE, "tensor %s element %zu is %s", name, i,
+                             isnan(x[i]) ? "NaN" : "Inf");
+        if (kind == CB_K_SMOOTH && !(x[i] > 0))
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: smoothing factors must be positive",
+                             name, i, (double)x[i]);
+    }
+    return KVPQ_OK;
+}
+
+/* ---- save ------------------------------------------------------------------------------------- */
+
+static int write_all(int fd, const void *buf, size_t n) {
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* The JSON header (unpadded), or NULL (error set). Caller frees with cJSON_free. */
+static char *build_header(const kvpq_codebook *cb) {
+    cJSON *root = cJSON_CreateObject(), *meta = cJSON_CreateObject();
+    if (!root || !meta) goto nomem;
+    cJSON_AddItemToObject(root, "__metadata__", meta);
+    for (size_t i = 0; i < cb->n_meta; i++)
+        if (!cJSON_AddStringToObject(meta, cb->meta_key[i], cb->meta_val[i])) goto nomem_root;
+    uint64_t off = 0;
+    for (int l = 0; l < cb->p.n_layer; l++) {
+        for (int k = 0; k < CB_N_KIND; k++) {
+            char name[64];
+            snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
+            cb_shape sh = tensor_shape(&cb->p, k);
+            uint64_t bytes = (uint64_t)shape_numel(&sh) * sizeof(float);
+            cJSON *t = cJSON_AddObjectToObject(root, name);
+            cJSON *shape = t ? cJSON_AddArrayToObject(t, "shape") : NULL;
+            cJSON *offs = shape ? cJSON_AddArrayToObject(t, "data_offsets") : NULL;
+            if (!offs || !cJSON_AddStringToObject(t, "dtype", "F32")) goto nomem_root;
+            for (int d = 0; d < sh.ndim; d++) {
+                cJSON *n = cJSON_CreateNumber((double)sh.dim[d]);
+                if (!n) goto nomem_root;
+                cJSON_AddItemToArray(shape, n);
+            }
+            cJSON *b = cJSON_CreateNumber((double)off), *e = cJSON_CreateNumber((double)(off + bytes));
+            if (!b || !e) {
+                cJSON_Delete(b);
+                cJSON_Delete(e);
+                goto nomem_root;
+            }
+            cJSON_AddItemToArray(offs, b);
+            cJSON_AddItemToArray(offs, e);
+            off += bytes;
+        }
+    }
+    char *json = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    if (!json) kvpq__err(KVPQ_ERR_NOMEM, "codebook save: out of memory for the header");
+    return json;
+nomem:
+    cJSON_Delete(meta);
+nomem_root:
+    cJSON_Delete(root);
+    kvpq__err(KVPQ_ERR_NOMEM, "codebook save: out of memory for the header");
+    return NULL;
+}
+
+kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
+    if (!cb || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_save: NULL argument");
+    /* Never write a file that load would reject. */
+    for (int l = 0; l < cb->p.n_layer; l++)
+        for (int k = 0; k < CB_N_KIND; k++) {
+            char name[64];
+            size_t n;
+            snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
+            const float *x = tensor_data(cb, l, k, &n);
+            kvpq_status s = check_values(x, n, k, name);
+            if (s != KVPQ_OK) {
+                kvpq__err_prefix("codebook save '%s'", path);
+                return s == KVPQ_ERR_FORMAT ? KVPQ_ERR_INVALID_ARG : s;
+            }
+        }
+    char *json = build_header(cb);
+    if (!json) return KVPQ_ERR_NOMEM;
+    size_t hl = strlen(json);
+    size_t pad = (8 - (8 + hl) % 8) % 8; /* data section starts 8-byte aligned */
+    uint64_t n_header = hl + pad;
+    uint8_t len_le[8];
+    for (int i = 0; i < 8; i++) len_le[i] = (uint8_t)(n_header >> (8 * i));
+
+    size_t plen = strlen(path);
+    char *tmp = malloc(plen + 16);
+    if (!tmp) {
+        cJSON_free(json);
+        return kvpq__err(KVPQ_ERR_NOMEM, "codebook save: out of memory");
+    }
+    memcpy(tmp, path, plen);
+    memcpy(tmp + plen, ".tmp.XXXXXX", 12);
+    int fd = mkstemp(tmp);
+    if (fd < 0) {
+        kvpq_status s = kvpq__err(KVPQ_ERR_IO, "codebook save '%s': cannot create a temporary file beside it: %s",
+                                  path, strerror(errno));
+        free(tmp);
+        cJSON_free(json);
+        return s;
+    }
+    int ok = fchmod(fd, 0644) == 0 && write_all(fd, len_le, 8) == 0 && write_all(fd, json, hl) == 0 &&
+             write_all(fd, "        ", pad) == 0;
+    cJSON_free(json);
+    for (int l = 0; ok && l < cb->p.n_layer; l++)
+        for (int k = 0; ok && k < CB_N_KIND; k++) {
+            size_t n;
+            const float *x = tensor_data(cb, l, k, &n);
+            ok = write_all(fd, x, n * sizeof(float)) == 0;
+        }
+    int err = ok ? 0 : errno;
+    if (ok && fsync(fd) != 0) ok = 0, err = errno;
+    if (close(fd) != 0 && ok) ok = 0, err = errno;
+    if (ok && rename(tmp, path) != 0) ok = 0, err = errno;
+    if (!ok) {
+        unlink(tmp);
+        free(tmp);
+        return kvpq__err(KVPQ_ERR_IO, "codebook save '%s': %s (any existing file is unchanged)", path,
+                         strerror(err ? err : EIO));
+    }
+    free(tmp);
+    return KVPQ_OK;
+}
+
+/* ---- load ------------------------------------------------------------------------------------- */
+
+/* A JSON number that is an exact non-negative integer below 2^53 (exactly representable). */
+static int json_u64(const cJSON *j, uint64_t *out) {
+    if (!cJSON_IsNumber(j)) return 0;
+    double d = j->valuedouble;
+    if (!(d >= 0 && d <= 9007199254740992.0) || d != (double)(uint64_t)d) return 0;
+    *out = (uint64_t)d;
+    return 1;
+}
+
+/* Strict decimal: digits only, no sign, no leading zero (so it prints back identically). */
+static int parse_dec(const char *s, long lo, long hi, int *out) {
+    if (!s[0] || strlen(s) > 9 || (s[0] == '0' && s[1])) return 0;
+    long v = 0;
+    for (const char *c = s; *c; c++) {
+        if (*c < '0' || *c > '9') return 0;
+        v = v * 10 + (*c - '0');
+    }
+    if (v < lo || v > hi) return 0;
+    *out = (int)v;
+    return 1;
+}
+
+static kvpq_status meta_int(const cJSON *meta, const char *key, long lo, long hi, int *out) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(meta, key);
+    if (!j) return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s is missing", key);
+    if (!parse_dec(j->valuestring, lo, hi, out))
+        return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected an integer in [%ld, %ld]", key,
+                         j->valuestring, lo, hi);
+    return KVPQ_OK;
+}
+
+static kvpq_status meta_granularity(const cJSON *meta, const char *key, kvpq_codebook_granularity *g) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(meta, key);
+    if (!j) return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s is missing", key);
+    if (!strcmp(j->valuestring, "shared")) *g = KVPQ_CODEBOOK_SHARED;
+    else if (!strcmp(j->valuestring, "subspace")) *g = KVPQ_CODEBOOK_SUBSPACE;
+    else return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected shared or subspace", key, j->valuestring);
+    return KVPQ_OK;
+}
+
+static int cmp_str_ptr(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* Validate __metadata__ (an object of strings, no duplicate keys) and read the params from it. */
+static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p) {
+    if (!cJSON_IsObject(meta))
+        return kvpq__err(KVPQ_ERR_FORMAT, "header has no __metadata__ object (not a kvpq codebook file)");
+    size_t n = 0;
+    for (const cJSON *j = meta->child; j; j = j->next) {
+        if (!cJSON_IsString(j) || !j->valuestring)
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata '%.64s' is not a string", j->string);
+        n++;
+    }
+    if (n > 1) {
+        const char **keys = malloc(n * sizeof *keys);
+        if (!keys) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory for %zu metadata keys", n);
+        size_t i = 0;
+        for (const cJSON *j = meta->child; j; j = j->next) keys[i++] = j->string;
+        qsort(keys, n, sizeof *keys, cmp_str_ptr);
+        for (i = 1; i < n; i++)
+            if (!strcmp(keys[i - 1], keys[i])) {
+                kvpq_status s = kvpq__err(KVPQ_ERR_FORMAT, "metadata key '%.64s' appears twice", keys[i]);
+                free(keys);
+                return s;
+            }
+        free(keys);
+    }
+    const cJSON *ver = cJSON_GetObjectItemCaseSensitive(meta, "kvpq.format_version");
+    if (!ver) return kvpq__err(KVPQ_ERR_FORMAT, "metadata kvpq.format_version is missing (not a kvpq codebook file)");
+    if (strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION))
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "format version '%.32s' is not supported: this build reads version %s",
+                         ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION);
+    memset(p, 0, sizeof *p);
+    KVPQ_TRY(meta_int(meta, "n_layer", 1, CB_MAX_LAYER, &p->n_layer));
+    KVPQ_TRY(meta_int(meta, "n_head_kv", 1, CB_MAX_HEAD_KV, &p->n_head_kv));
+    KVPQ_TRY(meta_int(meta, "head_dim", 1, CB_MAX_HEAD_DIM, &p->head_dim));
+    KVPQ_TRY(meta_int(meta, "k.M", 1, CB_MAX_HEAD_DIM, &p->key.M));
+    KVPQ_TRY(meta_int(meta, "k.nbits", 1, 64, &p->key.nbits));
+    KVPQ_TRY(meta_granularity(meta, "k.granularity", &p->key.granularity));
+    KVPQ_TRY(meta_int(meta, "v.M", 1, CB_MAX_HEAD_DIM, &p->value.M));
+    KVPQ_TRY(meta_int(meta, "v.nbits", 1, 64, &p->value.nbits));
+    KVPQ_TRY(meta_granularity(meta, "v.granularity", &p->value.granularity));
+    KVPQ_TRY(meta_int(meta, "v.rotate", 0, 1, &p->value_rotate));
+    p->key.d = p->value.d = p->head_dim;
+    if (params_check(p) != KVPQ_OK) {
+        kvpq__err_prefix("inconsistent metadata");
+        return KVPQ_ERR_FORMAT;
+    }
+    return KVPQ_OK;
+}
+
+/* "layers.{i}.{kind}" with i a canonical decimal: sets layer and kind, or returns 0. */
+static int parse_tensor_name(const char *name, int *layer, int *kind) {
+    if (strncmp(name, "layers.", 7)) return 0;
+    const char *s = name + 7, *dot = strchr(s, '.');
+    if (!dot || dot - s > 9) return 0;
+    char num[10];
+    memcpy(num, s, (size_t)(dot - s));
+    num[dot - s] = '\0';
+    if (!parse_dec(num, 0, CB_MAX_LAYER, layer)) return 0;
+    for (int k = 0; k < CB_N_KIND; k++)
+        if (!strcmp(dot + 1, cb_kind_names[k])) {
+            *kind = k;
+            return 1;
+        }
+    return 0;
+}
+
+typedef struct {
+    uint64_t begin, end;
+    const cJSON *t;
+} cb_range;
+
+static int cmp_range(const void *a, const void *b) {
+    const cb_range *x = a, *y = b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin;
+}
+
+/* Check one tensor entry against its expected dtype, shape and the data section; fills r. */
+static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, int kind, uint64_t data_len,
+                               cb_range *r) {
+    const char *name = t->string;
+    if (!cJSON_IsObject(t)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: entry is not a JSON object", name);
+    const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(t, "dtype");
+    const cJSON *shape = cJSON_GetObjectItemCaseSensitive(t, "shape");
+    const cJSON *offs = cJSON_GetObjectItemCaseSensitive(t, "data_offsets");
+    if (!cJSON_IsString(dtype) || !dtype->valuestring)
+        return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: dtype is missing or not a string", name);
+    if (strcmp(dtype->valuestring, "F32"))
+        return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has dtype %.16s, expected F32", name, dtype->valuestring);
+    cb_shape want = tensor_shape(p, kind), got = {0};
+    if (!cJSON_IsArray(shape)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: shape is missing or not an array", name);
+    int too_many = 0;
+    for (const cJSON *d = shape->child; d; d = d->next) {
+        uint64_t v;
+        if (!json_u64(d, &v))
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: shape holds something other than non-negative integers",
+                             name);
+        if (got.ndim == CB_MAX_DIMS) too_many = 1;
+        else got.dim[got.ndim++] = v;
+    }
+    int same = !too_many && got.ndim == want.ndim;
+    for (int i = 0; same && i < want.ndim; i++) same = got.dim[i] == want.dim[i];
+    if (!same) {
+        char gs[192], ws[96];
+        shape_str(&got, gs, sizeof gs);
+        if (too_many) snprintf(gs, sizeof gs, "of more than %d dims", CB_MAX_DIMS);
+        shape_str(&want, ws, sizeof ws);
+        return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s", name, gs, ws);
+    }
+    if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2 || !json_u64(offs->child, &r->begin) ||
+        !json_u64(offs->child->next, &r->end))
+        return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: data_offsets is not a pair of non-negative integers", name);
+    if (r->begin > r->end || r->end > data_len)
+        return kvpq__err(KVPQ_ERR_FORMAT,
+                         "tensor %s: data_offsets [%llu,%llu] out of bounds of the %llu-byte data section", name,
+                         (unsigned long long)r->begin, (unsigned long long)r->end, (unsigned long long)data_len);
+    uint64_t bytes = (uint64_t)shape_numel(&want) * sizeof(float);
+    if (r->end - r->begin != bytes)
+        return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: data_offsets [%llu,%llu] span %llu bytes, shape needs %llu",
+                         name, (unsigned long long)r->begin, (unsigned long long)r->end,
+                         (unsigned long long)(r->end - r->begin), (unsigned long long)bytes);
+    r->t = t;
+    return KVPQ_OK;
+}
+
+static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uint8_t *data, uint64_t data_len) {
+    if (!cJSON_IsObject(root)) return kvpq__err(KVPQ_ERR_FORMAT, "header is not a JSON object");
+    kvpq_codebook_params p;
+    KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p));
+
+    /* Every entry is one expected tensor, seen once; shapes and offsets checked before allocating. */
+    size_t n_tensor = (size_t)CB_N_KIND * p.n_layer;
+    cb_range *seen = calloc(n_tensor, sizeof *seen); /* (n_layer, CB_N_KIND) */
+    if (!seen) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
+    kvpq_status s = KVPQ_OK;
+    for (const cJSON *t = root->child; t && s == KVPQ_OK; t = t->next) {
+        if (!strcmp(t->string, "__metadata__")) {
+            if (t != cJSON_GetObjectItemCaseSensitive(root, "__metadata__"))
+                s = kvpq__err(KVPQ_ERR_FORMAT, "__metadata__ appears twice");
+            continue;
+        }
+        int layer, kind;
+        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer) {
+            s = kvpq__err(KVPQ_ERR_FORMAT, "unexpected tensor '%.64s' (expected layers.{0..%d}.{k.smooth, "
+                          "k.codebook, v.codebook})", t->string, p.n_layer - 1);
+            break;
+        }
+        cb_range *r = &seen[(size_t)layer * CB_N_KIND + kind];
+        if (r->t) s = kvpq__err(KVPQ_ERR_FORMAT, "tensor %s appears twice", t->string);
+        else s = check_entry(t, &p, kind, data_len, r);
+    }
+    for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++)
+        if (!seen[i].t)
+            s = kvpq__err(KVPQ_ERR_FORMAT, "tensor layers.%zu.%s is missing", i / CB_N_KIND,
+                          cb_kind_names[i % CB_N_KIND]);
+    if (s == KVPQ_OK) {
+        cb_range *sorted = malloc(n_tensor * sizeof *sorted);
+        if (!sorted) s = kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
+        else {
+            memcpy(sorted, seen, n_tensor * sizeof *sorted);
+            qsort(sorted, n_tensor, sizeof *sorted, cmp_range);
+            for (size_t i = 1; i < n_tensor && s == KVPQ_OK; i++)
+                if (sorted[i].begin < sorted[i - 1].end)
+                    s = kvpq__err(KVPQ_ERR_FORMAT, "tensors %s [%llu,%llu] and %s [%llu,%llu] overlap",
+                                  sorted[i - 1].t->string, (unsigned long long)sorted[i - 1].begin,
+                                  (unsigned long long)sorted[i - 1].end, sorted[i].t->string,
+                                  (unsigned long long)sorted[i].begin, (unsigned long long)sorted[i].end);
+            free(sorted);
+        }
+    }
+
+    kvpq_codebook *cb = NULL;
+    if (s == KVPQ_OK) s = kvpq_codebook_new(&cb, &p);
+    for (const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, "__metadata__")->child; j && s == KVPQ_OK;
+         j = j->next) {
+        if (is_config_key(j->string)) continue;
+        s = kvpq_codebook_set_meta(cb, j->string, j->valuestring);
+        if (s == KVPQ_ERR_INVALID_ARG) s = KVPQ_ERR_FORMAT; /* empty key or invalid UTF-8 in the file */
+    }
+    for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++) {
+        int layer = (int)(i / CB_N_KIND), kind = (int)(i % CB_N_KIND);
+        size_t n;
+        float *dst = tensor_data(cb, layer, kind, &n);
+        memcpy(dst, data + seen[i].begin, n * sizeof(float)); /* the data may be unaligned: copy, then read */
+        s = check_values(dst, n, kind, seen[i].t->string);
+        if (s == KVPQ_OK && kind != CB_K_SMOOTH) kvpq__pq_update_norms(cb->pq[2 * layer + (kind == CB_V_BOOK)]);
+    }
+    free(seen);
+    if (s != KVPQ_OK) {
+        kvpq_codebook_free(cb);
+        return s;
+    }
+    *out = cb;
+    return KVPQ_OK;
+}
+
+static kvpq_status load_mem(kvpq_codebook **out, const uint8_t *buf, size_t len) {
+    if (len < 8) return kvpq__err(KVPQ_ERR_FORMAT, "file is %zu bytes, shorter than the 8-byte header length", len);
+    uint64_t n = 0;
+    for (int i = 0; i < 8; i++) n |= (uint64_t)buf[i] << (8 * i);
+    if (n > len - 8)
+        return kvpq__err(KVPQ_ERR_FORMAT, "header length %llu exceeds the %zu bytes that follow it (truncated "
+                         "file or corrupt length)", (unsigned long long)n, len - 8);
+    if (n > KVPQ_CODEBOOK_MAX_HEADER)
+        return kvpq__err(KVPQ_ERR_FORMAT, "header length %llu exceeds the %llu-byte limit", (unsigned long long)n,
+                         (unsigned long long)KVPQ_CODEBOOK_MAX_HEADER);
+    /* A NUL-terminated copy: cJSON then never reads past the header, and an embedded NUL ends the
+     * JSON early, which the trailing-bytes check below rejects. */
+    char *text = malloc((size_t)n + 1);
+    if (!text) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory for a %llu-byte header", (unsigned long long)n);
+    memcpy(text, buf + 8, (size_t)n);
+    text[n] = '\0';
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(text, &end, 0);
+    kvpq_status s = KVPQ_OK;
+    if (!root) {
+        s = kvpq__err(KVPQ_ERR_FORMAT, "header is not valid JSON (error at byte %td of %llu)",
+                      end ? end - text : (ptrdiff_t)0, (unsigned long long)n);
+    } else {
+        for (const char *c = end; c < text + n && s == KVPQ_OK; c++)
+            if (*c != ' ' && *c != '\t' && *c != '\n' && *c != '\r')
+                s = kvpq__err(KVPQ_ERR_FORMAT, "header has bytes after its JSON object (at byte %td of %llu)",
+                              c - text, (unsigned long long)n);
+        if (s == KVPQ_OK) s = load_header(out, root, buf + 8 + n, (uint64_t)(len - 8 - n));
+    }
+    cJSON_Delete(root);
+    free(text);
+    return s;
+}
+
+kvpq_status kvpq__codebook_load_mem(kvpq_codebook **out, const uint8_t *buf, size_t len, const char *name) {
+    if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_load: out is NULL");
+    *out = NULL;
+    if (!buf && len) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_load: NULL buffer");
+    static const uint8_t empty[1];
+    kvpq_status s = load_mem(out, buf ? buf : empty, len);
+    if (s != KVPQ_OK) kvpq__err_prefix("codebook file '%s'", name ? name : "(memory)");
+    return s;
+}
+
+kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path) {
+    if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_load: out is NULL");
+    *out = NULL;
+    if (!path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_load: path is NULL");
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return kvpq__err(KVPQ_ERR_IO, "codebook file '%s': cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return kvpq__err(KVPQ_ERR_IO, "codebook file '%s': not a regular file", path);
+    }
+    /* read() rather than mmap: a file shrunk by someone else while we read gives a short read (an
+     * error below), never SIGBUS. */
+    size_t cap = (size_t)st.st_size, len = 0;
+    uint8_t *buf = malloc(cap ? cap : 1);
+    if (!buf) {
+        close(fd);
+        return kvpq__err(KVPQ_ERR_NOMEM, "codebook file '%s': out of memory for %zu bytes", path, cap);
+    }
+    while (len < cap) {
+        ssize_t r = read(fd, buf + len, cap - len);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            kvpq_status s = kvpq__err(KVPQ_ERR_IO, "codebook file '%s': read failed: %s", path, strerror(errno));
+            free(buf);
+            close(fd);
+            return s;
+        }
+        if (r == 0) break;
+        len += (size_t)r;
+    }
+    close(fd);
+    kvpq_status s = kvpq__codebook_load_mem(out, buf, len, path);
+    free(buf);
+    return s;
+}

@@ -1,0 +1,116 @@
+/* transform.c — outlier suppression for keys (VecInfer, arXiv 2510.06175, sec. 3): per-channel
+ * smoothing by lambda = sqrt(max |K|) and the normalized Walsh-Hadamard rotation. */
+#include <math.h>
+#include <omp.h>
+
+#include "internal.h"
+
+// ---- Walsh-Hadamard ----------------------------------------------------------------------------
+
+/* One vector, in place: log2(d) butterfly stages (a, b) -> (a + b, a - b) with stride h = 1, 2, 4...
+ * give H_d x in Sylvester order (H_2d = [[H_d, H_d], [H_d, -H_d]]); scaling by 1/sqrt(d) makes it
+ * orthonormal, and since H_d is symmetric it is then its own inverse. */
+static void fwht_row(float *x, int d, float scale) {
+    for (int h = 1; h < d; h <<= 1) {
+        for (int i = 0; i < d; i += h << 1) {
+            float *a = x + i, *b = x + i + h;
+            for (int j = 0; j < h; j++) {
+                float u = a[j], v = b[j];
+                a[j] = u + v;
+                b[j] = u - v;
+            }
+        }
+    }
+    for (int j = 0; j < d; j++) x[j] *= scale;
+}
+
+kvpq_status kvpq_hadamard(float *x, size_t n, int d) {
+    if (d <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_hadamard: d=%d: expected a positive power of two", d);
+    if (d & (d - 1))
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_hadamard: d=%d is not a power of two (Sylvester Hadamard only)", d);
+    if (n == 0) return KVPQ_OK;
+    if (!x) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_hadamard: x is NULL");
+    const float scale = (float)(1.0 / sqrt((double)d));
+#pragma omp parallel for if ((double)n * d >= 65536.0) schedule(static)
+    for (size_t i = 0; i < n; i++) fwht_row(x + i * (size_t)d, d, scale);
+    return KVPQ_OK;
+}
+
+// ---- smoothing ---------------------------------------------------------------------------------
+
+static kvpq_status check_heads(const char *fn, int n_head_kv, int head_dim) {
+    if (n_head_kv <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: n_head_kv=%d: expected > 0", fn, n_head_kv);
+    if (head_dim <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: head_dim=%d: expected > 0", fn, head_dim);
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k, float floor,
+                                float *lambda) {
+    const char *fn = "kvpq_smooth_compute";
+    KVPQ_TRY(check_heads(fn, n_head_kv, head_dim));
+    if (!lambda || (n_tokens && !k)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: NULL array", fn);
+    if (!(floor > 0.0f) || !isfinite(floor))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: floor=%g: expected a finite value > 0", fn, (double)floor);
+    const size_t row = (size_t)n_head_kv * head_dim;
+    if (!kvpq__all_finite(k, n_tokens * row)) {
+        for (size_t t = 0; t < n_tokens; t++)
+            if (!kvpq__all_finite(k + t * row, row))
+                return kvpq__err(KVPQ_ERR_NONFINITE, "%s: keys of token %zu contain NaN or Inf", fn, t);
+    }
+    for (size_t c = 0; c < row; c++) lambda[c] = 0.0f;
+    for (size_t t = 0; t < n_tokens; t++) {
+        const float *kt = k + t * row;
+        for (size_t c = 0; c < row; c++) {
+            float a = fabsf(kt[c]);
+            lambda[c] = a > lambda[c] ? a : lambda[c];
+        }
+    }
+    for (size_t c = 0; c < row; c++) {
+        float l = sqrtf(lambda[c]);
+        lambda[c] = l > floor ? l : floor;
+    }
+    return KVPQ_OK;
+}
+
+static kvpq_status check_lambda(const char *fn, size_t nl, const float *lambda) {
+    for (size_t c = 0; c < nl; c++)
+        if (!(lambda[c] > 0.0f) || !isfinite(lambda[c]))
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: lambda[%zu]=%g: expected a finite value > 0", fn, c,
+                             (double)lambda[c]);
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_smooth_apply(float *x, size_t n, int n_head_kv, int head_dim, const float *lambda, int inverse) {
+    const char *fn = "kvpq_smooth_apply";
+    KVPQ_TRY(check_heads(fn, n_head_kv, head_dim));
+    if (!lambda || (n && !x)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: NULL array", fn);
+    const size_t row = (size_t)n_head_kv * head_dim;
+    KVPQ_TRY(check_lambda(fn, row, lambda));
+    for (size_t t = 0; t < n; t++) {
+        float *xt = x + t * row;
+        if (inverse)
+            for (size_t c = 0; c < row; c++) xt[c] *= lambda[c];
+        else
+            for (size_t c = 0; c < row; c++) xt[c] /= lambda[c];
+    }
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int n_head_kv, int head_dim,
+                                    const float *lambda) {
+    const char *fn = "kvpq_smooth_apply_query";
+    KVPQ_TRY(check_heads(fn, n_head_kv, head_dim));
+    if (n_head <= 0 || n_head % n_head_kv)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: n_head=%d: expected a positive multiple of n_head_kv=%d", fn,
+                         n_head, n_head_kv);
+    if (!lambda || (n && !q)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: NULL array", fn);
+    KVPQ_TRY(check_lambda(fn, (size_t)n_head_kv * head_dim, lambda));
+    const int group = n_head / n_head_kv;
+    for (size_t t = 0; t < n; t++)
+        for (int h = 0; h < n_head; h++) {
+            float *qh = q + (t * (size_t)n_head + h) * head_dim;
+            const float *l = lambda + (size_t)(h / group) * head_dim;
+            for (int c = 0; c < head_dim; c++) qh[c] *= l[c];
+        }
+    return KVPQ_OK;
+}

@@ -1,0 +1,210 @@
+"""Codebook files against the reference safetensors implementation (PyPI `safetensors`).
+
+A file kvpq writes (through the C API, by ctypes on the shared library at env KVPQ_LIB) must be read
+by safetensors with the documented names, shapes, values and metadata; a file safetensors writes
+with those names and metadata must be loaded by kvpq with the same values.
+"""
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+st_numpy = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
+from safetensors import safe_open  # noqa: E402
+
+SHARED, SUBSPACE = 0, 1
+
+
+class PQParams(ctypes.Structure):
+    _fields_ = [("d", ctypes.c_int), ("M", ctypes.c_int), ("nbits", ctypes.c_int), ("granularity", ctypes.c_int)]
+
+
+class CodebookParams(ctypes.Structure):
+    _fields_ = [("n_layer", ctypes.c_int), ("n_head_kv", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("key", PQParams), ("value", PQParams), ("value_rotate", ctypes.c_int)]
+
+
+def _lib():
+    path = os.environ.get("KVPQ_LIB")
+    if not path:
+        pytest.fail("env KVPQ_LIB (the kvpq shared library) is not set; run through ctest")
+    lib = ctypes.CDLL(path)
+    vp, c_int, c_char_p, c_size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t
+    fp = ctypes.POINTER(ctypes.c_float)
+    sig = {
+        "kvpq_codebook_params_default": (CodebookParams, []),
+        "kvpq_codebook_new": (c_int, [ctypes.POINTER(vp), ctypes.POINTER(CodebookParams)]),
+        "kvpq_codebook_free": (None, [vp]),
+        "kvpq_codebook_save": (c_int, [vp, c_char_p]),
+        "kvpq_codebook_load": (c_int, [ctypes.POINTER(vp), c_char_p]),
+        "kvpq_codebook_get_params": (CodebookParams, [vp]),
+        "kvpq_codebook_pq": (vp, [vp, c_int, c_int]),
+        "kvpq_codebook_key_smooth": (fp, [vp, c_int]),
+        "kvpq_codebook_set_meta": (c_int, [vp, c_char_p, c_char_p]),
+        "kvpq_codebook_get_meta": (c_char_p, [vp, c_char_p]),
+        "kvpq_pq_centroids_size": (c_size_t, [vp]),
+        "kvpq_pq_centroids": (fp, [vp]),
+        "kvpq_pq_set_centroids": (c_int, [vp, fp, c_size_t]),
+        "kvpq_last_error": (c_char_p, []),
+    }
+    for name, (res, args) in sig.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+    return lib
+
+
+def _check(lib, status):
+    assert status == 0, lib.kvpq_last_error().decode()
+
+
+def _params(lib, key_gran, value_gran):
+    p = lib.kvpq_codebook_params_default()
+    p.n_layer, p.n_head_kv, p.head_dim = 3, 2, 16
+    p.key = PQParams(16, 4, 8, key_gran)      # dsub 4, ksub 256
+    p.value = PQParams(16, 8, 3, value_gran)  # dsub 2, ksub 8
+    p.value_rotate = 1
+    return p
+
+
+def _book_shape(q):
+    ksub, dsub = 1 << q.nbits, q.d // q.M
+    return (q.M, ksub, dsub) if q.granularity == SUBSPACE else (ksub, dsub)
+
+
+def _expected_tensors(p, rng):
+    """Random tensors with the documented names and shapes: name -> float32 array."""
+    out = {}
+    for i in range(p.n_layer):
+        out[f"layers.{i}.k.smooth"] = rng.uniform(0.01, 4.0, (p.n_head_kv, p.head_dim)).astype(np.float32)
+        out[f"layers.{i}.k.codebook"] = rng.standard_normal(_book_shape(p.key)).astype(np.float32)
+        out[f"layers.{i}.v.codebook"] = rng.standard_normal(_book_shape(p.value)).astype(np.float32)
+    return out
+
+
+def _config_meta(p):
+    gran = {SHARED: "shared", SUBSPACE: "subspace"}
+    return {
+        "kvpq.format_version": "1", "n_layer": str(p.n_layer), "n_head_kv": str(p.n_head_kv),
+        "head_dim": str(p.head_dim), "k.M": str(p.key.M), "k.nbits": str(p.key.nbits),
+        "k.granularity": gran[p.key.granularity], "v.M": str(p.value.M), "v.nbits": str(p.value.nbits),
+        "v.granularity": gran[p.value.granularity], "v.rotate": str(p.value_rotate),
+    }
+
+
+FREE_META = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "text": "emma.txt \u2713 \"quoted\"", "tokens": "4096"}
+
+
+def _as_ptr(a):
+    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+
+@pytest.mark.parametrize("key_gran,value_gran", [(SHARED, SUBSPACE), (SUBSPACE, SHARED)])
+def test_kvpq_file_is_read_by_safetensors(tmp_path, key_gran, value_gran):
+    lib = _lib()
+    p = _params(lib, key_gran, value_gran)
+    want = _expected_tensors(p, np.random.default_rng(1))
+    cb = ctypes.c_void_p()
+    _check(lib, lib.kvpq_codebook_new(ctypes.byref(cb), ctypes.byref(p)))
+    try:
+        for i in range(p.n_layer):
+            sm = np.ctypeslib.as_array(lib.kvpq_codebook_key_smooth(cb, i), shape=(p.n_head_kv * p.head_dim,))
+            sm[:] = want[f"layers.{i}.k.smooth"].ravel()
+            for v, kind in ((0, "k"), (1, "v")):
+                a = np.ascontiguousarray(want[f"layers.{i}.{kind}.codebook"].ravel())
+                pq = lib.kvpq_codebook_pq(cb, i, v)
+                _check(lib, lib.kvpq_pq_set_centroids(pq, _as_ptr(a), a.size))
+        for k, v in FREE_META.items():
+            _check(lib, lib.kvpq_codebook_set_meta(cb, k.encode(), v.encode()))
+        path = tmp_path / "kvpq.safetensors"
+        _check(lib, lib.kvpq_codebook_save(cb, str(path).encode()))
+    finally:
+        lib.kvpq_codebook_free(cb)
+
+    got = st_numpy.load_file(str(path))
+    assert sorted(got) == sorted(want)
+    for name, a in want.items():
+        assert got[name].dtype == np.float32, name
+        assert got[name].shape == a.shape, name
+        assert np.array_equal(got[name].view(np.uint32), a.view(np.uint32)), name  # bit-identical
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta == {**_config_meta(p), **FREE_META}
+
+
+@pytest.mark.parametrize("key_gran,value_gran", [(SHARED, SHARED), (SUBSPACE, SUBSPACE)])
+def test_safetensors_file_is_loaded_by_kvpq(tmp_path, key_gran, value_gran):
+    lib = _lib()
+    p = _params(lib, key_gran, value_gran)
+    want = _expected_tensors(p, np.random.default_rng(2))
+    path = tmp_path / "peer.safetensors"
+    # The reference writer orders tensors its own way (not ours) and pads the header itself.
+    st_numpy.save_file(want, str(path), metadata={**_config_meta(p), **FREE_META})
+
+    cb = ctypes.c_void_p()
+    _check(lib, lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()))
+    try:
+        q = lib.kvpq_codebook_get_params(cb)
+        assert (q.n_layer, q.n_head_kv, q.head_dim, q.value_rotate) == (3, 2, 16, 1)
+        assert (q.key.M, q.key.nbits, q.key.granularity) == (4, 8, key_gran)
+        assert (q.value.M, q.value.nbits, q.value.granularity) == (8, 3, value_gran)
+        for i in range(p.n_layer):
+            sm = np.ctypeslib.as_array(lib.kvpq_codebook_key_smooth(cb, i), shape=(p.n_head_kv * p.head_dim,))
+            assert np.array_equal(sm, want[f"layers.{i}.k.smooth"].ravel())
+            for v, kind in ((0, "k"), (1, "v")):
+                pq = lib.kvpq_codebook_pq(cb, i, v)
+                n = lib.kvpq_pq_centroids_size(pq)
+                c = np.ctypeslib.as_array(lib.kvpq_pq_centroids(pq), shape=(n,))
+                assert np.array_equal(c, want[f"layers.{i}.{kind}.codebook"].ravel()), (i, kind)
+        for k, v in FREE_META.items():
+            assert lib.kvpq_codebook_get_meta(cb, k.encode()).decode() == v
+    finally:
+        lib.kvpq_codebook_free(cb)
+
+
+def test_safetensors_file_with_wrong_shape_is_rejected_by_kvpq(tmp_path):
+    lib = _lib()
+    p = _params(lib, SHARED, SHARED)
+    want = _expected_tensors(p, np.random.default_rng(3))
+    want["layers.2.v.codebook"] = want["layers.2.v.codebook"][:7]  # 7 centroids, 8 expected
+    path = tmp_path / "bad.safetensors"
+    st_numpy.save_file(want, str(path), metadata=_config_meta(p))
+    cb = ctypes.c_void_p()
+    assert lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()) == -4  # KVPQ_ERR_FORMAT
+    assert "tensor layers.2.v.codebook has shape [7,2], expected [8,2]" in lib.kvpq_last_error().decode()
+    # Float16 tensors are rejected by dtype, naming the tensor.
+    want = _expected_tensors(p, np.random.default_rng(3))
+    want["layers.0.k.smooth"] = want["layers.0.k.smooth"].astype(np.float16)
+    st_numpy.save_file(want, str(path), metadata=_config_meta(p))
+    assert lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()) == -4
+    assert "tensor layers.0.k.smooth has dtype F16, expected F32" in lib.kvpq_last_error().decode()
+
+
+def test_cli_info_reports_a_safetensors_written_file(tmp_path):
+    import subprocess
+
+    lib = _lib()
+    p = _params(lib, SHARED, SUBSPACE)
+    want = _expected_tensors(p, np.random.default_rng(4))
+    want["layers.1.k.smooth"][1, 5] = 0.03125  # the layer's minimum
+    want["layers.1.k.smooth"][0, 0] = 7.5      # and maximum
+    path = tmp_path / "peer.safetensors"
+    st_numpy.save_file(want, str(path), metadata={**_config_meta(p), **FREE_META})
+    out = subprocess.run([os.environ["KVPQ_BIN"], "info", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "version 1" in text
+    assert "n_layer=3 n_head_kv=2 head_dim=16 value_rotate=1" in text
+    assert "M=4 dsub=4 nbits=8 ksub=256 granularity=shared  2.000 bits/element" in text
+    assert "M=8 dsub=2 nbits=3 ksub=8 granularity=subspace  1.500 bits/element" in text
+    assert "v.codebook [8,8,2]" in text
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in text
+    row = [line.split() for line in text.splitlines() if line.split()[:1] == ["1"]][0]
+    assert float(row[1]) == 0.03125 and float(row[2]) == 7.5
+
+    data = path.read_bytes()
+    bad = tmp_path / "cut.safetensors"
+    bad.write_bytes(data[: len(data) // 2])
+    out = subprocess.run([os.environ["KVPQ_BIN"], "info", str(bad)], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "bad file format" in out.stderr and "cut.safetensors" in out.stderr

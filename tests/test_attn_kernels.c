@@ -1,0 +1,141 @@
+/* test_attn_kernels.c — every SIMD level's attention kernels against the scalar *_ref table on
+ * fresh random inputs, at sizes with and without SIMD tails. */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "cache_testutil.h"
+#include "cpu/attn_kernels.h"
+
+/* float32 dot products of up to 256 terms summed in a different order: a few ulp of the sum of
+ * |terms|, bounded here relative to that sum. */
+#define DOT_RTOL 1e-5
+/* Polynomial exp of the SIMD levels (Cephes expf): ~2 ulp. */
+#define EXP_RTOL 1e-6
+
+static double max_rel(const float *a, const float *b, size_t n) {
+    double num = 0, den = 1e-30;
+    for (size_t i = 0; i < n; i++) num = fmax(num, fabs((double)a[i] - b[i])), den = fmax(den, fabs((double)b[i]));
+    return num / den;
+}
+
+static const kvpq_attn_kernels *level_or_null(kvpq_simd_level lv) {
+    if (kvpq_simd_set(lv) != KVPQ_OK) return NULL; /* this CPU lacks it */
+    return kvpq__attn_kernels();
+}
+
+Test(attn_kernels, qk_pv_scale_max_vs_ref) {
+    const kvpq_attn_kernels *ref = &kvpq__attn_ref;
+    static const int hds[] = {1, 7, 8, 16, 20, 37, 64, 100, 128, 256};
+    static const int ns[] = {1, 3, 4, 5, 17, 64};
+    uint64_t seed = 1;
+    for (int lv = KVPQ_SIMD_AVX2; lv <= KVPQ_SIMD_AVX512; lv++) {
+        const kvpq_attn_kernels *kr = level_or_null((kvpq_simd_level)lv);
+        if (!kr) continue;
+        for (int a = 0; a < 10; a++)
+            for (int b = 0; b < 6; b++) {
+                const int hd = hds[a], n = ns[b], R = 1 + (a + b) % 5, ld = 70;
+                float *Q = rand_vec((size_t)R * hd, seed++, 1.0f), *K = rand_vec((size_t)n * hd, seed++, 1.0f);
+                float *S0 = calloc((size_t)R * ld, 4), *S1 = calloc((size_t)R * ld, 4);
+                ref->qk(Q, R, K, n, hd, S0, ld);
+                kr->qk(Q, R, K, n, hd, S1, ld);
+                for (int r = 0; r < R; r++)
+                    for (int t = 0; t < n; t++) {
+                        double mag = 0;
+                        for (int c = 0; c < hd; c++) mag += fabs((double)Q[r * hd + c] * K[t * hd + c]);
+                        cr_assert(fabs(S0[r * ld + t] - S1[r * ld + t]) <= DOT_RTOL * mag + 1e-30,
+                                  "%s qk hd %d n %d", kr->name, hd, n);
+                    }
+                float *P = rand_vec((size_t)R * ld, seed++, 1.0f), *V = rand_vec((size_t)n * hd, seed++, 1.0f);
+                float *O0 = rand_vec((size_t)R * hd, seed, 1.0f), *O1 = rand_vec((size_t)R * hd, seed++, 1.0f);
+                ref->pv(P, R, ld, V, n, hd, O0);
+                kr->pv(P, R, ld, V, n, hd, O1);
+                cr_assert(max_rel(O1, O0, (size_t)R * hd) < DOT_RTOL * 8, "%s pv hd %d n %d", kr->name, hd, n);
+                /* the fp16 forms on the same values rounded to fp16 */
+                uint16_t *K16 = malloc((size_t)n * hd * 2), *V16 = malloc((size_t)n * hd * 2);
+                kvpq__attn_ref.f32_to_f16(K, K16, (size_t)n * hd);
+                kvpq__attn_ref.f32_to_f16(V, V16, (size_t)n * hd);
+                ref->qk_f16(Q, R, K16, n, hd, S0, ld);
+                kr->qk_f16(Q, R, K16, n, hd, S1, ld);
+                for (int r = 0; r < R; r++)
+                    for (int t = 0; t < n; t++) {
+                        double mag = 0;
+                        for (int c = 0; c < hd; c++) mag += fabs((double)Q[r * hd + c] * K[t * hd + c]);
+                        cr_assert(fabs(S0[r * ld + t] - S1[r * ld + t]) <= DOT_RTOL * mag * 1.01 + 1e-30,
+                                  "%s qk_f16 hd %d n %d", kr->name, hd, n);
+                    }
+                float *W0 = calloc((size_t)R * hd, 4), *W1 = calloc((size_t)R * hd, 4);
+                ref->pv_f16(P, R, ld, V16, n, hd, W0);
+                kr->pv_f16(P, R, ld, V16, n, hd, W1);
+                cr_assert(max_rel(W1, W0, (size_t)R * hd) < DOT_RTOL * 8, "%s pv_f16 hd %d n %d", kr->name, hd, n);
+                free(K16), free(V16), free(W0), free(W1);
+                kr->scale(O1, R * hd, 0.37f);
+                ref->scale(O0, R * hd, 0.37f);
+                cr_assert(max_rel(O1, O0, (size_t)R * hd) < DOT_RTOL * 8);
+                cr_assert_eq(kr->max(V, n * hd), ref->max(V, n * hd), "%s max", kr->name);
+                free(Q), free(K), free(S0), free(S1), free(P), free(V), free(O0), free(O1);
+            }
+    }
+}
+
+Test(attn_kernels, exp_sum_vs_ref) {
+    for (int lv = KVPQ_SIMD_AVX2; lv <= KVPQ_SIMD_AVX512; lv++) {
+        const kvpq_attn_kernels *kr = level_or_null((kvpq_simd_level)lv);
+        if (!kr) continue;
+        for (int n = 1; n <= 70; n += 3) {
+            float *x0 = rand_vec((size_t)n, 100 + n, 8.0f), *x1 = malloc((size_t)n * 4);
+            x0[0] = -200.0f; /* far below the max: ~0 */
+            memcpy(x1, x0, (size_t)n * 4);
+            float m = kvpq__attn_ref.max(x0, n);
+            float s0 = kvpq__attn_ref.exp_sum(x0, n, m), s1 = kr->exp_sum(x1, n, m);
+            cr_assert(fabs(s0 - s1) <= EXP_RTOL * s0, "%s exp_sum n %d: %g vs %g", kr->name, n, s1, s0);
+            for (int i = 0; i < n; i++)
+                cr_assert(fabs(x0[i] - x1[i]) <= EXP_RTOL * x0[i] + 1e-37, "%s exp n %d i %d: %g vs %g", kr->name, n, i,
+                          x1[i], x0[i]);
+            free(x0), free(x1);
+        }
+    }
+}
+
+Test(attn_kernels, conversions_and_dequant_bit_exact) {
+    const size_t n = 1000 + 13;
+    float *x = rand_vec(n, 7, 3.0f);
+    x[0] = 65504.0f, x[1] = 6e-8f, x[2] = -3e-5f, x[3] = 1.0f + 1.0f / 2048, x[4] = 0.0f, x[5] = -0.0f;
+    x[6] = 1e-9f, x[7] = 65519.0f;
+    uint16_t *h0 = malloc(n * 2), *h1 = malloc(n * 2);
+    float *y0 = malloc(n * 4), *y1 = malloc(n * 4);
+    kvpq__attn_ref.f32_to_f16(x, h0, n);
+    cr_assert_eq(h0[0], 0x7bff);
+    cr_assert_eq(h0[3], 0x3c00, "1 + 2^-11 ties to even");
+    cr_assert_eq(h0[5], 0x8000);
+    cr_assert_eq(h0[7], 0x7bff, "65519 rounds down to 65504");
+    unsigned char *blk = malloc(34 * 32);
+    for (int i = 0; i < 34 * 32; i++) blk[i] = (unsigned char)(i * 37 + 11);
+    for (int b = 0; b < 32; b++) blk[b * 34 + 1] = 0x3c, blk[b * 34] = (unsigned char)b; /* finite fp16 scales */
+    float *d0 = malloc(32 * 32 * 4), *d1 = malloc(32 * 32 * 4);
+    float sc[64], mn[64];
+    for (int i = 0; i < 64; i++) sc[i] = 0.1f * (float)i - 2.0f, mn[i] = (float)i * 0.01f;
+    for (int lv = KVPQ_SIMD_AVX2; lv <= KVPQ_SIMD_AVX512; lv++) {
+        const kvpq_attn_kernels *kr = level_or_null((kvpq_simd_level)lv);
+        if (!kr) continue;
+        kr->f32_to_f16(x, h1, n);
+        cr_assert(!memcmp(h0, h1, n * 2), "%s f32_to_f16", kr->name);
+        kvpq__attn_ref.f16_to_f32(h0, y0, n);
+        kr->f16_to_f32(h0, y1, n);
+        cr_assert(!memcmp(y0, y1, n * 4), "%s f16_to_f32", kr->name);
+        kvpq__attn_ref.dequant_q8_0(blk, 32, d0);
+        kr->dequant_q8_0(blk, 32, d1);
+        cr_assert(!memcmp(d0, d1, 32 * 32 * 4), "%s q8_0", kr->name);
+        kvpq__attn_ref.dequant_q4_0(blk, 32, d0);
+        kr->dequant_q4_0(blk, 32, d1);
+        cr_assert(!memcmp(d0, d1, 32 * 32 * 4), "%s q4_0", kr->name);
+        for (int bits = 2; bits <= 4; bits += 2) {
+            kvpq__attn_ref.dequant_bits(blk, bits, 64, sc, mn, d0);
+            kr->dequant_bits(blk, bits, 64, sc, mn, d1);
+            cr_assert(!memcmp(d0, d1, 64 * 4), "%s dequant_bits %d", kr->name, bits);
+        }
+    }
+    /* the reference unpacking itself: code c of `bits` bits, LSB-first */
+    kvpq__attn_ref.dequant_bits(blk, 2, 32, sc, mn, d0);
+    for (int c = 0; c < 32; c++) cr_assert_eq(d0[c], fmaf((float)((blk[c / 4] >> (2 * (c % 4))) & 3), sc[c], mn[c]));
+    free(x), free(h0), free(h1), free(y0), free(y1), free(blk), free(d0), free(d1);
+}

@@ -1,0 +1,622 @@
+/* test_cache_vq.c — the VQ cache: attention from codes against exact fp64 attention over the
+ * cache's own dequantized keys and values (kvpq_cache_read), which isolates the lookup-table path
+ * from the quantization error; the encode path against the quantizer's public API; window and page
+ * edges; GQA ratios; head_dim, nbits, dsub, codebook granularity, value rotation; truncation;
+ * codebook mismatches; SIMD kernels against their scalar reference. KVPQ_QUICK=1 shrinks sizes. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvpq.h"
+#include "cpu/vq_kernels.h"
+
+/* Tokens encoded per window overflow (VQ_FLUSH in src/cache/cache_vq.c, documented there). */
+#define FLUSH 32
+/* Attention from codes vs fp64 over read(): float32 LUT sums (M terms), the online-softmax
+ * rescaling and the SIMD exp (relative error < 2e-7) stay far below this; a wrong smoothing
+ * factor, rotation, causal limit or merge is off by 1e-2 or more. */
+#define ATTEND_TOL 2e-4
+
+static int quick(void) {
+    const char *q = getenv("KVPQ_QUICK");
+    return q && *q && strcmp(q, "0");
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static double urand(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) / 9007199254740992.0;
+}
+static float grand(void) {
+    double u = urand() + 1e-12, v = urand();
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+static float *randn(size_t n, float scale) {
+    float *x = malloc(n * sizeof(float));
+    cr_assert_not_null(x);
+    for (size_t i = 0; i < n; i++) x[i] = grand() * scale;
+    return x;
+}
+
+typedef struct {
+    int n_head, n_head_kv, head_dim;
+    const char *kpreset, *vpreset;
+    kvpq_codebook_granularity gran;
+    int rotate;
+} cfg;
+
+/* A codebook trained on Gaussian data through the public API, with per-(head, channel) smoothing
+ * factors in [0.5, 2] so that a query head using the wrong KV head's factors shows. */
+static kvpq_codebook *make_codebook(int n_layer, const cfg *c) {
+    kvpq_codebook_params p = kvpq_codebook_params_default();
+    p.n_layer = n_layer;
+    p.n_head_kv = c->n_head_kv;
+    p.head_dim = c->head_dim;
+    cr_assert_eq(kvpq_pq_params_preset(&p.key, c->kpreset, c->head_dim), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_pq_params_preset(&p.value, c->vpreset, c->head_dim), KVPQ_OK, "%s", kvpq_last_error());
+    p.key.granularity = p.value.granularity = c->gran;
+    p.value_rotate = c->rotate;
+    kvpq_codebook *cb = NULL;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_kmeans_params kp = kvpq_kmeans_params_default();
+    kp.niter = 2;
+    kp.max_points_per_centroid = 2;
+    kp.n_threads = 1;
+    for (int l = 0; l < n_layer; l++) {
+        for (int w = 0; w < 2; w++) {
+            kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
+            kvpq_pq_params pp = kvpq_pq_get_params(pq);
+            int ksub = 1 << pp.nbits;
+            if (pp.nbits > 8) {
+                /* 4096 centroids: k-means would dominate the test's time; random centroids serve
+                 * the table path just as well (set through the public API). */
+                size_t nc = kvpq_pq_centroids_size(pq);
+                float *cent = randn(nc, 1.0f);
+                cr_assert_eq(kvpq_pq_set_centroids(pq, cent, nc), KVPQ_OK, "%s", kvpq_last_error());
+                free(cent);
+                continue;
+            }
+            /* Enough vectors for k-means: n*M >= ksub (shared) or n >= ksub (per sub-space). */
+            size_t n = pp.granularity == KVPQ_CODEBOOK_SHARED ? (size_t)(2 * ksub + pp.M - 1) / pp.M : (size_t)2 * ksub;
+            float *x = randn(n * pp.d, 1.0f);
+            cr_assert_eq(kvpq_pq_train(pq, &kp, n, x, NULL), KVPQ_OK, "%s", kvpq_last_error());
+            free(x);
+        }
+        float *lam = kvpq_codebook_key_smooth(cb, l);
+        for (int i = 0; i < c->n_head_kv * c->head_dim; i++) lam[i] = (float)(0.5 + 1.5 * urand());
+    }
+    return cb;
+}
+
+static kvpq_cache *make_cache(const kvpq_codebook *cb, int n_layer, const cfg *c, int window, int page_tokens,
+                              int max_seq) {
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ;
+    p.n_layer = n_layer;
+    p.n_head = c->n_head;
+    p.n_head_kv = c->n_head_kv;
+    p.head_dim = c->head_dim;
+    p.max_seq = max_seq;
+    p.window = window;
+    p.page_tokens = page_tokens;
+    p.codebook = cb;
+    p.n_threads = 2;
+    p.backend = KVPQ_BACKEND_CPU;
+    kvpq_cache *cache = NULL;
+    cr_assert_eq(kvpq_cache_new(&cache, &p), KVPQ_OK, "%s", kvpq_last_error());
+    return cache;
+}
+
+/* Exact causal attention in fp64 over k, v (len, n_head_kv, d) for queries q (n_q, n_head, d) at
+ * positions len - n_q + i; returns the largest |out - ref|. */
+static double max_err_vs_fp64(int len, int n_q, int n_head, int n_head_kv, int d, const float *q, const float *k,
+                              const float *v, const float *out) {
+    double err = 0.0, *s = malloc((size_t)len * sizeof(double)), *o = malloc((size_t)d * sizeof(double));
+    int G = n_head / n_head_kv;
+    for (int i = 0; i < n_q; i++) {
+        int pos = len - n_q + i;
+        for (int h = 0; h < n_head; h++) {
+            const float *qh = q + ((size_t)i * n_head + h) * d;
+            int kv = h / G;
+            double mx = -INFINITY, sum = 0.0;
+            for (int t = 0; t <= pos; t++) {
+                double a = 0.0;
+                for (int j = 0; j < d; j++) a += (double)qh[j] * k[((size_t)t * n_head_kv + kv) * d + j];
+                s[t] = a / sqrt((double)d);
+                if (s[t] > mx) mx = s[t];
+            }
+            for (int j = 0; j < d; j++) o[j] = 0.0;
+            for (int t = 0; t <= pos; t++) {
+                double p = exp(s[t] - mx);
+                sum += p;
+                for (int j = 0; j < d; j++) o[j] += p * v[((size_t)t * n_head_kv + kv) * d + j];
+            }
+            for (int j = 0; j < d; j++) {
+                double e = fabs(o[j] / sum - out[((size_t)i * n_head + h) * d + j]);
+                if (e > err || isnan(e)) err = isnan(e) ? INFINITY : e;
+            }
+        }
+    }
+    free(s);
+    free(o);
+    return err;
+}
+
+/* Attend the newest n_q positions of layer 0 and compare with fp64 over read(). */
+static void check_attend(kvpq_cache *cache, const cfg *c, int n_q, const char *what) {
+    int len = kvpq_cache_seq_len(cache, 0), d = c->head_dim;
+    size_t kvn = (size_t)len * c->n_head_kv * d;
+    float *kh = malloc(kvn * sizeof(float) + 1), *vh = malloc(kvn * sizeof(float) + 1);
+    cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
+    float *q = randn((size_t)n_q * c->n_head * d, 2.0f);
+    float *out = malloc((size_t)n_q * c->n_head * d * sizeof(float));
+    cr_assert_eq(kvpq_cache_attend(cache, 0, n_q, q, out), KVPQ_OK, "%s", kvpq_last_error());
+    double err = max_err_vs_fp64(len, n_q, c->n_head, c->n_head_kv, d, q, kh, vh, out);
+    cr_assert(err <= ATTEND_TOL, "%s: len %d n_q %d (heads %d/%d d %d k %s v %s gran %d rot %d simd %s): max error %g",
+              what, len, n_q, c->n_head, c->n_head_kv, d, c->kpreset, c->vpreset, (int)c->gran, c->rotate,
+              kvpq_simd_name(kvpq_simd_get()), err);
+    free(kh);
+    free(vh);
+    free(q);
+    free(out);
+}
+
+static void append_random(kvpq_cache *cache, int layer, const cfg *c, int n, float **keep_k, float **keep_v) {
+    size_t sz = (size_t)n * c->n_head_kv * c->head_dim;
+    float *k = randn(sz, 1.0f), *v = randn(sz, 1.0f);
+    /* Outlier channels in the keys, as in real models (what smoothing is for). */
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < c->n_head_kv; h++) k[((size_t)t * c->n_head_kv + h) * c->head_dim + 3] *= 8.0f;
+    cr_assert_eq(kvpq_cache_append(cache, layer, n, k, v), KVPQ_OK, "%s", kvpq_last_error());
+    if (keep_k) *keep_k = k; else free(k);
+    if (keep_v) *keep_v = v; else free(v);
+}
+
+static int expected_coded(int len, int window) { return len < window + FLUSH ? 0 : (len - window) / FLUSH * FLUSH; }
+
+// ---- attention from codes vs fp64 ----------------------------------------------------------------
+
+static void run_config(const cfg *c, int len, int window, int page_tokens) {
+    kvpq_codebook *cb = make_codebook(1, c);
+    kvpq_cache *cache = make_cache(cb, 1, c, window, page_tokens, len + 64);
+    /* Prefill in uneven chunks, attending each chunk causally, then decode steps. */
+    int done = 0, chunk = 0;
+    while (done < len - 3) {
+        int n = 37 + 53 * (chunk++ % 3);
+        if (n > len - 3 - done) n = len - 3 - done;
+        append_random(cache, 0, c, n, NULL, NULL);
+        done += n;
+        check_attend(cache, c, n < 8 ? n : 8, "prefill");
+    }
+    for (; done < len; done++) {
+        append_random(cache, 0, c, 1, NULL, NULL);
+        check_attend(cache, c, 1, "decode");
+    }
+    kvpq_cache_stats st;
+    cr_assert_eq(kvpq_cache_get_stats(cache, &st), KVPQ_OK);
+    cr_assert_eq(st.tokens_coded, expected_coded(len, window));
+    cr_assert_eq(st.tokens_window, len - expected_coded(len, window));
+    kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
+}
+
+/* At every SIMD level (the kernels are also checked one by one against *_ref below). */
+static void for_each_simd(const cfg *c, int len, int window, int page_tokens) {
+    kvpq_simd_level best = kvpq_simd_get();
+    for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
+        cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lv), KVPQ_OK);
+        run_config(c, len, window, page_tokens);
+    }
+    kvpq_simd_set(best);
+}
+
+Test(cache_vq, gqa_ratios_match_fp64) {
+    const int ratios[][2] = {{4, 4}, {9, 3}, {8, 2}, {16, 2}, {16, 1}, {6, 3}};
+    int len = quick() ? 300 : 600;
+    for (size_t i = 0; i < sizeof ratios / sizeof ratios[0]; i++) {
+        cfg c = {ratios[i][0], ratios[i][1], 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+        if (i == 1 || i == 3) for_each_simd(&c, len, 64, 96);
+        else run_config(&c, len, 64, 96);
+    }
+}
+
+Test(cache_vq, head_dims_match_fp64) {
+    const int dims[] = {64, 128, 256};
+    int len = quick() ? 250 : 500;
+    for (size_t i = 0; i < 3; i++) {
+        cfg c = {8, 2, dims[i], "d4b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 1};
+        if (i == 1) for_each_simd(&c, len, 32, 64);
+        else run_config(&c, len, 32, 64);
+    }
+}
+
+Test(cache_vq, nbits_dsub_granularity_rotation_match_fp64) {
+    const char *presets[][2] = {{"d8b12", "d8b12"}, {"d2b8", "d8b8"}, {"d8b8", "d2b8"}, {"d4b8", "d8b12"}};
+    int len = quick() ? 200 : 400;
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
+        for (int gran = 0; gran < 2; gran++)
+            for (int rot = 0; rot < 2; rot++) {
+                if (quick() && (gran + rot) % 2) continue;
+                cfg c = {6, 2, 64, presets[i][0], presets[i][1], (kvpq_codebook_granularity)gran, rot};
+                run_config(&c, len, 48, 80);
+            }
+}
+
+// ---- encode path, window and page edges ----------------------------------------------------------
+
+/* read() of coded positions equals the quantizer's own reconstruction through the public API:
+ * lambda * H(decode(encode(H(fp16(k) / lambda)))) for keys, H(decode(encode(H v))) for values. */
+Test(cache_vq, read_equals_public_reconstruction) {
+    cfg c = {9, 3, 64, "d4b8", "d2b8", KVPQ_CODEBOOK_SUBSPACE, 1};
+    kvpq_codebook *cb = make_codebook(2, &c);
+    const int W = 16, len = 200, d = 64, nkv = 3;
+    kvpq_cache *cache = make_cache(cb, 2, &c, W, 48, 256);
+    float *k, *v;
+    append_random(cache, 1, &c, len, &k, &v);
+    int nc = expected_coded(len, W);
+    size_t row = (size_t)nkv * d, tot = (size_t)len * row;
+    float *kh = malloc(tot * sizeof(float)), *vh = malloc(tot * sizeof(float));
+    cr_assert_eq(kvpq_cache_read(cache, 1, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
+    const kvpq_pq *kq = kvpq_codebook_pq_const(cb, 1, 0), *vq = kvpq_codebook_pq_const(cb, 1, 1);
+    const float *lam = kvpq_codebook_key_smooth_const(cb, 1);
+    float *x = malloc(tot * sizeof(float)), *y = malloc(tot * sizeof(float));
+    uint8_t *codes = malloc((size_t)len * nkv * 64);
+    for (int w = 0; w < 2; w++) {
+        const float *src = w ? v : k;
+        for (size_t i = 0; i < tot; i++) {
+            /* fp16 rounding through the public fp16 cache would need another cache; use the
+             * round trip the window applies: the F16C/IEEE round-to-nearest-even. */
+            x[i] = src[i];
+        }
+        const kvpq_vq_kernels *K = kvpq__vq_kernels(KVPQ_SIMD_SCALAR);
+        uint16_t *h = malloc(tot * sizeof(uint16_t));
+        K->f32_to_f16(tot, x, h);
+        K->f16_to_f32(tot, h, x);
+        free(h);
+        /* Window positions come back as the fp16-rounded input, exactly. */
+        for (size_t i = (size_t)nc * row; i < tot; i++)
+            cr_assert_eq((w ? vh : kh)[i], x[i], "%s window element %zu", w ? "v" : "k", i);
+        if (!w)
+            for (size_t i = 0; i < tot; i++) x[i] /= lam[i % row];
+        if (!w || c.rotate) kvpq_hadamard(x, (size_t)len * nkv, d);
+        cr_assert_eq(kvpq_pq_encode(w ? vq : kq, (size_t)nc * nkv, x, codes), KVPQ_OK);
+        cr_assert_eq(kvpq_pq_decode(w ? vq : kq, (size_t)nc * nkv, codes, y), KVPQ_OK);
+        if (!w || c.rotate) kvpq_hadamard(y, (size_t)nc * nkv, d);
+        for (size_t i = 0; i < (size_t)nc * row; i++) {
+            float want = w ? y[i] : y[i] * lam[i % row];
+            cr_assert_float_eq((w ? vh : kh)[i], want, 1e-5f * (1.0f + fabsf(want)), "%s coded element %zu: %g vs %g",
+                               w ? "v" : "k", i, (double)(w ? vh : kh)[i], (double)want);
+        }
+    }
+    /* Layer 0 is untouched. */
+    cr_assert_eq(kvpq_cache_seq_len(cache, 0), 0);
+    free(x);
+    free(y);
+    free(codes);
+    free(k);
+    free(v);
+    free(kh);
+    free(vh);
+    kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
+}
+
+/* Lengths around the window and page edges: token-by-token appends give the same cache (read()
+ * bit for bit, stats) as one append, and attention matches fp64 at each length. */
+Test(cache_vq, window_and_page_edges) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    kvpq_codebook *cb = make_codebook(1, &c);
+    const int W = 40, PT = 16;
+    const int lens[] = {0, 1, W - 1, W, W + 1, W + FLUSH - 1, W + FLUSH, W + FLUSH + 1, W + 2 * FLUSH + PT,
+                        W + 3 * FLUSH, W + 3 * FLUSH + 1};
+    size_t row = (size_t)c.n_head_kv * c.head_dim;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        int len = lens[li];
+        kvpq_cache *a = make_cache(cb, 1, &c, W, PT, 512), *b = make_cache(cb, 1, &c, W, PT, 512);
+        float *k = randn((size_t)len * row + 1, 1.0f), *v = randn((size_t)len * row + 1, 1.0f);
+        if (len) cr_assert_eq(kvpq_cache_append(a, 0, len, k, v), KVPQ_OK, "%s", kvpq_last_error());
+        for (int t = 0; t < len; t++)
+            cr_assert_eq(kvpq_cache_append(b, 0, 1, k + t * row, v + t * row), KVPQ_OK, "%s", kvpq_last_error());
+        kvpq_cache_stats sa, sb;
+        kvpq_cache_get_stats(a, &sa);
+        kvpq_cache_get_stats(b, &sb);
+        cr_assert_eq(sa.tokens_coded, expected_coded(len, W), "len %d", len);
+        cr_assert_eq(sa.tokens_coded + sa.tokens_window, len);
+        cr_assert(sa.tokens_window >= (len < W ? len : W), "len %d: the newest W tokens stay in full precision", len);
+        cr_assert_eq(sb.tokens_coded, sa.tokens_coded);
+        cr_assert_eq(sa.resident_bytes, sb.resident_bytes);
+        float *ka = malloc((size_t)len * row * 4 + 4), *kb = malloc((size_t)len * row * 4 + 4);
+        float *va = malloc((size_t)len * row * 4 + 4), *vb = malloc((size_t)len * row * 4 + 4);
+        cr_assert_eq(kvpq_cache_read(a, 0, 0, len, ka, va), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_read(b, 0, 0, len, kb, vb), KVPQ_OK);
+        cr_assert(!memcmp(ka, kb, (size_t)len * row * 4) && !memcmp(va, vb, (size_t)len * row * 4), "len %d", len);
+        /* A read of a sub-range crossing the coded/window edge equals the slice of the full read. */
+        if (len > 2) {
+            int p0 = len / 3, n = len - len / 3 - 1;
+            float *ks = malloc((size_t)n * row * 4);
+            cr_assert_eq(kvpq_cache_read(a, 0, p0, n, ks, NULL), KVPQ_OK);
+            cr_assert(!memcmp(ks, ka + p0 * row, (size_t)n * row * 4));
+            free(ks);
+        }
+        if (len > 0) {
+            check_attend(a, &c, 1, "edge decode");
+            check_attend(a, &c, len < 7 ? len : 7, "edge prefill");
+        }
+        free(ka);
+        free(kb);
+        free(va);
+        free(vb);
+        free(k);
+        free(v);
+        kvpq_cache_free(a);
+        kvpq_cache_free(b);
+    }
+    kvpq_codebook_free(cb);
+}
+
+/* resident_bytes: codebooks and smoothing once, fp16 window ring of (window + FLUSH) slots per
+ * layer once written, and whole pages of codes. */
+Test(cache_vq, resident_bytes_accounting) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    const int n_layer = 2, W = 32, PT = 64, d = 64, nkv = 3;
+    kvpq_codebook *cb = make_codebook(n_layer, &c);
+    kvpq_cache *cache = make_cache(cb, n_layer, &c, W, PT, 1024);
+    size_t books = 0;
+    for (int l = 0; l < n_layer; l++)
+        books += (kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 0)) +
+                  kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 1))) * 4 + (size_t)nkv * d * 4;
+    cr_assert_eq(kvpq_cache_resident_bytes(cache), books);
+    size_t ring = 2 * (size_t)(W + FLUSH) * nkv * d * 2, page = (size_t)nkv * PT * (16 + 16);
+    append_random(cache, 0, &c, W + FLUSH, NULL, NULL); /* 32 coded: one page */
+    cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + page);
+    append_random(cache, 0, &c, 2 * FLUSH, NULL, NULL); /* 96 coded: two pages */
+    cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + 2 * page);
+    kvpq_cache_stats st;
+    kvpq_cache_get_stats(cache, &st);
+    cr_assert_eq(st.tokens_coded, 96);
+    cr_assert_eq(st.tokens_window, W);
+    cr_assert_eq(kvpq_cache_truncate(cache, 50), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + page);
+    kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
+}
+
+// ---- truncation ----------------------------------------------------------------------------------
+
+/* Truncate then append equals a fresh cache fed the kept prefix and the same new tokens — bit for
+ * bit once the new tokens have pushed the cut past the coded edge (codes depend only on the data,
+ * the coded/window split only on the length). Cuts inside the window and inside the codes. */
+Test(cache_vq, truncate_then_append_equals_fresh) {
+    cfg c = {8, 2, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 1};
+    kvpq_codebook *cb = make_codebook(2, &c);
+    const int W = 48, PT = 40, L0 = 300, X = W + 2 * FLUSH + 5;
+    const int cuts[] = {290, 260, 200, 100, 33, 0};
+    size_t row = (size_t)c.n_head_kv * c.head_dim;
+    float *k = randn((size_t)(L0 + X) * row, 1.0f), *v = randn((size_t)(L0 + X) * row, 1.0f);
+    float *k2 = randn((size_t)X * row, 1.0f), *v2 = randn((size_t)X * row, 1.0f);
+    for (size_t ci = 0; ci < sizeof cuts / sizeof cuts[0]; ci++) {
+        int cut = cuts[ci];
+        kvpq_cache *a = make_cache(cb, 2, &c, W, PT, 1024), *b = make_cache(cb, 2, &c, W, PT, 1024);
+        for (int l = 0; l < 2; l++) {
+            cr_assert_eq(kvpq_cache_append(a, l, 150, k, v), KVPQ_OK);
+            cr_assert_eq(kvpq_cache_append(a, l, L0 - 150, k + 150 * row, v + 150 * row), KVPQ_OK);
+        }
+        cr_assert_eq(kvpq_cache_truncate(a, cut), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_cache_seq_len(a, 1), cut);
+        for (int l = 0; l < 2; l++) {
+            if (cut) cr_assert_eq(kvpq_cache_append(b, l, cut, k, v), KVPQ_OK);
+            cr_assert_eq(kvpq_cache_append(a, l, X, k2, v2), KVPQ_OK, "%s", kvpq_last_error());
+            cr_assert_eq(kvpq_cache_append(b, l, X, k2, v2), KVPQ_OK, "%s", kvpq_last_error());
+        }
+        int len = cut + X;
+        size_t tot = (size_t)len * row * sizeof(float);
+        float *ka = malloc(tot), *kb = malloc(tot), *va = malloc(tot), *vb = malloc(tot);
+        for (int l = 0; l < 2; l++) {
+            cr_assert_eq(kvpq_cache_read(a, l, 0, len, ka, va), KVPQ_OK);
+            cr_assert_eq(kvpq_cache_read(b, l, 0, len, kb, vb), KVPQ_OK);
+            cr_assert(!memcmp(ka, kb, tot) && !memcmp(va, vb, tot), "cut %d layer %d: read differs", cut, l);
+        }
+        kvpq_cache_stats sa, sb;
+        kvpq_cache_get_stats(a, &sa);
+        kvpq_cache_get_stats(b, &sb);
+        cr_assert_eq(sa.tokens_coded, sb.tokens_coded, "cut %d", cut);
+        cr_assert_eq(sa.resident_bytes, sb.resident_bytes, "cut %d", cut);
+        float *q = randn((size_t)5 * c.n_head * c.head_dim, 2.0f);
+        size_t osz = (size_t)5 * c.n_head * c.head_dim * sizeof(float);
+        float *oa = malloc(osz), *ob = malloc(osz);
+        cr_assert_eq(kvpq_cache_attend(a, 1, 5, q, oa), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_attend(b, 1, 5, q, ob), KVPQ_OK);
+        cr_assert(!memcmp(oa, ob, osz), "cut %d: attention differs", cut);
+        check_attend(a, &c, 3, "after truncate");
+        free(q);
+        free(oa);
+        free(ob);
+        free(ka);
+        free(kb);
+        free(va);
+        free(vb);
+        kvpq_cache_free(a);
+        kvpq_cache_free(b);
+    }
+    free(k);
+    free(v);
+    free(k2);
+    free(v2);
+    kvpq_codebook_free(cb);
+}
+
+/* Right after a cut into the codes the kept positions read back unchanged (still codes). */
+Test(cache_vq, truncate_keeps_prefix) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    kvpq_codebook *cb = make_codebook(1, &c);
+    kvpq_cache *a = make_cache(cb, 1, &c, 32, 50, 1024);
+    append_random(a, 0, &c, 400, NULL, NULL);
+    size_t row = 3 * 64;
+    float *before = malloc(150 * row * 4), *after = malloc(150 * row * 4);
+    cr_assert_eq(kvpq_cache_read(a, 0, 0, 150, before, NULL), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_truncate(a, 150), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_read(a, 0, 0, 150, after, NULL), KVPQ_OK);
+    cr_assert(!memcmp(before, after, 150 * row * 4));
+    kvpq_cache_stats st;
+    kvpq_cache_get_stats(a, &st);
+    cr_assert_eq(st.tokens_coded, 150);
+    cr_assert_eq(st.tokens_window, 0);
+    check_attend(a, &c, 1, "after cut into codes");
+    append_random(a, 0, &c, 10, NULL, NULL);
+    check_attend(a, &c, 4, "after cut and append");
+    free(before);
+    free(after);
+    kvpq_cache_free(a);
+    kvpq_codebook_free(cb);
+}
+
+// ---- bad input -----------------------------------------------------------------------------------
+
+static void expect_mismatch(const kvpq_codebook *cb, int n_layer, const cfg *c, const char *name) {
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ;
+    p.n_layer = n_layer;
+    p.n_head = c->n_head;
+    p.n_head_kv = c->n_head_kv;
+    p.head_dim = c->head_dim;
+    p.max_seq = 256;
+    p.codebook = cb;
+    p.backend = KVPQ_BACKEND_CPU;
+    kvpq_cache *cache = (kvpq_cache *)&p; /* must be reset to NULL on failure */
+    kvpq_status s = kvpq_cache_new(&cache, &p);
+    cr_assert_eq(s, KVPQ_ERR_MISMATCH, "%s: got %d (%s)", name, (int)s, kvpq_last_error());
+    cr_assert_null(cache);
+    cr_assert(strstr(kvpq_last_error(), name), "message '%s' should name %s", kvpq_last_error(), name);
+}
+
+Test(cache_vq, mismatched_codebook_is_refused) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    kvpq_codebook *cb = make_codebook(2, &c);
+    expect_mismatch(cb, 3, &c, "n_layer");
+    cfg c2 = {8, 4, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    expect_mismatch(cb, 2, &c2, "n_head_kv");
+    cfg c3 = {9, 3, 128, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    expect_mismatch(cb, 2, &c3, "head_dim");
+    /* No codebook at all. */
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ;
+    p.backend = KVPQ_BACKEND_CPU;
+    kvpq_cache *cache = NULL;
+    cr_assert_neq(kvpq_cache_new(&cache, &p), KVPQ_OK);
+    cr_assert(strstr(kvpq_last_error(), "codebook"), "%s", kvpq_last_error());
+    kvpq_codebook_free(cb);
+}
+
+/* Beyond fp16's range the window cannot store a value: refused, and the cache is unchanged. */
+Test(cache_vq, out_of_fp16_range_is_refused_and_nothing_lost) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    kvpq_codebook *cb = make_codebook(1, &c);
+    kvpq_cache *a = make_cache(cb, 1, &c, 16, 32, 512);
+    append_random(a, 0, &c, 100, NULL, NULL);
+    size_t row = 3 * 64;
+    float *before = malloc(100 * row * 4), *after = malloc(100 * row * 4);
+    kvpq_cache_read(a, 0, 0, 100, before, NULL);
+    float *k = randn(60 * row, 1.0f), *v = randn(60 * row, 1.0f);
+    v[59 * row + 7] = 1e6f;
+    cr_assert_eq(kvpq_cache_append(a, 0, 60, k, v), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "fp16"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_seq_len(a, 0), 100);
+    kvpq_cache_read(a, 0, 0, 100, after, NULL);
+    cr_assert(!memcmp(before, after, 100 * row * 4));
+    check_attend(a, &c, 1, "after refused append");
+    free(k);
+    free(v);
+    free(before);
+    free(after);
+    kvpq_cache_free(a);
+    kvpq_codebook_free(cb);
+}
+
+// ---- SIMD kernels vs reference ---------------------------------------------------------------------
+
+Test(cache_vq, kernels_match_reference) {
+    kvpq_simd_level best = kvpq_simd_get();
+    const int gps[] = {1, 4, 8, 16, 32};
+    const int n = 77, M = 16;
+    for (int lv = KVPQ_SIMD_AVX2; lv <= (int)best; lv++) {
+        const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
+        for (size_t gi = 0; gi < 5; gi++)
+            for (int nb = 8; nb <= 12; nb += 4) {
+                int gp = gps[gi], ksub = 1 << nb;
+                float *lut = randn((size_t)M * ksub * gp, 1.0f);
+                uint8_t *c8 = malloc((size_t)n * M);
+                uint16_t *c16 = malloc((size_t)n * M * 2);
+                for (int i = 0; i < n * M; i++) {
+                    c16[i] = (uint16_t)(urand() * ksub);
+                    c8[i] = (uint8_t)c16[i];
+                }
+                float *s1 = malloc((size_t)n * gp * 4), *s2 = malloc((size_t)n * gp * 4);
+                if (nb == 8) {
+                    kvpq__vq_score_u8_ref(n, M, ksub, gp, c8, lut, s1);
+                    K->score_u8(n, M, ksub, gp, c8, lut, s2);
+                } else {
+                    kvpq__vq_score_u16_ref(n, M, ksub, gp, c16, lut, s1);
+                    K->score_u16(n, M, ksub, gp, c16, lut, s2);
+                }
+                for (int i = 0; i < n * gp; i++) cr_assert_float_eq(s1[i], s2[i], 1e-5f, "score gp %d nbits %d", gp, nb);
+                /* softmax step on identical scores (lanes start empty or with a state), accumulation */
+                memcpy(s2, s1, (size_t)n * gp * 4);
+                float m1[32], d1[32], r1[32], m2[32], d2[32], r2[32];
+                for (int g = 0; g < gp; g++) {
+                    m1[g] = m2[g] = g % 2 ? -INFINITY : 0.5f;
+                    d1[g] = d2[g] = g % 2 ? 0.0f : 3.0f;
+                }
+                int a1 = kvpq__vq_softmax_step_ref(n, gp, s1, m1, d1, r1);
+                int a2 = K->softmax_step(n, gp, s2, m2, d2, r2);
+                cr_assert_eq(a1, a2);
+                for (int g = 0; g < gp; g++) {
+                    cr_assert_float_eq(m1[g], m2[g], 1e-5f);
+                    cr_assert_float_eq(d1[g], d2[g], 1e-5f * d1[g]);
+                    cr_assert_float_eq(r1[g], r2[g], 1e-6f);
+                }
+                for (int i = 0; i < n * gp; i++)
+                    cr_assert_float_eq(s1[i], s2[i], 1e-6f * (1 + s1[i]), "exp gp %d [%d]: %g vs %g", gp, i, (double)s1[i], (double)s2[i]);
+                float *t1 = calloc((size_t)M * ksub * gp, 4), *t2 = calloc((size_t)M * ksub * gp, 4);
+                if (nb == 8) {
+                    kvpq__vq_accum_u8_ref(n, M, ksub, gp, c8, s1, t1);
+                    K->accum_u8(n, M, ksub, gp, c8, s1, t2);
+                } else {
+                    kvpq__vq_accum_u16_ref(n, M, ksub, gp, c16, s1, t1);
+                    K->accum_u16(n, M, ksub, gp, c16, s1, t2);
+                }
+                cr_assert(!memcmp(t1, t2, (size_t)M * ksub * gp * 4), "accum gp %d", gp);
+                kvpq__vq_scale_rows_ref((size_t)M * ksub, gp, r1, t1);
+                K->scale_rows((size_t)M * ksub, gp, r1, t2);
+                cr_assert(!memcmp(t1, t2, (size_t)M * ksub * gp * 4), "scale gp %d", gp);
+                free(t1);
+                free(t2);
+                free(s1);
+                free(s2);
+                free(c8);
+                free(c16);
+                free(lut);
+            }
+        /* fp16 conversion: bit-exact with the reference, including rounding ties and subnormals. */
+        float x[1000];
+        for (int i = 0; i < 1000; i++) x[i] = grand() * (float)pow(2.0, (int)(urand() * 40) - 24);
+        x[0] = 1.0009765625f + 0.00048828125f; /* a tie */
+        uint16_t h1[1000], h2[1000];
+        float y1[1000], y2[1000];
+        kvpq__vq_f32_to_f16_ref(1000, x, h1);
+        K->f32_to_f16(1000, x, h2);
+        cr_assert(!memcmp(h1, h2, sizeof h1));
+        kvpq__vq_f16_to_f32_ref(1000, h1, y1);
+        K->f16_to_f32(1000, h1, y2);
+        cr_assert(!memcmp(y1, y2, sizeof y1));
+        float *q = randn(128, 1.0f), *kk = randn(9 * 128, 1.0f), o1[9], o2[9];
+        kvpq__vq_dot_rows_ref(9, 128, q, kk, o1);
+        K->dot_rows(9, 128, q, kk, o2);
+        for (int i = 0; i < 9; i++) cr_assert_float_eq(o1[i], o2[i], 1e-4f);
+        free(q);
+        free(kk);
+    }
+}

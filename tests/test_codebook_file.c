@@ -1,0 +1,679 @@
+/* test_codebook_file.c — the codebook object and its safetensors file: round trips, and rejection
+ * (with a named error) of every kind of corrupt or lying file. */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "kvpq.h"
+
+/* ---- helpers ---------------------------------------------------------------------------------- */
+
+static char g_dir[64];
+
+static void make_dir(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/kvpq_cbtest.XXXXXX");
+    cr_assert_not_null(mkdtemp(g_dir));
+}
+
+/* Remove the test directory and what it holds (one level). */
+static void remove_dir(void) {
+    DIR *d = opendir(g_dir);
+    if (!d) return;
+    struct dirent *e;
+    char p[512];
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(p, sizeof p, "%s/%s", g_dir, e->d_name);
+        if (unlink(p) != 0) rmdir(p);
+    }
+    closedir(d);
+    rmdir(g_dir);
+}
+
+static int count_dir_entries(void) {
+    DIR *d = opendir(g_dir);
+    cr_assert_not_null(d);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+    closedir(d);
+    return n;
+}
+
+static char *path_in(const char *name) {
+    static char p[8][256];
+    static int k;
+    char *r = p[k++ % 8];
+    snprintf(r, 256, "%s/%s", g_dir, name);
+    return r;
+}
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+/* Uniform in [lo, hi). */
+static float frand(float lo, float hi) {
+    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return lo + (hi - lo) * (float)((g_rng >> 40) / 16777216.0);
+}
+
+/* Small config used by the corruption tests: k.smooth [2,8] (64 B), k.codebook shared [4,2] (32 B),
+ * v.codebook subspace [2,8,4] (256 B). */
+static kvpq_codebook_params small_params(int n_layer) {
+    kvpq_codebook_params p = kvpq_codebook_params_default();
+    p.n_layer = n_layer;
+    p.n_head_kv = 2;
+    p.head_dim = 8;
+    p.key = (kvpq_pq_params){.d = 8, .M = 4, .nbits = 2, .granularity = KVPQ_CODEBOOK_SHARED};
+    p.value = (kvpq_pq_params){.d = 8, .M = 2, .nbits = 3, .granularity = KVPQ_CODEBOOK_SUBSPACE};
+    p.value_rotate = 1;
+    return p;
+}
+
+/* A codebook with random contents (positive smoothing) and a few metadata entries. */
+static kvpq_codebook *random_codebook(const kvpq_codebook_params *p) {
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_new(&cb, p), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; l < p->n_layer; l++) {
+        float *sm = kvpq_codebook_key_smooth(cb, l);
+        for (int i = 0; i < p->n_head_kv * p->head_dim; i++) sm[i] = frand(0.01f, 5.0f);
+        for (int v = 0; v < 2; v++) {
+            kvpq_pq *pq = kvpq_codebook_pq(cb, l, v);
+            size_t n = kvpq_pq_centroids_size(pq);
+            float *c = malloc(n * sizeof *c);
+            for (size_t i = 0; i < n; i++) c[i] = frand(-3.0f, 3.0f);
+            cr_assert_eq(kvpq_pq_set_centroids(pq, c, n), KVPQ_OK);
+            free(c);
+        }
+    }
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "model", "SmolLM2-135M-Instruct.Q4_1.gguf"), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "text", "data/text/emma.txt"), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "tokens", "12345"), KVPQ_OK);
+    /* JSON escaping: quotes, backslash, control characters, non-ASCII. */
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "note \"q\"", "a\\b\n\t\x01 caf\xc3\xa9 \xe2\x9c\x93"), KVPQ_OK);
+    return cb;
+}
+
+static void assert_same(const kvpq_codebook *a, const kvpq_codebook *b) {
+    kvpq_codebook_params pa = kvpq_codebook_get_params(a), pb = kvpq_codebook_get_params(b);
+    cr_assert_eq(memcmp(&pa, &pb, sizeof pa), 0, "params differ");
+    for (int l = 0; l < pa.n_layer; l++) {
+        cr_assert_eq(memcmp(kvpq_codebook_key_smooth_const(a, l), kvpq_codebook_key_smooth_const(b, l),
+                            (size_t)pa.n_head_kv * pa.head_dim * sizeof(float)), 0, "layer %d smoothing", l);
+        for (int v = 0; v < 2; v++) {
+            const kvpq_pq *qa = kvpq_codebook_pq_const(a, l, v), *qb = kvpq_codebook_pq_const(b, l, v);
+            cr_assert_eq(kvpq_pq_centroids_size(qa), kvpq_pq_centroids_size(qb));
+            cr_assert_eq(memcmp(kvpq_pq_centroids(qa), kvpq_pq_centroids(qb),
+                                kvpq_pq_centroids_size(qa) * sizeof(float)), 0, "layer %d %s codebook", l,
+                         v ? "value" : "key");
+        }
+    }
+    cr_assert_eq(kvpq_codebook_meta_count(a), kvpq_codebook_meta_count(b));
+    for (size_t i = 0; i < kvpq_codebook_meta_count(a); i++) {
+        const char *k = kvpq_codebook_meta_key(a, i);
+        cr_assert_not_null(kvpq_codebook_get_meta(b, k), "meta %s lost", k);
+        cr_assert_str_eq(kvpq_codebook_get_meta(a, k), kvpq_codebook_get_meta(b, k));
+    }
+}
+
+typedef struct {
+    uint8_t *buf;
+    size_t len;
+} blob;
+
+static blob read_blob(const char *path) {
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "open %s", path);
+    fseek(f, 0, SEEK_END);
+    blob b = {.len = (size_t)ftell(f)};
+    fseek(f, 0, SEEK_SET);
+    b.buf = malloc(b.len + 1);
+    cr_assert_eq(fread(b.buf, 1, b.len, f), b.len);
+    fclose(f);
+    return b;
+}
+
+static void write_bytes(const char *path, const void *buf, size_t len) {
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(buf, 1, len, f), len);
+    fclose(f);
+}
+
+/* Write a file: 8-byte length field `n_field`, the header bytes, the data. */
+static void write_raw(const char *path, uint64_t n_field, const char *hdr, size_t hlen, const uint8_t *data,
+                      size_t dlen) {
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    uint8_t le[8];
+    for (int i = 0; i < 8; i++) le[i] = (uint8_t)(n_field >> (8 * i));
+    fwrite(le, 1, 8, f);
+    fwrite(hdr, 1, hlen, f);
+    fwrite(data, 1, dlen, f);
+    fclose(f);
+}
+
+/* A valid small file, parsed: its header as cJSON and its data section. */
+typedef struct {
+    cJSON *root;
+    uint8_t *data;
+    size_t dlen;
+    blob b;
+} parsed;
+
+static parsed parse_file(const char *path) {
+    parsed p = {.b = read_blob(path)};
+    uint64_t n = 0;
+    for (int i = 0; i < 8; i++) n |= (uint64_t)p.b.buf[i] << (8 * i);
+    p.root = cJSON_ParseWithLength((const char *)p.b.buf + 8, (size_t)n);
+    cr_assert_not_null(p.root);
+    p.data = p.b.buf + 8 + n;
+    p.dlen = p.b.len - 8 - n;
+    return p;
+}
+
+static void write_parsed(const char *path, const parsed *p) {
+    char *json = cJSON_PrintUnformatted(p->root);
+    write_raw(path, strlen(json), json, strlen(json), p->data, p->dlen);
+    free(json);
+}
+
+static void free_parsed(parsed *p) {
+    cJSON_Delete(p->root);
+    free(p->b.buf);
+}
+
+/* Save a small valid codebook (n_layer 2) as "good.safetensors"; return its path. */
+static const char *save_small(void) {
+    kvpq_codebook_params p = small_params(2);
+    kvpq_codebook *cb = random_codebook(&p);
+    const char *path = path_in("good.safetensors");
+    cr_assert_eq(kvpq_codebook_save(cb, path), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook_free(cb);
+    return path;
+}
+
+/* Load must fail with `want`, and the message must contain each of the given fragments. */
+static void expect_fail(const char *path, kvpq_status want, const char *frag1, const char *frag2) {
+    kvpq_codebook *cb = (kvpq_codebook *)1;
+    kvpq_status s = kvpq_codebook_load(&cb, path);
+    cr_assert_eq(s, want, "status %s (%d), expected %s: %s", kvpq_status_string(s), s, kvpq_status_string(want),
+                 kvpq_last_error());
+    cr_assert_null(cb);
+    const char *m = kvpq_last_error();
+    cr_assert(strstr(m, "codebook file '"), "message lacks the file: %s", m);
+    if (frag1) cr_assert(strstr(m, frag1), "message lacks '%s': %s", frag1, m);
+    if (frag2) cr_assert(strstr(m, frag2), "message lacks '%s': %s", frag2, m);
+}
+
+static cJSON *tensor(parsed *p, const char *name) {
+    cJSON *t = cJSON_GetObjectItemCaseSensitive(p->root, name);
+    cr_assert_not_null(t, "no %s", name);
+    return t;
+}
+
+static void set_offsets(parsed *p, const char *name, double b, double e) {
+    cJSON *t = tensor(p, name);
+    cJSON *arr = cJSON_CreateArray();
+    cJSON_AddItemToArray(arr, cJSON_CreateNumber(b));
+    cJSON_AddItemToArray(arr, cJSON_CreateNumber(e));
+    cJSON_ReplaceItemInObjectCaseSensitive(t, "data_offsets", arr);
+}
+
+static void get_offsets(parsed *p, const char *name, size_t *b, size_t *e) {
+    cJSON *o = cJSON_GetObjectItemCaseSensitive(tensor(p, name), "data_offsets");
+    *b = (size_t)cJSON_GetArrayItem(o, 0)->valuedouble;
+    *e = (size_t)cJSON_GetArrayItem(o, 1)->valuedouble;
+}
+
+static void set_meta_str(parsed *p, const char *key, const char *value) {
+    cJSON *meta = cJSON_GetObjectItemCaseSensitive(p->root, "__metadata__");
+    cJSON_DeleteItemFromObjectCaseSensitive(meta, key);
+    if (value) cJSON_AddStringToObject(meta, key, value);
+}
+
+TestSuite(codebook_file, .init = make_dir, .fini = remove_dir);
+
+/* ---- object ----------------------------------------------------------------------------------- */
+
+Test(codebook_file, new_validates_params) {
+    kvpq_codebook *cb;
+    kvpq_codebook_params p = kvpq_codebook_params_default();
+    cr_assert_eq(p.n_layer, 30);
+    cr_assert_eq(p.key.d, p.head_dim);
+    p.head_dim = 48;
+    p.key.d = p.value.d = 48;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_ERR_UNSUPPORTED);
+    cr_assert_null(cb);
+    cr_assert(strstr(kvpq_last_error(), "head_dim=48"), "%s", kvpq_last_error());
+    p = kvpq_codebook_params_default();
+    p.value.d = 32;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "value.d=32"), "%s", kvpq_last_error());
+    p = kvpq_codebook_params_default();
+    p.key.M = 3;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "key quantizer"), "%s", kvpq_last_error());
+    p = kvpq_codebook_params_default();
+    p.n_layer = 0;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_codebook_new(&cb, NULL), KVPQ_ERR_INVALID_ARG);
+    kvpq_codebook_free(NULL);
+}
+
+Test(codebook_file, accessors_and_metadata) {
+    kvpq_codebook_params p = small_params(3);
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK);
+    cr_assert_null(kvpq_codebook_pq(cb, 3, 0));
+    cr_assert_null(kvpq_codebook_pq(cb, -1, 1));
+    cr_assert_null(kvpq_codebook_key_smooth(cb, 3));
+    cr_assert_eq(kvpq_pq_get_params(kvpq_codebook_pq(cb, 2, 1)).M, 2);
+    cr_assert_eq(kvpq_pq_get_params(kvpq_codebook_pq(cb, 2, 0)).M, 4);
+    cr_assert_eq(kvpq_codebook_key_smooth(cb, 1)[0], 1.0f); /* identity until trained */
+    /* Config keys are listed and read-only. */
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "kvpq.format_version"), "1");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "n_layer"), "3");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "v.granularity"), "subspace");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "k.granularity"), "shared");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "v.rotate"), "1");
+    size_t n0 = kvpq_codebook_meta_count(cb);
+    cr_assert_eq(n0, 11);
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "n_layer", "5"), KVPQ_ERR_INVALID_ARG);
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "n_layer"), "3");
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "bad", "\xff\xfe"), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "", "x"), KVPQ_ERR_INVALID_ARG);
+    cr_assert_null(kvpq_codebook_get_meta(cb, "model"));
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "model", "a"), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "model", "b"), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_meta_count(cb), n0 + 1);
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "model"), "b");
+    cr_assert_str_eq(kvpq_codebook_meta_key(cb, n0), "model");
+    cr_assert_null(kvpq_codebook_meta_key(cb, n0 + 1));
+    kvpq_codebook_free(cb);
+}
+
+/* ---- round trip ------------------------------------------------------------------------------- */
+
+Test(codebook_file, round_trip_is_bit_identical_for_both_granularities) {
+    for (int combo = 0; combo < 4; combo++) {
+        kvpq_codebook_params p = small_params(3);
+        p.key.granularity = (combo & 1) ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
+        p.value.granularity = (combo & 2) ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
+        p.value_rotate = combo & 1;
+        kvpq_codebook *a = random_codebook(&p), *b;
+        const char *path = path_in("rt.safetensors");
+        cr_assert_eq(kvpq_codebook_save(a, path), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_load(&b, path), KVPQ_OK, "%s", kvpq_last_error());
+        assert_same(a, b);
+        cr_assert_str_eq(kvpq_codebook_get_meta(b, "note \"q\""), "a\\b\n\t\x01 caf\xc3\xa9 \xe2\x9c\x93");
+        /* Saving the loaded copy reproduces the file byte for byte. */
+        const char *path2 = path_in("rt2.safetensors");
+        cr_assert_eq(kvpq_codebook_save(b, path2), KVPQ_OK);
+        blob x = read_blob(path), y = read_blob(path2);
+        cr_assert_eq(x.len, y.len);
+        cr_assert_eq(memcmp(x.buf, y.buf, x.len), 0);
+        /* Layout: data section 8-byte aligned, tensors contiguous to the end of the file. */
+        uint64_t n = 0;
+        for (int i = 0; i < 8; i++) n |= (uint64_t)x.buf[i] << (8 * i);
+        cr_assert_eq((8 + n) % 8, 0);
+        size_t data = 0;
+        for (int l = 0; l < p.n_layer; l++)
+            for (int v = 0; v < 2; v++) data += kvpq_pq_centroids_size(kvpq_codebook_pq(a, l, v)) * 4;
+        data += (size_t)p.n_layer * p.n_head_kv * p.head_dim * 4;
+        cr_assert_eq(x.len, 8 + n + data);
+        free(x.buf);
+        free(y.buf);
+        kvpq_codebook_free(a);
+        kvpq_codebook_free(b);
+    }
+}
+
+Test(codebook_file, round_trip_real_model_shape) {
+    /* SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; K d8b12 subspace, V d4b8 shared. */
+    kvpq_codebook_params p = kvpq_codebook_params_default();
+    cr_assert_eq(kvpq_pq_params_preset(&p.key, "d8b12", 64), KVPQ_OK);
+    p.key.granularity = KVPQ_CODEBOOK_SUBSPACE;
+    kvpq_codebook *a = random_codebook(&p), *b;
+    const char *path = path_in("big.safetensors");
+    cr_assert_eq(kvpq_codebook_save(a, path), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_load(&b, path), KVPQ_OK, "%s", kvpq_last_error());
+    assert_same(a, b);
+    cr_assert_eq(kvpq_pq_get_params(kvpq_codebook_pq(b, 29, 0)).nbits, 12);
+    kvpq_codebook_free(a);
+    kvpq_codebook_free(b);
+}
+
+/* ---- rejection -------------------------------------------------------------------------------- */
+
+Test(codebook_file, every_truncation_is_rejected) {
+    kvpq_codebook_params p = small_params(1);
+    kvpq_codebook *cb = random_codebook(&p);
+    const char *path = path_in("t.safetensors"), *cut = path_in("cut.safetensors");
+    cr_assert_eq(kvpq_codebook_save(cb, path), KVPQ_OK);
+    kvpq_codebook_free(cb);
+    blob b = read_blob(path);
+    for (size_t n = 0; n < b.len; n++) {
+        write_bytes(cut, b.buf, n);
+        kvpq_codebook *x = NULL;
+        kvpq_status s = kvpq_codebook_load(&x, cut);
+        cr_assert_eq(s, KVPQ_ERR_FORMAT, "length %zu of %zu: %s", n, b.len, kvpq_last_error());
+        cr_assert_null(x);
+    }
+    free(b.buf);
+}
+
+Test(codebook_file, lying_header_length_is_rejected) {
+    const char *good = save_small(), *bad = path_in("bad.safetensors");
+    blob b = read_blob(good);
+    uint64_t n = 0;
+    for (int i = 0; i < 8; i++) n |= (uint64_t)b.buf[i] << (8 * i);
+    const char *hdr = (const char *)b.buf + 8;
+    const uint8_t *data = b.buf + 8 + n;
+    size_t dlen = b.len - 8 - n;
+    /* Past the end of the file. */
+    write_raw(bad, b.len, hdr, n, data, dlen);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "header length", "exceeds");
+    write_raw(bad, UINT64_MAX, hdr, n, data, dlen);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "header length", NULL);
+    write_raw(bad, (uint64_t)1 << 40, hdr, n, data, dlen);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "header length", NULL);
+    /* Too short: the JSON is cut. */
+    write_raw(bad, n - 9, hdr, n, data, dlen);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "JSON", NULL);
+    write_raw(bad, 0, hdr, n, data, dlen);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "JSON", NULL);
+    /* Too long: data bytes read as header. */
+    write_raw(bad, n + 8, hdr, n, data, dlen);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "after its JSON", NULL);
+    free(b.buf);
+}
+
+Test(codebook_file, header_garbage_is_rejected) {
+    const char *bad = path_in("bad.safetensors");
+    static const uint8_t data[64];
+    const char *cases[] = {"{not json}", "[1,2,3]  ", "{}      ", "{\"__metadata__\": 3}",
+                           "{\"__metadata__\": {\"a\": 1}}", "\"x\"", "{\"__metadata__\":{}}",
+                           "{\"a\":{\"b\":{\"c\":[[[[[[[[[[]]]]]]]]]]}}}"};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        write_raw(bad, strlen(cases[i]), cases[i], strlen(cases[i]), data, sizeof data);
+        expect_fail(bad, KVPQ_ERR_FORMAT, NULL, NULL);
+    }
+    /* An embedded NUL inside an otherwise valid header. */
+    const char *good = save_small();
+    blob b = read_blob(good);
+    uint64_t n = 0;
+    for (int i = 0; i < 8; i++) n |= (uint64_t)b.buf[i] << (8 * i);
+    b.buf[8 + n / 2] = 0;
+    write_bytes(bad, b.buf, b.len);
+    expect_fail(bad, KVPQ_ERR_FORMAT, NULL, NULL);
+    /* Not a regular file / absent. */
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_load(&cb, g_dir), KVPQ_ERR_IO);
+    cr_assert_eq(kvpq_codebook_load(&cb, path_in("absent.safetensors")), KVPQ_ERR_IO);
+    cr_assert(strstr(kvpq_last_error(), "absent.safetensors"));
+    free(b.buf);
+}
+
+Test(codebook_file, wrong_dtype_is_rejected) {
+    const char *good = save_small(), *bad = path_in("bad.safetensors");
+    parsed p = parse_file(good);
+    cJSON_ReplaceItemInObjectCaseSensitive(tensor(&p, "layers.1.v.codebook"), "dtype", cJSON_CreateString("F16"));
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "tensor layers.1.v.codebook has dtype F16, expected F32", NULL);
+    cJSON_ReplaceItemInObjectCaseSensitive(tensor(&p, "layers.1.v.codebook"), "dtype", cJSON_CreateNumber(0));
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "layers.1.v.codebook", "dtype");
+    free_parsed(&p);
+}
+
+Test(codebook_file, wrong_shapes_are_rejected) {
+    const char *good = save_small(), *bad = path_in("bad.safetensors");
+    struct { const char *tensor, *shape, *msg; } cases[] = {
+        {"layers.1.k.codebook", "[3,2]", "tensor layers.1.k.codebook has shape [3,2], expected [4,2]"},
+        {"layers.0.k.codebook", "[2,4]", "tensor layers.0.k.codebook has shape [2,4], expected [4,2]"},
+        {"layers.0.k.codebook", "[1,4,2]", "has shape [1,4,2], expected [4,2]"},
+        {"layers.0.v.codebook", "[8,4]", "tensor layers.0.v.codebook has shape [8,4], expected [2,8,4]"},
+        {"layers.1.k.smooth", "[16]", "tensor layers.1.k.smooth has shape [16], expected [2,8]"},
+        {"layers.1.k.smooth", "[]", "has shape [], expected [2,8]"},
+        {"layers.1.k.smooth", "[2,-8]", "layers.1.k.smooth: shape"},
+        {"layers.1.k.smooth", "[2,8.5]", "layers.1.k.smooth: shape"},
+        {"layers.1.k.smooth", "[\"2\",8]", "layers.1.k.smooth: shape"},
+        {"layers.1.k.smooth", "[1,1,1,1,1,1,1,1,1,2,8]", "more than"},
+        {"layers.1.k.smooth", "{\"a\":2}", "layers.1.k.smooth: shape"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        parsed p = parse_file(good);
+        cJSON_ReplaceItemInObjectCaseSensitive(tensor(&p, cases[i].tensor), "shape", cJSON_Parse(cases[i].shape));
+        write_parsed(bad, &p);
+        expect_fail(bad, KVPQ_ERR_FORMAT, cases[i].msg, NULL);
+        free_parsed(&p);
+    }
+    /* The exact message, file name included. */
+    parsed p = parse_file(good);
+    cJSON_ReplaceItemInObjectCaseSensitive(tensor(&p, "layers.1.k.codebook"), "shape", cJSON_Parse("[255,2]"));
+    write_parsed(bad, &p);
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_load(&cb, bad), KVPQ_ERR_FORMAT);
+    char want[512];
+    snprintf(want, sizeof want, "codebook file '%s': tensor layers.1.k.codebook has shape [255,2], expected [4,2]",
+             bad);
+    cr_assert_str_eq(kvpq_last_error(), want);
+    free_parsed(&p);
+}
+
+Test(codebook_file, bad_offsets_are_rejected) {
+    const char *good = save_small(), *bad = path_in("bad.safetensors");
+    parsed p0 = parse_file(good);
+    size_t kb, ke, sb, se, dlen = p0.dlen;
+    get_offsets(&p0, "layers.1.k.codebook", &kb, &ke);
+    get_offsets(&p0, "layers.1.k.smooth", &sb, &se);
+    cr_assert_eq(ke - kb, 32);
+    cr_assert_eq(kb, se, "tensors are written contiguously");
+    free_parsed(&p0);
+    struct { const char *tensor; double b, e; const char *msg; } cases[] = {
+        {"layers.1.k.codebook", (double)dlen, (double)dlen + 32, "out of bounds"},
+        {"layers.1.k.codebook", (double)dlen - 16, (double)dlen + 16, "out of bounds"},
+        {"layers.1.k.codebook", 1e300, 1e300, "data_offsets"},
+        {"layers.1.k.codebook", (double)ke, (double)kb, "out of bounds"},
+        {"layers.1.k.codebook", (double)kb, (double)ke + 4, "span 36 bytes, shape needs 32"},
+        {"layers.1.k.codebook", (double)kb - 4, (double)ke - 4, "overlap"},
+        {"layers.1.k.codebook", (double)sb, (double)sb + 32, "overlap"},
+        {"layers.0.k.smooth", (double)sb, (double)se, "overlap"},
+        {"layers.1.k.codebook", -32, 0, "data_offsets"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        parsed p = parse_file(good);
+        set_offsets(&p, cases[i].tensor, cases[i].b, cases[i].e);
+        write_parsed(bad, &p);
+        expect_fail(bad, KVPQ_ERR_FORMAT, cases[i].msg, NULL);
+        free_parsed(&p);
+    }
+    /* Wrong arity / types. */
+    parsed p = parse_file(good);
+    cJSON_ReplaceItemInObjectCaseSensitive(tensor(&p, "layers.0.v.codebook"), "data_offsets", cJSON_Parse("[0]"));
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "layers.0.v.codebook", "data_offsets");
+    cJSON_DeleteItemFromObjectCaseSensitive(tensor(&p, "layers.0.v.codebook"), "data_offsets");
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "layers.0.v.codebook", "data_offsets");
+    free_parsed(&p);
+    /* Holes between tensors are tolerated (the format allows them); moving a tensor keeps its values. */
+    p = parse_file(good);
+    uint8_t *data = calloc(p.dlen + 64, 1);
+    memcpy(data, p.data, p.dlen);
+    memcpy(data + p.dlen + 32, p.data + kb, 32);
+    p.data = data;
+    p.dlen += 64;
+    set_offsets(&p, "layers.1.k.codebook", (double)(p.dlen - 32), (double)p.dlen);
+    write_parsed(bad, &p);
+    kvpq_codebook *a, *b;
+    cr_assert_eq(kvpq_codebook_load(&a, bad), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_load(&b, good), KVPQ_OK);
+    assert_same(a, b);
+    kvpq_codebook_free(a);
+    kvpq_codebook_free(b);
+    free(data);
+    free_parsed(&p);
+}
+
+Test(codebook_file, missing_unexpected_and_duplicate_tensors_are_rejected) {
+    const char *good = save_small(), *bad = path_in("bad.safetensors");
+    parsed p = parse_file(good);
+    cJSON_DeleteItemFromObjectCaseSensitive(p.root, "layers.1.v.codebook");
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "tensor layers.1.v.codebook is missing", NULL);
+    free_parsed(&p);
+
+    const char *extra[] = {"layers.2.k.smooth", "layers.01.k.smooth", "layers.0.q.codebook", "weights",
+                           "layers..k.smooth", "layers.0.k.smooth.x"};
+    for (size_t i = 0; i < sizeof extra / sizeof extra[0]; i++) {
+        p = parse_file(good);
+        cJSON_AddItemToObject(p.root, extra[i], cJSON_Duplicate(tensor(&p, "layers.0.k.smooth"), 1));
+        write_parsed(bad, &p);
+        expect_fail(bad, KVPQ_ERR_FORMAT, "unexpected tensor", extra[i]);
+        free_parsed(&p);
+    }
+    p = parse_file(good);
+    cJSON_AddItemToObject(p.root, "layers.0.k.smooth", cJSON_Duplicate(tensor(&p, "layers.0.k.smooth"), 1));
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "layers.0.k.smooth appears twice", NULL);
+    free_parsed(&p);
+    p = parse_file(good);
+    cJSON_AddItemToObject(p.root, "__metadata__", cJSON_CreateObject());
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "__metadata__ appears twice", NULL);
+    free_parsed(&p);
+    p = parse_file(good);
+    cJSON_AddStringToObject(cJSON_GetObjectItemCaseSensitive(p.root, "__metadata__"), "model", "again");
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "metadata key 'model' appears twice", NULL);
+    free_parsed(&p);
+}
+
+/* Overwrite one float of a tensor's data. */
+static void poke(parsed *p, const char *name, size_t elem, float v) {
+    size_t b, e;
+    get_offsets(p, name, &b, &e);
+    cr_assert_lt(b + 4 * elem, e);
+    memcpy(p->data + b + 4 * elem, &v, 4);
+}
+
+Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
+    const char *good = save_small(), *bad = path_in("bad.safetensors");
+    struct { const char *tensor; size_t elem; float v; kvpq_status s; const char *msg; } cases[] = {
+        {"layers.1.k.codebook", 3, NAN, KVPQ_ERR_NONFINITE, "tensor layers.1.k.codebook element 3 is NaN"},
+        {"layers.0.v.codebook", 63, INFINITY, KVPQ_ERR_NONFINITE, "tensor layers.0.v.codebook element 63 is Inf"},
+        {"layers.1.k.smooth", 0, -INFINITY, KVPQ_ERR_NONFINITE, "tensor layers.1.k.smooth element 0 is Inf"},
+        {"layers.0.k.smooth", 15, NAN, KVPQ_ERR_NONFINITE, "layers.0.k.smooth element 15 is NaN"},
+        {"layers.0.k.smooth", 2, 0.0f, KVPQ_ERR_FORMAT, "layers.0.k.smooth element 2 is 0: smoothing"},
+        {"layers.1.k.smooth", 7, -1.0f, KVPQ_ERR_FORMAT, "layers.1.k.smooth element 7 is -1"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        parsed p = parse_file(good);
+        poke(&p, cases[i].tensor, cases[i].elem, cases[i].v);
+        write_parsed(bad, &p);
+        expect_fail(bad, cases[i].s, cases[i].msg, NULL);
+        free_parsed(&p);
+    }
+}
+
+Test(codebook_file, format_version_and_config_metadata_are_checked) {
+    const char *good = save_small(), *bad = path_in("bad.safetensors");
+    struct { const char *key, *value; kvpq_status s; const char *msg; } cases[] = {
+        {"kvpq.format_version", "2", KVPQ_ERR_UNSUPPORTED, "format version '2'"},
+        {"kvpq.format_version", "", KVPQ_ERR_UNSUPPORTED, "format version ''"},
+        {"kvpq.format_version", NULL, KVPQ_ERR_FORMAT, "kvpq.format_version is missing"},
+        {"n_layer", "3", KVPQ_ERR_FORMAT, "tensor layers.2.k.smooth is missing"},
+        {"n_layer", "1", KVPQ_ERR_FORMAT, "unexpected tensor 'layers.1."},
+        {"n_layer", "0", KVPQ_ERR_FORMAT, "metadata n_layer='0'"},
+        {"n_layer", "02", KVPQ_ERR_FORMAT, "metadata n_layer='02'"},
+        {"n_layer", "-2", KVPQ_ERR_FORMAT, "metadata n_layer"},
+        {"n_layer", "2x", KVPQ_ERR_FORMAT, "metadata n_layer"},
+        {"n_layer", "99999999999999", KVPQ_ERR_FORMAT, "metadata n_layer"},
+        {"n_layer", NULL, KVPQ_ERR_FORMAT, "metadata n_layer is missing"},
+        {"head_dim", "12", KVPQ_ERR_FORMAT, "head_dim=12"},
+        {"head_dim", "16", KVPQ_ERR_FORMAT, "expected [2,16]"},
+        {"k.M", "3", KVPQ_ERR_FORMAT, "M=3"},
+        {"k.M", "8", KVPQ_ERR_FORMAT, "expected [4,1]"},
+        {"k.nbits", "13", KVPQ_ERR_FORMAT, "nbits=13"},
+        {"k.nbits", "0", KVPQ_ERR_FORMAT, "k.nbits"},
+        {"v.granularity", "both", KVPQ_ERR_FORMAT, "v.granularity='both'"},
+        {"v.granularity", "shared", KVPQ_ERR_FORMAT, "expected [8,4]"},
+        {"v.rotate", "2", KVPQ_ERR_FORMAT, "v.rotate"},
+        {"n_head_kv", "1", KVPQ_ERR_FORMAT, "expected [1,8]"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        parsed p = parse_file(good);
+        set_meta_str(&p, cases[i].key, cases[i].value);
+        write_parsed(bad, &p);
+        expect_fail(bad, cases[i].s, cases[i].msg, NULL);
+        free_parsed(&p);
+    }
+    /* A metadata value that is not a string. */
+    parsed p = parse_file(good);
+    cJSON *meta = cJSON_GetObjectItemCaseSensitive(p.root, "__metadata__");
+    cJSON_ReplaceItemInObjectCaseSensitive(meta, "n_layer", cJSON_CreateNumber(2));
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "metadata 'n_layer' is not a string", NULL);
+    free_parsed(&p);
+}
+
+/* ---- saving never loses an existing file ------------------------------------------------------ */
+
+static void assert_unchanged(const char *path, const blob *before) {
+    blob now = read_blob(path);
+    cr_assert_eq(now.len, before->len);
+    cr_assert_eq(memcmp(now.buf, before->buf, now.len), 0, "existing file was modified");
+    free(now.buf);
+}
+
+Test(codebook_file, failed_save_leaves_existing_file_intact) {
+    const char *good = save_small();
+    blob before = read_blob(good);
+    kvpq_codebook_params p = small_params(2);
+    kvpq_codebook *cb = random_codebook(&p);
+
+    /* Directory does not exist. */
+    cr_assert_eq(kvpq_codebook_save(cb, path_in("no/such/dir/x.safetensors")), KVPQ_ERR_IO);
+    cr_assert(strstr(kvpq_last_error(), "no/such/dir/x.safetensors"), "%s", kvpq_last_error());
+    /* The target is a directory: the rename fails after the temp file was written; it is removed. */
+    cr_assert_eq(mkdir(path_in("adir"), 0755), 0);
+    cr_assert_eq(kvpq_codebook_save(cb, path_in("adir")), KVPQ_ERR_IO);
+    cr_assert_eq(count_dir_entries(), 2, "a temporary file was left behind");
+    /* Values load would reject: nothing is written. */
+    kvpq_codebook_key_smooth(cb, 1)[5] = NAN;
+    cr_assert_eq(kvpq_codebook_save(cb, good), KVPQ_ERR_NONFINITE);
+    cr_assert(strstr(kvpq_last_error(), "layers.1.k.smooth"), "%s", kvpq_last_error());
+    kvpq_codebook_key_smooth(cb, 1)[5] = 0.0f;
+    cr_assert_eq(kvpq_codebook_save(cb, good), KVPQ_ERR_INVALID_ARG);
+    kvpq_codebook_key_smooth(cb, 1)[5] = 1.0f;
+    assert_unchanged(good, &before);
+    /* The disk fills up mid-write (file size limit below the file's size): the write fails, the old
+     * file is intact and no temporary file is left. Criterion runs each test in its own process. */
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit rl = {.rlim_cur = before.len / 2, .rlim_max = RLIM_INFINITY};
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
+    cr_assert_eq(kvpq_codebook_save(cb, good), KVPQ_ERR_IO);
+    cr_assert(strstr(kvpq_last_error(), "unchanged"), "%s", kvpq_last_error());
+    rl.rlim_cur = RLIM_INFINITY;
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
+    assert_unchanged(good, &before);
+    cr_assert_eq(count_dir_entries(), 2, "a temporary file was left behind");
+    /* And a successful save replaces it. */
+    cr_assert_eq(kvpq_codebook_save(cb, good), KVPQ_OK);
+    kvpq_codebook *back;
+    cr_assert_eq(kvpq_codebook_load(&back, good), KVPQ_OK);
+    assert_same(cb, back);
+    kvpq_codebook_free(back);
+    kvpq_codebook_free(cb);
+    free(before.buf);
+}

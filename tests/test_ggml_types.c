@@ -1,0 +1,330 @@
+/* test_ggml_types.c — GGML tensor types: sizes, fp16/bf16, dequantization of hand-built blocks with
+ * known values, and every SIMD level's matvec / matmul / dequantize against the scalar _ref. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "model/ggml_types.h"
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint32_t rnd(void) { /* xorshift64*: fresh but reproducible inputs */
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (uint32_t)((rng_state * 2685821657736338717ull) >> 32);
+}
+static float rndf(void) { return (float)rnd() / 4294967296.0f * 2.0f - 1.0f; } /* [-1, 1) */
+
+static int quick(void) { return getenv("KVPQ_QUICK") && atoi(getenv("KVPQ_QUICK")); }
+
+static void put_half(uint8_t *p, float v) {
+    uint16_t h = kvpq_fp32_to_fp16(v);
+    memcpy(p, &h, 2);
+}
+
+/* ---- sizes ---- */
+
+Test(ggml_types, sizes_as_ggml) {
+    struct { uint32_t t; int64_t blck; size_t size; int sup; const char *name; } want[] = {
+        {GGML_TYPE_F32, 1, 4, 1, "F32"},    {GGML_TYPE_F16, 1, 2, 1, "F16"},    {GGML_TYPE_BF16, 1, 2, 1, "BF16"},
+        {GGML_TYPE_Q4_0, 32, 18, 1, "Q4_0"}, {GGML_TYPE_Q4_1, 32, 20, 1, "Q4_1"}, {GGML_TYPE_Q5_0, 32, 22, 1, "Q5_0"},
+        {GGML_TYPE_Q5_1, 32, 24, 1, "Q5_1"}, {GGML_TYPE_Q8_0, 32, 34, 1, "Q8_0"}, {GGML_TYPE_Q8_1, 32, 36, 0, "Q8_1"},
+        {12, 256, 144, 0, "Q4_K"},          {14, 256, 210, 0, "Q6_K"},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        cr_assert_eq(ggml_blck_size(want[i].t), want[i].blck, "%s", want[i].name);
+        cr_assert_eq(ggml_type_size(want[i].t), want[i].size, "%s", want[i].name);
+        cr_assert_eq(ggml_type_supported(want[i].t), want[i].sup, "%s", want[i].name);
+        cr_assert_str_eq(ggml_type_name(want[i].t), want[i].name);
+    }
+    cr_assert_eq(ggml_row_size(GGML_TYPE_Q4_1, 576), 18 * 20);
+    cr_assert_eq(ggml_row_size(GGML_TYPE_Q8_0, 576), 18 * 34);
+    cr_assert_eq(ggml_blck_size(4), 0); /* removed Q4_2 */
+    cr_assert_eq(ggml_type_size(1000), 0);
+    cr_assert_str_eq(ggml_type_name(1000), "type 1000");
+}
+
+/* ---- fp16 / bf16 ---- */
+
+Test(ggml_types, fp16_known_values) {
+    cr_assert_eq(kvpq_fp16_to_fp32(0x3c00), 1.0f);
+    cr_assert_eq(kvpq_fp16_to_fp32(0xc000), -2.0f);
+    cr_assert_eq(kvpq_fp16_to_fp32(0x7bff), 65504.0f);
+    cr_assert_eq(kvpq_fp16_to_fp32(0x0001), 0x1p-24f); /* smallest subnormal */
+    cr_assert_eq(kvpq_fp16_to_fp32(0x0400), 0x1p-14f); /* smallest normal */
+    cr_assert(isinf(kvpq_fp16_to_fp32(0x7c00)) && kvpq_fp16_to_fp32(0xfc00) < 0);
+    cr_assert(isnan(kvpq_fp16_to_fp32(0x7e00)));
+    cr_assert(signbit(kvpq_fp16_to_fp32(0x8000)));
+    cr_assert_eq(kvpq_fp32_to_fp16(1.0f), 0x3c00);
+    cr_assert_eq(kvpq_fp32_to_fp16(65504.0f), 0x7bff);
+    cr_assert_eq(kvpq_fp32_to_fp16(65519.0f), 0x7bff); /* below the halfway point to 2^16 */
+    cr_assert_eq(kvpq_fp32_to_fp16(65520.0f), 0x7c00); /* halfway: ties to even = infinity */
+    cr_assert_eq(kvpq_fp32_to_fp16(1.0f + 0x1p-11f), 0x3c00); /* tie, to even (down) */
+    cr_assert_eq(kvpq_fp32_to_fp16(1.0f + 3 * 0x1p-11f), 0x3c02); /* tie, to even (up) */
+    cr_assert_eq(kvpq_fp32_to_fp16(0x1p-25f), 0x0000);        /* tie between 0 and 2^-24: even = 0 */
+    cr_assert_eq(kvpq_fp32_to_fp16(0x1.8p-25f), 0x0001);
+    cr_assert_eq(kvpq_fp32_to_fp16(-0.0f), 0x8000);
+    cr_assert_eq(kvpq_fp32_to_fp16(INFINITY), 0x7c00);
+    uint16_t nan = kvpq_fp32_to_fp16(NAN);
+    cr_assert(isnan(kvpq_fp16_to_fp32(nan)));
+    cr_assert_eq(kvpq_bf16_to_fp32(0x3f80), 1.0f);
+    cr_assert_eq(kvpq_bf16_to_fp32(0xc0a0), -5.0f);
+}
+
+Test(ggml_types, fp16_round_trips_every_half) {
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = kvpq_fp16_to_fp32((uint16_t)h);
+        if (isnan(f)) continue;
+        cr_assert_eq(kvpq_fp32_to_fp16(f), h, "half 0x%04x -> %g -> 0x%04x", h, f, kvpq_fp32_to_fp16(f));
+    }
+}
+
+#if defined(__FLT16_MAX__)
+/* The compiler's own conversion (_Float16, IEEE round-to-nearest-even) as the peer. */
+Test(ggml_types, fp32_to_fp16_matches_the_compiler) {
+    int iters = quick() ? 200000 : 2000000;
+    for (int i = 0; i < iters; i++) {
+        uint32_t bits = rnd();
+        float f;
+        memcpy(&f, &bits, 4);
+        if (isnan(f)) continue;
+        _Float16 h = (_Float16)f;
+        uint16_t want;
+        memcpy(&want, &h, 2);
+        cr_assert_eq(kvpq_fp32_to_fp16(f), want, "%a: got 0x%04x want 0x%04x", f, kvpq_fp32_to_fp16(f), want);
+        cr_assert_eq(kvpq_fp16_to_fp32(want), (float)h);
+    }
+}
+#endif
+
+/* ---- dequantization of hand-built blocks ---- */
+
+Test(ggml_types, dequant_q4_0_block) {
+    uint8_t blk[18];
+    put_half(blk, 2.0f);
+    for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)(j | ((15 - j) << 4));
+    float y[32];
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q4_0, blk, y, 32), KVPQ_OK);
+    for (int j = 0; j < 16; j++) {
+        cr_assert_eq(y[j], (float)(j - 8) * 2.0f, "element %d", j);          /* low nibbles first */
+        cr_assert_eq(y[j + 16], (float)(15 - j - 8) * 2.0f, "element %d", j + 16); /* then high nibbles */
+    }
+}
+
+Test(ggml_types, dequant_q4_1_block) {
+    uint8_t blk[20];
+    put_half(blk, 0.5f);
+    put_half(blk + 2, -3.0f);
+    for (int j = 0; j < 16; j++) blk[4 + j] = (uint8_t)(j | ((15 - j) << 4));
+    float y[32];
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q4_1, blk, y, 32), KVPQ_OK);
+    for (int j = 0; j < 16; j++) {
+        cr_assert_eq(y[j], (float)j * 0.5f - 3.0f);
+        cr_assert_eq(y[j + 16], (float)(15 - j) * 0.5f - 3.0f);
+    }
+}
+
+Test(ggml_types, dequant_q4_1_is_correctly_rounded) {
+    /* q*d is exact in float32 (4-bit q times an 11-bit fp16 mantissa), so ggml's d*q + m has one
+     * rounding, of the sum: the result is the float nearest the exact value, computed in double. */
+    uint8_t blk[20];
+    uint16_t d = 0x3c01, m = 0x9401; /* d = 1 + 2^-10, m = -(2^-10 + 2^-20) */
+    memcpy(blk, &d, 2);
+    memcpy(blk + 2, &m, 2);
+    for (int j = 0; j < 16; j++) blk[4 + j] = (uint8_t)(j | ((15 - j) << 4));
+    float y[32];
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q4_1, blk, y, 32), KVPQ_OK);
+    for (int j = 0; j < 32; j++) {
+        int q = j < 16 ? j : 31 - j;
+        float want = (float)((double)q * kvpq_fp16_to_fp32(d) + kvpq_fp16_to_fp32(m));
+        cr_assert_eq(y[j], want, "element %d: %a vs %a", j, y[j], want);
+    }
+}
+
+Test(ggml_types, dequant_q8_0_block) {
+    uint8_t blk[34];
+    put_half(blk, 0.25f);
+    for (int j = 0; j < 32; j++) blk[2 + j] = (uint8_t)(int8_t)(j * 8 - 128);
+    float y[32];
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q8_0, blk, y, 32), KVPQ_OK);
+    for (int j = 0; j < 32; j++) cr_assert_eq(y[j], (float)(j * 8 - 128) * 0.25f);
+}
+
+Test(ggml_types, dequant_q5_blocks) {
+    /* qh bit j is the 5th bit of element j: set bits for elements 1, 16, 31 only. */
+    uint32_t qh = (1u << 1) | (1u << 16) | (1u << 31);
+    uint8_t b0[22], b1[24];
+    put_half(b0, 1.0f);
+    memcpy(b0 + 2, &qh, 4);
+    put_half(b1, 1.0f);
+    put_half(b1 + 2, 100.0f);
+    memcpy(b1 + 4, &qh, 4);
+    for (int j = 0; j < 16; j++) b0[6 + j] = b1[8 + j] = (uint8_t)(3 | (5 << 4));
+    float y0[32], y1[32];
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q5_0, b0, y0, 32), KVPQ_OK);
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q5_1, b1, y1, 32), KVPQ_OK);
+    for (int j = 0; j < 32; j++) {
+        int q = (j < 16 ? 3 : 5) + (((qh >> j) & 1) ? 16 : 0);
+        cr_assert_eq(y0[j], (float)(q - 16), "Q5_0 element %d", j);
+        cr_assert_eq(y1[j], (float)q + 100.0f, "Q5_1 element %d", j);
+    }
+}
+
+Test(ggml_types, dequant_f16_bf16_f32) {
+    uint16_t h[3] = {0x3c00, 0xc000, 0x0001}, bf[2] = {0x3f80, 0x4049};
+    float y[3], want_f32[3] = {1.5f, -0.0f, 1e30f};
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_F16, h, y, 3), KVPQ_OK);
+    cr_assert(y[0] == 1.0f && y[1] == -2.0f && y[2] == 0x1p-24f);
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_BF16, bf, y, 2), KVPQ_OK);
+    cr_assert(y[0] == 1.0f && y[1] == 3.140625f);
+    cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_F32, want_f32, y, 3), KVPQ_OK);
+    cr_assert(!memcmp(y, want_f32, sizeof y));
+}
+
+Test(ggml_types, dequant_errors) {
+    uint8_t blk[64] = {0};
+    float y[64];
+    cr_assert_eq(ggml_dequantize_row(GGML_TYPE_Q4_1, blk, y, 33), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "33"));
+    cr_assert_eq(ggml_dequantize_row(12, blk, y, 256), KVPQ_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvpq_last_error(), "Q4_K"), "%s", kvpq_last_error());
+    float x[32] = {0}, out[2];
+    ggml_matvec(12, blk, 2, 32, x, out); /* unsupported: loud NaN, never plausible numbers */
+    cr_assert(isnan(out[0]) && isnan(out[1]));
+}
+
+/* ---- SIMD vs _ref ---- */
+
+static const uint32_t supported[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q4_0,
+                                     GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0};
+
+/* Random rows of a type: block scales like a real model's (|d| ~ 1e-3..1e-1), random quants. */
+static uint8_t *random_rows(uint32_t type, int64_t n_rows, int64_t n) {
+    size_t rb = ggml_row_size(type, n), total = rb * (size_t)n_rows;
+    uint8_t *w = malloc(total);
+    for (size_t i = 0; i < total; i++) w[i] = (uint8_t)rnd();
+    size_t bs = ggml_type_size(type);
+    for (size_t r = 0; r < (size_t)n_rows; r++) {
+        uint8_t *row = w + r * rb;
+        if (type == GGML_TYPE_F32)
+            for (int64_t i = 0; i < n; i++) {
+                float v = rndf();
+                memcpy(row + 4 * i, &v, 4);
+            }
+        else if (type == GGML_TYPE_F16)
+            for (int64_t i = 0; i < n; i++) put_half(row + 2 * i, rndf());
+        else if (type == GGML_TYPE_BF16)
+            for (int64_t i = 0; i < n; i++) {
+                float v = rndf();
+                uint32_t b;
+                memcpy(&b, &v, 4);
+                uint16_t h = (uint16_t)(b >> 16);
+                memcpy(row + 2 * i, &h, 2);
+            }
+        else
+            for (size_t b = 0; b < rb / bs; b++) {
+                put_half(row + b * bs, 0.001f + 0.1f * fabsf(rndf()));
+                if (type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1) put_half(row + b * bs + 2, -0.5f * fabsf(rndf()));
+            }
+    }
+    return w;
+}
+
+/* |y - y_ref| <= TOL * sum_i |w_i x_i| + tiny: the SIMD versions only reorder a float32 sum (and
+ * fold the Q4 offsets per block), so the error is a few ulps of the absolute sum. */
+#define TOL 2e-6
+
+static void check_close(const float *got, const float *want, const float *abs_sum, int64_t n, const char *what) {
+    for (int64_t i = 0; i < n; i++)
+        cr_assert(fabsf(got[i] - want[i]) <= TOL * abs_sum[i] + 1e-30f, "%s: y[%lld] = %.9g, ref %.9g (|sum| %.9g)",
+                  what, (long long)i, got[i], want[i], abs_sum[i]);
+}
+
+static void abs_dot(uint32_t type, const uint8_t *w, int64_t n_rows, int64_t n, const float *x, float *out) {
+    float *row = malloc((size_t)n * sizeof *row);
+    size_t rb = ggml_row_size(type, n);
+    for (int64_t r = 0; r < n_rows; r++) {
+        ggml_dequantize_row_ref(type, w + (size_t)r * rb, row, n);
+        double s = 0;
+        for (int64_t i = 0; i < n; i++) s += fabs((double)row[i] * x[i]);
+        out[r] = (float)s;
+    }
+    free(row);
+}
+
+Test(ggml_types, simd_matches_ref_at_every_level) {
+    kvpq_simd_level best = kvpq_simd_get();
+    int64_t shapes[][2] = {{1, 32}, {3, 64}, {17, 96}, {40, 576}, {33, 1536}, {5, 4096}};
+    for (int lvl = 0; lvl <= (int)best; lvl++) {
+        cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lvl), KVPQ_OK);
+        for (size_t ti = 0; ti < sizeof supported / sizeof supported[0]; ti++) {
+            uint32_t type = supported[ti];
+            for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+                int64_t n_rows = shapes[si][0], n = shapes[si][1];
+                if (ggml_blck_size(type) == 1 && si % 2) n += 7; /* odd lengths for the SIMD tails */
+                uint8_t *w = random_rows(type, n_rows, n);
+                float *x = malloc((size_t)n * 4), *y = malloc((size_t)n_rows * 4), *yr = malloc((size_t)n_rows * 4),
+                      *as = malloc((size_t)n_rows * 4);
+                for (int64_t i = 0; i < n; i++) x[i] = rndf();
+                char what[96];
+                snprintf(what, sizeof what, "%s %s matvec (%lld x %lld)", kvpq_simd_name((kvpq_simd_level)lvl),
+                         ggml_type_name(type), (long long)n_rows, (long long)n);
+                ggml_matvec_ref(type, w, n_rows, n, x, yr);
+                ggml_matvec(type, w, n_rows, n, x, y);
+                abs_dot(type, w, n_rows, n, x, as);
+                check_close(y, yr, as, n_rows, what);
+
+                /* dequantization is bit-exact at every level */
+                float *d0 = malloc((size_t)n * 4), *d1 = malloc((size_t)n * 4);
+                cr_assert_eq(ggml_dequantize_row_ref(type, w, d0, n), KVPQ_OK);
+                cr_assert_eq(ggml_dequantize_row(type, w, d1, n), KVPQ_OK);
+                cr_assert(!memcmp(d0, d1, (size_t)n * 4), "%s: dequantize differs from _ref", what);
+                free(d0);
+                free(d1);
+                free(w);
+                free(x);
+                free(y);
+                free(yr);
+                free(as);
+            }
+        }
+    }
+    kvpq_simd_set(best);
+}
+
+Test(ggml_types, matmul_matches_ref_at_every_level) {
+    kvpq_simd_level best = kvpq_simd_get();
+    /* token counts below and above the BLAS threshold; rows above one BLAS tile for n = 4096 */
+    int64_t toks[] = {1, 2, 5, 8, 40};
+    int64_t n_rows = quick() ? 70 : 300, n = 4096;
+    for (int lvl = 0; lvl <= (int)best; lvl++) {
+        cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lvl), KVPQ_OK);
+        for (size_t ti = 0; ti < sizeof supported / sizeof supported[0]; ti++) {
+            uint32_t type = supported[ti];
+            uint8_t *w = random_rows(type, n_rows, n);
+            for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) {
+                int64_t nt = toks[k];
+                float *X = malloc((size_t)(nt * n) * 4), *Y = malloc((size_t)(nt * n_rows) * 4),
+                      *Yr = malloc((size_t)(nt * n_rows) * 4), *as = malloc((size_t)n_rows * 4);
+                for (int64_t i = 0; i < nt * n; i++) X[i] = rndf();
+                ggml_matmul_ref(type, w, n_rows, n, nt, X, Yr);
+                ggml_matmul(type, w, n_rows, n, nt, X, Y);
+                for (int64_t t = 0; t < nt; t++) {
+                    char what[96];
+                    snprintf(what, sizeof what, "%s %s matmul n_tok %lld, token %lld",
+                             kvpq_simd_name((kvpq_simd_level)lvl), ggml_type_name(type), (long long)nt, (long long)t);
+                    abs_dot(type, w, n_rows, n, X + t * n, as);
+                    check_close(Y + t * n_rows, Yr + t * n_rows, as, n_rows, what);
+                }
+                free(X);
+                free(Y);
+                free(Yr);
+                free(as);
+            }
+            free(w);
+        }
+    }
+    kvpq_simd_set(best);
+}

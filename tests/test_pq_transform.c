@@ -1,0 +1,135 @@
+/* test_pq_transform.c — normalized Walsh-Hadamard transform and key smoothing (VecInfer sec. 3). */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "internal.h"
+#include "pq_testutil.h"
+
+#define HAD_TOL 1e-6  /* brief: orthonormal and self-inverse to 1e-6 (float butterflies, log2 d stages) */
+#define DOT_REL 1e-5  /* brief: q.k preserved to 1e-5, relative to sum |q_i k_i| (the dot's rounding scale) */
+
+Test(hadamard, is_sylvester_orthonormal_matrix) {
+    for (int d = 1; d <= 256; d *= 2) {
+        float *h = calloc((size_t)d * d, sizeof(float));
+        for (int i = 0; i < d; i++) h[i * d + i] = 1.0f;
+        cr_assert_eq(kvpq_hadamard(h, (size_t)d, d), KVPQ_OK);
+        double s = 1.0 / sqrt((double)d);
+        for (int i = 0; i < d; i++)
+            for (int j = 0; j < d; j++) {
+                /* Sylvester order: H[i][j] = (-1)^popcount(i & j) / sqrt(d) */
+                double want = (__builtin_popcount((unsigned)(i & j)) & 1) ? -s : s;
+                cr_assert_float_eq(h[i * d + j], want, HAD_TOL, "d %d H[%d][%d]", d, i, j);
+            }
+        for (int i = 0; i < d; i++)
+            for (int j = 0; j < d; j++) {
+                double dot = 0;
+                for (int t = 0; t < d; t++) dot += (double)h[i * d + t] * h[j * d + t];
+                cr_assert_float_eq(dot, i == j ? 1.0 : 0.0, HAD_TOL, "d %d rows %d,%d", d, i, j);
+            }
+        free(h);
+    }
+}
+
+Test(hadamard, is_self_inverse_and_keeps_norms) {
+    trng r = {1};
+    for (int d = 2; d <= 4096; d *= 2) {
+        size_t n = 7;
+        float *x = malloc(sizeof(float) * n * d), *y = malloc(sizeof(float) * n * d);
+        fill_gauss(&r, x, n * d, 1.0f);
+        memcpy(y, x, sizeof(float) * n * d);
+        cr_assert_eq(kvpq_hadamard(y, n, d), KVPQ_OK);
+        for (size_t i = 0; i < n; i++) {
+            double nx = 0, ny = 0;
+            for (int j = 0; j < d; j++) nx += (double)x[i * d + j] * x[i * d + j], ny += (double)y[i * d + j] * y[i * d + j];
+            cr_assert_float_eq(ny / nx, 1.0, HAD_TOL * 4, "d %d: norm changed", d);
+        }
+        cr_assert_eq(kvpq_hadamard(y, n, d), KVPQ_OK);
+        for (size_t t = 0; t < n * d; t++) cr_assert_float_eq(y[t], x[t], HAD_TOL * 4, "d %d element %zu", d, t);
+        free(x), free(y);
+    }
+}
+
+Test(hadamard, rejects_non_power_of_two_naming_d) {
+    float x[48] = {0};
+    cr_assert_eq(kvpq_hadamard(x, 1, 48), KVPQ_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvpq_last_error(), "d=48"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_hadamard(x, 1, 0), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_hadamard(NULL, 1, 64), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_hadamard(NULL, 0, 64), KVPQ_OK);
+}
+
+Test(smooth, compute_is_sqrt_of_max_abs_with_floor) {
+    /* 3 tokens, 2 KV heads, head_dim 3 */
+    const float k[3 * 2 * 3] = {1, -4, 0, 9, 0.5f, 0,   -16, 2, 0, -1, 0.25f, 0,   3, 1, 0, 2, -0.5f, 0};
+    float lambda[6];
+    cr_assert_eq(kvpq_smooth_compute(3, 2, 3, k, 1e-2f, lambda), KVPQ_OK);
+    const float want[6] = {4, 2, 1e-2f, 3, sqrtf(0.5f), 1e-2f};
+    for (int c = 0; c < 6; c++) cr_assert_float_eq(lambda[c], want[c], 1e-6, "channel %d", c);
+    cr_assert_eq(kvpq_smooth_compute(3, 2, 3, k, 0.9f, lambda), KVPQ_OK);
+    cr_assert_float_eq(lambda[4], 0.9f, 1e-7);
+    cr_assert_float_eq(lambda[0], 4.0f, 1e-7);
+}
+
+Test(smooth, rejects_bad_input) {
+    float k[2 * 1 * 4] = {1, 2, 3, 4, 5, 6, NAN, 8}, lambda[4];
+    cr_assert_eq(kvpq_smooth_compute(2, 1, 4, k, 1e-2f, lambda), KVPQ_ERR_NONFINITE);
+    cr_assert(strstr(kvpq_last_error(), "token 1"), "%s", kvpq_last_error());
+    k[6] = 7;
+    cr_assert_eq(kvpq_smooth_compute(2, 1, 4, k, 0.0f, lambda), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "floor"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_smooth_compute(2, 0, 4, k, 1e-2f, lambda), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "n_head_kv=0"), "%s", kvpq_last_error());
+    float bad[4] = {1, 0, 1, 1};
+    cr_assert_eq(kvpq_smooth_apply(k, 2, 1, 4, bad, 0), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "lambda[1]"), "%s", kvpq_last_error());
+    float q[4 * 3];
+    const float one[4] = {1, 1, 1, 1};
+    cr_assert_eq(kvpq_smooth_apply_query(q, 1, 3, 2, 2, one), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "n_head=3"), "%s", kvpq_last_error());
+}
+
+Test(smooth, smoothing_and_rotation_keep_q_dot_k) {
+    /* GQA as in SmolLM2: 9 query heads over 3 KV heads, head_dim 64; keys with outlier channels. */
+    trng r = {21};
+    const int n_head = 9, n_head_kv = 3, hd = 64, group = n_head / n_head_kv;
+    const size_t nt = quick() ? 16 : 64;
+    float *k = malloc(sizeof(float) * nt * n_head_kv * hd), *q = malloc(sizeof(float) * nt * n_head * hd);
+    fill_gauss(&r, k, nt * n_head_kv * hd, 1.0f);
+    fill_gauss(&r, q, nt * n_head * hd, 1.0f);
+    for (size_t t = 0; t < nt; t++) /* massive channels, as in real keys */
+        for (int h = 0; h < n_head_kv; h++) k[(t * n_head_kv + h) * hd + 5 + 7 * h] *= 40.0f;
+    float *ks = malloc(sizeof(float) * nt * n_head_kv * hd), *qs = malloc(sizeof(float) * nt * n_head * hd);
+    memcpy(ks, k, sizeof(float) * nt * n_head_kv * hd);
+    memcpy(qs, q, sizeof(float) * nt * n_head * hd);
+    float lambda[3 * 64];
+    cr_assert_eq(kvpq_smooth_compute(nt, n_head_kv, hd, k, 1e-2f, lambda), KVPQ_OK);
+    cr_assert_eq(kvpq_smooth_apply(ks, nt, n_head_kv, hd, lambda, 0), KVPQ_OK);
+    cr_assert_eq(kvpq_smooth_apply_query(qs, nt, n_head, n_head_kv, hd, lambda), KVPQ_OK);
+    cr_assert_eq(kvpq_hadamard(ks, nt * n_head_kv, hd), KVPQ_OK);
+    cr_assert_eq(kvpq_hadamard(qs, nt * n_head, hd), KVPQ_OK);
+    double maxabs_before = 0, maxabs_after = 0;
+    for (size_t t = 0; t < nt * n_head_kv * hd; t++) {
+        maxabs_before = fmax(maxabs_before, fabs(k[t]));
+        maxabs_after = fmax(maxabs_after, fabs(ks[t]));
+    }
+    cr_assert_lt(maxabs_after * 4, maxabs_before, "smoothing+rotation should flatten the outliers");
+    for (size_t i = 0; i < nt; i++)
+        for (int h = 0; h < n_head; h++)
+            for (size_t j = 0; j < nt; j++) {
+                const float *qv = q + (i * n_head + h) * hd, *kv = k + (j * n_head_kv + h / group) * hd;
+                const float *qv2 = qs + (i * n_head + h) * hd, *kv2 = ks + (j * n_head_kv + h / group) * hd;
+                double dot = 0, dot2 = 0, scale = 0;
+                for (int c = 0; c < hd; c++) {
+                    dot += (double)qv[c] * kv[c];
+                    dot2 += (double)qv2[c] * kv2[c];
+                    scale += fabs((double)qv[c] * kv[c]);
+                }
+                cr_assert_leq(fabs(dot2 - dot), DOT_REL * scale, "q%zu h%d k%zu: %g vs %g", i, h, j, dot2, dot);
+            }
+    /* inverse smoothing restores the keys */
+    cr_assert_eq(kvpq_hadamard(ks, nt * n_head_kv, hd), KVPQ_OK);
+    cr_assert_eq(kvpq_smooth_apply(ks, nt, n_head_kv, hd, lambda, 1), KVPQ_OK);
+    for (size_t t = 0; t < nt * n_head_kv * hd; t++)
+        cr_assert_float_eq(ks[t], k[t], 1e-5 * (1 + fabs(k[t])), "element %zu", t);
+    free(k), free(q), free(ks), free(qs);
+}

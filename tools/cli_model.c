@@ -1,0 +1,216 @@
+/* cli_model.c — cache SPEC handling, sampling and UTF-8 streaming for generate and ppl. */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "cli_model.h"
+
+/* ---- caches ---- */
+
+int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, int max_seq, int n_threads) {
+    memset(c, 0, sizeof *c);
+    snprintf(c->spec, sizeof c->spec, "%s", spec);
+    kvpq_cache_params cp = kvpq_cache_params_default();
+    const char *vq_path = NULL;
+    kvpq_status s = kvpq_cache_type_parse(spec, &cp.type, &vq_path);
+    if (s != KVPQ_OK) return cli_fail("cache spec", s);
+    if (vq_path) {
+        s = kvpq_codebook_load(&c->codebook, vq_path);
+        if (s != KVPQ_OK) {
+            fprintf(stderr, "kvpq: cache '%s': ", spec);
+            return cli_fail("codebook", s);
+        }
+        cp.codebook = c->codebook;
+    }
+    cp.n_layer = mi->n_layer;
+    cp.n_head = mi->n_head;
+    cp.n_head_kv = mi->n_head_kv;
+    cp.head_dim = mi->head_dim;
+    cp.max_seq = max_seq;
+    cp.n_threads = n_threads;
+    cp.backend = KVPQ_BACKEND_CPU;
+    s = kvpq_cache_new(&c->cache, &cp);
+    if (s != KVPQ_OK) {
+        fprintf(stderr, "kvpq: cache '%s': ", spec);
+        kvpq_codebook_free(c->codebook);
+        c->codebook = NULL;
+        return cli_fail("cache", s);
+    }
+    return 0;
+}
+
+void cli_cache_close(cli_cache *c) {
+    kvpq_cache_free(c->cache);
+    kvpq_codebook_free(c->codebook);
+    c->cache = NULL;
+    c->codebook = NULL;
+}
+
+/* ---- sampling ---- */
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void cli_rng_seed(cli_rng *r, uint64_t seed) {
+    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&seed);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+double cli_rng_uniform(cli_rng *r) {
+    uint64_t *s = r->s;
+    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return (double)(result >> 11) * 0x1.0p-53;
+}
+
+static const float *g_sort_p; /* qsort has no context argument; sampling runs on one thread */
+static int by_prob_desc(const void *a, const void *b) {
+    float pa = g_sort_p[*(const int32_t *)a], pb = g_sort_p[*(const int32_t *)b];
+    if (pa != pb) return pa < pb ? 1 : -1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+int32_t cli_sample(const float *logits, int n_vocab, float temp, float top_p, cli_rng *r, float *p, int32_t *idx) {
+    int32_t best = 0;
+    for (int i = 1; i < n_vocab; i++)
+        if (logits[i] > logits[best]) best = i;
+    if (temp <= 0) return best;
+    double sum = 0;
+    for (int i = 0; i < n_vocab; i++) {
+        p[i] = expf((logits[i] - logits[best]) / temp);
+        sum += p[i];
+    }
+    int n = 0;
+    /* Only tokens that can matter for the nucleus need sorting: drop those below 1e-9 of the max. */
+    for (int i = 0; i < n_vocab; i++) {
+        p[i] = (float)(p[i] / sum);
+        if (p[i] >= 1e-9f * p[best] || i == best) idx[n++] = i;
+    }
+    g_sort_p = p;
+    qsort(idx, (size_t)n, sizeof *idx, by_prob_desc);
+    double cum = 0;
+    int keep = n;
+    for (int i = 0; i < n; i++) {
+        cum += p[idx[i]];
+        if (cum >= top_p) {
+            keep = i + 1;
+            break;
+        }
+    }
+    /* cum is now the mass of the kept tokens: draw within it (renormalized nucleus). */
+    double u = cli_rng_uniform(r) * cum, acc = 0;
+    for (int i = 0; i < keep; i++) {
+        acc += p[idx[i]];
+        if (u < acc) return idx[i];
+    }
+    return idx[keep - 1];
+}
+
+/* ---- UTF-8 ---- */
+
+/* Length of the sequence a lead byte starts (0 for a continuation or invalid byte). */
+static int utf8_len(unsigned char c) {
+    if (c < 0x80) return 1;
+    if ((c & 0xe0) == 0xc0) return c >= 0xc2 ? 2 : 0;
+    if ((c & 0xf0) == 0xe0) return 3;
+    if ((c & 0xf8) == 0xf0) return c <= 0xf4 ? 4 : 0;
+    return 0;
+}
+
+int cli_utf8_valid(const unsigned char *s, size_t n, size_t *bad) {
+    size_t i = 0;
+    while (i < n) {
+        int l = utf8_len(s[i]);
+        if (l == 0 || i + (size_t)l > n) goto fail;
+        for (int k = 1; k < l; k++)
+            if ((s[i + k] & 0xc0) != 0x80) goto fail;
+        if (l == 3) {
+            unsigned cp = ((s[i] & 0x0fu) << 12) | ((s[i + 1] & 0x3fu) << 6) | (s[i + 2] & 0x3fu);
+            if (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff)) goto fail;
+        } else if (l == 4) {
+            unsigned cp = ((s[i] & 0x07u) << 18) | ((s[i + 1] & 0x3fu) << 12);
+            if (cp < 0x10000 || cp > 0x10ffff) goto fail;
+        }
+        i += (size_t)l;
+    }
+    return 1;
+fail:
+    if (bad) *bad = i;
+    return 0;
+}
+
+void cli_utf8_write(cli_utf8_stream *st, FILE *f, const char *bytes, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)bytes[i];
+        if (st->n_pend == 0) {
+            int l = utf8_len(c);
+            if (l <= 1) {
+                fputc(c, f);
+                continue;
+            }
+            st->pend[st->n_pend++] = c;
+            continue;
+        }
+        if ((c & 0xc0) != 0x80) { /* broken sequence: write what was held and restart on c */
+            fwrite(st->pend, 1, st->n_pend, f);
+            st->n_pend = 0;
+            i--;
+            continue;
+        }
+        st->pend[st->n_pend++] = c;
+        if ((int)st->n_pend == utf8_len(st->pend[0])) {
+            fwrite(st->pend, 1, st->n_pend, f);
+            st->n_pend = 0;
+        }
+    }
+    fflush(f);
+}
+
+void cli_utf8_flush(cli_utf8_stream *st, FILE *f) {
+    fwrite(st->pend, 1, st->n_pend, f);
+    st->n_pend = 0;
+    fflush(f);
+}
+
+char *cli_read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap + 1);
+    while (buf) {
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (n < cap) break;
+        cap *= 2;
+        char *nb = realloc(buf, cap + 1);
+        if (!nb) {
+            free(buf);
+            buf = NULL;
+            errno = ENOMEM;
+        }
+        buf = nb;
+    }
+    if (buf && ferror(f)) {
+        free(buf);
+        buf = NULL;
+        errno = EIO;
+    }
+    fclose(f);
+    if (buf) {
+        buf[n] = 0;
+        *len = n;
+    }
+    return buf;
+}
