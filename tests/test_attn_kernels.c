@@ -132,6 +132,9 @@ Test(attn_kernels, conversions_and_dequant_bit_exact) {
             kvpq__attn_ref.dequant_bits(blk, bits, 64, sc, mn, d0);
             kr->dequant_bits(blk, bits, 64, sc, mn, d1);
             cr_assert(!memcmp(d0, d1, 64 * 4), "%s dequant_bits %d", kr->name, bits);
+            kvpq__attn_ref.dequant_bits_g32(blk, bits, 64, sc + 3, mn + 5, d0);
+            kr->dequant_bits_g32(blk, bits, 64, sc + 3, mn + 5, d1);
+            cr_assert(!memcmp(d0, d1, 64 * 4), "%s dequant_bits_g32 %d", kr->name, bits);
         }
     }
     /* the reference unpacking itself: code c of `bits` bits, LSB-first */

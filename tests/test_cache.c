@@ -93,6 +93,14 @@ Test(cache, attend_long_decode_uses_split_merge) {
     for (int k = 0; k < N_KINDS; k++) check_vs_ref(KINDS[k].type, 9, 3, 64, L, 1, 256, 128, 7u + k);
 }
 
+Test(cache, whole_prefill_from_empty_and_tiny_pages) {
+    /* n_q == L: every position is a query (first prompt block); pages of 1 and 7 tokens. */
+    for (int k = 0; k < N_KINDS; k++) {
+        check_vs_ref(KINDS[k].type, 4, 2, 64, 100, 100, 1, 32, 200u + k);
+        check_vs_ref(KINDS[k].type, 8, 2, 32, 180, 37, 7, 0, 210u + k);
+    }
+}
+
 Test(cache, odd_head_dim_and_page_sizes_fp) {
     /* fp32/fp16 accept any head_dim: SIMD tails; pages of 1, 7 and 100 tokens. */
     static const int pages[] = {1, 7, 100};
@@ -452,4 +460,58 @@ Test(cache, vq_codebook_shape_mismatch_named) {
     b = p, b.head_dim = 128;
     expect_bad(b, KVPQ_ERR_MISMATCH, "head_dim");
     kvpq_codebook_free(cb);
+}
+
+/* The straightforward float32 attention (scores, softmax, weighted sum), the yardstick of the
+ * FlashAttention papers: a blocked online-softmax implementation may be at most 2x less accurate. */
+static void naive_f32(int L, int n_q, int n_head, int n_head_kv, int hd, const float *k, const float *v,
+                      const float *q, float *out) {
+    const int g = n_head / n_head_kv;
+    float *w = malloc((size_t)L * sizeof *w);
+    for (int i = 0; i < n_q; i++)
+        for (int h = 0; h < n_head; h++) {
+            const int kvh = h / g, lim = L - n_q + i + 1;
+            const float *qi = q + ((size_t)i * n_head + h) * hd;
+            float m = -INFINITY, d = 0.0f;
+            for (int t = 0; t < lim; t++) {
+                float s = 0.0f;
+                for (int c = 0; c < hd; c++) s += qi[c] * k[((size_t)t * n_head_kv + kvh) * hd + c];
+                w[t] = s / sqrtf((float)hd);
+                m = w[t] > m ? w[t] : m;
+            }
+            for (int t = 0; t < lim; t++) d += (w[t] = expf(w[t] - m));
+            float *o = out + ((size_t)i * n_head + h) * hd;
+            for (int c = 0; c < hd; c++) o[c] = 0.0f;
+            for (int t = 0; t < lim; t++)
+                for (int c = 0; c < hd; c++) o[c] += w[t] / d * v[((size_t)t * n_head_kv + kvh) * hd + c];
+        }
+    free(w);
+}
+
+Test(cache, fp32_error_at_most_twice_naive_float32) {
+    const int n_head = 9, n_head_kv = 3, hd = 64, n_q = 4;
+    const int lens[] = {64, 1000, 4096};
+    const int n_lens = quick() ? 2 : 3;
+    kvpq_simd_level best = kvpq_simd_get();
+    for (int li = 0; li < n_lens; li++) {
+        const int L = lens[li];
+        const size_t kvw = (size_t)n_head_kv * hd, qn = (size_t)n_q * n_head * hd;
+        float *k = rand_vec((size_t)L * kvw, 91 + li, 1.0f), *v = rand_vec((size_t)L * kvw, 92 + li, 1.0f);
+        float *q = rand_vec(qn, 93 + li, 2.0f), *o = malloc(qn * 4), *on = malloc(qn * 4);
+        double *ref = malloc(qn * sizeof *ref);
+        ref_attend(L, n_q, n_head, n_head_kv, hd, k, v, q, ref);
+        naive_f32(L, n_q, n_head, n_head_kv, hd, k, v, q, on);
+        const double e_naive = rel_err_f64(on, ref, qn);
+        for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
+            cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lv), KVPQ_OK);
+            kvpq_cache *c = make(KVPQ_CACHE_FP32, 1, n_head, n_head_kv, hd, L, 256, 128);
+            cr_assert_eq(kvpq_cache_append(c, 0, L, k, v), KVPQ_OK);
+            cr_assert_eq(kvpq_cache_attend(c, 0, n_q, q, o), KVPQ_OK);
+            double e = rel_err_f64(o, ref, qn);
+            cr_assert(e <= 2.0 * e_naive, "L %d at %s: error %.3g vs naive float32 %.3g", L,
+                      kvpq_simd_name((kvpq_simd_level)lv), e, e_naive);
+            kvpq_cache_free(c);
+        }
+        free(k), free(v), free(q), free(o), free(on), free(ref);
+    }
 }

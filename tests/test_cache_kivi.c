@@ -43,7 +43,8 @@ Test(kivi, window_edges) {
                 cr_assert_eq(kvpq_cache_append(c, 0, 1, k + t * kvw, v + t * kvw), KVPQ_OK);
             kvpq_cache_stats st;
             cr_assert_eq(kvpq_cache_get_stats(c, &st), KVPQ_OK);
-            cr_assert_eq(st.tokens_coded, n_coded(L, W), "kivi%d L %d: coded %lld", bits, L, (long long)st.tokens_coded);
+            cr_assert_eq(st.tokens_coded, n_coded(L, W), "kivi%d L %d: coded %lld", bits, L,
+                         (long long)st.tokens_coded);
             cr_assert_eq(st.tokens_window, L - n_coded(L, W));
             cr_assert(st.tokens_window <= W + 31 && st.tokens_window >= (L < W ? L : W));
             if (L == 0) {

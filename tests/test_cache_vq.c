@@ -224,6 +224,15 @@ Test(cache_vq, gqa_ratios_match_fp64) {
     }
 }
 
+/* Long enough that decode splits each head's coded context across the 2 threads (>= 512 tokens
+ * per split), so the split partial states are merged. */
+Test(cache_vq, split_context_matches_fp64) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 1};
+    run_config(&c, quick() ? 1300 : 2100, 64, 256);
+    cfg c2 = {8, 1, 128, "d4b8", "d8b8", KVPQ_CODEBOOK_SHARED, 0};
+    run_config(&c2, quick() ? 1300 : 2100, 128, 200);
+}
+
 Test(cache_vq, head_dims_match_fp64) {
     const int dims[] = {64, 128, 256};
     int len = quick() ? 250 : 500;
@@ -541,9 +550,11 @@ Test(cache_vq, out_of_fp16_range_is_refused_and_nothing_lost) {
 Test(cache_vq, kernels_match_reference) {
     kvpq_simd_level best = kvpq_simd_get();
     const int gps[] = {1, 4, 8, 16, 32};
-    const int n = 77, M = 16;
+    const int n = 77;
     for (int lv = KVPQ_SIMD_AVX2; lv <= (int)best; lv++) {
         const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
+        /* M = 16 and 32 take the precomputed-offsets path for gp 4 / 8, M = 12 the byte-peeling one. */
+        for (int M = 12; M <= 32; M += M == 12 ? 4 : 16)
         for (size_t gi = 0; gi < 5; gi++)
             for (int nb = 8; nb <= 12; nb += 4) {
                 int gp = gps[gi], ksub = 1 << nb;
@@ -600,6 +611,25 @@ Test(cache_vq, kernels_match_reference) {
                 free(c16);
                 free(lut);
             }
+        /* LUT build and value output, dsub 1..16, shared and per-sub-space books */
+        for (int dsub = 1; dsub <= 16; dsub *= 2)
+            for (size_t gi = 0; gi < 5; gi++) {
+                int gp = gps[gi], Mm = 64 / dsub, ksub = 256, nb = dsub % 4 ? 1 : Mm;
+                float *cent = randn((size_t)nb * ksub * dsub, 1.0f), *qt = randn((size_t)Mm * dsub * gp, 1.0f);
+                float *t = randn((size_t)Mm * ksub * gp, 1.0f);
+                float *l1 = malloc((size_t)Mm * ksub * gp * 4), *l2 = malloc((size_t)Mm * ksub * gp * 4);
+                kvpq__vq_lut_build_ref(Mm, ksub, dsub, nb, cent, gp, qt, l1);
+                K->lut_build(Mm, ksub, dsub, nb, cent, gp, qt, l2);
+                for (int i = 0; i < Mm * ksub * gp; i++) cr_assert_float_eq(l1[i], l2[i], 1e-4f, "lut dsub %d gp %d", dsub, gp);
+                kvpq__vq_table_out_ref(Mm, ksub, dsub, nb, cent, gp, t, l1);
+                K->table_out(Mm, ksub, dsub, nb, cent, gp, t, l2);
+                for (int i = 0; i < 64 * gp; i++) cr_assert_float_eq(l1[i], l2[i], 2e-3f, "out dsub %d gp %d", dsub, gp);
+                free(cent);
+                free(qt);
+                free(t);
+                free(l1);
+                free(l2);
+            }
         /* fp16 conversion: bit-exact with the reference, including rounding ties and subnormals. */
         float x[1000];
         for (int i = 0; i < 1000; i++) x[i] = grand() * (float)pow(2.0, (int)(urand() * 40) - 24);
@@ -616,6 +646,10 @@ Test(cache_vq, kernels_match_reference) {
         kvpq__vq_dot_rows_ref(9, 128, q, kk, o1);
         K->dot_rows(9, 128, q, kk, o2);
         for (int i = 0; i < 9; i++) cr_assert_float_eq(o1[i], o2[i], 1e-4f);
+        float w1[128], w2[128];
+        kvpq__vq_weighted_sum_ref(9, 128, o1, kk, w1);
+        K->weighted_sum(9, 128, o1, kk, w2);
+        for (int i = 0; i < 128; i++) cr_assert_float_eq(w1[i], w2[i], 1e-3f);
         free(q);
         free(kk);
     }

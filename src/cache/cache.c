@@ -67,7 +67,8 @@ kvpq_status kvpq_cache_type_parse(const char *spec, kvpq_cache_type *type, const
             return KVPQ_OK;
         }
     if (!strncmp(spec, "vq:", 3)) {
-        if (!spec[3]) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec '%s': vq needs a codebook file (vq:FILE)", spec);
+        if (!spec[3])
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec '%s': vq needs a codebook file (vq:FILE)", spec);
         *type = KVPQ_CACHE_VQ;
         if (vq_path) *vq_path = spec + 3;
         return KVPQ_OK;
@@ -114,8 +115,8 @@ static kvpq_status check_params(const kvpq_cache_params *p) {
             return kvpq__err(KVPQ_ERR_MISMATCH, "cache vq: codebook has n_head_kv %d, cache has n_head_kv %d",
                              cp.n_head_kv, p->n_head_kv);
         if (cp.head_dim != p->head_dim)
-            return kvpq__err(KVPQ_ERR_MISMATCH, "cache vq: codebook has head_dim %d, cache has head_dim %d", cp.head_dim,
-                             p->head_dim);
+            return kvpq__err(KVPQ_ERR_MISMATCH, "cache vq: codebook has head_dim %d, cache has head_dim %d",
+                             cp.head_dim, p->head_dim);
     }
     return KVPQ_OK;
 }
@@ -139,6 +140,14 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
         if (p->backend == KVPQ_BACKEND_CUDA)
             return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: runs on the CPU only (backend cuda requested)",
                              kvpq_cache_type_name(p->type));
+        got = KVPQ_BACKEND_CPU;
+    }
+    /* kvpq_cache takes host pointers, so it runs on the CPU; the GPU cache is kvpq_cuda_cache_*
+     * (device pointers, docs/CUDA.md). AUTO therefore resolves to the CPU here. */
+    if (got == KVPQ_BACKEND_CUDA) {
+        if (p->backend == KVPQ_BACKEND_CUDA)
+            return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: kvpq_cache takes host pointers and runs on the CPU; "
+                             "use kvpq_cuda_cache_new (device pointers) for the GPU", type_names[p->type]);
         got = KVPQ_BACKEND_CPU;
     }
     q.backend = got;

@@ -21,8 +21,9 @@
  * (n_head_kv, groups, block); a key block is {scale (head_dim) fp16, min (head_dim) fp16,
  * codes (32 tokens, head_dim) packed LSB-first}; a value block is {scale (32, head_dim/32) fp16,
  * min (32, head_dim/32) fp16, codes (32 tokens, head_dim) packed LSB-first}: (b + 1) bits per
- * element. Codes are token-major in both, so a position decodes as one contiguous row. The window is an fp16 ring of W + 32 positions per layer (allocated at the layer's first
- * append), position t in slot t mod (W + 32).
+ * element. Codes are token-major in both, so a position decodes as one contiguous row. The window
+ * is an fp16 ring of W + 32 positions per layer (allocated at the layer's first append), position t
+ * in slot t mod (W + 32).
  *
  * Truncation to n_pos keeps every whole quantized group below n_pos as it is (n_coded becomes
  * min(n_coded, floor(n_pos / 32) * 32), which may exceed the rule above until appends catch up:
@@ -70,10 +71,11 @@ static void kivi_destroy(void *state) {
 
 static kvpq_status kivi_create(void **state, const kvpq_cache_params *p, int bits) {
     if (p->head_dim % G)
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache kivi%d: head_dim %d is not a multiple of %d (its group size)", bits,
-                         p->head_dim, G);
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache kivi%d: head_dim %d is not a multiple of %d (its group size)",
+                         bits, p->head_dim, G);
     if (p->window > (1 << 24))
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache kivi%d: window %d: expected at most %d", bits, p->window, 1 << 24);
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache kivi%d: window %d: expected at most %d", bits, p->window,
+                         1 << 24);
     kivi_state *s = calloc(1, sizeof *s);
     if (!s) return kvpq__err(KVPQ_ERR_NOMEM, "cache kivi%d: out of memory", bits);
     s->p = *p;
@@ -90,7 +92,8 @@ static kvpq_status kivi_create(void **state, const kvpq_cache_params *p, int bit
         kivi_destroy(s);
         return kvpq__err(KVPQ_ERR_NOMEM, "cache kivi%d: out of memory for %d layers", bits, p->n_layer);
     }
-    for (int l = 0; l < p->n_layer; l++) s->k[l].page_bytes = s->v[l].page_bytes = (size_t)s->gp * p->n_head_kv * s->blk;
+    const size_t page_bytes = (size_t)s->gp * p->n_head_kv * s->blk;
+    for (int l = 0; l < p->n_layer; l++) s->k[l].page_bytes = s->v[l].page_bytes = page_bytes;
     *state = s;
     return KVPQ_OK;
 }
@@ -176,12 +179,10 @@ static void dequant_group(const kivi_state *s, int layer, int gi, int h, int a, 
         const unsigned char *bv = block_at(s, &s->v[layer], gi, h);
         const uint16_t *vsc = (const uint16_t *)bv, *vmn = vsc + G * ng;
         const unsigned char *vcodes = (const unsigned char *)(vmn + G * ng);
-        for (int i = ia; i < ib; i++) {
-            for (int j = 0; j < ng; j++) { /* this token's scale and min per 32 channels, spread per channel */
-                const float scj = kvpq__h2f(vsc[i * ng + j]), mnj = kvpq__h2f(vmn[i * ng + j]);
-                for (int e = 0; e < G; e++) sc[j * G + e] = scj, mn[j * G + e] = mnj;
-            }
-            kr->dequant_bits(vcodes + (size_t)i * row_bytes, bits, hd, sc, mn, v + (size_t)(i - ia) * hd);
+        for (int i = ia; i < ib; i++) { /* this token's scale and min per 32 channels */
+            kr->f16_to_f32(vsc + i * ng, sc, (size_t)ng);
+            kr->f16_to_f32(vmn + i * ng, mn, (size_t)ng);
+            kr->dequant_bits_g32(vcodes + (size_t)i * row_bytes, bits, hd, sc, mn, v + (size_t)(i - ia) * hd);
         }
     }
 }

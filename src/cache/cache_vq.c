@@ -44,7 +44,7 @@
 
 #define VQ_FLUSH 32         /* window overflow is encoded in batches of this many tokens */
 #define VQ_CHUNK 256        /* coded tokens per online-softmax step (scores stay in L1) */
-#define VQ_MIN_SPLIT 1024   /* fewest coded tokens per split of one head's context (decode) */
+#define VQ_MIN_SPLIT 512    /* fewest coded tokens per split of one head's context (decode) */
 #define VQ_FP16_MAX 65504.0f
 
 // ---- state ----------------------------------------------------------------------------------
@@ -64,7 +64,6 @@ typedef struct {          /* per-thread scratch, sized at creation: nothing allo
     float *s;             /* (VQ_CHUNK, gp) scores, then weights */
     uint16_t *idx;        /* (VQ_CHUNK, max(Mk, Mv)) unpacked codes when nbits != 8 */
     float *rescale;       /* (gp) */
-    float *acc;           /* (max(dsub_k, dsub_v), gp) */
     float *wkf, *wvf;     /* (cap, head_dim) window keys / values as float */
     float *ws;            /* (cap) window scores */
     float *o;             /* (gp, head_dim) merged output of one group */
@@ -118,7 +117,6 @@ static void vq_scratch_free(vq_scratch *s) {
     free(s->s);
     free(s->idx);
     free(s->rescale);
-    free(s->acc);
     free(s->wkf);
     free(s->wvf);
     free(s->ws);
@@ -247,7 +245,6 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     }
     const int gp = st->gp, d = st->head_dim;
     const int mmax = cp.key.M > cp.value.M ? cp.key.M : cp.value.M;
-    const int dsmax = st->k_dsub > st->v_dsub ? st->k_dsub : st->v_dsub;
     for (int t = 0; t < st->n_threads; t++) {
         vq_scratch *s = &st->scr[t];
         s->qr = calloc((size_t)gp * d, sizeof(float));
@@ -256,13 +253,12 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         s->s = calloc((size_t)VQ_CHUNK * gp, sizeof(float));
         s->idx = calloc((size_t)VQ_CHUNK * mmax, sizeof(uint16_t));
         s->rescale = calloc(gp, sizeof(float));
-        s->acc = calloc((size_t)dsmax * gp, sizeof(float));
         s->wkf = calloc((size_t)st->cap * d, sizeof(float));
         s->wvf = calloc((size_t)st->cap * d, sizeof(float));
         s->ws = calloc(st->cap, sizeof(float));
         s->o = calloc((size_t)gp * d, sizeof(float));
         s->ow = calloc(d, sizeof(float));
-        if (!s->qr || !s->lut || !s->table || !s->s || !s->idx || !s->rescale || !s->acc || !s->wkf || !s->wvf ||
+        if (!s->qr || !s->lut || !s->table || !s->s || !s->idx || !s->rescale || !s->wkf || !s->wvf ||
             !s->ws || !s->o || !s->ow)
             goto nomem;
     }
@@ -381,46 +377,6 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
 
 // ---- attention --------------------------------------------------------------------------------
 
-/* LUT (M, ksub, GP) of a group's queries qr (GP, d) (padded rows are zero): one vector of GP lanes
- * per (m, c). GP is a compile-time constant at the hot call sites so the lane loop vectorizes. */
-static inline __attribute__((always_inline)) void vq_lut_build(const int GP, const kvpq_pq *pq, int d,
-                                                              const float *restrict qr, float *restrict qt,
-                                                              float *restrict lut) {
-    const int M = pq->p.M, ksub = pq->ksub, dsub = pq->dsub;
-    for (int m = 0; m < M; m++) {
-        for (int j = 0; j < dsub; j++)
-            for (int g = 0; g < GP; g++) qt[j * GP + g] = qr[(size_t)g * d + m * dsub + j];
-        const float *book = kvpq__pq_book(pq, m);
-        float *out = lut + (size_t)m * ksub * GP;
-        for (int c = 0; c < ksub; c++) {
-            const float *cv = book + (size_t)c * dsub;
-            float *r = out + (size_t)c * GP;
-            for (int g = 0; g < GP; g++) r[g] = 0.0f;
-            for (int j = 0; j < dsub; j++)
-                for (int g = 0; g < GP; g++) r[g] += cv[j] * qt[j * GP + g];
-        }
-    }
-}
-
-/* o (G, d) = per sub-space m: sum_c table[m][c][g] * C_v[m][c] (the value codebook applied once). */
-static inline __attribute__((always_inline)) void vq_table_out(const int GP, int G, const kvpq_pq *pq, int d,
-                                                              const float *restrict table, float *restrict acc,
-                                                              float *restrict o) {
-    const int M = pq->p.M, ksub = pq->ksub, dsub = pq->dsub;
-    for (int m = 0; m < M; m++) {
-        for (int i = 0; i < dsub * GP; i++) acc[i] = 0.0f;
-        const float *book = kvpq__pq_book(pq, m);
-        const float *tm = table + (size_t)m * ksub * GP;
-        for (int c = 0; c < ksub; c++) {
-            const float *cv = book + (size_t)c * dsub, *w = tm + (size_t)c * GP;
-            for (int j = 0; j < dsub; j++)
-                for (int g = 0; g < GP; g++) acc[j * GP + g] += cv[j] * w[g];
-        }
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < dsub; j++) o[(size_t)g * d + m * dsub + j] = acc[j * GP + g];
-    }
-}
-
 /* Softmax state of one group's queries over coded positions [t0, t1) of KV head h. part gets
  * m (gp), d (gp), o (gp, head_dim) with o in the value codebook's space (rotated if value_rotate). */
 static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int h, const float *q, int t0, int t1,
@@ -439,13 +395,12 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     for (int g = 0; g < G; g++)
         for (int j = 0; j < d; j++) s->qr[(size_t)g * d + j] = q[(size_t)g * d + j] * lam[j] * st->scale;
     kvpq_hadamard(s->qr, G, d);
-    float *qt = s->o; /* (dsub, gp) scratch, free until the merge */
-    switch (gp) {
-    case 1: vq_lut_build(1, kpq, d, s->qr, qt, s->lut); break;
-    case 4: vq_lut_build(4, kpq, d, s->qr, qt, s->lut); break;
-    case 8: vq_lut_build(8, kpq, d, s->qr, qt, s->lut); break;
-    default: vq_lut_build(gp, kpq, d, s->qr, qt, s->lut); break;
-    }
+    /* qt (M, dsub, gp) = q' regrouped by sub-space with the heads innermost (padded lanes zero). */
+    float *qt = s->o; /* (gp, head_dim) floats, free until the merge */
+    memset(qt, 0, (size_t)gp * d * sizeof(float));
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < d; i++) qt[(size_t)i * gp + g] = s->qr[(size_t)g * d + i];
+    K->lut_build(kpq->p.M, kpq->ksub, kpq->dsub, kpq->n_books, kpq->centroids, gp, qt, s->lut);
     const size_t table_rows = (size_t)vpq->p.M * vpq->ksub;
     memset(s->table, 0, table_rows * gp * sizeof(float));
     const int kbits8 = kpq->p.nbits == 8, vbits8 = vpq->p.nbits == 8;
@@ -474,12 +429,10 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
         }
         t += n;
     }
-    switch (gp) {
-    case 1: vq_table_out(1, G, vpq, d, s->table, s->acc, po); break;
-    case 4: vq_table_out(4, G, vpq, d, s->table, s->acc, po); break;
-    case 8: vq_table_out(8, G, vpq, d, s->table, s->acc, po); break;
-    default: vq_table_out(gp, G, vpq, d, s->table, s->acc, po); break;
-    }
+    /* (M, dsub, gp) = (head_dim, gp) in s->o, then heads outermost into the part. */
+    K->table_out(vpq->p.M, vpq->ksub, vpq->dsub, vpq->n_books, vpq->centroids, gp, s->table, s->o);
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < d; i++) po[(size_t)g * d + i] = s->o[(size_t)i * gp + g];
 }
 
 /* Merge b into a, treating d == 0 as the empty state (m = -inf). */
@@ -526,19 +479,10 @@ static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, con
         float *o = s->o + (size_t)g * d;
         if (nw > 0) {
             K->dot_rows(nw, d, q + (size_t)g * d, s->wkf, s->ws);
-            float mx = -INFINITY;
-            for (int t = 0; t < nw; t++) {
-                s->ws[t] *= st->scale;
-                mx = fmaxf(mx, s->ws[t]);
-            }
-            float sum = 0.0f;
-            memset(s->ow, 0, (size_t)d * sizeof(float));
-            for (int t = 0; t < nw; t++) {
-                float p = expf(s->ws[t] - mx);
-                sum += p;
-                const float *vt = s->wvf + (size_t)t * d;
-                for (int j = 0; j < d; j++) s->ow[j] += p * vt[j];
-            }
+            for (int t = 0; t < nw; t++) s->ws[t] *= st->scale;
+            float mx = -INFINITY, sum = 0.0f, r;
+            K->softmax_step(nw, 1, s->ws, &mx, &sum, &r); /* ws <- exp(ws - max) */
+            K->weighted_sum(nw, d, s->ws, s->wvf, s->ow);
             kvpq_softmax_state b = {mx, sum};
             vq_merge(&acc, o, &b, s->ow, d);
         }
@@ -553,14 +497,23 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
     const int nkv = st->n_head_kv, d = st->head_dim, G = st->group, gp = st->gp, nt = st->n_threads;
     if (G > 64) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "VQ cache: %d query heads per KV head (at most 64)", G);
     const int P = len - n_q, nc = L->n_coded;
-    /* Split one head's coded context when there are too few (query, head) jobs for the threads. */
+    /* Split one head's coded context when there are too few (query, head) jobs for the threads:
+     * pick the split count minimizing rounds x (work per job + a fixed per-job cost of about 1/32
+     * of a whole context: LUT build, table clear, value output), splits of >= VQ_MIN_SPLIT tokens. */
     const int base_jobs = n_q * nkv;
     int n_split = 1;
-    if (nt > 1 && base_jobs < 4 * nt) {
-        n_split = (4 * nt + base_jobs - 1) / base_jobs;
+    if (nt > 1 && base_jobs < 2 * nt) {
         int smax = nc / VQ_MIN_SPLIT;
-        if (smax < 1) smax = 1;
-        if (n_split > smax) n_split = smax;
+        if (smax > 4 * nt) smax = 4 * nt;
+        double best = 1e30;
+        for (int sp = 1; sp <= smax; sp++) {
+            int rounds = (base_jobs * sp + nt - 1) / nt;
+            double cost = rounds * (1.0 / sp + 1.0 / 32);
+            if (cost < best - 1e-9) {
+                best = cost;
+                n_split = sp;
+            }
+        }
     }
     const int n_jobs = base_jobs * n_split;
     const size_t psz = (size_t)gp * (2 + d);

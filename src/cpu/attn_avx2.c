@@ -146,7 +146,8 @@ static void pv_avx2(const float *P, int R, int ldp, const float *V, int n, int h
         }
         for (; c + 8 <= hd; c += 8) {
             __m256 a0 = _mm256_loadu_ps(o + c);
-            for (int t = 0; t < n; t++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(V + (size_t)t * hd + c), a0);
+            for (int t = 0; t < n; t++)
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(V + (size_t)t * hd + c), a0);
             _mm256_storeu_ps(o + c, a0);
         }
         for (; c < hd; c++) {
@@ -287,6 +288,21 @@ static void dequant_bits_avx2(const unsigned char *codes, int bits, int n, const
     }
 }
 
+static void dequant_bits_g32_avx2(const unsigned char *codes, int bits, int n, const float *scale32,
+                                  const float *min32, float *x) {
+    for (int c = 0; c < n; c += 32, codes += 4 * bits) {
+        __m128i q[2];
+        unpack32(codes, bits, &q[0], &q[1]);
+        const __m256 sc = _mm256_set1_ps(scale32[c / 32]), mn = _mm256_set1_ps(min32[c / 32]);
+        for (int h = 0; h < 2; h++)
+            for (int e = 0; e < 16; e += 8) {
+                __m128i qq = e ? _mm_srli_si128(q[h], 8) : q[h];
+                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(qq));
+                _mm256_storeu_ps(x + c + 16 * h + e, _mm256_fmadd_ps(f, sc, mn));
+            }
+    }
+}
+
 const kvpq_attn_kernels kvpq__attn_avx2 = {
     .name = "avx2",
     .qk = qk_avx2,
@@ -301,5 +317,6 @@ const kvpq_attn_kernels kvpq__attn_avx2 = {
     .dequant_q8_0 = dequant_q8_0_avx2,
     .dequant_q4_0 = dequant_q4_0_avx2,
     .dequant_bits = dequant_bits_avx2,
+    .dequant_bits_g32 = dequant_bits_g32_avx2,
 };
 #endif

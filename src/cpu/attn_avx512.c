@@ -247,30 +247,46 @@ static void dequant_q4_0_avx512(const void *blocks, size_t n_blocks, float *x) {
     }
 }
 
+/* 32 codes of `bits` bits (2 or 4) as 32 bytes, in order, in two 128-bit halves. */
+static inline void unpack32_512(const unsigned char *codes, int bits, __m128i *q) {
+    if (bits == 4) {
+        const __m128i m = _mm_set1_epi8(0x0f);
+        __m128i b = _mm_loadu_si128((const __m128i *)codes);
+        __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+        q[0] = _mm_unpacklo_epi8(l, h);
+        q[1] = _mm_unpackhi_epi8(l, h);
+    } else {
+        const __m128i m = _mm_set1_epi8(0x03);
+        __m128i b = _mm_loadl_epi64((const __m128i *)codes);
+        __m128i p0 = _mm_and_si128(b, m), p1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+        __m128i p2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), p3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+        __m128i u01 = _mm_unpacklo_epi8(p0, p1), u23 = _mm_unpacklo_epi8(p2, p3);
+        q[0] = _mm_unpacklo_epi16(u01, u23);
+        q[1] = _mm_unpackhi_epi16(u01, u23);
+    }
+}
+
 static void dequant_bits_avx512(const unsigned char *codes, int bits, int n, const float *scale, const float *min,
                                 float *x) {
     for (int c = 0; c < n; c += 32, codes += 4 * bits) {
         __m128i q[2];
-        if (bits == 4) {
-            const __m128i m = _mm_set1_epi8(0x0f);
-            __m128i b = _mm_loadu_si128((const __m128i *)codes);
-            __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-            q[0] = _mm_unpacklo_epi8(l, h);
-            q[1] = _mm_unpackhi_epi8(l, h);
-        } else {
-            const __m128i m = _mm_set1_epi8(0x03);
-            __m128i b = _mm_loadl_epi64((const __m128i *)codes);
-            __m128i p0 = _mm_and_si128(b, m), p1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
-            __m128i p2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), p3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
-            __m128i u01 = _mm_unpacklo_epi8(p0, p1), u23 = _mm_unpacklo_epi8(p2, p3);
-            q[0] = _mm_unpacklo_epi16(u01, u23);
-            q[1] = _mm_unpackhi_epi16(u01, u23);
-        }
+        unpack32_512(codes, bits, q);
         for (int h = 0; h < 2; h++) {
             __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[h]));
             int o = c + 16 * h;
             _mm512_storeu_ps(x + o, _mm512_fmadd_ps(f, _mm512_loadu_ps(scale + o), _mm512_loadu_ps(min + o)));
         }
+    }
+}
+
+static void dequant_bits_g32_avx512(const unsigned char *codes, int bits, int n, const float *scale32,
+                                    const float *min32, float *x) {
+    for (int c = 0; c < n; c += 32, codes += 4 * bits) {
+        __m128i q[2];
+        unpack32_512(codes, bits, q);
+        const __m512 sc = _mm512_set1_ps(scale32[c / 32]), mn = _mm512_set1_ps(min32[c / 32]);
+        _mm512_storeu_ps(x + c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[0])), sc, mn));
+        _mm512_storeu_ps(x + c + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[1])), sc, mn));
     }
 }
 
@@ -288,5 +304,6 @@ const kvpq_attn_kernels kvpq__attn_avx512 = {
     .dequant_q8_0 = dequant_q8_0_avx512,
     .dequant_q4_0 = dequant_q4_0_avx512,
     .dequant_bits = dequant_bits_avx512,
+    .dequant_bits_g32 = dequant_bits_g32_avx512,
 };
 #endif

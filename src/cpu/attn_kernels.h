@@ -40,6 +40,9 @@ typedef struct {
      * 4) bits packed LSB-first. Bit-exact at every level (one fused or two rounded ops: the SIMD
      * levels use FMA, the reference fmaf). */
     void (*dequant_bits)(const unsigned char *codes, int bits, int n, const float *scale, const float *min, float *x);
+    /* The same with one scale and min per 32 consecutive codes: scale32, min32 (n / 32). */
+    void (*dequant_bits_g32)(const unsigned char *codes, int bits, int n, const float *scale32, const float *min32,
+                             float *x);
 } kvpq_attn_kernels;
 
 extern const kvpq_attn_kernels kvpq__attn_ref;

@@ -95,6 +95,15 @@ static void dequant_bits_ref(const unsigned char *codes, int bits, int n, const 
     }
 }
 
+static void dequant_bits_g32_ref(const unsigned char *codes, int bits, int n, const float *scale32,
+                                 const float *min32, float *x) {
+    const int mask = (1 << bits) - 1;
+    for (int c = 0; c < n; c++) {
+        int q = (codes[c * bits / 8] >> (c * bits % 8)) & mask;
+        x[c] = fmaf((float)q, scale32[c / 32], min32[c / 32]);
+    }
+}
+
 const kvpq_attn_kernels kvpq__attn_ref = {
     .name = "scalar",
     .qk = qk_ref,
@@ -109,6 +118,7 @@ const kvpq_attn_kernels kvpq__attn_ref = {
     .dequant_q8_0 = dequant_q8_0_ref,
     .dequant_q4_0 = dequant_q4_0_ref,
     .dequant_bits = dequant_bits_ref,
+    .dequant_bits_g32 = dequant_bits_g32_ref,
 };
 
 const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) {

@@ -61,6 +61,41 @@ void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *t
         for (int g = 0; g < gp; g++) table[r * gp + g] *= rescale[g];
 }
 
+void kvpq__vq_lut_build_ref(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                            float *lut) {
+    for (int m = 0; m < M; m++) {
+        const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub, *q = qt + (size_t)m * dsub * gp;
+        for (int c = 0; c < ksub; c++) {
+            float *r = lut + ((size_t)m * ksub + c) * gp;
+            for (int g = 0; g < gp; g++) {
+                float a = 0.0f;
+                for (int j = 0; j < dsub; j++) a += book[(size_t)c * dsub + j] * q[j * gp + g];
+                r[g] = a;
+            }
+        }
+    }
+}
+
+void kvpq__vq_table_out_ref(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                            float *out) {
+    for (int m = 0; m < M; m++) {
+        const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub;
+        float *o = out + (size_t)m * dsub * gp;
+        for (int i = 0; i < dsub * gp; i++) o[i] = 0.0f;
+        for (int c = 0; c < ksub; c++) {
+            const float *w = table + ((size_t)m * ksub + c) * gp;
+            for (int j = 0; j < dsub; j++)
+                for (int g = 0; g < gp; g++) o[j * gp + g] += book[(size_t)c * dsub + j] * w[g];
+        }
+    }
+}
+
+void kvpq__vq_weighted_sum_ref(int n, int d, const float *p, const float *v, float *out) {
+    for (int j = 0; j < d; j++) out[j] = 0.0f;
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < d; j++) out[j] += p[t] * v[(size_t)t * d + j];
+}
+
 void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *out) {
     for (int t = 0; t < n; t++) {
         float acc = 0.0f;
@@ -90,6 +125,9 @@ static void init_tables(void) {
         .accum_u16 = kvpq__vq_accum_u16_ref,
         .softmax_step = kvpq__vq_softmax_step_ref,
         .scale_rows = kvpq__vq_scale_rows_ref,
+        .lut_build = kvpq__vq_lut_build_ref,
+        .table_out = kvpq__vq_table_out_ref,
+        .weighted_sum = kvpq__vq_weighted_sum_ref,
         .dot_rows = kvpq__vq_dot_rows_ref,
         .f16_to_f32 = kvpq__vq_f16_to_f32_ref,
         .f32_to_f16 = kvpq__vq_f32_to_f16_ref,

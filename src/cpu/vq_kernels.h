@@ -32,6 +32,14 @@ typedef struct {
     int (*softmax_step)(int n, int gp, float *s, float *m, float *d, float *rescale);
     /* table (rows, gp) *= rescale (gp) per lane. */
     void (*scale_rows)(size_t rows, int gp, const float *rescale, float *table);
+    /* lut (M, ksub, gp): lut[m][c][g] = sum_j C[m][c][j] * qt[m][j][g], with C the centroids
+     * (n_books, ksub, dsub) (book 0 for every m when n_books == 1) and qt (M, dsub, gp). */
+    void (*lut_build)(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt, float *lut);
+    /* out (M, dsub, gp): out[m][j][g] = sum_c table[m][c][g] * C[m][c][j] (the value codebook
+     * applied once to the accumulated weights). */
+    void (*table_out)(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table, float *out);
+    /* out (d) = sum_t p[t] * v[t] for v (n, d) (window values). */
+    void (*weighted_sum)(int n, int d, const float *p, const float *v, float *out);
     /* out[t] = q . k[t] for k (n, d) (window scores). */
     void (*dot_rows)(int n, int d, const float *q, const float *k, float *out);
     /* IEEE half <-> float, round to nearest even (the window's storage). */
@@ -48,6 +56,11 @@ void kvpq__vq_accum_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes,
 void kvpq__vq_accum_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float *rescale);
 void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *table);
+void kvpq__vq_lut_build_ref(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                            float *lut);
+void kvpq__vq_table_out_ref(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                            float *out);
+void kvpq__vq_weighted_sum_ref(int n, int d, const float *p, const float *v, float *out);
 void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *out);
 void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst);
 void kvpq__vq_f32_to_f16_ref(size_t n, const float *src, uint16_t *dst);
@@ -62,6 +75,10 @@ void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes
 void kvpq__vq_accum_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_avx2(int n, int gp, float *s, float *m, float *d, float *rescale);
 void kvpq__vq_scale_rows_avx2(size_t rows, int gp, const float *rescale, float *table);
+void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                             float *lut);
+void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                             float *out);
 #endif
 
 #endif
