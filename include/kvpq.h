@@ -151,7 +151,7 @@ KVPQ_API size_t kvpq_pq_code_size(const kvpq_pq *pq);
 typedef struct {
     int niter;                    /* Lloyd iterations (default 25, as faiss Kmeans) */
     int max_points_per_centroid;  /* subsample to at most ksub * this points (default 256, faiss) */
-    uint64_t seed;                /* same seed, same data, same threads count -> same codebook */
+    uint64_t seed;                /* same seed, same data -> same codebook (any thread count) */
     int n_threads;                /* 0 = OpenMP default */
     kvpq_progress_fn progress;    /* optional */
     void *progress_user;
