@@ -151,7 +151,7 @@ KVPQ_API size_t kvpq_pq_code_size(const kvpq_pq *pq);
 typedef struct {
     int niter;                    /* Lloyd iterations (default 25, as faiss Kmeans) */
     int max_points_per_centroid;  /* subsample to at most ksub * this points (default 256, faiss) */
-    uint64_t seed;                /* same seed, same data, same threads count -> same codebook */
+    uint64_t seed;                /* same seed, same data -> same codebook (any thread count) */
     int n_threads;                /* 0 = OpenMP default */
     kvpq_progress_fn progress;    /* optional */
     void *progress_user;
@@ -441,6 +441,89 @@ KVPQ_API kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, 
  * text), up to cap bytes into buf, no NUL added; *len gets the full length. Concatenating the pieces
  * of kvpq_vocab_tokenize's output gives back the text. Errors: token out of range. */
 KVPQ_API kvpq_status kvpq_vocab_piece(const kvpq_vocab *v, int32_t token, char *buf, size_t cap, size_t *len);
+
+/* ---- CUDA ----------------------------------------------------------------------------------- */
+/*
+ * Device-pointer API (docs/CUDA.md). Every function below exists in every build; without CUDA, or
+ * without a usable GPU, they fail with KVPQ_ERR_NO_DEVICE naming why. Pointers documented as
+ * "device" are cudaMalloc'd memory of the current device. Calls are synchronous: they return after
+ * the GPU work finished, and a CUDA failure comes back as KVPQ_ERR_DEVICE with CUDA's error string.
+ * kvpq_cache_new with backend CUDA fails with KVPQ_ERR_UNSUPPORTED (the host-pointer cache runs on
+ * the CPU; a GPU cache takes device pointers, below), and AUTO resolves to CPU for kvpq_cache.
+ */
+
+/* 1 if the library was built with CUDA and a device is usable; else 0 and `why` (n bytes, may be
+ * NULL) says why ("built without CUDA", "no CUDA device: <cuda error>", ...). */
+KVPQ_API int kvpq_cuda_available(char *why, size_t n);
+
+/* A product quantizer resident on the GPU: codebook(s) and norms uploaded once, plus the key
+ * transforms of VecInfer sec. 3 for n_head_kv heads: x / lambda (per head and channel) when lambda
+ * is given, then the normalized Hadamard rotation when rotate != 0. */
+typedef struct kvpq_cuda_pq kvpq_cuda_pq;
+
+/* pq: trained host quantizer (d = 64, 128 or 256; copied, may be freed after). lambda: host
+ * (n_head_kv, d) smoothing factors (> 0, finite) or NULL. Errors: KVPQ_ERR_UNSUPPORTED (d),
+ * KVPQ_ERR_INVALID_ARG, KVPQ_ERR_NO_DEVICE, KVPQ_ERR_DEVICE. */
+KVPQ_API kvpq_status kvpq_cuda_pq_new(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_head_kv, const float *lambda,
+                                      int rotate);
+KVPQ_API void kvpq_cuda_pq_free(kvpq_cuda_pq *q);
+
+/* Encode n_tokens rows: x device (n_tokens, n_head_kv, d) float32 -> codes device
+ * (n_tokens, n_head_kv, code_size) bytes, packed as kvpq_pq_encode. One fused kernel (transforms,
+ * nearest centroid by ||c||^2 - 2 x.c, packing); no intermediate in device memory. Same codes as
+ * the CPU except where two centroid distances are within float rounding. Errors:
+ * KVPQ_ERR_NONFINITE (NaN/Inf in x; codes are then unspecified), KVPQ_ERR_DEVICE. */
+KVPQ_API kvpq_status kvpq_cuda_pq_encode(const kvpq_cuda_pq *q, size_t n_tokens, const float *x, uint8_t *codes);
+
+/* Decode (gather) back to the original space: centroids, inverse rotation, times lambda.
+ * codes device (n_tokens, n_head_kv, code_size) -> x device (n_tokens, n_head_kv, d). */
+KVPQ_API kvpq_status kvpq_cuda_pq_decode(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes, float *x);
+
+/* A device-resident VQ cache of ONE layer for a batch of sequences: pages of key/value codes in
+ * device memory (a page holds page_tokens positions of every KV head), a page table per sequence,
+ * and the newest `window` positions of each sequence also kept in float32. */
+typedef struct kvpq_cuda_cache kvpq_cuda_cache;
+
+typedef struct {
+    int n_head;          /* query heads; n_head % n_head_kv == 0 */
+    int n_head_kv;
+    int head_dim;        /* 64, 128 or 256 */
+    int n_seq;           /* sequences (batch rows) the cache holds */
+    int max_seq;         /* positions per sequence */
+    int window;          /* newest positions kept in float32 (default 128; 0 = none) */
+    int page_tokens;     /* positions per page, a multiple of 32 (default 256) */
+    int n_pages;         /* pages in the pool shared by all sequences (0: enough for n_seq * max_seq) */
+    const kvpq_pq *key;  /* key quantizer (d = head_dim), copied */
+    const kvpq_pq *value;/* value quantizer (d = head_dim), copied */
+    const float *key_smooth; /* host (n_head_kv, head_dim) lambda, or NULL for none */
+    int value_rotate;    /* 1: values are Hadamard-rotated before encoding */
+} kvpq_cuda_cache_params;
+KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
+
+/* Errors: KVPQ_ERR_INVALID_ARG / KVPQ_ERR_UNSUPPORTED naming the field, KVPQ_ERR_NO_DEVICE,
+ * KVPQ_ERR_DEVICE (including out of device memory). */
+KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p);
+KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c);
+
+/* Append n positions to sequence `seq`: k, v device (n, n_head_kv, head_dim) float32, keys
+ * post-RoPE. Errors: KVPQ_ERR_NONFINITE, KVPQ_ERR_CAPACITY, KVPQ_ERR_DEVICE; on error the
+ * sequence is unchanged. */
+KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int seq, int n, const float *k, const float *v);
+
+/* Decode attention of one query per sequence for sequences 0..n_seq-1 (each holding >= 1
+ * position; the query is the newest one and attends to all positions held), scale 1/sqrt(head_dim),
+ * query head h reading KV head h / (n_head / n_head_kv). Scores from codes through per-query LUTs,
+ * values decoded from the value codebook and summed, the window in float32, splits of the sequence
+ * merged by the online-softmax {m, d, o} rule (flash-decoding).
+ * q, out: device (n_seq, n_head, head_dim) float32. */
+KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const float *q, float *out);
+
+/* Positions held by sequence seq (-1 if out of range). */
+KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq);
+/* Drop every position of sequence seq (its pages go back to the pool). */
+KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq);
+/* Device bytes held: code pages in use, window, codebooks, page tables. */
+KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache *c);
 
 #ifdef __cplusplus
 }

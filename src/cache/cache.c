@@ -142,6 +142,14 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
                              kvpq_cache_type_name(p->type));
         got = KVPQ_BACKEND_CPU;
     }
+    /* kvpq_cache takes host pointers, so it runs on the CPU; the GPU cache is kvpq_cuda_cache_*
+     * (device pointers, docs/CUDA.md). AUTO therefore resolves to the CPU here. */
+    if (got == KVPQ_BACKEND_CUDA) {
+        if (p->backend == KVPQ_BACKEND_CUDA)
+            return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: kvpq_cache takes host pointers and runs on the CPU; "
+                             "use kvpq_cuda_cache_new (device pointers) for the GPU", type_names[p->type]);
+        got = KVPQ_BACKEND_CPU;
+    }
     q.backend = got;
     kvpq_cache *c = calloc(1, sizeof *c);
     if (!c || !(c->len = calloc((size_t)p->n_layer, sizeof *c->len))) {

@@ -1,5 +1,5 @@
 /* nn_avx2.c — nearest-centroid search, AVX2+FMA: 8 centroids per register, 2 sub-vectors per pass
- * (16 ymm registers: 2 x {acc, best, index} plus the centroid loads). */
+ * (16 ymm registers: 2 x {acc A, acc B, best, index} plus the centroid loads). */
 #include <immintrin.h>
 #include <math.h>
 
@@ -22,21 +22,34 @@ static inline __attribute__((always_inline)) void nn_pass(const kvpq_nn_book *b,
     __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i step = _mm256_set1_epi32(8);
     const int kpad = b->kpad;
-    for (int c = 0; c < kpad; c += 8) {
-        __m256 nrm = _mm256_loadu_ps(b->norms + c);
-        __m256 acc[NB];
-        for (int v = 0; v < nb; v++) acc[v] = nrm;
+    /* kpad is a multiple of 16: two 8-centroid blocks A, B per step. Their pairwise minimum (A on
+     * ties: B must be strictly smaller) is merged into the running best once, which costs fewer
+     * compare/blend uops than merging each block, and picks the same index as a sequential scan.
+     * (min_ps(a, b) is exactly a < b ? a : b, so it equals the blend on the strict comparison.) */
+    const __m256i step2 = _mm256_add_epi32(step, step);
+    for (int c = 0; c < kpad; c += 16) {
+        __m256 nrmA = _mm256_loadu_ps(b->norms + c), nrmB = _mm256_loadu_ps(b->norms + c + 8);
+        __m256 accA[NB], accB[NB];
+        for (int v = 0; v < nb; v++) accA[v] = nrmA, accB[v] = nrmB;
         for (int j = 0; j < dsub; j++) {
-            __m256 cj = _mm256_loadu_ps(b->ct + (size_t)j * kpad + c);
-            for (int v = 0; v < nb; v++) acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(m2x[v][j]), cj, acc[v]);
+            __m256 cA = _mm256_loadu_ps(b->ct + (size_t)j * kpad + c);
+            __m256 cB = _mm256_loadu_ps(b->ct + (size_t)j * kpad + c + 8);
+            for (int v = 0; v < nb; v++) {
+                __m256 xv = _mm256_set1_ps(m2x[v][j]);
+                accA[v] = _mm256_fmadd_ps(xv, cA, accA[v]);
+                accB[v] = _mm256_fmadd_ps(xv, cB, accB[v]);
+            }
         }
+        const __m256i curB = _mm256_add_epi32(cur, step);
         for (int v = 0; v < nb; v++) {
-            __m256 lt = _mm256_cmp_ps(acc[v], best[v], _CMP_LT_OQ);
-            best[v] = _mm256_blendv_ps(best[v], acc[v], lt);
-            bidx[v] = _mm256_castps_si256(
-                _mm256_blendv_ps(_mm256_castsi256_ps(bidx[v]), _mm256_castsi256_ps(cur), lt));
+            __m256 bLt = _mm256_cmp_ps(accB[v], accA[v], _CMP_LT_OQ);
+            __m256 m = _mm256_min_ps(accB[v], accA[v]); /* accB < accA ? accB : accA, = blend on bLt */
+            __m256 mi = _mm256_blendv_ps(_mm256_castsi256_ps(cur), _mm256_castsi256_ps(curB), bLt);
+            __m256 lt = _mm256_cmp_ps(m, best[v], _CMP_LT_OQ);
+            best[v] = _mm256_min_ps(m, best[v]); /* m < best ? m : best, = blend on lt */
+            bidx[v] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bidx[v]), mi, lt));
         }
-        cur = _mm256_add_epi32(cur, step);
+        cur = _mm256_add_epi32(cur, step2);
     }
     for (int v = 0; v < nb; v++) {
         float bv[8];

@@ -264,12 +264,15 @@ static void score_u8_off_g4(int n, int M, int ksub, const uint8_t *codes, const 
         const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
         make_offsets(nb, M, ksub, 2, codes + (size_t)t0 * M, offs);
         float *sb = s + (size_t)t0 * 4;
-        for (int m0 = 0; m0 < M; m0 += 4)
+        /* 8 sub-spaces per pass: their LUT slices (32 KiB) still fit L1 with the scores. */
+        for (int m0 = 0; m0 < M; m0 += 8)
             for (int t = 0; t < nb; t++) {
                 const uint16_t *o = offs + (size_t)t * M + m0;
                 __m128 a = _mm_add_ps(_mm_loadu_ps(lut + o[0]), _mm_loadu_ps(lut + o[1]));
                 __m128 b = _mm_add_ps(_mm_loadu_ps(lut + o[2]), _mm_loadu_ps(lut + o[3]));
-                a = _mm_add_ps(a, b);
+                __m128 c = _mm_add_ps(_mm_loadu_ps(lut + o[4]), _mm_loadu_ps(lut + o[5]));
+                __m128 e = _mm_add_ps(_mm_loadu_ps(lut + o[6]), _mm_loadu_ps(lut + o[7]));
+                a = _mm_add_ps(_mm_add_ps(a, b), _mm_add_ps(c, e));
                 if (m0) a = _mm_add_ps(a, _mm_loadu_ps(sb + (size_t)t * 4));
                 _mm_storeu_ps(sb + (size_t)t * 4, a);
             }
@@ -300,11 +303,11 @@ static void accum_u8_off_g4(int n, int M, int ksub, const uint8_t *codes, const 
         const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
         make_offsets(nb, M, ksub, 2, codes + (size_t)t0 * M, offs);
         const float *pb = p + (size_t)t0 * 4;
-        for (int m0 = 0; m0 < M; m0 += 4)
+        for (int m0 = 0; m0 < M; m0 += 8)
             for (int t = 0; t < nb; t++) {
                 const uint16_t *o = offs + (size_t)t * M + m0;
                 const __m128 pv = _mm_loadu_ps(pb + (size_t)t * 4);
-                for (int u = 0; u < 4; u++) {
+                for (int u = 0; u < 8; u++) {
                     float *r = table + o[u];
                     _mm_storeu_ps(r, _mm_add_ps(_mm_loadu_ps(r), pv));
                 }

@@ -1,0 +1,280 @@
+/* gpu_bench_kernels.cu — timings of the CUDA backend for bench/gpu_bench.py (which runs the
+ * PyTorch baselines beside it and draws the figures). Prints one JSON object per line.
+ *
+ *   encode: ours (fused kernel, kernel time; and the synchronous public call, host time) against
+ *           the seed design written here as the baseline: one thread per sub-vector, codebook read
+ *           from device memory, no smoothing/rotation/packing (so the baseline does less work).
+ *   attend: kvpq_cuda_cache attention from 2-bit codes (K and V dsub 4, nbits 8, window 128),
+ *           kernel time of the split + combine launches replayed from a CUDA graph.
+ * Times: CUDA events; median over repeats of the mean over a graph of launches; inputs rotate over
+ * several buffers so that they are not served from L2.
+ * Usage: gpu_bench_kernels [quick] | attend B L | encode   (the last two: one shape, for ncu) */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "cuda/common.cuh"
+
+#define CK(call)                                                                              \
+    do {                                                                                      \
+        cudaError_t e_ = (call);                                                              \
+        if (e_ != cudaSuccess) {                                                              \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                          \
+        }                                                                                     \
+    } while (0)
+#define KV(call)                                                                                       \
+    do {                                                                                               \
+        kvpq_status s_ = (call);                                                                       \
+        if (s_ != KVPQ_OK) {                                                                           \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, kvpq_last_error());           \
+            exit(1);                                                                                   \
+        }                                                                                              \
+    } while (0)
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static float nrand() {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    double u = ((g_rng >> 11) + 1) * (1.0 / 9007199254740993.0);
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    double v = (g_rng >> 11) * (1.0 / 9007199254740992.0);
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+
+/* The seed design: one thread per sub-vector, codebook in device memory. */
+__global__ void seed_encode_kernel(const float *x, const float *C, long long n_sub, int dsub, int ksub, uint16_t *idx) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_sub) return;
+    const float *xs = x + i * dsub;
+    float best = INFINITY;
+    int bi = 0;
+    for (int c = 0; c < ksub; c++) {
+        float d = 0.f;
+        for (int j = 0; j < dsub; j++) {
+            float t = xs[j] - C[c * dsub + j];
+            d += t * t;
+        }
+        if (d < best) {
+            best = d;
+            bi = c;
+        }
+    }
+    idx[i] = (uint16_t)bi;
+}
+
+/* Median over `reps` of the mean time (us) of `iters` calls of f captured in one CUDA graph. */
+template <typename F>
+static double time_graph(F f, int iters, int reps, cudaStream_t st) {
+    f(st);  /* warm-up outside the capture (module load, attributes) */
+    CK(cudaStreamSynchronize(st));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < iters; i++) f(st);
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphLaunch(ge, st));
+    CK(cudaStreamSynchronize(st));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    std::vector<double> ts;
+    for (int r = 0; r < reps; r++) {
+        CK(cudaEventRecord(a, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(b, st));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        ts.push_back(ms * 1000.0 / iters);
+    }
+    CK(cudaGetLastError());
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2];
+}
+
+static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick) {
+    kvpq_pq_params pp = {D, D / dsub, nbits, KVPQ_CODEBOOK_SHARED};
+    kvpq_pq *pq;
+    KV(kvpq_pq_new(&pq, &pp));
+    size_t ncent = kvpq_pq_centroids_size(pq);
+    std::vector<float> cent(ncent), lam((size_t)H * D);
+    for (auto &c : cent) c = nrand();
+    for (auto &l : lam) l = 0.5f + fabsf(nrand());
+    KV(kvpq_pq_set_centroids(pq, cent.data(), ncent));
+    size_t free0, free1, total;
+    CK(cudaMemGetInfo(&free0, &total));
+    kvpq_cuda_pq *q;
+    KV(kvpq_cuda_pq_new(&q, pq, H, lam.data(), 1));
+    CK(cudaMemGetInfo(&free1, &total));
+    const int NB = 4;  /* rotating input sets */
+    size_t nx = (size_t)S * H * D, cs = kvpq_pq_code_size(pq), ncode = (size_t)S * H * cs;
+    long long n_sub = (long long)S * H * (D / dsub);
+    std::vector<float> hx(nx);
+    for (auto &v : hx) v = nrand();
+    float *dx[NB];
+    uint8_t *dc[NB];
+    uint16_t *didx[NB];
+    float *dC;
+    for (int i = 0; i < NB; i++) {
+        CK(cudaMalloc(&dx[i], nx * 4));
+        CK(cudaMalloc(&dc[i], ncode));
+        CK(cudaMalloc(&didx[i], n_sub * 2));
+        CK(cudaMemcpy(dx[i], hx.data(), nx * 4, cudaMemcpyHostToDevice));
+    }
+    CK(cudaMalloc(&dC, ncent * 4));
+    CK(cudaMemcpy(dC, cent.data(), ncent * 4, cudaMemcpyHostToDevice));
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    int it = 0, iters = quick ? 4 : 20, reps = quick ? 3 : 15;
+    double ours = time_graph(
+        [&](cudaStream_t s) {
+            kvpq__code_dst d = {dc[it % NB], NULL, 0, 1, 0, 0};
+            KV(kvpq__cuda_encode_launch(q, (size_t)S, dx[it % NB], d, s));
+            it++;
+        },
+        iters, reps, st);
+    double seed = time_graph(
+        [&](cudaStream_t s) {
+            seed_encode_kernel<<<(unsigned)((n_sub + 255) / 256), 256, 0, s>>>(dx[it % NB], dC, n_sub, dsub,
+                                                                                1 << nbits, didx[it % NB]);
+            it++;
+        },
+        iters, reps, st);
+    /* the synchronous public call (clears the NaN flag, launches, reads the flag back) */
+    std::vector<double> api;
+    size_t free_a;
+    CK(cudaMemGetInfo(&free_a, &total));
+    for (int r = 0; r < (quick ? 3 : 21); r++) {
+        auto t0 = std::chrono::steady_clock::now();
+        KV(kvpq_cuda_pq_encode(q, (size_t)S, dx[r % NB], dc[r % NB]));
+        auto t1 = std::chrono::steady_clock::now();
+        api.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    std::sort(api.begin(), api.end());
+    size_t free2;
+    CK(cudaMemGetInfo(&free2, &total));
+    double bytes = nx * 4.0 + ncode;
+    printf("{\"op\": \"encode\", \"S\": %d, \"H\": %d, \"D\": %d, \"dsub\": %d, \"nbits\": %d, \"ours_us\": %.3f, "
+           "\"seed_us\": %.3f, \"api_us\": %.3f, \"ours_GBps\": %.1f, \"ours_extra_bytes\": %zu, "
+           "\"ours_extra_bytes_during_encode\": %lld, \"seed_extra_bytes\": 0, \"seed_output_bytes\": %lld}\n",
+           S, H, D, dsub, nbits, ours, seed, api[api.size() / 2], bytes / ours / 1e3, free0 - free1,
+           (long long)free_a - (long long)free2, n_sub * 2);
+    fflush(stdout);
+    for (int i = 0; i < NB; i++) {
+        cudaFree(dx[i]);
+        cudaFree(dc[i]);
+        cudaFree(didx[i]);
+    }
+    cudaFree(dC);
+    cudaStreamDestroy(st);
+    kvpq_cuda_pq_free(q);
+    kvpq_pq_free(pq);
+}
+
+static void bench_attend(int B, int L, int quick) {
+    const int n_head = 32, n_head_kv = 8, D = 128, W = 128;
+    kvpq_pq_params pp = {D, D / 4, 8, KVPQ_CODEBOOK_SHARED};
+    kvpq_pq *kp, *vp;
+    KV(kvpq_pq_new(&kp, &pp));
+    KV(kvpq_pq_new(&vp, &pp));
+    size_t ncent = kvpq_pq_centroids_size(kp);
+    std::vector<float> cent(ncent), lam((size_t)n_head_kv * D);
+    for (auto &c : cent) c = nrand();
+    KV(kvpq_pq_set_centroids(kp, cent.data(), ncent));
+    for (auto &c : cent) c = nrand();
+    KV(kvpq_pq_set_centroids(vp, cent.data(), ncent));
+    for (auto &l : lam) l = 0.5f + fabsf(nrand());
+    kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
+    cp.n_head = n_head;
+    cp.n_head_kv = n_head_kv;
+    cp.head_dim = D;
+    cp.n_seq = B;
+    cp.max_seq = L;
+    cp.window = W;
+    cp.page_tokens = 256;
+    cp.key = kp;
+    cp.value = vp;
+    cp.key_smooth = lam.data();
+    cp.value_rotate = 1;
+    kvpq_cuda_cache *c;
+    KV(kvpq_cuda_cache_new(&c, &cp));
+    const int piece = L < 32768 ? L : 32768;
+    size_t row = (size_t)n_head_kv * D;
+    std::vector<float> hk((size_t)piece * row);
+    for (auto &v : hk) v = nrand();
+    float *dk, *dv;
+    CK(cudaMalloc(&dk, hk.size() * 4));
+    CK(cudaMalloc(&dv, hk.size() * 4));
+    CK(cudaMemcpy(dk, hk.data(), hk.size() * 4, cudaMemcpyHostToDevice));
+    for (auto &v : hk) v = nrand();
+    CK(cudaMemcpy(dv, hk.data(), hk.size() * 4, cudaMemcpyHostToDevice));
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < L; t += piece) KV(kvpq_cuda_cache_append(c, b, std::min(piece, L - t), dk, dv));
+    cudaFree(dk);
+    cudaFree(dv);
+    size_t nq = (size_t)B * n_head * D;
+    std::vector<float> hq(nq);
+    for (auto &v : hq) v = nrand();
+    float *dq, *dout;
+    CK(cudaMalloc(&dq, nq * 4));
+    CK(cudaMalloc(&dout, nq * 4));
+    CK(cudaMemcpy(dq, hq.data(), nq * 4, cudaMemcpyHostToDevice));
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    double us = time_graph([&](cudaStream_t s) { KV(kvpq__cuda_cache_attend_async(c, B, dq, dout, s)); },
+                           quick ? 4 : 20, quick ? 3 : 15, st);
+    /* bytes read: key and value codes of the coded positions, the float32 window, q; written: out */
+    double coded = (double)B * (L - W) * n_head_kv * (kvpq_pq_code_size(kp) + kvpq_pq_code_size(vp));
+    double win = (double)B * W * row * 4 * 2, bytes = coded + win + nq * 4.0;
+    printf("{\"op\": \"attend\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
+           "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu}\n",
+           B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c));
+    fflush(stdout);
+    cudaFree(dq);
+    cudaFree(dout);
+    cudaStreamDestroy(st);
+    kvpq_cuda_cache_free(c);
+    kvpq_pq_free(kp);
+    kvpq_pq_free(vp);
+}
+
+int main(int argc, char **argv) {
+    int quick = argc > 1 && !strcmp(argv[1], "quick");
+    char why[256];
+    if (!kvpq_cuda_available(why, sizeof why)) {
+        printf("{\"skip\": \"%s\"}\n", why);
+        return 77;
+    }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("{\"device\": \"%s\", \"sms\": %d, \"l2_bytes\": %d}\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize);
+    if (argc > 3 && !strcmp(argv[1], "attend")) { /* one shape, for profilers */
+        bench_attend(atoi(argv[2]), atoi(argv[3]), 1);
+        return 0;
+    }
+    if (argc > 1 && !strcmp(argv[1], "encode")) {
+        bench_encode(32768, 8, 128, 4, 8, 1);
+        return 0;
+    }
+    bench_encode(4096, 4, 256, 4, 8, quick);
+    bench_encode(8192, 8, 128, 8, 8, quick);
+    bench_encode(32768, 8, 128, 4, 8, quick);
+    const int Ls[] = {4096, 32768, 131072};
+    for (int bi = 0; bi < 2; bi++)
+        for (int li = 0; li < 3; li++) bench_attend(bi ? 8 : 1, Ls[li], quick);
+    return 0;
+}

@@ -1,0 +1,318 @@
+/* cache_cuda.cu — the device-resident VQ cache of one layer (kvpq_cuda_cache): pages of key and
+ * value codes in device memory handed out from a pool, a page table per sequence, a float32 ring of
+ * the newest `window` positions, and decode attention from the codes (attend.cu). Every position is
+ * encoded when appended; attention reads codes for positions older than the window and the float32
+ * ring for the window, which equals encoding positions as they leave the window. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+
+struct kvpq_cuda_cache {
+    kvpq_cuda_cache_params p;
+    kvpq_cuda_pq *kq, *vq;
+    int max_pages;       /* per sequence */
+    int n_pages;         /* pool */
+    uint8_t *k_pages;    /* device (n_pages, n_head_kv, page_tokens, k_code_size) */
+    uint8_t *v_pages;    /* device (n_pages, n_head_kv, page_tokens, v_code_size) */
+    int *page_table;     /* device (n_seq, max_pages) */
+    int *h_page_table;   /* host mirror */
+    int *free_pages;     /* host stack of free page ids */
+    int n_free;
+    int *seq_len;        /* device (n_seq) */
+    int *h_len;          /* host (n_seq) */
+    float *k_win, *v_win;/* device (n_seq, window, n_head_kv, head_dim) */
+    float *part_o, *part_md;
+    int max_splits;
+};
+
+namespace {
+
+/* Copy positions [first, n) of this append into the ring slots (pos0 + t) % window. */
+__global__ void window_copy_kernel(const float *k, const float *v, float *kw, float *vw, int first, int n, int pos0,
+                                   int window, int row_floats) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long total = (long long)(n - first) * row_floats;
+    if (i >= total) return;
+    int t = first + (int)(i / row_floats), e = (int)(i % row_floats);
+    size_t dst = (size_t)((pos0 + t) % window) * row_floats + e;
+    kw[dst] = k[(size_t)t * row_floats + e];
+    vw[dst] = v[(size_t)t * row_floats + e];
+}
+
+} // namespace
+
+extern "C" KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void) {
+    kvpq_cuda_cache_params p;
+    memset(&p, 0, sizeof p);
+    p.n_head = 32;
+    p.n_head_kv = 8;
+    p.head_dim = 128;
+    p.n_seq = 1;
+    p.max_seq = 4096;
+    p.window = 128;
+    p.page_tokens = 256;
+    p.value_rotate = 0;
+    return p;
+}
+
+extern "C" KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c) {
+    if (!c) return;
+    kvpq_cuda_pq_free(c->kq);
+    kvpq_cuda_pq_free(c->vq);
+    cudaFree(c->k_pages);
+    cudaFree(c->v_pages);
+    cudaFree(c->page_table);
+    cudaFree(c->seq_len);
+    cudaFree(c->k_win);
+    cudaFree(c->v_win);
+    cudaFree(c->part_o);
+    cudaFree(c->part_md);
+    free(c->h_page_table);
+    free(c->free_pages);
+    free(c->h_len);
+    free(c);
+}
+
+static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a) {
+    memset(a, 0, sizeof *a);
+    a->seq_len = c->seq_len;
+    a->page_table = c->page_table;
+    a->max_pages = c->max_pages;
+    a->page_tokens = c->p.page_tokens;
+    a->window = c->p.window;
+    a->k_pages = c->k_pages;
+    a->v_pages = c->v_pages;
+    a->k_code_size = c->kq->code_size;
+    a->v_code_size = c->vq->code_size;
+    a->k_win = c->k_win;
+    a->v_win = c->v_win;
+    a->k_centroids = c->kq->centroids;
+    a->k_ksub = c->kq->ksub;
+    a->k_books = c->kq->n_books;
+    a->k_nbits = c->kq->p.nbits;
+    a->k_dsub = c->kq->dsub;
+    a->v_centroids = c->vq->centroids;
+    a->v_ksub = c->vq->ksub;
+    a->v_books = c->vq->n_books;
+    a->v_nbits = c->vq->p.nbits;
+    a->v_dsub = c->vq->dsub;
+    a->k_lambda = c->kq->lambda;
+    a->v_rotate = c->vq->rotate;
+    a->head_dim = c->p.head_dim;
+    a->n_head = c->p.n_head;
+    a->n_head_kv = c->p.n_head_kv;
+}
+
+extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
+    if (!out || !p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: NULL argument");
+    *out = NULL;
+    if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: head_dim=%d: expected 64, 128 or 256", p->head_dim);
+    if (p->n_head_kv <= 0 || p->n_head <= 0 || p->n_head % p->n_head_kv)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_head=%d must be a positive multiple of n_head_kv=%d",
+                         p->n_head, p->n_head_kv);
+    if (p->n_head / p->n_head_kv > 64)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: %d query heads per KV head (at most 64)",
+                         p->n_head / p->n_head_kv);
+    if (p->n_seq <= 0 || p->max_seq <= 0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_seq=%d and max_seq=%d must be > 0", p->n_seq,
+                         p->max_seq);
+    if (p->window < 0 || p->window > p->max_seq)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: window=%d: expected 0..max_seq=%d", p->window,
+                         p->max_seq);
+    if (p->page_tokens <= 0 || p->page_tokens % 32)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: page_tokens=%d must be a positive multiple of 32",
+                         p->page_tokens);
+    if (p->n_pages < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_pages=%d < 0", p->n_pages);
+    if (!p->key || !p->value) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key or value quantizer is NULL");
+    if (p->key->p.d != p->head_dim || p->value->p.d != p->head_dim)
+        return kvpq__err(KVPQ_ERR_MISMATCH, "kvpq_cuda_cache_new: quantizer d (key %d, value %d) != head_dim %d",
+                         p->key->p.d, p->value->p.d, p->head_dim);
+    KVPQ_TRY(kvpq__cuda_require("kvpq_cuda_cache_new"));
+
+    kvpq_cuda_cache *c = (kvpq_cuda_cache *)calloc(1, sizeof *c);
+    if (!c) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cuda_cache_new: out of memory");
+    c->p = *p;
+    c->p.key = NULL;
+    c->p.value = NULL;
+    c->p.key_smooth = NULL;
+    kvpq_status s = kvpq__cuda_pq_upload(&c->kq, p->key, p->n_head_kv, p->key_smooth, 1);
+    if (s == KVPQ_OK) s = kvpq__cuda_pq_upload(&c->vq, p->value, p->n_head_kv, NULL, p->value_rotate);
+    if (s != KVPQ_OK) {
+        kvpq__err_prefix("kvpq_cuda_cache_new");
+        kvpq_cuda_cache_free(c);
+        return s;
+    }
+    kvpq__attend_params a;
+    fill_attend_params(c, &a);
+    s = kvpq__cuda_attend_check(&a);
+    if (s != KVPQ_OK) {
+        kvpq_cuda_cache_free(c);
+        return s;
+    }
+    c->max_pages = (p->max_seq + p->page_tokens - 1) / p->page_tokens;
+    long long np = p->n_pages ? p->n_pages : (long long)p->n_seq * c->max_pages;
+    if (np > 0x7fffffffLL) {
+        kvpq_cuda_cache_free(c);
+        return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_new: %lld pages", np);
+    }
+    c->n_pages = (int)np;
+    c->max_splits = 256;
+    size_t kpb = (size_t)p->n_head_kv * p->page_tokens * c->kq->code_size;
+    size_t vpb = (size_t)p->n_head_kv * p->page_tokens * c->vq->code_size;
+    size_t nwin = (size_t)p->n_seq * p->window * p->n_head_kv * p->head_dim;
+    size_t npart = (size_t)p->n_seq * p->n_head * (c->max_splits + p->window / 32 + 2);
+    c->h_page_table = (int *)malloc((size_t)p->n_seq * c->max_pages * sizeof(int));
+    c->free_pages = (int *)malloc((size_t)c->n_pages * sizeof(int));
+    c->h_len = (int *)calloc((size_t)p->n_seq, sizeof(int));
+    if (!c->h_page_table || !c->free_pages || !c->h_len) {
+        kvpq_cuda_cache_free(c);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cuda_cache_new: out of memory");
+    }
+    for (size_t i = 0; i < (size_t)p->n_seq * c->max_pages; i++) c->h_page_table[i] = -1;
+    for (int i = 0; i < c->n_pages; i++) c->free_pages[i] = c->n_pages - 1 - i;
+    c->n_free = c->n_pages;
+#define KVPQ_STEP(call, what)                                 \
+    do {                                                      \
+        if (s == KVPQ_OK) s = kvpq__cuda_err((call), (what)); \
+    } while (0)
+    KVPQ_STEP(cudaMalloc((void **)&c->k_pages, kpb * c->n_pages), "kvpq_cuda_cache_new: cudaMalloc key pages");
+    KVPQ_STEP(cudaMalloc((void **)&c->v_pages, vpb * c->n_pages), "kvpq_cuda_cache_new: cudaMalloc value pages");
+    KVPQ_STEP(cudaMalloc((void **)&c->page_table, (size_t)p->n_seq * c->max_pages * sizeof(int)),
+              "kvpq_cuda_cache_new: cudaMalloc page table");
+    KVPQ_STEP(cudaMalloc((void **)&c->seq_len, (size_t)p->n_seq * sizeof(int)), "kvpq_cuda_cache_new: cudaMalloc lengths");
+    KVPQ_STEP(cudaMalloc((void **)&c->k_win, (nwin ? nwin : 1) * sizeof(float)), "kvpq_cuda_cache_new: cudaMalloc window");
+    KVPQ_STEP(cudaMalloc((void **)&c->v_win, (nwin ? nwin : 1) * sizeof(float)), "kvpq_cuda_cache_new: cudaMalloc window");
+    KVPQ_STEP(cudaMalloc((void **)&c->part_o, npart * p->head_dim * sizeof(float)), "kvpq_cuda_cache_new: cudaMalloc workspace");
+    KVPQ_STEP(cudaMalloc((void **)&c->part_md, npart * 2 * sizeof(float)), "kvpq_cuda_cache_new: cudaMalloc workspace");
+    KVPQ_STEP(cudaMemcpy(c->page_table, c->h_page_table, (size_t)p->n_seq * c->max_pages * sizeof(int),
+                         cudaMemcpyHostToDevice), "kvpq_cuda_cache_new: page table");
+    KVPQ_STEP(cudaMemset(c->seq_len, 0, (size_t)p->n_seq * sizeof(int)), "kvpq_cuda_cache_new: lengths");
+#undef KVPQ_STEP
+    if (s != KVPQ_OK) {
+        kvpq_cuda_cache_free(c);
+        return s;
+    }
+    *out = c;
+    return KVPQ_OK;
+}
+
+extern "C" KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq) {
+    if (!c || seq < 0 || seq >= c->p.n_seq) return -1;
+    return c->h_len[seq];
+}
+
+extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int seq, int n, const float *k,
+                                                       const float *v) {
+    if (!c) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_append: cache is NULL");
+    if (seq < 0 || seq >= c->p.n_seq)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_append: seq=%d: expected 0..%d", seq, c->p.n_seq - 1);
+    if (n < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_append: n=%d < 0", n);
+    if (n == 0) return KVPQ_OK;
+    if (!k || !v) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_append: k or v is NULL");
+    const int L = c->h_len[seq], PT = c->p.page_tokens;
+    if ((long long)L + n > c->p.max_seq)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_append: sequence %d holds %d positions; %d more exceed max_seq=%d",
+                         seq, L, n, c->p.max_seq);
+    int *pt = c->h_page_table + (size_t)seq * c->max_pages;
+    int first_new = (L + PT - 1) / PT, last = (L + n + PT - 1) / PT, need = last - first_new;
+    if (need > c->n_free)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_append: %d pages needed, %d free in the pool of %d", need,
+                         c->n_free, c->n_pages);
+    for (int i = first_new; i < last; i++) pt[i] = c->free_pages[--c->n_free];
+    kvpq_status s = KVPQ_OK;
+    if (need)
+        s = kvpq__cuda_err(cudaMemcpy(c->page_table + (size_t)seq * c->max_pages + first_new, pt + first_new,
+                                      need * sizeof(int), cudaMemcpyHostToDevice),
+                           "kvpq_cuda_cache_append: page table");
+    const int H = c->p.n_head_kv;
+    kvpq__code_dst kd = {c->k_pages, c->page_table + (size_t)seq * c->max_pages, L, PT,
+                         (long long)H * PT * c->kq->code_size, (long long)PT * c->kq->code_size};
+    kvpq__code_dst vd = {c->v_pages, c->page_table + (size_t)seq * c->max_pages, L, PT,
+                         (long long)H * PT * c->vq->code_size, (long long)PT * c->vq->code_size};
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemsetAsync(c->kq->flag, 0, sizeof(int), 0), "kvpq_cuda_cache_append: flag");
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemsetAsync(c->vq->flag, 0, sizeof(int), 0), "kvpq_cuda_cache_append: flag");
+    if (s == KVPQ_OK) s = kvpq__cuda_encode_launch(c->kq, (size_t)n, k, kd, 0);
+    if (s == KVPQ_OK) s = kvpq__cuda_encode_launch(c->vq, (size_t)n, v, vd, 0);
+    int fk = 0, fv = 0;
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemcpy(&fk, c->kq->flag, sizeof(int), cudaMemcpyDeviceToHost), "kvpq_cuda_cache_append: encode");
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemcpy(&fv, c->vq->flag, sizeof(int), cudaMemcpyDeviceToHost), "kvpq_cuda_cache_append: encode");
+    if (s == KVPQ_OK && (fk || fv))
+        s = kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_cuda_cache_append: %s hold NaN or Inf", fk ? (fv ? "k and v" : "k") : "v");
+    if (s == KVPQ_OK && c->p.window > 0) {
+        int first = n > c->p.window ? n - c->p.window : 0, rf = H * c->p.head_dim;
+        long long total = (long long)(n - first) * rf;
+        size_t off = (size_t)seq * c->p.window * rf;
+        window_copy_kernel<<<(unsigned)((total + 255) / 256), 256>>>(k, v, c->k_win + off, c->v_win + off, first, n, L,
+                                                                     c->p.window, rf);
+        s = kvpq__cuda_err(cudaGetLastError(), "kvpq_cuda_cache_append: window copy launch");
+    }
+    int nl = L + n;
+    if (s == KVPQ_OK)
+        s = kvpq__cuda_err(cudaMemcpy(c->seq_len + seq, &nl, sizeof(int), cudaMemcpyHostToDevice),
+                           "kvpq_cuda_cache_append: lengths");
+    if (s != KVPQ_OK) {  /* give the pages back: the sequence is unchanged */
+        for (int i = last - 1; i >= first_new; i--) {
+            c->free_pages[c->n_free++] = pt[i];
+            pt[i] = -1;
+        }
+        return s;
+    }
+    c->h_len[seq] = nl;
+    return KVPQ_OK;
+}
+
+extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq) {
+    if (!c || seq < 0 || seq >= c->p.n_seq) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_clear: bad cache or seq");
+    int *pt = c->h_page_table + (size_t)seq * c->max_pages;
+    int used = (c->h_len[seq] + c->p.page_tokens - 1) / c->p.page_tokens;
+    int zero = 0;
+    KVPQ_CUDA_TRY(cudaMemcpy(c->seq_len + seq, &zero, sizeof(int), cudaMemcpyHostToDevice), "kvpq_cuda_cache_clear");
+    for (int i = used - 1; i >= 0; i--) {
+        c->free_pages[c->n_free++] = pt[i];
+        pt[i] = -1;
+    }
+    c->h_len[seq] = 0;
+    return KVPQ_OK;
+}
+
+/* Async launch for benchmarks (no synchronization). */
+kvpq_status kvpq__cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q, float *out,
+                                          cudaStream_t stream) {
+    int max_coded = 0;
+    for (int b = 0; b < n_seq; b++) {
+        int L = c->h_len[b];
+        if (L < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: sequence %d is empty", b);
+        int cd = L - (L < c->p.window ? L : c->p.window);
+        if (cd > max_coded) max_coded = cd;
+    }
+    kvpq__attend_params a;
+    fill_attend_params(c, &a);
+    a.q = q;
+    a.out = out;
+    a.part_o = c->part_o;
+    a.part_md = c->part_md;
+    return kvpq__cuda_attend_launch(&a, n_seq, max_coded, c->max_splits, stream);
+}
+
+extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const float *q, float *out) {
+    if (!c || !q || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: NULL argument");
+    if (n_seq < 1 || n_seq > c->p.n_seq)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: n_seq=%d: expected 1..%d", n_seq, c->p.n_seq);
+    KVPQ_TRY(kvpq__cuda_cache_attend_async(c, n_seq, q, out, 0));
+    return kvpq__cuda_err(cudaDeviceSynchronize(), "kvpq_cuda_cache_attend: kernel");
+}
+
+extern "C" KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache *c) {
+    if (!c) return 0;
+    size_t kpb = (size_t)c->p.n_head_kv * c->p.page_tokens * c->kq->code_size;
+    size_t vpb = (size_t)c->p.n_head_kv * c->p.page_tokens * c->vq->code_size;
+    size_t used = (size_t)(c->n_pages - c->n_free) * (kpb + vpb);
+    size_t win = 2 * (size_t)c->p.n_seq * c->p.window * c->p.n_head_kv * c->p.head_dim * sizeof(float);
+    size_t books = ((size_t)c->kq->n_books * c->kq->ksub * (c->kq->dsub + 1) +
+                    (size_t)c->vq->n_books * c->vq->ksub * (c->vq->dsub + 1)) * sizeof(float);
+    size_t tables = (size_t)c->p.n_seq * (c->max_pages + 1) * sizeof(int);
+    return used + win + books + tables;
+}

@@ -1,0 +1,143 @@
+/* common.cuh — shared pieces of the CUDA backend: error translation, the device quantizer layout,
+ * warp-level Hadamard transform and code (un)packing. Internal; only src/cuda/*.cu include it. */
+#ifndef KVPQ_CUDA_COMMON_CUH
+#define KVPQ_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "internal.h"
+#include "pq/pq_impl.h"
+}
+
+#define KVPQ_FULL_MASK 0xffffffffu
+
+/* CUDA error -> KVPQ_ERR_DEVICE with CUDA's string; never aborts. `what` names the call site. */
+static inline kvpq_status kvpq__cuda_err(cudaError_t e, const char *what) {
+    if (e == cudaSuccess) return KVPQ_OK;
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver)
+        return kvpq__err(KVPQ_ERR_NO_DEVICE, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+    return kvpq__err(KVPQ_ERR_DEVICE, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+#define KVPQ_CUDA_TRY(call, what) KVPQ_TRY(kvpq__cuda_err((call), (what)))
+
+extern "C" int kvpq__cuda_available(char *why, size_t n);
+/* Device properties of the current device, cached (multiprocessors, opt-in shared memory). */
+kvpq_status kvpq__cuda_props(int *n_sm, size_t *smem_optin);
+/* KVPQ_OK if a device is usable, else KVPQ_ERR_NO_DEVICE naming why (for `what`). */
+kvpq_status kvpq__cuda_require(const char *what);
+
+/* The device quantizer (kvpq_cuda_pq). */
+struct kvpq_cuda_pq {
+    kvpq_pq_params p;
+    int dsub, ksub, n_books, code_size;
+    int n_head_kv, rotate;
+    float *centroids;  /* device (n_books, ksub, dsub) */
+    float *norms;      /* device (n_books, ksub) */
+    float *inv_lambda; /* device (n_head_kv, d) 1/lambda, or NULL */
+    float *lambda;     /* device (n_head_kv, d), or NULL */
+    int *flag;         /* device (1): set to 1 by the encode kernel on a non-finite input */
+};
+
+/* Where encode writes the codes of row (token t, head h): either contiguous
+ * (page_table NULL: out + (t*n_head_kv + h)*code_size) or paged (page p = page_table[(pos0+t) /
+ * page_tokens], out + p*page_stride + h*head_stride + ((pos0+t) % page_tokens)*code_size). */
+typedef struct {
+    uint8_t *out;
+    const int *page_table;
+    int pos0, page_tokens;
+    long long page_stride, head_stride;
+} kvpq__code_dst;
+
+/* Launch the fused encode kernel on `stream` (no synchronization, no flag check). */
+kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, const float *x, kvpq__code_dst dst,
+                                     cudaStream_t stream);
+/* Launch the decode kernel (contiguous codes). */
+kvpq_status kvpq__cuda_decode_launch(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes, float *x,
+                                     cudaStream_t stream);
+/* Copy a host quantizer to the device. */
+kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_head_kv, const float *lambda,
+                                 int rotate);
+
+
+/* Decode attention from codes over paged caches (attend.cu). Pages: key codes
+ * (n_pages, n_head_kv, page_tokens, k_code_size) bytes, value codes likewise; window rings:
+ * (n_seq, window, n_head_kv, head_dim) float32 in the original space, position t at slot t % window. */
+typedef struct {
+    const float *q;            /* (B, n_head, D) */
+    float *out;                /* (B, n_head, D) */
+    float *part_o;             /* (B, n_head, n_splits + n_wsplits, D) workspace */
+    float *part_md;            /* (B, n_head, n_splits + n_wsplits, 2) workspace: {m (log2 domain), d} */
+    const int *seq_len;        /* device (B) positions held */
+    const int *page_table;     /* device (B, max_pages) */
+    int max_pages, page_tokens, window;
+    const uint8_t *k_pages, *v_pages;
+    int k_code_size, v_code_size;
+    const float *k_win, *v_win;
+    const float *k_centroids;  /* (k_books, k_ksub, k_dsub) */
+    int k_ksub, k_books, k_nbits, k_dsub;
+    const float *v_centroids;
+    int v_ksub, v_books, v_nbits, v_dsub;
+    const float *k_lambda;     /* (n_head_kv, D) or NULL */
+    int v_rotate;
+    int head_dim, n_head, n_head_kv;
+    int n_splits, chunk;       /* filled by the launcher: code splits and their positions */
+    int n_wsplits;             /* filled by the launcher: window splits (32 positions each) */
+} kvpq__attend_params;
+
+/* Plan splits for the longest code region `max_coded` over B sequences and launch the split kernel
+ * and the combine kernel on `stream`. max_splits bounds n_splits (workspace size). */
+kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
+                                     cudaStream_t stream);
+/* kvpq_cuda_cache_attend without the final synchronization, on `stream` (benchmarks capture it in
+ * a CUDA graph). */
+kvpq_status kvpq__cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q, float *out,
+                                          cudaStream_t stream);
+/* Whether the configuration fits the device (shared memory); message names the shape if not. */
+kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p);
+
+/* ---- device helpers ---------------------------------------------------------------------------- */
+
+/* In-register normalized Walsh-Hadamard transform (Sylvester order, scale 1/sqrt(32*EPL)) of one
+ * vector held by a warp: lane l holds elements [l*EPL, (l+1)*EPL). Butterflies of stride < EPL stay
+ * in a lane; larger strides exchange with lane l ^ (stride / EPL). */
+template <int EPL>
+__device__ __forceinline__ void kvpq__warp_fwht(float (&x)[EPL], int lane) {
+#pragma unroll
+    for (int s = 1; s < EPL; s <<= 1) {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+            if (!(j & s)) {
+                float a = x[j], b = x[j + s];
+                x[j] = a + b;
+                x[j + s] = a - b;
+            }
+        }
+    }
+#pragma unroll
+    for (int ls = 1; ls < 32; ls <<= 1) {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+            float o = __shfl_xor_sync(KVPQ_FULL_MASK, x[j], ls);
+            x[j] = (lane & ls) ? (o - x[j]) : (x[j] + o);
+        }
+    }
+    const float sc = rsqrtf((float)(32 * EPL));
+#pragma unroll
+    for (int j = 0; j < EPL; j++) x[j] *= sc;
+}
+
+/* Code m of a packed little-endian bit stream `row` (code m in bits [m*nbits, (m+1)*nbits)). Reads
+ * only bytes that hold bits of code m. */
+__device__ __forceinline__ int kvpq__get_code(const uint8_t *row, int m, int nbits) {
+    if (nbits == 8) return row[m];
+    int bit = m * nbits, byte = bit >> 3, sh = bit & 7;
+    unsigned v = row[byte];
+    if (sh + nbits > 8) v |= (unsigned)row[byte + 1] << 8;
+    if (sh + nbits > 16) v |= (unsigned)row[byte + 2] << 16;
+    return (int)((v >> sh) & ((1u << nbits) - 1u));
+}
+
+#endif

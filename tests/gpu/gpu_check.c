@@ -1,0 +1,509 @@
+/* gpu_check.c — checks of the CUDA backend against double-precision references (run on a GPU
+ * machine by tests/gpu/run_gpu_tests.sh; registered in ctest, where it skips without a device).
+ *
+ *   encode: codes equal the reference argmin and the library's CPU path (kvpq_smooth_apply,
+ *           kvpq_hadamard, kvpq_pq_encode) except near-ties (the two squared distances within
+ *           TIE_REL of each other), and the reconstruction MSE differs by at most MSE_REL;
+ *           every output byte written (two runs over outputs poisoned 0x00 and 0xFF agree).
+ *   decode: equals the reference gather + inverse rotation + lambda to DECODE_REL.
+ *   attend: equals softmax(q K^T / sqrt(d)) V in float64 over the dequantized codes (and the exact
+ *           float32 window) to ATTEND_REL (relative L2 over the whole output); output poisoned
+ *           with NaN before each run.
+ * Fresh random inputs every run (the seed is printed; KVPQ_SEED=... replays one). KVPQ_QUICK=1
+ * shrinks the sizes (used under compute-sanitizer). Exit 0 pass, 1 fail, 77 skipped. */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvpq.h"
+
+/* float32 FMA order differs from the float64 reference: relative distance gap counted as a tie. */
+#define TIE_REL 1e-5
+/* brief: reconstruction MSE relative difference <= 1e-4 */
+#define MSE_REL 1e-4
+#define DECODE_REL 1e-5
+/* brief: attention to 1e-3 relative against float64 */
+#define ATTEND_REL 1e-3
+
+static int g_fail = 0, g_quick = 0;
+static uint64_t g_rng;
+
+#define CHECK(cond, ...)                                   \
+    do {                                                   \
+        if (!(cond)) {                                     \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);    \
+            printf(__VA_ARGS__);                           \
+            printf("\n");                                  \
+            g_fail++;                                      \
+        }                                                  \
+    } while (0)
+#define CUDA_OK(call)                                                                        \
+    do {                                                                                     \
+        cudaError_t e_ = (call);                                                             \
+        if (e_ != cudaSuccess) {                                                             \
+            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                         \
+        }                                                                                    \
+    } while (0)
+#define KV_OK(call)                                                                                  \
+    do {                                                                                             \
+        kvpq_status s_ = (call);                                                                     \
+        if (s_ != KVPQ_OK) {                                                                         \
+            printf("FAIL %s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, kvpq_status_string(s_),   \
+                   kvpq_last_error());                                                               \
+            exit(1);                                                                                 \
+        }                                                                                            \
+    } while (0)
+
+static uint64_t rng_next(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+static double urand(void) { return (double)(rng_next() >> 11) * (1.0 / 9007199254740992.0); }
+static float nrand(void) {
+    double u = urand() + 1e-12, v = urand();
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+
+/* ---- references (float64) ---------------------------------------------------------------------- */
+
+static void ref_fwht(double *x, int d) {
+    for (int s = 1; s < d; s <<= 1)
+        for (int i = 0; i < d; i += 2 * s)
+            for (int j = i; j < i + s; j++) {
+                double a = x[j], b = x[j + s];
+                x[j] = a + b;
+                x[j + s] = a - b;
+            }
+    double sc = 1.0 / sqrt((double)d);
+    for (int i = 0; i < d; i++) x[i] *= sc;
+}
+
+typedef struct {
+    kvpq_pq_params p;
+    int dsub, ksub, n_books;
+    const float *C; /* (n_books, ksub, dsub) */
+} ref_pq;
+
+static const float *ref_cent(const ref_pq *q, int m, int c) {
+    return q->C + ((size_t)(q->n_books == 1 ? 0 : m) * q->ksub + c) * q->dsub;
+}
+static double ref_dist(const ref_pq *q, const double *xs, int m, int c) {
+    const float *cc = ref_cent(q, m, c);
+    double d = 0;
+    for (int j = 0; j < q->dsub; j++) d += (xs[j] - cc[j]) * (xs[j] - cc[j]);
+    return d;
+}
+/* transformed row: x / lambda, then rotated */
+static void ref_transform(const float *x, const float *lambda, int rotate, int d, double *out) {
+    for (int i = 0; i < d; i++) out[i] = x[i] / (lambda ? (double)lambda[i] : 1.0);
+    if (rotate) ref_fwht(out, d);
+}
+static int get_code(const uint8_t *row, int m, int nbits) {
+    int v = 0;
+    for (int b = 0; b < nbits; b++) {
+        int bit = m * nbits + b;
+        v |= ((row[bit >> 3] >> (bit & 7)) & 1) << b;
+    }
+    return v;
+}
+static void ref_decode_row(const ref_pq *q, const uint8_t *row, const float *lambda, int rotate, double *out) {
+    int d = q->p.d;
+    for (int m = 0; m < q->p.M; m++) {
+        const float *cc = ref_cent(q, m, get_code(row, m, q->p.nbits));
+        for (int j = 0; j < q->dsub; j++) out[m * q->dsub + j] = cc[j];
+    }
+    if (rotate) ref_fwht(out, d);
+    for (int i = 0; i < d; i++) out[i] *= lambda ? (double)lambda[i] : 1.0;
+}
+
+static kvpq_pq *make_pq(int d, int dsub, int nbits, kvpq_codebook_granularity g, ref_pq *r, float *scale_out) {
+    kvpq_pq_params pp = {.d = d, .M = d / dsub, .nbits = nbits, .granularity = g};
+    kvpq_pq *pq;
+    KV_OK(kvpq_pq_new(&pq, &pp));
+    size_t n = kvpq_pq_centroids_size(pq);
+    float *c = malloc(n * sizeof *c);
+    float sc = 0.5f + (float)urand();
+    for (size_t i = 0; i < n; i++) c[i] = sc * nrand();
+    KV_OK(kvpq_pq_set_centroids(pq, c, n));
+    free(c);
+    r->p = pp;
+    r->dsub = dsub;
+    r->ksub = 1 << nbits;
+    r->n_books = g == KVPQ_CODEBOOK_SHARED ? 1 : pp.M;
+    r->C = kvpq_pq_centroids(pq);
+    if (scale_out) *scale_out = sc;
+    return pq;
+}
+
+/* ---- encode / decode ----------------------------------------------------------------------------- */
+
+static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g, int H, int n_tok, int smooth,
+                         int rotate) {
+    ref_pq r;
+    float sc;
+    kvpq_pq *pq = make_pq(d, dsub, nbits, g, &r, &sc);
+    size_t cs = kvpq_pq_code_size(pq), nrow = (size_t)n_tok * H, nx = nrow * d;
+    float *x = malloc(nx * sizeof *x), *lambda = NULL;
+    for (size_t i = 0; i < nx; i++) x[i] = sc * nrand();
+    if (smooth) {
+        lambda = malloc((size_t)H * d * sizeof *lambda);
+        for (int i = 0; i < H * d; i++) lambda[i] = 0.5f + 1.5f * (float)urand();
+        for (size_t i = 0; i < nx; i++) x[i] *= lambda[i % ((size_t)H * d)];
+    }
+    kvpq_cuda_pq *q;
+    KV_OK(kvpq_cuda_pq_new(&q, pq, H, lambda, rotate));
+    float *dx;
+    uint8_t *dc;
+    CUDA_OK(cudaMalloc((void **)&dx, nx * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dc, nrow * cs));
+    CUDA_OK(cudaMemcpy(dx, x, nx * sizeof(float), cudaMemcpyHostToDevice));
+    uint8_t *c0 = malloc(nrow * cs), *c1 = malloc(nrow * cs);
+    CUDA_OK(cudaMemset(dc, 0x00, nrow * cs));
+    KV_OK(kvpq_cuda_pq_encode(q, (size_t)n_tok, dx, dc));
+    CUDA_OK(cudaMemcpy(c0, dc, nrow * cs, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemset(dc, 0xFF, nrow * cs));
+    KV_OK(kvpq_cuda_pq_encode(q, (size_t)n_tok, dx, dc));
+    CUDA_OK(cudaMemcpy(c1, dc, nrow * cs, cudaMemcpyDeviceToHost));
+    CHECK(!memcmp(c0, c1, nrow * cs), "encode d=%d dsub=%d nbits=%d: output bytes not all written", d, dsub, nbits);
+    /* padding bits past M*nbits must be zero (as the CPU packer writes them) */
+    int M = d / dsub, ties = 0, bad = 0;
+    double mse_gpu = 0, mse_ref = 0;
+    double *xt = malloc(d * sizeof *xt);
+    for (size_t rw = 0; rw < nrow; rw++) {
+        const float *lam = lambda ? lambda + (rw % H) * d : NULL;
+        ref_transform(x + rw * d, lam, rotate, d, xt);
+        for (int m = 0; m < M; m++) {
+            int best = 0;
+            double bd = INFINITY;
+            for (int c = 0; c < r.ksub; c++) {
+                double dd = ref_dist(&r, xt + m * dsub, m, c);
+                if (dd < bd) {
+                    bd = dd;
+                    best = c;
+                }
+            }
+            int gc = get_code(c0 + rw * cs, m, nbits);
+            double gd = gc < r.ksub ? ref_dist(&r, xt + m * dsub, m, gc) : INFINITY;
+            mse_gpu += gd;
+            mse_ref += bd;
+            if (gc != best) {
+                double xn = 0;
+                for (int j = 0; j < dsub; j++) xn += xt[m * dsub + j] * xt[m * dsub + j];
+                if (gd - bd <= TIE_REL * (xn + bd + 1e-30)) ties++;
+                else bad++;
+            }
+        }
+        int used_bits = M * nbits;
+        if (used_bits % 8) {
+            uint8_t last = c0[rw * cs + cs - 1] >> (used_bits % 8);
+            if (last) bad++;
+        }
+    }
+    /* the CPU path of the library (smoothing, Hadamard, kvpq_pq_encode): same codes except near-ties */
+    float *xc = malloc(nx * sizeof *xc);
+    uint8_t *cc = malloc(nrow * cs);
+    memcpy(xc, x, nx * sizeof *xc);
+    if (smooth) KV_OK(kvpq_smooth_apply(xc, (size_t)n_tok, H, d, lambda, 0));
+    if (rotate) KV_OK(kvpq_hadamard(xc, nrow, d));
+    KV_OK(kvpq_pq_encode(pq, nrow, xc, cc));
+    int cpu_diff = 0, cpu_bad = 0;
+    double mse_cpu = 0;
+    for (size_t rw = 0; rw < nrow; rw++) {
+        ref_transform(x + rw * d, lambda ? lambda + (rw % H) * d : NULL, rotate, d, xt);
+        for (int m = 0; m < M; m++) {
+            int gc = get_code(c0 + rw * cs, m, nbits), ccode = get_code(cc + rw * cs, m, nbits);
+            double gd = ref_dist(&r, xt + m * dsub, m, gc), cd = ref_dist(&r, xt + m * dsub, m, ccode);
+            mse_cpu += cd;
+            if (gc != ccode) {
+                double xn = 0;
+                for (int j = 0; j < dsub; j++) xn += xt[m * dsub + j] * xt[m * dsub + j];
+                cpu_diff++;
+                if (fabs(gd - cd) > TIE_REL * (xn + cd + 1e-30)) cpu_bad++;
+            }
+        }
+    }
+    double rel_cpu = fabs(mse_gpu - mse_cpu) / (mse_cpu > 0 ? mse_cpu : 1);
+    CHECK(cpu_bad == 0 && rel_cpu <= MSE_REL,
+          "encode vs CPU kvpq_pq_encode d=%d dsub=%d nbits=%d: %d codes differ beyond ties, MSE rel diff %.3g", d, dsub,
+          nbits, cpu_bad, rel_cpu);
+    free(xc);
+    free(cc);
+    double rel = fabs(mse_gpu - mse_ref) / (mse_ref > 0 ? mse_ref : 1);
+    CHECK(bad == 0 && rel <= MSE_REL,
+          "encode d=%d dsub=%d nbits=%d %s smooth=%d rotate=%d: %d codes differ beyond ties, MSE rel diff %.3g", d,
+          dsub, nbits, g ? "subspace" : "shared", smooth, rotate, bad, rel);
+    /* decode */
+    float *dy, *y = malloc(nx * sizeof *y);
+    CUDA_OK(cudaMalloc((void **)&dy, nx * sizeof(float)));
+    CUDA_OK(cudaMemset(dy, 0xFF, nx * sizeof(float)));
+    KV_OK(kvpq_cuda_pq_decode(q, (size_t)n_tok, dc, dy));
+    CUDA_OK(cudaMemcpy(y, dy, nx * sizeof(float), cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (size_t rw = 0; rw < nrow; rw++) {
+        ref_decode_row(&r, c0 + rw * cs, lambda ? lambda + (rw % H) * d : NULL, rotate, xt);
+        for (int i = 0; i < d; i++) {
+            double e = (double)y[rw * d + i] - xt[i];
+            num += isfinite(y[rw * d + i]) ? e * e : INFINITY;
+            den += xt[i] * xt[i];
+        }
+    }
+    double drel = sqrt(num / (den > 0 ? den : 1));
+    CHECK(drel <= DECODE_REL, "decode d=%d dsub=%d nbits=%d: relative error %.3g", d, dsub, nbits, drel);
+    printf("  encode d=%3d dsub=%2d nbits=%2d %-8s smooth=%d rotate=%d rows=%zu: vs fp64 near-ties %d, MSE rel diff "
+           "%.2e; vs CPU %d differ (ties), MSE rel diff %.2e; decode rel err %.2e\n",
+           d, dsub, nbits, g ? "subspace" : "shared", smooth, rotate, nrow, ties, rel, cpu_diff, rel_cpu, drel);
+    /* NaN input */
+    float nan = NAN;
+    CUDA_OK(cudaMemcpy(dx + (nx / 2), &nan, sizeof nan, cudaMemcpyHostToDevice));
+    kvpq_status s = kvpq_cuda_pq_encode(q, (size_t)n_tok, dx, dc);
+    CHECK(s == KVPQ_ERR_NONFINITE, "encode with NaN returned %d (%s)", (int)s, kvpq_last_error());
+    cudaFree(dx);
+    cudaFree(dc);
+    cudaFree(dy);
+    kvpq_cuda_pq_free(q);
+    kvpq_pq_free(pq);
+    free(x);
+    free(lambda);
+    free(c0);
+    free(c1);
+    free(y);
+    free(xt);
+}
+
+/* ---- attention ----------------------------------------------------------------------------------- */
+
+static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits, int vdsub, int vnbits,
+                         kvpq_codebook_granularity g, int window, int value_rotate, int B, const int *lens) {
+    ref_pq rk, rv;
+    float sck, scv;
+    kvpq_pq *kpq = make_pq(D, kdsub, knbits, g, &rk, &sck);
+    kvpq_pq *vpq = make_pq(D, vdsub, vnbits, g, &rv, &scv);
+    int H = n_head_kv, maxL = 0;
+    for (int b = 0; b < B; b++) maxL = lens[b] > maxL ? lens[b] : maxL;
+    float *lambda = malloc((size_t)H * D * sizeof *lambda);
+    for (int i = 0; i < H * D; i++) lambda[i] = 0.5f + 1.5f * (float)urand();
+    kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
+    cp.n_head = n_head;
+    cp.n_head_kv = n_head_kv;
+    cp.head_dim = D;
+    cp.n_seq = B;
+    cp.max_seq = maxL + 64 > window ? maxL + 64 : window;
+    cp.window = window;
+    cp.page_tokens = 64;
+    cp.n_pages = 0;
+    cp.key = kpq;
+    cp.value = vpq;
+    cp.key_smooth = lambda;
+    cp.value_rotate = value_rotate;
+    kvpq_cuda_cache *c;
+    KV_OK(kvpq_cuda_cache_new(&c, &cp));
+    kvpq_cuda_pq *kq, *vq; /* same quantizers, to read back the codes the cache stored */
+    KV_OK(kvpq_cuda_pq_new(&kq, kpq, H, lambda, 1));
+    KV_OK(kvpq_cuda_pq_new(&vq, vpq, H, NULL, value_rotate));
+    size_t row = (size_t)H * D, kcs = kvpq_pq_code_size(kpq), vcs = kvpq_pq_code_size(vpq);
+    float **K = malloc(B * sizeof *K), **V = malloc(B * sizeof *V);
+    double **Kh = malloc(B * sizeof *Kh), **Vh = malloc(B * sizeof *Vh);
+    float *dk, *dv;
+    uint8_t *dkc, *dvc;
+    CUDA_OK(cudaMalloc((void **)&dk, (size_t)maxL * row * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dv, (size_t)maxL * row * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dkc, (size_t)maxL * H * kcs));
+    CUDA_OK(cudaMalloc((void **)&dvc, (size_t)maxL * H * vcs));
+    uint8_t *kc = malloc((size_t)maxL * H * kcs), *vc = malloc((size_t)maxL * H * vcs);
+    for (int b = 0; b < B; b++) {
+        int L = lens[b];
+        K[b] = malloc((size_t)L * row * sizeof(float));
+        V[b] = malloc((size_t)L * row * sizeof(float));
+        Kh[b] = malloc((size_t)L * row * sizeof(double));
+        Vh[b] = malloc((size_t)L * row * sizeof(double));
+        for (size_t i = 0; i < (size_t)L * row; i++) {
+            K[b][i] = sck * nrand() * lambda[i % row];
+            V[b][i] = scv * nrand();
+        }
+        CUDA_OK(cudaMemcpy(dk, K[b], (size_t)L * row * sizeof(float), cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(dv, V[b], (size_t)L * row * sizeof(float), cudaMemcpyHostToDevice));
+        /* append in random pieces (prefill then steps) */
+        for (int t = 0; t < L;) {
+            int n = 1 + (int)(urand() * (urand() < 0.5 ? 8 : 700));
+            if (n > L - t) n = L - t;
+            KV_OK(kvpq_cuda_cache_append(c, b, n, dk + (size_t)t * row, dv + (size_t)t * row));
+            t += n;
+        }
+        CHECK(kvpq_cuda_cache_seq_len(c, b) == L, "seq_len %d != %d", kvpq_cuda_cache_seq_len(c, b), L);
+        /* the cache's codes are those of kvpq_cuda_pq_encode (same kernel, same inputs) */
+        KV_OK(kvpq_cuda_pq_encode(kq, (size_t)L, dk, dkc));
+        KV_OK(kvpq_cuda_pq_encode(vq, (size_t)L, dv, dvc));
+        CUDA_OK(cudaMemcpy(kc, dkc, (size_t)L * H * kcs, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(vc, dvc, (size_t)L * H * vcs, cudaMemcpyDeviceToHost));
+        int win = window < L ? window : L;
+        for (int t = 0; t < L; t++)
+            for (int h = 0; h < H; h++) {
+                size_t o = (size_t)t * row + (size_t)h * D;
+                if (t >= L - win) {
+                    for (int i = 0; i < D; i++) {
+                        Kh[b][o + i] = K[b][o + i];
+                        Vh[b][o + i] = V[b][o + i];
+                    }
+                } else {
+                    ref_decode_row(&rk, kc + ((size_t)t * H + h) * kcs, lambda + (size_t)h * D, 1, Kh[b] + o);
+                    ref_decode_row(&rv, vc + ((size_t)t * H + h) * vcs, NULL, value_rotate, Vh[b] + o);
+                }
+            }
+    }
+    /* error paths: NaN append and capacity leave the sequence unchanged */
+    {
+        float nan = NAN;
+        CUDA_OK(cudaMemcpy(dk + 3, &nan, sizeof nan, cudaMemcpyHostToDevice));
+        kvpq_status s = kvpq_cuda_cache_append(c, 0, 2, dk, dv);
+        CHECK(s == KVPQ_ERR_NONFINITE && kvpq_cuda_cache_seq_len(c, 0) == lens[0],
+              "append with NaN: status %d, len %d", (int)s, kvpq_cuda_cache_seq_len(c, 0));
+        s = kvpq_cuda_cache_append(c, 0, cp.max_seq, dk, dv);
+        CHECK(s == KVPQ_ERR_CAPACITY && kvpq_cuda_cache_seq_len(c, 0) == lens[0], "append past max_seq: status %d",
+              (int)s);
+    }
+    size_t nq = (size_t)B * n_head * D;
+    float *q = malloc(nq * sizeof *q), *out = malloc(nq * sizeof *out), *dq, *dout;
+    double *ref = malloc(nq * sizeof *ref);
+    for (size_t i = 0; i < nq; i++) q[i] = nrand() / sck;
+    CUDA_OK(cudaMalloc((void **)&dq, nq * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dout, nq * sizeof(float)));
+    CUDA_OK(cudaMemcpy(dq, q, nq * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(dout, 0xFF, nq * sizeof(float))); /* NaN poison */
+    KV_OK(kvpq_cuda_cache_attend(c, B, dq, dout));
+    CUDA_OK(cudaMemcpy(out, dout, nq * sizeof(float), cudaMemcpyDeviceToHost));
+    int g_sz = n_head / n_head_kv;
+    double *sc = malloc((size_t)maxL * sizeof *sc);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < n_head; h++) {
+            const float *qq = q + ((size_t)b * n_head + h) * D;
+            int kvh = h / g_sz, L = lens[b];
+            double mx = -INFINITY, den = 0;
+            for (int t = 0; t < L; t++) {
+                const double *kk = Kh[b] + (size_t)t * row + (size_t)kvh * D;
+                double s = 0;
+                for (int i = 0; i < D; i++) s += qq[i] * kk[i];
+                sc[t] = s / sqrt((double)D);
+                mx = sc[t] > mx ? sc[t] : mx;
+            }
+            double *o = ref + ((size_t)b * n_head + h) * D;
+            for (int i = 0; i < D; i++) o[i] = 0;
+            for (int t = 0; t < L; t++) {
+                double p = exp(sc[t] - mx);
+                den += p;
+                const double *vv = Vh[b] + (size_t)t * row + (size_t)kvh * D;
+                for (int i = 0; i < D; i++) o[i] += p * vv[i];
+            }
+            for (int i = 0; i < D; i++) o[i] /= den;
+        }
+    double num = 0, den = 0;
+    int nonfinite = 0;
+    for (size_t i = 0; i < nq; i++) {
+        if (!isfinite(out[i])) nonfinite++;
+        num += (out[i] - ref[i]) * (out[i] - ref[i]);
+        den += ref[i] * ref[i];
+    }
+    double rel = sqrt(num / den);
+    CHECK(nonfinite == 0 && rel <= ATTEND_REL,
+          "attend D=%d heads %d/%d k(dsub %d, %d bits) v(dsub %d, %d bits) window %d: rel err %.3g, %d non-finite", D,
+          n_head, n_head_kv, kdsub, knbits, vdsub, vnbits, window, rel, nonfinite);
+    printf("  attend D=%3d heads %2d/%d B=%d maxL=%5d k(dsub %2d, %2d bits) v(dsub %2d, %2d bits) %-8s window %3d "
+           "vrot %d: rel err vs fp64 %.2e\n",
+           D, n_head, n_head_kv, B, maxL, kdsub, knbits, vdsub, vnbits, g ? "subspace" : "shared", window,
+           value_rotate, rel);
+    for (int b = 0; b < B; b++) {
+        free(K[b]);
+        free(V[b]);
+        free(Kh[b]);
+        free(Vh[b]);
+    }
+    free(K);
+    free(V);
+    free(Kh);
+    free(Vh);
+    free(kc);
+    free(vc);
+    free(q);
+    free(out);
+    free(ref);
+    free(sc);
+    free(lambda);
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(dkc);
+    cudaFree(dvc);
+    cudaFree(dq);
+    cudaFree(dout);
+    kvpq_cuda_pq_free(kq);
+    kvpq_cuda_pq_free(vq);
+    kvpq_cuda_cache_free(c);
+    kvpq_pq_free(kpq);
+    kvpq_pq_free(vpq);
+}
+
+int main(void) {
+    char why[256];
+    if (!kvpq_cuda_available(why, sizeof why)) {
+        printf("SKIP: GPU tests need a CUDA device: %s\n", why);
+        return 77;
+    }
+    printf("%s\n", why);
+    const char *qe = getenv("KVPQ_QUICK");
+    g_quick = qe && *qe && strcmp(qe, "0");
+    const char *se = getenv("KVPQ_SEED");
+    g_rng = se ? strtoull(se, NULL, 10) : (uint64_t)time(NULL) * 2654435761u ^ (uint64_t)clock();
+    if (!g_rng) g_rng = 88172645463325252ull;
+    printf("seed %llu (KVPQ_SEED=... replays)\n", (unsigned long long)g_rng);
+    int nt = g_quick ? 40 : 700;
+
+    printf("encode/decode:\n");
+    const int ds[] = {64, 128, 256}, dsubs[] = {1, 2, 4, 8, 16};
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 5; j++) {
+            int nbits = (i + j) % 3 == 0 ? 8 : ((i + j) % 3 == 1 ? 5 : 12);
+            if (g_quick && nbits == 12 && dsubs[j] < 4) nbits = 10;
+            check_encode(ds[i], dsubs[j], nbits, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1);
+        }
+    check_encode(128, 4, 8, KVPQ_CODEBOOK_SHARED, 8, nt, 0, 0);
+    check_encode(128, 4, 8, KVPQ_CODEBOOK_SUBSPACE, 2, nt, 1, 1);
+    check_encode(64, 2, 6, KVPQ_CODEBOOK_SUBSPACE, 2, nt, 0, 1);
+    check_encode(256, 16, 12, KVPQ_CODEBOOK_SHARED, 1, nt / 4, 1, 1);
+    check_encode(64, 8, 3, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1);
+
+    { /* a key LUT that cannot fit in shared memory is refused at creation, naming the shape */
+        ref_pq r;
+        kvpq_pq *kp = make_pq(256, 8, 12, KVPQ_CODEBOOK_SHARED, &r, NULL);
+        kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
+        cp.head_dim = 256;
+        cp.key = kp;
+        cp.value = kp;
+        kvpq_cuda_cache *c = NULL;
+        kvpq_status s = kvpq_cuda_cache_new(&c, &cp);
+        CHECK(s == KVPQ_ERR_UNSUPPORTED && c == NULL, "oversized LUT: status %d", (int)s);
+        printf("  oversized key LUT refused: %s\n", kvpq_last_error());
+        kvpq_pq_free(kp);
+    }
+    printf("attention:\n");
+    int L1[] = {1, 37, 700, g_quick ? 300 : 3000};
+    int L2[] = {g_quick ? 500 : 5000};
+    int L3[] = {130, 64, 257};
+    check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 0, 4, L1);  /* 2-bit K and V */
+    check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1);    /* SmolLM2 shape */
+    check_attend(256, 8, 2, 8, 10, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 1, L2);
+    check_attend(128, 8, 8, 2, 8, 8, 8, KVPQ_CODEBOOK_SHARED, 0, 0, 3, L3);     /* no window, MHA */
+    check_attend(64, 16, 2, 8, 6, 2, 5, KVPQ_CODEBOOK_SUBSPACE, 16, 1, 3, L3);  /* subspace books, odd bits */
+    check_attend(128, 24, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 500, 0, 3, L3);  /* window > length; 12 heads/KV */
+
+    if (g_fail) {
+        printf("FAILED: %d check(s)\n", g_fail);
+        return 1;
+    }
+    printf("all GPU checks passed\n");
+    return 0;
+}
