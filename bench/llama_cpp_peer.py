@@ -248,6 +248,8 @@ def main():
     ap.add_argument("--positions", type=int, default=32, help="positions whose logits are compared")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=64, help="tokens decoded one at a time for the decode speed")
+    ap.add_argument("--llama-extra-bufts", action="store_true",
+                    help="let llama.cpp use AMX / repacked weights (off: SIGILL on CPUs without AMX enabled)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved speed rounds (median reported)")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     a = ap.parse_args()
@@ -302,7 +304,22 @@ def main():
         have_llama = False
         res["llama_cpp"] = f"not available: {e}"
     if have_llama:
+        import llama_cpp
+        import llama_cpp.llama
         from llama_cpp import Llama
+        if not a.llama_extra_bufts:
+            # llama.cpp's "extra buffer types" (AMX tiles, weight repacking) die with SIGILL on
+            # this VM (the CPU reports AMX, the kernel does not enable it); llama-cpp-python has no
+            # argument for it, so switch it off in the default model params it starts from.
+            orig = llama_cpp.llama_model_default_params
+
+            def no_extra_bufts():
+                p = orig()
+                p.use_extra_bufts = False
+                return p
+
+            llama_cpp.llama_model_default_params = no_extra_bufts
+            llama_cpp.llama.llama_cpp.llama_model_default_params = no_extra_bufts
         llm = Llama(model_path=a.model, n_ctx=a.ctx, n_batch=a.ctx, n_ubatch=a.ctx, n_threads=a.threads,
                     n_threads_batch=a.threads, logits_all=True, verbose=False)
         lt = llm.tokenize(text.encode(), add_bos=bool(kv.info.add_bos), special=False)
@@ -338,16 +355,21 @@ def main():
         llm = Llama(model_path=a.model, n_ctx=a.ctx + a.decode + 8, n_batch=a.ctx, n_ubatch=a.ctx,
                     n_threads=a.threads, n_threads_batch=a.threads, logits_all=False, verbose=False)
 
+        def last_logits():
+            # the newest token's logits straight from the context (llm.scores only has n_batch rows here)
+            ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(kv.info.n_vocab,))
+
         def speed_lc():
             llm.reset()
             t0 = time.perf_counter()
             llm.eval(chunks[0])
             pre = len(chunks[0]) / (time.perf_counter() - t0)
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits()))
             t0 = time.perf_counter()
             for _ in range(a.decode):
                 llm.eval([tok])
-                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                tok = int(np.argmax(last_logits()))
             return pre, a.decode / (time.perf_counter() - t0)
 
         # interleaved rounds, median: the machine is shared, so both see the same load

@@ -1,9 +1,316 @@
-/* cmd_calibrate.c — placeholder until this subcommand is built (fails loudly, never pretends). */
+/* cmd_calibrate.c — `kvpq calibrate`: train a model's key/value codebooks on its real activations.
+ *
+ * Runs the model over a text with an fp32 cache, reads back every layer's post-RoPE keys and values,
+ * computes the key smoothing factors lambda = sqrt(max |K|) per KV head and channel, divides the keys
+ * by them and rotates them with the normalized Hadamard transform (VecInfer, arXiv 2510.06175,
+ * sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
+ * k-means on the transformed data (all KV heads of a layer pooled). Writes a safetensors codebook
+ * file (kvpq_codebook_save) with the model, text, token count and configuration as metadata. */
+#include <stdlib.h>
+#include <string.h>
+
 #include "cli.h"
 
+typedef struct {
+    const char *model, *text, *out, *keys, *values, *granularity;
+    long tokens, ctx, iters, threads, value_rotate, max_ppc;
+    long seed;
+} calib_args;
+
+static void calib_usage(FILE *f) {
+    fprintf(f,
+            "usage: kvpq calibrate --model M --text FILE -o OUT.safetensors [options]\n"
+            "  --tokens N            calibration tokens taken from the start of FILE (default 32768)\n"
+            "  --ctx N               tokens per forward chunk; keys are seen at positions 0..N-1 (default 2048)\n"
+            "  --keys CFG            key quantizer preset: d8b8 (1 bit), d8b12 (1.5), d4b8 (2), d2b8 (4) (default d4b8)\n"
+            "  --values CFG          value quantizer preset, same names (default: as --keys)\n"
+            "  --granularity G       shared: one (ksub, dsub) codebook per layer and K/V, as VecInfer;\n"
+            "                        subspace: (M, ksub, dsub), as faiss (default shared)\n"
+            "  --value-rotate 0|1    Hadamard-rotate values before encoding (default 0)\n"
+            "  --iters N             k-means Lloyd iterations (default 25)\n"
+            "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
+            "  --seed S              k-means seed (default 1234)\n"
+            "  --threads N           threads (default: all)\n");
+}
+
+static int parse_args(int argc, char **argv, calib_args *a) {
+    *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
+                      .seed = 1234, .max_ppc = -1};
+    for (int i = 1; i < argc; i++) {
+        const char *o = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
+            calib_usage(stdout);
+            return 0;
+        }
+#define STR_OPT(name, field)                                                       \
+    if (!strcmp(o, name)) {                                                        \
+        if (!v) return cli_usage_error("calibrate: %s needs a value", name), -2;  \
+        a->field = v;                                                              \
+        i++;                                                                       \
+        continue;                                                                  \
+    }
+#define INT_OPT(name, field, lo, hi)                                \
+    if (!strcmp(o, name)) {                                         \
+        if (!cli_parse_int(name, v, lo, hi, &a->field)) return -2; \
+        i++;                                                        \
+        continue;                                                   \
+    }
+        STR_OPT("--model", model)
+        STR_OPT("--text", text)
+        STR_OPT("-o", out)
+        STR_OPT("--out", out)
+        STR_OPT("--keys", keys)
+        STR_OPT("--values", values)
+        STR_OPT("--granularity", granularity)
+        INT_OPT("--tokens", tokens, 16, 1L << 24)
+        INT_OPT("--ctx", ctx, 16, 1L << 20)
+        INT_OPT("--iters", iters, 1, 1000)
+        INT_OPT("--threads", threads, 0, 1024)
+        INT_OPT("--value-rotate", value_rotate, 0, 1)
+        INT_OPT("--max-points-per-centroid", max_ppc, 1, 1L << 20)
+        INT_OPT("--seed", seed, 0, 0x7fffffffL)
+#undef STR_OPT
+#undef INT_OPT
+        return cli_usage_error("calibrate: unknown option '%s' (see kvpq calibrate --help)", o), -2;
+    }
+    if (!a->model || !a->text || !a->out)
+        return cli_usage_error("calibrate: --model, --text and -o are required (see kvpq calibrate --help)"), -2;
+    if (!a->values) a->values = a->keys;
+    if (strcmp(a->granularity, "shared") && strcmp(a->granularity, "subspace"))
+        return cli_usage_error("calibrate: --granularity '%s': expected shared or subspace", a->granularity), -2;
+    return 1;
+}
+
+/* Read a whole file into a NUL-terminated buffer. */
+static char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 20, n = 0;
+    char *buf = malloc(cap + 1);
+    while (buf) {
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (n < cap) break;
+        char *nb = realloc(buf, 2 * cap + 1);
+        if (!nb) {
+            free(buf);
+            buf = NULL;
+            break;
+        }
+        buf = nb;
+        cap *= 2;
+    }
+    int err = ferror(f);
+    fclose(f);
+    if (!buf || err) {
+        free(buf);
+        return NULL;
+    }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+static int progress_cb(void *user, const char *stage, double done, double total) {
+    (void)user;
+    (void)stage;
+    (void)done;
+    (void)total;
+    return 0;
+}
+
+static const char *base_name(const char *p) {
+    const char *s = strrchr(p, '/');
+    return s ? s + 1 : p;
+}
+
 int cmd_calibrate(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "kvpq: '%s' is not built yet\n", argv[0]);
-    return 3;
+    calib_args a;
+    int pr = parse_args(argc, argv, &a);
+    if (pr <= 0) return pr == 0 ? 0 : 2;
+
+    int rc = 1;
+    kvpq_status s;
+    kvpq_model *model = NULL;
+    kvpq_cache *cache = NULL;
+    kvpq_codebook *cb = NULL;
+    char *text = NULL;
+    int32_t *tokens = NULL;
+    float *logits = NULL, *kall = NULL, *vall = NULL, *lam = NULL;
+    double t0 = cli_now();
+
+    kvpq_model_params mp = kvpq_model_params_default();
+    mp.n_threads = (int)a.threads;
+    if ((s = kvpq_model_load(&model, a.model, &mp)) != KVPQ_OK) {
+        rc = cli_fail("calibrate: loading the model", s);
+        goto done;
+    }
+    kvpq_model_info mi;
+    kvpq_model_get_info(model, &mi);
+    if (a.ctx > mi.n_ctx_train) {
+        rc = cli_usage_error("calibrate: --ctx %ld exceeds the model's context length %d", a.ctx, mi.n_ctx_train);
+        goto done;
+    }
+
+    /* Codebook configuration, validated before the (long) forward pass. */
+    kvpq_codebook_params cp = kvpq_codebook_params_default();
+    cp.n_layer = mi.n_layer;
+    cp.n_head_kv = mi.n_head_kv;
+    cp.head_dim = mi.head_dim;
+    cp.value_rotate = (int)a.value_rotate;
+    if ((s = kvpq_pq_params_preset(&cp.key, a.keys, mi.head_dim)) != KVPQ_OK ||
+        (s = kvpq_pq_params_preset(&cp.value, a.values, mi.head_dim)) != KVPQ_OK) {
+        rc = cli_fail("calibrate", s);
+        goto done;
+    }
+    cp.key.granularity = cp.value.granularity =
+        strcmp(a.granularity, "shared") ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
+    if ((s = kvpq_codebook_new(&cb, &cp)) != KVPQ_OK) {
+        rc = cli_fail("calibrate: codebook", s);
+        goto done;
+    }
+
+    size_t text_len = 0;
+    if (!(text = read_file(a.text, &text_len))) {
+        rc = cli_usage_error("calibrate: cannot read text file '%s'", a.text);
+        goto done;
+    }
+    size_t n_tok = 0;
+    if ((s = kvpq_tokenize(model, text, text_len, 0, 0, NULL, 0, &n_tok)) != KVPQ_OK) {
+        rc = cli_fail("calibrate: tokenizing the text file", s);
+        goto done;
+    }
+    if (!(tokens = malloc((n_tok ? n_tok : 1) * sizeof *tokens))) goto oom;
+    if ((s = kvpq_tokenize(model, text, text_len, 0, 0, tokens, n_tok, &n_tok)) != KVPQ_OK) {
+        rc = cli_fail("calibrate: tokenizing", s);
+        goto done;
+    }
+    size_t n_use = n_tok < (size_t)a.tokens ? n_tok : (size_t)a.tokens;
+    if (n_use < 16) {
+        rc = cli_usage_error("calibrate: text file '%s' has only %zu tokens (need at least 16)", a.text, n_tok);
+        goto done;
+    }
+    if (n_use < (size_t)a.tokens)
+        fprintf(stderr, "kvpq calibrate: the text has %zu tokens; using all of them (asked for %ld)\n", n_tok, a.tokens);
+
+    /* ---- forward pass: collect post-RoPE keys and values of every layer ---- */
+    const int L = mi.n_layer, H = mi.n_head_kv, D = mi.head_dim;
+    const size_t row = (size_t)H * D; /* floats per token per layer */
+    kvpq_cache_params kp = kvpq_cache_params_default();
+    kp.type = KVPQ_CACHE_FP32;
+    kp.n_layer = L;
+    kp.n_head = mi.n_head;
+    kp.n_head_kv = H;
+    kp.head_dim = D;
+    kp.max_seq = (int)a.ctx;
+    kp.n_threads = (int)a.threads;
+    if ((s = kvpq_cache_new(&cache, &kp)) != KVPQ_OK) {
+        rc = cli_fail("calibrate: cache", s);
+        goto done;
+    }
+    kall = malloc(sizeof(float) * (size_t)L * n_use * row);
+    vall = malloc(sizeof(float) * (size_t)L * n_use * row);
+    logits = malloc(sizeof(float) * (size_t)mi.n_vocab);
+    lam = malloc(sizeof(float) * row);
+    if (!kall || !vall || !logits || !lam) goto oom;
+    for (size_t p0 = 0; p0 < n_use; p0 += (size_t)a.ctx) {
+        int n = (int)((n_use - p0) < (size_t)a.ctx ? (n_use - p0) : (size_t)a.ctx);
+        if ((s = kvpq_cache_truncate(cache, 0)) != KVPQ_OK ||
+            (s = kvpq_model_eval(model, cache, tokens + p0, n, 0, logits)) != KVPQ_OK) {
+            rc = cli_fail("calibrate: forward pass", s);
+            goto done;
+        }
+        for (int l = 0; l < L; l++) {
+            float *kd = kall + ((size_t)l * n_use + p0) * row, *vd = vall + ((size_t)l * n_use + p0) * row;
+            if ((s = kvpq_cache_read(cache, l, 0, n, kd, vd)) != KVPQ_OK) {
+                rc = cli_fail("calibrate: reading keys and values", s);
+                goto done;
+            }
+        }
+        fprintf(stderr, "\rkvpq calibrate: forward %zu/%zu tokens (%.1f s)", p0 + (size_t)n, n_use, cli_now() - t0);
+    }
+    double t_fwd = cli_now() - t0;
+    fprintf(stderr, "\n");
+
+    /* ---- per layer: smoothing, rotation, k-means ---- */
+    kvpq_kmeans_params km = kvpq_kmeans_params_default();
+    km.niter = (int)a.iters;
+    km.seed = (uint64_t)a.seed;
+    km.n_threads = (int)a.threads;
+    km.progress = progress_cb;
+    double mse_k = 0, mse_v = 0;
+    for (int l = 0; l < L; l++) {
+        float *kd = kall + (size_t)l * n_use * row, *vd = vall + (size_t)l * n_use * row;
+        if ((s = kvpq_smooth_compute(n_use, H, D, kd, 1e-2f, lam)) != KVPQ_OK) {
+            rc = cli_fail("calibrate: smoothing factors", s);
+            goto done;
+        }
+        memcpy(kvpq_codebook_key_smooth(cb, l), lam, sizeof(float) * row);
+        for (size_t t = 0; t < n_use; t++)
+            for (size_t c = 0; c < row; c++) kd[t * row + c] /= lam[c];
+        if ((s = kvpq_hadamard(kd, n_use * H, D)) != KVPQ_OK ||
+            (a.value_rotate && (s = kvpq_hadamard(vd, n_use * H, D)) != KVPQ_OK)) {
+            rc = cli_fail("calibrate: rotation", s);
+            goto done;
+        }
+        kvpq_kmeans_report rk, rv;
+        km.max_points_per_centroid = a.max_ppc > 0 ? (int)a.max_ppc : (cp.key.nbits > 8 ? 32 : 256);
+        if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 0), &km, n_use * H, kd, &rk)) != KVPQ_OK) {
+            rc = cli_fail("calibrate: training the key codebook", s);
+            goto done;
+        }
+        km.max_points_per_centroid = a.max_ppc > 0 ? (int)a.max_ppc : (cp.value.nbits > 8 ? 32 : 256);
+        if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 1), &km, n_use * H, vd, &rv)) != KVPQ_OK) {
+            rc = cli_fail("calibrate: training the value codebook", s);
+            goto done;
+        }
+        mse_k += rk.mse_final;
+        mse_v += rv.mse_final;
+        fprintf(stderr, "\rkvpq calibrate: layer %d/%d k-means done (key mse %.4g, value mse %.4g, %.1f s)", l + 1, L,
+                rk.mse_final, rv.mse_final, cli_now() - t0);
+    }
+    fprintf(stderr, "\n");
+
+    /* ---- metadata and file ---- */
+    char buf[64];
+    kvpq_codebook_set_meta(cb, "model", mi.name);
+    kvpq_codebook_set_meta(cb, "model_file", base_name(a.model));
+    kvpq_codebook_set_meta(cb, "text", base_name(a.text));
+    snprintf(buf, sizeof buf, "%zu", n_use);
+    kvpq_codebook_set_meta(cb, "tokens", buf);
+    snprintf(buf, sizeof buf, "%ld", a.ctx);
+    kvpq_codebook_set_meta(cb, "ctx", buf);
+    kvpq_codebook_set_meta(cb, "keys", a.keys);
+    kvpq_codebook_set_meta(cb, "values", a.values);
+    snprintf(buf, sizeof buf, "%ld", a.seed);
+    kvpq_codebook_set_meta(cb, "seed", buf);
+    snprintf(buf, sizeof buf, "%ld", a.iters);
+    kvpq_codebook_set_meta(cb, "kmeans_iters", buf);
+    snprintf(buf, sizeof buf, "%.6g", mse_k / L);
+    kvpq_codebook_set_meta(cb, "key_mse_mean", buf);
+    snprintf(buf, sizeof buf, "%.6g", mse_v / L);
+    kvpq_codebook_set_meta(cb, "value_mse_mean", buf);
+    if ((s = kvpq_codebook_save(cb, a.out)) != KVPQ_OK) {
+        rc = cli_fail("calibrate: writing the codebook file", s);
+        goto done;
+    }
+    fprintf(stderr,
+            "kvpq calibrate: wrote %s (%d layers, keys %s, values %s%s, %zu tokens; forward %.1f s, total %.1f s)\n",
+            a.out, L, a.keys, a.values, a.value_rotate ? " rotated" : "", n_use, t_fwd, cli_now() - t0);
+    rc = 0;
+    goto done;
+oom:
+    rc = cli_usage_error("calibrate: out of memory");
+done:
+    free(text);
+    free(tokens);
+    free(logits);
+    free(kall);
+    free(vall);
+    free(lam);
+    kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
+    kvpq_model_free(model);
+    return rc;
 }

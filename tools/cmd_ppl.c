@@ -354,7 +354,7 @@ int cmd_ppl(int argc, char **argv) {
         if (!as_json) {
             printf("cache %-27s PPL = %.4f +/- %.5f   kv_bytes %zu (%.3f bits/elem)   %.1f tok/s", r->cc.spec, p, se,
                    st.resident_bytes, st.bits_per_element, tps);
-            if (kl_base) printf("   KL mean %.5f p99 %.5f   top-1 %.4f", kl_mean, kl_p99, top1);
+            if (kl_base) printf("   KL mean %.3g p99 %.3g   top-1 %.4f", kl_mean, kl_p99, top1);
             printf("\n");
         }
     }

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The main job, end to end on a fresh machine: install dependencies, build, fetch SmolLM2-135M,
+# calibrate codebooks on one novel (data/text/emma.txt) for the four VQ presets, measure perplexity,
+# KL and top-1 agreement against the fp16 cache on the held-out novel (data/text/persuasion.txt) at
+# context 1024 and 4096 for every cache type, print one table, write the figure, and generate a
+# paragraph with the 2-bit cache.
+# Environment: KVPQ_THREADS (default: all cores), CHUNKS_1K (default 8), CHUNKS_4K (default 4),
+# CALIB_TOKENS (default 32768).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+threads=${KVPQ_THREADS:-$(nproc)}
+chunks1k=${CHUNKS_1K:-8}
+chunks4k=${CHUNKS_4K:-4}
+calib_tokens=${CALIB_TOKENS:-32768}
+out=out/main_job
+./scripts/deps.sh
+./scripts/fetch_model.sh
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$(nproc)" --target kvpq_cli
+kvpq=build/kvpq
+model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p "$out"
+"$kvpq" info "$model" | head -n 20
+
+echo "== calibrate on data/text/emma.txt ($calib_tokens tokens)"
+for p in d8b8 d8b12 d4b8 d2b8; do
+  "$kvpq" calibrate --model "$model" --text data/text/emma.txt --tokens "$calib_tokens" \
+    --keys "$p" --values "$p" --threads "$threads" -o "$out/cb_$p.safetensors" 2>&1 | tail -n 1
+done
+
+caches="fp16,q8_0,q4_0,kivi4,kivi2"
+for p in d8b8 d8b12 d4b8 d2b8; do caches="$caches,vq:$out/cb_$p.safetensors"; done
+for ctx in 1024 4096; do
+  chunks=$chunks1k; [ "$ctx" = 4096 ] && chunks=$chunks4k
+  echo "== perplexity on data/text/persuasion.txt, ctx $ctx, $chunks chunks, KL against the fp16 cache"
+  "$kvpq" ppl --model "$model" --text data/text/persuasion.txt --ctx "$ctx" --chunks "$chunks" \
+    --cache "$caches" --kl-base fp16 --threads "$threads" --json > "$out/ppl_ctx$ctx.json"
+done
+
+echo "== table"
+python3 scripts/report.py --out "$out" --readme README.md --figure docs/main_job.png \
+  --command "./scripts/main_job.sh" "$out"/ppl_ctx1024.json "$out"/ppl_ctx4096.json
+
+echo "== generate with the 2-bit VQ cache (d4b8)"
+"$kvpq" generate --model "$model" --cache "vq:$out/cb_d4b8.safetensors" --threads "$threads" -n 160 --temp 0 \
+  --prompt "It was a bright morning in the village when" | tee "$out/generate_2bit.txt"
+echo

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Turn `kvpq ppl --json` results into the main job's table, figure and README section.
+
+Each input is the JSON that `kvpq ppl --cache A,B,... --kl-base fp16 --json` prints: one object per
+tested cache (a single object is accepted too). The table has one row per cache: effective bits per
+element (codes plus codebooks, smoothing, window, over all stored elements), resident KV MiB,
+perplexity, change of perplexity against the fp16 cache in %, mean KL(fp16 || cache), top-1
+agreement with the fp16 cache, tokens/s of the run."""
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def cache_name(o):
+    name = o.get("cache") or o.get("spec") or "?"
+    m = re.match(r"vq:.*cb_(\w+)\.safetensors", name)
+    return f"vq-{m.group(1)}" if m else name
+
+
+def family(name):
+    return "vq" if name.startswith("vq") else "kivi" if name.startswith("kivi") else name if name.startswith("fp") else "q"
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    rows = data if isinstance(data, list) else [data]
+    ctx = None
+    m = re.search(r"ctx(\d+)", os.path.basename(path))
+    for r in rows:
+        ctx = r.get("ctx") or (int(m.group(1)) if m else None)
+        r["_ctx"] = ctx
+        r["_name"] = cache_name(r)
+    return ctx, rows
+
+
+def table(ctx, rows):
+    out = [f"Context {ctx}:", "",
+           "| cache | bits/elem | KV MiB | ppl | Δppl vs fp16 | KL mean | KL p99 | top-1 agree | tok/s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        base = r.get("ppl_base") or r["ppl"]
+        r["_dppl"] = 100.0 * (r["ppl"] / base - 1.0)
+        out.append("| {} | {:.2f} | {:.2f} | {:.3f} ± {:.3f} | {:+.2f}% | {:.4f} | {:.4f} | {:.1f}% | {:.0f} |".format(
+            r["_name"], r.get("bits_per_element", float("nan")), r.get("kv_bytes", 0) / 2**20, r["ppl"],
+            r.get("ppl_stderr", float("nan")), r["_dppl"], r.get("kl_mean", float("nan")),
+            r.get("kl_p99", float("nan")), 100.0 * r.get("top1_agree", float("nan")), r.get("tok_per_s", float("nan"))))
+    return "\n".join(out)
+
+
+def figure(results, path):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    markers = {"fp16": "s", "q": "^", "kivi": "D", "vq": "o"}
+    for ctx, rows in results:
+        for r in rows:
+            fam = family(r["_name"])
+            ls = dict(marker=markers.get(fam, "x"), fillstyle="full" if ctx == max(c for c, _ in results) else "none")
+            axes[0].plot(r["bits_per_element"], r["_dppl"], linestyle="", color=f"C{list(markers).index(fam)}", **ls)
+            axes[1].plot(r["bits_per_element"], r["kv_bytes"] / 2**20, linestyle="", color=f"C{list(markers).index(fam)}", **ls)
+            if ctx == max(c for c, _ in results):
+                axes[0].annotate(r["_name"], (r["bits_per_element"], r["_dppl"]), fontsize=7, xytext=(3, 3),
+                                 textcoords="offset points")
+    axes[0].set_xlabel("effective bits per element")
+    axes[0].set_ylabel("Δ perplexity vs fp16 cache (%)")
+    axes[0].set_yscale("symlog", linthresh=1)
+    axes[0].axhline(0, color="grey", lw=0.5)
+    axes[1].set_xlabel("effective bits per element")
+    axes[1].set_ylabel("resident KV cache (MiB)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], marker=m, linestyle="", color=f"C{i}", label=f) for i, (f, m) in enumerate(markers.items())]
+    handles += [Line2D([], [], marker="o", linestyle="", color="k", fillstyle="full", label=f"ctx {max(c for c, _ in results)}"),
+                Line2D([], [], marker="o", linestyle="", color="k", fillstyle="none", label=f"ctx {min(c for c, _ in results)}")]
+    axes[1].legend(handles=handles, fontsize=8)
+    fig.suptitle("SmolLM2-135M, held-out novel (persuasion.txt): quality and memory against bits")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def machine():
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except Exception:
+        model = platform.processor()
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("inputs", nargs="+")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--readme")
+    ap.add_argument("--figure")
+    ap.add_argument("--command", default="./scripts/main_job.sh")
+    a = ap.parse_args()
+    results = [load(p) for p in a.inputs]
+    text = "\n\n".join(table(ctx, rows) for ctx, rows in results)
+    print(text)
+    with open(os.path.join(a.out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    if a.figure:
+        os.makedirs(os.path.dirname(a.figure) or ".", exist_ok=True)
+        figure(results, a.figure)
+        print(f"figure: {a.figure}")
+    if a.readme:
+        try:
+            rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except Exception:
+            rev = "?"
+        section = (f"<!-- main-job:begin -->\nMeasured {datetime.date.today().isoformat()} on {machine()} "
+                   f"(commit {rev}) by `{a.command}`:\n\n{text}\n\n![quality and memory against bits]({a.figure})\n"
+                   "<!-- main-job:end -->")
+        readme = open(a.readme).read()
+        if "<!-- main-job:begin -->" in readme:
+            readme = re.sub(r"<!-- main-job:begin -->.*<!-- main-job:end -->", lambda _: section, readme, flags=re.S)
+        else:
+            readme += "\n## Main job results\n\n" + section + "\n"
+        open(a.readme, "w").write(readme)
+
+
+if __name__ == "__main__":
+    main()
