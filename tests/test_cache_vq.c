@@ -702,3 +702,34 @@ Test(cache_vq, fast_scan_scores) {
             free(s2);
         }
 }
+
+/* Per-token value decoding (the W-table alternative for small groups) against its reference, on
+ * the shapes the SIMD level takes (and shared and per-sub-space books); a wrong code-to-centroid
+ * mapping or head lane would differ by O(1). */
+Test(cache_vq, accum_dec_matches_reference) {
+    kvpq_simd_level best = kvpq_simd_get();
+    const int n = 70, M = 16, dsub = 4, d = 64;
+    for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
+        const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
+        if (!K->accum_dec_u8) continue;
+        for (int G = 1; G <= 4; G++)
+            for (int nb = 1; nb <= M; nb += M - 1) {
+                const int gp = G == 1 ? 1 : 4;
+                cr_assert(K->accum_dec_ok(M, dsub, G));
+                float *cent = randn((size_t)nb * 256 * dsub, 1.0f), *p = randn((size_t)n * gp, 1.0f);
+                float *o1 = randn((size_t)G * d, 1.0f), *o2 = malloc((size_t)G * d * 4);
+                memcpy(o2, o1, (size_t)G * d * 4);
+                uint8_t *c8 = malloc((size_t)n * M);
+                for (int i = 0; i < n * M; i++) c8[i] = (uint8_t)(urand() * 256);
+                kvpq__vq_accum_dec_u8_ref(n, M, dsub, nb, cent, gp, G, c8, p, o1);
+                K->accum_dec_u8(n, M, dsub, nb, cent, gp, G, c8, p, o2);
+                for (int i = 0; i < G * d; i++)
+                    cr_assert_float_eq(o1[i], o2[i], 1e-4f * (1 + fabsf(o1[i])), "dec G %d books %d [%d]", G, nb, i);
+                free(cent);
+                free(p);
+                free(o1);
+                free(o2);
+                free(c8);
+            }
+    }
+}

@@ -443,7 +443,10 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     K->lut_build(kpq->p.M, kpq->ksub, kpq->dsub, kpq->n_books, kpq->centroids, gp, qt, s->lut);
     if (st->fast_scan) kvpq__vq_lut_quantize(kpq->p.M, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
     const size_t table_rows = (size_t)vpq->p.M * vpq->ksub;
-    memset(s->table, 0, table_rows * gp * sizeof(float));
+    /* Values: decoded per token straight into po where the SIMD level has that kernel for this
+     * shape (small groups, see accum_dec_u8), else summed per (m, c) in the W table. */
+    const int dec = vpq->p.nbits == 8 && K->accum_dec_ok && K->accum_dec_ok(vpq->p.M, vpq->dsub, G);
+    if (!dec) memset(s->table, 0, table_rows * gp * sizeof(float));
     const int kbits8 = kpq->p.nbits == 8, vbits8 = vpq->p.nbits == 8;
     const int Mk = kpq->p.M, Mv = vpq->p.M;
     /* Two passes per block of up to vq_block_tokens(gp) tokens: all scores of the block first (they
@@ -477,13 +480,22 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             pd[g] *= s->rescale[g];
             pm[g] = m_new;
         }
-        if (any && b0 > t0) K->scale_rows(table_rows, gp, s->rescale, s->table);
+        if (any && b0 > t0) {
+            if (dec) {
+                for (int g = 0; g < G; g++)
+                    for (int i = 0; i < d; i++) po[(size_t)g * d + i] *= s->rescale[g];
+            } else {
+                K->scale_rows(table_rows, gp, s->rescale, s->table);
+            }
+        }
         for (int t = b0; t < b1;) {
             int n = vq_seg(st, t, b1);
             const uint8_t *vc = vq_vcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
             K->softmax_step(n, gp, sc, pm, pd, s->rescale); /* factor 1: pm is already the block max */
-            if (vbits8) {
+            if (dec) {
+                K->accum_dec_u8(n, Mv, vpq->dsub, vpq->n_books, vpq->centroids, gp, G, vc, sc, po);
+            } else if (vbits8) {
                 K->accum_u8(n, Mv, vpq->ksub, gp, vc, sc, s->table);
             } else {
                 kvpq_codes_unpack(Mv, vpq->p.nbits, n, vc, s->idx);
@@ -494,6 +506,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
         b0 = b1;
     }
     /* (M, dsub, gp) = (head_dim, gp) in s->o, then heads outermost into the part. */
+    if (dec) return; /* po already holds the weighted values */
     K->table_out(vpq->p.M, vpq->ksub, vpq->dsub, vpq->n_books, vpq->centroids, gp, s->table, s->o);
     for (int g = 0; g < G; g++)
         for (int i = 0; i < d; i++) po[(size_t)g * d + i] = s->o[(size_t)i * gp + g];

@@ -198,7 +198,57 @@ VQ_VBMI static void score_fs_u8_vbmi(int n, int M, int G, int gp, const uint8_t 
         kvpq__vq_score_fs_u8_ref(n - t0, M, G, gp, codes + (size_t)t0 * M, lut8, scale, bias, s + (size_t)t0 * gp);
 }
 
+// ---- values decoded per token: dsub = 4, M = 16 (head_dim 64), groups of up to 4 heads ---------------
+
+/* One token's value vector (64 floats) is four zmm of four centroids each (one 128-bit load per
+ * sub-space); each head adds p * vector with 4 FMAs. Per (token, sub-space) that is one load and
+ * G / 4 FMAs, against a load, an add and a store per (token, sub-space) for the W table. */
+static inline __attribute__((always_inline)) void dec_g(int n, int n_books, const float *cent, int gp, const int G,
+                                                         const uint8_t *codes, const float *p, float *o) {
+    __m512 acc[4][4];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < 4; r++) acc[g][r] = _mm512_loadu_ps(o + g * 64 + 16 * r);
+    const size_t bs = n_books == 1 ? 0 : 256 * 4; /* stride between sub-spaces' books */
+    for (int t = 0; t < n; t++) {
+        const uint8_t *c = codes + (size_t)t * 16;
+        __m512 v[4];
+        for (int r = 0; r < 4; r++) {
+            const float *b0 = cent + 4 * r * bs;
+            __m512 x = _mm512_castps128_ps512(_mm_loadu_ps(b0 + (size_t)c[4 * r] * 4));
+            x = _mm512_insertf32x4(x, _mm_loadu_ps(b0 + bs + (size_t)c[4 * r + 1] * 4), 1);
+            x = _mm512_insertf32x4(x, _mm_loadu_ps(b0 + 2 * bs + (size_t)c[4 * r + 2] * 4), 2);
+            v[r] = _mm512_insertf32x4(x, _mm_loadu_ps(b0 + 3 * bs + (size_t)c[4 * r + 3] * 4), 3);
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 pg = _mm512_set1_ps(p[(size_t)t * gp + g]);
+            for (int r = 0; r < 4; r++) acc[g][r] = _mm512_fmadd_ps(pg, v[r], acc[g][r]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < 4; r++) _mm512_storeu_ps(o + g * 64 + 16 * r, acc[g][r]);
+}
+
+static int accum_dec_ok_avx512(int M, int dsub, int G) {
+    return M == 16 && dsub == 4 && G >= 1 && G <= 4;
+}
+
+static void accum_dec_u8_avx512(int n, int M, int dsub, int n_books, const float *cent, int gp, int G,
+                                const uint8_t *codes, const float *p, float *o) {
+    if (!accum_dec_ok_avx512(M, dsub, G)) {
+        kvpq__vq_accum_dec_u8_ref(n, M, dsub, n_books, cent, gp, G, codes, p, o);
+        return;
+    }
+    switch (G) {
+    case 1: dec_g(n, n_books, cent, gp, 1, codes, p, o); break;
+    case 2: dec_g(n, n_books, cent, gp, 2, codes, p, o); break;
+    case 3: dec_g(n, n_books, cent, gp, 3, codes, p, o); break;
+    default: dec_g(n, n_books, cent, gp, 4, codes, p, o); break;
+    }
+}
+
 void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k) {
+    k->accum_dec_u8 = accum_dec_u8_avx512;
+    k->accum_dec_ok = accum_dec_ok_avx512;
     if (__builtin_cpu_supports("avx512vbmi")) k->score_fs_u8 = score_fs_u8_vbmi;
     k->lut_build = lut_build_avx512;
     k->table_out = table_out_avx512;

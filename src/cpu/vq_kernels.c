@@ -101,6 +101,17 @@ void kvpq__vq_lut_quantize(int M, int ksub, int gp, int G, const float *lut, uin
 VQ_ACCUM_REF(kvpq__vq_accum_u8_ref, uint8_t)
 VQ_ACCUM_REF(kvpq__vq_accum_u16_ref, uint16_t)
 
+void kvpq__vq_accum_dec_u8_ref(int n, int M, int dsub, int n_books, const float *cent, int gp, int G,
+                               const uint8_t *codes, const float *p, float *o) {
+    const int d = M * dsub;
+    for (int t = 0; t < n; t++)
+        for (int m = 0; m < M; m++) {
+            const float *cv = cent + ((size_t)(n_books == 1 ? 0 : m) * 256 + codes[(size_t)t * M + m]) * dsub;
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < dsub; j++) o[(size_t)g * d + m * dsub + j] += p[(size_t)t * gp + g] * cv[j];
+        }
+}
+
 int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float *rescale) {
     int any = 0;
     for (int g = 0; g < gp; g++) {

@@ -30,6 +30,13 @@ typedef struct {
      * lanes G..gp-1 get 0. lut8 (G, M, 256) uint8 from kvpq__vq_lut_quantize. */
     void (*score_fs_u8)(int n, int M, int G, int gp, const uint8_t *codes, const uint8_t *lut8, const float *scale,
                         const float *bias, float *s);
+    /* Values decoded per token (exact; instead of the W table when cheaper): for g < G,
+     * o[g][m * dsub + j] += sum_t p[t][g] * C[m][code(t, m)][j], 8-bit codes (n, M), p (n, gp),
+     * o (G, M * dsub), centroids (n_books, 256, dsub). NULL unless a SIMD level has it; use it
+     * only where accum_dec_ok(M, dsub, G) says so. */
+    void (*accum_dec_u8)(int n, int M, int dsub, int n_books, const float *cent, int gp, int G, const uint8_t *codes,
+                         const float *p, float *o);
+    int (*accum_dec_ok)(int M, int dsub, int G);
     /* One online-softmax step over a chunk of scores s (n, gp), n >= 1 (Milakov & Gimelshein 2018):
      * m_new = max(m, max_t s[t]); s[t] <- exp(s[t] - m_new); d <- d * exp(m - m_new) + sum_t s[t];
      * m <- m_new. rescale (gp) gets exp(m_old - m_new) (0 where m_old was -inf). Returns 1 if some
@@ -66,6 +73,8 @@ void kvpq__vq_score_fs_u8_ref(int n, int M, int G, int gp, const uint8_t *codes,
  * bias[g] = sum_m min_c. Each score's added error is at most M * delta_g / 2 (rounding). Non-finite
  * LUT entries make that head's scale and bias NaN (its scores are then NaN, as on the exact path). */
 void kvpq__vq_lut_quantize(int M, int ksub, int gp, int G, const float *lut, uint8_t *lut8, float *scale, float *bias);
+void kvpq__vq_accum_dec_u8_ref(int n, int M, int dsub, int n_books, const float *cent, int gp, int G,
+                               const uint8_t *codes, const float *p, float *o);
 void kvpq__vq_accum_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
 void kvpq__vq_accum_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float *rescale);
