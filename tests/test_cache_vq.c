@@ -708,13 +708,15 @@ Test(cache_vq, fast_scan_scores) {
  * mapping or head lane would differ by O(1). */
 Test(cache_vq, accum_dec_matches_reference) {
     kvpq_simd_level best = kvpq_simd_get();
-    const int n = 70, M = 16, dsub = 4, d = 64;
+    const int n = 70, dsub = 4;
+    for (int M = 16; M <= 32; M += 16)
     for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
+        const int d = M * dsub;
         const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
         if (!K->accum_dec_u8) continue;
         for (int G = 1; G <= 4; G++)
             for (int nb = 1; nb <= M; nb += M - 1) {
-                const int gp = G == 1 ? 1 : 4;
+                const int gp = G == 1 ? 1 : 4; /* nb: shared book, or one per sub-space */
                 cr_assert(K->accum_dec_ok(M, dsub, G));
                 float *cent = randn((size_t)nb * 256 * dsub, 1.0f), *p = randn((size_t)n * gp, 1.0f);
                 float *o1 = randn((size_t)G * d, 1.0f), *o2 = malloc((size_t)G * d * 4);

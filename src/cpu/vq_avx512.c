@@ -198,19 +198,20 @@ VQ_VBMI static void score_fs_u8_vbmi(int n, int M, int G, int gp, const uint8_t 
         kvpq__vq_score_fs_u8_ref(n - t0, M, G, gp, codes + (size_t)t0 * M, lut8, scale, bias, s + (size_t)t0 * gp);
 }
 
-// ---- values decoded per token: dsub = 4, M = 16 (head_dim 64), groups of up to 4 heads ---------------
+// ---- values decoded per token: dsub = 4, M a multiple of 16, groups of up to 4 heads ---------------
 
-/* One token's value vector (64 floats) is four zmm of four centroids each (one 128-bit load per
+/* One token's value slice (16 sub-spaces, 64 floats) is four zmm of four centroids each (one 128-bit load per
  * sub-space); each head adds p * vector with 4 FMAs. Per (token, sub-space) that is one load and
  * G / 4 FMAs, against a load, an add and a store per (token, sub-space) for the W table. */
-static inline __attribute__((always_inline)) void dec_g(int n, int n_books, const float *cent, int gp, const int G,
-                                                         const uint8_t *codes, const float *p, float *o) {
+static inline __attribute__((always_inline)) void dec_g(int n, int M, int n_books, const float *cent, int gp,
+                                                         const int G, const uint8_t *codes, const float *p, float *o) {
+    const int d = M * 4;
     __m512 acc[4][4];
     for (int g = 0; g < G; g++)
-        for (int r = 0; r < 4; r++) acc[g][r] = _mm512_loadu_ps(o + g * 64 + 16 * r);
+        for (int r = 0; r < 4; r++) acc[g][r] = _mm512_loadu_ps(o + g * d + 16 * r);
     const size_t bs = n_books == 1 ? 0 : 256 * 4; /* stride between sub-spaces' books */
     for (int t = 0; t < n; t++) {
-        const uint8_t *c = codes + (size_t)t * 16;
+        const uint8_t *c = codes + (size_t)t * M;
         __m512 v[4];
         for (int r = 0; r < 4; r++) {
             const float *b0 = cent + 4 * r * bs;
@@ -225,11 +226,11 @@ static inline __attribute__((always_inline)) void dec_g(int n, int n_books, cons
         }
     }
     for (int g = 0; g < G; g++)
-        for (int r = 0; r < 4; r++) _mm512_storeu_ps(o + g * 64 + 16 * r, acc[g][r]);
+        for (int r = 0; r < 4; r++) _mm512_storeu_ps(o + g * d + 16 * r, acc[g][r]);
 }
 
 static int accum_dec_ok_avx512(int M, int dsub, int G) {
-    return M == 16 && dsub == 4 && G >= 1 && G <= 4;
+    return M % 16 == 0 && dsub == 4 && G >= 1 && G <= 4;
 }
 
 static void accum_dec_u8_avx512(int n, int M, int dsub, int n_books, const float *cent, int gp, int G,
@@ -238,11 +239,19 @@ static void accum_dec_u8_avx512(int n, int M, int dsub, int n_books, const float
         kvpq__vq_accum_dec_u8_ref(n, M, dsub, n_books, cent, gp, G, codes, p, o);
         return;
     }
-    switch (G) {
-    case 1: dec_g(n, n_books, cent, gp, 1, codes, p, o); break;
-    case 2: dec_g(n, n_books, cent, gp, 2, codes, p, o); break;
-    case 3: dec_g(n, n_books, cent, gp, 3, codes, p, o); break;
-    default: dec_g(n, n_books, cent, gp, 4, codes, p, o); break;
+    /* One pass over the tokens per slice of 16 sub-spaces (64 output floats per head), so the
+     * G x 4 accumulators stay in registers for any head_dim. */
+    const size_t bs = n_books == 1 ? 0 : 256 * 4;
+    for (int m0 = 0; m0 < M; m0 += 16) {
+        const float *cm = cent + m0 * bs;
+        const uint8_t *cd = codes + m0;
+        float *om = o + m0 * 4;
+        switch (G) {
+        case 1: dec_g(n, M, n_books, cm, gp, 1, cd, p, om); break;
+        case 2: dec_g(n, M, n_books, cm, gp, 2, cd, p, om); break;
+        case 3: dec_g(n, M, n_books, cm, gp, 3, cd, p, om); break;
+        default: dec_g(n, M, n_books, cm, gp, 4, cd, p, om); break;
+        }
     }
 }
 
