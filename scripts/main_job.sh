@@ -21,7 +21,8 @@ cmake --build build -j"$(nproc)" --target kvpq_cli
 kvpq=build/kvpq
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$out"
-"$kvpq" info "$model" | head -n 20
+"$kvpq" info "$model" > "$out/model_info.txt"
+head -n 20 "$out/model_info.txt"
 
 echo "== calibrate on data/text/emma.txt ($calib_tokens tokens)"
 for p in d8b8 d8b12 d4b8 d2b8; do
