@@ -15,5 +15,7 @@ fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 if ! python3 -c "import sys; import importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in ['numpy','safetensors','gguf','faiss','tokenizers','matplotlib','pytest']))" 2>/dev/null; then
   echo "deps: pip install -r python/requirements-dev.txt"
-  python3 -m pip install -q -r "$root/python/requirements-dev.txt" 2>&1 | grep -v "Running pip as the 'root' user" || true
+  # A Debian system python refuses installs (PEP 668); then install beside its packages.
+  python3 -m pip install -q -r "$root/python/requirements-dev.txt" ||
+    python3 -m pip install -q --break-system-packages -r "$root/python/requirements-dev.txt"
 fi
