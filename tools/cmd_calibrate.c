@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cli_model.h"
 
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity;
@@ -82,36 +83,6 @@ static int parse_args(int argc, char **argv, calib_args *a) {
     return 1;
 }
 
-/* Read a whole file into a NUL-terminated buffer. */
-static char *read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 20, n = 0;
-    char *buf = malloc(cap + 1);
-    while (buf) {
-        size_t got = fread(buf + n, 1, cap - n, f);
-        n += got;
-        if (n < cap) break;
-        char *nb = realloc(buf, 2 * cap + 1);
-        if (!nb) {
-            free(buf);
-            buf = NULL;
-            break;
-        }
-        buf = nb;
-        cap *= 2;
-    }
-    int err = ferror(f);
-    fclose(f);
-    if (!buf || err) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = 0;
-    *len = n;
-    return buf;
-}
-
 static int progress_cb(void *user, const char *stage, double done, double total) {
     (void)user;
     (void)stage;
@@ -172,7 +143,7 @@ int cmd_calibrate(int argc, char **argv) {
     }
 
     size_t text_len = 0;
-    if (!(text = read_file(a.text, &text_len))) {
+    if (!(text = cli_read_file(a.text, &text_len))) {
         rc = cli_usage_error("calibrate: cannot read text file '%s'", a.text);
         goto done;
     }
