@@ -45,13 +45,15 @@ def load(path):
 
 def table(ctx, rows):
     out = [f"Context {ctx}:", "",
-           "| cache | bits/elem | KV MiB | ppl | Δppl vs fp16 | KL mean | KL p99 | top-1 agree | tok/s |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| cache | bits/elem | KV MiB | KV / fp16 | ppl | Δppl vs fp16 | KL mean | KL p99 | top-1 agree | tok/s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = r.get("ppl_base") or r["ppl"]
         r["_dppl"] = 100.0 * (r["ppl"] / base - 1.0)
-        out.append("| {} | {:.2f} | {:.2f} | {:.3f} ± {:.3f} | {:+.2f}% | {:.4f} | {:.4f} | {:.1f}% | {:.0f} |".format(
-            r["_name"], r.get("bits_per_element", float("nan")), r.get("kv_bytes", 0) / 2**20, r["ppl"],
+        kv_base = r.get("kv_bytes_base") or r.get("kv_bytes", 0)
+        out.append("| {} | {:.2f} | {:.2f} | {:.3f}x | {:.3f} ± {:.3f} | {:+.2f}% | {:.4f} | {:.4f} | {:.1f}% | {:.0f} |".format(
+            r["_name"], r.get("bits_per_element", float("nan")), r.get("kv_bytes", 0) / 2**20,
+            r.get("kv_bytes", 0) / kv_base if kv_base else float("nan"), r["ppl"],
             r.get("ppl_stderr", float("nan")), r["_dppl"], r.get("kl_mean", float("nan")),
             r.get("kl_p99", float("nan")), 100.0 * r.get("top1_agree", float("nan")), r.get("tok_per_s", float("nan"))))
     return "\n".join(out)
@@ -102,9 +104,19 @@ def main():
     ap.add_argument("--readme")
     ap.add_argument("--figure")
     ap.add_argument("--command", default="./scripts/main_job.sh")
+    ap.add_argument("--calib-log", help="file of `kvpq calibrate` final lines (PRESET: line), one per preset")
     a = ap.parse_args()
     results = [load(p) for p in a.inputs]
     text = "\n\n".join(table(ctx, rows) for ctx, rows in results)
+    if a.calib_log and os.path.exists(a.calib_log):
+        times = []
+        for line in open(a.calib_log):
+            m = re.match(r"(\w+): .*?(\d+) tokens; forward ([\d.]+) s, total ([\d.]+) s", line)
+            if m:
+                times.append(f"{m.group(1)} {float(m.group(4)):.0f} s (forward {float(m.group(3)):.0f} s)")
+                ntok = m.group(2)
+        if times:
+            text += f"\n\nCalibration on {ntok} tokens of emma.txt, {os.cpu_count()} threads: " + ", ".join(times) + "."
     print(text)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write(text + "\n")
