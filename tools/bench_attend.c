@@ -1,7 +1,11 @@
 /* bench_attend.c — `kvpq bench attend`: decode attention (n_q = 1, every query head of one layer)
  * from the 2-bit VQ cache (PQ d4b8: dsub 4, 8-bit codes, window 128 in fp16) beside the fp32 and
  * fp16 caches, run side by side in the same process on the same keys, values and queries.
- * Median of repeats; GB/s counts the bytes of stored K/V (and codebooks) one call reads.
+ * As in a decode step, one timed call attends every layer of the cache in turn (`--layers`,
+ * default: the model's layer count, fewer where the fp32 cache would pass 2 GiB), so each layer's
+ * K/V comes from memory rather than from a cache the previous call warmed; times are per layer.
+ * `--layers 1` times one layer over and over (its K/V stays in the CPU's caches when it fits).
+ * Median of repeats; GB/s counts the bytes of stored K/V (and codebooks) one layer's call reads.
  * Uses the public header only. */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -12,13 +16,13 @@
 #include "cli.h"
 
 typedef struct {
-    int n_head, n_head_kv, head_dim;
+    int n_head, n_head_kv, head_dim, n_layer;
     const char *model;
 } bench_shape;
 
 static const bench_shape shapes[] = {
-    {9, 3, 64, "SmolLM2-135M"},
-    {32, 8, 128, "Llama-3-8B"},
+    {9, 3, 64, 30, "SmolLM2-135M"},
+    {32, 8, 128, 32, "Llama-3-8B"},
 };
 static const int default_ctx[] = {1024, 4096, 8192, 32768};
 enum { K_FP32, K_FP16, K_VQ, K_VQFS, N_KINDS };
@@ -45,9 +49,9 @@ static int cmp_double(const void *a, const void *b) {
 
 /* A one-layer codebook (d4b8, shared codebook as in VecInfer, rotated values) trained on Gaussian
  * data: the timing does not depend on what the centroids are. */
-static kvpq_status make_codebook(const bench_shape *s, kvpq_codebook **out) {
+static kvpq_status make_codebook(const bench_shape *s, int n_layer, kvpq_codebook **out) {
     kvpq_codebook_params p = kvpq_codebook_params_default();
-    p.n_layer = 1;
+    p.n_layer = n_layer;
     p.n_head_kv = s->n_head_kv;
     p.head_dim = s->head_dim;
     kvpq_status st = kvpq_pq_params_preset(&p.key, "d4b8", s->head_dim);
@@ -68,8 +72,12 @@ static kvpq_status make_codebook(const bench_shape *s, kvpq_codebook **out) {
     for (size_t i = 0; i < n * (size_t)s->head_dim; i++) x[i] = gauss();
     for (int w = 0; w < 2 && st == KVPQ_OK; w++) st = kvpq_pq_train(kvpq_codebook_pq(cb, 0, w), &kp, n, x, NULL);
     free(x);
-    float *lam = kvpq_codebook_key_smooth(cb, 0);
-    for (int i = 0; i < s->n_head_kv * s->head_dim; i++) lam[i] = 1.0f;
+    /* Every layer gets layer 0's centroids (lambda = 1, mu = 0 as created). */
+    for (int l = 1; l < n_layer && st == KVPQ_OK; l++)
+        for (int w = 0; w < 2 && st == KVPQ_OK; w++) {
+            const kvpq_pq *src = kvpq_codebook_pq_const(cb, 0, w);
+            st = kvpq_pq_set_centroids(kvpq_codebook_pq(cb, l, w), kvpq_pq_centroids(src), kvpq_pq_centroids_size(src));
+        }
     if (st != KVPQ_OK) {
         kvpq_codebook_free(cb);
         return st;
@@ -78,18 +86,20 @@ static kvpq_status make_codebook(const bench_shape *s, kvpq_codebook **out) {
     return KVPQ_OK;
 }
 
-/* Median microseconds of one decode attention call: repeats until ~0.25 s or `reps`, at least 5. */
-static double time_attend(kvpq_cache *c, const float *q, float *out, int reps, kvpq_status *err) {
+/* Median microseconds per layer of one decode attention step over layers 0..n_layer-1: repeats
+ * until ~0.25 s or `reps`, at least 5. */
+static double time_attend(kvpq_cache *c, int n_layer, const float *q, float *out, int reps, kvpq_status *err) {
     double t[512];
-    for (int i = 0; i < 2; i++) { /* warm up caches and threads */
-        if ((*err = kvpq_cache_attend(c, 0, 1, q, out)) != KVPQ_OK) return 0;
-    }
+    for (int i = 0; i < 2; i++) /* warm up threads (and, with one layer, the CPU caches) */
+        for (int l = 0; l < n_layer; l++)
+            if ((*err = kvpq_cache_attend(c, l, 1, q, out)) != KVPQ_OK) return 0;
     int n = 0;
     double start = cli_now();
     while (n < (int)(sizeof t / sizeof t[0])) {
         double t0 = cli_now();
-        if ((*err = kvpq_cache_attend(c, 0, 1, q, out)) != KVPQ_OK) return 0;
-        t[n++] = (cli_now() - t0) * 1e6;
+        for (int l = 0; l < n_layer; l++)
+            if ((*err = kvpq_cache_attend(c, l, 1, q, out)) != KVPQ_OK) return 0;
+        t[n++] = (cli_now() - t0) * 1e6 / n_layer;
         if (reps > 0 ? n >= reps : (n >= 5 && cli_now() - start > 0.25)) break;
     }
     qsort(t, n, sizeof t[0], cmp_double);
@@ -98,15 +108,17 @@ static double time_attend(kvpq_cache *c, const float *q, float *out, int reps, k
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: kvpq bench attend [--ctx N] [--backend cpu] [--threads N] [--repeats N] [--json]\n"
+            "usage: kvpq bench attend [--ctx N] [--layers N] [--backend cpu] [--threads N] [--repeats N] [--json]\n"
             "  decode attention (1 query, all heads of one layer) from the 2-bit VQ cache (d4b8, window 128)\n"
             "  beside the fp32 and fp16 caches, for shapes (n_head 9, n_head_kv 3, head_dim 64) and\n"
-            "  (32, 8, 128); contexts 1024 4096 8192 32768 unless --ctx. Median of repeats.\n"
+            "  (32, 8, 128); contexts 1024 4096 8192 32768 unless --ctx. Median of repeats, per layer.\n"
+            "  --layers N: layers attended in turn per timed step, as in decode (default: the model's 30 / 32,\n"
+            "  fewer where the fp32 cache would exceed 2 GiB); 1 re-reads one layer (warm CPU caches).\n"
             "  --json prints one JSON object (speedup_vs_fp32 / _vs_fp16 at --ctx, default 8192).\n");
 }
 
 int cmd_bench_attend(int argc, char **argv) {
-    long ctx_only = 0, threads = 0, reps = 0;
+    long ctx_only = 0, threads = 0, reps = 0, layers_opt = 0;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -115,6 +127,8 @@ int cmd_bench_attend(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--ctx")) {
             if (!cli_parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &ctx_only)) return 2;
+        } else if (!strcmp(a, "--layers")) {
+            if (!cli_parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &layers_opt)) return 2;
         } else if (!strcmp(a, "--threads")) {
             if (!cli_parse_int(a, i + 1 < argc ? argv[++i] : NULL, 0, 1024, &threads)) return 2;
         } else if (!strcmp(a, "--repeats")) {
@@ -142,9 +156,10 @@ int cmd_bench_attend(int argc, char **argv) {
     cJSON_AddNumberToObject(root, "threads", (double)threads);
     cJSON_AddNumberToObject(root, "report_ctx", report_ctx);
     if (!json)
-        printf("decode attention, 1 query x all heads of one layer; median of repeats; simd %s; threads %ld (0 = default)\n"
-               "%-13s %7s  %-8s %10s %9s %10s %9s %9s\n",
-               kvpq_simd_name(kvpq_simd_get()), threads, "shape", "ctx", "cache", "us/call",
+        printf("decode attention, 1 query x all heads of a layer, layers in turn; median of repeats, us per layer;\n"
+               "simd %s; threads %ld (0 = default)\n"
+               "%-13s %7s %6s  %-8s %10s %9s %10s %9s %9s\n",
+               kvpq_simd_name(kvpq_simd_get()), threads, "shape", "ctx", "layers", "cache", "us/layer",
                "GB/s", "bytes", "vs fp32", "vs fp16");
     int rc = 0;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0] && !rc; si++) {
@@ -153,14 +168,19 @@ int cmd_bench_attend(int argc, char **argv) {
         const size_t row = (size_t)nkv * d;
         int max_ctx = 0;
         for (int i = 0; i < n_ctx; i++) max_ctx = ctxs[i] > max_ctx ? ctxs[i] : max_ctx;
+        int L = (int)layers_opt;
+        if (!L) { /* the model's layers, as many as keep the fp32 cache within 2 GiB at max_ctx */
+            double per_layer = (double)max_ctx * row * 2 * 4;
+            L = (int)fmin(s->n_layer, fmax(1.0, floor(2147483648.0 / per_layer)));
+        }
         kvpq_codebook *cb = NULL;
         kvpq_cache *caches[N_KINDS] = {0};
         float *k = NULL, *v = NULL, *q = NULL, *out = NULL;
-        kvpq_status st = make_codebook(s, &cb);
+        kvpq_status st = make_codebook(s, L, &cb);
         for (int kind = 0; kind < N_KINDS && st == KVPQ_OK; kind++) {
             kvpq_cache_params p = kvpq_cache_params_default();
             p.type = kind == K_FP32 ? KVPQ_CACHE_FP32 : kind == K_FP16 ? KVPQ_CACHE_FP16 : KVPQ_CACHE_VQ;
-            p.n_layer = 1;
+            p.n_layer = L;
             p.n_head = s->n_head;
             p.n_head_kv = nkv;
             p.head_dim = d;
@@ -189,6 +209,7 @@ int cmd_bench_attend(int argc, char **argv) {
         cJSON_AddNumberToObject(js, "n_head", s->n_head);
         cJSON_AddNumberToObject(js, "n_head_kv", nkv);
         cJSON_AddNumberToObject(js, "head_dim", d);
+        cJSON_AddNumberToObject(js, "layers", L);
         jres = cJSON_AddArrayToObject(js, "results");
         cJSON_AddItemToArray(jshapes, js);
         int held = 0;
@@ -206,13 +227,15 @@ int cmd_bench_attend(int argc, char **argv) {
                     v[i] = gauss();
                 }
                 for (int kind = 0; kind < N_KINDS && !rc; kind++)
-                    if ((st = kvpq_cache_append(caches[kind], 0, n, k, v)) != KVPQ_OK) rc = cli_fail("bench attend (append)", st);
+                    for (int l = 0; l < L && !rc; l++)
+                        if ((st = kvpq_cache_append(caches[kind], l, n, k, v)) != KVPQ_OK)
+                            rc = cli_fail("bench attend (append)", st);
                 held += n;
             }
             if (rc) break;
             double us[N_KINDS], bytes[N_KINDS];
             for (int kind = 0; kind < N_KINDS && !rc; kind++) {
-                us[kind] = time_attend(caches[kind], q, out, (int)reps, &st);
+                us[kind] = time_attend(caches[kind], L, q, out, (int)reps, &st);
                 if (st != KVPQ_OK) rc = cli_fail("bench attend", st);
                 kvpq_cache_stats cs;
                 kvpq_cache_get_stats(caches[kind], &cs);
@@ -220,8 +243,9 @@ int cmd_bench_attend(int argc, char **argv) {
                 else if (kind == K_FP16) bytes[kind] = (double)ctx * row * 2 * 2;
                 else {
                     const kvpq_pq *kq = kvpq_codebook_pq_const(cb, 0, 0), *vq = kvpq_codebook_pq_const(cb, 0, 1);
-                    bytes[kind] = (double)cs.tokens_coded * nkv * (kvpq_pq_code_size(kq) + kvpq_pq_code_size(vq)) +
-                                  (double)cs.tokens_window * row * 2 * 2 +
+                    /* stats count every layer's tokens: one layer's share */
+                    bytes[kind] = (double)cs.tokens_coded / L * nkv * (kvpq_pq_code_size(kq) + kvpq_pq_code_size(vq)) +
+                                  (double)cs.tokens_window / L * row * 2 * 2 +
                                   (double)(kvpq_pq_centroids_size(kq) + kvpq_pq_centroids_size(vq)) * 4;
                 }
             }
@@ -241,11 +265,11 @@ int cmd_bench_attend(int argc, char **argv) {
             cJSON_AddNumberToObject(jr, "ctx", ctx);
             for (int kind = 0; kind < N_KINDS; kind++) {
                 cJSON *jk = cJSON_AddObjectToObject(jr, kind_names[kind]);
-                cJSON_AddNumberToObject(jk, "us_per_call", us[kind]);
+                cJSON_AddNumberToObject(jk, "us_per_call", us[kind]); /* per layer */
                 cJSON_AddNumberToObject(jk, "bytes_read", bytes[kind]);
                 cJSON_AddNumberToObject(jk, "gb_per_s", bytes[kind] / (us[kind] * 1e3));
                 if (!json)
-                    printf("%-13s %7d  %-8s %10.1f %9.2f %10.0f %8.2fx %8.2fx\n", s->model, ctx, kind_names[kind], us[kind],
+                    printf("%-13s %7d %6d  %-8s %10.1f %9.2f %10.0f %8.2fx %8.2fx\n", s->model, ctx, L, kind_names[kind], us[kind],
                            bytes[kind] / (us[kind] * 1e3), bytes[kind], us[K_FP32] / us[kind], us[K_FP16] / us[kind]);
             }
             if (!json) printf("%-13s %7d  fast-scan vs exact VQ output: max |diff| %.3g (max |o| %.3g)\n", s->model, ctx, fs_diff, o_max);
