@@ -231,9 +231,10 @@ KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int
 
 /* ---- codebook file (safetensors) ------------------------------------------------------------ */
 
-/* A model's trained codebooks: per layer, key and value quantizers, key smoothing factors. Saved as
- * safetensors; tensor names:
+/* A model's trained codebooks: per layer, key and value quantizers, key mean and smoothing factors.
+ * Saved as safetensors (format version 2; version 1 files, without k.mean, load with mu = 0); tensors:
  *   layers.{i}.k.smooth    (n_head_kv, head_dim) F32   key smoothing factors lambda
+ *   layers.{i}.k.mean      (n_head_kv, head_dim) F32   per-channel key mean mu (post-RoPE)
  *   layers.{i}.k.codebook  (ksub, dsub) or (M, ksub, dsub) F32
  *   layers.{i}.v.codebook  likewise
  * and metadata (all strings): kvpq.format_version, n_layer, n_head_kv, head_dim, k.M, k.nbits,
@@ -260,6 +261,12 @@ KVPQ_API const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int laye
 /* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
 KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
+/* Borrowed: a layer's per-channel key mean mu, (n_head_kv, head_dim), writable; 0 until set. Keys
+ * are stored centered, k - mu, before smoothing and rotation: every score of a query then moves by
+ * the same q . mu, which the softmax cancels exactly, while the quantization error of the coded
+ * keys shrinks (the mean no longer spends codebook resolution). */
+KVPQ_API float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer);
+KVPQ_API const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer);
 /* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. The config keys
  * (kvpq.format_version, n_layer, ... v.rotate) are listed and readable too, derived from the params;
  * set fails on them with KVPQ_ERR_INVALID_ARG. Values of k.granularity: "shared" or "subspace". */

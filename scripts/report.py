@@ -22,8 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def cache_name(o):
     name = o.get("cache") or o.get("spec") or "?"
-    m = re.match(r"vq:.*cb_(\w+)\.safetensors", name)
-    return f"vq-{m.group(1)}" if m else name
+    m = re.match(r"vq:.*cb_(\w+)\.safetensors(:w\d+)?$", name)
+    return f"vq-{m.group(1)}{m.group(2) or ''}" if m else name
 
 
 def family(name):

@@ -50,7 +50,8 @@ typedef struct {
 } cfg;
 
 /* A codebook trained on Gaussian data through the public API, with per-(head, channel) smoothing
- * factors in [0.5, 2] so that a query head using the wrong KV head's factors shows. */
+ * factors in [0.5, 2] and key means in [-1.5, 1.5] so that a query head using the wrong KV head's
+ * factors shows, and so does a coded score that misses the q . mu the centering removed. */
 static kvpq_codebook *make_codebook(int n_layer, const cfg *c) {
     kvpq_codebook_params p = kvpq_codebook_params_default();
     p.n_layer = n_layer;
@@ -88,6 +89,8 @@ static kvpq_codebook *make_codebook(int n_layer, const cfg *c) {
         }
         float *lam = kvpq_codebook_key_smooth(cb, l);
         for (int i = 0; i < c->n_head_kv * c->head_dim; i++) lam[i] = (float)(0.5 + 1.5 * urand());
+        float *mu = kvpq_codebook_key_mean(cb, l);
+        for (int i = 0; i < c->n_head_kv * c->head_dim; i++) mu[i] = (float)(3.0 * urand() - 1.5);
     }
     return cb;
 }
@@ -258,7 +261,8 @@ Test(cache_vq, nbits_dsub_granularity_rotation_match_fp64) {
 // ---- encode path, window and page edges ----------------------------------------------------------
 
 /* read() of coded positions equals the quantizer's own reconstruction through the public API:
- * lambda * H(decode(encode(H(fp16(k) / lambda)))) for keys, H(decode(encode(H v))) for values. */
+ * lambda * H(decode(encode(H((fp16(k) - mu) / lambda)))) + mu for keys, H(decode(encode(H v))) for
+ * values. */
 Test(cache_vq, read_equals_public_reconstruction) {
     cfg c = {9, 3, 64, "d4b8", "d2b8", KVPQ_CODEBOOK_SUBSPACE, 1};
     kvpq_codebook *cb = make_codebook(2, &c);
@@ -271,7 +275,7 @@ Test(cache_vq, read_equals_public_reconstruction) {
     float *kh = malloc(tot * sizeof(float)), *vh = malloc(tot * sizeof(float));
     cr_assert_eq(kvpq_cache_read(cache, 1, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
     const kvpq_pq *kq = kvpq_codebook_pq_const(cb, 1, 0), *vq = kvpq_codebook_pq_const(cb, 1, 1);
-    const float *lam = kvpq_codebook_key_smooth_const(cb, 1);
+    const float *lam = kvpq_codebook_key_smooth_const(cb, 1), *mu = kvpq_codebook_key_mean_const(cb, 1);
     float *x = malloc(tot * sizeof(float)), *y = malloc(tot * sizeof(float));
     uint8_t *codes = malloc((size_t)len * nkv * 64);
     for (int w = 0; w < 2; w++) {
@@ -290,13 +294,13 @@ Test(cache_vq, read_equals_public_reconstruction) {
         for (size_t i = (size_t)nc * row; i < tot; i++)
             cr_assert_eq((w ? vh : kh)[i], x[i], "%s window element %zu", w ? "v" : "k", i);
         if (!w)
-            for (size_t i = 0; i < tot; i++) x[i] /= lam[i % row];
+            for (size_t i = 0; i < tot; i++) x[i] = (x[i] - mu[i % row]) / lam[i % row];
         if (!w || c.rotate) kvpq_hadamard(x, (size_t)len * nkv, d);
         cr_assert_eq(kvpq_pq_encode(w ? vq : kq, (size_t)nc * nkv, x, codes), KVPQ_OK);
         cr_assert_eq(kvpq_pq_decode(w ? vq : kq, (size_t)nc * nkv, codes, y), KVPQ_OK);
         if (!w || c.rotate) kvpq_hadamard(y, (size_t)nc * nkv, d);
         for (size_t i = 0; i < (size_t)nc * row; i++) {
-            float want = w ? y[i] : y[i] * lam[i % row];
+            float want = w ? y[i] : y[i] * lam[i % row] + mu[i % row];
             cr_assert_float_eq((w ? vh : kh)[i], want, 1e-5f * (1.0f + fabsf(want)), "%s coded element %zu: %g vs %g",
                                w ? "v" : "k", i, (double)(w ? vh : kh)[i], (double)want);
         }
@@ -367,7 +371,7 @@ Test(cache_vq, window_and_page_edges) {
     kvpq_codebook_free(cb);
 }
 
-/* resident_bytes: codebooks and smoothing once, fp16 window ring of (window + FLUSH) slots per
+/* resident_bytes: codebooks, smoothing factors and key means once, fp16 window ring of (window + FLUSH) slots per
  * layer once written, and whole pages of codes. */
 Test(cache_vq, resident_bytes_accounting) {
     cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
@@ -377,7 +381,7 @@ Test(cache_vq, resident_bytes_accounting) {
     size_t books = 0;
     for (int l = 0; l < n_layer; l++)
         books += (kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 0)) +
-                  kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 1))) * 4 + (size_t)nkv * d * 4;
+                  kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 1))) * 4 + 2 * (size_t)nkv * d * 4;
     cr_assert_eq(kvpq_cache_resident_bytes(cache), books);
     size_t ring = 2 * (size_t)(W + FLUSH) * nkv * d * 2, page = (size_t)nkv * PT * (16 + 16);
     append_random(cache, 0, &c, W + FLUSH, NULL, NULL); /* 32 coded: one page */

@@ -85,6 +85,8 @@ static kvpq_codebook *random_codebook(const kvpq_codebook_params *p) {
     for (int l = 0; l < p->n_layer; l++) {
         float *sm = kvpq_codebook_key_smooth(cb, l);
         for (int i = 0; i < p->n_head_kv * p->head_dim; i++) sm[i] = frand(0.01f, 5.0f);
+        float *mu = kvpq_codebook_key_mean(cb, l);
+        for (int i = 0; i < p->n_head_kv * p->head_dim; i++) mu[i] = frand(-4.0f, 4.0f);
         for (int v = 0; v < 2; v++) {
             kvpq_pq *pq = kvpq_codebook_pq(cb, l, v);
             size_t n = kvpq_pq_centroids_size(pq);
@@ -108,6 +110,8 @@ static void assert_same(const kvpq_codebook *a, const kvpq_codebook *b) {
     for (int l = 0; l < pa.n_layer; l++) {
         cr_assert_eq(memcmp(kvpq_codebook_key_smooth_const(a, l), kvpq_codebook_key_smooth_const(b, l),
                             (size_t)pa.n_head_kv * pa.head_dim * sizeof(float)), 0, "layer %d smoothing", l);
+        cr_assert_eq(memcmp(kvpq_codebook_key_mean_const(a, l), kvpq_codebook_key_mean_const(b, l),
+                            (size_t)pa.n_head_kv * pa.head_dim * sizeof(float)), 0, "layer %d key mean", l);
         for (int v = 0; v < 2; v++) {
             const kvpq_pq *qa = kvpq_codebook_pq_const(a, l, v), *qb = kvpq_codebook_pq_const(b, l, v);
             cr_assert_eq(kvpq_pq_centroids_size(qa), kvpq_pq_centroids_size(qb));
@@ -279,8 +283,10 @@ Test(codebook_file, accessors_and_metadata) {
     cr_assert_eq(kvpq_pq_get_params(kvpq_codebook_pq(cb, 2, 1)).M, 2);
     cr_assert_eq(kvpq_pq_get_params(kvpq_codebook_pq(cb, 2, 0)).M, 4);
     cr_assert_eq(kvpq_codebook_key_smooth(cb, 1)[0], 1.0f); /* identity until trained */
+    cr_assert_eq(kvpq_codebook_key_mean(cb, 2)[15], 0.0f);  /* no centering until trained */
+    cr_assert_null(kvpq_codebook_key_mean(cb, 3));
     /* Config keys are listed and read-only. */
-    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "kvpq.format_version"), "1");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "kvpq.format_version"), "2");
     cr_assert_str_eq(kvpq_codebook_get_meta(cb, "n_layer"), "3");
     cr_assert_str_eq(kvpq_codebook_get_meta(cb, "v.granularity"), "subspace");
     cr_assert_str_eq(kvpq_codebook_get_meta(cb, "k.granularity"), "shared");
@@ -328,7 +334,7 @@ Test(codebook_file, round_trip_is_bit_identical_for_both_granularities) {
         size_t data = 0;
         for (int l = 0; l < p.n_layer; l++)
             for (int v = 0; v < 2; v++) data += kvpq_pq_centroids_size(kvpq_codebook_pq(a, l, v)) * 4;
-        data += (size_t)p.n_layer * p.n_head_kv * p.head_dim * 4;
+        data += (size_t)2 * p.n_layer * p.n_head_kv * p.head_dim * 4; /* k.smooth and k.mean */
         cr_assert_eq(x.len, 8 + n + data);
         free(x.buf);
         free(y.buf);
@@ -348,6 +354,36 @@ Test(codebook_file, round_trip_real_model_shape) {
     cr_assert_eq(kvpq_codebook_load(&b, path), KVPQ_OK, "%s", kvpq_last_error());
     assert_same(a, b);
     cr_assert_eq(kvpq_pq_get_params(kvpq_codebook_pq(b, 29, 0)).nbits, 12);
+    kvpq_codebook_free(a);
+    kvpq_codebook_free(b);
+}
+
+/* A version 1 file (before k.mean existed) still loads, with mu = 0; everything else as stored. */
+Test(codebook_file, version_1_file_loads_without_key_mean) {
+    const char *good = save_small(), *old = path_in("v1.safetensors");
+    kvpq_codebook *a, *b;
+    cr_assert_eq(kvpq_codebook_load(&a, good), KVPQ_OK, "%s", kvpq_last_error());
+    parsed p = parse_file(good);
+    for (int l = 0; l < 2; l++) {
+        char name[32];
+        snprintf(name, sizeof name, "layers.%d.k.mean", l);
+        cJSON_DeleteItemFromObjectCaseSensitive(p.root, name); /* its bytes stay, unreferenced */
+    }
+    set_meta_str(&p, "kvpq.format_version", "1");
+    write_parsed(old, &p);
+    free_parsed(&p);
+    cr_assert_eq(kvpq_codebook_load(&b, old), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; l < 2; l++) {
+        const float *mu = kvpq_codebook_key_mean_const(b, l);
+        for (int i = 0; i < 16; i++) cr_assert_eq(mu[i], 0.0f);
+        cr_assert_eq(memcmp(kvpq_codebook_key_smooth_const(a, l), kvpq_codebook_key_smooth_const(b, l), 16 * 4), 0);
+        for (int v = 0; v < 2; v++)
+            cr_assert_eq(memcmp(kvpq_pq_centroids(kvpq_codebook_pq_const(a, l, v)),
+                                kvpq_pq_centroids(kvpq_codebook_pq_const(b, l, v)),
+                                kvpq_pq_centroids_size(kvpq_codebook_pq_const(a, l, v)) * 4), 0);
+    }
+    /* Saved again, it becomes a version 2 file. */
+    cr_assert_str_eq(kvpq_codebook_get_meta(b, "kvpq.format_version"), "2");
     kvpq_codebook_free(a);
     kvpq_codebook_free(b);
 }
@@ -533,7 +569,13 @@ Test(codebook_file, missing_unexpected_and_duplicate_tensors_are_rejected) {
     expect_fail(bad, KVPQ_ERR_FORMAT, "tensor layers.1.v.codebook is missing", NULL);
     free_parsed(&p);
 
-    const char *extra[] = {"layers.2.k.smooth", "layers.01.k.smooth", "layers.0.q.codebook", "weights",
+    p = parse_file(good);
+    cJSON_DeleteItemFromObjectCaseSensitive(p.root, "layers.0.k.mean");
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "tensor layers.0.k.mean is missing", NULL);
+    free_parsed(&p);
+
+    const char *extra[] = {"layers.2.k.smooth", "layers.2.k.mean", "layers.01.k.smooth", "layers.0.q.codebook", "weights",
                            "layers..k.smooth", "layers.0.k.smooth.x"};
     for (size_t i = 0; i < sizeof extra / sizeof extra[0]; i++) {
         p = parse_file(good);
@@ -575,6 +617,7 @@ Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
         {"layers.1.k.smooth", 0, -INFINITY, KVPQ_ERR_NONFINITE, "tensor layers.1.k.smooth element 0 is Inf"},
         {"layers.0.k.smooth", 15, NAN, KVPQ_ERR_NONFINITE, "layers.0.k.smooth element 15 is NaN"},
         {"layers.0.k.smooth", 2, 0.0f, KVPQ_ERR_FORMAT, "layers.0.k.smooth element 2 is 0: smoothing"},
+        {"layers.1.k.mean", 5, NAN, KVPQ_ERR_NONFINITE, "tensor layers.1.k.mean element 5 is NaN"},
         {"layers.1.k.smooth", 7, -1.0f, KVPQ_ERR_FORMAT, "layers.1.k.smooth element 7 is -1"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -589,7 +632,8 @@ Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
 Test(codebook_file, format_version_and_config_metadata_are_checked) {
     const char *good = save_small(), *bad = path_in("bad.safetensors");
     struct { const char *key, *value; kvpq_status s; const char *msg; } cases[] = {
-        {"kvpq.format_version", "2", KVPQ_ERR_UNSUPPORTED, "format version '2'"},
+        {"kvpq.format_version", "3", KVPQ_ERR_UNSUPPORTED, "format version '3'"},
+        {"kvpq.format_version", "1", KVPQ_ERR_FORMAT, "unexpected tensor 'layers.0.k.mean' (a version 1 file"},
         {"kvpq.format_version", "", KVPQ_ERR_UNSUPPORTED, "format version ''"},
         {"kvpq.format_version", NULL, KVPQ_ERR_FORMAT, "kvpq.format_version is missing"},
         {"n_layer", "3", KVPQ_ERR_FORMAT, "tensor layers.2.k.smooth is missing"},

@@ -9,12 +9,30 @@
 
 /* ---- caches ---- */
 
+/* A trailing ":wN" (digits only) sets the full-precision window of a VQ or KIVI cache; strips it
+ * from `buf` and returns N, or -1 when there is none. */
+static long spec_window(char *buf) {
+    char *w = strrchr(buf, ':');
+    if (!w || w[1] != 'w' || !w[2] || strspn(w + 2, "0123456789") != strlen(w + 2) || strlen(w + 2) > 7) return -1;
+    long n = strtol(w + 2, NULL, 10);
+    *w = '\0';
+    return n;
+}
+
 int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, int max_seq, int n_threads) {
     memset(c, 0, sizeof *c);
     snprintf(c->spec, sizeof c->spec, "%s", spec);
     kvpq_cache_params cp = kvpq_cache_params_default();
+    char base[sizeof c->spec];
+    snprintf(base, sizeof base, "%s", spec);
+    long window = spec_window(base);
     const char *vq_path = NULL;
-    kvpq_status s = kvpq_cache_type_parse(spec, &cp.type, &vq_path);
+    kvpq_status s = kvpq_cache_type_parse(base, &cp.type, &vq_path);
+    if (s == KVPQ_OK && window >= 0) {
+        if (cp.type != KVPQ_CACHE_VQ && cp.type != KVPQ_CACHE_KIVI2 && cp.type != KVPQ_CACHE_KIVI4)
+            return cli_usage_error("cache '%s': a window (:w%ld) applies to vq and kivi caches only", spec, window);
+        cp.window = (int)window;
+    }
     if (s != KVPQ_OK) return cli_fail("cache spec", s);
     if (vq_path) {
         s = kvpq_codebook_load(&c->codebook, vq_path);

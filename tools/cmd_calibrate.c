@@ -1,7 +1,9 @@
 /* cmd_calibrate.c — `kvpq calibrate`: train a model's key/value codebooks on its real activations.
  *
  * Runs the model over a text with an fp32 cache, reads back every layer's post-RoPE keys and values,
- * computes the key smoothing factors lambda = sqrt(max |K|) per KV head and channel, divides the keys
+ * subtracts the per-(KV head, channel) key mean mu (stored as layers.{i}.k.mean; exact at attention
+ * time, see cache_vq.c), computes the key smoothing factors lambda = sqrt(max |K - mu|) per KV head
+ * and channel, divides the keys
  * by them and rotates them with the normalized Hadamard transform (VecInfer, arXiv 2510.06175,
  * sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
  * k-means on the transformed data (all KV heads of a layer pooled). Writes a safetensors codebook
@@ -14,7 +16,7 @@
 
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity;
-    long tokens, ctx, iters, threads, value_rotate, max_ppc;
+    long tokens, ctx, iters, threads, value_rotate, max_ppc, center;
     long seed;
 } calib_args;
 
@@ -28,6 +30,7 @@ static void calib_usage(FILE *f) {
             "  --granularity G       shared: one (ksub, dsub) codebook per layer and K/V, as VecInfer;\n"
             "                        subspace: (M, ksub, dsub), as faiss (default shared)\n"
             "  --value-rotate 0|1    Hadamard-rotate values before encoding (default 0)\n"
+            "  --center 0|1          subtract the per-(KV head, channel) key mean before smoothing (default 1)\n"
             "  --iters N             k-means Lloyd iterations (default 25)\n"
             "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
             "  --seed S              k-means seed (default 1234)\n"
@@ -36,7 +39,7 @@ static void calib_usage(FILE *f) {
 
 static int parse_args(int argc, char **argv, calib_args *a) {
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
-                      .seed = 1234, .max_ppc = -1};
+                      .seed = 1234, .max_ppc = -1, .center = 1};
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -69,6 +72,7 @@ static int parse_args(int argc, char **argv, calib_args *a) {
         INT_OPT("--iters", iters, 1, 1000)
         INT_OPT("--threads", threads, 0, 1024)
         INT_OPT("--value-rotate", value_rotate, 0, 1)
+        INT_OPT("--center", center, 0, 1)
         INT_OPT("--max-points-per-centroid", max_ppc, 1, 1L << 20)
         INT_OPT("--seed", seed, 0, 0x7fffffffL)
 #undef STR_OPT
@@ -213,6 +217,16 @@ int cmd_calibrate(int argc, char **argv) {
     double mse_k = 0, mse_v = 0;
     for (int l = 0; l < L; l++) {
         float *kd = kall + (size_t)l * n_use * row, *vd = vall + (size_t)l * n_use * row;
+        if (a.center) {
+            float *mu = kvpq_codebook_key_mean(cb, l); /* (H, D) */
+            for (size_t c = 0; c < row; c++) {
+                double acc = 0;
+                for (size_t t = 0; t < n_use; t++) acc += kd[t * row + c];
+                mu[c] = (float)(acc / (double)n_use);
+            }
+            for (size_t t = 0; t < n_use; t++)
+                for (size_t c = 0; c < row; c++) kd[t * row + c] -= mu[c];
+        }
         if ((s = kvpq_smooth_compute(n_use, H, D, kd, 1e-2f, lam)) != KVPQ_OK) {
             rc = cli_fail("calibrate: smoothing factors", s);
             goto done;
@@ -258,6 +272,7 @@ int cmd_calibrate(int argc, char **argv) {
     kvpq_codebook_set_meta(cb, "seed", buf);
     snprintf(buf, sizeof buf, "%ld", a.iters);
     kvpq_codebook_set_meta(cb, "kmeans_iters", buf);
+    kvpq_codebook_set_meta(cb, "key_center", a.center ? "1" : "0");
     snprintf(buf, sizeof buf, "%.6g", mse_k / L);
     kvpq_codebook_set_meta(cb, "key_mse_mean", buf);
     snprintf(buf, sizeof buf, "%.6g", mse_v / L);

@@ -70,9 +70,9 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
     snprintf(ss, sizeof ss, "[%d,%d]", p.n_head_kv, p.head_dim);
     book_shape(&p.key, ks, sizeof ks);
     book_shape(&p.value, vs, sizeof vs);
-    printf("tensors per layer: k.smooth %s  k.codebook %s  v.codebook %s  (F32)\n", ss, ks, vs);
-    printf("%5s %12s %12s %12s %14s %14s\n", "layer", "smooth.min", "smooth.max", "smooth.mean", "k.centroid.rms",
-           "v.centroid.rms");
+    printf("tensors per layer: k.smooth %s  k.mean %s  k.codebook %s  v.codebook %s  (F32)\n", ss, ss, ks, vs);
+    printf("%5s %12s %12s %12s %12s %14s %14s\n", "layer", "smooth.min", "smooth.max", "smooth.mean", "k.mean.rms",
+           "k.centroid.rms", "v.centroid.rms");
     for (int l = 0; l < p.n_layer; l++) {
         const float *sm = kvpq_codebook_key_smooth_const(cb, l);
         size_t n = (size_t)p.n_head_kv * p.head_dim;
@@ -83,7 +83,8 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
             sum += sm[i];
         }
         const kvpq_pq *kq = kvpq_codebook_pq_const(cb, l, 0), *vq = kvpq_codebook_pq_const(cb, l, 1);
-        printf("%5d %12.4g %12.4g %12.4g %14.4g %14.4g\n", l, mn, mx, sum / (double)n,
+        printf("%5d %12.4g %12.4g %12.4g %12.4g %14.4g %14.4g\n", l, mn, mx, sum / (double)n,
+               rms(kvpq_codebook_key_mean_const(cb, l), n),
                rms(kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq)),
                rms(kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq)));
     }

@@ -2,13 +2,16 @@
  * attention computed from the codes (VecInfer, arXiv 2510.06175).
  *
  * Encoding (per token, per KV head h, layer codebook from the borrowed kvpq_codebook):
- *   key   k (head_dim) -> k' = H (k / lambda_h) -> PQ codes with the layer's key quantizer
+ *   key   k (head_dim) -> k' = H ((k - mu_h) / lambda_h) -> PQ codes with the layer's key quantizer
  *   value v (head_dim) -> v' = H v (value_rotate) or v -> PQ codes with the value quantizer
  * H is the normalized Walsh-Hadamard transform (orthonormal, self-inverse); lambda_h are the
- * smoothing factors of KV head h (every query head uses those of the KV head it reads).
+ * smoothing factors of KV head h (every query head uses those of the KV head it reads) and mu_h
+ * its per-channel key mean (0 for a version 1 codebook file). Centering is exact: the coded score
+ * approximates q . (k - mu), so q . mu / sqrt(d) is added back (folded into the LUT's row m = 0,
+ * which every coded score reads once), and the window, stored uncentered, needs nothing.
  *
  * Attention from codes, per query head g of KV head h (VecInfer sec. 3.3):
- *   q' = H (q * lambda_h) / sqrt(head_dim); LUT[m][c] = q'_m . C_k[m][c]   (M, ksub)
+ *   q' = H (q * lambda_h) / sqrt(head_dim); LUT[m][c] = q'_m . C_k[m][c] + [m = 0] q . mu_h / sqrt(d)
  *   score(t) = sum_m LUT[m][code_k(t, m)]                                  (= q . k_hat(t) / sqrt(d))
  *   online softmax over the coded tokens in chunks; weights p(t) summed per (m, c) into
  *   W[m][c] = sum_{t: code_v(t, m) = c} p(t), then o'_m = sum_c W[m][c] C_v[m][c] once, and
@@ -88,7 +91,8 @@ typedef struct {
     const kvpq_pq **kpq;  /* (n_layer) borrowed from the codebook */
     const kvpq_pq **vpq;  /* (n_layer) */
     const float **smooth; /* (n_layer) -> (n_head_kv, head_dim) borrowed */
-    size_t codebook_bytes;/* centroids of every layer plus smoothing factors */
+    const float **mean;   /* (n_layer) -> (n_head_kv, head_dim) borrowed key means mu */
+    size_t codebook_bytes;/* centroids of every layer plus smoothing factors and key means */
     vq_layer *layers;     /* (n_layer) */
     vq_scratch *scr;      /* (n_threads) */
     float *xk, *xv;       /* (tokens to encode, n_head_kv, head_dim) append staging, transformed */
@@ -156,6 +160,7 @@ static void vq_destroy(void *state) {
     free(st->kpq);
     free(st->vpq);
     free(st->smooth);
+    free(st->mean);
     free(st->xk);
     free(st->xv);
     free(st->ck);
@@ -188,6 +193,11 @@ static kvpq_status vq_check_codebook(const kvpq_cache_params *p, const kvpq_code
         if (k->p.d != p->head_dim || v->p.d != p->head_dim)
             return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook layer %d quantizer d=%d/%d, expected head_dim=%d", l,
                              k->p.d, v->p.d, p->head_dim);
+        const float *mu = kvpq_codebook_key_mean_const(cb, l);
+        for (size_t i = 0; i < (size_t)p->n_head_kv * p->head_dim; i++)
+            if (!isfinite(mu[i]))
+                return kvpq__err(KVPQ_ERR_NONFINITE, "VQ cache: codebook layer %d key mean [head %zu][channel %zu] is %g",
+                                 l, i / (size_t)p->head_dim, i % (size_t)p->head_dim, (double)mu[i]);
         for (size_t i = 0; i < (size_t)p->n_head_kv * p->head_dim; i++)
             if (!(lam[i] > 0.0f) || !isfinite(lam[i]))
                 return kvpq__err(KVPQ_ERR_INVALID_ARG,
@@ -244,16 +254,18 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->kpq = calloc(p->n_layer, sizeof *st->kpq);
     st->vpq = calloc(p->n_layer, sizeof *st->vpq);
     st->smooth = calloc(p->n_layer, sizeof *st->smooth);
+    st->mean = calloc(p->n_layer, sizeof *st->mean);
     st->layers = calloc(p->n_layer, sizeof *st->layers);
     st->scr = calloc(st->n_threads, sizeof *st->scr);
     st->h16 = calloc((size_t)p->n_head_kv * p->head_dim, sizeof(uint16_t));
-    if (!st->kpq || !st->vpq || !st->smooth || !st->layers || !st->scr || !st->h16) goto nomem;
+    if (!st->kpq || !st->vpq || !st->smooth || !st->mean || !st->layers || !st->scr || !st->h16) goto nomem;
     for (int l = 0; l < p->n_layer; l++) {
         st->kpq[l] = kvpq_codebook_pq_const(cb, l, 0);
         st->vpq[l] = kvpq_codebook_pq_const(cb, l, 1);
         st->smooth[l] = kvpq_codebook_key_smooth_const(cb, l);
+        st->mean[l] = kvpq_codebook_key_mean_const(cb, l);
         st->codebook_bytes += (kvpq_pq_centroids_size(st->kpq[l]) + kvpq_pq_centroids_size(st->vpq[l])) * sizeof(float);
-        st->codebook_bytes += (size_t)p->n_head_kv * p->head_dim * sizeof(float);
+        st->codebook_bytes += 2 * (size_t)p->n_head_kv * p->head_dim * sizeof(float);
         st->layers[l].pages = calloc(st->max_pages, sizeof(uint8_t *));
         if (!st->layers[l].pages) goto nomem;
     }
@@ -365,8 +377,8 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
                 K->f16_to_f32(row, st->h16, xv);
             }
             for (int h = 0; h < nkv; h++) {
-                const float *lam = st->smooth[layer] + (size_t)h * d;
-                for (int j = 0; j < d; j++) xk[(size_t)h * d + j] /= lam[j];
+                const float *lam = st->smooth[layer] + (size_t)h * d, *mu = st->mean[layer] + (size_t)h * d;
+                for (int j = 0; j < d; j++) xk[(size_t)h * d + j] = (xk[(size_t)h * d + j] - mu[j]) / lam[j];
             }
         }
         KVPQ_TRY(kvpq_hadamard(st->xk, nv, d));
@@ -441,6 +453,15 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     for (int g = 0; g < G; g++)
         for (int i = 0; i < d; i++) qt[(size_t)i * gp + g] = s->qr[(size_t)g * d + i];
     K->lut_build(kpq->p.M, kpq->ksub, kpq->dsub, kpq->n_books, kpq->centroids, gp, qt, s->lut);
+    /* Coded keys are centered: add q . mu_h / sqrt(d) once per score, through LUT row m = 0. */
+    const float *mu = st->mean[layer] + (size_t)h * d;
+    for (int g = 0; g < G; g++) {
+        float b = 0.0f;
+        for (int j = 0; j < d; j++) b += q[(size_t)g * d + j] * mu[j];
+        b *= st->scale;
+        if (b != 0.0f)
+            for (int c = 0; c < kpq->ksub; c++) s->lut[(size_t)c * gp + g] += b;
+    }
     if (st->fast_scan) kvpq__vq_lut_quantize(kpq->p.M, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
     const size_t table_rows = (size_t)vpq->p.M * vpq->ksub;
     /* Values: decoded per token straight into po where the SIMD level has that kernel for this
@@ -667,8 +688,8 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
             if (!which || st->value_rotate) rc = kvpq_hadamard(x, nv, d);
             if (rc != KVPQ_OK) break;
             for (size_t r = 0; r < nv; r++) {
-                const float *lam = st->smooth[layer] + (r % nkv) * d;
-                for (int j = 0; j < d; j++) dst[r * d + j] = which ? x[r * d + j] : x[r * d + j] * lam[j];
+                const float *lam = st->smooth[layer] + (r % nkv) * d, *mu = st->mean[layer] + (r % nkv) * d;
+                for (int j = 0; j < d; j++) dst[r * d + j] = which ? x[r * d + j] : x[r * d + j] * lam[j] + mu[j];
             }
         }
         free(codes);

@@ -42,13 +42,16 @@ static const char *const cb_config_keys[CB_N_CONFIG] = {
 };
 
 /* Tensor kinds of one layer, in file order. */
-enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_N_KIND = 3 };
-static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "v.codebook"};
+enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_K_MEAN = 3, CB_N_KIND = 4 };
+static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "v.codebook", "k.mean"};
+/* Format version 1 files hold the first three kinds (no key mean: mu = 0); version 2 all four. */
+#define CB_N_KIND_V1 3
 
 struct kvpq_codebook {
     kvpq_codebook_params p;
     kvpq_pq **pq;       /* (n_layer, 2): [2*i] key quantizer, [2*i + 1] value quantizer */
     float *smooth;      /* (n_layer, n_head_kv, head_dim) key smoothing factors lambda */
+    float *mean;        /* (n_layer, n_head_kv, head_dim) per-channel key mean mu */
     size_t n_meta, cap_meta;
     char **meta_key;    /* (n_meta); the first CB_N_CONFIG entries are cb_config_keys */
     char **meta_val;    /* (n_meta) */
@@ -190,7 +193,8 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
     size_t n_smooth = (size_t)p->n_layer * p->n_head_kv * p->head_dim;
     cb->pq = calloc((size_t)2 * p->n_layer, sizeof *cb->pq);
     cb->smooth = malloc(n_smooth * sizeof(float));
-    if (!cb->pq || !cb->smooth) {
+    cb->mean = calloc(n_smooth, sizeof(float)); /* mu = 0: no centering until trained */
+    if (!cb->pq || !cb->smooth || !cb->mean) {
         kvpq_codebook_free(cb);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory for %d layers", p->n_layer);
     }
@@ -218,6 +222,7 @@ void kvpq_codebook_free(kvpq_codebook *cb) {
         for (int i = 0; i < 2 * cb->p.n_layer; i++) kvpq_pq_free(cb->pq[i]);
     free(cb->pq);
     free(cb->smooth);
+    free(cb->mean);
     for (size_t i = 0; i < cb->n_meta; i++) {
         free(cb->meta_key[i]);
         free(cb->meta_val[i]);
@@ -246,6 +251,15 @@ float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer) {
 
 const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer) {
     return kvpq_codebook_key_smooth((kvpq_codebook *)cb, layer);
+}
+
+float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return NULL;
+    return cb->mean + (size_t)layer * cb->p.n_head_kv * cb->p.head_dim;
+}
+
+const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer) {
+    return kvpq_codebook_key_mean((kvpq_codebook *)cb, layer);
 }
 
 kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value) {
@@ -284,7 +298,7 @@ typedef struct {
 
 static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind) {
     cb_shape s = {0};
-    if (kind == CB_K_SMOOTH) {
+    if (kind == CB_K_SMOOTH || kind == CB_K_MEAN) {
         s.ndim = 2;
         s.dim[0] = (uint64_t)p->n_head_kv;
         s.dim[1] = (uint64_t)p->head_dim;
@@ -313,9 +327,9 @@ static void shape_str(const cb_shape *s, char *buf, size_t cap) {
 
 /* Tensor data of (layer, kind): the borrowed floats and their count. */
 static float *tensor_data(const kvpq_codebook *cb, int layer, int kind, size_t *n) {
-    if (kind == CB_K_SMOOTH) {
+    if (kind == CB_K_SMOOTH || kind == CB_K_MEAN) {
         *n = (size_t)cb->p.n_head_kv * cb->p.head_dim;
-        return cb->smooth + (size_t)layer * *n;
+        return (kind == CB_K_SMOOTH ? cb->smooth : cb->mean) + (size_t)layer * *n;
     }
     kvpq_pq *pq = cb->pq[2 * layer + (kind == CB_V_BOOK)];
     *n = kvpq_pq_centroids_size(pq);
@@ -505,7 +519,7 @@ static int cmp_str_ptr(const void *a, const void *b) {
 }
 
 /* Validate __metadata__ (an object of strings, no duplicate keys) and read the params from it. */
-static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p) {
+static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *version) {
     if (!cJSON_IsObject(meta))
         return kvpq__err(KVPQ_ERR_FORMAT, "header has no __metadata__ object (not a kvpq codebook file)");
     size_t n = 0;
@@ -530,8 +544,11 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p) {
     }
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(meta, "kvpq.format_version");
     if (!ver) return kvpq__err(KVPQ_ERR_FORMAT, "metadata kvpq.format_version is missing (not a kvpq codebook file)");
-    if (strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION))
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "format version '%.32s' is not supported: this build reads version %s",
+    if (!strcmp(ver->valuestring, "1")) *version = 1;
+    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 2;
+    else
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "format version '%.32s' is not supported: this build reads versions 1 and %s",
                          ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION);
     memset(p, 0, sizeof *p);
     KVPQ_TRY(meta_int(meta, "n_layer", 1, CB_MAX_LAYER, &p->n_layer));
@@ -630,7 +647,9 @@ static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, in
 static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uint8_t *data, uint64_t data_len) {
     if (!cJSON_IsObject(root)) return kvpq__err(KVPQ_ERR_FORMAT, "header is not a JSON object");
     kvpq_codebook_params p;
-    KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p));
+    int version = 0;
+    KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, &version));
+    const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_N_KIND; /* kinds the file must hold per layer */
 
     /* Every entry is one expected tensor, seen once; shapes and offsets checked before allocating. */
     size_t n_tensor = (size_t)CB_N_KIND * p.n_layer;
@@ -644,9 +663,10 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
             continue;
         }
         int layer, kind;
-        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer) {
-            s = kvpq__err(KVPQ_ERR_FORMAT, "unexpected tensor '%.64s' (expected layers.{0..%d}.{k.smooth, "
-                          "k.codebook, v.codebook})", t->string, p.n_layer - 1);
+        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer || kind >= n_kind) {
+            s = kvpq__err(KVPQ_ERR_FORMAT, "unexpected tensor '%.64s' (a version %d file holds layers.{0..%d}.{%s})",
+                          t->string, version, p.n_layer - 1,
+                          version == 1 ? "k.smooth, k.codebook, v.codebook" : "k.smooth, k.mean, k.codebook, v.codebook");
             break;
         }
         cb_range *r = &seen[(size_t)layer * CB_N_KIND + kind];
@@ -654,16 +674,18 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
         else s = check_entry(t, &p, kind, data_len, r);
     }
     for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++)
-        if (!seen[i].t)
+        if (!seen[i].t && (int)(i % CB_N_KIND) < n_kind)
             s = kvpq__err(KVPQ_ERR_FORMAT, "tensor layers.%zu.%s is missing", i / CB_N_KIND,
                           cb_kind_names[i % CB_N_KIND]);
     if (s == KVPQ_OK) {
         cb_range *sorted = malloc(n_tensor * sizeof *sorted);
         if (!sorted) s = kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
         else {
-            memcpy(sorted, seen, n_tensor * sizeof *sorted);
-            qsort(sorted, n_tensor, sizeof *sorted, cmp_range);
-            for (size_t i = 1; i < n_tensor && s == KVPQ_OK; i++)
+            size_t n_seen = 0;
+            for (size_t i = 0; i < n_tensor; i++)
+                if (seen[i].t) sorted[n_seen++] = seen[i];
+            qsort(sorted, n_seen, sizeof *sorted, cmp_range);
+            for (size_t i = 1; i < n_seen && s == KVPQ_OK; i++)
                 if (sorted[i].begin < sorted[i - 1].end)
                     s = kvpq__err(KVPQ_ERR_FORMAT, "tensors %s [%llu,%llu] and %s [%llu,%llu] overlap",
                                   sorted[i - 1].t->string, (unsigned long long)sorted[i - 1].begin,
@@ -683,11 +705,12 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     }
     for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++) {
         int layer = (int)(i / CB_N_KIND), kind = (int)(i % CB_N_KIND);
+        if (!seen[i].t) continue; /* k.mean of a version 1 file: mu stays 0 */
         size_t n;
         float *dst = tensor_data(cb, layer, kind, &n);
         memcpy(dst, data + seen[i].begin, n * sizeof(float)); /* the data may be unaligned: copy, then read */
         s = check_values(dst, n, kind, seen[i].t->string);
-        if (s == KVPQ_OK && kind != CB_K_SMOOTH) kvpq__pq_update_norms(cb->pq[2 * layer + (kind == CB_V_BOOK)]);
+        if (s == KVPQ_OK && (kind == CB_K_BOOK || kind == CB_V_BOOK)) kvpq__pq_update_norms(cb->pq[2 * layer + (kind == CB_V_BOOK)]);
     }
     free(seen);
     if (s != KVPQ_OK) {

@@ -41,6 +41,7 @@ def _lib():
         "kvpq_codebook_get_params": (CodebookParams, [vp]),
         "kvpq_codebook_pq": (vp, [vp, c_int, c_int]),
         "kvpq_codebook_key_smooth": (fp, [vp, c_int]),
+        "kvpq_codebook_key_mean": (fp, [vp, c_int]),
         "kvpq_codebook_set_meta": (c_int, [vp, c_char_p, c_char_p]),
         "kvpq_codebook_get_meta": (c_char_p, [vp, c_char_p]),
         "kvpq_pq_centroids_size": (c_size_t, [vp]),
@@ -72,20 +73,23 @@ def _book_shape(q):
     return (q.M, ksub, dsub) if q.granularity == SUBSPACE else (ksub, dsub)
 
 
-def _expected_tensors(p, rng):
-    """Random tensors with the documented names and shapes: name -> float32 array."""
+def _expected_tensors(p, rng, version=2):
+    """Random tensors with the documented names and shapes: name -> float32 array. Format version 1
+    files have no k.mean."""
     out = {}
     for i in range(p.n_layer):
         out[f"layers.{i}.k.smooth"] = rng.uniform(0.01, 4.0, (p.n_head_kv, p.head_dim)).astype(np.float32)
+        if version >= 2:
+            out[f"layers.{i}.k.mean"] = rng.uniform(-3.0, 3.0, (p.n_head_kv, p.head_dim)).astype(np.float32)
         out[f"layers.{i}.k.codebook"] = rng.standard_normal(_book_shape(p.key)).astype(np.float32)
         out[f"layers.{i}.v.codebook"] = rng.standard_normal(_book_shape(p.value)).astype(np.float32)
     return out
 
 
-def _config_meta(p):
+def _config_meta(p, version=2):
     gran = {SHARED: "shared", SUBSPACE: "subspace"}
     return {
-        "kvpq.format_version": "1", "n_layer": str(p.n_layer), "n_head_kv": str(p.n_head_kv),
+        "kvpq.format_version": str(version), "n_layer": str(p.n_layer), "n_head_kv": str(p.n_head_kv),
         "head_dim": str(p.head_dim), "k.M": str(p.key.M), "k.nbits": str(p.key.nbits),
         "k.granularity": gran[p.key.granularity], "v.M": str(p.value.M), "v.nbits": str(p.value.nbits),
         "v.granularity": gran[p.value.granularity], "v.rotate": str(p.value_rotate),
@@ -110,6 +114,8 @@ def test_kvpq_file_is_read_by_safetensors(tmp_path, key_gran, value_gran):
         for i in range(p.n_layer):
             sm = np.ctypeslib.as_array(lib.kvpq_codebook_key_smooth(cb, i), shape=(p.n_head_kv * p.head_dim,))
             sm[:] = want[f"layers.{i}.k.smooth"].ravel()
+            mu = np.ctypeslib.as_array(lib.kvpq_codebook_key_mean(cb, i), shape=(p.n_head_kv * p.head_dim,))
+            mu[:] = want[f"layers.{i}.k.mean"].ravel()
             for v, kind in ((0, "k"), (1, "v")):
                 a = np.ascontiguousarray(want[f"layers.{i}.{kind}.codebook"].ravel())
                 pq = lib.kvpq_codebook_pq(cb, i, v)
@@ -132,14 +138,15 @@ def test_kvpq_file_is_read_by_safetensors(tmp_path, key_gran, value_gran):
     assert meta == {**_config_meta(p), **FREE_META}
 
 
-@pytest.mark.parametrize("key_gran,value_gran", [(SHARED, SHARED), (SUBSPACE, SUBSPACE)])
-def test_safetensors_file_is_loaded_by_kvpq(tmp_path, key_gran, value_gran):
+@pytest.mark.parametrize("key_gran,value_gran,version", [(SHARED, SHARED, 2), (SUBSPACE, SUBSPACE, 2),
+                                                         (SHARED, SUBSPACE, 1)])
+def test_safetensors_file_is_loaded_by_kvpq(tmp_path, key_gran, value_gran, version):
     lib = _lib()
     p = _params(lib, key_gran, value_gran)
-    want = _expected_tensors(p, np.random.default_rng(2))
+    want = _expected_tensors(p, np.random.default_rng(2), version)
     path = tmp_path / "peer.safetensors"
     # The reference writer orders tensors its own way (not ours) and pads the header itself.
-    st_numpy.save_file(want, str(path), metadata={**_config_meta(p), **FREE_META})
+    st_numpy.save_file(want, str(path), metadata={**_config_meta(p, version), **FREE_META})
 
     cb = ctypes.c_void_p()
     _check(lib, lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()))
@@ -151,6 +158,9 @@ def test_safetensors_file_is_loaded_by_kvpq(tmp_path, key_gran, value_gran):
         for i in range(p.n_layer):
             sm = np.ctypeslib.as_array(lib.kvpq_codebook_key_smooth(cb, i), shape=(p.n_head_kv * p.head_dim,))
             assert np.array_equal(sm, want[f"layers.{i}.k.smooth"].ravel())
+            mu = np.ctypeslib.as_array(lib.kvpq_codebook_key_mean(cb, i), shape=(p.n_head_kv * p.head_dim,))
+            want_mu = want[f"layers.{i}.k.mean"].ravel() if version >= 2 else np.zeros_like(mu)  # v1: mu = 0
+            assert np.array_equal(mu, want_mu)
             for v, kind in ((0, "k"), (1, "v")):
                 pq = lib.kvpq_codebook_pq(cb, i, v)
                 n = lib.kvpq_pq_centroids_size(pq)
@@ -193,7 +203,7 @@ def test_cli_info_reports_a_safetensors_written_file(tmp_path):
     out = subprocess.run([os.environ["KVPQ_BIN"], "info", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "version 1" in text
+    assert "version 2" in text
     assert "n_layer=3 n_head_kv=2 head_dim=16 value_rotate=1" in text
     assert "M=4 dsub=4 nbits=8 ksub=256 granularity=shared  2.000 bits/element" in text
     assert "M=8 dsub=2 nbits=3 ksub=8 granularity=subspace  1.500 bits/element" in text

@@ -1,0 +1,92 @@
+"""`kvpq calibrate` on the real model, and the VQ cache it feeds, against independent peers.
+
+The key statistics in the codebook file (per-(KV head, channel) mean mu and smoothing factors
+lambda = sqrt(max |k - mu|)) are recomputed from post-RoPE keys of an independent numpy forward pass
+(bench/llama_cpp_peer.py, weights dequantized by the PyPI `gguf` package); the file is read with the
+PyPI `safetensors` package. Then `kvpq ppl` with the codebook: a window that holds the whole chunk
+makes the VQ cache an fp16 cache (same perplexity), a window of 0 codes every token (it differs).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+st_numpy = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
+
+SRC = Path(os.environ.get("KVPQ_SOURCE_DIR", Path(__file__).resolve().parents[2]))
+MODEL = SRC / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+CALIB = SRC / "data" / "text" / "emma.txt"
+EVAL = SRC / "data" / "text" / "persuasion.txt"
+BIN = os.environ.get("KVPQ_BIN", str(SRC / "build" / "kvpq"))
+LIB = os.environ.get("KVPQ_LIB", str(SRC / "build" / "libkvpq.so"))
+sys.path.insert(0, str(SRC / "bench"))
+pytestmark = pytest.mark.skipif(not MODEL.exists(), reason=f"model {MODEL} missing (scripts/fetch_model.sh)")
+
+TOKENS, CTX = 256, 128  # two forward chunks of 128 tokens
+
+
+def run(*args, check=True):
+    p = subprocess.run([BIN, *map(str, args)], capture_output=True, text=True, timeout=900)
+    if check and p.returncode != 0:
+        raise AssertionError(f"kvpq {' '.join(map(str, args))} failed ({p.returncode}): {p.stderr}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def codebook(tmp_path_factory):
+    out = tmp_path_factory.mktemp("calib") / "cb_d4b8.safetensors"
+    run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", TOKENS, "--ctx", CTX, "--keys", "d4b8",
+        "--iters", 2, "--threads", 2, "-o", out)
+    return out
+
+
+def test_key_mean_and_smoothing_match_numpy_forward_pass(codebook):
+    from llama_cpp_peer import Kvpq, NumpyLlama
+    from safetensors import safe_open
+    with safe_open(str(codebook), framework="numpy") as f:
+        meta = f.metadata()
+    t = st_numpy.load_file(str(codebook))
+    assert meta["kvpq.format_version"] == "2" and meta["tokens"] == str(TOKENS) and meta["key_center"] == "1"
+    assert t["layers.0.k.codebook"].shape == (256, 4) and t["layers.29.v.codebook"].shape == (256, 4)
+
+    kv = Kvpq(LIB, str(MODEL), 2)
+    toks = kv.tokenize(CALIB.read_text(encoding="utf-8")[:20000], False)[:TOKENS]  # calibrate adds no BOS
+    ref = NumpyLlama(str(MODEL))
+    keys = [[] for _ in range(ref.n_layer)]
+    for c0 in range(0, TOKENS, CTX):
+        col = []
+        ref.forward(toks[c0:c0 + CTX], collect=col)
+        for layer, (k, _) in enumerate(col):
+            keys[layer].append(k)
+    for layer in (0, 13, 29):
+        k = np.concatenate(keys[layer]).astype(np.float64)  # (TOKENS, n_head_kv, head_dim)
+        mu = k.mean(0)
+        lam = np.sqrt(np.maximum(np.abs(k - mu).max(0), 1e-2))
+        scale = np.abs(k).max()
+        # fp32 forward passes in two implementations: keys agree to ~1e-4 of their range.
+        np.testing.assert_allclose(t[f"layers.{layer}.k.mean"], mu, atol=2e-3 * scale, err_msg=f"layer {layer} mu")
+        np.testing.assert_allclose(t[f"layers.{layer}.k.smooth"], lam, rtol=2e-3, err_msg=f"layer {layer} lambda")
+        # the mean is not trivially zero: centering has something to remove
+        assert np.abs(mu).max() > 0.05 * scale
+
+
+def test_ppl_with_the_codebook_and_window_suffix(codebook):
+    cb = str(codebook)
+    p = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 128, "--chunks", 2, "--threads", 2, "--json",
+            "--cache", f"vq:{cb}:w128,vq:{cb}:w0,kivi2:w128", "--kl-base", "fp16")
+    whole, coded, kivi = json.loads(p.stdout)
+    # window >= chunk: every token stays in fp16 as the fp16 cache holds it; only the summation
+    # order of the attention kernels differs (float rounding)
+    for r in (whole, kivi):
+        assert r["ppl"] == pytest.approx(r["ppl_base"], rel=1e-3)
+        assert r["kl_mean"] < 1e-5 and r["top1_agree"] > 0.99
+    # window 0: every token is coded; quality drops but stays that of a working model
+    assert coded["kl_mean"] > 1e-2 and coded["ppl"] > 1.01 * whole["ppl"]
+    assert coded["ppl"] < 4 * coded["ppl_base"] and coded["top1_agree"] > 0.3
+    assert coded["kv_bytes"] < 0.5 * whole["kv_bytes"]
+    bad = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 64, "--chunks", 1, "--cache", "fp16:w8", check=False)
+    assert bad.returncode != 0 and "fp16:w8" in bad.stderr and "vq and kivi" in bad.stderr, bad.stderr
