@@ -235,14 +235,26 @@ static void bench_attend(int B, int L, int quick) {
     CK(cudaMemcpy(dq, hq.data(), nq * 4, cudaMemcpyHostToDevice));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    double us = time_graph([&](cudaStream_t s) { KV(kvpq__cuda_cache_attend_async(c, B, dq, dout, s)); },
-                           quick ? 4 : 20, quick ? 3 : 15, st);
+    /* every kernel variant (LUT float32/float16 x value codebook plain/replicated); "ours" is the default */
+    const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep;
+    double var_us[4], us = 0;
+    for (int v = 0; v < 4; v++) {
+        kvpq__cuda_attend_lut16 = v & 1;
+        kvpq__cuda_attend_vrep = v >> 1;
+        var_us[v] = time_graph([&](cudaStream_t s) { KV(kvpq__cuda_cache_attend_async(c, B, dq, dout, s)); },
+                               quick ? 4 : 20, quick ? 3 : 15, st);
+        if ((v & 1) == lut16_0 && (v >> 1) == vrep_0) us = var_us[v];
+    }
+    kvpq__cuda_attend_lut16 = lut16_0;
+    kvpq__cuda_attend_vrep = vrep_0;
     /* bytes read: key and value codes of the coded positions, the float32 window, q; written: out */
     double coded = (double)B * (L - W) * n_head_kv * (kvpq_pq_code_size(kp) + kvpq_pq_code_size(vp));
     double win = (double)B * W * row * 4 * 2, bytes = coded + win + nq * 4.0;
     printf("{\"op\": \"attend\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
-           "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu}\n",
-           B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c));
+           "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu, \"variant_us\": {\"f32_plain\": %.3f, "
+           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f}, \"default_variant\": \"%s_%s\"}\n",
+           B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c), var_us[0],
+           var_us[1], var_us[2], var_us[3], lut16_0 ? "f16" : "f32", vrep_0 ? "vrep" : "plain");
     fflush(stdout);
     cudaFree(dq);
     cudaFree(dout);

@@ -10,8 +10,22 @@ Prints perplexity, change against the unquantized run, KL and top-1 agreement pe
 usage: bench/vq_quality_explore.py CTX '[{"dsub":4,"nbits":8}, {"dsub":4,"nbits":8,"center":true}]'
 config keys: dsub, nbits, sub (per-sub-space codebooks), vrot (rotate values), perhead (codebook per
 KV head), smooth (default true), rot (default true), center (subtract the per-channel key mean),
-sink (first tokens kept exact), window (default 128), qk / qv (quantize keys / values, default true).
-Environment: KVPQ_LIB (default build/libkvpq.so) for tokenization.
+sink (first tokens kept exact), window (default 128), qk / qv (quantize keys / values, default true),
+kdsub (key dsub when it differs from dsub),
+kt: key transform A in k' = H A (k - mu): "lam" (default, A = diag(1/lambda)), "qrms" (A = diag(q_rms^ka),
+  q_rms = per-channel RMS of the post-RoPE queries of the KV head's GQA group on the calibration text),
+  "qfull" (A = Sigma_q^(ka/2), Sigma_q = pooled query second-moment matrix per layer and KV head);
+  "none" (A = I), "kstd" (A = diag(std_k^-ka)), "kwhite" (A = Cov_k^(-ka/2), key whitening);
+  ka (default 1), klam (extra factor diag(lambda^-klam) after A for kt != lam, default 0),
+vt: value transform B in v' = H B v: "none" (default), "wo" (B = (sum_h W_o,h^T W_o,h)^(va/2) over the
+  group's query heads), va (default 1); vrot applies the Hadamard H to values; vcenter subtracts the
+  per-(KV head, channel) value mean before B (added back after decoding),
+klayers (list: quantize keys only in these layers), k4layers (list: these layers use key dsub 2),
+kiter (k-means iterations, default 25), kw (weight each calibration key in the key k-means by
+  (attention it receives from queries >= 128 positions later)^kw, first 4 tokens of a chunk weight 0;
+  kw0 is added to the normalized weights).
+Environment: KVPQ_LIB (default build/libkvpq.so) for tokenization, NCAL (calibration chunks of 2048
+tokens, default 2), SIM_CACHE (directory caching tokens and calibration activations).
 """
 import os
 import sys, math, time
@@ -39,7 +53,7 @@ def fwd(tokens, hook=None, collect=None):
         q = self.rope((h @ w[p + "attn_q.weight"].T).reshape(n, H, hd), pos)
         k = self.rope((h @ w[p + "attn_k.weight"].T).reshape(n, Hk, hd), pos)
         v = (h @ w[p + "attn_v.weight"].T).reshape(n, Hk, hd)
-        if collect is not None: collect[l].append((k.copy(), v.copy()))
+        if collect is not None: collect[l].append((k.copy(), v.copy(), q.copy()))
         if hook is not None: k, v = hook(l, k, v)
         g = H // Hk
         att = np.empty((n, H, hd), dtype=np.float32)
@@ -61,29 +75,86 @@ HD = had(64)
 
 calib_text = open(os.path.join(ROOT, 'data', 'text', 'emma.txt')).read()
 ev_text = open(os.path.join(ROOT, 'data', 'text', 'persuasion.txt')).read()
-CT = kv.tokenize(calib_text[:200000], False)
-ET = kv.tokenize(ev_text, False)
 CTX = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-NCAL = 2; NCH = 2
-t0 = time.time()
-col = [[] for _ in range(30)]
-for c in range(NCAL):
-    fwd(CT[c*2048:(c+1)*2048], collect=col)
-K = [np.concatenate([a for a, b in col[l]]) for l in range(30)]   # (N, Hk, hd)
-V = [np.concatenate([b for a, b in col[l]]) for l in range(30)]
-print('calib fwd', time.time()-t0, K[0].shape, flush=True)
+NCAL = int(os.environ.get('NCAL', '2')); NCH = 2
+CACHE = os.environ.get('SIM_CACHE')
+cf = os.path.join(CACHE, 'calib%d.npz' % NCAL) if CACHE else None
+if cf and os.path.exists(cf):
+    z = np.load(cf); CT, ET = list(z['CT']), list(z['ET'])
+    K = [z['K%d' % l] for l in range(30)]; V = [z['V%d' % l] for l in range(30)]; Q = [z['Q%d' % l] for l in range(30)]
+else:
+    CT = kv.tokenize(calib_text[:200000 * max(1, NCAL // 2)], False)
+    ET = kv.tokenize(ev_text, False)
+    t0 = time.time()
+    col = [[] for _ in range(30)]
+    for c in range(NCAL):
+        fwd(CT[c*2048:(c+1)*2048], collect=col)
+    K = [np.concatenate([a for a, b, c in col[l]]) for l in range(30)]   # (N, Hk, hd)
+    V = [np.concatenate([b for a, b, c in col[l]]) for l in range(30)]   # (N, Hk, hd)
+    Q = [np.concatenate([c for a, b, c in col[l]]) for l in range(30)]   # (N, H, hd)
+    print('calib fwd', time.time()-t0, K[0].shape, flush=True)
+    if cf:
+        os.makedirs(CACHE, exist_ok=True)
+        np.savez(cf, CT=np.array(CT), ET=np.array(ET), **{'K%d' % l: K[l] for l in range(30)},
+                 **{'V%d' % l: V[l] for l in range(30)}, **{'Q%d' % l: Q[l] for l in range(30)})
+G = L.n_head // L.n_head_kv
 
-def kmeans(x, k, niter=25):
+def psd_pow(S, a):  # symmetric power of a PSD matrix
+    w, U = np.linalg.eigh(S.astype(np.float64)); w = np.maximum(w, w.max() * 1e-8)
+    return ((U * w**a) @ U.T).astype(np.float32)
+
+def key_transform(cfg, l, k):  # k (N, Hk, hd) centred -> A (Hk, hd, hd), k' = A k per head (row vectors: k @ A^T)
+    kt = cfg.get('kt', 'lam'); a = cfg.get('ka', 1.0)
+    lam = np.maximum(np.sqrt(np.abs(k).max(0)), 1e-2) if cfg.get('smooth', True) else np.ones(k.shape[1:], np.float32)  # (Hk, hd)
+    q = Q[l]  # (N, H, hd)
+    A = np.empty((k.shape[1], 64, 64), np.float32)
+    for h in range(k.shape[1]):
+        qg = q[:, h*G:(h+1)*G].reshape(-1, 64).astype(np.float64)
+        if kt == 'lam': A[h] = np.diag(1 / lam[h])
+        elif kt == 'qrms': A[h] = np.diag(np.sqrt((qg**2).mean(0))**a)
+        elif kt == 'qfull': A[h] = psd_pow(qg.T @ qg / len(qg), a / 2)
+        elif kt == 'none': A[h] = np.eye(64)
+        elif kt == 'kstd': A[h] = np.diag(np.sqrt((k[:, h].astype(np.float64)**2).mean(0))**-a)
+        elif kt == 'kwhite': kh = k[:, h].astype(np.float64); A[h] = psd_pow(kh.T @ kh / len(kh), -a / 2)
+        else: raise ValueError(kt)
+        if kt != 'lam' and cfg.get('klam', 0): A[h] = A[h] * (lam[h] ** -cfg['klam'])[None, :]
+    return A
+
+def value_transform(cfg, l):  # -> B (Hk, hd, hd)
+    B = np.empty((L.n_head_kv, 64, 64), np.float32)
+    wo = L.w['blk.%d.attn_output.weight' % l]  # (n_embd, H*hd)
+    for h in range(L.n_head_kv):
+        if cfg.get('vt', 'none') == 'none': B[h] = np.eye(64); continue
+        S = sum(wo[:, j*64:(j+1)*64].T.astype(np.float64) @ wo[:, j*64:(j+1)*64] for j in range(h*G, (h+1)*G))
+        B[h] = psd_pow(S, cfg.get('va', 1.0) / 2)
+    return B
+
+KITER = [25]
+def kmeans(x, k, niter=None, w=None):
+    niter = niter or KITER[0]
     km = faiss.Kmeans(x.shape[1], k, niter=niter, seed=1, max_points_per_centroid=256)
-    km.train(np.ascontiguousarray(x, dtype=np.float32)); return km
+    km.train(np.ascontiguousarray(x, dtype=np.float32), weights=None if w is None else np.ascontiguousarray(w, dtype=np.float32)); return km
+
+def attn_received(l, W=128, sink=4):  # (N, Hk): attention mass each calibration key gets from queries >= W later
+    q, k = Q[l], K[l]; N = k.shape[0]; out = np.zeros((N, k.shape[1]))
+    for c in range(N // 2048):
+        sl = slice(c*2048, (c+1)*2048); i = np.arange(2048)
+        far = (i[:, None] - i[None, :]) >= W
+        for hh in range(q.shape[1]):
+            s = q[sl, hh] @ k[sl, hh // G].T / 8.0
+            s = np.where(i[:, None] >= i[None, :], s, -np.inf)
+            p = np.exp(s - s.max(1, keepdims=True)); p /= p.sum(1, keepdims=True)
+            out[sl, hh // G] += (p * far).sum(0)
+        out[c*2048:c*2048+sink] = 0
+    return out
 
 class PQ:
-    def __init__(self, X, dsub, nbits, sub):  # X (N, d)
+    def __init__(self, X, dsub, nbits, sub, w=None):  # X (N, d), w (N,) k-means weights
         self.dsub = dsub; self.sub = sub; d = X.shape[1]; self.M = d // dsub
         if sub:
             self.km = [kmeans(X[:, m*dsub:(m+1)*dsub], 2**nbits) for m in range(self.M)]
         else:
-            self.km = kmeans(X.reshape(-1, dsub), 2**nbits)
+            self.km = kmeans(X.reshape(-1, dsub), 2**nbits, w=None if w is None else np.repeat(w, self.M))
     def rec(self, X):
         n, d = X.shape
         if self.sub:
@@ -98,17 +169,29 @@ class PQ:
 def build(cfg):
     dsub, nbits, sub, vrot, perhead, kdsub = cfg['dsub'], cfg['nbits'], cfg.get('sub', False), cfg.get('vrot', False), cfg.get('perhead', False), cfg.get('kdsub', cfg['dsub'])
     S = []
+    KITER[0] = cfg.get('kiter', 25)
     for l in range(30):
+        if l in cfg.get('k4layers', []): kdsub = 2
+        else: kdsub = cfg.get('kdsub', cfg['dsub'])
+        if 'klayers' in cfg and l not in cfg['klayers'] and not cfg.get('qv', True): S.append(None); continue
         k = K[l]; v = V[l]
         mu = k.mean(0) if cfg.get('center') else np.zeros(k.shape[1:], np.float32)
         k = k - mu
-        lam = np.maximum(np.sqrt(np.abs(k).max(0)), 1e-2) if cfg.get('smooth', True) else np.ones(k.shape[1:], np.float32)  # (Hk, hd)
-        kt = (k / lam) @ HD.T if cfg.get('rot', True) else k / lam
-        vt = v @ HD.T if vrot else v
+        A = key_transform(cfg, l, k); B = value_transform(cfg, l)
+        Ai = np.linalg.inv(A.astype(np.float64)).astype(np.float32); Bi = np.linalg.inv(B.astype(np.float64)).astype(np.float32)
+        kt = np.einsum('nhd,hed->nhe', k, A)
+        kt = kt @ HD.T if cfg.get('rot', True) else kt
+        muv = v.mean(0) if cfg.get('vcenter') else np.zeros(v.shape[1:], np.float32)
+        vt = np.einsum('nhd,hed->nhe', v - muv, B)
+        vt = vt @ HD.T if vrot else vt
+        lam = (A, Ai, B, Bi, muv)
         if perhead:
             kq = [PQ(kt[:, h], kdsub, nbits, sub) for h in range(3)]; vq = [PQ(vt[:, h], dsub, nbits, sub) for h in range(3)]
         else:
-            kq = PQ(kt.reshape(-1, 64), kdsub, nbits, sub); vq = PQ(vt.reshape(-1, 64), dsub, nbits, sub)
+            kw = None
+            if cfg.get('kw'):
+                kw = attn_received(l) ** cfg['kw']; kw = (kw / kw.mean() + cfg.get('kw0', 0.0)).reshape(-1)
+            kq = PQ(kt.reshape(-1, 64), kdsub, nbits, sub, kw); vq = PQ(vt.reshape(-1, 64), dsub, nbits, sub)
         S.append((lam, kq, vq, mu))
     return S
 
@@ -116,18 +199,23 @@ def make_hook(S, cfg):
     sink = cfg.get('sink', 0); W = cfg.get('window', 128); vrot = cfg.get('vrot', False); perhead = cfg.get('perhead', False)
     qk = cfg.get('qk', True); qv = cfg.get('qv', True)
     def hook(l, k, v):
-        lam, kq, vq, mu = S[l]; n = k.shape[0]
+        if S[l] is None: return k, v
+        (A, Ai, B, Bi, muv), kq, vq, mu = S[l]; n = k.shape[0]
         lo, hi = sink, max(sink, n - W)
         if hi <= lo: return k, v
         k = k.copy(); v = v.copy()
-        kt = ((k[lo:hi] - mu) / lam) @ HD.T if cfg.get('rot', True) else (k[lo:hi] - mu) / lam
-        vt = v[lo:hi] @ HD.T if vrot else v[lo:hi]
+        kt = np.einsum('nhd,hed->nhe', k[lo:hi] - mu, A)
+        kt = kt @ HD.T if cfg.get('rot', True) else kt
+        vt = np.einsum('nhd,hed->nhe', v[lo:hi] - muv, B)
+        vt = vt @ HD.T if vrot else vt
         if perhead:
             kr = np.stack([kq[h].rec(kt[:, h]) for h in range(3)], 1); vr = np.stack([vq[h].rec(vt[:, h]) for h in range(3)], 1)
         else:
             kr = kq.rec(kt.reshape(-1, 64)).reshape(kt.shape); vr = vq.rec(vt.reshape(-1, 64)).reshape(vt.shape)
-        if qk: k[lo:hi] = ((kr @ HD) if cfg.get('rot', True) else kr) * lam + mu
-        if qv: v[lo:hi] = (vr @ HD) if vrot else vr
+        kr = (kr @ HD) if cfg.get('rot', True) else kr
+        vr = (vr @ HD) if vrot else vr
+        if qk and ('klayers' not in cfg or l in cfg['klayers']): k[lo:hi] = np.einsum('nhd,hed->nhe', kr, Ai) + mu
+        if qv: v[lo:hi] = np.einsum('nhd,hed->nhe', vr, Bi) + muv
         return k, v
     return hook
 

@@ -511,6 +511,10 @@ typedef struct {
     const kvpq_pq *value;/* value quantizer (d = head_dim), copied */
     const float *key_smooth; /* host (n_head_kv, head_dim) lambda, or NULL for none */
     int value_rotate;    /* 1: values are Hadamard-rotated before encoding */
+    const float *key_mean; /* host (n_head_kv, head_dim) per-channel key mean mu, or NULL for none.
+                            * Keys are stored as k - mu (codes of H((k - mu) / lambda), window k - mu):
+                            * every score of a query shifts by the same q.mu, so attention is unchanged
+                            * (exact) while the codes quantize centered keys. Finite values; copied. */
 } kvpq_cuda_cache_params;
 KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
 

@@ -1,50 +1,75 @@
-/* attend.cu — decode attention from PQ codes on the GPU (flash-decoding).
+/* attend.cu — decode attention from PQ codes on the GPU (flash-decoding), one launch.
  *
  * Grid (n_splits + n_wsplits, n_head_kv * groups, B). CTA (s < n_splits, g, b) handles the code positions
  * [s*chunk, (s+1)*chunk) of sequence b for GS query heads of one KV head: it builds their LUTs
- * LUT[m][c][h] = scale*log2(e) * q'_h,m . C_k[m][c] (q' = Hadamard(q * lambda)) in shared memory,
- * then each warp walks tiles of 32 positions: the key and value codes of a tile are read once
- * (cp.async, double-buffered) for all GS heads; scores come from the LUTs (lane = position), the
- * online softmax {m, d, o} is updated per warp, and values are decoded from the value codebook
- * (lane = channels). CTAs s >= n_splits handle the float32 window, 32 positions each. Each CTA merges its warps and
- * writes a partial {m, d, o}; the combine kernel merges the splits (FlashAttention's rule;
- * Milakov & Gimelshein 2018), divides by d and undoes the value rotation. */
+ * LUT[m][c][h] = scale*log2(e) * q'_h,m . C_k[m][c] (q' = Hadamard(q * lambda)) in shared memory
+ * (float32, or float16 entries with float32 sums), then each warp walks tiles of 32 positions: a
+ * lane reads its position's key code row straight from device memory (16-byte loads) when codes
+ * are whole bytes, and the value code rows of the tile are staged in shared memory (cp.async,
+ * double-buffered); scores come from the LUTs (lane = position), the online softmax {m, d, o} is
+ * updated per warp, and values are decoded from the value codebook (lane = channels). CTAs
+ * s >= n_splits handle the float32 window, 32 positions each. Each CTA merges its warps and writes
+ * a partial {m, d, o}; the last CTA of a (sequence, head group) to finish (a counter in device
+ * memory) merges the partials (FlashAttention's rule; Milakov & Gimelshein 2018), divides by d and
+ * undoes the value rotation, so there is no second launch. */
+#include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <math.h>
 
 #include "common.cuh"
 
+/* LUT element type of the next launches (kvpq__cuda_attend_lut16, common.cuh). */
+extern "C" int kvpq__cuda_attend_lut16 = 1;
+extern "C" int kvpq__cuda_attend_vrep = 1;
+
 namespace {
 
-constexpr int kWarps = 16, kThreads = kWarps * 32, kWindowChunk = 32;
+constexpr int kWindowChunk = 32;
+
+/* Entries per LUT row (m, c): GS floats, or the next power of two >= GS halves (aligned vector
+ * loads). */
+template <typename LT>
+__host__ __device__ constexpr int lut_stride(int gs) {
+    return sizeof(LT) == 4 ? gs : (gs <= 1 ? 1 : gs <= 2 ? 2 : gs <= 4 ? 4 : 8);
+}
 
 struct Layout {  /* dynamic shared memory, in floats */
     int lut, vbook, qs, pbuf, stage, total;
-    int k_stride, v_stride;  /* staged row strides in 32-bit words (odd: conflict-free lanes) */
-    int nw;                  /* warps per CTA: kWarps, or 8 when that does not fit */
-    int vbook_in_smem;
+    int k_stride, v_stride;  /* staged row strides in 32-bit words; k_stride 0: key codes not staged */
+    int nw;                  /* warps per CTA */
+    int vbook_in_smem;       /* 1: value codebook in shared memory; 2: as 8 bank-private replicas */
+    int lut16;               /* LUT entries are float16 */
 };
 
-__host__ __device__ inline int odd_words(int bytes) {
-    int w = (bytes + 3) / 4;
-    return w | 1;
+__host__ __device__ inline bool keys_direct(const kvpq__attend_params &p) {
+    return p.k_nbits == 8 && (p.k_code_size & 15) == 0;
 }
 
-__host__ __device__ inline Layout make_layout(const kvpq__attend_params &p, int gs, bool with_vbook, int nw) {
+/* The value codebook as 8 replicas, float4 chunk k of replica r at float4 index 8k + r: lane l
+ * reads replica l % 8, so the 8 lanes of a 16-byte-access phase hit 8 different bank groups
+ * whatever their codes (conflict-free gathers). For a shared value codebook read as float4 chunks,
+ * up to 64 KB. */
+inline bool vrep_ok(const kvpq__attend_params &p) {
+    return p.v_books == 1 && p.v_dsub >= 4 && (p.head_dim / 32) % 4 == 0 && 8 * p.v_ksub * p.v_dsub * 4 <= 65536;
+}
+
+inline Layout make_layout(const kvpq__attend_params &p, int gs, int with_vbook, int nw, int lut16) {
     Layout L;
     L.nw = nw;
+    L.lut16 = lut16;
     int Mk = p.head_dim / p.k_dsub;
-    L.k_stride = odd_words(p.k_code_size);
-    L.v_stride = odd_words(p.v_code_size);
+    L.k_stride = keys_direct(p) ? 0 : (((p.k_code_size + 3) / 4) | 1);  /* odd: lane = row, conflict-free */
+    L.v_stride = (p.v_code_size + 3) / 4;  /* rows are read by all lanes at once: any stride */
     int o = 0;
     L.lut = o;
-    o += Mk * p.k_ksub * gs;
+    o += lut16 ? (Mk * p.k_ksub * lut_stride<__half>(gs) + 1) / 2 : Mk * p.k_ksub * gs;
     int merge = nw * gs * (p.head_dim + 2);  /* reused for the warp merge */
     if (o < merge) o = merge;
     o = (o + 3) & ~3;
     L.vbook = o;
     L.vbook_in_smem = with_vbook;
-    if (with_vbook) o += p.v_books * p.v_ksub * p.v_dsub;
+    if (with_vbook == 2) o += 8 * p.v_ksub * p.v_dsub;
+    else if (with_vbook) o += p.v_books * p.v_ksub * p.v_dsub;
     o = (o + 3) & ~3;
     L.qs = o;
     o += gs * p.head_dim;
@@ -53,6 +78,7 @@ __host__ __device__ inline Layout make_layout(const kvpq__attend_params &p, int 
     o = (o + 3) & ~3;
     L.stage = o;
     o += nw * 2 * 32 * (L.k_stride + L.v_stride);
+    o += 4;  /* the "last CTA" flag */
     L.total = o;
     return L;
 }
@@ -69,28 +95,86 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-/* Stage the key and value code rows of positions [t0, t0 + n) (one page) into a warp's buffer. */
+/* s[h] += LUT entry e[h] for the GS heads (float32 entries). */
+template <int GS>
+__device__ __forceinline__ void add_entry(const float *e, float (&s)[GS]) {
+    if constexpr (GS % 4 == 0) {
+#pragma unroll
+        for (int h = 0; h < GS; h += 4) {
+            float4 t = *reinterpret_cast<const float4 *>(e + h);
+            s[h] += t.x; s[h + 1] += t.y; s[h + 2] += t.z; s[h + 3] += t.w;
+        }
+    } else if constexpr (GS % 2 == 0) {
+#pragma unroll
+        for (int h = 0; h < GS; h += 2) {
+            float2 t = *reinterpret_cast<const float2 *>(e + h);
+            s[h] += t.x; s[h + 1] += t.y;
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < GS; h++) s[h] += e[h];
+    }
+}
+/* Same for float16 entries (padded to a power of two: one 2/4/8/16-byte load), summed in float32. */
+template <int GS>
+__device__ __forceinline__ void add_entry(const __half *e, float (&s)[GS]) {
+    constexpr int P = lut_stride<__half>(GS);
+    if constexpr (P == 1) {
+        s[0] += __half2float(*e);
+    } else if constexpr (P == 2) {
+        float2 f = __half22float2(*reinterpret_cast<const __half2 *>(e));
+        s[0] += f.x;
+        if constexpr (GS > 1) s[1] += f.y;
+    } else if constexpr (P == 4) {
+        uint2 u = *reinterpret_cast<const uint2 *>(e);
+        float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&u.x));
+        float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&u.y));
+        float f[4] = {a.x, a.y, b.x, b.y};
+#pragma unroll
+        for (int h = 0; h < GS; h++) s[h] += f[h];
+    } else {
+        uint4 u = *reinterpret_cast<const uint4 *>(e);
+        float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&u.x));
+        float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&u.y));
+        float2 c = __half22float2(*reinterpret_cast<const __half2 *>(&u.z));
+        float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&u.w));
+        float f[8] = {a.x, a.y, b.x, b.y, c.x, c.y, d.x, d.y};
+#pragma unroll
+        for (int h = 0; h < GS; h++) s[h] += f[h];
+    }
+}
+
+/* Stage the value (and, when not read directly, key) code rows of positions [t0, t0 + n) (one
+ * page) into a warp's buffers. */
 __device__ __forceinline__ void stage_tile(const kvpq__attend_params &p, const Layout &L, uint32_t *kst,
                                            uint32_t *vst, int b, int kvh, int t0, int n, int lane) {
     int page = p.page_table[(size_t)b * p.max_pages + t0 / p.page_tokens];
     int r0 = t0 % p.page_tokens;
-    const uint8_t *ks = p.k_pages + ((size_t)page * p.n_head_kv + kvh) * p.page_tokens * p.k_code_size +
-                        (size_t)r0 * p.k_code_size;
-    const uint8_t *vs = p.v_pages + ((size_t)page * p.n_head_kv + kvh) * p.page_tokens * p.v_code_size +
-                        (size_t)r0 * p.v_code_size;
-    if ((p.k_code_size & 3) == 0) {
-        int wpr = p.k_code_size >> 2;
-        for (int w = lane; w < n * wpr; w += 32) {
-            int t = w / wpr, i = w - t * wpr;
-            __pipeline_memcpy_async(kst + t * L.k_stride + i, ks + (size_t)w * 4, 4);
-        }
-    } else {
-        for (int w = lane; w < n * p.k_code_size; w += 32) {
-            int t = w / p.k_code_size, i = w - t * p.k_code_size;
-            reinterpret_cast<uint8_t *>(kst + t * L.k_stride)[i] = ks[w];
+    if (L.k_stride) {
+        const uint8_t *ks = p.k_pages + ((size_t)page * p.n_head_kv + kvh) * p.page_tokens * p.k_code_size +
+                            (size_t)r0 * p.k_code_size;
+        if ((p.k_code_size & 3) == 0) {
+            int wpr = p.k_code_size >> 2;
+            for (int w = lane; w < n * wpr; w += 32) {
+                int t = w / wpr, i = w - t * wpr;
+                __pipeline_memcpy_async(kst + t * L.k_stride + i, ks + (size_t)w * 4, 4);
+            }
+        } else {
+            for (int w = lane; w < n * p.k_code_size; w += 32) {
+                int t = w / p.k_code_size, i = w - t * p.k_code_size;
+                reinterpret_cast<uint8_t *>(kst + t * L.k_stride)[i] = ks[w];
+            }
         }
     }
-    if ((p.v_code_size & 3) == 0) {
+    const uint8_t *vs = p.v_pages + ((size_t)page * p.n_head_kv + kvh) * p.page_tokens * p.v_code_size +
+                        (size_t)r0 * p.v_code_size;
+    if ((p.v_code_size & 15) == 0) {
+        int wpr = p.v_code_size >> 4;
+        for (int w = lane; w < n * wpr; w += 32) {
+            int t = w / wpr, i = w - t * wpr;
+            __pipeline_memcpy_async(vst + t * L.v_stride + 4 * i, vs + (size_t)w * 16, 16);
+        }
+    } else if ((p.v_code_size & 3) == 0) {
         int wpr = p.v_code_size >> 2;
         for (int w = lane; w < n * wpr; w += 32) {
             int t = w / wpr, i = w - t * wpr;
@@ -105,9 +189,9 @@ __device__ __forceinline__ void stage_tile(const kvpq__attend_params &p, const L
     __pipeline_commit();
 }
 
-template <int D, int GS>
-__global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_params p, Layout L) {
-    constexpr int EPL = D / 32;
+template <int D, int GS, typename LT>
+__global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_params p, Layout L) {
+    constexpr int EPL = D / 32, GSP = lut_stride<LT>(GS);
     extern __shared__ __align__(16) float smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = L.nw, nthr = nw * 32;
     const int split = blockIdx.x, b = blockIdx.z;
@@ -129,11 +213,6 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
         /* ---- the float32 window, kWindowChunk positions per CTA: a warp per position, scores by
          * warp dot products ---- */
         const int w0 = coded + (split - p.n_splits) * kWindowChunk, w1 = min(len, w0 + kWindowChunk);
-        float qo[GS][EPL];
-#pragma unroll
-        for (int h = 0; h < GS; h++)
-#pragma unroll
-            for (int j = 0; j < EPL; j++) qo[h][j] = p.q[((size_t)b * p.n_head + head0 + h) * D + lane * EPL + j];
         const float scale = 1.4426950408889634f * rsqrtf((float)D);
         for (int t = w0 + warp; t < w1; t += nw) {
             size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * EPL;
@@ -145,9 +224,10 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
             }
 #pragma unroll
             for (int h = 0; h < GS; h++) {
+                const float *qh = p.q + ((size_t)b * p.n_head + head0 + h) * D + lane * EPL;
                 float s = 0.f;
 #pragma unroll
-                for (int j = 0; j < EPL; j++) s = fmaf(qo[h][j], kv[j], s);
+                for (int j = 0; j < EPL; j++) s = fmaf(qh[j], kv[j], s);
                 s = warp_sum(s) * scale;
                 float mn = fmaxf(m_run[h], s), corr = exp2f(m_run[h] - mn), pr = exp2f(s - mn);
                 m_run[h] = mn;
@@ -163,8 +243,32 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
     } else if (split * p.chunk < coded) {
         /* ---- code positions [c0, c1) ---- */
         const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
-        float *lut = smem + L.lut, *qs = smem + L.qs;
-        if (L.vbook_in_smem) {
+        LT *lut = reinterpret_cast<LT *>(smem + L.lut);
+        float *qs = smem + L.qs;
+        uint32_t *stage = reinterpret_cast<uint32_t *>(smem + L.stage) + warp * 2 * 32 * (L.k_stride + L.v_stride);
+        /* buffers: K[0], K[1], V[0], V[1]; selected by arithmetic (an indexed pointer array would
+         * go to local memory) */
+#define KST(i) (stage + (i) * 32 * L.k_stride)
+#define VST(i) (stage + 2 * 32 * L.k_stride + (i) * 32 * L.v_stride)
+        /* the first tile's code rows are requested before the LUT build, so that their latency
+         * overlaps it: value (and staged key) rows by cp.async, directly read key rows into L2 */
+        if (c0 + warp * 32 < c1) {
+            const int t0 = c0 + warp * 32;
+            stage_tile(p, L, KST(0), VST(0), b, kvh, t0, min(32, c1 - t0), lane);
+            if (L.k_stride == 0 && lane < min(32, c1 - t0)) {
+                const int t = t0 + lane;
+                const int page = p.page_table[(size_t)b * p.max_pages + t / p.page_tokens];
+                const uint8_t *kr = p.k_pages + (size_t)page * p.n_head_kv * p.page_tokens * p.k_code_size +
+                                    ((size_t)kvh * p.page_tokens + t % p.page_tokens) * p.k_code_size;
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(kr));
+            }
+        }
+        if (L.vbook_in_smem == 2) {
+            float4 *vb = reinterpret_cast<float4 *>(smem + L.vbook);
+            const float4 *src = reinterpret_cast<const float4 *>(p.v_centroids);
+            int nv = 8 * (p.v_ksub * p.v_dsub / 4);
+            for (int i = tid; i < nv; i += nthr) vb[i] = src[i >> 3];
+        } else if (L.vbook_in_smem) {
             float *vb = smem + L.vbook;
             int nv = p.v_books * p.v_ksub * p.v_dsub;
             for (int i = tid; i < nv; i += nthr) vb[i] = p.v_centroids[i];
@@ -180,15 +284,14 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
 #pragma unroll
             for (int j = 0; j < EPL; j++) qs[warp * D + lane * EPL + j] = v[j];
         }
-        __syncthreads();
+        /* (one barrier below covers q', the value and the key codebooks) */
         const int Mk = D / p.k_dsub, ksub = p.k_ksub, kd = p.k_dsub;
         const float scale = 1.4426950408889634f * rsqrtf((float)D);
-        /* A shared key codebook is staged (coalesced, all loads in flight) in the not yet used code
-         * staging area; sub-space codebooks are read from device memory. */
+        /* A shared key codebook is staged (coalesced, all loads in flight) in the not yet used
+         * probability buffers when it fits; sub-space codebooks are read from device memory. */
         const float *kbook = p.k_centroids;
-        const int stage_floats = nw * 2 * 32 * (L.k_stride + L.v_stride);
-        if (p.k_books == 1 && ksub * kd <= stage_floats) {
-            float *kb = smem + L.stage;
+        if (p.k_books == 1 && ksub * kd <= nw * 32 * GS) {
+            float *kb = smem + L.pbuf;
             for (int i = tid; i < ksub * kd; i += nthr) kb[i] = p.k_centroids[i];
             kbook = kb;
         }
@@ -216,25 +319,53 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
                     for (int h = 0; h < GS; h++) acc[h] = fmaf(qm[h * D + j], cv, acc[h]);
                 }
             }
+            if constexpr (sizeof(LT) == 4) {
 #pragma unroll
-            for (int h = 0; h < GS; h++) lut[(size_t)i * GS + h] = acc[h] * scale;
+                for (int h = 0; h < GS; h++) lut[(size_t)i * GSP + h] = acc[h] * scale;
+            } else {
+#pragma unroll
+                for (int h = 0; h < GSP; h++) lut[(size_t)i * GSP + h] = __float2half_rn(h < GS ? acc[h] * scale : 0.f);
+            }
         }
         __syncthreads();
 
-        uint32_t *stage = reinterpret_cast<uint32_t *>(smem + L.stage) + warp * 2 * 32 * (L.k_stride + L.v_stride);
-        /* buffers: K[0], K[1], V[0], V[1]; selected by arithmetic (an indexed pointer array would
-         * go to local memory) */
-#define KST(i) (stage + (i) * 32 * L.k_stride)
-#define VST(i) (stage + 2 * 32 * L.k_stride + (i) * 32 * L.v_stride)
         float *pb = smem + L.pbuf + warp * 32 * GS;
-        const int vshift = __ffs(p.v_dsub) - 1, vnb = p.v_nbits, vks = p.v_ksub, vd = p.v_dsub;
-        (void)vd;
+        const int vshift = __ffs(p.v_dsub) - 1, vnb = p.v_nbits, vks = p.v_ksub;
         const int knb = p.k_nbits;
+        const bool kdirect = L.k_stride == 0;
+        const size_t kpage = (size_t)p.n_head_kv * p.page_tokens * p.k_code_size;
 
         int t0 = c0 + warp * 32, buf = 0;
-        if (t0 < c1) stage_tile(p, L, KST(0), VST(0), b, kvh, t0, min(32, c1 - t0), lane);
         for (; t0 < c1; t0 += nw * 32, buf ^= 1) {
             const int n = min(32, c1 - t0), tn = t0 + nw * 32;
+            /* scores: lane = position */
+            float s[GS];
+#pragma unroll
+            for (int h = 0; h < GS; h++) s[h] = 0.f;
+            if (kdirect) {
+                /* the key row of this lane's position, 16 codes per load, straight from device memory */
+                if (lane < n) {
+                    const int t = t0 + lane;
+                    const int page = p.page_table[(size_t)b * p.max_pages + t / p.page_tokens];
+                    const uint4 *kr = reinterpret_cast<const uint4 *>(
+                        p.k_pages + page * kpage + ((size_t)kvh * p.page_tokens + t % p.page_tokens) * p.k_code_size);
+                    const int nq = p.k_code_size >> 4;
+                    for (int w4 = 0; w4 < nq; w4 += 2) {
+                        uint4 a = __ldg(kr + w4), bq = make_uint4(0, 0, 0, 0);
+                        if (w4 + 1 < nq) bq = __ldg(kr + w4 + 1);
+                        const uint32_t wv[8] = {a.x, a.y, a.z, a.w, bq.x, bq.y, bq.z, bq.w};
+#pragma unroll
+                        for (int k = 0; k < 8; k++) {
+                            if (k >= 4 && w4 + 1 >= nq) break;
+#pragma unroll
+                            for (int q4 = 0; q4 < 4; q4++) {
+                                const int m = w4 * 16 + k * 4 + q4, c = (wv[k] >> (8 * q4)) & 0xff;
+                                add_entry<GS>(lut + ((size_t)m * ksub + c) * GSP, s);
+                            }
+                        }
+                    }
+                }
+            }
             if (tn < c1) {
                 stage_tile(p, L, KST(buf ^ 1), VST(buf ^ 1), b, kvh, tn, min(32, c1 - tn), lane);
                 __pipeline_wait_prior(1);
@@ -242,41 +373,27 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
                 __pipeline_wait_prior(0);
             }
             __syncwarp();
-            /* scores: lane = position */
-            float s[GS];
-#pragma unroll
-            for (int h = 0; h < GS; h++) s[h] = 0.f;
             if (lane < n) {
-                const uint32_t *row = KST(buf) + lane * L.k_stride;
-                if (knb == 8) {
-                    for (int w = 0; w < (Mk >> 2); w++) {
-                        uint32_t wv = row[w];
+                if (!kdirect) {
+                    const uint32_t *row = KST(buf) + lane * L.k_stride;
+                    if (knb == 8) {
+                        for (int w = 0; w < (Mk >> 2); w++) {
+                            uint32_t wv = row[w];
 #pragma unroll
-                        for (int q4 = 0; q4 < 4; q4++) {
-                            int c = (wv >> (8 * q4)) & 0xff;
-                            const float *e = lut + ((w * 4 + q4) * ksub + c) * GS;
-                            if constexpr (GS % 4 == 0) {
-#pragma unroll
-                                for (int h = 0; h < GS; h += 4) {
-                                    float4 t = *reinterpret_cast<const float4 *>(e + h);
-                                    s[h] += t.x; s[h + 1] += t.y; s[h + 2] += t.z; s[h + 3] += t.w;
-                                }
-                            } else {
-#pragma unroll
-                                for (int h = 0; h < GS; h++) s[h] += e[h];
+                            for (int q4 = 0; q4 < 4; q4++) {
+                                int c = (wv >> (8 * q4)) & 0xff;
+                                add_entry<GS>(lut + ((size_t)(w * 4 + q4) * ksub + c) * GSP, s);
                             }
                         }
-                    }
-                    for (int m = Mk & ~3; m < Mk; m++) {
-                        int c = reinterpret_cast<const uint8_t *>(row)[m];
-#pragma unroll
-                        for (int h = 0; h < GS; h++) s[h] += lut[(m * ksub + c) * GS + h];
-                    }
-                } else {
-                    for (int m = 0; m < Mk; m++) {
-                        int c = kvpq__get_code(reinterpret_cast<const uint8_t *>(row), m, knb);
-#pragma unroll
-                        for (int h = 0; h < GS; h++) s[h] += lut[(m * ksub + c) * GS + h];
+                        for (int m = Mk & ~3; m < Mk; m++) {
+                            int c = reinterpret_cast<const uint8_t *>(row)[m];
+                            add_entry<GS>(lut + ((size_t)m * ksub + c) * GSP, s);
+                        }
+                    } else {
+                        for (int m = 0; m < Mk; m++) {
+                            int c = kvpq__get_code(reinterpret_cast<const uint8_t *>(row), m, knb);
+                            add_entry<GS>(lut + ((size_t)m * ksub + c) * GSP, s);
+                        }
                     }
                 }
             } else {
@@ -296,16 +413,19 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
             __syncwarp();
             /* values: lane = channels lane*EPL .. +EPL. The body is instantiated for a shared-memory
              * and a device-memory codebook so that the shared one is read with LDS. */
-            auto values = [&](const float *vb) {
-                if ((EPL % 4 == 0) && vd >= 4) {
-                    /* a lane's sub-spaces and codebook offsets do not change with the position */
+            /* rs, rl: replicated codebook (float4 chunk k of this lane at 8k + lane % 8), else 0, 0 */
+            auto values = [&](const float *vb, int rs, int rl) {
+                if ((EPL % 4 == 0) && p.v_dsub >= 4) {
+                    /* a lane's sub-spaces and codebook offsets (float4 chunks) do not change with the position */
                     int mj[EPL / 4 > 0 ? EPL / 4 : 1], offj[EPL / 4 > 0 ? EPL / 4 : 1];
+                    const int cshift = vshift - 2;
 #pragma unroll
                     for (int jj = 0; jj < EPL / 4; jj++) {
                         int e = lane * EPL + 4 * jj;
                         mj[jj] = e >> vshift;
-                        offj[jj] = (((p.v_books == 1 ? 0 : mj[jj]) * vks) << vshift) + (e - (mj[jj] << vshift));
+                        offj[jj] = ((((p.v_books == 1 ? 0 : mj[jj]) * vks) << vshift) + (e - (mj[jj] << vshift))) >> 2;
                     }
+                    const float4 *vb4 = reinterpret_cast<const float4 *>(vb);
                     for (int t = 0; t < n; t++) {
                         const uint8_t *row = reinterpret_cast<const uint8_t *>(VST(buf) + t * L.v_stride);
                         float pr[GS];
@@ -315,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
                         for (int jj = 0; jj < EPL / 4; jj++) {
                             const int j = 4 * jj;
                             int code = kvpq__get_code(row, mj[jj], vnb);
-                            float4 cv = *reinterpret_cast<const float4 *>(vb + offj[jj] + (code << vshift));
+                            float4 cv = vb4[((offj[jj] + (code << cshift)) << rs) + rl];
 #pragma unroll
                             for (int h = 0; h < GS; h++) {
                                 o[h][j] = fmaf(pr[h], cv.x, o[h][j]);
@@ -348,8 +468,9 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
                     }
                 }
             };
-            if (L.vbook_in_smem) values(smem + L.vbook);
-            else values(p.v_centroids);
+            if (L.vbook_in_smem == 2) values(smem + L.vbook, 3, lane & 7);
+            else if (L.vbook_in_smem) values(smem + L.vbook, 0, 0);
+            else values(p.v_centroids, 0, 0);
             __syncwarp();
         }
 #undef KST
@@ -392,59 +513,72 @@ __global__ void __launch_bounds__(kThreads, 1) attend_split_kernel(kvpq__attend_
             p.part_md[base * 2 + 1] = dd;
         }
     }
-}
 
-/* A warp per (sequence, query head): merge the n_splits + n_wsplits partials, divide by d, undo the value
- * rotation. */
-template <int D>
-__global__ void __launch_bounds__(128) attend_combine_kernel(kvpq__attend_params p) {
-    constexpr int EPL = D / 32;
-    const int lane = threadIdx.x & 31;
-    const int head = blockIdx.x * 4 + (threadIdx.x >> 5), b = blockIdx.y;
-    if (head >= p.n_head) return;
-    const int nsp = p.n_splits + p.n_wsplits;
-    const size_t base = ((size_t)b * p.n_head + head) * nsp;
-    float mx = -INFINITY;
-    for (int s = 0; s < nsp; s++) mx = fmaxf(mx, p.part_md[(base + s) * 2]);
-    float dd = 0.f, o[EPL];
-#pragma unroll
-    for (int j = 0; j < EPL; j++) o[j] = 0.f;
-    for (int s = 0; s < nsp; s++) {
-        float m = p.part_md[(base + s) * 2];
-        if (m == -INFINITY) continue;
-        float sc = exp2f(m - mx);
-        dd += sc * p.part_md[(base + s) * 2 + 1];
-        const float *po = p.part_o + (base + s) * D + lane * EPL;
-#pragma unroll
-        for (int j = 0; j < EPL; j++) o[j] = fmaf(sc, po[j], o[j]);
+    /* ---- the last CTA of this (sequence, head group) merges the partials of all splits ---- */
+    int *last = reinterpret_cast<int *>(smem + L.total - 4);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int *ctr = p.counters + (size_t)b * gridDim.y + blockIdx.y;
+        int ticket = atomicAdd(ctr, 1);
+        *last = ticket == nsp - 1;
+        if (*last) *ctr = 0;  /* ready for the next launch (no other CTA of this group is left) */
     }
-    float inv = 1.f / dd;
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    if (warp < GS) {  /* a warp per query head */
+        const int head = head0 + warp;
+        const size_t base = ((size_t)b * p.n_head + head) * nsp;
+        /* lanes over splits for {m, d}; then every lane walks the splits for its channels, loads
+         * independent of each other (an empty split has m = -inf and o = 0: weight 0) */
+        float mx = -INFINITY, dd = 0.f, acc[EPL];
+        for (int s = lane; s < nsp; s += 32) mx = fmaxf(mx, __ldcg(p.part_md + (base + s) * 2));
+        mx = warp_max(mx);  /* finite: every sequence holds >= 1 position */
+        for (int s = lane; s < nsp; s += 32) {
+            float m = __ldcg(p.part_md + (base + s) * 2);
+            dd += (m == -INFINITY ? 0.f : exp2f(m - mx)) * __ldcg(p.part_md + (base + s) * 2 + 1);
+        }
+        dd = warp_sum(dd);
 #pragma unroll
-    for (int j = 0; j < EPL; j++) o[j] *= inv;
-    if (p.v_rotate) kvpq__warp_fwht<EPL>(o, lane);
-    float *dst = p.out + ((size_t)b * p.n_head + head) * D + lane * EPL;
+        for (int j = 0; j < EPL; j++) acc[j] = 0.f;
+#pragma unroll 4
+        for (int s = 0; s < nsp; s++) {
+            float m = __ldcg(p.part_md + (base + s) * 2);
+            float sc = m == -INFINITY ? 0.f : exp2f(m - mx);
+            const float *po = p.part_o + (base + s) * D + lane * EPL;
 #pragma unroll
-    for (int j = 0; j < EPL; j++) dst[j] = o[j];
+            for (int j = 0; j < EPL; j++) acc[j] = fmaf(sc, __ldcg(po + j), acc[j]);
+        }
+        float inv = 1.f / dd;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) acc[j] *= inv;
+        if (p.v_rotate) kvpq__warp_fwht<EPL>(acc, lane);
+        float *dst = p.out + ((size_t)b * p.n_head + head) * D + lane * EPL;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) dst[j] = acc[j];
+    }
 }
 
 /* Heads per CTA: the largest divisor of the group size (<= 8) whose LUTs fit in shared memory. */
-kvpq_status plan(const kvpq__attend_params &p, int *gs_out, Layout *L_out) {
+kvpq_status plan(const kvpq__attend_params &p, int lut16, int vrep, int max_nw, int *gs_out, Layout *L_out) {
     size_t optin = 0;
     KVPQ_TRY(kvpq__cuda_props(NULL, &optin));
     int g = p.n_head / p.n_head_kv;
-    /* prefer all heads in one CTA (codes read once), then 16 warps, then the value codebook in
-     * shared memory */
+    /* prefer all heads in one CTA (codes read once), then more warps, then the value codebook in
+     * shared memory (replicated where possible) */
     for (int gs = g < 8 ? g : 8; gs >= 1; gs--) {
         if (g % gs) continue;
-        for (int nw = kWarps; nw >= 8; nw /= 2)
-            for (int vb = 1; vb >= 0; vb--) {
-                Layout L = make_layout(p, gs, vb != 0, nw);
+        for (int nw = max_nw; nw >= 8; nw /= 2) {
+            for (int vb = vrep && vrep_ok(p) ? 2 : 1; vb >= 0; vb--) {
+                Layout L = make_layout(p, gs, vb, nw, lut16);
                 if ((size_t)L.total * 4 <= optin) {
                     *gs_out = gs;
                     *L_out = L;
                     return KVPQ_OK;
                 }
             }
+        }
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED,
                      "cuda attend: the key LUT of one query head (M=%d x ksub=%d floats) does not fit in %zu bytes of "
@@ -452,56 +586,14 @@ kvpq_status plan(const kvpq__attend_params &p, int *gs_out, Layout *L_out) {
                      p.head_dim / p.k_dsub, p.k_ksub, optin);
 }
 
-template <int D, int GS>
-kvpq_status launch_split(const kvpq__attend_params &p, const Layout &L, int B, cudaStream_t stream) {
-    size_t bytes = (size_t)L.total * 4;
-    auto kern = attend_split_kernel<D, GS>;
-    KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-                  "cuda attend: shared memory attribute");
-    dim3 grid(p.n_splits + p.n_wsplits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
-    kern<<<grid, L.nw * 32, bytes, stream>>>(p, L);
-    KVPQ_CUDA_TRY(cudaGetLastError(), "cuda attend split kernel launch");
-    attend_combine_kernel<D><<<dim3((p.n_head + 3) / 4, B), 128, 0, stream>>>(p);
-    return kvpq__cuda_err(cudaGetLastError(), "cuda attend combine kernel launch");
-}
-
-template <int D>
-kvpq_status launch_d(const kvpq__attend_params &p, const Layout &L, int gs, int B, cudaStream_t stream) {
-    switch (gs) {
-    case 1: return launch_split<D, 1>(p, L, B, stream);
-    case 2: return launch_split<D, 2>(p, L, B, stream);
-    case 3: return launch_split<D, 3>(p, L, B, stream);
-    case 4: return launch_split<D, 4>(p, L, B, stream);
-    case 5: return launch_split<D, 5>(p, L, B, stream);
-    case 6: return launch_split<D, 6>(p, L, B, stream);
-    case 7: return launch_split<D, 7>(p, L, B, stream);
-    case 8: return launch_split<D, 8>(p, L, B, stream);
-    }
-    return kvpq__err(KVPQ_ERR_INTERNAL, "cuda attend: heads per CTA %d", gs);
-}
-
-} // namespace
-
-kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p) {
-    int gs;
-    Layout L;
-    if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: head_dim=%d: expected 64, 128 or 256", p->head_dim);
-    return plan(*p, &gs, &L);
-}
-
-kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
-                                     cudaStream_t stream) {
-    int gs, n_sm = 0;
-    Layout L;
-    KVPQ_TRY(plan(*p, &gs, &L));
-    KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
-    int ctas_per_sm = (int)(228 * 1024 / ((size_t)L.total * 4 + 1024));
+/* Splits over the sequence so that the grid fills the GPU once (ctas_per_sm resident CTAs per SM),
+ * each warp at least one tile of 32 positions. */
+void plan_splits(kvpq__attend_params *p, const Layout &L, int gs, int B, int max_coded, int max_splits, int n_sm,
+                 int ctas_per_sm) {
     if (ctas_per_sm < 1) ctas_per_sm = 1;
-    if (ctas_per_sm > 8) ctas_per_sm = 8;
     int pairs = B * p->n_head_kv * (p->n_head / p->n_head_kv / gs);
     int splits = n_sm * ctas_per_sm / pairs;
-    int min_chunk = L.nw * 32;  /* a tile per warp at least: amortizes the LUT build */
+    int min_chunk = L.nw * 32;
     int max_by_len = (max_coded + min_chunk - 1) / min_chunk;
     if (splits > max_by_len) splits = max_by_len;
     if (splits > max_splits) splits = max_splits;
@@ -513,10 +605,70 @@ kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_code
     p->n_splits = (max_coded + chunk - 1) / chunk;
     if (p->n_splits < 1) p->n_splits = 1;
     p->n_wsplits = p->window > 0 ? (p->window + kWindowChunk - 1) / kWindowChunk : 1;
+}
+
+template <int D, int GS, typename LT>
+kvpq_status launch_split(kvpq__attend_params &p, const Layout &L, int B, int max_coded, int max_splits,
+                         cudaStream_t stream) {
+    size_t bytes = (size_t)L.total * 4;
+    auto kern = attend_split_kernel<D, GS, LT>;
+    KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                  "cuda attend: shared memory attribute");
+    int n_sm = 0, per_sm = 1;
+    KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
+    KVPQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, L.nw * 32, bytes),
+                  "cuda attend: occupancy");
+    plan_splits(&p, L, GS, B, max_coded, max_splits, n_sm, per_sm);
+    dim3 grid(p.n_splits + p.n_wsplits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
+    kern<<<grid, L.nw * 32, bytes, stream>>>(p, L);
+    return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch");
+}
+
+template <int D, int GS>
+kvpq_status launch_lut(kvpq__attend_params &p, const Layout &L, int B, int max_coded, int max_splits,
+                       cudaStream_t stream) {
+    if (L.lut16) return launch_split<D, GS, __half>(p, L, B, max_coded, max_splits, stream);
+    return launch_split<D, GS, float>(p, L, B, max_coded, max_splits, stream);
+}
+
+template <int D>
+kvpq_status launch_d(kvpq__attend_params &p, const Layout &L, int gs, int B, int max_coded, int max_splits,
+                     cudaStream_t stream) {
+    switch (gs) {
+    case 1: return launch_lut<D, 1>(p, L, B, max_coded, max_splits, stream);
+    case 2: return launch_lut<D, 2>(p, L, B, max_coded, max_splits, stream);
+    case 3: return launch_lut<D, 3>(p, L, B, max_coded, max_splits, stream);
+    case 4: return launch_lut<D, 4>(p, L, B, max_coded, max_splits, stream);
+    case 5: return launch_lut<D, 5>(p, L, B, max_coded, max_splits, stream);
+    case 6: return launch_lut<D, 6>(p, L, B, max_coded, max_splits, stream);
+    case 7: return launch_lut<D, 7>(p, L, B, max_coded, max_splits, stream);
+    case 8: return launch_lut<D, 8>(p, L, B, max_coded, max_splits, stream);
+    }
+    return kvpq__err(KVPQ_ERR_INTERNAL, "cuda attend: heads per CTA %d", gs);
+}
+
+} // namespace
+
+kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p) {
+    int gs;
+    Layout L;
+    if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: head_dim=%d: expected 64, 128 or 256", p->head_dim);
+    /* the float32 LUT is the larger: a shape that fits with it fits with float16 entries too */
+    return plan(*p, 0, 0, 16, &gs, &L);
+}
+
+kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
+                                     cudaStream_t stream) {
+    int gs;
+    Layout L;
+    /* 16-warp CTAs also when the grid leaves SMs idle: 8-warp CTAs with twice the splits measured
+     * slower at B=1, 4k (the per-CTA LUT build dominates there) */
+    KVPQ_TRY(plan(*p, kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep, 16, &gs, &L));
     switch (p->head_dim) {
-    case 64: return launch_d<64>(*p, L, gs, B, stream);
-    case 128: return launch_d<128>(*p, L, gs, B, stream);
-    case 256: return launch_d<256>(*p, L, gs, B, stream);
+    case 64: return launch_d<64>(*p, L, gs, B, max_coded, max_splits, stream);
+    case 128: return launch_d<128>(*p, L, gs, B, max_coded, max_splits, stream);
+    case 256: return launch_d<256>(*p, L, gs, B, max_coded, max_splits, stream);
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: head_dim=%d: expected 64, 128 or 256", p->head_dim);
 }

@@ -24,20 +24,22 @@ struct kvpq_cuda_cache {
     int *h_len;          /* host (n_seq) */
     float *k_win, *v_win;/* device (n_seq, window, n_head_kv, head_dim) */
     float *part_o, *part_md;
+    int *counters;       /* device (n_seq, n_head) zeros, for the attention kernel's split merge */
+    float *k_mean;       /* device (n_head_kv, head_dim) per-channel key mean mu, or NULL */
     int max_splits;
 };
 
 namespace {
 
 /* Copy positions [first, n) of this append into the ring slots (pos0 + t) % window. */
-__global__ void window_copy_kernel(const float *k, const float *v, float *kw, float *vw, int first, int n, int pos0,
-                                   int window, int row_floats) {
+__global__ void window_copy_kernel(const float *k, const float *v, const float *k_mean, float *kw, float *vw,
+                                   int first, int n, int pos0, int window, int row_floats) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long total = (long long)(n - first) * row_floats;
     if (i >= total) return;
     int t = first + (int)(i / row_floats), e = (int)(i % row_floats);
     size_t dst = (size_t)((pos0 + t) % window) * row_floats + e;
-    kw[dst] = k[(size_t)t * row_floats + e];
+    kw[dst] = k[(size_t)t * row_floats + e] - (k_mean ? k_mean[e] : 0.f);
     vw[dst] = v[(size_t)t * row_floats + e];
 }
 
@@ -69,6 +71,8 @@ extern "C" KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c) {
     cudaFree(c->v_win);
     cudaFree(c->part_o);
     cudaFree(c->part_md);
+    cudaFree(c->counters);
+    cudaFree(c->k_mean);
     free(c->h_page_table);
     free(c->free_pages);
     free(c->h_len);
@@ -103,6 +107,7 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
     a->head_dim = c->p.head_dim;
     a->n_head = c->p.n_head;
     a->n_head_kv = c->p.n_head_kv;
+    a->counters = c->counters;
 }
 
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
@@ -138,8 +143,25 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     c->p.key = NULL;
     c->p.value = NULL;
     c->p.key_smooth = NULL;
+    c->p.key_mean = NULL;
+    if (p->key_mean) {
+        for (size_t i = 0; i < (size_t)p->n_head_kv * p->head_dim; i++)
+            if (!isfinite(p->key_mean[i])) {
+                free(c);
+                return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key_mean[%zu]=%g is not finite", i,
+                                 (double)p->key_mean[i]);
+            }
+    }
     kvpq_status s = kvpq__cuda_pq_upload(&c->kq, p->key, p->n_head_kv, p->key_smooth, 1);
     if (s == KVPQ_OK) s = kvpq__cuda_pq_upload(&c->vq, p->value, p->n_head_kv, NULL, p->value_rotate);
+    if (s == KVPQ_OK && p->key_mean) {
+        size_t nm = (size_t)p->n_head_kv * p->head_dim * sizeof(float);
+        s = kvpq__cuda_err(cudaMalloc((void **)&c->k_mean, nm), "kvpq_cuda_cache_new: cudaMalloc key_mean");
+        if (s == KVPQ_OK)
+            s = kvpq__cuda_err(cudaMemcpy(c->k_mean, p->key_mean, nm, cudaMemcpyHostToDevice),
+                               "kvpq_cuda_cache_new: copy key_mean");
+        if (s == KVPQ_OK) c->kq->mean = c->k_mean;
+    }
     if (s != KVPQ_OK) {
         kvpq__err_prefix("kvpq_cuda_cache_new");
         kvpq_cuda_cache_free(c);
@@ -187,6 +209,9 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     KVPQ_STEP(cudaMalloc((void **)&c->v_win, (nwin ? nwin : 1) * sizeof(float)), "kvpq_cuda_cache_new: cudaMalloc window");
     KVPQ_STEP(cudaMalloc((void **)&c->part_o, npart * p->head_dim * sizeof(float)), "kvpq_cuda_cache_new: cudaMalloc workspace");
     KVPQ_STEP(cudaMalloc((void **)&c->part_md, npart * 2 * sizeof(float)), "kvpq_cuda_cache_new: cudaMalloc workspace");
+    KVPQ_STEP(cudaMalloc((void **)&c->counters, (size_t)p->n_seq * p->n_head * sizeof(int)),
+              "kvpq_cuda_cache_new: cudaMalloc counters");
+    KVPQ_STEP(cudaMemset(c->counters, 0, (size_t)p->n_seq * p->n_head * sizeof(int)), "kvpq_cuda_cache_new: counters");
     KVPQ_STEP(cudaMemcpy(c->page_table, c->h_page_table, (size_t)p->n_seq * c->max_pages * sizeof(int),
                          cudaMemcpyHostToDevice), "kvpq_cuda_cache_new: page table");
     KVPQ_STEP(cudaMemset(c->seq_len, 0, (size_t)p->n_seq * sizeof(int)), "kvpq_cuda_cache_new: lengths");
@@ -245,7 +270,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int s
         int first = n > c->p.window ? n - c->p.window : 0, rf = H * c->p.head_dim;
         long long total = (long long)(n - first) * rf;
         size_t off = (size_t)seq * c->p.window * rf;
-        window_copy_kernel<<<(unsigned)((total + 255) / 256), 256>>>(k, v, c->k_win + off, c->v_win + off, first, n, L,
+        window_copy_kernel<<<(unsigned)((total + 255) / 256), 256>>>(k, v, c->k_mean, c->k_win + off, c->v_win + off, first, n, L,
                                                                      c->p.window, rf);
         s = kvpq__cuda_err(cudaGetLastError(), "kvpq_cuda_cache_append: window copy launch");
     }

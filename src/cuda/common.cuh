@@ -38,6 +38,8 @@ struct kvpq_cuda_pq {
     float *norms;      /* device (n_books, ksub) */
     float *inv_lambda; /* device (n_head_kv, d) 1/lambda, or NULL */
     float *lambda;     /* device (n_head_kv, d), or NULL */
+    const float *mean; /* device (n_head_kv, d) subtracted before smoothing, or NULL (not owned: the
+                          cache sets it to its key mean) */
     int *flag;         /* device (1): set to 1 by the encode kernel on a non-finite input */
 };
 
@@ -85,10 +87,18 @@ typedef struct {
     int head_dim, n_head, n_head_kv;
     int n_splits, chunk;       /* filled by the launcher: code splits and their positions */
     int n_wsplits;             /* filled by the launcher: window splits (32 positions each) */
+    int *counters;             /* device (B, n_head) zeros: CTAs done per (sequence, head group); the last
+                                  one merges the splits and sets it back to 0 */
 } kvpq__attend_params;
 
-/* Plan splits for the longest code region `max_coded` over B sequences and launch the split kernel
- * and the combine kernel on `stream`. max_splits bounds n_splits (workspace size). */
+/* Process-wide tuning switches of the attention kernel, for benchmarks and tests; not part of the
+ * public API. lut16 (default 1): LUT entries float16 (summed in float32) instead of float32. vrep (default 1): the value
+ * codebook as 8 bank-private replicas in shared memory (conflict-free gathers) where it fits. */
+extern "C" int kvpq__cuda_attend_lut16;
+extern "C" int kvpq__cuda_attend_vrep;
+
+/* Plan splits for the longest code region `max_coded` over B sequences and launch the attention
+ * kernel (splits merged in the same launch) on `stream`. max_splits bounds n_splits (workspace size). */
 kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
                                      cudaStream_t stream);
 /* kvpq_cuda_cache_attend without the final synchronization, on `stream` (benchmarks capture it in

@@ -15,6 +15,7 @@ struct EncodeParams {
     const float *x;           /* (n_rows, D), n_rows = n_tokens * n_head_kv */
     long long n_rows;
     int n_head_kv;
+    const float *mean;        /* (n_head_kv, D) subtracted first, or NULL */
     const float *inv_lambda;  /* (n_head_kv, D) or NULL */
     int rotate;
     const float *centroids;   /* (n_books, ksub, dsub) */
@@ -64,6 +65,11 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p) {
 #pragma unroll
             for (int j = 0; j < EPL; j++) bad |= !isfinite(v[j]);
             if (__any_sync(KVPQ_FULL_MASK, bad) && lane == 0) atomicOr(p.flag, 1);
+            if (p.mean) {
+                const float *mu = p.mean + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
+#pragma unroll
+                for (int j = 0; j < EPL; j++) v[j] -= mu[j];
+            }
             if (p.inv_lambda) {
                 const float *il = p.inv_lambda + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
 #pragma unroll
@@ -197,6 +203,7 @@ kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
     p.x = x;
     p.n_rows = (long long)n_tokens * q->n_head_kv;
     p.n_head_kv = q->n_head_kv;
+    p.mean = q->mean;
     p.inv_lambda = q->inv_lambda;
     p.rotate = q->rotate;
     p.centroids = q->centroids;

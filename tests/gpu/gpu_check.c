@@ -30,6 +30,8 @@
 #define ATTEND_REL 1e-3
 
 static int g_fail = 0, g_quick = 0;
+/* internal switch of the CUDA attention kernel (src/cuda/attend.cu): LUT entries float16 when 1 */
+extern int kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep;
 static uint64_t g_rng;
 
 #define CHECK(cond, ...)                                   \
@@ -279,8 +281,11 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
 
 /* ---- attention ----------------------------------------------------------------------------------- */
 
+/* with_mean: the cache centers keys by a per-(KV head, channel) mean mu (key_mean); keys are drawn
+ * around a large mu, the reference attends over dequantized codes of k - mu, plus mu. */
 static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits, int vdsub, int vnbits,
-                         kvpq_codebook_granularity g, int window, int value_rotate, int B, const int *lens) {
+                         kvpq_codebook_granularity g, int window, int value_rotate, int B, const int *lens,
+                         int with_mean) {
     ref_pq rk, rv;
     float sck, scv;
     kvpq_pq *kpq = make_pq(D, kdsub, knbits, g, &rk, &sck);
@@ -289,6 +294,11 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     for (int b = 0; b < B; b++) maxL = lens[b] > maxL ? lens[b] : maxL;
     float *lambda = malloc((size_t)H * D * sizeof *lambda);
     for (int i = 0; i < H * D; i++) lambda[i] = 0.5f + 1.5f * (float)urand();
+    float *mu = NULL;
+    if (with_mean) {
+        mu = malloc((size_t)H * D * sizeof *mu);
+        for (int i = 0; i < H * D; i++) mu[i] = 4.f * sck * nrand();
+    }
     kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
     cp.n_head = n_head;
     cp.n_head_kv = n_head_kv;
@@ -302,6 +312,7 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     cp.value = vpq;
     cp.key_smooth = lambda;
     cp.value_rotate = value_rotate;
+    cp.key_mean = mu;
     kvpq_cuda_cache *c;
     KV_OK(kvpq_cuda_cache_new(&c, &cp));
     kvpq_cuda_pq *kq, *vq; /* same quantizers, to read back the codes the cache stored */
@@ -324,7 +335,7 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         Kh[b] = malloc((size_t)L * row * sizeof(double));
         Vh[b] = malloc((size_t)L * row * sizeof(double));
         for (size_t i = 0; i < (size_t)L * row; i++) {
-            K[b][i] = sck * nrand() * lambda[i % row];
+            K[b][i] = sck * nrand() * lambda[i % row] + (mu ? mu[i % row] : 0.f);
             V[b][i] = scv * nrand();
         }
         CUDA_OK(cudaMemcpy(dk, K[b], (size_t)L * row * sizeof(float), cudaMemcpyHostToDevice));
@@ -337,7 +348,13 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
             t += n;
         }
         CHECK(kvpq_cuda_cache_seq_len(c, b) == L, "seq_len %d != %d", kvpq_cuda_cache_seq_len(c, b), L);
-        /* the cache's codes are those of kvpq_cuda_pq_encode (same kernel, same inputs) */
+        /* the cache's codes are those of kvpq_cuda_pq_encode (same kernel, same inputs: k - mu) */
+        if (mu) {
+            float *kc0 = malloc((size_t)L * row * sizeof *kc0);
+            for (size_t i = 0; i < (size_t)L * row; i++) kc0[i] = K[b][i] - mu[i % row];
+            CUDA_OK(cudaMemcpy(dk, kc0, (size_t)L * row * sizeof(float), cudaMemcpyHostToDevice));
+            free(kc0);
+        }
         KV_OK(kvpq_cuda_pq_encode(kq, (size_t)L, dk, dkc));
         KV_OK(kvpq_cuda_pq_encode(vq, (size_t)L, dv, dvc));
         CUDA_OK(cudaMemcpy(kc, dkc, (size_t)L * H * kcs, cudaMemcpyDeviceToHost));
@@ -353,6 +370,8 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
                     }
                 } else {
                     ref_decode_row(&rk, kc + ((size_t)t * H + h) * kcs, lambda + (size_t)h * D, 1, Kh[b] + o);
+                    if (mu)
+                        for (int i = 0; i < D; i++) Kh[b][o + i] += mu[(size_t)h * D + i];
                     ref_decode_row(&rv, vc + ((size_t)t * H + h) * vcs, NULL, value_rotate, Vh[b] + o);
                 }
             }
@@ -378,6 +397,14 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     CUDA_OK(cudaMemset(dout, 0xFF, nq * sizeof(float))); /* NaN poison */
     KV_OK(kvpq_cuda_cache_attend(c, B, dq, dout));
     CUDA_OK(cudaMemcpy(out, dout, nq * sizeof(float), cudaMemcpyDeviceToHost));
+    { /* a second launch (the split-merge counters were reset by the first) gives the same bits */
+        float *out2 = malloc(nq * sizeof *out2);
+        CUDA_OK(cudaMemset(dout, 0xFF, nq * sizeof(float)));
+        KV_OK(kvpq_cuda_cache_attend(c, B, dq, dout));
+        CUDA_OK(cudaMemcpy(out2, dout, nq * sizeof(float), cudaMemcpyDeviceToHost));
+        CHECK(memcmp(out, out2, nq * sizeof(float)) == 0, "attend: a second launch gives different output");
+        free(out2);
+    }
     int g_sz = n_head / n_head_kv;
     double *sc = malloc((size_t)maxL * sizeof *sc);
     for (int b = 0; b < B; b++)
@@ -414,9 +441,9 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
           "attend D=%d heads %d/%d k(dsub %d, %d bits) v(dsub %d, %d bits) window %d: rel err %.3g, %d non-finite", D,
           n_head, n_head_kv, kdsub, knbits, vdsub, vnbits, window, rel, nonfinite);
     printf("  attend D=%3d heads %2d/%d B=%d maxL=%5d k(dsub %2d, %2d bits) v(dsub %2d, %2d bits) %-8s window %3d "
-           "vrot %d: rel err vs fp64 %.2e\n",
+           "vrot %d%s: rel err vs fp64 %.2e\n",
            D, n_head, n_head_kv, B, maxL, kdsub, knbits, vdsub, vnbits, g ? "subspace" : "shared", window,
-           value_rotate, rel);
+           value_rotate, mu ? " key_mean" : "", rel);
     for (int b = 0; b < B; b++) {
         free(K[b]);
         free(V[b]);
@@ -434,6 +461,7 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     free(ref);
     free(sc);
     free(lambda);
+    free(mu);
     cudaFree(dk);
     cudaFree(dv);
     cudaFree(dkc);
@@ -493,12 +521,23 @@ int main(void) {
     int L1[] = {1, 37, 700, g_quick ? 300 : 3000};
     int L2[] = {g_quick ? 500 : 5000};
     int L3[] = {130, 64, 257};
-    check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 0, 4, L1);  /* 2-bit K and V */
-    check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1);    /* SmolLM2 shape */
-    check_attend(256, 8, 2, 8, 10, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 1, L2);
-    check_attend(128, 8, 8, 2, 8, 8, 8, KVPQ_CODEBOOK_SHARED, 0, 0, 3, L3);     /* no window, MHA */
-    check_attend(64, 16, 2, 8, 6, 2, 5, KVPQ_CODEBOOK_SUBSPACE, 16, 1, 3, L3);  /* subspace books, odd bits */
-    check_attend(128, 24, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 500, 0, 3, L3);  /* window > length; 12 heads/KV */
+    const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep;
+    for (int variant = 0; variant < 4; variant++) { /* every kernel variant the switches select */
+        kvpq__cuda_attend_lut16 = variant & 1;
+        kvpq__cuda_attend_vrep = variant >> 1;
+        printf(" LUT entries %s, %s:\n", variant & 1 ? "float16" : "float32",
+               variant >> 1 ? "replicated value codebook" : "plain value codebook");
+        check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 0, 4, L1, 0);  /* 2-bit K and V */
+        check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1, 0);    /* SmolLM2 shape */
+        check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1, 1);    /* key centering */
+        check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 0, 3, L3, 1);
+        check_attend(256, 8, 2, 8, 10, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 1, L2, 0);
+        check_attend(128, 8, 8, 2, 8, 8, 8, KVPQ_CODEBOOK_SHARED, 0, 0, 3, L3, 0);     /* no window, MHA */
+        check_attend(64, 16, 2, 8, 6, 2, 5, KVPQ_CODEBOOK_SUBSPACE, 16, 1, 3, L3, 0);  /* subspace books, odd bits */
+        check_attend(128, 24, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 500, 0, 3, L3, 0);  /* window > length; 12 heads/KV */
+    }
+    kvpq__cuda_attend_lut16 = lut16_0;
+    kvpq__cuda_attend_vrep = vrep_0;
 
     if (g_fail) {
         printf("FAILED: %d check(s)\n", g_fail);
