@@ -5,9 +5,10 @@
  * (VecInfer, arXiv 2510.06175): each head vector of `d = head_dim` dims is split into `M`
  * sub-vectors of `dsub = d / M` dims, and each sub-vector is replaced by the index of its nearest
  * centroid in a codebook of `ksub = 2^nbits` centroids trained by k-means on real activations.
- * Before encoding, keys are divided per channel by smoothing factors `lambda = sqrt(max |K|)` and
- * rotated by a normalized Walsh-Hadamard transform; queries are multiplied by the same factors and
- * rotated, so `q . k` is unchanged. Attention is computed directly from the codes through a lookup
+ * Before encoding, keys are centered per channel (k - mu; every score of a query then moves by the
+ * same q . mu, added back exactly), divided per channel by smoothing factors
+ * `lambda = sqrt(max |K - mu|)` and rotated by a normalized Walsh-Hadamard transform; queries are
+ * multiplied by the same factors and rotated, so `q . k` is unchanged. Attention is computed directly from the codes through a lookup
  * table `LUT[m][c] = q_m . C[m][c]`.
  *
  * Conventions (every function):
@@ -278,7 +279,7 @@ KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
 
 /* Write atomically (temp file then rename: an existing file is never left half-written). Fails
  * with KVPQ_ERR_NONFINITE / KVPQ_ERR_INVALID_ARG (NaN/Inf, smoothing factor <= 0) rather than write
- * a file that load would reject. New codebooks hold lambda = 1 and zero centroids. */
+ * a file that load would reject. New codebooks hold lambda = 1, mu = 0 and zero centroids. */
 KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path);
 /* Load and validate every offset, shape and dtype; rejects NaN/Inf (KVPQ_ERR_NONFINITE) and any
  * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
@@ -349,7 +350,8 @@ KVPQ_API int kvpq_cache_seq_len(const kvpq_cache *c, int layer);
  * in the model's original space). k, v: (n, n_head_kv, head_dim); either may be NULL. */
 KVPQ_API kvpq_status kvpq_cache_read(const kvpq_cache *c, int layer, int pos0, int n, float *k, float *v);
 
-/* Bytes resident for the stored K and V: codes, window, scales, pages, codebooks and smoothing. */
+/* Bytes resident for the stored K and V: codes, window, scales, pages, codebooks, smoothing factors
+ * and key means. */
 KVPQ_API size_t kvpq_cache_resident_bytes(const kvpq_cache *c);
 
 typedef struct {

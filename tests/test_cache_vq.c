@@ -514,6 +514,25 @@ Test(cache_vq, mismatched_codebook_is_refused) {
     expect_mismatch(cb, 2, &c2, "n_head_kv");
     cfg c3 = {9, 3, 128, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
     expect_mismatch(cb, 2, &c3, "head_dim");
+    /* A key mean that is not finite (set through the API, not a file) is refused, naming it. */
+    float *mu = kvpq_codebook_key_mean(cb, 1);
+    float keep = mu[5];
+    mu[5] = NAN;
+    kvpq_cache *bad = NULL;
+    {
+        kvpq_cache_params q = kvpq_cache_params_default();
+        q.type = KVPQ_CACHE_VQ;
+        q.n_layer = 2;
+        q.n_head = 9;
+        q.n_head_kv = 3;
+        q.head_dim = 64;
+        q.codebook = cb;
+        q.backend = KVPQ_BACKEND_CPU;
+        cr_assert_eq(kvpq_cache_new(&bad, &q), KVPQ_ERR_NONFINITE, "%s", kvpq_last_error());
+        cr_assert_null(bad);
+        cr_assert(strstr(kvpq_last_error(), "layer 1 key mean [head 0][channel 5]"), "%s", kvpq_last_error());
+    }
+    mu[5] = keep;
     /* No codebook at all. */
     kvpq_cache_params p = kvpq_cache_params_default();
     p.type = KVPQ_CACHE_VQ;

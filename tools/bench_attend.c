@@ -47,8 +47,8 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* A one-layer codebook (d4b8, shared codebook as in VecInfer, rotated values) trained on Gaussian
- * data: the timing does not depend on what the centroids are. */
+/* An n_layer codebook (d4b8, shared codebook as in VecInfer, rotated values) trained on Gaussian
+ * data, the same centroids in every layer: the timing does not depend on what they are. */
 static kvpq_status make_codebook(const bench_shape *s, int n_layer, kvpq_codebook **out) {
     kvpq_codebook_params p = kvpq_codebook_params_default();
     p.n_layer = n_layer;

@@ -9,11 +9,14 @@
 
 /* ---- caches ---- */
 
-/* A trailing ":wN" (digits only) sets the full-precision window of a VQ or KIVI cache; strips it
- * from `buf` and returns N, or -1 when there is none. */
-static long spec_window(char *buf) {
+/* A trailing ":w" followed by digits (or nothing) is the full-precision window of a VQ or KIVI
+ * cache: strips it from `buf` and returns N; -1 when there is none; -2 (error printed) when it is
+ * empty or out of range. A codebook path that itself ends in ":w<digits>" cannot be named. */
+static long spec_window(char *buf, const char *spec) {
     char *w = strrchr(buf, ':');
-    if (!w || w[1] != 'w' || !w[2] || strspn(w + 2, "0123456789") != strlen(w + 2) || strlen(w + 2) > 7) return -1;
+    if (!w || w[1] != 'w' || strspn(w + 2, "0123456789") != strlen(w + 2)) return -1;
+    if (!w[2] || strlen(w + 2) > 7 || strtol(w + 2, NULL, 10) > (1L << 20))
+        return cli_usage_error("cache '%s': window ':w%s': expected :wN with N in 0..%ld", spec, w + 2, 1L << 20), -2;
     long n = strtol(w + 2, NULL, 10);
     *w = '\0';
     return n;
@@ -24,8 +27,10 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, in
     snprintf(c->spec, sizeof c->spec, "%s", spec);
     kvpq_cache_params cp = kvpq_cache_params_default();
     char base[sizeof c->spec];
-    snprintf(base, sizeof base, "%s", spec);
-    long window = spec_window(base);
+    if (snprintf(base, sizeof base, "%s", spec) >= (int)sizeof base)
+        return cli_usage_error("cache spec '%.64s...' is longer than %zu bytes", spec, sizeof base - 1);
+    long window = spec_window(base, spec);
+    if (window == -2) return 2;
     const char *vq_path = NULL;
     kvpq_status s = kvpq_cache_type_parse(base, &cp.type, &vq_path);
     if (s == KVPQ_OK && window >= 0) {

@@ -3,9 +3,8 @@
  * Runs the model over a text with an fp32 cache, reads back every layer's post-RoPE keys and values,
  * subtracts the per-(KV head, channel) key mean mu (stored as layers.{i}.k.mean; exact at attention
  * time, see cache_vq.c), computes the key smoothing factors lambda = sqrt(max |K - mu|) per KV head
- * and channel, divides the keys
- * by them and rotates them with the normalized Hadamard transform (VecInfer, arXiv 2510.06175,
- * sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
+ * and channel, divides the keys by them and rotates them with the normalized Hadamard transform
+ * (VecInfer, arXiv 2510.06175, sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
  * k-means on the transformed data (all KV heads of a layer pooled). Writes a safetensors codebook
  * file (kvpq_codebook_save) with the model, text, token count and configuration as metadata. */
 #include <stdlib.h>

@@ -88,6 +88,11 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
                rms(kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq)),
                rms(kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq)));
     }
+    int centered = 0;
+    for (int l = 0; l < p.n_layer && !centered; l++)
+        centered = rms(kvpq_codebook_key_mean_const(cb, l), (size_t)p.n_head_kv * p.head_dim) > 0;
+    if (!centered)
+        printf("note: every k.mean is 0: keys are not centered (a format version 1 file, or calibrate --center 0)\n");
     kvpq_codebook_free(cb);
     return 0;
 }

@@ -23,6 +23,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             const float *sm = kvpq_codebook_key_smooth_const(cb, l);
             for (size_t i = 0; i < (size_t)p.n_head_kv * p.head_dim; i++)
                 if (!(sm[i] > 0)) abort(); /* the loader promised positive finite smoothing */
+            if (!kvpq__all_finite(kvpq_codebook_key_mean_const(cb, l), (size_t)p.n_head_kv * p.head_dim)) abort();
             for (int v = 0; v < 2; v++) {
                 const kvpq_pq *pq = kvpq_codebook_pq_const(cb, l, v);
                 if (!kvpq__all_finite(kvpq_pq_centroids(pq), kvpq_pq_centroids_size(pq))) abort();
