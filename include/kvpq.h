@@ -520,8 +520,8 @@ typedef struct {
 } kvpq_cuda_cache_params;
 KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
 
-/* Errors: KVPQ_ERR_INVALID_ARG / KVPQ_ERR_UNSUPPORTED naming the field, KVPQ_ERR_NO_DEVICE,
- * KVPQ_ERR_DEVICE (including out of device memory). */
+/* Errors: KVPQ_ERR_INVALID_ARG / KVPQ_ERR_UNSUPPORTED naming the field, KVPQ_ERR_NONFINITE (key_mean),
+ * KVPQ_ERR_NO_DEVICE, KVPQ_ERR_DEVICE (including out of device memory). */
 KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p);
 KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c);
 

@@ -148,7 +148,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
         for (size_t i = 0; i < (size_t)p->n_head_kv * p->head_dim; i++)
             if (!isfinite(p->key_mean[i])) {
                 free(c);
-                return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key_mean[%zu]=%g is not finite", i,
+                return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_cuda_cache_new: key_mean[%zu]=%g is not finite", i,
                                  (double)p->key_mean[i]);
             }
     }
