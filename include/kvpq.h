@@ -239,7 +239,8 @@ KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int
  *   layers.{i}.k.codebook  (ksub, dsub) or (M, ksub, dsub) F32
  *   layers.{i}.v.codebook  likewise
  * and metadata (all strings): kvpq.format_version, n_layer, n_head_kv, head_dim, k.M, k.nbits,
- * k.granularity, v.M, v.nbits, v.granularity, v.rotate, plus free-form keys (model, text, tokens).
+ * k.granularity, v.M, v.nbits, v.granularity, v.rotate, k.M.{i} (a layer whose key M differs from
+ * k.M, see kvpq_codebook_set_layer_key_M), plus free-form keys (model, text, tokens).
  */
 typedef struct kvpq_codebook kvpq_codebook;
 
@@ -259,6 +260,16 @@ KVPQ_API kvpq_codebook_params kvpq_codebook_get_params(const kvpq_codebook *cb);
 /* Borrowed: the key (is_value=0) or value (is_value=1) quantizer of a layer. NULL if out of range. */
 KVPQ_API kvpq_pq *kvpq_codebook_pq(kvpq_codebook *cb, int layer, int is_value);
 KVPQ_API const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int layer, int is_value);
+/* Per-layer key bit allocation: replace a layer's key quantizer by a fresh one (zero centroids) of
+ * M sub-vectors; nbits and granularity stay those of params.key, dsub = head_dim / M. Saved as
+ * metadata k.M.{layer} (only for layers whose M differs from k.M) and a k.codebook tensor of that
+ * layer's shape. Errors: cb NULL or layer out of range (KVPQ_ERR_INVALID_ARG), M not a divisor of
+ * head_dim (KVPQ_ERR_INVALID_ARG), dsub outside {1, 2, 4, 8, 16} (KVPQ_ERR_UNSUPPORTED); on error
+ * the codebook is unchanged. */
+KVPQ_API kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M);
+/* A layer's key M (params.key.M unless set_layer_key_M changed it); 0 if cb is NULL or the layer
+ * is out of range. */
+KVPQ_API int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer);
 /* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
 KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
@@ -269,7 +280,7 @@ KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, in
 KVPQ_API float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer);
 /* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. The config keys
- * (kvpq.format_version, n_layer, ... v.rotate) are listed and readable too, derived from the params;
+ * (kvpq.format_version, n_layer, ... v.rotate, k.M.{i}) are listed and readable too, derived from the params;
  * set fails on them with KVPQ_ERR_INVALID_ARG. Values of k.granularity: "shared" or "subspace". */
 KVPQ_API kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value);
 KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key);

@@ -52,7 +52,11 @@ typedef struct {
 /* A codebook trained on Gaussian data through the public API, with per-(head, channel) smoothing
  * factors in [0.5, 2] and key means in [-1.5, 1.5] so that a query head using the wrong KV head's
  * factors shows, and so does a coded score that misses the q . mu the centering removed. */
-static kvpq_codebook *make_codebook(int n_layer, const cfg *c) {
+static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_M);
+static kvpq_codebook *make_codebook(int n_layer, const cfg *c) { return make_codebook_m(n_layer, c, NULL); }
+
+/* key_M: (n_layer) each layer's key M (per-layer bit allocation), or NULL for c->kpreset's. */
+static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_M) {
     kvpq_codebook_params p = kvpq_codebook_params_default();
     p.n_layer = n_layer;
     p.n_head_kv = c->n_head_kv;
@@ -63,6 +67,8 @@ static kvpq_codebook *make_codebook(int n_layer, const cfg *c) {
     p.value_rotate = c->rotate;
     kvpq_codebook *cb = NULL;
     cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; key_M && l < n_layer; l++)
+        cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, l, key_M[l]), KVPQ_OK, "%s", kvpq_last_error());
     kvpq_kmeans_params kp = kvpq_kmeans_params_default();
     kp.niter = 2;
     kp.max_points_per_centroid = 2;
@@ -149,23 +155,28 @@ static double max_err_vs_fp64(int len, int n_q, int n_head, int n_head_kv, int d
     return err;
 }
 
-/* Attend the newest n_q positions of layer 0 and compare with fp64 over read(). */
-static void check_attend(kvpq_cache *cache, const cfg *c, int n_q, const char *what) {
-    int len = kvpq_cache_seq_len(cache, 0), d = c->head_dim;
+/* Attend the newest n_q positions of `layer` and compare with fp64 over read(). */
+static void check_attend_layer(kvpq_cache *cache, const cfg *c, int layer, int n_q, const char *what) {
+    int len = kvpq_cache_seq_len(cache, layer), d = c->head_dim;
     size_t kvn = (size_t)len * c->n_head_kv * d;
     float *kh = malloc(kvn * sizeof(float) + 1), *vh = malloc(kvn * sizeof(float) + 1);
-    cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_read(cache, layer, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
     float *q = randn((size_t)n_q * c->n_head * d, 2.0f);
     float *out = malloc((size_t)n_q * c->n_head * d * sizeof(float));
-    cr_assert_eq(kvpq_cache_attend(cache, 0, n_q, q, out), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_attend(cache, layer, n_q, q, out), KVPQ_OK, "%s", kvpq_last_error());
     double err = max_err_vs_fp64(len, n_q, c->n_head, c->n_head_kv, d, q, kh, vh, out);
-    cr_assert(err <= ATTEND_TOL, "%s: len %d n_q %d (heads %d/%d d %d k %s v %s gran %d rot %d simd %s): max error %g",
-              what, len, n_q, c->n_head, c->n_head_kv, d, c->kpreset, c->vpreset, (int)c->gran, c->rotate,
+    cr_assert(err <= ATTEND_TOL,
+              "%s: layer %d len %d n_q %d (heads %d/%d d %d k %s v %s gran %d rot %d simd %s): max error %g", what,
+              layer, len, n_q, c->n_head, c->n_head_kv, d, c->kpreset, c->vpreset, (int)c->gran, c->rotate,
               kvpq_simd_name(kvpq_simd_get()), err);
     free(kh);
     free(vh);
     free(q);
     free(out);
+}
+
+static void check_attend(kvpq_cache *cache, const cfg *c, int n_q, const char *what) {
+    check_attend_layer(cache, c, 0, n_q, what);
 }
 
 static void append_random(kvpq_cache *cache, int layer, const cfg *c, int n, float **keep_k, float **keep_v) {
@@ -183,26 +194,34 @@ static int expected_coded(int len, int window) { return len < window + FLUSH ? 0
 
 // ---- attention from codes vs fp64 ----------------------------------------------------------------
 
+static void run_config_layers(const cfg *c, int len, int window, int page_tokens, int n_layer, const int *key_M);
 static void run_config(const cfg *c, int len, int window, int page_tokens) {
-    kvpq_codebook *cb = make_codebook(1, c);
-    kvpq_cache *cache = make_cache(cb, 1, c, window, page_tokens, len + 64);
+    run_config_layers(c, len, window, page_tokens, 1, NULL);
+}
+
+/* n_layer layers with key M key_M[l] (NULL: c->kpreset's everywhere); every layer is filled and
+ * attended at each step. */
+static void run_config_layers(const cfg *c, int len, int window, int page_tokens, int n_layer, const int *key_M) {
+    kvpq_codebook *cb = make_codebook_m(n_layer, c, key_M);
+    kvpq_cache *cache = make_cache(cb, n_layer, c, window, page_tokens, len + 64);
     /* Prefill in uneven chunks, attending each chunk causally, then decode steps. */
     int done = 0, chunk = 0;
     while (done < len - 3) {
         int n = 37 + 53 * (chunk++ % 3);
         if (n > len - 3 - done) n = len - 3 - done;
-        append_random(cache, 0, c, n, NULL, NULL);
+        for (int l = 0; l < n_layer; l++) append_random(cache, l, c, n, NULL, NULL);
         done += n;
-        check_attend(cache, c, n < 8 ? n : 8, "prefill");
+        for (int l = 0; l < n_layer; l++) check_attend_layer(cache, c, l, n < 8 ? n : 8, "prefill");
     }
-    for (; done < len; done++) {
-        append_random(cache, 0, c, 1, NULL, NULL);
-        check_attend(cache, c, 1, "decode");
-    }
+    for (; done < len; done++)
+        for (int l = 0; l < n_layer; l++) {
+            append_random(cache, l, c, 1, NULL, NULL);
+            check_attend_layer(cache, c, l, 1, "decode");
+        }
     kvpq_cache_stats st;
     cr_assert_eq(kvpq_cache_get_stats(cache, &st), KVPQ_OK);
-    cr_assert_eq(st.tokens_coded, expected_coded(len, window));
-    cr_assert_eq(st.tokens_window, len - expected_coded(len, window));
+    cr_assert_eq(st.tokens_coded, (int64_t)n_layer * expected_coded(len, window));
+    cr_assert_eq(st.tokens_window, (int64_t)n_layer * (len - expected_coded(len, window)));
     kvpq_cache_free(cache);
     kvpq_codebook_free(cb);
 }
@@ -368,6 +387,93 @@ Test(cache_vq, window_and_page_edges) {
         kvpq_cache_free(a);
         kvpq_cache_free(b);
     }
+    kvpq_codebook_free(cb);
+}
+
+/* Per-layer key bit allocation: layers with different key M (dsub 4, 2, 8, 1 / 8, 4, 16) in one
+ * cache, each attended from its own codes and compared with fp64 over its own read-back. A layer
+ * using another layer's code size, page offsets or LUT shape would read the wrong codes. */
+Test(cache_vq, mixed_key_M_match_fp64) {
+    int len = quick() ? 200 : 400;
+    const int m8[] = {16, 32, 8, 64};
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    kvpq_simd_level best = kvpq_simd_get();
+    for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
+        cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lv), KVPQ_OK);
+        run_config_layers(&c, len, 48, 80, 4, m8);
+    }
+    kvpq_simd_set(best);
+    /* 12-bit codes (unpacked path), per-sub-space books, unrotated values. */
+    const int m12[] = {8, 16, 4};
+    cfg c12 = {8, 2, 64, "d8b12", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 0};
+    run_config_layers(&c12, len, 32, 64, 3, m12);
+}
+
+/* Fast-scan with mixed key M: each layer's 8-bit LUT has its own M; the outputs stay within the
+ * fast-scan error of the exact cache's over the same codes (and are not identical: quantized). */
+Test(cache_vq, mixed_key_M_fast_scan) {
+    const int M[] = {16, 64, 32}, n_layer = 3, len = 300;
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    kvpq_codebook *cb = make_codebook_m(n_layer, &c, M);
+    kvpq_cache *ex = make_cache(cb, n_layer, &c, 32, 64, 512);
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ;
+    p.n_layer = n_layer;
+    p.n_head = c.n_head;
+    p.n_head_kv = c.n_head_kv;
+    p.head_dim = c.head_dim;
+    p.max_seq = 512;
+    p.window = 32;
+    p.page_tokens = 64;
+    p.codebook = cb;
+    p.n_threads = 2;
+    p.backend = KVPQ_BACKEND_CPU;
+    p.vq_fast_scan = 1;
+    kvpq_cache *fs = NULL;
+    cr_assert_eq(kvpq_cache_new(&fs, &p), KVPQ_OK, "%s", kvpq_last_error());
+    const size_t nq = (size_t)4 * c.n_head * c.head_dim;
+    float *q = randn(nq, 2.0f), *o1 = malloc(nq * 4), *o2 = malloc(nq * 4);
+    for (int l = 0; l < n_layer; l++) {
+        float *k, *v;
+        append_random(ex, l, &c, len, &k, &v);
+        cr_assert_eq(kvpq_cache_append(fs, l, len, k, v), KVPQ_OK, "%s", kvpq_last_error());
+        free(k);
+        free(v);
+        cr_assert_eq(kvpq_cache_attend(ex, l, 4, q, o1), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_cache_attend(fs, l, 4, q, o2), KVPQ_OK, "%s", kvpq_last_error());
+        double err = 0.0;
+        for (size_t i = 0; i < nq; i++) err = fmax(err, fabs((double)o1[i] - o2[i]));
+        cr_assert(err > 0.0 && err < 0.2, "layer %d (key M %d): fast-scan vs exact max difference %g", l, M[l], err);
+    }
+    free(q);
+    free(o1);
+    free(o2);
+    kvpq_cache_free(ex);
+    kvpq_cache_free(fs);
+    kvpq_codebook_free(cb);
+}
+
+/* resident_bytes and bits_per_element with per-layer key code sizes: layer 0 keys M = 16 (16-byte
+ * codes), layer 1 M = 32 (32 bytes), values M = 16 in both. */
+Test(cache_vq, mixed_key_M_resident_bytes) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    const int n_layer = 2, W = 32, PT = 64, d = 64, nkv = 3, M[] = {16, 32};
+    kvpq_codebook *cb = make_codebook_m(n_layer, &c, M);
+    kvpq_cache *cache = make_cache(cb, n_layer, &c, W, PT, 1024);
+    /* Key books: (256, 4) and (256, 2) floats; value books (256, 4) each. */
+    size_t books = (256 * 4 + 256 * 2 + 2 * 256 * 4) * 4 + n_layer * 2 * (size_t)nkv * d * 4;
+    cr_assert_eq(kvpq_cache_resident_bytes(cache), books);
+    size_t ring = 2 * (size_t)(W + FLUSH) * nkv * d * 2;
+    size_t page0 = (size_t)nkv * PT * (16 + 16), page1 = (size_t)nkv * PT * (32 + 16);
+    append_random(cache, 0, &c, W + 2 * FLUSH, NULL, NULL); /* 64 coded: one page */
+    append_random(cache, 1, &c, W + 3 * FLUSH, NULL, NULL); /* 96 coded: two pages */
+    cr_assert_eq(kvpq_cache_resident_bytes(cache), books + 2 * ring + page0 + 2 * page1);
+    kvpq_cache_stats st;
+    cr_assert_eq(kvpq_cache_get_stats(cache, &st), KVPQ_OK);
+    cr_assert_eq(st.tokens_coded, 64 + 96);
+    double elems = 2.0 * (W + 2 * FLUSH + W + 3 * FLUSH) * nkv * d;
+    cr_assert_float_eq(st.bits_per_element, (double)(books + 2 * ring + page0 + 2 * page1) * 8 / elems, 1e-12);
+    kvpq_cache_free(cache);
     kvpq_codebook_free(cb);
 }
 

@@ -78,10 +78,13 @@ static kvpq_codebook_params small_params(int n_layer) {
     return p;
 }
 
-/* A codebook with random contents (positive smoothing) and a few metadata entries. */
-static kvpq_codebook *random_codebook(const kvpq_codebook_params *p) {
+/* A codebook with random contents (positive smoothing) and a few metadata entries; key_M: (n_layer)
+ * each layer's key M (per-layer bit allocation), or NULL for p->key.M everywhere. */
+static kvpq_codebook *random_codebook_m(const kvpq_codebook_params *p, const int *key_M) {
     kvpq_codebook *cb;
     cr_assert_eq(kvpq_codebook_new(&cb, p), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; key_M && l < p->n_layer; l++)
+        cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, l, key_M[l]), KVPQ_OK, "%s", kvpq_last_error());
     for (int l = 0; l < p->n_layer; l++) {
         float *sm = kvpq_codebook_key_smooth(cb, l);
         for (int i = 0; i < p->n_head_kv * p->head_dim; i++) sm[i] = frand(0.01f, 5.0f);
@@ -104,10 +107,13 @@ static kvpq_codebook *random_codebook(const kvpq_codebook_params *p) {
     return cb;
 }
 
+static kvpq_codebook *random_codebook(const kvpq_codebook_params *p) { return random_codebook_m(p, NULL); }
+
 static void assert_same(const kvpq_codebook *a, const kvpq_codebook *b) {
     kvpq_codebook_params pa = kvpq_codebook_get_params(a), pb = kvpq_codebook_get_params(b);
     cr_assert_eq(memcmp(&pa, &pb, sizeof pa), 0, "params differ");
     for (int l = 0; l < pa.n_layer; l++) {
+        cr_assert_eq(kvpq_codebook_layer_key_M(a, l), kvpq_codebook_layer_key_M(b, l), "layer %d key M", l);
         cr_assert_eq(memcmp(kvpq_codebook_key_smooth_const(a, l), kvpq_codebook_key_smooth_const(b, l),
                             (size_t)pa.n_head_kv * pa.head_dim * sizeof(float)), 0, "layer %d smoothing", l);
         cr_assert_eq(memcmp(kvpq_codebook_key_mean_const(a, l), kvpq_codebook_key_mean_const(b, l),
@@ -469,6 +475,140 @@ Test(codebook_file, wrong_dtype_is_rejected) {
     write_parsed(bad, &p);
     expect_fail(bad, KVPQ_ERR_FORMAT, "layers.1.v.codebook", "dtype");
     free_parsed(&p);
+}
+
+/* Per-layer key M (bit allocation by layer): head_dim 8, k.M = 4; layers 0 and 2 take M = 8
+ * (dsub 1) and M = 1 (dsub 8), layer 1 keeps k.M. */
+static const int mixed_M[3] = {8, 4, 1};
+
+Test(codebook_file, mixed_key_M_set_and_errors) {
+    kvpq_codebook_params p = small_params(3);
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK);
+    for (int l = 0; l < 3; l++) cr_assert_eq(kvpq_codebook_layer_key_M(cb, l), 4);
+    cr_assert_eq(kvpq_codebook_layer_key_M(cb, 3), 0);
+    cr_assert_eq(kvpq_codebook_layer_key_M(NULL, 0), 0);
+    size_t n_meta = kvpq_codebook_meta_count(cb);
+    float one[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    cr_assert_eq(kvpq_pq_set_centroids(kvpq_codebook_pq(cb, 0, 0), one, 8), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 0, 8), KVPQ_OK, "%s", kvpq_last_error());
+    const kvpq_pq *q = kvpq_codebook_pq_const(cb, 0, 0);
+    kvpq_pq_params qp = kvpq_pq_get_params(q);
+    cr_assert_eq(qp.M, 8);
+    cr_assert_eq(qp.nbits, 2);
+    cr_assert_eq(qp.granularity, KVPQ_CODEBOOK_SHARED);
+    cr_assert_eq(kvpq_pq_centroids_size(q), 4 * 1);
+    cr_assert_eq(kvpq_pq_code_size(q), 2); /* 8 codes of 2 bits */
+    cr_assert_eq(kvpq_pq_centroids(q)[0], 0.0f, "a fresh quantizer has zero centroids");
+    cr_assert_eq(kvpq_codebook_layer_key_M(cb, 0), 8);
+    cr_assert_eq(kvpq_codebook_get_params(cb).key.M, 4, "the file-wide k.M is unchanged");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "k.M.0"), "8");
+    cr_assert_eq(kvpq_codebook_meta_count(cb), n_meta + 1);
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "k.M.1", "8"), KVPQ_ERR_INVALID_ARG, "k.M.{i} is derived");
+    /* Errors leave the codebook unchanged. */
+    struct { int layer, M; kvpq_status want; const char *msg; } bad[] = {
+        {0, 3, KVPQ_ERR_INVALID_ARG, "layer 0 key M=3: expected a divisor of head_dim=8"},
+        {1, 16, KVPQ_ERR_INVALID_ARG, "key M=16"},
+        {1, 0, KVPQ_ERR_INVALID_ARG, "key M=0"},
+        {3, 4, KVPQ_ERR_INVALID_ARG, "layer 3 out of range"},
+        {-1, 4, KVPQ_ERR_INVALID_ARG, "layer -1 out of range"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, bad[i].layer, bad[i].M), bad[i].want, "case %zu", i);
+        cr_assert(strstr(kvpq_last_error(), bad[i].msg), "case %zu: %s", i, kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_layer_key_M(cb, 0), 8);
+        cr_assert_eq(kvpq_codebook_layer_key_M(cb, 1), 4);
+    }
+    cr_assert_eq(kvpq_codebook_set_layer_key_M(NULL, 0, 4), KVPQ_ERR_INVALID_ARG);
+    /* Back to k.M: the k.M.0 entry goes. */
+    cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 0, 4), KVPQ_OK);
+    cr_assert_null(kvpq_codebook_get_meta(cb, "k.M.0"));
+    cr_assert_eq(kvpq_codebook_meta_count(cb), n_meta);
+    kvpq_codebook_free(cb);
+    /* dsub outside {1, 2, 4, 8, 16}: head_dim 64, M = 2 gives dsub 32. */
+    kvpq_codebook_params d = kvpq_codebook_params_default();
+    d.n_layer = 1;
+    cr_assert_eq(kvpq_codebook_new(&cb, &d), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 0, 2), KVPQ_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvpq_last_error(), "layer 0 key M=2") && strstr(kvpq_last_error(), "dsub=32"), "%s",
+              kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_layer_key_M(cb, 0), 16);
+    kvpq_codebook_free(cb);
+}
+
+Test(codebook_file, mixed_key_M_round_trip_is_bit_identical) {
+    for (int gran = 0; gran < 2; gran++) {
+        kvpq_codebook_params p = small_params(3);
+        p.key.granularity = (kvpq_codebook_granularity)gran;
+        kvpq_codebook *a = random_codebook_m(&p, mixed_M), *b;
+        const char *path = path_in("mix.safetensors"), *path2 = path_in("mix2.safetensors");
+        cr_assert_eq(kvpq_codebook_save(a, path), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_load(&b, path), KVPQ_OK, "%s", kvpq_last_error());
+        assert_same(a, b);
+        for (int l = 0; l < 3; l++) {
+            cr_assert_eq(kvpq_codebook_layer_key_M(b, l), mixed_M[l]);
+            cr_assert_eq(kvpq_pq_get_params(kvpq_codebook_pq_const(b, l, 0)).M, mixed_M[l]);
+        }
+        cr_assert_eq(kvpq_codebook_set_layer_key_M(b, 1, 4), KVPQ_OK); /* same M, fresh: zero centroids */
+        cr_assert_eq(kvpq_pq_set_centroids(kvpq_codebook_pq(b, 1, 0), kvpq_pq_centroids(kvpq_codebook_pq(a, 1, 0)),
+                                           kvpq_pq_centroids_size(kvpq_codebook_pq(a, 1, 0))), KVPQ_OK);
+        cr_assert_eq(kvpq_codebook_save(b, path2), KVPQ_OK);
+        blob x = read_blob(path), y = read_blob(path2);
+        cr_assert_eq(x.len, y.len);
+        cr_assert_eq(memcmp(x.buf, y.buf, x.len), 0, "granularity %d: re-saved file differs", gran);
+        free(x.buf);
+        free(y.buf);
+        /* The file: k.M.{i} only where M differs; each layer's key tensor in its own shape. */
+        parsed f = parse_file(path);
+        cJSON *meta = cJSON_GetObjectItemCaseSensitive(f.root, "__metadata__");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.M")->valuestring, "4");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.M.0")->valuestring, "8");
+        cr_assert_null(cJSON_GetObjectItemCaseSensitive(meta, "k.M.1"));
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.M.2")->valuestring, "1");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "kvpq.format_version")->valuestring, "2");
+        const char *want[2][3] = {{"[4,1]", "[4,2]", "[4,8]"}, {"[8,4,1]", "[4,4,2]", "[1,4,8]"}};
+        for (int l = 0; l < 3; l++) {
+            char name[32];
+            snprintf(name, sizeof name, "layers.%d.k.codebook", l);
+            char *sh = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(tensor(&f, name), "shape"));
+            cr_assert_str_eq(sh, want[gran][l], "%s", name);
+            free(sh);
+        }
+        free_parsed(&f);
+        kvpq_codebook_free(a);
+        kvpq_codebook_free(b);
+    }
+}
+
+Test(codebook_file, mixed_key_M_inconsistent_file_is_rejected) {
+    kvpq_codebook_params p = small_params(3);
+    kvpq_codebook *a = random_codebook_m(&p, mixed_M);
+    const char *good = path_in("mix.safetensors"), *bad = path_in("bad.safetensors");
+    cr_assert_eq(kvpq_codebook_save(a, good), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook_free(a);
+    struct { const char *key, *value, *msg1, *msg2; } cases[] = {
+        /* metadata says one M, the tensor holds another */
+        {"k.M.1", "8", "tensor layers.1.k.codebook has shape [4,2], expected [4,1] (metadata k.M.1=8)", NULL},
+        {"k.M.0", "2", "tensor layers.0.k.codebook has shape [4,1], expected [4,4] (metadata k.M.0=2)", NULL},
+        {"k.M.0", NULL, "tensor layers.0.k.codebook has shape [4,1], expected [4,2]", NULL},
+        {"k.M.2", "4", "tensor layers.2.k.codebook has shape [4,8], expected [4,2]", NULL},
+        /* bad names and values */
+        {"k.M.3", "8", "metadata 'k.M.3'", "layer in [0, 2]"},
+        {"k.M.01", "8", "metadata 'k.M.01'", NULL},
+        {"k.M.x", "8", "metadata 'k.M.x'", NULL},
+        {"k.M.", "8", "metadata 'k.M.'", NULL},
+        {"k.M.0", "3", "metadata k.M.0", "divisor of head_dim=8"},
+        {"k.M.0", "08", "metadata k.M.0='08'", NULL},
+        {"k.M.0", "16", "metadata k.M.0='16'", NULL},
+        {"k.M.0", "", "metadata k.M.0=''", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        parsed f = parse_file(good);
+        set_meta_str(&f, cases[i].key, cases[i].value);
+        write_parsed(bad, &f);
+        expect_fail(bad, KVPQ_ERR_FORMAT, cases[i].msg1, cases[i].msg2);
+        free_parsed(&f);
+    }
 }
 
 Test(codebook_file, wrong_shapes_are_rejected) {

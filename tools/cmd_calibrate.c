@@ -14,7 +14,7 @@
 #include "cli_model.h"
 
 typedef struct {
-    const char *model, *text, *out, *keys, *values, *granularity;
+    const char *model, *text, *out, *keys, *values, *granularity, *keys_layers;
     long tokens, ctx, iters, threads, value_rotate, max_ppc, center;
     long seed;
 } calib_args;
@@ -25,6 +25,8 @@ static void calib_usage(FILE *f) {
             "  --tokens N            calibration tokens taken from the start of FILE (default 32768)\n"
             "  --ctx N               tokens per forward chunk; keys are seen at positions 0..N-1 (default 2048)\n"
             "  --keys CFG            key quantizer preset: d8b8 (1 bit), d8b12 (1.5), d4b8 (2), d2b8 (4) (default d4b8)\n"
+            "  --keys-layers CFG:A-B[,CFG:A-B...]  layers A..B (inclusive, 0-based) get key preset CFG\n"
+            "                        instead (its M; same nbits as --keys), e.g. d2b8:10-19\n"
             "  --values CFG          value quantizer preset, same names (default: as --keys)\n"
             "  --granularity G       shared: one (ksub, dsub) codebook per layer and K/V, as VecInfer;\n"
             "                        subspace: (M, ksub, dsub), as faiss (default shared)\n"
@@ -64,6 +66,7 @@ static int parse_args(int argc, char **argv, calib_args *a) {
         STR_OPT("-o", out)
         STR_OPT("--out", out)
         STR_OPT("--keys", keys)
+        STR_OPT("--keys-layers", keys_layers)
         STR_OPT("--values", values)
         STR_OPT("--granularity", granularity)
         INT_OPT("--tokens", tokens, 16, 1L << 24)
@@ -92,6 +95,57 @@ static int progress_cb(void *user, const char *stage, double done, double total)
     (void)done;
     (void)total;
     return 0;
+}
+
+/* Apply --keys-layers "CFG:A-B[,CFG:A-B...]" (A-B inclusive; "CFG:A" is one layer) to cb: each
+ * named layer's key quantizer takes CFG's M. Returns 1, or 0 after printing the problem. */
+static int apply_keys_layers(kvpq_codebook *cb, const char *spec, int n_layer, int head_dim, int key_nbits) {
+    const char *p = spec;
+    if (!*p) return cli_usage_error("calibrate: --keys-layers is empty"), 0;
+    while (*p) {
+        const char *end = strchr(p, ','), *colon = strchr(p, ':');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (!colon || colon >= p + n || colon == p || (size_t)(colon - p) > 31)
+            return cli_usage_error("calibrate: --keys-layers item '%.*s': expected CFG:A-B (e.g. d2b8:10-19)", (int)n, p),
+                   0;
+        char cfg[32];
+        memcpy(cfg, p, (size_t)(colon - p));
+        cfg[colon - p] = '\0';
+        int a, b, used = 0;
+        const char *r = colon + 1;
+        size_t rn = n - (size_t)(r - p);
+        char range[32];
+        if (rn == 0 || rn > 31)
+            return cli_usage_error("calibrate: --keys-layers item '%.*s': expected CFG:A-B", (int)n, p), 0;
+        memcpy(range, r, rn);
+        range[rn] = '\0';
+        int ok = sscanf(range, "%d-%d%n", &a, &b, &used) == 2 && used == (int)rn;
+        if (!ok) {
+            used = 0;
+            ok = sscanf(range, "%d%n", &a, &used) == 1 && used == (int)rn;
+            b = a;
+        }
+        if (!ok)
+            return cli_usage_error("calibrate: --keys-layers item '%.*s': layer range '%s' is not A-B", (int)n, p, range),
+                   0;
+        if (a < 0 || b < a || b >= n_layer)
+            return cli_usage_error("calibrate: --keys-layers item '%.*s': layers %d-%d out of the model's 0-%d", (int)n,
+                                   p, a, b, n_layer - 1),
+                   0;
+        kvpq_pq_params q;
+        kvpq_status s = kvpq_pq_params_preset(&q, cfg, head_dim);
+        if (s != KVPQ_OK) return cli_fail("calibrate: --keys-layers", s), 0;
+        if (q.nbits != key_nbits)
+            return cli_usage_error("calibrate: --keys-layers preset %s has nbits=%d, --keys has nbits=%d (a layer may "
+                                   "change only M)", cfg, q.nbits, key_nbits),
+                   0;
+        for (int l = a; l <= b; l++)
+            if ((s = kvpq_codebook_set_layer_key_M(cb, l, q.M)) != KVPQ_OK)
+                return cli_fail("calibrate: --keys-layers", s), 0;
+        p = end ? end + 1 : p + n;
+        if (end && !*p) return cli_usage_error("calibrate: --keys-layers ends with ','"), 0;
+    }
+    return 1;
 }
 
 static const char *base_name(const char *p) {
@@ -142,6 +196,10 @@ int cmd_calibrate(int argc, char **argv) {
         strcmp(a.granularity, "shared") ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
     if ((s = kvpq_codebook_new(&cb, &cp)) != KVPQ_OK) {
         rc = cli_fail("calibrate: codebook", s);
+        goto done;
+    }
+    if (a.keys_layers && !apply_keys_layers(cb, a.keys_layers, mi.n_layer, mi.head_dim, cp.key.nbits)) {
+        rc = 2;
         goto done;
     }
 
@@ -266,6 +324,7 @@ int cmd_calibrate(int argc, char **argv) {
     snprintf(buf, sizeof buf, "%ld", a.ctx);
     kvpq_codebook_set_meta(cb, "ctx", buf);
     kvpq_codebook_set_meta(cb, "keys", a.keys);
+    if (a.keys_layers) kvpq_codebook_set_meta(cb, "keys_layers", a.keys_layers);
     kvpq_codebook_set_meta(cb, "values", a.values);
     snprintf(buf, sizeof buf, "%ld", a.seed);
     kvpq_codebook_set_meta(cb, "seed", buf);
@@ -281,8 +340,8 @@ int cmd_calibrate(int argc, char **argv) {
         goto done;
     }
     fprintf(stderr,
-            "kvpq calibrate: wrote %s (%d layers, keys %s, values %s%s, %zu tokens; forward %.1f s, total %.1f s)\n",
-            a.out, L, a.keys, a.values, a.value_rotate ? " rotated" : "", n_use, t_fwd, cli_now() - t0);
+            "kvpq calibrate: wrote %s (%d layers, keys %s%s%s, values %s%s, %zu tokens; forward %.1f s, total %.1f s)\n",
+            a.out, L, a.keys, a.keys_layers ? " with " : "", a.keys_layers ? a.keys_layers : "", a.values, a.value_rotate ? " rotated" : "", n_use, t_fwd, cli_now() - t0);
     rc = 0;
     goto done;
 oom:

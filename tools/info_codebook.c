@@ -10,6 +10,7 @@ static const char *const config_keys[] = {
 };
 
 static int is_config_key(const char *k) {
+    if (!strncmp(k, "k.M.", 4)) return 1; /* per-layer key M, printed with the layers */
     for (size_t i = 0; i < sizeof config_keys / sizeof config_keys[0]; i++)
         if (!strcmp(k, config_keys[i])) return 1;
     return 0;
@@ -51,9 +52,24 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
     printf("n_layer=%d n_head_kv=%d head_dim=%d value_rotate=%d\n", p.n_layer, p.n_head_kv, p.head_dim,
            p.value_rotate);
     print_pq("key", &p.key);
+    /* Layers whose key M differs from k.M (per-layer bit allocation), as runs of equal M. */
+    double key_bits = 0; /* code bits per key vector, summed over layers */
+    for (int l = 0; l < p.n_layer; l++) key_bits += (double)kvpq_codebook_layer_key_M(cb, l) * p.key.nbits;
+    for (int l = 0; l < p.n_layer;) {
+        int M = kvpq_codebook_layer_key_M(cb, l), e = l;
+        while (e + 1 < p.n_layer && kvpq_codebook_layer_key_M(cb, e + 1) == M) e++;
+        if (M != p.key.M) {
+            char what[48];
+            snprintf(what, sizeof what, "  key layers %d-%d", l, e);
+            kvpq_pq_params q = p.key;
+            q.M = M;
+            print_pq(what, &q);
+        }
+        l = e + 1;
+    }
     print_pq("value", &p.value);
     printf("bits/element (K and V together): %.3f\n",
-           ((double)p.key.M * p.key.nbits + (double)p.value.M * p.value.nbits) / (2.0 * p.head_dim));
+           (key_bits / p.n_layer + (double)p.value.M * p.value.nbits) / (2.0 * p.head_dim));
 
     size_t n_free = 0;
     for (size_t i = 0; i < kvpq_codebook_meta_count(cb); i++) {
@@ -68,7 +84,7 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
 
     char ks[48], vs[48], ss[48];
     snprintf(ss, sizeof ss, "[%d,%d]", p.n_head_kv, p.head_dim);
-    book_shape(&p.key, ks, sizeof ks);
+    book_shape(&p.key, ks, sizeof ks); /* k.M's; layers listed above with their own M differ */
     book_shape(&p.value, vs, sizeof vs);
     printf("tensors per layer: k.smooth %s  k.mean %s  k.codebook %s  v.codebook %s  (F32)\n", ss, ss, ks, vs);
     printf("%5s %12s %12s %12s %12s %14s %14s\n", "layer", "smooth.min", "smooth.max", "smooth.mean", "k.mean.rms",

@@ -25,6 +25,9 @@
  *   - coded positions [0, n_coded): pages of page_tokens positions, allocated as the sequence
  *     grows; one page holds K codes (n_head_kv, page_tokens, k_code_size) then V codes
  *     (n_head_kv, page_tokens, v_code_size), so one head's codes are contiguous within a page.
+ *     k_code_size is the layer's own: a codebook may give layers different key M (per-layer bit
+ *     allocation, kvpq_codebook_set_layer_key_M), so page sizes, LUT shapes and fast-scan use
+ *     differ by layer; the per-thread scratch is sized for the largest.
  *   - window positions [n_coded, len): fp16 (IEEE half) keys and values in the original space, in
  *     a ring (n_head_kv, cap, head_dim), slot = position % cap, cap = window + VQ_FLUSH.
  *   n_coded = floor((len - window) / VQ_FLUSH) * VQ_FLUSH when len >= window + VQ_FLUSH, else 0:
@@ -55,6 +58,9 @@
 
 typedef struct {
     uint8_t **pages;  /* (max_pages) each page_bytes: K codes then V codes, see above */
+    size_t kcs;       /* bytes of one K code vector: this layer's key M (kvpq_codebook_layer_key_M) */
+    size_t page_bytes;/* n_head_kv * page_tokens * (kcs + vcs) */
+    int fast_scan;    /* st->fast_scan and this layer's key M <= 256 */
     int n_pages;      /* pages allocated: [0, n_pages) are non-NULL */
     uint16_t *wk;     /* (n_head_kv, cap, head_dim) fp16 window keys; NULL until the first append */
     uint16_t *wv;     /* (n_head_kv, cap, head_dim) fp16 window values */
@@ -82,12 +88,11 @@ typedef struct {
     int gp;               /* group padded to 1, 4, 8 or a multiple of 16 lanes */
     int window, cap, page_tokens, max_pages, n_threads;
     int value_rotate;
-    int fast_scan;        /* params.vq_fast_scan and 8-bit key codes with M <= 256 */
+    int fast_scan;        /* params.vq_fast_scan and 8-bit key codes (per layer: also M <= 256) */
     float scale;          /* 1 / sqrt(head_dim) */
-    kvpq_pq_params kp, vp;
-    int k_ksub, v_ksub, k_dsub, v_dsub;
-    size_t kcs, vcs;      /* bytes of one K / V code vector */
-    size_t page_bytes;    /* n_head_kv * page_tokens * (kcs + vcs) */
+    kvpq_pq_params vp;    /* value quantizer params; the key's M varies by layer (kpq[l]->p) */
+    int k_ksub, v_ksub, v_dsub;
+    size_t vcs;           /* bytes of one V code vector; K: per layer (vq_layer.kcs) */
     const kvpq_pq **kpq;  /* (n_layer) borrowed from the codebook */
     const kvpq_pq **vpq;  /* (n_layer) */
     const float **smooth; /* (n_layer) -> (n_head_kv, head_dim) borrowed */
@@ -116,11 +121,11 @@ static int vq_block_tokens(int gp) {
 }
 
 static uint8_t *vq_kcodes(const vq_state *st, const vq_layer *L, int h, int pos) {
-    return L->pages[pos / st->page_tokens] + ((size_t)h * st->page_tokens + pos % st->page_tokens) * st->kcs;
+    return L->pages[pos / st->page_tokens] + ((size_t)h * st->page_tokens + pos % st->page_tokens) * L->kcs;
 }
 
 static uint8_t *vq_vcodes(const vq_state *st, const vq_layer *L, int h, int pos) {
-    return L->pages[pos / st->page_tokens] + (size_t)st->n_head_kv * st->page_tokens * st->kcs +
+    return L->pages[pos / st->page_tokens] + (size_t)st->n_head_kv * st->page_tokens * L->kcs +
            ((size_t)h * st->page_tokens + pos % st->page_tokens) * st->vcs;
 }
 
@@ -240,16 +245,12 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     if (st->n_threads < 1) st->n_threads = 1;
     st->value_rotate = cp.value_rotate != 0;
     st->scale = 1.0f / sqrtf((float)p->head_dim);
-    st->fast_scan = p->vq_fast_scan && cp.key.nbits == 8 && cp.key.M <= 256;
-    st->kp = cp.key;
+    st->fast_scan = p->vq_fast_scan && cp.key.nbits == 8;
     st->vp = cp.value;
     st->k_ksub = 1 << cp.key.nbits;
     st->v_ksub = 1 << cp.value.nbits;
-    st->k_dsub = p->head_dim / cp.key.M;
     st->v_dsub = p->head_dim / cp.value.M;
-    st->kcs = kvpq_codes_size(cp.key.M, cp.key.nbits);
     st->vcs = kvpq_codes_size(cp.value.M, cp.value.nbits);
-    st->page_bytes = (size_t)p->n_head_kv * p->page_tokens * (st->kcs + st->vcs);
 
     st->kpq = calloc(p->n_layer, sizeof *st->kpq);
     st->vpq = calloc(p->n_layer, sizeof *st->vpq);
@@ -259,6 +260,7 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->scr = calloc(st->n_threads, sizeof *st->scr);
     st->h16 = calloc((size_t)p->n_head_kv * p->head_dim, sizeof(uint16_t));
     if (!st->kpq || !st->vpq || !st->smooth || !st->mean || !st->layers || !st->scr || !st->h16) goto nomem;
+    int mk_max = 0, mk_fs = 0; /* largest key M of any layer, of any fast-scan layer */
     for (int l = 0; l < p->n_layer; l++) {
         st->kpq[l] = kvpq_codebook_pq_const(cb, l, 0);
         st->vpq[l] = kvpq_codebook_pq_const(cb, l, 1);
@@ -266,22 +268,29 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         st->mean[l] = kvpq_codebook_key_mean_const(cb, l);
         st->codebook_bytes += (kvpq_pq_centroids_size(st->kpq[l]) + kvpq_pq_centroids_size(st->vpq[l])) * sizeof(float);
         st->codebook_bytes += 2 * (size_t)p->n_head_kv * p->head_dim * sizeof(float);
-        st->layers[l].pages = calloc(st->max_pages, sizeof(uint8_t *));
-        if (!st->layers[l].pages) goto nomem;
+        vq_layer *L = &st->layers[l];
+        const int Mk = st->kpq[l]->p.M; /* this layer's key M: the scratch is sized for the largest */
+        L->kcs = kvpq_codes_size(Mk, st->kpq[l]->p.nbits);
+        L->page_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs);
+        L->fast_scan = st->fast_scan && Mk <= 256;
+        if (Mk > mk_max) mk_max = Mk;
+        if (L->fast_scan && Mk > mk_fs) mk_fs = Mk;
+        L->pages = calloc(st->max_pages, sizeof(uint8_t *));
+        if (!L->pages) goto nomem;
     }
     const int gp = st->gp, d = st->head_dim;
-    const int mmax = cp.key.M > cp.value.M ? cp.key.M : cp.value.M;
+    const int mmax = mk_max > cp.value.M ? mk_max : cp.value.M;
     for (int t = 0; t < st->n_threads; t++) {
         vq_scratch *s = &st->scr[t];
         s->qr = calloc((size_t)gp * d, sizeof(float));
-        s->lut = calloc((size_t)cp.key.M * st->k_ksub * gp, sizeof(float));
+        s->lut = calloc((size_t)mk_max * st->k_ksub * gp, sizeof(float));
         s->table = calloc((size_t)cp.value.M * st->v_ksub * gp, sizeof(float));
         s->s = calloc((size_t)vq_block_tokens(gp) * gp, sizeof(float));
         s->idx = calloc((size_t)VQ_CHUNK * mmax, sizeof(uint16_t));
         s->rescale = calloc(gp, sizeof(float));
         s->fs_scale = calloc(gp, sizeof(float));
         s->fs_bias = calloc(gp, sizeof(float));
-        s->lut8 = st->fast_scan ? malloc((size_t)st->group * cp.key.M * 256) : malloc(1);
+        s->lut8 = mk_fs ? malloc((size_t)st->group * mk_fs * 256) : malloc(1);
         if (!s->fs_scale || !s->fs_bias || !s->lut8) goto nomem;
         s->wkf = calloc((size_t)st->cap * d, sizeof(float));
         s->wvf = calloc((size_t)st->cap * d, sizeof(float));
@@ -344,21 +353,21 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
             return kvpq__err(KVPQ_ERR_CAPACITY, "VQ cache layer %d: %d positions exceed max_seq", layer, target);
         const int old_pages = L->n_pages;
         for (int pg = L->n_pages; pg < pages_needed; pg++) {
-            L->pages[pg] = malloc(st->page_bytes);
+            L->pages[pg] = malloc(L->page_bytes);
             if (!L->pages[pg]) {
                 for (int q = old_pages; q < pg; q++) {
                     free(L->pages[q]);
                     L->pages[q] = NULL;
                 }
                 L->n_pages = old_pages;
-                return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for a page of %zu bytes", st->page_bytes);
+                return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for a page of %zu bytes", L->page_bytes);
             }
             L->n_pages = pg + 1;
         }
         size_t nv = (size_t)ne * nkv;
         KVPQ_TRY(vq_grow((void **)&st->xk, &st->xk_cap, nv * d, sizeof(float)));
         KVPQ_TRY(vq_grow((void **)&st->xv, &st->xv_cap, nv * d, sizeof(float)));
-        KVPQ_TRY(vq_grow((void **)&st->ck, &st->ck_cap, nv * st->kcs, 1));
+        KVPQ_TRY(vq_grow((void **)&st->ck, &st->ck_cap, nv * L->kcs, 1));
         KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * st->vcs, 1));
         /* Gather the tokens leaving the window (or passing through it), rounded to fp16 as the
          * window stores them, so the codes do not depend on how appends were chunked. */
@@ -388,7 +397,7 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
         for (int t = first; t < target; t++)
             for (int h = 0; h < nkv; h++) {
                 size_t r = (size_t)(t - first) * nkv + h;
-                memcpy(vq_kcodes(st, L, h, t), st->ck + r * st->kcs, st->kcs);
+                memcpy(vq_kcodes(st, L, h, t), st->ck + r * L->kcs, L->kcs);
                 memcpy(vq_vcodes(st, L, h, t), st->cv + r * st->vcs, st->vcs);
             }
     }
@@ -462,7 +471,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
         if (b != 0.0f)
             for (int c = 0; c < kpq->ksub; c++) s->lut[(size_t)c * gp + g] += b;
     }
-    if (st->fast_scan) kvpq__vq_lut_quantize(kpq->p.M, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
+    if (L->fast_scan) kvpq__vq_lut_quantize(kpq->p.M, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
     const size_t table_rows = (size_t)vpq->p.M * vpq->ksub;
     /* Values: decoded per token straight into po where the SIMD level has that kernel for this
      * shape (small groups, see accum_dec_u8), else summed per (m, c) in the W table. */
@@ -481,7 +490,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             int n = vq_seg(st, t, b1);
             const uint8_t *kc = vq_kcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
-            if (st->fast_scan) {
+            if (L->fast_scan) {
                 K->score_fs_u8(n, Mk, G, gp, kc, s->lut8, s->fs_scale, s->fs_bias, sc);
             } else if (kbits8) {
                 K->score_u8(n, Mk, kpq->ksub, gp, kc, s->lut, sc);
@@ -666,7 +675,7 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
     int c1 = pos0 + n < L->n_coded ? pos0 + n : L->n_coded; /* coded part [pos0, c1) */
     if (c1 > pos0) {
         size_t nv = (size_t)(c1 - pos0) * nkv;
-        size_t cs = st->kcs > st->vcs ? st->kcs : st->vcs;
+        size_t cs = L->kcs > st->vcs ? L->kcs : st->vcs;
         uint8_t *codes = malloc(nv * cs);
         float *x = malloc(nv * d * sizeof(float));
         if (!codes || !x) {
@@ -678,7 +687,7 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
         for (int which = 0; which < 2 && rc == KVPQ_OK; which++) {
             float *dst = which ? v : k;
             if (!dst) continue;
-            size_t sz = which ? st->vcs : st->kcs;
+            size_t sz = which ? st->vcs : L->kcs;
             for (int t = pos0; t < c1; t++)
                 for (int h = 0; h < nkv; h++)
                     memcpy(codes + ((size_t)(t - pos0) * nkv + h) * sz,
@@ -712,7 +721,7 @@ static size_t vq_resident_bytes(const void *state, const int *lens) {
     size_t b = st->codebook_bytes;
     for (int l = 0; l < st->n_layer; l++) {
         const vq_layer *L = &st->layers[l];
-        b += (size_t)L->n_pages * st->page_bytes;
+        b += (size_t)L->n_pages * L->page_bytes;
         if (L->wk) b += 2 * (size_t)st->cap * st->n_head_kv * st->head_dim * sizeof(uint16_t);
     }
     return b;

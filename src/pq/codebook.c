@@ -50,10 +50,12 @@ static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "
 struct kvpq_codebook {
     kvpq_codebook_params p;
     kvpq_pq **pq;       /* (n_layer, 2): [2*i] key quantizer, [2*i + 1] value quantizer */
+    int *key_M;         /* (n_layer) each layer's key M (p.key.M unless set_layer_key_M changed it) */
     float *smooth;      /* (n_layer, n_head_kv, head_dim) key smoothing factors lambda */
     float *mean;        /* (n_layer, n_head_kv, head_dim) per-channel key mean mu */
     size_t n_meta, cap_meta;
-    char **meta_key;    /* (n_meta); the first CB_N_CONFIG entries are cb_config_keys */
+    char **meta_key;    /* (n_meta); the first CB_N_CONFIG entries are cb_config_keys, then the
+                         * k.M.{i} of the layers whose key M differs from k.M, in layer order */
     char **meta_val;    /* (n_meta) */
 };
 
@@ -159,10 +161,70 @@ static kvpq_status meta_put(kvpq_codebook *cb, const char *key, const char *valu
     return KVPQ_OK;
 }
 
+/* Per-layer key M entries are "k.M.{i}"; every key with this prefix is reserved. */
+#define CB_LAYER_M_PREFIX "k.M."
+
+static int is_layer_m_key(const char *key) { return !strncmp(key, CB_LAYER_M_PREFIX, strlen(CB_LAYER_M_PREFIX)); }
+
 static int is_config_key(const char *key) {
+    if (is_layer_m_key(key)) return 1;
     for (int i = 0; i < CB_N_CONFIG; i++)
         if (!strcmp(key, cb_config_keys[i])) return 1;
     return 0;
+}
+
+/* Rewrite the k.M.{i} entries from cb->key_M (the layers differing from k.M, in layer order, right
+ * after the config keys). All or nothing: on NOMEM the metadata is unchanged. */
+static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
+    size_t n_keep = 0, n_new = 0;
+    for (size_t i = 0; i < cb->n_meta; i++) n_keep += !is_layer_m_key(cb->meta_key[i]);
+    for (int l = 0; l < cb->p.n_layer; l++) n_new += cb->key_M[l] != cb->p.key.M;
+    size_t n = n_keep + n_new, cap = n > 16 ? n : 16;
+    char **k = calloc(cap, sizeof *k), **v = calloc(cap, sizeof *v);
+    int ok = k && v;
+    size_t o = 0;
+    for (size_t i = 0; ok && i < cb->n_meta && i < CB_N_CONFIG; i++, o++) {
+        k[o] = cb->meta_key[i];
+        v[o] = cb->meta_val[i];
+    }
+    size_t first_new = o;
+    for (int l = 0; ok && l < cb->p.n_layer; l++) {
+        if (cb->key_M[l] == cb->p.key.M) continue;
+        char kb[32], vb[16];
+        snprintf(kb, sizeof kb, CB_LAYER_M_PREFIX "%d", l);
+        snprintf(vb, sizeof vb, "%d", cb->key_M[l]);
+        k[o] = str_dup(kb);
+        v[o] = str_dup(vb);
+        ok = k[o] && v[o];
+        o++;
+    }
+    if (!ok) {
+        if (k && v)
+            for (size_t i = first_new; i < o; i++) {
+                free(k[i]);
+                free(v[i]);
+            }
+        free(k);
+        free(v);
+        return kvpq__err(KVPQ_ERR_NOMEM, "codebook metadata: out of memory");
+    }
+    for (size_t i = CB_N_CONFIG; i < cb->n_meta; i++) {
+        if (is_layer_m_key(cb->meta_key[i])) {
+            free(cb->meta_key[i]);
+            free(cb->meta_val[i]);
+            continue;
+        }
+        k[o] = cb->meta_key[i];
+        v[o] = cb->meta_val[i];
+        o++;
+    }
+    free(cb->meta_key);
+    free(cb->meta_val);
+    cb->meta_key = k;
+    cb->meta_val = v;
+    cb->n_meta = o;
+    cb->cap_meta = cap;
+    return KVPQ_OK;
 }
 
 static kvpq_status meta_put_config(kvpq_codebook *cb) {
@@ -192,14 +254,16 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
     cb->p = *p;
     size_t n_smooth = (size_t)p->n_layer * p->n_head_kv * p->head_dim;
     cb->pq = calloc((size_t)2 * p->n_layer, sizeof *cb->pq);
+    cb->key_M = malloc((size_t)p->n_layer * sizeof *cb->key_M);
     cb->smooth = malloc(n_smooth * sizeof(float));
     cb->mean = calloc(n_smooth, sizeof(float)); /* mu = 0: no centering until trained */
-    if (!cb->pq || !cb->smooth || !cb->mean) {
+    if (!cb->pq || !cb->key_M || !cb->smooth || !cb->mean) {
         kvpq_codebook_free(cb);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory for %d layers", p->n_layer);
     }
     /* lambda = 1 is the identity smoothing until trained factors are stored. */
     for (size_t i = 0; i < n_smooth; i++) cb->smooth[i] = 1.0f;
+    for (int l = 0; l < p->n_layer; l++) cb->key_M[l] = p->key.M;
     for (int i = 0; i < 2 * p->n_layer; i++) {
         kvpq_status s = kvpq_pq_new(&cb->pq[i], (i & 1) ? &p->value : &p->key);
         if (s != KVPQ_OK) {
@@ -221,6 +285,7 @@ void kvpq_codebook_free(kvpq_codebook *cb) {
     if (cb->pq)
         for (int i = 0; i < 2 * cb->p.n_layer; i++) kvpq_pq_free(cb->pq[i]);
     free(cb->pq);
+    free(cb->key_M);
     free(cb->smooth);
     free(cb->mean);
     for (size_t i = 0; i < cb->n_meta; i++) {
@@ -242,6 +307,45 @@ kvpq_pq *kvpq_codebook_pq(kvpq_codebook *cb, int layer, int is_value) {
 const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int layer, int is_value) {
     if (!cb || layer < 0 || layer >= cb->p.n_layer) return NULL;
     return cb->pq[2 * layer + (is_value ? 1 : 0)];
+}
+
+/* A layer's key quantizer params with M replaced: checked (M divides head_dim, dsub allowed). */
+static kvpq_status layer_key_params(const kvpq_codebook_params *p, int layer, int M, kvpq_pq_params *q) {
+    *q = p->key;
+    q->M = M;
+    if (M < 1 || M > p->head_dim || p->head_dim % M)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook layer %d key M=%d: expected a divisor of head_dim=%d",
+                         layer, M, p->head_dim);
+    kvpq_status s = kvpq__pq_params_check(q);
+    if (s != KVPQ_OK) kvpq__err_prefix("codebook layer %d key M=%d", layer, M);
+    return s;
+}
+
+kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M) {
+    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_layer_key_M: cb is NULL");
+    if (layer < 0 || layer >= cb->p.n_layer)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_layer_key_M: layer %d out of range [0, %d)", layer,
+                         cb->p.n_layer);
+    kvpq_pq_params q;
+    KVPQ_TRY(layer_key_params(&cb->p, layer, M, &q));
+    kvpq_pq *pq;
+    KVPQ_TRY(kvpq_pq_new(&pq, &q));
+    int old = cb->key_M[layer];
+    cb->key_M[layer] = M;
+    kvpq_status s = meta_sync_layer_m(cb);
+    if (s != KVPQ_OK) {
+        cb->key_M[layer] = old;
+        kvpq_pq_free(pq);
+        return s;
+    }
+    kvpq_pq_free(cb->pq[2 * layer]);
+    cb->pq[2 * layer] = pq;
+    return KVPQ_OK;
+}
+
+int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
+    return cb->key_M[layer];
 }
 
 float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer) {
@@ -296,7 +400,8 @@ typedef struct {
     uint64_t dim[CB_MAX_DIMS];
 } cb_shape;
 
-static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind) {
+/* Shape of a tensor of `kind`; key_M is the layer's key M (k.M or its k.M.{i}). */
+static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, int key_M) {
     cb_shape s = {0};
     if (kind == CB_K_SMOOTH || kind == CB_K_MEAN) {
         s.ndim = 2;
@@ -305,9 +410,10 @@ static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind) {
         return s;
     }
     const kvpq_pq_params *q = kind == CB_K_BOOK ? &p->key : &p->value;
-    if (q->granularity == KVPQ_CODEBOOK_SUBSPACE) s.dim[s.ndim++] = (uint64_t)q->M;
+    const int M = kind == CB_K_BOOK ? key_M : q->M;
+    if (q->granularity == KVPQ_CODEBOOK_SUBSPACE) s.dim[s.ndim++] = (uint64_t)M;
     s.dim[s.ndim++] = (uint64_t)1 << q->nbits;
-    s.dim[s.ndim++] = (uint64_t)(q->d / q->M);
+    s.dim[s.ndim++] = (uint64_t)(q->d / M);
     return s;
 }
 
@@ -376,7 +482,7 @@ static char *build_header(const kvpq_codebook *cb) {
         for (int k = 0; k < CB_N_KIND; k++) {
             char name[64];
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
-            cb_shape sh = tensor_shape(&cb->p, k);
+            cb_shape sh = tensor_shape(&cb->p, k, cb->key_M[l]);
             uint64_t bytes = (uint64_t)shape_numel(&sh) * sizeof(float);
             cJSON *t = cJSON_AddObjectToObject(root, name);
             cJSON *shape = t ? cJSON_AddArrayToObject(t, "shape") : NULL;
@@ -569,6 +675,30 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     return KVPQ_OK;
 }
 
+/* The per-layer key M entries k.M.{i} of __metadata__ (validated by read_config) into key_M
+ * (n_layer), which starts as k.M everywhere. Each must name a layer below n_layer in canonical
+ * decimal and hold an M that divides head_dim with an allowed dsub (same nbits and granularity). */
+static kvpq_status read_layer_m(const cJSON *meta, const kvpq_codebook_params *p, int *key_M) {
+    for (int l = 0; l < p->n_layer; l++) key_M[l] = p->key.M;
+    for (const cJSON *j = meta->child; j; j = j->next) {
+        if (!is_layer_m_key(j->string)) continue;
+        int layer, M;
+        if (!parse_dec(j->string + strlen(CB_LAYER_M_PREFIX), 0, p->n_layer - 1, &layer))
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata '%.64s': expected k.M.{layer} with layer in [0, %d]",
+                             j->string, p->n_layer - 1);
+        if (!parse_dec(j->valuestring, 1, p->head_dim, &M))
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected an integer in [1, %d]", j->string,
+                             j->valuestring, p->head_dim);
+        kvpq_pq_params q;
+        if (layer_key_params(p, layer, M, &q) != KVPQ_OK) {
+            kvpq__err_prefix("metadata %s", j->string);
+            return KVPQ_ERR_FORMAT;
+        }
+        key_M[layer] = M;
+    }
+    return KVPQ_OK;
+}
+
 /* "layers.{i}.{kind}" with i a canonical decimal: sets layer and kind, or returns 0. */
 static int parse_tensor_name(const char *name, int *layer, int *kind) {
     if (strncmp(name, "layers.", 7)) return 0;
@@ -597,8 +727,8 @@ static int cmp_range(const void *a, const void *b) {
 }
 
 /* Check one tensor entry against its expected dtype, shape and the data section; fills r. */
-static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, int kind, uint64_t data_len,
-                               cb_range *r) {
+static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, int layer, int kind, int key_M,
+                               uint64_t data_len, cb_range *r) {
     const char *name = t->string;
     if (!cJSON_IsObject(t)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: entry is not a JSON object", name);
     const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(t, "dtype");
@@ -608,7 +738,7 @@ static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, in
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: dtype is missing or not a string", name);
     if (strcmp(dtype->valuestring, "F32"))
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has dtype %.16s, expected F32", name, dtype->valuestring);
-    cb_shape want = tensor_shape(p, kind), got = {0};
+    cb_shape want = tensor_shape(p, kind, key_M), got = {0};
     if (!cJSON_IsArray(shape)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: shape is missing or not an array", name);
     int too_many = 0;
     for (const cJSON *d = shape->child; d; d = d->next) {
@@ -626,6 +756,9 @@ static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, in
         shape_str(&got, gs, sizeof gs);
         if (too_many) snprintf(gs, sizeof gs, "of more than %d dims", CB_MAX_DIMS);
         shape_str(&want, ws, sizeof ws);
+        if (kind == CB_K_BOOK && key_M != p->key.M)
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s (metadata k.M.%d=%d)", name, gs,
+                             ws, layer, key_M);
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s", name, gs, ws);
     }
     if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2 || !json_u64(offs->child, &r->begin) ||
@@ -650,12 +783,21 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     int version = 0;
     KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, &version));
     const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_N_KIND; /* kinds the file must hold per layer */
+    int *key_M = malloc((size_t)p.n_layer * sizeof *key_M); /* (n_layer) */
+    if (!key_M) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
+    kvpq_status s = read_layer_m(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, key_M);
+    if (s != KVPQ_OK) {
+        free(key_M);
+        return s;
+    }
 
     /* Every entry is one expected tensor, seen once; shapes and offsets checked before allocating. */
     size_t n_tensor = (size_t)CB_N_KIND * p.n_layer;
     cb_range *seen = calloc(n_tensor, sizeof *seen); /* (n_layer, CB_N_KIND) */
-    if (!seen) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
-    kvpq_status s = KVPQ_OK;
+    if (!seen) {
+        free(key_M);
+        return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
+    }
     for (const cJSON *t = root->child; t && s == KVPQ_OK; t = t->next) {
         if (!strcmp(t->string, "__metadata__")) {
             if (t != cJSON_GetObjectItemCaseSensitive(root, "__metadata__"))
@@ -671,7 +813,7 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
         }
         cb_range *r = &seen[(size_t)layer * CB_N_KIND + kind];
         if (r->t) s = kvpq__err(KVPQ_ERR_FORMAT, "tensor %s appears twice", t->string);
-        else s = check_entry(t, &p, kind, data_len, r);
+        else s = check_entry(t, &p, layer, kind, key_M[layer], data_len, r);
     }
     for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++)
         if (!seen[i].t && (int)(i % CB_N_KIND) < n_kind)
@@ -697,6 +839,9 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
 
     kvpq_codebook *cb = NULL;
     if (s == KVPQ_OK) s = kvpq_codebook_new(&cb, &p);
+    for (int l = 0; l < p.n_layer && s == KVPQ_OK; l++)
+        if (key_M[l] != p.key.M) s = kvpq_codebook_set_layer_key_M(cb, l, key_M[l]);
+    free(key_M);
     for (const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, "__metadata__")->child; j && s == KVPQ_OK;
          j = j->next) {
         if (is_config_key(j->string)) continue;

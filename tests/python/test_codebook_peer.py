@@ -44,6 +44,7 @@ def _lib():
         "kvpq_codebook_key_mean": (fp, [vp, c_int]),
         "kvpq_codebook_set_meta": (c_int, [vp, c_char_p, c_char_p]),
         "kvpq_codebook_get_meta": (c_char_p, [vp, c_char_p]),
+        "kvpq_codebook_layer_key_M": (c_int, [vp, c_int]),
         "kvpq_pq_centroids_size": (c_size_t, [vp]),
         "kvpq_pq_centroids": (fp, [vp]),
         "kvpq_pq_set_centroids": (c_int, [vp, fp, c_size_t]),
@@ -218,3 +219,54 @@ def test_cli_info_reports_a_safetensors_written_file(tmp_path):
     out = subprocess.run([os.environ["KVPQ_BIN"], "info", str(bad)], capture_output=True, text=True)
     assert out.returncode != 0
     assert "bad file format" in out.stderr and "cut.safetensors" in out.stderr
+
+
+@pytest.mark.parametrize("key_gran", [SHARED, SUBSPACE])
+def test_per_layer_key_M_both_directions(tmp_path, key_gran):
+    """A file with per-layer key M (metadata k.M.{i}, key tensors of each layer's shape) written by
+    safetensors loads in kvpq with those M and values; kvpq's re-save reads back in safetensors
+    identical; kvpq info lists the differing layers."""
+    import subprocess
+
+    lib = _lib()
+    p = _params(lib, key_gran, SHARED)
+    layer_M = {1: 8, 2: 16}  # dsub 2 and 1; layer 0 keeps k.M = 4 (dsub 4)
+    want = _expected_tensors(p, np.random.default_rng(5))
+    for i, M in layer_M.items():
+        q = PQParams(p.key.d, M, p.key.nbits, key_gran)
+        want[f"layers.{i}.k.codebook"] = np.random.default_rng(i).standard_normal(_book_shape(q)).astype(np.float32)
+    meta = {**_config_meta(p), **{f"k.M.{i}": str(M) for i, M in layer_M.items()}, **FREE_META}
+    path = tmp_path / "peer_mix.safetensors"
+    st_numpy.save_file(want, str(path), metadata=meta)
+
+    cb = ctypes.c_void_p()
+    _check(lib, lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()))
+    out = tmp_path / "kvpq_mix.safetensors"
+    try:
+        assert lib.kvpq_codebook_get_params(cb).key.M == 4
+        assert [lib.kvpq_codebook_layer_key_M(cb, i) for i in range(3)] == [4, 8, 16]
+        assert lib.kvpq_codebook_get_meta(cb, b"k.M.1").decode() == "8"
+        for i in range(3):
+            pq = lib.kvpq_codebook_pq(cb, i, 0)
+            n = lib.kvpq_pq_centroids_size(pq)
+            c = np.ctypeslib.as_array(lib.kvpq_pq_centroids(pq), shape=(n,))
+            assert np.array_equal(c, want[f"layers.{i}.k.codebook"].ravel()), i
+        _check(lib, lib.kvpq_codebook_save(cb, str(out).encode()))
+    finally:
+        lib.kvpq_codebook_free(cb)
+    got = st_numpy.load_file(str(out))
+    assert sorted(got) == sorted(want)
+    for name, a in want.items():
+        assert got[name].shape == a.shape and np.array_equal(got[name].view(np.uint32), a.view(np.uint32)), name
+    with safe_open(str(out), framework="numpy") as f:
+        assert f.metadata() == meta
+
+    info = subprocess.run([os.environ["KVPQ_BIN"], "info", str(out)], capture_output=True, text=True)
+    assert info.returncode == 0, info.stderr
+    assert "key layers 1-1 M=8 dsub=2 nbits=8" in info.stdout
+    assert "key layers 2-2 M=16 dsub=1 nbits=8" in info.stdout
+    # Metadata and tensor disagreeing: refused, naming the key's metadata.
+    want["layers.2.k.codebook"] = want["layers.1.k.codebook"]
+    st_numpy.save_file(want, str(path), metadata=meta)
+    assert lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()) == -4  # KVPQ_ERR_FORMAT
+    assert "(metadata k.M.2=16)" in lib.kvpq_last_error().decode()
