@@ -314,6 +314,15 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     cp.value_rotate = value_rotate;
     cp.key_mean = mu;
     kvpq_cuda_cache *c;
+    if (mu) { /* a non-finite mean is refused at creation, naming it */
+        float keep = mu[3];
+        mu[3] = NAN;
+        c = (kvpq_cuda_cache *)1;
+        kvpq_status sm = kvpq_cuda_cache_new(&c, &cp);
+        CHECK(sm == KVPQ_ERR_NONFINITE && strstr(kvpq_last_error(), "key_mean[3]"),
+              "cache with a NaN key_mean returned %d (%s)", (int)sm, kvpq_last_error());
+        mu[3] = keep;
+    }
     KV_OK(kvpq_cuda_cache_new(&c, &cp));
     kvpq_cuda_pq *kq, *vq; /* same quantizers, to read back the codes the cache stored */
     KV_OK(kvpq_cuda_pq_new(&kq, kpq, H, lambda, 1));
