@@ -97,3 +97,31 @@ def test_ppl_with_the_codebook_and_window_suffix(codebook):
     for spec in ("kivi2:w", "kivi2:w99999999"):
         bad = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 64, "--chunks", 1, "--cache", spec, check=False)
         assert bad.returncode != 0 and "expected :wN" in bad.stderr, bad.stderr
+
+
+def test_keys_layers_gives_layers_their_own_key_M(codebook, tmp_path):
+    """--keys-layers d2b8:0-1: layers 0 and 1 get 4-bit keys (M = 32) recorded as k.M.{i} with key
+    tensors of that shape; the VQ cache then holds more key bytes than the uniform d4b8 codebook's."""
+    out = tmp_path / "cb_mix.safetensors"
+    run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", TOKENS, "--ctx", CTX, "--keys", "d4b8",
+        "--keys-layers", "d2b8:0-1", "--iters", 2, "--threads", 2, "-o", out)
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta["k.M"] == "16" and meta["k.M.0"] == "32" and meta["k.M.1"] == "32" and "k.M.2" not in meta
+    assert meta["keys_layers"] == "d2b8:0-1"
+    t = st_numpy.load_file(str(out))
+    assert t["layers.0.k.codebook"].shape == (256, 2) and t["layers.1.k.codebook"].shape == (256, 2)
+    assert t["layers.2.k.codebook"].shape == (256, 4)
+    p = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 256, "--chunks", 1, "--threads", 2, "--json",
+            "--cache", f"vq:{codebook}:w0,vq:{out}:w0")
+    uni, mix = json.loads(p.stdout)
+    # 256 coded tokens x 3 KV heads x 16 more key bytes in 2 layers, less 2 x 256 x 2 codebook floats
+    assert mix["kv_bytes"] - uni["kv_bytes"] == 2 * 256 * 3 * 16 - 2 * 256 * 2 * 4
+    for spec, msg in (("d8b12:0-1", "nbits=12"), ("d2b8:0-30", "out of the model's 0-29"), ("d2b8", "CFG:A-B"),
+                      ("d2b8:3-1", "layers 3-1"), ("d2b8:0-1,", "ends with ','")):
+        bad = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", TOKENS, "--ctx", CTX,
+                  "--keys-layers", spec, "-o", tmp_path / "bad.safetensors", check=False)
+        assert bad.returncode == 2 and msg in bad.stderr, (spec, bad.stderr)
+        assert not (tmp_path / "bad.safetensors").exists()
