@@ -1,9 +1,24 @@
 /* cuda_stub.c — the CUDA section of kvpq.h in builds without CUDA: every call fails with
- * KVPQ_ERR_NO_DEVICE naming why, so programs link and report the reason instead of crashing. */
+ * KVPQ_ERR_NO_DEVICE naming why, so programs link and report the reason instead of crashing.
+ * kvpq_cuda_cache_params_default is defined here for every build (CUDA or not). */
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
+
+/* The defaults are the same with and without CUDA (key_mean, key_smooth, codebooks NULL). */
+kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void) {
+    kvpq_cuda_cache_params p;
+    memset(&p, 0, sizeof p);
+    p.n_head = 32;
+    p.n_head_kv = 8;
+    p.head_dim = 128;
+    p.n_seq = 1;
+    p.max_seq = 4096;
+    p.window = 128;
+    p.page_tokens = 256;
+    return p;
+}
 
 #ifndef KVPQ_HAVE_CUDA
 
@@ -24,18 +39,6 @@ kvpq_status kvpq_cuda_pq_encode(const kvpq_cuda_pq *q, size_t n_tokens, const fl
 }
 kvpq_status kvpq_cuda_pq_decode(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes, float *x) {
     return KVPQ_NO_CUDA("kvpq_cuda_pq_decode");
-}
-kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void) {
-    kvpq_cuda_cache_params p;
-    memset(&p, 0, sizeof p);
-    p.n_head = 32;
-    p.n_head_kv = 8;
-    p.head_dim = 128;
-    p.n_seq = 1;
-    p.max_seq = 4096;
-    p.window = 128;
-    p.page_tokens = 256;
-    return p;
 }
 kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
     if (out) *out = NULL;

@@ -45,19 +45,7 @@ __global__ void window_copy_kernel(const float *k, const float *v, const float *
 
 } // namespace
 
-extern "C" KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void) {
-    kvpq_cuda_cache_params p;
-    memset(&p, 0, sizeof p);
-    p.n_head = 32;
-    p.n_head_kv = 8;
-    p.head_dim = 128;
-    p.n_seq = 1;
-    p.max_seq = 4096;
-    p.window = 128;
-    p.page_tokens = 256;
-    p.value_rotate = 0;
-    return p;
-}
+/* kvpq_cuda_cache_params_default: src/core/cuda_stub.c (one definition for every build). */
 
 extern "C" KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c) {
     if (!c) return;
