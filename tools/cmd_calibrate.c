@@ -289,11 +289,10 @@ int cmd_calibrate(int argc, char **argv) {
             goto done;
         }
         memcpy(kvpq_codebook_key_smooth(cb, l), lam, sizeof(float) * row);
-        for (size_t t = 0; t < n_use; t++)
-            for (size_t c = 0; c < row; c++) kd[t * row + c] /= lam[c];
-        if ((s = kvpq_hadamard(kd, n_use * H, D)) != KVPQ_OK ||
+        if ((s = kvpq_smooth_apply(kd, n_use, H, D, lam, 0)) != KVPQ_OK ||
+            (s = kvpq_hadamard(kd, n_use * H, D)) != KVPQ_OK ||
             (a.value_rotate && (s = kvpq_hadamard(vd, n_use * H, D)) != KVPQ_OK)) {
-            rc = cli_fail("calibrate: rotation", s);
+            rc = cli_fail("calibrate: smoothing and rotation", s);
             goto done;
         }
         kvpq_kmeans_report rk, rv;
