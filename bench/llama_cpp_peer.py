@@ -207,9 +207,10 @@ class NumpyLlama:
         x[..., 1:self.n_rot:2] = x0 * s + x1 * c
         return x
 
-    def forward(self, tokens, collect=None):
-        """Logits (n, n_vocab) of tokens at positions 0..n-1. collect: a list that gets one (k, v)
-        pair per layer, post-RoPE keys and values (n, n_head_kv, head_dim)."""
+    def forward(self, tokens, collect=None, hook=None):
+        """Logits (n, n_vocab) of tokens at positions 0..n-1. collect: a list that gets one (k, v, q)
+        per layer, post-RoPE keys and values (n, n_head_kv, head_dim) and queries (n, n_head,
+        head_dim). hook(layer, k, v) -> (k, v): replaces what the layer attends over (after collect)."""
         n = len(tokens)
         w = self.w
         hd, H, Hk = self.head_dim, self.n_head, self.n_head_kv
@@ -223,7 +224,9 @@ class NumpyLlama:
             k = self.rope((h @ w[p + "attn_k.weight"].T).reshape(n, Hk, hd), pos)
             v = (h @ w[p + "attn_v.weight"].T).reshape(n, Hk, hd)
             if collect is not None:
-                collect.append((k, v))
+                collect.append((k, v, q))
+            if hook is not None:
+                k, v = hook(l, k, v)
             g = H // Hk
             att = np.empty((n, H, hd), dtype=np.float32)
             for hh in range(H):

@@ -42,30 +42,12 @@ from llama_cpp_peer import Kvpq
 kv = Kvpq(os.environ.get('KVPQ_LIB', os.path.join(ROOT, 'build', 'libkvpq.so')), M, 2)
 
 def fwd(tokens, hook=None, collect=None):
-    self = L; n = len(tokens); w = self.w
-    hd, H, Hk = self.head_dim, self.n_head, self.n_head_kv
-    x = w["token_embd.weight"][np.asarray(tokens)]
-    pos = np.arange(n, dtype=np.float64)
-    mask = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
-    for l in range(self.n_layer):
-        p = f"blk.{l}."
-        h = self.rmsnorm(x, w[p + "attn_norm.weight"])
-        q = self.rope((h @ w[p + "attn_q.weight"].T).reshape(n, H, hd), pos)
-        k = self.rope((h @ w[p + "attn_k.weight"].T).reshape(n, Hk, hd), pos)
-        v = (h @ w[p + "attn_v.weight"].T).reshape(n, Hk, hd)
-        if collect is not None: collect[l].append((k.copy(), v.copy(), q.copy()))
-        if hook is not None: k, v = hook(l, k, v)
-        g = H // Hk
-        att = np.empty((n, H, hd), dtype=np.float32)
-        for hh in range(H):
-            s = q[:, hh, :] @ k[:, hh // g, :].T / math.sqrt(hd) + mask
-            s = np.exp(s - s.max(-1, keepdims=True)); s /= s.sum(-1, keepdims=True)
-            att[:, hh, :] = s @ v[:, hh // g, :]
-        x = x + att.reshape(n, H * hd) @ w[p + "attn_output.weight"].T
-        h = self.rmsnorm(x, w[p + "ffn_norm.weight"])
-        gt = h @ w[p + "ffn_gate.weight"].T; up = h @ w[p + "ffn_up.weight"].T
-        x = x + (gt / (1 + np.exp(-gt)) * up) @ w[p + "ffn_down.weight"].T
-    return self.rmsnorm(x, w["output_norm.weight"]) @ w["output.weight"].T
+    """NumpyLlama.forward; collect (per-layer lists) gets (k, v, q) of each layer."""
+    flat = [] if collect is not None else None
+    logits = L.forward(tokens, collect=flat, hook=hook)
+    for l, kvq in enumerate(flat or []):
+        collect[l].append(kvq)
+    return logits
 
 def had(d):
     Hm = np.array([[1.0]])

@@ -60,7 +60,7 @@ def test_key_mean_and_smoothing_match_numpy_forward_pass(codebook):
     for c0 in range(0, TOKENS, CTX):
         col = []
         ref.forward(toks[c0:c0 + CTX], collect=col)
-        for layer, (k, _) in enumerate(col):
+        for layer, (k, _, _) in enumerate(col):
             keys[layer].append(k)
     for layer in (0, 13, 29):
         k = np.concatenate(keys[layer]).astype(np.float64)  # (TOKENS, n_head_kv, head_dim)
