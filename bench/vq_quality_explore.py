@@ -11,7 +11,7 @@ usage: bench/vq_quality_explore.py CTX '[{"dsub":4,"nbits":8}, {"dsub":4,"nbits"
 config keys: dsub, nbits, sub (per-sub-space codebooks), vrot (rotate values), perhead (codebook per
 KV head), smooth (default true), rot (default true), center (subtract the per-channel key mean),
 sink (first tokens kept exact), window (default 128), qk / qv (quantize keys / values, default true),
-kdsub (key dsub when it differs from dsub),
+kdsub (key dsub when it differs from dsub), vdsub / vnbits (value dsub / nbits when they differ),
 kt: key transform A in k' = H A (k - mu): "lam" (default, A = diag(1/lambda)), "qrms" (A = diag(q_rms^ka),
   q_rms = per-channel RMS of the post-RoPE queries of the KV head's GQA group on the calibration text),
   "qfull" (A = Sigma_q^(ka/2), Sigma_q = pooled query second-moment matrix per layer and KV head);
@@ -21,6 +21,10 @@ vt: value transform B in v' = H B v: "none" (default), "wo" (B = (sum_h W_o,h^T 
   group's query heads), va (default 1); vrot applies the Hadamard H to values; vcenter subtracts the
   per-(KV head, channel) value mean before B (added back after decoding),
 klayers (list: quantize keys only in these layers), k4layers (list: these layers use key dsub 2),
+lamq (lambda = sqrt of this quantile of |K - mu| per channel instead of the max),
+kneq / vneq (norm-explicit: PQ of the direction plus a float16 least-squares scale per vector),
+kout (fraction: keys whose reconstruction error exceeds the calibration quantile 1 - kout stay exact),
+krq / vrq (residual stages: S stages of PQ with dsub * S dims each, same bits),
 kiter (k-means iterations, default 25), kw (weight each calibration key in the key k-means by
   (attention it receives from queries >= 128 positions later)^kw, first 4 tokens of a chunk weight 0;
   kw0 is added to the normalized weights).
@@ -87,7 +91,9 @@ def psd_pow(S, a):  # symmetric power of a PSD matrix
 
 def key_transform(cfg, l, k):  # k (N, Hk, hd) centred -> A (Hk, hd, hd), k' = A k per head (row vectors: k @ A^T)
     kt = cfg.get('kt', 'lam'); a = cfg.get('ka', 1.0)
-    lam = np.maximum(np.sqrt(np.abs(k).max(0)), 1e-2) if cfg.get('smooth', True) else np.ones(k.shape[1:], np.float32)  # (Hk, hd)
+    if not cfg.get('smooth', True): lam = np.ones(k.shape[1:], np.float32)
+    elif cfg.get('lamq'): lam = np.maximum(np.sqrt(np.quantile(np.abs(k), cfg['lamq'], axis=0)), 1e-2).astype(np.float32)  # (Hk, hd)
+    else: lam = np.maximum(np.sqrt(np.abs(k).max(0)), 1e-2)  # (Hk, hd)
     q = Q[l]  # (N, H, hd)
     A = np.empty((k.shape[1], 64, 64), np.float32)
     for h in range(k.shape[1]):
@@ -130,6 +136,31 @@ def attn_received(l, W=128, sink=4):  # (N, Hk): attention mass each calibration
         out[c*2048:c*2048+sink] = 0
     return out
 
+class PQN:
+    """Norm-explicit PQ (Dai et al., AAAI 2020): PQ of the direction x/|x|, plus one per-vector scale
+    s = x.r/|r|^2 (least squares, r = reconstruction of the direction), stored as float16.
+    With stages > 1, residual PQ of the direction (each stage dsub * stages dims, same bits)."""
+    def __init__(self, X, dsub, nbits, sub, w=None, stages=1, scale=True):
+        self.scale = scale
+        U = X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12) if scale else X
+        self.st = []
+        R = U.copy()
+        for i in range(stages):
+            pq = PQ(R, dsub * stages, nbits, sub, w); self.st.append(pq); R = R - pq.rec(R)
+    def rec(self, X):
+        U = X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12) if self.scale else X
+        out = np.zeros_like(X); R = U.copy()
+        for pq in self.st:
+            r = pq.rec(R); out += r; R = R - r
+        if not self.scale: return out
+        sc = (X * out).sum(1) / np.maximum((out * out).sum(1), 1e-20)
+        return out * sc.astype(np.float16).astype(np.float32)[:, None]
+
+def mkpq(X, dsub, nbits, sub, cfg, which, w=None):
+    st = cfg.get(which + 'rq', 1); sc = cfg.get(which + 'neq', False)
+    if st == 1 and not sc: return PQ(X, dsub, nbits, sub, w)
+    return PQN(X, dsub, nbits, sub, w, st, sc)
+
 class PQ:
     def __init__(self, X, dsub, nbits, sub, w=None):  # X (N, d), w (N,) k-means weights
         self.dsub = dsub; self.sub = sub; d = X.shape[1]; self.M = d // dsub
@@ -168,13 +199,17 @@ def build(cfg):
         vt = vt @ HD.T if vrot else vt
         lam = (A, Ai, B, Bi, muv)
         if perhead:
-            kq = [PQ(kt[:, h], kdsub, nbits, sub) for h in range(3)]; vq = [PQ(vt[:, h], dsub, nbits, sub) for h in range(3)]
+            kq = [mkpq(kt[:, h], kdsub, nbits, sub, cfg, 'k') for h in range(3)]; vq = [mkpq(vt[:, h], cfg.get('vdsub', dsub), cfg.get('vnbits', nbits), sub, cfg, 'v') for h in range(3)]
         else:
             kw = None
             if cfg.get('kw'):
                 kw = attn_received(l) ** cfg['kw']; kw = (kw / kw.mean() + cfg.get('kw0', 0.0)).reshape(-1)
-            kq = PQ(kt.reshape(-1, 64), kdsub, nbits, sub, kw); vq = PQ(vt.reshape(-1, 64), dsub, nbits, sub)
-        S.append((lam, kq, vq, mu))
+            kq = mkpq(kt.reshape(-1, 64), kdsub, nbits, sub, cfg, 'k', kw); vq = mkpq(vt.reshape(-1, 64), cfg.get('vdsub', dsub), cfg.get('vnbits', nbits), sub, cfg, 'v')
+        kthr = None
+        if cfg.get('kout') and not perhead:  # error threshold: keys above it stay exact (dense-and-sparse)
+            xs = kt.reshape(-1, 64)[::4]
+            kthr = np.quantile(((xs - kq.rec(xs))**2).sum(1), 1 - cfg['kout'])
+        S.append((lam, kq, vq, mu, kthr))
     return S
 
 def make_hook(S, cfg):
@@ -182,7 +217,7 @@ def make_hook(S, cfg):
     qk = cfg.get('qk', True); qv = cfg.get('qv', True)
     def hook(l, k, v):
         if S[l] is None: return k, v
-        (A, Ai, B, Bi, muv), kq, vq, mu = S[l]; n = k.shape[0]
+        (A, Ai, B, Bi, muv), kq, vq, mu, kthr = S[l]; n = k.shape[0]
         lo, hi = sink, max(sink, n - W)
         if hi <= lo: return k, v
         k = k.copy(); v = v.copy()
@@ -194,6 +229,9 @@ def make_hook(S, cfg):
             kr = np.stack([kq[h].rec(kt[:, h]) for h in range(3)], 1); vr = np.stack([vq[h].rec(vt[:, h]) for h in range(3)], 1)
         else:
             kr = kq.rec(kt.reshape(-1, 64)).reshape(kt.shape); vr = vq.rec(vt.reshape(-1, 64)).reshape(vt.shape)
+        if kthr is not None:  # outlier keys (reconstruction error above the calibrated threshold) stay exact
+            keep = ((kt - kr)**2).sum(-1) > kthr  # (n, Hk)
+            kr = np.where(keep[..., None], kt, kr)
         kr = (kr @ HD) if cfg.get('rot', True) else kr
         vr = (vr @ HD) if vrot else vr
         if qk and ('klayers' not in cfg or l in cfg['klayers']): k[lo:hi] = np.einsum('nhd,hed->nhe', kr, Ai) + mu

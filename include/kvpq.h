@@ -233,14 +233,16 @@ KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int
 /* ---- codebook file (safetensors) ------------------------------------------------------------ */
 
 /* A model's trained codebooks: per layer, key and value quantizers, key mean and smoothing factors.
- * Saved as safetensors (format version 2; version 1 files, without k.mean, load with mu = 0); tensors:
+ * Saved as safetensors (format version 3; version 1 files, without k.mean, load with mu = 0); tensors:
  *   layers.{i}.k.smooth    (n_head_kv, head_dim) F32   key smoothing factors lambda
  *   layers.{i}.k.mean      (n_head_kv, head_dim) F32   per-channel key mean mu (post-RoPE)
  *   layers.{i}.k.codebook  (ksub, dsub) or (M, ksub, dsub) F32
  *   layers.{i}.v.codebook  likewise
  * and metadata (all strings): kvpq.format_version, n_layer, n_head_kv, head_dim, k.M, k.nbits,
- * k.granularity, v.M, v.nbits, v.granularity, v.rotate, k.M.{i} (a layer whose key M differs from
- * k.M, see kvpq_codebook_set_layer_key_M), plus free-form keys (model, text, tokens).
+ * k.granularity, v.M, v.nbits, v.granularity, v.rotate, k.norm, v.norm, k.M.{i} (a layer whose key
+ * M differs from k.M, see kvpq_codebook_set_layer_key_M), plus free-form keys (model, text, tokens).
+ * Format version 3 added k.norm and v.norm (norm-explicit quantizers); versions 1 and 2 load with
+ * both 0.
  */
 typedef struct kvpq_codebook kvpq_codebook;
 
@@ -251,6 +253,19 @@ typedef struct {
     kvpq_pq_params key;     /* key.d == head_dim */
     kvpq_pq_params value;   /* value.d == head_dim */
     int value_rotate;       /* 1: values are Hadamard-rotated before encoding */
+    /* Norm-explicit quantization (Dai et al., "Norm-Explicit Quantization: Improving Vector
+     * Quantization for Maximum Inner Product Search", AAAI 2020), 1 = on, default 0. The layer's key
+     * (key_norm) or value (value_norm) quantizer then codes the direction u = x / |x| of each
+     * transformed vector x (k' = H ((k - mu) / lambda) for keys, v or H v for values), and the VQ
+     * cache stores beside the codes one float16 scale per (token, KV head),
+     * s = x . r / |r|^2 with r the decoded direction (the least-squares fit of x on r; 0 when x or
+     * r is 0), so x_hat = s r. A key's score from codes is s * sum_m LUT[m][code_m] (+ q . mu / sqrt(d));
+     * a value's softmax weight is multiplied by its s before the per-centroid sums. Costs 16 bits
+     * per (token, KV head) on top of the codes (0.25 bits per element at head_dim 64). The codebooks
+     * must be trained on directions (kvpq calibrate --norm 1). The CUDA backend does not support it
+     * (kvpq_cuda_cache_new refuses such quantizers). */
+    int key_norm;
+    int value_norm;
 } kvpq_codebook_params;
 KVPQ_API kvpq_codebook_params kvpq_codebook_params_default(void);
 

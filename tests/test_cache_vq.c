@@ -55,6 +55,9 @@ typedef struct {
 static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_M);
 static kvpq_codebook *make_codebook(int n_layer, const cfg *c) { return make_codebook_m(n_layer, c, NULL); }
 
+/* Norm-explicit quantizers of the codebooks make_codebook builds: bit 0 keys, bit 1 values. */
+static int g_norm = 0;
+
 /* key_M: (n_layer) each layer's key M (per-layer bit allocation), or NULL for c->kpreset's. */
 static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_M) {
     kvpq_codebook_params p = kvpq_codebook_params_default();
@@ -65,6 +68,8 @@ static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_
     cr_assert_eq(kvpq_pq_params_preset(&p.value, c->vpreset, c->head_dim), KVPQ_OK, "%s", kvpq_last_error());
     p.key.granularity = p.value.granularity = c->gran;
     p.value_rotate = c->rotate;
+    p.key_norm = g_norm & 1;
+    p.value_norm = (g_norm >> 1) & 1;
     kvpq_codebook *cb = NULL;
     cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
     for (int l = 0; key_M && l < n_layer; l++)
@@ -90,6 +95,12 @@ static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_
             /* Enough vectors for k-means: n*M >= ksub (shared) or n >= ksub (per sub-space). */
             size_t n = pp.granularity == KVPQ_CODEBOOK_SHARED ? (size_t)(2 * ksub + pp.M - 1) / pp.M : (size_t)2 * ksub;
             float *x = randn(n * pp.d, 1.0f);
+            if ((g_norm >> w) & 1) /* norm-explicit: trained on directions, as kvpq calibrate does */
+                for (size_t i = 0; i < n; i++) {
+                    double ss = 0;
+                    for (int j = 0; j < pp.d; j++) ss += (double)x[i * pp.d + j] * x[i * pp.d + j];
+                    for (int j = 0; j < pp.d; j++) x[i * pp.d + j] /= (float)sqrt(ss);
+                }
             cr_assert_eq(kvpq_pq_train(pq, &kp, n, x, NULL), KVPQ_OK, "%s", kvpq_last_error());
             free(x);
         }
@@ -500,6 +511,107 @@ Test(cache_vq, resident_bytes_accounting) {
     cr_assert_eq(st.tokens_window, W);
     cr_assert_eq(kvpq_cache_truncate(cache, 50), KVPQ_OK);
     cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + page);
+    kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
+}
+
+// ---- norm-explicit quantizers (a float16 scale per vector) ----------------------------------------
+
+/* Attention from codes with per-vector key and/or value scales equals exact attention over read()
+ * (which applies the scales), over GQA ratios, head_dim 64/128/256, nbits 8 and 12, shared and
+ * sub-space codebooks, value rotation, at every SIMD level for one shape. */
+Test(cache_vq, norm_explicit_matches_fp64) {
+    const cfg cs[] = {
+        {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0},
+        {32, 8, 128, "d4b8", "d2b8", KVPQ_CODEBOOK_SHARED, 1},
+        {4, 4, 256, "d8b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 0},
+        {8, 2, 64, "d8b12", "d8b12", KVPQ_CODEBOOK_SHARED, 1},
+    };
+    const int len = quick() ? 260 : 420;
+    for (int f = 1; f < 4; f++) {
+        g_norm = f;
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) run_config(&cs[i], len, 32, 64);
+    }
+    g_norm = 3;
+    for_each_simd(&cs[0], len, 32, 48);
+    g_norm = 0;
+}
+
+/* read() of a norm-explicit cache equals s * decode(encode(u)) mapped back, recomputed here through
+ * the public quantizer: u = x / |x| of the transformed fp16-rounded input, s = x . r / |r|^2 rounded
+ * to float16. Also: the scales are really used (a plain codebook with the same centroids reads
+ * back the unscaled directions), and the resident bytes count one float16 per vector and kind. */
+Test(cache_vq, norm_explicit_read_and_bytes) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    g_norm = 3;
+    kvpq_codebook *cb = make_codebook(1, &c);
+    g_norm = 0;
+    const int W = 16, PT = 48, len = 150, d = 64, nkv = 3;
+    kvpq_cache *cache = make_cache(cb, 1, &c, W, PT, 256);
+    float *k, *v;
+    append_random(cache, 0, &c, len, &k, &v);
+    const int nc = expected_coded(len, W);
+    const size_t row = (size_t)nkv * d, tot = (size_t)len * row, nv = (size_t)nc * nkv;
+    float *kh = malloc(tot * sizeof(float)), *vh = malloc(tot * sizeof(float));
+    cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
+    const float *lam = kvpq_codebook_key_smooth_const(cb, 0), *mu = kvpq_codebook_key_mean_const(cb, 0);
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(KVPQ_SIMD_SCALAR);
+    float *x = malloc(tot * sizeof(float)), *r = malloc(tot * sizeof(float));
+    uint8_t *codes = malloc(nv * 64);
+    uint16_t *h = malloc(tot * sizeof(uint16_t));
+    for (int w = 0; w < 2; w++) {
+        K->f32_to_f16(tot, w ? v : k, h);
+        K->f16_to_f32(tot, h, x);
+        if (!w)
+            for (size_t i = 0; i < tot; i++) x[i] = (x[i] - mu[i % row]) / lam[i % row];
+        kvpq_hadamard(x, (size_t)len * nkv, d);
+        float *sc = malloc(nv * sizeof(float));
+        for (size_t i = 0; i < nv; i++) {
+            double ss = 0;
+            for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
+            sc[i] = (float)sqrt(ss);
+            for (int j = 0; j < d; j++) x[i * d + j] *= 1.0f / sc[i];
+        }
+        const kvpq_pq *pq = kvpq_codebook_pq_const(cb, 0, w);
+        cr_assert_eq(kvpq_pq_encode(pq, nv, x, codes), KVPQ_OK);
+        cr_assert_eq(kvpq_pq_decode(pq, nv, codes, r), KVPQ_OK);
+        for (size_t i = 0; i < nv; i++) {
+            double ur = 0, rr = 0;
+            for (int j = 0; j < d; j++) {
+                ur += (double)x[i * d + j] * r[i * d + j];
+                rr += (double)r[i * d + j] * r[i * d + j];
+            }
+            cr_assert(rr > 0);
+            float s = (float)(sc[i] * ur / rr);
+            uint16_t s16;
+            K->f32_to_f16(1, &s, &s16);
+            K->f16_to_f32(1, &s16, &s);
+            cr_assert(s > 0.5f * sc[i] && s < 2.0f * sc[i], "scale %g vs norm %g", (double)s, (double)sc[i]);
+            for (int j = 0; j < d; j++) r[i * d + j] *= s;
+        }
+        free(sc);
+        kvpq_hadamard(r, nv, d);
+        for (size_t i = 0; i < nv * d; i++) {
+            float want = w ? r[i] : r[i] * lam[i % row] + mu[i % row];
+            float got = (w ? vh : kh)[i];
+            cr_assert_float_eq(got, want, 1e-4f * (1.0f + fabsf(want)), "%s coded element %zu: %g vs %g",
+                               w ? "v" : "k", i, (double)got, (double)want);
+        }
+    }
+    /* Pages hold codes (16 + 16 bytes) and two float16 scales per (token, KV head). */
+    size_t books = (kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 0)) +
+                    kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 1))) * 4 + 2 * row * 4;
+    size_t ring = 2 * (size_t)(W + FLUSH) * row * 2, page = (size_t)nkv * PT * (16 + 16 + 2 + 2);
+    size_t pages = (size_t)(nc + PT - 1) / PT;
+    cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + pages * page);
+    free(x);
+    free(r);
+    free(codes);
+    free(h);
+    free(k);
+    free(v);
+    free(kh);
+    free(vh);
     kvpq_cache_free(cache);
     kvpq_codebook_free(cb);
 }

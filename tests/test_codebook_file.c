@@ -292,13 +292,16 @@ Test(codebook_file, accessors_and_metadata) {
     cr_assert_eq(kvpq_codebook_key_mean(cb, 2)[15], 0.0f);  /* no centering until trained */
     cr_assert_null(kvpq_codebook_key_mean(cb, 3));
     /* Config keys are listed and read-only. */
-    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "kvpq.format_version"), "2");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "kvpq.format_version"), "3");
     cr_assert_str_eq(kvpq_codebook_get_meta(cb, "n_layer"), "3");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "k.norm"), "0");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "v.norm"), "0");
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "k.norm", "1"), KVPQ_ERR_INVALID_ARG);
     cr_assert_str_eq(kvpq_codebook_get_meta(cb, "v.granularity"), "subspace");
     cr_assert_str_eq(kvpq_codebook_get_meta(cb, "k.granularity"), "shared");
     cr_assert_str_eq(kvpq_codebook_get_meta(cb, "v.rotate"), "1");
     size_t n0 = kvpq_codebook_meta_count(cb);
-    cr_assert_eq(n0, 11);
+    cr_assert_eq(n0, 13);
     cr_assert_eq(kvpq_codebook_set_meta(cb, "n_layer", "5"), KVPQ_ERR_INVALID_ARG);
     cr_assert_str_eq(kvpq_codebook_get_meta(cb, "n_layer"), "3");
     cr_assert_eq(kvpq_codebook_set_meta(cb, "bad", "\xff\xfe"), KVPQ_ERR_INVALID_ARG);
@@ -375,6 +378,8 @@ Test(codebook_file, version_1_file_loads_without_key_mean) {
         snprintf(name, sizeof name, "layers.%d.k.mean", l);
         cJSON_DeleteItemFromObjectCaseSensitive(p.root, name); /* its bytes stay, unreferenced */
     }
+    set_meta_str(&p, "k.norm", NULL); /* added in version 3 */
+    set_meta_str(&p, "v.norm", NULL);
     set_meta_str(&p, "kvpq.format_version", "1");
     write_parsed(old, &p);
     free_parsed(&p);
@@ -388,10 +393,47 @@ Test(codebook_file, version_1_file_loads_without_key_mean) {
                                 kvpq_pq_centroids(kvpq_codebook_pq_const(b, l, v)),
                                 kvpq_pq_centroids_size(kvpq_codebook_pq_const(a, l, v)) * 4), 0);
     }
-    /* Saved again, it becomes a version 2 file. */
-    cr_assert_str_eq(kvpq_codebook_get_meta(b, "kvpq.format_version"), "2");
+    /* Saved again, it becomes a version 3 file (no norm-explicit quantizers). */
+    cr_assert_str_eq(kvpq_codebook_get_meta(b, "kvpq.format_version"), "3");
+    cr_assert_eq(kvpq_codebook_get_params(b).key_norm, 0);
+    cr_assert_eq(kvpq_codebook_get_params(b).value_norm, 0);
     kvpq_codebook_free(a);
     kvpq_codebook_free(b);
+}
+
+/* A version 2 file (before k.norm / v.norm) loads with both 0; norm flags round-trip in version 3. */
+Test(codebook_file, version_2_file_and_norm_flags) {
+    const char *good = save_small(), *old = path_in("v2.safetensors"), *nf = path_in("norm.safetensors");
+    parsed p = parse_file(good);
+    cJSON *meta = cJSON_GetObjectItemCaseSensitive(p.root, "__metadata__");
+    cJSON_DeleteItemFromObjectCaseSensitive(meta, "k.norm");
+    cJSON_DeleteItemFromObjectCaseSensitive(meta, "v.norm");
+    set_meta_str(&p, "kvpq.format_version", "2");
+    write_parsed(old, &p);
+    free_parsed(&p);
+    kvpq_codebook *b, *c;
+    cr_assert_eq(kvpq_codebook_load(&b, old), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_get_params(b).key_norm, 0);
+    cr_assert_eq(kvpq_codebook_get_params(b).value_norm, 0);
+    kvpq_codebook_free(b);
+    for (int f = 1; f < 4; f++) {
+        kvpq_codebook_params q = small_params(2);
+        q.key_norm = f & 1;
+        q.value_norm = f >> 1;
+        kvpq_codebook *a = random_codebook(&q);
+        cr_assert_eq(kvpq_codebook_save(a, nf), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_load(&c, nf), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_get_params(c).key_norm, f & 1);
+        cr_assert_eq(kvpq_codebook_get_params(c).value_norm, f >> 1);
+        cr_assert_str_eq(kvpq_codebook_get_meta(c, "k.norm"), (f & 1) ? "1" : "0");
+        assert_same(a, c);
+        kvpq_codebook_free(a);
+        kvpq_codebook_free(c);
+    }
+    kvpq_codebook_params q = small_params(2);
+    q.key_norm = 2;
+    cr_assert_eq(kvpq_codebook_new(&c, &q), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "key_norm=2"), "%s", kvpq_last_error());
 }
 
 /* ---- rejection -------------------------------------------------------------------------------- */
@@ -565,7 +607,7 @@ Test(codebook_file, mixed_key_M_round_trip_is_bit_identical) {
         cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.M.0")->valuestring, "8");
         cr_assert_null(cJSON_GetObjectItemCaseSensitive(meta, "k.M.1"));
         cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.M.2")->valuestring, "1");
-        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "kvpq.format_version")->valuestring, "2");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "kvpq.format_version")->valuestring, "3");
         const char *want[2][3] = {{"[4,1]", "[4,2]", "[4,8]"}, {"[8,4,1]", "[4,4,2]", "[1,4,8]"}};
         for (int l = 0; l < 3; l++) {
             char name[32];
@@ -772,8 +814,11 @@ Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
 Test(codebook_file, format_version_and_config_metadata_are_checked) {
     const char *good = save_small(), *bad = path_in("bad.safetensors");
     struct { const char *key, *value; kvpq_status s; const char *msg; } cases[] = {
-        {"kvpq.format_version", "3", KVPQ_ERR_UNSUPPORTED, "format version '3'"},
-        {"kvpq.format_version", "1", KVPQ_ERR_FORMAT, "unexpected tensor 'layers.0.k.mean' (a version 1 file"},
+        {"kvpq.format_version", "4", KVPQ_ERR_UNSUPPORTED, "format version '4'"},
+        {"kvpq.format_version", "2", KVPQ_ERR_FORMAT, "k.norm / v.norm appear in a version 2 file"},
+        {"k.norm", NULL, KVPQ_ERR_FORMAT, "metadata k.norm is missing"},
+        {"v.norm", "2", KVPQ_ERR_FORMAT, "v.norm"},
+        {"kvpq.format_version", "1", KVPQ_ERR_FORMAT, "k.norm / v.norm appear in a version 1 file"},
         {"kvpq.format_version", "", KVPQ_ERR_UNSUPPORTED, "format version ''"},
         {"kvpq.format_version", NULL, KVPQ_ERR_FORMAT, "kvpq.format_version is missing"},
         {"n_layer", "3", KVPQ_ERR_FORMAT, "tensor layers.2.k.smooth is missing"},
@@ -802,8 +847,16 @@ Test(codebook_file, format_version_and_config_metadata_are_checked) {
         expect_fail(bad, cases[i].s, cases[i].msg, NULL);
         free_parsed(&p);
     }
-    /* A metadata value that is not a string. */
+    /* A version 1 file must not hold k.mean (added in version 2). */
     parsed p = parse_file(good);
+    set_meta_str(&p, "k.norm", NULL);
+    set_meta_str(&p, "v.norm", NULL);
+    set_meta_str(&p, "kvpq.format_version", "1");
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "unexpected tensor 'layers.0.k.mean' (a version 1 file", NULL);
+    free_parsed(&p);
+    /* A metadata value that is not a string. */
+    p = parse_file(good);
     cJSON *meta = cJSON_GetObjectItemCaseSensitive(p.root, "__metadata__");
     cJSON_ReplaceItemInObjectCaseSensitive(meta, "n_layer", cJSON_CreateNumber(2));
     write_parsed(bad, &p);

@@ -7,6 +7,7 @@
  * (VecInfer, arXiv 2510.06175, sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
  * k-means on the transformed data (all KV heads of a layer pooled). Writes a safetensors codebook
  * file (kvpq_codebook_save) with the model, text, token count and configuration as metadata. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,7 +16,7 @@
 
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity, *keys_layers;
-    long tokens, ctx, iters, threads, value_rotate, max_ppc, center;
+    long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm;
     long seed;
 } calib_args;
 
@@ -32,6 +33,9 @@ static void calib_usage(FILE *f) {
             "                        subspace: (M, ksub, dsub), as faiss (default shared)\n"
             "  --value-rotate 0|1    Hadamard-rotate values before encoding (default 0)\n"
             "  --center 0|1          subtract the per-(KV head, channel) key mean before smoothing (default 1)\n"
+            "  --key-norm 0|1        norm-explicit keys: code the direction, keep a float16 scale per vector\n"
+            "                        (Dai et al., AAAI 2020; +16 bits per key vector) (default 1)\n"
+            "  --value-norm 0|1      likewise for values (default 1)\n"
             "  --iters N             k-means Lloyd iterations (default 25)\n"
             "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
             "  --seed S              k-means seed (default 1234)\n"
@@ -40,7 +44,7 @@ static void calib_usage(FILE *f) {
 
 static int parse_args(int argc, char **argv, calib_args *a) {
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
-                      .seed = 1234, .max_ppc = -1, .center = 1};
+                      .seed = 1234, .max_ppc = -1, .center = 1, .key_norm = 1, .value_norm = 1};
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -75,6 +79,8 @@ static int parse_args(int argc, char **argv, calib_args *a) {
         INT_OPT("--threads", threads, 0, 1024)
         INT_OPT("--value-rotate", value_rotate, 0, 1)
         INT_OPT("--center", center, 0, 1)
+        INT_OPT("--key-norm", key_norm, 0, 1)
+        INT_OPT("--value-norm", value_norm, 0, 1)
         INT_OPT("--max-points-per-centroid", max_ppc, 1, 1L << 20)
         INT_OPT("--seed", seed, 0, 0x7fffffffL)
 #undef STR_OPT
@@ -148,6 +154,16 @@ static int apply_keys_layers(kvpq_codebook *cb, const char *spec, int n_layer, i
     return 1;
 }
 
+/* x (n, d): each row divided by its L2 norm (zero rows stay zero). */
+static void normalize_rows(float *x, size_t n, int d) {
+    for (size_t i = 0; i < n; i++) {
+        double ss = 0;
+        for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
+        const float inv = ss > 0 ? (float)(1.0 / sqrt(ss)) : 0.0f;
+        for (int j = 0; j < d; j++) x[i * d + j] *= inv;
+    }
+}
+
 static const char *base_name(const char *p) {
     const char *s = strrchr(p, '/');
     return s ? s + 1 : p;
@@ -187,6 +203,8 @@ int cmd_calibrate(int argc, char **argv) {
     cp.n_head_kv = mi.n_head_kv;
     cp.head_dim = mi.head_dim;
     cp.value_rotate = (int)a.value_rotate;
+    cp.key_norm = (int)a.key_norm;
+    cp.value_norm = (int)a.value_norm;
     if ((s = kvpq_pq_params_preset(&cp.key, a.keys, mi.head_dim)) != KVPQ_OK ||
         (s = kvpq_pq_params_preset(&cp.value, a.values, mi.head_dim)) != KVPQ_OK) {
         rc = cli_fail("calibrate", s);
@@ -295,6 +313,9 @@ int cmd_calibrate(int argc, char **argv) {
             rc = cli_fail("calibrate: smoothing and rotation", s);
             goto done;
         }
+        /* Norm-explicit quantizers are trained on directions (the cache keeps the scale). */
+        if (a.key_norm) normalize_rows(kd, n_use * H, D);
+        if (a.value_norm) normalize_rows(vd, n_use * H, D);
         kvpq_kmeans_report rk, rv;
         km.max_points_per_centroid = a.max_ppc > 0 ? (int)a.max_ppc : (cp.key.nbits > 8 ? 32 : 256);
         if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 0), &km, n_use * H, kd, &rk)) != KVPQ_OK) {

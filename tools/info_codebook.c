@@ -6,7 +6,7 @@
 
 static const char *const config_keys[] = {
     "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
-    "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate",
+    "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate", "k.norm", "v.norm",
 };
 
 static int is_config_key(const char *k) {
@@ -49,8 +49,8 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
     printf("file:            %s\n", path);
     printf("format:          kvpq codebook (safetensors), version %s\n",
            kvpq_codebook_get_meta(cb, "kvpq.format_version"));
-    printf("n_layer=%d n_head_kv=%d head_dim=%d value_rotate=%d\n", p.n_layer, p.n_head_kv, p.head_dim,
-           p.value_rotate);
+    printf("n_layer=%d n_head_kv=%d head_dim=%d value_rotate=%d key_norm=%d value_norm=%d\n", p.n_layer, p.n_head_kv,
+           p.head_dim, p.value_rotate, p.key_norm, p.value_norm);
     print_pq("key", &p.key);
     /* Layers whose key M differs from k.M (per-layer bit allocation), as runs of equal M. */
     double key_bits = 0; /* code bits per key vector, summed over layers */
@@ -68,8 +68,10 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
         l = e + 1;
     }
     print_pq("value", &p.value);
-    printf("bits/element (K and V together): %.3f\n",
-           (key_bits / p.n_layer + (double)p.value.M * p.value.nbits) / (2.0 * p.head_dim));
+    /* Codes, plus one float16 scale per vector of a norm-explicit quantizer. */
+    printf("bits/element (K and V together, codes and per-vector scales): %.3f\n",
+           (key_bits / p.n_layer + (double)p.value.M * p.value.nbits + 16.0 * (p.key_norm + p.value_norm)) /
+               (2.0 * p.head_dim));
 
     size_t n_free = 0;
     for (size_t i = 0; i < kvpq_codebook_meta_count(cb); i++) {

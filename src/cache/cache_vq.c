@@ -36,6 +36,13 @@
  *   n_coded depends only on len (and on truncation), so the split never depends on how the data
  *   was chunked into appends. Encoding starts from the fp16-rounded token (as stored in the
  *   window), so a token's codes do not depend on when it left the window either.
+ * Norm-explicit quantizers (kvpq_codebook_params.key_norm / value_norm; Dai et al., AAAI 2020):
+ * the quantizer codes the direction u = x / |x| of the transformed vector x, and a float16 scale
+ * s = x . r / |r|^2 per (token, KV head) (r = decoded direction) follows the V codes in the page,
+ * (n_head_kv, page_tokens) for keys then for values, so x_hat = s r. A coded key's score is then
+ * s * sum_m LUT[m][code_m] + q . mu / sqrt(d) (the mean term is added after the scaling, not
+ * folded into the LUT), and a coded value's softmax weight p(t) enters the per-centroid sums as
+ * p(t) s(t) while the softmax denominator keeps p(t). Fast-scan is not used with norm-explicit keys.
  * Truncation below n_coded keeps the remaining positions as codes (their full precision is gone);
  * the window refills from the next appends. */
 #include <math.h>
@@ -59,7 +66,8 @@
 typedef struct {
     uint8_t **pages;  /* (max_pages) each page_bytes: K codes then V codes, see above */
     size_t kcs;       /* bytes of one K code vector: this layer's key M (kvpq_codebook_layer_key_M) */
-    size_t page_bytes;/* n_head_kv * page_tokens * (kcs + vcs) */
+    size_t page_bytes;/* n_head_kv * page_tokens * (kcs + vcs), then the scales (see vq_scales) */
+    size_t scale_off; /* byte offset of the K scales in a page (4-byte aligned) */
     int fast_scan;    /* st->fast_scan and this layer's key M <= 256 */
     int n_pages;      /* pages allocated: [0, n_pages) are non-NULL */
     uint16_t *wk;     /* (n_head_kv, cap, head_dim) fp16 window keys; NULL until the first append */
@@ -80,6 +88,7 @@ typedef struct {          /* per-thread scratch, sized at creation: nothing allo
     float *ws;            /* (cap) window scores */
     float *o;             /* (gp, head_dim) merged output of one group */
     float *ow;            /* (head_dim) window output of one head */
+    float *tsc;           /* (VQ_CHUNK) per-token scales of one segment, norm-explicit quantizers */
 } vq_scratch;
 
 typedef struct {
@@ -88,6 +97,7 @@ typedef struct {
     int gp;               /* group padded to 1, 4, 8 or a multiple of 16 lanes */
     int window, cap, page_tokens, max_pages, n_threads;
     int value_rotate;
+    int k_norm, v_norm;   /* norm-explicit key / value quantizers: a float16 scale per (token, KV head) */
     int fast_scan;        /* params.vq_fast_scan and 8-bit key codes (per layer: also M <= 256) */
     float scale;          /* 1 / sqrt(head_dim) */
     kvpq_pq_params vp;    /* value quantizer params; the key's M varies by layer (kpq[l]->p) */
@@ -104,6 +114,10 @@ typedef struct {
     size_t xk_cap, xv_cap;/* floats */
     uint8_t *ck, *cv;     /* (tokens to encode, n_head_kv, code size) the encoded batch */
     size_t ck_cap, cv_cap;/* bytes */
+    float *xr;            /* (tokens to encode * n_head_kv, head_dim) decoded directions (norm-explicit) */
+    size_t xr_cap;        /* floats */
+    uint16_t *sk, *sv;    /* (tokens to encode, n_head_kv) float16 scales of the encoded batch */
+    size_t sk_cap, sv_cap;/* elements */
     uint16_t *h16;        /* (n_head_kv, head_dim) fp16 staging of one token */
     float *part;          /* (part_cap) per attention job: m (gp), d (gp), o (gp, head_dim) */
     size_t part_cap;      /* floats */
@@ -129,6 +143,15 @@ static uint8_t *vq_vcodes(const vq_state *st, const vq_layer *L, int h, int pos)
            ((size_t)h * st->page_tokens + pos % st->page_tokens) * st->vcs;
 }
 
+/* The float16 scales of KV head h from position pos to the end of its page: is_value 0 for keys,
+ * 1 for values (norm-explicit quantizers only). */
+static uint16_t *vq_scales(const vq_state *st, const vq_layer *L, int is_value, int h, int pos) {
+    uint16_t *base = (uint16_t *)(L->pages[pos / st->page_tokens] + L->scale_off);
+    const size_t per = (size_t)st->n_head_kv * st->page_tokens; /* scales of one kind in a page */
+    const size_t off_k = 0, off_v = st->k_norm ? per : 0;
+    return base + (is_value ? off_v : off_k) + (size_t)h * st->page_tokens + pos % st->page_tokens;
+}
+
 static void vq_scratch_free(vq_scratch *s) {
     free(s->qr);
     free(s->lut);
@@ -144,6 +167,7 @@ static void vq_scratch_free(vq_scratch *s) {
     free(s->ws);
     free(s->o);
     free(s->ow);
+    free(s->tsc);
 }
 
 static void vq_destroy(void *state) {
@@ -170,6 +194,9 @@ static void vq_destroy(void *state) {
     free(st->xv);
     free(st->ck);
     free(st->cv);
+    free(st->xr);
+    free(st->sk);
+    free(st->sv);
     free(st->h16);
     free(st->part);
     free(st);
@@ -245,7 +272,9 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     if (st->n_threads < 1) st->n_threads = 1;
     st->value_rotate = cp.value_rotate != 0;
     st->scale = 1.0f / sqrtf((float)p->head_dim);
-    st->fast_scan = p->vq_fast_scan && cp.key.nbits == 8;
+    st->k_norm = cp.key_norm != 0;
+    st->v_norm = cp.value_norm != 0;
+    st->fast_scan = p->vq_fast_scan && cp.key.nbits == 8 && !st->k_norm;
     st->vp = cp.value;
     st->k_ksub = 1 << cp.key.nbits;
     st->v_ksub = 1 << cp.value.nbits;
@@ -271,7 +300,9 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         vq_layer *L = &st->layers[l];
         const int Mk = st->kpq[l]->p.M; /* this layer's key M: the scratch is sized for the largest */
         L->kcs = kvpq_codes_size(Mk, st->kpq[l]->p.nbits);
-        L->page_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs);
+        L->scale_off = ((size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs) + 3) / 4 * 4;
+        L->page_bytes = L->scale_off + (size_t)(st->k_norm + st->v_norm) * p->n_head_kv * p->page_tokens * sizeof(uint16_t);
+        if (!st->k_norm && !st->v_norm) L->page_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs);
         L->fast_scan = st->fast_scan && Mk <= 256;
         if (Mk > mk_max) mk_max = Mk;
         if (L->fast_scan && Mk > mk_fs) mk_fs = Mk;
@@ -297,6 +328,8 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         s->ws = calloc(st->cap, sizeof(float));
         s->o = calloc((size_t)gp * d, sizeof(float));
         s->ow = calloc(d, sizeof(float));
+        s->tsc = calloc(VQ_CHUNK, sizeof(float));
+        if (!s->tsc) goto nomem;
         if (!s->qr || !s->lut || !s->table || !s->s || !s->idx || !s->rescale || !s->wkf || !s->wvf ||
             !s->ws || !s->o || !s->ow)
             goto nomem;
@@ -316,6 +349,42 @@ static kvpq_status vq_grow(void **buf, size_t *cap, size_t want, size_t elem) {
     if (!nb) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory (%zu bytes)", want * elem);
     *buf = nb;
     *cap = want;
+    return KVPQ_OK;
+}
+
+/* Encode nv transformed vectors x (nv, head_dim) with pq into codes (nv, code size). With a
+ * norm-explicit quantizer (norm = 1) x is replaced by its directions u = x / |x| (0 stays 0), u is
+ * encoded, and scales (nv) get s = x . r / |r|^2 in float16 (r = decoded u; s = 0 when x or r is
+ * 0). Fails with KVPQ_ERR_INVALID_ARG, before anything is stored, when a scale exceeds float16. */
+static kvpq_status vq_encode(vq_state *st, const kvpq_pq *pq, int norm, int layer, const char *what, size_t nv,
+                             float *x, uint8_t *codes, uint16_t *scales) {
+    if (!norm) return kvpq_pq_encode(pq, nv, x, codes);
+    const int d = st->head_dim;
+    KVPQ_TRY(vq_grow((void **)&st->xr, &st->xr_cap, nv * d + nv, sizeof(float)));
+    float *r = st->xr, *nrm = st->xr + nv * d; /* (nv, d) decoded directions, (nv) norms then scales */
+    for (size_t i = 0; i < nv; i++) {
+        double ss = 0;
+        for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
+        nrm[i] = (float)sqrt(ss);
+        const float inv = nrm[i] > 0.0f ? 1.0f / nrm[i] : 0.0f;
+        for (int j = 0; j < d; j++) x[i * d + j] *= inv;
+    }
+    KVPQ_TRY(kvpq_pq_encode(pq, nv, x, codes));
+    KVPQ_TRY(kvpq_pq_decode(pq, nv, codes, r));
+    for (size_t i = 0; i < nv; i++) {
+        double ur = 0, rr = 0;
+        for (int j = 0; j < d; j++) {
+            ur += (double)x[i * d + j] * r[i * d + j];
+            rr += (double)r[i * d + j] * r[i * d + j];
+        }
+        const double sc = rr > 0 ? nrm[i] * ur / rr : 0.0;
+        if (!(fabs(sc) <= VQ_FP16_MAX))
+            return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                             "VQ cache layer %d: the norm-explicit %s scale of vector %zu (head %zu of the batch) is %g, beyond float16",
+                             layer, what, i, i % (size_t)st->n_head_kv, sc);
+        nrm[i] = (float)sc;
+    }
+    kvpq__vq_kernels(kvpq_simd_get())->f32_to_f16(nv, nrm, scales);
     return KVPQ_OK;
 }
 
@@ -392,13 +461,17 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
         }
         KVPQ_TRY(kvpq_hadamard(st->xk, nv, d));
         if (st->value_rotate) KVPQ_TRY(kvpq_hadamard(st->xv, nv, d));
-        KVPQ_TRY(kvpq_pq_encode(st->kpq[layer], nv, st->xk, st->ck));
-        KVPQ_TRY(kvpq_pq_encode(st->vpq[layer], nv, st->xv, st->cv));
+        if (st->k_norm) KVPQ_TRY(vq_grow((void **)&st->sk, &st->sk_cap, nv, sizeof(uint16_t)));
+        if (st->v_norm) KVPQ_TRY(vq_grow((void **)&st->sv, &st->sv_cap, nv, sizeof(uint16_t)));
+        KVPQ_TRY(vq_encode(st, st->kpq[layer], st->k_norm, layer, "key", nv, st->xk, st->ck, st->sk));
+        KVPQ_TRY(vq_encode(st, st->vpq[layer], st->v_norm, layer, "value", nv, st->xv, st->cv, st->sv));
         for (int t = first; t < target; t++)
             for (int h = 0; h < nkv; h++) {
                 size_t r = (size_t)(t - first) * nkv + h;
                 memcpy(vq_kcodes(st, L, h, t), st->ck + r * L->kcs, L->kcs);
                 memcpy(vq_vcodes(st, L, h, t), st->cv + r * st->vcs, st->vcs);
+                if (st->k_norm) *vq_scales(st, L, 0, h, t) = st->sk[r];
+                if (st->v_norm) *vq_scales(st, L, 1, h, t) = st->sv[r];
             }
     }
     /* New tokens that stay in the window go to their ring slots (after the encode read the ring). */
@@ -462,13 +535,16 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     for (int g = 0; g < G; g++)
         for (int i = 0; i < d; i++) qt[(size_t)i * gp + g] = s->qr[(size_t)g * d + i];
     K->lut_build(kpq->p.M, kpq->ksub, kpq->dsub, kpq->n_books, kpq->centroids, gp, qt, s->lut);
-    /* Coded keys are centered: add q . mu_h / sqrt(d) once per score, through LUT row m = 0. */
+    /* Coded keys are centered: add q . mu_h / sqrt(d) once per score, through LUT row m = 0 (after
+     * the per-token scaling instead, for norm-explicit keys). */
     const float *mu = st->mean[layer] + (size_t)h * d;
+    float kb[64] = {0}; /* (gp) the mean term of norm-explicit keys */
     for (int g = 0; g < G; g++) {
         float b = 0.0f;
         for (int j = 0; j < d; j++) b += q[(size_t)g * d + j] * mu[j];
         b *= st->scale;
-        if (b != 0.0f)
+        if (st->k_norm) kb[g] = b;
+        else if (b != 0.0f)
             for (int c = 0; c < kpq->ksub; c++) s->lut[(size_t)c * gp + g] += b;
     }
     if (L->fast_scan) kvpq__vq_lut_quantize(kpq->p.M, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
@@ -498,6 +574,11 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
                 kvpq_codes_unpack(Mk, kpq->p.nbits, n, kc, s->idx);
                 K->score_u16(n, Mk, kpq->ksub, gp, s->idx, s->lut, sc);
             }
+            if (st->k_norm) { /* score = s(t) * sum_m LUT + q . mu / sqrt(d) */
+                K->f16_to_f32(n, vq_scales(st, L, 0, h, t), s->tsc);
+                for (int i = 0; i < n; i++)
+                    for (int g = 0; g < gp; g++) sc[(size_t)i * gp + g] = sc[(size_t)i * gp + g] * s->tsc[i] + kb[g];
+            }
             t += n;
         }
         float mx[64];
@@ -523,6 +604,11 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             const uint8_t *vc = vq_vcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
             K->softmax_step(n, gp, sc, pm, pd, s->rescale); /* factor 1: pm is already the block max */
+            if (st->v_norm) { /* the denominator took p(t); the value sums take p(t) s(t) */
+                K->f16_to_f32(n, vq_scales(st, L, 1, h, t), s->tsc);
+                for (int i = 0; i < n; i++)
+                    for (int g = 0; g < gp; g++) sc[(size_t)i * gp + g] *= s->tsc[i];
+            }
             if (dec) {
                 K->accum_dec_u8(n, Mv, vpq->dsub, vpq->n_books, vpq->centroids, gp, G, vc, sc, po);
             } else if (vbits8) {
@@ -694,6 +780,14 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
                            which ? vq_vcodes(st, L, h, t) : vq_kcodes(st, L, h, t), sz);
             rc = kvpq_pq_decode(which ? st->vpq[layer] : st->kpq[layer], nv, codes, x);
             if (rc != KVPQ_OK) break;
+            if (which ? st->v_norm : st->k_norm)
+                for (int t = pos0; t < c1; t++)
+                    for (int h = 0; h < nkv; h++) {
+                        float sc;
+                        K->f16_to_f32(1, vq_scales(st, L, which, h, t), &sc);
+                        float *xr = x + ((size_t)(t - pos0) * nkv + h) * d;
+                        for (int j = 0; j < d; j++) xr[j] *= sc;
+                    }
             if (!which || st->value_rotate) rc = kvpq_hadamard(x, nv, d);
             if (rc != KVPQ_OK) break;
             for (size_t r = 0; r < nv; r++) {

@@ -123,6 +123,11 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     if (p->key->p.d != p->head_dim || p->value->p.d != p->head_dim)
         return kvpq__err(KVPQ_ERR_MISMATCH, "kvpq_cuda_cache_new: quantizer d (key %d, value %d) != head_dim %d",
                          p->key->p.d, p->value->p.d, p->head_dim);
+    if (p->key->norm_explicit || p->value->norm_explicit)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "kvpq_cuda_cache_new: the %s quantizer is norm-explicit (codebook k.norm / v.norm = 1): "
+                         "the CUDA backend does not store per-vector scales; use the CPU cache",
+                         p->key->norm_explicit ? "key" : "value");
     KVPQ_TRY(kvpq__cuda_require("kvpq_cuda_cache_new"));
 
     kvpq_cuda_cache *c = (kvpq_cuda_cache *)calloc(1, sizeof *c);

@@ -35,10 +35,10 @@
 #define CB_MAX_HEAD_DIM 65536
 
 /* Metadata keys derived from the params (read-only through set_meta), in the order written. */
-enum { CB_N_CONFIG = 11 };
+enum { CB_N_CONFIG = 13 };
 static const char *const cb_config_keys[CB_N_CONFIG] = {
     "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
-    "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate",
+    "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate", "k.norm", "v.norm",
 };
 
 /* Tensor kinds of one layer, in file order. */
@@ -97,6 +97,10 @@ static kvpq_status params_check(const kvpq_codebook_params *p) {
     }
     if (p->value_rotate != 0 && p->value_rotate != 1)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook value_rotate=%d: expected 0 or 1", p->value_rotate);
+    if (p->key_norm != 0 && p->key_norm != 1)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key_norm=%d: expected 0 or 1", p->key_norm);
+    if (p->value_norm != 0 && p->value_norm != 1)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook value_norm=%d: expected 0 or 1", p->value_norm);
     return KVPQ_OK;
 }
 
@@ -241,6 +245,8 @@ static kvpq_status meta_put_config(kvpq_codebook *cb) {
     snprintf(v[8], sizeof v[8], "%d", p->value.nbits);
     snprintf(v[9], sizeof v[9], "%s", granularity_name(p->value.granularity));
     snprintf(v[10], sizeof v[10], "%d", p->value_rotate);
+    snprintf(v[11], sizeof v[11], "%d", p->key_norm);
+    snprintf(v[12], sizeof v[12], "%d", p->value_norm);
     for (int i = 0; i < CB_N_CONFIG; i++) KVPQ_TRY(meta_put(cb, cb_config_keys[i], v[i]));
     return KVPQ_OK;
 }
@@ -270,6 +276,7 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
             kvpq_codebook_free(cb);
             return s;
         }
+        cb->pq[i]->norm_explicit = (i & 1) ? p->value_norm : p->key_norm;
     }
     kvpq_status s = meta_put_config(cb);
     if (s != KVPQ_OK) {
@@ -338,6 +345,7 @@ kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M) {
         kvpq_pq_free(pq);
         return s;
     }
+    pq->norm_explicit = cb->p.key_norm;
     kvpq_pq_free(cb->pq[2 * layer]);
     cb->pq[2 * layer] = pq;
     return KVPQ_OK;
@@ -651,10 +659,11 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(meta, "kvpq.format_version");
     if (!ver) return kvpq__err(KVPQ_ERR_FORMAT, "metadata kvpq.format_version is missing (not a kvpq codebook file)");
     if (!strcmp(ver->valuestring, "1")) *version = 1;
-    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 2;
+    else if (!strcmp(ver->valuestring, "2")) *version = 2;
+    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 3;
     else
         return kvpq__err(KVPQ_ERR_UNSUPPORTED,
-                         "format version '%.32s' is not supported: this build reads versions 1 and %s",
+                         "format version '%.32s' is not supported: this build reads versions 1, 2 and %s",
                          ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION);
     memset(p, 0, sizeof *p);
     KVPQ_TRY(meta_int(meta, "n_layer", 1, CB_MAX_LAYER, &p->n_layer));
@@ -667,6 +676,13 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     KVPQ_TRY(meta_int(meta, "v.nbits", 1, 64, &p->value.nbits));
     KVPQ_TRY(meta_granularity(meta, "v.granularity", &p->value.granularity));
     KVPQ_TRY(meta_int(meta, "v.rotate", 0, 1, &p->value_rotate));
+    if (*version >= 3) {
+        KVPQ_TRY(meta_int(meta, "k.norm", 0, 1, &p->key_norm));
+        KVPQ_TRY(meta_int(meta, "v.norm", 0, 1, &p->value_norm));
+    } else if (cJSON_GetObjectItemCaseSensitive(meta, "k.norm") || cJSON_GetObjectItemCaseSensitive(meta, "v.norm")) {
+        return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.norm / v.norm appear in a version %d file (added in version 3)",
+                         *version);
+    }
     p->key.d = p->value.d = p->head_dim;
     if (params_check(p) != KVPQ_OK) {
         kvpq__err_prefix("inconsistent metadata");

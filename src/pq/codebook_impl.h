@@ -8,7 +8,7 @@
 #include "kvpq.h"
 
 /* The safetensors format version this build writes and reads (metadata kvpq.format_version). */
-#define KVPQ_CODEBOOK_FORMAT_VERSION "2" /* written; version 1 (no k.mean) is still read */
+#define KVPQ_CODEBOOK_FORMAT_VERSION "3" /* written; versions 1 (no k.mean) and 2 (no k.norm, v.norm) are read */
 
 /* Largest JSON header accepted (the safetensors reference reader's limit is 100 MB as well). */
 #define KVPQ_CODEBOOK_MAX_HEADER ((uint64_t)100 * 1000 * 1000)

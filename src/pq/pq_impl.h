@@ -12,6 +12,8 @@ struct kvpq_pq {
     size_t code_size;  /* ceil(M * nbits / 8) */
     float *centroids;  /* (n_books, ksub, dsub) */
     float *norms;      /* (n_books, ksub) squared L2 norms of the centroids, kept in sync */
+    int norm_explicit; /* 1: a norm-explicit codebook's quantizer (codes directions; the VQ cache
+                        * keeps a scale per vector, kvpq_codebook_params.key_norm); 0 otherwise */
 };
 
 /* Centroids of sub-space m: (ksub, dsub). */

@@ -50,8 +50,13 @@ def test_key_mean_and_smoothing_match_numpy_forward_pass(codebook):
     with safe_open(str(codebook), framework="numpy") as f:
         meta = f.metadata()
     t = st_numpy.load_file(str(codebook))
-    assert meta["kvpq.format_version"] == "2" and meta["tokens"] == str(TOKENS) and meta["key_center"] == "1"
+    assert meta["kvpq.format_version"] == "3" and meta["tokens"] == str(TOKENS) and meta["key_center"] == "1"
+    assert meta["k.norm"] == "1" and meta["v.norm"] == "1"  # norm-explicit by default
     assert t["layers.0.k.codebook"].shape == (256, 4) and t["layers.29.v.codebook"].shape == (256, 4)
+    # Norm-explicit quantizers are trained on unit directions: no centroid (a mean of sub-vectors of
+    # unit vectors) is longer than 1, while the smoothed keys' own sub-vectors are (lambda^2 = max|K|).
+    for name in ("layers.0.k.codebook", "layers.13.k.codebook", "layers.29.v.codebook"):
+        assert np.linalg.norm(t[name], axis=-1).max() <= 1.0 + 1e-5, name
 
     kv = Kvpq(LIB, str(MODEL), 2)
     toks = kv.tokenize(CALIB.read_text(encoding="utf-8")[:20000], False)[:TOKENS]  # calibrate adds no BOS

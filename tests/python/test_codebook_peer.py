@@ -22,7 +22,8 @@ class PQParams(ctypes.Structure):
 
 class CodebookParams(ctypes.Structure):
     _fields_ = [("n_layer", ctypes.c_int), ("n_head_kv", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("key", PQParams), ("value", PQParams), ("value_rotate", ctypes.c_int)]
+                ("key", PQParams), ("value", PQParams), ("value_rotate", ctypes.c_int),
+                ("key_norm", ctypes.c_int), ("value_norm", ctypes.c_int)]
 
 
 def _lib():
@@ -74,7 +75,7 @@ def _book_shape(q):
     return (q.M, ksub, dsub) if q.granularity == SUBSPACE else (ksub, dsub)
 
 
-def _expected_tensors(p, rng, version=2):
+def _expected_tensors(p, rng, version=3):
     """Random tensors with the documented names and shapes: name -> float32 array. Format version 1
     files have no k.mean."""
     out = {}
@@ -87,14 +88,17 @@ def _expected_tensors(p, rng, version=2):
     return out
 
 
-def _config_meta(p, version=2):
+def _config_meta(p, version=3):
     gran = {SHARED: "shared", SUBSPACE: "subspace"}
-    return {
+    meta = {
         "kvpq.format_version": str(version), "n_layer": str(p.n_layer), "n_head_kv": str(p.n_head_kv),
         "head_dim": str(p.head_dim), "k.M": str(p.key.M), "k.nbits": str(p.key.nbits),
         "k.granularity": gran[p.key.granularity], "v.M": str(p.value.M), "v.nbits": str(p.value.nbits),
         "v.granularity": gran[p.value.granularity], "v.rotate": str(p.value_rotate),
     }
+    if version >= 3:  # norm-explicit quantizers (format version 3)
+        meta.update({"k.norm": str(p.key_norm), "v.norm": str(p.value_norm)})
+    return meta
 
 
 FREE_META = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "text": "emma.txt \u2713 \"quoted\"", "tokens": "4096"}
@@ -139,11 +143,13 @@ def test_kvpq_file_is_read_by_safetensors(tmp_path, key_gran, value_gran):
     assert meta == {**_config_meta(p), **FREE_META}
 
 
-@pytest.mark.parametrize("key_gran,value_gran,version", [(SHARED, SHARED, 2), (SUBSPACE, SUBSPACE, 2),
+@pytest.mark.parametrize("key_gran,value_gran,version", [(SHARED, SHARED, 3), (SUBSPACE, SUBSPACE, 2),
                                                          (SHARED, SUBSPACE, 1)])
 def test_safetensors_file_is_loaded_by_kvpq(tmp_path, key_gran, value_gran, version):
     lib = _lib()
     p = _params(lib, key_gran, value_gran)
+    if version >= 3:
+        p.key_norm, p.value_norm = 1, 0
     want = _expected_tensors(p, np.random.default_rng(2), version)
     path = tmp_path / "peer.safetensors"
     # The reference writer orders tensors its own way (not ours) and pads the header itself.
@@ -154,6 +160,7 @@ def test_safetensors_file_is_loaded_by_kvpq(tmp_path, key_gran, value_gran, vers
     try:
         q = lib.kvpq_codebook_get_params(cb)
         assert (q.n_layer, q.n_head_kv, q.head_dim, q.value_rotate) == (3, 2, 16, 1)
+        assert (q.key_norm, q.value_norm) == ((1, 0) if version >= 3 else (0, 0))
         assert (q.key.M, q.key.nbits, q.key.granularity) == (4, 8, key_gran)
         assert (q.value.M, q.value.nbits, q.value.granularity) == (8, 3, value_gran)
         for i in range(p.n_layer):
@@ -204,7 +211,7 @@ def test_cli_info_reports_a_safetensors_written_file(tmp_path):
     out = subprocess.run([os.environ["KVPQ_BIN"], "info", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "version 2" in text
+    assert "version 3" in text
     assert "n_layer=3 n_head_kv=2 head_dim=16 value_rotate=1" in text
     assert "M=4 dsub=4 nbits=8 ksub=256 granularity=shared  2.000 bits/element" in text
     assert "M=8 dsub=2 nbits=3 ksub=8 granularity=subspace  1.500 bits/element" in text
