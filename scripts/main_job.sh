@@ -26,12 +26,16 @@ head -n 20 "$out/model_info.txt"
 
 echo "== calibrate on data/text/emma.txt ($calib_tokens tokens)"
 : > "$out/calibrate.txt"
-# The four presets, then the 2-bit preset with 4-bit keys (d2b8's M) in the layers that carry most
-# of its loss (docs/vq_quality.md): layers 10-19 (3.0 bits/element with the window) and 2-19.
-for p in d8b8 d8b12 d4b8 d2b8 d4b8_k4_L10_19 d4b8_k4_L2_19; do
+# The four presets (norm-explicit keys and values, calibrate's default: a float16 scale per vector
+# beside the codes), the 2-bit preset without them (d4b8_plain: codes only, for comparison), then the
+# 2-bit preset with 4-bit keys (d2b8's M) in the layers that carry most of its loss
+# (docs/vq_quality.md): layers 10-19 and 2-19.
+presets="d8b8 d8b12 d4b8 d2b8 d4b8_plain d4b8_k4_L10_19 d4b8_k4_L2_19"
+for p in $presets; do
   # ksub=4096 (d8b12): k-means on 8 points per centroid and 10 iterations keeps calibration in minutes.
   extra=(); [ "$p" = d8b12 ] && extra=(--iters 10 --max-points-per-centroid 8)
   case "$p" in d4b8_k4_L*) r=${p#d4b8_k4_L}; extra=(--keys-layers "d2b8:${r/_/-}");; esac
+  [ "$p" = d4b8_plain ] && extra=(--key-norm 0 --value-norm 0)
   # --ctx 4096: keys are stored after RoPE, so the codebooks should see every position the cache will
   # hold (calibrated at 2048, the 2-bit cache loses 128% ppl at ctx 4096 instead of 104%).
   "$kvpq" calibrate --model "$model" --text data/text/emma.txt --tokens "$calib_tokens" --ctx 4096 \
@@ -43,7 +47,7 @@ done
 # 64 (:w64): at ctx 4096 a 128-token fp16 window alone is 3.1% of the fp16 cache, so 2-bit codes plus
 # that window cannot be under 0.15x of it; the :w64 row shows what the smaller window costs.
 caches="fp16,q8_0,q4_0,kivi4,kivi2"
-for p in d8b8 d8b12 d4b8 d2b8 d4b8_k4_L10_19 d4b8_k4_L2_19; do caches="$caches,vq:$out/cb_$p.safetensors"; done
+for p in $presets; do caches="$caches,vq:$out/cb_$p.safetensors"; done
 caches="$caches,vq:$out/cb_d4b8.safetensors:w64"
 for ctx in 1024 4096; do
   chunks=$chunks1k; [ "$ctx" = 4096 ] && chunks=$chunks4k
