@@ -25,7 +25,8 @@ lamq (lambda = sqrt of this quantile of |K - mu| per channel instead of the max)
 kneq / vneq (norm-explicit: PQ of the direction plus a float16 least-squares scale per vector),
 kout (fraction: keys whose reconstruction error exceeds the calibration quantile 1 - kout stay exact),
 krq / vrq (residual stages: S stages of PQ with dsub * S dims each, same bits),
-kiter (k-means iterations, default 25), kw (weight each calibration key in the key k-means by
+cbfile (evaluate the smoothing factors, key means and shared codebooks of a kvpq codebook file
+  instead of training; values unrotated), kiter (k-means iterations, default 25), kw (weight each calibration key in the key k-means by
   (attention it receives from queries >= 128 positions later)^kw, first 4 tokens of a chunk weight 0;
   kw0 is added to the normalized weights).
 Environment: KVPQ_LIB (default build/libkvpq.so) for tokenization, NCAL (calibration chunks of 2048
@@ -118,6 +119,7 @@ def value_transform(cfg, l):  # -> B (Hk, hd, hd)
     return B
 
 KITER = [25]
+CBF = {}  # path -> tensors of the codebook files of cbfile configs
 def kmeans(x, k, niter=None, w=None):
     niter = niter or KITER[0]
     km = faiss.Kmeans(x.shape[1], k, niter=niter, seed=1, max_points_per_centroid=256)
@@ -156,6 +158,21 @@ class PQN:
         sc = (X * out).sum(1) / np.maximum((out * out).sum(1), 1e-20)
         return out * sc.astype(np.float16).astype(np.float32)[:, None]
 
+class FixedPQ:
+    """A shared-codebook PQ with given centroids (ksub, dsub), e.g. read from a kvpq codebook file;
+    norm: code directions and keep a float16 least-squares scale per vector, as the VQ cache does."""
+    def __init__(self, cent, norm):
+        self.c = np.ascontiguousarray(cent, dtype=np.float32); self.dsub = cent.shape[1]; self.norm = norm
+        self.index = faiss.IndexFlatL2(self.dsub); self.index.add(self.c)
+    def rec(self, X):
+        n, d = X.shape
+        U = X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12) if self.norm else X
+        _, I = self.index.search(np.ascontiguousarray(U.reshape(-1, self.dsub)), 1)
+        r = self.c[I[:, 0]].reshape(n, d)
+        if not self.norm: return r
+        sc = (X * r).sum(1) / np.maximum((r * r).sum(1), 1e-20)
+        return r * sc.astype(np.float16).astype(np.float32)[:, None]
+
 def mkpq(X, dsub, nbits, sub, cfg, which, w=None):
     st = cfg.get(which + 'rq', 1); sc = cfg.get(which + 'neq', False)
     if st == 1 and not sc: return PQ(X, dsub, nbits, sub, w)
@@ -188,6 +205,18 @@ def build(cfg):
         else: kdsub = cfg.get('kdsub', cfg['dsub'])
         if 'klayers' in cfg and l not in cfg['klayers'] and not cfg.get('qv', True): S.append(None); continue
         k = K[l]; v = V[l]
+        if cfg.get('cbfile'):  # lambda, mu and codebooks from a kvpq codebook file (shared granularity)
+            from safetensors.numpy import load_file
+            from safetensors import safe_open
+            if cfg['cbfile'] not in CBF: CBF[cfg['cbfile']] = load_file(cfg['cbfile'])
+            with safe_open(cfg['cbfile'], framework='numpy') as f: meta = f.metadata()
+            t = CBF[cfg['cbfile']]; lamc = t['layers.%d.k.smooth' % l]; mu = t['layers.%d.k.mean' % l]
+            A = np.stack([np.diag(1 / lamc[h]) for h in range(3)]).astype(np.float32)
+            Ai = np.stack([np.diag(lamc[h]) for h in range(3)]).astype(np.float32)
+            I3 = np.stack([np.eye(64, dtype=np.float32)] * 3)
+            kq = FixedPQ(t['layers.%d.k.codebook' % l], meta.get('k.norm') == '1')
+            vq = FixedPQ(t['layers.%d.v.codebook' % l], meta.get('v.norm') == '1')
+            S.append(((A, Ai, I3, I3, np.zeros((3, 64), np.float32)), kq, vq, mu, None)); continue
         mu = k.mean(0) if cfg.get('center') else np.zeros(k.shape[1:], np.float32)
         k = k - mu
         A = key_transform(cfg, l, k); B = value_transform(cfg, l)

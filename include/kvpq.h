@@ -262,8 +262,10 @@ typedef struct {
      * r is 0), so x_hat = s r. A key's score from codes is s * sum_m LUT[m][code_m] (+ q . mu / sqrt(d));
      * a value's softmax weight is multiplied by its s before the per-centroid sums. Costs 16 bits
      * per (token, KV head) on top of the codes (0.25 bits per element at head_dim 64). The codebooks
-     * must be trained on directions (kvpq calibrate --norm 1). The CUDA backend does not support it
-     * (kvpq_cuda_cache_new refuses such quantizers). */
+     * must be trained on directions (kvpq calibrate --key-norm 1 --value-norm 1, its default). The
+     * CUDA backend does not support it: kvpq_cuda_cache_new refuses such quantizers (the standalone
+     * kvpq_cuda_pq_* functions code whatever vectors they are given, directions included). With
+     * norm-explicit keys the cache's vq_fast_scan option is ignored (exact scores). */
     int key_norm;
     int value_norm;
 } kvpq_codebook_params;
@@ -341,7 +343,8 @@ typedef struct {
      * delta = max_m (max_c LUT[m][c] - min_c LUT[m][c]) / 255 and summed in 16-bit integers with
      * in-register byte lookups (AVX-512 VBMI; the scalar reference elsewhere). Each score (a logit
      * already divided by sqrt(head_dim)) gains an error of at most M * delta / 2, so softmax weights
-     * move by a factor within exp(+-M * delta). Default 0: exact float LUT. */
+     * move by a factor within exp(+-M * delta). Default 0: exact float LUT. Ignored (exact scores)
+     * when the codebook's keys are norm-explicit (kvpq_codebook_params.key_norm). */
     int vq_fast_scan;
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);

@@ -534,13 +534,49 @@ Test(cache_vq, norm_explicit_matches_fp64) {
     }
     g_norm = 3;
     for_each_simd(&cs[0], len, 32, 48);
+    /* Per-layer key M (4-bit keys in layer 1) with scales; odd code sizes (nbits 12, M 8: 12 bytes;
+     * d8b8 values: 8 bytes) and a page size that is not a multiple of 4. */
+    const int key_M[3] = {16, 32, 16};
+    run_config_layers(&cs[0], len, 32, 33, 3, key_M);
+    run_config(&cs[3], len, 16, 33);
     g_norm = 0;
+}
+
+/* A token whose norm-explicit scale would not fit in float16 is refused when it is appended, naming
+ * its position, and nothing is lost: the cache keeps working (it used to be refused only when the
+ * token left the window, which then failed every later append). */
+Test(cache_vq, norm_explicit_scale_beyond_fp16_is_refused_at_append) {
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    g_norm = 3;
+    kvpq_codebook *cb = make_codebook(1, &c);
+    g_norm = 0;
+    kvpq_cache *a = make_cache(cb, 1, &c, 16, 32, 512);
+    append_random(a, 0, &c, 40, NULL, NULL);
+    const size_t row = 3 * 64;
+    float *before = malloc(40 * row * 4), *after = malloc(40 * row * 4);
+    cr_assert_eq(kvpq_cache_read(a, 0, 0, 40, before, NULL), KVPQ_OK);
+    float *k = randn(5 * row, 1.0f), *v = randn(5 * row, 1.0f);
+    for (int j = 0; j < 64; j++) v[3 * row + 64 + j] = 10000.0f; /* |v| = 80000: position 43, KV head 1 */
+    cr_assert_eq(kvpq_cache_append(a, 0, 5, k, v), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "value scale of position 43, KV head 1"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_seq_len(a, 0), 40);
+    cr_assert_eq(kvpq_cache_read(a, 0, 0, 40, after, NULL), KVPQ_OK);
+    cr_assert(!memcmp(before, after, 40 * row * 4));
+    append_random(a, 0, &c, 100, NULL, NULL); /* the window overflows into codes as usual */
+    cr_assert_eq(kvpq_cache_seq_len(a, 0), 140);
+    check_attend(a, &c, 1, "after a refused append");
+    free(k);
+    free(v);
+    free(before);
+    free(after);
+    kvpq_cache_free(a);
+    kvpq_codebook_free(cb);
 }
 
 /* read() of a norm-explicit cache equals s * decode(encode(u)) mapped back, recomputed here through
  * the public quantizer: u = x / |x| of the transformed fp16-rounded input, s = x . r / |r|^2 rounded
- * to float16. Also: the scales are really used (a plain codebook with the same centroids reads
- * back the unscaled directions), and the resident bytes count one float16 per vector and kind. */
+ * to float16 (each s is checked to be near |x|, so unscaled directions would fail), and the resident
+ * bytes count one float16 per vector and kind. */
 Test(cache_vq, norm_explicit_read_and_bytes) {
     cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
     g_norm = 3;

@@ -355,9 +355,10 @@ static kvpq_status vq_grow(void **buf, size_t *cap, size_t want, size_t elem) {
 /* Encode nv transformed vectors x (nv, head_dim) with pq into codes (nv, code size). With a
  * norm-explicit quantizer (norm = 1) x is replaced by its directions u = x / |x| (0 stays 0), u is
  * encoded, and scales (nv) get s = x . r / |r|^2 in float16 (r = decoded u; s = 0 when x or r is
- * 0). Fails with KVPQ_ERR_INVALID_ARG, before anything is stored, when a scale exceeds float16. */
-static kvpq_status vq_encode(vq_state *st, const kvpq_pq *pq, int norm, int layer, const char *what, size_t nv,
-                             float *x, uint8_t *codes, uint16_t *scales) {
+ * 0). Row i is position t0 + i / n_head_kv, KV head i % n_head_kv. Fails with KVPQ_ERR_INVALID_ARG
+ * when a scale exceeds float16. */
+static kvpq_status vq_encode(vq_state *st, const kvpq_pq *pq, int norm, int layer, const char *what, int t0,
+                             size_t nv, float *x, uint8_t *codes, uint16_t *scales) {
     if (!norm) return kvpq_pq_encode(pq, nv, x, codes);
     const int d = st->head_dim;
     KVPQ_TRY(vq_grow((void **)&st->xr, &st->xr_cap, nv * d + nv, sizeof(float)));
@@ -380,12 +381,54 @@ static kvpq_status vq_encode(vq_state *st, const kvpq_pq *pq, int norm, int laye
         const double sc = rr > 0 ? nrm[i] * ur / rr : 0.0;
         if (!(fabs(sc) <= VQ_FP16_MAX))
             return kvpq__err(KVPQ_ERR_INVALID_ARG,
-                             "VQ cache layer %d: the norm-explicit %s scale of vector %zu (head %zu of the batch) is %g, beyond float16",
-                             layer, what, i, i % (size_t)st->n_head_kv, sc);
+                             "VQ cache layer %d: the norm-explicit %s scale of position %zu, KV head %zu is %g, beyond "
+                             "float16's range (65504)",
+                             layer, what, (size_t)t0 + i / (size_t)st->n_head_kv, i % (size_t)st->n_head_kv, sc);
         nrm[i] = (float)sc;
     }
     kvpq__vq_kernels(kvpq_simd_get())->f32_to_f16(nv, nrm, scales);
     return KVPQ_OK;
+}
+
+/* Stage positions [t0, t1) of a layer holding len positions, as they are encoded, into st->xk and
+ * st->xv ((t1 - t0) * n_head_kv rows): each token rounded to fp16 as the window stores it (from the
+ * ring for t < len, else from the appended k, v (n, n_head_kv, head_dim)), keys centered, smoothed
+ * and rotated, values rotated when value_rotate; then encoded into st->ck / st->cv and the scales
+ * st->sk / st->sv. Codes therefore depend only on the data, never on how appends were chunked. */
+static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int t1, const float *k, const float *v) {
+    const vq_layer *L = &st->layers[layer];
+    const int nkv = st->n_head_kv, d = st->head_dim;
+    const size_t row = (size_t)nkv * d, nv = (size_t)(t1 - t0) * nkv;
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    KVPQ_TRY(vq_grow((void **)&st->xk, &st->xk_cap, nv * d, sizeof(float)));
+    KVPQ_TRY(vq_grow((void **)&st->xv, &st->xv_cap, nv * d, sizeof(float)));
+    KVPQ_TRY(vq_grow((void **)&st->ck, &st->ck_cap, nv * L->kcs, 1));
+    KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * st->vcs, 1));
+    if (st->k_norm) KVPQ_TRY(vq_grow((void **)&st->sk, &st->sk_cap, nv, sizeof(uint16_t)));
+    if (st->v_norm) KVPQ_TRY(vq_grow((void **)&st->sv, &st->sv_cap, nv, sizeof(uint16_t)));
+    for (int t = t0; t < t1; t++) {
+        float *xk = st->xk + (size_t)(t - t0) * row, *xv = st->xv + (size_t)(t - t0) * row;
+        if (t < len) {
+            int slot = t % st->cap;
+            for (int h = 0; h < nkv; h++) {
+                K->f16_to_f32(d, L->wk + ((size_t)h * st->cap + slot) * d, xk + (size_t)h * d);
+                K->f16_to_f32(d, L->wv + ((size_t)h * st->cap + slot) * d, xv + (size_t)h * d);
+            }
+        } else {
+            K->f32_to_f16(row, k + (size_t)(t - len) * row, st->h16);
+            K->f16_to_f32(row, st->h16, xk);
+            K->f32_to_f16(row, v + (size_t)(t - len) * row, st->h16);
+            K->f16_to_f32(row, st->h16, xv);
+        }
+        for (int h = 0; h < nkv; h++) {
+            const float *lam = st->smooth[layer] + (size_t)h * d, *mu = st->mean[layer] + (size_t)h * d;
+            for (int j = 0; j < d; j++) xk[(size_t)h * d + j] = (xk[(size_t)h * d + j] - mu[j]) / lam[j];
+        }
+    }
+    KVPQ_TRY(kvpq_hadamard(st->xk, nv, d));
+    if (st->value_rotate) KVPQ_TRY(kvpq_hadamard(st->xv, nv, d));
+    KVPQ_TRY(vq_encode(st, st->kpq[layer], st->k_norm, layer, "key", t0, nv, st->xk, st->ck, st->sk));
+    return vq_encode(st, st->vpq[layer], st->v_norm, layer, "value", t0, nv, st->xv, st->cv, st->sv);
 }
 
 static kvpq_status vq_append(void *state, int layer, int len, int n, const float *k, const float *v) {
@@ -401,6 +444,10 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
                              "VQ cache layer %d: %s[token %zu][head %zu][channel %zu] = %g exceeds the fp16 window's range (65504)",
                              layer, fabsf(k[i]) > VQ_FP16_MAX ? "k" : "v", i / row, i % row / d, i % d,
                              (double)(fabsf(k[i]) > VQ_FP16_MAX ? k[i] : v[i]));
+    /* Norm-explicit quantizers: the new tokens' scales are computed now (the flush recomputes the
+     * same values), so that one beyond float16 is refused before anything is stored, instead of
+     * failing every later append once the token leaves the window. */
+    if ((st->k_norm || st->v_norm) && n > 0) KVPQ_TRY(vq_stage_encode(st, layer, len, len, len + n, k, v));
     const int new_len = len + n;
     int target = vq_target_coded(st, new_len);
     if (target < L->n_coded) target = L->n_coded;
@@ -433,38 +480,8 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
             }
             L->n_pages = pg + 1;
         }
-        size_t nv = (size_t)ne * nkv;
-        KVPQ_TRY(vq_grow((void **)&st->xk, &st->xk_cap, nv * d, sizeof(float)));
-        KVPQ_TRY(vq_grow((void **)&st->xv, &st->xv_cap, nv * d, sizeof(float)));
-        KVPQ_TRY(vq_grow((void **)&st->ck, &st->ck_cap, nv * L->kcs, 1));
-        KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * st->vcs, 1));
-        /* Gather the tokens leaving the window (or passing through it), rounded to fp16 as the
-         * window stores them, so the codes do not depend on how appends were chunked. */
-        for (int t = first; t < target; t++) {
-            float *xk = st->xk + (size_t)(t - first) * row, *xv = st->xv + (size_t)(t - first) * row;
-            if (t < len) {
-                int slot = t % st->cap;
-                for (int h = 0; h < nkv; h++) {
-                    K->f16_to_f32(d, L->wk + ((size_t)h * st->cap + slot) * d, xk + (size_t)h * d);
-                    K->f16_to_f32(d, L->wv + ((size_t)h * st->cap + slot) * d, xv + (size_t)h * d);
-                }
-            } else {
-                K->f32_to_f16(row, k + (size_t)(t - len) * row, st->h16);
-                K->f16_to_f32(row, st->h16, xk);
-                K->f32_to_f16(row, v + (size_t)(t - len) * row, st->h16);
-                K->f16_to_f32(row, st->h16, xv);
-            }
-            for (int h = 0; h < nkv; h++) {
-                const float *lam = st->smooth[layer] + (size_t)h * d, *mu = st->mean[layer] + (size_t)h * d;
-                for (int j = 0; j < d; j++) xk[(size_t)h * d + j] = (xk[(size_t)h * d + j] - mu[j]) / lam[j];
-            }
-        }
-        KVPQ_TRY(kvpq_hadamard(st->xk, nv, d));
-        if (st->value_rotate) KVPQ_TRY(kvpq_hadamard(st->xv, nv, d));
-        if (st->k_norm) KVPQ_TRY(vq_grow((void **)&st->sk, &st->sk_cap, nv, sizeof(uint16_t)));
-        if (st->v_norm) KVPQ_TRY(vq_grow((void **)&st->sv, &st->sv_cap, nv, sizeof(uint16_t)));
-        KVPQ_TRY(vq_encode(st, st->kpq[layer], st->k_norm, layer, "key", nv, st->xk, st->ck, st->sk));
-        KVPQ_TRY(vq_encode(st, st->vpq[layer], st->v_norm, layer, "value", nv, st->xv, st->cv, st->sv));
+        /* The tokens leaving the window (or passing through it). */
+        KVPQ_TRY(vq_stage_encode(st, layer, len, first, target, k, v));
         for (int t = first; t < target; t++)
             for (int h = 0; h < nkv; h++) {
                 size_t r = (size_t)(t - first) * nkv + h;

@@ -212,7 +212,8 @@ def test_cli_info_reports_a_safetensors_written_file(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "version 3" in text
-    assert "n_layer=3 n_head_kv=2 head_dim=16 value_rotate=1" in text
+    assert "n_layer=3 n_head_kv=2 head_dim=16 value_rotate=1 key_norm=0 value_norm=0" in text
+    assert "bits/element (K and V together, codes and per-vector scales): 1.750" in text
     assert "M=4 dsub=4 nbits=8 ksub=256 granularity=shared  2.000 bits/element" in text
     assert "M=8 dsub=2 nbits=3 ksub=8 granularity=subspace  1.500 bits/element" in text
     assert "v.codebook [8,8,2]" in text
