@@ -56,7 +56,8 @@ PROGRESS = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_char_p, C.c_double, C.c_double)
 
 class KMParams(C.Structure):
     _fields_ = [("niter", C.c_int), ("max_points_per_centroid", C.c_int), ("seed", C.c_uint64),
-                ("n_threads", C.c_int), ("progress", PROGRESS), ("progress_user", C.c_void_p)]
+                ("n_threads", C.c_int), ("progress", PROGRESS), ("progress_user", C.c_void_p),
+                ("init", C.c_int)]
 
 
 class KMReport(C.Structure):

@@ -156,7 +156,12 @@ typedef struct {
     int n_threads;                /* 0 = OpenMP default */
     kvpq_progress_fn progress;    /* optional */
     void *progress_user;
+    /* Initial centroids: KVPQ_KMEANS_INIT_PP (default) k-means++ seeding (Arthur & Vassilvitskii
+     * 2007) on a subsample of 16 k points; KVPQ_KMEANS_INIT_RANDOM k distinct points drawn
+     * uniformly, as faiss Clustering does. */
+    int init;
 } kvpq_kmeans_params;
+enum { KVPQ_KMEANS_INIT_PP = 0, KVPQ_KMEANS_INIT_RANDOM = 1 };
 KVPQ_API kvpq_kmeans_params kvpq_kmeans_params_default(void);
 
 typedef struct {

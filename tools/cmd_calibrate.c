@@ -15,7 +15,7 @@
 #include "cli_model.h"
 
 typedef struct {
-    const char *model, *text, *out, *keys, *values, *granularity, *keys_layers;
+    const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *kmeans_init;
     long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm;
     long seed;
 } calib_args;
@@ -37,6 +37,7 @@ static void calib_usage(FILE *f) {
             "                        (Dai et al., AAAI 2020; +16 bits per key vector) (default 1)\n"
             "  --value-norm 0|1      likewise for values (default 1)\n"
             "  --iters N             k-means Lloyd iterations (default 25)\n"
+            "  --kmeans-init I       pp: k-means++ seeding; random: k distinct points, as faiss (default random)\n"
             "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
             "  --seed S              k-means seed (default 1234)\n"
             "  --threads N           threads (default: all)\n");
@@ -73,6 +74,7 @@ static int parse_args(int argc, char **argv, calib_args *a) {
         STR_OPT("--keys-layers", keys_layers)
         STR_OPT("--values", values)
         STR_OPT("--granularity", granularity)
+        STR_OPT("--kmeans-init", kmeans_init)
         INT_OPT("--tokens", tokens, 16, 1L << 24)
         INT_OPT("--ctx", ctx, 16, 1L << 20)
         INT_OPT("--iters", iters, 1, 1000)
@@ -90,6 +92,9 @@ static int parse_args(int argc, char **argv, calib_args *a) {
     if (!a->model || !a->text || !a->out)
         return cli_usage_error("calibrate: --model, --text and -o are required (see kvpq calibrate --help)"), -2;
     if (!a->values) a->values = a->keys;
+    if (!a->kmeans_init) a->kmeans_init = "random";
+    if (strcmp(a->kmeans_init, "pp") && strcmp(a->kmeans_init, "random"))
+        return cli_usage_error("calibrate: --kmeans-init '%s': expected pp or random", a->kmeans_init), -2;
     if (strcmp(a->granularity, "shared") && strcmp(a->granularity, "subspace"))
         return cli_usage_error("calibrate: --granularity '%s': expected shared or subspace", a->granularity), -2;
     return 1;
@@ -289,6 +294,7 @@ int cmd_calibrate(int argc, char **argv) {
     km.seed = (uint64_t)a.seed;
     km.n_threads = (int)a.threads;
     km.progress = progress_cb;
+    km.init = strcmp(a.kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
     double mse_k = 0, mse_v = 0;
     for (int l = 0; l < L; l++) {
         float *kd = kall + (size_t)l * n_use * row, *vd = vall + (size_t)l * n_use * row;

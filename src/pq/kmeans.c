@@ -227,6 +227,9 @@ static kvpq_status km_run(int d, int k, size_t n, const float *x, size_t x_strid
     if (!x || !centroids) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: NULL array", fn);
     if (n < (size_t)k) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: n=%zu points < k=%d centroids", fn, n, k);
     if (kp->niter < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: niter=%d: expected >= 0", fn, kp->niter);
+    if (kp->init != KVPQ_KMEANS_INIT_PP && kp->init != KVPQ_KMEANS_INIT_RANDOM)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: init=%d: expected KVPQ_KMEANS_INIT_PP (0) or _RANDOM (1)", fn,
+                         kp->init);
     if (kp->max_points_per_centroid < 1)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: max_points_per_centroid=%d: expected >= 1", fn,
                          kp->max_points_per_centroid);
@@ -280,7 +283,12 @@ static kvpq_status km_run(int d, int k, size_t n, const float *x, size_t x_strid
     for (size_t i = 0; i < n_used; i++) memcpy(xs + i * d, x + pick[i] * x_stride, sizeof(float) * d);
     s.x = xs;
 
-    km_seed_pp(&s, &rng, C, pick, s.dist);
+    if (kp->init == KVPQ_KMEANS_INIT_RANDOM) { /* k distinct points of the subsample (faiss's init) */
+        sample_sorted(&rng, n_used, (size_t)k, pick);
+        for (int c = 0; c < k; c++) memcpy(C + (size_t)c * d, xs + pick[c] * d, sizeof(float) * d);
+    } else {
+        km_seed_pp(&s, &rng, C, pick, s.dist);
+    }
     double mse = km_assign(&s, C);
     kvpq_kmeans_report r = {.mse_init = mse, .mse_final = mse, .iterations = 0, .empty_repaired = 0, .n_used = n_used};
     if (kp->progress && kp->progress(kp->progress_user, stage, 0, kp->niter)) {
@@ -324,7 +332,7 @@ done:
 
 kvpq_kmeans_params kvpq_kmeans_params_default(void) {
     kvpq_kmeans_params p = {.niter = 25, .max_points_per_centroid = 256, .seed = 1234, .n_threads = 0,
-                            .progress = NULL, .progress_user = NULL};
+                            .progress = NULL, .progress_user = NULL, .init = KVPQ_KMEANS_INIT_PP};
     return p;
 }
 
