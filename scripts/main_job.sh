@@ -25,23 +25,28 @@ mkdir -p "$out"
 head -n 20 "$out/model_info.txt"
 
 echo "== calibrate on data/text/emma.txt ($calib_tokens tokens)"
-: > "$out/calibrate.txt"
 # The four presets (norm-explicit keys and values, calibrate's default: a float16 scale per vector
 # beside the codes), the 2-bit preset without them (d4b8_plain: codes only, for comparison), then the
 # 2-bit preset with 4-bit keys (d2b8's M) in the layers that carry most of its loss
 # (docs/vq_quality.md): layers 10-19 and 2-19.
 presets="d8b8 d8b12 d4b8 d2b8 d4b8_plain d4b8_k4_L10_19 d4b8_k4_L2_19"
+# One forward pass serves every codebook (`--also`): the main command writes d4b8, each --also job
+# one more preset.
+also=()
 for p in $presets; do
+  [ "$p" = d4b8 ] && continue
+  o="--keys ${p%%_*}"
   # ksub=4096 (d8b12): k-means on 8 points per centroid and 10 iterations keeps calibration in minutes.
-  extra=(); [ "$p" = d8b12 ] && extra=(--iters 10 --max-points-per-centroid 8)
-  case "$p" in d4b8_k4_L*) r=${p#d4b8_k4_L}; extra=(--keys-layers "d2b8:${r/_/-}");; esac
-  [ "$p" = d4b8_plain ] && extra=(--key-norm 0 --value-norm 0)
-  # --ctx 4096: keys are stored after RoPE, so the codebooks should see every position the cache will
-  # hold (calibrated at 2048, the 2-bit cache loses 128% ppl at ctx 4096 instead of 104%).
-  "$kvpq" calibrate --model "$model" --text data/text/emma.txt --tokens "$calib_tokens" --ctx 4096 \
-    --keys "${p%%_*}" --values "${p%%_*}" --threads "$threads" "${extra[@]}" -o "$out/cb_$p.safetensors" 2>&1 |
-    tr '\r' '\n' | tail -n 1 | sed "s/^/$p: /" | tee -a "$out/calibrate.txt"
+  [ "$p" = d8b12 ] && o="$o --iters 10 --max-points-per-centroid 8"
+  case "$p" in d4b8_k4_L*) r=${p#d4b8_k4_L}; o="$o --keys-layers d2b8:${r/_/-}";; esac
+  [ "$p" = d4b8_plain ] && o="$o --key-norm 0 --value-norm 0"
+  also+=(--also "$o -o $out/cb_$p.safetensors")
 done
+# --ctx 4096: keys are stored after RoPE, so the codebooks should see every position the cache will
+# hold (calibrated at 2048, the 2-bit cache loses 128% ppl at ctx 4096 instead of 104%).
+"$kvpq" calibrate --model "$model" --text data/text/emma.txt --tokens "$calib_tokens" --ctx 4096 \
+  --keys d4b8 --threads "$threads" -o "$out/cb_d4b8.safetensors" "${also[@]}" 2>&1 |
+  tr '\r' '\n' | grep 'wrote' | tee "$out/calibrate.txt"
 
 # The four presets with the default window of 128 fp16 tokens, and the 2-bit preset with a window of
 # 64 (:w64): at ctx 4096 a 128-token fp16 window alone is 3.1% of the fp16 cache, so 2-bit codes plus

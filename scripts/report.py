@@ -104,19 +104,22 @@ def main():
     ap.add_argument("--readme")
     ap.add_argument("--figure")
     ap.add_argument("--command", default="./scripts/main_job.sh")
-    ap.add_argument("--calib-log", help="file of `kvpq calibrate` final lines (PRESET: line), one per preset")
+    ap.add_argument("--calib-log", help="`kvpq calibrate` output: its 'wrote FILE (...)' lines, one per codebook")
     a = ap.parse_args()
     results = [load(p) for p in a.inputs]
     text = "\n\n".join(table(ctx, rows) for ctx, rows in results)
     if a.calib_log and os.path.exists(a.calib_log):
-        times = []
+        times, fwd, total = [], 0.0, 0.0
         for line in open(a.calib_log):
-            m = re.match(r"(\w+): .*?(\d+) tokens; forward ([\d.]+) s, total ([\d.]+) s", line)
+            m = re.search(r"wrote \S*?cb_(\w+)\.safetensors .*?(\d+) tokens; forward ([\d.]+) s, k-means ([\d.]+) s, "
+                          r"total ([\d.]+) s", line)
             if m:
-                times.append(f"{m.group(1)} {float(m.group(4)):.0f} s (forward {float(m.group(3)):.0f} s)")
-                ntok = m.group(2)
+                times.append(f"{m.group(1)} {float(m.group(4)):.0f} s")
+                ntok, fwd, total = m.group(2), float(m.group(3)), float(m.group(5))
         if times:
-            text += f"\n\nCalibration on {ntok} tokens of emma.txt, {os.cpu_count()} threads: " + ", ".join(times) + "."
+            text += (f"\n\nCalibration on {ntok} tokens of emma.txt, {os.cpu_count()} threads, one `kvpq calibrate` "
+                     f"(`--also`): one forward pass {fwd:.0f} s, then k-means per codebook: " + ", ".join(times) +
+                     f"; {total:.0f} s in all.")
     print(text)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write(text + "\n")

@@ -1,4 +1,5 @@
 /* cmd_calibrate.c — `kvpq calibrate`: train a model's key/value codebooks on its real activations.
+ * One forward pass can serve several codebooks (--also: each job its own options and output file).
  *
  * Runs the model over a text with an fp32 cache, reads back every layer's post-RoPE keys and values,
  * subtracts the per-(KV head, channel) key mean mu (stored as layers.{i}.k.mean; exact at attention
@@ -14,10 +15,14 @@
 #include "cli.h"
 #include "cli_model.h"
 
+#define CALIB_MAX_ALSO 16
+
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *kmeans_init;
     long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm;
     long seed;
+    const char *also[CALIB_MAX_ALSO]; /* --also option strings: more codebooks from the same forward pass */
+    int n_also;
 } calib_args;
 
 static void calib_usage(FILE *f) {
@@ -40,18 +45,36 @@ static void calib_usage(FILE *f) {
             "  --kmeans-init I       pp: k-means++ seeding; random: k distinct points, as faiss (default random)\n"
             "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
             "  --seed S              k-means seed (default 1234)\n"
-            "  --threads N           threads (default: all)\n");
+            "  --threads N           threads (default: all)\n"
+            "  --also \"OPTIONS -o OUT\"   also train and write another codebook from the same forward pass\n"
+            "                        (repeatable, up to 16): OPTIONS override the codebook options above\n"
+            "                        (--keys, --values, --keys-layers, --granularity, --value-rotate, --center,\n"
+            "                        --key-norm, --value-norm, --iters, --kmeans-init,\n"
+            "                        --max-points-per-centroid, --seed); --keys-layers is not inherited and\n"
+            "                        --values defaults to the job's --keys unless given on the main command\n");
 }
 
-static int parse_args(int argc, char **argv, calib_args *a) {
-    *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
-                      .seed = 1234, .max_ppc = -1, .center = 1, .key_norm = 1, .value_norm = 1};
+/* Parse options into a (defaults already set). job: parsing an --also string, where the options of
+ * the forward pass (--model, --text, --tokens, --ctx, --threads) and --also itself are refused.
+ * Returns 1, 0 for --help, -2 after printing a usage error. */
+static int parse_opts(int argc, char **argv, calib_args *a, int job) {
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
             calib_usage(stdout);
             return 0;
+        }
+        if (job && (!strcmp(o, "--model") || !strcmp(o, "--text") || !strcmp(o, "--tokens") || !strcmp(o, "--ctx") ||
+                    !strcmp(o, "--threads") || !strcmp(o, "--also")))
+            return cli_usage_error("calibrate: --also: %s belongs to the main command (one forward pass serves every "
+                                   "codebook)", o), -2;
+        if (!job && !strcmp(o, "--also")) {
+            if (!v) return cli_usage_error("calibrate: --also needs a value"), -2;
+            if (a->n_also == CALIB_MAX_ALSO) return cli_usage_error("calibrate: at most %d --also", CALIB_MAX_ALSO), -2;
+            a->also[a->n_also++] = v;
+            i++;
+            continue;
         }
 #define STR_OPT(name, field)                                                       \
     if (!strcmp(o, name)) {                                                        \
@@ -89,14 +112,55 @@ static int parse_args(int argc, char **argv, calib_args *a) {
 #undef INT_OPT
         return cli_usage_error("calibrate: unknown option '%s' (see kvpq calibrate --help)", o), -2;
     }
-    if (!a->model || !a->text || !a->out)
-        return cli_usage_error("calibrate: --model, --text and -o are required (see kvpq calibrate --help)"), -2;
+    return 1;
+}
+
+/* Checks and defaults once all options of a job are in. */
+static int finish_job(calib_args *a, const char *what) {
+    if (!a->out) return cli_usage_error("calibrate: %s needs -o OUT (see kvpq calibrate --help)", what), -2;
     if (!a->values) a->values = a->keys;
     if (!a->kmeans_init) a->kmeans_init = "random";
     if (strcmp(a->kmeans_init, "pp") && strcmp(a->kmeans_init, "random"))
         return cli_usage_error("calibrate: --kmeans-init '%s': expected pp or random", a->kmeans_init), -2;
     if (strcmp(a->granularity, "shared") && strcmp(a->granularity, "subspace"))
         return cli_usage_error("calibrate: --granularity '%s': expected shared or subspace", a->granularity), -2;
+    return 1;
+}
+
+/* jobs[0] gets the main command's options, jobs[1..] one --also string each (split at spaces, over
+ * the main command's codebook options). *n_jobs = 1 + number of --also. */
+static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char **split_buf) {
+    calib_args *a = &jobs[0];
+    *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
+                      .seed = 1234, .max_ppc = -1, .center = 1, .key_norm = 1, .value_norm = 1};
+    int r = parse_opts(argc, argv, a, 0);
+    if (r <= 0) return r;
+    if (!a->model || !a->text || !a->out)
+        return cli_usage_error("calibrate: --model, --text and -o are required (see kvpq calibrate --help)"), -2;
+    calib_args base = *a; /* before defaults: --values stays unset unless given */
+    if ((r = finish_job(a, "the main command")) <= 0) return r;
+    *n_jobs = 1 + base.n_also;
+    for (int j = 0; j < base.n_also; j++) {
+        calib_args *b = &jobs[1 + j];
+        *b = base;
+        b->out = NULL;
+        b->keys_layers = NULL;
+        b->n_also = 0;
+        /* Split the string at spaces into an argv (element 0 unused), in a copy we own. */
+        size_t len = strlen(base.also[j]) + 1;
+        if (!(split_buf[j] = malloc(len))) return cli_usage_error("calibrate: out of memory"), -2;
+        memcpy(split_buf[j], base.also[j], len);
+        char *sv[64];
+        int sc = 1;
+        for (char *t = strtok(split_buf[j], " "); t; t = strtok(NULL, " ")) {
+            if (sc == 64) return cli_usage_error("calibrate: --also '%s': too many words", base.also[j]), -2;
+            sv[sc++] = t;
+        }
+        if ((r = parse_opts(sc, sv, b, 1)) <= 0) return r < 0 ? r : -2;
+        char what[96];
+        snprintf(what, sizeof what, "--also '%.60s'", base.also[j]);
+        if ((r = finish_job(b, what)) <= 0) return r;
+    }
     return 1;
 }
 
@@ -174,61 +238,151 @@ static const char *base_name(const char *p) {
     return s ? s + 1 : p;
 }
 
-int cmd_calibrate(int argc, char **argv) {
-    calib_args a;
-    int pr = parse_args(argc, argv, &a);
-    if (pr <= 0) return pr == 0 ? 0 : 2;
+/* A job's codebook: configuration from its options, checked before the (long) forward pass. */
+static int make_codebook(const calib_args *a, const kvpq_model_info *mi, kvpq_codebook **cb) {
+    kvpq_codebook_params cp = kvpq_codebook_params_default();
+    cp.n_layer = mi->n_layer;
+    cp.n_head_kv = mi->n_head_kv;
+    cp.head_dim = mi->head_dim;
+    cp.value_rotate = (int)a->value_rotate;
+    cp.key_norm = (int)a->key_norm;
+    cp.value_norm = (int)a->value_norm;
+    kvpq_status s;
+    if ((s = kvpq_pq_params_preset(&cp.key, a->keys, mi->head_dim)) != KVPQ_OK ||
+        (s = kvpq_pq_params_preset(&cp.value, a->values, mi->head_dim)) != KVPQ_OK)
+        return cli_fail("calibrate", s);
+    cp.key.granularity = cp.value.granularity =
+        strcmp(a->granularity, "shared") ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
+    if ((s = kvpq_codebook_new(cb, &cp)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
+    if (a->keys_layers && !apply_keys_layers(*cb, a->keys_layers, mi->n_layer, mi->head_dim, cp.key.nbits)) return 2;
+    return 0;
+}
 
+/* Train one job's codebook cb on the collected activations kall, vall (n_layer, n_use, n_head_kv,
+ * head_dim) (left unchanged: each layer is transformed in the copies kd, vd (n_use * row)) and
+ * write it to a->out with its metadata. */
+static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const char *model_path, kvpq_codebook *cb,
+                          const float *kall, const float *vall, size_t n_use, float *kd, float *vd, float *lam,
+                          double t0, double t_fwd) {
+    const int L = mi->n_layer, H = mi->n_head_kv, D = mi->head_dim;
+    const size_t row = (size_t)H * D;
+    kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+    kvpq_status s;
+    kvpq_kmeans_params km = kvpq_kmeans_params_default();
+    km.niter = (int)a->iters;
+    km.seed = (uint64_t)a->seed;
+    km.n_threads = (int)a->threads;
+    km.progress = progress_cb;
+    km.init = strcmp(a->kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
+    double mse_k = 0, mse_v = 0, t1 = cli_now();
+    for (int l = 0; l < L; l++) {
+        memcpy(kd, kall + (size_t)l * n_use * row, sizeof(float) * n_use * row);
+        memcpy(vd, vall + (size_t)l * n_use * row, sizeof(float) * n_use * row);
+        if (a->center) {
+            float *mu = kvpq_codebook_key_mean(cb, l); /* (H, D) */
+            for (size_t c = 0; c < row; c++) {
+                double acc = 0;
+                for (size_t t = 0; t < n_use; t++) acc += kd[t * row + c];
+                mu[c] = (float)(acc / (double)n_use);
+            }
+            for (size_t t = 0; t < n_use; t++)
+                for (size_t c = 0; c < row; c++) kd[t * row + c] -= mu[c];
+        }
+        if ((s = kvpq_smooth_compute(n_use, H, D, kd, 1e-2f, lam)) != KVPQ_OK)
+            return cli_fail("calibrate: smoothing factors", s);
+        memcpy(kvpq_codebook_key_smooth(cb, l), lam, sizeof(float) * row);
+        if ((s = kvpq_smooth_apply(kd, n_use, H, D, lam, 0)) != KVPQ_OK ||
+            (s = kvpq_hadamard(kd, n_use * H, D)) != KVPQ_OK ||
+            (a->value_rotate && (s = kvpq_hadamard(vd, n_use * H, D)) != KVPQ_OK))
+            return cli_fail("calibrate: smoothing and rotation", s);
+        /* Norm-explicit quantizers are trained on directions (the cache keeps the scale). */
+        if (a->key_norm) normalize_rows(kd, n_use * H, D);
+        if (a->value_norm) normalize_rows(vd, n_use * H, D);
+        kvpq_kmeans_report rk, rv;
+        km.max_points_per_centroid = a->max_ppc > 0 ? (int)a->max_ppc : (cp.key.nbits > 8 ? 32 : 256);
+        if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 0), &km, n_use * H, kd, &rk)) != KVPQ_OK)
+            return cli_fail("calibrate: training the key codebook", s);
+        km.max_points_per_centroid = a->max_ppc > 0 ? (int)a->max_ppc : (cp.value.nbits > 8 ? 32 : 256);
+        if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 1), &km, n_use * H, vd, &rv)) != KVPQ_OK)
+            return cli_fail("calibrate: training the value codebook", s);
+        mse_k += rk.mse_final;
+        mse_v += rv.mse_final;
+        fprintf(stderr, "\rkvpq calibrate: %s: layer %d/%d k-means done (key mse %.4g, value mse %.4g, %.1f s)",
+                base_name(a->out), l + 1, L, rk.mse_final, rv.mse_final, cli_now() - t1);
+    }
+    fprintf(stderr, "\n");
+
+    char buf[64];
+    kvpq_codebook_set_meta(cb, "model", mi->name);
+    kvpq_codebook_set_meta(cb, "model_file", base_name(model_path));
+    kvpq_codebook_set_meta(cb, "text", base_name(a->text));
+    snprintf(buf, sizeof buf, "%zu", n_use);
+    kvpq_codebook_set_meta(cb, "tokens", buf);
+    snprintf(buf, sizeof buf, "%ld", a->ctx);
+    kvpq_codebook_set_meta(cb, "ctx", buf);
+    kvpq_codebook_set_meta(cb, "keys", a->keys);
+    if (a->keys_layers) kvpq_codebook_set_meta(cb, "keys_layers", a->keys_layers);
+    kvpq_codebook_set_meta(cb, "values", a->values);
+    snprintf(buf, sizeof buf, "%ld", a->seed);
+    kvpq_codebook_set_meta(cb, "seed", buf);
+    snprintf(buf, sizeof buf, "%ld", a->iters);
+    kvpq_codebook_set_meta(cb, "kmeans_iters", buf);
+    kvpq_codebook_set_meta(cb, "kmeans_init", a->kmeans_init);
+    kvpq_codebook_set_meta(cb, "key_center", a->center ? "1" : "0");
+    /* With norm-explicit quantizers these are errors of the unit directions. */
+    snprintf(buf, sizeof buf, "%.6g", mse_k / L);
+    kvpq_codebook_set_meta(cb, "key_mse_mean", buf);
+    snprintf(buf, sizeof buf, "%.6g", mse_v / L);
+    kvpq_codebook_set_meta(cb, "value_mse_mean", buf);
+    if ((s = kvpq_codebook_save(cb, a->out)) != KVPQ_OK) return cli_fail("calibrate: writing the codebook file", s);
+    fprintf(stderr,
+            "kvpq calibrate: wrote %s (%d layers, keys %s%s%s%s, values %s%s%s, %zu tokens; forward %.1f s, k-means "
+            "%.1f s, total %.1f s)\n",
+            a->out, L, a->keys, a->keys_layers ? " with " : "", a->keys_layers ? a->keys_layers : "",
+            a->key_norm ? " norm-explicit" : "", a->values, a->value_rotate ? " rotated" : "",
+            a->value_norm ? " norm-explicit" : "", n_use, t_fwd, cli_now() - t1, cli_now() - t0);
+    return 0;
+}
+
+int cmd_calibrate(int argc, char **argv) {
+    calib_args jobs[1 + CALIB_MAX_ALSO];
+    char *split_buf[CALIB_MAX_ALSO] = {0};
+    kvpq_codebook *cbs[1 + CALIB_MAX_ALSO] = {0};
+    int n_jobs = 1;
     int rc = 1;
     kvpq_status s;
     kvpq_model *model = NULL;
     kvpq_cache *cache = NULL;
-    kvpq_codebook *cb = NULL;
     char *text = NULL;
     int32_t *tokens = NULL;
-    float *logits = NULL, *kall = NULL, *vall = NULL, *lam = NULL;
+    float *logits = NULL, *kall = NULL, *vall = NULL, *lam = NULL, *kd = NULL, *vd = NULL;
     double t0 = cli_now();
+    int pr = parse_args(argc, argv, jobs, &n_jobs, split_buf);
+    if (pr <= 0) {
+        rc = pr == 0 ? 0 : 2;
+        goto done;
+    }
+    const calib_args *a = &jobs[0];
 
     kvpq_model_params mp = kvpq_model_params_default();
-    mp.n_threads = (int)a.threads;
-    if ((s = kvpq_model_load(&model, a.model, &mp)) != KVPQ_OK) {
+    mp.n_threads = (int)a->threads;
+    if ((s = kvpq_model_load(&model, a->model, &mp)) != KVPQ_OK) {
         rc = cli_fail("calibrate: loading the model", s);
         goto done;
     }
     kvpq_model_info mi;
     kvpq_model_get_info(model, &mi);
-    if (a.ctx > mi.n_ctx_train) {
-        rc = cli_usage_error("calibrate: --ctx %ld exceeds the model's context length %d", a.ctx, mi.n_ctx_train);
+    if (a->ctx > mi.n_ctx_train) {
+        rc = cli_usage_error("calibrate: --ctx %ld exceeds the model's context length %d", a->ctx, mi.n_ctx_train);
         goto done;
     }
-
-    /* Codebook configuration, validated before the (long) forward pass. */
-    kvpq_codebook_params cp = kvpq_codebook_params_default();
-    cp.n_layer = mi.n_layer;
-    cp.n_head_kv = mi.n_head_kv;
-    cp.head_dim = mi.head_dim;
-    cp.value_rotate = (int)a.value_rotate;
-    cp.key_norm = (int)a.key_norm;
-    cp.value_norm = (int)a.value_norm;
-    if ((s = kvpq_pq_params_preset(&cp.key, a.keys, mi.head_dim)) != KVPQ_OK ||
-        (s = kvpq_pq_params_preset(&cp.value, a.values, mi.head_dim)) != KVPQ_OK) {
-        rc = cli_fail("calibrate", s);
-        goto done;
-    }
-    cp.key.granularity = cp.value.granularity =
-        strcmp(a.granularity, "shared") ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
-    if ((s = kvpq_codebook_new(&cb, &cp)) != KVPQ_OK) {
-        rc = cli_fail("calibrate: codebook", s);
-        goto done;
-    }
-    if (a.keys_layers && !apply_keys_layers(cb, a.keys_layers, mi.n_layer, mi.head_dim, cp.key.nbits)) {
-        rc = 2;
-        goto done;
-    }
+    for (int j = 0; j < n_jobs; j++)
+        if ((rc = make_codebook(&jobs[j], &mi, &cbs[j])) != 0) goto done;
+    rc = 1;
 
     size_t text_len = 0;
-    if (!(text = cli_read_file(a.text, &text_len))) {
-        rc = cli_usage_error("calibrate: cannot read text file '%s'", a.text);
+    if (!(text = cli_read_file(a->text, &text_len))) {
+        rc = cli_usage_error("calibrate: cannot read text file '%s'", a->text);
         goto done;
     }
     size_t n_tok = 0;
@@ -241,13 +395,13 @@ int cmd_calibrate(int argc, char **argv) {
         rc = cli_fail("calibrate: tokenizing", s);
         goto done;
     }
-    size_t n_use = n_tok < (size_t)a.tokens ? n_tok : (size_t)a.tokens;
+    size_t n_use = n_tok < (size_t)a->tokens ? n_tok : (size_t)a->tokens;
     if (n_use < 16) {
-        rc = cli_usage_error("calibrate: text file '%s' has only %zu tokens (need at least 16)", a.text, n_tok);
+        rc = cli_usage_error("calibrate: text file '%s' has only %zu tokens (need at least 16)", a->text, n_tok);
         goto done;
     }
-    if (n_use < (size_t)a.tokens)
-        fprintf(stderr, "kvpq calibrate: the text has %zu tokens; using all of them (asked for %ld)\n", n_tok, a.tokens);
+    if (n_use < (size_t)a->tokens)
+        fprintf(stderr, "kvpq calibrate: the text has %zu tokens; using all of them (asked for %ld)\n", n_tok, a->tokens);
 
     /* ---- forward pass: collect post-RoPE keys and values of every layer ---- */
     const int L = mi.n_layer, H = mi.n_head_kv, D = mi.head_dim;
@@ -258,27 +412,29 @@ int cmd_calibrate(int argc, char **argv) {
     kp.n_head = mi.n_head;
     kp.n_head_kv = H;
     kp.head_dim = D;
-    kp.max_seq = (int)a.ctx;
-    kp.n_threads = (int)a.threads;
+    kp.max_seq = (int)a->ctx;
+    kp.n_threads = (int)a->threads;
     if ((s = kvpq_cache_new(&cache, &kp)) != KVPQ_OK) {
         rc = cli_fail("calibrate: cache", s);
         goto done;
     }
     kall = malloc(sizeof(float) * (size_t)L * n_use * row);
     vall = malloc(sizeof(float) * (size_t)L * n_use * row);
+    kd = malloc(sizeof(float) * n_use * row);
+    vd = malloc(sizeof(float) * n_use * row);
     logits = malloc(sizeof(float) * (size_t)mi.n_vocab);
     lam = malloc(sizeof(float) * row);
-    if (!kall || !vall || !logits || !lam) goto oom;
-    for (size_t p0 = 0; p0 < n_use; p0 += (size_t)a.ctx) {
-        int n = (int)((n_use - p0) < (size_t)a.ctx ? (n_use - p0) : (size_t)a.ctx);
+    if (!kall || !vall || !kd || !vd || !logits || !lam) goto oom;
+    for (size_t p0 = 0; p0 < n_use; p0 += (size_t)a->ctx) {
+        int n = (int)((n_use - p0) < (size_t)a->ctx ? (n_use - p0) : (size_t)a->ctx);
         if ((s = kvpq_cache_truncate(cache, 0)) != KVPQ_OK ||
             (s = kvpq_model_eval(model, cache, tokens + p0, n, 0, logits)) != KVPQ_OK) {
             rc = cli_fail("calibrate: forward pass", s);
             goto done;
         }
         for (int l = 0; l < L; l++) {
-            float *kd = kall + ((size_t)l * n_use + p0) * row, *vd = vall + ((size_t)l * n_use + p0) * row;
-            if ((s = kvpq_cache_read(cache, l, 0, n, kd, vd)) != KVPQ_OK) {
+            float *kl = kall + ((size_t)l * n_use + p0) * row, *vl = vall + ((size_t)l * n_use + p0) * row;
+            if ((s = kvpq_cache_read(cache, l, 0, n, kl, vl)) != KVPQ_OK) {
                 rc = cli_fail("calibrate: reading keys and values", s);
                 goto done;
             }
@@ -288,99 +444,26 @@ int cmd_calibrate(int argc, char **argv) {
     double t_fwd = cli_now() - t0;
     fprintf(stderr, "\n");
 
-    /* ---- per layer: smoothing, rotation, k-means ---- */
-    kvpq_kmeans_params km = kvpq_kmeans_params_default();
-    km.niter = (int)a.iters;
-    km.seed = (uint64_t)a.seed;
-    km.n_threads = (int)a.threads;
-    km.progress = progress_cb;
-    km.init = strcmp(a.kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
-    double mse_k = 0, mse_v = 0;
-    for (int l = 0; l < L; l++) {
-        float *kd = kall + (size_t)l * n_use * row, *vd = vall + (size_t)l * n_use * row;
-        if (a.center) {
-            float *mu = kvpq_codebook_key_mean(cb, l); /* (H, D) */
-            for (size_t c = 0; c < row; c++) {
-                double acc = 0;
-                for (size_t t = 0; t < n_use; t++) acc += kd[t * row + c];
-                mu[c] = (float)(acc / (double)n_use);
-            }
-            for (size_t t = 0; t < n_use; t++)
-                for (size_t c = 0; c < row; c++) kd[t * row + c] -= mu[c];
-        }
-        if ((s = kvpq_smooth_compute(n_use, H, D, kd, 1e-2f, lam)) != KVPQ_OK) {
-            rc = cli_fail("calibrate: smoothing factors", s);
+    /* ---- per job and layer: centering, smoothing, rotation, k-means; then the file ---- */
+    for (int j = 0; j < n_jobs; j++)
+        if ((rc = train_and_save(&jobs[j], &mi, a->model, cbs[j], kall, vall, n_use, kd, vd, lam, t0, t_fwd)) != 0)
             goto done;
-        }
-        memcpy(kvpq_codebook_key_smooth(cb, l), lam, sizeof(float) * row);
-        if ((s = kvpq_smooth_apply(kd, n_use, H, D, lam, 0)) != KVPQ_OK ||
-            (s = kvpq_hadamard(kd, n_use * H, D)) != KVPQ_OK ||
-            (a.value_rotate && (s = kvpq_hadamard(vd, n_use * H, D)) != KVPQ_OK)) {
-            rc = cli_fail("calibrate: smoothing and rotation", s);
-            goto done;
-        }
-        /* Norm-explicit quantizers are trained on directions (the cache keeps the scale). */
-        if (a.key_norm) normalize_rows(kd, n_use * H, D);
-        if (a.value_norm) normalize_rows(vd, n_use * H, D);
-        kvpq_kmeans_report rk, rv;
-        km.max_points_per_centroid = a.max_ppc > 0 ? (int)a.max_ppc : (cp.key.nbits > 8 ? 32 : 256);
-        if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 0), &km, n_use * H, kd, &rk)) != KVPQ_OK) {
-            rc = cli_fail("calibrate: training the key codebook", s);
-            goto done;
-        }
-        km.max_points_per_centroid = a.max_ppc > 0 ? (int)a.max_ppc : (cp.value.nbits > 8 ? 32 : 256);
-        if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 1), &km, n_use * H, vd, &rv)) != KVPQ_OK) {
-            rc = cli_fail("calibrate: training the value codebook", s);
-            goto done;
-        }
-        mse_k += rk.mse_final;
-        mse_v += rv.mse_final;
-        fprintf(stderr, "\rkvpq calibrate: layer %d/%d k-means done (key mse %.4g, value mse %.4g, %.1f s)", l + 1, L,
-                rk.mse_final, rv.mse_final, cli_now() - t0);
-    }
-    fprintf(stderr, "\n");
-
-    /* ---- metadata and file ---- */
-    char buf[64];
-    kvpq_codebook_set_meta(cb, "model", mi.name);
-    kvpq_codebook_set_meta(cb, "model_file", base_name(a.model));
-    kvpq_codebook_set_meta(cb, "text", base_name(a.text));
-    snprintf(buf, sizeof buf, "%zu", n_use);
-    kvpq_codebook_set_meta(cb, "tokens", buf);
-    snprintf(buf, sizeof buf, "%ld", a.ctx);
-    kvpq_codebook_set_meta(cb, "ctx", buf);
-    kvpq_codebook_set_meta(cb, "keys", a.keys);
-    if (a.keys_layers) kvpq_codebook_set_meta(cb, "keys_layers", a.keys_layers);
-    kvpq_codebook_set_meta(cb, "values", a.values);
-    snprintf(buf, sizeof buf, "%ld", a.seed);
-    kvpq_codebook_set_meta(cb, "seed", buf);
-    snprintf(buf, sizeof buf, "%ld", a.iters);
-    kvpq_codebook_set_meta(cb, "kmeans_iters", buf);
-    kvpq_codebook_set_meta(cb, "key_center", a.center ? "1" : "0");
-    snprintf(buf, sizeof buf, "%.6g", mse_k / L);
-    kvpq_codebook_set_meta(cb, "key_mse_mean", buf);
-    snprintf(buf, sizeof buf, "%.6g", mse_v / L);
-    kvpq_codebook_set_meta(cb, "value_mse_mean", buf);
-    if ((s = kvpq_codebook_save(cb, a.out)) != KVPQ_OK) {
-        rc = cli_fail("calibrate: writing the codebook file", s);
-        goto done;
-    }
-    fprintf(stderr,
-            "kvpq calibrate: wrote %s (%d layers, keys %s%s%s, values %s%s, %zu tokens; forward %.1f s, total %.1f s)\n",
-            a.out, L, a.keys, a.keys_layers ? " with " : "", a.keys_layers ? a.keys_layers : "", a.values, a.value_rotate ? " rotated" : "", n_use, t_fwd, cli_now() - t0);
     rc = 0;
     goto done;
 oom:
     rc = cli_usage_error("calibrate: out of memory");
 done:
+    for (int j = 0; j < CALIB_MAX_ALSO; j++) free(split_buf[j]);
+    for (int j = 0; j < 1 + CALIB_MAX_ALSO; j++) kvpq_codebook_free(cbs[j]);
     free(text);
     free(tokens);
     free(logits);
     free(kall);
     free(vall);
+    free(kd);
+    free(vd);
     free(lam);
     kvpq_cache_free(cache);
-    kvpq_codebook_free(cb);
     kvpq_model_free(model);
     return rc;
 }

@@ -130,3 +130,29 @@ def test_keys_layers_gives_layers_their_own_key_M(codebook, tmp_path):
                   "--keys-layers", spec, "-o", tmp_path / "bad.safetensors", check=False)
         assert bad.returncode == 2 and msg in bad.stderr, (spec, bad.stderr)
         assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_also_writes_the_same_codebooks_as_separate_runs(tmp_path):
+    """--also trains more codebooks from the one forward pass: each file equals, tensor for tensor
+    and bit for bit, the file of a separate `kvpq calibrate` with the same options; the job's
+    --values follows its own --keys, --keys-layers is not inherited, forward options are refused."""
+    base = ["calibrate", "--model", MODEL, "--text", CALIB, "--tokens", TOKENS, "--ctx", CTX, "--iters", 2,
+            "--threads", 2]
+    a, b, c = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "c.safetensors"
+    run(*base, "--keys", "d4b8", "--keys-layers", "d2b8:3-4", "-o", a,
+        "--also", f"--keys d8b8 --key-norm 0 --kmeans-init pp -o {b}")
+    run(*base, "--keys", "d8b8", "--key-norm", 0, "--kmeans-init", "pp", "-o", c)
+    tb, tc = st_numpy.load_file(str(b)), st_numpy.load_file(str(c))
+    assert sorted(tb) == sorted(tc)
+    assert all(np.array_equal(tb[k].view(np.uint32), tc[k].view(np.uint32)) for k in tb)
+    assert tb["layers.3.k.codebook"].shape == (256, 8) and tb["layers.0.v.codebook"].shape == (256, 8)
+    from safetensors import safe_open
+    with safe_open(str(b), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta["k.norm"] == "0" and meta["v.norm"] == "1" and meta["kmeans_init"] == "pp"
+    assert st_numpy.load_file(str(a))["layers.3.k.codebook"].shape == (256, 2)
+    for extra, msg in (("--ctx 64 -o x.safetensors", "--ctx belongs to the main command"),
+                       ("--keys d8b8", "needs -o OUT")):
+        bad = run(*base, "-o", tmp_path / "m.safetensors", "--also", extra, check=False)
+        assert bad.returncode == 2 and msg in bad.stderr, (extra, bad.stderr)
+        assert not (tmp_path / "m.safetensors").exists()
