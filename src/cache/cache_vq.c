@@ -616,12 +616,12 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
                 K->scale_rows(table_rows, gp, s->rescale, s->table);
             }
         }
+        K->exp_sum(b1 - b0, gp, s->s, pm, pd); /* pm is the block max: weights exp(s - pm), summed into pd */
         for (int t = b0; t < b1;) {
             int n = vq_seg(st, t, b1);
             const uint8_t *vc = vq_vcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
-            K->softmax_step(n, gp, sc, pm, pd, s->rescale); /* factor 1: pm is already the block max */
-            if (st->v_norm) { /* the denominator took p(t); the value sums take p(t) s(t) */
+            if (st->v_norm) { /* exp_sum put p(t) into the denominator; the value sums take p(t) s(t) */
                 K->f16_to_f32(n, vq_scales(st, L, 1, h, t), s->tsc);
                 for (int i = 0; i < n; i++)
                     for (int g = 0; g < gp; g++) sc[(size_t)i * gp + g] *= s->tsc[i];
