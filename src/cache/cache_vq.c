@@ -467,7 +467,8 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     /* Two passes per block of up to vq_block_tokens(gp) tokens: all scores of the block first (they
      * stay in L2), then its per-lane maximum becomes the softmax reference m before any weight is
      * taken, so the W table is rescaled at most once per block (not each time a chunk's maximum
-     * rises), and the exp + accumulation pass runs with factor 1. Same math as the online step. */
+     * rises); the weights exp(s - m) of the whole block are then taken in one exp_sum call and
+     * accumulated with factor 1. Same math as the online step. */
     const int blk = vq_block_tokens(gp);
     for (int b0 = t0; b0 < t1;) {
         const int b1 = t1 - b0 < blk ? t1 : b0 + blk;
