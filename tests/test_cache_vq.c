@@ -740,6 +740,42 @@ Test(cache_vq, kernels_match_reference) {
                 free(c16);
                 free(lut);
             }
+        /* exp half of the step against its reference: every lane pattern, lengths with and without
+         * a tail, references above the lane max (weights < 1), one NaN score that must stay NaN. */
+        const int gps_e[] = {1, 2, 3, 4, 8, 16, 32, 48, 64};
+        const int ns_e[] = {1, 3, 5, 16, 77, 300};
+        for (size_t gi = 0; gi < sizeof gps_e / sizeof gps_e[0]; gi++)
+            for (size_t ni = 0; ni < sizeof ns_e / sizeof ns_e[0]; ni++) {
+                const int gp = gps_e[gi], ne = ns_e[ni];
+                float *e1 = randn((size_t)ne * gp, 3.0f), *e2 = malloc((size_t)ne * gp * 4), mref[64], sm1[64], sm2[64];
+                for (int g = 0; g < gp; g++) {
+                    mref[g] = -INFINITY;
+                    for (int t = 0; t < ne; t++) mref[g] = fmaxf(mref[g], e1[(size_t)t * gp + g]);
+                    mref[g] += (float)(g % 3); /* the block max of a later block may be higher */
+                    sm1[g] = sm2[g] = (float)g;
+                }
+                if (ne == 77) e1[(size_t)40 * gp + gp / 2] = NAN;
+                memcpy(e2, e1, (size_t)ne * gp * 4);
+                kvpq__vq_exp_sum_ref(ne, gp, e1, mref, sm1);
+                K->exp_sum(ne, gp, e2, mref, sm2);
+                for (int i = 0; i < ne * gp; i++) {
+                    if (isnan(e1[i])) {
+                        cr_assert(isnan(e2[i]), "exp_sum gp %d n %d [%d]: NaN lost", gp, ne, i);
+                        continue;
+                    }
+                    cr_assert_float_eq(e1[i], e2[i], 1e-6f * e1[i] + 1e-30f, "exp_sum gp %d n %d [%d]: %g vs %g", gp, ne,
+                                       i, (double)e1[i], (double)e2[i]);
+                }
+                for (int g = 0; g < gp; g++) {
+                    if (isnan(sm1[g])) {
+                        cr_assert(isnan(sm2[g]));
+                        continue;
+                    }
+                    cr_assert_float_eq(sm1[g], sm2[g], 1e-5f * sm1[g], "exp_sum sum gp %d n %d lane %d", gp, ne, g);
+                }
+                free(e1);
+                free(e2);
+            }
         /* LUT build and value output, dsub 1..16, shared and per-sub-space books */
         for (int dsub = 1; dsub <= 16; dsub *= 2)
             for (size_t gi = 0; gi < 5; gi++) {

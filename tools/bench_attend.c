@@ -5,7 +5,8 @@
  * default: the model's layer count, fewer where the fp32 cache would pass 2 GiB), so each layer's
  * K/V comes from memory rather than from a cache the previous call warmed; times are per layer.
  * `--layers 1` times one layer over and over (its K/V stays in the CPU's caches when it fits).
- * Median of repeats; GB/s counts the bytes of stored K/V (and codebooks) one layer's call reads.
+ * Median of repeats, the caches taking turns within each repeat (a shared machine's slow moments
+ * hit all alike); GB/s counts the bytes of stored K/V (and codebooks) one layer's call reads.
  * Uses the public header only. */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -86,24 +87,34 @@ static kvpq_status make_codebook(const bench_shape *s, int n_layer, kvpq_codeboo
     return KVPQ_OK;
 }
 
-/* Median microseconds per layer of one decode attention step over layers 0..n_layer-1: repeats
- * until ~0.25 s or `reps`, at least 5. */
-static double time_attend(kvpq_cache *c, int n_layer, const float *q, float *out, int reps, kvpq_status *err) {
-    double t[512];
-    for (int i = 0; i < 2; i++) /* warm up threads (and, with one layer, the CPU caches) */
-        for (int l = 0; l < n_layer; l++)
-            if ((*err = kvpq_cache_attend(c, l, 1, q, out)) != KVPQ_OK) return 0;
+/* Median microseconds per layer of one decode attention step over layers 0..n_layer-1, for every
+ * cache: the caches take turns within each repeat (fp32, fp16, VQ, ... then again), so a slow
+ * moment of a shared machine falls on all of them alike. Repeats until ~0.25 s per cache or
+ * `reps`, at least 5. */
+static void time_attend(kvpq_cache *const *c, int n_kinds, int n_layer, const float *q, float *out, int reps,
+                        double *us, kvpq_status *err) {
+    static double t[N_KINDS][512];
+    *err = KVPQ_OK;
+    for (int kind = 0; kind < n_kinds; kind++)
+        for (int i = 0; i < 2; i++) /* warm up threads (and, with one layer, the CPU caches) */
+            for (int l = 0; l < n_layer; l++)
+                if ((*err = kvpq_cache_attend(c[kind], l, 1, q, out)) != KVPQ_OK) return;
     int n = 0;
     double start = cli_now();
-    while (n < (int)(sizeof t / sizeof t[0])) {
-        double t0 = cli_now();
-        for (int l = 0; l < n_layer; l++)
-            if ((*err = kvpq_cache_attend(c, l, 1, q, out)) != KVPQ_OK) return 0;
-        t[n++] = (cli_now() - t0) * 1e6 / n_layer;
-        if (reps > 0 ? n >= reps : (n >= 5 && cli_now() - start > 0.25)) break;
+    while (n < 512) {
+        for (int kind = 0; kind < n_kinds; kind++) {
+            double t0 = cli_now();
+            for (int l = 0; l < n_layer; l++)
+                if ((*err = kvpq_cache_attend(c[kind], l, 1, q, out)) != KVPQ_OK) return;
+            t[kind][n] = (cli_now() - t0) * 1e6 / n_layer;
+        }
+        n++;
+        if (reps > 0 ? n >= reps : (n >= 5 && cli_now() - start > 0.25 * n_kinds)) break;
     }
-    qsort(t, n, sizeof t[0], cmp_double);
-    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    for (int kind = 0; kind < n_kinds; kind++) {
+        qsort(t[kind], n, sizeof t[kind][0], cmp_double);
+        us[kind] = n % 2 ? t[kind][n / 2] : 0.5 * (t[kind][n / 2 - 1] + t[kind][n / 2]);
+    }
 }
 
 static void usage(FILE *f) {
@@ -234,9 +245,9 @@ int cmd_bench_attend(int argc, char **argv) {
             }
             if (rc) break;
             double us[N_KINDS], bytes[N_KINDS];
+            time_attend(caches, N_KINDS, L, q, out, (int)reps, us, &st);
+            if (st != KVPQ_OK) rc = cli_fail("bench attend", st);
             for (int kind = 0; kind < N_KINDS && !rc; kind++) {
-                us[kind] = time_attend(caches[kind], L, q, out, (int)reps, &st);
-                if (st != KVPQ_OK) rc = cli_fail("bench attend", st);
                 kvpq_cache_stats cs;
                 kvpq_cache_get_stats(caches[kind], &cs);
                 if (kind == K_FP32) bytes[kind] = (double)ctx * row * 2 * 4;

@@ -10,6 +10,7 @@ int cmd_info_gguf(int argc, char **argv, const char *path);      /* info_gguf.c 
 int cmd_info_codebook(int argc, char **argv, const char *path);  /* info_codebook.c */
 int cmd_bench_encode(int argc, char **argv);                     /* bench_encode.c */
 int cmd_bench_attend(int argc, char **argv);                     /* bench_attend.c */
+int cmd_bench_decode(int argc, char **argv);                     /* bench_decode.c */
 int cmd_calibrate(int argc, char **argv);                        /* cmd_calibrate.c */
 int cmd_generate(int argc, char **argv);                         /* cmd_generate.c */
 int cmd_ppl(int argc, char **argv);                              /* cmd_ppl.c */

@@ -12,7 +12,7 @@ static void usage(FILE *f) {
             "  calibrate --model M ...    train codebooks on a model's real keys and values\n"
             "  generate --model M ...     generate text, with a chosen KV cache\n"
             "  ppl --model M --text F ... perplexity, with a chosen KV cache beside a baseline\n"
-            "  bench encode|attend ...    benchmarks (ours beside baselines, one table)\n"
+            "  bench encode|attend|decode ... benchmarks (ours beside baselines, one table)\n"
             "  version                    print the version\n",
             kvpq_version());
 }
@@ -35,7 +35,8 @@ static int cmd_info(int argc, char **argv) {
 static int cmd_bench(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "encode")) return cmd_bench_encode(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "attend")) return cmd_bench_attend(argc - 1, argv + 1);
-    fprintf(stderr, "usage: kvpq bench encode|attend [options]   (kvpq bench encode --help)\n");
+    if (argc >= 2 && !strcmp(argv[1], "decode")) return cmd_bench_decode(argc - 1, argv + 1);
+    fprintf(stderr, "usage: kvpq bench encode|attend|decode [options]   (kvpq bench encode --help)\n");
     return 2;
 }
 

@@ -518,11 +518,11 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
                 K->scale_rows(table_rows, gp, s->rescale, s->table);
             }
         }
+        K->exp_sum(b1 - b0, gp, s->s, pm, pd); /* pm is the block max: weights exp(s - pm), summed into pd */
         for (int t = b0; t < b1;) {
             int n = vq_seg(st, t, b1);
             const uint8_t *vc = vq_vcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
-            K->softmax_step(n, gp, sc, pm, pd, s->rescale); /* factor 1: pm is already the block max */
             if (dec) {
                 K->accum_dec_u8(n, Mv, vpq->dsub, vpq->n_books, vpq->centroids, gp, G, vc, sc, po);
             } else if (vbits8) {

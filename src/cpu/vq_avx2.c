@@ -14,10 +14,11 @@
 
 /* exp(x) for x <= 0 (softmax arguments): x = k ln2 + r, |r| <= ln2/2, degree-6 Taylor of e^r
  * (relative error < 2e-7), then scaled by 2^k through the exponent bits. Below -87 the result
- * flushes to about 1e-38, far under what a softmax weight can contribute. */
+ * flushes to about 1e-38, far under what a softmax weight can contribute. NaN stays NaN (max / min
+ * return their second operand when one is NaN). */
 static inline __m256 exp256_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
     __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
@@ -398,6 +399,33 @@ int kvpq__vq_softmax_step_avx2(int n, int gp, float *s, float *m, float *d, floa
     return any;
 }
 
+void kvpq__vq_exp_sum_avx2(int n, int gp, float *s, const float *m, float *sum) {
+    if (gp > GP_MAX || !(8 % gp == 0 || gp % 8 == 0)) {
+        kvpq__vq_exp_sum_ref(n, gp, s, m, sum);
+        return;
+    }
+    const size_t total = (size_t)n * gp;
+    const int vw = gp < 8 ? 8 : gp;
+    float pat[GP_MAX + 8], lanes[GP_MAX + 8];
+    for (int l = 0; l < vw; l++) pat[l] = m[l % gp];
+    __m256 vsum[GP_MAX / 8];
+    for (int b = 0; b < vw / 8; b++) vsum[b] = _mm256_setzero_ps();
+    size_t i = 0;
+    for (; i + vw <= total; i += vw)
+        for (int b = 0; b < vw / 8; b++) {
+            __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i + 8 * b), _mm256_loadu_ps(pat + 8 * b)));
+            _mm256_storeu_ps(s + i + 8 * b, e);
+            vsum[b] = _mm256_add_ps(vsum[b], e);
+        }
+    for (int b = 0; b < vw / 8; b++) _mm256_storeu_ps(lanes + 8 * b, vsum[b]);
+    for (int l = 0; l < vw; l++) sum[l % gp] += lanes[l];
+    for (; i < total; i++) {
+        float e = expf(s[i] - m[i % gp]);
+        s[i] = e;
+        sum[i % gp] += e;
+    }
+}
+
 void kvpq__vq_scale_rows_avx2(size_t rows, int gp, const float *rescale, float *table) {
     if (gp > GP_MAX || !(8 % gp == 0 || gp % 8 == 0)) {
         kvpq__vq_scale_rows_ref(rows, gp, rescale, table);
@@ -559,6 +587,7 @@ void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {
     k->accum_u8 = kvpq__vq_accum_u8_avx2;
     k->accum_u16 = kvpq__vq_accum_u16_avx2;
     k->softmax_step = kvpq__vq_softmax_step_avx2;
+    k->exp_sum = kvpq__vq_exp_sum_avx2;
     k->scale_rows = kvpq__vq_scale_rows_avx2;
 }
 #endif

@@ -198,6 +198,79 @@ VQ_VBMI static void score_fs_u8_vbmi(int n, int M, int G, int gp, const uint8_t 
         kvpq__vq_score_fs_u8_ref(n - t0, M, G, gp, codes + (size_t)t0 * M, lut8, scale, bias, s + (size_t)t0 * gp);
 }
 
+// ---- softmax weights: exp through vscalefps --------------------------------------------------
+
+/* exp(x) as in the AVX2 kernel (x = k ln2 + r, degree-6 Taylor of e^r, relative error < 2e-7; x
+ * clamped below at -87), with 2^k applied by vscalefps instead of building exponent bits. NaN stays
+ * NaN (max returns its second operand when one is NaN). */
+static inline __m512 exp512_ps(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* gp dividing 16 or a multiple of 16 (up to 64): the lanes' references repeat with a period of
+ * vw = max(gp, 16) floats; two independent vectors per step when vw = 16. */
+static void exp_sum_avx512(int n, int gp, float *s, const float *m, float *sum) {
+    if (gp > 64 || !(16 % gp == 0 || gp % 16 == 0)) {
+        kvpq__vq_exp_sum_avx2(n, gp, s, m, sum);
+        return;
+    }
+    const size_t total = (size_t)n * gp;
+    const int vw = gp < 16 ? 16 : gp;
+    float pat[64], lanes[64];
+    for (int l = 0; l < vw; l++) pat[l] = m[l % gp];
+    size_t i = 0;
+    if (vw == 16) {
+        const __m512 mv = _mm512_loadu_ps(pat);
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (; i + 32 <= total; i += 32) {
+            const __m512 e0 = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+            const __m512 e1 = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i + 16), mv));
+            _mm512_storeu_ps(s + i, e0);
+            _mm512_storeu_ps(s + i + 16, e1);
+            a0 = _mm512_add_ps(a0, e0);
+            a1 = _mm512_add_ps(a1, e1);
+        }
+        for (; i + 16 <= total; i += 16) {
+            const __m512 e0 = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+            _mm512_storeu_ps(s + i, e0);
+            a0 = _mm512_add_ps(a0, e0);
+        }
+        _mm512_storeu_ps(lanes, _mm512_add_ps(a0, a1));
+    } else {
+        __m512 acc[4];
+        for (int b = 0; b < vw / 16; b++) acc[b] = _mm512_setzero_ps();
+        for (; i + vw <= total; i += vw)
+            for (int b = 0; b < vw / 16; b++) {
+                const __m512 e = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i + 16 * b), _mm512_loadu_ps(pat + 16 * b)));
+                _mm512_storeu_ps(s + i + 16 * b, e);
+                acc[b] = _mm512_add_ps(acc[b], e);
+            }
+        for (int b = 0; b < vw / 16; b++) _mm512_storeu_ps(lanes + 16 * b, acc[b]);
+    }
+    for (int l = 0; l < vw; l++) sum[l % gp] += lanes[l];
+    if (i < total) { /* vw = 16 only (total is a multiple of vw otherwise): < 16 floats from lane 0 */
+        const int nl = (int)(total - i);
+        const __mmask16 km = (__mmask16)((1u << nl) - 1);
+        const __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(km, s + i), _mm512_loadu_ps(pat)));
+        _mm512_mask_storeu_ps(s + i, km, e);
+        _mm512_storeu_ps(lanes, e);
+        for (int l = 0; l < nl; l++) sum[l % gp] += lanes[l];
+    }
+}
+
 // ---- values decoded per token: dsub = 4, M a multiple of 16, groups of up to 4 heads ---------------
 
 /* One token's value slice (16 sub-spaces, 64 floats) is four zmm of four centroids each (one 128-bit load per
@@ -259,6 +332,7 @@ void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k) {
     k->accum_dec_u8 = accum_dec_u8_avx512;
     k->accum_dec_ok = accum_dec_ok_avx512;
     if (__builtin_cpu_supports("avx512vbmi")) k->score_fs_u8 = score_fs_u8_vbmi;
+    k->exp_sum = exp_sum_avx512;
     k->lut_build = lut_build_avx512;
     k->table_out = table_out_avx512;
     k->score_u8 = score_u8_avx512;

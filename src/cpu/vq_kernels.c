@@ -132,6 +132,18 @@ int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float
     return any;
 }
 
+void kvpq__vq_exp_sum_ref(int n, int gp, float *s, const float *m, float *sum) {
+    for (int g = 0; g < gp; g++) {
+        float a = 0.0f;
+        for (int t = 0; t < n; t++) {
+            float e = expf(s[(size_t)t * gp + g] - m[g]);
+            s[(size_t)t * gp + g] = e;
+            a += e;
+        }
+        sum[g] += a;
+    }
+}
+
 void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *table) {
     for (size_t r = 0; r < rows; r++)
         for (int g = 0; g < gp; g++) table[r * gp + g] *= rescale[g];
@@ -201,6 +213,7 @@ static void init_tables(void) {
         .accum_u8 = kvpq__vq_accum_u8_ref,
         .accum_u16 = kvpq__vq_accum_u16_ref,
         .softmax_step = kvpq__vq_softmax_step_ref,
+        .exp_sum = kvpq__vq_exp_sum_ref,
         .scale_rows = kvpq__vq_scale_rows_ref,
         .lut_build = kvpq__vq_lut_build_ref,
         .table_out = kvpq__vq_table_out_ref,

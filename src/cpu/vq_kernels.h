@@ -42,6 +42,10 @@ typedef struct {
      * m <- m_new. rescale (gp) gets exp(m_old - m_new) (0 where m_old was -inf). Returns 1 if some
      * lane's factor is not exactly 1 (the caller must then rescale its accumulators), else 0. */
     int (*softmax_step)(int n, int gp, float *s, float *m, float *d, float *rescale);
+    /* The exp half of that step when m (gp) is already each lane's reference (the block maximum,
+     * so s[t][g] - m[g] <= 0): s[t][g] <- exp(s[t][g] - m[g]); sum[g] += sum_t of the new s[t][g].
+     * NaN scores stay NaN. */
+    void (*exp_sum)(int n, int gp, float *s, const float *m, float *sum);
     /* table (rows, gp) *= rescale (gp) per lane. */
     void (*scale_rows)(size_t rows, int gp, const float *rescale, float *table);
     /* lut (M, ksub, gp): lut[m][c][g] = sum_j C[m][c][j] * qt[m][j][g], with C the centroids
@@ -78,6 +82,7 @@ void kvpq__vq_accum_dec_u8_ref(int n, int M, int dsub, int n_books, const float 
 void kvpq__vq_accum_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
 void kvpq__vq_accum_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float *rescale);
+void kvpq__vq_exp_sum_ref(int n, int gp, float *s, const float *m, float *sum);
 void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *table);
 void kvpq__vq_lut_build_ref(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
                             float *lut);
@@ -97,6 +102,7 @@ void kvpq__vq_score_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx
 void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
 void kvpq__vq_accum_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_avx2(int n, int gp, float *s, float *m, float *d, float *rescale);
+void kvpq__vq_exp_sum_avx2(int n, int gp, float *s, const float *m, float *sum);
 void kvpq__vq_scale_rows_avx2(size_t rows, int gp, const float *rescale, float *table);
 void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
                              float *lut);
