@@ -748,14 +748,21 @@ Test(cache_vq, kernels_match_reference) {
             for (size_t ni = 0; ni < sizeof ns_e / sizeof ns_e[0]; ni++) {
                 const int gp = gps_e[gi], ne = ns_e[ni];
                 float *e1 = randn((size_t)ne * gp, 3.0f), *e2 = malloc((size_t)ne * gp * 4), mref[64], sm1[64], sm2[64];
+                float lmax[64];
+                if (ne == 77) e1[(size_t)40 * gp + gp / 2] = NAN;
                 for (int g = 0; g < gp; g++) {
-                    mref[g] = -INFINITY;
-                    for (int t = 0; t < ne; t++) mref[g] = fmaxf(mref[g], e1[(size_t)t * gp + g]);
-                    mref[g] += (float)(g % 3); /* the block max of a later block may be higher */
+                    lmax[g] = -INFINITY; /* fmaxf skips the NaN */
+                    for (int t = 0; t < ne; t++) lmax[g] = fmaxf(lmax[g], e1[(size_t)t * gp + g]);
+                    mref[g] = lmax[g] + (float)(g % 3); /* the block max of a later block may be higher */
                     sm1[g] = sm2[g] = (float)g;
                 }
-                if (ne == 77) e1[(size_t)40 * gp + gp / 2] = NAN;
                 memcpy(e2, e1, (size_t)ne * gp * 4);
+                float lm1[64], lm2[64];
+                kvpq__vq_lane_max_ref(ne, gp, e1, lm1);
+                K->lane_max(ne, gp, e1, lm2);
+                for (int g = 0; g < gp; g++) /* exact; the NaN entry is skipped */
+                    cr_assert(lm1[g] == lm2[g] && lm1[g] == lmax[g], "lane_max gp %d n %d lane %d: %g vs %g",
+                              gp, ne, g, (double)lm1[g], (double)lm2[g]);
                 kvpq__vq_exp_sum_ref(ne, gp, e1, mref, sm1);
                 K->exp_sum(ne, gp, e2, mref, sm2);
                 for (int i = 0; i < ne * gp; i++) {

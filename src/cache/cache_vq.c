@@ -423,21 +423,6 @@ static int vq_seg(const vq_state *st, int t, int t1) {
     return n < t1 - t ? n : t1 - t;
 }
 
-/* mx (gp) = per-lane maximum of s (n, gp), n >= 1. Lanes are folded through a 16-float period
- * (gp in 1, 4, 8, 16) or a gp-float one (multiples of 16) so the inner loop vectorizes. */
-static void vq_lane_max(int n, int gp, const float *s, float *mx) {
-    const int per = gp <= 16 ? 16 : gp;
-    float acc[64];
-    for (int l = 0; l < per; l++) acc[l] = -INFINITY;
-    const size_t total = (size_t)n * gp;
-    size_t i = 0;
-    for (; i + per <= total; i += per)
-        for (int l = 0; l < per; l++) acc[l] = s[i + l] > acc[l] ? s[i + l] : acc[l];
-    for (int g = 0; g < gp; g++) mx[g] = -INFINITY;
-    for (int l = 0; l < per; l++) mx[l % gp] = acc[l] > mx[l % gp] ? acc[l] : mx[l % gp];
-    for (; i < total; i++) mx[i % gp] = s[i] > mx[i % gp] ? s[i] : mx[i % gp];
-}
-
 /* Softmax state of one group's queries over coded positions [t0, t1) of KV head h. part gets
  * m (gp), d (gp), o (gp, head_dim) with o in the value codebook's space (rotated if value_rotate). */
 static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int h, const float *q, int t0, int t1,
@@ -482,7 +467,8 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     /* Two passes per block of up to vq_block_tokens(gp) tokens: all scores of the block first (they
      * stay in L2), then its per-lane maximum becomes the softmax reference m before any weight is
      * taken, so the W table is rescaled at most once per block (not each time a chunk's maximum
-     * rises), and the exp + accumulation pass runs with factor 1. Same math as the online step. */
+     * rises); the weights exp(s - m) of the whole block are then taken in one exp_sum call and
+     * accumulated with factor 1. Same math as the online step. */
     const int blk = vq_block_tokens(gp);
     for (int b0 = t0; b0 < t1;) {
         const int b1 = t1 - b0 < blk ? t1 : b0 + blk;
@@ -501,7 +487,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             t += n;
         }
         float mx[64];
-        vq_lane_max(b1 - b0, gp, s->s, mx);
+        K->lane_max(b1 - b0, gp, s->s, mx);
         int any = 0;
         for (int g = 0; g < gp; g++) {
             float m_new = pm[g] > mx[g] ? pm[g] : mx[g];

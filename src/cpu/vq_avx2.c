@@ -426,6 +426,25 @@ void kvpq__vq_exp_sum_avx2(int n, int gp, float *s, const float *m, float *sum) 
     }
 }
 
+void kvpq__vq_lane_max_avx2(int n, int gp, const float *s, float *mx) {
+    if (gp > GP_MAX || !(8 % gp == 0 || gp % 8 == 0)) {
+        kvpq__vq_lane_max_ref(n, gp, s, mx);
+        return;
+    }
+    const size_t total = (size_t)n * gp;
+    const int vw = gp < 8 ? 8 : gp;
+    float lanes[GP_MAX + 8];
+    __m256 acc[GP_MAX / 8];
+    for (int b = 0; b < vw / 8; b++) acc[b] = _mm256_set1_ps(-INFINITY);
+    size_t i = 0;
+    for (; i + vw <= total; i += vw) /* max(s, acc) returns acc when s is NaN: skipped */
+        for (int b = 0; b < vw / 8; b++) acc[b] = _mm256_max_ps(_mm256_loadu_ps(s + i + 8 * b), acc[b]);
+    for (int b = 0; b < vw / 8; b++) _mm256_storeu_ps(lanes + 8 * b, acc[b]);
+    for (int g = 0; g < gp; g++) mx[g] = -INFINITY;
+    for (int l = 0; l < vw; l++) mx[l % gp] = lanes[l] > mx[l % gp] ? lanes[l] : mx[l % gp];
+    for (; i < total; i++) mx[i % gp] = s[i] > mx[i % gp] ? s[i] : mx[i % gp];
+}
+
 void kvpq__vq_scale_rows_avx2(size_t rows, int gp, const float *rescale, float *table) {
     if (gp > GP_MAX || !(8 % gp == 0 || gp % 8 == 0)) {
         kvpq__vq_scale_rows_ref(rows, gp, rescale, table);
@@ -588,6 +607,7 @@ void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {
     k->accum_u16 = kvpq__vq_accum_u16_avx2;
     k->softmax_step = kvpq__vq_softmax_step_avx2;
     k->exp_sum = kvpq__vq_exp_sum_avx2;
+    k->lane_max = kvpq__vq_lane_max_avx2;
     k->scale_rows = kvpq__vq_scale_rows_avx2;
 }
 #endif

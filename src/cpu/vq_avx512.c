@@ -3,6 +3,7 @@
  * groups are served by the AVX2 kernels (a 4- or 8-float row gains nothing from wider registers). */
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <math.h>
 
 #include "cpu/vq_kernels.h"
 
@@ -271,6 +272,43 @@ static void exp_sum_avx512(int n, int gp, float *s, const float *m, float *sum) 
     }
 }
 
+/* Same lane periods as exp_sum_avx512; four accumulators for a 16-float period. max(s, acc) returns
+ * acc when s is NaN, so NaN entries are skipped as in the reference. */
+static void lane_max_avx512(int n, int gp, const float *s, float *mx) {
+    if (gp > 64 || !(16 % gp == 0 || gp % 16 == 0)) {
+        kvpq__vq_lane_max_ref(n, gp, s, mx);
+        return;
+    }
+    const size_t total = (size_t)n * gp;
+    const int vw = gp < 16 ? 16 : gp;
+    float lanes[64];
+    size_t i = 0;
+    if (vw == 16) {
+        __m512 a0 = _mm512_set1_ps(-INFINITY), a1 = a0, a2 = a0, a3 = a0;
+        for (; i + 64 <= total; i += 64) {
+            a0 = _mm512_max_ps(_mm512_loadu_ps(s + i), a0);
+            a1 = _mm512_max_ps(_mm512_loadu_ps(s + i + 16), a1);
+            a2 = _mm512_max_ps(_mm512_loadu_ps(s + i + 32), a2);
+            a3 = _mm512_max_ps(_mm512_loadu_ps(s + i + 48), a3);
+        }
+        for (; i + 16 <= total; i += 16) a0 = _mm512_max_ps(_mm512_loadu_ps(s + i), a0);
+        if (i < total) { /* < 16 floats from lane 0; masked-off lanes stay -inf */
+            const __mmask16 km = (__mmask16)((1u << (total - i)) - 1);
+            a1 = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), km, s + i), a1);
+            i = total;
+        }
+        _mm512_storeu_ps(lanes, _mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
+    } else {
+        __m512 acc[4];
+        for (int b = 0; b < vw / 16; b++) acc[b] = _mm512_set1_ps(-INFINITY);
+        for (; i < total; i += vw) /* total is a multiple of vw = gp */
+            for (int b = 0; b < vw / 16; b++) acc[b] = _mm512_max_ps(_mm512_loadu_ps(s + i + 16 * b), acc[b]);
+        for (int b = 0; b < vw / 16; b++) _mm512_storeu_ps(lanes + 16 * b, acc[b]);
+    }
+    for (int g = 0; g < gp; g++) mx[g] = -INFINITY;
+    for (int l = 0; l < vw; l++) mx[l % gp] = lanes[l] > mx[l % gp] ? lanes[l] : mx[l % gp];
+}
+
 // ---- values decoded per token: dsub = 4, M a multiple of 16, groups of up to 4 heads ---------------
 
 /* One token's value slice (16 sub-spaces, 64 floats) is four zmm of four centroids each (one 128-bit load per
@@ -333,6 +371,7 @@ void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k) {
     k->accum_dec_ok = accum_dec_ok_avx512;
     if (__builtin_cpu_supports("avx512vbmi")) k->score_fs_u8 = score_fs_u8_vbmi;
     k->exp_sum = exp_sum_avx512;
+    k->lane_max = lane_max_avx512;
     k->lut_build = lut_build_avx512;
     k->table_out = table_out_avx512;
     k->score_u8 = score_u8_avx512;

@@ -144,6 +144,14 @@ void kvpq__vq_exp_sum_ref(int n, int gp, float *s, const float *m, float *sum) {
     }
 }
 
+void kvpq__vq_lane_max_ref(int n, int gp, const float *s, float *mx) {
+    for (int g = 0; g < gp; g++) {
+        float a = -INFINITY;
+        for (int t = 0; t < n; t++) a = s[(size_t)t * gp + g] > a ? s[(size_t)t * gp + g] : a;
+        mx[g] = a;
+    }
+}
+
 void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *table) {
     for (size_t r = 0; r < rows; r++)
         for (int g = 0; g < gp; g++) table[r * gp + g] *= rescale[g];
@@ -214,6 +222,7 @@ static void init_tables(void) {
         .accum_u16 = kvpq__vq_accum_u16_ref,
         .softmax_step = kvpq__vq_softmax_step_ref,
         .exp_sum = kvpq__vq_exp_sum_ref,
+        .lane_max = kvpq__vq_lane_max_ref,
         .scale_rows = kvpq__vq_scale_rows_ref,
         .lut_build = kvpq__vq_lut_build_ref,
         .table_out = kvpq__vq_table_out_ref,

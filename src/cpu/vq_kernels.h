@@ -46,6 +46,9 @@ typedef struct {
      * so s[t][g] - m[g] <= 0): s[t][g] <- exp(s[t][g] - m[g]); sum[g] += sum_t of the new s[t][g].
      * NaN scores stay NaN. */
     void (*exp_sum)(int n, int gp, float *s, const float *m, float *sum);
+    /* mx (gp) = per-lane maximum of s (n, gp) over t, n >= 1 (the block's softmax reference); NaN
+     * entries are skipped (a lane of only NaN gives -inf). */
+    void (*lane_max)(int n, int gp, const float *s, float *mx);
     /* table (rows, gp) *= rescale (gp) per lane. */
     void (*scale_rows)(size_t rows, int gp, const float *rescale, float *table);
     /* lut (M, ksub, gp): lut[m][c][g] = sum_j C[m][c][j] * qt[m][j][g], with C the centroids
@@ -83,6 +86,7 @@ void kvpq__vq_accum_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes,
 void kvpq__vq_accum_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float *rescale);
 void kvpq__vq_exp_sum_ref(int n, int gp, float *s, const float *m, float *sum);
+void kvpq__vq_lane_max_ref(int n, int gp, const float *s, float *mx);
 void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *table);
 void kvpq__vq_lut_build_ref(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
                             float *lut);
@@ -103,6 +107,7 @@ void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes
 void kvpq__vq_accum_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
 int kvpq__vq_softmax_step_avx2(int n, int gp, float *s, float *m, float *d, float *rescale);
 void kvpq__vq_exp_sum_avx2(int n, int gp, float *s, const float *m, float *sum);
+void kvpq__vq_lane_max_avx2(int n, int gp, const float *s, float *mx);
 void kvpq__vq_scale_rows_avx2(size_t rows, int gp, const float *rescale, float *table);
 void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
                              float *lut);
