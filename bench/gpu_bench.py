@@ -7,7 +7,8 @@ in this process, the PyTorch baselines on the same shapes:
   encode    seed design (one thread per sub-vector, codebook in device memory; search only),
             materializing path (PyTorch: (x - C) over (S, H, M, ksub, dsub), square, sum, argmin),
             PyTorch matmul + argmin (||c||^2 - 2 x C^T over (S*H*M, ksub)), ours (fused kernel:
-            smoothing + Hadamard + search + packing).
+            smoothing + Hadamard + search + packing; search on tensor cores, and beside it the
+            float32 CUDA-core search of the same kernel).
   attend    decode attention from 2-bit codes (ours: kvpq_cuda_cache, window 128) against PyTorch
             scaled_dot_product_attention on fp16 K/V (enable_gqa=True), 32 query / 8 KV heads,
             head_dim 128, batch 1 and 8, contexts 4k, 32k, 128k.
@@ -228,14 +229,14 @@ def main():
     device = f"{dev['device']} ({dev['sms']} SMs), torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     lines = [f"Device: {device}; measured HBM copy ceiling {ceil:.0f} GB/s (bytes read + written).", "",
              "Encode (nbits 8; times in us; extra = device memory beyond inputs and codes, MiB):", "",
-             "| S | H | D | dsub | seed kernel | materializing | PyTorch matmul+argmin | ours (kernel) | ours (API call) "
-             "| ours GB/s | speedup vs seed | vs matmul+argmin | extra MiB: materializing / matmul / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| S | H | D | dsub | seed kernel | materializing | PyTorch matmul+argmin | ours (kernel) | ours, float32 search "
+             "| ours (API call) | ours GB/s | speedup vs seed | vs matmul+argmin | extra MiB: materializing / matmul / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in enc:
         mm = e.get("torch_matmul_argmin_us")
         lines.append(
             f"| {e['S']} | {e['H']} | {e['D']} | {e['dsub']} | {fmt(e['seed_us'])} | {fmt(e['materialize_us'])} | "
-            f"{fmt(mm)} | {fmt(e['ours_us'])} | {fmt(e['api_us'])} | {fmt(e['ours_GBps'], 0)} | "
+            f"{fmt(mm)} | {fmt(e['ours_us'])} | {fmt(e.get('ours_fp32_us'))} | {fmt(e['api_us'])} | {fmt(e['ours_GBps'], 0)} | "
             f"{e['seed_us'] / e['ours_us']:.1f}x | {fmt(mm / e['ours_us'] if mm else None)}x | "
             f"{mib(e['materialize_extra_bytes'])} / {mib(e['torch_matmul_argmin_extra_bytes'])} / "
             f"{mib(max(e['ours_extra_bytes_during_encode'], 0))} |")

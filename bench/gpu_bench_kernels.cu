@@ -1,14 +1,16 @@
 /* gpu_bench_kernels.cu — timings of the CUDA backend for bench/gpu_bench.py (which runs the
  * PyTorch baselines beside it and draws the figures). Prints one JSON object per line.
  *
- *   encode: ours (fused kernel, kernel time; and the synchronous public call, host time) against
+ *   encode: ours (fused kernel, kernel time, both searches: tensor cores and float32 CUDA cores;
+ *           and the synchronous public call, host time) against
  *           the seed design written here as the baseline: one thread per sub-vector, codebook read
  *           from device memory, no smoothing/rotation/packing (so the baseline does less work).
  *   attend: kvpq_cuda_cache attention from 2-bit codes (K and V dsub 4, nbits 8, window 128),
  *           kernel time of the split + combine launches replayed from a CUDA graph.
  * Times: CUDA events; median over repeats of the mean over a graph of launches; inputs rotate over
  * several buffers so that they are not served from L2.
- * Usage: gpu_bench_kernels [quick] | attend B L | encode   (the last two: one shape, for ncu) */
+ * Usage: gpu_bench_kernels [quick] | attend B L | encode | encodes   (attend, encode: one shape, for
+ * ncu; encodes: the encode shapes only) */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -140,13 +142,21 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick) {
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     int it = 0, iters = quick ? 4 : 20, reps = quick ? 3 : 15;
-    double ours = time_graph(
-        [&](cudaStream_t s) {
-            kvpq__code_dst d = {dc[it % NB], NULL, 0, 1, 0, 0};
-            KV(kvpq__cuda_encode_launch(q, (size_t)S, dx[it % NB], d, s));
-            it++;
-        },
-        iters, reps, st);
+    /* both searches of our kernel: tensor cores (the default) and float32 on the CUDA cores */
+    const int mma_0 = kvpq__cuda_encode_mma;
+    double var_us[2];
+    for (int v = 0; v < 2; v++) {
+        kvpq__cuda_encode_mma = v;
+        var_us[v] = time_graph(
+            [&](cudaStream_t s) {
+                kvpq__code_dst d = {dc[it % NB], NULL, 0, 1, 0, 0};
+                KV(kvpq__cuda_encode_launch(q, (size_t)S, dx[it % NB], d, s));
+                it++;
+            },
+            iters, reps, st);
+    }
+    kvpq__cuda_encode_mma = mma_0;
+    double ours = var_us[mma_0 ? 1 : 0];
     double seed = time_graph(
         [&](cudaStream_t s) {
             seed_encode_kernel<<<(unsigned)((n_sub + 255) / 256), 256, 0, s>>>(dx[it % NB], dC, n_sub, dsub,
@@ -170,9 +180,10 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick) {
     double bytes = nx * 4.0 + ncode;
     printf("{\"op\": \"encode\", \"S\": %d, \"H\": %d, \"D\": %d, \"dsub\": %d, \"nbits\": %d, \"ours_us\": %.3f, "
            "\"seed_us\": %.3f, \"api_us\": %.3f, \"ours_GBps\": %.1f, \"ours_extra_bytes\": %zu, "
-           "\"ours_extra_bytes_during_encode\": %lld, \"seed_extra_bytes\": 0, \"seed_output_bytes\": %lld}\n",
+           "\"ours_extra_bytes_during_encode\": %lld, \"seed_extra_bytes\": 0, \"seed_output_bytes\": %lld, "
+           "\"ours_mma_us\": %.3f, \"ours_fp32_us\": %.3f, \"default_search\": \"%s\"}\n",
            S, H, D, dsub, nbits, ours, seed, api[api.size() / 2], bytes / ours / 1e3, free0 - free1,
-           (long long)free_a - (long long)free2, n_sub * 2);
+           (long long)free_a - (long long)free2, n_sub * 2, var_us[1], var_us[0], mma_0 ? "mma" : "fp32");
     fflush(stdout);
     for (int i = 0; i < NB; i++) {
         cudaFree(dx[i]);
@@ -280,6 +291,12 @@ int main(int argc, char **argv) {
     }
     if (argc > 1 && !strcmp(argv[1], "encode")) {
         bench_encode(32768, 8, 128, 4, 8, 1);
+        return 0;
+    }
+    if (argc > 1 && !strcmp(argv[1], "encodes")) { /* the encode shapes only */
+        bench_encode(4096, 4, 256, 4, 8, 0);
+        bench_encode(8192, 8, 128, 8, 8, 0);
+        bench_encode(32768, 8, 128, 4, 8, 0);
         return 0;
     }
     bench_encode(4096, 4, 256, 4, 8, quick);

@@ -41,6 +41,9 @@ struct kvpq_cuda_pq {
     const float *mean; /* device (n_head_kv, d) subtracted before smoothing, or NULL (not owned: the
                           cache sets it to its key mean) */
     int *flag;         /* device (1): set to 1 by the encode kernel on a non-finite input */
+    uint2 *frag;       /* device (ksub / 8, k-steps, 32): the codebook as tensor-core B fragments for the
+                          encode search (shared codebook, nbits 3..8, dsub 1/2/4/8), or NULL */
+    int frag_lt;       /* the fragments hold t * c, t = 2^frag_lt */
 };
 
 /* Where encode writes the codes of row (token t, head h): either contiguous
@@ -96,6 +99,9 @@ typedef struct {
  * codebook as 8 bank-private replicas in shared memory (conflict-free gathers) where it fits. */
 extern "C" int kvpq__cuda_attend_lut16;
 extern "C" int kvpq__cuda_attend_vrep;
+/* Encode search of the next launches: 1 (default) = tensor cores (float16 hi/lo split, float32
+ * accumulate) where the quantizer has fragments; 0 = float32 on the CUDA cores. */
+extern "C" int kvpq__cuda_encode_mma;
 
 /* Plan splits for the longest code region `max_coded` over B sequences and launch the attention
  * kernel (splits merged in the same launch) on `stream`. max_splits bounds n_splits (workspace size). */

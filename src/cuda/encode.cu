@@ -1,11 +1,19 @@
 /* encode.cu — fused PQ encode on the GPU: smoothing (x / lambda), normalized Hadamard rotation,
- * nearest-centroid search (argmin ||c||^2 - 2 x.c, ties to the lowest index) and bit packing in one
- * kernel. The codebook and its norms are staged through shared memory in chunks; the transformed
- * rows live in shared memory only; the only device-memory write is the packed codes. */
+ * nearest-centroid search (argmin ||x - c||^2, ties to the lowest index) and bit packing in one
+ * kernel. The search runs on tensor cores (mma.m16n8k16, float16 hi/lo splits, float32 accumulate)
+ * for a shared codebook with nbits 3..8 and dsub 1/2/4/8, with its fragments staged in shared
+ * memory; otherwise (and as the fallback of a tile out of the tensor-core path's range) exactly in
+ * float32 on the CUDA cores, the codebook and its norms staged through shared memory in chunks. The
+ * transformed rows live in shared memory only; the only device-memory write is the packed codes. */
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 #include <math.h>
 #include <stdlib.h>
 
 #include "common.cuh"
+
+/* Encode kernel variant of the next launches (kvpq__cuda_encode_mma, common.cuh). */
+extern "C" int kvpq__cuda_encode_mma = 1;
 
 namespace {
 
@@ -21,28 +29,21 @@ struct EncodeParams {
     const float *centroids;   /* (n_books, ksub, dsub) */
     const float *norms;       /* (n_books, ksub) */
     int ksub, n_books, nbits, code_size;
+    const uint2 *frag;        /* (ksub / 8, KS, 32) tensor-core B fragments of the codebook, or NULL */
+    int frag_lt;              /* codebook scale t = 2^frag_lt */
     kvpq__code_dst dst;
     int *flag;                /* set to 1 on a non-finite input */
 };
 
-/* One CTA encodes a tile of T = 4096 / D rows: T * M = 4096 / DSUB sub-vectors, R = 16 / DSUB per
- * thread, all of one sub-space index m = tid % M (since kThreads % M == 0), so a thread reads one
- * codebook even when each sub-space has its own. */
-template <int D, int DSUB>
-__global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p) {
-    constexpr int M = D / DSUB, T = 4096 / D, R = 16 / DSUB, EPL = D / 32;
-    constexpr int CHUNK = DSUB == 1 ? 2048 : 4096;  /* codebook floats staged per chunk */
-    static_assert(T * M == kThreads * R, "tile shape");
-    static_assert(kThreads % M == 0, "one sub-space per thread");
-    __shared__ __align__(16) float xs[T * D];            /* transformed rows, times -2 */
-    __shared__ __align__(16) float cbs[CHUNK + 4];        /* codebook chunk(s), padded per book */
-    __shared__ float nms[CHUNK / DSUB];                   /* their norms */
-    __shared__ uint16_t idxs[T * M];                      /* chosen codes */
+/* Tensor-core search: k-steps of 16 for dsub (3 dsub + 2 terms: x_hi c_hi, x_lo c_hi, x_hi c_lo,
+ * ||c||^2 hi and lo). */
+template <int DSUB> __host__ __device__ constexpr int mma_ksteps() { return (3 * DSUB + 2 + 15) / 16; }
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const long long row0 = (long long)blockIdx.x * T;
-
-    /* ---- phase 1: load, smooth, rotate (a warp per row) ---- */
+/* ---- phase 1: load, (subtract the mean,) smooth, rotate; a warp per row; xs = (T, D) ---- */
+template <int D>
+__device__ __forceinline__ void load_rows(const EncodeParams &p, long long row0, float *xs) {
+    constexpr int T = 4096 / D, EPL = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int r = warp; r < T; r += kThreads / 32) {
         long long gr = row0 + r;
         float v[EPL];
@@ -68,12 +69,20 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p) {
             if (p.mean) {
                 const float *mu = p.mean + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
 #pragma unroll
-                for (int j = 0; j < EPL; j++) v[j] -= mu[j];
+                for (int j = 0; j < EPL; j += 2) {
+                    const float2 m2 = *reinterpret_cast<const float2 *>(mu + j);
+                    v[j] -= m2.x;
+                    v[j + 1] -= m2.y;
+                }
             }
             if (p.inv_lambda) {
                 const float *il = p.inv_lambda + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
 #pragma unroll
-                for (int j = 0; j < EPL; j++) v[j] *= il[j];
+                for (int j = 0; j < EPL; j += 2) {
+                    const float2 l2 = *reinterpret_cast<const float2 *>(il + j);
+                    v[j] *= l2.x;
+                    v[j + 1] *= l2.y;
+                }
             }
             if (p.rotate) kvpq__warp_fwht<EPL>(v, lane);
         } else {
@@ -81,18 +90,29 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p) {
             for (int j = 0; j < EPL; j++) v[j] = 0.f;
         }
 #pragma unroll
-        for (int j = 0; j < EPL; j++) xs[r * D + lane * EPL + j] = -2.f * v[j];
+        for (int j = 0; j < EPL; j++) xs[r * D + lane * EPL + j] = v[j];
     }
-    __syncthreads();
+}
 
-    /* ---- phase 2: nearest centroid ---- */
+/* ---- phase 2, exact: argmin ||c||^2 - 2 x.c in float32 on the CUDA cores, ties to the lowest
+ * index. The codebook and its norms are staged through shared memory (cbs, nms) in chunks. A thread
+ * takes R = 16 / DSUB sub-vectors, all of one sub-space index m = tid % M (kThreads % M == 0), so a
+ * thread reads one codebook even when each sub-space has its own. ---- */
+template <int D, int DSUB>
+__device__ __forceinline__ void search_fp32(const EncodeParams &p, const float *xs, float *cbs, float *nms,
+                                            uint16_t *idxs) {
+    constexpr int M = D / DSUB, T = 4096 / D, R = 16 / DSUB;
+    constexpr int CHUNK = DSUB == 1 ? 2048 : 4096;  /* codebook floats staged per chunk */
+    static_assert(T * M == kThreads * R, "tile shape");
+    static_assert(kThreads % M == 0, "one sub-space per thread");
+    const int tid = threadIdx.x;
     float xr[R][DSUB], best[R];
     int bi[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
         int s = tid + r * kThreads;
 #pragma unroll
-        for (int j = 0; j < DSUB; j++) xr[r][j] = xs[s * DSUB + j];  /* s = row * M + m */
+        for (int j = 0; j < DSUB; j++) xr[r][j] = -2.f * xs[s * DSUB + j];  /* s = row * M + m; exact */
         best[r] = INFINITY;
         bi[r] = 0;
     }
@@ -143,11 +163,314 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p) {
     }
 #pragma unroll
     for (int r = 0; r < R; r++) idxs[tid + r * kThreads] = (uint16_t)bi[r];
-    __syncthreads();
+}
 
-    /* ---- phase 3: pack, a byte per thread and step ---- */
+/* ---- phase 2, tensor cores (shared codebook, ksub <= 256, dsub <= 8) ----
+ *
+ * Key of (sub-vector x, centroid c) = s t ||x - c||^2 expanded as
+ *     (t/s) ||u||^2 + 2^-kNormShift (s/t) 2^kNormShift ||w||^2 - 2 u.w,   u = s x, w = t c,
+ * with s, t powers of two that bring max|u| into [1, 2) and max|w| into [2^14, 2^15): the top of
+ * float16's range, so that float16's fixed absolute floor (2^-24) is negligible against the
+ * codebook's scale. One mma.m16n8k16 (float16 in, float32 accumulate) per 16 sub-vectors x 8
+ * centroids (per k-step) computes the last two terms: u.w ~ uh.wh + ul.wh + uh.wl from hi/lo
+ * float16 splits (about 22 mantissa bits; the dropped ul.wl is below 2^-22 relative), and the
+ * norm as two more k-columns, A = 2^kNormShift s/t against B = hi/lo of 2^-kNormShift ||w||^2; the
+ * first term enters as the float32 accumulator. The argmin is an integer min over keys whose low
+ * LB = nbits - 2 bits are replaced by the centroid's (tile, column) number within the thread: keys
+ * are >= 0 up to rounding, so their float bits order as integers, and dropping LB <= 6 bits
+ * changes a key by at most 2^-17 relative, inside the near-tie band of the float32 search (ties
+ * go to the lowest index as there). A sub-vector whose 2^kNormShift s/t would leave float16's
+ * normal range (x more than 2^18 times larger or 2^11 times smaller than the codebook) makes the
+ * whole tile take the exact float32 search. */
+constexpr int kNormShift = 18;
+constexpr int kCodebookTop = 14; /* max|w| in [2^14, 2^15) */
+
+template <int DSUB>
+struct SubA {
+    __half h[DSUB], l[DSUB]; /* hi / lo float16 parts of -2u */
+    __half st;               /* 2^kNormShift s / t */
+    float nu;                /* (t/s) ||u||^2 */
+};
+
+/* Exponent e of s = 2^e for a sub-vector with max|x| = mx; *oor set when 2^kNormShift s/t is out of
+ * [2^-14, 2^15]. */
+__device__ __forceinline__ int sub_exp(float mx, int lt, bool *oor) {
+    constexpr int lo = -14 - kNormShift, hi = 15 - kNormShift;
+    if (!(mx > 0.f)) return lt - kNormShift; /* zero: any scale */
+    int e = 127 - ((__float_as_int(mx) >> 23) & 0xff);
+    if (e - lt < lo || e - lt > hi) *oor = true;
+    return min(max(e, lt + lo), lt + hi);
+}
+
+template <int DSUB>
+__device__ __forceinline__ void load_sub(const float *xv, float (&v)[DSUB]) {
+    if constexpr (DSUB % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < DSUB; j += 4) {
+            float4 t = *reinterpret_cast<const float4 *>(xv + j);
+            v[j] = t.x; v[j + 1] = t.y; v[j + 2] = t.z; v[j + 3] = t.w;
+        }
+    } else if constexpr (DSUB == 2) {
+        float2 t = *reinterpret_cast<const float2 *>(xv);
+        v[0] = t.x; v[1] = t.y;
+    } else {
+        v[0] = xv[0];
+    }
+}
+
+template <int DSUB>
+__device__ __forceinline__ bool sub_out_of_range(const float *xv, int lt) {
+    float v[DSUB];
+    load_sub<DSUB>(xv, v);
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) mx = fmaxf(mx, fabsf(v[j]));
+    bool oor = false;
+    sub_exp(mx, lt, &oor);
+    return oor;
+}
+
+template <int DSUB>
+__device__ __forceinline__ void prep_sub(const float *xv, int lt, SubA<DSUB> &a) {
+    float v[DSUB];
+    load_sub<DSUB>(xv, v);
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) mx = fmaxf(mx, fabsf(v[j]));
+    bool oor = false;
+    const int e = sub_exp(mx, lt, &oor);
+    const float s = __int_as_float((e + 127) << 23);
+    float n = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) {
+        float u = v[j] * s;
+        n = fmaf(u, u, n);
+        float m2u = -2.f * u;
+        a.h[j] = __float2half_rn(m2u);
+        a.l[j] = __float2half_rn(m2u - __half2float(a.h[j]));
+    }
+    a.st = __float2half_rn(__int_as_float((e - lt + kNormShift + 127) << 23));
+    a.nu = n * __int_as_float((lt - e + 127) << 23);
+}
+
+/* Column k of the A row of a sub-vector (see the key above); k is a compile-time constant after
+ * unrolling. */
+template <int DSUB>
+__device__ __forceinline__ __half aval(const SubA<DSUB> &a, int k) {
+    if (k < DSUB) return a.h[k];
+    if (k < 2 * DSUB) return a.l[k - DSUB];
+    if (k < 3 * DSUB) return a.h[k - 2 * DSUB];
+    if (k < 3 * DSUB + 2) return a.st;
+    return __float2half_rn(0.f);
+}
+
+template <int DSUB>
+__device__ __forceinline__ uint32_t apair(const SubA<DSUB> &a, int k) {
+    return (uint32_t)__half_as_ushort(aval(a, k)) | ((uint32_t)__half_as_ushort(aval(a, k + 1)) << 16);
+}
+
+/* d = a b + c, m16n8k16, float16 inputs, float32 accumulate (c and d separate, so the constant
+ * accumulator input stays in its registers). */
+/* The A registers of one sub-vector (row of its 16-row tile) for this thread (q = lane % 4), dsub
+ * even: every k this thread holds (16 ks + 2q + {0, 1}, + 8) has k % dsub = 2q % dsub, so only that
+ * pair of elements is converted; the category of each column (hi, lo, norm factor, zero) is a
+ * compile-time function of (ks, q). reg[ks][0]: columns 16 ks + 2q + {0, 1}; reg[ks][1]: + 8. */
+template <int DSUB>
+__host__ __device__ constexpr int a_cat(int k) { /* 0 hi, 1 lo, 2 norm factor, 3 zero */
+    return k < DSUB ? 0 : k < 2 * DSUB ? 1 : k < 3 * DSUB ? 0 : k < 3 * DSUB + 2 ? 2 : 3;
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
+
+template <int DSUB, int KS>
+__device__ __forceinline__ void build_a_row(const float *xv, int lt, int q, uint32_t (&reg)[KS][2], float &nu) {
+    static_assert(DSUB % 2 == 0 && 8 % DSUB == 0, "pairs");
+    float v[DSUB];
+    load_sub<DSUB>(xv, v);
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) mx = fmaxf(mx, fabsf(v[j]));
+    /* a tile with a sub-vector out of range never gets here (sub_exp's clamp is not needed) */
+    const int e = mx > 0.f ? 127 - ((__float_as_int(mx) >> 23) & 0xff) : lt - kNormShift;
+    const float s = __int_as_float((e + 127) << 23);
+    float n = 0.f, p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) {
+        const float u = v[j] * s;
+        n = fmaf(u, u, n);
+    }
+#pragma unroll
+    for (int j = 0; j < DSUB; j += 2)
+        if (j == 0 || (2 * q) % DSUB == j) {
+            p0 = v[j];
+            p1 = v[j + 1];
+        }
+    nu = n * __int_as_float((lt - e + 127) << 23);
+    p0 *= -2.f * s;
+    p1 *= -2.f * s;
+    const __half2 hi = __floats2half2_rn(p0, p1);
+    const float2 hb = __half22float2(hi);
+    const __half2 lo = __floats2half2_rn(p0 - hb.x, p1 - hb.y);
+    const __half sf = __float2half_rn(__int_as_float((e - lt + kNormShift + 127) << 23));
+    const uint32_t H = h2_bits(hi), L = h2_bits(lo), ST = h2_bits(__halves2half2(sf, sf));
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+        for (int off = 0; off < 2; off++) {
+            uint32_t r = 0;
+#pragma unroll
+            for (int qq = 0; qq < 4; qq++) {
+                const int cat = a_cat<DSUB>(16 * ks + 2 * qq + 8 * off);
+                const uint32_t val = cat == 0 ? H : cat == 1 ? L : cat == 2 ? ST : 0u;
+                if (q == qq) r = val;
+            }
+            reg[ks][off] = r;
+        }
+}
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint2 b, const float (&c)[4]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+#ifndef KVPQ_ENCODE_MMA_ROW_TILES /* row tiles of 16 sub-vectors a warp holds per pass over the codebook */
+#define KVPQ_ENCODE_MMA_ROW_TILES 4
+#endif
+#ifndef KVPQ_ENCODE_MMA_UNROLL /* unrolling of the loop over column tiles */
+#define KVPQ_ENCODE_MMA_UNROLL 2
+#endif
+constexpr int kMmaUnroll = KVPQ_ENCODE_MMA_UNROLL;
+template <int D, int DSUB>
+__device__ __forceinline__ void search_mma(const EncodeParams &p, const float *xs, const uint2 *sB,
+                                           uint16_t *idxs) {
+    constexpr int KS = mma_ksteps<DSUB>(), NSUB = 4096 / DSUB, R = NSUB / 16 / (kThreads / 32);
+    constexpr int RG = R < KVPQ_ENCODE_MMA_ROW_TILES / KS ? R : KVPQ_ENCODE_MMA_ROW_TILES / KS; /* row tiles per pass */
+    static_assert(R % RG == 0, "row groups");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int nct = p.ksub >> 3, lt = p.frag_lt;
+    const int lowmask = (1 << (p.nbits - 2)) - 1, mask = ~lowmask;
+    for (int grp = 0; grp < R / RG; grp++) {
+        uint32_t a[RG][KS][4];
+        float ci[RG][4]; /* accumulator input: (t/s) ||u||^2 of rows g, g, g + 8, g + 8 */
+        int key[RG][2];
+#pragma unroll
+        for (int r = 0; r < RG; r++) {
+            const int base = (warp * R + grp * RG + r) * 16;
+            float nu0, nu1;
+            if constexpr (DSUB % 2 == 0) {
+                uint32_t r0[KS][2], r1[KS][2];
+                build_a_row<DSUB, KS>(xs + (base + g) * DSUB, lt, t, r0, nu0);
+                build_a_row<DSUB, KS>(xs + (base + g + 8) * DSUB, lt, t, r1, nu1);
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) {
+                    a[r][ks][0] = r0[ks][0];
+                    a[r][ks][1] = r1[ks][0];
+                    a[r][ks][2] = r0[ks][1];
+                    a[r][ks][3] = r1[ks][1];
+                }
+            } else {
+                SubA<DSUB> s0, s1;
+                prep_sub<DSUB>(xs + (base + g) * DSUB, lt, s0);
+                prep_sub<DSUB>(xs + (base + g + 8) * DSUB, lt, s1);
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+                    for (int tt = 0; tt < 4; tt++) {
+                        if (t == tt) {
+                            a[r][ks][0] = apair(s0, 16 * ks + 2 * tt);
+                            a[r][ks][1] = apair(s1, 16 * ks + 2 * tt);
+                            a[r][ks][2] = apair(s0, 16 * ks + 2 * tt + 8);
+                            a[r][ks][3] = apair(s1, 16 * ks + 2 * tt + 8);
+                        }
+                    }
+                }
+                nu0 = s0.nu;
+                nu1 = s1.nu;
+            }
+            /* + 0.f: a distinct value per accumulator slot (nu >= 0, so the same number), so that the
+             * compiler keeps the 4-register accumulator input in place instead of copying it into
+             * place before every mma */
+            ci[r][0] = nu0;
+            ci[r][1] = nu0 + 0.f;
+            ci[r][2] = nu1;
+            ci[r][3] = nu1 + 0.f;
+            key[r][0] = key[r][1] = 0x7fffffff;
+        }
+#pragma unroll kMmaUnroll
+        for (int ct = 0; ct < nct; ct++) {
+            uint2 b[KS];
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) b[ks] = sB[(ct * KS + ks) * 32 + lane];
+            const int kb = ct * 2;
+#pragma unroll
+            for (int r = 0; r < RG; r++) {
+                float c[4];
+                mma16816(c, a[r][0], b[0], ci[r]);
+#pragma unroll
+                for (int ks = 1; ks < KS; ks++) mma16816(c, a[r][ks], b[ks], c);
+                const int k0 = (__float_as_int(c[0]) & mask) | kb, k1 = (__float_as_int(c[1]) & mask) | (kb + 1);
+                const int k2 = (__float_as_int(c[2]) & mask) | kb, k3 = (__float_as_int(c[3]) & mask) | (kb + 1);
+                key[r][0] = min(key[r][0], min(k0, k1));
+                key[r][1] = min(key[r][1], min(k2, k3));
+            }
+        }
+        /* the quad's 4 threads hold the candidates of columns 2t, 2t+1 of every tile: reduce */
+#pragma unroll
+        for (int r = 0; r < RG; r++) {
+            const int base = (warp * R + grp * RG + r) * 16;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int k = key[r][h];
+                int v = k & mask, code = ((k & lowmask) >> 1) * 8 + 2 * t + (k & 1);
+#pragma unroll
+                for (int off = 1; off < 4; off <<= 1) {
+                    const int ov = __shfl_xor_sync(KVPQ_FULL_MASK, v, off);
+                    const int oc = __shfl_xor_sync(KVPQ_FULL_MASK, code, off);
+                    if (ov < v || (ov == v && oc < code)) {
+                        v = ov;
+                        code = oc;
+                    }
+                }
+                if (t == 0) idxs[base + g + 8 * h] = (uint16_t)code;
+            }
+        }
+    }
+}
+
+/* ---- phase 3: pack, a byte per thread and step ---- */
+template <int D, int DSUB>
+__device__ __forceinline__ void pack_codes(const EncodeParams &p, long long row0, const uint16_t *idxs) {
+    constexpr int M = D / DSUB, T = 4096 / D;
     const int cs = p.code_size, nbits = p.nbits;
-    for (int b = tid; b < T * cs; b += kThreads) {
+    if constexpr (M % 4 == 0) {
+        /* whole-byte codes (nbits 8, cs = M): 4 codes per 32-bit store where the rows are aligned */
+        const bool aligned = ((uintptr_t)p.dst.out & 3) == 0;
+        if (nbits == 8 && aligned) {
+            for (int w = threadIdx.x; w < T * (M / 4); w += kThreads) {
+                const int r = w / (M / 4), j = (w - r * (M / 4)) * 4;
+                const long long gr = row0 + r;
+                if (gr >= p.n_rows) continue;
+                const uint2 c = *reinterpret_cast<const uint2 *>(idxs + r * M + j);
+                const uint32_t v = (c.x & 0xffu) | ((c.x >> 8) & 0xff00u) | ((c.y & 0xffu) << 16) | ((c.y << 8) & 0xff000000u);
+                long long t = gr / p.n_head_kv;
+                int h = (int)(gr - t * p.n_head_kv);
+                uint8_t *dst;
+                if (p.dst.page_table) {
+                    long long pos = p.dst.pos0 + t;
+                    int page = p.dst.page_table[pos / p.dst.page_tokens];
+                    dst = p.dst.out + page * p.dst.page_stride + h * p.dst.head_stride + (pos % p.dst.page_tokens) * cs;
+                } else {
+                    dst = p.dst.out + gr * cs;
+                }
+                *reinterpret_cast<uint32_t *>(dst + j) = v;
+            }
+            return;
+        }
+    }
+    for (int b = threadIdx.x; b < T * cs; b += kThreads) {
         int r = b / cs, j = b - r * cs;
         long long gr = row0 + r;
         if (gr >= p.n_rows) continue;
@@ -173,12 +496,60 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p) {
     }
 }
 
+/* One CTA encodes a tile of T = 4096 / D rows (4096 / DSUB sub-vectors). MMA: the tensor-core
+ * search (shared codebook, fragments in p.frag), falling back to the float32 search for a tile
+ * with a sub-vector out of its range. */
+#ifndef KVPQ_ENCODE_MMA_MIN_BLOCKS /* CTAs per SM the tensor-core kernel's registers are capped for */
+#define KVPQ_ENCODE_MMA_MIN_BLOCKS 3
+#endif
+template <int D, int DSUB, bool MMA>
+__global__ void __launch_bounds__(kThreads, MMA ? KVPQ_ENCODE_MMA_MIN_BLOCKS : 1) encode_kernel(EncodeParams p) {
+    constexpr int T = 4096 / D, NSUB = 4096 / DSUB;
+    constexpr int CHUNK = DSUB == 1 ? 2048 : 4096;
+    constexpr int FP32_BYTES = (CHUNK + 4) * 4 + CHUNK / DSUB * 4;
+    constexpr int MMA_BYTES = MMA ? 32 * mma_ksteps<DSUB>() * 32 * 8 : 0;
+    __shared__ __align__(16) float xs[T * D];  /* transformed rows */
+    __shared__ __align__(16) unsigned char scratch[FP32_BYTES > MMA_BYTES ? FP32_BYTES : MMA_BYTES];
+    __shared__ __align__(16) uint16_t idxs[NSUB]; /* chosen codes */
+    float *cbs = reinterpret_cast<float *>(scratch), *nms = cbs + CHUNK + 4;
+    const long long row0 = (long long)blockIdx.x * T;
+
+    if constexpr (MMA) {
+        /* the fragments are copied asynchronously (cp.async), overlapping the loads of the rows */
+        uint2 *sB = reinterpret_cast<uint2 *>(scratch);
+        const int nf = (p.ksub >> 3) * mma_ksteps<DSUB>() * 32; /* even: 16-byte copies */
+        for (int i = threadIdx.x; i < nf / 2; i += kThreads) __pipeline_memcpy_async(sB + 2 * i, p.frag + 2 * i, 16);
+        __pipeline_commit();
+        load_rows<D>(p, row0, xs);
+        __pipeline_wait_prior(0);
+        __syncthreads();
+        bool oor = false;
+        for (int s = threadIdx.x; s < NSUB; s += kThreads) oor |= sub_out_of_range<DSUB>(xs + s * DSUB, p.frag_lt);
+        if (__syncthreads_or(oor))
+            search_fp32<D, DSUB>(p, xs, cbs, nms, idxs);
+        else
+            search_mma<D, DSUB>(p, xs, sB, idxs);
+    } else {
+        load_rows<D>(p, row0, xs);
+        __syncthreads();
+        search_fp32<D, DSUB>(p, xs, cbs, nms, idxs);
+    }
+    __syncthreads();
+    pack_codes<D, DSUB>(p, row0, idxs);
+}
+
 template <int D, int DSUB>
 kvpq_status launch(const EncodeParams &p, cudaStream_t stream) {
     constexpr int T = 4096 / D;
     long long blocks = (p.n_rows + T - 1) / T;
     if (blocks > 0x7fffffffLL) return kvpq__err(KVPQ_ERR_CAPACITY, "cuda encode: %lld rows is too many", p.n_rows);
-    encode_kernel<D, DSUB><<<(unsigned)blocks, kThreads, 0, stream>>>(p);
+    if constexpr (DSUB <= 8) {
+        if (p.frag) {
+            encode_kernel<D, DSUB, true><<<(unsigned)blocks, kThreads, 0, stream>>>(p);
+            return kvpq__cuda_err(cudaGetLastError(), "cuda encode kernel launch");
+        }
+    }
+    encode_kernel<D, DSUB, false><<<(unsigned)blocks, kThreads, 0, stream>>>(p);
     return kvpq__cuda_err(cudaGetLastError(), "cuda encode kernel launch");
 }
 
@@ -192,6 +563,62 @@ kvpq_status launch_d(const EncodeParams &p, int dsub, cudaStream_t stream) {
     case 16: return launch<D, 16>(p, stream);
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda encode: dsub=%d: expected 1, 2, 4, 8 or 16", dsub);
+}
+
+/* Tensor-core B fragments of a shared codebook (host): for column tile ct (centroids 8ct..8ct+7),
+ * k-step ks and lane (g = lane / 4, q = lane % 4), the two float16 pairs of B[k][n] at k = 16 ks +
+ * 2q + {0, 1} and 16 ks + 2q + 8 + {0, 1}, n = 8 ct + g, B column n = (wh, wh, wl, hi and lo of
+ * 2^-kNormShift ||w||^2, 0...) of w = t c, t = 2^lt. Returns k-steps, 0 when the tensor-core search
+ * does not apply, -1 when out of memory. */
+int build_frag(const kvpq_pq *pq, uint2 **frag_host, int *lt_out) {
+    const int dsub = pq->dsub, ksub = pq->ksub, nbits = pq->p.nbits;
+    *frag_host = NULL;
+    if (pq->n_books != 1 || nbits < 3 || nbits > 8 || (dsub != 1 && dsub != 2 && dsub != 4 && dsub != 8)) return 0;
+    double mx = 0;
+    for (size_t i = 0; i < (size_t)ksub * dsub; i++) mx = fmax(mx, fabs((double)pq->centroids[i]));
+    int lt = 0;
+    if (mx > 0) {
+        int e;
+        frexp(mx, &e); /* mx = f 2^e, f in [0.5, 1): t mx in [2^14, 2^15) */
+        lt = kCodebookTop + 1 - e;
+    }
+    if (lt < -90 || lt > 100) return 0; /* s = 2^e stays a normal float (e >= lt - 32) */
+    const int KS = (3 * dsub + 2 + 15) / 16, nct = ksub / 8;
+    uint2 *f = (uint2 *)malloc((size_t)nct * KS * 32 * sizeof *f);
+    if (!f) return -1;
+    for (int ct = 0; ct < nct; ct++)
+        for (int ks = 0; ks < KS; ks++)
+            for (int lane = 0; lane < 32; lane++) {
+                const int n = ct * 8 + lane / 4, q = lane % 4;
+                const float *c = pq->centroids + (size_t)n * dsub;
+                unsigned short hv[4];
+                const int kk[4] = {16 * ks + 2 * q, 16 * ks + 2 * q + 1, 16 * ks + 2 * q + 8, 16 * ks + 2 * q + 9};
+                double nw = 0;
+                for (int j = 0; j < dsub; j++) nw += ldexp((double)c[j], lt) * ldexp((double)c[j], lt);
+                nw = ldexp(nw, -kNormShift);
+                for (int i = 0; i < 4; i++) {
+                    const int k = kk[i];
+                    float v = 0.f;
+                    int lo = 0;
+                    if (k < 3 * dsub) {
+                        int j = k % dsub;
+                        float w = ldexpf(c[j], lt);
+                        lo = k >= 2 * dsub;
+                        float wh = __half2float(__float2half_rn(w));
+                        v = lo ? w - wh : w;
+                    } else if (k < 3 * dsub + 2) {
+                        float nf = (float)nw, nh = __half2float(__float2half_rn(nf));
+                        v = k == 3 * dsub ? nf : nf - nh;
+                    }
+                    __half_raw r = __float2half_rn(v);
+                    hv[i] = r.x;
+                }
+                f[((size_t)ct * KS + ks) * 32 + lane] =
+                    make_uint2((unsigned)hv[0] | ((unsigned)hv[1] << 16), (unsigned)hv[2] | ((unsigned)hv[3] << 16));
+            }
+    *frag_host = f;
+    *lt_out = lt;
+    return KS;
 }
 
 } // namespace
@@ -212,6 +639,8 @@ kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
     p.n_books = q->n_books;
     p.nbits = q->p.nbits;
     p.code_size = q->code_size;
+    p.frag = kvpq__cuda_encode_mma ? q->frag : NULL;
+    p.frag_lt = q->frag_lt;
     p.dst = dst;
     p.flag = q->flag;
     switch (q->p.d) {
@@ -231,6 +660,7 @@ extern "C" KVPQ_API void kvpq_cuda_pq_free(kvpq_cuda_pq *q) {
     cudaFree(q->inv_lambda);
     cudaFree(q->lambda);
     cudaFree(q->flag);
+    cudaFree(q->frag);
     free(q);
 }
 
@@ -274,6 +704,18 @@ kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_he
               "kvpq_cuda_pq_new: copy centroids");
     KVPQ_STEP(cudaMemcpy(q->norms, pq->norms, nn * sizeof(float), cudaMemcpyHostToDevice), "kvpq_cuda_pq_new: copy norms");
     KVPQ_STEP(cudaMemset(q->flag, 0, sizeof(int)), "kvpq_cuda_pq_new: clear flag");
+    if (s == KVPQ_OK) { /* tensor-core fragments of a shared codebook (encode's fast search) */
+        uint2 *fh = NULL;
+        int ks = build_frag(pq, &fh, &q->frag_lt);
+        if (ks < 0) s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cuda_pq_new: out of memory");
+        size_t nf = (size_t)(pq->ksub / 8) * (ks > 0 ? ks : 0) * 32;
+        if (ks > 0) {
+            KVPQ_STEP(cudaMalloc((void **)&q->frag, nf * sizeof(uint2)), "kvpq_cuda_pq_new: cudaMalloc fragments");
+            KVPQ_STEP(cudaMemcpy(q->frag, fh, nf * sizeof(uint2), cudaMemcpyHostToDevice),
+                      "kvpq_cuda_pq_new: copy fragments");
+        }
+        free(fh);
+    }
     if (lambda && s == KVPQ_OK) {
         il = (float *)malloc(nl * sizeof(float));
         if (!il) s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cuda_pq_new: out of memory");

@@ -30,8 +30,9 @@
 #define ATTEND_REL 1e-3
 
 static int g_fail = 0, g_quick = 0;
-/* internal switch of the CUDA attention kernel (src/cuda/attend.cu): LUT entries float16 when 1 */
-extern int kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep;
+/* internal switches of the CUDA kernels (src/cuda/attend.cu: LUT entries float16 when 1, value
+ * codebook replicas; src/cuda/encode.cu: tensor-core search when 1) */
+extern int kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep, kvpq__cuda_encode_mma;
 static uint64_t g_rng;
 
 #define CHECK(cond, ...)                                   \
@@ -147,13 +148,13 @@ static kvpq_pq *make_pq(int d, int dsub, int nbits, kvpq_codebook_granularity g,
 /* ---- encode / decode ----------------------------------------------------------------------------- */
 
 static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g, int H, int n_tok, int smooth,
-                         int rotate) {
+                         int rotate, float xscale) {
     ref_pq r;
     float sc;
     kvpq_pq *pq = make_pq(d, dsub, nbits, g, &r, &sc);
     size_t cs = kvpq_pq_code_size(pq), nrow = (size_t)n_tok * H, nx = nrow * d;
     float *x = malloc(nx * sizeof *x), *lambda = NULL;
-    for (size_t i = 0; i < nx; i++) x[i] = sc * nrand();
+    for (size_t i = 0; i < nx; i++) x[i] = xscale * sc * nrand();
     if (smooth) {
         lambda = malloc((size_t)H * d * sizeof *lambda);
         for (int i = 0; i < H * d; i++) lambda[i] = 0.5f + 1.5f * (float)urand();
@@ -499,19 +500,31 @@ int main(void) {
     printf("seed %llu (KVPQ_SEED=... replays)\n", (unsigned long long)g_rng);
     int nt = g_quick ? 40 : 700;
 
-    printf("encode/decode:\n");
-    const int ds[] = {64, 128, 256}, dsubs[] = {1, 2, 4, 8, 16};
-    for (int i = 0; i < 3; i++)
-        for (int j = 0; j < 5; j++) {
-            int nbits = (i + j) % 3 == 0 ? 8 : ((i + j) % 3 == 1 ? 5 : 12);
-            if (g_quick && nbits == 12 && dsubs[j] < 4) nbits = 10;
-            check_encode(ds[i], dsubs[j], nbits, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1);
-        }
-    check_encode(128, 4, 8, KVPQ_CODEBOOK_SHARED, 8, nt, 0, 0);
-    check_encode(128, 4, 8, KVPQ_CODEBOOK_SUBSPACE, 2, nt, 1, 1);
-    check_encode(64, 2, 6, KVPQ_CODEBOOK_SUBSPACE, 2, nt, 0, 1);
-    check_encode(256, 16, 12, KVPQ_CODEBOOK_SHARED, 1, nt / 4, 1, 1);
-    check_encode(64, 8, 3, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1);
+    const int mma_0 = kvpq__cuda_encode_mma;
+    for (int variant = 1; variant >= 0; variant--) { /* both encode searches (tensor cores, float32) */
+        kvpq__cuda_encode_mma = variant;
+        printf("encode/decode (%s search):\n", variant ? "tensor-core" : "float32");
+        const int ds[] = {64, 128, 256}, dsubs[] = {1, 2, 4, 8, 16};
+        for (int i = 0; i < 3; i++)
+            for (int j = 0; j < 5; j++) {
+                int nbits = (i + j) % 3 == 0 ? 8 : ((i + j) % 3 == 1 ? 5 : 12);
+                if (g_quick && nbits == 12 && dsubs[j] < 4) nbits = 10;
+                check_encode(ds[i], dsubs[j], nbits, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1.f);
+            }
+        check_encode(128, 4, 8, KVPQ_CODEBOOK_SHARED, 8, nt, 0, 0, 1.f);
+        check_encode(128, 4, 8, KVPQ_CODEBOOK_SUBSPACE, 2, nt, 1, 1, 1.f);
+        check_encode(64, 2, 6, KVPQ_CODEBOOK_SUBSPACE, 2, nt, 0, 1, 1.f);
+        check_encode(256, 16, 12, KVPQ_CODEBOOK_SHARED, 1, nt / 4, 1, 1, 1.f);
+        check_encode(64, 8, 3, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1.f);
+        check_encode(128, 8, 4, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1.f);
+        /* x far from the codebook's scale: 1e-3 and 1e5 stay on the tensor cores (1e5 near the top of
+         * their range), 1e-6 takes the float32 fallback of the tensor-core kernel */
+        check_encode(128, 4, 8, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1e-3f);
+        check_encode(128, 4, 8, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1e-6f);
+        check_encode(256, 4, 8, KVPQ_CODEBOOK_SHARED, 3, nt, 0, 1, 1e5f);
+        check_encode(64, 2, 7, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 0, 30.f);
+    }
+    kvpq__cuda_encode_mma = mma_0;
 
     { /* a key LUT that cannot fit in shared memory is refused at creation, naming the shape */
         ref_pq r;
