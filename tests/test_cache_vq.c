@@ -928,6 +928,34 @@ Test(cache_vq, kernels_match_reference) {
                     }
                     cr_assert_float_eq(sm1[g], sm2[g], 1e-5f * sm1[g], "exp_sum sum gp %d n %d lane %d", gp, ne, g);
                 }
+                /* Per-token scales (norm-explicit codes), with and without the bias: within 1 ulp of
+                 * the reference (one FMA rounding instead of two), against an independent
+                 * double-precision value. */
+                uint16_t *h = malloc((size_t)ne * 2);
+                float *hs = randn((size_t)ne, 2.0f), bias[64];
+                K->f32_to_f16((size_t)ne, hs, h);
+                K->f16_to_f32((size_t)ne, h, hs);
+                for (int g = 0; g < gp; g++) bias[g] = 0.25f * (float)g - 1.0f;
+                for (int wb = 0; wb < 2; wb++) {
+                    float *x1 = randn((size_t)ne * gp, 1.0f), *x2 = malloc((size_t)ne * gp * 4);
+                    memcpy(x2, x1, (size_t)ne * gp * 4);
+                    float *x0 = malloc((size_t)ne * gp * 4);
+                    memcpy(x0, x1, (size_t)ne * gp * 4);
+                    kvpq__vq_scale_tokens_ref(ne, gp, x1, h, wb ? bias : NULL);
+                    K->scale_tokens(ne, gp, x2, h, wb ? bias : NULL);
+                    for (int i = 0; i < ne * gp; i++) {
+                        double want = (double)x0[i] * hs[i / gp] + (wb ? bias[i % gp] : 0.0);
+                        cr_assert(fabs(x1[i] - want) <= 1e-6 * (fabs(want) + 1.0) &&
+                                      fabs(x2[i] - want) <= 1e-6 * (fabs(want) + 1.0),
+                                  "scale_tokens gp %d n %d bias %d [%d]: %g / %g vs %g", gp, ne, wb, i, (double)x1[i],
+                                  (double)x2[i], want);
+                    }
+                    free(x0);
+                    free(x1);
+                    free(x2);
+                }
+                free(h);
+                free(hs);
                 free(e1);
                 free(e2);
             }

@@ -26,9 +26,10 @@ static const bench_shape shapes[] = {
     {32, 8, 128, 32, "Llama-3-8B"},
 };
 static const int default_ctx[] = {1024, 4096, 8192, 32768};
-enum { K_FP32, K_FP16, K_VQ, K_VQFS, N_KINDS };
-/* vq-d4b8-fs: the same VQ cache with kvpq_cache_params.vq_fast_scan (approximate key scores). */
-static const char *const kind_names[N_KINDS] = {"fp32", "fp16", "vq-d4b8", "vq-d4b8-fs"};
+enum { K_FP32, K_FP16, K_VQ, K_VQFS, K_VQNE, N_KINDS };
+/* vq-d4b8-fs: the same VQ cache with kvpq_cache_params.vq_fast_scan (approximate key scores);
+ * vq-d4b8-ne: norm-explicit keys and values (a float16 scale per vector, kvpq calibrate's default). */
+static const char *const kind_names[N_KINDS] = {"fp32", "fp16", "vq-d4b8", "vq-d4b8-fs", "vq-d4b8-ne"};
 
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 static float gauss(void) {
@@ -50,8 +51,9 @@ static int cmp_double(const void *a, const void *b) {
 
 /* An n_layer codebook (d4b8, shared codebook as in VecInfer, rotated values) trained on Gaussian
  * data, the same centroids in every layer: the timing does not depend on what they are. */
-static kvpq_status make_codebook(const bench_shape *s, int n_layer, kvpq_codebook **out) {
+static kvpq_status make_codebook(const bench_shape *s, int n_layer, int norm, kvpq_codebook **out) {
     kvpq_codebook_params p = kvpq_codebook_params_default();
+    p.key_norm = p.value_norm = norm;
     p.n_layer = n_layer;
     p.n_head_kv = s->n_head_kv;
     p.head_dim = s->head_dim;
@@ -71,6 +73,11 @@ static kvpq_status make_codebook(const bench_shape *s, int n_layer, kvpq_codeboo
         return KVPQ_ERR_NOMEM;
     }
     for (size_t i = 0; i < n * (size_t)s->head_dim; i++) x[i] = gauss();
+    for (size_t i = 0; norm && i < n; i++) { /* norm-explicit codebooks are trained on directions */
+        double ss = 0;
+        for (int j = 0; j < s->head_dim; j++) ss += (double)x[i * s->head_dim + j] * x[i * s->head_dim + j];
+        for (int j = 0; j < s->head_dim; j++) x[i * s->head_dim + j] /= (float)sqrt(ss);
+    }
     for (int w = 0; w < 2 && st == KVPQ_OK; w++) st = kvpq_pq_train(kvpq_codebook_pq(cb, 0, w), &kp, n, x, NULL);
     free(x);
     /* Every layer gets layer 0's centroids (lambda = 1, mu = 0 as created). */
@@ -125,7 +132,9 @@ static void usage(FILE *f) {
             "  (32, 8, 128); contexts 1024 4096 8192 32768 unless --ctx. Median of repeats, per layer.\n"
             "  --layers N: layers attended in turn per timed step, as in decode (default: the model's 30 / 32,\n"
             "  fewer where the fp32 cache would exceed 2 GiB); 1 re-reads one layer (warm CPU caches).\n"
-            "  --json prints one JSON object (speedup_vs_fp32 / _vs_fp16 at --ctx, default 8192).\n");
+            "  --json prints one JSON object (speedup_vs_fp32 / _vs_fp16 at --ctx, default 8192; codes only).\n"
+            "  Rows: fp32, fp16, vq-d4b8 (codes only), vq-d4b8-fs (fast-scan), vq-d4b8-ne (norm-explicit:\n"
+            "  a float16 scale per vector, kvpq calibrate's default; speedup_ne_vs_fp32 in the JSON).\n");
 }
 
 int cmd_bench_attend(int argc, char **argv) {
@@ -184,10 +193,11 @@ int cmd_bench_attend(int argc, char **argv) {
             double per_layer = (double)max_ctx * row * 2 * 4;
             L = (int)fmin(s->n_layer, fmax(1.0, floor(2147483648.0 / per_layer)));
         }
-        kvpq_codebook *cb = NULL;
+        kvpq_codebook *cb = NULL, *cb_ne = NULL;
         kvpq_cache *caches[N_KINDS] = {0};
         float *k = NULL, *v = NULL, *q = NULL, *out = NULL;
-        kvpq_status st = make_codebook(s, L, &cb);
+        kvpq_status st = make_codebook(s, L, 0, &cb);
+        if (st == KVPQ_OK) st = make_codebook(s, L, 1, &cb_ne);
         for (int kind = 0; kind < N_KINDS && st == KVPQ_OK; kind++) {
             kvpq_cache_params p = kvpq_cache_params_default();
             p.type = kind == K_FP32 ? KVPQ_CACHE_FP32 : kind == K_FP16 ? KVPQ_CACHE_FP16 : KVPQ_CACHE_VQ;
@@ -198,7 +208,7 @@ int cmd_bench_attend(int argc, char **argv) {
             p.max_seq = max_ctx;
             p.window = 128;
             p.page_tokens = 256;
-            p.codebook = cb;
+            p.codebook = kind == K_VQNE ? cb_ne : cb;
             p.n_threads = (int)threads;
             p.backend = KVPQ_BACKEND_CPU;
             p.vq_fast_scan = kind == K_VQFS;
@@ -258,6 +268,7 @@ int cmd_bench_attend(int argc, char **argv) {
                     bytes[kind] = (double)cs.tokens_coded / L * nkv * (kvpq_pq_code_size(kq) + kvpq_pq_code_size(vq)) +
                                   (double)cs.tokens_window / L * row * 2 * 2 +
                                   (double)(kvpq_pq_centroids_size(kq) + kvpq_pq_centroids_size(vq)) * 4;
+                    if (kind == K_VQNE) bytes[kind] += (double)cs.tokens_coded / L * nkv * 2 * 2; /* scales */
                 }
             }
             if (rc) break;
@@ -286,14 +297,17 @@ int cmd_bench_attend(int argc, char **argv) {
             if (!json) printf("%-13s %7d  fast-scan vs exact VQ output: max |diff| %.3g (max |o| %.3g)\n", s->model, ctx, fs_diff, o_max);
             cJSON_AddNumberToObject(jr, "speedup_vs_fp32", us[K_FP32] / us[K_VQ]);
             cJSON_AddNumberToObject(jr, "speedup_vs_fp16", us[K_FP16] / us[K_VQ]);
+            cJSON_AddNumberToObject(jr, "speedup_ne_vs_fp32", us[K_FP32] / us[K_VQNE]);
             cJSON_AddItemToArray(jres, jr);
             if (ctx == report_ctx) {
                 cJSON_AddNumberToObject(js, "speedup_vs_fp32", us[K_FP32] / us[K_VQ]);
                 cJSON_AddNumberToObject(js, "speedup_vs_fp16", us[K_FP16] / us[K_VQ]);
+                cJSON_AddNumberToObject(js, "speedup_ne_vs_fp32", us[K_FP32] / us[K_VQNE]);
             }
         }
         for (int kind = 0; kind < N_KINDS; kind++) kvpq_cache_free(caches[kind]);
         kvpq_codebook_free(cb);
+        kvpq_codebook_free(cb_ne);
         free(k);
         free(v);
         free(q);

@@ -88,7 +88,6 @@ typedef struct {          /* per-thread scratch, sized at creation: nothing allo
     float *ws;            /* (cap) window scores */
     float *o;             /* (gp, head_dim) merged output of one group */
     float *ow;            /* (head_dim) window output of one head */
-    float *tsc;           /* (VQ_CHUNK) per-token scales of one segment, norm-explicit quantizers */
 } vq_scratch;
 
 typedef struct {
@@ -167,7 +166,6 @@ static void vq_scratch_free(vq_scratch *s) {
     free(s->ws);
     free(s->o);
     free(s->ow);
-    free(s->tsc);
 }
 
 static void vq_destroy(void *state) {
@@ -328,8 +326,6 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         s->ws = calloc(st->cap, sizeof(float));
         s->o = calloc((size_t)gp * d, sizeof(float));
         s->ow = calloc(d, sizeof(float));
-        s->tsc = calloc(VQ_CHUNK, sizeof(float));
-        if (!s->tsc) goto nomem;
         if (!s->qr || !s->lut || !s->table || !s->s || !s->idx || !s->rescale || !s->wkf || !s->wvf ||
             !s->ws || !s->o || !s->ow)
             goto nomem;
@@ -577,11 +573,8 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
                 kvpq_codes_unpack(Mk, kpq->p.nbits, n, kc, s->idx);
                 K->score_u16(n, Mk, kpq->ksub, gp, s->idx, s->lut, sc);
             }
-            if (st->k_norm) { /* score = s(t) * sum_m LUT + q . mu / sqrt(d) */
-                K->f16_to_f32(n, vq_scales(st, L, 0, h, t), s->tsc);
-                for (int i = 0; i < n; i++)
-                    for (int g = 0; g < gp; g++) sc[(size_t)i * gp + g] = sc[(size_t)i * gp + g] * s->tsc[i] + kb[g];
-            }
+            if (st->k_norm) /* score = s(t) * sum_m LUT + q . mu / sqrt(d) */
+                K->scale_tokens(n, gp, sc, vq_scales(st, L, 0, h, t), kb);
             t += n;
         }
         float mx[64];
@@ -607,11 +600,8 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             int n = vq_seg(st, t, b1);
             const uint8_t *vc = vq_vcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
-            if (st->v_norm) { /* exp_sum put p(t) into the denominator; the value sums take p(t) s(t) */
-                K->f16_to_f32(n, vq_scales(st, L, 1, h, t), s->tsc);
-                for (int i = 0; i < n; i++)
-                    for (int g = 0; g < gp; g++) sc[(size_t)i * gp + g] *= s->tsc[i];
-            }
+            if (st->v_norm) /* exp_sum put p(t) into the denominator; the value sums take p(t) s(t) */
+                K->scale_tokens(n, gp, sc, vq_scales(st, L, 1, h, t), NULL);
             if (dec) {
                 K->accum_dec_u8(n, Mv, vpq->dsub, vpq->n_books, vpq->centroids, gp, G, vc, sc, po);
             } else if (vbits8) {

@@ -366,7 +366,32 @@ static void accum_dec_u8_avx512(int n, int M, int dsub, int n_books, const float
     }
 }
 
+/* scale_tokens for gp = 4 (GQA groups of 2..4): 16 tokens' half scales -> one zmm, then per 4 tokens
+ * (one zmm of scores) each scale spread over its token's 4 lanes by a permute, one FMA. The FMA
+ * rounds once where the reference multiplies then adds (results within 1 ulp). */
+static void scale_tokens_avx512(int n, int gp, float *s, const uint16_t *scale, const float *bias) {
+    if (gp != 4) {
+        kvpq__vq_scale_tokens_ref(n, gp, s, scale, bias);
+        return;
+    }
+    const __m512 b = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias)) : _mm512_setzero_ps();
+    __m512i idx[4];
+    for (int j = 0; j < 4; j++)
+        idx[j] = _mm512_set_epi32(4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 2, 4 * j + 2, 4 * j + 2,
+                                  4 * j + 2, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j, 4 * j, 4 * j, 4 * j);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + t)));
+        for (int j = 0; j < 4; j++) {
+            float *p = s + (size_t)(t + 4 * j) * 4;
+            _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_loadu_ps(p), _mm512_permutexvar_ps(idx[j], f), b));
+        }
+    }
+    if (t < n) kvpq__vq_scale_tokens_ref(n - t, gp, s + (size_t)t * 4, scale + t, bias);
+}
+
 void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k) {
+    k->scale_tokens = scale_tokens_avx512;
     k->accum_dec_u8 = accum_dec_u8_avx512;
     k->accum_dec_ok = accum_dec_ok_avx512;
     if (__builtin_cpu_supports("avx512vbmi")) k->score_fs_u8 = score_fs_u8_vbmi;

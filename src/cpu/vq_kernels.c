@@ -152,6 +152,14 @@ void kvpq__vq_lane_max_ref(int n, int gp, const float *s, float *mx) {
     }
 }
 
+void kvpq__vq_scale_tokens_ref(int n, int gp, float *s, const uint16_t *scale, const float *bias) {
+    for (int t = 0; t < n; t++) {
+        float f;
+        kvpq__vq_f16_to_f32_ref(1, scale + t, &f);
+        for (int g = 0; g < gp; g++) s[(size_t)t * gp + g] = s[(size_t)t * gp + g] * f + (bias ? bias[g] : 0.0f);
+    }
+}
+
 void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *table) {
     for (size_t r = 0; r < rows; r++)
         for (int g = 0; g < gp; g++) table[r * gp + g] *= rescale[g];
@@ -224,6 +232,7 @@ static void init_tables(void) {
         .exp_sum = kvpq__vq_exp_sum_ref,
         .lane_max = kvpq__vq_lane_max_ref,
         .scale_rows = kvpq__vq_scale_rows_ref,
+        .scale_tokens = kvpq__vq_scale_tokens_ref,
         .lut_build = kvpq__vq_lut_build_ref,
         .table_out = kvpq__vq_table_out_ref,
         .weighted_sum = kvpq__vq_weighted_sum_ref,

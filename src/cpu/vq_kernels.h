@@ -51,6 +51,10 @@ typedef struct {
     void (*lane_max)(int n, int gp, const float *s, float *mx);
     /* table (rows, gp) *= rescale (gp) per lane. */
     void (*scale_rows)(size_t rows, int gp, const float *rescale, float *table);
+    /* Per-token scales of norm-explicit codes: s[t][g] <- s[t][g] * f16(scale[t]) + bias[g] for t < n,
+     * g < gp (bias NULL: + 0); scale (n) IEEE half. Keys: scores times the key scales plus the
+     * q . mu term; values: softmax weights times the value scales. */
+    void (*scale_tokens)(int n, int gp, float *s, const uint16_t *scale, const float *bias);
     /* lut (M, ksub, gp): lut[m][c][g] = sum_j C[m][c][j] * qt[m][j][g], with C the centroids
      * (n_books, ksub, dsub) (book 0 for every m when n_books == 1) and qt (M, dsub, gp). */
     void (*lut_build)(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt, float *lut);
@@ -87,6 +91,7 @@ void kvpq__vq_accum_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx,
 int kvpq__vq_softmax_step_ref(int n, int gp, float *s, float *m, float *d, float *rescale);
 void kvpq__vq_exp_sum_ref(int n, int gp, float *s, const float *m, float *sum);
 void kvpq__vq_lane_max_ref(int n, int gp, const float *s, float *mx);
+void kvpq__vq_scale_tokens_ref(int n, int gp, float *s, const uint16_t *scale, const float *bias);
 void kvpq__vq_scale_rows_ref(size_t rows, int gp, const float *rescale, float *table);
 void kvpq__vq_lut_build_ref(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
                             float *lut);
