@@ -17,7 +17,7 @@ Times are CUDA-event medians (CUDA-graph replays for the small attention kernels
 GB/s counts bytes read (and written outputs for encode). The HBM ceiling is measured here with a
 device-to-device copy. Writes results.json, table.md and PNG figures under --out.
 
-Usage: python3 bench/gpu_bench.py --bin build/gpu_bench_kernels --out OUTDIR [--quick]
+Usage: python3 bench/gpu_bench.py --bin build/gpu_bench_kernels --out OUTDIR [--quick | --attend-only]
 """
 import argparse
 import datetime
@@ -149,34 +149,35 @@ def figures(enc, att, out, device):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    names = [("seed_us", "seed kernel"), ("materialize_us", "materializing (PyTorch)"),
-             ("torch_matmul_argmin_us", "PyTorch matmul+argmin"), ("ours_us", "ours (fused)")]
-    labels = [f"S={e['S']} H={e['H']}\nD={e['D']} dsub={e['dsub']}" for e in enc]
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
-    w = 0.2
-    xs = np.arange(len(enc))
-    for i, (k, lab) in enumerate(names):
-        vals = [e.get(k) or 0 for e in enc]
-        ax[0].bar(xs + (i - 1.5) * w, vals, w, label=lab)
-    ax[0].set_yscale("log")
-    ax[0].set_xticks(xs, labels, fontsize=8)
-    ax[0].set_ylabel("time per encode (us, log)")
-    ax[0].set_title("PQ encode, nbits=8")
-    ax[0].legend(fontsize=7)
-    mems = [("seed_output_bytes", "seed kernel (unpacked idx out)"), ("materialize_extra_bytes", "materializing"),
-            ("torch_matmul_argmin_extra_bytes", "PyTorch matmul+argmin"),
-            ("ours_extra_bytes_during_encode", "ours")]
-    for i, (k, lab) in enumerate(mems):
-        vals = [max(e.get(k), 1) if isinstance(e.get(k), (int, float)) else 1 for e in enc]
-        ax[1].bar(xs + (i - 1.5) * w, [v / 2**20 for v in vals], w, label=lab)
-    ax[1].set_yscale("log")
-    ax[1].set_xticks(xs, labels, fontsize=8)
-    ax[1].set_ylabel("device memory beyond inputs+codes (MiB, log)")
-    ax[1].set_title("encode: extra device memory")
-    ax[1].legend(fontsize=7)
-    fig.suptitle(device, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "gpu_encode.png"), dpi=80)
+    if enc:  # --attend-only: no encode rows
+        names = [("seed_us", "seed kernel"), ("materialize_us", "materializing (PyTorch)"),
+                 ("torch_matmul_argmin_us", "PyTorch matmul+argmin"), ("ours_us", "ours (fused)")]
+        labels = [f"S={e['S']} H={e['H']}\nD={e['D']} dsub={e['dsub']}" for e in enc]
+        fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+        w = 0.2
+        xs = np.arange(len(enc))
+        for i, (k, lab) in enumerate(names):
+            vals = [e.get(k) or 0 for e in enc]
+            ax[0].bar(xs + (i - 1.5) * w, vals, w, label=lab)
+        ax[0].set_yscale("log")
+        ax[0].set_xticks(xs, labels, fontsize=8)
+        ax[0].set_ylabel("time per encode (us, log)")
+        ax[0].set_title("PQ encode, nbits=8")
+        ax[0].legend(fontsize=7)
+        mems = [("seed_output_bytes", "seed kernel (unpacked idx out)"), ("materialize_extra_bytes", "materializing"),
+                ("torch_matmul_argmin_extra_bytes", "PyTorch matmul+argmin"),
+                ("ours_extra_bytes_during_encode", "ours")]
+        for i, (k, lab) in enumerate(mems):
+            vals = [max(e.get(k), 1) if isinstance(e.get(k), (int, float)) else 1 for e in enc]
+            ax[1].bar(xs + (i - 1.5) * w, [v / 2**20 for v in vals], w, label=lab)
+        ax[1].set_yscale("log")
+        ax[1].set_xticks(xs, labels, fontsize=8)
+        ax[1].set_ylabel("device memory beyond inputs+codes (MiB, log)")
+        ax[1].set_title("encode: extra device memory")
+        ax[1].legend(fontsize=7)
+        fig.suptitle(device, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "gpu_encode.png"), dpi=80)
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
     labels = [f"B={a['B']}\nL={a['L'] // 1024}k" for a in att]
@@ -205,12 +206,13 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--attend-only", action="store_true", help="the attention shapes only (no encode)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if not torch.cuda.is_available():
         print("SKIP: no CUDA device for PyTorch")
         return 77
-    cmd = [a.bin] + (["quick"] if a.quick else [])
+    cmd = [a.bin] + (["attends"] if a.attend_only else ["quick"] if a.quick else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     sys.stderr.write(p.stderr)
     rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
@@ -251,11 +253,12 @@ def main():
             f"{t['sdpa_kv_bytes'] / 2**20:.0f} / {t['ours_resident_bytes'] / 2**20:.0f} |")
     lines += ["", "Attention kernel variants (us; LUT entries float32/float16 x value codebook plain/8 replicas; "
               f"ours = {att[0].get('default_variant', '?') if att else '?'}):", "",
-              "| B | context | f32, plain | f16, plain | f32, replicas | f16, replicas |", "|---|---|---|---|---|---|"]
+              "| B | context | f32, plain | f16, plain | f32, replicas | f16, replicas | ours, previous value loop |",
+              "|---|---|---|---|---|---|---|"]
     for t in att:
         v = t.get("variant_us", {})
         lines.append(f"| {t['B']} | {t['L']} | {fmt(v.get('f32_plain'))} | {fmt(v.get('f16_plain'))} | "
-                     f"{fmt(v.get('f32_vrep'))} | {fmt(v.get('f16_vrep'))} |")
+                     f"{fmt(v.get('f32_vrep'))} | {fmt(v.get('f16_vrep'))} | {fmt(v.get('default_prev_loop'))} |")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(a.out, "table.md"), "w") as f:

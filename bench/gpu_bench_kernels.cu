@@ -248,24 +248,29 @@ static void bench_attend(int B, int L, int quick) {
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     /* every kernel variant (LUT float32/float16 x value codebook plain/replicated); "ours" is the default */
     const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep;
-    double var_us[4], us = 0;
-    for (int v = 0; v < 4; v++) {
-        kvpq__cuda_attend_lut16 = v & 1;
-        kvpq__cuda_attend_vrep = v >> 1;
+    /* v 4: the default variant with the previous value loop (kvpq__cuda_attend_pvec = 0) */
+    const int pvec_0 = kvpq__cuda_attend_pvec;
+    double var_us[5], us = 0;
+    for (int v = 0; v < 5; v++) {
+        kvpq__cuda_attend_lut16 = v == 4 ? lut16_0 : v & 1;
+        kvpq__cuda_attend_vrep = v == 4 ? vrep_0 : v >> 1;
+        kvpq__cuda_attend_pvec = v == 4 ? 0 : pvec_0;
         var_us[v] = time_graph([&](cudaStream_t s) { KV(kvpq__cuda_cache_attend_async(c, B, dq, dout, s)); },
                                quick ? 4 : 20, quick ? 3 : 15, st);
-        if ((v & 1) == lut16_0 && (v >> 1) == vrep_0) us = var_us[v];
+        if (v < 4 && (v & 1) == lut16_0 && (v >> 1) == vrep_0) us = var_us[v];
     }
     kvpq__cuda_attend_lut16 = lut16_0;
     kvpq__cuda_attend_vrep = vrep_0;
+    kvpq__cuda_attend_pvec = pvec_0;
     /* bytes read: key and value codes of the coded positions, the float32 window, q; written: out */
     double coded = (double)B * (L - W) * n_head_kv * (kvpq_pq_code_size(kp) + kvpq_pq_code_size(vp));
     double win = (double)B * W * row * 4 * 2, bytes = coded + win + nq * 4.0;
     printf("{\"op\": \"attend\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
            "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu, \"variant_us\": {\"f32_plain\": %.3f, "
-           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f}, \"default_variant\": \"%s_%s\"}\n",
+           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f}, "
+           "\"default_variant\": \"%s_%s\"}\n",
            B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c), var_us[0],
-           var_us[1], var_us[2], var_us[3], lut16_0 ? "f16" : "f32", vrep_0 ? "vrep" : "plain");
+           var_us[1], var_us[2], var_us[3], var_us[4], lut16_0 ? "f16" : "f32", vrep_0 ? "vrep" : "plain");
     fflush(stdout);
     cudaFree(dq);
     cudaFree(dout);
@@ -287,6 +292,12 @@ int main(int argc, char **argv) {
     printf("{\"device\": \"%s\", \"sms\": %d, \"l2_bytes\": %d}\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize);
     if (argc > 3 && !strcmp(argv[1], "attend")) { /* one shape, for profilers */
         bench_attend(atoi(argv[2]), atoi(argv[3]), 1);
+        return 0;
+    }
+    if (argc > 1 && !strcmp(argv[1], "attends")) { /* the attention shapes only */
+        const int Ls[] = {4096, 32768, 131072};
+        for (int bi = 0; bi < 2; bi++)
+            for (int li = 0; li < 3; li++) bench_attend(bi ? 8 : 1, Ls[li], 0);
         return 0;
     }
     if (argc > 1 && !strcmp(argv[1], "encode")) {

@@ -21,6 +21,7 @@
 /* LUT element type of the next launches (kvpq__cuda_attend_lut16, common.cuh). */
 extern "C" int kvpq__cuda_attend_lut16 = 1;
 extern "C" int kvpq__cuda_attend_vrep = 1;
+extern "C" int kvpq__cuda_attend_pvec = 1;
 
 namespace {
 
@@ -39,6 +40,7 @@ struct Layout {  /* dynamic shared memory, in floats */
     int nw;                  /* warps per CTA */
     int vbook_in_smem;       /* 1: value codebook in shared memory; 2: as 8 bank-private replicas */
     int lut16;               /* LUT entries are float16 */
+    int pvec;                /* value loop with vector probability loads and hoisted addresses */
 };
 
 __host__ __device__ inline bool keys_direct(const kvpq__attend_params &p) {
@@ -57,6 +59,7 @@ inline Layout make_layout(const kvpq__attend_params &p, int gs, int with_vbook, 
     Layout L;
     L.nw = nw;
     L.lut16 = lut16;
+    L.pvec = kvpq__cuda_attend_pvec;
     int Mk = p.head_dim / p.k_dsub;
     L.k_stride = keys_direct(p) ? 0 : (((p.k_code_size + 3) / 4) | 1);  /* odd: lane = row, conflict-free */
     L.v_stride = (p.v_code_size + 3) / 4;  /* rows are read by all lanes at once: any stride */
@@ -141,6 +144,28 @@ __device__ __forceinline__ void add_entry(const __half *e, float (&s)[GS]) {
         float f[8] = {a.x, a.y, b.x, b.y, c.x, c.y, d.x, d.y};
 #pragma unroll
         for (int h = 0; h < GS; h++) s[h] += f[h];
+    }
+}
+
+/* pr[h] = src[h] for the GS heads, as 16/8-byte shared-memory loads where GS allows (src is aligned
+ * to 4 * GS bytes: position t's probabilities start at t * GS floats of a 16-byte aligned buffer). */
+template <int GS>
+__device__ __forceinline__ void load_probs(const float *src, float (&pr)[GS]) {
+    if constexpr (GS % 4 == 0) {
+#pragma unroll
+        for (int h = 0; h < GS; h += 4) {
+            float4 t = *reinterpret_cast<const float4 *>(src + h);
+            pr[h] = t.x; pr[h + 1] = t.y; pr[h + 2] = t.z; pr[h + 3] = t.w;
+        }
+    } else if constexpr (GS % 2 == 0) {
+#pragma unroll
+        for (int h = 0; h < GS; h += 2) {
+            float2 t = *reinterpret_cast<const float2 *>(src + h);
+            pr[h] = t.x; pr[h + 1] = t.y;
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < GS; h++) pr[h] = src[h];
     }
 }
 
@@ -426,6 +451,37 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
                         offj[jj] = ((((p.v_books == 1 ? 0 : mj[jj]) * vks) << vshift) + (e - (mj[jj] << vshift))) >> 2;
                     }
                     const float4 *vb4 = reinterpret_cast<const float4 *>(vb);
+                    if (L.pvec && vnb == 8) {
+                        /* whole-byte codes: per position one code load (a byte of the staged row), one
+                         * float4 gather and the GS probabilities as vector loads; base addresses
+                         * hoisted out of the position loop */
+                        const uint8_t *crow = reinterpret_cast<const uint8_t *>(VST(buf));
+                        const char *cbase[EPL / 4 > 0 ? EPL / 4 : 1];
+#pragma unroll
+                        for (int jj = 0; jj < EPL / 4; jj++)
+                            cbase[jj] = reinterpret_cast<const char *>(vb4 + (offj[jj] << rs) + rl);
+                        const int rowb = 4 * L.v_stride, csh = cshift + rs + 4;  /* byte offset of a code */
+                        const float *pt = pb;
+#pragma unroll 2
+                        for (int t = 0; t < n; t++, pt += GS, crow += rowb) {
+                            float pr[GS];
+                            load_probs<GS>(pt, pr);
+#pragma unroll
+                            for (int jj = 0; jj < EPL / 4; jj++) {
+                                const int j = 4 * jj;
+                                const float4 cv =
+                                    *reinterpret_cast<const float4 *>(cbase[jj] + ((int)crow[mj[jj]] << csh));
+#pragma unroll
+                                for (int h = 0; h < GS; h++) {
+                                    o[h][j] = fmaf(pr[h], cv.x, o[h][j]);
+                                    o[h][j + 1] = fmaf(pr[h], cv.y, o[h][j + 1]);
+                                    o[h][j + 2] = fmaf(pr[h], cv.z, o[h][j + 2]);
+                                    o[h][j + 3] = fmaf(pr[h], cv.w, o[h][j + 3]);
+                                }
+                            }
+                        }
+                        return;
+                    }
                     for (int t = 0; t < n; t++) {
                         const uint8_t *row = reinterpret_cast<const uint8_t *>(VST(buf) + t * L.v_stride);
                         float pr[GS];

@@ -96,9 +96,12 @@ typedef struct {
 
 /* Process-wide tuning switches of the attention kernel, for benchmarks and tests; not part of the
  * public API. lut16 (default 1): LUT entries float16 (summed in float32) instead of float32. vrep (default 1): the value
- * codebook as 8 bank-private replicas in shared memory (conflict-free gathers) where it fits. */
+ * codebook as 8 bank-private replicas in shared memory (conflict-free gathers) where it fits. pvec
+ * (default 1): for whole-byte value codes, the value loop loads a position's GS probabilities as
+ * 16/8-byte vectors and hoists its address arithmetic (0: the previous loop, scalar loads). */
 extern "C" int kvpq__cuda_attend_lut16;
 extern "C" int kvpq__cuda_attend_vrep;
+extern "C" int kvpq__cuda_attend_pvec;
 /* Encode search of the next launches: 1 (default) = tensor cores (float16 hi/lo split, float32
  * accumulate) where the quantizer has fragments; 0 = float32 on the CUDA cores. */
 extern "C" int kvpq__cuda_encode_mma;
