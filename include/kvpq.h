@@ -216,6 +216,12 @@ KVPQ_API kvpq_status kvpq_codes_unpack(int M, int nbits, size_t n, const uint8_t
  * two (else KVPQ_ERR_UNSUPPORTED naming d). */
 KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
 
+/* Divide each row of x: (n, d) in place by its L2 norm (the direction u = x / |x| that a
+ * norm-explicit quantizer codes, see kvpq_codebook_params.key_norm); a zero row stays zero.
+ * norms: (n) gets |x| of each row (float of the double-precision sum), or NULL. Errors: d < 1, x
+ * NULL with n > 0 (KVPQ_ERR_INVALID_ARG). */
+KVPQ_API kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms);
+
 /* Smoothing factors lambda_c = sqrt(max_t |k_tc|), floored at `floor` (default 1e-2 keeps
  * near-silent channels from blowing up), per KV head and channel.
  * k: (n_tokens, n_head_kv, head_dim); lambda out: (n_head_kv, head_dim). */

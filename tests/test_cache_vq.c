@@ -96,11 +96,7 @@ static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_
             size_t n = pp.granularity == KVPQ_CODEBOOK_SHARED ? (size_t)(2 * ksub + pp.M - 1) / pp.M : (size_t)2 * ksub;
             float *x = randn(n * pp.d, 1.0f);
             if ((g_norm >> w) & 1) /* norm-explicit: trained on directions, as kvpq calibrate does */
-                for (size_t i = 0; i < n; i++) {
-                    double ss = 0;
-                    for (int j = 0; j < pp.d; j++) ss += (double)x[i * pp.d + j] * x[i * pp.d + j];
-                    for (int j = 0; j < pp.d; j++) x[i * pp.d + j] /= (float)sqrt(ss);
-                }
+                cr_assert_eq(kvpq_normalize_rows(x, n, pp.d, NULL), KVPQ_OK, "%s", kvpq_last_error());
             cr_assert_eq(kvpq_pq_train(pq, &kp, n, x, NULL), KVPQ_OK, "%s", kvpq_last_error());
             free(x);
         }
@@ -565,6 +561,18 @@ Test(cache_vq, norm_explicit_scale_beyond_fp16_is_refused_at_append) {
     append_random(a, 0, &c, 100, NULL, NULL); /* the window overflows into codes as usual */
     cr_assert_eq(kvpq_cache_seq_len(a, 0), 140);
     check_attend(a, &c, 1, "after a refused append");
+    /* A prefill block whose bad token is coded by the same call: refused by that encode, nothing stored. */
+    kvpq_cache *b = make_cache(cb, 1, &c, 16, 32, 512);
+    float *kb = randn(100 * row, 1.0f), *vb = randn(100 * row, 1.0f);
+    for (int j = 0; j < 64; j++) vb[3 * row + j] = 10000.0f; /* position 3, KV head 0 */
+    cr_assert_eq(kvpq_cache_append(b, 0, 100, kb, vb), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "value scale of position 3, KV head 0"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_seq_len(b, 0), 0);
+    append_random(b, 0, &c, 100, NULL, NULL);
+    check_attend(b, &c, 1, "after a refused prefill");
+    free(kb);
+    free(vb);
+    kvpq_cache_free(b);
     free(k);
     free(v);
     free(before);

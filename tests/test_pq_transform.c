@@ -58,6 +58,31 @@ Test(hadamard, rejects_non_power_of_two_naming_d) {
     cr_assert_eq(kvpq_hadamard(NULL, 0, 64), KVPQ_OK);
 }
 
+/* Rows become unit vectors along the same direction (checked in double against the input), the
+ * norms come back, a zero row stays zero (no NaN), and bad arguments are refused naming them. */
+Test(normalize_rows, unit_rows_norms_and_zero_row) {
+    const int n = 5, d = 64;
+    float x[5 * 64], x0[5 * 64], nrm[5];
+    for (int i = 0; i < n * d; i++) x[i] = (float)((i * 37 % 101) - 50) * (i / d + 1) * 0.25f;
+    for (int j = 0; j < d; j++) x[2 * d + j] = 0.0f;
+    memcpy(x0, x, sizeof x);
+    cr_assert_eq(kvpq_normalize_rows(x, (size_t)n, d, nrm), KVPQ_OK, "%s", kvpq_last_error());
+    for (int i = 0; i < n; i++) {
+        double ss = 0;
+        for (int j = 0; j < d; j++) ss += (double)x0[i * d + j] * x0[i * d + j];
+        cr_assert_float_eq(nrm[i], sqrt(ss), 1e-6 * sqrt(ss), "row %d norm", i);
+        for (int j = 0; j < d; j++) {
+            double want = ss > 0 ? x0[i * d + j] / sqrt(ss) : 0.0;
+            cr_assert_float_eq(x[i * d + j], want, 1e-6, "row %d [%d]: %g vs %g", i, j, (double)x[i * d + j], want);
+        }
+    }
+    cr_assert_eq(nrm[2], 0.0f);
+    cr_assert_eq(kvpq_normalize_rows(x, 1, 0, NULL), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "d=0"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_normalize_rows(NULL, 1, 4, NULL), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_normalize_rows(NULL, 0, 4, NULL), KVPQ_OK);
+}
+
 Test(smooth, compute_is_sqrt_of_max_abs_with_floor) {
     /* 3 tokens, 2 KV heads, head_dim 3 */
     const float k[3 * 2 * 3] = {1, -4, 0, 9, 0.5f, 0,   -16, 2, 0, -1, 0.25f, 0,   3, 1, 0, 2, -0.5f, 0};

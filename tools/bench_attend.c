@@ -73,11 +73,7 @@ static kvpq_status make_codebook(const bench_shape *s, int n_layer, int norm, kv
         return KVPQ_ERR_NOMEM;
     }
     for (size_t i = 0; i < n * (size_t)s->head_dim; i++) x[i] = gauss();
-    for (size_t i = 0; norm && i < n; i++) { /* norm-explicit codebooks are trained on directions */
-        double ss = 0;
-        for (int j = 0; j < s->head_dim; j++) ss += (double)x[i * s->head_dim + j] * x[i * s->head_dim + j];
-        for (int j = 0; j < s->head_dim; j++) x[i * s->head_dim + j] /= (float)sqrt(ss);
-    }
+    if (norm) st = kvpq_normalize_rows(x, n, s->head_dim, NULL); /* norm-explicit codebooks: directions */
     for (int w = 0; w < 2 && st == KVPQ_OK; w++) st = kvpq_pq_train(kvpq_codebook_pq(cb, 0, w), &kp, n, x, NULL);
     free(x);
     /* Every layer gets layer 0's centroids (lambda = 1, mu = 0 as created). */

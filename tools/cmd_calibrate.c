@@ -8,7 +8,6 @@
  * (VecInfer, arXiv 2510.06175, sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
  * k-means on the transformed data (all KV heads of a layer pooled). Writes a safetensors codebook
  * file (kvpq_codebook_save) with the model, text, token count and configuration as metadata. */
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -223,16 +222,6 @@ static int apply_keys_layers(kvpq_codebook *cb, const char *spec, int n_layer, i
     return 1;
 }
 
-/* x (n, d): each row divided by its L2 norm (zero rows stay zero). */
-static void normalize_rows(float *x, size_t n, int d) {
-    for (size_t i = 0; i < n; i++) {
-        double ss = 0;
-        for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
-        const float inv = ss > 0 ? (float)(1.0 / sqrt(ss)) : 0.0f;
-        for (int j = 0; j < d; j++) x[i * d + j] *= inv;
-    }
-}
-
 static const char *base_name(const char *p) {
     const char *s = strrchr(p, '/');
     return s ? s + 1 : p;
@@ -296,8 +285,9 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
             (a->value_rotate && (s = kvpq_hadamard(vd, n_use * H, D)) != KVPQ_OK))
             return cli_fail("calibrate: smoothing and rotation", s);
         /* Norm-explicit quantizers are trained on directions (the cache keeps the scale). */
-        if (a->key_norm) normalize_rows(kd, n_use * H, D);
-        if (a->value_norm) normalize_rows(vd, n_use * H, D);
+        if ((a->key_norm && (s = kvpq_normalize_rows(kd, n_use * H, D, NULL)) != KVPQ_OK) ||
+            (a->value_norm && (s = kvpq_normalize_rows(vd, n_use * H, D, NULL)) != KVPQ_OK))
+            return cli_fail("calibrate: normalizing", s);
         kvpq_kmeans_report rk, rv;
         km.max_points_per_centroid = a->max_ppc > 0 ? (int)a->max_ppc : (cp.key.nbits > 8 ? 32 : 256);
         if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 0), &km, n_use * H, kd, &rk)) != KVPQ_OK)

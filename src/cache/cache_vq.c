@@ -147,8 +147,8 @@ static uint8_t *vq_vcodes(const vq_state *st, const vq_layer *L, int h, int pos)
 static uint16_t *vq_scales(const vq_state *st, const vq_layer *L, int is_value, int h, int pos) {
     uint16_t *base = (uint16_t *)(L->pages[pos / st->page_tokens] + L->scale_off);
     const size_t per = (size_t)st->n_head_kv * st->page_tokens; /* scales of one kind in a page */
-    const size_t off_k = 0, off_v = st->k_norm ? per : 0;
-    return base + (is_value ? off_v : off_k) + (size_t)h * st->page_tokens + pos % st->page_tokens;
+    const size_t off = is_value && st->k_norm ? per : 0; /* value scales follow the key scales */
+    return base + off + (size_t)h * st->page_tokens + pos % st->page_tokens;
 }
 
 static void vq_scratch_free(vq_scratch *s) {
@@ -298,9 +298,10 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         vq_layer *L = &st->layers[l];
         const int Mk = st->kpq[l]->p.M; /* this layer's key M: the scratch is sized for the largest */
         L->kcs = kvpq_codes_size(Mk, st->kpq[l]->p.nbits);
-        L->scale_off = ((size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs) + 3) / 4 * 4;
-        L->page_bytes = L->scale_off + (size_t)(st->k_norm + st->v_norm) * p->n_head_kv * p->page_tokens * sizeof(uint16_t);
-        if (!st->k_norm && !st->v_norm) L->page_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs);
+        const size_t code_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs);
+        const int n_scales = st->k_norm + st->v_norm; /* kinds of float16 scales after the codes */
+        L->scale_off = n_scales ? (code_bytes + 3) / 4 * 4 : code_bytes;
+        L->page_bytes = L->scale_off + (size_t)n_scales * p->n_head_kv * p->page_tokens * sizeof(uint16_t);
         L->fast_scan = st->fast_scan && Mk <= 256;
         if (Mk > mk_max) mk_max = Mk;
         if (L->fast_scan && Mk > mk_fs) mk_fs = Mk;
@@ -359,13 +360,7 @@ static kvpq_status vq_encode(vq_state *st, const kvpq_pq *pq, int norm, int laye
     const int d = st->head_dim;
     KVPQ_TRY(vq_grow((void **)&st->xr, &st->xr_cap, nv * d + nv, sizeof(float)));
     float *r = st->xr, *nrm = st->xr + nv * d; /* (nv, d) decoded directions, (nv) norms then scales */
-    for (size_t i = 0; i < nv; i++) {
-        double ss = 0;
-        for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
-        nrm[i] = (float)sqrt(ss);
-        const float inv = nrm[i] > 0.0f ? 1.0f / nrm[i] : 0.0f;
-        for (int j = 0; j < d; j++) x[i * d + j] *= inv;
-    }
+    KVPQ_TRY(kvpq_normalize_rows(x, nv, d, nrm));
     KVPQ_TRY(kvpq_pq_encode(pq, nv, x, codes));
     KVPQ_TRY(kvpq_pq_decode(pq, nv, codes, r));
     for (size_t i = 0; i < nv; i++) {
@@ -440,14 +435,16 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
                              "VQ cache layer %d: %s[token %zu][head %zu][channel %zu] = %g exceeds the fp16 window's range (65504)",
                              layer, fabsf(k[i]) > VQ_FP16_MAX ? "k" : "v", i / row, i % row / d, i % d,
                              (double)(fabsf(k[i]) > VQ_FP16_MAX ? k[i] : v[i]));
-    /* Norm-explicit quantizers: the new tokens' scales are computed now (the flush recomputes the
-     * same values), so that one beyond float16 is refused before anything is stored, instead of
-     * failing every later append once the token leaves the window. */
-    if ((st->k_norm || st->v_norm) && n > 0) KVPQ_TRY(vq_stage_encode(st, layer, len, len, len + n, k, v));
     const int new_len = len + n;
     int target = vq_target_coded(st, new_len);
     if (target < L->n_coded) target = L->n_coded;
     const int first = L->n_coded, ne = target - first;
+    /* Norm-explicit quantizers: the scales of the new tokens that stay in the window are computed
+     * now (their flush recomputes the same values), so that one beyond float16 is refused before
+     * anything is stored, instead of failing every later append once the token leaves the window.
+     * New tokens coded by this call are checked by its own encode below, before anything is stored. */
+    const int w0 = target > len ? target : len;
+    if ((st->k_norm || st->v_norm) && new_len > w0) KVPQ_TRY(vq_stage_encode(st, layer, len, w0, new_len, k, v));
 
     if (!L->wk) {
         L->wk = calloc((size_t)st->cap * row, sizeof(uint16_t));

@@ -36,6 +36,21 @@ kvpq_status kvpq_hadamard(float *x, size_t n, int d) {
     return KVPQ_OK;
 }
 
+kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms) {
+    if (d <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_normalize_rows: d=%d: expected > 0", d);
+    if (n == 0) return KVPQ_OK;
+    if (!x) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_normalize_rows: x is NULL");
+    for (size_t i = 0; i < n; i++) {
+        float *r = x + i * (size_t)d;
+        double ss = 0;
+        for (int j = 0; j < d; j++) ss += (double)r[j] * r[j];
+        const float nrm = (float)sqrt(ss), inv = nrm > 0.0f ? 1.0f / nrm : 0.0f;
+        for (int j = 0; j < d; j++) r[j] *= inv;
+        if (norms) norms[i] = nrm;
+    }
+    return KVPQ_OK;
+}
+
 // ---- smoothing ---------------------------------------------------------------------------------
 
 static kvpq_status check_heads(const char *fn, int n_head_kv, int head_dim) {
