@@ -56,6 +56,43 @@ Test(kmeans, mse_never_rises_iteration_by_iteration) {
     }
 }
 
+/* Seeding (niter = 0 returns the seeds): KVPQ_KMEANS_INIT_RANDOM picks k distinct input points
+ * uniformly, so on 140 clustered points plus 10 far outliers it takes about k/15 outliers, while
+ * k-means++ (D^2 sampling) takes nearly all of them; an unknown init is refused naming it. */
+Test(kmeans, random_and_pp_seeding) {
+    const int d = 2, k = 10, n_in = 140, n_out = 10, n = n_in + n_out;
+    float x[150 * 2], C[10 * 2];
+    trng r = {9};
+    for (int i = 0; i < n_in; i++)
+        for (int j = 0; j < d; j++) x[i * d + j] = 0.01f * (float)(trng_unif(&r) - 0.5);
+    for (int i = 0; i < n_out; i++) { /* far from the cluster and from each other */
+        x[(n_in + i) * d] = 100.0f * (float)(i + 1);
+        x[(n_in + i) * d + 1] = -100.0f * (float)(i + 1);
+    }
+    int outliers[2];
+    for (int init = 0; init < 2; init++) {
+        kvpq_kmeans_params kp = kvpq_kmeans_params_default();
+        kp.niter = 0;
+        kp.init = init ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
+        cr_assert_eq(kvpq_kmeans(d, k, (size_t)n, x, &kp, C, NULL), KVPQ_OK, "%s", kvpq_last_error());
+        outliers[init] = 0;
+        for (int c = 0; c < k; c++) {
+            int hit = -1; /* each seed is exactly one input point, no two the same */
+            for (int i = 0; i < n && hit < 0; i++)
+                if (!memcmp(C + c * d, x + i * d, sizeof(float) * d)) hit = i;
+            cr_assert_geq(hit, 0, "init %d: seed %d is not an input point", init, c);
+            for (int c2 = 0; c2 < c; c2++) cr_assert(memcmp(C + c * d, C + c2 * d, sizeof(float) * d), "init %d: repeated seed", init);
+            outliers[init] += hit >= n_in;
+        }
+    }
+    cr_assert_geq(outliers[0], 8, "k-means++ took %d of the 10 outliers", outliers[0]);
+    cr_assert_leq(outliers[1], 3, "random seeding took %d of the 10 outliers", outliers[1]);
+    kvpq_kmeans_params kp = kvpq_kmeans_params_default();
+    kp.init = 2;
+    cr_assert_eq(kvpq_kmeans(d, k, (size_t)n, x, &kp, C, NULL), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "init=2"), "%s", kvpq_last_error());
+}
+
 Test(kmeans, progress_sees_every_iteration_and_can_cancel) {
     trng r = {2};
     int d = 4, k = 16;
