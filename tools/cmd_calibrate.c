@@ -159,6 +159,10 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
         char what[96];
         snprintf(what, sizeof what, "--also '%.60s'", base.also[j]);
         if ((r = finish_job(b, what)) <= 0) return r;
+        for (int i = 0; i <= j; i++) /* jobs[0 .. j] */
+            if (!strcmp(jobs[i].out, b->out))
+                return cli_usage_error("calibrate: %s writes '%s', which another codebook of this command writes too",
+                                       what, b->out), -2;
     }
     return 1;
 }

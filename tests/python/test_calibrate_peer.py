@@ -152,7 +152,8 @@ def test_also_writes_the_same_codebooks_as_separate_runs(tmp_path):
     assert meta["k.norm"] == "0" and meta["v.norm"] == "1" and meta["kmeans_init"] == "pp"
     assert st_numpy.load_file(str(a))["layers.3.k.codebook"].shape == (256, 2)
     for extra, msg in (("--ctx 64 -o x.safetensors", "--ctx belongs to the main command"),
-                       ("--keys d8b8", "needs -o OUT")):
+                       ("--keys d8b8", "needs -o OUT"),
+                       (f"--keys d8b8 -o {tmp_path / 'm.safetensors'}", "another codebook of this command writes too")):
         bad = run(*base, "-o", tmp_path / "m.safetensors", "--also", extra, check=False)
         assert bad.returncode == 2 and msg in bad.stderr, (extra, bad.stderr)
         assert not (tmp_path / "m.safetensors").exists()
