@@ -251,14 +251,17 @@ def main():
             f"| {t['B']} | {t['L']} | {fmt(t['sdpa_us'])} | {fmt(t['sdpa_GBps'], 0)} | {fmt(t['ours_us'])} | "
             f"{fmt(t['ours_GBps'], 0)} | {100 * t['ours_GBps'] / ceil:.0f}% | {t['sdpa_us'] / t['ours_us']:.2f}x | "
             f"{t['sdpa_kv_bytes'] / 2**20:.0f} / {t['ours_resident_bytes'] / 2**20:.0f} |")
-    lines += ["", "Attention kernel variants (us; LUT entries float32/float16 x value codebook plain/8 replicas; "
+    lines += ["", "Attention kernel variants (us; LUT kernel: entries float32/float16 x value codebook plain/8 "
+              "replicas, previous value loop; tensor-core kernel; "
               f"ours = {att[0].get('default_variant', '?') if att else '?'}):", "",
-              "| B | context | f32, plain | f16, plain | f32, replicas | f16, replicas | ours, previous value loop |",
-              "|---|---|---|---|---|---|---|"]
+              "| B | context | LUT f32, plain | LUT f16, plain | LUT f32, replicas | LUT f16, replicas | "
+              "LUT f16, replicas, previous value loop | tensor cores |",
+              "|---|---|---|---|---|---|---|---|"]
     for t in att:
         v = t.get("variant_us", {})
         lines.append(f"| {t['B']} | {t['L']} | {fmt(v.get('f32_plain'))} | {fmt(v.get('f16_plain'))} | "
-                     f"{fmt(v.get('f32_vrep'))} | {fmt(v.get('f16_vrep'))} | {fmt(v.get('default_prev_loop'))} |")
+                     f"{fmt(v.get('f32_vrep'))} | {fmt(v.get('f16_vrep'))} | {fmt(v.get('default_prev_loop'))} | "
+                     f"{fmt(v.get('tc'))} |")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(a.out, "table.md"), "w") as f:

@@ -197,7 +197,8 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick) {
 }
 
 static void bench_attend(int B, int L, int quick) {
-    const int n_head = 32, n_head_kv = 8, D = 128, W = 128;
+    const int n_head = 32, n_head_kv = 8, D = 128;
+    const int W = getenv("KVPQ_BENCH_WINDOW") ? atoi(getenv("KVPQ_BENCH_WINDOW")) : 128; /* for profiling */
     kvpq_pq_params pp = {D, D / 4, 8, KVPQ_CODEBOOK_SHARED};
     kvpq_pq *kp, *vp;
     KV(kvpq_pq_new(&kp, &pp));
@@ -249,28 +250,31 @@ static void bench_attend(int B, int L, int quick) {
     /* every kernel variant (LUT float32/float16 x value codebook plain/replicated); "ours" is the default */
     const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep;
     /* v 4: the default variant with the previous value loop (kvpq__cuda_attend_pvec = 0) */
-    const int pvec_0 = kvpq__cuda_attend_pvec;
-    double var_us[5], us = 0;
-    for (int v = 0; v < 5; v++) {
-        kvpq__cuda_attend_lut16 = v == 4 ? lut16_0 : v & 1;
-        kvpq__cuda_attend_vrep = v == 4 ? vrep_0 : v >> 1;
+    const int pvec_0 = kvpq__cuda_attend_pvec, tc_0 = kvpq__cuda_attend_tc;
+    /* v 5: the defaults (the tensor-core kernel for this shape): "ours" */
+    double var_us[6], us = 0;
+    for (int v = 0; v < 6; v++) {
+        kvpq__cuda_attend_lut16 = v >= 4 ? lut16_0 : v & 1;
+        kvpq__cuda_attend_vrep = v >= 4 ? vrep_0 : v >> 1;
         kvpq__cuda_attend_pvec = v == 4 ? 0 : pvec_0;
+        kvpq__cuda_attend_tc = v == 5 ? tc_0 : 0;
         var_us[v] = time_graph([&](cudaStream_t s) { KV(kvpq__cuda_cache_attend_async(c, B, dq, dout, s)); },
                                quick ? 4 : 20, quick ? 3 : 15, st);
-        if (v < 4 && (v & 1) == lut16_0 && (v >> 1) == vrep_0) us = var_us[v];
     }
+    us = var_us[5];
     kvpq__cuda_attend_lut16 = lut16_0;
     kvpq__cuda_attend_vrep = vrep_0;
     kvpq__cuda_attend_pvec = pvec_0;
+    kvpq__cuda_attend_tc = tc_0;
     /* bytes read: key and value codes of the coded positions, the float32 window, q; written: out */
     double coded = (double)B * (L - W) * n_head_kv * (kvpq_pq_code_size(kp) + kvpq_pq_code_size(vp));
     double win = (double)B * W * row * 4 * 2, bytes = coded + win + nq * 4.0;
     printf("{\"op\": \"attend\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
            "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu, \"variant_us\": {\"f32_plain\": %.3f, "
-           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f}, "
-           "\"default_variant\": \"%s_%s\"}\n",
+           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f}, "
+           "\"default_variant\": \"%s\"}\n",
            B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c), var_us[0],
-           var_us[1], var_us[2], var_us[3], var_us[4], lut16_0 ? "f16" : "f32", vrep_0 ? "vrep" : "plain");
+           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], tc_0 ? "tc" : lut16_0 ? "f16_vrep" : "f32_vrep");
     fflush(stdout);
     cudaFree(dq);
     cudaFree(dout);

@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "common.cuh"
 
@@ -22,6 +23,7 @@
 extern "C" int kvpq__cuda_attend_lut16 = 1;
 extern "C" int kvpq__cuda_attend_vrep = 1;
 extern "C" int kvpq__cuda_attend_pvec = 1;
+extern "C" int kvpq__cuda_attend_tc = 1;
 
 namespace {
 
@@ -214,6 +216,143 @@ __device__ __forceinline__ void stage_tile(const kvpq__attend_params &p, const L
     __pipeline_commit();
 }
 
+/* The float32 window positions [w0, w1): a warp per position, scores by warp dot products; state in
+ * the lane = channels layout (lane holds channels [lane*EPL, (lane+1)*EPL) of o), values rotated
+ * when the value codes are (so that every partial is in the codes' space). */
+template <int D, int GS>
+__device__ __forceinline__ void window_part(const kvpq__attend_params &p, int b, int kvh, int head0, int w0, int w1, int nw,
+                                            float (&m_run)[GS], float (&d_lane)[GS], float (&o)[GS][D / 32]) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float scale = 1.4426950408889634f * rsqrtf((float)D);
+    float qv[GS][EPL];
+    if (w0 + warp < w1) {
+#pragma unroll
+        for (int h = 0; h < GS; h++)
+#pragma unroll
+            for (int j = 0; j < EPL; j++) qv[h][j] = p.q[((size_t)b * p.n_head + head0 + h) * D + lane * EPL + j];
+    }
+    for (int t = w0 + warp; t < w1; t += nw) {
+        size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * EPL;
+        float kv[EPL], vv[EPL];
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+            kv[j] = p.k_win[row + j];
+            vv[j] = p.v_win[row + j];
+        }
+#pragma unroll
+        for (int h = 0; h < GS; h++) {
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < EPL; j++) s = fmaf(qv[h][j], kv[j], s);
+            s = warp_sum(s) * scale;
+            float mn = fmaxf(m_run[h], s), corr = exp2f(m_run[h] - mn), pr = exp2f(s - mn);
+            m_run[h] = mn;
+            d_lane[h] = d_lane[h] * corr + (lane == 0 ? pr : 0.f);
+#pragma unroll
+            for (int j = 0; j < EPL; j++) o[h][j] = fmaf(pr, vv[j], o[h][j] * corr);
+        }
+    }
+    if (p.v_rotate) {
+#pragma unroll
+        for (int h = 0; h < GS; h++) kvpq__warp_fwht<EPL>(o[h], lane);
+    }
+}
+
+/* Write a warp's {m, d, o} (lane = channels layout) into its merge slots mbuf (nw, GS, D + 2). */
+template <int D, int GS>
+__device__ __forceinline__ void write_slots(float *mbuf, const float (&m_run)[GS], const float (&d_lane)[GS],
+                                            const float (&o)[GS][D / 32]) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int h = 0; h < GS; h++) {
+        float dsum = warp_sum(d_lane[h]);
+        float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
+#pragma unroll
+        for (int j = 0; j < EPL; j++) slot[2 + lane * EPL + j] = o[h][j];
+        if (lane == 0) {
+            slot[0] = m_run[h];
+            slot[1] = dsum;
+        }
+    }
+}
+
+/* After every warp wrote its slots (and a barrier): merge the warps of this CTA and write its
+ * partial {m, d, o} for split `split`; the last CTA of this (sequence, head group) to finish merges
+ * the partials of all splits. `last` is a shared int. */
+template <int D, int GS>
+__device__ void finish_cta(const kvpq__attend_params &p, const float *mbuf, int nw, int *last, int b, int head0,
+                           int split) {
+    constexpr int EPL = D / 32;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthr = nw * 32;
+    const int nsp = p.n_splits + p.n_wsplits;
+    for (int i = tid; i < GS * D; i += nthr) {
+        int h = i / D, e = i - h * D;
+        float mx = -INFINITY;
+        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + 2)]);
+        float dd = 0.f, oo = 0.f;
+        if (mx != -INFINITY) {
+            for (int w = 0; w < nw; w++) {
+                const float *slot = mbuf + ((size_t)w * GS + h) * (D + 2);
+                float sc = exp2f(slot[0] - mx);
+                dd += sc * slot[1];
+                oo += sc * slot[2 + e];
+            }
+        }
+        size_t base = ((size_t)b * p.n_head + head0 + h) * nsp + split;
+        p.part_o[base * D + e] = oo;
+        if (e == 0) {
+            p.part_md[base * 2] = mx;
+            p.part_md[base * 2 + 1] = dd;
+        }
+    }
+
+    /* ---- the last CTA of this (sequence, head group) merges the partials of all splits ---- */
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int *ctr = p.counters + (size_t)b * gridDim.y + blockIdx.y;
+        int ticket = atomicAdd(ctr, 1);
+        *last = ticket == nsp - 1;
+        if (*last) *ctr = 0;  /* ready for the next launch (no other CTA of this group is left) */
+    }
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    if (warp < GS) {  /* a warp per query head */
+        const int head = head0 + warp;
+        const size_t base = ((size_t)b * p.n_head + head) * nsp;
+        /* lanes over splits for {m, d}; then every lane walks the splits for its channels, loads
+         * independent of each other (an empty split has m = -inf and o = 0: weight 0) */
+        float mx = -INFINITY, dd = 0.f, acc[EPL];
+        for (int s = lane; s < nsp; s += 32) mx = fmaxf(mx, __ldcg(p.part_md + (base + s) * 2));
+        mx = warp_max(mx);  /* finite: every sequence holds >= 1 position */
+        for (int s = lane; s < nsp; s += 32) {
+            float m = __ldcg(p.part_md + (base + s) * 2);
+            dd += (m == -INFINITY ? 0.f : exp2f(m - mx)) * __ldcg(p.part_md + (base + s) * 2 + 1);
+        }
+        dd = warp_sum(dd);
+#pragma unroll
+        for (int j = 0; j < EPL; j++) acc[j] = 0.f;
+#pragma unroll 4
+        for (int s = 0; s < nsp; s++) {
+            float m = __ldcg(p.part_md + (base + s) * 2);
+            float sc = m == -INFINITY ? 0.f : exp2f(m - mx);
+            const float *po = p.part_o + (base + s) * D + lane * EPL;
+#pragma unroll
+            for (int j = 0; j < EPL; j++) acc[j] = fmaf(sc, __ldcg(po + j), acc[j]);
+        }
+        float inv = 1.f / dd;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) acc[j] *= inv;
+        if (p.v_rotate) kvpq__warp_fwht<EPL>(acc, lane);
+        float *dst = p.out + ((size_t)b * p.n_head + head) * D + lane * EPL;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) dst[j] = acc[j];
+    }
+}
+
 template <int D, int GS, typename LT>
 __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_params p, Layout L) {
     constexpr int EPL = D / 32, GSP = lut_stride<LT>(GS);
@@ -235,36 +374,8 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
     }
 
     if (split >= p.n_splits) {
-        /* ---- the float32 window, kWindowChunk positions per CTA: a warp per position, scores by
-         * warp dot products ---- */
-        const int w0 = coded + (split - p.n_splits) * kWindowChunk, w1 = min(len, w0 + kWindowChunk);
-        const float scale = 1.4426950408889634f * rsqrtf((float)D);
-        for (int t = w0 + warp; t < w1; t += nw) {
-            size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * EPL;
-            float kv[EPL], vv[EPL];
-#pragma unroll
-            for (int j = 0; j < EPL; j++) {
-                kv[j] = p.k_win[row + j];
-                vv[j] = p.v_win[row + j];
-            }
-#pragma unroll
-            for (int h = 0; h < GS; h++) {
-                const float *qh = p.q + ((size_t)b * p.n_head + head0 + h) * D + lane * EPL;
-                float s = 0.f;
-#pragma unroll
-                for (int j = 0; j < EPL; j++) s = fmaf(qh[j], kv[j], s);
-                s = warp_sum(s) * scale;
-                float mn = fmaxf(m_run[h], s), corr = exp2f(m_run[h] - mn), pr = exp2f(s - mn);
-                m_run[h] = mn;
-                d_lane[h] = d_lane[h] * corr + (lane == 0 ? pr : 0.f);
-#pragma unroll
-                for (int j = 0; j < EPL; j++) o[h][j] = fmaf(pr, vv[j], o[h][j] * corr);
-            }
-        }
-        if (p.v_rotate) {
-#pragma unroll
-            for (int h = 0; h < GS; h++) kvpq__warp_fwht<EPL>(o[h], lane);
-        }
+        const int w0 = coded + (split - p.n_splits) * kWindowChunk;
+        window_part<D, GS>(p, b, kvh, head0, w0, min(len, w0 + kWindowChunk), nw, m_run, d_lane, o);
     } else if (split * p.chunk < coded) {
         /* ---- code positions [c0, c1) ---- */
         const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
@@ -536,84 +647,384 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
     /* ---- merge the warps of this CTA and write the partial {m, d, o} ---- */
     __syncthreads();  /* the LUT region is reused */
     float *mbuf = smem + L.lut;  /* (nw, GS, D + 2) */
+    write_slots<D, GS>(mbuf, m_run, d_lane, o);
+    __syncthreads();
+    finish_cta<D, GS>(p, mbuf, nw, reinterpret_cast<int *>(smem + L.total - 4), b, head0, split);
+}
+
+/* ==== tensor-core path: shared key and value codebooks with dsub 4 and nbits 8 ====================
+ *
+ * Keys and values are dequantized into registers as float16 tensor-core fragments and multiplied on
+ * tensor cores (mma.m16n8k16, float32 accumulate), instead of LUT sums and float32 FMAs. A warp takes
+ * sub-tiles of 16 positions:
+ *   scores  S (16 positions x 8 columns) = K^ (16 x 16 dims) . B over D/16 k-steps, where lane
+ *           (r = lane/4, a = lane%4) gathers, for positions r and r + 8, the centroid of sub-space
+ *           a*D/16 + kt (4 float16 = 8 bytes: exactly its a0..a7 fragment elements, because the four
+ *           dims a fragment lane holds per row are declared to be one sub-vector's dims; the product
+ *           is the same under any dim order used for both operands). B holds q' = Hadamard(q*lambda)
+ *           * log2(e)/sqrt(D) as float16 hi/lo splits: for <= 4 heads per CTA columns 0..3 are the hi
+ *           parts and 4..7 the lo parts (added with one shuffle), otherwise two mma per k-step;
+ *   values  O^T (16 dims x 8 heads) += V^T (16 dims x 16 positions) . P (16 positions x 8 heads):
+ *           lane r gathers its sub-space's centroid at positions 2a, 2a+1, 2a+8, 2a+9 and re-pairs the
+ *           halves (PRMT) into the A fragments of two dim tiles; P comes from the score fragments by
+ *           four shuffles.
+ * Gathers read the codebooks from shared memory as 16 bank-private replicas (lane l reads replica
+ * l % 16: every 8-byte gather of a half-warp is conflict-free whatever the codes), key and value
+ * entries of one centroid interleaved in 256 bytes, so that one PRMT turns a code byte into its
+ * address. The image is built once per cache (kvpq_cuda_cache.tc_image, 64 KiB, codebooks scaled by
+ * 2^k_exp / 2^v_exp to the top of float16's range; the scales are undone in float32). Code rows come
+ * through a per-warp cp.async ring of tc_stages sub-tiles. The online softmax {m, d, o} is the one of
+ * the LUT path (log2 domain); o is rescaled only when a running max moves. */
+constexpr int kTcWarps = 8, kSub = 16;
+
+__host__ __device__ constexpr int tc_stages(int D) { return D >= 256 ? 2 : 4; }
+
+struct TcLayout {  /* dynamic shared memory, bytes */
+    int qs, qexp, stage, total;  /* codebook image (and later the merge slots) at 0 */
+};
+
+inline TcLayout tc_layout(int D, int gs) {
+    TcLayout L;
+    int o = 256 * 256, merge = kTcWarps * gs * (D + 2) * 4;
+    if (o < merge) o = merge;
+    L.qs = o;
+    o += gs * D * 4;
+    L.qexp = o;
+    o += 8 * 4;
+    o = (o + 15) & ~15;
+    L.stage = o;
+    o += kTcWarps * tc_stages(D) * kSub * (D / 4) * 2;
+    o += 16;  /* the "last CTA" flag at total - 4 */
+    L.total = o;
+    return L;
+}
+
+/* 2^x (MUFU.EX2, flush-to-zero; 2^-inf = 0). */
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+/* c += A . B, m16n8k16, float16 inputs, float32 accumulate (PTX ISA fragment layouts). */
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
+
+/* 8-byte gather of the image at byte offset `off` (shared memory). */
+__device__ __forceinline__ uint2 tc_gather(const char *cb, uint32_t off) {
+    return *reinterpret_cast<const uint2 *>(cb + off);
+}
+
+/* Load `B` bytes (2, 4, 8 or 16) of staged code row bytes at p as 32-bit words. */
+template <int B>
+__device__ __forceinline__ void load_code_words(const uint8_t *p, uint32_t (&w)[(B + 3) / 4]) {
+    if constexpr (B == 2) {
+        w[0] = *reinterpret_cast<const uint16_t *>(p);
+    } else if constexpr (B == 4) {
+        w[0] = *reinterpret_cast<const uint32_t *>(p);
+    } else if constexpr (B == 8) {
+        uint2 t = *reinterpret_cast<const uint2 *>(p);
+        w[0] = t.x; w[1] = t.y;
+    } else {
+        uint4 t = *reinterpret_cast<const uint4 *>(p);
+        w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+    }
+}
+
+/* The code positions [c0, c1) of a CTA on the tensor-core path; leaves this warp's {m, d, o} in its
+ * merge slots at smem (after a barrier: the slots overwrite the codebook image). */
+template <int D, int GS>
+__device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
+                                         int head0, int c0, int c1) {
+    constexpr bool PACKED = GS <= 4;     /* hi and lo q parts in one mma (columns 0..3 and 4..7) */
+    constexpr int KT = D / 16;           /* key k-steps = key code bytes per lane per position */
+    constexpr int VT = D / 32;           /* value dim-tile pairs = value code bytes per lane per position */
+    constexpr int CS = D / 4;            /* code bytes per position (M, nbits 8) */
+    constexpr int NST = tc_stages(D), SB = kSub * 2 * CS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = kTcWarps;
+    const int r = lane >> 2, a = lane & 3;
+    const uint32_t offk = (uint32_t)(lane & 15) * 8, offv = 128 + offk;
+    float *qs = reinterpret_cast<float *>(smem + L.qs);
+    int *qexp = reinterpret_cast<int *>(smem + L.qexp);
+    uint8_t *st = reinterpret_cast<uint8_t *>(smem + L.stage) + warp * NST * SB;
+
+    /* state: running max and sum for heads hA, hA + 1 (score columns); o fragments (value tile pair
+     * vt, dims 2j and 2j+1 of sub-space r*VT + vt, heads 2a and 2a + 1) */
+    const int hA = PACKED ? 2 * (a & 1) : 2 * a;
+    float mA = -INFINITY, mB = -INFINITY, dA = 0.f, dB = 0.f;
+    float o[VT][2][4];
 #pragma unroll
-    for (int h = 0; h < GS; h++) {
-        float dsum = warp_sum(d_lane[h]);
-        float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
+    for (int v = 0; v < VT; v++)
 #pragma unroll
-        for (int j = 0; j < EPL; j++) slot[2 + lane * EPL + j] = o[h][j];
-        if (lane == 0) {
-            slot[0] = m_run[h];
-            slot[1] = dsum;
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[v][j][e] = 0.f;
+
+    const int nsub = (c1 - c0 + kSub - 1) / kSub;
+    const int my_n = warp < nsub ? (nsub - 1 - warp) / nw + 1 : 0;
+    const size_t pstride = (size_t)p.n_head_kv * p.page_tokens * CS, hoff = (size_t)kvh * p.page_tokens * CS;
+    /* code rows of this warp's k-th sub-tile (positions c0 + (warp + k*nw)*16 ...; 16-aligned, so in
+     * one page) into ring slot k % NST: key rows then value rows */
+    auto issue = [&](int k) {
+        const int t0 = c0 + (warp + k * nw) * kSub;
+        const int page = p.page_table[(size_t)b * p.max_pages + (t0 >> p.page_shift)];
+        const size_t roff = (size_t)page * pstride + hoff + (size_t)(t0 & (p.page_tokens - 1)) * CS;
+        uint8_t *dst = st + (k % NST) * SB;
+        constexpr int NCH = kSub * CS / 16;
+#pragma unroll
+        for (int i = lane; i < 2 * NCH; i += 32) {
+            const uint8_t *src = i < NCH ? p.k_pages + roff + i * 16 : p.v_pages + roff + (i - NCH) * 16;
+            __pipeline_memcpy_async(dst + i * 16, src, 16);
         }
+    };
+    if (c0 < c1) {
+        /* the codebook image, then the first sub-tiles, in flight while q' is computed */
+        for (int i = tid; i < 256 * 256 / 16; i += nw * 32)
+            __pipeline_memcpy_async(smem + i * 16, reinterpret_cast<const uint4 *>(p.tc_image) + i, 16);
+        __pipeline_commit();
+        for (int k = 0; k < NST - 1; k++) {
+            if (k < my_n) issue(k);
+            __pipeline_commit();
+        }
+        if (warp < GS) {  /* q' = Hadamard(q * lambda) * log2(e)/sqrt(D), scaled by 2^qexp to float16's top */
+            constexpr int EPL = D / 32;
+            float v[EPL], mx = 0.f;
+#pragma unroll
+            for (int j = 0; j < EPL; j++) {
+                v[j] = p.q[((size_t)b * p.n_head + head0 + warp) * D + lane * EPL + j];
+                if (p.k_lambda) v[j] *= p.k_lambda[(size_t)kvh * D + lane * EPL + j];
+            }
+            kvpq__warp_fwht<EPL>(v, lane);
+            const float scale = 1.4426950408889634f * rsqrtf((float)D);
+#pragma unroll
+            for (int j = 0; j < EPL; j++) {
+                v[j] *= scale;
+                mx = fmaxf(mx, fabsf(v[j]));
+            }
+            mx = warp_max(mx);
+            int ex = 0;
+            if (mx > 0.f) frexpf(mx, &ex);
+            const int e = mx > 0.f ? 15 - ex : 0;
+#pragma unroll
+            for (int j = 0; j < EPL; j++) qs[warp * D + lane * EPL + j] = ldexpf(v[j], e);
+            if (lane == 0) qexp[warp] = e;
+        }
+        __pipeline_wait_prior(NST - 1);  /* this thread's part of the image */
     }
     __syncthreads();
-    const int nsp = p.n_splits + p.n_wsplits;
-    for (int i = tid; i < GS * D; i += nthr) {
-        int h = i / D, e = i - h * D;
-        float mx = -INFINITY;
-        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + 2)]);
-        float dd = 0.f, oo = 0.f;
-        if (mx != -INFINITY) {
-            for (int w = 0; w < nw; w++) {
-                const float *slot = mbuf + ((size_t)w * GS + h) * (D + 2);
-                float sc = exp2f(slot[0] - mx);
-                dd += sc * slot[1];
-                oo += sc * slot[2 + e];
+    if (c0 < c1) {
+        /* B fragments of q': lane (r, a), k-step kt: sub-space a*KT + kt of column r */
+        constexpr int NB = PACKED ? 1 : 2;
+        uint32_t qb[NB][KT][2];
+#pragma unroll
+        for (int part = 0; part < NB; part++) {
+            const int h = PACKED ? (r & 3) : r, lo = PACKED ? (r >> 2) : part;
+#pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                float x[4] = {0.f, 0.f, 0.f, 0.f};
+                if (h < GS) {
+                    const float4 t = *reinterpret_cast<const float4 *>(qs + h * D + 4 * (a * KT + kt));
+                    x[0] = t.x; x[1] = t.y; x[2] = t.z; x[3] = t.w;
+                }
+                __half hh[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    hh[e] = __float2half_rn(x[e]);
+                    if (lo) hh[e] = __float2half_rn(x[e] - __half2float(hh[e]));
+                }
+                qb[part][kt][0] = h2_bits(__halves2half2(hh[0], hh[1]));
+                qb[part][kt][1] = h2_bits(__halves2half2(hh[2], hh[3]));
             }
         }
-        size_t base = ((size_t)b * p.n_head + head0 + h) * nsp + split;
-        p.part_o[base * D + e] = oo;
-        if (e == 0) {
-            p.part_md[base * 2] = mx;
-            p.part_md[base * 2 + 1] = dd;
-        }
-    }
+        /* scores times fA / fB undo the codebook and q' scales */
+        const float fA = hA < GS ? ldexpf(1.f, -(p.tc_kexp + qexp[hA])) : 0.f;
+        const float fB = hA + 1 < GS ? ldexpf(1.f, -(p.tc_kexp + qexp[hA + 1])) : 0.f;
+        const char *cb = smem;
 
-    /* ---- the last CTA of this (sequence, head group) merges the partials of all splits ---- */
-    int *last = reinterpret_cast<int *>(smem + L.total - 4);
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        int *ctr = p.counters + (size_t)b * gridDim.y + blockIdx.y;
-        int ticket = atomicAdd(ctr, 1);
-        *last = ticket == nsp - 1;
-        if (*last) *ctr = 0;  /* ready for the next launch (no other CTA of this group is left) */
-    }
-    __syncthreads();
-    if (!*last) return;
-    __threadfence();
-    if (warp < GS) {  /* a warp per query head */
-        const int head = head0 + warp;
-        const size_t base = ((size_t)b * p.n_head + head) * nsp;
-        /* lanes over splits for {m, d}; then every lane walks the splits for its channels, loads
-         * independent of each other (an empty split has m = -inf and o = 0: weight 0) */
-        float mx = -INFINITY, dd = 0.f, acc[EPL];
-        for (int s = lane; s < nsp; s += 32) mx = fmaxf(mx, __ldcg(p.part_md + (base + s) * 2));
-        mx = warp_max(mx);  /* finite: every sequence holds >= 1 position */
-        for (int s = lane; s < nsp; s += 32) {
-            float m = __ldcg(p.part_md + (base + s) * 2);
-            dd += (m == -INFINITY ? 0.f : exp2f(m - mx)) * __ldcg(p.part_md + (base + s) * 2 + 1);
+        for (int k = 0; k < my_n; k++) {
+            if (k + NST - 1 < my_n) issue(k + NST - 1);
+            __pipeline_commit();
+            __pipeline_wait_prior(NST - 1);
+            __syncwarp();
+            const uint8_t *kb = st + (k % NST) * SB, *vb = kb + kSub * CS;
+            const int n = min(kSub, c1 - (c0 + (warp + k * nw) * kSub));
+
+            /* ---- scores ---- */
+            uint32_t kw0[(KT + 3) / 4], kw1[(KT + 3) / 4];
+            load_code_words<KT>(kb + r * CS + a * KT, kw0);
+            load_code_words<KT>(kb + (r + 8) * CS + a * KT, kw1);
+            /* two accumulators per part (even and odd k-steps): two independent mma chains */
+            float c[NB][2][4];
+#pragma unroll
+            for (int part = 0; part < NB; part++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) c[part][e >> 2][e & 3] = 0.f;
+#pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                const uint32_t sel = 0x5504u | ((uint32_t)(kt & 3) << 4);
+                const uint2 g0 = tc_gather(cb, prmt(kw0[kt >> 2], offk, sel));
+                const uint2 g1 = tc_gather(cb, prmt(kw1[kt >> 2], offk, sel));
+#pragma unroll
+                for (int part = 0; part < NB; part++)
+                    mma_16816(c[part][kt & 1], g0.x, g1.x, g0.y, g1.y, qb[part][kt][0], qb[part][kt][1]);
+            }
+            float s[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float c0 = c[0][0][e] + c[0][1][e];
+                const float v = PACKED ? c0 + __shfl_xor_sync(KVPQ_FULL_MASK, c0, 2) : c0 + c[NB - 1][0][e] + c[NB - 1][1][e];
+                s[e] = v * ((e & 1) ? fB : fA);
+            }
+            if (r >= n) s[0] = s[1] = -INFINITY;
+            if (r + 8 >= n) s[2] = s[3] = -INFINITY;
+
+            /* ---- online softmax (s: [pos r, hA], [r, hA+1], [r+8, hA], [r+8, hA+1]) ---- */
+            float xA = fmaxf(s[0], s[2]), xB = fmaxf(s[1], s[3]);
+#pragma unroll
+            for (int sh = 4; sh < 32; sh <<= 1) {
+                xA = fmaxf(xA, __shfl_xor_sync(KVPQ_FULL_MASK, xA, sh));
+                xB = fmaxf(xB, __shfl_xor_sync(KVPQ_FULL_MASK, xB, sh));
+            }
+            const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
+            if (__any_sync(KVPQ_FULL_MASK, nA > mA || nB > mB)) {
+                const float kA = ex2(mA - nA), kB = ex2(mB - nB);
+                dA *= kA;
+                dB *= kB;
+#pragma unroll
+                for (int v = 0; v < VT; v++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        o[v][j][0] *= kA; o[v][j][2] *= kA;
+                        o[v][j][1] *= kB; o[v][j][3] *= kB;
+                    }
+                mA = nA;
+                mB = nB;
+            }
+            const float p0 = ex2(s[0] - mA), p1 = ex2(s[1] - mB), p2 = ex2(s[2] - mA), p3 = ex2(s[3] - mB);
+            dA += p0 + p2;
+            dB += p1 + p3;
+            /* P as the B fragment of the value mma: lane (r, a) takes column (head) r at positions
+             * 2a, 2a+1 (+8) from lanes 8a + r/2 and 8a + 4 + r/2 */
+            const uint32_t X0 = h2_bits(__floats2half2_rn(p0, p2)), X1 = h2_bits(__floats2half2_rn(p1, p3));
+            const int srcA = 8 * a + (r >> 1), srcB = srcA + 4;
+            const uint32_t yA0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcA), yA1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcA);
+            const uint32_t yB0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcB), yB1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcB);
+            const uint32_t ya = (r & 1) ? yA1 : yA0, yb = (r & 1) ? yB1 : yB0;
+            const uint32_t pb0 = prmt(ya, yb, 0x5410), pb1 = prmt(ya, yb, 0x7632);
+
+            /* ---- values ---- */
+            uint32_t vw[4][(VT + 3) / 4];
+#pragma unroll
+            for (int ti = 0; ti < 4; ti++) load_code_words<VT>(vb + (2 * a + (ti & 1) + 8 * (ti >> 1)) * CS + r * VT, vw[ti]);
+#pragma unroll
+            for (int vt = 0; vt < VT; vt++) {
+                const uint32_t sel = 0x5504u | ((uint32_t)(vt & 3) << 4);
+                uint2 g[4];
+#pragma unroll
+                for (int ti = 0; ti < 4; ti++) g[ti] = tc_gather(cb, prmt(vw[ti][vt >> 2], offv, sel));
+                mma_16816(o[vt][0], prmt(g[0].x, g[1].x, 0x5410), prmt(g[0].x, g[1].x, 0x7632),
+                          prmt(g[2].x, g[3].x, 0x5410), prmt(g[2].x, g[3].x, 0x7632), pb0, pb1);
+                mma_16816(o[vt][1], prmt(g[0].y, g[1].y, 0x5410), prmt(g[0].y, g[1].y, 0x7632),
+                          prmt(g[2].y, g[3].y, 0x5410), prmt(g[2].y, g[3].y, 0x7632), pb0, pb1);
+            }
+            __syncwarp();
         }
-        dd = warp_sum(dd);
-#pragma unroll
-        for (int j = 0; j < EPL; j++) acc[j] = 0.f;
-#pragma unroll 4
-        for (int s = 0; s < nsp; s++) {
-            float m = __ldcg(p.part_md + (base + s) * 2);
-            float sc = m == -INFINITY ? 0.f : exp2f(m - mx);
-            const float *po = p.part_o + (base + s) * D + lane * EPL;
-#pragma unroll
-            for (int j = 0; j < EPL; j++) acc[j] = fmaf(sc, __ldcg(po + j), acc[j]);
-        }
-        float inv = 1.f / dd;
-#pragma unroll
-        for (int j = 0; j < EPL; j++) acc[j] *= inv;
-        if (p.v_rotate) kvpq__warp_fwht<EPL>(acc, lane);
-        float *dst = p.out + ((size_t)b * p.n_head + head) * D + lane * EPL;
-#pragma unroll
-        for (int j = 0; j < EPL; j++) dst[j] = acc[j];
     }
+    __pipeline_wait_prior(0);
+    __syncthreads();  /* the slots below overwrite the codebook image */
+
+    /* ---- this warp's merge slots (nw, GS, D + 2): heads 2a, 2a + 1 (packed: lanes a < 2) ---- */
+#pragma unroll
+    for (int sh = 4; sh < 32; sh <<= 1) {
+        dA += __shfl_xor_sync(KVPQ_FULL_MASK, dA, sh);
+        dB += __shfl_xor_sync(KVPQ_FULL_MASK, dB, sh);
+    }
+    float *mbuf = reinterpret_cast<float *>(smem);
+    const float vinv = ldexpf(1.f, -p.tc_vexp);
+    if (!PACKED || a < 2) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int h = 2 * a + hh;
+            if (h >= GS) continue;
+            float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
+            if (r == 0) {
+                slot[0] = hh ? mB : mA;
+                slot[1] = hh ? dB : dA;
+            }
+#pragma unroll
+            for (int vt = 0; vt < VT; vt++) {
+                const int e0 = 4 * (r * VT + vt);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    slot[2 + e0 + 2 * j] = o[vt][j][hh] * vinv;
+                    slot[2 + e0 + 2 * j + 1] = o[vt][j][2 + hh] * vinv;
+                }
+            }
+        }
+    }
+    __syncwarp();
+}
+
+/* This CTA's share [w0, w1) of the float32 window, merged into each warp's slots (FlashAttention's
+ * rule; a warp reads and writes only its own slots). */
+template <int D, int GS>
+__device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *mbuf, int b, int kvh, int head0, int w0,
+                                          int w1) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (w0 + warp >= w1) return;
+    float m_run[GS], d_lane[GS], o[GS][EPL];
+#pragma unroll
+    for (int h = 0; h < GS; h++) {
+        m_run[h] = -INFINITY;
+        d_lane[h] = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) o[h][j] = 0.f;
+    }
+    window_part<D, GS>(p, b, kvh, head0, w0, w1, kTcWarps, m_run, d_lane, o);
+#pragma unroll
+    for (int h = 0; h < GS; h++) {
+        float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
+        const float dw = warp_sum(d_lane[h]), ms = slot[0], mn = fmaxf(ms, m_run[h]);  /* m_run: finite */
+        const float fs = ms == -INFINITY ? 0.f : exp2f(ms - mn), fw = exp2f(m_run[h] - mn);
+#pragma unroll
+        for (int j = 0; j < EPL; j++) slot[2 + lane * EPL + j] = fs * slot[2 + lane * EPL + j] + fw * o[h][j];
+        __syncwarp();
+        if (lane == 0) {
+            slot[0] = mn;
+            slot[1] = fs * slot[1] + fw * dw;
+        }
+    }
+    __syncwarp();
+}
+
+template <int D, int GS>
+__global__ void __launch_bounds__(kTcWarps * 32, 2) attend_tc_kernel(kvpq__attend_params p, TcLayout L) {
+    extern __shared__ __align__(16) char smem_tc[];
+    const int split = blockIdx.x, b = blockIdx.z;
+    const int groups = p.n_head / p.n_head_kv / GS;
+    const int kvh = blockIdx.y / groups, head0 = kvh * (p.n_head / p.n_head_kv) + (blockIdx.y % groups) * GS;
+    float *mbuf = reinterpret_cast<float *>(smem_tc);
+    const int len = p.seq_len[b], win = min(p.window, len), coded = len - win;
+    const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
+    tc_codes<D, GS>(p, L, smem_tc, b, kvh, head0, c0, c1);
+    /* every CTA also takes 1/n_splits of the window (no window CTAs: no second wave of CTAs) */
+    tc_window<D, GS>(p, mbuf, b, kvh, head0, coded + (int)((long long)win * split / p.n_splits),
+                     coded + (int)((long long)win * (split + 1) / p.n_splits));
+    __syncthreads();
+    finish_cta<D, GS>(p, mbuf, kTcWarps, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
 }
 
 /* Heads per CTA: the largest divisor of the group size (<= 8) whose LUTs fit in shared memory. */
@@ -643,13 +1054,12 @@ kvpq_status plan(const kvpq__attend_params &p, int lut16, int vrep, int max_nw, 
 }
 
 /* Splits over the sequence so that the grid fills the GPU once (ctas_per_sm resident CTAs per SM),
- * each warp at least one tile of 32 positions. */
-void plan_splits(kvpq__attend_params *p, const Layout &L, int gs, int B, int max_coded, int max_splits, int n_sm,
+ * each CTA at least min_chunk positions. */
+void plan_splits(kvpq__attend_params *p, int min_chunk, int gs, int B, int max_coded, int max_splits, int n_sm,
                  int ctas_per_sm) {
     if (ctas_per_sm < 1) ctas_per_sm = 1;
     int pairs = B * p->n_head_kv * (p->n_head / p->n_head_kv / gs);
     int splits = n_sm * ctas_per_sm / pairs;
-    int min_chunk = L.nw * 32;
     int max_by_len = (max_coded + min_chunk - 1) / min_chunk;
     if (splits > max_by_len) splits = max_by_len;
     if (splits > max_splits) splits = max_splits;
@@ -674,7 +1084,7 @@ kvpq_status launch_split(kvpq__attend_params &p, const Layout &L, int B, int max
     KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
     KVPQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, L.nw * 32, bytes),
                   "cuda attend: occupancy");
-    plan_splits(&p, L, GS, B, max_coded, max_splits, n_sm, per_sm);
+    plan_splits(&p, L.nw * 32, GS, B, max_coded, max_splits, n_sm, per_sm);
     dim3 grid(p.n_splits + p.n_wsplits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
     kern<<<grid, L.nw * 32, bytes, stream>>>(p, L);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch");
@@ -703,7 +1113,88 @@ kvpq_status launch_d(kvpq__attend_params &p, const Layout &L, int gs, int B, int
     return kvpq__err(KVPQ_ERR_INTERNAL, "cuda attend: heads per CTA %d", gs);
 }
 
+/* Whether the tensor-core path takes this configuration (see attend_tc_kernel). */
+bool tc_ok(const kvpq__attend_params &p) {
+    return p.tc_image && p.k_books == 1 && p.v_books == 1 && p.k_dsub == 4 && p.v_dsub == 4 && p.k_nbits == 8 &&
+           p.v_nbits == 8 && p.k_code_size == p.head_dim / 4 && p.v_code_size == p.head_dim / 4 &&
+           p.page_shift >= 4;  /* pages of 2^page_shift >= 16 positions */
+}
+
+template <int D, int GS>
+kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
+    const TcLayout L = tc_layout(D, GS);
+    auto kern = attend_tc_kernel<D, GS>;
+    KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total),
+                  "cuda attend: shared memory attribute");
+    int n_sm = 0, per_sm = 1;
+    KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
+    KVPQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kTcWarps * 32, L.total),
+                  "cuda attend: occupancy");
+    plan_splits(&p, kTcWarps * kSub, GS, B, max_coded, max_splits, n_sm, per_sm);
+    p.n_wsplits = 0;  /* the code CTAs share the window */
+    dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
+    kern<<<grid, kTcWarps * 32, L.total, stream>>>(p, L);
+    return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");
+}
+
+template <int D>
+kvpq_status launch_tc_d(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
+    int g = p.n_head / p.n_head_kv, gs = g < 8 ? g : 8;
+    while (g % gs) gs--;
+    switch (gs) {
+    case 1: return launch_tc<D, 1>(p, B, max_coded, max_splits, stream);
+    case 2: return launch_tc<D, 2>(p, B, max_coded, max_splits, stream);
+    case 3: return launch_tc<D, 3>(p, B, max_coded, max_splits, stream);
+    case 4: return launch_tc<D, 4>(p, B, max_coded, max_splits, stream);
+    case 5: return launch_tc<D, 5>(p, B, max_coded, max_splits, stream);
+    case 6: return launch_tc<D, 6>(p, B, max_coded, max_splits, stream);
+    case 7: return launch_tc<D, 7>(p, B, max_coded, max_splits, stream);
+    case 8: return launch_tc<D, 8>(p, B, max_coded, max_splits, stream);
+    }
+    return kvpq__err(KVPQ_ERR_INTERNAL, "cuda attend: heads per CTA %d", gs);
+}
+
 } // namespace
+
+/* Power of two e with max|x| * 2^e in [2^14, 2^15) (0 for all zeros). */
+static int f16_top_exp(const float *x, size_t n) {
+    float mx = 0.f;
+    for (size_t i = 0; i < n; i++) mx = fmaxf(mx, fabsf(x[i]));
+    int ex = 0;
+    if (mx > 0.f) frexpf(mx, &ex);
+    return mx > 0.f ? 15 - ex : 0;
+}
+
+kvpq_status kvpq__cuda_tc_image(const kvpq_pq *key, const kvpq_pq *value, void **image, int *kexp, int *vexp) {
+    *image = NULL;
+    *kexp = *vexp = 0;
+    const kvpq_pq *pq[2] = {key, value};
+    for (int i = 0; i < 2; i++)
+        if (pq[i]->n_books != 1 || pq[i]->dsub != 4 || pq[i]->p.nbits != 8) return KVPQ_OK;  /* LUT path */
+    int ex[2];
+    for (int i = 0; i < 2; i++) ex[i] = f16_top_exp(pq[i]->centroids, (size_t)256 * 4);
+    __half *h = (__half *)malloc(256 * 256);
+    if (!h) return kvpq__err(KVPQ_ERR_NOMEM, "cuda attend: out of memory (codebook image)");
+    /* centroid c: bytes [256c, 256c + 128) = 16 key replicas, [256c + 128, 256c + 256) = 16 value
+     * replicas, 4 float16 each */
+    for (int c = 0; c < 256; c++)
+        for (int i = 0; i < 2; i++)
+            for (int rep = 0; rep < 16; rep++)
+                for (int j = 0; j < 4; j++)
+                    h[c * 128 + i * 64 + rep * 4 + j] = __float2half_rn(ldexpf(pq[i]->centroids[c * 4 + j], ex[i]));
+    void *d = NULL;
+    kvpq_status s = kvpq__cuda_err(cudaMalloc(&d, 256 * 256), "cuda attend: cudaMalloc codebook image");
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemcpy(d, h, 256 * 256, cudaMemcpyHostToDevice), "cuda attend: copy codebook image");
+    free(h);
+    if (s != KVPQ_OK) {
+        cudaFree(d);
+        return s;
+    }
+    *image = d;
+    *kexp = ex[0];
+    *vexp = ex[1];
+    return KVPQ_OK;
+}
 
 kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p) {
     int gs;
@@ -716,6 +1207,13 @@ kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p) {
 
 kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
                                      cudaStream_t stream) {
+    if (kvpq__cuda_attend_tc && tc_ok(*p)) {
+        switch (p->head_dim) {
+        case 64: return launch_tc_d<64>(*p, B, max_coded, max_splits, stream);
+        case 128: return launch_tc_d<128>(*p, B, max_coded, max_splits, stream);
+        case 256: return launch_tc_d<256>(*p, B, max_coded, max_splits, stream);
+        }
+    }
     int gs;
     Layout L;
     /* 16-warp CTAs also when the grid leaves SMs idle: 8-warp CTAs with twice the splits measured

@@ -26,6 +26,8 @@ struct kvpq_cuda_cache {
     float *part_o, *part_md;
     int *counters;       /* device (n_seq, n_head) zeros, for the attention kernel's split merge */
     float *k_mean;       /* device (n_head_kv, head_dim) per-channel key mean mu, or NULL */
+    void *tc_image;      /* device codebook image of the tensor-core attention, or NULL (attend.cu) */
+    int tc_kexp, tc_vexp;
     int max_splits;
 };
 
@@ -61,6 +63,7 @@ extern "C" KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c) {
     cudaFree(c->part_md);
     cudaFree(c->counters);
     cudaFree(c->k_mean);
+    cudaFree(c->tc_image);
     free(c->h_page_table);
     free(c->free_pages);
     free(c->h_len);
@@ -73,6 +76,9 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
     a->page_table = c->page_table;
     a->max_pages = c->max_pages;
     a->page_tokens = c->p.page_tokens;
+    a->page_shift = -1;
+    for (int sh = 0; sh < 31; sh++)
+        if (c->p.page_tokens == 1 << sh) a->page_shift = sh;
     a->window = c->p.window;
     a->k_pages = c->k_pages;
     a->v_pages = c->v_pages;
@@ -96,6 +102,9 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
     a->n_head = c->p.n_head;
     a->n_head_kv = c->p.n_head_kv;
     a->counters = c->counters;
+    a->tc_image = c->tc_image;
+    a->tc_kexp = c->tc_kexp;
+    a->tc_vexp = c->tc_vexp;
 }
 
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
@@ -147,6 +156,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     }
     kvpq_status s = kvpq__cuda_pq_upload(&c->kq, p->key, p->n_head_kv, p->key_smooth, 1);
     if (s == KVPQ_OK) s = kvpq__cuda_pq_upload(&c->vq, p->value, p->n_head_kv, NULL, p->value_rotate);
+    if (s == KVPQ_OK) s = kvpq__cuda_tc_image(p->key, p->value, &c->tc_image, &c->tc_kexp, &c->tc_vexp);
     if (s == KVPQ_OK && p->key_mean) {
         size_t nm = (size_t)p->n_head_kv * p->head_dim * sizeof(float);
         s = kvpq__cuda_err(cudaMalloc((void **)&c->k_mean, nm), "kvpq_cuda_cache_new: cudaMalloc key_mean");

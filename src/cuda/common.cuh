@@ -78,6 +78,7 @@ typedef struct {
     const int *seq_len;        /* device (B) positions held */
     const int *page_table;     /* device (B, max_pages) */
     int max_pages, page_tokens, window;
+    int page_shift;            /* log2(page_tokens) when a power of two, else -1 */
     const uint8_t *k_pages, *v_pages;
     int k_code_size, v_code_size;
     const float *k_win, *v_win;
@@ -90,6 +91,8 @@ typedef struct {
     int head_dim, n_head, n_head_kv;
     int n_splits, chunk;       /* filled by the launcher: code splits and their positions */
     int n_wsplits;             /* filled by the launcher: window splits (32 positions each) */
+    const void *tc_image;      /* tensor-core path: codebook image (256 x 256 bytes; attend.cu), or NULL */
+    int tc_kexp, tc_vexp;      /* the image holds key centroids * 2^tc_kexp, value centroids * 2^tc_vexp */
     int *counters;             /* device (B, n_head) zeros: CTAs done per (sequence, head group); the last
                                   one merges the splits and sets it back to 0 */
 } kvpq__attend_params;
@@ -102,6 +105,13 @@ typedef struct {
 extern "C" int kvpq__cuda_attend_lut16;
 extern "C" int kvpq__cuda_attend_vrep;
 extern "C" int kvpq__cuda_attend_pvec;
+/* tc (default 1): shared K and V codebooks with dsub 4 and nbits 8 take the tensor-core kernel
+ * (attend_tc_kernel); 0: the LUT kernel for every configuration. */
+extern "C" int kvpq__cuda_attend_tc;
+/* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when
+ * the pair does not qualify (attend.cu): 256 centroids x (16 key replicas, 16 value replicas) of 4
+ * float16, each codebook scaled by a power of two to float16's top (the exponents come back). */
+kvpq_status kvpq__cuda_tc_image(const kvpq_pq *key, const kvpq_pq *value, void **image, int *kexp, int *vexp);
 /* Encode search of the next launches: 1 (default) = tensor cores (float16 hi/lo split, float32
  * accumulate) where the quantizer has fragments; 0 = float32 on the CUDA cores. */
 extern "C" int kvpq__cuda_encode_mma;

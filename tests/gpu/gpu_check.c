@@ -32,7 +32,8 @@
 static int g_fail = 0, g_quick = 0;
 /* internal switches of the CUDA kernels (src/cuda/attend.cu: LUT entries float16 when 1, value
  * codebook replicas; src/cuda/encode.cu: tensor-core search when 1) */
-extern int kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep, kvpq__cuda_attend_pvec, kvpq__cuda_encode_mma;
+extern int kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep, kvpq__cuda_attend_pvec, kvpq__cuda_attend_tc,
+    kvpq__cuda_encode_mma;
 static uint64_t g_rng;
 
 #define CHECK(cond, ...)                                   \
@@ -543,16 +544,22 @@ int main(void) {
     int L1[] = {1, 37, 700, g_quick ? 300 : 3000};
     int L2[] = {g_quick ? 500 : 5000};
     int L3[] = {130, 64, 257};
-    const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep, pvec_0 = kvpq__cuda_attend_pvec;
-    for (int variant = 0; variant < 5; variant++) { /* every kernel variant the switches select */
-        /* 0-3: LUT float32/float16 x value codebook plain/replicated, with the vector value loop;
-         * 4: float16 + replicas with the previous value loop (kvpq__cuda_attend_pvec = 0) */
-        kvpq__cuda_attend_lut16 = variant == 4 ? 1 : variant & 1;
-        kvpq__cuda_attend_vrep = variant == 4 ? 1 : variant >> 1;
+    const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep, pvec_0 = kvpq__cuda_attend_pvec,
+              tc_0 = kvpq__cuda_attend_tc;
+    for (int variant = 0; variant < 6; variant++) { /* every kernel variant the switches select */
+        /* 0-3: LUT kernel, entries float32/float16 x value codebook plain/replicated, with the vector
+         * value loop; 4: float16 + replicas with the previous value loop (kvpq__cuda_attend_pvec = 0);
+         * 5: the defaults: shared K and V codebooks with dsub 4, nbits 8 take the tensor-core kernel */
+        kvpq__cuda_attend_lut16 = variant == 4 || variant == 5 ? 1 : variant & 1;
+        kvpq__cuda_attend_vrep = variant == 4 || variant == 5 ? 1 : variant >> 1;
         kvpq__cuda_attend_pvec = variant != 4;
-        printf(" LUT entries %s, %s, %s value loop:\n", kvpq__cuda_attend_lut16 ? "float16" : "float32",
-               kvpq__cuda_attend_vrep ? "replicated value codebook" : "plain value codebook",
-               kvpq__cuda_attend_pvec ? "vector" : "previous");
+        kvpq__cuda_attend_tc = variant == 5;
+        if (variant == 5)
+            printf(" defaults (tensor-core kernel for shared dsub-4 / 8-bit K and V codebooks, else LUT float16):\n");
+        else
+            printf(" LUT entries %s, %s, %s value loop:\n", kvpq__cuda_attend_lut16 ? "float16" : "float32",
+                   kvpq__cuda_attend_vrep ? "replicated value codebook" : "plain value codebook",
+                   kvpq__cuda_attend_pvec ? "vector" : "previous");
         check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 0, 4, L1, 0);  /* 2-bit K and V */
         check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1, 0);    /* SmolLM2 shape */
         check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1, 1);    /* key centering */
@@ -561,7 +568,10 @@ int main(void) {
         check_attend(128, 8, 8, 2, 8, 8, 8, KVPQ_CODEBOOK_SHARED, 0, 0, 3, L3, 0);     /* no window, MHA */
         check_attend(64, 16, 2, 8, 6, 2, 5, KVPQ_CODEBOOK_SUBSPACE, 16, 1, 3, L3, 0);  /* subspace books, odd bits */
         check_attend(128, 24, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 500, 0, 3, L3, 0);  /* window > length; 12 heads/KV */
+        check_attend(256, 16, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 1, L2, 0);   /* D 256, 8 heads/KV */
+        check_attend(64, 4, 4, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 32, 0, 3, L3, 1);     /* MHA, 1 head/KV */
     }
+    kvpq__cuda_attend_tc = tc_0;
     kvpq__cuda_attend_lut16 = lut16_0;
     kvpq__cuda_attend_vrep = vrep_0;
     kvpq__cuda_attend_pvec = pvec_0;
