@@ -250,14 +250,15 @@ static void bench_attend(int B, int L, int quick) {
     /* every kernel variant (LUT float32/float16 x value codebook plain/replicated); "ours" is the default */
     const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep;
     /* v 4: the default variant with the previous value loop (kvpq__cuda_attend_pvec = 0) */
-    const int pvec_0 = kvpq__cuda_attend_pvec, tc_0 = kvpq__cuda_attend_tc;
-    /* v 5: the defaults (the tensor-core kernel for this shape): "ours" */
-    double var_us[6], us = 0;
-    for (int v = 0; v < 6; v++) {
+    const int pvec_0 = kvpq__cuda_attend_pvec, tc_0 = kvpq__cuda_attend_tc, tcw_0 = kvpq__cuda_attend_tc_warps;
+    /* v 5: the defaults (the tensor-core kernel for this shape): "ours"; v 6, 7: 8- and 16-warp CTAs */
+    double var_us[8], us = 0;
+    for (int v = 0; v < 8; v++) {
         kvpq__cuda_attend_lut16 = v >= 4 ? lut16_0 : v & 1;
         kvpq__cuda_attend_vrep = v >= 4 ? vrep_0 : v >> 1;
         kvpq__cuda_attend_pvec = v == 4 ? 0 : pvec_0;
-        kvpq__cuda_attend_tc = v == 5 ? tc_0 : 0;
+        kvpq__cuda_attend_tc = v >= 5 ? tc_0 : 0;
+        kvpq__cuda_attend_tc_warps = v == 6 ? 8 : v == 7 ? 16 : tcw_0;
         var_us[v] = time_graph([&](cudaStream_t s) { KV(kvpq__cuda_cache_attend_async(c, B, dq, dout, s)); },
                                quick ? 4 : 20, quick ? 3 : 15, st);
     }
@@ -266,15 +267,16 @@ static void bench_attend(int B, int L, int quick) {
     kvpq__cuda_attend_vrep = vrep_0;
     kvpq__cuda_attend_pvec = pvec_0;
     kvpq__cuda_attend_tc = tc_0;
+    kvpq__cuda_attend_tc_warps = tcw_0;
     /* bytes read: key and value codes of the coded positions, the float32 window, q; written: out */
     double coded = (double)B * (L - W) * n_head_kv * (kvpq_pq_code_size(kp) + kvpq_pq_code_size(vp));
     double win = (double)B * W * row * 4 * 2, bytes = coded + win + nq * 4.0;
     printf("{\"op\": \"attend\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
            "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu, \"variant_us\": {\"f32_plain\": %.3f, "
-           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f}, "
-           "\"default_variant\": \"%s\"}\n",
+           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f}, "
+           "\"tc_warps\": %d, \"default_variant\": \"%s\"}\n",
            B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c), var_us[0],
-           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], tc_0 ? "tc" : lut16_0 ? "f16_vrep" : "f32_vrep");
+           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], tcw_0, tc_0 ? "tc" : lut16_0 ? "f16_vrep" : "f32_vrep");
     fflush(stdout);
     cudaFree(dq);
     cudaFree(dout);

@@ -24,6 +24,7 @@ extern "C" int kvpq__cuda_attend_lut16 = 1;
 extern "C" int kvpq__cuda_attend_vrep = 1;
 extern "C" int kvpq__cuda_attend_pvec = 1;
 extern "C" int kvpq__cuda_attend_tc = 1;
+extern "C" int kvpq__cuda_attend_tc_warps = 0;
 
 namespace {
 
@@ -656,7 +657,7 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
  *
  * Keys and values are dequantized into registers as float16 tensor-core fragments and multiplied on
  * tensor cores (mma.m16n8k16, float32 accumulate), instead of LUT sums and float32 FMAs. A warp takes
- * sub-tiles of 16 positions:
+ * tiles of 32 positions (16 at head_dim 256), in halves of 16:
  *   scores  S (16 positions x 8 columns) = K^ (16 x 16 dims) . B over D/16 k-steps, where lane
  *           (r = lane/4, a = lane%4) gathers, for positions r and r + 8, the centroid of sub-space
  *           a*D/16 + kt (4 float16 = 8 bytes: exactly its a0..a7 fragment elements, because the four
@@ -665,27 +666,29 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
  *           * log2(e)/sqrt(D) as float16 hi/lo splits: for <= 4 heads per CTA columns 0..3 are the hi
  *           parts and 4..7 the lo parts (added with one shuffle), otherwise two mma per k-step;
  *   values  O^T (16 dims x 8 heads) += V^T (16 dims x 16 positions) . P (16 positions x 8 heads):
- *           lane r gathers its sub-space's centroid at positions 2a, 2a+1, 2a+8, 2a+9 and re-pairs the
- *           halves (PRMT) into the A fragments of two dim tiles; P comes from the score fragments by
- *           four shuffles.
+ *           lane r gathers its sub-space's centroid at positions a, a+4, a+8, a+12 (the k order of
+ *           this mma) and re-pairs the halves (PRMT) into the A fragments of two dim tiles; P comes
+ *           from the score fragments by four shuffles.
  * Gathers read the codebooks from shared memory as 16 bank-private replicas (lane l reads replica
  * l % 16: every 8-byte gather of a half-warp is conflict-free whatever the codes), key and value
  * entries of one centroid interleaved in 256 bytes, so that one PRMT turns a code byte into its
  * address. The image is built once per cache (kvpq_cuda_cache.tc_image, 64 KiB, codebooks scaled by
  * 2^k_exp / 2^v_exp to the top of float16's range; the scales are undone in float32). Code rows come
- * through a per-warp cp.async ring of tc_stages sub-tiles. The online softmax {m, d, o} is the one of
+ * through a per-warp cp.async ring of kTcStages tiles. The online softmax {m, d, o} is the one of
  * the LUT path (log2 domain); o is rescaled only when a running max moves. */
-constexpr int kTcWarps = 8, kSub = 16;
+constexpr int kSub = 16, kTcStages = 2;
 
-__host__ __device__ constexpr int tc_stages(int D) { return D >= 256 ? 2 : 4; }
+/* Halves of 16 positions per warp iteration: two (one max reduction, one rescale check per 32
+ * positions), one at head_dim 256 (registers). */
+__host__ __device__ constexpr int tc_halves(int D) { return D >= 256 ? 1 : 2; }
 
 struct TcLayout {  /* dynamic shared memory, bytes */
     int qs, qexp, stage, total;  /* codebook image (and later the merge slots) at 0 */
 };
 
-inline TcLayout tc_layout(int D, int gs) {
+inline TcLayout tc_layout(int D, int gs, int nw) {
     TcLayout L;
-    int o = 256 * 256, merge = kTcWarps * gs * (D + 2) * 4;
+    int o = 256 * 256, merge = nw * gs * (D + 2) * 4;
     if (o < merge) o = merge;
     L.qs = o;
     o += gs * D * 4;
@@ -693,7 +696,7 @@ inline TcLayout tc_layout(int D, int gs) {
     o += 8 * 4;
     o = (o + 15) & ~15;
     L.stage = o;
-    o += kTcWarps * tc_stages(D) * kSub * (D / 4) * 2;
+    o += nw * kTcStages * kSub * tc_halves(D) * (D / 4) * 2;
     o += 16;  /* the "last CTA" flag at total - 4 */
     L.total = o;
     return L;
@@ -745,15 +748,16 @@ __device__ __forceinline__ void load_code_words(const uint8_t *p, uint32_t (&w)[
 
 /* The code positions [c0, c1) of a CTA on the tensor-core path; leaves this warp's {m, d, o} in its
  * merge slots at smem (after a barrier: the slots overwrite the codebook image). */
-template <int D, int GS>
+template <int D, int GS, int NW>
 __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
                                          int head0, int c0, int c1) {
     constexpr bool PACKED = GS <= 4;     /* hi and lo q parts in one mma (columns 0..3 and 4..7) */
     constexpr int KT = D / 16;           /* key k-steps = key code bytes per lane per position */
     constexpr int VT = D / 32;           /* value dim-tile pairs = value code bytes per lane per position */
     constexpr int CS = D / 4;            /* code bytes per position (M, nbits 8) */
-    constexpr int NST = tc_stages(D), SB = kSub * 2 * CS;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = kTcWarps;
+    constexpr int HT = tc_halves(D), TILE = kSub * HT;  /* positions per warp iteration */
+    constexpr int NST = kTcStages, SB = TILE * 2 * CS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = NW;
     const int r = lane >> 2, a = lane & 3;
     const uint32_t offk = (uint32_t)(lane & 15) * 8, offv = 128 + offk;
     float *qs = reinterpret_cast<float *>(smem + L.qs);
@@ -772,17 +776,17 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
 #pragma unroll
             for (int e = 0; e < 4; e++) o[v][j][e] = 0.f;
 
-    const int nsub = (c1 - c0 + kSub - 1) / kSub;
-    const int my_n = warp < nsub ? (nsub - 1 - warp) / nw + 1 : 0;
+    const int ntile = (c1 - c0 + TILE - 1) / TILE;
+    const int my_n = warp < ntile ? (ntile - 1 - warp) / nw + 1 : 0;
     const size_t pstride = (size_t)p.n_head_kv * p.page_tokens * CS, hoff = (size_t)kvh * p.page_tokens * CS;
-    /* code rows of this warp's k-th sub-tile (positions c0 + (warp + k*nw)*16 ...; 16-aligned, so in
+    /* code rows of this warp's k-th tile (positions c0 + (warp + k*nw)*TILE ...; TILE-aligned, so in
      * one page) into ring slot k % NST: key rows then value rows */
     auto issue = [&](int k) {
-        const int t0 = c0 + (warp + k * nw) * kSub;
+        const int t0 = c0 + (warp + k * nw) * TILE;
         const int page = p.page_table[(size_t)b * p.max_pages + (t0 >> p.page_shift)];
         const size_t roff = (size_t)page * pstride + hoff + (size_t)(t0 & (p.page_tokens - 1)) * CS;
         uint8_t *dst = st + (k % NST) * SB;
-        constexpr int NCH = kSub * CS / 16;
+        constexpr int NCH = TILE * CS / 16;
 #pragma unroll
         for (int i = lane; i < 2 * NCH; i += 32) {
             const uint8_t *src = i < NCH ? p.k_pages + roff + i * 16 : p.v_pages + roff + (i - NCH) * 16;
@@ -858,40 +862,51 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
             __pipeline_commit();
             __pipeline_wait_prior(NST - 1);
             __syncwarp();
-            const uint8_t *kb = st + (k % NST) * SB, *vb = kb + kSub * CS;
-            const int n = min(kSub, c1 - (c0 + (warp + k * nw) * kSub));
+            const uint8_t *kb = st + (k % NST) * SB, *vb = kb + TILE * CS;
+            const int n = min(TILE, c1 - (c0 + (warp + k * nw) * TILE));
 
-            /* ---- scores ---- */
-            uint32_t kw0[(KT + 3) / 4], kw1[(KT + 3) / 4];
-            load_code_words<KT>(kb + r * CS + a * KT, kw0);
-            load_code_words<KT>(kb + (r + 8) * CS + a * KT, kw1);
-            /* two accumulators per part (even and odd k-steps): two independent mma chains */
-            float c[NB][2][4];
+            /* ---- scores of the HT halves (16 positions each): s[h] = [pos r, hA], [r, hA+1], [r+8, hA],
+             * [r+8, hA+1] ---- */
+            float s[HT][4];
 #pragma unroll
-            for (int part = 0; part < NB; part++)
+            for (int h = 0; h < HT; h++) {
+                uint32_t kw0[(KT + 3) / 4], kw1[(KT + 3) / 4];
+                load_code_words<KT>(kb + (16 * h + r) * CS + a * KT, kw0);
+                load_code_words<KT>(kb + (16 * h + r + 8) * CS + a * KT, kw1);
+                /* packed: even and odd k-steps in two accumulators (two independent mma chains);
+                 * otherwise the hi and lo parts */
+                float c[2][4];
 #pragma unroll
-                for (int e = 0; e < 8; e++) c[part][e >> 2][e & 3] = 0.f;
+                for (int e = 0; e < 8; e++) c[e >> 2][e & 3] = 0.f;
 #pragma unroll
-            for (int kt = 0; kt < KT; kt++) {
-                const uint32_t sel = 0x5504u | ((uint32_t)(kt & 3) << 4);
-                const uint2 g0 = tc_gather(cb, prmt(kw0[kt >> 2], offk, sel));
-                const uint2 g1 = tc_gather(cb, prmt(kw1[kt >> 2], offk, sel));
+                for (int kt = 0; kt < KT; kt++) {
+                    const uint32_t sel = 0x5504u | ((uint32_t)(kt & 3) << 4);
+                    const uint2 g0 = tc_gather(cb, prmt(kw0[kt >> 2], offk, sel));
+                    const uint2 g1 = tc_gather(cb, prmt(kw1[kt >> 2], offk, sel));
+                    if constexpr (PACKED) {
+                        mma_16816(c[kt & 1], g0.x, g1.x, g0.y, g1.y, qb[0][kt][0], qb[0][kt][1]);
+                    } else {
+                        mma_16816(c[0], g0.x, g1.x, g0.y, g1.y, qb[0][kt][0], qb[0][kt][1]);
+                        mma_16816(c[1], g0.x, g1.x, g0.y, g1.y, qb[NB - 1][kt][0], qb[NB - 1][kt][1]);
+                    }
+                }
 #pragma unroll
-                for (int part = 0; part < NB; part++)
-                    mma_16816(c[part][kt & 1], g0.x, g1.x, g0.y, g1.y, qb[part][kt][0], qb[part][kt][1]);
+                for (int e = 0; e < 4; e++) {
+                    float v = c[0][e] + c[1][e];
+                    if constexpr (PACKED) v += __shfl_xor_sync(KVPQ_FULL_MASK, v, 2);
+                    s[h][e] = v * ((e & 1) ? fB : fA);
+                }
+                if (16 * h + r >= n) s[h][0] = s[h][1] = -INFINITY;
+                if (16 * h + r + 8 >= n) s[h][2] = s[h][3] = -INFINITY;
             }
-            float s[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float c0 = c[0][0][e] + c[0][1][e];
-                const float v = PACKED ? c0 + __shfl_xor_sync(KVPQ_FULL_MASK, c0, 2) : c0 + c[NB - 1][0][e] + c[NB - 1][1][e];
-                s[e] = v * ((e & 1) ? fB : fA);
-            }
-            if (r >= n) s[0] = s[1] = -INFINITY;
-            if (r + 8 >= n) s[2] = s[3] = -INFINITY;
 
-            /* ---- online softmax (s: [pos r, hA], [r, hA+1], [r+8, hA], [r+8, hA+1]) ---- */
-            float xA = fmaxf(s[0], s[2]), xB = fmaxf(s[1], s[3]);
+            /* ---- online softmax over the tile ---- */
+            float xA = fmaxf(s[0][0], s[0][2]), xB = fmaxf(s[0][1], s[0][3]);
+#pragma unroll
+            for (int h = 1; h < HT; h++) {
+                xA = fmaxf(xA, fmaxf(s[h][0], s[h][2]));
+                xB = fmaxf(xB, fmaxf(s[h][1], s[h][3]));
+            }
 #pragma unroll
             for (int sh = 4; sh < 32; sh <<= 1) {
                 xA = fmaxf(xA, __shfl_xor_sync(KVPQ_FULL_MASK, xA, sh));
@@ -912,32 +927,39 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
                 mA = nA;
                 mB = nB;
             }
-            const float p0 = ex2(s[0] - mA), p1 = ex2(s[1] - mB), p2 = ex2(s[2] - mA), p3 = ex2(s[3] - mB);
-            dA += p0 + p2;
-            dB += p1 + p3;
-            /* P as the B fragment of the value mma: lane (r, a) takes column (head) r at positions
-             * 2a, 2a+1 (+8) from lanes 8a + r/2 and 8a + 4 + r/2 */
-            const uint32_t X0 = h2_bits(__floats2half2_rn(p0, p2)), X1 = h2_bits(__floats2half2_rn(p1, p3));
-            const int srcA = 8 * a + (r >> 1), srcB = srcA + 4;
-            const uint32_t yA0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcA), yA1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcA);
-            const uint32_t yB0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcB), yB1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcB);
-            const uint32_t ya = (r & 1) ? yA1 : yA0, yb = (r & 1) ? yB1 : yB0;
-            const uint32_t pb0 = prmt(ya, yb, 0x5410), pb1 = prmt(ya, yb, 0x7632);
+            const int srcA = 4 * a + (r >> 1), srcB = srcA + 16;
+#pragma unroll
+            for (int h = 0; h < HT; h++) {
+                const float p0 = ex2(s[h][0] - mA), p1 = ex2(s[h][1] - mB), p2 = ex2(s[h][2] - mA), p3 = ex2(s[h][3] - mB);
+                dA += p0 + p2;
+                dB += p1 + p3;
+                /* P as the B fragment of the value mma. Its k index i stands for position pi(i) of the
+                 * half, pi(2a) = a, pi(2a+1) = a+4, pi(2a+8) = a+8, pi(2a+9) = a+12 (any order serves
+                 * when A uses the same; this one puts the value code rows a lane reads, a + 4*ti, in
+                 * different banks). Lane (r, a) takes column (head) r of positions a, a+8 from lane
+                 * 4a + r/2 and of a+4, a+12 from lane 4a + 16 + r/2. */
+                const uint32_t X0 = h2_bits(__floats2half2_rn(p0, p2)), X1 = h2_bits(__floats2half2_rn(p1, p3));
+                const uint32_t yA0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcA), yA1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcA);
+                const uint32_t yB0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcB), yB1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcB);
+                const uint32_t ya = (r & 1) ? yA1 : yA0, yb = (r & 1) ? yB1 : yB0;
+                const uint32_t pb0 = prmt(ya, yb, 0x5410), pb1 = prmt(ya, yb, 0x7632);
 
-            /* ---- values ---- */
-            uint32_t vw[4][(VT + 3) / 4];
+                /* ---- values of the half ---- */
+                uint32_t vw[4][(VT + 3) / 4];
 #pragma unroll
-            for (int ti = 0; ti < 4; ti++) load_code_words<VT>(vb + (2 * a + (ti & 1) + 8 * (ti >> 1)) * CS + r * VT, vw[ti]);
+                for (int ti = 0; ti < 4; ti++)
+                    load_code_words<VT>(vb + (16 * h + a + 4 * ti) * CS + r * VT, vw[ti]);
 #pragma unroll
-            for (int vt = 0; vt < VT; vt++) {
-                const uint32_t sel = 0x5504u | ((uint32_t)(vt & 3) << 4);
-                uint2 g[4];
+                for (int vt = 0; vt < VT; vt++) {
+                    const uint32_t sel = 0x5504u | ((uint32_t)(vt & 3) << 4);
+                    uint2 g[4];
 #pragma unroll
-                for (int ti = 0; ti < 4; ti++) g[ti] = tc_gather(cb, prmt(vw[ti][vt >> 2], offv, sel));
-                mma_16816(o[vt][0], prmt(g[0].x, g[1].x, 0x5410), prmt(g[0].x, g[1].x, 0x7632),
-                          prmt(g[2].x, g[3].x, 0x5410), prmt(g[2].x, g[3].x, 0x7632), pb0, pb1);
-                mma_16816(o[vt][1], prmt(g[0].y, g[1].y, 0x5410), prmt(g[0].y, g[1].y, 0x7632),
-                          prmt(g[2].y, g[3].y, 0x5410), prmt(g[2].y, g[3].y, 0x7632), pb0, pb1);
+                    for (int ti = 0; ti < 4; ti++) g[ti] = tc_gather(cb, prmt(vw[ti][vt >> 2], offv, sel));
+                    mma_16816(o[vt][0], prmt(g[0].x, g[1].x, 0x5410), prmt(g[0].x, g[1].x, 0x7632),
+                              prmt(g[2].x, g[3].x, 0x5410), prmt(g[2].x, g[3].x, 0x7632), pb0, pb1);
+                    mma_16816(o[vt][1], prmt(g[0].y, g[1].y, 0x5410), prmt(g[0].y, g[1].y, 0x7632),
+                              prmt(g[2].y, g[3].y, 0x5410), prmt(g[2].y, g[3].y, 0x7632), pb0, pb1);
+                }
             }
             __syncwarp();
         }
@@ -979,7 +1001,7 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
 
 /* This CTA's share [w0, w1) of the float32 window, merged into each warp's slots (FlashAttention's
  * rule; a warp reads and writes only its own slots). */
-template <int D, int GS>
+template <int D, int GS, int NW>
 __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *mbuf, int b, int kvh, int head0, int w0,
                                           int w1) {
     constexpr int EPL = D / 32;
@@ -993,7 +1015,7 @@ __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *m
 #pragma unroll
         for (int j = 0; j < EPL; j++) o[h][j] = 0.f;
     }
-    window_part<D, GS>(p, b, kvh, head0, w0, w1, kTcWarps, m_run, d_lane, o);
+    window_part<D, GS>(p, b, kvh, head0, w0, w1, NW, m_run, d_lane, o);
 #pragma unroll
     for (int h = 0; h < GS; h++) {
         float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
@@ -1010,8 +1032,8 @@ __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *m
     __syncwarp();
 }
 
-template <int D, int GS>
-__global__ void __launch_bounds__(kTcWarps * 32, 2) attend_tc_kernel(kvpq__attend_params p, TcLayout L) {
+template <int D, int GS, int NW>
+__global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__attend_params p, TcLayout L) {
     extern __shared__ __align__(16) char smem_tc[];
     const int split = blockIdx.x, b = blockIdx.z;
     const int groups = p.n_head / p.n_head_kv / GS;
@@ -1019,12 +1041,12 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) attend_tc_kernel(kvpq__atten
     float *mbuf = reinterpret_cast<float *>(smem_tc);
     const int len = p.seq_len[b], win = min(p.window, len), coded = len - win;
     const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
-    tc_codes<D, GS>(p, L, smem_tc, b, kvh, head0, c0, c1);
+    tc_codes<D, GS, NW>(p, L, smem_tc, b, kvh, head0, c0, c1);
     /* every CTA also takes 1/n_splits of the window (no window CTAs: no second wave of CTAs) */
-    tc_window<D, GS>(p, mbuf, b, kvh, head0, coded + (int)((long long)win * split / p.n_splits),
+    tc_window<D, GS, NW>(p, mbuf, b, kvh, head0, coded + (int)((long long)win * split / p.n_splits),
                      coded + (int)((long long)win * (split + 1) / p.n_splits));
     __syncthreads();
-    finish_cta<D, GS>(p, mbuf, kTcWarps, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
+    finish_cta<D, GS>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
 }
 
 /* Heads per CTA: the largest divisor of the group size (<= 8) whose LUTs fit in shared memory. */
@@ -1117,24 +1139,39 @@ kvpq_status launch_d(kvpq__attend_params &p, const Layout &L, int gs, int B, int
 bool tc_ok(const kvpq__attend_params &p) {
     return p.tc_image && p.k_books == 1 && p.v_books == 1 && p.k_dsub == 4 && p.v_dsub == 4 && p.k_nbits == 8 &&
            p.v_nbits == 8 && p.k_code_size == p.head_dim / 4 && p.v_code_size == p.head_dim / 4 &&
-           p.page_shift >= 4;  /* pages of 2^page_shift >= 16 positions */
+           p.page_shift >= 5;  /* pages of 2^page_shift >= 32 positions (tiles never straddle pages) */
 }
 
-template <int D, int GS>
-kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
-    const TcLayout L = tc_layout(D, GS);
-    auto kern = attend_tc_kernel<D, GS>;
+template <int D, int GS, int NW>
+kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
+    const TcLayout L = tc_layout(D, GS, NW);
+    auto kern = attend_tc_kernel<D, GS, NW>;
     KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total),
                   "cuda attend: shared memory attribute");
     int n_sm = 0, per_sm = 1;
     KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
-    KVPQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kTcWarps * 32, L.total),
+    KVPQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, NW * 32, L.total),
                   "cuda attend: occupancy");
-    plan_splits(&p, kTcWarps * kSub, GS, B, max_coded, max_splits, n_sm, per_sm);
+    plan_splits(&p, NW * kSub * tc_halves(D), GS, B, max_coded, max_splits, n_sm, per_sm);
     p.n_wsplits = 0;  /* the code CTAs share the window */
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
-    kern<<<grid, kTcWarps * 32, L.total, stream>>>(p, L);
+    kern<<<grid, NW * 32, L.total, stream>>>(p, L);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");
+}
+
+template <int D, int GS>
+kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
+    int nw = kvpq__cuda_attend_tc_warps;
+    if (nw != 8 && nw != 16) {
+        /* auto: 8-warp CTAs (two per SM) when the tiles of 32 positions are fewer than 32 per SM (a
+         * short batch: more, smaller splits), else 16-warp CTAs (one codebook image per SM) */
+        int n_sm = 0;
+        KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
+        long long tiles = (long long)B * p.n_head_kv * (p.n_head / p.n_head_kv / GS) * ((max_coded + 31) / 32);
+        nw = tiles < 32LL * n_sm ? 8 : 16;
+    }
+    if (nw == 8) return launch_tc_nw<D, GS, 8>(p, B, max_coded, max_splits, stream);
+    return launch_tc_nw<D, GS, 16>(p, B, max_coded, max_splits, stream);
 }
 
 template <int D>

@@ -108,6 +108,9 @@ extern "C" int kvpq__cuda_attend_pvec;
 /* tc (default 1): shared K and V codebooks with dsub 4 and nbits 8 take the tensor-core kernel
  * (attend_tc_kernel); 0: the LUT kernel for every configuration. */
 extern "C" int kvpq__cuda_attend_tc;
+/* Warps per CTA of the tensor-core kernel: 8 (two CTAs per SM), 16 (one), else (default 0) chosen
+ * per launch from the work (attend.cu, launch_tc). */
+extern "C" int kvpq__cuda_attend_tc_warps;
 /* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when
  * the pair does not qualify (attend.cu): 256 centroids x (16 key replicas, 16 value replicas) of 4
  * float16, each codebook scaled by a power of two to float16's top (the exponents come back). */

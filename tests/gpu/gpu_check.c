@@ -33,7 +33,7 @@ static int g_fail = 0, g_quick = 0;
 /* internal switches of the CUDA kernels (src/cuda/attend.cu: LUT entries float16 when 1, value
  * codebook replicas; src/cuda/encode.cu: tensor-core search when 1) */
 extern int kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep, kvpq__cuda_attend_pvec, kvpq__cuda_attend_tc,
-    kvpq__cuda_encode_mma;
+    kvpq__cuda_attend_tc_warps, kvpq__cuda_encode_mma;
 static uint64_t g_rng;
 
 #define CHECK(cond, ...)                                   \
@@ -545,17 +545,20 @@ int main(void) {
     int L2[] = {g_quick ? 500 : 5000};
     int L3[] = {130, 64, 257};
     const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep, pvec_0 = kvpq__cuda_attend_pvec,
-              tc_0 = kvpq__cuda_attend_tc;
-    for (int variant = 0; variant < 6; variant++) { /* every kernel variant the switches select */
+              tc_0 = kvpq__cuda_attend_tc, tcw_0 = kvpq__cuda_attend_tc_warps;
+    for (int variant = 0; variant < 8; variant++) { /* every kernel variant the switches select */
         /* 0-3: LUT kernel, entries float32/float16 x value codebook plain/replicated, with the vector
          * value loop; 4: float16 + replicas with the previous value loop (kvpq__cuda_attend_pvec = 0);
-         * 5: the defaults: shared K and V codebooks with dsub 4, nbits 8 take the tensor-core kernel */
-        kvpq__cuda_attend_lut16 = variant == 4 || variant == 5 ? 1 : variant & 1;
-        kvpq__cuda_attend_vrep = variant == 4 || variant == 5 ? 1 : variant >> 1;
+         * 5: the defaults: shared K and V codebooks with dsub 4, nbits 8 take the tensor-core kernel;
+         * 6, 7: the tensor-core kernel with 8-warp and 16-warp CTAs */
+        kvpq__cuda_attend_lut16 = variant >= 4 ? 1 : variant & 1;
+        kvpq__cuda_attend_vrep = variant >= 4 ? 1 : variant >> 1;
         kvpq__cuda_attend_pvec = variant != 4;
-        kvpq__cuda_attend_tc = variant == 5;
-        if (variant == 5)
-            printf(" defaults (tensor-core kernel for shared dsub-4 / 8-bit K and V codebooks, else LUT float16):\n");
+        kvpq__cuda_attend_tc = variant >= 5;
+        kvpq__cuda_attend_tc_warps = variant == 6 ? 8 : variant == 7 ? 16 : tcw_0;
+        if (variant >= 5)
+            printf(" defaults (tensor-core kernel, CTA warps %d (0: chosen per launch), for shared dsub-4 / 8-bit K and V "
+                   "codebooks, else LUT float16):\n", kvpq__cuda_attend_tc_warps);
         else
             printf(" LUT entries %s, %s, %s value loop:\n", kvpq__cuda_attend_lut16 ? "float16" : "float32",
                    kvpq__cuda_attend_vrep ? "replicated value codebook" : "plain value codebook",
@@ -572,6 +575,7 @@ int main(void) {
         check_attend(64, 4, 4, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 32, 0, 3, L3, 1);     /* MHA, 1 head/KV */
     }
     kvpq__cuda_attend_tc = tc_0;
+    kvpq__cuda_attend_tc_warps = tcw_0;
     kvpq__cuda_attend_lut16 = lut16_0;
     kvpq__cuda_attend_vrep = vrep_0;
     kvpq__cuda_attend_pvec = pvec_0;
