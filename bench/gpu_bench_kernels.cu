@@ -162,7 +162,7 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
     }
     /* knobs: the grouped search with parts left out (kvpq__cuda_encode_dbg), to place its time */
     double knob_us[2][4] = {{0}};
-    const int knob_v[2] = {2, 4}, knob_d[4] = {1, 2, 3, 4};
+    const int knob_v[2] = {3, 4}, knob_d[4] = {1, 2, 3, 4};
     for (int kv = 0; knobs && kv < 2; kv++)
         for (int kd = 0; kd < 4; kd++) {
             kvpq__cuda_encode_mma = knob_v[kv];
@@ -204,7 +204,7 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
            "\"ours_extra_bytes_during_encode\": %lld, \"seed_extra_bytes\": 0, \"seed_output_bytes\": %lld, "
            "\"ours_mma_us\": %.3f, \"ours_fp32_us\": %.3f, \"ours_prev_mma_us\": %.3f, "
            "\"default_search\": \"%s\", \"default_variant\": %d, \"variant_us\": [%.3f, %.3f, %.3f, %.3f, %.3f], "
-           "\"knob_us\": {\"v2\": [%.3f, %.3f, %.3f, %.3f], \"v4\": [%.3f, %.3f, %.3f, %.3f]}}\n",
+           "\"knob_us\": {\"v3\": [%.3f, %.3f, %.3f, %.3f], \"v4\": [%.3f, %.3f, %.3f, %.3f]}}\n",
            S, H, D, dsub, nbits, ours, seed, api[api.size() / 2], bytes / ours / 1e3, free0 - free1,
            (long long)free_a - (long long)free2, n_sub * 2, var_us[mma_0 >= 2 && mma_0 < 5 ? mma_0 : 2], var_us[0], var_us[1],
            mma_0 ? "mma" : "fp32", mma_0, var_us[0], var_us[1], var_us[2], var_us[3], var_us[4],

@@ -12,14 +12,17 @@
 
 #include "common.cuh"
 
-/* Encode kernel variant of the next launches (kvpq__cuda_encode_mma, common.cuh): 2 (default) =
- * tensor cores with the grouped argmin and exact re-rank (search_mma2; 2 row tiles, 4 CTAs per SM);
- * 3 / 4 = the same without accumulator input, with a bank-conflict-free re-rank and prefetched
- * rows, 4 row tiles and 3 CTAs / 2 row tiles and 4 CTAs per SM (2-4: dsub 2 and 4; dsub 8 takes
- * 1); 1 = tensor cores with a per-key argmin (search_mma, the previous kernel); 0 = float32 on the
- * CUDA cores. Quantizers
- * without tensor-core fragments take the float32 search whatever the value. */
-extern "C" int kvpq__cuda_encode_mma = 2;
+/* Encode kernel variant of the next launches (kvpq__cuda_encode_mma, common.cuh), all kept so that
+ * gpu_check checks and the bench times each side by side (docs/BENCHMARKS.md):
+ *   3 (default) tensor cores, grouped argmin + exact re-rank (search_mma2), no accumulator input,
+ *     bank-conflict-free re-rank, rows prefetched; 4 row tiles, 3 CTAs per SM;
+ *   4 the same with 2 row tiles, 4 CTAs per SM;
+ *   2 search_mma2 with the accumulator input, plain re-rank; 2 row tiles, 4 CTAs per SM;
+ *   1 tensor cores with a per-key argmin (search_mma, the previous kernel);
+ *   0 float32 on the CUDA cores.
+ * 2-4 apply to dsub 2 and 4 (dsub 1 and 8 take 1); quantizers without tensor-core fragments take
+ * the float32 search whatever the value. */
+extern "C" int kvpq__cuda_encode_mma = 3;
 /* Timing knob of the grouped search (bench only; 0 in use): bits 1 no search loop, 2 no re-rank, 4 no
  * search at all (codes 0). */
 extern "C" int kvpq__cuda_encode_dbg;
@@ -488,10 +491,11 @@ __device__ __forceinline__ void search_mma(const EncodeParams &p, const float *x
     }
 }
 
-/* ---- phase 2, tensor cores, grouped argmin (kvpq__cuda_encode_mma = 2, the default) ----
+/* ---- phase 2, tensor cores, grouped argmin (kvpq__cuda_encode_mma 2-4; 3 is the default) ----
  *
  * Same keys as search_mma (one mma.m16n8k16 per 16 sub-vectors x 8 centroids and k-step), with two
- * changes that cut the instructions per mma roughly in half:
+ * changes that cut the search loop's instructions per mma from ~8.6 to ~5.4-6.6 (SASS) and the
+ * integer ones from 6 to 3:
  *  - A fragments: each sub-vector's float16 hi/lo pairs, norm factor and (t/s)||u||^2 are computed
  *    once, by one lane, into a per-warp record in shared memory (REC = dsub + 2 words); each thread
  *    then reads the 3 words its quad position needs. search_mma had all 4 threads of a quad repeat
