@@ -1,8 +1,9 @@
 /* gpu_bench_kernels.cu — timings of the CUDA backend for bench/gpu_bench.py (which runs the
  * PyTorch baselines beside it and draws the figures). Prints one JSON object per line.
  *
- *   encode: ours (fused kernel, kernel time, both searches: tensor cores and float32 CUDA cores;
- *           and the synchronous public call, host time) against
+ *   encode: ours (fused kernel, kernel time, every search variant: tensor cores (grouped argmin,
+ *           the default; its 3-CTA register cap; the previous per-key argmin) and float32 CUDA
+ *           cores; and the synchronous public call, host time) against
  *           the seed design written here as the baseline: one thread per sub-vector, codebook read
  *           from device memory, no smoothing/rotation/packing (so the baseline does less work).
  *   attend: kvpq_cuda_cache attention from 2-bit codes (K and V dsub 4, nbits 8, window 128),
@@ -21,6 +22,8 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+
+extern "C" int kvpq__cuda_encode_dbg; /* src/cuda/encode.cu: timing knob of the grouped search */
 
 #define CK(call)                                                                              \
     do {                                                                                      \
@@ -108,7 +111,7 @@ static double time_graph(F f, int iters, int reps, cudaStream_t st) {
     return ts[ts.size() / 2];
 }
 
-static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick) {
+static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, int knobs = 0) {
     kvpq_pq_params pp = {D, D / dsub, nbits, KVPQ_CODEBOOK_SHARED};
     kvpq_pq *pq;
     KV(kvpq_pq_new(&pq, &pp));
@@ -142,10 +145,12 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick) {
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     int it = 0, iters = quick ? 4 : 20, reps = quick ? 3 : 15;
-    /* both searches of our kernel: tensor cores (the default) and float32 on the CUDA cores */
+    /* every search of our kernel (src/cuda/encode.cu): 0 float32 on the CUDA cores, 1 tensor cores
+     * with a per-key argmin (the previous kernel), 2 tensor cores with the grouped argmin and exact
+     * re-rank (with accumulator input), 3 and 4 the same without (4 / 2 row tiles) */
     const int mma_0 = kvpq__cuda_encode_mma;
-    double var_us[2];
-    for (int v = 0; v < 2; v++) {
+    double var_us[5];
+    for (int v = 0; v < 5; v++) {
         kvpq__cuda_encode_mma = v;
         var_us[v] = time_graph(
             [&](cudaStream_t s) {
@@ -155,8 +160,24 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick) {
             },
             iters, reps, st);
     }
+    /* knobs: the grouped search with parts left out (kvpq__cuda_encode_dbg), to place its time */
+    double knob_us[2][4] = {{0}};
+    const int knob_v[2] = {3, 4}, knob_d[4] = {1, 2, 3, 4};
+    for (int kv = 0; knobs && kv < 2; kv++)
+        for (int kd = 0; kd < 4; kd++) {
+            kvpq__cuda_encode_mma = knob_v[kv];
+            kvpq__cuda_encode_dbg = knob_d[kd];
+            knob_us[kv][kd] = time_graph(
+                [&](cudaStream_t s) {
+                    kvpq__code_dst d = {dc[it % NB], NULL, 0, 1, 0, 0};
+                    KV(kvpq__cuda_encode_launch(q, (size_t)S, dx[it % NB], d, s));
+                    it++;
+                },
+                iters, reps, st);
+            kvpq__cuda_encode_dbg = 0;
+        }
     kvpq__cuda_encode_mma = mma_0;
-    double ours = var_us[mma_0 ? 1 : 0];
+    double ours = var_us[mma_0 >= 0 && mma_0 < 5 ? mma_0 : 2];
     double seed = time_graph(
         [&](cudaStream_t s) {
             seed_encode_kernel<<<(unsigned)((n_sub + 255) / 256), 256, 0, s>>>(dx[it % NB], dC, n_sub, dsub,
@@ -181,9 +202,14 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick) {
     printf("{\"op\": \"encode\", \"S\": %d, \"H\": %d, \"D\": %d, \"dsub\": %d, \"nbits\": %d, \"ours_us\": %.3f, "
            "\"seed_us\": %.3f, \"api_us\": %.3f, \"ours_GBps\": %.1f, \"ours_extra_bytes\": %zu, "
            "\"ours_extra_bytes_during_encode\": %lld, \"seed_extra_bytes\": 0, \"seed_output_bytes\": %lld, "
-           "\"ours_mma_us\": %.3f, \"ours_fp32_us\": %.3f, \"default_search\": \"%s\"}\n",
+           "\"ours_mma_us\": %.3f, \"ours_fp32_us\": %.3f, \"ours_prev_mma_us\": %.3f, "
+           "\"default_search\": \"%s\", \"default_variant\": %d, \"variant_us\": [%.3f, %.3f, %.3f, %.3f, %.3f], "
+           "\"knob_us\": {\"v3\": [%.3f, %.3f, %.3f, %.3f], \"v4\": [%.3f, %.3f, %.3f, %.3f]}}\n",
            S, H, D, dsub, nbits, ours, seed, api[api.size() / 2], bytes / ours / 1e3, free0 - free1,
-           (long long)free_a - (long long)free2, n_sub * 2, var_us[1], var_us[0], mma_0 ? "mma" : "fp32");
+           (long long)free_a - (long long)free2, n_sub * 2, var_us[mma_0 >= 2 && mma_0 < 5 ? mma_0 : 2], var_us[0], var_us[1],
+           mma_0 ? "mma" : "fp32", mma_0, var_us[0], var_us[1], var_us[2], var_us[3], var_us[4],
+           knob_us[0][0], knob_us[0][1], knob_us[0][2], knob_us[0][3], knob_us[1][0], knob_us[1][1], knob_us[1][2],
+           knob_us[1][3]);
     fflush(stdout);
     for (int i = 0; i < NB; i++) {
         cudaFree(dx[i]);
@@ -308,6 +334,16 @@ int main(int argc, char **argv) {
     }
     if (argc > 1 && !strcmp(argv[1], "encode")) {
         bench_encode(32768, 8, 128, 4, 8, 1);
+        return 0;
+    }
+    if (argc > 1 && !strcmp(argv[1], "encode_oom")) { /* the OOM shape, for profilers */
+        bench_encode(4096, 4, 256, 4, 8, 1);
+        return 0;
+    }
+    if (argc > 1 && !strcmp(argv[1], "encodes_knobs")) { /* the encode shapes, with the knob timings */
+        bench_encode(4096, 4, 256, 4, 8, 0, 1);
+        bench_encode(8192, 8, 128, 8, 8, 0);
+        bench_encode(32768, 8, 128, 4, 8, 0, 1);
         return 0;
     }
     if (argc > 1 && !strcmp(argv[1], "encodes")) { /* the encode shapes only */

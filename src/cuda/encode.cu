@@ -12,8 +12,21 @@
 
 #include "common.cuh"
 
-/* Encode kernel variant of the next launches (kvpq__cuda_encode_mma, common.cuh). */
-extern "C" int kvpq__cuda_encode_mma = 1;
+/* Encode kernel variant of the next launches (kvpq__cuda_encode_mma, common.cuh), all kept so that
+ * gpu_check checks and the bench times each side by side (docs/BENCHMARKS.md):
+ *   3 (default) tensor cores, grouped argmin + exact re-rank (search_mma2), no accumulator input,
+ *     bank-conflict-free re-rank, rows prefetched; 4 row tiles, 3 CTAs per SM;
+ *   4 the same with 2 row tiles, 4 CTAs per SM;
+ *   2 search_mma2 with the accumulator input, plain re-rank; 2 row tiles, 4 CTAs per SM;
+ *   1 tensor cores with a per-key argmin (search_mma, the previous kernel);
+ *   0 float32 on the CUDA cores.
+ * 2-4 apply to dsub 2 and 4 (dsub 1 and 8 take 1); quantizers without tensor-core fragments take
+ * the float32 search whatever the value. */
+extern "C" int kvpq__cuda_encode_mma = 3;
+/* Timing knob of the grouped search (bench only; 0 in use): bits 1 no search loop, 2 no re-rank, 4 no
+ * search at all (codes 0). */
+extern "C" int kvpq__cuda_encode_dbg;
+int kvpq__cuda_encode_dbg = 0;
 
 namespace {
 
@@ -33,64 +46,93 @@ struct EncodeParams {
     int frag_lt;              /* codebook scale t = 2^frag_lt */
     kvpq__code_dst dst;
     int *flag;                /* set to 1 on a non-finite input */
+    int dbg;                  /* kvpq__cuda_encode_dbg */
 };
 
 /* Tensor-core search: k-steps of 16 for dsub (3 dsub + 2 terms: x_hi c_hi, x_lo c_hi, x_hi c_lo,
  * ||c||^2 hi and lo). */
 template <int DSUB> __host__ __device__ constexpr int mma_ksteps() { return (3 * DSUB + 2 + 15) / 16; }
 
-/* ---- phase 1: load, (subtract the mean,) smooth, rotate; a warp per row; xs = (T, D) ---- */
+/* ---- phase 1: load, (subtract the mean,) smooth, rotate; a warp per row; xs = (T, D) ----
+ * PREFETCH: each warp first issues the loads of all its T / 8 rows, then transforms them (one
+ * device-memory round trip per warp instead of one per row; the grouped variants 6 and 7). */
 template <int D>
-__device__ __forceinline__ void load_rows(const EncodeParams &p, long long row0, float *xs) {
-    constexpr int T = 4096 / D, EPL = D / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int r = warp; r < T; r += kThreads / 32) {
-        long long gr = row0 + r;
-        float v[EPL];
-        if (gr < p.n_rows) {
-            const float *src = p.x + gr * D + lane * EPL;
-            if constexpr (EPL % 4 == 0) {
+__device__ __forceinline__ void load_row_regs(const EncodeParams &p, long long gr, int lane, float (&v)[D / 32]) {
+    constexpr int EPL = D / 32;
+    if (gr < p.n_rows) {
+        const float *src = p.x + gr * D + lane * EPL;
+        if constexpr (EPL % 4 == 0) {
 #pragma unroll
-                for (int j = 0; j < EPL; j += 4) {
-                    float4 t = *reinterpret_cast<const float4 *>(src + j);
-                    v[j] = t.x; v[j + 1] = t.y; v[j + 2] = t.z; v[j + 3] = t.w;
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < EPL; j += 2) {
-                    float2 t = *reinterpret_cast<const float2 *>(src + j);
-                    v[j] = t.x; v[j + 1] = t.y;
-                }
+            for (int j = 0; j < EPL; j += 4) {
+                float4 t = *reinterpret_cast<const float4 *>(src + j);
+                v[j] = t.x; v[j + 1] = t.y; v[j + 2] = t.z; v[j + 3] = t.w;
             }
-            bool bad = false;
-#pragma unroll
-            for (int j = 0; j < EPL; j++) bad |= !isfinite(v[j]);
-            if (__any_sync(KVPQ_FULL_MASK, bad) && lane == 0) atomicOr(p.flag, 1);
-            if (p.mean) {
-                const float *mu = p.mean + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
-#pragma unroll
-                for (int j = 0; j < EPL; j += 2) {
-                    const float2 m2 = *reinterpret_cast<const float2 *>(mu + j);
-                    v[j] -= m2.x;
-                    v[j + 1] -= m2.y;
-                }
-            }
-            if (p.inv_lambda) {
-                const float *il = p.inv_lambda + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
-#pragma unroll
-                for (int j = 0; j < EPL; j += 2) {
-                    const float2 l2 = *reinterpret_cast<const float2 *>(il + j);
-                    v[j] *= l2.x;
-                    v[j + 1] *= l2.y;
-                }
-            }
-            if (p.rotate) kvpq__warp_fwht<EPL>(v, lane);
         } else {
 #pragma unroll
-            for (int j = 0; j < EPL; j++) v[j] = 0.f;
+            for (int j = 0; j < EPL; j += 2) {
+                float2 t = *reinterpret_cast<const float2 *>(src + j);
+                v[j] = t.x; v[j + 1] = t.y;
+            }
         }
+    } else {
 #pragma unroll
-        for (int j = 0; j < EPL; j++) xs[r * D + lane * EPL + j] = v[j];
+        for (int j = 0; j < EPL; j++) v[j] = 0.f;
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void transform_row(const EncodeParams &p, long long gr, int lane, float (&v)[D / 32],
+                                              float *xrow) {
+    constexpr int EPL = D / 32;
+    if (gr < p.n_rows) {
+        bool bad = false;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) bad |= !isfinite(v[j]);
+        if (__any_sync(KVPQ_FULL_MASK, bad) && lane == 0) atomicOr(p.flag, 1);
+        if (p.mean) {
+            const float *mu = p.mean + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
+#pragma unroll
+            for (int j = 0; j < EPL; j += 2) {
+                const float2 m2 = *reinterpret_cast<const float2 *>(mu + j);
+                v[j] -= m2.x;
+                v[j + 1] -= m2.y;
+            }
+        }
+        if (p.inv_lambda) {
+            const float *il = p.inv_lambda + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
+#pragma unroll
+            for (int j = 0; j < EPL; j += 2) {
+                const float2 l2 = *reinterpret_cast<const float2 *>(il + j);
+                v[j] *= l2.x;
+                v[j + 1] *= l2.y;
+            }
+        }
+        if (p.rotate) kvpq__warp_fwht<EPL>(v, lane);
+    }
+#pragma unroll
+    for (int j = 0; j < EPL; j++) xrow[lane * EPL + j] = v[j];
+}
+
+template <int D, bool PREFETCH = false>
+__device__ __forceinline__ void load_rows(const EncodeParams &p, long long row0, float *xs) {
+    constexpr int T = 4096 / D, EPL = D / 32, RPW = T / (kThreads / 32);
+    static_assert(T % (kThreads / 32) == 0, "rows per warp");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if constexpr (PREFETCH) {
+        float v[RPW][EPL];
+#pragma unroll
+        for (int i = 0; i < RPW; i++) load_row_regs<D>(p, row0 + warp + i * (kThreads / 32), lane, v[i]);
+#pragma unroll
+        for (int i = 0; i < RPW; i++) {
+            const int r = warp + i * (kThreads / 32);
+            transform_row<D>(p, row0 + r, lane, v[i], xs + r * D);
+        }
+    } else {
+        for (int r = warp; r < T; r += kThreads / 32) {
+            float v[EPL];
+            load_row_regs<D>(p, row0 + r, lane, v);
+            transform_row<D>(p, row0 + r, lane, v, xs + r * D);
+        }
     }
 }
 
@@ -218,16 +260,17 @@ __device__ __forceinline__ void load_sub(const float *xv, float (&v)[DSUB]) {
     }
 }
 
+/* e_lo: a further floor on e - lt (the no-C variants' nu bound), or below any */
 template <int DSUB>
-__device__ __forceinline__ bool sub_out_of_range(const float *xv, int lt) {
+__device__ __forceinline__ bool sub_out_of_range(const float *xv, int lt, int e_lo) {
     float v[DSUB];
     load_sub<DSUB>(xv, v);
     float mx = 0.f;
 #pragma unroll
     for (int j = 0; j < DSUB; j++) mx = fmaxf(mx, fabsf(v[j]));
     bool oor = false;
-    sub_exp(mx, lt, &oor);
-    return oor;
+    const int e = sub_exp(mx, lt, &oor);
+    return oor || (mx > 0.f && e - lt < e_lo);
 }
 
 template <int DSUB>
@@ -336,6 +379,14 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
           "f"(c[3]));
 }
 
+/* d = a b (m16n8k16, float16 inputs, float32 accumulate, zero accumulator input) */
+__device__ __forceinline__ void mma16816z(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y), "f"(0.f));
+}
+
 #ifndef KVPQ_ENCODE_MMA_ROW_TILES /* row tiles of 16 sub-vectors a warp holds per pass over the codebook */
 #define KVPQ_ENCODE_MMA_ROW_TILES 4
 #endif
@@ -440,6 +491,259 @@ __device__ __forceinline__ void search_mma(const EncodeParams &p, const float *x
     }
 }
 
+/* ---- phase 2, tensor cores, grouped argmin (kvpq__cuda_encode_mma 2-4; 3 is the default) ----
+ *
+ * Same keys as search_mma (one mma.m16n8k16 per 16 sub-vectors x 8 centroids and k-step), with two
+ * changes that cut the search loop's instructions per mma from ~8.6 to ~5.4-6.6 (SASS) and the
+ * integer ones from 6 to 3:
+ *  - A fragments: each sub-vector's float16 hi/lo pairs, norm factor and (t/s)||u||^2 are computed
+ *    once, by one lane, into a per-warp record in shared memory (REC = dsub + 2 words); each thread
+ *    then reads the 3 words its quad position needs. search_mma had all 4 threads of a quad repeat
+ *    the whole per-sub-vector computation.
+ *  - argmin: the keys of U consecutive column tiles (a group of 8U centroids) are reduced by raw
+ *    integer min over their float bits (3-input VIMNMX3, 2 keys per instruction, no per-key index);
+ *    only each group's minimum gets the (group, quad position) number in its low log2(4 n_groups)
+ *    bits (one LOP3 + one VIMNMX per row and group instead of a LOP3 per key): 2 + 4/U integer
+ *    instructions per mma and thread instead of 6. The quad's minimum names the winning group and
+ *    quad position; the 2U centroids of that pair are re-ranked exactly, argmin ||x - c||^2 in
+ *    float32 on the CUDA cores (ties to the lowest index), from the float32 sub-vector and codebook.
+ *    The keys lose log2(4 n_groups) <= 5 low bits (2^-18 relative at nbits 8, inside the near-tie
+ *    band like search_mma's nbits - 2 bits); a centroid beaten only within that resolution by one of
+ *    another group or quad position is a near-tie. */
+#ifndef KVPQ_ENCODE_MMA_GROUP /* column tiles per argmin group (U) */
+#define KVPQ_ENCODE_MMA_GROUP 4
+#endif
+constexpr int kMmaGroup = KVPQ_ENCODE_MMA_GROUP;
+/* The grouped variants (kvpq__cuda_encode_mma >= 2): row tiles of 16 sub-vectors a warp holds per
+ * pass over the codebook (times k-steps), and CTAs per SM the registers are capped for. */
+__host__ __device__ constexpr int mma2_row_tiles(int var) { return var == 3 ? 4 : 2; }
+__host__ __device__ constexpr int mma2_blocks(int var) { return var == 3 ? 3 : 4; }
+/* Variants 3 and 4: no accumulator input (the mma's C is zero; nu enters as one more k-column, A = a
+ * float16 upper bound of nu / 2^15 against B = 2^15, so no registers hold C and none are copied
+ * before each mma), the re-rank reads the codebook in a permuted, bank-conflict-free order, and the
+ * rows are loaded with PREFETCH (load_rows). */
+__host__ __device__ constexpr bool mma2_noc(int var) { return var >= 3; }
+/* exponent floor of the no-C variants: nu < 2^(lt - e) 4 dsub must stay below 2^31 (A <= 65504) */
+__host__ __device__ constexpr int noc_lo(int dsub) { return (dsub >= 8 ? 3 : dsub >= 4 ? 2 : dsub >= 2 ? 1 : 0) - 28; }
+
+/* Record of one sub-vector (dsub even): H pairs (dsub / 2 words: float16x2 hi parts of -2u),
+ * L pairs (lo parts), ST (float16x2 of 2^kNormShift s/t twice), nu ((t/s)||u||^2, float32 bits; the
+ * no-C variants: float16x2 (nu / 2^15 rounded up, 0), the A entries of the k-columns 3 dsub + 2, + 3). */
+template <int DSUB> __host__ __device__ constexpr int rec_words() { return DSUB + 2; }
+
+template <int DSUB, bool NOC>
+__device__ __forceinline__ void build_rec(const float *xv, int lt, uint32_t *rec) {
+    float v[DSUB];
+    load_sub<DSUB>(xv, v);
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) mx = fmaxf(mx, fabsf(v[j]));
+    /* a tile with a sub-vector out of range never gets here (sub_exp's clamp is not needed) */
+    const int e = mx > 0.f ? 127 - ((__float_as_int(mx) >> 23) & 0xff) : lt - kNormShift;
+    const float s = __int_as_float((e + 127) << 23);
+    float n = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) {
+        const float u = v[j] * s;
+        n = fmaf(u, u, n);
+    }
+#pragma unroll
+    for (int j = 0; j < DSUB; j += 2) {
+        const float p0 = v[j] * (-2.f * s), p1 = v[j + 1] * (-2.f * s);
+        const __half2 hi = __floats2half2_rn(p0, p1);
+        const float2 hb = __half22float2(hi);
+        const __half2 lo = __floats2half2_rn(p0 - hb.x, p1 - hb.y);
+        rec[j / 2] = h2_bits(hi);
+        rec[DSUB / 2 + j / 2] = h2_bits(lo);
+    }
+    const __half sf = __float2half_rn(__int_as_float((e - lt + kNormShift + 127) << 23));
+    rec[DSUB] = h2_bits(__halves2half2(sf, sf));
+    const float nu = n * __int_as_float((lt - e + 127) << 23);
+    if constexpr (NOC)
+        rec[DSUB + 1] = h2_bits(__halves2half2(__float2half_ru(nu * (1.f / 32768.f)), __float2half_rn(0.f)));
+    else
+        rec[DSUB + 1] = __float_as_uint(nu);
+}
+
+/* The A registers of one row for quad position q from its record (see build_a_row); the no-C
+ * variants also take the pair of k-columns 3 dsub + 2, + 3 (nu bound, 0) from it. */
+template <int DSUB, int KS, bool NOC>
+__device__ __forceinline__ void load_a_row(const uint32_t *rec, int q, uint32_t (&reg)[KS][2], float &nu) {
+    const int jp = ((2 * q) % DSUB) / 2;
+    const uint32_t H = rec[jp], L = rec[DSUB / 2 + jp], ST = rec[DSUB], KZ = rec[DSUB + 1];
+    nu = NOC ? 0.f : __uint_as_float(KZ);
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+        for (int off = 0; off < 2; off++) {
+            uint32_t r = 0;
+#pragma unroll
+            for (int qq = 0; qq < 4; qq++) {
+                const int k = 16 * ks + 2 * qq + 8 * off, cat = a_cat<DSUB>(k);
+                const uint32_t val = cat == 0 ? H : cat == 1 ? L : cat == 2 ? ST : NOC && k == 3 * DSUB + 2 ? KZ : 0u;
+                if (q == qq) r = val;
+            }
+            reg[ks][off] = r;
+        }
+}
+
+/* Position of centroid c in the no-C variants' shared float32 codebook: the 2U centroids of each
+ * (group, quad position) pair (columns 2t, 2t + 1 of the group's U tiles) are contiguous. */
+__host__ __device__ constexpr int rerank_pos(int c, int U) {
+    return c / (8 * U) * (8 * U) + (c % 8 >> 1) * (2 * U) + (c % (8 * U) >> 3) * 2 + (c & 1);
+}
+
+template <int D, int DSUB, int VAR>
+struct Mma2Shape {
+    static constexpr int KS = mma_ksteps<DSUB>(), NSUB = 4096 / DSUB, R = NSUB / 16 / (kThreads / 32);
+    static constexpr int RG = R < mma2_row_tiles(VAR) / KS ? R : mma2_row_tiles(VAR) / KS;
+    static constexpr int STAGE_WORDS = (kThreads / 32) * RG * 16 * rec_words<DSUB>(); /* all warps */
+};
+
+/* stage: (warps, RG * 16, REC) records; cbr: the float32 codebook (ksub, dsub), shared or device. */
+template <int D, int DSUB, int VAR>
+__device__ __forceinline__ void search_mma2(const EncodeParams &p, const float *xs, const uint2 *sB, uint32_t *stage,
+                                            const float *cbr, uint16_t *idxs) {
+    using S = Mma2Shape<D, DSUB, VAR>;
+    constexpr int KS = S::KS, R = S::R, RG = S::RG, REC = rec_words<DSUB>(), U = kMmaGroup;
+    constexpr bool NOC = mma2_noc(VAR);
+    static_assert(R % RG == 0 && RG % 2 == 0, "row groups");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int ngrp = (p.ksub >> 3) / U, lt = p.frag_lt;
+    const int lowmask = 4 * ngrp - 1, mask = ~lowmask; /* low bits: (group, quad position) */
+    uint32_t *st = stage + warp * (RG * 16 * REC);
+    for (int grp = 0; grp < R / RG; grp++) {
+        const int base = (warp * R + grp * RG) * 16; /* first sub-vector of this pass */
+        __syncwarp();
+        for (int i = lane; i < RG * 16; i += 32) build_rec<DSUB, NOC>(xs + (base + i) * DSUB, lt, st + i * REC);
+        __syncwarp();
+        uint32_t a[RG][KS][4];
+        float ci[RG][4]; /* accumulator input: (t/s) ||u||^2 of rows g, g, g + 8, g + 8 */
+        int key[RG][2];
+#pragma unroll
+        for (int r = 0; r < RG; r++) {
+            uint32_t r0[KS][2], r1[KS][2];
+            float nu0, nu1;
+            load_a_row<DSUB, KS, NOC>(st + (r * 16 + g) * REC, t, r0, nu0);
+            load_a_row<DSUB, KS, NOC>(st + (r * 16 + g + 8) * REC, t, r1, nu1);
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                a[r][ks][0] = r0[ks][0];
+                a[r][ks][1] = r1[ks][0];
+                a[r][ks][2] = r0[ks][1];
+                a[r][ks][3] = r1[ks][1];
+            }
+            ci[r][0] = nu0; /* + 0.f: see search_mma */
+            ci[r][1] = nu0 + 0.f;
+            ci[r][2] = nu1;
+            ci[r][3] = nu1 + 0.f;
+            key[r][0] = key[r][1] = 0x7fffffff;
+        }
+        for (int gi = 0; gi < (p.dbg & 1 ? 0 : ngrp); gi++) {
+            int gm[RG][2];
+#pragma unroll
+            for (int i = 0; i < U; i++) {
+                const int ct = gi * U + i;
+                uint2 b[KS];
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) b[ks] = sB[(ct * KS + ks) * 32 + lane];
+                /* all RG mma of this column tile first, then their minima: RG results in flight */
+                float c[RG][4];
+#pragma unroll
+                for (int r = 0; r < RG; r++) {
+                    if constexpr (NOC)
+                        mma16816z(c[r], a[r][0], b[0]);
+                    else
+                        mma16816(c[r], a[r][0], b[0], ci[r]);
+#pragma unroll
+                    for (int ks = 1; ks < KS; ks++) mma16816(c[r], a[r][ks], b[ks], c[r]);
+                }
+#pragma unroll
+                for (int r = 0; r < RG; r++) {
+                    const int k0 = __float_as_int(c[r][0]), k1 = __float_as_int(c[r][1]);
+                    const int k2 = __float_as_int(c[r][2]), k3 = __float_as_int(c[r][3]);
+                    gm[r][0] = i == 0 ? min(k0, k1) : min(gm[r][0], min(k0, k1));
+                    gm[r][1] = i == 0 ? min(k2, k3) : min(gm[r][1], min(k2, k3));
+                }
+            }
+            const int tag = (gi << 2) | t;
+#pragma unroll
+            for (int r = 0; r < RG; r++) {
+                key[r][0] = min(key[r][0], (gm[r][0] & mask) | tag);
+                key[r][1] = min(key[r][1], (gm[r][1] & mask) | tag);
+            }
+        }
+        /* the quad's minimum: the winning (group, quad position) of each row, in every lane */
+        int win[RG][2];
+#pragma unroll
+        for (int r = 0; r < RG; r++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int v = key[r][h];
+                v = min(v, __shfl_xor_sync(KVPQ_FULL_MASK, v, 1));
+                v = min(v, __shfl_xor_sync(KVPQ_FULL_MASK, v, 2));
+                win[r][h] = v & lowmask;
+            }
+        /* exact re-rank of the winner's 2U centroids; the quad's 2 RG rows are shared out over its 4
+         * lanes: lane t takes rows 4j + t of the quad (row r = (4j + t) / 2, half h = t % 2) */
+#pragma unroll
+        for (int j = 0; j < RG / 2; j++) {
+            const int w = t == 0 ? win[2 * j][0] : t == 1 ? win[2 * j][1] : t == 2 ? win[2 * j + 1][0] : win[2 * j + 1][1];
+            const int s = base + (2 * j + (t >> 1)) * 16 + g + 8 * (t & 1);
+            float xv[DSUB];
+            load_sub<DSUB>(xs + s * DSUB, xv);
+            const int c0 = (w >> 2) * (8 * U) + 2 * (w & 3);
+            if (p.dbg & 2) {
+                idxs[s] = (uint16_t)c0;
+                continue;
+            }
+            float bd = INFINITY;
+            int bc = c0;
+            if constexpr (NOC) {
+                /* the 2U candidates are contiguous (rerank_pos); lane l starts at candidate l % 2U,
+                 * so the 8 lanes of each quarter-warp read 8 different bank groups (dsub 4) */
+                const float *cb = cbr + ((w >> 2) * (8 * U) + (w & 3) * (2 * U)) * DSUB;
+#pragma unroll
+                for (int kk = 0; kk < 2 * U; kk++) {
+                    const int k = (kk + lane) & (2 * U - 1), c = c0 + 8 * (k >> 1) + (k & 1);
+                    float cv[DSUB];
+                    load_sub<DSUB>(cb + k * DSUB, cv);
+                    float d = 0.f;
+#pragma unroll
+                    for (int kd = 0; kd < DSUB; kd++) {
+                        const float df = xv[kd] - cv[kd];
+                        d = fmaf(df, df, d);
+                    }
+                    if (d < bd || (d == bd && c < bc)) {
+                        bd = d;
+                        bc = c;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < U; i++)
+#pragma unroll
+                    for (int jj = 0; jj < 2; jj++) {
+                        const int c = c0 + 8 * i + jj;
+                        float cv[DSUB];
+                        load_sub<DSUB>(cbr + c * DSUB, cv);
+                        float d = 0.f;
+#pragma unroll
+                        for (int k = 0; k < DSUB; k++) {
+                            const float df = xv[k] - cv[k];
+                            d = fmaf(df, df, d);
+                        }
+                        if (d < bd) {
+                            bd = d;
+                            bc = c;
+                        }
+                    }
+            }
+            idxs[s] = (uint16_t)bc;
+        }
+    }
+}
+
 /* ---- phase 3: pack, a byte per thread and step ---- */
 template <int D, int DSUB>
 __device__ __forceinline__ void pack_codes(const EncodeParams &p, long long row0, const uint16_t *idxs) {
@@ -496,39 +800,74 @@ __device__ __forceinline__ void pack_codes(const EncodeParams &p, long long row0
     }
 }
 
-/* One CTA encodes a tile of T = 4096 / D rows (4096 / DSUB sub-vectors). MMA: the tensor-core
- * search (shared codebook, fragments in p.frag), falling back to the float32 search for a tile
- * with a sub-vector out of its range. */
+/* One CTA encodes a tile of T = 4096 / D rows (4096 / DSUB sub-vectors). VAR 0: the float32 search;
+ * 1: the tensor-core search of search_mma; 2-4: search_mma2 (grouped argmin, exact re-rank; dsub
+ * even and at least kMmaGroup column tiles, else search_mma; see kvpq__cuda_encode_mma). All
+ * tensor-core variants (shared codebook,
+ * fragments in p.frag) fall back to the float32 search for a tile with a sub-vector out of their
+ * range. */
 #ifndef KVPQ_ENCODE_MMA_MIN_BLOCKS /* CTAs per SM the tensor-core kernel's registers are capped for */
 #define KVPQ_ENCODE_MMA_MIN_BLOCKS 3
 #endif
-template <int D, int DSUB, bool MMA>
-__global__ void __launch_bounds__(kThreads, MMA ? KVPQ_ENCODE_MMA_MIN_BLOCKS : 1) encode_kernel(EncodeParams p) {
+template <int D, int DSUB, int VAR>
+__global__ void __launch_bounds__(kThreads, VAR >= 2   ? mma2_blocks(VAR)
+                                           : VAR == 1 ? KVPQ_ENCODE_MMA_MIN_BLOCKS
+                                                      : 1)
+    encode_kernel(EncodeParams p) {
     constexpr int T = 4096 / D, NSUB = 4096 / DSUB;
     constexpr int CHUNK = DSUB == 1 ? 2048 : 4096;
     constexpr int FP32_BYTES = (CHUNK + 4) * 4 + CHUNK / DSUB * 4;
-    constexpr int MMA_BYTES = MMA ? 32 * mma_ksteps<DSUB>() * 32 * 8 : 0;
+    constexpr int FRAG_BYTES = VAR ? 32 * mma_ksteps<DSUB>() * 32 * 8 : 0; /* ksub <= 256 */
+    /* search_mma2: the records after the fragments, then the float32 codebook where it fits in the
+     * 48 KB of static shared memory (else it is read from device memory) */
+    constexpr bool M2 = VAR >= 2;
+    constexpr int STAGE_BYTES = M2 ? Mma2Shape<D, DSUB, VAR>::STAGE_WORDS * 4 : 0;
+    constexpr int CB_BYTES = M2 ? 256 * DSUB * 4 : 0;
+    constexpr bool CB_SHARED = M2 && T * D * 4 + FRAG_BYTES + STAGE_BYTES + CB_BYTES + NSUB * 2 <= 48 * 1024;
+    constexpr int MMA_BYTES = FRAG_BYTES + STAGE_BYTES + (CB_SHARED ? CB_BYTES : 0);
     __shared__ __align__(16) float xs[T * D];  /* transformed rows */
     __shared__ __align__(16) unsigned char scratch[FP32_BYTES > MMA_BYTES ? FP32_BYTES : MMA_BYTES];
     __shared__ __align__(16) uint16_t idxs[NSUB]; /* chosen codes */
     float *cbs = reinterpret_cast<float *>(scratch), *nms = cbs + CHUNK + 4;
     const long long row0 = (long long)blockIdx.x * T;
 
-    if constexpr (MMA) {
-        /* the fragments are copied asynchronously (cp.async), overlapping the loads of the rows */
+    if constexpr (VAR != 0) {
+        /* the fragments (and the codebook) are copied asynchronously (cp.async), overlapping the
+         * loads of the rows */
         uint2 *sB = reinterpret_cast<uint2 *>(scratch);
         const int nf = (p.ksub >> 3) * mma_ksteps<DSUB>() * 32; /* even: 16-byte copies */
         for (int i = threadIdx.x; i < nf / 2; i += kThreads) __pipeline_memcpy_async(sB + 2 * i, p.frag + 2 * i, 16);
+        float *cb2 = reinterpret_cast<float *>(scratch + FRAG_BYTES + STAGE_BYTES);
+        static_assert(!mma2_noc(VAR) || CB_SHARED, "the no-C variants re-rank from shared memory");
+        if constexpr (CB_SHARED)
+            for (int i = threadIdx.x; i < p.ksub * DSUB / 4; i += kThreads) {
+                /* a 16-byte chunk holds whole centroids (dsub 2, 4), adjacent in rerank_pos order too */
+                const int dst = mma2_noc(VAR) ? rerank_pos(4 * i / DSUB, kMmaGroup) * DSUB : 4 * i;
+                __pipeline_memcpy_async(cb2 + dst, p.centroids + 4 * i, 16);
+            }
         __pipeline_commit();
-        load_rows<D>(p, row0, xs);
+        load_rows<D, mma2_noc(VAR)>(p, row0, xs);
         __pipeline_wait_prior(0);
         __syncthreads();
         bool oor = false;
-        for (int s = threadIdx.x; s < NSUB; s += kThreads) oor |= sub_out_of_range<DSUB>(xs + s * DSUB, p.frag_lt);
-        if (__syncthreads_or(oor))
+        for (int s = threadIdx.x; s < NSUB; s += kThreads)
+            oor |= sub_out_of_range<DSUB>(xs + s * DSUB, p.frag_lt, mma2_noc(VAR) ? noc_lo(DSUB) : -1000);
+        if (p.dbg & 4) {
+            for (int s = threadIdx.x; s < NSUB; s += kThreads) idxs[s] = 0;
+        } else if (__syncthreads_or(oor)) {
             search_fp32<D, DSUB>(p, xs, cbs, nms, idxs);
-        else
-            search_mma<D, DSUB>(p, xs, sB, idxs);
+        } else {
+            if constexpr (M2 && DSUB % 2 == 0) {
+                if (p.ksub >= 8 * kMmaGroup) {
+                    search_mma2<D, DSUB, VAR>(p, xs, sB, reinterpret_cast<uint32_t *>(scratch + FRAG_BYTES),
+                                         CB_SHARED ? cb2 : p.centroids, idxs);
+                } else {
+                    search_mma<D, DSUB>(p, xs, sB, idxs);
+                }
+            } else {
+                search_mma<D, DSUB>(p, xs, sB, idxs);
+            }
+        }
     } else {
         load_rows<D>(p, row0, xs);
         __syncthreads();
@@ -538,29 +877,42 @@ __global__ void __launch_bounds__(kThreads, MMA ? KVPQ_ENCODE_MMA_MIN_BLOCKS : 1
     pack_codes<D, DSUB>(p, row0, idxs);
 }
 
+template <int D, int DSUB, int VAR>
+kvpq_status launch_var(const EncodeParams &p, long long blocks, cudaStream_t stream) {
+    encode_kernel<D, DSUB, VAR><<<(unsigned)blocks, kThreads, 0, stream>>>(p);
+    return kvpq__cuda_err(cudaGetLastError(), "cuda encode kernel launch");
+}
+
 template <int D, int DSUB>
-kvpq_status launch(const EncodeParams &p, cudaStream_t stream) {
+kvpq_status launch(const EncodeParams &p, int variant, cudaStream_t stream) {
     constexpr int T = 4096 / D;
     long long blocks = (p.n_rows + T - 1) / T;
     if (blocks > 0x7fffffffLL) return kvpq__err(KVPQ_ERR_CAPACITY, "cuda encode: %lld rows is too many", p.n_rows);
     if constexpr (DSUB <= 8) {
         if (p.frag) {
-            encode_kernel<D, DSUB, true><<<(unsigned)blocks, kThreads, 0, stream>>>(p);
-            return kvpq__cuda_err(cudaGetLastError(), "cuda encode kernel launch");
+            /* the grouped search for dsub 2 and 4 (dsub 8: its float32 codebook would not fit beside
+             * the fragments in shared memory; search_mma) */
+            if constexpr (DSUB == 2 || DSUB == 4) {
+                switch (variant) {
+                case 2: return launch_var<D, DSUB, 2>(p, blocks, stream);
+                case 3: return launch_var<D, DSUB, 3>(p, blocks, stream);
+                case 4: return launch_var<D, DSUB, 4>(p, blocks, stream);
+                }
+            }
+            return launch_var<D, DSUB, 1>(p, blocks, stream);
         }
     }
-    encode_kernel<D, DSUB, false><<<(unsigned)blocks, kThreads, 0, stream>>>(p);
-    return kvpq__cuda_err(cudaGetLastError(), "cuda encode kernel launch");
+    return launch_var<D, DSUB, 0>(p, blocks, stream);
 }
 
 template <int D>
-kvpq_status launch_d(const EncodeParams &p, int dsub, cudaStream_t stream) {
+kvpq_status launch_d(const EncodeParams &p, int dsub, int variant, cudaStream_t stream) {
     switch (dsub) {
-    case 1: return launch<D, 1>(p, stream);
-    case 2: return launch<D, 2>(p, stream);
-    case 4: return launch<D, 4>(p, stream);
-    case 8: return launch<D, 8>(p, stream);
-    case 16: return launch<D, 16>(p, stream);
+    case 1: return launch<D, 1>(p, variant, stream);
+    case 2: return launch<D, 2>(p, variant, stream);
+    case 4: return launch<D, 4>(p, variant, stream);
+    case 8: return launch<D, 8>(p, variant, stream);
+    case 16: return launch<D, 16>(p, variant, stream);
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda encode: dsub=%d: expected 1, 2, 4, 8 or 16", dsub);
 }
@@ -609,6 +961,8 @@ int build_frag(const kvpq_pq *pq, uint2 **frag_host, int *lt_out) {
                     } else if (k < 3 * dsub + 2) {
                         float nf = (float)nw, nh = __half2float(__float2half_rn(nf));
                         v = k == 3 * dsub ? nf : nf - nh;
+                    } else if (k == 3 * dsub + 2) {
+                        v = 32768.f; /* against the no-C variants' nu / 2^15 (search_mma's A is 0 there) */
                     }
                     __half_raw r = __float2half_rn(v);
                     hv[i] = r.x;
@@ -641,12 +995,13 @@ kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
     p.code_size = q->code_size;
     p.frag = kvpq__cuda_encode_mma ? q->frag : NULL;
     p.frag_lt = q->frag_lt;
+    p.dbg = kvpq__cuda_encode_dbg;
     p.dst = dst;
     p.flag = q->flag;
     switch (q->p.d) {
-    case 64: return launch_d<64>(p, q->dsub, stream);
-    case 128: return launch_d<128>(p, q->dsub, stream);
-    case 256: return launch_d<256>(p, q->dsub, stream);
+    case 64: return launch_d<64>(p, q->dsub, kvpq__cuda_encode_mma, stream);
+    case 128: return launch_d<128>(p, q->dsub, kvpq__cuda_encode_mma, stream);
+    case 256: return launch_d<256>(p, q->dsub, kvpq__cuda_encode_mma, stream);
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda encode: d=%d: expected 64, 128 or 256", q->p.d);
 }

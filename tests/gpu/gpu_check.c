@@ -21,8 +21,28 @@
 
 #include "kvpq.h"
 
-/* float32 FMA order differs from the float64 reference: relative distance gap counted as a tie. */
+/* Near-ties of the encode checks. A code c that differs from the reference's best b counts as a tie
+ * when ||x-c||^2 - ||x-b||^2 <= TIE_REL (||x||^2 + ||x-b||^2) + 2 e ||c - b|| (x: the float64
+ * transformed sub-vector), two terms:
+ *  - the search's own float32 arithmetic: ||c||^2 - 2 x.c rounds relative to ||x||^2 + ||c||^2
+ *    (<= ~12 (dsub + 1) 2^-24 (||x||^2 + ||x-b||^2) first-order worst case for two keys, 6.4e-6 at
+ *    dsub 8, in practice far less); the tensor-core keys carry 2^-17 relative resolution: TIE_REL.
+ *  - the input: the GPU and the CPU path search a float32 x' = x + e, not x. Smoothing rounds each
+ *    element (x * fl(1/lambda): <= 2u relative, u = 2^-24); the float32 Walsh-Hadamard adds at most
+ *    u |v| per butterfly stage (log2 d stages, each sqrt 2 times an orthogonal map of rounded sums,
+ *    so each stage's error reaches the output scaled by exactly 1) and <= 3u for the 1/sqrt(d)
+ *    scaling (rsqrtf's 2 ulp and the product): to first order ||e|| <= (log2 d + 5) u ||row|| over
+ *    the whole transformed row, hence over any sub-vector. The error of an element is set by its
+ *    row's norm, not by its own size, while ||x||^2 can be tiny at dsub 1 (an element near 0). A
+ *    code optimal for x' is at most 2 ||e|| ||c - b|| worse than b at x, since the difference of
+ *    two squared distances is linear in x: ||x-c||^2 - ||x-b||^2 = ||c||^2 - ||b||^2 - 2 x.(c - b).
+ *    (Seed 4767417554760475544, d=256 dsub=1 nbits=12: x = 1.0128e-3 in a row of norm 18.2, the
+ *    GPU's x' 1.66e-7 off, codes 2.5e-4 apart: gap 7.1e-11 against a TIE_REL term of 1.0e-11; the
+ *    input term allows 2 * 1.4e-5 * 2.5e-4 = 6.9e-9. A wrong code passes only if it lies within
+ *    2 ||e|| of the mirror image of b about x.) Without rotation e is per element:
+ *    ||e|| <= 2u ||x||. */
 #define TIE_REL 1e-5
+#define F32_U (1.0 / 16777216.0)
 /* brief: reconstruction MSE relative difference <= 1e-4 */
 #define MSE_REL 1e-4
 #define DECODE_REL 1e-5
@@ -127,6 +147,28 @@ static void ref_decode_row(const ref_pq *q, const uint8_t *row, const float *lam
     for (int i = 0; i < d; i++) out[i] *= lambda ? (double)lambda[i] : 1.0;
 }
 
+static double row_norm(const double *x, int d) {
+    double s = 0;
+    for (int i = 0; i < d; i++) s += x[i] * x[i];
+    return sqrt(s);
+}
+
+/* Whether code c, `gap` = ||x-c||^2 - ||x-b||^2 worse than code b at the float64 sub-vector x, is a
+ * near-tie (see TIE_REL): 0 no, 1 within the TIE_REL term, 2 only with the input term. e_row bounds
+ * the float32 input's error over the row (rotated), else the per-element smoothing error 2u ||x||. */
+static int near_tie(const ref_pq *q, const double *x, int m, int c, int b, double gap, double e_row, int smooth) {
+    const float *cc = ref_cent(q, m, c), *cb = ref_cent(q, m, b);
+    double xn = 0, bd = 0, cbn = 0;
+    for (int j = 0; j < q->dsub; j++) {
+        xn += x[j] * x[j];
+        bd += (x[j] - cb[j]) * (x[j] - cb[j]);
+        cbn += ((double)cc[j] - cb[j]) * ((double)cc[j] - cb[j]);
+    }
+    const double e = e_row > 0 ? e_row : smooth ? 2 * F32_U * sqrt(xn) : 0;
+    const double t = TIE_REL * (xn + bd + 1e-30);
+    return gap <= t ? 1 : gap <= t + 2 * e * sqrt(cbn) ? 2 : 0;
+}
+
 static kvpq_pq *make_pq(int d, int dsub, int nbits, kvpq_codebook_granularity g, ref_pq *r, float *scale_out) {
     kvpq_pq_params pp = {.d = d, .M = d / dsub, .nbits = nbits, .granularity = g};
     kvpq_pq *pq;
@@ -177,12 +219,14 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
     CUDA_OK(cudaMemcpy(c1, dc, nrow * cs, cudaMemcpyDeviceToHost));
     CHECK(!memcmp(c0, c1, nrow * cs), "encode d=%d dsub=%d nbits=%d: output bytes not all written", d, dsub, nbits);
     /* padding bits past M*nbits must be zero (as the CPU packer writes them) */
-    int M = d / dsub, ties = 0, bad = 0;
+    int M = d / dsub, ties = 0, ties_input = 0, bad = 0, log2d = 0;
+    while ((1 << log2d) < d) log2d++;
     double mse_gpu = 0, mse_ref = 0;
     double *xt = malloc(d * sizeof *xt);
     for (size_t rw = 0; rw < nrow; rw++) {
         const float *lam = lambda ? lambda + (rw % H) * d : NULL;
         ref_transform(x + rw * d, lam, rotate, d, xt);
+        const double e_row = rotate ? (log2d + 5) * F32_U * row_norm(xt, d) : 0;
         for (int m = 0; m < M; m++) {
             int best = 0;
             double bd = INFINITY;
@@ -198,10 +242,10 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
             mse_gpu += gd;
             mse_ref += bd;
             if (gc != best) {
-                double xn = 0;
-                for (int j = 0; j < dsub; j++) xn += xt[m * dsub + j] * xt[m * dsub + j];
-                if (gd - bd <= TIE_REL * (xn + bd + 1e-30)) ties++;
+                const int nt = gc < r.ksub ? near_tie(&r, xt + m * dsub, m, gc, best, gd - bd, e_row, smooth) : 0;
+                if (nt) ties++;
                 else bad++;
+                ties_input += nt == 2;
             }
         }
         int used_bits = M * nbits;
@@ -221,15 +265,17 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
     double mse_cpu = 0;
     for (size_t rw = 0; rw < nrow; rw++) {
         ref_transform(x + rw * d, lambda ? lambda + (rw % H) * d : NULL, rotate, d, xt);
+        const double e_row = rotate ? (log2d + 5) * F32_U * row_norm(xt, d) : 0;
         for (int m = 0; m < M; m++) {
             int gc = get_code(c0 + rw * cs, m, nbits), ccode = get_code(cc + rw * cs, m, nbits);
-            double gd = ref_dist(&r, xt + m * dsub, m, gc), cd = ref_dist(&r, xt + m * dsub, m, ccode);
+            double gd = gc < r.ksub ? ref_dist(&r, xt + m * dsub, m, gc) : INFINITY;
+            double cd = ref_dist(&r, xt + m * dsub, m, ccode);
             mse_cpu += cd;
             if (gc != ccode) {
-                double xn = 0;
-                for (int j = 0; j < dsub; j++) xn += xt[m * dsub + j] * xt[m * dsub + j];
+                /* both are near-optimal for their own float32 x': the same band, either way round */
+                const int lo = gd < cd ? gc : ccode, hi = gd < cd ? ccode : gc;
                 cpu_diff++;
-                if (fabs(gd - cd) > TIE_REL * (xn + cd + 1e-30)) cpu_bad++;
+                if (gc >= r.ksub || !near_tie(&r, xt + m * dsub, m, hi, lo, fabs(gd - cd), e_row, smooth)) cpu_bad++;
             }
         }
     }
@@ -260,9 +306,10 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
     }
     double drel = sqrt(num / (den > 0 ? den : 1));
     CHECK(drel <= DECODE_REL, "decode d=%d dsub=%d nbits=%d: relative error %.3g", d, dsub, nbits, drel);
-    printf("  encode d=%3d dsub=%2d nbits=%2d %-8s smooth=%d rotate=%d rows=%zu: vs fp64 near-ties %d, MSE rel diff "
-           "%.2e; vs CPU %d differ (ties), MSE rel diff %.2e; decode rel err %.2e\n",
-           d, dsub, nbits, g ? "subspace" : "shared", smooth, rotate, nrow, ties, rel, cpu_diff, rel_cpu, drel);
+    printf("  encode d=%3d dsub=%2d nbits=%2d %-8s smooth=%d rotate=%d rows=%zu: vs fp64 near-ties %d (%d by the input "
+           "term), MSE rel diff %.2e; vs CPU %d differ (ties), MSE rel diff %.2e; decode rel err %.2e\n",
+           d, dsub, nbits, g ? "subspace" : "shared", smooth, rotate, nrow, ties, ties_input, rel, cpu_diff, rel_cpu,
+           drel);
     /* NaN input */
     float nan = NAN;
     CUDA_OK(cudaMemcpy(dx + (nx / 2), &nan, sizeof nan, cudaMemcpyHostToDevice));
@@ -502,9 +549,21 @@ int main(void) {
     int nt = g_quick ? 40 : 700;
 
     const int mma_0 = kvpq__cuda_encode_mma;
-    for (int variant = 1; variant >= 0; variant--) { /* both encode searches (tensor cores, float32) */
+    /* every encode kernel variant (src/cuda/encode.cu, kvpq__cuda_encode_mma): 2-4 tensor cores,
+     * grouped argmin + exact re-rank (2: accumulator input; 3, 4: none, other row tiles / CTAs per
+     * SM); 1 tensor cores, per-key argmin (previous); 0 float32. KVPQ_ENCODE_VARIANTS="2 0" checks
+     * a subset. */
+    int variants[8] = {2, 3, 4, 1, 0}, n_variants = 5;
+    const char *ve = getenv("KVPQ_ENCODE_VARIANTS");
+    if (ve) {
+        n_variants = 0;
+        for (const char *c = ve; *c && n_variants < 8; c++)
+            if (*c >= '0' && *c <= '4') variants[n_variants++] = *c - '0';
+    }
+    for (int vi = 0; vi < n_variants; vi++) {
+        const int variant = variants[vi];
         kvpq__cuda_encode_mma = variant;
-        printf("encode/decode (%s search):\n", variant ? "tensor-core" : "float32");
+        printf("encode/decode (%s search, variant %d):\n", variant ? "tensor-core" : "float32", variant);
         const int ds[] = {64, 128, 256}, dsubs[] = {1, 2, 4, 8, 16};
         for (int i = 0; i < 3; i++)
             for (int j = 0; j < 5; j++) {
