@@ -605,7 +605,17 @@ int main(void) {
     int L3[] = {130, 64, 257};
     const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep, pvec_0 = kvpq__cuda_attend_pvec,
               tc_0 = kvpq__cuda_attend_tc, tcw_0 = kvpq__cuda_attend_tc_warps;
-    for (int variant = 0; variant < 8; variant++) { /* every kernel variant the switches select */
+    /* KVPQ_ATTEND_VARIANTS="5 6 7" checks a subset (digits 0-7, below; "" none), e.g. to run only the
+     * tensor-core kernel under compute-sanitizer racecheck */
+    int att_variants[8] = {0, 1, 2, 3, 4, 5, 6, 7}, n_att = 8;
+    const char *va = getenv("KVPQ_ATTEND_VARIANTS");
+    if (va) {
+        n_att = 0;
+        for (const char *c = va; *c && n_att < 8; c++)
+            if (*c >= '0' && *c <= '7') att_variants[n_att++] = *c - '0';
+    }
+    for (int vi = 0; vi < n_att; vi++) { /* every kernel variant the switches select */
+        const int variant = att_variants[vi];
         /* 0-3: LUT kernel, entries float32/float16 x value codebook plain/replicated, with the vector
          * value loop; 4: float16 + replicas with the previous value loop (kvpq__cuda_attend_pvec = 0);
          * 5: the defaults: shared K and V codebooks with dsub 4, nbits 8 take the tensor-core kernel;
