@@ -1135,11 +1135,24 @@ kvpq_status launch_d(kvpq__attend_params &p, const Layout &L, int gs, int B, int
     return kvpq__err(KVPQ_ERR_INTERNAL, "cuda attend: heads per CTA %d", gs);
 }
 
-/* Whether the tensor-core path takes this configuration (see attend_tc_kernel). */
+/* Query heads per CTA of the tensor-core kernel: the largest divisor of the group size up to 8. */
+int tc_gs(const kvpq__attend_params &p) {
+    int g = p.n_head / p.n_head_kv, gs = g < 8 ? g : 8;
+    while (g % gs) gs--;
+    return gs;
+}
+
+/* Whether the tensor-core path takes this configuration (see attend_tc_kernel): the codebooks, pages
+ * of 2^page_shift >= 32 positions (tiles never straddle pages), and an 8-warp CTA's shared memory
+ * within the device's opt-in limit (e.g. 99 KiB on consumer GPUs: head_dim 128 fits with up to 4
+ * heads per CTA); otherwise the LUT kernel runs. */
 bool tc_ok(const kvpq__attend_params &p) {
-    return p.tc_image && p.k_books == 1 && p.v_books == 1 && p.k_dsub == 4 && p.v_dsub == 4 && p.k_nbits == 8 &&
-           p.v_nbits == 8 && p.k_code_size == p.head_dim / 4 && p.v_code_size == p.head_dim / 4 &&
-           p.page_shift >= 5;  /* pages of 2^page_shift >= 32 positions (tiles never straddle pages) */
+    if (!(p.tc_image && p.k_books == 1 && p.v_books == 1 && p.k_dsub == 4 && p.v_dsub == 4 && p.k_nbits == 8 &&
+          p.v_nbits == 8 && p.k_code_size == p.head_dim / 4 && p.v_code_size == p.head_dim / 4 && p.page_shift >= 5))
+        return false;
+    size_t optin = 0;
+    if (kvpq__cuda_props(NULL, &optin) != KVPQ_OK) return false;
+    return (size_t)tc_layout(p.head_dim, tc_gs(p), 8).total <= optin;
 }
 
 template <int D, int GS, int NW>
@@ -1170,14 +1183,16 @@ kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_spli
         long long tiles = (long long)B * p.n_head_kv * (p.n_head / p.n_head_kv / GS) * ((max_coded + 31) / 32);
         nw = tiles < 32LL * n_sm ? 8 : 16;
     }
+    size_t optin = 0;
+    KVPQ_TRY(kvpq__cuda_props(NULL, &optin));
+    if ((size_t)tc_layout(D, GS, 16).total > optin) nw = 8;  /* tc_ok checked that 8 warps fit */
     if (nw == 8) return launch_tc_nw<D, GS, 8>(p, B, max_coded, max_splits, stream);
     return launch_tc_nw<D, GS, 16>(p, B, max_coded, max_splits, stream);
 }
 
 template <int D>
 kvpq_status launch_tc_d(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
-    int g = p.n_head / p.n_head_kv, gs = g < 8 ? g : 8;
-    while (g % gs) gs--;
+    const int gs = tc_gs(p);
     switch (gs) {
     case 1: return launch_tc<D, 1>(p, B, max_coded, max_splits, stream);
     case 2: return launch_tc<D, 2>(p, B, max_coded, max_splits, stream);
