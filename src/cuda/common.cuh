@@ -115,8 +115,9 @@ extern "C" int kvpq__cuda_attend_tc_warps;
  * the pair does not qualify (attend.cu): 256 centroids x (16 key replicas, 16 value replicas) of 4
  * float16, each codebook scaled by a power of two to float16's top (the exponents come back). */
 kvpq_status kvpq__cuda_tc_image(const kvpq_pq *key, const kvpq_pq *value, void **image, int *kexp, int *vexp);
-/* Encode search of the next launches: 1 (default) = tensor cores (float16 hi/lo split, float32
- * accumulate) where the quantizer has fragments; 0 = float32 on the CUDA cores. */
+/* Encode search of the next launches (values documented at its definition in encode.cu): 3
+ * (default) = tensor cores with a grouped argmin and exact re-rank, 1 = tensor cores with a per-key
+ * argmin (the previous kernel), 0 = float32 on the CUDA cores; 2 and 4 are variants of 3. */
 extern "C" int kvpq__cuda_encode_mma;
 
 /* Plan splits for the longest code region `max_coded` over B sequences and launch the attention
