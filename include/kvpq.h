@@ -561,7 +561,7 @@ typedef struct {
 KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
 
 /* Errors: KVPQ_ERR_INVALID_ARG / KVPQ_ERR_UNSUPPORTED naming the field, KVPQ_ERR_NONFINITE (key_mean),
- * KVPQ_ERR_NO_DEVICE, KVPQ_ERR_DEVICE (including out of device memory). */
+ * KVPQ_ERR_NO_DEVICE, KVPQ_ERR_DEVICE (including out of device memory), KVPQ_ERR_NOMEM (host). */
 KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p);
 KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c);
 
@@ -572,9 +572,13 @@ KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int seq, int n, 
 
 /* Decode attention of one query per sequence for sequences 0..n_seq-1 (each holding >= 1
  * position; the query is the newest one and attends to all positions held), scale 1/sqrt(head_dim),
- * query head h reading KV head h / (n_head / n_head_kv). Scores from codes through per-query LUTs,
- * values decoded from the value codebook and summed, the window in float32, splits of the sequence
- * merged by the online-softmax {m, d, o} rule (flash-decoding).
+ * query head h reading KV head h / (n_head / n_head_kv). Shared key and value codebooks with dsub 4
+ * and nbits 8 (the 2-bit preset): keys and values dequantized on the fly into float16 tensor-core
+ * products (centroids rounded to float16 after a power-of-two scale, q split into float16 hi + lo;
+ * relative error against float64 a few 1e-4 on random data, growing with the context); other
+ * codebooks: scores from per-query LUTs (float16 entries), values decoded from the value codebook.
+ * The window in float32; splits of the sequence merged by the online-softmax {m, d, o} rule
+ * (flash-decoding). docs/CUDA.md has both kernels.
  * q, out: device (n_seq, n_head, head_dim) float32. */
 KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const float *q, float *out);
 
@@ -582,7 +586,8 @@ KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const
 KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq);
 /* Drop every position of sequence seq (its pages go back to the pool). */
 KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq);
-/* Device bytes held: code pages in use, window, codebooks, page tables. */
+/* Device bytes held: code pages in use, window, codebooks (with the tensor-core attention's 64 KiB
+ * codebook image where it applies), page tables. */
 KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache *c);
 
 #ifdef __cplusplus

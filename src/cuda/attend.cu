@@ -938,7 +938,11 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
                  * when A uses the same; this one puts the value code rows a lane reads, a + 4*ti, in
                  * different banks). Lane (r, a) takes column (head) r of positions a, a+8 from lane
                  * 4a + r/2 and of a+4, a+12 from lane 4a + 16 + r/2. */
-                const uint32_t X0 = h2_bits(__floats2half2_rn(p0, p2)), X1 = h2_bits(__floats2half2_rn(p1, p3));
+                /* float16 P scaled by 2^14 (undone with the value scale): probabilities down to 2^-38
+                 * of the running max stay normal float16 numbers */
+                const float ps = 16384.f;
+                const uint32_t X0 = h2_bits(__floats2half2_rn(p0 * ps, p2 * ps)),
+                               X1 = h2_bits(__floats2half2_rn(p1 * ps, p3 * ps));
                 const uint32_t yA0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcA), yA1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcA);
                 const uint32_t yB0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcB), yB1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcB);
                 const uint32_t ya = (r & 1) ? yA1 : yA0, yb = (r & 1) ? yB1 : yB0;
@@ -974,7 +978,7 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
         dB += __shfl_xor_sync(KVPQ_FULL_MASK, dB, sh);
     }
     float *mbuf = reinterpret_cast<float *>(smem);
-    const float vinv = ldexpf(1.f, -p.tc_vexp);
+    const float vinv = ldexpf(1.f, -(p.tc_vexp + 14));  /* the value image's scale and P's 2^14 */
     if (!PACKED || a < 2) {
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
@@ -1166,7 +1170,9 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
     KVPQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, NW * 32, L.total),
                   "cuda attend: occupancy");
     plan_splits(&p, NW * kSub * tc_halves(D), GS, B, max_coded, max_splits, n_sm, per_sm);
-    p.n_wsplits = 0;  /* the code CTAs share the window */
+    p.n_wsplits = 0;  /* the code CTAs share the window: at least one CTA per 64 window positions */
+    const int wmin = (p.window + 63) / 64;
+    if (p.n_splits < wmin) p.n_splits = wmin < max_splits ? wmin : max_splits;
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
     kern<<<grid, NW * 32, L.total, stream>>>(p, L);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");

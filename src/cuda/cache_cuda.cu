@@ -156,7 +156,10 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     }
     kvpq_status s = kvpq__cuda_pq_upload(&c->kq, p->key, p->n_head_kv, p->key_smooth, 1);
     if (s == KVPQ_OK) s = kvpq__cuda_pq_upload(&c->vq, p->value, p->n_head_kv, NULL, p->value_rotate);
-    if (s == KVPQ_OK) s = kvpq__cuda_tc_image(p->key, p->value, &c->tc_image, &c->tc_kexp, &c->tc_vexp);
+    if (s == KVPQ_OK && kvpq__cuda_tc_image(p->key, p->value, &c->tc_image, &c->tc_kexp, &c->tc_vexp) != KVPQ_OK) {
+        c->tc_image = NULL;      /* no image (out of memory): the LUT kernel serves every attention call */
+        (void)cudaGetLastError();
+    }
     if (s == KVPQ_OK && p->key_mean) {
         size_t nm = (size_t)p->n_head_kv * p->head_dim * sizeof(float);
         s = kvpq__cuda_err(cudaMalloc((void **)&c->k_mean, nm), "kvpq_cuda_cache_new: cudaMalloc key_mean");
@@ -342,5 +345,6 @@ extern "C" KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache 
     size_t books = ((size_t)c->kq->n_books * c->kq->ksub * (c->kq->dsub + 1) +
                     (size_t)c->vq->n_books * c->vq->ksub * (c->vq->dsub + 1)) * sizeof(float);
     size_t tables = (size_t)c->p.n_seq * (c->max_pages + 1) * sizeof(int);
-    return used + win + books + tables;
+    size_t image = c->tc_image ? 256 * 256 : 0; /* the tensor-core attention's codebook image */
+    return used + win + books + tables + image;
 }

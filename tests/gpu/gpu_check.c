@@ -330,8 +330,14 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
 
 /* ---- attention ----------------------------------------------------------------------------------- */
 
+/* Positions per page of the next check_attend caches (the tensor-core kernel takes powers of two
+ * >= 32; other sizes take the LUT kernel). */
+static int g_page_tokens = 64;
+
 /* with_mean: the cache centers keys by a per-(KV head, channel) mean mu (key_mean); keys are drawn
- * around a large mu, the reference attends over dequantized codes of k - mu, plus mu. */
+ * around a large mu, the reference attends over dequantized codes of k - mu, plus mu. The error is
+ * checked over the whole batch and per sequence (a short sequence, mostly window, must not hide a
+ * long one's error). */
 static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits, int vdsub, int vnbits,
                          kvpq_codebook_granularity g, int window, int value_rotate, int B, const int *lens,
                          int with_mean) {
@@ -355,7 +361,7 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     cp.n_seq = B;
     cp.max_seq = maxL + 64 > window ? maxL + 64 : window;
     cp.window = window;
-    cp.page_tokens = 64;
+    cp.page_tokens = g_page_tokens;
     cp.n_pages = 0;
     cp.key = kpq;
     cp.value = vpq;
@@ -494,14 +500,24 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         num += (out[i] - ref[i]) * (out[i] - ref[i]);
         den += ref[i] * ref[i];
     }
-    double rel = sqrt(num / den);
-    CHECK(nonfinite == 0 && rel <= ATTEND_REL,
-          "attend D=%d heads %d/%d k(dsub %d, %d bits) v(dsub %d, %d bits) window %d: rel err %.3g, %d non-finite", D,
-          n_head, n_head_kv, kdsub, knbits, vdsub, vnbits, window, rel, nonfinite);
+    double rel = sqrt(num / den), rel_seq = 0;
+    for (int b = 0; b < B; b++) {
+        double nb = 0, db = 0;
+        for (size_t i = (size_t)b * n_head * D; i < (size_t)(b + 1) * n_head * D; i++) {
+            nb += (out[i] - ref[i]) * (out[i] - ref[i]);
+            db += ref[i] * ref[i];
+        }
+        double r = sqrt(nb / db);
+        rel_seq = r > rel_seq || !(r == r) ? r : rel_seq;
+    }
+    CHECK(nonfinite == 0 && rel <= ATTEND_REL && rel_seq <= ATTEND_REL,
+          "attend D=%d heads %d/%d k(dsub %d, %d bits) v(dsub %d, %d bits) window %d pages of %d: rel err %.3g (worst "
+          "sequence %.3g), %d non-finite",
+          D, n_head, n_head_kv, kdsub, knbits, vdsub, vnbits, window, g_page_tokens, rel, rel_seq, nonfinite);
     printf("  attend D=%3d heads %2d/%d B=%d maxL=%5d k(dsub %2d, %2d bits) v(dsub %2d, %2d bits) %-8s window %3d "
-           "vrot %d%s: rel err vs fp64 %.2e\n",
+           "pages %3d vrot %d%s: rel err vs fp64 %.2e, worst sequence %.2e\n",
            D, n_head, n_head_kv, B, maxL, kdsub, knbits, vdsub, vnbits, g ? "subspace" : "shared", window,
-           value_rotate, mu ? " key_mean" : "", rel);
+           g_page_tokens, value_rotate, mu ? " key_mean" : "", rel, rel_seq);
     for (int b = 0; b < B; b++) {
         free(K[b]);
         free(V[b]);
@@ -603,6 +619,7 @@ int main(void) {
     int L1[] = {1, 37, 700, g_quick ? 300 : 3000};
     int L2[] = {g_quick ? 500 : 5000};
     int L3[] = {130, 64, 257};
+    int L4[] = {g_quick ? 2000 : 32768};
     const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep, pvec_0 = kvpq__cuda_attend_pvec,
               tc_0 = kvpq__cuda_attend_tc, tcw_0 = kvpq__cuda_attend_tc_warps;
     /* KVPQ_ATTEND_VARIANTS="5 6 7" checks a subset (digits 0-7, below; "" none), e.g. to run only the
@@ -642,6 +659,18 @@ int main(void) {
         check_attend(128, 24, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 500, 0, 3, L3, 0);  /* window > length; 12 heads/KV */
         check_attend(256, 16, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 1, L2, 0);   /* D 256, 8 heads/KV */
         check_attend(64, 4, 4, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 32, 0, 3, L3, 1);     /* MHA, 1 head/KV */
+        /* tensor-core paths the shapes above miss: 8 heads per KV head with codes (two mma per k-step),
+         * head_dim 256 with 2 heads per KV head, pages of 32 and 256 positions, pages of 96 (not a
+         * power of two: the LUT kernel), and one long sequence (B=1) */
+        check_attend(128, 24, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 3, L3, 0);   /* 8 heads/KV */
+        check_attend(256, 8, 4, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 0, 1, L2, 1);    /* D 256, 2 heads/KV */
+        g_page_tokens = 32;
+        check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1, 0);
+        g_page_tokens = 96;
+        check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 0, 3, L3, 0);
+        g_page_tokens = 256;
+        check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 1, L4, 0);  /* one long sequence */
+        g_page_tokens = 64;
     }
     kvpq__cuda_attend_tc = tc_0;
     kvpq__cuda_attend_tc_warps = tcw_0;
