@@ -723,7 +723,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
 
 /* 8-byte gather of the image at byte offset `off` (shared memory). */
 __device__ __forceinline__ uint2 tc_gather(const char *cb, uint32_t off) {
@@ -848,8 +847,8 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
                     hh[e] = __float2half_rn(x[e]);
                     if (lo) hh[e] = __float2half_rn(x[e] - __half2float(hh[e]));
                 }
-                qb[part][kt][0] = h2_bits(__halves2half2(hh[0], hh[1]));
-                qb[part][kt][1] = h2_bits(__halves2half2(hh[2], hh[3]));
+                qb[part][kt][0] = kvpq__h2_bits(__halves2half2(hh[0], hh[1]));
+                qb[part][kt][1] = kvpq__h2_bits(__halves2half2(hh[2], hh[3]));
             }
         }
         /* scores times fA / fB undo the codebook and q' scales */
@@ -941,8 +940,8 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
                 /* float16 P scaled by 2^14 (undone with the value scale): probabilities down to 2^-38
                  * of the running max stay normal float16 numbers */
                 const float ps = 16384.f;
-                const uint32_t X0 = h2_bits(__floats2half2_rn(p0 * ps, p2 * ps)),
-                               X1 = h2_bits(__floats2half2_rn(p1 * ps, p3 * ps));
+                const uint32_t X0 = kvpq__h2_bits(__floats2half2_rn(p0 * ps, p2 * ps)),
+                               X1 = kvpq__h2_bits(__floats2half2_rn(p1 * ps, p3 * ps));
                 const uint32_t yA0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcA), yA1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcA);
                 const uint32_t yB0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcB), yB1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcB);
                 const uint32_t ya = (r & 1) ? yA1 : yA0, yb = (r & 1) ? yB1 : yB0;
@@ -1180,17 +1179,16 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
 
 template <int D, int GS>
 kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
+    int n_sm = 0;
+    size_t optin = 0;
+    KVPQ_TRY(kvpq__cuda_props(&n_sm, &optin));
     int nw = kvpq__cuda_attend_tc_warps;
     if (nw != 8 && nw != 16) {
         /* auto: 8-warp CTAs (two per SM) when the tiles of 32 positions are fewer than 32 per SM (a
          * short batch: more, smaller splits), else 16-warp CTAs (one codebook image per SM) */
-        int n_sm = 0;
-        KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
         long long tiles = (long long)B * p.n_head_kv * (p.n_head / p.n_head_kv / GS) * ((max_coded + 31) / 32);
         nw = tiles < 32LL * n_sm ? 8 : 16;
     }
-    size_t optin = 0;
-    KVPQ_TRY(kvpq__cuda_props(NULL, &optin));
     if ((size_t)tc_layout(D, GS, 16).total > optin) nw = 8;  /* tc_ok checked that 8 warps fit */
     if (nw == 8) return launch_tc_nw<D, GS, 8>(p, B, max_coded, max_splits, stream);
     return launch_tc_nw<D, GS, 16>(p, B, max_coded, max_splits, stream);

@@ -3,6 +3,7 @@
 #ifndef KVPQ_CUDA_COMMON_CUH
 #define KVPQ_CUDA_COMMON_CUH
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -132,6 +133,9 @@ kvpq_status kvpq__cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const f
 kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p);
 
 /* ---- device helpers ---------------------------------------------------------------------------- */
+
+/* The 32 bits of a float16 pair (for mma fragments and PRMT). */
+__device__ __forceinline__ uint32_t kvpq__h2_bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
 
 /* In-register normalized Walsh-Hadamard transform (Sylvester order, scale 1/sqrt(32*EPL)) of one
  * vector held by a warp: lane l holds elements [l*EPL, (l+1)*EPL). Butterflies of stride < EPL stay

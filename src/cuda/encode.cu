@@ -323,7 +323,6 @@ __host__ __device__ constexpr int a_cat(int k) { /* 0 hi, 1 lo, 2 norm factor, 3
     return k < DSUB ? 0 : k < 2 * DSUB ? 1 : k < 3 * DSUB ? 0 : k < 3 * DSUB + 2 ? 2 : 3;
 }
 
-__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
 
 template <int DSUB, int KS>
 __device__ __forceinline__ void build_a_row(const float *xv, int lt, int q, uint32_t (&reg)[KS][2], float &nu) {
@@ -355,7 +354,7 @@ __device__ __forceinline__ void build_a_row(const float *xv, int lt, int q, uint
     const float2 hb = __half22float2(hi);
     const __half2 lo = __floats2half2_rn(p0 - hb.x, p1 - hb.y);
     const __half sf = __float2half_rn(__int_as_float((e - lt + kNormShift + 127) << 23));
-    const uint32_t H = h2_bits(hi), L = h2_bits(lo), ST = h2_bits(__halves2half2(sf, sf));
+    const uint32_t H = kvpq__h2_bits(hi), L = kvpq__h2_bits(lo), ST = kvpq__h2_bits(__halves2half2(sf, sf));
 #pragma unroll
     for (int ks = 0; ks < KS; ks++)
 #pragma unroll
@@ -553,14 +552,14 @@ __device__ __forceinline__ void build_rec(const float *xv, int lt, uint32_t *rec
         const __half2 hi = __floats2half2_rn(p0, p1);
         const float2 hb = __half22float2(hi);
         const __half2 lo = __floats2half2_rn(p0 - hb.x, p1 - hb.y);
-        rec[j / 2] = h2_bits(hi);
-        rec[DSUB / 2 + j / 2] = h2_bits(lo);
+        rec[j / 2] = kvpq__h2_bits(hi);
+        rec[DSUB / 2 + j / 2] = kvpq__h2_bits(lo);
     }
     const __half sf = __float2half_rn(__int_as_float((e - lt + kNormShift + 127) << 23));
-    rec[DSUB] = h2_bits(__halves2half2(sf, sf));
+    rec[DSUB] = kvpq__h2_bits(__halves2half2(sf, sf));
     const float nu = n * __int_as_float((lt - e + 127) << 23);
     if constexpr (NOC)
-        rec[DSUB + 1] = h2_bits(__halves2half2(__float2half_ru(nu * (1.f / 32768.f)), __float2half_rn(0.f)));
+        rec[DSUB + 1] = kvpq__h2_bits(__halves2half2(__float2half_ru(nu * (1.f / 32768.f)), __float2half_rn(0.f)));
     else
         rec[DSUB + 1] = __float_as_uint(nu);
 }
