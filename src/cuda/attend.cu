@@ -475,6 +475,16 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
         int t0 = c0 + warp * 32, buf = 0;
         for (; t0 < c1; t0 += nw * 32, buf ^= 1) {
             const int n = min(32, c1 - t0), tn = t0 + nw * 32;
+            /* norm-explicit quantizers: this lane's position's float16 scales (loads in flight while
+             * the scores are summed) */
+            float ksc = 1.f, vsc = 1.f;
+            if ((p.k_scales || p.v_scales) && lane < n) {
+                const int t = t0 + lane;
+                const size_t si = ((size_t)p.page_table[(size_t)b * p.max_pages + t / p.page_tokens] * p.n_head_kv + kvh) *
+                                      p.page_tokens + t % p.page_tokens;
+                if (p.k_scales) ksc = __half2float(__ushort_as_half(__ldg(p.k_scales + si)));
+                if (p.v_scales) vsc = __half2float(__ushort_as_half(__ldg(p.v_scales + si)));
+            }
             /* scores: lane = position */
             float s[GS];
 #pragma unroll
@@ -537,6 +547,10 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
 #pragma unroll
                 for (int h = 0; h < GS; h++) s[h] = -INFINITY;
             }
+            if (p.k_scales) { /* score = s_k * sum_m LUT (lanes past n keep -inf: their ksc is 1) */
+#pragma unroll
+                for (int h = 0; h < GS; h++) s[h] *= ksc;
+            }
 #pragma unroll
             for (int h = 0; h < GS; h++) {
                 float mn = fmaxf(m_run[h], warp_max(s[h]));
@@ -545,7 +559,7 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
                 d_lane[h] = d_lane[h] * corr + pr;
 #pragma unroll
                 for (int j = 0; j < EPL; j++) o[h][j] *= corr;
-                pb[lane * GS + h] = pr;
+                pb[lane * GS + h] = pr * vsc; /* the denominator keeps p, the value sum takes p * s_v */
             }
             __syncwarp();
             /* values: lane = channels lane*EPL .. +EPL. The body is instantiated for a shared-memory
@@ -686,7 +700,13 @@ struct TcLayout {  /* dynamic shared memory, bytes */
     int qs, qexp, stage, total;  /* codebook image (and later the merge slots) at 0 */
 };
 
-inline TcLayout tc_layout(int D, int gs, int nw) {
+/* Bytes of a ring slot: the key then value code rows of a tile, then (sc, norm-explicit
+ * quantizers) its key then value float16 scales. */
+__host__ __device__ constexpr int tc_slot_bytes(int D, bool sc) {
+    return kSub * tc_halves(D) * 2 * (D / 4) + (sc ? kSub * tc_halves(D) * 2 * 2 : 0);
+}
+
+inline TcLayout tc_layout(int D, int gs, int nw, bool sc) {
     TcLayout L;
     int o = 256 * 256, merge = nw * gs * (D + 2) * 4;
     if (o < merge) o = merge;
@@ -696,7 +716,7 @@ inline TcLayout tc_layout(int D, int gs, int nw) {
     o += 8 * 4;
     o = (o + 15) & ~15;
     L.stage = o;
-    o += nw * kTcStages * kSub * tc_halves(D) * (D / 4) * 2;
+    o += nw * kTcStages * tc_slot_bytes(D, sc);
     o += 16;  /* the "last CTA" flag at total - 4 */
     L.total = o;
     return L;
@@ -747,7 +767,7 @@ __device__ __forceinline__ void load_code_words(const uint8_t *p, uint32_t (&w)[
 
 /* The code positions [c0, c1) of a CTA on the tensor-core path; leaves this warp's {m, d, o} in its
  * merge slots at smem (after a barrier: the slots overwrite the codebook image). */
-template <int D, int GS, int NW>
+template <int D, int GS, int NW, bool SC>
 __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
                                          int head0, int c0, int c1) {
     constexpr bool PACKED = GS <= 4;     /* hi and lo q parts in one mma (columns 0..3 and 4..7) */
@@ -755,7 +775,7 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
     constexpr int VT = D / 32;           /* value dim-tile pairs = value code bytes per lane per position */
     constexpr int CS = D / 4;            /* code bytes per position (M, nbits 8) */
     constexpr int HT = tc_halves(D), TILE = kSub * HT;  /* positions per warp iteration */
-    constexpr int NST = kTcStages, SB = TILE * 2 * CS;
+    constexpr int NST = kTcStages, SB = tc_slot_bytes(D, SC);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = NW;
     const int r = lane >> 2, a = lane & 3;
     /* replica of a gather: lane % 16 for keys; for values (lane % 16) ^ 4ti at position a + 4ti of a
@@ -797,6 +817,18 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
         for (int i = lane; i < 2 * NCH; i += 32) {
             const uint8_t *src = i < NCH ? p.k_pages + roff + i * 16 : p.v_pages + roff + (i - NCH) * 16;
             __pipeline_memcpy_async(dst + i * 16, src, 16);
+        }
+        if constexpr (SC) {
+            /* the tile's float16 scales (TILE-aligned: whole 16-byte chunks), key then value; a
+             * plain kind's stay unread */
+            constexpr int NSC = TILE * 2 / 16;
+            const size_t soff = ((size_t)page * p.n_head_kv + kvh) * p.page_tokens + (t0 & (p.page_tokens - 1));
+            if (lane < 2 * NSC) {
+                const uint16_t *sbase = lane < NSC ? p.k_scales : p.v_scales;
+                if (sbase)
+                    __pipeline_memcpy_async(dst + 2 * TILE * CS + lane * 16,
+                                            reinterpret_cast<const uint8_t *>(sbase + soff) + (lane % NSC) * 16, 16);
+            }
         }
     };
     if (c0 < c1) {
@@ -902,6 +934,16 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
                     if constexpr (PACKED) v += __shfl_xor_sync(KVPQ_FULL_MASK, v, 2);
                     s[h][e] = v * ((e & 1) ? fB : fA);
                 }
+                if constexpr (SC) {
+                    if (p.k_scales) { /* norm-explicit keys: score = s_k * (q' . r); rows r, r + 8 */
+                        const __half *ksc = reinterpret_cast<const __half *>(kb + 2 * TILE * CS) + 16 * h + r;
+                        const float k0 = __half2float(ksc[0]), k8 = __half2float(ksc[8]);
+                        s[h][0] *= k0;
+                        s[h][1] *= k0;
+                        s[h][2] *= k8;
+                        s[h][3] *= k8;
+                    }
+                }
                 if (16 * h + r >= n) s[h][0] = s[h][1] = -INFINITY;
                 if (16 * h + r + 8 >= n) s[h][2] = s[h][3] = -INFINITY;
             }
@@ -946,9 +988,16 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
                  * 4a + r/2 and of a+4, a+12 from lane 4a + 16 + r/2. */
                 /* float16 P scaled by 2^14 (undone with the value scale): probabilities down to 2^-38
                  * of the running max stay normal float16 numbers */
-                const float ps = 16384.f;
-                const uint32_t X0 = kvpq__h2_bits(__floats2half2_rn(p0 * ps, p2 * ps)),
-                               X1 = kvpq__h2_bits(__floats2half2_rn(p1 * ps, p3 * ps));
+                float ps0 = 16384.f, ps8 = 16384.f;
+                if constexpr (SC) {
+                    if (p.v_scales) { /* norm-explicit values: P = p s_v 2^(14 - sexp) (d keeps p) */
+                        const __half *vsc = reinterpret_cast<const __half *>(kb + 2 * TILE * CS) + TILE + 16 * h + r;
+                        ps0 = __half2float(vsc[0]) * p.tc_pscale;
+                        ps8 = __half2float(vsc[8]) * p.tc_pscale;
+                    }
+                }
+                const uint32_t X0 = kvpq__h2_bits(__floats2half2_rn(p0 * ps0, p2 * ps8)),
+                               X1 = kvpq__h2_bits(__floats2half2_rn(p1 * ps0, p3 * ps8));
                 const uint32_t yA0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcA), yA1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcA);
                 const uint32_t yB0 = __shfl_sync(KVPQ_FULL_MASK, X0, srcB), yB1 = __shfl_sync(KVPQ_FULL_MASK, X1, srcB);
                 const uint32_t ya = (r & 1) ? yA1 : yA0, yb = (r & 1) ? yB1 : yB0;
@@ -984,7 +1033,8 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
         dB += __shfl_xor_sync(KVPQ_FULL_MASK, dB, sh);
     }
     float *mbuf = reinterpret_cast<float *>(smem);
-    const float vinv = ldexpf(1.f, -(p.tc_vexp + 14));  /* the value image's scale and P's 2^14 */
+    /* the value image's scale and P's 2^14 (2^(14 - sexp) with value scales) */
+    const float vinv = ldexpf(1.f, -(p.tc_vexp + 14 - (SC && p.v_scales ? p.tc_sexp : 0)));
     if (!PACKED || a < 2) {
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
@@ -1042,7 +1092,7 @@ __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *m
     __syncwarp();
 }
 
-template <int D, int GS, int NW>
+template <int D, int GS, int NW, bool SC>
 __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__attend_params p, TcLayout L) {
     extern __shared__ __align__(16) char smem_tc[];
     const int split = blockIdx.x, b = blockIdx.z;
@@ -1051,7 +1101,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__atten
     float *mbuf = reinterpret_cast<float *>(smem_tc);
     const int len = p.seq_len[b], win = min(p.window, len), coded = len - win;
     const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
-    tc_codes<D, GS, NW>(p, L, smem_tc, b, kvh, head0, c0, c1);
+    tc_codes<D, GS, NW, SC>(p, L, smem_tc, b, kvh, head0, c0, c1);
     /* every CTA also takes 1/n_splits of the window (no window CTAs: no second wave of CTAs) */
     tc_window<D, GS, NW>(p, mbuf, b, kvh, head0, coded + (int)((long long)win * split / p.n_splits),
                      coded + (int)((long long)win * (split + 1) / p.n_splits));
@@ -1162,13 +1212,13 @@ bool tc_ok(const kvpq__attend_params &p) {
         return false;
     size_t optin = 0;
     if (kvpq__cuda_props(NULL, &optin) != KVPQ_OK) return false;
-    return (size_t)tc_layout(p.head_dim, tc_gs(p), 8).total <= optin;
+    return (size_t)tc_layout(p.head_dim, tc_gs(p), 8, p.k_scales || p.v_scales).total <= optin;
 }
 
-template <int D, int GS, int NW>
+template <int D, int GS, int NW, bool SC>
 kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
-    const TcLayout L = tc_layout(D, GS, NW);
-    auto kern = attend_tc_kernel<D, GS, NW>;
+    const TcLayout L = tc_layout(D, GS, NW, SC);
+    auto kern = attend_tc_kernel<D, GS, NW, SC>;
     KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total),
                   "cuda attend: shared memory attribute");
     int n_sm = 0, per_sm = 1;
@@ -1196,9 +1246,14 @@ kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_spli
         long long tiles = (long long)B * p.n_head_kv * (p.n_head / p.n_head_kv / GS) * ((max_coded + 31) / 32);
         nw = tiles < 32LL * n_sm ? 8 : 16;
     }
-    if ((size_t)tc_layout(D, GS, 16).total > optin) nw = 8;  /* tc_ok checked that 8 warps fit */
-    if (nw == 8) return launch_tc_nw<D, GS, 8>(p, B, max_coded, max_splits, stream);
-    return launch_tc_nw<D, GS, 16>(p, B, max_coded, max_splits, stream);
+    const bool sc = p.k_scales || p.v_scales;  /* norm-explicit: the kernel that reads scales */
+    if ((size_t)tc_layout(D, GS, 16, sc).total > optin) nw = 8;  /* tc_ok checked that 8 warps fit */
+    if (sc) {
+        if (nw == 8) return launch_tc_nw<D, GS, 8, true>(p, B, max_coded, max_splits, stream);
+        return launch_tc_nw<D, GS, 16, true>(p, B, max_coded, max_splits, stream);
+    }
+    if (nw == 8) return launch_tc_nw<D, GS, 8, false>(p, B, max_coded, max_splits, stream);
+    return launch_tc_nw<D, GS, 16, false>(p, B, max_coded, max_splits, stream);
 }
 
 template <int D>

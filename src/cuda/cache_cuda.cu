@@ -29,6 +29,16 @@ struct kvpq_cuda_cache {
     void *tc_image;      /* device codebook image of the tensor-core attention, or NULL (attend.cu) */
     int tc_kexp, tc_vexp;
     int max_splits;
+    /* norm-explicit quantizers (kq->p / vq->p from a codebook with key_norm / value_norm) */
+    int k_norm, v_norm;
+    uint16_t *k_scales;  /* device (n_pages, n_head_kv, page_tokens) float16 s_k, or NULL */
+    uint16_t *v_scales;  /* device (n_pages, n_head_kv, page_tokens) float16 s_v, or NULL */
+    float *ne_x;         /* device (ne_rows, head_dim) directions being encoded (workspace) */
+    float *ne_n;         /* device (ne_rows) their norms (workspace) */
+    size_t ne_rows;
+    unsigned long long *ne_bad; /* device (2): key, value: first scale beyond float16 (row << 32 | bits) */
+    unsigned *ne_smax;   /* device (2): key, value: max float bits of |s| of the append in progress */
+    float v_smax;        /* max |s_v| stored so far (the tensor-core kernel's P scale) */
 };
 
 namespace {
@@ -64,6 +74,12 @@ extern "C" KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c) {
     cudaFree(c->counters);
     cudaFree(c->k_mean);
     cudaFree(c->tc_image);
+    cudaFree(c->k_scales);
+    cudaFree(c->v_scales);
+    cudaFree(c->ne_x);
+    cudaFree(c->ne_n);
+    cudaFree(c->ne_bad);
+    cudaFree(c->ne_smax);
     free(c->h_page_table);
     free(c->free_pages);
     free(c->h_len);
@@ -105,6 +121,17 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
     a->tc_image = c->tc_image;
     a->tc_kexp = c->tc_kexp;
     a->tc_vexp = c->tc_vexp;
+    a->k_scales = c->k_scales;
+    a->v_scales = c->v_scales;
+    /* P * s_v must stay within float16 in the tensor-core value mma: p <= 1, |s_v| <= 2^sexp, so P
+     * enters as p * s_v * 2^(14 - sexp) <= 2^14 (plain values: p * 2^14, sexp 0) */
+    int sexp = 0;
+    if (c->v_scales && c->v_smax > 0.f) {
+        frexpf(c->v_smax, &sexp); /* v_smax < 2^sexp */
+        sexp = sexp < -60 ? -60 : sexp > 16 ? 16 : sexp;
+    }
+    a->tc_sexp = sexp;
+    a->tc_pscale = ldexpf(1.f, 14 - sexp);
 }
 
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
@@ -132,11 +159,6 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     if (p->key->p.d != p->head_dim || p->value->p.d != p->head_dim)
         return kvpq__err(KVPQ_ERR_MISMATCH, "kvpq_cuda_cache_new: quantizer d (key %d, value %d) != head_dim %d",
                          p->key->p.d, p->value->p.d, p->head_dim);
-    if (p->key->norm_explicit || p->value->norm_explicit)
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
-                         "kvpq_cuda_cache_new: the %s quantizer is norm-explicit (codebook k.norm / v.norm = 1): "
-                         "the CUDA backend does not store per-vector scales; use the CPU cache",
-                         p->key->norm_explicit ? "key" : "value");
     KVPQ_TRY(kvpq__cuda_require("kvpq_cuda_cache_new"));
 
     kvpq_cuda_cache *c = (kvpq_cuda_cache *)calloc(1, sizeof *c);
@@ -146,6 +168,8 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     c->p.value = NULL;
     c->p.key_smooth = NULL;
     c->p.key_mean = NULL;
+    c->k_norm = p->key->norm_explicit != 0;
+    c->v_norm = p->value->norm_explicit != 0;
     if (p->key_mean) {
         for (size_t i = 0; i < (size_t)p->n_head_kv * p->head_dim; i++)
             if (!isfinite(p->key_mean[i])) {
@@ -221,6 +245,26 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     KVPQ_STEP(cudaMemcpy(c->page_table, c->h_page_table, (size_t)p->n_seq * c->max_pages * sizeof(int),
                          cudaMemcpyHostToDevice), "kvpq_cuda_cache_new: page table");
     KVPQ_STEP(cudaMemset(c->seq_len, 0, (size_t)p->n_seq * sizeof(int)), "kvpq_cuda_cache_new: lengths");
+    if (c->k_norm || c->v_norm) {
+        /* scales beside the code pages (same page ids), and the encode workspace: at most 4 MiB of
+         * directions per pass, whole tokens */
+        const size_t spb = (size_t)p->n_head_kv * p->page_tokens * sizeof(uint16_t) * c->n_pages;
+        if (c->k_norm) KVPQ_STEP(cudaMalloc((void **)&c->k_scales, spb ? spb : 2), "kvpq_cuda_cache_new: cudaMalloc key scales");
+        if (c->v_norm) KVPQ_STEP(cudaMalloc((void **)&c->v_scales, spb ? spb : 2), "kvpq_cuda_cache_new: cudaMalloc value scales");
+        /* finite from the start: the tensor-core kernel multiplies the scales of a tile's positions
+         * past the sequence's end by probability 0 */
+        if (c->k_norm) KVPQ_STEP(cudaMemset(c->k_scales, 0, spb ? spb : 2), "kvpq_cuda_cache_new: key scales");
+        if (c->v_norm) KVPQ_STEP(cudaMemset(c->v_scales, 0, spb ? spb : 2), "kvpq_cuda_cache_new: value scales");
+        size_t tok = ((size_t)4 << 20) / ((size_t)p->n_head_kv * p->head_dim * sizeof(float));
+        if (tok < 1) tok = 1;
+        if (tok > (size_t)p->max_seq) tok = (size_t)p->max_seq;
+        c->ne_rows = tok * p->n_head_kv;
+        KVPQ_STEP(cudaMalloc((void **)&c->ne_x, c->ne_rows * p->head_dim * sizeof(float)),
+                  "kvpq_cuda_cache_new: cudaMalloc norm-explicit workspace");
+        KVPQ_STEP(cudaMalloc((void **)&c->ne_n, c->ne_rows * sizeof(float)), "kvpq_cuda_cache_new: cudaMalloc norm-explicit workspace");
+        KVPQ_STEP(cudaMalloc((void **)&c->ne_bad, 2 * sizeof(unsigned long long)), "kvpq_cuda_cache_new: cudaMalloc flags");
+        KVPQ_STEP(cudaMalloc((void **)&c->ne_smax, 2 * sizeof(unsigned)), "kvpq_cuda_cache_new: cudaMalloc flags");
+    }
 #undef KVPQ_STEP
     if (s != KVPQ_OK) {
         kvpq_cuda_cache_free(c);
@@ -265,13 +309,42 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int s
                          (long long)H * PT * c->vq->code_size, (long long)PT * c->vq->code_size};
     if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemsetAsync(c->kq->flag, 0, sizeof(int), 0), "kvpq_cuda_cache_append: flag");
     if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemsetAsync(c->vq->flag, 0, sizeof(int), 0), "kvpq_cuda_cache_append: flag");
-    if (s == KVPQ_OK) s = kvpq__cuda_encode_launch(c->kq, (size_t)n, k, kd, 0);
-    if (s == KVPQ_OK) s = kvpq__cuda_encode_launch(c->vq, (size_t)n, v, vd, 0);
+    const int ne = c->k_norm || c->v_norm;
+    if (s == KVPQ_OK && ne) {
+        s = kvpq__cuda_err(cudaMemsetAsync(c->ne_bad, 0xff, 2 * sizeof(unsigned long long), 0), "kvpq_cuda_cache_append: flag");
+        if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemsetAsync(c->ne_smax, 0, 2 * sizeof(unsigned), 0), "kvpq_cuda_cache_append: flag");
+    }
+    /* norm-explicit quantizers code directions and store a float16 scale per (position, KV head) */
+    if (s == KVPQ_OK)
+        s = c->k_norm ? kvpq__cuda_encode_ne_launch(c->kq, (size_t)n, k, kd, c->k_scales, c->ne_x, c->ne_n, c->ne_rows,
+                                                    c->ne_bad, c->ne_smax, 0)
+                      : kvpq__cuda_encode_launch(c->kq, (size_t)n, k, kd, 0);
+    if (s == KVPQ_OK)
+        s = c->v_norm ? kvpq__cuda_encode_ne_launch(c->vq, (size_t)n, v, vd, c->v_scales, c->ne_x, c->ne_n, c->ne_rows,
+                                                    c->ne_bad + 1, c->ne_smax + 1, 0)
+                      : kvpq__cuda_encode_launch(c->vq, (size_t)n, v, vd, 0);
     int fk = 0, fv = 0;
     if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemcpy(&fk, c->kq->flag, sizeof(int), cudaMemcpyDeviceToHost), "kvpq_cuda_cache_append: encode");
     if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemcpy(&fv, c->vq->flag, sizeof(int), cudaMemcpyDeviceToHost), "kvpq_cuda_cache_append: encode");
     if (s == KVPQ_OK && (fk || fv))
         s = kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_cuda_cache_append: %s hold NaN or Inf", fk ? (fv ? "k and v" : "k") : "v");
+    unsigned smax[2] = {0, 0};
+    if (s == KVPQ_OK && ne) {
+        unsigned long long bad[2];
+        s = kvpq__cuda_err(cudaMemcpy(bad, c->ne_bad, sizeof bad, cudaMemcpyDeviceToHost), "kvpq_cuda_cache_append: encode");
+        if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemcpy(smax, c->ne_smax, sizeof smax, cudaMemcpyDeviceToHost), "kvpq_cuda_cache_append: encode");
+        for (int w = 0; w < 2 && s == KVPQ_OK; w++)
+            if (bad[w] != ~0ull) { /* as the CPU cache (vq_encode): refused, naming the position */
+                const long long row = (long long)(bad[w] >> 32);
+                const unsigned bits = (unsigned)(bad[w] & 0xffffffffu);
+                float sv;
+                memcpy(&sv, &bits, sizeof sv);
+                s = kvpq__err(KVPQ_ERR_INVALID_ARG,
+                              "kvpq_cuda_cache_append: the norm-explicit %s scale of position %lld, KV head %lld is %g, "
+                              "beyond float16's range (65504)",
+                              w ? "value" : "key", (long long)L + row / H, row % H, (double)sv);
+            }
+    }
     if (s == KVPQ_OK && c->p.window > 0) {
         int first = n > c->p.window ? n - c->p.window : 0, rf = H * c->p.head_dim;
         long long total = (long long)(n - first) * rf;
@@ -292,6 +365,11 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int s
         return s;
     }
     c->h_len[seq] = nl;
+    if (c->v_norm) {
+        float vm;
+        memcpy(&vm, &smax[1], sizeof vm);
+        if (vm > c->v_smax) c->v_smax = vm;
+    }
     return KVPQ_OK;
 }
 
@@ -346,5 +424,41 @@ extern "C" KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache 
                     (size_t)c->vq->n_books * c->vq->ksub * (c->vq->dsub + 1)) * sizeof(float);
     size_t tables = (size_t)c->p.n_seq * (c->max_pages + 1) * sizeof(int);
     size_t image = c->tc_image ? 256 * 256 : 0; /* the tensor-core attention's codebook image */
-    return used + win + books + tables + image;
+    /* norm-explicit: a float16 scale per (position, KV head) of the pages in use, per kind (the
+     * encode workspace, like the attention workspace, is not counted) */
+    size_t scales = (size_t)(c->n_pages - c->n_free) * c->p.n_head_kv * c->p.page_tokens * sizeof(uint16_t) *
+                    (size_t)(c->k_norm + c->v_norm);
+    return used + win + books + tables + image + scales;
+}
+
+/* Test hook (gpu_check): the codes and float16 scales sequence `seq` holds, positions [0, len):
+ * kc (len, n_head_kv, k_code_size), vc (len, n_head_kv, v_code_size), ks / vs (len, n_head_kv)
+ * (each may be NULL; ks / vs are left alone for a plain quantizer). Host outputs. */
+extern "C" kvpq_status kvpq__cuda_cache_read_codes(const kvpq_cuda_cache *c, int seq, uint8_t *kc, uint8_t *vc,
+                                                   uint16_t *ks, uint16_t *vs) {
+    if (!c || seq < 0 || seq >= c->p.n_seq) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_read_codes: bad seq");
+    const int L = c->h_len[seq], PT = c->p.page_tokens, H = c->p.n_head_kv;
+    const int *pt = c->h_page_table + (size_t)seq * c->max_pages;
+    const size_t kcs = c->kq->code_size, vcs = c->vq->code_size, cmax = kcs > vcs ? kcs : vcs;
+    uint8_t *buf = (uint8_t *)malloc((size_t)H * PT * cmax);
+    if (!buf) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq__cuda_cache_read_codes: out of memory");
+    kvpq_status s = KVPQ_OK;
+    /* a page at a time: (n_head_kv, page_tokens, bytes per position) */
+    for (int t0 = 0; t0 < L && s == KVPQ_OK; t0 += PT) {
+        const int n = L - t0 < PT ? L - t0 : PT, page = pt[t0 / PT];
+        for (int w = 0; w < 4 && s == KVPQ_OK; w++) {
+            uint8_t *out = w == 0 ? kc : w == 1 ? vc : w == 2 ? (uint8_t *)ks : (uint8_t *)vs;
+            const uint8_t *src = w == 0 ? c->k_pages : w == 1 ? c->v_pages : w == 2 ? (const uint8_t *)c->k_scales
+                                                                                 : (const uint8_t *)c->v_scales;
+            const size_t bs = w == 0 ? kcs : w == 1 ? vcs : 2;
+            if (!out || !src) continue;
+            s = kvpq__cuda_err(cudaMemcpy(buf, src + (size_t)page * H * PT * bs, (size_t)H * PT * bs, cudaMemcpyDeviceToHost),
+                               "kvpq__cuda_cache_read_codes");
+            for (int h = 0; h < H && s == KVPQ_OK; h++)
+                for (int t = 0; t < n; t++)
+                    memcpy(out + ((size_t)(t0 + t) * H + h) * bs, buf + ((size_t)h * PT + t) * bs, bs);
+        }
+    }
+    free(buf);
+    return s;
 }

@@ -63,6 +63,20 @@ kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
 /* Launch the decode kernel (contiguous codes). */
 kvpq_status kvpq__cuda_decode_launch(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes, float *x,
                                      cudaStream_t stream);
+/* Norm-explicit encode of n_tokens rows of x (n_tokens, n_head_kv, d) float32 (Dai et al., AAAI
+ * 2020, as the CPU VQ cache, src/cache/cache_vq.c vq_encode): each row is transformed as the fused
+ * encode does (x' = H((x - mu) / lambda), the quantizer's transforms), divided by its norm
+ * (kvpq_normalize_rows' arithmetic), the direction u is coded into dst by the fused kernel, and the
+ * float16 scale s = |x'| (u . r) / |r|^2 (r = the centroids of u's codes; 0 when x' or r is 0) of
+ * row (token t, head h) is written to scales[page][h][pos % page_tokens] (dst's page table; page
+ * stride n_head_kv * page_tokens). work_x: device (work_rows, d) floats, work_n: device (work_rows)
+ * floats; the rows go through in chunks of work_rows (>= n_head_kv). A scale beyond float16's range
+ * is not written: bad (device, 1) gets the minimum of (row << 32 | float bits of the scale) over such
+ * rows (initialize it to ~0); smax (device, 1) gets the maximum of the float bits of |s| (>= 0, so
+ * they order as integers). Non-finite input sets q->flag. No synchronization. */
+kvpq_status kvpq__cuda_encode_ne_launch(const kvpq_cuda_pq *q, size_t n_tokens, const float *x, kvpq__code_dst dst,
+                                        uint16_t *scales, float *work_x, float *work_n, size_t work_rows,
+                                        unsigned long long *bad, unsigned *smax, cudaStream_t stream);
 /* Copy a host quantizer to the device. */
 kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_head_kv, const float *lambda,
                                  int rotate);
@@ -94,6 +108,14 @@ typedef struct {
     int n_wsplits;             /* filled by the launcher: window splits (32 positions each) */
     const void *tc_image;      /* tensor-core path: codebook image (256 x 256 bytes; attend.cu), or NULL */
     int tc_kexp, tc_vexp;      /* the image holds key centroids * 2^tc_kexp, value centroids * 2^tc_vexp */
+    /* Norm-explicit quantizers (kvpq_codebook_params.key_norm / value_norm): float16 scale s of each
+     * (page, KV head, position), (n_pages, n_head_kv, page_tokens) like the code pages, or NULL for a
+     * plain quantizer. A coded key's score is s_k * sum_m LUT; a coded value's softmax weight p enters
+     * the value sum as p * s_v (the denominator keeps p). */
+    const uint16_t *k_scales, *v_scales;
+    int tc_sexp;               /* tensor-core path, value scales: max |s_v| <= 2^tc_sexp (0 without) */
+    float tc_pscale;           /* tensor-core path: P enters the value mma as p * s_v * tc_pscale,
+                                  tc_pscale = 2^(14 - tc_sexp) (2^14 without value scales) */
     int *counters;             /* device (B, n_head) zeros: CTAs done per (sequence, head group); the last
                                   one merges the splits and sets it back to 0 */
 } kvpq__attend_params;

@@ -80,35 +80,40 @@ __device__ __forceinline__ void load_row_regs(const EncodeParams &p, long long g
     }
 }
 
+/* In registers: flag a non-finite row, subtract the mean, smooth, rotate (row gr < n_rows). */
+template <int D>
+__device__ __forceinline__ void transform_regs(const EncodeParams &p, long long gr, int lane, float (&v)[D / 32]) {
+    constexpr int EPL = D / 32;
+    bool bad = false;
+#pragma unroll
+    for (int j = 0; j < EPL; j++) bad |= !isfinite(v[j]);
+    if (__any_sync(KVPQ_FULL_MASK, bad) && lane == 0) atomicOr(p.flag, 1);
+    if (p.mean) {
+        const float *mu = p.mean + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
+#pragma unroll
+        for (int j = 0; j < EPL; j += 2) {
+            const float2 m2 = *reinterpret_cast<const float2 *>(mu + j);
+            v[j] -= m2.x;
+            v[j + 1] -= m2.y;
+        }
+    }
+    if (p.inv_lambda) {
+        const float *il = p.inv_lambda + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
+#pragma unroll
+        for (int j = 0; j < EPL; j += 2) {
+            const float2 l2 = *reinterpret_cast<const float2 *>(il + j);
+            v[j] *= l2.x;
+            v[j + 1] *= l2.y;
+        }
+    }
+    if (p.rotate) kvpq__warp_fwht<EPL>(v, lane);
+}
+
 template <int D>
 __device__ __forceinline__ void transform_row(const EncodeParams &p, long long gr, int lane, float (&v)[D / 32],
                                               float *xrow) {
     constexpr int EPL = D / 32;
-    if (gr < p.n_rows) {
-        bool bad = false;
-#pragma unroll
-        for (int j = 0; j < EPL; j++) bad |= !isfinite(v[j]);
-        if (__any_sync(KVPQ_FULL_MASK, bad) && lane == 0) atomicOr(p.flag, 1);
-        if (p.mean) {
-            const float *mu = p.mean + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
-#pragma unroll
-            for (int j = 0; j < EPL; j += 2) {
-                const float2 m2 = *reinterpret_cast<const float2 *>(mu + j);
-                v[j] -= m2.x;
-                v[j + 1] -= m2.y;
-            }
-        }
-        if (p.inv_lambda) {
-            const float *il = p.inv_lambda + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
-#pragma unroll
-            for (int j = 0; j < EPL; j += 2) {
-                const float2 l2 = *reinterpret_cast<const float2 *>(il + j);
-                v[j] *= l2.x;
-                v[j + 1] *= l2.y;
-            }
-        }
-        if (p.rotate) kvpq__warp_fwht<EPL>(v, lane);
-    }
+    if (gr < p.n_rows) transform_regs<D>(p, gr, lane, v);
 #pragma unroll
     for (int j = 0; j < EPL; j++) xrow[lane * EPL + j] = v[j];
 }
@@ -974,6 +979,109 @@ int build_frag(const kvpq_pq *pq, uint2 **frag_host, int *lt_out) {
     return KS;
 }
 
+/* ---- norm-explicit encode (kvpq__cuda_encode_ne_launch) ----
+ * Three launches per chunk of rows: the directions (a warp per row), the fused encode of the
+ * directions (plain: their transforms are done), the scales (a warp per row). The fused kernel is
+ * the one plain quantizers use, unchanged. */
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(KVPQ_FULL_MASK, v, o);
+    return v;
+}
+
+/* Row gr: x' = the fused kernel's transforms of x, then u = x' / |x'| into u (n_rows, D) and |x'|
+ * into nrm (n_rows), with kvpq_normalize_rows' arithmetic (double sum of squares, float norm, float
+ * reciprocal; a zero row stays zero). */
+template <int D>
+__global__ void __launch_bounds__(256) ne_direction_kernel(EncodeParams p, float *u, float *nrm) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31;
+    const long long gr = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (gr >= p.n_rows) return; /* whole warps leave together */
+    float v[EPL];
+    load_row_regs<D>(p, gr, lane, v);
+    transform_regs<D>(p, gr, lane, v);
+    double ss = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; j++) ss += (double)v[j] * v[j];
+    ss = warp_sum_d(ss);
+    const float n = (float)sqrt(ss), inv = n > 0.f ? 1.f / n : 0.f;
+#pragma unroll
+    for (int j = 0; j < EPL; j++) u[gr * D + lane * EPL + j] = v[j] * inv;
+    if (lane == 0) nrm[gr] = n;
+}
+
+struct NeScaleParams {
+    const float *u;          /* (n_rows, D) directions */
+    const float *nrm;        /* (n_rows) |x'| */
+    long long n_rows, row0;  /* rows of this chunk; its first row in the call (for the error) */
+    int n_head_kv;
+    const float *centroids;  /* (n_books, ksub, dsub) */
+    int ksub, n_books, nbits, dsub, code_size;
+    kvpq__code_dst dst;      /* where the fused kernel wrote the codes of this chunk */
+    uint16_t *scales;        /* (pages, n_head_kv, page_tokens) float16 */
+    unsigned long long *bad; /* min (row << 32 | scale bits) of a scale beyond float16 */
+    unsigned *smax;          /* max float bits of |s| */
+};
+
+/* Row gr: r = the centroids of its codes (as stored), s = |x'| (u . r) / |r|^2 in double (as the
+ * CPU cache's vq_encode), rounded to float then float16. */
+template <int D>
+__global__ void __launch_bounds__(256) ne_scale_kernel(NeScaleParams p) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31;
+    const long long gr = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (gr >= p.n_rows) return;
+    const long long t = gr / p.n_head_kv;
+    const int h = (int)(gr - t * p.n_head_kv);
+    const uint8_t *row;
+    size_t sidx = 0;
+    if (p.dst.page_table) {
+        const long long pos = p.dst.pos0 + t;
+        const int page = p.dst.page_table[pos / p.dst.page_tokens];
+        const int slot = (int)(pos % p.dst.page_tokens);
+        row = p.dst.out + page * p.dst.page_stride + h * p.dst.head_stride + (long long)slot * p.code_size;
+        sidx = ((size_t)page * p.n_head_kv + h) * p.dst.page_tokens + slot;
+    } else {
+        row = p.dst.out + gr * p.code_size;
+        sidx = (size_t)gr;
+    }
+    double ur = 0, rr = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; j++) {
+        const int e = lane * EPL + j, m = e / p.dsub;
+        const int code = kvpq__get_code(row, m, p.nbits);
+        const float r = p.centroids[((size_t)(p.n_books == 1 ? 0 : m) * p.ksub + code) * p.dsub + (e - m * p.dsub)];
+        ur += (double)p.u[gr * D + e] * r;
+        rr += (double)r * r;
+    }
+    ur = warp_sum_d(ur);
+    rr = warp_sum_d(rr);
+    if (lane) return;
+    const double sc = rr > 0 ? (double)p.nrm[gr] * ur / rr : 0.0;
+    const float sf = (float)sc;
+    if (!(fabs(sc) <= 65504.0)) {
+        atomicMin(p.bad, ((unsigned long long)(p.row0 + gr) << 32) | __float_as_uint(sf));
+        return;
+    }
+    const __half hs = __float2half_rn(sf);
+    p.scales[sidx] = __half_as_ushort(hs);
+    atomicMax(p.smax, __float_as_uint(fabsf(__half2float(hs))));
+}
+
+template <int D>
+kvpq_status ne_launch_d(const EncodeParams &p, float *u, float *nrm, const NeScaleParams &sp, const kvpq_cuda_pq *plain,
+                        size_t n_tokens, kvpq__code_dst cd, cudaStream_t stream) {
+    const long long blocks = (p.n_rows + 7) / 8;
+    if (blocks > 0x7fffffffLL) return kvpq__err(KVPQ_ERR_CAPACITY, "cuda encode: %lld rows is too many", p.n_rows);
+    ne_direction_kernel<D><<<(unsigned)blocks, 256, 0, stream>>>(p, u, nrm);
+    KVPQ_CUDA_TRY(cudaGetLastError(), "cuda norm-explicit encode: direction kernel launch");
+    KVPQ_TRY(kvpq__cuda_encode_launch(plain, n_tokens, u, cd, stream));
+    ne_scale_kernel<D><<<(unsigned)blocks, 256, 0, stream>>>(sp);
+    return kvpq__cuda_err(cudaGetLastError(), "cuda norm-explicit encode: scale kernel launch");
+}
+
 } // namespace
 
 kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, const float *x, kvpq__code_dst dst,
@@ -1003,6 +1111,57 @@ kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
     case 256: return launch_d<256>(p, q->dsub, kvpq__cuda_encode_mma, stream);
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda encode: d=%d: expected 64, 128 or 256", q->p.d);
+}
+
+kvpq_status kvpq__cuda_encode_ne_launch(const kvpq_cuda_pq *q, size_t n_tokens, const float *x, kvpq__code_dst dst,
+                                        uint16_t *scales, float *work_x, float *work_n, size_t work_rows,
+                                        unsigned long long *bad, unsigned *smax, cudaStream_t stream) {
+    const int H = q->n_head_kv, d = q->p.d;
+    const size_t chunk = work_rows / (size_t)H; /* tokens per pass */
+    if (chunk == 0) return kvpq__err(KVPQ_ERR_INTERNAL, "cuda norm-explicit encode: workspace of %zu rows", work_rows);
+    kvpq_cuda_pq plain = *q; /* codes the directions as they are: their transforms are done */
+    plain.mean = NULL;
+    plain.inv_lambda = NULL;
+    plain.rotate = 0;
+    for (size_t t0 = 0; t0 < n_tokens; t0 += chunk) {
+        const size_t nt = n_tokens - t0 < chunk ? n_tokens - t0 : chunk;
+        EncodeParams p = {};
+        p.x = x + t0 * H * d;
+        p.n_rows = (long long)nt * H;
+        p.n_head_kv = H;
+        p.mean = q->mean;
+        p.inv_lambda = q->inv_lambda;
+        p.rotate = q->rotate;
+        p.flag = q->flag;
+        kvpq__code_dst cd = dst;
+        if (cd.page_table) cd.pos0 += (int)t0;
+        else cd.out += t0 * H * q->code_size;
+        NeScaleParams sp;
+        sp.u = work_x;
+        sp.nrm = work_n;
+        sp.n_rows = p.n_rows;
+        sp.row0 = (long long)t0 * H;
+        sp.n_head_kv = H;
+        sp.centroids = q->centroids;
+        sp.ksub = q->ksub;
+        sp.n_books = q->n_books;
+        sp.nbits = q->p.nbits;
+        sp.dsub = q->dsub;
+        sp.code_size = q->code_size;
+        sp.dst = cd;
+        sp.scales = cd.page_table ? scales : scales + t0 * H;
+        sp.bad = bad;
+        sp.smax = smax;
+        kvpq_status s = KVPQ_OK;
+        switch (d) {
+        case 64: s = ne_launch_d<64>(p, work_x, work_n, sp, &plain, nt, cd, stream); break;
+        case 128: s = ne_launch_d<128>(p, work_x, work_n, sp, &plain, nt, cd, stream); break;
+        case 256: s = ne_launch_d<256>(p, work_x, work_n, sp, &plain, nt, cd, stream); break;
+        default: return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda encode: d=%d: expected 64, 128 or 256", d);
+        }
+        KVPQ_TRY(s);
+    }
+    return KVPQ_OK;
 }
 
 // ---- device quantizer object ----------------------------------------------------------------------
