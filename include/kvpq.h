@@ -274,8 +274,8 @@ typedef struct {
      * a value's softmax weight is multiplied by its s before the per-centroid sums. Costs 16 bits
      * per (token, KV head) on top of the codes (0.25 bits per element at head_dim 64). The codebooks
      * must be trained on directions (kvpq calibrate --key-norm 1 --value-norm 1, its default). The
-     * CUDA backend does not support it: kvpq_cuda_cache_new refuses such quantizers (the standalone
-     * kvpq_cuda_pq_* functions code whatever vectors they are given, directions included). With
+     * CUDA cache (kvpq_cuda_cache_new) does the same on the GPU (docs/CUDA.md); the standalone
+     * kvpq_cuda_pq_* functions code whatever vectors they are given, directions included. With
      * norm-explicit keys the cache's vq_fast_scan option is ignored (exact scores). */
     int key_norm;
     int value_norm;
@@ -560,14 +560,21 @@ typedef struct {
 } kvpq_cuda_cache_params;
 KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
 
-/* Errors: KVPQ_ERR_INVALID_ARG / KVPQ_ERR_UNSUPPORTED naming the field, KVPQ_ERR_NONFINITE (key_mean),
+/* Quantizers from a norm-explicit codebook (kvpq_codebook_params.key_norm / value_norm; Dai et al.,
+ * AAAI 2020) are taken as the CPU VQ cache takes them: the codes are those of the direction
+ * u = x'/|x'| of the transformed vector x', and a float16 scale s = x'.r/|r|^2 (r = u's
+ * reconstruction) per (position, KV head) is stored beside the code pages (device memory, counted
+ * by kvpq_cuda_cache_resident_bytes); a coded key's score is s_k times that of its codes, a coded
+ * value's softmax weight p enters the value sum as p s_v. docs/CUDA.md.
+ * Errors: KVPQ_ERR_INVALID_ARG / KVPQ_ERR_UNSUPPORTED naming the field, KVPQ_ERR_NONFINITE (key_mean),
  * KVPQ_ERR_NO_DEVICE, KVPQ_ERR_DEVICE (including out of device memory), KVPQ_ERR_NOMEM (host). */
 KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p);
 KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c);
 
 /* Append n positions to sequence `seq`: k, v device (n, n_head_kv, head_dim) float32, keys
- * post-RoPE. Errors: KVPQ_ERR_NONFINITE, KVPQ_ERR_CAPACITY, KVPQ_ERR_DEVICE; on error the
- * sequence is unchanged. */
+ * post-RoPE. Errors: KVPQ_ERR_NONFINITE, KVPQ_ERR_CAPACITY, KVPQ_ERR_INVALID_ARG (a norm-explicit
+ * scale beyond float16's range, naming the position and KV head, as the CPU cache), KVPQ_ERR_DEVICE;
+ * on error the sequence is unchanged. */
 KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int seq, int n, const float *k, const float *v);
 
 /* Decode attention of one query per sequence for sequences 0..n_seq-1 (each holding >= 1
@@ -586,8 +593,8 @@ KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const
 KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq);
 /* Drop every position of sequence seq (its pages go back to the pool). */
 KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq);
-/* Device bytes held: code pages in use, window, codebooks (with the tensor-core attention's 64 KiB
- * codebook image where it applies), page tables. */
+/* Device bytes held: code pages in use (with their norm-explicit float16 scales), window, codebooks
+ * (with the tensor-core attention's 64 KiB codebook image where it applies), page tables. */
 KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache *c);
 
 #ifdef __cplusplus

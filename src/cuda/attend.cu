@@ -354,7 +354,9 @@ __device__ void finish_cta(const kvpq__attend_params &p, const float *mbuf, int 
     }
 }
 
-template <int D, int GS, typename LT>
+/* SC: norm-explicit quantizers (p.k_scales and/or p.v_scales set); a separate instantiation, so that
+ * plain codebooks run the code they ran before. */
+template <int D, int GS, typename LT, bool SC>
 __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_params p, Layout L) {
     constexpr int EPL = D / 32, GSP = lut_stride<LT>(GS);
     extern __shared__ __align__(16) float smem[];
@@ -478,12 +480,15 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
             /* norm-explicit quantizers: this lane's position's float16 scales (loads in flight while
              * the scores are summed) */
             float ksc = 1.f, vsc = 1.f;
-            if ((p.k_scales || p.v_scales) && lane < n) {
-                const int t = t0 + lane;
-                const size_t si = ((size_t)p.page_table[(size_t)b * p.max_pages + t / p.page_tokens] * p.n_head_kv + kvh) *
-                                      p.page_tokens + t % p.page_tokens;
-                if (p.k_scales) ksc = __half2float(__ushort_as_half(__ldg(p.k_scales + si)));
-                if (p.v_scales) vsc = __half2float(__ushort_as_half(__ldg(p.v_scales + si)));
+            if constexpr (SC) {
+                if (lane < n) {
+                    const int t = t0 + lane;
+                    const size_t si =
+                        ((size_t)p.page_table[(size_t)b * p.max_pages + t / p.page_tokens] * p.n_head_kv + kvh) *
+                            p.page_tokens + t % p.page_tokens;
+                    if (p.k_scales) ksc = __half2float(__ushort_as_half(__ldg(p.k_scales + si)));
+                    if (p.v_scales) vsc = __half2float(__ushort_as_half(__ldg(p.v_scales + si)));
+                }
             }
             /* scores: lane = position */
             float s[GS];
@@ -547,9 +552,11 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
 #pragma unroll
                 for (int h = 0; h < GS; h++) s[h] = -INFINITY;
             }
-            if (p.k_scales) { /* score = s_k * sum_m LUT (lanes past n keep -inf: their ksc is 1) */
+            if constexpr (SC) {
+                if (p.k_scales) { /* score = s_k * sum_m LUT (lanes past n keep -inf: their ksc is 1) */
 #pragma unroll
-                for (int h = 0; h < GS; h++) s[h] *= ksc;
+                    for (int h = 0; h < GS; h++) s[h] *= ksc;
+                }
             }
 #pragma unroll
             for (int h = 0; h < GS; h++) {
@@ -559,7 +566,8 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
                 d_lane[h] = d_lane[h] * corr + pr;
 #pragma unroll
                 for (int j = 0; j < EPL; j++) o[h][j] *= corr;
-                pb[lane * GS + h] = pr * vsc; /* the denominator keeps p, the value sum takes p * s_v */
+                if constexpr (SC) pb[lane * GS + h] = pr * vsc; /* the denominator keeps p, the values p s_v */
+                else pb[lane * GS + h] = pr;
             }
             __syncwarp();
             /* values: lane = channels lane*EPL .. +EPL. The body is instantiated for a shared-memory
@@ -1155,11 +1163,11 @@ void plan_splits(kvpq__attend_params *p, int min_chunk, int gs, int B, int max_c
     p->n_wsplits = p->window > 0 ? (p->window + kWindowChunk - 1) / kWindowChunk : 1;
 }
 
-template <int D, int GS, typename LT>
+template <int D, int GS, typename LT, bool SC>
 kvpq_status launch_split(kvpq__attend_params &p, const Layout &L, int B, int max_coded, int max_splits,
                          cudaStream_t stream) {
     size_t bytes = (size_t)L.total * 4;
-    auto kern = attend_split_kernel<D, GS, LT>;
+    auto kern = attend_split_kernel<D, GS, LT, SC>;
     KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
                   "cuda attend: shared memory attribute");
     int n_sm = 0, per_sm = 1;
@@ -1175,8 +1183,12 @@ kvpq_status launch_split(kvpq__attend_params &p, const Layout &L, int B, int max
 template <int D, int GS>
 kvpq_status launch_lut(kvpq__attend_params &p, const Layout &L, int B, int max_coded, int max_splits,
                        cudaStream_t stream) {
-    if (L.lut16) return launch_split<D, GS, __half>(p, L, B, max_coded, max_splits, stream);
-    return launch_split<D, GS, float>(p, L, B, max_coded, max_splits, stream);
+    if (p.k_scales || p.v_scales) { /* norm-explicit quantizers */
+        if (L.lut16) return launch_split<D, GS, __half, true>(p, L, B, max_coded, max_splits, stream);
+        return launch_split<D, GS, float, true>(p, L, B, max_coded, max_splits, stream);
+    }
+    if (L.lut16) return launch_split<D, GS, __half, false>(p, L, B, max_coded, max_splits, stream);
+    return launch_split<D, GS, float, false>(p, L, B, max_coded, max_splits, stream);
 }
 
 template <int D>

@@ -8,7 +8,11 @@
  *   decode: equals the reference gather + inverse rotation + lambda to DECODE_REL.
  *   attend: equals softmax(q K^T / sqrt(d)) V in float64 over the dequantized codes (and the exact
  *           float32 window) to ATTEND_REL (relative L2 over the whole output); output poisoned
- *           with NaN before each run.
+ *           with NaN before each run. Norm-explicit quantizers (g_ne): the reference dequantizes
+ *           the stored direction codes times the stored float16 scales; the scales equal
+ *           x'.r/|r|^2 in float64 to float16 rounding, the direction codes are the float64 argmin
+ *           except near-ties, attention agrees with the CPU VQ cache's on the same (float16-exact)
+ *           inputs, and a scale beyond float16 is refused at append naming its position.
  * Fresh random inputs every run (the seed is printed; KVPQ_SEED=... replays one). KVPQ_QUICK=1
  * shrinks the sizes (used under compute-sanitizer). Exit 0 pass, 1 fail, 77 skipped. */
 #include <cuda_runtime_api.h>
@@ -48,12 +52,24 @@
 #define DECODE_REL 1e-5
 /* brief: attention to 1e-3 relative against float64 */
 #define ATTEND_REL 1e-3
+/* Stored norm-explicit scale vs float64: float16 rounding (half an ulp, 2^-11 relative; 2^-25
+ * absolute below float16's normal range) plus the float32 transform and normalization before it
+ * (~(log2 d + 5) 2^-24 relative, 1e-5 is far above) */
+#define SCALE_REL (1.0 / 2048 + 1e-5)
+#define SCALE_ABS (1.0 / 33554432.0)
+/* GPU vs CPU VQ cache attention on the same codebook and float16-exact inputs: both approximate the
+ * same float64 value to ATTEND_REL (the CPU's float32 LUT far closer), plus direction codes that
+ * differ at near-ties of the two float32 transforms (rare; one position each) */
+#define CPU_GPU_REL (2 * ATTEND_REL)
 
 static int g_fail = 0, g_quick = 0;
 /* internal switches of the CUDA kernels (src/cuda/attend.cu: LUT entries float16 when 1, value
  * codebook replicas; src/cuda/encode.cu: tensor-core search when 1) */
 extern int kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep, kvpq__cuda_attend_pvec, kvpq__cuda_attend_tc,
     kvpq__cuda_attend_tc_warps, kvpq__cuda_encode_mma;
+/* test hook (src/cuda/cache_cuda.cu): the codes and float16 scales a sequence holds */
+extern kvpq_status kvpq__cuda_cache_read_codes(const kvpq_cuda_cache *c, int seq, uint8_t *kc, uint8_t *vc,
+                                               uint16_t *ks, uint16_t *vs);
 static uint64_t g_rng;
 
 #define CHECK(cond, ...)                                   \
@@ -169,23 +185,42 @@ static int near_tie(const ref_pq *q, const double *x, int m, int c, int b, doubl
     return gap <= t ? 1 : gap <= t + 2 * e * sqrt(cbn) ? 2 : 0;
 }
 
+/* Random centroids sc * N(0, 1) into pq (params pp); r describes it. */
+static void fill_pq(kvpq_pq *pq, const kvpq_pq_params *pp, float sc, ref_pq *r) {
+    size_t n = kvpq_pq_centroids_size(pq);
+    float *c = malloc(n * sizeof *c);
+    for (size_t i = 0; i < n; i++) c[i] = sc * nrand();
+    KV_OK(kvpq_pq_set_centroids(pq, c, n));
+    free(c);
+    r->p = *pp;
+    r->dsub = pp->d / pp->M;
+    r->ksub = 1 << pp->nbits;
+    r->n_books = pp->granularity == KVPQ_CODEBOOK_SHARED ? 1 : pp->M;
+    r->C = kvpq_pq_centroids(pq);
+}
+
 static kvpq_pq *make_pq(int d, int dsub, int nbits, kvpq_codebook_granularity g, ref_pq *r, float *scale_out) {
     kvpq_pq_params pp = {.d = d, .M = d / dsub, .nbits = nbits, .granularity = g};
     kvpq_pq *pq;
     KV_OK(kvpq_pq_new(&pq, &pp));
-    size_t n = kvpq_pq_centroids_size(pq);
-    float *c = malloc(n * sizeof *c);
     float sc = 0.5f + (float)urand();
-    for (size_t i = 0; i < n; i++) c[i] = sc * nrand();
-    KV_OK(kvpq_pq_set_centroids(pq, c, n));
-    free(c);
-    r->p = pp;
-    r->dsub = dsub;
-    r->ksub = 1 << nbits;
-    r->n_books = g == KVPQ_CODEBOOK_SHARED ? 1 : pp.M;
-    r->C = kvpq_pq_centroids(pq);
+    fill_pq(pq, &pp, sc, r);
     if (scale_out) *scale_out = sc;
     return pq;
+}
+
+/* x rounded to the nearest float16 value (ties to even), as a float; beyond float16's range: x. */
+static float f16_round(float x) {
+    if (!(fabsf(x) < 65520.f) || x == 0.f) return x;
+    int e;
+    frexpf(x, &e);             /* |x| in [2^(e-1), 2^e): float16 ulp 2^(e-11), at least 2^-24 */
+    int ue = e - 11 < -24 ? -24 : e - 11;
+    return ldexpf(nearbyintf(ldexpf(x, -ue)), ue);
+}
+static double f16_value(uint16_t h) {
+    int e = (h >> 10) & 31, m = h & 1023;
+    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
+    return (h & 0x8000) ? -v : v;
 }
 
 /* ---- encode / decode ----------------------------------------------------------------------------- */
@@ -333,6 +368,57 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
 /* Positions per page of the next check_attend caches (the tensor-core kernel takes powers of two
  * >= 32; other sizes take the LUT kernel). */
 static int g_page_tokens = 64;
+/* Norm-explicit quantizers of the next check_attend caches: bit 0 keys, bit 1 values (0: plain). */
+static int g_ne = 0;
+
+/* The float64 transformed vector x' of a stored row: keys H((k - mu) / lambda), values H v or v. */
+static void ref_transformed(const float *x, const float *mu, const float *lambda, int rotate, int d, double *out) {
+    for (int i = 0; i < d; i++) out[i] = ((double)x[i] - (mu ? mu[i] : 0.0)) / (lambda ? (double)lambda[i] : 1.0);
+    if (rotate) ref_fwht(out, d);
+}
+
+/* Norm-explicit checks of one stored row (codes `row`, float16 scale `sh`) of transformed x (d):
+ * the scale against x'.r/|r|^2 in float64 (r = the centroids of the stored codes; returns the error
+ * relative to SCALE_REL |s| + SCALE_ABS, <= 1 passes) and, when codes_too, each direction code
+ * against the float64 argmin for u = x/|x| (near-ties allowed: u is float32 after a float32
+ * transform, ||e|| <= (log2 d + 7) u; adds the codes that are not to *bad_codes). */
+static double ne_check_row(const ref_pq *q, const uint8_t *row, uint16_t sh, const double *x, int codes_too,
+                           int *bad_codes) {
+    const int d = q->p.d;
+    double xr = 0, rr = 0, xx = 0;
+    for (int m = 0; m < q->p.M; m++) {
+        const float *c = ref_cent(q, m, get_code(row, m, q->p.nbits));
+        for (int j = 0; j < q->dsub; j++) {
+            xr += x[m * q->dsub + j] * c[j];
+            rr += (double)c[j] * c[j];
+        }
+    }
+    for (int i = 0; i < d; i++) xx += x[i] * x[i];
+    const double s64 = rr > 0 ? xr / rr : 0.0, err = fabs(f16_value(sh) - s64);
+    if (codes_too && xx > 0) {
+        int log2d = 0;
+        while ((1 << log2d) < d) log2d++;
+        double *u = malloc(d * sizeof *u);
+        for (int i = 0; i < d; i++) u[i] = x[i] / sqrt(xx);
+        for (int m = 0; m < q->p.M; m++) {
+            int best = 0, gc = get_code(row, m, q->p.nbits);
+            double bd = INFINITY;
+            for (int c = 0; c < q->ksub; c++) {
+                double dd = ref_dist(q, u + m * q->dsub, m, c);
+                if (dd < bd) {
+                    bd = dd;
+                    best = c;
+                }
+            }
+            if (gc != best &&
+                (gc >= q->ksub || !near_tie(q, u + m * q->dsub, m, gc, best, ref_dist(q, u + m * q->dsub, m, gc) - bd,
+                                             (log2d + 7) * F32_U, 0)))
+                (*bad_codes)++;
+        }
+        free(u);
+    }
+    return err / (SCALE_REL * fabs(s64) + SCALE_ABS);
+}
 
 /* with_mean: the cache centers keys by a per-(KV head, channel) mean mu (key_mean); keys are drawn
  * around a large mu, the reference attends over dequantized codes of k - mu, plus mu. The error is
@@ -343,8 +429,31 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
                          int with_mean) {
     ref_pq rk, rv;
     float sck, scv;
-    kvpq_pq *kpq = make_pq(D, kdsub, knbits, g, &rk, &sck);
-    kvpq_pq *vpq = make_pq(D, vdsub, vnbits, g, &rv, &scv);
+    kvpq_pq *kpq, *vpq;
+    kvpq_codebook *cb = NULL; /* norm-explicit runs: the quantizers of a codebook with k.norm / v.norm */
+    const int kne = g_ne & 1, vne = (g_ne >> 1) & 1;
+    if (g_ne) {
+        kvpq_codebook_params bp = kvpq_codebook_params_default();
+        bp.n_layer = 1;
+        bp.n_head_kv = n_head_kv;
+        bp.head_dim = D;
+        bp.key = (kvpq_pq_params){.d = D, .M = D / kdsub, .nbits = knbits, .granularity = g};
+        bp.value = (kvpq_pq_params){.d = D, .M = D / vdsub, .nbits = vnbits, .granularity = g};
+        bp.value_rotate = value_rotate;
+        bp.key_norm = kne;
+        bp.value_norm = vne;
+        KV_OK(kvpq_codebook_new(&cb, &bp));
+        kpq = kvpq_codebook_pq(cb, 0, 0);
+        vpq = kvpq_codebook_pq(cb, 0, 1);
+        sck = 0.5f + (float)urand(); /* data scales */
+        scv = 0.5f + (float)urand();
+        /* a direction codebook's elements are ~ 1/sqrt(D) (unit vectors) */
+        fill_pq(kpq, &bp.key, kne ? (0.5f + (float)urand()) / sqrtf((float)D) : sck, &rk);
+        fill_pq(vpq, &bp.value, vne ? (0.5f + (float)urand()) / sqrtf((float)D) : scv, &rv);
+    } else {
+        kpq = make_pq(D, kdsub, knbits, g, &rk, &sck);
+        vpq = make_pq(D, vdsub, vnbits, g, &rv, &scv);
+    }
     int H = n_head_kv, maxL = 0;
     for (int b = 0; b < B; b++) maxL = lens[b] > maxL ? lens[b] : maxL;
     float *lambda = malloc((size_t)H * D * sizeof *lambda);
@@ -392,6 +501,10 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     CUDA_OK(cudaMalloc((void **)&dkc, (size_t)maxL * H * kcs));
     CUDA_OK(cudaMalloc((void **)&dvc, (size_t)maxL * H * vcs));
     uint8_t *kc = malloc((size_t)maxL * H * kcs), *vc = malloc((size_t)maxL * H * vcs);
+    uint16_t *ksc = malloc((size_t)maxL * H * sizeof *ksc), *vsc = malloc((size_t)maxL * H * sizeof *vsc);
+    double *xt64 = malloc((size_t)D * sizeof *xt64), ne_scale_worst = 0;
+    int ne_bad_codes = 0;
+    long ne_rows = 0;
     for (int b = 0; b < B; b++) {
         int L = lens[b];
         K[b] = malloc((size_t)L * row * sizeof(float));
@@ -401,6 +514,10 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         for (size_t i = 0; i < (size_t)L * row; i++) {
             K[b][i] = sck * nrand() * lambda[i % row] + (mu ? mu[i % row] : 0.f);
             V[b][i] = scv * nrand();
+            if (g_ne) { /* float16-exact, so that the CPU VQ cache (float16 window) codes the same inputs */
+                K[b][i] = f16_round(K[b][i]);
+                V[b][i] = f16_round(V[b][i]);
+            }
         }
         CUDA_OK(cudaMemcpy(dk, K[b], (size_t)L * row * sizeof(float), cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(dv, V[b], (size_t)L * row * sizeof(float), cudaMemcpyHostToDevice));
@@ -412,17 +529,35 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
             t += n;
         }
         CHECK(kvpq_cuda_cache_seq_len(c, b) == L, "seq_len %d != %d", kvpq_cuda_cache_seq_len(c, b), L);
-        /* the cache's codes are those of kvpq_cuda_pq_encode (same kernel, same inputs: k - mu) */
-        if (mu) {
-            float *kc0 = malloc((size_t)L * row * sizeof *kc0);
-            for (size_t i = 0; i < (size_t)L * row; i++) kc0[i] = K[b][i] - mu[i % row];
-            CUDA_OK(cudaMemcpy(dk, kc0, (size_t)L * row * sizeof(float), cudaMemcpyHostToDevice));
-            free(kc0);
+        if (g_ne) {
+            /* norm-explicit: the codes of the directions and the scales, as the cache stored them */
+            KV_OK(kvpq__cuda_cache_read_codes(c, b, kc, vc, ksc, vsc));
+            for (int t = 0; t < L; t++) /* every position was encoded at append (window ones too) */
+                for (int h = 0; h < H; h++) {
+                    const size_t o = (size_t)t * row + (size_t)h * D, rh = (size_t)t * H + h;
+                    for (int w = 0; w < 2; w++) {
+                        if (!(w ? vne : kne)) continue;
+                        if (w) ref_transformed(V[b] + o, NULL, NULL, value_rotate, D, xt64);
+                        else ref_transformed(K[b] + o, mu ? mu + (size_t)h * D : NULL, lambda + (size_t)h * D, 1, D, xt64);
+                        double e = ne_check_row(w ? &rv : &rk, (w ? vc + rh * vcs : kc + rh * kcs), (w ? vsc : ksc)[rh],
+                                                xt64, t < 48, &ne_bad_codes);
+                        ne_scale_worst = e > ne_scale_worst || !(e == e) ? e : ne_scale_worst;
+                        ne_rows++;
+                    }
+                }
+        } else {
+            /* the cache's codes are those of kvpq_cuda_pq_encode (same kernel, same inputs: k - mu) */
+            if (mu) {
+                float *kc0 = malloc((size_t)L * row * sizeof *kc0);
+                for (size_t i = 0; i < (size_t)L * row; i++) kc0[i] = K[b][i] - mu[i % row];
+                CUDA_OK(cudaMemcpy(dk, kc0, (size_t)L * row * sizeof(float), cudaMemcpyHostToDevice));
+                free(kc0);
+            }
+            KV_OK(kvpq_cuda_pq_encode(kq, (size_t)L, dk, dkc));
+            KV_OK(kvpq_cuda_pq_encode(vq, (size_t)L, dv, dvc));
+            CUDA_OK(cudaMemcpy(kc, dkc, (size_t)L * H * kcs, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(vc, dvc, (size_t)L * H * vcs, cudaMemcpyDeviceToHost));
         }
-        KV_OK(kvpq_cuda_pq_encode(kq, (size_t)L, dk, dkc));
-        KV_OK(kvpq_cuda_pq_encode(vq, (size_t)L, dv, dvc));
-        CUDA_OK(cudaMemcpy(kc, dkc, (size_t)L * H * kcs, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(vc, dvc, (size_t)L * H * vcs, cudaMemcpyDeviceToHost));
         int win = window < L ? window : L;
         for (int t = 0; t < L; t++)
             for (int h = 0; h < H; h++) {
@@ -434,9 +569,12 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
                     }
                 } else {
                     ref_decode_row(&rk, kc + ((size_t)t * H + h) * kcs, lambda + (size_t)h * D, 1, Kh[b] + o);
-                    if (mu)
-                        for (int i = 0; i < D; i++) Kh[b][o + i] += mu[(size_t)h * D + i];
+                    /* norm-explicit: x_hat = s r, mapped back linearly, so s times the decoded row */
+                    const double sk = kne ? f16_value(ksc[(size_t)t * H + h]) : 1.0;
+                    for (int i = 0; i < D; i++) Kh[b][o + i] = sk * Kh[b][o + i] + (mu ? mu[(size_t)h * D + i] : 0.0);
                     ref_decode_row(&rv, vc + ((size_t)t * H + h) * vcs, NULL, value_rotate, Vh[b] + o);
+                    if (vne)
+                        for (int i = 0; i < D; i++) Vh[b][o + i] *= f16_value(vsc[(size_t)t * H + h]);
                 }
             }
     }
@@ -450,6 +588,33 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         s = kvpq_cuda_cache_append(c, 0, cp.max_seq, dk, dv);
         CHECK(s == KVPQ_ERR_CAPACITY && kvpq_cuda_cache_seq_len(c, 0) == lens[0], "append past max_seq: status %d",
               (int)s);
+        /* norm-explicit: a scale beyond float16 (a row of norm ~1e6 sqrt(D) at the second position,
+         * KV head 1) is refused naming its position, as the CPU cache does; the sequence is unchanged
+         * (the attention check below runs after this) */
+        for (int w = 0; w < 2; w++) {
+            if (!(w ? vne : kne)) continue;
+            const int hb = H > 1 ? 1 : 0;
+            float *bk = malloc(2 * row * sizeof *bk), *bv = malloc(2 * row * sizeof *bv);
+            for (size_t i = 0; i < 2 * row; i++) {
+                bk[i] = sck * nrand() * lambda[i % row] + (mu ? mu[i % row] : 0.f);
+                bv[i] = scv * nrand();
+            }
+            for (int j = 0; j < D; j++) {
+                const size_t o = row + (size_t)hb * D + j;
+                if (w) bv[o] = 1e6f * nrand();
+                else bk[o] = 1e6f * nrand() * lambda[(size_t)hb * D + j] + (mu ? mu[(size_t)hb * D + j] : 0.f);
+            }
+            CUDA_OK(cudaMemcpy(dk, bk, 2 * row * sizeof(float), cudaMemcpyHostToDevice));
+            CUDA_OK(cudaMemcpy(dv, bv, 2 * row * sizeof(float), cudaMemcpyHostToDevice));
+            s = kvpq_cuda_cache_append(c, 0, 2, dk, dv);
+            char want[96];
+            snprintf(want, sizeof want, "%s scale of position %d, KV head %d", w ? "value" : "key", lens[0] + 1, hb);
+            CHECK(s == KVPQ_ERR_INVALID_ARG && strstr(kvpq_last_error(), want) && kvpq_cuda_cache_seq_len(c, 0) == lens[0],
+                  "append of a %s scale beyond float16: status %d (%s), len %d", w ? "value" : "key", (int)s,
+                  kvpq_last_error(), kvpq_cuda_cache_seq_len(c, 0));
+            free(bk);
+            free(bv);
+        }
     }
     size_t nq = (size_t)B * n_head * D;
     float *q = malloc(nq * sizeof *q), *out = malloc(nq * sizeof *out), *dq, *dout;
@@ -515,9 +680,67 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
           "sequence %.3g), %d non-finite",
           D, n_head, n_head_kv, kdsub, knbits, vdsub, vnbits, window, g_page_tokens, rel, rel_seq, nonfinite);
     printf("  attend D=%3d heads %2d/%d B=%d maxL=%5d k(dsub %2d, %2d bits) v(dsub %2d, %2d bits) %-8s window %3d "
-           "pages %3d vrot %d%s: rel err vs fp64 %.2e, worst sequence %.2e\n",
+           "pages %3d vrot %d%s%s: rel err vs fp64 %.2e, worst sequence %.2e\n",
            D, n_head, n_head_kv, B, maxL, kdsub, knbits, vdsub, vnbits, g ? "subspace" : "shared", window,
-           g_page_tokens, value_rotate, mu ? " key_mean" : "", rel, rel_seq);
+           g_page_tokens, value_rotate, mu ? " key_mean" : "",
+           g_ne == 3 ? " norm-explicit K+V" : g_ne == 1 ? " norm-explicit K" : g_ne == 2 ? " norm-explicit V" : "", rel,
+           rel_seq);
+    if (g_ne) {
+        CHECK(ne_scale_worst <= 1.0 && ne_bad_codes == 0,
+              "norm-explicit D=%d: stored scales off by %.3g of the allowed float16 rounding (<= 1 passes), %d direction "
+              "codes beyond near-ties",
+              D, ne_scale_worst, ne_bad_codes);
+        /* resident bytes count a float16 scale per (position, KV head) of the pages in use, per kind */
+        const int PT = g_page_tokens, max_pages = (cp.max_seq + PT - 1) / PT;
+        size_t pages = 0;
+        for (int b = 0; b < B; b++) pages += (size_t)(lens[b] + PT - 1) / PT;
+        const int tc_img = g == KVPQ_CODEBOOK_SHARED && kdsub == 4 && vdsub == 4 && knbits == 8 && vnbits == 8;
+        const size_t want = pages * H * PT * (kcs + vcs) + 2 * (size_t)B * window * H * D * sizeof(float) +
+                            ((size_t)rk.n_books * rk.ksub * (kdsub + 1) + (size_t)rv.n_books * rv.ksub * (vdsub + 1)) * 4 +
+                            (size_t)B * (max_pages + 1) * sizeof(int) + (tc_img ? 65536 : 0) +
+                            pages * H * PT * 2 * (size_t)(kne + vne);
+        CHECK(kvpq_cuda_cache_resident_bytes(c) == want, "norm-explicit resident bytes %zu, expected %zu",
+              kvpq_cuda_cache_resident_bytes(c), want);
+        /* the CPU VQ cache on the same codebook and inputs, for the sequences whose coded / window split
+         * is the same there (it codes whole batches of 32 leaving the window) */
+        memcpy(kvpq_codebook_key_smooth(cb, 0), lambda, (size_t)H * D * sizeof(float));
+        if (mu) memcpy(kvpq_codebook_key_mean(cb, 0), mu, (size_t)H * D * sizeof(float));
+        double cpu_worst = 0;
+        int n_cpu = 0;
+        float *cout = malloc((size_t)n_head * D * sizeof *cout);
+        for (int b = 0; b < B; b++) {
+            const int L = lens[b];
+            if (!(L <= window || (L - window) % 32 == 0)) continue;
+            kvpq_cache_params pc = kvpq_cache_params_default();
+            pc.type = KVPQ_CACHE_VQ;
+            pc.n_layer = 1;
+            pc.n_head = n_head;
+            pc.n_head_kv = H;
+            pc.head_dim = D;
+            pc.max_seq = L + window + 64;
+            pc.window = window;
+            pc.codebook = cb;
+            kvpq_cache *cc;
+            KV_OK(kvpq_cache_new(&cc, &pc));
+            KV_OK(kvpq_cache_append(cc, 0, L, K[b], V[b]));
+            KV_OK(kvpq_cache_attend(cc, 0, 1, q + (size_t)b * n_head * D, cout));
+            double nb = 0, db = 0;
+            for (size_t i = 0; i < (size_t)n_head * D; i++) {
+                const double gv = out[(size_t)b * n_head * D + i];
+                nb += (gv - cout[i]) * (gv - cout[i]);
+                db += (double)cout[i] * cout[i];
+            }
+            const double r = sqrt(nb / db);
+            cpu_worst = r > cpu_worst || !(r == r) ? r : cpu_worst;
+            n_cpu++;
+            kvpq_cache_free(cc);
+        }
+        free(cout);
+        CHECK(cpu_worst <= CPU_GPU_REL, "norm-explicit D=%d: GPU vs CPU VQ cache attention rel diff %.3g", D, cpu_worst);
+        printf("    norm-explicit: %ld scales within %.2f of float16 rounding vs fp64, direction codes ok; vs CPU VQ cache "
+               "(%d sequences) rel diff %.2e\n",
+               ne_rows, ne_scale_worst, n_cpu, cpu_worst);
+    }
     for (int b = 0; b < B; b++) {
         free(K[b]);
         free(V[b]);
@@ -545,8 +768,15 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     kvpq_cuda_pq_free(kq);
     kvpq_cuda_pq_free(vq);
     kvpq_cuda_cache_free(c);
-    kvpq_pq_free(kpq);
-    kvpq_pq_free(vpq);
+    free(ksc);
+    free(vsc);
+    free(xt64);
+    if (cb) {
+        kvpq_codebook_free(cb); /* owns kpq, vpq */
+    } else {
+        kvpq_pq_free(kpq);
+        kvpq_pq_free(vpq);
+    }
 }
 
 int main(void) {
@@ -620,6 +850,12 @@ int main(void) {
     int L2[] = {g_quick ? 500 : 5000};
     int L3[] = {130, 64, 257};
     int L4[] = {g_quick ? 2000 : 32768};
+    /* norm-explicit runs: lengths window + 32k or within the window, so that the CPU VQ cache (which
+     * codes whole batches of 32 leaving the window) splits them into codes and window alike */
+    int Lne128[] = {128 + 32 * 20, 37, g_quick ? 128 + 32 * 6 : 128 + 32 * 90, 1};
+    int Lne64[] = {64 + 32 * 12, 64 + 32 * 3, 33};
+    int Lne64b[] = {g_quick ? 64 + 32 * 30 : 64 + 32 * 150};
+    int Lne32[] = {32 + 32 * 8, 32 + 32 * 2, 20};
     const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep, pvec_0 = kvpq__cuda_attend_pvec,
               tc_0 = kvpq__cuda_attend_tc, tcw_0 = kvpq__cuda_attend_tc_warps;
     /* KVPQ_ATTEND_VARIANTS="5 6 7" checks a subset (digits 0-7, below; "" none), e.g. to run only the
@@ -671,6 +907,24 @@ int main(void) {
         g_page_tokens = 256;
         check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 1, L4, 0);  /* one long sequence */
         g_page_tokens = 64;
+        /* norm-explicit codebooks (k.norm / v.norm = 1, calibrate's default): scales per (position,
+         * KV head) in both kernels; keys and values, keys only, values only */
+        g_ne = 3;
+        check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 0, 4, Lne128, 0); /* 4 heads/KV */
+        check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, Lne128, 1);   /* SmolLM2, key mean */
+        check_attend(128, 24, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 3, Lne64, 0);   /* 8 heads/KV */
+        check_attend(256, 8, 4, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 0, 1, Lne64b, 1);   /* D 256 */
+        check_attend(64, 16, 2, 8, 6, 2, 5, KVPQ_CODEBOOK_SUBSPACE, 32, 1, 3, Lne32, 0);  /* LUT only: odd bits */
+        g_page_tokens = 32;
+        check_attend(64, 4, 4, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 32, 0, 3, Lne32, 1);     /* MHA, pages of 32 */
+        g_page_tokens = 64;
+        g_ne = 1;
+        check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, Lne128, 0);
+        check_attend(128, 16, 8, 8, 10, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 0, 3, Lne64, 0);  /* LUT only: 10-bit keys */
+        g_ne = 2;
+        check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 0, 4, Lne128, 1);
+        check_attend(256, 16, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 1, Lne64b, 0);  /* D 256, 8 heads/KV */
+        g_ne = 0;
     }
     kvpq__cuda_attend_tc = tc_0;
     kvpq__cuda_attend_tc_warps = tcw_0;
