@@ -594,7 +594,9 @@ KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq);
 /* Drop every position of sequence seq (its pages go back to the pool). */
 KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq);
 /* Device bytes held: code pages in use (with their norm-explicit float16 scales), window, codebooks
- * (with the tensor-core attention's 64 KiB codebook image where it applies), page tables. */
+ * (with the tensor-core attention's 64 KiB codebook image where it applies), page tables. Not
+ * counted: workspaces allocated at creation, i.e. the attention's split partials and, with a
+ * norm-explicit codebook, the encode workspace (up to 4 MiB of directions plus their norms). */
 KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache *c);
 
 #ifdef __cplusplus
