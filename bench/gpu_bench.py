@@ -223,6 +223,7 @@ def main():
     dev = rows[0]
     enc = [r for r in rows if r.get("op") == "encode"]
     att = [r for r in rows if r.get("op") == "attend"]
+    att_ne = [r for r in rows if r.get("op") == "attend_ne"]
     ceil = hbm_ceiling_GBps()
     for e in enc:
         e.update(torch_encode(e["S"], e["H"], e["D"], e["dsub"], e["nbits"], a.quick))
@@ -263,12 +264,24 @@ def main():
         lines.append(f"| {t['B']} | {t['L']} | {fmt(v.get('f32_plain'))} | {fmt(v.get('f16_plain'))} | "
                      f"{fmt(v.get('f32_vrep'))} | {fmt(v.get('f16_vrep'))} | {fmt(v.get('default_prev_loop'))} | "
                      f"{fmt(v.get('tc'))} | {fmt(v.get('tc_8warps'))} | {fmt(v.get('tc_16warps'))} |")
+    if att_ne:
+        plain = {(t["B"], t["L"]): t for t in att}
+        lines += ["", "Decode attention, norm-explicit K and V codebooks (kvpq calibrate's default: codes of "
+                  "directions + a float16 scale per position, KV head and kind; same shapes; us):", "",
+                  "| B | context | ours, norm-explicit | ours GB/s | ours, plain codes (above) | cost of the scales | "
+                  "LUT f16, replicas, norm-explicit | SDPA fp16 |", "|---|---|---|---|---|---|---|---|"]
+        for t in att_ne:
+            q = plain.get((t["B"], t["L"]), {})
+            cost = 100 * (t["ours_us"] / q["ours_us"] - 1) if q.get("ours_us") else None
+            lines.append(f"| {t['B']} | {t['L']} | {fmt(t['ours_us'])} | {fmt(t['ours_GBps'], 0)} | "
+                         f"{fmt(q.get('ours_us'))} | {fmt(cost, 0)}% | "
+                         f"{fmt(t.get('variant_us', {}).get('f16_vrep'))} | {fmt(q.get('sdpa_us'))} |")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"device": dev, "hbm_copy_GBps": ceil, "encode": enc, "attend": att,
+        json.dump({"device": dev, "hbm_copy_GBps": ceil, "encode": enc, "attend": att, "attend_ne": att_ne,
                    "command": " ".join(sys.argv)}, f, indent=1)
     figures(enc, att, a.out, device)
     return 0

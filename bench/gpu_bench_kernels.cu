@@ -7,6 +7,7 @@
  *           the seed design written here as the baseline: one thread per sub-vector, codebook read
  *           from device memory, no smoothing/rotation/packing (so the baseline does less work).
  *   attend: kvpq_cuda_cache attention from 2-bit codes (K and V dsub 4, nbits 8, window 128),
+ *           plain and norm-explicit ("attend_ne": + float16 scales) quantizers,
  *           kernel time of the split + combine launches replayed from a CUDA graph.
  * Times: CUDA events; median over repeats of the mean over a graph of launches; inputs rotate over
  * several buffers so that they are not served from L2.
@@ -222,18 +223,37 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
     kvpq_pq_free(pq);
 }
 
-static void bench_attend(int B, int L, int quick) {
+/* ne: norm-explicit K and V quantizers (a codebook with k.norm = v.norm = 1: codes of directions
+ * plus a float16 scale per position, KV head and kind) */
+static void bench_attend(int B, int L, int quick, int ne = 0) {
     const int n_head = 32, n_head_kv = 8, D = 128;
     const int W = getenv("KVPQ_BENCH_WINDOW") ? atoi(getenv("KVPQ_BENCH_WINDOW")) : 128; /* for profiling */
     kvpq_pq_params pp = {D, D / 4, 8, KVPQ_CODEBOOK_SHARED};
-    kvpq_pq *kp, *vp;
-    KV(kvpq_pq_new(&kp, &pp));
-    KV(kvpq_pq_new(&vp, &pp));
+    kvpq_pq *kp = NULL, *vp = NULL;
+    kvpq_codebook *cb = NULL;
+    if (ne) {
+        kvpq_codebook_params bp = kvpq_codebook_params_default();
+        bp.n_layer = 1;
+        bp.n_head_kv = n_head_kv;
+        bp.head_dim = D;
+        bp.key = pp;
+        bp.value = pp;
+        bp.value_rotate = 1;
+        bp.key_norm = bp.value_norm = 1;
+        KV(kvpq_codebook_new(&cb, &bp));
+        kp = kvpq_codebook_pq(cb, 0, 0);
+        vp = kvpq_codebook_pq(cb, 0, 1);
+    } else {
+        KV(kvpq_pq_new(&kp, &pp));
+        KV(kvpq_pq_new(&vp, &pp));
+    }
+    /* centroids of unit directions' 4-dim sub-vectors are about 1/sqrt(32) long */
+    const float csc = ne ? 0.09f : 1.f;
     size_t ncent = kvpq_pq_centroids_size(kp);
     std::vector<float> cent(ncent), lam((size_t)n_head_kv * D);
-    for (auto &c : cent) c = nrand();
+    for (auto &c : cent) c = csc * nrand();
     KV(kvpq_pq_set_centroids(kp, cent.data(), ncent));
-    for (auto &c : cent) c = nrand();
+    for (auto &c : cent) c = csc * nrand();
     KV(kvpq_pq_set_centroids(vp, cent.data(), ncent));
     for (auto &l : lam) l = 0.5f + fabsf(nrand());
     kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
@@ -294,22 +314,27 @@ static void bench_attend(int B, int L, int quick) {
     kvpq__cuda_attend_pvec = pvec_0;
     kvpq__cuda_attend_tc = tc_0;
     kvpq__cuda_attend_tc_warps = tcw_0;
-    /* bytes read: key and value codes of the coded positions, the float32 window, q; written: out */
-    double coded = (double)B * (L - W) * n_head_kv * (kvpq_pq_code_size(kp) + kvpq_pq_code_size(vp));
+    /* bytes read: key and value codes (and norm-explicit float16 scales) of the coded positions, the
+     * float32 window, q; written: out */
+    double coded = (double)B * (L - W) * n_head_kv * (kvpq_pq_code_size(kp) + kvpq_pq_code_size(vp) + (ne ? 4 : 0));
     double win = (double)B * W * row * 4 * 2, bytes = coded + win + nq * 4.0;
-    printf("{\"op\": \"attend\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
+    printf("{\"op\": \"%s\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
            "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu, \"variant_us\": {\"f32_plain\": %.3f, "
            "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f}, "
            "\"tc_warps\": %d, \"default_variant\": \"%s\"}\n",
-           B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c), var_us[0],
+           ne ? "attend_ne" : "attend", B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c), var_us[0],
            var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], tcw_0, tc_0 ? "tc" : lut16_0 ? "f16_vrep" : "f32_vrep");
     fflush(stdout);
     cudaFree(dq);
     cudaFree(dout);
     cudaStreamDestroy(st);
     kvpq_cuda_cache_free(c);
-    kvpq_pq_free(kp);
-    kvpq_pq_free(vp);
+    if (cb) {
+        kvpq_codebook_free(cb);
+    } else {
+        kvpq_pq_free(kp);
+        kvpq_pq_free(vp);
+    }
 }
 
 int main(int argc, char **argv) {
@@ -326,10 +351,11 @@ int main(int argc, char **argv) {
         bench_attend(atoi(argv[2]), atoi(argv[3]), 1);
         return 0;
     }
-    if (argc > 1 && !strcmp(argv[1], "attends")) { /* the attention shapes only */
-        const int Ls[] = {4096, 32768, 131072};
-        for (int bi = 0; bi < 2; bi++)
-            for (int li = 0; li < 3; li++) bench_attend(bi ? 8 : 1, Ls[li], 0);
+    const int Ls[] = {4096, 32768, 131072};
+    if (argc > 1 && !strcmp(argv[1], "attends")) { /* the attention shapes only (plain, norm-explicit) */
+        for (int ne = 0; ne < 2; ne++)
+            for (int bi = 0; bi < 2; bi++)
+                for (int li = 0; li < 3; li++) bench_attend(bi ? 8 : 1, Ls[li], 0, ne);
         return 0;
     }
     if (argc > 1 && !strcmp(argv[1], "encode")) {
@@ -355,8 +381,8 @@ int main(int argc, char **argv) {
     bench_encode(4096, 4, 256, 4, 8, quick);
     bench_encode(8192, 8, 128, 8, 8, quick);
     bench_encode(32768, 8, 128, 4, 8, quick);
-    const int Ls[] = {4096, 32768, 131072};
-    for (int bi = 0; bi < 2; bi++)
-        for (int li = 0; li < 3; li++) bench_attend(bi ? 8 : 1, Ls[li], quick);
+    for (int ne = 0; ne < 2; ne++)
+        for (int bi = 0; bi < 2; bi++)
+            for (int li = 0; li < 3; li++) bench_attend(bi ? 8 : 1, Ls[li], quick, ne);
     return 0;
 }
