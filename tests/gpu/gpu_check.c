@@ -1025,7 +1025,20 @@ int main(void) {
         for (const char *c = ve; *c && n_variants < 8; c++)
             if (*c >= '0' && *c <= '4') variants[n_variants++] = *c - '0';
     }
-    for (int vi = 0; vi < n_variants; vi++) {
+    /* KVPQ_ENCODE_SHAPES=few: one shape per search path (the 2-bit preset, the OOM shape, dsub 8,
+     * dsub 1, 12 bits), for compute-sanitizer racecheck, which runs the full set for minutes */
+    const char *es = getenv("KVPQ_ENCODE_SHAPES");
+    const int few = es && !strcmp(es, "few");
+    for (int vi = 0; vi < n_variants && few; vi++) {
+        kvpq__cuda_encode_mma = variants[vi];
+        printf("encode/decode (variant %d, few shapes):\n", variants[vi]);
+        check_encode(128, 4, 8, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1.f);
+        check_encode(256, 4, 8, KVPQ_CODEBOOK_SHARED, 4, nt, 1, 1, 1.f);
+        check_encode(128, 8, 8, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1.f);
+        check_encode(64, 1, 8, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1.f);
+        check_encode(256, 16, 12, KVPQ_CODEBOOK_SHARED, 1, nt / 4, 1, 1, 1.f);
+    }
+    for (int vi = 0; vi < n_variants && !few; vi++) {
         const int variant = variants[vi];
         kvpq__cuda_encode_mma = variant;
         printf("encode/decode (%s search, variant %d):\n", variant ? "tensor-core" : "float32", variant);

@@ -20,10 +20,11 @@ else
 fi
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    # racecheck is slow: the default encode variant, the default LUT kernel and the tensor-core kernel
-    # with 16-warp CTAs (at KVPQ_QUICK sizes the default picks 8) only (memcheck: every variant)
+    # racecheck is slow: the default encode variant on one shape per search path, the default LUT
+    # kernel and the tensor-core kernel with 16-warp CTAs (at KVPQ_QUICK sizes the default picks 8)
+    # only (memcheck: every variant, every shape)
     sub=""
-    [ "$tool" = racecheck ] && sub="KVPQ_ENCODE_VARIANTS=3 KVPQ_ATTEND_VARIANTS=357"
+    [ "$tool" = racecheck ] && sub="KVPQ_ENCODE_VARIANTS=3 KVPQ_ENCODE_SHAPES=few KVPQ_ATTEND_VARIANTS=357"
     if env KVPQ_QUICK=1 $sub compute-sanitizer --tool "$tool" --error-exitcode 99 "$BUILD/gpu_check" >"$OUT/sanitizer_$tool.log" 2>&1; then
       echo "compute-sanitizer $tool: clean ($(tail -1 "$OUT/sanitizer_$tool.log"))"
     else
