@@ -274,7 +274,7 @@ def main():
             q = plain.get((t["B"], t["L"]), {})
             cost = 100 * (t["ours_us"] / q["ours_us"] - 1) if q.get("ours_us") else None
             lines.append(f"| {t['B']} | {t['L']} | {fmt(t['ours_us'])} | {fmt(t['ours_GBps'], 0)} | "
-                         f"{fmt(q.get('ours_us'))} | {fmt(cost, 0)}% | "
+                         f"{fmt(q.get('ours_us'))} | {'-' if cost is None else fmt(cost, 0) + '%'} | "
                          f"{fmt(t.get('variant_us', {}).get('f16_vrep'))} | {fmt(q.get('sdpa_us'))} |")
     table = "\n".join(lines)
     print(table)

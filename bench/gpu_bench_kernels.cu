@@ -11,7 +11,7 @@
  *           kernel time of the split + combine launches replayed from a CUDA graph.
  * Times: CUDA events; median over repeats of the mean over a graph of launches; inputs rotate over
  * several buffers so that they are not served from L2.
- * Usage: gpu_bench_kernels [quick] | attend B L | encode | encodes   (attend, encode: one shape, for
+ * Usage: gpu_bench_kernels [quick] | attend B L [ne] | encode | encodes   (attend, encode: one shape, for
  * ncu; encodes: the encode shapes only) */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -347,8 +347,8 @@ int main(int argc, char **argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("{\"device\": \"%s\", \"sms\": %d, \"l2_bytes\": %d}\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize);
-    if (argc > 3 && !strcmp(argv[1], "attend")) { /* one shape, for profilers */
-        bench_attend(atoi(argv[2]), atoi(argv[3]), 1);
+    if (argc > 3 && !strcmp(argv[1], "attend")) { /* one shape, for profilers; "attend B L ne": norm-explicit */
+        bench_attend(atoi(argv[2]), atoi(argv[3]), 1, argc > 4 && !strcmp(argv[4], "ne"));
         return 0;
     }
     const int Ls[] = {4096, 32768, 131072};

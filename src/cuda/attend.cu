@@ -788,7 +788,7 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
     const int r = lane >> 2, a = lane & 3;
     /* replica of a gather: lane % 16 for keys; for values (lane % 16) ^ 4ti at position a + 4ti of a
      * half, so that a value sub-space's 16 positions of a half read 16 different replicas (the
-     * image's dithered rounding averages over them, see kvpq__cuda_tc_image); each gather of a
+     * image's dithered value rounding averages over them, see tc_dither); each gather of a
      * half-warp still reads 16 different replicas (conflict-free) */
     const uint32_t offk = (uint32_t)(lane & 15) * 8;
     uint32_t offv[4];
@@ -1295,24 +1295,24 @@ static int f16_top_exp(const float *x, size_t n) {
     return mx > 0.f ? 15 - ex : 0;
 }
 
-/* The 16 float16 replicas of one scaled centroid element f, rounded down or up (dithered rounding)
- * so that the mean over the replicas one sub-space reads is f to within 1/(2n) of a float16 ulp
- * instead of 1/2: one float16 rounding per centroid would bias every position coded with that
- * centroid the same way, an error that does not average out over a long context (values: measured
- * 1.0-1.4e-3 relative at 32768 positions of random data, against 2e-4 at 257). n = 16 for values
- * (the kernel reads replica (lane % 16) ^ 4ti at position a + 4ti of a half: all 16 across a
- * half), n = 4 for keys (replica lane % 16 = 4 (r % 4) + a: the four of residue a). Replicas round
- * up in bit-reversed order of their index within the group, so that neighbouring positions
- * alternate. */
-static void tc_dither(float f, int n, __half out[16]) {
+/* The 16 float16 replicas of one scaled value-centroid element f, rounded down or up (dithered
+ * rounding) so that their mean is f to within 1/32 of a float16 ulp instead of 1/2: one rounding
+ * per centroid biased every position coded with that centroid the same way, an error that does not
+ * average out over a long context (measured 0.7-1.4e-3 relative at 32768 positions of random data,
+ * against 2e-4 at 257). The kernel reads replica (lane % 16) ^ 4ti at position a + 4ti of a half,
+ * so a sub-space's 16 positions of a half read all 16. Replicas round up in bit-reversed order of
+ * their index, so that neighbouring positions alternate. The price: each copy's own error is up
+ * to 31/32 ulp (variance 1/6 ulp^2 against 1/12), which a softmax peaked on a few positions sees
+ * (numpy model: 2.0e-4 -> 2.8e-4 there, 1.5e-4 -> 3.3e-5 for a flat one at 32768 positions). Keys
+ * keep round-to-nearest: their rounding bias moves scores, which does not accumulate over positions
+ * when keys and values are independent (the same model: dithered keys were worse at every score
+ * scale tried). */
+static void tc_dither(float f, __half out[16]) {
     const __half lo = __float2half_rd(f), hi = __float2half_ru(f);
     const float flo = __half2float(lo), fhi = __half2float(hi);
-    const int up = fhi > flo ? (int)lrintf((f - flo) / (fhi - flo) * (float)n) : 0;
+    const int up = fhi > flo ? (int)lrintf((f - flo) / (fhi - flo) * 16.f) : 0;
     for (int rep = 0; rep < 16; rep++) {
-        /* rank of the replica within its group: values all 16 (bit-reversed 4 bits), keys the 4 of
-         * one residue mod 4 (bit-reversed bits 2..3) */
-        const int rank = n == 16 ? ((rep & 1) << 3 | (rep & 2) << 1 | (rep & 4) >> 1 | (rep & 8) >> 3)
-                                 : ((rep & 4) >> 1 | (rep & 8) >> 3);
+        const int rank = (rep & 1) << 3 | (rep & 2) << 1 | (rep & 4) >> 1 | (rep & 8) >> 3; /* bit-reversed */
         out[rep] = rank < up ? hi : lo;
     }
 }
@@ -1332,8 +1332,10 @@ kvpq_status kvpq__cuda_tc_image(const kvpq_pq *key, const kvpq_pq *value, void *
     for (int c = 0; c < 256; c++)
         for (int i = 0; i < 2; i++)
             for (int j = 0; j < 4; j++) {
+                const float f = ldexpf(pq[i]->centroids[c * 4 + j], ex[i]);
                 __half rep16[16];
-                tc_dither(ldexpf(pq[i]->centroids[c * 4 + j], ex[i]), i ? 16 : 4, rep16);
+                if (i) tc_dither(f, rep16); /* values */
+                else for (int rep = 0; rep < 16; rep++) rep16[rep] = __float2half_rn(f);
                 for (int rep = 0; rep < 16; rep++) h[c * 128 + i * 64 + rep * 4 + j] = rep16[rep];
             }
     void *d = NULL;

@@ -20,7 +20,7 @@ else
 fi
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    # racecheck is slow: the default encode variant on one shape per search path, the default LUT
+    # racecheck is slow: the default encode variant on a few shapes (KVPQ_ENCODE_SHAPES=few), the default LUT
     # kernel and the tensor-core kernel with 16-warp CTAs (at KVPQ_QUICK sizes the default picks 8)
     # only (memcheck: every variant, every shape)
     sub=""
