@@ -329,36 +329,55 @@ __host__ __device__ constexpr int a_cat(int k) { /* 0 hi, 1 lo, 2 norm factor, 3
 }
 
 
+/* The per-sub-vector scaling both A-fragment builders use: s = 2^e brings the largest |element| of
+ * v into [1, 2) (a zero sub-vector takes e = lt - kNormShift); nu = ||v s||^2 2^(lt - e) (the norm
+ * term, (t/s) ||u||^2); sf = 2^(e - lt + kNormShift) as float16 (the norm factor s/t). A tile with a
+ * sub-vector out of range never gets here (sub_exp's clamp is not needed). */
+struct SubScale {
+    float s, nu;
+    __half sf;
+};
+
+template <int DSUB>
+__device__ __forceinline__ SubScale sub_scale(const float (&v)[DSUB], int lt) {
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) mx = fmaxf(mx, fabsf(v[j]));
+    const int e = mx > 0.f ? 127 - ((__float_as_int(mx) >> 23) & 0xff) : lt - kNormShift;
+    SubScale r;
+    r.s = __int_as_float((e + 127) << 23);
+    float n = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; j++) {
+        const float u = v[j] * r.s;
+        n = fmaf(u, u, n);
+    }
+    r.nu = n * __int_as_float((lt - e + 127) << 23);
+    r.sf = __float2half_rn(__int_as_float((e - lt + kNormShift + 127) << 23));
+    return r;
+}
+
 template <int DSUB, int KS>
 __device__ __forceinline__ void build_a_row(const float *xv, int lt, int q, uint32_t (&reg)[KS][2], float &nu) {
     static_assert(DSUB % 2 == 0 && 8 % DSUB == 0, "pairs");
     float v[DSUB];
     load_sub<DSUB>(xv, v);
-    float mx = 0.f;
-#pragma unroll
-    for (int j = 0; j < DSUB; j++) mx = fmaxf(mx, fabsf(v[j]));
-    /* a tile with a sub-vector out of range never gets here (sub_exp's clamp is not needed) */
-    const int e = mx > 0.f ? 127 - ((__float_as_int(mx) >> 23) & 0xff) : lt - kNormShift;
-    const float s = __int_as_float((e + 127) << 23);
-    float n = 0.f, p0 = 0.f, p1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < DSUB; j++) {
-        const float u = v[j] * s;
-        n = fmaf(u, u, n);
-    }
+    const SubScale sc = sub_scale<DSUB>(v, lt);
+    const float s = sc.s;
+    const __half sf = sc.sf;
+    float p0 = 0.f, p1 = 0.f;
 #pragma unroll
     for (int j = 0; j < DSUB; j += 2)
         if (j == 0 || (2 * q) % DSUB == j) {
             p0 = v[j];
             p1 = v[j + 1];
         }
-    nu = n * __int_as_float((lt - e + 127) << 23);
+    nu = sc.nu;
     p0 *= -2.f * s;
     p1 *= -2.f * s;
     const __half2 hi = __floats2half2_rn(p0, p1);
     const float2 hb = __half22float2(hi);
     const __half2 lo = __floats2half2_rn(p0 - hb.x, p1 - hb.y);
-    const __half sf = __float2half_rn(__int_as_float((e - lt + kNormShift + 127) << 23));
     const uint32_t H = kvpq__h2_bits(hi), L = kvpq__h2_bits(lo), ST = kvpq__h2_bits(__halves2half2(sf, sf));
 #pragma unroll
     for (int ks = 0; ks < KS; ks++)
@@ -539,18 +558,8 @@ template <int DSUB, bool NOC>
 __device__ __forceinline__ void build_rec(const float *xv, int lt, uint32_t *rec) {
     float v[DSUB];
     load_sub<DSUB>(xv, v);
-    float mx = 0.f;
-#pragma unroll
-    for (int j = 0; j < DSUB; j++) mx = fmaxf(mx, fabsf(v[j]));
-    /* a tile with a sub-vector out of range never gets here (sub_exp's clamp is not needed) */
-    const int e = mx > 0.f ? 127 - ((__float_as_int(mx) >> 23) & 0xff) : lt - kNormShift;
-    const float s = __int_as_float((e + 127) << 23);
-    float n = 0.f;
-#pragma unroll
-    for (int j = 0; j < DSUB; j++) {
-        const float u = v[j] * s;
-        n = fmaf(u, u, n);
-    }
+    const SubScale sc = sub_scale<DSUB>(v, lt);
+    const float s = sc.s, nu = sc.nu;
 #pragma unroll
     for (int j = 0; j < DSUB; j += 2) {
         const float p0 = v[j] * (-2.f * s), p1 = v[j + 1] * (-2.f * s);
@@ -560,9 +569,7 @@ __device__ __forceinline__ void build_rec(const float *xv, int lt, uint32_t *rec
         rec[j / 2] = kvpq__h2_bits(hi);
         rec[DSUB / 2 + j / 2] = kvpq__h2_bits(lo);
     }
-    const __half sf = __float2half_rn(__int_as_float((e - lt + kNormShift + 127) << 23));
-    rec[DSUB] = kvpq__h2_bits(__halves2half2(sf, sf));
-    const float nu = n * __int_as_float((lt - e + 127) << 23);
+    rec[DSUB] = kvpq__h2_bits(__halves2half2(sc.sf, sc.sf));
     if constexpr (NOC)
         rec[DSUB + 1] = kvpq__h2_bits(__halves2half2(__float2half_ru(nu * (1.f / 32768.f)), __float2half_rn(0.f)));
     else
