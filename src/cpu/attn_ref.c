@@ -115,7 +115,7 @@ const kvpq_attn_kernels kvpq__attn_ref = {
 };
 
 const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) {
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__)
     if (level == KVPQ_SIMD_AVX512) return &kvpq__attn_avx512;
     if (level == KVPQ_SIMD_AVX2) return &kvpq__attn_avx2;
 #endif
