@@ -7,6 +7,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Slots of the kernel table's per-type arrays: every ggml type number is below it. */
+#define KVPQ_GGML_TYPE_SLOTS 64
+
 /* y[r] = dot(row r of W, x) for r in [0, n_rows). W: n_rows rows of row_bytes bytes each, n
  * elements per row (a multiple of the type's block size); x: (n) float32; xs: (n/32) sums of x over
  * each 32-element block (used by the Q4 kernels to apply the block offset once per block; may be

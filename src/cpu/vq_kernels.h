@@ -70,8 +70,11 @@ typedef struct {
     void (*f32_to_f16)(size_t n, const float *src, uint16_t *dst);
 } kvpq_vq_kernels;
 
-/* The kernels of a SIMD level (the best this build and CPU have at or below `level`). */
+/* The kernels of a SIMD level (the best this build and CPU have at or below `level`): the vq part of
+ * the one CPU kernel table (dispatch.h). */
 const kvpq_vq_kernels *kvpq__vq_kernels(kvpq_simd_level level);
+/* The _ref kernels into k (the scalar level of the table). */
+void kvpq__vq_kernels_ref(kvpq_vq_kernels *k);
 
 void kvpq__vq_score_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s);
 void kvpq__vq_score_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *lut, float *s);

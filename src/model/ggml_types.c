@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/dispatch.h"
 #include "cpu/ggml_kernels.h"
 #include "internal.h"
 #include "model/ggml_types.h"
@@ -112,13 +113,9 @@ static kvpq__dequant_fn dequant_ref(uint32_t type) {
     return NULL;
 }
 
+/* The SIMD level's kernel from the one CPU kernel table (cpu/dispatch.h), else the _ref. */
 static kvpq__dequant_fn dequant_best(uint32_t type) {
-    kvpq__dequant_fn fn = NULL;
-#if defined(__x86_64__)
-    kvpq_simd_level l = kvpq_simd_get();
-    if (l >= KVPQ_SIMD_AVX512) fn = kvpq__ggml_dequant_avx512(type);
-    if (!fn && l >= KVPQ_SIMD_AVX2) fn = kvpq__ggml_dequant_avx2(type);
-#endif
+    kvpq__dequant_fn fn = type < KVPQ_GGML_TYPE_SLOTS ? kvpq__cpu_kernels()->ggml_dequant[type] : NULL;
     return fn ? fn : dequant_ref(type);
 }
 
@@ -149,12 +146,6 @@ kvpq_status ggml_dequantize_row(uint32_t type, const void *src, float *dst, int6
 
 static void fill_nan(float *y, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] = NAN;
-}
-
-static float dot_ref(const float *a, const float *b, int64_t n) {
-    float s = 0;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
 }
 
 /* The specification: y[r] = sum_i w_ri x_i with w dequantized by the _ref, summed in order in float. */
@@ -192,23 +183,10 @@ void ggml_matmul_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, in
     }
 }
 
-static kvpq__dot_fn dot_best(void) {
-#if defined(__x86_64__)
-    kvpq_simd_level l = kvpq_simd_get();
-    if (l >= KVPQ_SIMD_AVX512) return kvpq__dot_f32_avx512;
-    if (l >= KVPQ_SIMD_AVX2) return kvpq__dot_f32_avx2;
-#endif
-    return dot_ref;
-}
+static kvpq__dot_fn dot_best(void) { return kvpq__cpu_kernels()->dot_f32; }
 
 static kvpq__matvec_fn matvec_kernel(uint32_t type) {
-    kvpq__matvec_fn fn = NULL;
-#if defined(__x86_64__)
-    kvpq_simd_level l = kvpq_simd_get();
-    if (l >= KVPQ_SIMD_AVX512) fn = kvpq__ggml_matvec_avx512(type);
-    if (!fn && l >= KVPQ_SIMD_AVX2) fn = kvpq__ggml_matvec_avx2(type);
-#endif
-    return fn;
+    return type < KVPQ_GGML_TYPE_SLOTS ? kvpq__cpu_kernels()->ggml_matvec[type] : NULL;
 }
 
 /* Generic rows: dequantize CHUNK elements at a time, then the ISA's dot. */
