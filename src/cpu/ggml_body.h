@@ -165,18 +165,16 @@ MATVEC_16BIT(matvec_bf16, vf_load_bf16, kvpq__bf2f)
 
 #define KBLK_AT(p, T, F) KVPQ_BLK_AT(p, T, F)
 
-/* The scales and mins of a Q4_K / Q5_K block, 4 at a time in 32-bit words (the values of
- * kvpq__k4_scale_min: the top 2 bits of bytes 0..7 are the high bits of j >= 4). sc and m hold 16
- * bytes, the last 8 zero, so that a 16-lane conversion reads only what is there. */
-KVPQ_INLINE void k4_scales(const uint8_t *s, uint8_t sc[16], uint8_t m[16]) {
+/* The scales and mins of a Q4_K / Q5_K block as 8 bytes each (byte j = sub-block j), unpacked 4 at
+ * a time in 32-bit words: the values of kvpq__k4_scale_min (the top 2 bits of bytes 0..7 are the
+ * high bits of j >= 4). */
+KVPQ_INLINE void k4_scales(const uint8_t *s, uint64_t *sc, uint64_t *m) {
     uint32_t a, b, c;
     memcpy(&a, s, 4);
     memcpy(&b, s + 4, 4);
     memcpy(&c, s + 8, 4);
-    uint32_t w[8] = {a & 0x3f3f3f3fu, (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u), 0, 0,
-                     b & 0x3f3f3f3fu, ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u), 0, 0};
-    memcpy(sc, w, 16);
-    memcpy(m, w + 4, 16);
+    *sc = (uint64_t)(a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    *m = (uint64_t)(b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
 }
 
 /* out[j] = d * p[j] for j < n (n a multiple of 8; p and out hold max(n, W) entries). */
@@ -318,12 +316,13 @@ static void matvec_q3_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n,
             const uint8_t *p = W_ + (size_t)r * rb;                                                           \
             kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, accm = vf_zero();                  \
             for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(BLOCK)) {                                      \
-                float dl[MAXW(16)], ml[MAXW(16)];                                                             \
-                uint8_t sc[MAXW(16)], m[MAXW(16)], u[QK_K];                                                   \
-                k4_scales(KBLK_AT(p, BLOCK, scales), sc, m);                                                  \
-                scales_u8(BLK_F16(p, BLOCK, d), sc, 8, dl);                                                   \
-                scales_u8(BLK_F16(p, BLOCK, dmin), m, 8, ml);                                                 \
-                accm = kmins(ml, xs + 8 * i, 8, accm);                                                        \
+                float dl[MAXW(16)];                                                                           \
+                uint8_t u[QK_K];                                                                              \
+                uint64_t sc, m;                                                                               \
+                k4_scales(KBLK_AT(p, BLOCK, scales), &sc, &m);                                                \
+                vf_store(dl, vf_mul(vf_set1(BLK_F16(p, BLOCK, d)), vf_from_u8x8(sc)));                        \
+                accm = vf_fma(vf_mul(vf_set1(BLK_F16(p, BLOCK, dmin)), vf_from_u8x8(m)),                      \
+                              vf_load_n(xs + 8 * i, 8), accm);                                                \
                 unpack_##TYPE(p, u);                                                                          \
                 kdot_block(u, 0, 32, x + i * QK_K, dl, acc);                                                  \
             }                                                                                                 \
@@ -388,10 +387,11 @@ static void dequant_q3_K(const uint8_t *p, float *y, int64_t n) {
     static void dequant_##TYPE(const uint8_t *p, float *y, int64_t n) {               \
         for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(BLOCK), y += QK_K) {       \
             float dl[MAXW(16)], ml[MAXW(16)];                                         \
-            uint8_t sc[MAXW(16)], m[MAXW(16)], u[QK_K];                               \
-            k4_scales(KBLK_AT(p, BLOCK, scales), sc, m);                              \
-            scales_u8(BLK_F16(p, BLOCK, d), sc, 8, dl);                               \
-            scales_u8(BLK_F16(p, BLOCK, dmin), m, 8, ml);                             \
+            uint8_t u[QK_K];                                                          \
+            uint64_t sc, m;                                                           \
+            k4_scales(KBLK_AT(p, BLOCK, scales), &sc, &m);                            \
+            vf_store(dl, vf_mul(vf_set1(BLK_F16(p, BLOCK, d)), vf_from_u8x8(sc)));    \
+            vf_store(ml, vf_mul(vf_set1(BLK_F16(p, BLOCK, dmin)), vf_from_u8x8(m)));  \
             unpack_##TYPE(p, u);                                                      \
             kdequant_block(u, 0, 32, dl, ml, y);                                      \
         }                                                                             \

@@ -262,6 +262,10 @@ KVPQ_INLINE float vf_reduce_max(kvpq_vf v) {
 /* W unsigned / signed bytes, the low or high nibbles of W bytes, as floats (exact). */
 KVPQ_INLINE kvpq_vf vf_load_u8(const uint8_t *p) { return vf__from_u8(vf__bytes(p)); }
 KVPQ_INLINE kvpq_vf vf_load_i8(const int8_t *p) { return vf__from_i8(vf__bytes((const uint8_t *)p)); }
+/* The 8 bytes of v (little-endian, byte j in lane j) as floats, lanes from 8 on zero: built in
+ * registers, for bytes just computed (a vector load of bytes stored one word at a time would stall
+ * on store forwarding). */
+KVPQ_INLINE kvpq_vf vf_from_u8x8(uint64_t v) { return vf__from_u8(_mm_cvtsi64_si128((long long)v)); }
 KVPQ_INLINE kvpq_vf vf_load_u4lo(const uint8_t *p) {
     return vf__from_u8(_mm_and_si128(vf__bytes(p), _mm_set1_epi8(0x0f)));
 }
@@ -344,6 +348,7 @@ KVPQ_INLINE float vf_reduce_add(kvpq_vf v) { return v; }
 KVPQ_INLINE float vf_reduce_max(kvpq_vf v) { return v; }
 KVPQ_INLINE kvpq_vf vf_load_u8(const uint8_t *p) { return (float)*p; }
 KVPQ_INLINE kvpq_vf vf_load_i8(const int8_t *p) { return (float)*p; }
+KVPQ_INLINE kvpq_vf vf_from_u8x8(uint64_t v) { return (float)(v & 0xff); }
 KVPQ_INLINE kvpq_vf vf_load_u4lo(const uint8_t *p) { return (float)(*p & 0x0f); }
 KVPQ_INLINE kvpq_vf vf_load_u4hi(const uint8_t *p) { return (float)(*p >> 4); }
 #endif
