@@ -4,19 +4,25 @@
 #   2. the same under compute-sanitizer memcheck (and racecheck), with KVPQ_QUICK=1 sizes
 #   3. bench/gpu_bench.py (ours vs seed kernel, materializing path, PyTorch matmul+argmin, SDPA)
 # Usage: tests/gpu/run_gpu_tests.sh [BUILD_DIR [OUT_DIR]]   (build with -DKVPQ_CUDA=ON first)
-# Without a device every step reports SKIP and the script exits 0.
+# Without a device gpu_check exits 77: the script says so and exits 0 (nothing else runs). Any
+# other failure makes the script exit 1 after the remaining steps, each failure named with the
+# exit status of the command that failed. KVPQ_NO_BENCH=1 leaves out step 3.
+# tests/gpu/test_run_gpu_tests.sh checks both paths with stand-in gpu_check programs.
 set -u
 BUILD=${1:-build}
 OUT=${2:-${OUT:-out/gpu}}
 mkdir -p "$OUT"
 rc=0
-if ! "$BUILD/gpu_check" >"$OUT/gpu_check.log" 2>&1; then
-  st=$?
-  cat "$OUT/gpu_check.log"
-  if [ "$st" = 77 ]; then echo "GPU tests skipped"; exit 0; fi
-  echo "gpu_check FAILED ($st)"; rc=1
-else
-  cat "$OUT/gpu_check.log"
+# the status must be read right after the command: inside `if ! cmd; then` $? is that of the `!`
+"$BUILD/gpu_check" >"$OUT/gpu_check.log" 2>&1
+st=$?
+cat "$OUT/gpu_check.log"
+if [ "$st" = 77 ]; then
+  echo "GPU tests skipped: gpu_check found no usable CUDA device (exit 77; see the line above)"
+  exit 0
+elif [ "$st" != 0 ]; then
+  echo "gpu_check FAILED (exit $st)"
+  rc=1
 fi
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
@@ -25,16 +31,21 @@ if command -v compute-sanitizer >/dev/null; then
     # only (memcheck: every variant, every shape)
     sub=""
     [ "$tool" = racecheck ] && sub="KVPQ_ENCODE_VARIANTS=3 KVPQ_ENCODE_SHAPES=few KVPQ_ATTEND_VARIANTS=357"
-    if env KVPQ_QUICK=1 $sub compute-sanitizer --tool "$tool" --error-exitcode 99 "$BUILD/gpu_check" >"$OUT/sanitizer_$tool.log" 2>&1; then
+    env KVPQ_QUICK=1 $sub compute-sanitizer --tool "$tool" --error-exitcode 99 "$BUILD/gpu_check" >"$OUT/sanitizer_$tool.log" 2>&1
+    st=$?
+    if [ "$st" = 0 ]; then
       echo "compute-sanitizer $tool: clean ($(tail -1 "$OUT/sanitizer_$tool.log"))"
     else
-      echo "compute-sanitizer $tool: FAILED"; tail -30 "$OUT/sanitizer_$tool.log"; rc=1
+      echo "compute-sanitizer $tool: FAILED (exit $st; 99: sanitizer errors, else gpu_check's own status)"
+      tail -30 "$OUT/sanitizer_$tool.log"; rc=1
     fi
   done
 else
   echo "compute-sanitizer not found: sanitizer step skipped"
 fi
 if [ "${KVPQ_NO_BENCH:-0}" != 1 ]; then
-  PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --bin "$BUILD/gpu_bench_kernels" --out "$OUT" ${KVPQ_BENCH_QUICK:+--quick} || rc=1
+  PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --bin "$BUILD/gpu_bench_kernels" --out "$OUT" ${KVPQ_BENCH_QUICK:+--quick}
+  st=$?
+  if [ "$st" != 0 ]; then echo "gpu_bench.py FAILED (exit $st)"; rc=1; fi
 fi
 exit $rc
