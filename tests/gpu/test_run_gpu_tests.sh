@@ -29,9 +29,26 @@ run_case() {
   fi
 }
 run_case skip 77 0 "GPU tests skipped: gpu_check found no usable CUDA device (exit 77"
-run_case fail3 3 1 "gpu_check FAILED (exit 3)"
-run_case fail1 1 1 "gpu_check FAILED (exit 1)"
-run_case pass 0 0 "stand-in gpu_check: exit 0"
+run_case fail3 3 1 "gpu_check FAILED (exit 3 after"
+run_case fail1 1 1 "gpu_check FAILED (exit 1 after"
+run_case pass 0 0 "gpu_check passed in"
+# the sanitizer step with a stand-in compute-sanitizer that reports errors (exit 99), run one after
+# another and in parallel: the script must fail naming the status
+mkdir -p "$T/san/bin" "$T/san/tools"
+printf '#!/bin/sh\nexit 0\n' >"$T/san/bin/gpu_check"
+printf '#!/bin/sh\necho "stand-in sanitizer $*"\nexit 99\n' >"$T/san/tools/compute-sanitizer"
+chmod +x "$T/san/bin/gpu_check" "$T/san/tools/compute-sanitizer"
+for par in 0 1; do
+  out=$(cd "$ROOT" && env PATH="$T/san/tools:/usr/bin:/bin" KVPQ_NO_BENCH=1 KVPQ_GPU_PARALLEL=$par \
+        bash tests/gpu/run_gpu_tests.sh "$T/san/bin" "$T/san/out$par" 2>&1)
+  rc=$?
+  n=$(grep -c "compute-sanitizer .*: FAILED (exit 99 after" <<<"$out")
+  if [ "$rc" != 1 ] || [ "$n" != 2 ]; then
+    echo "FAIL sanitizer errors (parallel=$par): exit $rc, $n FAILED lines (want 1, 2), output:"; echo "$out"; fail=1
+  else
+    echo "ok   sanitizer errors (parallel=$par): exit 1, both named with exit 99"
+  fi
+done
 if [ -n "$REAL" ] && [ -x "$REAL/gpu_check" ] && ! command -v nvidia-smi >/dev/null; then
   out=$(cd "$ROOT" && env PATH=/usr/bin:/bin KVPQ_NO_BENCH=1 bash tests/gpu/run_gpu_tests.sh "$REAL" "$T/real" 2>&1)
   rc=$?
