@@ -326,6 +326,9 @@ KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
 
 /* ---- KV cache ------------------------------------------------------------------------------- */
 
+/* Largest max_seq a cache takes (2^30 positions): page and position arithmetic then stays in int. */
+#define KVPQ_CACHE_MAX_SEQ (1 << 30)
+
 /* Cache kinds. Enum values are stable; new kinds are added at the end. */
 typedef enum {
     KVPQ_CACHE_FP32 = 0,
@@ -343,7 +346,7 @@ typedef struct {
     int n_head;         /* query heads */
     int n_head_kv;      /* KV heads; n_head % n_head_kv == 0 (GQA) */
     int head_dim;
-    int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond) */
+    int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond), 1..KVPQ_CACHE_MAX_SEQ */
     int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128) */
     int page_tokens;    /* tokens per allocated page (default 256) */
     const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
