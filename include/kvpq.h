@@ -219,7 +219,8 @@ KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
 /* Divide each row of x: (n, d) in place by its L2 norm (the direction u = x / |x| that a
  * norm-explicit quantizer codes, see kvpq_codebook_params.key_norm); a zero row stays zero.
  * norms: (n) gets |x| of each row (float of the double-precision sum), or NULL. Errors: d < 1, x
- * NULL with n > 0 (KVPQ_ERR_INVALID_ARG). */
+ * NULL with n > 0 (KVPQ_ERR_INVALID_ARG); a NaN/Inf element or a norm beyond float's range
+ * (KVPQ_ERR_NONFINITE, naming the row; x is then unchanged). */
 KVPQ_API kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms);
 
 /* Smoothing factors lambda_c = sqrt(max_t |k_tc|), floored at `floor` (default 1e-2 keeps

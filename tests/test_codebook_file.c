@@ -856,6 +856,12 @@ Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
         {"layers.0.k.smooth", 2, 0.0f, KVPQ_ERR_FORMAT, "layers.0.k.smooth element 2 is 0: smoothing"},
         {"layers.1.k.mean", 5, NAN, KVPQ_ERR_NONFINITE, "tensor layers.1.k.mean element 5 is NaN"},
         {"layers.1.k.smooth", 7, -1.0f, KVPQ_ERR_FORMAT, "layers.1.k.smooth element 7 is -1"},
+        /* Issue 14 item 10: finite but absurd values (they loaded, then overflowed or degraded). */
+        {"layers.1.k.smooth", 3, 1e-45f, KVPQ_ERR_FORMAT, "layers.1.k.smooth element 3 is 1.4013e-45: smoothing factors must lie in"},
+        {"layers.0.k.smooth", 1, 3e38f, KVPQ_ERR_FORMAT, "layers.0.k.smooth element 1 is 3e+38: smoothing factors must lie in"},
+        {"layers.1.k.codebook", 2, 3e38f, KVPQ_ERR_FORMAT, "layers.1.k.codebook element 2 is 3e+38: expected |x| <="},
+        {"layers.0.v.codebook", 9, -1e7f, KVPQ_ERR_FORMAT, "layers.0.v.codebook element 9 is -1e+07"},
+        {"layers.1.k.mean", 0, 1e30f, KVPQ_ERR_FORMAT, "layers.1.k.mean element 0 is 1e+30"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         parsed p = parse_file(good);

@@ -33,6 +33,14 @@
 #define CB_MAX_LAYER 4096
 #define CB_MAX_HEAD_KV 4096
 #define CB_MAX_HEAD_DIM 65536
+/* Ranges of the stored floats (finite but absurd values load and then overflow or degrade the
+ * cache silently). Smoothing factors lambda = sqrt(max |k - mu|): keys within float16's range give
+ * lambda <= sqrt(2 * 65504) ~ 362, and calibration floors it at 1e-2; [2^-20, 2^20] leaves wide
+ * margins on both sides. Centroids and key means: a vector in float16's range rotated by a
+ * normalized Hadamard transform of up to 1024 dims has components up to 65504 * sqrt(1024) ~ 2^21. */
+#define CB_SMOOTH_MIN 0x1p-20
+#define CB_SMOOTH_MAX 0x1p20
+#define CB_MAX_ABS 0x1p21
 
 /* Metadata keys derived from the params (read-only through set_meta), in the order written. */
 enum { CB_N_CONFIG = 13 };
@@ -460,6 +468,12 @@ static kvpq_status check_values(const float *x, size_t n, int kind, const char *
         if (kind == CB_K_SMOOTH && !(x[i] > 0))
             return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: smoothing factors must be positive",
                              name, i, (double)x[i]);
+        if (kind == CB_K_SMOOTH && !(x[i] >= CB_SMOOTH_MIN && x[i] <= CB_SMOOTH_MAX))
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: smoothing factors must lie in [%g, %g]",
+                             name, i, (double)x[i], CB_SMOOTH_MIN, CB_SMOOTH_MAX);
+        if (kind != CB_K_SMOOTH && !(fabsf(x[i]) <= CB_MAX_ABS))
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: expected |x| <= %g", name, i, (double)x[i],
+                             CB_MAX_ABS);
     }
     return KVPQ_OK;
 }
