@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -647,4 +648,21 @@ Test(gguf, describe_refuses_unknown_tensor_type) {
     cr_assert(strstr(kvpq_last_error(), "tensor 2 'c.q4_1' has type 200"), "%s", kvpq_last_error());
     unlink(path);
     free(b.p);
+}
+
+/* Issue 14 item 7: a FIFO as a model or codebook is refused at once (open waited for a writer). */
+Test(gguf, fifo_refused_without_blocking, .timeout = 20) {
+    char dir[] = "/tmp/kvpq_test_fifo_XXXXXX", path[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/fifo", dir);
+    cr_assert_eq(mkfifo(path, 0600), 0);
+    gguf_file *f;
+    cr_assert_eq(gguf_open(&f, path), KVPQ_ERR_IO);
+    cr_assert(strstr(kvpq_last_error(), "not a regular file"), "%s", kvpq_last_error());
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_load(&cb, path), KVPQ_ERR_IO);
+    cr_assert(strstr(kvpq_last_error(), "not a regular file"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_gguf_describe(path, stdout, 0), KVPQ_ERR_IO);
+    unlink(path);
+    rmdir(dir);
 }

@@ -997,7 +997,7 @@ kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path) {
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_load: out is NULL");
     *out = NULL;
     if (!path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_load: path is NULL");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO must not block the open */
     if (fd < 0) return kvpq__err(KVPQ_ERR_IO, "codebook file '%s': cannot open: %s", path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

@@ -67,3 +67,42 @@ def test_error_message_escapes_file_strings(tmp_path):
     assert r.returncode == 1
     no_terminal_controls(r.stderr)
     assert b"unexpected tensor 'layers.0.\\x1b[2Jevil'" in r.stderr, r.stderr
+
+
+# ---- item 7: hangs ----
+
+@pytest.fixture
+def fifo(tmp_path):
+    p = tmp_path / "fifo"
+    os.mkfifo(p)
+    return p
+
+
+def test_info_on_fifo_refused_without_blocking(fifo):
+    r = run("info", fifo, timeout=20)
+    assert r.returncode == 2
+    assert b"not a regular file" in r.stderr, r.stderr
+
+
+@need_model
+def test_model_codebook_and_text_fifos_refused_without_blocking(fifo, tmp_path):
+    r = run("generate", "--model", fifo, "-n", 1, timeout=20)
+    assert r.returncode == 1 and b"not a regular file" in r.stderr, r.stderr
+    r = run("generate", "--model", MODEL, "--cache", f"vq:{fifo}", "-n", 1, "--prompt", "a", timeout=60)
+    assert r.returncode != 0 and b"not a regular file" in r.stderr, r.stderr
+    for text in (fifo, "/dev/zero", tmp_path):
+        r = run("ppl", "--model", MODEL, "--text", text, "--ctx", 64, timeout=60)
+        assert r.returncode == 1 and b"not a regular file" in r.stderr, (text, r.stderr)
+        r = run("calibrate", "--model", MODEL, "--text", text, "-o", tmp_path / "cb.safetensors", timeout=60)
+        assert r.returncode != 0 and b"not a regular file" in r.stderr, (text, r.stderr)
+    assert not (tmp_path / "cb.safetensors").exists()
+
+
+@need_model
+def test_text_over_the_size_limit_refused(tmp_path):
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # sparse: nothing is written to disk
+        f.truncate(300 << 20)
+    r = run("ppl", "--model", MODEL, "--text", big, "--ctx", 64, timeout=60)
+    assert r.returncode == 1
+    assert b"314572800 bytes, over the 256 MiB limit on text files" in r.stderr, r.stderr
