@@ -150,8 +150,8 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     if (p->n_head / p->n_head_kv > 64)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: %d query heads per KV head (at most 64)",
                          p->n_head / p->n_head_kv);
-    if (p->n_seq <= 0 || p->max_seq <= 0)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_seq=%d and max_seq=%d must be > 0", p->n_seq,
+    if (p->n_seq <= 0 || p->max_seq <= 0 || p->max_seq > KVPQ_CACHE_MAX_SEQ)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_seq=%d must be > 0 and max_seq=%d in 1..2^30", p->n_seq,
                          p->max_seq);
     if (p->window < 0 || p->window > p->max_seq)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: window=%d: expected 0..max_seq=%d", p->window,
