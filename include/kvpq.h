@@ -348,8 +348,9 @@ typedef struct {
     int n_head_kv;      /* KV heads; n_head % n_head_kv == 0 (GQA) */
     int head_dim;
     int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond), 1..KVPQ_CACHE_MAX_SEQ */
-    int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128) */
-    int page_tokens;    /* tokens per allocated page (default 256) */
+    int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128); a window
+                         * longer than max_seq is clamped to max_seq (the whole sequence) */
+    int page_tokens;    /* tokens per allocated page (default 256); clamped to max_seq likewise */
     const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
     int n_threads;      /* 0 = OpenMP default */
     kvpq_backend backend;
@@ -582,7 +583,7 @@ typedef struct {
     int head_dim;        /* 64, 128 or 256 */
     int n_seq;           /* sequences (batch rows) the cache holds */
     int max_seq;         /* positions per sequence */
-    int window;          /* newest positions kept in float32 (default 128; 0 = none) */
+    int window;          /* newest positions kept in float32 (default 128; 0 = none; clamped to max_seq) */
     int page_tokens;     /* positions per page, a multiple of 32 (default 256) */
     int n_pages;         /* pages in the pool shared by all sequences (0: enough for n_seq * max_seq) */
     const kvpq_pq *key;  /* key quantizer (d = head_dim), copied */

@@ -142,6 +142,10 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
     if (!out || !p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: NULL argument");
     *out = NULL;
+    /* A window longer than max_seq holds the whole sequence: clamp it (as kvpq_cache_new does). */
+    kvpq_cuda_cache_params clamped = *p;
+    if (clamped.max_seq > 0 && clamped.window > clamped.max_seq) clamped.window = clamped.max_seq;
+    p = &clamped;
     if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: head_dim=%d: expected 64, 128 or 256", p->head_dim);
     if (p->n_head_kv <= 0 || p->n_head <= 0 || p->n_head % p->n_head_kv)
