@@ -90,9 +90,15 @@ typedef struct {
     int32_t merged;        /* token id of left + right */
 } merge_slot;
 
-/* Token text -> id (open addressing over the token texts in pool). */
+/* Token text -> id (open addressing over the token texts in pool). Each slot keeps 32 more bits of
+ * the hash, so a probe reads the token's text only when those match: most SentencePiece lookups
+ * are of pairs that are no token, and would otherwise miss the cache twice (offsets, text). */
 typedef struct {
-    int32_t *slot;   // (mask + 1) token ids, -1 empty
+    int32_t id;      /* -1: empty */
+    uint32_t tag;    /* hash >> 32 */
+} text_slot;
+typedef struct {
+    text_slot *slot; // (mask + 1)
     uint64_t mask;
 } text_index;
 
@@ -236,12 +242,15 @@ static long byte_level_decode(const int16_t inv[324], const char *s, size_t n, c
 // ---- construction --------------------------------------------------------------------------------
 
 static int32_t text_index_find(const kvpq_tokenizer *t, const text_index *ix, const char *s, size_t n) {
-    for (uint64_t i = hash_bytes(s, n) & ix->mask;; i = (i + 1) & ix->mask) {
-        int32_t id = ix->slot[i];
-        if (id < 0) return -1;
+    uint64_t h = hash_bytes(s, n);
+    uint32_t tag = (uint32_t)(h >> 32);
+    for (uint64_t i = h & ix->mask;; i = (i + 1) & ix->mask) {
+        const text_slot *e = &ix->slot[i];
+        if (e->id < 0) return -1;
+        if (e->tag != tag) continue;
         size_t len;
-        const char *txt = tok_text(t, id, &len);
-        if (len == n && memcmp(txt, s, n) == 0) return id;
+        const char *txt = tok_text(t, e->id, &len);
+        if (len == n && memcmp(txt, s, n) == 0) return e->id;
     }
 }
 
@@ -262,13 +271,13 @@ static kvpq_status build_text_index(const kvpq_tokenizer *t, text_index *ix, int
         size_t len;
         const char *s = tok_text(t, id, &len);
         if (len == 0) continue;
-        uint64_t i = hash_bytes(s, len) & ix->mask;
-        for (; ix->slot[i] >= 0; i = (i + 1) & ix->mask) {
+        uint64_t h = hash_bytes(s, len), i = h & ix->mask;
+        for (; ix->slot[i].id >= 0; i = (i + 1) & ix->mask) {
             size_t l2;
-            const char *s2 = tok_text(t, ix->slot[i], &l2);
+            const char *s2 = tok_text(t, ix->slot[i].id, &l2);
             if (l2 == len && memcmp(s2, s, len) == 0) break;
         }
-        if (ix->slot[i] < 0 || last_wins) ix->slot[i] = id;
+        if (ix->slot[i].id < 0 || last_wins) ix->slot[i] = (text_slot){id, (uint32_t)(h >> 32)};
     }
     return KVPQ_OK;
 }
@@ -1085,7 +1094,7 @@ static kvpq_status find_specials(const kvpq_tokenizer *t, const char *text, size
         free(out);
         return st;
     }
-    qsort(out, n_out, sizeof *out, cmp_cut);
+    if (n_out > 1) qsort(out, n_out, sizeof *out, cmp_cut); /* qsort(NULL, 0, ...) is undefined */
     *cuts = out;
     *n_cuts = n_out;
     return KVPQ_OK;
