@@ -442,6 +442,8 @@ KVPQ_API kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t
                                    int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
 /* Bytes of one token's text (may be a partial UTF-8 sequence). *len gets the full length. */
 KVPQ_API kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len);
+/* KVPQ_TOKEN_ATTR_* bits of a token of the model's vocabulary (see kvpq_vocab_token_attr below). */
+KVPQ_API unsigned kvpq_token_attr(const kvpq_model *m, int32_t token);
 
 /* Run n tokens at positions L .. L+n-1, L = kvpq_cache_seq_len(cache, 0), appending their K/V to
  * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. The cache must have
