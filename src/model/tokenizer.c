@@ -1039,7 +1039,7 @@ static kvpq_status find_specials(const kvpq_tokenizer *t, const char *text, size
         }
         for (int32_t k = k0 - 1; k < k1; k++) { /* k0 - 1: the one-byte special */
             int32_t id = k < k0 ? cand[0] : t->special[k];
-            if (id < 0 || !(t->special_attr[id] & want)) continue;
+            if (id < 0 || !(t->special_attr[id] & want) || (seen && seen[id])) continue;
             size_t l;
             const char *s = tok_text(t, id, &l);
             if (l > len - i || memcmp(s, text + i, l) != 0) continue;
@@ -1047,7 +1047,6 @@ static kvpq_status find_specials(const kvpq_tokenizer *t, const char *text, size
                 seen = calloc((size_t)t->n_vocab, 1);
                 if (!seen) { st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: special tokens"); break; }
             }
-            if (seen[id]) continue;
             seen[id] = 1;
             if (n_present == cap_present) {
                 cap_present = cap_present ? 2 * cap_present : 16;
@@ -1069,12 +1068,16 @@ static kvpq_status find_specials(const kvpq_tokenizer *t, const char *text, size
                 const char *q = memmem(text + p, len - p, s, l);
                 if (!q) break;
                 size_t at = (size_t)(q - text);
-                /* Inside text not cut yet: both ends free and nothing claimed between (a cut is
-                 * contiguous, so a claimed byte inside means a cut starts or ends inside). */
-                int free_run = 1;
-                for (size_t j = at; j < at + l; j++)
-                    if (claimed[j]) { free_run = 0; break; }
-                if (!free_run) { p = at + 1; continue; }
+                /* It must lie wholly in text not cut yet; else no occurrence can start before the
+                 * end of the cut run it overlaps (a run of 1 MiB of '\n' would otherwise cost one
+                 * memmem call per byte for each of Gemma's 31 newline-run tokens). */
+                size_t j = at + l;
+                while (j > at && !claimed[j - 1]) j--;
+                if (j > at) {
+                    while (j < len && claimed[j]) j++;
+                    p = j;
+                    continue;
+                }
                 memset(claimed + at, 1, l);
                 if (n_out == cap_out) {
                     cap_out = cap_out ? 2 * cap_out : 64;
