@@ -103,6 +103,10 @@ static void check_sample(const kvpq_vocab *v, const char *model, const char *sam
     cr_assert_eq(st, KVPQ_OK, "%s: %s", path, kvpq_last_error());
     int32_t *ids = malloc((n ? n : 1) * sizeof *ids);
     cr_assert_eq(kvpq_vocab_tokenize(v, text, len, g.add_bos, g.parse_special, ids, n, &n), KVPQ_OK);
+    if (!g.parse_special) /* user text: no CONTROL token but the BOS asked for (the chat path relies on it) */
+        for (size_t k = g.add_bos ? 1 : 0; k < n; k++)
+            cr_assert(!(kvpq_vocab_token_attr(v, ids[k]) & KVPQ_TOKEN_ATTR_CONTROL), "%s: control token %d at %zu", path,
+                      ids[k], k);
     size_t i = 0;
     while (i < n && i < g.n && ids[i] == g.ids[i]) i++;
     cr_assert(i == n && n == g.n, "%s: kvpq %zu ids, llama.cpp %zu; first difference at %zu: kvpq %d, llama.cpp %d", path,
