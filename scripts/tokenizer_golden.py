@@ -4,6 +4,7 @@
   python3 scripts/tokenizer_golden.py write    # (re)write tests/data/tokenizer/golden/*.ids
   python3 scripts/tokenizer_golden.py compare  # kvpq (ctypes, KVPQ_LIB) vs llama-tokenize, larger samples
   python3 scripts/tokenizer_golden.py speed [TEXT]  # tokens/s of both, one process (bench/tokenizer_vs_llama.c)
+  python3 scripts/tokenizer_golden.py random [N]     # ids of N random edge-case strings per model, in process
 
 `write` runs llama-tokenize (env LLAMA_BIN, default the peer build in /work/peer) on small samples
 and writes one file per (model, sample, mode): a header of '#' lines (llama.cpp version, model file
@@ -147,19 +148,24 @@ class Kvpq:
         return list(buf[: n.value])
 
 
-def speed(text):
-    """Build bench/tokenizer_vs_llama.c against build/libkvpq.so and llama.cpp's libllama.so, run it
-    on each model with the same text."""
+def build_vs_llama():
     llama = LLAMA_BIN.parents[1]
     exe = ROOT / "build" / "tokenizer_vs_llama"
     cmd = ["cc", "-O2", str(ROOT / "bench" / "tokenizer_vs_llama.c"), f"-I{ROOT / 'include'}", f"-I{llama / 'include'}",
            f"-I{llama / 'ggml' / 'include'}", str(ROOT / "build" / "libkvpq.so"), str(LLAMA_BIN / "libllama.so"),
            f"-Wl,-rpath,{ROOT / 'build'}:{LLAMA_BIN}", "-o", str(exe)]
     subprocess.run(cmd, check=True)
+    return exe
+
+
+def speed(text, args=None):
+    """Build bench/tokenizer_vs_llama.c against build/libkvpq.so and llama.cpp's libllama.so, run it
+    on each model with the same text (or args instead of 'TEXT 3')."""
+    exe = build_vs_llama()
     rc = 0
     for model in MODELS:
-        out = subprocess.run([str(exe), str(ROOT / "models" / MODELS[model]), text, "3"], capture_output=True, text=True,
-                             env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+        out = subprocess.run([str(exe), str(ROOT / "models" / MODELS[model])] + (args or [text, "3"]),
+                             capture_output=True, text=True, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
         print(out.stdout.strip() or out.stderr.strip())
         rc |= out.returncode
     return rc
@@ -203,9 +209,12 @@ def compare():
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["write", "compare", "speed"])
-    ap.add_argument("text", nargs="?", default=None, help="speed: the text file (default emma.txt)")
+    ap.add_argument("mode", choices=["write", "compare", "speed", "random"])
+    ap.add_argument("text", nargs="?", default=None,
+                    help="speed: the text file (default emma.txt); random: the number of strings (default 20000)")
     a = ap.parse_args()
     if a.mode == "speed":
         sys.exit(speed(a.text or str(novel_path("emma"))))
+    if a.mode == "random":
+        sys.exit(speed(None, ["--random", a.text or "20000"]))
     sys.exit(write() if a.mode == "write" else compare())
