@@ -520,9 +520,8 @@ static kvpq_status load_specials(kvpq_tokenizer *t, const text_index *ix) {
                               : ty == TOKEN_USER_DEFINED                   ? SPECIAL_USER
                                                                            : 0;
     }
-    /* Looked up by their text as it is in t->pool: raw bytes for BPE, which equal the byte-level
-     * text llama.cpp matches for these ASCII (and U+FF5C) names only where no byte needs mapping;
-     * the one non-ASCII name is DeepSeek's and names no token of a supported vocabulary. */
+    /* Looked up by their text in t->pool (raw bytes for BPE). llama.cpp looks up the byte-level
+     * text, which is the same for every ASCII name; only DeepSeek's name is not ASCII. */
     for (size_t k = 0; k < sizeof k_eog_text / sizeof k_eog_text[0]; k++) {
         int32_t id = text_index_find(t, ix, k_eog_text[k], strlen(k_eog_text[k]));
         if (id >= 0) t->special_attr[id] = SPECIAL_CTRL;
