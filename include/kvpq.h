@@ -519,11 +519,12 @@ KVPQ_API unsigned kvpq_vocab_token_attr(const kvpq_vocab *v, int32_t token);
  * full count (call with cap 0 to size). add_bos prepends the BOS id. Special tokens are cut out of
  * the text first, as llama.cpp does: USER_DEFINED texts always, CONTROL texts only with
  * parse_special; longer texts first, each at its leftmost occurrences outside earlier cuts. Without
- * parse_special no CONTROL token comes from a cut, but BPE may still merge plain text into a token
- * whose text llama.cpp treats as control (Qwen2.5's "</s>" is an ordinary merged token; llama.cpp
- * gives the same id). Byte-level BPE: text must be UTF-8 (else KVPQ_ERR_INVALID_ARG with the byte
- * offset, where llama.cpp would silently put U+FFFD for each bad byte) and every byte must have a
- * token (else KVPQ_ERR_UNSUPPORTED: SmolLM2 lacks 21 control / never-valid bytes, e.g. 0x04).
+ * parse_special no CONTROL token comes from a cut; merging could in principle still reach a token
+ * whose text is a control text (as in llama.cpp), which none of the three models here does on text
+ * spelling their special tokens (tests/test_tokenizer_golden.c). Byte-level BPE: text must be UTF-8
+ * (else KVPQ_ERR_INVALID_ARG with the byte offset, where llama.cpp would silently put U+FFFD for
+ * each bad byte) and every byte must have a token (else KVPQ_ERR_UNSUPPORTED: SmolLM2 lacks 21
+ * control / never-valid bytes, e.g. 0x04).
  * SentencePiece: any bytes are accepted; what forms no token is written as <0xNN> tokens, so even
  * invalid UTF-8 round-trips (except before a space, which is written U+2581 first). */
 KVPQ_API kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, size_t len, int add_bos,
