@@ -219,7 +219,8 @@ KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
 /* Divide each row of x: (n, d) in place by its L2 norm (the direction u = x / |x| that a
  * norm-explicit quantizer codes, see kvpq_codebook_params.key_norm); a zero row stays zero.
  * norms: (n) gets |x| of each row (float of the double-precision sum), or NULL. Errors: d < 1, x
- * NULL with n > 0 (KVPQ_ERR_INVALID_ARG). */
+ * NULL with n > 0 (KVPQ_ERR_INVALID_ARG); a NaN/Inf element or a norm beyond float's range
+ * (KVPQ_ERR_NONFINITE, naming the row; x is then unchanged). */
 KVPQ_API kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms);
 
 /* Smoothing factors lambda_c = sqrt(max_t |k_tc|), floored at `floor` (default 1e-2 keeps
@@ -326,6 +327,9 @@ KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
 
 /* ---- KV cache ------------------------------------------------------------------------------- */
 
+/* Largest max_seq a cache takes (2^30 positions): page and position arithmetic then stays in int. */
+#define KVPQ_CACHE_MAX_SEQ (1 << 30)
+
 /* Cache kinds. Enum values are stable; new kinds are added at the end. */
 typedef enum {
     KVPQ_CACHE_FP32 = 0,
@@ -343,9 +347,10 @@ typedef struct {
     int n_head;         /* query heads */
     int n_head_kv;      /* KV heads; n_head % n_head_kv == 0 (GQA) */
     int head_dim;
-    int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond) */
-    int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128) */
-    int page_tokens;    /* tokens per allocated page (default 256) */
+    int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond), 1..KVPQ_CACHE_MAX_SEQ */
+    int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128); a window
+                         * longer than max_seq is clamped to max_seq (the whole sequence) */
+    int page_tokens;    /* tokens per allocated page (default 256); clamped to max_seq likewise */
     const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
     int n_threads;      /* 0 = OpenMP default */
     kvpq_backend backend;
@@ -578,7 +583,7 @@ typedef struct {
     int head_dim;        /* 64, 128 or 256 */
     int n_seq;           /* sequences (batch rows) the cache holds */
     int max_seq;         /* positions per sequence */
-    int window;          /* newest positions kept in float32 (default 128; 0 = none) */
+    int window;          /* newest positions kept in float32 (default 128; 0 = none; clamped to max_seq) */
     int page_tokens;     /* positions per page, a multiple of 32 (default 256) */
     int n_pages;         /* pages in the pool shared by all sequences (0: enough for n_seq * max_seq) */
     const kvpq_pq *key;  /* key quantizer (d = head_dim), copied */

@@ -142,6 +142,10 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
     if (!out || !p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: NULL argument");
     *out = NULL;
+    /* A window longer than max_seq holds the whole sequence: clamp it (as kvpq_cache_new does). */
+    kvpq_cuda_cache_params clamped = *p;
+    if (clamped.max_seq > 0 && clamped.window > clamped.max_seq) clamped.window = clamped.max_seq;
+    p = &clamped;
     if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: head_dim=%d: expected 64, 128 or 256", p->head_dim);
     if (p->n_head_kv <= 0 || p->n_head <= 0 || p->n_head % p->n_head_kv)
@@ -150,8 +154,8 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     if (p->n_head / p->n_head_kv > 64)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: %d query heads per KV head (at most 64)",
                          p->n_head / p->n_head_kv);
-    if (p->n_seq <= 0 || p->max_seq <= 0)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_seq=%d and max_seq=%d must be > 0", p->n_seq,
+    if (p->n_seq <= 0 || p->max_seq <= 0 || p->max_seq > KVPQ_CACHE_MAX_SEQ)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_seq=%d must be > 0 and max_seq=%d in 1..2^30", p->n_seq,
                          p->max_seq);
     if (p->window < 0 || p->window > p->max_seq)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: window=%d: expected 0..max_seq=%d", p->window,
