@@ -317,13 +317,20 @@ KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char 
 KVPQ_API size_t kvpq_codebook_meta_count(const kvpq_codebook *cb);
 KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
 
-/* Write atomically (temp file then rename: an existing file is never left half-written). Fails
+/* Write atomically (temp file PATH.tmp.XXXXXX, fsync, rename over PATH: an existing file is never
+ * left half-written; on failure the temp file is removed). A PATH that is a symbolic link has the
+ * file it names replaced, not the link. Fails
  * with KVPQ_ERR_NONFINITE / KVPQ_ERR_INVALID_ARG (NaN/Inf, smoothing factor <= 0) rather than write
  * a file that load would reject. New codebooks hold lambda = 1, mu = 0 and zero centroids. */
 KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path);
 /* Load and validate every offset, shape and dtype; rejects NaN/Inf (KVPQ_ERR_NONFINITE) and any
  * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
 KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
+
+/* Remove the temporary files of saves in progress (kvpq_codebook_save's PATH.tmp.XXXXXX).
+ * Async-signal-safe: call it from a SIGINT/SIGTERM handler before the process dies, so that an
+ * interrupted save leaves nothing behind (the kvpq CLI does). The library installs no handlers. */
+KVPQ_API void kvpq_remove_temp_files(void);
 
 /* ---- KV cache ------------------------------------------------------------------------------- */
 

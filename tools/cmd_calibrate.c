@@ -357,6 +357,10 @@ int cmd_calibrate(int argc, char **argv) {
         goto done;
     }
     const calib_args *a = &jobs[0];
+    /* Every output checked before any work: not an input, writable (issue 14). */
+    const char *in_opts[2] = {"--model", "--text"}, *inputs[2] = {a->model, a->text};
+    for (int j = 0; j < n_jobs; j++)
+        if ((rc = cli_check_output("calibrate", jobs[j].out, 2, in_opts, inputs)) != 0) goto done;
 
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)a->threads;

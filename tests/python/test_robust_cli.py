@@ -106,3 +106,95 @@ def test_text_over_the_size_limit_refused(tmp_path):
     r = run("ppl", "--model", MODEL, "--text", big, "--ctx", 64, timeout=60)
     assert r.returncode == 1
     assert b"314572800 bytes, over the 256 MiB limit on text files" in r.stderr, r.stderr
+
+
+# ---- items 3, 9, 10: outputs ----
+
+# A calibration small enough for tests: 128 tokens, one Lloyd iteration.
+SMALL_CALIB = ["--text", SRC / "data" / "text" / "emma.txt", "--tokens", 128, "--ctx", 128, "--iters", 1,
+               "--threads", 2]
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A codebook calibrated on the model, written through a symbolic link (item 10: -o on a link
+    replaced the link instead of writing the file it names)."""
+    d = tmp_path_factory.mktemp("calib")
+    real = d / "real.safetensors"
+    real.write_bytes(b"old contents")
+    link = d / "link.safetensors"
+    link.symlink_to(real.name)
+    r = run("calibrate", "--model", MODEL, *SMALL_CALIB, "-o", link, timeout=900)
+    assert r.returncode == 0, r.stderr
+    return d, real, link
+
+
+@need_model
+def test_output_through_symlink_writes_the_named_file(calibrated):
+    d, real, link = calibrated
+    assert link.is_symlink() and os.readlink(link) == real.name
+    assert real.read_bytes()[8:40].startswith(b"{"), "the named file holds the codebook"
+    assert not [p for p in d.iterdir() if ".tmp." in p.name], list(d.iterdir())
+    r = run("info", real)
+    assert r.returncode == 0 and b"n_layer=30" in r.stdout, r.stderr
+
+
+@need_model
+def test_output_that_is_an_input_refused_before_any_work(tmp_path):
+    # Links to the real model, so that even a failing check could only replace a link: rename
+    # replaces the directory entry it is given.
+    m = tmp_path / "m.gguf"
+    m.symlink_to(MODEL)
+    text = tmp_path / "t.txt"
+    text.write_bytes((SRC / "data" / "text" / "emma.txt").read_bytes()[:20000])
+    hard = tmp_path / "t_hard.txt"
+    os.link(text, hard)
+    other = tmp_path / "other_link.gguf"
+    other.symlink_to(m)
+    base = ["calibrate", "--model", m, "--text", text, "--tokens", 128, "--ctx", 128, "--iters", 1]
+    cases = [
+        (["-o", m], "--model"),
+        (["-o", other], "--model"),          # a chain of links to the model
+        (["-o", text], "--text"),
+        (["-o", hard], "--text"),             # a hard link: same inode
+        (["-o", tmp_path / "ok.safetensors", "--also", f"--keys d2b8 -o {hard}"], "--text"),
+    ]
+    before = text.read_bytes()
+    for extra, what in cases:
+        r = run(*base, *extra, timeout=120)
+        assert r.returncode == 2, (extra, r.stderr)
+        assert f"is the same file as {what}".encode() in r.stderr, (extra, r.stderr)
+        assert b"forward" not in r.stderr, "refused before any work"
+    assert m.is_symlink() and text.read_bytes() == before and hard.read_bytes() == before
+    assert not (tmp_path / "ok.safetensors").exists()
+
+
+@need_model
+def test_unwritable_output_found_before_calibration(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    # (Never a device such as /dev/null here: a broken check would have the save rename over it.)
+    for out, msg in [(tmp_path / "missing_dir" / "cb.safetensors", b"cannot write there"),
+                     (tmp_path, b"not a regular file (a directory)"),
+                     (fifo, b"not a regular file (a device, FIFO or socket)")]:
+        r = run("calibrate", "--model", MODEL, *SMALL_CALIB, "-o", out, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr, (out, r.stderr)
+        assert b"forward" not in r.stderr
+
+
+@need_model
+def test_temp_file_removed_when_a_signal_ends_the_save(tmp_path):
+    """SIGXFSZ (the file-size limit) ends kvpq in the middle of writing the codebook: the signal
+    handler removes OUT.tmp.XXXXXX before the process dies (it was left behind, as after SIGINT)."""
+    import resource
+    import signal
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+
+    out = tmp_path / "cb.safetensors"
+    r = run("calibrate", "--model", MODEL, *SMALL_CALIB, "-o", out, timeout=900, preexec_fn=limit)
+    assert r.returncode == -signal.SIGXFSZ, (r.returncode, r.stderr[-400:])
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
