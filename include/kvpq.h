@@ -432,6 +432,8 @@ typedef struct {
     float rms_eps;
     int32_t bos_id, eos_id;
     int add_bos;         /* tokenizer.ggml.add_bos_token (0 when absent): prepend BOS to a text */
+    char fingerprint[17]; /* 16 hex digits: a hash of the GGUF header (every metadata key and value,
+                             every tensor's name, shape and type); recorded in codebooks */
 } kvpq_model_info;
 
 /* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
@@ -442,6 +444,17 @@ KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *i
 /* The model's chat template (tokenizer.chat_template, a Jinja string; NUL-terminated, owned by the
  * model), or NULL when the file has none. */
 KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
+
+/* The model a codebook was calibrated on, recorded as metadata: model (general.name), model.arch
+ * (general.architecture) and model.fingerprint (kvpq_model_info.fingerprint). Errors: NULL
+ * argument (KVPQ_ERR_INVALID_ARG). */
+KVPQ_API kvpq_status kvpq_codebook_set_model(kvpq_codebook *cb, const kvpq_model_info *mi);
+/* Check that a codebook was calibrated on this model: its model.arch and model.fingerprint must
+ * equal the model's, else KVPQ_ERR_MISMATCH naming both models (a codebook of another model with
+ * the same shapes loads and runs, silently wrong: perplexity 815 instead of 34). A file without
+ * model.fingerprint (written before kvpq recorded it) is KVPQ_OK with *unchecked = 1 (may be NULL),
+ * for the caller to warn; shapes are checked by kvpq_cache_new. */
+KVPQ_API kvpq_status kvpq_codebook_check_model(const kvpq_codebook *cb, const kvpq_model_info *mi, int *unchecked);
 
 /* Tokenize UTF-8 text with the model's byte-level BPE. parse_special: text like "<|im_start|>"
  * becomes the special token. Writes up to cap ids; *n_tokens gets the full count (call with cap 0

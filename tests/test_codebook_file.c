@@ -1030,3 +1030,33 @@ Test(codebook_file, temp_file_removed_when_a_signal_ends_the_save) {
     cr_assert_eq(count_dir_entries(), 0, "a temporary file was left behind");
     kvpq_codebook_free(cb);
 }
+
+/* Issue 14 item 4: the model a codebook belongs to is recorded, survives a save, and is checked. */
+Test(codebook_file, model_recorded_and_checked) {
+    kvpq_codebook_params p = small_params(2);
+    kvpq_codebook *cb = random_codebook(&p), *back;
+    kvpq_model_info a = {.arch = "llama", .name = "Model A", .fingerprint = "0123456789abcdef"};
+    kvpq_model_info b = a, c = a;
+    snprintf(b.fingerprint, sizeof b.fingerprint, "0123456789abcdee");
+    snprintf(b.name, sizeof b.name, "Model B");
+    snprintf(c.arch, sizeof c.arch, "qwen2");
+    int unchecked = -1;
+    cr_assert_eq(kvpq_codebook_check_model(cb, &a, &unchecked), KVPQ_OK);
+    cr_assert_eq(unchecked, 1, "no fingerprint recorded: unchecked");
+    cr_assert_eq(kvpq_codebook_set_model(cb, &a), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_save(cb, path_in("cb.safetensors")), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_load(&back, path_in("cb.safetensors")), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_str_eq(kvpq_codebook_get_meta(back, "model.fingerprint"), "0123456789abcdef");
+    cr_assert_str_eq(kvpq_codebook_get_meta(back, "model.arch"), "llama");
+    cr_assert_str_eq(kvpq_codebook_get_meta(back, "model"), "Model A");
+    cr_assert_eq(kvpq_codebook_check_model(back, &a, &unchecked), KVPQ_OK);
+    cr_assert_eq(unchecked, 0);
+    cr_assert_eq(kvpq_codebook_check_model(back, &b, &unchecked), KVPQ_ERR_MISMATCH);
+    cr_assert(strstr(kvpq_last_error(), "model 'Model A'") && strstr(kvpq_last_error(), "'Model B'"), "%s",
+              kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_check_model(back, &c, NULL), KVPQ_ERR_MISMATCH);
+    cr_assert(strstr(kvpq_last_error(), "qwen2"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_check_model(NULL, &a, NULL), KVPQ_ERR_INVALID_ARG);
+    kvpq_codebook_free(back);
+    kvpq_codebook_free(cb);
+}

@@ -32,6 +32,13 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, in
     char base[sizeof c->spec];
     if (snprintf(base, sizeof base, "%s", spec) >= (int)sizeof base)
         return cli_usage_error("cache spec '%.64s...' is longer than %zu bytes", spec, sizeof base - 1);
+    /* ":force": use a codebook whose recorded model differs from this one (kvpq_codebook_check_model). */
+    int force = 0;
+    size_t bl = strlen(base);
+    if (bl > 6 && !strcmp(base + bl - 6, ":force")) {
+        base[bl - 6] = '\0';
+        force = 1;
+    }
     long window = spec_window(base, spec);
     if (window == -2) return 2;
     const char *vq_path = NULL;
@@ -49,6 +56,22 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, in
             return cli_fail("codebook", s);
         }
         cp.codebook = c->codebook;
+        int unchecked = 0;
+        s = kvpq_codebook_check_model(c->codebook, mi, &unchecked);
+        if (s != KVPQ_OK && !force) {
+            fprintf(stderr, "kvpq: cache '%s': ", spec);
+            cli_fail("codebook", s);
+            fprintf(stderr, "kvpq: (append :force to the cache SPEC to use it anyway)\n");
+            kvpq_codebook_free(c->codebook);
+            c->codebook = NULL;
+            return 1;
+        }
+        if (s != KVPQ_OK)
+            fprintf(stderr, "kvpq: cache '%s': warning: the codebook was calibrated on another model (used as asked "
+                            "by :force)\n", spec);
+        if (unchecked)
+            fprintf(stderr, "kvpq: cache '%s': warning: the codebook file records no model fingerprint (written "
+                            "before kvpq recorded one): cannot check that it belongs to this model\n", spec);
     }
     cp.n_layer = mi->n_layer;
     cp.n_head = mi->n_head;

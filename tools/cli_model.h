@@ -17,7 +17,9 @@ typedef struct {
 } cli_cache;
 
 /* Create a cache sized for the model and max_seq positions. Prints the error (naming the SPEC) and
- * returns a non-zero exit code on failure. */
+ * returns a non-zero exit code on failure. A vq codebook must have been calibrated on this model
+ * (kvpq_codebook_check_model) unless the SPEC ends in ":force"; a file that records no model loads
+ * with a warning. */
 int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, int max_seq, int n_threads);
 void cli_cache_close(cli_cache *c);
 

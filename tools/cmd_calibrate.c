@@ -247,6 +247,7 @@ static int make_codebook(const calib_args *a, const kvpq_model_info *mi, kvpq_co
     cp.key.granularity = cp.value.granularity =
         strcmp(a->granularity, "shared") ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
     if ((s = kvpq_codebook_new(cb, &cp)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
+    if ((s = kvpq_codebook_set_model(*cb, mi)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
     if (a->keys_layers && !apply_keys_layers(*cb, a->keys_layers, mi->n_layer, mi->head_dim, cp.key.nbits)) return 2;
     return 0;
 }

@@ -252,3 +252,37 @@ def test_chat_user_text_never_becomes_control_tokens():
         assert prompt_tokens(r.stderr) == want, (prompt_tokens(r.stderr), want, injected)
     finally:
         free()
+
+
+# ---- item 4: a codebook from another model ----
+
+@need_model
+def test_codebook_of_another_model_refused_unless_forced(calibrated, tmp_path):
+    d, real, link = calibrated
+    h, _ = read_st(real)
+    meta = h["__metadata__"]
+    assert meta["model.arch"] == "llama" and len(meta["model.fingerprint"]) == 16, meta
+    gen = ["generate", "--prompt", "Hello", "-n", 0, "--threads", 2]
+    r = run(*gen, "--model", MODEL, "--cache", f"vq:{real}:w0", timeout=300)
+    assert r.returncode == 0 and b"warning" not in r.stderr, r.stderr
+    # Another model with the same shapes: the same weights under another general.name (same length,
+    # so every offset stays), as a fine-tune or a sibling model would be.
+    other = tmp_path / "other.gguf"
+    b = bytearray(MODEL.read_bytes())
+    name = b"Smollm2 135M 8k Lc100K Mix1 Ep2"
+    i = b.index(name)
+    b[i:i + len(name)] = b"Smollm2 135M 8k Lc100K Mix1 Ep3"
+    other.write_bytes(bytes(b))
+    r = run(*gen, "--model", other, "--cache", f"vq:{real}:w0", timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert b"mismatch" in r.stderr and b"Ep2" in r.stderr and b"Ep3" in r.stderr, r.stderr
+    assert b":force" in r.stderr
+    r = run(*gen, "--model", other, "--cache", f"vq:{real}:w0:force", timeout=300)
+    assert r.returncode == 0 and b"calibrated on another model" in r.stderr, r.stderr
+    # A file written before the fingerprint was recorded: loads, with a warning.
+    h2, data = read_st(real)
+    del h2["__metadata__"]["model.fingerprint"], h2["__metadata__"]["model.arch"]
+    old = tmp_path / "old.safetensors"
+    write_st(old, h2, data)
+    r = run(*gen, "--model", MODEL, "--cache", f"vq:{old}:w0", timeout=300)
+    assert r.returncode == 0 and b"records no model fingerprint" in r.stderr, r.stderr
