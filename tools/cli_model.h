@@ -40,7 +40,8 @@ int32_t cli_sample(const float *logits, int n_vocab, float temp, float top_p, cl
 
 /* ---- streaming text ---- */
 /* Writes bytes of token pieces to a FILE, holding back an incomplete UTF-8 sequence at the end until
- * the bytes completing it arrive (a token may end in the middle of a character). */
+ * the bytes completing it arrive (a token may end in the middle of a character). On a terminal,
+ * control characters and invalid bytes are written as \xNN (pieces are the model file's strings). */
 typedef struct {
     unsigned char pend[8];
     size_t n_pend;

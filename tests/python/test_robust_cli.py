@@ -286,3 +286,60 @@ def test_codebook_of_another_model_refused_unless_forced(calibrated, tmp_path):
     write_st(old, h2, data)
     r = run(*gen, "--model", MODEL, "--cache", f"vq:{old}:w0", timeout=300)
     assert r.returncode == 0 and b"records no model fingerprint" in r.stderr, r.stderr
+
+
+def test_generated_pieces_escaped_on_a_terminal(tmp_path):
+    """Token pieces are strings from the model file: a vocabulary of escape sequences must not reach
+    a terminal (item 6). A tiny model whose every token is one, and whose output layer always picks
+    token 0 or 1; stdout is a pseudo-terminal. Redirected to a file, the bytes stay as they are."""
+    import pty
+
+    import gguf
+    import numpy as np
+    esc = chr(0x100 + 0x1b)  # GPT-2 byte-level text of the byte 0x1b
+    path = tmp_path / "evil.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    E, H, F = 8, 2, 8
+    for k, v in [("block_count", 1), ("context_length", 32), ("embedding_length", E), ("feed_forward_length", F),
+                 ("head_count", H), ("head_count_kv", 1)]:
+        getattr(w, f"add_{k}")(v)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list([esc + "[2J", esc + "]0;pwned" + chr(0x100 + 7), esc + "c", "a", "aa"])
+    w.add_token_merges(["a a"])
+    w.add_bos_token_id(3)
+    rng = np.random.default_rng(1)
+    out = np.zeros((5, E), np.float32)
+    out[0], out[1], out[2] = 1, -1, 0.5  # logits s, -s, s/2, 0: token 0 or 1 always wins
+    w.add_tensor("token_embd.weight", rng.standard_normal((5, E)).astype(np.float32))
+    w.add_tensor("output.weight", out)
+    w.add_tensor("output_norm.weight", np.ones(E, np.float32))
+    for name, shape in [("attn_q", (E, E)), ("attn_k", (E // H, E)), ("attn_v", (E // H, E)), ("attn_output", (E, E)),
+                        ("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))]:
+        w.add_tensor(f"blk.0.{name}.weight", (0.3 * rng.standard_normal(shape)).astype(np.float32))
+    for name in ("attn_norm", "ffn_norm"):
+        w.add_tensor(f"blk.0.{name}.weight", np.ones(E, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    args = [BIN, "generate", "--model", str(path), "-n", "6", "--temp", "0"]
+    master, slave = pty.openpty()
+    p = subprocess.run(args, stdout=slave, stderr=subprocess.PIPE, timeout=60)
+    os.close(slave)
+    got = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        got += chunk
+    os.close(master)
+    assert p.returncode == 0, p.stderr
+    assert b"\x1b" not in got and b"\x07" not in got, got
+    assert b"\\x1b" in got, got
+    r = subprocess.run(args, capture_output=True, timeout=60)  # not a terminal: the pieces as they are
+    assert r.returncode == 0 and b"\x1b" in r.stdout, r.stdout
