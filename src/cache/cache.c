@@ -155,6 +155,11 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
         got = KVPQ_BACKEND_CPU;
     }
     q.backend = got;
+    /* A window or page longer than the cache can ever hold means "the whole sequence": clamp them to
+     * max_seq, so a short prompt with the default window (128) or pages (256) just works, and a
+     * short cache does not allocate rings and pages for positions it can never hold. */
+    if (q.window > q.max_seq) q.window = q.max_seq;
+    if (q.page_tokens > q.max_seq) q.page_tokens = q.max_seq;
     kvpq_cache *c = calloc(1, sizeof *c);
     if (!c || !(c->len = calloc((size_t)p->n_layer, sizeof *c->len))) {
         free(c);

@@ -32,6 +32,10 @@ int kvpq__temp_create(char *tmpl);
 /* Unlist a temp file; remove it too unless keep (it has been renamed into place). */
 void kvpq__temp_done(const char *tmpl, int keep);
 
+/* KVPQ_OK if every field of a kvpq_cuda_kernels holds one of its listed values, else
+ * KVPQ_ERR_INVALID_ARG naming `fn` and the field (src/core/cuda_stub.c; every build). */
+kvpq_status kvpq__cuda_kernels_check(const kvpq_cuda_kernels *k, const char *fn);
+
 #define KVPQ_TRY(expr)                     \
     do {                                   \
         kvpq_status kvpq__s = (expr);      \
