@@ -317,13 +317,20 @@ KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char 
 KVPQ_API size_t kvpq_codebook_meta_count(const kvpq_codebook *cb);
 KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
 
-/* Write atomically (temp file then rename: an existing file is never left half-written). Fails
+/* Write atomically (temp file PATH.tmp.XXXXXX, fsync, rename over PATH: an existing file is never
+ * left half-written; on failure the temp file is removed). A PATH that is a symbolic link has the
+ * file it names replaced, not the link. Fails
  * with KVPQ_ERR_NONFINITE / KVPQ_ERR_INVALID_ARG (NaN/Inf, smoothing factor <= 0) rather than write
  * a file that load would reject. New codebooks hold lambda = 1, mu = 0 and zero centroids. */
 KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path);
 /* Load and validate every offset, shape and dtype; rejects NaN/Inf (KVPQ_ERR_NONFINITE) and any
  * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
 KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
+
+/* Remove the temporary files of saves in progress (kvpq_codebook_save's PATH.tmp.XXXXXX).
+ * Async-signal-safe: call it from a SIGINT/SIGTERM handler before the process dies, so that an
+ * interrupted save leaves nothing behind (the kvpq CLI does). The library installs no handlers. */
+KVPQ_API void kvpq_remove_temp_files(void);
 
 /* ---- KV cache ------------------------------------------------------------------------------- */
 
@@ -426,6 +433,8 @@ typedef struct {
     float rms_eps;
     int32_t bos_id, eos_id;
     int add_bos;         /* tokenizer.ggml.add_bos_token (0 when absent): prepend BOS to a text */
+    char fingerprint[17]; /* 16 hex digits: a hash of the GGUF header (every metadata key and value,
+                             every tensor's name, shape and type); recorded in codebooks */
 } kvpq_model_info;
 
 /* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
@@ -436,6 +445,17 @@ KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *i
 /* The model's chat template (tokenizer.chat_template, a Jinja string; NUL-terminated, owned by the
  * model), or NULL when the file has none. */
 KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
+
+/* The model a codebook was calibrated on, recorded as metadata: model (general.name), model.arch
+ * (general.architecture) and model.fingerprint (kvpq_model_info.fingerprint). Errors: NULL
+ * argument (KVPQ_ERR_INVALID_ARG). */
+KVPQ_API kvpq_status kvpq_codebook_set_model(kvpq_codebook *cb, const kvpq_model_info *mi);
+/* Check that a codebook was calibrated on this model: its model.arch and model.fingerprint must
+ * equal the model's, else KVPQ_ERR_MISMATCH naming both models (a codebook of another model with
+ * the same shapes loads and runs, silently wrong: perplexity 815 instead of 34). A file without
+ * model.fingerprint (written before kvpq recorded it) is KVPQ_OK with *unchecked = 1 (may be NULL),
+ * for the caller to warn; shapes are checked by kvpq_cache_new. */
+KVPQ_API kvpq_status kvpq_codebook_check_model(const kvpq_codebook *cb, const kvpq_model_info *mi, int *unchecked);
 
 /* Tokenize text with the model's tokenizer (byte-level BPE or SentencePiece BPE, see kvpq_vocab
  * below for the whole contract). parse_special: text like "<|im_start|>" or "<start_of_turn>"

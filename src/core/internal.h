@@ -22,6 +22,16 @@ void kvpq__err_prefix(const char *fmt, ...)
 /* 1 if every one of n floats is finite. */
 int kvpq__all_finite(const float *x, size_t n);
 
+/* ---- atomic saves (tempfile.c) ---- */
+/* The file a save to `path` must replace: path itself, or, when it is a symbolic link, the file the
+ * chain of links names (which may not exist yet). malloc'd; NULL when out of memory. */
+char *kvpq__resolve_target(const char *path);
+/* mkstemp(tmpl) (tmpl ends in XXXXXX), the file listed for kvpq_remove_temp_files until
+ * kvpq__temp_done. Returns the descriptor, or -1 with errno set. */
+int kvpq__temp_create(char *tmpl);
+/* Unlist a temp file; remove it too unless keep (it has been renamed into place). */
+void kvpq__temp_done(const char *tmpl, int keep);
+
 /* KVPQ_OK if every field of a kvpq_cuda_kernels holds one of its listed values, else
  * KVPQ_ERR_INVALID_ARG naming `fn` and the field (src/core/cuda_stub.c; every build). */
 kvpq_status kvpq__cuda_kernels_check(const kvpq_cuda_kernels *k, const char *fn);

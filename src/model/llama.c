@@ -245,6 +245,9 @@ kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model
     if (!m) return kvpq__err(KVPQ_ERR_NOMEM, "model: out of memory");
     m->n_threads = p ? p->n_threads : 0;
     kvpq_status s = gguf_open(&m->gf, path);
+    if (s == KVPQ_OK)
+        snprintf(m->info.fingerprint, sizeof m->info.fingerprint, "%016llx",
+                 (unsigned long long)gguf_fingerprint(m->gf));
     if (s == KVPQ_OK) s = load_hparams(m);
     if (s == KVPQ_OK) s = load_tensors(m);
     if (s == KVPQ_OK) s = kvpq_tokenizer_from_gguf(&m->tok, m->gf);

@@ -478,6 +478,33 @@ static kvpq_status check_values(const float *x, size_t n, int kind, const char *
     return KVPQ_OK;
 }
 
+/* ---- the model a codebook belongs to ------------------------------------------------------------ */
+
+kvpq_status kvpq_codebook_set_model(kvpq_codebook *cb, const kvpq_model_info *mi) {
+    if (!cb || !mi) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_model: NULL argument");
+    KVPQ_TRY(kvpq_codebook_set_meta(cb, "model", mi->name[0] ? mi->name : "(unnamed)"));
+    KVPQ_TRY(kvpq_codebook_set_meta(cb, "model.arch", mi->arch[0] ? mi->arch : "(none)"));
+    return kvpq_codebook_set_meta(cb, "model.fingerprint", mi->fingerprint);
+}
+
+kvpq_status kvpq_codebook_check_model(const kvpq_codebook *cb, const kvpq_model_info *mi, int *unchecked) {
+    if (unchecked) *unchecked = 0;
+    if (!cb || !mi) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_check_model: NULL argument");
+    const char *fp = kvpq_codebook_get_meta(cb, "model.fingerprint"), *arch = kvpq_codebook_get_meta(cb, "model.arch");
+    const char *name = kvpq_codebook_get_meta(cb, "model");
+    if (!fp) {
+        if (unchecked) *unchecked = 1;
+        return KVPQ_OK;
+    }
+    if ((arch && strcmp(arch, mi->arch[0] ? mi->arch : "(none)")) || strcmp(fp, mi->fingerprint))
+        return kvpq__err(KVPQ_ERR_MISMATCH,
+                         "codebook calibrated on model '%.128s' (%.32s, fingerprint %.32s), loaded model is '%s' (%s, "
+                         "fingerprint %s): another model's codebook, with the same shapes or not, gives wrong "
+                         "attention",
+                         name ? name : "?", arch ? arch : "?", fp, mi->name, mi->arch, mi->fingerprint);
+    return KVPQ_OK;
+}
+
 /* ---- save ------------------------------------------------------------------------------------- */
 
 static int write_all(int fd, const void *buf, size_t n) {
@@ -561,19 +588,32 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     uint8_t len_le[8];
     for (int i = 0; i < 8; i++) len_le[i] = (uint8_t)(n_header >> (8 * i));
 
-    size_t plen = strlen(path);
-    char *tmp = malloc(plen + 16);
+    /* Saving to a symbolic link replaces the file it names (rename would replace the link), and
+     * the temp file goes beside that file, on its file system. */
+    char *target = kvpq__resolve_target(path);
+    size_t plen = target ? strlen(target) : 0;
+    char *tmp = target ? malloc(plen + 16) : NULL;
     if (!tmp) {
+        free(target);
         cJSON_free(json);
         return kvpq__err(KVPQ_ERR_NOMEM, "codebook save: out of memory");
     }
-    memcpy(tmp, path, plen);
+    memcpy(tmp, target, plen);
     memcpy(tmp + plen, ".tmp.XXXXXX", 12);
-    int fd = mkstemp(tmp);
+    struct stat st;
+    if (lstat(target, &st) == 0 && !S_ISREG(st.st_mode)) { /* never rename over a directory or /dev/null */
+        free(tmp);
+        free(target);
+        cJSON_free(json);
+        return kvpq__err(KVPQ_ERR_IO, "codebook save '%s': not a regular file (any existing file is unchanged)",
+                         path);
+    }
+    int fd = kvpq__temp_create(tmp);
     if (fd < 0) {
         kvpq_status s = kvpq__err(KVPQ_ERR_IO, "codebook save '%s': cannot create a temporary file beside it: %s",
                                   path, strerror(errno));
         free(tmp);
+        free(target);
         cJSON_free(json);
         return s;
     }
@@ -589,14 +629,13 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     int err = ok ? 0 : errno;
     if (ok && fsync(fd) != 0) ok = 0, err = errno;
     if (close(fd) != 0 && ok) ok = 0, err = errno;
-    if (ok && rename(tmp, path) != 0) ok = 0, err = errno;
-    if (!ok) {
-        unlink(tmp);
-        free(tmp);
+    if (ok && rename(tmp, target) != 0) ok = 0, err = errno;
+    kvpq__temp_done(tmp, ok);
+    free(tmp);
+    free(target);
+    if (!ok)
         return kvpq__err(KVPQ_ERR_IO, "codebook save '%s': %s (any existing file is unchanged)", path,
                          strerror(err ? err : EIO));
-    }
-    free(tmp);
     return KVPQ_OK;
 }
 
