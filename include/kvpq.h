@@ -403,6 +403,10 @@ typedef struct {
     kvpq_backend backend;      /* where it runs */
 } kvpq_cache_stats;
 KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st);
+/* The params the cache was created with (as resolved: backend is CPU or CUDA, never AUTO), copied
+ * into *p; pointer fields (the codebook) are borrowed from the cache and live as long as it does.
+ * Errors: KVPQ_ERR_INVALID_ARG for NULL. */
+KVPQ_API kvpq_status kvpq_cache_get_params(const kvpq_cache *c, kvpq_cache_params *p);
 
 /* ---- models (GGUF, Llama family) ------------------------------------------------------------ */
 
