@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "internal.h"
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
