@@ -14,7 +14,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* ---- helpers ---------------------------------------------------------------------------------- */
 

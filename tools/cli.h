@@ -3,7 +3,7 @@
 #define KVPQ_CLI_H
 
 #include <stdio.h>
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* Each subcommand gets argv starting at its own name (argv[0] = "info", ...); returns the exit code. */
 int cmd_info_gguf(int argc, char **argv, const char *path);      /* info_gguf.c */

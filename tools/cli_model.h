@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* A KV cache made from a SPEC string (fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE) for a model. */
 typedef struct {

@@ -4,23 +4,32 @@
 
 #include "kvpq.h"
 
+/* The few internal functions that libkvpq_model (the second library tier, src/model) calls in
+ * libkvpq: exported from libkvpq.so under their kvpq__ names although no public header declares
+ * them (everything else internal stays hidden by -fvisibility=hidden). */
+#if defined(__GNUC__)
+#define KVPQ_INTERNAL_API __attribute__((visibility("default")))
+#else
+#define KVPQ_INTERNAL_API
+#endif
+
 /* Record a thread-local error message (printf format) and return `s`, so that a failing path is
  * one line: `return kvpq__err(KVPQ_ERR_INVALID_ARG, "dsub %d: expected 1, 2, 4, 8 or 16", dsub);` */
-kvpq_status kvpq__err(kvpq_status s, const char *fmt, ...)
+KVPQ_INTERNAL_API kvpq_status kvpq__err(kvpq_status s, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
 
 /* Prefix the current thread-local message with context: "codebook file 'x': <old message>". */
-void kvpq__err_prefix(const char *fmt, ...)
+KVPQ_INTERNAL_API void kvpq__err_prefix(const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 1, 2)))
 #endif
     ;
 
 /* 1 if every one of n floats is finite. */
-int kvpq__all_finite(const float *x, size_t n);
+KVPQ_INTERNAL_API int kvpq__all_finite(const float *x, size_t n);
 
 /* ---- atomic saves (tempfile.c) ---- */
 /* The file a save to `path` must replace: path itself, or, when it is a symbolic link, the file the

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* Metadata value types, numbered as in the GGUF spec. */
 typedef enum {

@@ -478,33 +478,6 @@ static kvpq_status check_values(const float *x, size_t n, int kind, const char *
     return KVPQ_OK;
 }
 
-/* ---- the model a codebook belongs to ------------------------------------------------------------ */
-
-kvpq_status kvpq_codebook_set_model(kvpq_codebook *cb, const kvpq_model_info *mi) {
-    if (!cb || !mi) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_model: NULL argument");
-    KVPQ_TRY(kvpq_codebook_set_meta(cb, "model", mi->name[0] ? mi->name : "(unnamed)"));
-    KVPQ_TRY(kvpq_codebook_set_meta(cb, "model.arch", mi->arch[0] ? mi->arch : "(none)"));
-    return kvpq_codebook_set_meta(cb, "model.fingerprint", mi->fingerprint);
-}
-
-kvpq_status kvpq_codebook_check_model(const kvpq_codebook *cb, const kvpq_model_info *mi, int *unchecked) {
-    if (unchecked) *unchecked = 0;
-    if (!cb || !mi) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_check_model: NULL argument");
-    const char *fp = kvpq_codebook_get_meta(cb, "model.fingerprint"), *arch = kvpq_codebook_get_meta(cb, "model.arch");
-    const char *name = kvpq_codebook_get_meta(cb, "model");
-    if (!fp) {
-        if (unchecked) *unchecked = 1;
-        return KVPQ_OK;
-    }
-    if ((arch && strcmp(arch, mi->arch[0] ? mi->arch : "(none)")) || strcmp(fp, mi->fingerprint))
-        return kvpq__err(KVPQ_ERR_MISMATCH,
-                         "codebook calibrated on model '%.128s' (%.32s, fingerprint %.32s), loaded model is '%s' (%s, "
-                         "fingerprint %s): another model's codebook, with the same shapes or not, gives wrong "
-                         "attention",
-                         name ? name : "?", arch ? arch : "?", fp, mi->name, mi->arch, mi->fingerprint);
-    return KVPQ_OK;
-}
-
 /* ---- save ------------------------------------------------------------------------------------- */
 
 static int write_all(int fd, const void *buf, size_t n) {
