@@ -357,6 +357,16 @@ typedef struct {
      * move by a factor within exp(+-M * delta). Default 0: exact float LUT. Ignored (exact scores)
      * when the codebook's keys are norm-explicit (kvpq_codebook_params.key_norm). */
     int vq_fast_scan;
+    /* Sliding-window attention (local layers of Gemma 2/3; Beltagy et al. 2020, "Longformer",
+     * arXiv 2004.05150): in a layer l with swa_layers[l] != 0, the query at position p attends only
+     * to positions p - sliding_window + 1 .. p, and the cache frees what no later query can see:
+     * such a layer keeps at most sliding_window - 1 positions before each append, plus up to one
+     * storage unit (a page of page_tokens; for kivi a page of groups) and the appended ones.
+     * kvpq_cache_read and kvpq_cache_truncate refuse (KVPQ_ERR_INVALID_ARG) positions that are
+     * gone. 0 (default): no sliding window. */
+    int sliding_window;
+    const uint8_t *swa_layers; /* (n_layer) 1 = local layer; NULL with sliding_window > 0 = every
+                                  layer. Copied by kvpq_cache_new (need not outlive the call). */
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
 
@@ -404,7 +414,7 @@ typedef struct {
 } kvpq_cache_stats;
 KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st);
 
-/* ---- models (GGUF, Llama family) ------------------------------------------------------------ */
+/* ---- models (GGUF: llama, qwen2, gemma3) --------------------------------------------------- */
 
 typedef struct kvpq_model kvpq_model;
 
@@ -421,6 +431,8 @@ typedef struct {
     float rms_eps;
     int32_t bos_id, eos_id;
     int add_bos;         /* tokenizer.ggml.add_bos_token (0 when absent): prepend BOS to a text */
+    int sliding_window;  /* <arch>.attention.sliding_window: positions a local layer sees; 0 none */
+    int n_swa_layers;    /* local (sliding-window) layers; the others attend to every position */
 } kvpq_model_info;
 
 /* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
@@ -431,6 +443,12 @@ KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *i
 /* The model's chat template (tokenizer.chat_template, a Jinja string; NUL-terminated, owned by the
  * model), or NULL when the file has none. */
 KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
+
+/* Fill the model's shape into cache params: n_layer, n_head, n_head_kv, head_dim, and its
+ * sliding window (sliding_window, swa_layers: borrowed from the model, copied by kvpq_cache_new).
+ * The other fields are left as they are. kvpq_model_eval refuses a cache whose sliding window
+ * differs from the model's (KVPQ_ERR_MISMATCH). Errors: KVPQ_ERR_INVALID_ARG (NULL). */
+KVPQ_API kvpq_status kvpq_model_cache_params(const kvpq_model *m, kvpq_cache_params *p);
 
 /* Tokenize UTF-8 text with the model's byte-level BPE. parse_special: text like "<|im_start|>"
  * becomes the special token. Writes up to cap ids; *n_tokens gets the full count (call with cap 0

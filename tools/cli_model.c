@@ -22,7 +22,7 @@ static long spec_window(char *buf, const char *spec) {
     return n;
 }
 
-int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, int max_seq, int n_threads) {
+int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_seq, int n_threads) {
     memset(c, 0, sizeof *c);
     snprintf(c->spec, sizeof c->spec, "%s", spec);
     kvpq_cache_params cp = kvpq_cache_params_default();
@@ -47,10 +47,7 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, in
         }
         cp.codebook = c->codebook;
     }
-    cp.n_layer = mi->n_layer;
-    cp.n_head = mi->n_head;
-    cp.n_head_kv = mi->n_head_kv;
-    cp.head_dim = mi->head_dim;
+    kvpq_model_cache_params(m, &cp); /* shape and sliding window */
     cp.max_seq = max_seq;
     cp.n_threads = n_threads;
     cp.backend = KVPQ_BACKEND_CPU;

@@ -16,9 +16,9 @@ typedef struct {
     kvpq_codebook *codebook; /* vq: only */
 } cli_cache;
 
-/* Create a cache sized for the model and max_seq positions. Prints the error (naming the SPEC) and
- * returns a non-zero exit code on failure. */
-int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, int max_seq, int n_threads);
+/* Create a cache sized for the model (its shape and sliding window) and max_seq positions. Prints
+ * the error (naming the SPEC) and returns a non-zero exit code on failure. */
+int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_seq, int n_threads);
 void cli_cache_close(cli_cache *c);
 
 /* ---- sampling ---- */

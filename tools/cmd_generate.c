@@ -139,7 +139,7 @@ int cmd_generate(int argc, char **argv) {
     size_t got = 0;
     if (kvpq_tokenize(m, src, strlen(src), mi.add_bos, chat, toks, n_prompt, &got) != KVPQ_OK || got == 0)
         toks[0] = mi.bos_id;
-    if (cli_cache_open(&cc, cache_spec, &mi, (int)(n_prompt + (size_t)n_gen + 1), (int)threads)) goto done;
+    if (cli_cache_open(&cc, cache_spec, m, (int)(n_prompt + (size_t)n_gen + 1), (int)threads)) goto done;
 
     cli_utf8_stream us = {{0}, 0};
     if (!chat) { /* echo the prompt, as llama.cpp does, so the continuation reads on */

@@ -222,14 +222,14 @@ int cmd_ppl(int argc, char **argv) {
     }
     int C = (int)ctx, V = mi.n_vocab, first = C / 2, n_score = C - 1 - first;
     for (int i = 0; i < n_caches; i++) {
-        if (cli_cache_open(&runs[i].cc, specs[i], &mi, C, (int)threads)) goto done;
+        if (cli_cache_open(&runs[i].cc, specs[i], m, C, (int)threads)) goto done;
         runs[i].kl = kl_base ? malloc((size_t)n_chunks * n_score * sizeof(float)) : NULL;
         if (kl_base && !runs[i].kl) {
             fprintf(stderr, "kvpq ppl: out of memory\n");
             goto done;
         }
     }
-    if (kl_base && cli_cache_open(&base.cc, kl_base, &mi, C, (int)threads)) goto done;
+    if (kl_base && cli_cache_open(&base.cc, kl_base, m, C, (int)threads)) goto done;
     logits = malloc((size_t)(C - first) * V * sizeof *logits);
     row = malloc((size_t)V * sizeof *row);
     if (kl_base) {
