@@ -234,3 +234,29 @@ char *cli_read_file(const char *path, size_t *len) {
     }
     return buf;
 }
+
+int32_t *cli_parse_ids(const char *s, size_t len, size_t *n) {
+    size_t cap = 64, k = 0;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    for (size_t i = 0; ids && i < len;) {
+        if (s[i] < '0' || s[i] > '9') {
+            i++;
+            continue;
+        }
+        long v = 0;
+        while (i < len && s[i] >= '0' && s[i] <= '9' && v <= 0x7fffffffL) v = v * 10 + (s[i++] - '0');
+        if (v > 0x7fffffffL) { /* not a token id */
+            free(ids);
+            return NULL;
+        }
+        if (k == cap) {
+            int32_t *ni = realloc(ids, (cap *= 2) * sizeof *ids);
+            if (!ni) free(ids);
+            ids = ni;
+            if (!ids) break;
+        }
+        ids[k++] = (int32_t)v;
+    }
+    *n = k;
+    return ids;
+}

@@ -50,6 +50,11 @@ void cli_utf8_flush(cli_utf8_stream *st, FILE *f);
 /* 1 if the n bytes are valid UTF-8; else 0 and *bad_offset the offset of the first bad byte. */
 int cli_utf8_valid(const unsigned char *s, size_t n, size_t *bad_offset);
 
+/* Token ids written as decimal numbers with any separators ("[2, 818, 5279]" as llama-tokenize
+ * --ids prints them, or "2 818 5279"): a malloc'd array and its count *n. NULL when out of memory
+ * or a number exceeds int32. */
+int32_t *cli_parse_ids(const char *s, size_t len, size_t *n);
+
 /* Read a whole file into a NUL-terminated buffer (caller frees). NULL with errno set on failure. */
 char *cli_read_file(const char *path, size_t *len);
 

@@ -8,7 +8,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
-            "                     [--cache SPEC] [--chat] [--threads N]\n"
+            "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]\n"
             "  --model M      GGUF model (Llama family)\n"
             "  --prompt P     prompt text (default empty: starts from BOS when the model adds one)\n"
             "  -n N           tokens to generate (default 64); stops early at the end-of-sequence token\n"
@@ -22,6 +22,8 @@ static void usage(FILE *f) {
             "                 template's default system message when it has one (SmolLM2 does);\n"
             "                 other templates are refused\n"
             "  --threads N    CPU threads (default: OpenMP default)\n"
+            "  --prompt-ids IDS  the prompt as token ids (\"2,818,5279\"; any separators) instead of text\n"
+            "  --print-ids    print the generated token ids (one line, space-separated) instead of text\n"
             "The text goes to stdout as it is produced; prompt and generation tokens/s go to stderr.\n");
 }
 
@@ -54,7 +56,8 @@ int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = "", *cache_spec = "fp32";
     long n_gen = 64, seed = 42, threads = 0;
     double temp = 0.8, top_p = 0.95;
-    int chat = 0;
+    int chat = 0, print_ids = 0;
+    const char *prompt_ids = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -64,12 +67,16 @@ int cmd_generate(int argc, char **argv) {
         } else if (!strcmp(a, "--chat")) {
             chat = 1;
             continue;
+        } else if (!strcmp(a, "--print-ids")) {
+            print_ids = 1;
+            continue;
         }
         if (!v) return cli_usage_error("generate: option %s needs a value (see --help)", a);
         i++;
         if (!strcmp(a, "--model") || !strcmp(a, "-m")) model_path = v;
         else if (!strcmp(a, "--prompt") || !strcmp(a, "-p")) prompt = v;
         else if (!strcmp(a, "--cache")) cache_spec = v;
+        else if (!strcmp(a, "--prompt-ids")) prompt_ids = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
             if (!cli_parse_int(a, v, 0, 1 << 20, &n_gen)) return 2;
         } else if (!strcmp(a, "--seed")) {
@@ -84,6 +91,8 @@ int cmd_generate(int argc, char **argv) {
             return cli_usage_error("generate: unknown option '%s' (see --help)", a);
     }
     if (!model_path) return cli_usage_error("generate: --model is required (see --help)");
+    if (prompt_ids && (chat || *prompt))
+        return cli_usage_error("generate: --prompt-ids replaces --prompt and --chat (give one)");
     size_t bad;
     if (!cli_utf8_valid((const unsigned char *)prompt, strlen(prompt), &bad))
         return cli_usage_error("generate: --prompt is not valid UTF-8 (byte %zu)", bad);
@@ -98,7 +107,7 @@ int cmd_generate(int argc, char **argv) {
     kvpq_model_get_info(m, &mi);
 
     char *text = NULL;
-    int32_t *toks = NULL, *idx = NULL;
+    int32_t *toks = NULL, *idx = NULL, *given = NULL;
     float *logits = NULL, *work = NULL;
     cli_cache cc = {0};
     if (chat) {
@@ -110,8 +119,17 @@ int cmd_generate(int argc, char **argv) {
         }
     }
     const char *src = text ? text : prompt;
-    size_t n_prompt = 0;
-    s = kvpq_tokenize(m, src, strlen(src), mi.add_bos, chat, NULL, 0, &n_prompt);
+    size_t n_prompt = 0, n_given = 0;
+    if (prompt_ids) {
+        given = cli_parse_ids(prompt_ids, strlen(prompt_ids), &n_prompt);
+        n_given = n_prompt;
+        if (!given) {
+            fprintf(stderr, "kvpq generate: --prompt-ids: out of memory or a number beyond int32\n");
+            goto done;
+        }
+        s = KVPQ_OK;
+    } else
+        s = kvpq_tokenize(m, src, strlen(src), mi.add_bos, chat, NULL, 0, &n_prompt);
     if (s != KVPQ_OK) {
         cli_fail("generate: prompt", s);
         goto done;
@@ -137,12 +155,17 @@ int cmd_generate(int argc, char **argv) {
         goto done;
     }
     size_t got = 0;
-    if (kvpq_tokenize(m, src, strlen(src), mi.add_bos, chat, toks, n_prompt, &got) != KVPQ_OK || got == 0)
+    if (given) {
+        if (n_given) memcpy(toks, given, n_given * sizeof *toks);
+        else toks[0] = mi.bos_id;
+        free(given);
+        given = NULL;
+    } else if (kvpq_tokenize(m, src, strlen(src), mi.add_bos, chat, toks, n_prompt, &got) != KVPQ_OK || got == 0)
         toks[0] = mi.bos_id;
     if (cli_cache_open(&cc, cache_spec, m, (int)(n_prompt + (size_t)n_gen + 1), (int)threads)) goto done;
 
     cli_utf8_stream us = {{0}, 0};
-    if (!chat) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
+    if (!chat && !print_ids) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
         fputs(prompt, stdout);
         fflush(stdout);
     }
@@ -161,13 +184,18 @@ int cmd_generate(int argc, char **argv) {
     for (; n_done < n_gen; n_done++) {
         int32_t t = cli_sample(logits, mi.n_vocab, (float)temp, (float)top_p, &rng, work, idx);
         if (t == mi.eos_id) break;
-        size_t len = 0;
-        s = kvpq_token_to_piece(m, t, piece, sizeof piece, &len);
-        if (s != KVPQ_OK) {
-            cli_fail("generate: token_to_piece", s);
-            goto done;
+        if (print_ids) {
+            printf(n_done ? " %d" : "%d", t);
+            fflush(stdout);
+        } else {
+            size_t len = 0;
+            s = kvpq_token_to_piece(m, t, piece, sizeof piece, &len);
+            if (s != KVPQ_OK) {
+                cli_fail("generate: token_to_piece", s);
+                goto done;
+            }
+            cli_utf8_write(&us, stdout, piece, len < sizeof piece ? len : sizeof piece);
         }
-        cli_utf8_write(&us, stdout, piece, len < sizeof piece ? len : sizeof piece);
         if (n_done + 1 == n_gen) {
             n_done++;
             break; /* the last token needs no eval */
@@ -194,6 +222,7 @@ done:
     cli_cache_close(&cc);
     free(text);
     free(toks);
+    free(given);
     free(logits);
     free(work);
     free(idx);

@@ -359,6 +359,19 @@ kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model
         s = kvpq__err(KVPQ_ERR_FORMAT, "tokenizer has %d tokens but token_embd.weight only %d rows",
                       kvpq_tokenizer_n_vocab(m->tok), m->info.n_vocab);
     m->info.bos_id = m->info.eos_id = -1;
+    if (s == KVPQ_OK && !m->tok) { /* ids only: the special ids as the file states them */
+        uint32_t id;
+        int b;
+        if (gguf_find_key(m->gf, "tokenizer.ggml.bos_token_id") >= 0 &&
+            gguf_get_u32(m->gf, "tokenizer.ggml.bos_token_id", &id) == KVPQ_OK && id < (uint32_t)m->info.n_vocab)
+            m->info.bos_id = (int32_t)id;
+        if (gguf_find_key(m->gf, "tokenizer.ggml.eos_token_id") >= 0 &&
+            gguf_get_u32(m->gf, "tokenizer.ggml.eos_token_id", &id) == KVPQ_OK && id < (uint32_t)m->info.n_vocab)
+            m->info.eos_id = (int32_t)id;
+        if (gguf_find_key(m->gf, "tokenizer.ggml.add_bos_token") >= 0 &&
+            gguf_get_bool(m->gf, "tokenizer.ggml.add_bos_token", &b) == KVPQ_OK)
+            m->info.add_bos = b && m->info.bos_id >= 0;
+    }
     if (s == KVPQ_OK && m->tok) {
         m->info.bos_id = kvpq_tokenizer_bos(m->tok);
         m->info.eos_id = kvpq_tokenizer_eos(m->tok);
