@@ -14,6 +14,7 @@
 #include "cpu/ggml_kernels.h"
 #include "internal.h"
 #include "model/ggml_types.h"
+#include "model/kquants.h"
 
 /* ---- type table (ggml.c type_traits: block size, bytes per block) ---- */
 
@@ -27,9 +28,9 @@ typedef struct {
 static const type_info types[] = {
     [0] = {"F32", 1, 4, 1},        [1] = {"F16", 1, 2, 1},        [2] = {"Q4_0", 32, 18, 1},
     [3] = {"Q4_1", 32, 20, 1},     [6] = {"Q5_0", 32, 22, 1},     [7] = {"Q5_1", 32, 24, 1},
-    [8] = {"Q8_0", 32, 34, 1},     [9] = {"Q8_1", 32, 36, 0},     [10] = {"Q2_K", 256, 84, 0},
-    [11] = {"Q3_K", 256, 110, 0},  [12] = {"Q4_K", 256, 144, 0},  [13] = {"Q5_K", 256, 176, 0},
-    [14] = {"Q6_K", 256, 210, 0},  [15] = {"Q8_K", 256, 292, 0},  [16] = {"IQ2_XXS", 256, 66, 0},
+    [8] = {"Q8_0", 32, 34, 1},     [9] = {"Q8_1", 32, 36, 0},     [10] = {"Q2_K", 256, 84, 1},
+    [11] = {"Q3_K", 256, 110, 1},  [12] = {"Q4_K", 256, 144, 1},  [13] = {"Q5_K", 256, 176, 1},
+    [14] = {"Q6_K", 256, 210, 1},  [15] = {"Q8_K", 256, 292, 0},  [16] = {"IQ2_XXS", 256, 66, 0},
     [17] = {"IQ2_XS", 256, 74, 0}, [18] = {"IQ3_XXS", 256, 98, 0}, [19] = {"IQ1_S", 256, 50, 0},
     [20] = {"IQ4_NL", 32, 18, 0},  [21] = {"IQ3_S", 256, 110, 0}, [22] = {"IQ2_S", 256, 82, 0},
     [23] = {"IQ4_XS", 256, 136, 0}, [24] = {"I8", 1, 1, 0},       [25] = {"I16", 1, 2, 0},
@@ -197,6 +198,11 @@ static kvpq__dequant_fn dequant_ref(uint32_t type) {
     case GGML_TYPE_Q5_0: return dequant_q5_0_ref;
     case GGML_TYPE_Q5_1: return dequant_q5_1_ref;
     case GGML_TYPE_Q8_0: return dequant_q8_0_ref;
+    case GGML_TYPE_Q2_K: return kvpq__dequant_q2_K_ref;
+    case GGML_TYPE_Q3_K: return kvpq__dequant_q3_K_ref;
+    case GGML_TYPE_Q4_K: return kvpq__dequant_q4_K_ref;
+    case GGML_TYPE_Q5_K: return kvpq__dequant_q5_K_ref;
+    case GGML_TYPE_Q6_K: return kvpq__dequant_q6_K_ref;
     }
     return NULL;
 }

@@ -11,6 +11,8 @@
 enum {
     GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q4_1 = 3,
     GGML_TYPE_Q5_0 = 6, GGML_TYPE_Q5_1 = 7, GGML_TYPE_Q8_0 = 8, GGML_TYPE_Q8_1 = 9,
+    GGML_TYPE_Q2_K = 10, GGML_TYPE_Q3_K = 11, GGML_TYPE_Q4_K = 12, GGML_TYPE_Q5_K = 13, GGML_TYPE_Q6_K = 14,
+    GGML_TYPE_Q8_K = 15,
     GGML_TYPE_BF16 = 30,
 };
 
@@ -18,7 +20,8 @@ enum {
 const char *ggml_type_name(uint32_t type);
 /* 1 if kvpq can dequantize this type. */
 int ggml_type_supported(uint32_t type);
-/* Elements per block (1 for F32/F16/BF16, 32 for Q4_0/Q4_1/Q8_0) and bytes per block; 0 if unknown. */
+/* Elements per block (1 for F32/F16/BF16, 32 for Q4_0..Q8_0, 256 for the K-quants) and bytes per
+ * block; 0 if unknown. */
 int64_t ggml_blck_size(uint32_t type);
 size_t ggml_type_size(uint32_t type);
 /* Bytes of a row of n elements (n a multiple of the block size). */
