@@ -175,7 +175,7 @@ kvpq__matvec_fn kvpq__ggml_matvec_avx512(uint32_t type) {
     case GGML_TYPE_Q4_1: return matvec_q4_1;
     case GGML_TYPE_Q8_0: return matvec_q8_0;
     }
-    return NULL;
+    return kvpq__kquant_matvec_avx512(type);
 }
 
 /* ---- dequantization (bit-exact, as ggml_avx2.c) ---- */
@@ -221,7 +221,7 @@ kvpq__dequant_fn kvpq__ggml_dequant_avx512(uint32_t type) {
     case GGML_TYPE_Q8_0: return dequant_q8_0;
     case GGML_TYPE_F16: return dequant_f16;
     }
-    return NULL;
+    return kvpq__kquant_dequant_avx512(type);
 }
 
 #else

@@ -8,8 +8,9 @@
 
 /* y[r] = dot(row r of W, x) for r in [0, n_rows). W: n_rows rows of row_bytes bytes each, n
  * elements per row (a multiple of the type's block size); x: (n) float32; xs: (n/32) sums of x over
- * each 32-element block (used by the Q4 kernels to apply the block offset once per block; may be
- * NULL for other types); y: (n_rows). */
+ * each 32-element block (used by the Q4_0, Q4_1, Q4_K, Q5_K kernels to apply the block offsets or
+ * mins once per block; Q2_K: (n/16) sums over 16-element groups, its sub-blocks; may be NULL for
+ * other types); y: (n_rows). */
 typedef void (*kvpq__matvec_fn)(const uint8_t *W, size_t row_bytes, int64_t n_rows, int64_t n, const float *x,
                                 const float *xs, float *y);
 /* dot(a, b) over n float32. */
@@ -23,6 +24,11 @@ kvpq__matvec_fn kvpq__ggml_matvec_avx2(uint32_t type);
 kvpq__matvec_fn kvpq__ggml_matvec_avx512(uint32_t type);
 kvpq__dequant_fn kvpq__ggml_dequant_avx2(uint32_t type);
 kvpq__dequant_fn kvpq__ggml_dequant_avx512(uint32_t type);
+/* The K-quant kernels (cpu/kquant_body.h), asked by the two above for Q2_K..Q6_K. */
+kvpq__matvec_fn kvpq__kquant_matvec_avx2(uint32_t type);
+kvpq__matvec_fn kvpq__kquant_matvec_avx512(uint32_t type);
+kvpq__dequant_fn kvpq__kquant_dequant_avx2(uint32_t type);
+kvpq__dequant_fn kvpq__kquant_dequant_avx512(uint32_t type);
 float kvpq__dot_f32_avx2(const float *a, const float *b, int64_t n);
 float kvpq__dot_f32_avx512(const float *a, const float *b, int64_t n);
 

@@ -344,16 +344,19 @@ void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const 
     size_t rb = ggml_row_size(type, n);
     kvpq__matvec_fn kern = matvec_kernel(type);
     kvpq__dot_fn dot = dot_best();
-    /* Per-32-block sums of x for the Q4 kernels (they add the block offset once per block). */
-    float xs_stack[512], *xs = NULL;
-    int64_t nb = n / 32;
-    if (kern && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1)) {
-        xs = nb <= 512 ? xs_stack : malloc((size_t)nb * sizeof *xs);
+    /* Sums of x over each group of g elements for the kernels that add a block offset or min once
+     * per group: g = 32 (Q4_0, Q4_1, Q4_K, Q5_K), 16 (Q2_K, whose sub-blocks are 16). */
+    float xs_stack[1024], *xs = NULL;
+    int g = type == GGML_TYPE_Q2_K ? 16 : 32;
+    int64_t nb = n / g;
+    if (kern && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q2_K ||
+                 type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K)) {
+        xs = nb <= 1024 ? xs_stack : malloc((size_t)nb * sizeof *xs);
         if (!xs) kern = NULL;
         else
             for (int64_t b = 0; b < nb; b++) {
                 float s = 0;
-                for (int j = 0; j < 32; j++) s += x[b * 32 + j];
+                for (int j = 0; j < g; j++) s += x[b * g + j];
                 xs[b] = s;
             }
     }
