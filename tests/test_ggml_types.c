@@ -330,7 +330,7 @@ static const uint32_t supported[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_B
                                      GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
                                      GGML_TYPE_Q6_K};
 
-/* Byte offsets of a block's fp16 scale (d) and min scale (dmin; -1 if none), as kquants.h. */
+/* Byte offsets of a block's fp16 scale (d) and min scale (dmin; -1 if none), as core/ggml_common.h. */
 static void scale_offsets(uint32_t type, int *d, int *dmin) {
     *d = 0;
     *dmin = type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 ? 2 : -1;

@@ -2,7 +2,9 @@
  * versions are tested against), and the dispatch on the SIMD level. */
 #include <math.h>
 
+#include "core/ggml_common.h"
 #include "cpu/attn_kernels.h"
+#include "cpu/dispatch.h"
 
 static void qk_ref(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
     for (int r = 0; r < R; r++)
@@ -67,23 +69,15 @@ static void f32_to_f16_ref(const float *src, uint16_t *dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = kvpq__f2h(src[i]);
 }
 
+/* ggml blocks: the scalar block dequantization of core/ggml_common.h. */
 static void dequant_q8_0_ref(const void *blocks, size_t n_blocks, float *x) {
-    const unsigned char *y = blocks;
-    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 34) {
-        const float d = kvpq__h2f((uint16_t)(y[0] | y[1] << 8));
-        for (int j = 0; j < 32; j++) x[j] = (float)(int8_t)y[2 + j] * d;
-    }
+    const uint8_t *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += QK8_0, y += sizeof(block_q8_0)) kvpq__block_q8_0_ref(y, x);
 }
 
 static void dequant_q4_0_ref(const void *blocks, size_t n_blocks, float *x) {
-    const unsigned char *y = blocks;
-    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 18) {
-        const float d = kvpq__h2f((uint16_t)(y[0] | y[1] << 8));
-        for (int j = 0; j < 16; j++) {
-            x[j] = (float)((y[2 + j] & 0x0f) - 8) * d;
-            x[j + 16] = (float)((y[2 + j] >> 4) - 8) * d;
-        }
-    }
+    const uint8_t *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += QK4_0, y += sizeof(block_q4_0)) kvpq__block_q4_0_ref(y, x);
 }
 
 static void dequant_bits_ref(const unsigned char *codes, int bits, int n, const float *scale, const float *min,
@@ -121,13 +115,7 @@ const kvpq_attn_kernels kvpq__attn_ref = {
     .dequant_bits_g32 = dequant_bits_g32_ref,
 };
 
-const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (level == KVPQ_SIMD_AVX512) return &kvpq__attn_avx512;
-    if (level == KVPQ_SIMD_AVX2) return &kvpq__attn_avx2;
-#endif
-    (void)level;
-    return &kvpq__attn_ref;
-}
+/* The one CPU kernel table (dispatch.c) holds the attention kernels of each level. */
+const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) { return kvpq__cpu_kernels_for(level)->attn; }
 
-const kvpq_attn_kernels *kvpq__attn_kernels(void) { return kvpq__attn_kernels_for(kvpq_simd_get()); }
+const kvpq_attn_kernels *kvpq__attn_kernels(void) { return kvpq__cpu_kernels()->attn; }

@@ -6,22 +6,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/ggml_common.h" /* GGML_TYPE_* numbers, block layouts */
 #include "kvpq.h"
-
-enum {
-    GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q4_1 = 3,
-    GGML_TYPE_Q5_0 = 6, GGML_TYPE_Q5_1 = 7, GGML_TYPE_Q8_0 = 8, GGML_TYPE_Q8_1 = 9,
-    GGML_TYPE_Q2_K = 10, GGML_TYPE_Q3_K = 11, GGML_TYPE_Q4_K = 12, GGML_TYPE_Q5_K = 13, GGML_TYPE_Q6_K = 14,
-    GGML_TYPE_Q8_K = 15,
-    GGML_TYPE_BF16 = 30,
-};
 
 /* "F32", "Q4_1", ...; "type <n>" style name for unknown types is written into a static buffer. */
 const char *ggml_type_name(uint32_t type);
 /* 1 if kvpq can dequantize this type. */
 int ggml_type_supported(uint32_t type);
-/* Elements per block (1 for F32/F16/BF16, 32 for Q4_0..Q8_0, 256 for the K-quants) and bytes per
- * block; 0 if unknown. */
+/* Elements per block (1 for F32/F16/BF16, 32 for Q4_0/Q4_1/Q8_0) and bytes per block; 0 if unknown. */
 int64_t ggml_blck_size(uint32_t type);
 size_t ggml_type_size(uint32_t type);
 /* Bytes of a row of n elements (n a multiple of the block size). */
@@ -48,7 +40,7 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
 void ggml_matmul_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
                      float *Y);
 
-/* fp16 <-> fp32 (IEEE half), round-to-nearest-even. */
+/* fp16 <-> fp32 (IEEE half), round-to-nearest-even (core/fp16.h, the library's one converter). */
 float kvpq_fp16_to_fp32(uint16_t h);
 uint16_t kvpq_fp32_to_fp16(float f);
 float kvpq_bf16_to_fp32(uint16_t h);

@@ -1,0 +1,484 @@
+/* ggml_body.h — the SIMD kernels for GGML tensor types, written once on simd.h and compiled per ISA
+ * by ggml_avx2.c and ggml_avx512.c (each defines KVPQ_ISA_* and includes this file): matvec rows
+ * that dequantize blocks on the fly, and bit-exact row dequantization. The scalar _ref in
+ * model/ggml_types.c (over the block functions of core/ggml_common.h) is the specification.
+ *
+ * Adding a kernel for a ggml type (say Q4_K):
+ *   1. its block layout and scalar block dequantization go in core/ggml_common.h;
+ *   2. here, its block function `blk_q4_k` (see blk_q8_0: unpack the block with the vf_* loads, a
+ *      32-element run is QV vectors, return the vector dot, the scale and the scalar offset term)
+ *      and `MATVEC_BLOCKS(q4_k, block_q4_k, QK_K, off_scale)`, which walks the rows (two
+ *      accumulators, one vf_reduce_add per row); a type whose block does not fit that shape writes
+ *      its own `static void matvec_q4_k(W, rb, n_rows, n, x, xs, y)`. If its dequantization can be
+ *      bit-exact, also `static void dequant_q4_k(const uint8_t *src, float *y, int64_t n)`;
+ *   3. a `case GGML_TYPE_Q4_K:` in the two switches at the bottom (matvec and dequant).
+ * Both ISAs pick it up from the one body; tests/test_ggml_types.c runs every level against the
+ * _ref (KVPQ_SIMD=scalar|avx2|avx512 forces one). No new file, no CMake change. */
+#if defined(__clang__)
+/* Dequantization rounds the product and the sum separately (bit-exact with ggml / numpy). */
+#pragma STDC FP_CONTRACT OFF
+#endif
+#include <string.h>
+
+#include "core/ggml_common.h"
+#include "cpu/ggml_kernels.h"
+#include "cpu/simd.h"
+
+#define W KVPQ_VW
+/* A block's fp16 field, converted by the ISA (F16C where there is one). */
+#define BLK_F16(p, T, F) vs_h2f_at(KVPQ_BLK_AT(p, T, F))
+#define QV (32 / KVPQ_VW) /* vectors per 32-element block */
+
+// ---- block unpacking ------------------------------------------------------------------------------
+
+/* 16 bytes of nibbles -> the 32 unsigned values of a Q4 block, as QV vectors. */
+KVPQ_INLINE void q4_block(const uint8_t *qs, kvpq_vf f[QV]) { vf_load_nibbles32(qs, f); }
+
+KVPQ_INLINE void q8_block(const uint8_t *qs, kvpq_vf f[QV]) {
+    for (int k = 0; k < QV; k++) f[k] = vf_load_i8((const int8_t *)qs + k * W);
+}
+
+/* sum_j f_j * x_j over one 32-element block in two chains (even and odd vectors) for latency;
+ * with only two vectors (W = 16) the second is fused into the first (one rounding fewer). */
+KVPQ_INLINE kvpq_vf block_dot(const kvpq_vf f[QV], const float *x) {
+    kvpq_vf s0 = vf_mul(f[0], vf_load(x));
+    if (QV == 2) return vf_fma(f[1], vf_load(x + W), s0);
+    kvpq_vf s1 = vf_mul(f[1], vf_load(x + W));
+    for (int k = 2; k < QV; k += 2) {
+        s0 = vf_fma(f[k], vf_load(x + k * W), s0);
+        s1 = vf_fma(f[k + 1], vf_load(x + (k + 1) * W), s1);
+    }
+    return vf_add(s0, s1);
+}
+
+// ---- matvec kernels -------------------------------------------------------------------------------
+
+/* One block of a quantized type, as the row walker below sees it: dot = the block's values before
+ * its scale times x (QV vectors' worth), d = the scale, off = the scalar rest of the block's
+ * contribution (offset terms times xs, the block sums of x), to be multiplied by the walker's
+ * off_scale. So a block contributes d * dot + off_scale * off. */
+typedef void (*blk_fn)(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off);
+
+/* Rows of blocks of bs bytes and qk elements: two blocks at a time into two accumulators (latency),
+ * then the leftover block; offsets summed in a float beside; one vf_reduce_add per row.
+ * off_scale == 0: the type has no offset term (xs may be NULL). Inlined per type (blk constant). */
+KVPQ_INLINE void matvec_blocks(blk_fn blk, size_t bs, int qk, float off_scale, const uint8_t *W_, size_t rb,
+                               int64_t n_rows, int64_t n, const float *x, const float *xs, float *y) {
+    const int64_t nb = n / qk;
+    const int xq = qk / 32; /* xs entries per block */
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        kvpq_vf acc0 = vf_zero(), acc1 = vf_zero(), v0, v1;
+        float accm = 0, d0, d1, o0 = 0, o1 = 0;
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2, p += 2 * bs) {
+            blk(p, x + b * qk, off_scale != 0 ? xs + b * xq : NULL, &v0, &d0, &o0);
+            blk(p + bs, x + (b + 1) * qk, off_scale != 0 ? xs + (b + 1) * xq : NULL, &v1, &d1, &o1);
+            acc0 = vf_fma(vf_set1(d0), v0, acc0);
+            acc1 = vf_fma(vf_set1(d1), v1, acc1);
+            if (off_scale != 0) accm += o0 + o1;
+        }
+        for (; b < nb; b++, p += bs) {
+            blk(p, x + b * qk, off_scale != 0 ? xs + b * xq : NULL, &v0, &d0, &o0);
+            acc0 = vf_fma(vf_set1(d0), v0, acc0);
+            if (off_scale != 0) accm += o0;
+        }
+        float s = vf_reduce_add(vf_add(acc0, acc1));
+        y[r] = off_scale != 0 ? s + off_scale * accm : s;
+    }
+}
+
+/* Q4_1: w = q*d + m, so a block gives d * (q . x) + m * sum(x). */
+KVPQ_INLINE void blk_q4_1(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
+    kvpq_vf f[QV];
+    q4_block(KVPQ_BLK_AT(p, block_q4_1, qs), f);
+    *dot = block_dot(f, x);
+    *d = BLK_F16(p, block_q4_1, d);
+    *off = BLK_F16(p, block_q4_1, m) * xs[0];
+}
+
+/* Q4_0: w = (q - 8)*d, so a block gives d * (q . x) - 8 * d * sum(x). */
+KVPQ_INLINE void blk_q4_0(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
+    kvpq_vf f[QV];
+    q4_block(KVPQ_BLK_AT(p, block_q4_0, qs), f);
+    *dot = block_dot(f, x);
+    *d = BLK_F16(p, block_q4_0, d);
+    *off = *d * xs[0];
+}
+
+KVPQ_INLINE void blk_q8_0(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
+    kvpq_vf f[QV];
+    q8_block(KVPQ_BLK_AT(p, block_q8_0, qs), f);
+    *dot = block_dot(f, x);
+    *d = BLK_F16(p, block_q8_0, d);
+}
+
+/* matvec_<type> from blk_<type>: the walker with the type's block size and offset scale. */
+#define MATVEC_BLOCKS(TYPE, BLOCK, QK, OFF_SCALE)                                                               \
+    static void matvec_##TYPE(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x,         \
+                              const float *xs, float *y) {                                                     \
+        matvec_blocks(blk_##TYPE, sizeof(BLOCK), QK, OFF_SCALE, W_, rb, n_rows, n, x, xs, y);                  \
+    }
+MATVEC_BLOCKS(q4_1, block_q4_1, QK4_1, 1.0f)
+MATVEC_BLOCKS(q4_0, block_q4_0, QK4_0, -8.0f)
+MATVEC_BLOCKS(q8_0, block_q8_0, QK8_0, 0.0f)
+
+float KVPQ_ISA_FN(kvpq__dot_f32)(const float *a, const float *b, int64_t n) { return vf_dot(a, b, n); }
+
+static void matvec_f32(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x, const float *xs,
+                       float *y) {
+    for (int64_t r = 0; r < n_rows; r++) y[r] = vf_dot((const float *)(const void *)(W_ + (size_t)r * rb), x, n);
+}
+
+/* 16-bit float rows (F16, BF16): two accumulators over 2W elements, a scalar tail. */
+#define MATVEC_16BIT(NAME, LOAD, SCALAR)                                                                        \
+    static void NAME(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x, const float *xs, \
+                     float *y) {                                                                                \
+        for (int64_t r = 0; r < n_rows; r++) {                                                                  \
+            const uint16_t *w = (const uint16_t *)(const void *)(W_ + (size_t)r * rb);                          \
+            kvpq_vf s0 = vf_zero(), s1 = vf_zero();                                                             \
+            int64_t i = 0;                                                                                      \
+            for (; i + 2 * W <= n; i += 2 * W) {                                                                \
+                s0 = vf_fma(LOAD(w + i), vf_load(x + i), s0);                                                   \
+                s1 = vf_fma(LOAD(w + i + W), vf_load(x + i + W), s1);                                           \
+            }                                                                                                   \
+            float s = vf_reduce_add(vf_add(s0, s1));                                                            \
+            for (; i < n; i++) {                                                                                \
+                uint16_t h;                                                                                     \
+                memcpy(&h, w + i, sizeof h);                                                                    \
+                s += SCALAR(h) * x[i];                                                                          \
+            }                                                                                                   \
+            y[r] = s;                                                                                           \
+        }                                                                                                       \
+    }
+MATVEC_16BIT(matvec_f16, vf_load_f16, kvpq__h2f)
+MATVEC_16BIT(matvec_bf16, vf_load_bf16, kvpq__bf2f)
+
+// ---- K-quants (Q2_K .. Q6_K: super-blocks of QK_K = 256, layouts in core/ggml_common.h) -----------
+/* A block's quants are unpacked to 256 bytes by plain loops (the compiler vectorizes them at this
+ * file's ISA width), its sub-block scales d * sc (exact in float32) converted W at a time; then each
+ * sub-block's W-byte runs are converted exactly to float and FMA'd with x in one chain, and the sum
+ * scaled once by its dl into one of four accumulators (the FMA latency would otherwise bound the
+ * loop). The mins (Q2_K, Q4_K, Q5_K) are applied once per sub-block through xs, the sums of x over
+ * it. Activations stay float32 (no 8-bit quantization of x as llama.cpp's q8_K), so the result is
+ * the _ref's up to the order of a float32 sum. */
+
+#define KBLK_AT(p, T, F) KVPQ_BLK_AT(p, T, F)
+
+/* The scales and mins of a Q4_K / Q5_K block as 8 bytes each (byte j = sub-block j), unpacked 4 at
+ * a time in 32-bit words: the values of kvpq__k4_scale_min (the top 2 bits of bytes 0..7 are the
+ * high bits of j >= 4). */
+KVPQ_INLINE void k4_scales(const uint8_t *s, uint64_t *sc, uint64_t *m) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    *sc = (uint64_t)(a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    *m = (uint64_t)(b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+}
+
+/* out[j] = d * p[j] for j < n (n a multiple of 8; p and out hold max(n, W) entries). */
+KVPQ_INLINE void scales_u8(float d, const uint8_t *p, int n, float *out) {
+    for (int j = 0; j < n; j += W) vf_store(out + j, vf_mul(vf_set1(d), vf_load_u8(p + j)));
+}
+KVPQ_INLINE void scales_i8(float d, const int8_t *p, int n, float *out) {
+    for (int j = 0; j < n; j += W) vf_store(out + j, vf_mul(vf_set1(d), vf_load_i8(p + j)));
+}
+
+/* Q2_K: u[e] = q in 0..3. */
+KVPQ_INLINE void unpack_q2_K(const uint8_t *p, uint8_t u[QK_K]) {
+    const uint8_t *qs = KBLK_AT(p, block_q2_K, qs);
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) u[128 * h + 32 * s + l] = (qs[32 * h + l] >> (2 * s)) & 3;
+}
+
+/* Q3_K: q[e] in -4..3. */
+KVPQ_INLINE void unpack_q3_K(const uint8_t *p, int8_t q[QK_K]) {
+    const uint8_t *qs = KBLK_AT(p, block_q3_K, qs), *hm = KBLK_AT(p, block_q3_K, hmask);
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) {
+                int j = 4 * h + s;
+                q[32 * j + l] = (int8_t)((((qs[32 * h + l] >> (2 * s)) & 3) | (((hm[l] >> j) & 1) << 2)) - 4);
+            }
+}
+
+/* Q4_K: u[e] = q in 0..15. */
+KVPQ_INLINE void unpack_q4_K(const uint8_t *p, uint8_t u[QK_K]) {
+    const uint8_t *qs = KBLK_AT(p, block_q4_K, qs);
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            u[64 * c + l] = qs[32 * c + l] & 15;
+            u[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+}
+
+/* Q5_K: u[e] = q in 0..31. */
+KVPQ_INLINE void unpack_q5_K(const uint8_t *p, uint8_t u[QK_K]) {
+    const uint8_t *qs = KBLK_AT(p, block_q5_K, qs), *qh = KBLK_AT(p, block_q5_K, qh);
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            int h = qh[l] >> (2 * c);
+            u[64 * c + l] = (uint8_t)((qs[32 * c + l] & 15) | (h & 1) << 4);
+            u[64 * c + 32 + l] = (uint8_t)((qs[32 * c + l] >> 4) | (h & 2) << 3);
+        }
+}
+
+/* Q6_K: q[e] in -32..31. */
+KVPQ_INLINE void unpack_q6_K(const uint8_t *p, int8_t q[QK_K]) {
+    const uint8_t *ql0 = KBLK_AT(p, block_q6_K, ql), *qh = KBLK_AT(p, block_q6_K, qh);
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *ql = ql0 + 64 * h;
+            int hb = qh[32 * h + l];
+            q[128 * h + l] = (int8_t)(((ql[l] & 15) | (hb & 3) << 4) - 32);
+            q[128 * h + 32 + l] = (int8_t)(((ql[l + 32] & 15) | ((hb >> 2) & 3) << 4) - 32);
+            q[128 * h + 64 + l] = (int8_t)(((ql[l] >> 4) | ((hb >> 4) & 3) << 4) - 32);
+            q[128 * h + 96 + l] = (int8_t)(((ql[l + 32] >> 4) | (hb >> 6) << 4) - 32);
+        }
+}
+
+/* acc[g % 4] += dl[g] * (u[gL .. gL+L) . x[gL .. gL+L)) for the 256 / L sub-blocks g; u unsigned or
+ * signed bytes. */
+KVPQ_INLINE void kdot_block(const void *u, int is_signed, int L, const float *x, const float *dl, kvpq_vf acc[4]) {
+    /* A compiler barrier: dl[g] is then broadcast from memory (a load) rather than permuted out of
+     * the register that computed it (a shuffle, on the port the byte conversions need). */
+    __asm__ __volatile__("" ::: "memory");
+    for (int g = 0; g < QK_K / L; g++) {
+        const uint8_t *p = (const uint8_t *)u + g * L;
+        const float *xg = x + g * L;
+        kvpq_vf t = vf_zero();
+        for (int v = 0; v < L / W; v++) {
+            kvpq_vf q = is_signed ? vf_load_i8((const int8_t *)p + v * W) : vf_load_u8(p + v * W);
+            t = vf_fma(q, vf_load(xg + v * W), t);
+        }
+        acc[g & 3] = vf_fma(vf_set1(dl[g]), t, acc[g & 3]);
+    }
+}
+
+KVPQ_INLINE float kacc_sum(const kvpq_vf acc[4]) {
+    return vf_reduce_add(vf_add(vf_add(acc[0], acc[1]), vf_add(acc[2], acc[3])));
+}
+
+/* The mins: acc += ml[j] * xs[j] for j < n (ml holds max(n, W) entries, zero past n; xs is read
+ * only below n). */
+KVPQ_INLINE kvpq_vf kmins(const float *ml, const float *xs, int n, kvpq_vf acc) {
+    for (int j = 0; j < n; j += W) acc = vf_fma(vf_load(ml + j), vf_load_n(xs + j, n - j < W ? n - j : W), acc);
+    return acc;
+}
+
+#define MAXW(n) ((n) > W ? (n) : W) /* arrays that a W-lane store may fill */
+
+/* xs: (n / 16) sums of x over 16-element groups, Q2_K's sub-blocks. */
+static void matvec_q2_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x, const float *xs,
+                        float *y) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, accm = vf_zero();
+        for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q2_K)) {
+            const uint8_t *sb = KBLK_AT(p, block_q2_K, scales);
+            float dl[MAXW(16)], ml[MAXW(16)];
+            uint8_t u[QK_K], sc[MAXW(16)], m[MAXW(16)];
+            for (int g = 0; g < 16; g++) sc[g] = sb[g] & 15, m[g] = sb[g] >> 4;
+            scales_u8(BLK_F16(p, block_q2_K, d), sc, 16, dl);
+            scales_u8(BLK_F16(p, block_q2_K, dmin), m, 16, ml);
+            accm = kmins(ml, xs + 16 * i, 16, accm);
+            unpack_q2_K(p, u);
+            kdot_block(u, 0, 16, x + i * QK_K, dl, acc);
+        }
+        y[r] = kacc_sum(acc) - vf_reduce_add(accm);
+    }
+}
+
+static void matvec_q3_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x, const float *xs,
+                        float *y) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+        for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q3_K)) {
+            float dl[MAXW(16)];
+            int8_t sc[MAXW(16)], q[QK_K];
+            kvpq__q3_K_scales(KBLK_AT(p, block_q3_K, scales), sc);
+            scales_i8(BLK_F16(p, block_q3_K, d), sc, 16, dl);
+            unpack_q3_K(p, q);
+            kdot_block(q, 1, 16, x + i * QK_K, dl, acc);
+        }
+        y[r] = kacc_sum(acc);
+    }
+}
+
+/* Q4_K and Q5_K: the same but for the unpacking. xs: (n / 32) sums of x over the sub-blocks. */
+#define MATVEC_Q45_K(TYPE, BLOCK)                                                                              \
+    static void matvec_##TYPE(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x,        \
+                              const float *xs, float *y) {                                                    \
+        for (int64_t r = 0; r < n_rows; r++) {                                                                \
+            const uint8_t *p = W_ + (size_t)r * rb;                                                           \
+            kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, accm = vf_zero();                  \
+            for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(BLOCK)) {                                      \
+                float dl[MAXW(16)];                                                                           \
+                uint8_t u[QK_K];                                                                              \
+                uint64_t sc, m;                                                                               \
+                k4_scales(KBLK_AT(p, BLOCK, scales), &sc, &m);                                                \
+                vf_store(dl, vf_mul(vf_set1(BLK_F16(p, BLOCK, d)), vf_from_u8x8(sc)));                        \
+                accm = vf_fma(vf_mul(vf_set1(BLK_F16(p, BLOCK, dmin)), vf_from_u8x8(m)),                      \
+                              vf_load_n(xs + 8 * i, 8), accm);                                                \
+                unpack_##TYPE(p, u);                                                                          \
+                kdot_block(u, 0, 32, x + i * QK_K, dl, acc);                                                  \
+            }                                                                                                 \
+            y[r] = kacc_sum(acc) - vf_reduce_add(accm);                                                       \
+        }                                                                                                     \
+    }
+MATVEC_Q45_K(q4_K, block_q4_K)
+MATVEC_Q45_K(q5_K, block_q5_K)
+
+static void matvec_q6_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x, const float *xs,
+                        float *y) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+        for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q6_K)) {
+            float dl[MAXW(16)];
+            int8_t q[QK_K];
+            scales_i8(BLK_F16(p, block_q6_K, d), (const int8_t *)KBLK_AT(p, block_q6_K, scales), 16, dl);
+            unpack_q6_K(p, q);
+            kdot_block(q, 1, 16, x + i * QK_K, dl, acc);
+        }
+        y[r] = kacc_sum(acc);
+    }
+}
+
+/* Dequantization, bit-exact with the _ref: exact conversions, dl * q exact, one rounded - ml.
+ * y[gL + l] = dl[g] * u[gL + l] - ml[g] (ml NULL: no min). */
+KVPQ_INLINE void kdequant_block(const void *u, int is_signed, int L, const float *dl, const float *ml, float *y) {
+    for (int g = 0; g < QK_K / L; g++)
+        for (int v = 0; v < L / W; v++) {
+            const uint8_t *p = (const uint8_t *)u + g * L + v * W;
+            kvpq_vf q = is_signed ? vf_load_i8((const int8_t *)p) : vf_load_u8(p), w = vf_mul(vf_set1(dl[g]), q);
+            vf_store(y + g * L + v * W, ml ? vf_sub(w, vf_set1(ml[g])) : w);
+        }
+}
+
+static void dequant_q2_K(const uint8_t *p, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q2_K), y += QK_K) {
+        const uint8_t *sb = KBLK_AT(p, block_q2_K, scales);
+        float dl[MAXW(16)], ml[MAXW(16)];
+        uint8_t u[QK_K], sc[MAXW(16)], m[MAXW(16)];
+        for (int g = 0; g < 16; g++) sc[g] = sb[g] & 15, m[g] = sb[g] >> 4;
+        scales_u8(BLK_F16(p, block_q2_K, d), sc, 16, dl);
+        scales_u8(BLK_F16(p, block_q2_K, dmin), m, 16, ml);
+        unpack_q2_K(p, u);
+        kdequant_block(u, 0, 16, dl, ml, y);
+    }
+}
+
+static void dequant_q3_K(const uint8_t *p, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q3_K), y += QK_K) {
+        float dl[MAXW(16)];
+        int8_t sc[MAXW(16)], q[QK_K];
+        kvpq__q3_K_scales(KBLK_AT(p, block_q3_K, scales), sc);
+        scales_i8(BLK_F16(p, block_q3_K, d), sc, 16, dl);
+        unpack_q3_K(p, q);
+        kdequant_block(q, 1, 16, dl, NULL, y);
+    }
+}
+
+#define DEQUANT_Q45_K(TYPE, BLOCK)                                                   \
+    static void dequant_##TYPE(const uint8_t *p, float *y, int64_t n) {               \
+        for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(BLOCK), y += QK_K) {       \
+            float dl[MAXW(16)], ml[MAXW(16)];                                         \
+            uint8_t u[QK_K];                                                          \
+            uint64_t sc, m;                                                           \
+            k4_scales(KBLK_AT(p, BLOCK, scales), &sc, &m);                            \
+            vf_store(dl, vf_mul(vf_set1(BLK_F16(p, BLOCK, d)), vf_from_u8x8(sc)));    \
+            vf_store(ml, vf_mul(vf_set1(BLK_F16(p, BLOCK, dmin)), vf_from_u8x8(m)));  \
+            unpack_##TYPE(p, u);                                                      \
+            kdequant_block(u, 0, 32, dl, ml, y);                                      \
+        }                                                                             \
+    }
+DEQUANT_Q45_K(q4_K, block_q4_K)
+DEQUANT_Q45_K(q5_K, block_q5_K)
+
+static void dequant_q6_K(const uint8_t *p, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q6_K), y += QK_K) {
+        float dl[MAXW(16)];
+        int8_t q[QK_K];
+        scales_i8(BLK_F16(p, block_q6_K, d), (const int8_t *)KBLK_AT(p, block_q6_K, scales), 16, dl);
+        unpack_q6_K(p, q);
+        kdequant_block(q, 1, 16, dl, NULL, y);
+    }
+}
+
+#undef MAXW
+#undef KBLK_AT
+
+kvpq__matvec_fn KVPQ_ISA_FN(kvpq__ggml_matvec)(uint32_t type) {
+    switch (type) {
+    case GGML_TYPE_F32: return matvec_f32;
+    case GGML_TYPE_F16: return matvec_f16;
+    case GGML_TYPE_BF16: return matvec_bf16;
+    case GGML_TYPE_Q4_0: return matvec_q4_0;
+    case GGML_TYPE_Q4_1: return matvec_q4_1;
+    case GGML_TYPE_Q8_0: return matvec_q8_0;
+    case GGML_TYPE_Q2_K: return matvec_q2_K;
+    case GGML_TYPE_Q3_K: return matvec_q3_K;
+    case GGML_TYPE_Q4_K: return matvec_q4_K;
+    case GGML_TYPE_Q5_K: return matvec_q5_K;
+    case GGML_TYPE_Q6_K: return matvec_q6_K;
+    }
+    return NULL;
+}
+
+// ---- dequantization (bit-exact: exact int->float conversions, one rounded mul, one rounded add) ----
+
+static void dequant_q4_1(const uint8_t *p, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK4_1; b++, p += sizeof(block_q4_1), y += QK4_1) {
+        kvpq_vf d = vf_set1(BLK_F16(p, block_q4_1, d)), m = vf_set1(BLK_F16(p, block_q4_1, m)), f[QV];
+        q4_block(KVPQ_BLK_AT(p, block_q4_1, qs), f);
+        for (int k = 0; k < QV; k++) vf_store(y + k * W, vf_add(vf_mul(f[k], d), m));
+    }
+}
+
+static void dequant_q4_0(const uint8_t *p, float *y, int64_t n) {
+    const kvpq_vf eight = vf_set1(8.0f);
+    for (int64_t b = 0; b < n / QK4_0; b++, p += sizeof(block_q4_0), y += QK4_0) {
+        kvpq_vf d = vf_set1(BLK_F16(p, block_q4_0, d)), f[QV];
+        q4_block(KVPQ_BLK_AT(p, block_q4_0, qs), f);
+        /* q - 8 is exact in float, so this equals ggml's (float)(q - 8) * d. */
+        for (int k = 0; k < QV; k++) vf_store(y + k * W, vf_mul(vf_sub(f[k], eight), d));
+    }
+}
+
+static void dequant_q8_0(const uint8_t *p, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK8_0; b++, p += sizeof(block_q8_0), y += QK8_0) {
+        kvpq_vf d = vf_set1(BLK_F16(p, block_q8_0, d)), f[QV];
+        q8_block(KVPQ_BLK_AT(p, block_q8_0, qs), f);
+        for (int k = 0; k < QV; k++) vf_store(y + k * W, vf_mul(f[k], d));
+    }
+}
+
+static void dequant_f16(const uint8_t *src, float *y, int64_t n) {
+    const uint16_t *h = (const uint16_t *)(const void *)src;
+    int64_t i = 0;
+    for (; i + W <= n; i += W) vf_store(y + i, vf_load_f16(h + i));
+    for (; i < n; i++) y[i] = kvpq__h2f_at(h + i);
+}
+
+kvpq__dequant_fn KVPQ_ISA_FN(kvpq__ggml_dequant)(uint32_t type) {
+    switch (type) {
+    case GGML_TYPE_Q4_0: return dequant_q4_0;
+    case GGML_TYPE_Q4_1: return dequant_q4_1;
+    case GGML_TYPE_Q8_0: return dequant_q8_0;
+    case GGML_TYPE_F16: return dequant_f16;
+    case GGML_TYPE_Q2_K: return dequant_q2_K;
+    case GGML_TYPE_Q3_K: return dequant_q3_K;
+    case GGML_TYPE_Q4_K: return dequant_q4_K;
+    case GGML_TYPE_Q5_K: return dequant_q5_K;
+    case GGML_TYPE_Q6_K: return dequant_q6_K;
+    }
+    return NULL;
+}
+
+#undef W
+#undef BLK_F16
+#undef QV
