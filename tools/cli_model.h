@@ -55,7 +55,11 @@ int cli_utf8_valid(const unsigned char *s, size_t n, size_t *bad_offset);
  * or a number exceeds int32. */
 int32_t *cli_parse_ids(const char *s, size_t len, size_t *n);
 
-/* Read a whole file into a NUL-terminated buffer (caller frees). NULL with errno set on failure. */
+/* Read a whole text file into a NUL-terminated buffer (caller frees). NULL with errno set on
+ * failure, cli_read_error() then says why: a file that is not regular (a FIFO would block, a device
+ * like /dev/zero never ends) is refused before reading, and so is one over CLI_MAX_TEXT_BYTES. */
+#define CLI_MAX_TEXT_BYTES (256 << 20) /* 256 MiB: ~50 million tokens; a novel is ~1 MB */
 char *cli_read_file(const char *path, size_t *len);
+const char *cli_read_error(void);
 
 #endif
