@@ -183,8 +183,8 @@ Test(model_load, unsupported_tensor_type_is_named) {
     size_t n;
     char *b = read_all(MODEL_PATH, &n);
     /* Tensor info: u64 name length, name, u32 n_dims, n_dims x u64 ne, u32 ggml type. Retype
-     * blk.0.ffn_down.weight ([1536, 576] Q4_1) as Q6_K (type 14): 1536 is a multiple of its 256
-     * block, so the file stays well-formed, but kvpq does not dequantize Q6_K. */
+     * blk.0.ffn_down.weight ([1536, 576] Q4_1) as IQ2_XXS (type 16): 1536 is a multiple of its 256
+     * block, so the file stays well-formed, but kvpq does not dequantize IQ2_XXS. */
     const char name[] = "blk.0.ffn_down.weight";
     char *p = memmem(b, n, name, sizeof name - 1);
     cr_assert_not_null(p);
@@ -196,7 +196,7 @@ Test(model_load, unsupported_tensor_type_is_named) {
     uint32_t type;
     memcpy(&type, p, 4);
     cr_assert_eq(type, 3, "expected Q4_1, found type %u", type);
-    type = 14;
+    type = 16;
     memcpy(p, &type, 4);
     char path[] = "/tmp/kvpq_model_type.XXXXXX";
     int fd = mkstemp(path);
@@ -208,7 +208,7 @@ Test(model_load, unsupported_tensor_type_is_named) {
     kvpq_status s = kvpq_model_load(&m, path, NULL);
     unlink(path);
     cr_assert_eq(s, KVPQ_ERR_UNSUPPORTED, "status %d: %s", s, kvpq_last_error());
-    cr_assert(strstr(kvpq_last_error(), "blk.0.ffn_down.weight") && strstr(kvpq_last_error(), "Q6_K"),
+    cr_assert(strstr(kvpq_last_error(), "blk.0.ffn_down.weight") && strstr(kvpq_last_error(), "IQ2_XXS"),
               "message names the tensor and type: %s", kvpq_last_error());
 }
 
