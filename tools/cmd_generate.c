@@ -19,7 +19,7 @@ static void usage(FILE *f) {
             "                 a suffix :wN sets the full-precision window of vq and kivi caches (default 128)\n"
             "  --chat         wrap the prompt in the model's chat template. Implemented form: ChatML\n"
             "                 (used when tokenizer.chat_template contains \"<|im_start|>\"), with the\n"
-            "                 template's default system message when it has one (SmolLM2 does);\n"
+            "                 template's default system message when it has one (SmolLM2 and Qwen2.5 do);\n"
             "                 other templates are refused\n"
             "  --threads N    CPU threads (default: OpenMP default)\n"
             "  --prompt-ids IDS  the prompt as token ids (\"2,818,5279\"; any separators) instead of text\n"
@@ -34,11 +34,12 @@ static char *chatml_prompt(const char *tmpl, const char *user) {
     if (!tmpl || !strstr(tmpl, "<|im_start|>")) return NULL;
     const char *sys = NULL;
     size_t sys_len = 0;
-    const char *p = strstr(tmpl, "<|im_start|>system\n");
-    if (p) {
+    /* The first system turn written out as plain text (Qwen2.5's template writes its default in an
+     * else branch, after a turn built from the messages). */
+    for (const char *p = strstr(tmpl, "<|im_start|>system\n"); p && !sys; p = strstr(p, "<|im_start|>system\n")) {
         p += strlen("<|im_start|>system\n");
         const char *e = strstr(p, "<|im_end|>");
-        if (e && !memchr(p, '{', (size_t)(e - p)) && !memchr(p, '\'', (size_t)(e - p))) {
+        if (e && e > p && !memchr(p, '{', (size_t)(e - p)) && !memchr(p, '\'', (size_t)(e - p))) {
             sys = p;
             sys_len = (size_t)(e - p);
         }
