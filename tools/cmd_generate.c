@@ -36,8 +36,11 @@ static char *chatml_prompt(const char *tmpl, const char *user) {
     size_t sys_len = 0;
     /* The first system turn written out as plain text (Qwen2.5's template writes its default in an
      * else branch, after a turn built from the messages). */
-    for (const char *p = strstr(tmpl, "<|im_start|>system\n"); p && !sys; p = strstr(p, "<|im_start|>system\n")) {
-        p += strlen("<|im_start|>system\n");
+    for (const char *p = strstr(tmpl, "<|im_start|>system"); p && !sys; p = strstr(p, "<|im_start|>system")) {
+        p += strlen("<|im_start|>system");
+        if (*p == '\n') p++; /* a newline in the template's text, or Jinja's escaped one (Qwen2.5) */
+        else if (p[0] == '\\' && p[1] == 'n') p += 2;
+        else continue;
         const char *e = strstr(p, "<|im_end|>");
         if (e && e > p && !memchr(p, '{', (size_t)(e - p)) && !memchr(p, '\'', (size_t)(e - p))) {
             sys = p;
