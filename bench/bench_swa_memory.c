@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 static float bench_normal(uint64_t *s) { /* splitmix64 + Box-Muller */
     double u[2];

@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "cache_testutil.h"
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* kvpq (float32, RMS sums in double) vs the fp64 reference, relative to the largest logit, over 3
  * layers and 24 positions of a width-64 model: float32 rounding stays below 1e-5; a wrong rope

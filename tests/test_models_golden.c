@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 #define TEXT_PATH KVPQ_SOURCE_DIR "/data/text/persuasion.txt"
 #define PROMPT "The capital of France is"

@@ -679,3 +679,30 @@ Test(tokenizer_spm, round_trip) {
                    (const int32_t[]){SPM_BYTE0 + 0xc3, SPM_BYTE0 + 0xe2, SPM_BYTE0 + 0x96, SPM_BYTE0 + 0x81}, 4);
     kvpq_tokenizer_free(t);
 }
+
+/* Gemma-3: a 256 KiB run of spaces, of newlines or of tabs is cut into its USER_DEFINED run tokens,
+ * the longest (31 characters) first, in well under a second (each run token costs one pass, not one
+ * per byte), and the pieces give the run back. */
+Test(tokenizer_model, gemma_long_whitespace_runs, .timeout = 120) {
+    const char *path = KVPQ_SOURCE_DIR "/models/gemma-3-270m-Q4_K_M.gguf";
+    FILE *f = fopen(path, "rb");
+    if (!f) cr_skip_test("%s missing: run scripts/fetch_model.sh", path);
+    fclose(f);
+    kvpq_vocab *v;
+    cr_assert_eq(kvpq_vocab_load(&v, path), KVPQ_OK, "%s", kvpq_last_error());
+    size_t len = quick() ? 20000 : 1 << 18;
+    char *text = malloc(len);
+    const char fill[] = {' ', '\n', '\t'};
+    for (size_t k = 0; k < sizeof fill; k++) {
+        memset(text, fill[k], len);
+        size_t n;
+        int32_t *ids = tokenize(v, text, len, 0, 0, &n);
+        cr_assert_eq(n, len / 31 + (len % 31 != 0), "fill 0x%02x: %zu tokens", fill[k], n);
+        for (size_t i = 0; i + 1 < n; i++) cr_assert_eq(ids[i], ids[0]);
+        cr_assert(kvpq_vocab_token_attr(v, ids[0]) & KVPQ_TOKEN_ATTR_USER_DEFINED);
+        free(ids);
+        expect_round_trip(v, text, len);
+    }
+    free(text);
+    kvpq_vocab_free(v);
+}

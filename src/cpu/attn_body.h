@@ -141,13 +141,13 @@ static void scale(float *x, int n, float s) {
 static void f16_to_f32(const uint16_t *src, float *dst, size_t n) {
     size_t i = 0;
     for (; i + W <= n; i += W) vf_store(dst + i, vf_load_f16(src + i));
-    for (; i < n; i++) dst[i] = kvpq__h2f(src[i]);
+    for (; i < n; i++) dst[i] = vs_h2f(src[i]);
 }
 
 static void f32_to_f16(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
     for (; i + W <= n; i += W) vf_store_f16(dst + i, vf_load(src + i));
-    for (; i < n; i++) dst[i] = kvpq__f2h(src[i]);
+    for (; i < n; i++) dst[i] = vs_f2h(src[i]);
 }
 
 /* ggml blocks: the ISA's row dequantization of ggml_body.h (bit-exact). */

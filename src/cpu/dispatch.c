@@ -107,4 +107,8 @@ const kvpq_cpu_kernels *kvpq__cpu_kernels_for(kvpq_simd_level level) {
     return &tables[l];
 }
 
-const kvpq_cpu_kernels *kvpq__cpu_kernels(void) { return kvpq__cpu_kernels_for(kvpq_simd_get()); }
+/* The hot lookup (callers take it per call): kvpq_simd_get() never exceeds the CPU's level. */
+const kvpq_cpu_kernels *kvpq__cpu_kernels(void) {
+    pthread_once(&tables_once, tables_init);
+    return &tables[kvpq_simd_get()];
+}

@@ -15,6 +15,7 @@
 #include "cpu/attn_kernels.h"
 #include "cpu/ggml_kernels.h"
 #include "cpu/vq_kernels.h"
+#include "internal.h"
 #include "kvpq.h"
 
 /* Centroids are padded to a multiple of KVPQ_NN_PAD so that SIMD kernels never need a tail loop:
@@ -51,7 +52,7 @@ typedef struct {
 } kvpq_cpu_kernels;
 
 /* The table of kvpq_simd_get()'s level. Never NULL. */
-const kvpq_cpu_kernels *kvpq__cpu_kernels(void);
+KVPQ_INTERNAL_API const kvpq_cpu_kernels *kvpq__cpu_kernels(void);
 /* The table of a level; a level above what the CPU supports gives the best it does. */
 const kvpq_cpu_kernels *kvpq__cpu_kernels_for(kvpq_simd_level level);
 /* The best level this CPU supports (detected once). */

@@ -270,6 +270,18 @@ KVPQ_INLINE kvpq_vf kmins(const float *ml, const float *xs, int n, kvpq_vf acc) 
 
 #define MAXW(n) ((n) > W ? (n) : W) /* arrays that a W-lane store may fill */
 
+/* Software prefetch of the block KPF_DIST blocks ahead, every cache line of it, into all cache
+ * levels: a decoded token streams each weight once from DRAM, and the hardware prefetcher alone
+ * leaves the kernel waiting. Measured on Qwen2.5-Coder-1.5B (every matvec of one token, 980 MB,
+ * 1 thread, CPU time): no prefetch 189-192 ms; 8 blocks ahead 137 ms; 16: 137-139; 24: 139-143;
+ * 16 ahead as non-temporal (locality 0): 167-168. */
+#define KPF_DIST 8
+#define KPREFETCH(p, bs)                                                         \
+    do {                                                                         \
+        for (int pf_ = 0; pf_ < (int)(bs); pf_ += 64)                            \
+            __builtin_prefetch((const char *)(p) + KPF_DIST * (bs) + pf_, 0, 3); \
+    } while (0)
+
 /* xs: (n / 16) sums of x over 16-element groups, Q2_K's sub-blocks. */
 static void matvec_q2_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x, const float *xs,
                         float *y) {
@@ -277,6 +289,7 @@ static void matvec_q2_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n,
         const uint8_t *p = W_ + (size_t)r * rb;
         kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, accm = vf_zero();
         for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q2_K)) {
+            KPREFETCH(p, sizeof(block_q2_K));
             const uint8_t *sb = KBLK_AT(p, block_q2_K, scales);
             float dl[MAXW(16)], ml[MAXW(16)];
             uint8_t u[QK_K], sc[MAXW(16)], m[MAXW(16)];
@@ -297,6 +310,7 @@ static void matvec_q3_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n,
         const uint8_t *p = W_ + (size_t)r * rb;
         kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
         for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q3_K)) {
+            KPREFETCH(p, sizeof(block_q3_K));
             float dl[MAXW(16)];
             int8_t sc[MAXW(16)], q[QK_K];
             kvpq__q3_K_scales(KBLK_AT(p, block_q3_K, scales), sc);
@@ -316,6 +330,7 @@ static void matvec_q3_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n,
             const uint8_t *p = W_ + (size_t)r * rb;                                                           \
             kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, accm = vf_zero();                  \
             for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(BLOCK)) {                                      \
+                KPREFETCH(p, sizeof(BLOCK));                                                                  \
                 float dl[MAXW(16)];                                                                           \
                 uint8_t u[QK_K];                                                                              \
                 uint64_t sc, m;                                                                               \
@@ -338,6 +353,7 @@ static void matvec_q6_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n,
         const uint8_t *p = W_ + (size_t)r * rb;
         kvpq_vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
         for (int64_t i = 0; i < n / QK_K; i++, p += sizeof(block_q6_K)) {
+            KPREFETCH(p, sizeof(block_q6_K));
             float dl[MAXW(16)];
             int8_t q[QK_K];
             scales_i8(BLK_F16(p, block_q6_K, d), (const int8_t *)KBLK_AT(p, block_q6_K, scales), 16, dl);

@@ -308,6 +308,9 @@ KVPQ_INLINE void vf_load_codes32(const uint8_t *p, int bits, kvpq_vf f[32 / KVPQ
     f[3] = vf__from_u8(_mm_srli_si128(q1, 8));
 #endif
 }
+/* One half <-> float by F16C (exact; RNE like vcvtps2ph): the scalar tails of vector loops. */
+KVPQ_INLINE float vs_h2f(uint16_t h) { return _cvtsh_ss(h); }
+KVPQ_INLINE uint16_t vs_f2h(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* One half at an unaligned address, converted by F16C (the scales of quantized blocks). */
 KVPQ_INLINE float vs_h2f_at(const void *p) {
     uint16_t h;
@@ -337,6 +340,8 @@ KVPQ_INLINE void vf_reduce4(kvpq_vf a0, kvpq_vf a1, kvpq_vf a2, kvpq_vf a3, floa
 KVPQ_INLINE void vf_load_codes32(const uint8_t *p, int bits, kvpq_vf f[32]) {
     for (int c = 0; c < 32; c++) f[c] = (float)((p[c * bits / 8] >> (c * bits % 8)) & ((1 << bits) - 1));
 }
+KVPQ_INLINE float vs_h2f(uint16_t h) { return kvpq__h2f(h); }
+KVPQ_INLINE uint16_t vs_f2h(float x) { return kvpq__f2h(x); }
 KVPQ_INLINE float vs_h2f_at(const void *p) { return kvpq__h2f_at(p); }
 KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32]) {
     for (int j = 0; j < 16; j++) {

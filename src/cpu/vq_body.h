@@ -226,13 +226,13 @@ void KVPQ_ISA_FN(kvpq__vq_weighted_sum)(int n, int d, const float *p, const floa
 void KVPQ_ISA_FN(kvpq__vq_f16_to_f32)(size_t n, const uint16_t *src, float *dst) {
     size_t i = 0;
     for (; i + W <= n; i += W) vf_store(dst + i, vf_load_f16(src + i));
-    kvpq__vq_f16_to_f32_ref(n - i, src + i, dst + i);
+    for (; i < n; i++) dst[i] = vs_h2f(src[i]);
 }
 
 void KVPQ_ISA_FN(kvpq__vq_f32_to_f16)(size_t n, const float *src, uint16_t *dst) {
     size_t i = 0;
     for (; i + W <= n; i += W) vf_store_f16(dst + i, vf_load(src + i));
-    kvpq__vq_f32_to_f16_ref(n - i, src + i, dst + i);
+    for (; i < n; i++) dst[i] = vs_f2h(src[i]);
 }
 
 // ---- LUT build and value output: one W-lane FMA per (m, c, j) ----------------------------------

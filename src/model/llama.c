@@ -23,7 +23,6 @@
 #include <omp.h>
 
 #include "arch.h"
-#include "cache/cache_impl.h"
 #include "ggml_types.h"
 #include "gguf.h"
 #include "internal.h"
@@ -345,6 +344,9 @@ kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model
     if (!m) return kvpq__err(KVPQ_ERR_NOMEM, "model: out of memory");
     m->n_threads = p ? p->n_threads : 0;
     kvpq_status s = gguf_open(&m->gf, path);
+    if (s == KVPQ_OK)
+        snprintf(m->info.fingerprint, sizeof m->info.fingerprint, "%016llx",
+                 (unsigned long long)gguf_fingerprint(m->gf));
     if (s == KVPQ_OK) s = load_hparams(m);
     if (s == KVPQ_OK) s = load_tensors(m);
     if (s == KVPQ_OK) {
@@ -451,6 +453,8 @@ kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, s
     if (!m->tok) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "%s", m->tok_error);
     return kvpq_tokenizer_piece(m->tok, token, buf, cap, len);
 }
+
+unsigned kvpq_token_attr(const kvpq_model *m, int32_t token) { return m ? kvpq_tokenizer_token_attr(m->tok, token) : 0; }
 
 /* ---- forward pass --------------------------------------------------------------------------- */
 
@@ -586,7 +590,9 @@ kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tok
     if (!m || !cache || !tokens || !logits) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: NULL argument");
     const kvpq_model_info *in = &m->info;
     if (n < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: n = %d tokens, expected >= 1", n);
-    const kvpq_cache_params *cp = &cache->p;
+    kvpq_cache_params cache_params;
+    KVPQ_TRY(kvpq_cache_get_params(cache, &cache_params));
+    const kvpq_cache_params *cp = &cache_params;
     if (cp->n_layer != in->n_layer || cp->n_head != in->n_head || cp->n_head_kv != in->n_head_kv ||
         cp->head_dim != in->head_dim)
         return kvpq__err(KVPQ_ERR_MISMATCH,
@@ -595,7 +601,8 @@ kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tok
                          cp->n_layer, cp->n_head, cp->n_head_kv, cp->head_dim, in->n_layer, in->n_head,
                          in->n_head_kv, in->head_dim);
     for (int l = 0; l < in->n_layer; l++) {
-        const int want_w = m->swa && m->swa[l] ? in->sliding_window : 0, got_w = kvpq__layer_window(cp, l);
+        const int want_w = m->swa && m->swa[l] ? in->sliding_window : 0;
+        const int got_w = cp->sliding_window > 0 && (!cp->swa_layers || cp->swa_layers[l]) ? cp->sliding_window : 0;
         if (want_w != got_w)
             return kvpq__err(KVPQ_ERR_MISMATCH,
                              "cache layer %d: sliding window %d, the model's is %d (set the cache's with "

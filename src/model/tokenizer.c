@@ -520,9 +520,8 @@ static kvpq_status load_specials(kvpq_tokenizer *t, const text_index *ix) {
                               : ty == TOKEN_USER_DEFINED                   ? SPECIAL_USER
                                                                            : 0;
     }
-    /* Looked up by their text as it is in t->pool: raw bytes for BPE, which equal the byte-level
-     * text llama.cpp matches for these ASCII (and U+FF5C) names only where no byte needs mapping;
-     * the one non-ASCII name is DeepSeek's and names no token of a supported vocabulary. */
+    /* Looked up by their text in t->pool (raw bytes for BPE). llama.cpp looks up the byte-level
+     * text, which is the same for every ASCII name; only DeepSeek's name is not ASCII. */
     for (size_t k = 0; k < sizeof k_eog_text / sizeof k_eog_text[0]; k++) {
         int32_t id = text_index_find(t, ix, k_eog_text[k], strlen(k_eog_text[k]));
         if (id >= 0) t->special_attr[id] = SPECIAL_CTRL;
@@ -1039,7 +1038,7 @@ static kvpq_status find_specials(const kvpq_tokenizer *t, const char *text, size
         }
         for (int32_t k = k0 - 1; k < k1; k++) { /* k0 - 1: the one-byte special */
             int32_t id = k < k0 ? cand[0] : t->special[k];
-            if (id < 0 || !(t->special_attr[id] & want)) continue;
+            if (id < 0 || !(t->special_attr[id] & want) || (seen && seen[id])) continue;
             size_t l;
             const char *s = tok_text(t, id, &l);
             if (l > len - i || memcmp(s, text + i, l) != 0) continue;
@@ -1047,7 +1046,6 @@ static kvpq_status find_specials(const kvpq_tokenizer *t, const char *text, size
                 seen = calloc((size_t)t->n_vocab, 1);
                 if (!seen) { st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: special tokens"); break; }
             }
-            if (seen[id]) continue;
             seen[id] = 1;
             if (n_present == cap_present) {
                 cap_present = cap_present ? 2 * cap_present : 16;
@@ -1069,12 +1067,16 @@ static kvpq_status find_specials(const kvpq_tokenizer *t, const char *text, size
                 const char *q = memmem(text + p, len - p, s, l);
                 if (!q) break;
                 size_t at = (size_t)(q - text);
-                /* Inside text not cut yet: both ends free and nothing claimed between (a cut is
-                 * contiguous, so a claimed byte inside means a cut starts or ends inside). */
-                int free_run = 1;
-                for (size_t j = at; j < at + l; j++)
-                    if (claimed[j]) { free_run = 0; break; }
-                if (!free_run) { p = at + 1; continue; }
+                /* It must lie wholly in text not cut yet; else no occurrence can start before the
+                 * end of the cut run it overlaps (a run of 1 MiB of '\n' would otherwise cost one
+                 * memmem call per byte for each of Gemma's 31 newline-run tokens). */
+                size_t j = at + l;
+                while (j > at && !claimed[j - 1]) j--;
+                if (j > at) {
+                    while (j < len && claimed[j]) j++;
+                    p = j;
+                    continue;
+                }
                 memset(claimed + at, 1, l);
                 if (n_out == cap_out) {
                     cap_out = cap_out ? 2 * cap_out : 64;
