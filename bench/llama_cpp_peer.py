@@ -35,13 +35,15 @@ class ModelInfo(ctypes.Structure):
         (f, ctypes.c_int)
         for f in ("n_layer", "n_head", "n_head_kv", "head_dim", "n_embd", "n_ff", "n_vocab", "n_ctx_train")
     ] + [("rope_freq_base", ctypes.c_float), ("rms_eps", ctypes.c_float), ("bos_id", ctypes.c_int32),
-         ("eos_id", ctypes.c_int32), ("add_bos", ctypes.c_int), ("fingerprint", ctypes.c_char * 17)]
+         ("eos_id", ctypes.c_int32), ("add_bos", ctypes.c_int), ("fingerprint", ctypes.c_char * 17),
+         ("sliding_window", ctypes.c_int), ("n_swa_layers", ctypes.c_int)]
 
 
 class CacheParams(ctypes.Structure):
     _fields_ = [(f, ctypes.c_int) for f in ("type", "n_layer", "n_head", "n_head_kv", "head_dim", "max_seq",
                                             "window", "page_tokens")] + [
-        ("codebook", ctypes.c_void_p), ("n_threads", ctypes.c_int), ("backend", ctypes.c_int)]
+        ("codebook", ctypes.c_void_p), ("n_threads", ctypes.c_int), ("backend", ctypes.c_int),
+        ("vq_fast_scan", ctypes.c_int), ("sliding_window", ctypes.c_int), ("swa_layers", ctypes.c_void_p)]
 
 
 class ModelParams(ctypes.Structure):
@@ -77,6 +79,7 @@ class Kvpq:
         L.kvpq_model_load.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.POINTER(ModelParams)]
         L.kvpq_model_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(ModelInfo)]
         L.kvpq_cache_new.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(CacheParams)]
+        L.kvpq_model_cache_params.argtypes = [ctypes.c_void_p, ctypes.POINTER(CacheParams)]
         L.kvpq_cache_free.argtypes = [ctypes.c_void_p]
         L.kvpq_cache_truncate.argtypes = [ctypes.c_void_p, ctypes.c_int]
         L.kvpq_model_eval.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int,
@@ -105,8 +108,7 @@ class Kvpq:
     def new_cache(self, max_seq, cache_type=0):
         cp = self.L.kvpq_cache_params_default()
         cp.type = cache_type
-        cp.n_layer, cp.n_head, cp.n_head_kv, cp.head_dim = (self.info.n_layer, self.info.n_head, self.info.n_head_kv,
-                                                            self.info.head_dim)
+        self._check(self.L.kvpq_model_cache_params(self.model, ctypes.byref(cp)), "model_cache_params")
         cp.max_seq = max_seq
         c = ctypes.c_void_p()
         self._check(self.L.kvpq_cache_new(ctypes.byref(c), ctypes.byref(cp)), "cache_new")

@@ -374,6 +374,16 @@ typedef struct {
      * move by a factor within exp(+-M * delta). Default 0: exact float LUT. Ignored (exact scores)
      * when the codebook's keys are norm-explicit (kvpq_codebook_params.key_norm). */
     int vq_fast_scan;
+    /* Sliding-window attention (local layers of Gemma 2/3; Beltagy et al. 2020, "Longformer",
+     * arXiv 2004.05150): in a layer l with swa_layers[l] != 0, the query at position p attends only
+     * to positions p - sliding_window + 1 .. p, and the cache frees what no later query can see:
+     * such a layer keeps at most sliding_window - 1 positions before each append, plus up to one
+     * storage unit (a page of page_tokens; for kivi a page of groups) and the appended ones.
+     * kvpq_cache_read and kvpq_cache_truncate refuse (KVPQ_ERR_INVALID_ARG) positions that are
+     * gone. 0 (default): no sliding window. */
+    int sliding_window;
+    const uint8_t *swa_layers; /* (n_layer) 1 = local layer; NULL with sliding_window > 0 = every
+                                  layer. Copied by kvpq_cache_new (need not outlive the call). */
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
 

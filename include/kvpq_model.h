@@ -15,7 +15,7 @@
  *     kvpq_model_info mi;
  *     kvpq_model_get_info(m, &mi);
  *     kvpq_cache_params cp = kvpq_cache_params_default();
- *     cp.n_layer = mi.n_layer; cp.n_head = mi.n_head; cp.n_head_kv = mi.n_head_kv; cp.head_dim = mi.head_dim;
+ *     kvpq_model_cache_params(m, &cp);                     // shape and sliding window
  *     kvpq_cache *c;
  *     kvpq_cache_new(&c, &cp);
  *     int32_t ids[256]; size_t n;
@@ -32,7 +32,7 @@
 extern "C" {
 #endif
 
-/* ---- models (GGUF, Llama family) ------------------------------------------------------------ */
+/* ---- models (GGUF: llama, qwen2, gemma3) --------------------------------------------------- */
 
 typedef struct kvpq_model kvpq_model;
 
@@ -51,6 +51,8 @@ typedef struct {
     int add_bos;         /* tokenizer.ggml.add_bos_token (0 when absent): prepend BOS to a text */
     char fingerprint[17]; /* 16 hex digits: a hash of the GGUF header (every metadata key and value,
                              every tensor's name, shape and type); recorded in codebooks */
+    int sliding_window;  /* <arch>.attention.sliding_window: positions a local layer sees; 0 none */
+    int n_swa_layers;    /* local (sliding-window) layers; the others attend to every position */
 } kvpq_model_info;
 
 /* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
@@ -61,6 +63,12 @@ KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *i
 /* The model's chat template (tokenizer.chat_template, a Jinja string; NUL-terminated, owned by the
  * model), or NULL when the file has none. */
 KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
+
+/* Fill the model's shape into cache params: n_layer, n_head, n_head_kv, head_dim, and its
+ * sliding window (sliding_window, swa_layers: borrowed from the model, copied by kvpq_cache_new).
+ * The other fields are left as they are. kvpq_model_eval refuses a cache whose sliding window
+ * differs from the model's (KVPQ_ERR_MISMATCH). Errors: KVPQ_ERR_INVALID_ARG (NULL). */
+KVPQ_API kvpq_status kvpq_model_cache_params(const kvpq_model *m, kvpq_cache_params *p);
 
 /* The model a codebook was calibrated on, recorded as metadata: model (general.name), model.arch
  * (general.architecture) and model.fingerprint (kvpq_model_info.fingerprint). Errors: NULL
@@ -88,7 +96,8 @@ KVPQ_API unsigned kvpq_token_attr(const kvpq_model *m, int32_t token);
 
 /* Run n tokens at positions L .. L+n-1, L = kvpq_cache_seq_len(cache, 0), appending their K/V to
  * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. The cache must have
- * the model's n_layer, n_head, n_head_kv and head_dim (else KVPQ_ERR_MISMATCH). Errors: L + n beyond
+ * the model's n_layer, n_head, n_head_kv, head_dim and sliding window (else KVPQ_ERR_MISMATCH;
+ * kvpq_model_cache_params sets them). Errors: L + n beyond
  * n_ctx_train or the cache's max_seq (KVPQ_ERR_CAPACITY), a token id out of range; on error the
  * cache is truncated back to L. One model serves one eval at a time (it owns the scratch). */
 KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,

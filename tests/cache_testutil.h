@@ -33,26 +33,34 @@ static inline float *rand_vec(size_t n, uint64_t seed, float scale) {
 
 /* fp64 causal GQA attention over explicit K/V: k, v (L, n_head_kv, hd); queries q (n_q, n_head, hd)
  * at positions L - n_q + i; out (n_q, n_head, hd) float64. */
+/* The same with a sliding window: the query at position t sees positions max(0, t - window + 1) .. t
+ * (window 0: every earlier position). */
+static inline void ref_attend_window(int L, int n_q, int n_head, int n_head_kv, int hd, int window, const float *k,
+                                     const float *v, const float *q, double *out);
 static inline void ref_attend(int L, int n_q, int n_head, int n_head_kv, int hd, const float *k, const float *v,
                               const float *q, double *out) {
+    ref_attend_window(L, n_q, n_head, n_head_kv, hd, 0, k, v, q, out);
+}
+static inline void ref_attend_window(int L, int n_q, int n_head, int n_head_kv, int hd, int window, const float *k,
+                                     const float *v, const float *q, double *out) {
     const int g = n_head / n_head_kv;
     double *w = malloc((size_t)L * sizeof *w);
     for (int i = 0; i < n_q; i++)
         for (int h = 0; h < n_head; h++) {
-            const int kvh = h / g, lim = L - n_q + i + 1;
+            const int kvh = h / g, lim = L - n_q + i + 1, t0 = window > 0 && lim - window > 0 ? lim - window : 0;
             const float *qi = q + ((size_t)i * n_head + h) * hd;
             double m = -INFINITY, d = 0.0;
-            for (int t = 0; t < lim; t++) {
+            for (int t = t0; t < lim; t++) {
                 double s = 0.0;
                 const float *kt = k + ((size_t)t * n_head_kv + kvh) * hd;
                 for (int c = 0; c < hd; c++) s += (double)qi[c] * kt[c];
                 w[t] = s / sqrt((double)hd);
                 if (w[t] > m) m = w[t];
             }
-            for (int t = 0; t < lim; t++) d += (w[t] = exp(w[t] - m));
+            for (int t = t0; t < lim; t++) d += (w[t] = exp(w[t] - m));
             double *o = out + ((size_t)i * n_head + h) * hd;
             for (int c = 0; c < hd; c++) o[c] = 0.0;
-            for (int t = 0; t < lim; t++) {
+            for (int t = t0; t < lim; t++) {
                 const float *vt = v + ((size_t)t * n_head_kv + kvh) * hd;
                 for (int c = 0; c < hd; c++) o[c] += w[t] / d * vt[c];
             }

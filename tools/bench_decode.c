@@ -122,7 +122,7 @@ int cmd_bench_decode(int argc, char **argv) {
         goto done;
     }
     for (int c = 0; c < n_cache; c++) {
-        if (cli_cache_open(&cc[c], specs[c], &mi, (int)need, (int)threads)) goto done;
+        if (cli_cache_open(&cc[c], specs[c], m, (int)need, (int)threads)) goto done;
         double t0 = cli_now();
         if ((s = kvpq_model_eval(m, cc[c].cache, toks, (int)ctx, 0, logits)) != KVPQ_OK) {
             cli_fail("bench decode: prompt eval", s);

@@ -25,7 +25,10 @@ static long spec_window(char *buf, const char *spec) {
     return n;
 }
 
-int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, int max_seq, int n_threads) {
+int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_seq, int n_threads) {
+    kvpq_model_info info;
+    kvpq_model_get_info(m, &info);
+    const kvpq_model_info *mi = &info;
     memset(c, 0, sizeof *c);
     snprintf(c->spec, sizeof c->spec, "%s", spec);
     kvpq_cache_params cp = kvpq_cache_params_default();
@@ -73,10 +76,7 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, in
             fprintf(stderr, "kvpq: cache '%s': warning: the codebook file records no model fingerprint (written "
                             "before kvpq recorded one): cannot check that it belongs to this model\n", spec);
     }
-    cp.n_layer = mi->n_layer;
-    cp.n_head = mi->n_head;
-    cp.n_head_kv = mi->n_head_kv;
-    cp.head_dim = mi->head_dim;
+    kvpq_model_cache_params(m, &cp); /* shape and sliding window */
     cp.max_seq = max_seq;
     cp.n_threads = n_threads;
     cp.backend = KVPQ_BACKEND_CPU;
@@ -320,4 +320,30 @@ char *cli_read_file(const char *path, size_t *len) {
     buf[n] = 0;
     *len = n;
     return buf;
+}
+
+int32_t *cli_parse_ids(const char *s, size_t len, size_t *n) {
+    size_t cap = 64, k = 0;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    for (size_t i = 0; ids && i < len;) {
+        if (s[i] < '0' || s[i] > '9') {
+            i++;
+            continue;
+        }
+        long v = 0;
+        while (i < len && s[i] >= '0' && s[i] <= '9' && v <= 0x7fffffffL) v = v * 10 + (s[i++] - '0');
+        if (v > 0x7fffffffL) { /* not a token id */
+            free(ids);
+            return NULL;
+        }
+        if (k == cap) {
+            int32_t *ni = realloc(ids, (cap *= 2) * sizeof *ids);
+            if (!ni) free(ids);
+            ids = ni;
+            if (!ids) break;
+        }
+        ids[k++] = (int32_t)v;
+    }
+    *n = k;
+    return ids;
 }

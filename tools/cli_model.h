@@ -16,11 +16,11 @@ typedef struct {
     kvpq_codebook *codebook; /* vq: only */
 } cli_cache;
 
-/* Create a cache sized for the model and max_seq positions. Prints the error (naming the SPEC) and
- * returns a non-zero exit code on failure. A vq codebook must have been calibrated on this model
- * (kvpq_codebook_check_model) unless the SPEC ends in ":force"; a file that records no model loads
- * with a warning. */
-int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, int max_seq, int n_threads);
+/* Create a cache sized for the model (its shape and sliding window) and max_seq positions. Prints
+ * the error (naming the SPEC) and returns a non-zero exit code on failure. A vq codebook must have
+ * been calibrated on this model (kvpq_codebook_check_model) unless the SPEC ends in ":force"; a file
+ * that records no model loads with a warning. */
+int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_seq, int n_threads);
 void cli_cache_close(cli_cache *c);
 
 /* ---- sampling ---- */
@@ -52,6 +52,11 @@ void cli_utf8_flush(cli_utf8_stream *st, FILE *f);
 
 /* 1 if the n bytes are valid UTF-8; else 0 and *bad_offset the offset of the first bad byte. */
 int cli_utf8_valid(const unsigned char *s, size_t n, size_t *bad_offset);
+
+/* Token ids written as decimal numbers with any separators ("[2, 818, 5279]" as llama-tokenize
+ * --ids prints them, or "2 818 5279"): a malloc'd array and its count *n. NULL when out of memory
+ * or a number exceeds int32. */
+int32_t *cli_parse_ids(const char *s, size_t len, size_t *n);
 
 /* Read a whole text file into a NUL-terminated buffer (caller frees). NULL with errno set on
  * failure, cli_read_error() then says why: a file that is not regular (a FIFO would block, a device

@@ -15,6 +15,8 @@
 #include "cli_model.h"
 
 #define CALIB_MAX_ALSO 16
+/* Tokens per forward step of the activation collection (read back after each step). */
+#define CALIB_STEP 512
 
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *kmeans_init;
@@ -407,10 +409,7 @@ int cmd_calibrate(int argc, char **argv) {
     const size_t row = (size_t)H * D; /* floats per token per layer */
     kvpq_cache_params kp = kvpq_cache_params_default();
     kp.type = KVPQ_CACHE_FP32;
-    kp.n_layer = L;
-    kp.n_head = mi.n_head;
-    kp.n_head_kv = H;
-    kp.head_dim = D;
+    kvpq_model_cache_params(model, &kp); /* shape and sliding window */
     kp.max_seq = (int)a->ctx;
     kp.n_threads = (int)a->threads;
     if ((s = kvpq_cache_new(&cache, &kp)) != KVPQ_OK) {
@@ -426,16 +425,24 @@ int cmd_calibrate(int argc, char **argv) {
     if (!kall || !vall || !kd || !vd || !logits || !lam) goto oom;
     for (size_t p0 = 0; p0 < n_use; p0 += (size_t)a->ctx) {
         int n = (int)((n_use - p0) < (size_t)a->ctx ? (n_use - p0) : (size_t)a->ctx);
-        if ((s = kvpq_cache_truncate(cache, 0)) != KVPQ_OK ||
-            (s = kvpq_model_eval(model, cache, tokens + p0, n, 0, logits)) != KVPQ_OK) {
+        if ((s = kvpq_cache_truncate(cache, 0)) != KVPQ_OK) {
             rc = cli_fail("calibrate: forward pass", s);
             goto done;
         }
-        for (int l = 0; l < L; l++) {
-            float *kl = kall + ((size_t)l * n_use + p0) * row, *vl = vall + ((size_t)l * n_use + p0) * row;
-            if ((s = kvpq_cache_read(cache, l, 0, n, kl, vl)) != KVPQ_OK) {
-                rc = cli_fail("calibrate: reading keys and values", s);
+        /* In steps, each read back at once: a sliding-window layer frees positions its later
+         * queries no longer see, but never those of the step just appended. */
+        for (int q0 = 0; q0 < n; q0 += CALIB_STEP) {
+            int nq = n - q0 < CALIB_STEP ? n - q0 : CALIB_STEP;
+            if ((s = kvpq_model_eval(model, cache, tokens + p0 + q0, nq, 0, logits)) != KVPQ_OK) {
+                rc = cli_fail("calibrate: forward pass", s);
                 goto done;
+            }
+            for (int l = 0; l < L; l++) {
+                float *kl = kall + ((size_t)l * n_use + p0 + q0) * row, *vl = vall + ((size_t)l * n_use + p0 + q0) * row;
+                if ((s = kvpq_cache_read(cache, l, q0, nq, kl, vl)) != KVPQ_OK) {
+                    rc = cli_fail("calibrate: reading keys and values", s);
+                    goto done;
+                }
             }
         }
         fprintf(stderr, "\rkvpq calibrate: forward %zu/%zu tokens (%.1f s)", p0 + (size_t)n, n_use, cli_now() - t0);

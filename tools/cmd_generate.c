@@ -8,7 +8,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
-            "                     [--cache SPEC] [--chat] [--threads N]\n"
+            "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]\n"
             "  --model M      GGUF model (Llama family)\n"
             "  --prompt P     prompt text (default empty: starts from BOS when the model adds one)\n"
             "  -n N           tokens to generate (default 64); stops early at the end-of-sequence token\n"
@@ -20,9 +20,11 @@ static void usage(FILE *f) {
             "                 a final :force uses a vq codebook calibrated on another model\n"
             "  --chat         wrap the prompt in the model's chat template. Implemented form: ChatML\n"
             "                 (used when tokenizer.chat_template contains \"<|im_start|>\"), with the\n"
-            "                 template's default system message when it has one (SmolLM2 does);\n"
+            "                 template's default system message when it has one (SmolLM2 and Qwen2.5 do);\n"
             "                 other templates are refused\n"
             "  --threads N    CPU threads (default: OpenMP default)\n"
+            "  --prompt-ids IDS  the prompt as token ids (\"2,818,5279\"; any separators) instead of text\n"
+            "  --print-ids    print the generated token ids (one line, space-separated) instead of text\n"
             "The text goes to stdout as it is produced; prompt and generation tokens/s go to stderr.\n");
 }
 
@@ -50,13 +52,21 @@ static void piece_add(chat_pieces *c, const char *text, size_t len, int special)
 static int chatml_pieces(const char *tmpl, const char *user, chat_pieces *c) {
     c->n = 0;
     if (!tmpl || !strstr(tmpl, "<|im_start|>")) return 0;
-    static const char sys_head[] = "<|im_start|>system\n";
-    const char *p = strstr(tmpl, sys_head);
-    if (p) {
-        const char *b = p + strlen(sys_head), *e = strstr(b, "<|im_end|>");
-        if (e && !memchr(b, '{', (size_t)(e - b)) && !memchr(b, '\'', (size_t)(e - b)))
-            piece_add(c, p, (size_t)(e - p) + strlen("<|im_end|>"), 1); /* the template's own text */
-        if (c->n) piece_add(c, "\n", 1, 1);
+    /* The first system turn written out as plain text (Qwen2.5's template writes its default in an
+     * else branch, after a turn built from the messages, and escapes its newline: "\\n"). */
+    static const char sys_head[] = "<|im_start|>system";
+    for (const char *p = strstr(tmpl, sys_head); p && !c->n; p = strstr(p + 1, sys_head)) {
+        const char *b = p + strlen(sys_head);
+        if (*b == '\n') b++;
+        else if (b[0] == '\\' && b[1] == 'n') b += 2;
+        else continue;
+        const char *e = strstr(b, "<|im_end|>");
+        if (e && e > b && !memchr(b, '{', (size_t)(e - b)) && !memchr(b, '\'', (size_t)(e - b))) {
+            /* the template's own text, its newline written out */
+            piece_add(c, "<|im_start|>system\n", strlen("<|im_start|>system\n"), 1);
+            piece_add(c, b, (size_t)(e - b) + strlen("<|im_end|>"), 1);
+            piece_add(c, "\n", 1, 1);
+        }
     }
     piece_add(c, "<|im_start|>user\n", strlen("<|im_start|>user\n"), 1);
     piece_add(c, user, strlen(user), 0);
@@ -94,7 +104,8 @@ int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = "", *cache_spec = "fp32";
     long n_gen = 64, seed = 42, threads = 0;
     double temp = 0.8, top_p = 0.95;
-    int chat = 0;
+    int chat = 0, print_ids = 0;
+    const char *prompt_ids = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -104,12 +115,16 @@ int cmd_generate(int argc, char **argv) {
         } else if (!strcmp(a, "--chat")) {
             chat = 1;
             continue;
+        } else if (!strcmp(a, "--print-ids")) {
+            print_ids = 1;
+            continue;
         }
         if (!v) return cli_usage_error("generate: option %s needs a value (see --help)", a);
         i++;
         if (!strcmp(a, "--model") || !strcmp(a, "-m")) model_path = v;
         else if (!strcmp(a, "--prompt") || !strcmp(a, "-p")) prompt = v;
         else if (!strcmp(a, "--cache")) cache_spec = v;
+        else if (!strcmp(a, "--prompt-ids")) prompt_ids = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
             if (!cli_parse_int(a, v, 0, 1 << 20, &n_gen)) return 2;
         } else if (!strcmp(a, "--seed")) {
@@ -124,6 +139,8 @@ int cmd_generate(int argc, char **argv) {
             return cli_usage_error("generate: unknown option '%s' (see --help)", a);
     }
     if (!model_path) return cli_usage_error("generate: --model is required (see --help)");
+    if (prompt_ids && (chat || *prompt))
+        return cli_usage_error("generate: --prompt-ids replaces --prompt and --chat (give one)");
     size_t bad;
     if (!cli_utf8_valid((const unsigned char *)prompt, strlen(prompt), &bad))
         return cli_usage_error("generate: --prompt is not valid UTF-8 (byte %zu)", bad);
@@ -151,7 +168,19 @@ int cmd_generate(int argc, char **argv) {
         piece_add(&pieces, prompt, strlen(prompt), 0); /* a plain prompt is plain text too */
     }
     size_t n_prompt = 0;
-    s = tokenize_pieces(m, &pieces, mi.add_bos, &toks, &n_prompt);
+    if (prompt_ids) { /* ids as given: BOS, if wanted, among them */
+        toks = cli_parse_ids(prompt_ids, strlen(prompt_ids), &n_prompt);
+        s = KVPQ_OK;
+        if (toks && n_prompt == 0) { /* at least one slot, as tokenize_pieces gives */
+            free(toks);
+            toks = malloc(sizeof *toks);
+        }
+        if (!toks) {
+            fprintf(stderr, "kvpq generate: --prompt-ids: out of memory or a number beyond int32\n");
+            goto done;
+        }
+    } else
+        s = tokenize_pieces(m, &pieces, mi.add_bos, &toks, &n_prompt);
     if (s != KVPQ_OK) {
         cli_fail("generate: prompt", s);
         goto done;
@@ -176,10 +205,10 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "kvpq generate: out of memory\n");
         goto done;
     }
-    if (cli_cache_open(&cc, cache_spec, &mi, (int)(n_prompt + (size_t)n_gen + 1), (int)threads)) goto done;
+    if (cli_cache_open(&cc, cache_spec, m, (int)(n_prompt + (size_t)n_gen + 1), (int)threads)) goto done;
 
     cli_utf8_stream us = {{0}, 0};
-    if (!chat) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
+    if (!chat && !print_ids) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
         fputs(prompt, stdout);
         fflush(stdout);
     }
@@ -198,13 +227,18 @@ int cmd_generate(int argc, char **argv) {
     for (; n_done < n_gen; n_done++) {
         int32_t t = cli_sample(logits, mi.n_vocab, (float)temp, (float)top_p, &rng, work, idx);
         if (t == mi.eos_id) break;
-        size_t len = 0;
-        s = kvpq_token_to_piece(m, t, piece, sizeof piece, &len);
-        if (s != KVPQ_OK) {
-            cli_fail("generate: token_to_piece", s);
-            goto done;
+        if (print_ids) {
+            printf(n_done ? " %d" : "%d", t);
+            fflush(stdout);
+        } else {
+            size_t len = 0;
+            s = kvpq_token_to_piece(m, t, piece, sizeof piece, &len);
+            if (s != KVPQ_OK) {
+                cli_fail("generate: token_to_piece", s);
+                goto done;
+            }
+            cli_utf8_write(&us, stdout, piece, len < sizeof piece ? len : sizeof piece);
         }
-        cli_utf8_write(&us, stdout, piece, len < sizeof piece ? len : sizeof piece);
         if (n_done + 1 == n_gen) {
             n_done++;
             break; /* the last token needs no eval */

@@ -13,10 +13,12 @@
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: kvpq ppl --model M --text FILE [--ctx N] [--chunks K] [--batch B]\n"
+            "usage: kvpq ppl --model M (--text FILE | --tokens FILE) [--ctx N] [--chunks K] [--batch B]\n"
             "                [--cache SPEC[,SPEC...]] [--kl-base SPEC] [--json] [--threads N]\n"
             "  --model M        GGUF model (Llama family)\n"
             "  --text FILE      UTF-8 text (a non-UTF-8 file is refused)\n"
+            "  --tokens FILE    token ids instead of text (decimal, any separators, as llama-tokenize\n"
+            "                   --ids prints them; BOS, if wanted, must be among them)\n"
             "  --ctx N          tokens per chunk (default 512; at most the model's training context)\n"
             "  --chunks K       chunks to score (default: every whole chunk of the text)\n"
             "  --batch B        tokens per kvpq_model_eval call (default: the chunk)\n"
@@ -114,7 +116,7 @@ static void json_num(cJSON *o, const char *k, double v) {
 }
 
 int cmd_ppl(int argc, char **argv) {
-    const char *model_path = NULL, *text_path = NULL, *kl_base = NULL;
+    const char *model_path = NULL, *text_path = NULL, *kl_base = NULL, *ids_path = NULL;
     char *cache_list = NULL;
     long ctx = 512, max_chunks = 1L << 30, batch = 0, threads = 0;
     int as_json = 0;
@@ -132,6 +134,7 @@ int cmd_ppl(int argc, char **argv) {
         i++;
         if (!strcmp(a, "--model") || !strcmp(a, "-m")) model_path = v;
         else if (!strcmp(a, "--text") || !strcmp(a, "-f")) text_path = v;
+        else if (!strcmp(a, "--tokens")) ids_path = v;
         else if (!strcmp(a, "--cache")) cache_list = (char *)v;
         else if (!strcmp(a, "--kl-base")) kl_base = v;
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) {
@@ -145,7 +148,9 @@ int cmd_ppl(int argc, char **argv) {
         } else
             return cli_usage_error("ppl: unknown option '%s' (see --help)", a);
     }
-    if (!model_path || !text_path) return cli_usage_error("ppl: --model and --text are required (see --help)");
+    if (!model_path || !(text_path || ids_path) || (text_path && ids_path))
+        return cli_usage_error("ppl: --model and one of --text, --tokens are required (see --help)");
+    if (ids_path) text_path = ids_path;
     if (batch == 0 || batch > ctx) batch = ctx;
 
     /* the cache list: split a copy on ',' */
@@ -182,7 +187,7 @@ int cmd_ppl(int argc, char **argv) {
         goto done;
     }
     size_t bad;
-    if (!cli_utf8_valid((const unsigned char *)text, text_len, &bad)) {
+    if (!ids_path && !cli_utf8_valid((const unsigned char *)text, text_len, &bad)) {
         fprintf(stderr, "kvpq ppl: text file '%s' is not valid UTF-8 (first bad byte at offset %zu)\n", text_path, bad);
         goto done;
     }
@@ -200,8 +205,22 @@ int cmd_ppl(int argc, char **argv) {
         goto done;
     }
     size_t n_tok = 0;
-    s = kvpq_tokenize(m, text, text_len, mi.add_bos, 0, NULL, 0, &n_tok);
-    if (s == KVPQ_OK) {
+    if (ids_path) {
+        toks = cli_parse_ids(text, text_len, &n_tok);
+        if (!toks) {
+            fprintf(stderr, "kvpq ppl: --tokens '%s': out of memory or a number beyond int32\n", ids_path);
+            goto done;
+        }
+        for (size_t i = 0; i < n_tok; i++)
+            if (toks[i] >= mi.n_vocab) {
+                fprintf(stderr, "kvpq ppl: --tokens '%s': id %d at index %zu is beyond the vocabulary (%d)\n",
+                        ids_path, toks[i], i, mi.n_vocab);
+                goto done;
+            }
+        s = KVPQ_OK;
+    } else
+        s = kvpq_tokenize(m, text, text_len, mi.add_bos, 0, NULL, 0, &n_tok);
+    if (s == KVPQ_OK && !ids_path) {
         toks = malloc((n_tok ? n_tok : 1) * sizeof *toks);
         if (!toks) {
             fprintf(stderr, "kvpq ppl: out of memory\n");
@@ -223,14 +242,14 @@ int cmd_ppl(int argc, char **argv) {
     }
     int C = (int)ctx, V = mi.n_vocab, first = C / 2, n_score = C - 1 - first;
     for (int i = 0; i < n_caches; i++) {
-        if (cli_cache_open(&runs[i].cc, specs[i], &mi, C, (int)threads)) goto done;
+        if (cli_cache_open(&runs[i].cc, specs[i], m, C, (int)threads)) goto done;
         runs[i].kl = kl_base ? malloc((size_t)n_chunks * n_score * sizeof(float)) : NULL;
         if (kl_base && !runs[i].kl) {
             fprintf(stderr, "kvpq ppl: out of memory\n");
             goto done;
         }
     }
-    if (kl_base && cli_cache_open(&base.cc, kl_base, &mi, C, (int)threads)) goto done;
+    if (kl_base && cli_cache_open(&base.cc, kl_base, m, C, (int)threads)) goto done;
     logits = malloc((size_t)(C - first) * V * sizeof *logits);
     row = malloc((size_t)V * sizeof *row);
     if (kl_base) {

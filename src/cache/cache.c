@@ -54,6 +54,8 @@ kvpq_cache_params kvpq_cache_params_default(void) {
         .codebook = NULL,
         .n_threads = 0,
         .backend = KVPQ_BACKEND_AUTO,
+        .sliding_window = 0,
+        .swa_layers = NULL,
     };
     return p;
 }
@@ -107,6 +109,9 @@ static kvpq_status check_params(const kvpq_cache_params *p) {
     if (p->n_threads < 0)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_threads %d must be >= 0 (0 = OpenMP default)", tn,
                          p->n_threads);
+    if (p->sliding_window < 0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: sliding_window %d must be >= 0 (0 = none)", tn,
+                         p->sliding_window);
     if (p->type == KVPQ_CACHE_VQ) {
         if (!p->codebook) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache vq: params.codebook is NULL (vq needs one)");
         if (!kvpq_codebook_get_params)
@@ -160,16 +165,27 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
      * short cache does not allocate rings and pages for positions it can never hold. */
     if (q.window > q.max_seq) q.window = q.max_seq;
     if (q.page_tokens > q.max_seq) q.page_tokens = q.max_seq;
+    if (q.sliding_window > 0 && !ops->drop)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: sliding-window layers are not supported by this kind",
+                         kvpq_cache_type_name(p->type));
     kvpq_cache *c = calloc(1, sizeof *c);
-    if (!c || !(c->len = calloc((size_t)p->n_layer, sizeof *c->len))) {
+    if (!c || !(c->len = calloc((size_t)p->n_layer, sizeof *c->len)) ||
+        !(c->lo = calloc((size_t)p->n_layer, sizeof *c->lo)) ||
+        (q.sliding_window > 0 && q.swa_layers && !(c->swa = malloc((size_t)p->n_layer)))) {
+        if (c) free(c->len), free(c->lo);
         free(c);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_new: out of memory");
+    }
+    if (q.sliding_window == 0) q.swa_layers = NULL;
+    if (c->swa) {
+        for (int l = 0; l < p->n_layer; l++) c->swa[l] = q.swa_layers[l] != 0;
+        q.swa_layers = c->swa;
     }
     c->p = q;
     c->ops = ops;
     s = ops->create(&c->state, &c->p);
     if (s != KVPQ_OK) {
-        free(c->len);
+        free(c->len), free(c->lo), free(c->swa);
         free(c);
         return s;
     }
@@ -180,7 +196,7 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
 void kvpq_cache_free(kvpq_cache *c) {
     if (!c) return;
     if (c->state) c->ops->destroy(c->state);
-    free(c->len);
+    free(c->len), free(c->lo), free(c->swa);
     free(c);
 }
 
@@ -215,6 +231,10 @@ kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const float *k, c
                          c->ops->name, layer, len, n, c->p.max_seq);
     KVPQ_TRY(check_finite(c, k, n, c->p.n_head_kv, "K", layer, len));
     KVPQ_TRY(check_finite(c, v, n, c->p.n_head_kv, "V", layer, len));
+    /* Sliding window: the first query to come (position len) sees positions from
+     * kvpq__window_start(len); what lies before can go. */
+    const int keep = kvpq__window_start(&c->p, layer, len);
+    if (keep > c->lo[layer]) c->lo[layer] = c->ops->drop(c->state, layer, len, keep);
     KVPQ_TRY(c->ops->append(c->state, layer, len, n, k, v));
     c->len[layer] = len + n;
     return KVPQ_OK;
@@ -228,15 +248,30 @@ kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q,
                          n_q, len, layer);
     if (!q || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_attend: q or out is NULL");
     KVPQ_TRY(check_finite(c, q, n_q, c->p.n_head, "Q", layer, len - n_q));
+    if (kvpq__window_start(&c->p, layer, len - n_q) < c->lo[layer])
+        return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                         "kvpq_cache_attend: layer %d (sliding window %d) no longer holds positions before %d, which "
+                         "the query at position %d would see",
+                         layer, c->p.sliding_window, c->lo[layer], len - n_q);
     return c->ops->attend(c->state, layer, len, n_q, q, out);
 }
 
 kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos) {
     if (!c) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_truncate: cache is NULL");
     if (n_pos < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_truncate: n_pos %d must be >= 0", n_pos);
-    KVPQ_TRY(c->ops->truncate(c->state, c->len, n_pos));
+    /* A sliding-window layer can go back only as far as the next query (position n_pos) still
+     * finds its window held; to 0 it always can (nothing is left to see). */
     for (int l = 0; l < c->p.n_layer; l++)
+        if (n_pos > 0 && c->len[l] > n_pos && kvpq__window_start(&c->p, l, n_pos) < c->lo[l])
+            return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                             "kvpq_cache_truncate: layer %d (sliding window %d) no longer holds positions before %d; "
+                             "truncating to %d needs them",
+                             l, c->p.sliding_window, c->lo[l], n_pos);
+    KVPQ_TRY(c->ops->truncate(c->state, c->len, n_pos));
+    for (int l = 0; l < c->p.n_layer; l++) {
         if (c->len[l] > n_pos) c->len[l] = n_pos;
+        if (n_pos == 0) c->lo[l] = 0;
+    }
     return KVPQ_OK;
 }
 
@@ -252,6 +287,10 @@ kvpq_status kvpq_cache_read(const kvpq_cache *c, int layer, int pos0, int n, flo
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_read: positions [%d, %lld) out of range: layer %d holds %d",
                          pos0, (long long)pos0 + n, layer, len);
     if (n == 0 || (!k && !v)) return KVPQ_OK;
+    if (pos0 < c->lo[layer])
+        return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                         "kvpq_cache_read: layer %d (sliding window %d) no longer holds positions before %d (asked from %d)",
+                         layer, c->p.sliding_window, c->lo[layer], pos0);
     return c->ops->read(c->state, layer, len, pos0, n, k, v);
 }
 
@@ -265,7 +304,7 @@ kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st) {
     memset(st, 0, sizeof *st);
     st->resident_bytes = kvpq_cache_resident_bytes(c);
     int64_t tokens = 0;
-    for (int l = 0; l < c->p.n_layer; l++) tokens += c->len[l];
+    for (int l = 0; l < c->p.n_layer; l++) tokens += c->len[l] - c->lo[l];
     st->elements = 2 * tokens * c->p.n_head_kv * c->p.head_dim;
     st->bits_per_element = st->elements ? (double)st->resident_bytes * 8.0 / (double)st->elements : 0.0;
     st->backend = c->p.backend;

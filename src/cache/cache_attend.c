@@ -11,9 +11,10 @@
 
 kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n) {
     if (n <= pl->n) return KVPQ_OK;
-    if (n > pl->cap) {
+    const int want = n - pl->base; /* slots of the page table */
+    if (want > pl->cap) {
         int cap = pl->cap ? pl->cap : 4;
-        while (cap < n) cap *= 2;
+        while (cap < want) cap *= 2;
         unsigned char **pg = realloc(pl->page, (size_t)cap * sizeof *pg);
         if (!pg) return kvpq__err(KVPQ_ERR_NOMEM, "cache: out of memory for a page table of %d pages", cap);
         pl->page = pg;
@@ -23,25 +24,42 @@ kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n) {
     while (pl->n < n) {
         unsigned char *p = aligned_alloc(64, bytes);
         if (!p) return kvpq__err(KVPQ_ERR_NOMEM, "cache: out of memory for a page of %zu bytes", pl->page_bytes);
-        pl->page[pl->n++] = p;
+        pl->page[pl->n - pl->base] = p;
+        pl->n++;
     }
     return KVPQ_OK;
 }
 
 void kvpq__pages_shrink(kvpq__pages *pl, int n) {
     if (n < 0) n = 0;
-    while (pl->n > n) free(pl->page[--pl->n]);
-    if (n == 0) { /* an empty list holds nothing, as when new */
+    while (pl->n > n && pl->n > pl->base) {
+        pl->n--;
+        free(pl->page[pl->n - pl->base]);
+    }
+    if (n <= pl->base) { /* an empty list holds nothing, as when new */
         free(pl->page);
         pl->page = NULL;
         pl->cap = 0;
+        pl->n = pl->base = n;
     }
+}
+
+void kvpq__pages_drop_front(kvpq__pages *pl, int k) {
+    if (k <= pl->base) return;
+    if (k >= pl->n) {
+        kvpq__pages_shrink(pl, pl->base);
+        pl->n = pl->base = k;
+        return;
+    }
+    for (int i = pl->base; i < k; i++) free(pl->page[i - pl->base]);
+    memmove(pl->page, pl->page + (k - pl->base), (size_t)(pl->n - k) * sizeof *pl->page);
+    pl->base = k;
 }
 
 void kvpq__pages_free(kvpq__pages *pl) { kvpq__pages_shrink(pl, 0); }
 
 size_t kvpq__pages_bytes(const kvpq__pages *pl) {
-    return (size_t)pl->n * ((pl->page_bytes + 63) / 64 * 64) + (size_t)pl->cap * sizeof *pl->page;
+    return (size_t)(pl->n - pl->base) * ((pl->page_bytes + 63) / 64 * 64) + (size_t)pl->cap * sizeof *pl->page;
 }
 
 kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, const char *what, int layer, int pos0,
@@ -73,6 +91,7 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
     const int nb = (rows + RB - 1) / RB;
     const kvpq_attn_kernels *kr = kvpq__attn_kernels();
     const float qscale = 1.0f / sqrtf((float)hd);
+    const int W = kvpq__layer_window(p, layer); /* 0: every earlier position */
     int T = p->n_threads > 0 ? p->n_threads : omp_get_max_threads();
     if (T < 1) T = 1;
 
@@ -118,22 +137,23 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
             const int s = task % n_split, b = (task / n_split) % nb, kvh = task / n_split / nb;
             float *Q = ws, *O = Q + (size_t)RB * hd, *S = O + (size_t)RB * hd, *kbuf = S + (size_t)RB * CH;
             float *vbuf = kbuf + (size_t)CH * hd, *m = vbuf + (size_t)CH * hd, *d = m + RB;
-            int lim[RB];
+            int lim[RB], lo[RB]; /* row rr sees positions [lo, lim) */
             const int r0 = b * RB, nr = rows - r0 < RB ? rows - r0 : RB;
             for (int rr = 0; rr < nr; rr++) {
                 int i = (r0 + rr) / g, head = kvh * g + (r0 + rr) % g;
                 const float *qi = q + ((size_t)i * p->n_head + head) * hd;
                 for (int c = 0; c < hd; c++) Q[(size_t)rr * hd + c] = qi[c] * qscale;
                 lim[rr] = len - n_q + i + 1;
+                lo[rr] = W > 0 && lim[rr] - W > 0 ? lim[rr] - W : 0;
                 m[rr] = -INFINITY;
                 d[rr] = 0.0f;
             }
             memset(O, 0, (size_t)nr * hd * sizeof *O);
-            /* This split's token range of [0, lim[nr-1]), in whole chunks. */
-            const int tend = lim[nr - 1];
-            int per = (tend + n_split - 1) / n_split;
+            /* This split's token range of [lo[0], lim[nr-1]), in whole chunks. */
+            const int tbeg = lo[0], tend = lim[nr - 1];
+            int per = (tend - tbeg + n_split - 1) / n_split;
             per = (per + CH - 1) / CH * CH;
-            int ts = s * per, te = ts + per < tend ? ts + per : tend;
+            int ts = tbeg + s * per, te = ts + per < tend ? ts + per : tend;
             for (int t0 = ts; t0 < te;) {
                 int n = te - t0 < CH ? te - t0 : CH;
                 int to_edge = align - t0 % align;
@@ -157,9 +177,14 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
                 for (int rr = 0; rr < nr; rr++) {
                     float *srow = S + (size_t)rr * CH;
                     int nv = lim[rr] - t0 < n ? lim[rr] - t0 : n;
-                    if (nv <= 0) {
+                    int a = lo[rr] > t0 ? lo[rr] - t0 : 0; /* positions before the row's window */
+                    if (nv <= a) {
                         memset(srow, 0, (size_t)n * sizeof *srow);
                         continue;
+                    }
+                    if (a > 0) { /* scores of the window only... */
+                        srow += a;
+                        nv -= a;
                     }
                     float mx = kr->max(srow, nv);
                     if (mx > m[rr]) {
@@ -169,6 +194,11 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
                         m[rr] = mx;
                     }
                     d[rr] += kr->exp_sum(srow, nv, m[rr]);
+                    if (a > 0) { /* ...and the positions before it weigh nothing */
+                        srow -= a;
+                        nv += a;
+                        memset(srow, 0, (size_t)a * sizeof *srow);
+                    }
                     if (nv < n) memset(srow + nv, 0, (size_t)(n - nv) * sizeof *srow);
                 }
                 if (V16)

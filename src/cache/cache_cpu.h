@@ -12,18 +12,26 @@
 
 /* ---- pages ---------------------------------------------------------------------------------- */
 
-/* A growable list of equal-size pages, allocated as the sequence grows (64-byte aligned). */
+/* A growable list of equal-size pages, allocated as the sequence grows (64-byte aligned). Page
+ * numbers are absolute: pages [base, n) exist; those before base were dropped from the front
+ * (sliding-window layers), so a page keeps its number for the life of the list. */
 typedef struct {
-    unsigned char **page; /* (cap) */
-    int n;                /* pages allocated */
+    unsigned char **page; /* (cap) page[i] is page number base + i */
+    int n;                /* page numbers below n were allocated */
     int cap;
+    int base;             /* pages dropped from the front */
     size_t page_bytes;
 } kvpq__pages;
 
-/* Make at least n pages exist. On failure the list keeps the pages it had (KVPQ_ERR_NOMEM). */
+/* Page number i (base <= i < n). */
+static inline unsigned char *kvpq__page(const kvpq__pages *pl, int i) { return pl->page[i - pl->base]; }
+/* Make pages up to number n exist. On failure the list keeps the pages it had (KVPQ_ERR_NOMEM). */
 kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n);
-/* Free the pages beyond the first n (and the page table when n is 0). */
+/* Free the pages numbered n and beyond (and the page table when none is left; n <= base empties
+ * the list and numbers it from n again). */
 void kvpq__pages_shrink(kvpq__pages *pl, int n);
+/* Free the pages numbered below k (sliding-window layers). */
+void kvpq__pages_drop_front(kvpq__pages *pl, int k);
 void kvpq__pages_free(kvpq__pages *pl);
 /* Bytes held: pages plus the page table. */
 size_t kvpq__pages_bytes(const kvpq__pages *pl);
@@ -43,7 +51,8 @@ typedef void (*kvpq__load16_fn)(const void *state, int layer, int kvh, int t0, i
 /* Tokens per chunk of the driver (a load never asks for more). */
 #define KVPQ_ATTN_CHUNK 64
 
-/* Causal GQA attention of kvpq_cache_attend over any kind that can `load`. Queries of a KV head's
+/* Causal GQA attention of kvpq_cache_attend over any kind that can `load`; in a sliding-window
+ * layer (kvpq__layer_window) the query at position t sees only [t - window + 1, t]. Queries of a KV head's
  * group are processed together, so each chunk of K/V is loaded once for all of them: per chunk,
  * scores S = Q K^T / sqrt(head_dim), the online-softmax update {m, d, o}, then o += P V
  * (FlashAttention-2, Dao 2023, alg. 1). Work is split over (KV head, block of query rows, token
@@ -92,5 +101,6 @@ kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const fl
 kvpq_status kvpq__rows_truncate(void *state, const int *lens, int n_pos);
 kvpq_status kvpq__rows_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v);
 size_t kvpq__rows_resident_bytes(const void *state, const int *lens);
+int kvpq__rows_drop(void *state, int layer, int len, int keep_from);
 
 #endif

@@ -30,5 +30,6 @@ const kvpq_cache_ops kvpq_cache_ops_fp16 = {
     .truncate = kvpq__rows_truncate,
     .read = kvpq__rows_read,
     .resident_bytes = kvpq__rows_resident_bytes,
+    .drop = kvpq__rows_drop,
     .stats = NULL,
 };

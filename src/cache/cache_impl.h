@@ -24,13 +24,31 @@ typedef struct kvpq_cache_ops {
     size_t (*resident_bytes)(const void *state, const int *lens);
     /* Optional: fill tokens_coded / tokens_window. */
     void (*stats)(const void *state, const int *lens, kvpq_cache_stats *st);
+    /* Sliding-window layers: free the storage of positions < keep_from that whole storage units
+     * allow (never a position >= keep_from); `len` positions held. Returns the first position
+     * still held afterwards (<= keep_from). Cannot fail. Positions are absolute throughout: a
+     * kind only stops holding the ones before what it returns. */
+    int (*drop)(void *state, int layer, int len, int keep_from);
 } kvpq_cache_ops;
+
+/* Positions a query of `layer` may see (its sliding window), or 0 for every earlier position. */
+static inline int kvpq__layer_window(const kvpq_cache_params *p, int layer) {
+    return p->sliding_window > 0 && (!p->swa_layers || p->swa_layers[layer]) ? p->sliding_window : 0;
+}
+
+/* First position the query at position `pos` attends to in `layer`. */
+static inline int kvpq__window_start(const kvpq_cache_params *p, int layer, int pos) {
+    int w = kvpq__layer_window(p, layer);
+    return w > 0 && pos - w + 1 > 0 ? pos - w + 1 : 0;
+}
 
 struct kvpq_cache {
     kvpq_cache_params p;
     const kvpq_cache_ops *ops;
     void *state;
     int *len; /* (n_layer) positions held per layer */
+    int *lo;  /* (n_layer) first position still held (> 0 only in sliding-window layers) */
+    uint8_t *swa; /* (n_layer) copy of params.swa_layers (p.swa_layers points here), or NULL */
 };
 
 /* The kinds; a kind not built yet is NULL and kvpq_cache_new reports it as unsupported. */

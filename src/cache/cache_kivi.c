@@ -124,7 +124,7 @@ static void quant_group(const float *x, size_t stride, int bits, int levels, uin
 }
 
 static unsigned char *block_at(const kivi_state *s, const kvpq__pages *pl, int group, int kvh) {
-    return pl->page[group / s->gp] + ((size_t)kvh * s->gp + group % s->gp) * s->blk;
+    return kvpq__page(pl, group / s->gp) + ((size_t)kvh * s->gp + group % s->gp) * s->blk;
 }
 
 /* Quantize the group starting at position t0 (all 32 positions in the ring) into its blocks. */
@@ -304,6 +304,18 @@ static kvpq_status kivi_truncate(void *state, const int *lens, int n_pos) {
     return KVPQ_OK;
 }
 
+/* Sliding-window layers: whole pages of quantized groups below keep_from go (the fp16 window is a
+ * ring of fixed size and stays). */
+static int kivi_drop(void *state, int layer, int len, int keep_from) {
+    kivi_state *s = state;
+    (void)len;
+    const int per_page = s->gp * G, coded = s->coded[layer];
+    const int upto = (keep_from < coded ? keep_from : coded) / per_page;
+    kvpq__pages_drop_front(&s->k[layer], upto);
+    kvpq__pages_drop_front(&s->v[layer], upto);
+    return s->k[layer].base * per_page;
+}
+
 static size_t kivi_resident_bytes(const void *state, const int *lens) {
     const kivi_state *s = state;
     const size_t ring = (size_t)s->cap * s->p.n_head_kv * s->p.head_dim * sizeof(uint16_t);
@@ -318,7 +330,7 @@ static size_t kivi_resident_bytes(const void *state, const int *lens) {
 static void kivi_stats(const void *state, const int *lens, kvpq_cache_stats *st) {
     const kivi_state *s = state;
     for (int l = 0; l < s->p.n_layer; l++) {
-        st->tokens_coded += s->coded[l];
+        st->tokens_coded += s->coded[l] - s->k[l].base * s->gp * G;
         st->tokens_window += lens[l] - s->coded[l];
     }
 }
@@ -333,6 +345,7 @@ const kvpq_cache_ops kvpq_cache_ops_kivi2 = {
     .read = kivi_read,
     .resident_bytes = kivi_resident_bytes,
     .stats = kivi_stats,
+    .drop = kivi_drop,
 };
 
 const kvpq_cache_ops kvpq_cache_ops_kivi4 = {
@@ -345,4 +358,5 @@ const kvpq_cache_ops kvpq_cache_ops_kivi4 = {
     .read = kivi_read,
     .resident_bytes = kivi_resident_bytes,
     .stats = kivi_stats,
+    .drop = kivi_drop,
 };

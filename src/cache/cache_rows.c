@@ -47,7 +47,7 @@ void kvpq__rows_destroy(void *state) {
 
 static unsigned char *row_at(const rows_state *s, const kvpq__pages *pl, int kvh, int pos) {
     int pt = s->p.page_tokens;
-    return pl->page[pos / pt] + ((size_t)kvh * pt + pos % pt) * s->row_bytes;
+    return kvpq__page(pl, pos / pt) + ((size_t)kvh * pt + pos % pt) * s->row_bytes;
 }
 
 kvpq_status kvpq__rows_append(void *state, int layer, int len, int n, const float *k, const float *v) {
@@ -122,6 +122,15 @@ kvpq_status kvpq__rows_truncate(void *state, const int *lens, int n_pos) {
 kvpq_status kvpq__rows_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v) {
     const rows_state *s = state;
     return kvpq__read_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, pos0, n, k, v);
+}
+
+int kvpq__rows_drop(void *state, int layer, int len, int keep_from) {
+    rows_state *s = state;
+    (void)len;
+    const int pt = s->p.page_tokens;
+    kvpq__pages_drop_front(&s->k[layer], keep_from / pt);
+    kvpq__pages_drop_front(&s->v[layer], keep_from / pt);
+    return s->k[layer].base * pt;
 }
 
 size_t kvpq__rows_resident_bytes(const void *state, const int *lens) {

@@ -69,7 +69,9 @@ typedef struct {
     size_t page_bytes;/* n_head_kv * page_tokens * (kcs + vcs), then the scales (see vq_scales) */
     size_t scale_off; /* byte offset of the K scales in a page (4-byte aligned) */
     int fast_scan;    /* st->fast_scan and this layer's key M <= 256 */
-    int n_pages;      /* pages allocated: [0, n_pages) are non-NULL */
+    int n_pages;      /* pages allocated: [first_page, n_pages) are non-NULL */
+    int first_page;   /* pages before it were dropped (sliding-window layers) */
+    int swa;          /* sliding window of this layer (positions a query sees), 0 = none */
     uint16_t *wk;     /* (n_head_kv, cap, head_dim) fp16 window keys; NULL until the first append */
     uint16_t *wv;     /* (n_head_kv, cap, head_dim) fp16 window values */
     int n_coded;      /* positions [0, n_coded) are codes */
@@ -296,6 +298,7 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         st->codebook_bytes += (kvpq_pq_centroids_size(st->kpq[l]) + kvpq_pq_centroids_size(st->vpq[l])) * sizeof(float);
         st->codebook_bytes += 2 * (size_t)p->n_head_kv * p->head_dim * sizeof(float);
         vq_layer *L = &st->layers[l];
+        L->swa = kvpq__layer_window(p, l);
         const int Mk = st->kpq[l]->p.M; /* this layer's key M: the scratch is sized for the largest */
         L->kcs = kvpq_codes_size(Mk, st->kpq[l]->p.nbits);
         const size_t code_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs);
@@ -649,8 +652,10 @@ static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, con
         a[g] = acc;
     }
     if (st->value_rotate) kvpq_hadamard(s->o, G, d);
-    /* Window: positions [n_coded, pos] in fp16, original space. */
-    const int w0 = L->n_coded, w1 = pos + 1;
+    /* Window: positions [n_coded, pos] in fp16, original space (from the sliding window's start
+     * when that lies later). */
+    const int lo = L->swa > 0 && pos + 1 - L->swa > 0 ? pos + 1 - L->swa : 0;
+    const int w0 = L->n_coded > lo ? L->n_coded : lo, w1 = pos + 1;
     const int nw = w1 > w0 ? w1 - w0 : 0;
     for (int t = 0; t < nw; t++) {
         int slot = (w0 + t) % st->cap;
@@ -710,7 +715,10 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
         for (int j = 0; j < n_jobs; j++) {
             int i = j / (nkv * n_split), h = (j / n_split) % nkv, sp = j % n_split;
             int limit = P + i + 1 < nc ? P + i + 1 : nc;
-            int t0 = (int)((int64_t)limit * sp / n_split), t1 = (int)((int64_t)limit * (sp + 1) / n_split);
+            int lo = L->swa > 0 && P + i + 1 - L->swa > 0 ? P + i + 1 - L->swa : 0; /* sliding window */
+            if (lo > limit) lo = limit;
+            int t0 = lo + (int)((int64_t)(limit - lo) * sp / n_split);
+            int t1 = lo + (int)((int64_t)(limit - lo) * (sp + 1) / n_split);
             vq_coded_part(st, L, layer, h, q + ((size_t)i * st->n_head + (size_t)h * G) * d, t0, t1, s, K,
                           parts + (size_t)j * psz);
         }
@@ -738,6 +746,8 @@ static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
             L->pages[pg] = NULL;
         }
         if (L->n_pages > need) L->n_pages = need;
+        if (L->first_page > L->n_pages) L->first_page = L->n_pages;
+        if (n_pos == 0) L->first_page = 0;
     }
     return KVPQ_OK;
 }
@@ -800,12 +810,27 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
     return KVPQ_OK;
 }
 
+/* Sliding-window layers: whole pages of codes below keep_from go (the fp16 window ring stays). */
+static int vq_drop(void *state, int layer, int len, int keep_from) {
+    vq_state *st = state;
+    vq_layer *L = &st->layers[layer];
+    (void)len;
+    int upto = (keep_from < L->n_coded ? keep_from : L->n_coded) / st->page_tokens;
+    if (upto > L->n_pages) upto = L->n_pages;
+    for (int pg = L->first_page; pg < upto; pg++) {
+        free(L->pages[pg]);
+        L->pages[pg] = NULL;
+    }
+    if (upto > L->first_page) L->first_page = upto;
+    return L->first_page * st->page_tokens;
+}
+
 static size_t vq_resident_bytes(const void *state, const int *lens) {
     const vq_state *st = state;
     size_t b = st->codebook_bytes;
     for (int l = 0; l < st->n_layer; l++) {
         const vq_layer *L = &st->layers[l];
-        b += (size_t)L->n_pages * L->page_bytes;
+        b += (size_t)(L->n_pages - L->first_page) * L->page_bytes;
         if (L->wk) b += 2 * (size_t)st->cap * st->n_head_kv * st->head_dim * sizeof(uint16_t);
     }
     return b;
@@ -816,7 +841,7 @@ static void vq_stats(const void *state, const int *lens, kvpq_cache_stats *s) {
     s->tokens_coded = 0;
     s->tokens_window = 0;
     for (int l = 0; l < st->n_layer; l++) {
-        s->tokens_coded += st->layers[l].n_coded;
+        s->tokens_coded += st->layers[l].n_coded - st->layers[l].first_page * st->page_tokens;
         s->tokens_window += lens[l] - st->layers[l].n_coded;
     }
 }
@@ -831,4 +856,5 @@ const kvpq_cache_ops kvpq_cache_ops_vq = {
     .read = vq_read,
     .resident_bytes = vq_resident_bytes,
     .stats = vq_stats,
+    .drop = vq_drop,
 };

