@@ -27,9 +27,10 @@ int cli_usage_error(const char *fmt, ...)
  * naming the option and 0 is returned. */
 int cli_parse_int(const char *opt, const char *s, long lo, long hi, long *out);
 int cli_parse_double(const char *opt, const char *s, double lo, double hi, double *out);
-/* Re-execute once with OPENBLAS_CORETYPE set when OpenBLAS fell back to generic kernels on a CPU
- * it did not recognize (cli_blas.c). Returns when nothing needs doing. */
-void cli_blas_fixup(char **argv);
+/* Set the defaults the CLI's libraries read at load time (OMP_WAIT_POLICY=PASSIVE,
+ * OPENBLAS_NUM_THREADS=1, OPENBLAS_CORETYPE where OpenBLAS misdetects the CPU; a value the user set
+ * is kept) and re-execute once so they take effect (cli_env.c). Returns when nothing needs doing. */
+void cli_env_fixup(char **argv);
 /* Seconds from a monotonic clock. */
 double cli_now(void);
 

@@ -46,7 +46,7 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     const char *c = argv[1];
-    cli_blas_fixup(argv);
+    cli_env_fixup(argv);
     if (!strcmp(c, "version") || !strcmp(c, "--version")) {
         printf("kvpq %s (simd %s)\n", kvpq_version(), kvpq_simd_name(kvpq_simd_get()));
         return 0;
