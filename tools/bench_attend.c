@@ -133,6 +133,9 @@ static void usage(FILE *f) {
             "  a float16 scale per vector, kvpq calibrate's default; speedup_ne_vs_fp32 in the JSON).\n");
 }
 
+static const char *const OPTS[] = {"--help", "-h", "--ctx", "--layers", "--threads", "--repeats", "--backend",
+                                   "--json", NULL};
+
 int cmd_bench_attend(int argc, char **argv) {
     long ctx_only = 0, threads = 0, reps = 0, layers_opt = 0;
     int json = 0;
@@ -155,8 +158,7 @@ int cmd_bench_attend(int argc, char **argv) {
         } else if (!strcmp(a, "--json")) {
             json = 1;
         } else {
-            usage(stderr);
-            return cli_usage_error("bench attend: unknown option '%s'", a);
+            return cli_unknown_option("bench attend", a, OPTS);
         }
     }
     int ctxs[8], n_ctx = 0;

@@ -32,13 +32,19 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+static const char *const OPTS[] = {"--help", "-h", "--json", "--model", "-m", "--text", "--cache", "--ctx",
+                                   "--steps", "--threads", "-t", NULL};
+
 int cmd_bench_decode(int argc, char **argv) {
-    const char *model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf", *text_path = "data/text/persuasion.txt";
+    static const char DEF_MODEL[] = "models/SmolLM2-135M-Instruct.Q4_1.gguf", DEF_TEXT[] = "data/text/persuasion.txt";
+    const char *model_path = NULL, *text_path = NULL;
+    char model_buf[4096], text_buf[4096];
     const char *specs_arg = NULL;
     long ctx = 4096, steps = 32, threads = 0;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        if (!cli_option_known(a, OPTS)) return cli_unknown_option("bench decode", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
@@ -62,6 +68,14 @@ int cmd_bench_decode(int argc, char **argv) {
             return cli_usage_error("bench decode: unknown option '%s' (see --help)", a);
     }
     if (!specs_arg) return cli_usage_error("bench decode: --cache SPEC[,SPEC...] is required (see --help)");
+    /* The defaults are files of the source tree: found from the current directory or the tree the
+     * CLI was built from, whichever has them. */
+    if (!model_path && !(model_path = cli_find_data(DEF_MODEL, model_buf, sizeof model_buf)))
+        return cli_usage_error("bench decode: no --model given and the default %s is not found here or in the source "
+                               "tree (scripts/fetch_model.sh fetches it); pass --model FILE.gguf", DEF_MODEL);
+    if (!text_path && !(text_path = cli_find_data(DEF_TEXT, text_buf, sizeof text_buf)))
+        return cli_usage_error("bench decode: no --text given and the default %s is not found here or in the source "
+                               "tree; pass --text FILE", DEF_TEXT);
     /* Split the SPEC list. */
     char specs_buf[2048], *specs[MAX_CACHES];
     int n_cache = 0;

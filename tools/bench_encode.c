@@ -258,7 +258,7 @@ static int run_shape(const shape_t *sh, const opts_t *o, int first_json) {
 }
 
 static void usage(void) {
-    fprintf(stderr,
+    fprintf(stdout,
             "usage: kvpq bench encode [--shape S,H,D] [--dsub N] [--nbits N] [--granularity shared|subspace]\n"
             "                         [--backend cpu] [--threads N] [--repeats N] [--chunk N] [--json]\n"
             "  Encodes S*H random vectors of D dims (codebook: ksub sub-vectors drawn from the data) with\n"
@@ -266,6 +266,9 @@ static void usage(void) {
             "  tensor per chunk); prints median time, sub-vectors/s and peak extra resident memory.\n"
             "  Default: S=4096,H=4,D=256 dsub 4 nbits 8 and S=8192,H=8,D=128 dsub 8 nbits 8.\n");
 }
+
+static const char *const OPTS[] = {"--help", "-h", "--json", "--shape", "--dsub", "--nbits", "--threads",
+                                   "--repeats", "--chunk", "--granularity", "--backend", NULL};
 
 int cmd_bench_encode(int argc, char **argv) {
     opts_t o = {.repeats = 5, .threads = 0, .json = 0, .granularity = KVPQ_CODEBOOK_SHARED, .chunk = 4096};
@@ -310,8 +313,7 @@ int cmd_bench_encode(int argc, char **argv) {
                 return cli_usage_error("--backend %s: bench encode measures the CPU encoder only (expected cpu)", val);
             i++;
         } else {
-            usage();
-            return cli_usage_error("bench encode: unknown option '%s'", a);
+            return cli_unknown_option("bench encode", a, OPTS);
         }
     }
     if (o.threads > 0) omp_set_num_threads(o.threads);

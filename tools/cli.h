@@ -31,6 +31,16 @@ int cli_parse_double(const char *opt, const char *s, double lo, double hi, doubl
  * OPENBLAS_NUM_THREADS=1, OPENBLAS_CORETYPE where OpenBLAS misdetects the CPU; a value the user set
  * is kept) and re-execute once so they take effect (cli_env.c). Returns when nothing needs doing. */
 void cli_env_fixup(char **argv);
+/* Option names: `known` is a NULL-terminated list of a command's options. cli_option_known: 1 if
+ * opt is one of them. cli_nearest: the known name within a few edits of `word` (a typo), or NULL.
+ * cli_unknown_option prints "kvpq: CMD: unknown option 'X'; did you mean 'Y'?" and returns 2. */
+int cli_option_known(const char *opt, const char *const *known);
+const char *cli_nearest(const char *word, const char *const *known);
+int cli_unknown_option(const char *cmd, const char *opt, const char *const *known);
+/* A file the CLI uses by default (rel: a path inside the source tree, e.g. data/text/persuasion.txt):
+ * rel itself when readable from the current directory, else the copy in the source tree the CLI was
+ * built from (written to buf, n bytes); NULL when neither is readable. */
+const char *cli_find_data(const char *rel, char *buf, size_t n);
 /* Seconds from a monotonic clock. */
 double cli_now(void);
 

@@ -2,7 +2,9 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -50,4 +52,62 @@ double cli_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- option names ---- */
+
+/* Levenshtein distance of a and b (insertions, deletions, substitutions), capped at 99. */
+static int edit_distance(const char *a, const char *b) {
+    size_t na = strlen(a), nb = strlen(b);
+    if (na > 64 || nb > 64) return 99;
+    int row[65];
+    for (size_t j = 0; j <= nb; j++) row[j] = (int)j;
+    for (size_t i = 1; i <= na; i++) {
+        int diag = row[0];
+        row[0] = (int)i;
+        for (size_t j = 1; j <= nb; j++) {
+            int up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            diag = up;
+            row[j] = best;
+        }
+    }
+    return row[nb];
+}
+
+const char *cli_nearest(const char *word, const char *const *known) {
+    const char *best = NULL;
+    int best_d = 99;
+    for (size_t i = 0; known && known[i]; i++) {
+        int d = edit_distance(word, known[i]);
+        if (d < best_d) best_d = d, best = known[i];
+    }
+    /* Close enough to be a typo: a third of the word's letters, at least 2 edits. */
+    size_t n = strlen(word);
+    int limit = n / 3 > 2 ? (int)(n / 3) : 2;
+    return best && best_d <= limit ? best : NULL;
+}
+
+int cli_option_known(const char *opt, const char *const *known) {
+    for (size_t i = 0; known && known[i]; i++)
+        if (!strcmp(opt, known[i])) return 1;
+    return 0;
+}
+
+int cli_unknown_option(const char *cmd, const char *opt, const char *const *known) {
+    const char *near = cli_nearest(opt, known);
+    if (near) return cli_usage_error("%s: unknown option '%s'; did you mean '%s'? (see kvpq %s --help)", cmd, opt, near, cmd);
+    return cli_usage_error("%s: unknown option '%s' (see kvpq %s --help)", cmd, opt, cmd);
+}
+
+/* ---- files of the source tree ---- */
+
+const char *cli_find_data(const char *rel, char *buf, size_t n) {
+    if (access(rel, R_OK) == 0) return rel;
+#ifdef KVPQ_SOURCE_DIR
+    if ((size_t)snprintf(buf, n, "%s/%s", KVPQ_SOURCE_DIR, rel) < n && access(buf, R_OK) == 0) return buf;
+#endif
+    (void)buf, (void)n;
+    return NULL;
 }

@@ -109,7 +109,14 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--seed", seed, 0, 0x7fffffffL)
 #undef STR_OPT
 #undef INT_OPT
-        return cli_usage_error("calibrate: unknown option '%s' (see kvpq calibrate --help)", o), -2;
+        {
+            static const char *const OPTS[] = {"--help", "-h", "--also", "--model", "--text", "-o", "--out", "--keys",
+                                               "--keys-layers", "--values", "--granularity", "--kmeans-init",
+                                               "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
+                                               "--center", "--key-norm", "--value-norm",
+                                               "--max-points-per-centroid", "--seed", NULL};
+            return cli_unknown_option("calibrate", o, OPTS), -2;
+        }
     }
     return 1;
 }

@@ -50,6 +50,9 @@ static char *chatml_prompt(const char *tmpl, const char *user) {
     return s;
 }
 
+static const char *const OPTS[] = {"--help", "-h", "--chat", "--model", "-m", "--prompt", "-p", "--cache", "-n",
+                                   "--n-predict", "--seed", "--threads", "-t", "--temp", "--top-p", NULL};
+
 int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = "", *cache_spec = "fp32";
     long n_gen = 64, seed = 42, threads = 0;
@@ -58,6 +61,7 @@ int cmd_generate(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!cli_option_known(a, OPTS)) return cli_unknown_option("generate", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
@@ -189,6 +193,11 @@ int cmd_generate(int argc, char **argv) {
             "%.3f s (%.1f tok/s); cache %s\n",
             n_prompt, t_prompt, n_prompt / (t_prompt > 0 ? t_prompt : 1e-9), n_done, n_dec, t_dec,
             n_dec / (t_dec > 0 ? t_dec : 1e-9), cache_spec);
+    kvpq_cache_stats cst;
+    if (kvpq_cache_get_stats(cc.cache, &cst) == KVPQ_OK)
+        fprintf(stderr, "kvpq generate: cache %s holds %d positions in %zu bytes (%.2f MiB), %.3f bits per element\n",
+                cache_spec, kvpq_cache_seq_len(cc.cache, 0), cst.resident_bytes, cst.resident_bytes / 1048576.0,
+                cst.bits_per_element);
     rc = 0;
 done:
     cli_cache_close(&cc);

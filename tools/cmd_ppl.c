@@ -112,6 +112,9 @@ static void json_num(cJSON *o, const char *k, double v) {
         cJSON_AddNullToObject(o, k);
 }
 
+static const char *const OPTS[] = {"--help", "-h", "--json", "--model", "-m", "--text", "-f", "--cache", "--kl-base",
+                                   "--ctx", "-c", "--chunks", "--batch", "-b", "--threads", "-t", NULL};
+
 int cmd_ppl(int argc, char **argv) {
     const char *model_path = NULL, *text_path = NULL, *kl_base = NULL;
     char *cache_list = NULL;
@@ -120,6 +123,7 @@ int cmd_ppl(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!cli_option_known(a, OPTS)) return cli_unknown_option("ppl", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
