@@ -15,15 +15,16 @@
 #include "cli_model.h"
 
 #define MAX_CACHES 8
+#define PROMPT_BATCH 512
 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq bench decode --cache SPEC[,SPEC...] [--model M] [--text FILE] [--ctx N] [--steps N]\n"
-            "                         [--threads N] [--json]\n"
+            "                         [--threads N] [--json] [--quiet]\n"
             "  Decode tokens/s of the model with each cache SPEC (fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE),\n"
             "  side by side in one process: a --ctx-token prompt from FILE (default 4096 tokens of\n"
             "  data/text/persuasion.txt), then --steps one-token evals (default 32) fed from the text's next\n"
-            "  tokens, the caches taking turns each step. Model default:\n"
+            "  tokens, the caches taking turns each step. The prompt runs in batches of 512 tokens. Model default:\n"
             "  models/SmolLM2-135M-Instruct.Q4_1.gguf. Speedups are against the first SPEC.\n");
 }
 
@@ -32,7 +33,7 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-static const char *const OPTS[] = {"--help", "-h", "--json", "--model", "-m", "--text", "--cache", "--ctx",
+static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "--cache", "--ctx",
                                    "--steps", "--threads", "-t", NULL};
 
 int cmd_bench_decode(int argc, char **argv) {
@@ -50,6 +51,9 @@ int cmd_bench_decode(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--json")) {
             json = 1;
+            continue;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            cli_quiet = 1;
             continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -135,16 +139,27 @@ int cmd_bench_decode(int argc, char **argv) {
         cli_fail("bench decode: tokenize", s);
         goto done;
     }
+    cli_progress pr;
+    cli_progress_begin(&pr, "bench decode: prompts", "tokens", (double)ctx * n_cache);
     for (int c = 0; c < n_cache; c++) {
         if (cli_cache_open(&cc[c], specs[c], &mi, (int)need, (int)threads)) goto done;
-        double t0 = cli_now();
-        if ((s = kvpq_model_eval(m, cc[c].cache, toks, (int)ctx, 0, logits)) != KVPQ_OK) {
-            cli_fail("bench decode: prompt eval", s);
-            goto done;
+        /* The prompt in batches of PROMPT_BATCH tokens (as llama.cpp's default micro-batch), so
+         * progress shows while it runs; the prompt time is their sum. */
+        for (long b = 0; b < ctx; b += PROMPT_BATCH) {
+            int nb = (int)(ctx - b < PROMPT_BATCH ? ctx - b : PROMPT_BATCH);
+            double t0 = cli_now();
+            if ((s = kvpq_model_eval(m, cc[c].cache, toks + b, nb, 0, logits)) != KVPQ_OK) {
+                cli_fail("bench decode: prompt eval", s);
+                goto done;
+            }
+            t_prompt[c] += cli_now() - t0;
+            cli_progress_update(&pr, (double)c * ctx + b + nb, cc[c].spec);
         }
-        t_prompt[c] = cli_now() - t0;
     }
-    for (long i = 0; i < steps; i++)
+    cli_progress_end(&pr, (double)ctx * n_cache, NULL);
+    cli_progress_begin(&pr, "bench decode: steps", "steps", (double)steps);
+    for (long i = 0; i < steps; i++) {
+        cli_progress_update(&pr, (double)i, NULL);
         for (int c = 0; c < n_cache; c++) {
             double t0 = cli_now();
             if ((s = kvpq_model_eval(m, cc[c].cache, toks + ctx + i, 1, 0, logits)) != KVPQ_OK) {
@@ -153,6 +168,8 @@ int cmd_bench_decode(int argc, char **argv) {
             }
             dt[(size_t)c * steps + i] = cli_now() - t0;
         }
+    }
+    cli_progress_end(&pr, (double)steps, NULL);
     double med[MAX_CACHES], mean[MAX_CACHES];
     for (int c = 0; c < n_cache; c++) {
         double *d = dt + (size_t)c * steps, sum = 0.0;

@@ -41,6 +41,21 @@ int cli_unknown_option(const char *cmd, const char *opt, const char *const *know
  * rel itself when readable from the current directory, else the copy in the source tree the CLI was
  * built from (written to buf, n bytes); NULL when neither is readable. */
 const char *cli_find_data(const char *rel, char *buf, size_t n);
+/* ---- progress (stderr) ----
+ * On a terminal: one line rewritten in place (\r) at most every 0.2 s; otherwise a plain line every
+ * KVPQ_PROGRESS_SECONDS (default 10; 0: every update). Each line: done/total, percent, rate and ETA;
+ * the end line says how long it took (omitted for a run under 2 s that printed nothing). --quiet
+ * (cli_quiet = 1) silences them. */
+extern int cli_quiet;
+typedef struct {
+    char what[128];
+    const char *unit;
+    double total, t0, last, interval;
+    int tty, printed;
+} cli_progress;
+void cli_progress_begin(cli_progress *p, const char *what, const char *unit, double total);
+void cli_progress_update(cli_progress *p, double done, const char *note);
+void cli_progress_end(cli_progress *p, double done, const char *note);
 /* Seconds from a monotonic clock. */
 double cli_now(void);
 

@@ -111,3 +111,60 @@ const char *cli_find_data(const char *rel, char *buf, size_t n) {
     (void)buf, (void)n;
     return NULL;
 }
+
+/* ---- progress ---- */
+
+int cli_quiet = 0;
+
+/* Seconds between plain progress lines when stderr is not a terminal (KVPQ_PROGRESS_SECONDS). */
+static double plain_interval(void) {
+    const char *e = getenv("KVPQ_PROGRESS_SECONDS");
+    char *end;
+    double v = e ? strtod(e, &end) : 0;
+    return e && end != e && v >= 0 ? v : 10.0;
+}
+
+static void fmt_duration(char *buf, size_t n, double s) {
+    if (!(s >= 0) || s > 360000) snprintf(buf, n, "?");
+    else if (s < 60) snprintf(buf, n, "%.0fs", s);
+    else if (s < 3600) snprintf(buf, n, "%dm%02ds", (int)s / 60, (int)s % 60);
+    else snprintf(buf, n, "%dh%02dm", (int)s / 3600, (int)s % 3600 / 60);
+}
+
+void cli_progress_begin(cli_progress *p, const char *what, const char *unit, double total) {
+    memset(p, 0, sizeof *p);
+    snprintf(p->what, sizeof p->what, "%s", what);
+    p->unit = unit;
+    p->total = total;
+    p->t0 = p->last = cli_now();
+    p->tty = isatty(fileno(stderr));
+    p->interval = p->tty ? 0.2 : plain_interval();
+}
+
+static void progress_print(cli_progress *p, double done, const char *note, int final) {
+    const double el = cli_now() - p->t0, rate = el > 0 ? done / el : 0;
+    char eta[16], took[16];
+    fmt_duration(eta, sizeof eta, rate > 0 ? (p->total - done) / rate : -1);
+    fmt_duration(took, sizeof took, el);
+    fprintf(stderr, "%skvpq %s: %.0f/%.0f %s (%.0f%%), %.3g %s/s, %s %s%s%s%s%s", p->tty ? "\r" : "", p->what, done,
+            p->total, p->unit, p->total > 0 ? 100.0 * done / p->total : 100.0, rate, p->unit,
+            final ? "took" : "ETA", final ? took : eta, note && *note ? "; " : "", note ? note : "",
+            p->tty ? "\033[K" : "", p->tty && !final ? "" : "\n");
+    fflush(stderr);
+    p->printed = 1;
+}
+
+void cli_progress_update(cli_progress *p, double done, const char *note) {
+    if (cli_quiet) return;
+    const double now = cli_now();
+    if (now - p->last < p->interval) return;
+    p->last = now;
+    progress_print(p, done, note, 0);
+}
+
+void cli_progress_end(cli_progress *p, double done, const char *note) {
+    if (cli_quiet) return;
+    /* A run too short to have printed anything ends silently, unless lines are asked for always. */
+    if (!p->printed && cli_now() - p->t0 < 2.0 && p->interval > 0) return;
+    progress_print(p, done, note, 1);
+}

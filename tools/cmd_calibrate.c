@@ -15,6 +15,7 @@
 #include "cli_model.h"
 
 #define CALIB_MAX_ALSO 16
+#define CALIB_BATCH 256 /* tokens per kvpq_model_eval call of the forward pass */
 
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *kmeans_init;
@@ -44,6 +45,7 @@ static void calib_usage(FILE *f) {
             "  --kmeans-init I       pp: k-means++ seeding; random: k distinct points, as faiss (default random)\n"
             "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
             "  --seed S              k-means seed (default 1234)\n"
+            "  --quiet               no progress lines (forward pass, k-means) on stderr\n"
             "  --threads N           threads (default: all)\n"
             "  --also \"OPTIONS -o OUT\"   also train and write another codebook from the same forward pass\n"
             "                        (repeatable, up to 16): OPTIONS override the codebook options above\n"
@@ -63,6 +65,10 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
             calib_usage(stdout);
             return 0;
+        }
+        if (!strcmp(o, "--quiet") || !strcmp(o, "-q")) {
+            cli_quiet = 1;
+            continue;
         }
         if (job && (!strcmp(o, "--model") || !strcmp(o, "--text") || !strcmp(o, "--tokens") || !strcmp(o, "--ctx") ||
                     !strcmp(o, "--threads") || !strcmp(o, "--also")))
@@ -110,7 +116,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
 #undef STR_OPT
 #undef INT_OPT
         {
-            static const char *const OPTS[] = {"--help", "-h", "--also", "--model", "--text", "-o", "--out", "--keys",
+            static const char *const OPTS[] = {"--help", "-h", "--quiet", "-q", "--also", "--model", "--text", "-o", "--out", "--keys",
                                                "--keys-layers", "--values", "--granularity", "--kmeans-init",
                                                "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
                                                "--center", "--key-norm", "--value-norm",
@@ -275,6 +281,10 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
     km.progress = progress_cb;
     km.init = strcmp(a->kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
     double mse_k = 0, mse_v = 0, t1 = cli_now();
+    char what[128], note[96] = "";
+    snprintf(what, sizeof what, "calibrate: %s: k-means", base_name(a->out));
+    cli_progress pr;
+    cli_progress_begin(&pr, what, "layers", L);
     for (int l = 0; l < L; l++) {
         memcpy(kd, kall + (size_t)l * n_use * row, sizeof(float) * n_use * row);
         memcpy(vd, vall + (size_t)l * n_use * row, sizeof(float) * n_use * row);
@@ -308,10 +318,10 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
             return cli_fail("calibrate: training the value codebook", s);
         mse_k += rk.mse_final;
         mse_v += rv.mse_final;
-        fprintf(stderr, "\rkvpq calibrate: %s: layer %d/%d k-means done (key mse %.4g, value mse %.4g, %.1f s)",
-                base_name(a->out), l + 1, L, rk.mse_final, rv.mse_final, cli_now() - t1);
+        snprintf(note, sizeof note, "key mse %.4g, value mse %.4g", rk.mse_final, rv.mse_final);
+        cli_progress_update(&pr, l + 1, note);
     }
-    fprintf(stderr, "\n");
+    cli_progress_end(&pr, L, note);
 
     char buf[64];
     kvpq_codebook_set_meta(cb, "model", mi->name);
@@ -426,12 +436,23 @@ int cmd_calibrate(int argc, char **argv) {
     logits = malloc(sizeof(float) * (size_t)mi.n_vocab);
     lam = malloc(sizeof(float) * row);
     if (!kall || !vall || !kd || !vd || !logits || !lam) goto oom;
+    cli_progress pf;
+    cli_progress_begin(&pf, "calibrate: forward", "tokens", (double)n_use);
     for (size_t p0 = 0; p0 < n_use; p0 += (size_t)a->ctx) {
         int n = (int)((n_use - p0) < (size_t)a->ctx ? (n_use - p0) : (size_t)a->ctx);
-        if ((s = kvpq_cache_truncate(cache, 0)) != KVPQ_OK ||
-            (s = kvpq_model_eval(model, cache, tokens + p0, n, 0, logits)) != KVPQ_OK) {
+        if ((s = kvpq_cache_truncate(cache, 0)) != KVPQ_OK) {
             rc = cli_fail("calibrate: forward pass", s);
             goto done;
+        }
+        /* The chunk in batches of CALIB_BATCH tokens (the same keys as one call: each batch attends
+         * to the cache the previous ones filled), so progress shows within a chunk. */
+        for (int b = 0; b < n; b += CALIB_BATCH) {
+            int nb = n - b < CALIB_BATCH ? n - b : CALIB_BATCH;
+            if ((s = kvpq_model_eval(model, cache, tokens + p0 + b, nb, 0, logits)) != KVPQ_OK) {
+                rc = cli_fail("calibrate: forward pass", s);
+                goto done;
+            }
+            cli_progress_update(&pf, (double)(p0 + (size_t)(b + nb)), NULL);
         }
         for (int l = 0; l < L; l++) {
             float *kl = kall + ((size_t)l * n_use + p0) * row, *vl = vall + ((size_t)l * n_use + p0) * row;
@@ -440,10 +461,9 @@ int cmd_calibrate(int argc, char **argv) {
                 goto done;
             }
         }
-        fprintf(stderr, "\rkvpq calibrate: forward %zu/%zu tokens (%.1f s)", p0 + (size_t)n, n_use, cli_now() - t0);
     }
     double t_fwd = cli_now() - t0;
-    fprintf(stderr, "\n");
+    cli_progress_end(&pf, (double)n_use, NULL);
 
     /* ---- per job and layer: centering, smoothing, rotation, k-means; then the file ---- */
     for (int j = 0; j < n_jobs; j++)

@@ -5,6 +5,8 @@
 #include "cli.h"
 #include "cli_model.h"
 
+#define PROMPT_BATCH 512 /* prompt tokens per kvpq_model_eval call */
+
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
@@ -22,6 +24,7 @@ static void usage(FILE *f) {
             "                 template's default system message when it has one (SmolLM2 does);\n"
             "                 other templates are refused\n"
             "  --threads N    CPU threads (default: OpenMP default)\n"
+            "  --quiet        no progress lines on stderr (a long prompt shows its progress)\n"
             "The text goes to stdout as it is produced; prompt and generation tokens/s go to stderr.\n");
 }
 
@@ -50,7 +53,7 @@ static char *chatml_prompt(const char *tmpl, const char *user) {
     return s;
 }
 
-static const char *const OPTS[] = {"--help", "-h", "--chat", "--model", "-m", "--prompt", "-p", "--cache", "-n",
+static const char *const OPTS[] = {"--help", "-h", "--chat", "--quiet", "-q", "--model", "-m", "--prompt", "-p", "--cache", "-n",
                                    "--n-predict", "--seed", "--threads", "-t", "--temp", "--top-p", NULL};
 
 int cmd_generate(int argc, char **argv) {
@@ -67,6 +70,9 @@ int cmd_generate(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--chat")) {
             chat = 1;
+            continue;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            cli_quiet = 1;
             continue;
         }
         if (!v) return cli_usage_error("generate: option %s needs a value (see --help)", a);
@@ -151,12 +157,20 @@ int cmd_generate(int argc, char **argv) {
         fflush(stdout);
     }
     double t0 = cli_now();
-    s = kvpq_model_eval(m, cc.cache, toks, (int)n_prompt, 0, logits);
-    double t_prompt = cli_now() - t0;
-    if (s != KVPQ_OK) {
-        cli_fail("generate: prompt eval", s);
-        goto done;
+    /* The prompt in batches of PROMPT_BATCH tokens, so a long prompt shows progress. */
+    cli_progress pr;
+    cli_progress_begin(&pr, "generate: prompt", "tokens", (double)n_prompt);
+    for (size_t b = 0; b < n_prompt; b += PROMPT_BATCH) {
+        int nb = (int)(n_prompt - b < PROMPT_BATCH ? n_prompt - b : PROMPT_BATCH);
+        s = kvpq_model_eval(m, cc.cache, toks + b, nb, 0, logits);
+        if (s != KVPQ_OK) {
+            cli_fail("generate: prompt eval", s);
+            goto done;
+        }
+        cli_progress_update(&pr, (double)(b + (size_t)nb), NULL);
     }
+    cli_progress_end(&pr, (double)n_prompt, NULL);
+    double t_prompt = cli_now() - t0;
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)seed);
     long n_done = 0, n_dec = 0;

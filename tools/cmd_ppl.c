@@ -28,6 +28,7 @@ static void usage(FILE *f) {
             "                   percentile, nats) and top-1 agreement; the base runs once per chunk\n"
             "  --json           print a JSON object (an array of objects with several caches) to stdout\n"
             "  --threads N      CPU threads (default: OpenMP default)\n"
+            "  --quiet          no progress lines on stderr\n"
             "Scoring as llama.cpp's perplexity tool: the text is tokenized once (BOS prepended when the\n"
             "model's tokenizer.ggml.add_bos_token says so), cut into non-overlapping chunks of N tokens;\n"
             "each chunk starts from an empty cache, its first token replaced by BOS when the model adds\n"
@@ -96,15 +97,6 @@ static void ppl_stats(double nll, double nll2, int64_t count, double *ppl, doubl
     *se = var > 0 && count > 1 ? sqrt(var / (double)(count - 1)) * *ppl : NAN;
 }
 
-static void progress(int done, int total, const char *what) {
-    int width = 30, fill = total ? done * width / total : width;
-    fprintf(stderr, "\r[");
-    for (int i = 0; i < width; i++) fputc(i < fill ? '=' : ' ', stderr);
-    fprintf(stderr, "] %d/%d chunks %s", done, total, what);
-    if (done == total) fputc('\n', stderr);
-    fflush(stderr);
-}
-
 static void json_num(cJSON *o, const char *k, double v) {
     if (isfinite(v))
         cJSON_AddNumberToObject(o, k, v);
@@ -112,7 +104,7 @@ static void json_num(cJSON *o, const char *k, double v) {
         cJSON_AddNullToObject(o, k);
 }
 
-static const char *const OPTS[] = {"--help", "-h", "--json", "--model", "-m", "--text", "-f", "--cache", "--kl-base",
+static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "-f", "--cache", "--kl-base",
                                    "--ctx", "-c", "--chunks", "--batch", "-b", "--threads", "-t", NULL};
 
 int cmd_ppl(int argc, char **argv) {
@@ -129,6 +121,9 @@ int cmd_ppl(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--json")) {
             as_json = 1;
+            continue;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            cli_quiet = 1;
             continue;
         }
         if (!v) return cli_usage_error("ppl: option %s needs a value (see --help)", a);
@@ -247,7 +242,8 @@ int cmd_ppl(int argc, char **argv) {
 
     int64_t count = 0;
     char what[160];
-    progress(0, (int)n_chunks, "");
+    cli_progress pr;
+    cli_progress_begin(&pr, "ppl", "chunks", (double)n_chunks);
     for (long ch = 0; ch < n_chunks; ch++) {
         int32_t *ct = toks + (size_t)ch * C;
         int32_t saved = ct[0];
@@ -255,7 +251,7 @@ int cmd_ppl(int argc, char **argv) {
         if (kl_base) {
             s = eval_chunk(m, base.cc.cache, ct, C, first, (int)batch, V, base_lp, row, &base.seconds);
             if (s != KVPQ_OK) {
-                fprintf(stderr, "\nkvpq ppl: base cache '%s': ", kl_base);
+                fprintf(stderr, "kvpq ppl: base cache '%s': ", kl_base);
                 cli_fail("eval", s);
                 goto done;
             }
@@ -275,7 +271,7 @@ int cmd_ppl(int argc, char **argv) {
             ppl_run *r = &runs[i];
             s = eval_chunk(m, r->cc.cache, ct, C, first, (int)batch, V, logits, row, &r->seconds);
             if (s != KVPQ_OK) {
-                fprintf(stderr, "\nkvpq ppl: cache '%s': ", r->cc.spec);
+                fprintf(stderr, "kvpq ppl: cache '%s': ", r->cc.spec);
                 cli_fail("eval", s);
                 goto done;
             }
@@ -309,8 +305,9 @@ int cmd_ppl(int argc, char **argv) {
         double p0, se0;
         ppl_stats(runs[0].nll, runs[0].nll2, count, &p0, &se0);
         snprintf(what, sizeof what, "ppl[%.60s] %.4f", runs[0].cc.spec, p0);
-        progress((int)ch + 1, (int)n_chunks, what);
+        cli_progress_update(&pr, (double)(ch + 1), what);
     }
+    cli_progress_end(&pr, (double)n_chunks, what);
 
     cJSON *arr = cJSON_CreateArray();
     double pb = NAN, seb = NAN;

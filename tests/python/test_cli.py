@@ -107,3 +107,27 @@ def test_bench_decode_from_another_directory(tmp_path):
     p = run("bench", "decode", "--cache", "fp16", "--ctx", 16, "--steps", 1, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "fp16" in p.stdout
+
+
+PROGRESS = re.compile(r"^kvpq [a-z ]+: .*\d+/\d+ \w+ \(\d+%\), [0-9.e+]+ \w+/s, (ETA|took) [0-9hms?]+")
+
+
+@need_model
+@pytest.mark.parametrize("args", [
+    ["ppl", "--model", MODEL, "--text", TEXT, "--ctx", 32, "--chunks", 2, "--cache", "fp16"],
+    ["calibrate", "--model", MODEL, "--text", TEXT, "--tokens", 300, "--ctx", 300, "--iters", 1, "-o", "{tmp}/c.st"],
+    ["bench", "decode", "--cache", "fp16", "--ctx", 520, "--steps", 2],
+    ["generate", "--model", MODEL, "--prompt", "word " * 520, "-n", 1],
+], ids=["ppl", "calibrate", "bench_decode", "generate"])
+def test_progress_plain_lines_when_not_a_terminal_and_quiet(args, tmp_path):
+    args = [str(a).replace("{tmp}", str(tmp_path)) for a in args]
+    env = dict(os.environ, KVPQ_PROGRESS_SECONDS="0")  # a line per update, not every 10 s
+    p = subprocess.run([BIN, *args], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "\r" not in p.stderr, "carriage return written to a pipe"
+    lines = [l for l in p.stderr.splitlines() if PROGRESS.match(l)]
+    assert len(lines) >= 2, p.stderr  # at least one update and the end line
+    assert any(" ETA " in l for l in lines) and " took " in lines[-1], lines
+    q = subprocess.run([BIN, *args, "--quiet"], capture_output=True, text=True, timeout=600, env=env)
+    assert q.returncode == 0, q.stderr
+    assert not [l for l in q.stderr.splitlines() if PROGRESS.match(l)], q.stderr
