@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Turn `kvpq ppl --json` results into the main job's table, figure and README section.
 
-Each input is the JSON that `kvpq ppl --cache A,B,... --kl-base fp16 --json` prints: one object per
-tested cache (a single object is accepted too). The table has one row per cache: effective bits per
+Each input is the JSON that `kvpq ppl --cache A,B,... --kl-base fp16 --json` prints (schema
+kvpq.ppl/1, docs/json.md): one row of "results" per tested cache. The table has one row per cache: effective bits per
 element (codes plus codebooks, smoothing, window, over all stored elements), resident KV MiB,
 perplexity, change of perplexity against the fp16 cache in %, mean KL(fp16 || cache), top-1
 agreement with the fp16 cache, tokens/s of the run."""
@@ -33,11 +33,13 @@ def family(name):
 def load(path):
     with open(path) as f:
         data = json.load(f)
-    rows = data if isinstance(data, list) else [data]
-    ctx = None
+    if not (isinstance(data, dict) and data.get("schema") == "kvpq.ppl/1"):
+        raise SystemExit(f"{path}: not the output of kvpq ppl --json (schema kvpq.ppl/1)")
+    rows = data["results"]
+    ctx = data["settings"].get("ctx")
     m = re.search(r"ctx(\d+)", os.path.basename(path))
     for r in rows:
-        ctx = r.get("ctx") or (int(m.group(1)) if m else None)
+        ctx = ctx or r.get("ctx") or (int(m.group(1)) if m else None)
         r["_ctx"] = ctx
         r["_name"] = cache_name(r)
     return ctx, rows

@@ -8,6 +8,8 @@
  * step i, cache 2 step i, ...), so a slow moment of a shared machine falls on all of them alike.
  * Decode tokens/s = 1 / median one-token eval time (the mean is printed beside). Uses kvpq.h only. */
 #include <cjson/cJSON.h>
+
+#include "cli_json.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -178,13 +180,17 @@ int cmd_bench_decode(int argc, char **argv) {
         qsort(d, steps, sizeof *d, cmp_double);
         med[c] = steps % 2 ? d[steps / 2] : 0.5 * (d[steps / 2 - 1] + d[steps / 2]);
     }
-    cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "caches");
-    cJSON_AddStringToObject(root, "model", model_path);
-    cJSON_AddStringToObject(root, "text", text_path);
-    cJSON_AddNumberToObject(root, "ctx", (double)ctx);
-    cJSON_AddNumberToObject(root, "steps", (double)steps);
-    cJSON_AddNumberToObject(root, "threads", (double)threads);
-    cJSON_AddStringToObject(root, "simd", kvpq_simd_name(kvpq_simd_get()));
+    cJSON *settings = NULL, *arr = NULL, *root = cli_json_new("bench.decode", &settings, &arr);
+    if (!root) {
+        fprintf(stderr, "kvpq bench decode: out of memory\n");
+        goto done;
+    }
+    cJSON_AddStringToObject(settings, "model", model_path);
+    cJSON_AddStringToObject(settings, "text", text_path);
+    cJSON_AddNumberToObject(settings, "ctx", (double)ctx);
+    cJSON_AddNumberToObject(settings, "steps", (double)steps);
+    cJSON_AddNumberToObject(settings, "threads", (double)threads);
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
     if (!json)
         printf("kvpq bench decode: %s, prompt %ld tokens of %s, %ld one-token evals per cache (taking turns); "
                "simd %s; threads %ld (0 = default)\n%-40s %12s %14s %14s %13s %9s\n",
@@ -204,12 +210,11 @@ int cmd_bench_decode(int argc, char **argv) {
                    mean[c] * 1e3, 1.0 / med[c], med[0] / med[c]);
     }
     if (json) {
-        char *txt = cJSON_Print(root);
-        if (txt) puts(txt);
-        free(txt);
+        rc = cli_json_print(root);
+    } else {
+        cJSON_Delete(root);
+        rc = 0;
     }
-    cJSON_Delete(root);
-    rc = 0;
 done:
     for (int c = 0; c < n_cache; c++) cli_cache_close(&cc[c]);
     free(text);

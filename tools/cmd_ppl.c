@@ -6,6 +6,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "cli_json.h"
+
 #include "cli.h"
 #include "cli_model.h"
 
@@ -26,7 +28,7 @@ static void usage(FILE *f) {
             "  --kl-base SPEC   also run this cache on the same chunks and report, per test cache, the\n"
             "                   base perplexity, KL(base || test) per scored token (mean and 99th\n"
             "                   percentile, nats) and top-1 agreement; the base runs once per chunk\n"
-            "  --json           print a JSON object (an array of objects with several caches) to stdout\n"
+            "  --json           print the results as JSON to stdout (schema kvpq.ppl/1, docs/json.md)\n"
             "  --threads N      CPU threads (default: OpenMP default)\n"
             "  --quiet          no progress lines on stderr\n"
             "Scoring as llama.cpp's perplexity tool: the text is tokenized once (BOS prepended when the\n"
@@ -97,12 +99,7 @@ static void ppl_stats(double nll, double nll2, int64_t count, double *ppl, doubl
     *se = var > 0 && count > 1 ? sqrt(var / (double)(count - 1)) * *ppl : NAN;
 }
 
-static void json_num(cJSON *o, const char *k, double v) {
-    if (isfinite(v))
-        cJSON_AddNumberToObject(o, k, v);
-    else
-        cJSON_AddNullToObject(o, k);
-}
+#define json_num cli_json_num
 
 static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "-f", "--cache", "--kl-base",
                                    "--ctx", "-c", "--chunks", "--batch", "-b", "--threads", "-t", NULL};
@@ -309,7 +306,21 @@ int cmd_ppl(int argc, char **argv) {
     }
     cli_progress_end(&pr, (double)n_chunks, what);
 
-    cJSON *arr = cJSON_CreateArray();
+    cJSON *settings = NULL, *arr = NULL;
+    cJSON *root = cli_json_new("ppl", &settings, &arr);
+    if (!root) {
+        fprintf(stderr, "kvpq ppl: out of memory\n");
+        goto done;
+    }
+    cJSON_AddStringToObject(settings, "model", model_path);
+    cJSON_AddStringToObject(settings, "text", text_path);
+    cJSON_AddNumberToObject(settings, "ctx", C);
+    cJSON_AddNumberToObject(settings, "chunks", (double)n_chunks);
+    cJSON_AddNumberToObject(settings, "batch", (double)batch);
+    cJSON_AddNumberToObject(settings, "threads", (double)threads);
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
+    if (kl_base) cJSON_AddStringToObject(settings, "kl_base", kl_base);
+    else cJSON_AddNullToObject(settings, "kl_base");
     double pb = NAN, seb = NAN;
     kvpq_cache_stats bst;
     memset(&bst, 0, sizeof bst);
@@ -364,14 +375,11 @@ int cmd_ppl(int argc, char **argv) {
         printf("%ld chunks of %d tokens, %lld scored tokens (second half of each chunk), text %s\n", n_chunks, C,
                (long long)count, text_path);
     if (as_json) {
-        char *js = cJSON_Print(n_caches == 1 ? cJSON_GetArrayItem(arr, 0) : arr);
-        if (js) {
-            printf("%s\n", js);
-            cJSON_free(js);
-        }
+        rc = cli_json_print(root);
+    } else {
+        cJSON_Delete(root);
+        rc = 0;
     }
-    cJSON_Delete(arr);
-    rc = 0;
 done:
     for (int i = 0; i < n_caches; i++) {
         cli_cache_close(&runs[i].cc);
