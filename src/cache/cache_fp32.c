@@ -30,4 +30,5 @@ const kvpq_cache_ops kvpq_cache_ops_fp32 = {
     .read = kvpq__rows_read,
     .resident_bytes = kvpq__rows_resident_bytes,
     .stats = NULL,
+    .serial = kvpq__rows_serial,
 };
