@@ -131,3 +131,41 @@ def test_progress_plain_lines_when_not_a_terminal_and_quiet(args, tmp_path):
     q = subprocess.run([BIN, *args, "--quiet"], capture_output=True, text=True, timeout=600, env=env)
     assert q.returncode == 0, q.stderr
     assert not [l for l in q.stderr.splitlines() if PROGRESS.match(l)], q.stderr
+
+
+@need_model
+@pytest.mark.parametrize("kind", ["fp16", "q4_0", "kivi2", "vq"])
+def test_prompt_cache_reuses_and_refuses(kind, codebook, tmp_path):
+    spec = f"vq:{codebook}" if kind == "vq" else kind
+    f = tmp_path / "prompt.kvc"
+    prompt = "It was a bright cold day in April, and the clocks were striking thirteen. " * 3
+    args = ["generate", "--model", MODEL, "--cache", spec, "-n", 6, "--temp", 0, "--prompt-cache", f]
+    first = run(*args, "--prompt", prompt)
+    assert first.returncode == 0, first.stderr
+    assert "saved" in first.stderr and f.exists()
+    saved = f.read_bytes()
+    second = run(*args, "--prompt", prompt)
+    assert second.returncode == 0, second.stderr
+    m = re.search(r"prompt cache load [0-9.]+ s for (\d+) tokens, prompt eval [0-9.]+ s for (\d+) tokens", second.stderr)
+    assert m and int(m[2]) == 1 and int(m[1]) > 40, second.stderr  # all but the last prompt token loaded
+    assert second.stdout == first.stdout  # greedy: the same continuation from the loaded prompt
+    assert f.read_bytes() == saved  # nothing new to store: the file is not rewritten
+    # a longer prompt with the same start: the shared tokens are loaded, the file then holds the longer one
+    third = run(*args, "--prompt", prompt + "Winston Smith")
+    assert third.returncode == 0 and "saved" in third.stderr, third.stderr
+    assert int(re.search(r"load [0-9.]+ s for (\d+) tokens", third.stderr)[1]) >= int(m[1])  # shared tokens
+    saved = f.read_bytes()
+    # another cache kind, a damaged file: refused with a named error, the file left as it was
+    other = "fp32" if kind != "fp32" else "fp16"
+    p = run("generate", "--model", MODEL, "--cache", other, "-n", 1, "--prompt", prompt, "--prompt-cache", f)
+    assert p.returncode == 1 and "mismatch" in p.stderr and "cache kind" in p.stderr, p.stderr
+    assert f.read_bytes() == saved
+    bad = bytearray(saved)
+    bad[len(bad) // 2] ^= 1
+    f.write_bytes(bytes(bad))
+    p = run(*args, "--prompt", prompt)
+    assert p.returncode == 1 and "checksum" in p.stderr and str(f) in p.stderr, p.stderr
+    assert f.read_bytes() == bytes(bad)
+    f.write_bytes(saved[: len(saved) // 3])
+    p = run(*args, "--prompt", prompt)
+    assert p.returncode == 1 and "truncated" in p.stderr, p.stderr
