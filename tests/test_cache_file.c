@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cache_testutil.h"
@@ -249,6 +250,12 @@ Test(cache_file, corrupted_truncated_and_mismatched_are_refused) {
     expect_load_fails(&q, path, KVPQ_ERR_CAPACITY, "max_seq");
     q = p;
     expect_load_fails(&q, "/nonexistent/dir/x.kvc", KVPQ_ERR_IO, "cannot open");
+    expect_load_fails(&q, "/tmp", KVPQ_ERR_IO, "not a regular file");
+    char fifo[256];
+    tmp_path(fifo, sizeof fifo, "fifo");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    expect_load_fails(&q, fifo, KVPQ_ERR_IO, "not a regular file"); /* returns: does not wait for a writer */
+    unlink(fifo);
     /* the good file still loads */
     kvpq_cache *b = NULL;
     cr_assert_eq(kvpq_cache_load(&b, &p, path, NULL, NULL), KVPQ_OK, "%s", kvpq_last_error());

@@ -1,6 +1,8 @@
 /* cmd_generate.c — `kvpq generate`: text generation with a chosen KV cache, streamed as produced. */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "cli_model.h"
@@ -92,9 +94,8 @@ static int prompt_cache_save(const char *path, const char *model_path, const kvp
 static int prompt_cache_load(const char *path, kvpq_model *m, const char *model_path, cli_cache *cc,
                              const int32_t *toks, size_t n, size_t *reused) {
     *reused = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f) return 0; /* no file yet: this run writes it */
-    fclose(f);
+    struct stat sb;
+    if (stat(path, &sb) != 0 && errno == ENOENT) return 0; /* no file yet: this run writes it */
     kvpq_model_info mi;
     kvpq_model_get_info(m, &mi);
     kvpq_cache *lc = NULL;

@@ -14,9 +14,11 @@
  * header is checked field by field first so that a file for another kind, model shape or codebook
  * gets a message naming what differs. */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define XXH_INLINE_ALL /* header-only use of xxHash (Debian libxxhash-dev): no link dependency */
@@ -186,8 +188,19 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_load: out is NULL");
     *out = NULL;
     if (!p || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_load: params or path is NULL");
-    FILE *f = fopen(path, "rb");
-    if (!f) return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot open: %s", path, strerror(errno));
+    /* Non-blocking and a regular file only: a FIFO or a device would block or never end. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': not a regular file", path);
+    }
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
+    }
     XXH64_state_t *h = XXH64_createState();
     kvpq_cache *c = NULL;
     int32_t *lens = NULL;
