@@ -273,11 +273,12 @@ static int run_shape(const shape_t *sh, const opts_t *o, cJSON *rows) {
 static void usage(void) {
     fprintf(stdout,
             "usage: kvpq bench encode [--shape S,H,D] [--dsub N] [--nbits N] [--granularity shared|subspace]\n"
-            "                         [--backend cpu] [--threads N] [--repeats N] [--chunk N] [--json]\n"
+            "                         [--backend cpu] [--threads N] [--repeats N] [--chunk N] [--json] [--quiet]\n"
             "  Encodes S*H random vectors of D dims (codebook: ksub sub-vectors drawn from the data) with\n"
             "  kvpq's fused kernels and with the materializing baseline (a (chunk, ksub, dsub) difference\n"
             "  tensor per chunk); prints median time, sub-vectors/s and peak extra resident memory.\n"
-            "  Default: S=4096,H=4,D=256 dsub 4 nbits 8 and S=8192,H=8,D=128 dsub 8 nbits 8.\n");
+            "  Default: S=4096,H=4,D=256 dsub 4 nbits 8 and S=8192,H=8,D=128 dsub 8 nbits 8.\n"
+            "  --json: the rows as JSON (schema kvpq.bench.encode/1, docs/json.md); --quiet: no progress lines.\n");
 }
 
 static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--shape", "--dsub", "--nbits", "--threads",
