@@ -111,8 +111,12 @@ static int prompt_cache_load(const char *path, kvpq_model *m, const char *model_
     const char *blob = ub;
     size_t ll = blob ? strnlen(blob, ul) : 0;
     if (!blob || ll == ul || strcmp(blob, line) || (ul - ll - 1) % sizeof(int32_t)) {
-        fprintf(stderr, "kvpq generate: --prompt-cache %s: made for another model (%.*s; this run: %s); refused "
-                        "(remove it or name another file)\n", path, (int)(blob ? ll : 0), blob ? blob : "", line);
+        /* the file's line may hold anything: escaped */
+        fprintf(stderr, "kvpq generate: --prompt-cache %s: made for another model (", path);
+        cli_fput_escaped(stderr, blob ? blob : "", blob ? ll : 0, 512);
+        fprintf(stderr, "; this run: ");
+        cli_fput_escaped(stderr, line, strlen(line), sizeof line);
+        fprintf(stderr, "); refused (remove it or name another file)\n");
         kvpq_cache_free(lc);
         free(ub);
         return 1;
@@ -138,8 +142,9 @@ static int prompt_cache_load(const char *path, kvpq_model *m, const char *model_
     return 0;
 }
 
-static const char *const OPTS[] = {"--help", "-h", "--chat", "--quiet", "-q", "--prompt-cache", "--model", "-m", "--prompt", "-p", "--cache", "-n",
-                                   "--n-predict", "--seed", "--threads", "-t", "--temp", "--top-p", NULL};
+static const char *const OPTS[] = {"--help",  "-h",     "--chat",      "--quiet", "-q",      "--prompt-cache",
+                                   "--model", "-m",     "--prompt",    "-p",      "--cache", "-n",
+                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", NULL};
 
 int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = "", *cache_spec = "fp32", *prompt_cache = NULL;

@@ -160,6 +160,11 @@ def test_prompt_cache_reuses_and_refuses(kind, codebook, tmp_path):
     p = run("generate", "--model", MODEL, "--cache", other, "-n", 1, "--prompt", prompt, "--prompt-cache", f)
     assert p.returncode == 1 and "mismatch" in p.stderr and "cache kind" in p.stderr, p.stderr
     assert f.read_bytes() == saved
+    other_model = tmp_path / "other-model.gguf"  # the model is named by its file: another file is another model
+    other_model.symlink_to(MODEL)
+    p = run("generate", "--model", other_model, "--cache", spec, "-n", 1, "--prompt", prompt, "--prompt-cache", f)
+    assert p.returncode == 1 and "made for another model" in p.stderr, p.stderr
+    assert f.read_bytes() == saved
     bad = bytearray(saved)
     bad[len(bad) // 2] ^= 1
     f.write_bytes(bytes(bad))
