@@ -467,13 +467,18 @@ KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *i
  * model), or NULL when the file has none. */
 KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
 
-/* Tokenize UTF-8 text with the model's byte-level BPE. parse_special: text like "<|im_start|>"
- * becomes the special token. Writes up to cap ids; *n_tokens gets the full count (call with cap 0
- * to size). Errors: invalid UTF-8 (KVPQ_ERR_INVALID_ARG with the byte offset). */
+/* Tokenize text with the model's tokenizer (byte-level BPE or SentencePiece BPE, see kvpq_vocab
+ * below for the whole contract). parse_special: text like "<|im_start|>" or "<start_of_turn>"
+ * becomes the CONTROL token; pass 0 for text a user typed, which then never yields a CONTROL token
+ * by being cut out of the text. Writes up to cap ids; *n_tokens gets the full count (call with cap 0
+ * to size). Errors: invalid UTF-8 for a byte-level BPE vocabulary (KVPQ_ERR_INVALID_ARG with the
+ * byte offset). */
 KVPQ_API kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t len, int add_bos,
                                    int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
 /* Bytes of one token's text (may be a partial UTF-8 sequence). *len gets the full length. */
 KVPQ_API kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len);
+/* KVPQ_TOKEN_ATTR_* bits of a token of the model's vocabulary (see kvpq_vocab_token_attr below). */
+KVPQ_API unsigned kvpq_token_attr(const kvpq_model *m, int32_t token);
 
 /* Run n tokens at positions L .. L+n-1, L = kvpq_cache_seq_len(cache, 0), appending their K/V to
  * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. The cache must have
@@ -506,8 +511,14 @@ KVPQ_API kvpq_status kvpq_gguf_dequantize_tensor(const char *path, const char *n
 /* ---- tokenizer ------------------------------------------------------------------------------ */
 
 /* A model's tokenizer alone, loaded from the tokenizer.ggml.* keys of a GGUF file without its
- * weights: byte-level BPE (GPT-2 style, tokenizer.ggml.model "gpt2") with the pre-tokenizer named
- * by tokenizer.ggml.pre ("smollm", "starcoder", "gpt2", "default", "llama-bpe"), split by PCRE2.
+ * weights. Two kinds, as llama.cpp converts them:
+ *   - tokenizer.ggml.model "gpt2": byte-level BPE (GPT-2 style; SmolLM2, Qwen2.5, Llama 3) with the
+ *     pre-tokenizer named by tokenizer.ggml.pre ("smollm", "starcoder", "gpt2", "default",
+ *     "llama-bpe", "qwen2"), split by PCRE2, merges by rank (tokenizer.ggml.merges);
+ *   - tokenizer.ggml.model "llama": SentencePiece-style BPE (Gemma, Llama 2): ' ' written as U+2581,
+ *     a U+2581 in front when tokenizer.ggml.add_space_prefix (default on), merges by
+ *     tokenizer.ggml.scores (highest first), and <0xNN> byte-fallback tokens for what forms no token.
+ * Token ids equal llama.cpp's llama_tokenize on the same file (tests/test_tokenizer_golden.c).
  * It gives the same ids as kvpq_tokenize() on a model loaded from the same file. */
 typedef struct kvpq_vocab kvpq_vocab;
 
@@ -517,20 +528,42 @@ KVPQ_API kvpq_status kvpq_vocab_load(kvpq_vocab **out, const char *gguf_path);
 KVPQ_API void kvpq_vocab_free(kvpq_vocab *v);
 /* Number of tokens; ids are 0 .. n_tokens - 1. */
 KVPQ_API int32_t kvpq_vocab_n_tokens(const kvpq_vocab *v);
-/* BOS / EOS ids (tokenizer.ggml.bos_token_id / eos_token_id), -1 when the file has none. */
+/* BOS / EOS ids (tokenizer.ggml.bos_token_id / eos_token_id), -1 when the file has none
+ * (SentencePiece vocabularies without the keys: 1 / 2, as llama.cpp). */
 KVPQ_API int32_t kvpq_vocab_bos(const kvpq_vocab *v);
 KVPQ_API int32_t kvpq_vocab_eos(const kvpq_vocab *v);
-/* Same contract as kvpq_tokenize(): UTF-8 text (len bytes) -> up to cap ids in tokens;
- * *n_tokens gets the full count (call with cap 0 to size). add_bos prepends the BOS id;
- * parse_special turns the text of CONTROL / USER_DEFINED tokens ("<|im_start|>") into those tokens
- * (leftmost-longest), else such text is tokenized as plain text. Errors: KVPQ_ERR_INVALID_ARG for
- * invalid UTF-8 (the message gives the byte offset); KVPQ_ERR_UNSUPPORTED for a byte the
- * vocabulary has no token for (SmolLM2 lacks 21 control / never-valid bytes, e.g. 0x04). */
+/* tokenizer.ggml.add_bos_token: whether a text of this model starts with BOS (absent: 0 for
+ * byte-level BPE, 1 for SentencePiece, as llama.cpp). */
+KVPQ_API int kvpq_vocab_add_bos(const kvpq_vocab *v);
+
+/* What a token is (bits of kvpq_vocab_token_attr). */
+#define KVPQ_TOKEN_ATTR_CONTROL 1u      /* CONTROL / UNKNOWN, or an end-of-generation text llama.cpp marks
+                                         * control ("</s>", "<|im_end|>", "<end_of_turn>", ...): cut out
+                                         * of text only with parse_special */
+#define KVPQ_TOKEN_ATTR_USER_DEFINED 2u /* USER_DEFINED: cut out of text always (Gemma's "\n\n", "<td>") */
+#define KVPQ_TOKEN_ATTR_BYTE 4u         /* a SentencePiece byte-fallback token <0xNN> */
+/* Bits of KVPQ_TOKEN_ATTR_* for a token, 0 for a plain token or an id out of range. */
+KVPQ_API unsigned kvpq_vocab_token_attr(const kvpq_vocab *v, int32_t token);
+
+/* Same contract as kvpq_tokenize(): text (len bytes) -> up to cap ids in tokens; *n_tokens gets the
+ * full count (call with cap 0 to size). add_bos prepends the BOS id. Special tokens are cut out of
+ * the text first, as llama.cpp does: USER_DEFINED texts always, CONTROL texts only with
+ * parse_special; longer texts first, each at its leftmost occurrences outside earlier cuts. Without
+ * parse_special no CONTROL token comes from a cut; merging could in principle still reach a token
+ * whose text is a control text (as in llama.cpp), which none of the three models here does on text
+ * spelling their special tokens (tests/test_tokenizer_golden.c). Byte-level BPE: text must be UTF-8
+ * (else KVPQ_ERR_INVALID_ARG with the byte offset, where llama.cpp would silently put U+FFFD for
+ * each bad byte) and every byte must have a token (else KVPQ_ERR_UNSUPPORTED: SmolLM2 lacks 21
+ * control / never-valid bytes, e.g. 0x04).
+ * SentencePiece: any bytes are accepted; what forms no token is written as <0xNN> tokens, so even
+ * invalid UTF-8 round-trips (except before a space, which is written U+2581 first). */
 KVPQ_API kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, size_t len, int add_bos,
                                          int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
 /* Same contract as kvpq_token_to_piece(): the raw bytes of a token (special tokens give their
- * text), up to cap bytes into buf, no NUL added; *len gets the full length. Concatenating the pieces
- * of kvpq_vocab_tokenize's output gives back the text. Errors: token out of range. */
+ * text; SentencePiece: U+2581 as ' ', <0xNN> as that byte), up to cap bytes into buf, no NUL added;
+ * *len gets the full length. Concatenating the pieces of kvpq_vocab_tokenize's output gives back
+ * the text (SentencePiece: except a literal U+2581, which comes back as ' '). Errors: token out of
+ * range. */
 KVPQ_API kvpq_status kvpq_vocab_piece(const kvpq_vocab *v, int32_t token, char *buf, size_t cap, size_t *len);
 
 /* ---- CUDA ----------------------------------------------------------------------------------- */

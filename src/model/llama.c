@@ -317,6 +317,8 @@ kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, s
     return kvpq_tokenizer_piece(m->tok, token, buf, cap, len);
 }
 
+unsigned kvpq_token_attr(const kvpq_model *m, int32_t token) { return m ? kvpq_tokenizer_token_attr(m->tok, token) : 0; }
+
 /* ---- forward pass --------------------------------------------------------------------------- */
 
 /* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for n rows of E (ggml_rms_norm then mul; the sum of
