@@ -35,7 +35,7 @@ class ModelInfo(ctypes.Structure):
         (f, ctypes.c_int)
         for f in ("n_layer", "n_head", "n_head_kv", "head_dim", "n_embd", "n_ff", "n_vocab", "n_ctx_train")
     ] + [("rope_freq_base", ctypes.c_float), ("rms_eps", ctypes.c_float), ("bos_id", ctypes.c_int32),
-         ("eos_id", ctypes.c_int32), ("add_bos", ctypes.c_int)]
+         ("eos_id", ctypes.c_int32), ("add_bos", ctypes.c_int), ("fingerprint", ctypes.c_char * 17)]
 
 
 class CacheParams(ctypes.Structure):

@@ -3,7 +3,7 @@
  * are equal. Not built by CMake (it links llama.cpp); scripts/tokenizer_golden.py speed builds and
  * runs it:
  *   cc -O2 bench/tokenizer_vs_llama.c -Iinclude -I$LLAMA/include -I$LLAMA/ggml/include \
- *      build/libkvpq.so $LLAMA/build/bin/libllama.so -Wl,-rpath,... -o build/tokenizer_vs_llama
+ *      build/libkvpq_model.so build/libkvpq.so $LLAMA/build/bin/libllama.so -Wl,-rpath,... -o build/tokenizer_vs_llama
  *   build/tokenizer_vs_llama MODEL.gguf TEXT [R]
  *   build/tokenizer_vs_llama MODEL.gguf --random N   (ids of N random edge-case strings, see below)
  * Both add BOS as the file says and parse special tokens (llama-tokenize's defaults). */
@@ -13,7 +13,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 #include "llama.h"
 
 static double now(void) {

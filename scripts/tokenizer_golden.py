@@ -152,7 +152,8 @@ def build_vs_llama():
     llama = LLAMA_BIN.parents[1]
     exe = ROOT / "build" / "tokenizer_vs_llama"
     cmd = ["cc", "-O2", str(ROOT / "bench" / "tokenizer_vs_llama.c"), f"-I{ROOT / 'include'}", f"-I{llama / 'include'}",
-           f"-I{llama / 'ggml' / 'include'}", str(ROOT / "build" / "libkvpq.so"), str(LLAMA_BIN / "libllama.so"),
+           f"-I{llama / 'ggml' / 'include'}", str(ROOT / "build" / "libkvpq_model.so"), str(ROOT / "build" / "libkvpq.so"),
+           str(LLAMA_BIN / "libllama.so"),
            f"-Wl,-rpath,{ROOT / 'build'}:{LLAMA_BIN}", "-o", str(exe)]
     subprocess.run(cmd, check=True)
     return exe

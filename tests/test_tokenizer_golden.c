@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 #define PREFIX_BYTES 4000 /* scripts/tokenizer_golden.py PREFIX_BYTES */
 

@@ -1,6 +1,7 @@
 /* kvpq.c — the kvpq command-line tool: dispatch to subcommands. */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -114,12 +115,34 @@ static int cmd_help(int argc, char **argv) {
     return dispatch(n, args);
 }
 
+/* A signal that ends the process first removes the temp files of saves in progress (an interrupted
+ * calibrate left OUT.tmp.XXXXXX), then ends it as the default action would. */
+static void on_fatal_signal(int sig) {
+    kvpq_remove_temp_files();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void install_signal_cleanup(void) {
+    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGXFSZ};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction sa, old;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_fatal_signal;
+        sigemptyset(&sa.sa_mask);
+        /* An ignored signal (nohup, a shell's background job) stays ignored. */
+        if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+        sigaction(sigs[i], &sa, NULL);
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
     cli_env_fixup(argv);
+    install_signal_cleanup();
     if (!strcmp(argv[1], "help")) return cmd_help(argc - 1, argv + 1);
     return dispatch(argc - 1, argv + 1);
 }

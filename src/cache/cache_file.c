@@ -122,16 +122,31 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
                          (unsigned long long)MAX_USER);
     if (!c->ops->serial)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cache_save: cache %s has no saved form", c->ops->name);
-    /* The temporary file sits beside the target, so the rename stays on one file system. */
-    size_t n = strlen(path);
+    /* The file replaced is the one a symbolic link names (tempfile.c); the temporary file sits
+     * beside it, so the rename stays on one file system, and is listed for kvpq_remove_temp_files
+     * (a signal handler's clean-up) until renamed or removed. */
+    char *target = kvpq__resolve_target(path);
+    if (!target) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
+    struct stat sb;
+    if (lstat(target, &sb) == 0 && !S_ISREG(sb.st_mode)) {
+        free(target);
+        return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': not a regular file (any existing file is unchanged)", path);
+    }
+    size_t n = strlen(target);
     char *tmp = malloc(n + 16);
-    if (!tmp) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
-    snprintf(tmp, n + 16, "%s.tmp.XXXXXX", path);
-    int fd = mkstemp(tmp);
-    if (fd < 0) {
+    if (!tmp) {
+        free(target);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
+    }
+    snprintf(tmp, n + 16, "%s.tmp.XXXXXX", target);
+    int fd = kvpq__temp_create(tmp);
+    if (fd < 0 || fchmod(fd, 0644) != 0) {
         kvpq_status s = kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot create a temporary file beside it: %s", path,
                                   strerror(errno));
+        if (fd >= 0) close(fd);
+        kvpq__temp_done(tmp, 0);
         free(tmp);
+        free(target);
         return s;
     }
     FILE *f = fdopen(fd, "wb");
@@ -166,11 +181,12 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
     } else {
         close(fd);
     }
-    if (s == KVPQ_OK && rename(tmp, path) != 0)
+    if (s == KVPQ_OK && rename(tmp, target) != 0)
         s = kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot rename the temporary file onto it: %s", path,
                       strerror(errno));
-    if (s != KVPQ_OK) unlink(tmp);
+    kvpq__temp_done(tmp, s == KVPQ_OK); /* removes the temporary file unless it was renamed */
     free(tmp);
+    free(target);
     return s;
 }
 

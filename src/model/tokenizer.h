@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 #include "gguf.h"
 
 typedef struct kvpq_tokenizer kvpq_tokenizer;

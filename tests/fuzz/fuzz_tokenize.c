@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "internal.h"
-#include "kvpq.h"
+#include "kvpq_model.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 
