@@ -26,7 +26,10 @@ import os
 import subprocess
 import sys
 
-import torch
+try:
+    import torch
+except ImportError:  # --replot draws the figures from a results.json without a GPU or PyTorch
+    torch = None
 
 
 def cuda_time_us(fn, iters=10, reps=7, graph=False):
@@ -144,72 +147,97 @@ def mib(v):
 
 
 def figures(enc, att, out, device):
+    """gpu_encode.png and gpu_attend.png. Times on log axes; memory that can be 0 on a symlog axis
+    (linear below 1 MiB, so 0 is drawn as 0 and labelled); legends below the panels, outside the bars."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    def below(fig, ax, ncol):
+        handles, labels = ax.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+
     if enc:  # --attend-only: no encode rows
         names = [("seed_us", "seed kernel"), ("materialize_us", "materializing (PyTorch)"),
                  ("torch_matmul_argmin_us", "PyTorch matmul+argmin"), ("ours_us", "ours (fused)")]
         labels = [f"S={e['S']} H={e['H']}\nD={e['D']} dsub={e['dsub']}" for e in enc]
-        fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+        fig, ax = plt.subplots(1, 2, figsize=(12, 4.8))
         w = 0.2
         xs = np.arange(len(enc))
         for i, (k, lab) in enumerate(names):
             vals = [e.get(k) or 0 for e in enc]
-            ax[0].bar(xs + (i - 1.5) * w, vals, w, label=lab)
+            ax[0].bar(xs + (i - 1.5) * w, vals, w, label=lab, color=f"C{i}")
         ax[0].set_yscale("log")
         ax[0].set_xticks(xs, labels, fontsize=8)
         ax[0].set_ylabel("time per encode (us, log)")
         ax[0].set_title("PQ encode, nbits=8")
-        ax[0].legend(fontsize=7)
-        mems = [("seed_output_bytes", "seed kernel (unpacked idx out)"), ("materialize_extra_bytes", "materializing"),
-                ("torch_matmul_argmin_extra_bytes", "PyTorch matmul+argmin"),
-                ("ours_extra_bytes_during_encode", "ours")]
-        for i, (k, lab) in enumerate(mems):
-            vals = [max(e.get(k), 1) if isinstance(e.get(k), (int, float)) else 1 for e in enc]
-            ax[1].bar(xs + (i - 1.5) * w, [v / 2**20 for v in vals], w, label=lab)
-        ax[1].set_yscale("log")
+        # the same four methods as the time panel (seed kernel: its unpacked index output)
+        mems = ["seed_output_bytes", "materialize_extra_bytes", "torch_matmul_argmin_extra_bytes",
+                "ours_extra_bytes_during_encode"]
+        top = 0
+        for i, k in enumerate(mems):
+            vals = [e.get(k) / 2**20 if isinstance(e.get(k), (int, float)) else np.nan for e in enc]
+            top = max([top] + [v for v in vals if v == v])
+            ax[1].bar(xs + (i - 1.5) * w, vals, w, color=f"C{i}")
+            for x, v in zip(xs + (i - 1.5) * w, vals):
+                if v == 0:
+                    ax[1].annotate("0", (x, 0), xytext=(0, 2), textcoords="offset points", ha="center",
+                                   va="bottom", fontsize=8, color=f"C{i}", fontweight="bold")
+        ax[1].set_yscale("symlog", linthresh=1)
+        ax[1].set_ylim(0, top * 4)
         ax[1].set_xticks(xs, labels, fontsize=8)
-        ax[1].set_ylabel("device memory beyond inputs+codes (MiB, log)")
-        ax[1].set_title("encode: extra device memory")
-        ax[1].legend(fontsize=7)
+        ax[1].set_ylabel("device memory beyond inputs+codes (MiB, symlog: 0 at 0)")
+        ax[1].set_title("encode: extra device memory (seed kernel: its unpacked index output)", fontsize=10)
+        below(fig, ax[0], 4)
         fig.suptitle(device, fontsize=9)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
         fig.savefig(os.path.join(out, "gpu_encode.png"), dpi=80)
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.8))
     labels = [f"B={a['B']}\nL={a['L'] // 1024}k" for a in att]
     xs = np.arange(len(att))
-    ax[0].bar(xs - 0.2, [a["sdpa_us"] for a in att], 0.4, label="PyTorch SDPA fp16 (enable_gqa)")
-    ax[0].bar(xs + 0.2, [a["ours_us"] for a in att], 0.4, label="ours, 2-bit codes")
+    ax[0].bar(xs - 0.2, [a["sdpa_us"] for a in att], 0.4, label="PyTorch SDPA fp16 K/V (enable_gqa)", color="C0")
+    ax[0].bar(xs + 0.2, [a["ours_us"] for a in att], 0.4, label="ours, 2-bit codes (resident: codes + window)",
+              color="C1")
     ax[0].set_yscale("log")
     ax[0].set_xticks(xs, labels, fontsize=8)
     ax[0].set_ylabel("time per decode step (us, log)")
     ax[0].set_title("decode attention, 32/8 heads, head_dim 128")
-    ax[0].legend(fontsize=7)
-    ax[1].bar(xs - 0.2, [a["sdpa_kv_bytes"] / 2**20 for a in att], 0.4, label="fp16 K/V")
-    ax[1].bar(xs + 0.2, [a["ours_resident_bytes"] / 2**20 for a in att], 0.4, label="ours resident (codes+window)")
+    ax[1].bar(xs - 0.2, [a["sdpa_kv_bytes"] / 2**20 for a in att], 0.4, color="C0")
+    ax[1].bar(xs + 0.2, [a["ours_resident_bytes"] / 2**20 for a in att], 0.4, color="C1")
     ax[1].set_yscale("log")
     ax[1].set_xticks(xs, labels, fontsize=8)
     ax[1].set_ylabel("KV memory of the layer (MiB, log)")
     ax[1].set_title("decode attention: KV bytes held")
-    ax[1].legend(fontsize=7)
+    below(fig, ax[0], 2)
     fig.suptitle(device, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(os.path.join(out, "gpu_attend.png"), dpi=80)
+
+
+def replot(path, out, title):
+    r = json.load(open(path))
+    d = r["device"]
+    figures(r.get("encode") or [], r.get("attend") or [], out, title or f"{d['device']} ({d.get('sms', '?')} SMs)")
+    return 0
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", required=True)
+    ap.add_argument("--bin")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--replot", metavar="RESULTS_JSON", help="only draw the figures from a saved results.json")
+    ap.add_argument("--title", help="with --replot: the figures' title (default: the device)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--attend-only", action="store_true", help="the attention shapes only (no encode)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    if not torch.cuda.is_available():
+    if a.replot:
+        return replot(a.replot, a.out, a.title)
+    if not a.bin:
+        ap.error("--bin is required (or --replot)")
+    if torch is None or not torch.cuda.is_available():
         print("SKIP: no CUDA device for PyTorch")
         return 77
     cmd = [a.bin] + (["attends"] if a.attend_only else ["quick"] if a.quick else [])

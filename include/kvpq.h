@@ -430,6 +430,37 @@ typedef struct {
     kvpq_backend backend;      /* where it runs */
 } kvpq_cache_stats;
 KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st);
+
+/* ---- saved caches (docs/cache.md, "Saved caches") ----
+ * A cache's stored state (codes, scales, windows: every kind, exactly as held, so attention after a
+ * load equals attention before the save) in one file: a header (magic "KVPQSAVE", format version,
+ * cache kind, shapes, max_seq, window, page_tokens, an XXH64 fingerprint of the VQ codebook, the
+ * positions held per layer), an optional caller blob (e.g. the model and the prompt's tokens), the
+ * kind's payload, then an XXH64 checksum (xxHash, Collet) over everything before it. */
+#define KVPQ_CACHE_FILE_VERSION 1
+
+/* Write c to path atomically: a temporary file in the same folder, flushed and fsync'd, renamed over
+ * path; on any error it is removed and an existing file at path is left as it was. user: user_len
+ * bytes stored with the cache (may be NULL with 0). Errors: KVPQ_ERR_IO naming the path and errno's
+ * text, KVPQ_ERR_INVALID_ARG, KVPQ_ERR_UNSUPPORTED for a kind without a saved form. */
+KVPQ_API kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *user, size_t user_len);
+
+/* Load a saved cache into a new cache made from *p (kind, shapes, codebook, max_seq, threads, ...).
+ * The file must hold the same kind, n_layer, n_head, n_head_kv, head_dim, window and page_tokens (as
+ * kvpq_cache_new clamps them) and, for VQ, a codebook with the same fingerprint as p->codebook;
+ * p->max_seq may be larger than the file's (KVPQ_ERR_CAPACITY when the positions held exceed it).
+ * *user (malloc'd, caller frees; NULL when none) and *user_len get the caller blob; either may be
+ * NULL. Errors, each naming the file: KVPQ_ERR_IO (cannot open or read), KVPQ_ERR_FORMAT (not a
+ * saved cache, another format version, truncated, checksum mismatch: corrupted),
+ * KVPQ_ERR_MISMATCH (another kind, shape, window, page size or codebook: the field is named). On
+ * error *out is NULL. */
+KVPQ_API kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const char *path, void **user,
+                                     size_t *user_len);
+
+/* XXH64 fingerprint of a codebook's contents (shapes, flags, centroids, smoothing factors, key
+ * means): equal for codebooks that code identically. 0 for NULL. */
+KVPQ_API uint64_t kvpq_codebook_fingerprint(const kvpq_codebook *cb);
+
 /* The params the cache was created with (as resolved: backend is CPU or CUDA, never AUTO), copied
  * into *p; pointer fields (the codebook) are borrowed from the cache and live as long as it does.
  * Errors: KVPQ_ERR_INVALID_ARG for NULL. */

@@ -3,7 +3,7 @@
 # Idempotent: skips what is already there. Run as root or with sudo available.
 set -euo pipefail
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-apt_pkgs=(build-essential cmake pkg-config libcriterion-dev libcjson-dev libpcre2-dev libopenblas-dev
+apt_pkgs=(build-essential cmake pkg-config libcriterion-dev libcjson-dev libpcre2-dev libopenblas-dev libxxhash-dev
           clang python3 python3-pip)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Turn `kvpq ppl --json` results into the main job's table, figure and README section.
 
-Each input is the JSON that `kvpq ppl --cache A,B,... --kl-base fp16 --json` prints: one object per
-tested cache (a single object is accepted too). The table has one row per cache: effective bits per
+Each input is the JSON that `kvpq ppl --cache A,B,... --kl-base fp16 --json` prints (schema
+kvpq.ppl/1, docs/json.md): one row of "results" per tested cache. The table has one row per cache: effective bits per
 element (codes plus codebooks, smoothing, window, over all stored elements), resident KV MiB,
 perplexity, change of perplexity against the fp16 cache in %, mean KL(fp16 || cache), top-1
 agreement with the fp16 cache, tokens/s of the run."""
@@ -33,11 +33,13 @@ def family(name):
 def load(path):
     with open(path) as f:
         data = json.load(f)
-    rows = data if isinstance(data, list) else [data]
-    ctx = None
+    if not (isinstance(data, dict) and data.get("schema") == "kvpq.ppl/1"):
+        raise SystemExit(f"{path}: not the output of kvpq ppl --json (schema kvpq.ppl/1)")
+    rows = data["results"]
+    ctx = data["settings"].get("ctx")
     m = re.search(r"ctx(\d+)", os.path.basename(path))
     for r in rows:
-        ctx = r.get("ctx") or (int(m.group(1)) if m else None)
+        ctx = ctx or r.get("ctx") or (int(m.group(1)) if m else None)
         r["_ctx"] = ctx
         r["_name"] = cache_name(r)
     return ctx, rows
@@ -60,32 +62,55 @@ def table(ctx, rows):
 
 
 def figure(results, path):
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Δppl against bits, one panel per context (every point labelled, labels moved apart by
+    adjustText), and resident KV memory against bits; the legend sits below the panels, outside the
+    data; Δppl on a symlog axis, so 0 (the fp16 cache) is drawn at 0."""
+    from adjustText import adjust_text
+    from matplotlib.lines import Line2D
+
+    results = sorted(results, key=lambda cr: cr[0])
+    n = len(results)
+    fig, axes = plt.subplots(1, n + 1, figsize=(5.2 * (n + 1), 5.0))
     markers = {"fp16": "s", "q": "^", "kivi": "D", "vq": "o"}
+    color = {f: f"C{i}" for i, f in enumerate(markers)}
+    fills = {ctx: ("full" if i == n - 1 else "none") for i, (ctx, _) in enumerate(results)}
+    for ax, (ctx, rows) in zip(axes, results):
+        texts, xs, ys = [], [], []
+        for r in rows:
+            fam = family(r["_name"])
+            x, y = r["bits_per_element"], r["_dppl"]
+            ax.plot(x, y, linestyle="", marker=markers.get(fam, "x"), color=color.get(fam, "k"), fillstyle=fills[ctx])
+            texts.append(ax.text(x, y, r["_name"], fontsize=7))
+            xs.append(x)
+            ys.append(y)
+        ax.set_yscale("symlog", linthresh=1)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("effective bits per element")
+        ax.set_ylabel("Δ perplexity vs fp16 cache (%, symlog: 0 at 0)")
+        ax.set_title(f"quality, context {ctx}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.set_xlim(0, max(xs) * 1.12)
+        ax.set_ylim(-0.5, max(ys) * 3)
+        adjust_text(texts, x=xs, y=ys, ax=ax, arrowprops=dict(arrowstyle="-", color="grey", lw=0.5),
+                    expand=(1.2, 1.4), force_text=(0.3, 0.6))
+    ax = axes[-1]
     for ctx, rows in results:
         for r in rows:
             fam = family(r["_name"])
-            ls = dict(marker=markers.get(fam, "x"), fillstyle="full" if ctx == max(c for c, _ in results) else "none")
-            axes[0].plot(r["bits_per_element"], r["_dppl"], linestyle="", color=f"C{list(markers).index(fam)}", **ls)
-            axes[1].plot(r["bits_per_element"], r["kv_bytes"] / 2**20, linestyle="", color=f"C{list(markers).index(fam)}", **ls)
-            if ctx == max(c for c, _ in results):
-                axes[0].annotate(r["_name"], (r["bits_per_element"], r["_dppl"]), fontsize=7, xytext=(3, 3),
-                                 textcoords="offset points")
-    axes[0].set_xlabel("effective bits per element")
-    axes[0].set_ylabel("Δ perplexity vs fp16 cache (%)")
-    axes[0].set_yscale("symlog", linthresh=1)
-    axes[0].axhline(0, color="grey", lw=0.5)
-    axes[1].set_xlabel("effective bits per element")
-    axes[1].set_ylabel("resident KV cache (MiB)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    from matplotlib.lines import Line2D
-    handles = [Line2D([], [], marker=m, linestyle="", color=f"C{i}", label=f) for i, (f, m) in enumerate(markers.items())]
-    handles += [Line2D([], [], marker="o", linestyle="", color="k", fillstyle="full", label=f"ctx {max(c for c, _ in results)}"),
-                Line2D([], [], marker="o", linestyle="", color="k", fillstyle="none", label=f"ctx {min(c for c, _ in results)}")]
-    axes[1].legend(handles=handles, fontsize=8)
+            ax.plot(r["bits_per_element"], r["kv_bytes"] / 2**20, linestyle="", marker=markers.get(fam, "x"),
+                    color=color.get(fam, "k"), fillstyle=fills[ctx])
+    ax.set_xlabel("effective bits per element")
+    ax.set_ylabel("resident KV cache (MiB)")
+    ax.set_title("memory, every context", fontsize=10)
+    ax.set_xlim(0, None)
+    ax.set_ylim(0, None)
+    ax.grid(alpha=0.3)
+    handles = [Line2D([], [], marker=m, linestyle="", color=color[f], label=f) for f, m in markers.items()]
+    handles += [Line2D([], [], marker="o", linestyle="", color="k", fillstyle=fills[ctx], label=f"ctx {ctx}")
+                for ctx, _ in results]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
     fig.suptitle("SmolLM2-135M, held-out novel (persuasion.txt): quality and memory against bits")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
 
 

@@ -26,6 +26,11 @@ export PKG_CONFIG_PATH="$(dirname "$pc")${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 want_version=$(sed -n 's/^#define KVPQ_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)/\2/p' "$prefix/include/kvpq.h" | paste -sd.)
 [ "$(pkg-config --modversion kvpq)" = "$want_version" ] || { echo "install_check: kvpq.pc version != header" >&2; exit 1; }
 "$prefix/bin/kvpq" version | grep -q "kvpq $want_version" || { echo "install_check: installed CLI fails" >&2; exit 1; }
+# The installed CLI carries a run path to the lib/ beside it, and runs from elsewhere without LD_LIBRARY_PATH.
+readelf -d "$prefix/bin/kvpq" | grep -Eq '(RUNPATH|RPATH).*\$ORIGIN/\.\./' ||
+  { echo "install_check: installed CLI has no \$ORIGIN/../lib run path" >&2; exit 1; }
+(cd / && env -u LD_LIBRARY_PATH "$prefix/bin/kvpq" version >/dev/null) ||
+  { echo "install_check: installed CLI fails outside the build tree" >&2; exit 1; }
 
 cat > "$prefix/prog.c" <<'C'
 #include <stdio.h>

@@ -9,6 +9,8 @@
  * hit all alike); GB/s counts the bytes of stored K/V (and codebooks) one layer's call reads.
  * Uses the public header only. */
 #include <cjson/cJSON.h>
+
+#include "cli_json.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -128,10 +130,13 @@ static void usage(FILE *f) {
             "  (32, 8, 128); contexts 1024 4096 8192 32768 unless --ctx. Median of repeats, per layer.\n"
             "  --layers N: layers attended in turn per timed step, as in decode (default: the model's 30 / 32,\n"
             "  fewer where the fp32 cache would exceed 2 GiB); 1 re-reads one layer (warm CPU caches).\n"
-            "  --json prints one JSON object (speedup_vs_fp32 / _vs_fp16 at --ctx, default 8192; codes only).\n"
+            "  --json prints the rows as JSON (schema kvpq.bench.attend/1, docs/json.md); --quiet: no progress.\n"
             "  Rows: fp32, fp16, vq-d4b8 (codes only), vq-d4b8-fs (fast-scan), vq-d4b8-ne (norm-explicit:\n"
             "  a float16 scale per vector, kvpq calibrate's default; speedup_ne_vs_fp32 in the JSON).\n");
 }
+
+static const char *const OPTS[] = {"--help", "-h", "--quiet", "-q", "--ctx", "--layers", "--threads", "--repeats", "--backend",
+                                   "--json", NULL};
 
 int cmd_bench_attend(int argc, char **argv) {
     long ctx_only = 0, threads = 0, reps = 0, layers_opt = 0;
@@ -154,23 +159,29 @@ int cmd_bench_attend(int argc, char **argv) {
             if (strcmp(b, "cpu")) return cli_usage_error("bench attend: --backend %s: only cpu is benchmarked here", b);
         } else if (!strcmp(a, "--json")) {
             json = 1;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            cli_quiet = 1;
         } else {
-            usage(stderr);
-            return cli_usage_error("bench attend: unknown option '%s'", a);
+            return cli_unknown_option("bench attend", a, OPTS);
         }
     }
     int ctxs[8], n_ctx = 0;
     if (ctx_only) ctxs[n_ctx++] = (int)ctx_only;
     else
         for (size_t i = 0; i < sizeof default_ctx / sizeof default_ctx[0]; i++) ctxs[n_ctx++] = default_ctx[i];
-    const int report_ctx = ctx_only ? (int)ctx_only : 8192;
 
-    cJSON *root = cJSON_CreateObject(), *jshapes = cJSON_AddArrayToObject(root, "shapes");
-    cJSON_AddStringToObject(root, "bench", "attend");
-    cJSON_AddStringToObject(root, "backend", "cpu");
-    cJSON_AddStringToObject(root, "simd", kvpq_simd_name(kvpq_simd_get()));
-    cJSON_AddNumberToObject(root, "threads", (double)threads);
-    cJSON_AddNumberToObject(root, "report_ctx", report_ctx);
+    cJSON *settings = NULL, *rows = NULL, *root = cli_json_new("bench.attend", &settings, &rows);
+    if (!root) return cli_usage_error("bench attend: out of memory");
+    cJSON_AddStringToObject(settings, "backend", "cpu");
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
+    cJSON_AddNumberToObject(settings, "threads", (double)threads);
+    cJSON_AddNumberToObject(settings, "repeats", (double)reps);
+    cJSON *jctx = cJSON_AddArrayToObject(settings, "ctx");
+    for (int i = 0; i < n_ctx; i++) cJSON_AddItemToArray(jctx, cJSON_CreateNumber(ctxs[i]));
+    cJSON_AddNumberToObject(settings, "window", 128);
+    cli_progress pr;
+    cli_progress_begin(&pr, "bench attend", "contexts", (double)n_ctx * (sizeof shapes / sizeof shapes[0]));
+    int n_done = 0;
     if (!json)
         printf("decode attention, 1 query x all heads of a layer, layers in turn; median of repeats, us per layer;\n"
                "simd %s; threads %ld (0 = default)\n"
@@ -221,14 +232,6 @@ int cmd_bench_attend(int argc, char **argv) {
         } else {
             for (int i = 0; i < s->n_head * d; i++) q[i] = gauss();
         }
-        cJSON *js = cJSON_CreateObject(), *jres = NULL;
-        cJSON_AddStringToObject(js, "model", s->model);
-        cJSON_AddNumberToObject(js, "n_head", s->n_head);
-        cJSON_AddNumberToObject(js, "n_head_kv", nkv);
-        cJSON_AddNumberToObject(js, "head_dim", d);
-        cJSON_AddNumberToObject(js, "layers", L);
-        jres = cJSON_AddArrayToObject(js, "results");
-        cJSON_AddItemToArray(jshapes, js);
         int held = 0;
         for (int ci = 0; ci < n_ctx && !rc; ci++) {
             int ctx = ctxs[ci];
@@ -278,28 +281,29 @@ int cmd_bench_attend(int argc, char **argv) {
                     o_max = fmax(o_max, fabs((double)out[i]));
                 }
             free(o2);
-            cJSON *jr = cJSON_CreateObject();
-            cJSON_AddNumberToObject(jr, "fast_scan_max_abs_diff", fs_diff);
-            cJSON_AddNumberToObject(jr, "ctx", ctx);
             for (int kind = 0; kind < N_KINDS; kind++) {
-                cJSON *jk = cJSON_AddObjectToObject(jr, kind_names[kind]);
-                cJSON_AddNumberToObject(jk, "us_per_call", us[kind]); /* per layer */
-                cJSON_AddNumberToObject(jk, "bytes_read", bytes[kind]);
-                cJSON_AddNumberToObject(jk, "gb_per_s", bytes[kind] / (us[kind] * 1e3));
+                cJSON *jr = cJSON_CreateObject();
+                cJSON_AddStringToObject(jr, "model", s->model);
+                cJSON_AddNumberToObject(jr, "n_head", s->n_head);
+                cJSON_AddNumberToObject(jr, "n_head_kv", nkv);
+                cJSON_AddNumberToObject(jr, "head_dim", d);
+                cJSON_AddNumberToObject(jr, "layers", L);
+                cJSON_AddNumberToObject(jr, "ctx", ctx);
+                cJSON_AddStringToObject(jr, "cache", kind_names[kind]);
+                cli_json_num(jr, "us_per_call", us[kind]); /* per layer */
+                cli_json_num(jr, "bytes_read", bytes[kind]);
+                cli_json_num(jr, "gb_per_s", bytes[kind] / (us[kind] * 1e3));
+                cli_json_num(jr, "speedup_vs_fp32", us[K_FP32] / us[kind]);
+                cli_json_num(jr, "speedup_vs_fp16", us[K_FP16] / us[kind]);
+                /* fast-scan rows: how far its output moves from the exact VQ cache's */
+                if (kind == K_VQFS) cli_json_num(jr, "fast_scan_max_abs_diff", fs_diff);
+                cJSON_AddItemToArray(rows, jr);
                 if (!json)
                     printf("%-13s %7d %6d  %-8s %10.1f %9.2f %10.0f %8.2fx %8.2fx\n", s->model, ctx, L, kind_names[kind], us[kind],
                            bytes[kind] / (us[kind] * 1e3), bytes[kind], us[K_FP32] / us[kind], us[K_FP16] / us[kind]);
             }
             if (!json) printf("%-13s %7d  fast-scan vs exact VQ output: max |diff| %.3g (max |o| %.3g)\n", s->model, ctx, fs_diff, o_max);
-            cJSON_AddNumberToObject(jr, "speedup_vs_fp32", us[K_FP32] / us[K_VQ]);
-            cJSON_AddNumberToObject(jr, "speedup_vs_fp16", us[K_FP16] / us[K_VQ]);
-            cJSON_AddNumberToObject(jr, "speedup_ne_vs_fp32", us[K_FP32] / us[K_VQNE]);
-            cJSON_AddItemToArray(jres, jr);
-            if (ctx == report_ctx) {
-                cJSON_AddNumberToObject(js, "speedup_vs_fp32", us[K_FP32] / us[K_VQ]);
-                cJSON_AddNumberToObject(js, "speedup_vs_fp16", us[K_FP16] / us[K_VQ]);
-                cJSON_AddNumberToObject(js, "speedup_ne_vs_fp32", us[K_FP32] / us[K_VQNE]);
-            }
+            cli_progress_update(&pr, ++n_done, s->model);
         }
         for (int kind = 0; kind < N_KINDS; kind++) kvpq_cache_free(caches[kind]);
         kvpq_codebook_free(cb);
@@ -309,17 +313,8 @@ int cmd_bench_attend(int argc, char **argv) {
         free(q);
         free(out);
     }
-    /* Top level: the first shape (SmolLM2) at the reported context. */
-    cJSON *first = cJSON_GetArrayItem(jshapes, 0);
-    cJSON *sp = first ? cJSON_GetObjectItem(first, "speedup_vs_fp32") : NULL;
-    cJSON *sp16 = first ? cJSON_GetObjectItem(first, "speedup_vs_fp16") : NULL;
-    if (sp) cJSON_AddNumberToObject(root, "speedup_vs_fp32", sp->valuedouble);
-    if (sp16) cJSON_AddNumberToObject(root, "speedup_vs_fp16", sp16->valuedouble);
-    if (json && !rc) {
-        char *txt = cJSON_Print(root);
-        if (txt) puts(txt);
-        free(txt);
-    }
+    cli_progress_end(&pr, n_done, NULL);
+    if (json && !rc) return cli_json_print(root);
     cJSON_Delete(root);
     return rc;
 }

@@ -8,6 +8,8 @@
  * step i, cache 2 step i, ...), so a slow moment of a shared machine falls on all of them alike.
  * Decode tokens/s = 1 / median one-token eval time (the mean is printed beside). Uses kvpq.h only. */
 #include <cjson/cJSON.h>
+
+#include "cli_json.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,15 +17,16 @@
 #include "cli_model.h"
 
 #define MAX_CACHES 8
+#define PROMPT_BATCH 512
 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq bench decode --cache SPEC[,SPEC...] [--model M] [--text FILE] [--ctx N] [--steps N]\n"
-            "                         [--threads N] [--json]\n"
+            "                         [--threads N] [--json] [--quiet]\n"
             "  Decode tokens/s of the model with each cache SPEC (fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE),\n"
             "  side by side in one process: a --ctx-token prompt from FILE (default 4096 tokens of\n"
             "  data/text/persuasion.txt), then --steps one-token evals (default 32) fed from the text's next\n"
-            "  tokens, the caches taking turns each step. Model default:\n"
+            "  tokens, the caches taking turns each step. The prompt runs in batches of 512 tokens. Model default:\n"
             "  models/SmolLM2-135M-Instruct.Q4_1.gguf. Speedups are against the first SPEC.\n");
 }
 
@@ -32,18 +35,27 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "--cache", "--ctx",
+                                   "--steps", "--threads", "-t", NULL};
+
 int cmd_bench_decode(int argc, char **argv) {
-    const char *model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf", *text_path = "data/text/persuasion.txt";
+    static const char DEF_MODEL[] = "models/SmolLM2-135M-Instruct.Q4_1.gguf", DEF_TEXT[] = "data/text/persuasion.txt";
+    const char *model_path = NULL, *text_path = NULL;
+    char model_buf[4096], text_buf[4096];
     const char *specs_arg = NULL;
     long ctx = 4096, steps = 32, threads = 0;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        if (!cli_option_known(a, OPTS)) return cli_unknown_option("bench decode", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
         } else if (!strcmp(a, "--json")) {
             json = 1;
+            continue;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            cli_quiet = 1;
             continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -62,6 +74,14 @@ int cmd_bench_decode(int argc, char **argv) {
             return cli_usage_error("bench decode: unknown option '%s' (see --help)", a);
     }
     if (!specs_arg) return cli_usage_error("bench decode: --cache SPEC[,SPEC...] is required (see --help)");
+    /* The defaults are files of the source tree: found from the current directory or the tree the
+     * CLI was built from, whichever has them. */
+    if (!model_path && !(model_path = cli_find_data(DEF_MODEL, model_buf, sizeof model_buf)))
+        return cli_usage_error("bench decode: no --model given and the default %s is not found here or in the source "
+                               "tree (scripts/fetch_model.sh fetches it); pass --model FILE.gguf", DEF_MODEL);
+    if (!text_path && !(text_path = cli_find_data(DEF_TEXT, text_buf, sizeof text_buf)))
+        return cli_usage_error("bench decode: no --text given and the default %s is not found here or in the source "
+                               "tree; pass --text FILE", DEF_TEXT);
     /* Split the SPEC list. */
     char specs_buf[2048], *specs[MAX_CACHES];
     int n_cache = 0;
@@ -121,16 +141,27 @@ int cmd_bench_decode(int argc, char **argv) {
         cli_fail("bench decode: tokenize", s);
         goto done;
     }
+    cli_progress pr;
+    cli_progress_begin(&pr, "bench decode: prompts", "tokens", (double)ctx * n_cache);
     for (int c = 0; c < n_cache; c++) {
         if (cli_cache_open(&cc[c], specs[c], m, (int)need, (int)threads)) goto done;
-        double t0 = cli_now();
-        if ((s = kvpq_model_eval(m, cc[c].cache, toks, (int)ctx, 0, logits)) != KVPQ_OK) {
-            cli_fail("bench decode: prompt eval", s);
-            goto done;
+        /* The prompt in batches of PROMPT_BATCH tokens (as llama.cpp's default micro-batch), so
+         * progress shows while it runs; the prompt time is their sum. */
+        for (long b = 0; b < ctx; b += PROMPT_BATCH) {
+            int nb = (int)(ctx - b < PROMPT_BATCH ? ctx - b : PROMPT_BATCH);
+            double t0 = cli_now();
+            if ((s = kvpq_model_eval(m, cc[c].cache, toks + b, nb, 0, logits)) != KVPQ_OK) {
+                cli_fail("bench decode: prompt eval", s);
+                goto done;
+            }
+            t_prompt[c] += cli_now() - t0;
+            cli_progress_update(&pr, (double)c * ctx + b + nb, cc[c].spec);
         }
-        t_prompt[c] = cli_now() - t0;
     }
-    for (long i = 0; i < steps; i++)
+    cli_progress_end(&pr, (double)ctx * n_cache, NULL);
+    cli_progress_begin(&pr, "bench decode: steps", "steps", (double)steps);
+    for (long i = 0; i < steps; i++) {
+        cli_progress_update(&pr, (double)i, NULL);
         for (int c = 0; c < n_cache; c++) {
             double t0 = cli_now();
             if ((s = kvpq_model_eval(m, cc[c].cache, toks + ctx + i, 1, 0, logits)) != KVPQ_OK) {
@@ -139,6 +170,8 @@ int cmd_bench_decode(int argc, char **argv) {
             }
             dt[(size_t)c * steps + i] = cli_now() - t0;
         }
+    }
+    cli_progress_end(&pr, (double)steps, NULL);
     double med[MAX_CACHES], mean[MAX_CACHES];
     for (int c = 0; c < n_cache; c++) {
         double *d = dt + (size_t)c * steps, sum = 0.0;
@@ -147,13 +180,17 @@ int cmd_bench_decode(int argc, char **argv) {
         qsort(d, steps, sizeof *d, cmp_double);
         med[c] = steps % 2 ? d[steps / 2] : 0.5 * (d[steps / 2 - 1] + d[steps / 2]);
     }
-    cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "caches");
-    cJSON_AddStringToObject(root, "model", model_path);
-    cJSON_AddStringToObject(root, "text", text_path);
-    cJSON_AddNumberToObject(root, "ctx", (double)ctx);
-    cJSON_AddNumberToObject(root, "steps", (double)steps);
-    cJSON_AddNumberToObject(root, "threads", (double)threads);
-    cJSON_AddStringToObject(root, "simd", kvpq_simd_name(kvpq_simd_get()));
+    cJSON *settings = NULL, *arr = NULL, *root = cli_json_new("bench.decode", &settings, &arr);
+    if (!root) {
+        fprintf(stderr, "kvpq bench decode: out of memory\n");
+        goto done;
+    }
+    cJSON_AddStringToObject(settings, "model", model_path);
+    cJSON_AddStringToObject(settings, "text", text_path);
+    cJSON_AddNumberToObject(settings, "ctx", (double)ctx);
+    cJSON_AddNumberToObject(settings, "steps", (double)steps);
+    cJSON_AddNumberToObject(settings, "threads", (double)threads);
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
     if (!json)
         printf("kvpq bench decode: %s, prompt %ld tokens of %s, %ld one-token evals per cache (taking turns); "
                "simd %s; threads %ld (0 = default)\n%-40s %12s %14s %14s %13s %9s\n",
@@ -173,12 +210,11 @@ int cmd_bench_decode(int argc, char **argv) {
                    mean[c] * 1e3, 1.0 / med[c], med[0] / med[c]);
     }
     if (json) {
-        char *txt = cJSON_Print(root);
-        if (txt) puts(txt);
-        free(txt);
+        rc = cli_json_print(root);
+    } else {
+        cJSON_Delete(root);
+        rc = 0;
     }
-    cJSON_Delete(root);
-    rc = 0;
 done:
     for (int c = 0; c < n_cache; c++) cli_cache_close(&cc[c]);
     free(text);

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cli_json.h"
 
 typedef struct {
     int S, H, D, dsub, nbits;
@@ -136,7 +137,7 @@ typedef struct {
     size_t chunk;
 } opts_t;
 
-static int run_shape(const shape_t *sh, const opts_t *o, int first_json) {
+static int run_shape(const shape_t *sh, const opts_t *o, cJSON *rows) {
     const size_t n = (size_t)sh->S * sh->H;
     const int d = sh->D;
     kvpq_pq_params pp = {.d = d, .M = d / sh->dsub, .nbits = sh->nbits,
@@ -221,14 +222,26 @@ static int run_shape(const shape_t *sh, const opts_t *o, int first_json) {
     int threads = omp_get_max_threads();
     if (o->json) {
         for (int w = 0; w < 2; w++) {
-            printf("%s{\"S\":%d,\"H\":%d,\"D\":%d,\"dsub\":%d,\"nbits\":%d,\"M\":%d,\"granularity\":\"%s\","
-                   "\"method\":\"%s\",\"threads\":%d,\"simd\":\"%s\",\"repeats\":%d,\"median_ms\":%.4f,"
-                   "\"subvec_per_s\":%.6g,\"peak_extra_mib\":%.3f,\"peak_rss_mib\":%.3f,\"input_mib\":%.3f,\"output_mib\":%.3f,"
-                   "\"codes_agree_pct\":%.4f,\"chunk\":%zu,\"codebook\":\"random-from-data\"}",
-                   first_json && w == 0 ? "" : ",\n", sh->S, sh->H, d, sh->dsub, sh->nbits, M,
-                   nbooks == 1 ? "shared" : "subspace", w ? "materializing" : "kvpq", threads,
-                   kvpq_simd_name(kvpq_simd_get()), o->repeats, res[w].ms, res[w].subvec_per_s, res[w].peak_mib,
-                   res[w].hwm_mib, in_mib, out_mib, agree, w ? o->chunk : (size_t)0);
+            cJSON *r = cJSON_CreateObject();
+            cJSON_AddNumberToObject(r, "S", sh->S);
+            cJSON_AddNumberToObject(r, "H", sh->H);
+            cJSON_AddNumberToObject(r, "D", d);
+            cJSON_AddNumberToObject(r, "dsub", sh->dsub);
+            cJSON_AddNumberToObject(r, "nbits", sh->nbits);
+            cJSON_AddNumberToObject(r, "M", M);
+            cJSON_AddStringToObject(r, "granularity", nbooks == 1 ? "shared" : "subspace");
+            cJSON_AddStringToObject(r, "method", w ? "materializing" : "kvpq");
+            cJSON_AddNumberToObject(r, "threads", threads);
+            cli_json_num(r, "median_ms", res[w].ms);
+            cli_json_num(r, "subvec_per_s", res[w].subvec_per_s);
+            /* negative: not measurable here (no /proc/self/clear_refs) */
+            if (res[w].peak_mib < 0) cJSON_AddNullToObject(r, "peak_extra_mib"), cJSON_AddNullToObject(r, "peak_rss_mib");
+            else cli_json_num(r, "peak_extra_mib", res[w].peak_mib), cli_json_num(r, "peak_rss_mib", res[w].hwm_mib);
+            cli_json_num(r, "input_mib", in_mib);
+            cli_json_num(r, "output_mib", out_mib);
+            cli_json_num(r, "codes_agree_pct", agree);
+            cJSON_AddNumberToObject(r, "chunk", w ? (double)o->chunk : 0.0);
+            cJSON_AddItemToArray(rows, r);
         }
     } else {
         printf("S=%d H=%d D=%d dsub=%d nbits=%d (M=%d, ksub=%d, %s codebook, random-from-data), %zu sub-vectors,"
@@ -258,14 +271,18 @@ static int run_shape(const shape_t *sh, const opts_t *o, int first_json) {
 }
 
 static void usage(void) {
-    fprintf(stderr,
+    fprintf(stdout,
             "usage: kvpq bench encode [--shape S,H,D] [--dsub N] [--nbits N] [--granularity shared|subspace]\n"
-            "                         [--backend cpu] [--threads N] [--repeats N] [--chunk N] [--json]\n"
+            "                         [--backend cpu] [--threads N] [--repeats N] [--chunk N] [--json] [--quiet]\n"
             "  Encodes S*H random vectors of D dims (codebook: ksub sub-vectors drawn from the data) with\n"
             "  kvpq's fused kernels and with the materializing baseline (a (chunk, ksub, dsub) difference\n"
             "  tensor per chunk); prints median time, sub-vectors/s and peak extra resident memory.\n"
-            "  Default: S=4096,H=4,D=256 dsub 4 nbits 8 and S=8192,H=8,D=128 dsub 8 nbits 8.\n");
+            "  Default: S=4096,H=4,D=256 dsub 4 nbits 8 and S=8192,H=8,D=128 dsub 8 nbits 8.\n"
+            "  --json: the rows as JSON (schema kvpq.bench.encode/1, docs/json.md); --quiet: no progress lines.\n");
 }
+
+static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--shape", "--dsub", "--nbits", "--threads",
+                                   "--repeats", "--chunk", "--granularity", "--backend", NULL};
 
 int cmd_bench_encode(int argc, char **argv) {
     opts_t o = {.repeats = 5, .threads = 0, .json = 0, .granularity = KVPQ_CODEBOOK_SHARED, .chunk = 4096};
@@ -279,6 +296,8 @@ int cmd_bench_encode(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--json")) {
             o.json = 1;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            cli_quiet = 1;
         } else if (!strcmp(a, "--shape")) {
             if (!val || sscanf(val, "%d,%d,%d", &one.S, &one.H, &one.D) != 3 || one.S <= 0 || one.H <= 0 || one.D <= 0)
                 return cli_usage_error("--shape: expected S,H,D (positive integers), got '%s'", val ? val : "(missing)");
@@ -310,8 +329,7 @@ int cmd_bench_encode(int argc, char **argv) {
                 return cli_usage_error("--backend %s: bench encode measures the CPU encoder only (expected cpu)", val);
             i++;
         } else {
-            usage();
-            return cli_usage_error("bench encode: unknown option '%s'", a);
+            return cli_unknown_option("bench encode", a, OPTS);
         }
     }
     if (o.threads > 0) omp_set_num_threads(o.threads);
@@ -325,15 +343,30 @@ int cmd_bench_encode(int argc, char **argv) {
         /* --dsub/--nbits without --shape apply to both default shapes */
         for (int s = 0; s < 2; s++) defaults[s].dsub = one.dsub, defaults[s].nbits = one.nbits;
     }
-    if (o.json) printf("[\n");
-    else
+    cJSON *settings = NULL, *rows = NULL, *root = cli_json_new("bench.encode", &settings, &rows);
+    if (!root) return cli_usage_error("bench encode: out of memory");
+    cJSON_AddNumberToObject(settings, "repeats", o.repeats);
+    cJSON_AddNumberToObject(settings, "threads", o.threads);
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
+    cJSON_AddNumberToObject(settings, "chunk", (double)o.chunk);
+    cJSON_AddStringToObject(settings, "codebook", "random-from-data");
+    cJSON_AddStringToObject(settings, "backend", "cpu");
+    if (!o.json)
         printf("kvpq bench encode: median of %d runs after one warm-up; peak extra = rise of VmHWM (reset via\n"
                "/proc/self/clear_refs) over VmRSS before the run, inputs and outputs already resident\n\n",
                o.repeats);
+    cli_progress pr;
+    cli_progress_begin(&pr, "bench encode", "shapes", nshapes);
     for (int s = 0; s < nshapes; s++) {
-        int rc = run_shape(&shapes[s], &o, s == 0);
-        if (rc) return rc;
+        int rc = run_shape(&shapes[s], &o, rows);
+        if (rc) {
+            cJSON_Delete(root);
+            return rc;
+        }
+        cli_progress_update(&pr, s + 1, NULL);
     }
-    if (o.json) printf("\n]\n");
+    cli_progress_end(&pr, nshapes, NULL);
+    if (o.json) return cli_json_print(root);
+    cJSON_Delete(root);
     return 0;
 }

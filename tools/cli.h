@@ -39,9 +39,35 @@ int cli_usage_error(const char *fmt, ...)
  * naming the option and 0 is returned. */
 int cli_parse_int(const char *opt, const char *s, long lo, long hi, long *out);
 int cli_parse_double(const char *opt, const char *s, double lo, double hi, double *out);
-/* Re-execute once with OPENBLAS_CORETYPE set when OpenBLAS fell back to generic kernels on a CPU
- * it did not recognize (cli_blas.c). Returns when nothing needs doing. */
-void cli_blas_fixup(char **argv);
+/* Set the defaults the CLI's libraries read at load time (OMP_WAIT_POLICY=PASSIVE,
+ * OPENBLAS_NUM_THREADS=1, OPENBLAS_CORETYPE where OpenBLAS misdetects the CPU; a value the user set
+ * is kept) and re-execute once so they take effect (cli_env.c). Returns when nothing needs doing. */
+void cli_env_fixup(char **argv);
+/* Option names: `known` is a NULL-terminated list of a command's options. cli_option_known: 1 if
+ * opt is one of them. cli_nearest: the known name within a few edits of `word` (a typo), or NULL.
+ * cli_unknown_option prints "kvpq: CMD: unknown option 'X'; did you mean 'Y'?" and returns 2. */
+int cli_option_known(const char *opt, const char *const *known);
+const char *cli_nearest(const char *word, const char *const *known);
+int cli_unknown_option(const char *cmd, const char *opt, const char *const *known);
+/* A file the CLI uses by default (rel: a path inside the source tree, e.g. data/text/persuasion.txt):
+ * rel itself when readable from the current directory, else the copy in the source tree the CLI was
+ * built from (written to buf, n bytes); NULL when neither is readable. */
+const char *cli_find_data(const char *rel, char *buf, size_t n);
+/* ---- progress (stderr) ----
+ * On a terminal: one line rewritten in place (\r) at most every 0.2 s; otherwise a plain line every
+ * KVPQ_PROGRESS_SECONDS (default 10; 0: every update). Each line: done/total, percent, rate and ETA;
+ * the end line says how long it took (omitted for a run under 2 s that printed nothing). --quiet
+ * (cli_quiet = 1) silences them. */
+extern int cli_quiet;
+typedef struct {
+    char what[128];
+    const char *unit;
+    double total, t0, last, interval;
+    int tty, printed;
+} cli_progress;
+void cli_progress_begin(cli_progress *p, const char *what, const char *unit, double total);
+void cli_progress_update(cli_progress *p, double done, const char *note);
+void cli_progress_end(cli_progress *p, double done, const char *note);
 /* Seconds from a monotonic clock. */
 double cli_now(void);
 

@@ -80,6 +80,7 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_
     cp.max_seq = max_seq;
     cp.n_threads = n_threads;
     cp.backend = KVPQ_BACKEND_CPU;
+    c->params = cp;
     s = kvpq_cache_new(&c->cache, &cp);
     if (s != KVPQ_OK) {
         fprintf(stderr, "kvpq: cache '%s': ", spec);

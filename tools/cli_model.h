@@ -14,6 +14,7 @@ typedef struct {
     char spec[256];
     kvpq_cache *cache;
     kvpq_codebook *codebook; /* vq: only */
+    kvpq_cache_params params; /* what the cache was made from (kvpq_cache_load takes the same) */
 } cli_cache;
 
 /* Create a cache sized for the model (its shape and sliding window) and max_seq positions. Prints

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -90,6 +91,121 @@ double cli_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- option names ---- */
+
+/* Levenshtein distance of a and b (insertions, deletions, substitutions), capped at 99. */
+static int edit_distance(const char *a, const char *b) {
+    size_t na = strlen(a), nb = strlen(b);
+    if (na > 64 || nb > 64) return 99;
+    int row[65];
+    for (size_t j = 0; j <= nb; j++) row[j] = (int)j;
+    for (size_t i = 1; i <= na; i++) {
+        int diag = row[0];
+        row[0] = (int)i;
+        for (size_t j = 1; j <= nb; j++) {
+            int up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            diag = up;
+            row[j] = best;
+        }
+    }
+    return row[nb];
+}
+
+const char *cli_nearest(const char *word, const char *const *known) {
+    const char *best = NULL;
+    int best_d = 99;
+    for (size_t i = 0; known && known[i]; i++) {
+        int d = edit_distance(word, known[i]);
+        if (d < best_d) best_d = d, best = known[i];
+    }
+    /* Close enough to be a typo: a third of the word's letters, at least 2 edits. */
+    size_t n = strlen(word);
+    int limit = n / 3 > 2 ? (int)(n / 3) : 2;
+    return best && best_d <= limit ? best : NULL;
+}
+
+int cli_option_known(const char *opt, const char *const *known) {
+    for (size_t i = 0; known && known[i]; i++)
+        if (!strcmp(opt, known[i])) return 1;
+    return 0;
+}
+
+int cli_unknown_option(const char *cmd, const char *opt, const char *const *known) {
+    const char *near = cli_nearest(opt, known);
+    if (near) return cli_usage_error("%s: unknown option '%s'; did you mean '%s'? (see kvpq %s --help)", cmd, opt, near, cmd);
+    return cli_usage_error("%s: unknown option '%s' (see kvpq %s --help)", cmd, opt, cmd);
+}
+
+/* ---- files of the source tree ---- */
+
+const char *cli_find_data(const char *rel, char *buf, size_t n) {
+    if (access(rel, R_OK) == 0) return rel;
+#ifdef KVPQ_SOURCE_DIR
+    if ((size_t)snprintf(buf, n, "%s/%s", KVPQ_SOURCE_DIR, rel) < n && access(buf, R_OK) == 0) return buf;
+#endif
+    (void)buf, (void)n;
+    return NULL;
+}
+
+/* ---- progress ---- */
+
+int cli_quiet = 0;
+
+/* Seconds between plain progress lines when stderr is not a terminal (KVPQ_PROGRESS_SECONDS). */
+static double plain_interval(void) {
+    const char *e = getenv("KVPQ_PROGRESS_SECONDS");
+    char *end;
+    double v = e ? strtod(e, &end) : 0;
+    return e && end != e && v >= 0 ? v : 10.0;
+}
+
+static void fmt_duration(char *buf, size_t n, double s) {
+    if (!(s >= 0) || s > 360000) snprintf(buf, n, "?");
+    else if (s < 60) snprintf(buf, n, "%.0fs", s);
+    else if (s < 3600) snprintf(buf, n, "%dm%02ds", (int)s / 60, (int)s % 60);
+    else snprintf(buf, n, "%dh%02dm", (int)s / 3600, (int)s % 3600 / 60);
+}
+
+void cli_progress_begin(cli_progress *p, const char *what, const char *unit, double total) {
+    memset(p, 0, sizeof *p);
+    snprintf(p->what, sizeof p->what, "%s", what);
+    p->unit = unit;
+    p->total = total;
+    p->t0 = p->last = cli_now();
+    p->tty = isatty(fileno(stderr));
+    p->interval = p->tty ? 0.2 : plain_interval();
+}
+
+static void progress_print(cli_progress *p, double done, const char *note, int final) {
+    const double el = cli_now() - p->t0, rate = el > 0 ? done / el : 0;
+    char eta[16], took[16];
+    fmt_duration(eta, sizeof eta, rate > 0 ? (p->total - done) / rate : -1);
+    fmt_duration(took, sizeof took, el);
+    fprintf(stderr, "%skvpq %s: %.0f/%.0f %s (%.0f%%), %.3g %s/s, %s %s%s%s%s%s", p->tty ? "\r" : "", p->what, done,
+            p->total, p->unit, p->total > 0 ? 100.0 * done / p->total : 100.0, rate, p->unit,
+            final ? "took" : "ETA", final ? took : eta, note && *note ? "; " : "", note ? note : "",
+            p->tty ? "\033[K" : "", p->tty && !final ? "" : "\n");
+    fflush(stderr);
+    p->printed = 1;
+}
+
+void cli_progress_update(cli_progress *p, double done, const char *note) {
+    if (cli_quiet) return;
+    const double now = cli_now();
+    if (now - p->last < p->interval) return;
+    p->last = now;
+    progress_print(p, done, note, 0);
+}
+
+void cli_progress_end(cli_progress *p, double done, const char *note) {
+    if (cli_quiet) return;
+    /* A run too short to have printed anything ends silently, unless lines are asked for always. */
+    if (!p->printed && cli_now() - p->t0 < 2.0 && p->interval > 0) return;
+    progress_print(p, done, note, 1);
 }
 
 /* The file a write to path replaces: path, or the file its chain of symbolic links names. */

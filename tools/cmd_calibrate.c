@@ -46,6 +46,7 @@ static void calib_usage(FILE *f) {
             "  --kmeans-init I       pp: k-means++ seeding; random: k distinct points, as faiss (default random)\n"
             "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
             "  --seed S              k-means seed (default 1234)\n"
+            "  --quiet               no progress lines (forward pass, k-means) on stderr\n"
             "  --threads N           threads (default: all)\n"
             "  --also \"OPTIONS -o OUT\"   also train and write another codebook from the same forward pass\n"
             "                        (repeatable, up to 16): OPTIONS override the codebook options above\n"
@@ -65,6 +66,10 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
             calib_usage(stdout);
             return 0;
+        }
+        if (!strcmp(o, "--quiet") || !strcmp(o, "-q")) {
+            cli_quiet = 1;
+            continue;
         }
         if (job && (!strcmp(o, "--model") || !strcmp(o, "--text") || !strcmp(o, "--tokens") || !strcmp(o, "--ctx") ||
                     !strcmp(o, "--threads") || !strcmp(o, "--also")))
@@ -111,7 +116,14 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--seed", seed, 0, 0x7fffffffL)
 #undef STR_OPT
 #undef INT_OPT
-        return cli_usage_error("calibrate: unknown option '%s' (see kvpq calibrate --help)", o), -2;
+        {
+            static const char *const OPTS[] = {"--help", "-h", "--quiet", "-q", "--also", "--model", "--text", "-o", "--out", "--keys",
+                                               "--keys-layers", "--values", "--granularity", "--kmeans-init",
+                                               "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
+                                               "--center", "--key-norm", "--value-norm",
+                                               "--max-points-per-centroid", "--seed", NULL};
+            return cli_unknown_option("calibrate", o, OPTS), -2;
+        }
     }
     return 1;
 }
@@ -271,6 +283,10 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
     km.progress = progress_cb;
     km.init = strcmp(a->kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
     double mse_k = 0, mse_v = 0, t1 = cli_now();
+    char what[128], note[96] = "";
+    snprintf(what, sizeof what, "calibrate: %s: k-means", base_name(a->out));
+    cli_progress pr;
+    cli_progress_begin(&pr, what, "layers", L);
     for (int l = 0; l < L; l++) {
         memcpy(kd, kall + (size_t)l * n_use * row, sizeof(float) * n_use * row);
         memcpy(vd, vall + (size_t)l * n_use * row, sizeof(float) * n_use * row);
@@ -304,10 +320,10 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
             return cli_fail("calibrate: training the value codebook", s);
         mse_k += rk.mse_final;
         mse_v += rv.mse_final;
-        fprintf(stderr, "\rkvpq calibrate: %s: layer %d/%d k-means done (key mse %.4g, value mse %.4g, %.1f s)",
-                base_name(a->out), l + 1, L, rk.mse_final, rv.mse_final, cli_now() - t1);
+        snprintf(note, sizeof note, "key mse %.4g, value mse %.4g", rk.mse_final, rv.mse_final);
+        cli_progress_update(&pr, l + 1, note);
     }
-    fprintf(stderr, "\n");
+    cli_progress_end(&pr, L, note);
 
     char buf[64];
     kvpq_codebook_set_meta(cb, "model", mi->name);
@@ -423,6 +439,8 @@ int cmd_calibrate(int argc, char **argv) {
     logits = malloc(sizeof(float) * (size_t)mi.n_vocab);
     lam = malloc(sizeof(float) * row);
     if (!kall || !vall || !kd || !vd || !logits || !lam) goto oom;
+    cli_progress pf;
+    cli_progress_begin(&pf, "calibrate: forward", "tokens", (double)n_use);
     for (size_t p0 = 0; p0 < n_use; p0 += (size_t)a->ctx) {
         int n = (int)((n_use - p0) < (size_t)a->ctx ? (n_use - p0) : (size_t)a->ctx);
         if ((s = kvpq_cache_truncate(cache, 0)) != KVPQ_OK) {
@@ -444,11 +462,11 @@ int cmd_calibrate(int argc, char **argv) {
                     goto done;
                 }
             }
+            cli_progress_update(&pf, (double)(p0 + (size_t)(q0 + nq)), NULL);
         }
-        fprintf(stderr, "\rkvpq calibrate: forward %zu/%zu tokens (%.1f s)", p0 + (size_t)n, n_use, cli_now() - t0);
     }
     double t_fwd = cli_now() - t0;
-    fprintf(stderr, "\n");
+    cli_progress_end(&pf, (double)n_use, NULL);
 
     /* ---- per job and layer: centering, smoothing, rotation, k-means; then the file ---- */
     for (int j = 0; j < n_jobs; j++)

@@ -1,14 +1,21 @@
 /* cmd_generate.c — `kvpq generate`: text generation with a chosen KV cache, streamed as produced. */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "cli_model.h"
 
+#define PROMPT_BATCH 512 /* prompt tokens per kvpq_model_eval call */
+
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
-            "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]\n"
+            "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]
+"
+            "                     [--prompt-cache FILE] [--quiet]
+"
             "  --model M      GGUF model (Llama family)\n"
             "  --prompt P     prompt text (default empty: starts from BOS when the model adds one)\n"
             "  -n N           tokens to generate (default 64); stops early at the end-of-sequence token\n"
@@ -25,6 +32,12 @@ static void usage(FILE *f) {
             "  --threads N    CPU threads (default: OpenMP default)\n"
             "  --prompt-ids IDS  the prompt as token ids (\"2,818,5279\"; any separators) instead of text\n"
             "  --print-ids    print the generated token ids (one line, space-separated) instead of text\n"
+            "  --quiet        no progress lines on stderr (a long prompt shows its progress)\n"
+            "  --prompt-cache FILE  keep the processed prompt in FILE (a saved cache, kvpq_cache_save):\n"
+            "                 when FILE holds a prompt of the same model and cache SPEC, the tokens it\n"
+            "                 shares with this prompt are loaded instead of computed; else (or when this\n"
+            "                 prompt is longer) the processed prompt is written to FILE. A FILE of\n"
+            "                 another model, codebook or cache kind, or a damaged one, is refused\n"
             "The text goes to stdout as it is produced; prompt and generation tokens/s go to stderr.\n");
 }
 
@@ -100,8 +113,94 @@ static kvpq_status tokenize_pieces(const kvpq_model *m, const chat_pieces *c, in
     return KVPQ_OK;
 }
 
+/* ---- --prompt-cache ----
+ * The caller blob of the saved cache: a line naming the model ("kvpq-prompt-cache 1 model=<file name>
+ * size=<bytes> name=<general.name> vocab=<n>"), a NUL, then the prompt's tokens (int32). The
+ * library checks the cache kind, shapes, window, pages and codebook; this line checks the model. */
+static void model_line(char *buf, size_t n, const char *model_path, const kvpq_model_info *mi) {
+    FILE *f = fopen(model_path, "rb");
+    long size = -1;
+    if (f && fseek(f, 0, SEEK_END) == 0) size = ftell(f);
+    if (f) fclose(f);
+    const char *base = strrchr(model_path, '/');
+    snprintf(buf, n, "kvpq-prompt-cache 1 model=%s size=%ld name=%s vocab=%d", base ? base + 1 : model_path, size,
+             mi->name, mi->n_vocab);
+}
+
+static int prompt_cache_save(const char *path, const char *model_path, const kvpq_model_info *mi,
+                             const kvpq_cache *cache, const int32_t *toks, size_t n) {
+    char line[512];
+    model_line(line, sizeof line, model_path, mi);
+    size_t ll = strlen(line) + 1, bytes = ll + n * sizeof *toks;
+    char *blob = malloc(bytes);
+    if (!blob) return fprintf(stderr, "kvpq generate: out of memory\n"), 1;
+    memcpy(blob, line, ll);
+    memcpy(blob + ll, toks, n * sizeof *toks);
+    kvpq_status s = kvpq_cache_save(cache, path, blob, bytes);
+    free(blob);
+    return s != KVPQ_OK ? cli_fail("generate: --prompt-cache", s) : 0;
+}
+
+/* Load FILE when it exists: refuse (1, message printed) a file of another model, cache kind, shape,
+ * codebook, or a damaged one; else replace cc->cache by the loaded one cut to the tokens it shares
+ * with toks (at most n - 1: the last prompt token is evaluated for its logits); *reused gets that. */
+static int prompt_cache_load(const char *path, kvpq_model *m, const char *model_path, cli_cache *cc,
+                             const int32_t *toks, size_t n, size_t *reused) {
+    *reused = 0;
+    struct stat sb;
+    if (stat(path, &sb) != 0 && errno == ENOENT) return 0; /* no file yet: this run writes it */
+    kvpq_model_info mi;
+    kvpq_model_get_info(m, &mi);
+    kvpq_cache *lc = NULL;
+    void *ub = NULL;
+    size_t ul = 0;
+    kvpq_status s = kvpq_cache_load(&lc, &cc->params, path, &ub, &ul);
+    if (s != KVPQ_OK) {
+        fprintf(stderr, "kvpq generate: --prompt-cache %s is refused (remove it or name another file)\n", path);
+        return cli_fail("generate: --prompt-cache", s);
+    }
+    char line[512];
+    model_line(line, sizeof line, model_path, &mi);
+    const char *blob = ub;
+    size_t ll = blob ? strnlen(blob, ul) : 0;
+    if (!blob || ll == ul || strcmp(blob, line) || (ul - ll - 1) % sizeof(int32_t)) {
+        /* the file's line may hold anything: escaped */
+        fprintf(stderr, "kvpq generate: --prompt-cache %s: made for another model (", path);
+        cli_fput_escaped(stderr, blob ? blob : "", blob ? ll : 0, 512);
+        fprintf(stderr, "; this run: ");
+        cli_fput_escaped(stderr, line, strlen(line), sizeof line);
+        fprintf(stderr, "); refused (remove it or name another file)\n");
+        kvpq_cache_free(lc);
+        free(ub);
+        return 1;
+    }
+    const size_t nf = (ul - ll - 1) / sizeof(int32_t);
+    const char *ft = blob + ll + 1; /* int32 tokens, maybe unaligned: copied one by one */
+    size_t p = 0;
+    for (; p < nf && p < n; p++) {
+        int32_t t;
+        memcpy(&t, ft + p * sizeof t, sizeof t);
+        if (t != toks[p]) break;
+    }
+    if ((int)nf != kvpq_cache_seq_len(lc, 0)) p = 0; /* the blob does not describe the cache: use nothing */
+    if (p >= n) p = n - 1;
+    free(ub);
+    if ((s = kvpq_cache_truncate(lc, (int)p)) != KVPQ_OK) {
+        kvpq_cache_free(lc);
+        return cli_fail("generate: --prompt-cache", s);
+    }
+    kvpq_cache_free(cc->cache);
+    cc->cache = lc;
+    *reused = p;
+    return 0;
+}
+
+static const char *const OPTS[] = {"--help",  "-h",     "--chat",      "--quiet", "-q",      "--prompt-cache",
+                                   "--model", "-m",     "--prompt",    "-p",      "--cache", "-n",
+                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", NULL};
+
 int cmd_generate(int argc, char **argv) {
-    const char *model_path = NULL, *prompt = "", *cache_spec = "fp32";
+    const char *model_path = NULL, *prompt = "", *cache_spec = "fp32", *prompt_cache = NULL;
     long n_gen = 64, seed = 42, threads = 0;
     double temp = 0.8, top_p = 0.95;
     int chat = 0, print_ids = 0;
@@ -109,6 +208,7 @@ int cmd_generate(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!cli_option_known(a, OPTS)) return cli_unknown_option("generate", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
@@ -118,6 +218,9 @@ int cmd_generate(int argc, char **argv) {
         } else if (!strcmp(a, "--print-ids")) {
             print_ids = 1;
             continue;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            cli_quiet = 1;
+            continue;
         }
         if (!v) return cli_usage_error("generate: option %s needs a value (see --help)", a);
         i++;
@@ -125,6 +228,7 @@ int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--prompt") || !strcmp(a, "-p")) prompt = v;
         else if (!strcmp(a, "--cache")) cache_spec = v;
         else if (!strcmp(a, "--prompt-ids")) prompt_ids = v;
+        else if (!strcmp(a, "--prompt-cache")) prompt_cache = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
             if (!cli_parse_int(a, v, 0, 1 << 20, &n_gen)) return 2;
         } else if (!strcmp(a, "--seed")) {
@@ -205,27 +309,62 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "kvpq generate: out of memory\n");
         goto done;
     }
-    if (cli_cache_open(&cc, cache_spec, m, (int)(n_prompt + (size_t)n_gen + 1), (int)threads)) goto done;
+    /* With --prompt-cache the cache is sized for the model's context, so that its window and pages
+     * (clamped to max_seq) are the same in every run and a saved prompt fits the next run. */
+    if (cli_cache_open(&cc, cache_spec, m, prompt_cache ? mi.n_ctx_train : (int)(n_prompt + (size_t)n_gen + 1),
+                       (int)threads))
+        goto done;
+    double t0 = cli_now(), t_load = 0;
+    size_t reused = 0;
+    if (prompt_cache && (rc = prompt_cache_load(prompt_cache, m, model_path, &cc, toks, n_prompt, &reused)) != 0) {
+        rc = 1;
+        goto done;
+    }
+    rc = 1;
+    t_load = cli_now() - t0;
 
     cli_utf8_stream us = {{0}, 0};
     if (!chat && !print_ids) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
         fputs(prompt, stdout);
         fflush(stdout);
     }
-    double t0 = cli_now();
-    s = kvpq_model_eval(m, cc.cache, toks, (int)n_prompt, 0, logits);
+    /* The prompt in batches of PROMPT_BATCH tokens, so a long prompt shows progress. */
+    cli_progress pr;
+    cli_progress_begin(&pr, "generate: prompt", "tokens", (double)(n_prompt - reused));
+    t0 = cli_now();
+    for (size_t b = reused; b < n_prompt; b += PROMPT_BATCH) {
+        int nb = (int)(n_prompt - b < PROMPT_BATCH ? n_prompt - b : PROMPT_BATCH);
+        s = kvpq_model_eval(m, cc.cache, toks + b, nb, 0, logits);
+        if (s != KVPQ_OK) {
+            cli_fail("generate: prompt eval", s);
+            goto done;
+        }
+        cli_progress_update(&pr, (double)(b + (size_t)nb - reused), NULL);
+    }
+    cli_progress_end(&pr, (double)(n_prompt - reused), NULL);
     double t_prompt = cli_now() - t0;
-    if (s != KVPQ_OK) {
-        cli_fail("generate: prompt eval", s);
-        goto done;
+    if (prompt_cache && reused + 1 < n_prompt) { /* new prompt content: keep it for the next run */
+        double ts = cli_now();
+        if (prompt_cache_save(prompt_cache, model_path, &mi, cc.cache, toks, n_prompt)) goto done;
+        fprintf(stderr, "kvpq generate: --prompt-cache %s: saved %zu prompt tokens (%.3f s)\n", prompt_cache,
+                n_prompt, cli_now() - ts);
     }
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)seed);
+    const double t_first_start = cli_now();
+    int first_reported = 0;
     long n_done = 0, n_dec = 0;
     double t_dec = 0;
     char piece[256];
     for (; n_done < n_gen; n_done++) {
         int32_t t = cli_sample(logits, mi.n_vocab, (float)temp, (float)top_p, &rng, work, idx);
+        if (!first_reported) { /* time to first token: loading the saved prompt + the rest + sampling */
+            first_reported = 1;
+            fprintf(stderr,
+                    "kvpq generate: first token after %.3f s (prompt cache load %.3f s for %zu tokens, prompt eval "
+                    "%.3f s for %zu tokens)\n",
+                    t_load + t_prompt + (cli_now() - t_first_start), t_load, reused, t_prompt, n_prompt - reused);
+        }
         if (t == mi.eos_id) break;
         if (print_ids) {
             printf(n_done ? " %d" : "%d", t);
@@ -260,6 +399,11 @@ int cmd_generate(int argc, char **argv) {
             "%.3f s (%.1f tok/s); cache %s\n",
             n_prompt, t_prompt, n_prompt / (t_prompt > 0 ? t_prompt : 1e-9), n_done, n_dec, t_dec,
             n_dec / (t_dec > 0 ? t_dec : 1e-9), cache_spec);
+    kvpq_cache_stats cst;
+    if (kvpq_cache_get_stats(cc.cache, &cst) == KVPQ_OK)
+        fprintf(stderr, "kvpq generate: cache %s holds %d positions in %zu bytes (%.2f MiB), %.3f bits per element\n",
+                cache_spec, kvpq_cache_seq_len(cc.cache, 0), cst.resident_bytes, cst.resident_bytes / 1048576.0,
+                cst.bits_per_element);
     rc = 0;
 done:
     cli_cache_close(&cc);

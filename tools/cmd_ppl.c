@@ -6,6 +6,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "cli_json.h"
+
 #include "cli.h"
 #include "cli_model.h"
 
@@ -29,8 +31,9 @@ static void usage(FILE *f) {
             "  --kl-base SPEC   also run this cache on the same chunks and report, per test cache, the\n"
             "                   base perplexity, KL(base || test) per scored token (mean and 99th\n"
             "                   percentile, nats) and top-1 agreement; the base runs once per chunk\n"
-            "  --json           print a JSON object (an array of objects with several caches) to stdout\n"
+            "  --json           print the results as JSON to stdout (schema kvpq.ppl/1, docs/json.md)\n"
             "  --threads N      CPU threads (default: OpenMP default)\n"
+            "  --quiet          no progress lines on stderr\n"
             "Scoring as llama.cpp's perplexity tool: the text is tokenized once (BOS prepended when the\n"
             "model's tokenizer.ggml.add_bos_token says so), cut into non-overlapping chunks of N tokens;\n"
             "each chunk starts from an empty cache, its first token replaced by BOS when the model adds\n"
@@ -99,21 +102,10 @@ static void ppl_stats(double nll, double nll2, int64_t count, double *ppl, doubl
     *se = var > 0 && count > 1 ? sqrt(var / (double)(count - 1)) * *ppl : NAN;
 }
 
-static void progress(int done, int total, const char *what) {
-    int width = 30, fill = total ? done * width / total : width;
-    fprintf(stderr, "\r[");
-    for (int i = 0; i < width; i++) fputc(i < fill ? '=' : ' ', stderr);
-    fprintf(stderr, "] %d/%d chunks %s", done, total, what);
-    if (done == total) fputc('\n', stderr);
-    fflush(stderr);
-}
+#define json_num cli_json_num
 
-static void json_num(cJSON *o, const char *k, double v) {
-    if (isfinite(v))
-        cJSON_AddNumberToObject(o, k, v);
-    else
-        cJSON_AddNullToObject(o, k);
-}
+static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "-f", "--cache", "--kl-base",
+                                   "--ctx", "-c", "--chunks", "--batch", "-b", "--threads", "-t", NULL};
 
 int cmd_ppl(int argc, char **argv) {
     const char *model_path = NULL, *text_path = NULL, *kl_base = NULL, *ids_path = NULL;
@@ -123,11 +115,15 @@ int cmd_ppl(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!cli_option_known(a, OPTS)) return cli_unknown_option("ppl", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
         } else if (!strcmp(a, "--json")) {
             as_json = 1;
+            continue;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            cli_quiet = 1;
             continue;
         }
         if (!v) return cli_usage_error("ppl: option %s needs a value (see --help)", a);
@@ -263,7 +259,8 @@ int cmd_ppl(int argc, char **argv) {
 
     int64_t count = 0;
     char what[160];
-    progress(0, (int)n_chunks, "");
+    cli_progress pr;
+    cli_progress_begin(&pr, "ppl", "chunks", (double)n_chunks);
     for (long ch = 0; ch < n_chunks; ch++) {
         int32_t *ct = toks + (size_t)ch * C;
         int32_t saved = ct[0];
@@ -271,7 +268,7 @@ int cmd_ppl(int argc, char **argv) {
         if (kl_base) {
             s = eval_chunk(m, base.cc.cache, ct, C, first, (int)batch, V, base_lp, row, &base.seconds);
             if (s != KVPQ_OK) {
-                fprintf(stderr, "\nkvpq ppl: base cache '%s': ", kl_base);
+                fprintf(stderr, "kvpq ppl: base cache '%s': ", kl_base);
                 cli_fail("eval", s);
                 goto done;
             }
@@ -291,7 +288,7 @@ int cmd_ppl(int argc, char **argv) {
             ppl_run *r = &runs[i];
             s = eval_chunk(m, r->cc.cache, ct, C, first, (int)batch, V, logits, row, &r->seconds);
             if (s != KVPQ_OK) {
-                fprintf(stderr, "\nkvpq ppl: cache '%s': ", r->cc.spec);
+                fprintf(stderr, "kvpq ppl: cache '%s': ", r->cc.spec);
                 cli_fail("eval", s);
                 goto done;
             }
@@ -325,10 +322,25 @@ int cmd_ppl(int argc, char **argv) {
         double p0, se0;
         ppl_stats(runs[0].nll, runs[0].nll2, count, &p0, &se0);
         snprintf(what, sizeof what, "ppl[%.60s] %.4f", runs[0].cc.spec, p0);
-        progress((int)ch + 1, (int)n_chunks, what);
+        cli_progress_update(&pr, (double)(ch + 1), what);
     }
+    cli_progress_end(&pr, (double)n_chunks, what);
 
-    cJSON *arr = cJSON_CreateArray();
+    cJSON *settings = NULL, *arr = NULL;
+    cJSON *root = cli_json_new("ppl", &settings, &arr);
+    if (!root) {
+        fprintf(stderr, "kvpq ppl: out of memory\n");
+        goto done;
+    }
+    cJSON_AddStringToObject(settings, "model", model_path);
+    cJSON_AddStringToObject(settings, "text", text_path);
+    cJSON_AddNumberToObject(settings, "ctx", C);
+    cJSON_AddNumberToObject(settings, "chunks", (double)n_chunks);
+    cJSON_AddNumberToObject(settings, "batch", (double)batch);
+    cJSON_AddNumberToObject(settings, "threads", (double)threads);
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
+    if (kl_base) cJSON_AddStringToObject(settings, "kl_base", kl_base);
+    else cJSON_AddNullToObject(settings, "kl_base");
     double pb = NAN, seb = NAN;
     kvpq_cache_stats bst;
     memset(&bst, 0, sizeof bst);
@@ -383,14 +395,11 @@ int cmd_ppl(int argc, char **argv) {
         printf("%ld chunks of %d tokens, %lld scored tokens (second half of each chunk), text %s\n", n_chunks, C,
                (long long)count, text_path);
     if (as_json) {
-        char *js = cJSON_Print(n_caches == 1 ? cJSON_GetArrayItem(arr, 0) : arr);
-        if (js) {
-            printf("%s\n", js);
-            cJSON_free(js);
-        }
+        rc = cli_json_print(root);
+    } else {
+        cJSON_Delete(root);
+        rc = 0;
     }
-    cJSON_Delete(arr);
-    rc = 0;
 done:
     for (int i = 0; i < n_caches; i++) {
         cli_cache_close(&runs[i].cc);

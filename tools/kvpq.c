@@ -12,15 +12,19 @@ static void usage(FILE *f) {
     fprintf(f,
             "kvpq %s — KV-cache compression by product quantization\n"
             "\n"
-            "usage: kvpq <command> [options]   (kvpq <command> --help for its options)\n"
+            "usage: kvpq <command> [options]   (kvpq help <command>, or kvpq <command> --help, for its options)\n"
             "  info FILE                  what a GGUF model or a kvpq codebook file holds\n"
             "  calibrate --model M ...    train codebooks on a model's real keys and values\n"
             "  generate --model M ...     generate text, with a chosen KV cache\n"
             "  ppl --model M --text F ... perplexity, with a chosen KV cache beside a baseline\n"
             "  bench encode|attend|decode ... benchmarks (ours beside baselines, one table)\n"
-            "  version                    print the version\n",
+            "  version                    version, SIMD level, CUDA (built / device found)\n"
+            "  help [COMMAND]             this text, or a command's options\n",
             kvpq_version());
 }
+
+static const char *const COMMANDS[] = {"info", "calibrate", "generate", "ppl", "bench", "version", "help", NULL};
+static const char *const BENCHES[] = {"encode", "attend", "decode", NULL};
 
 static int cmd_info(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
@@ -43,12 +47,72 @@ static int cmd_info(int argc, char **argv) {
     return cmd_info_codebook(argc, argv, path);
 }
 
+static void bench_usage(FILE *f) {
+    fprintf(f, "usage: kvpq bench encode|attend|decode [options]   (kvpq bench encode --help, ...)\n"
+               "  encode   fused PQ encode beside the materializing path\n"
+               "  attend   decode attention from codes beside the fp32 and fp16 caches\n"
+               "  decode   end-to-end decode tokens/s of the model with each cache\n");
+}
+
 static int cmd_bench(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "encode")) return cmd_bench_encode(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "attend")) return cmd_bench_attend(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "decode")) return cmd_bench_decode(argc - 1, argv + 1);
-    fprintf(stderr, "usage: kvpq bench encode|attend|decode [options]   (kvpq bench encode --help)\n");
-    return 2;
+    if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+        bench_usage(stdout);
+        return 0;
+    }
+    bench_usage(stderr);
+    if (argc < 2) return 2;
+    const char *near = cli_nearest(argv[1], BENCHES);
+    if (near) return cli_usage_error("bench: unknown benchmark '%s'; did you mean '%s'?", argv[1], near);
+    return cli_usage_error("bench: unknown benchmark '%s'", argv[1]);
+}
+
+static int cmd_version(void) {
+    char why[256] = "";
+    int ok = kvpq_cuda_available(why, sizeof why);
+    printf("kvpq %s\nsimd %s\n", kvpq_version(), kvpq_simd_name(kvpq_simd_get()));
+    if (ok) printf("cuda built, device found: %s\n", why);
+    else if (strstr(why, "built without")) printf("cuda not built\n");
+    else printf("cuda built, no device: %s\n", why);
+    return 0;
+}
+
+/* argv[0] is the command's name. */
+static int dispatch(int argc, char **argv) {
+    const char *c = argv[0];
+    if (!strcmp(c, "version") || !strcmp(c, "--version")) return cmd_version();
+    if (!strcmp(c, "info")) return cmd_info(argc, argv);
+    if (!strcmp(c, "bench")) return cmd_bench(argc, argv);
+    if (!strcmp(c, "calibrate")) return cmd_calibrate(argc, argv);
+    if (!strcmp(c, "generate")) return cmd_generate(argc, argv);
+    if (!strcmp(c, "ppl")) return cmd_ppl(argc, argv);
+    const char *near = cli_nearest(c, COMMANDS);
+    if (near) return cli_usage_error("unknown command '%s'; did you mean '%s'? (kvpq help)", c, near);
+    usage(stderr);
+    return cli_usage_error("unknown command '%s'", c);
+}
+
+/* kvpq help [COMMAND [BENCH]]: the command's --help. */
+static int cmd_help(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stdout);
+        return 0;
+    }
+    char help[] = "--help";
+    char *args[4] = {argv[1], help, NULL, NULL};
+    int n = 2;
+    if (!strcmp(argv[1], "bench") && argc >= 3) args[1] = argv[2], args[2] = help, n = 3;
+    if (!strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "version")) {
+        printf("usage: kvpq version   (version, SIMD level in use, CUDA: built / device found / not built)\n");
+        return 0;
+    }
+    return dispatch(n, args);
 }
 
 /* A signal that ends the process first removes the temp files of saves in progress (an interrupted
@@ -77,18 +141,8 @@ int main(int argc, char **argv) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
-    const char *c = argv[1];
-    cli_blas_fixup(argv);
+    cli_env_fixup(argv);
     install_signal_cleanup();
-    if (!strcmp(c, "version") || !strcmp(c, "--version")) {
-        printf("kvpq %s (simd %s)\n", kvpq_version(), kvpq_simd_name(kvpq_simd_get()));
-        return 0;
-    }
-    if (!strcmp(c, "info")) return cmd_info(argc - 1, argv + 1);
-    if (!strcmp(c, "bench")) return cmd_bench(argc - 1, argv + 1);
-    if (!strcmp(c, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
-    if (!strcmp(c, "generate")) return cmd_generate(argc - 1, argv + 1);
-    if (!strcmp(c, "ppl")) return cmd_ppl(argc - 1, argv + 1);
-    usage(stderr);
-    return cli_usage_error("unknown command '%s'", c);
+    if (!strcmp(argv[1], "help")) return cmd_help(argc - 1, argv + 1);
+    return dispatch(argc - 1, argv + 1);
 }

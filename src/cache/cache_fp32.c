@@ -31,4 +31,5 @@ const kvpq_cache_ops kvpq_cache_ops_fp32 = {
     .resident_bytes = kvpq__rows_resident_bytes,
     .drop = kvpq__rows_drop,
     .stats = NULL,
+    .serial = kvpq__rows_serial,
 };

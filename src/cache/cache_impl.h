@@ -8,6 +8,11 @@
 
 #include "kvpq.h"
 
+/* A saved cache's byte stream (cache_file.c): kvpq__stream_io writes n bytes of buf when saving and
+ * reads n bytes into buf when loading (KVPQ_ERR_FORMAT when the file ends first, KVPQ_ERR_IO). */
+typedef struct kvpq__stream kvpq__stream;
+kvpq_status kvpq__stream_io(kvpq__stream *s, void *buf, size_t n);
+
 typedef struct kvpq_cache_ops {
     const char *name;
     /* Create the kind's state from validated params. */
@@ -29,6 +34,11 @@ typedef struct kvpq_cache_ops {
      * still held afterwards (<= keep_from). Cannot fail. Positions are absolute throughout: a
      * kind only stops holding the ones before what it returns. */
     int (*drop)(void *state, int layer, int len, int keep_from);
+    /* The kind's stored state as bytes (kvpq_cache_save / kvpq_cache_load): with load 0, write what
+     * holding lens[l] positions needs through s; with load 1, read the same into a fresh state made
+     * from the same params (allocating its pages). One function for both directions keeps the two
+     * in step. A value read that the state cannot hold is KVPQ_ERR_FORMAT. NULL: not saveable. */
+    kvpq_status (*serial)(void *state, const int *lens, kvpq__stream *s, int load);
 } kvpq_cache_ops;
 
 /* Positions a query of `layer` may see (its sliding window), or 0 for every earlier position. */

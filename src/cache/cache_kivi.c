@@ -335,6 +335,42 @@ static void kivi_stats(const void *state, const int *lens, kvpq_cache_stats *st)
     }
 }
 
+/* Saved caches: per layer, n_coded, the pages of its groups (keys, then values), whether the
+ * window ring exists, and the ring. */
+static kvpq_status kivi_serial(void *state, const int *lens, kvpq__stream *st, int load) {
+    kivi_state *s = state;
+    const size_t ring = (size_t)s->cap * s->p.n_head_kv * s->p.head_dim;
+    for (int l = 0; l < s->p.n_layer; l++) {
+        int32_t coded = s->coded[l], has_ring = s->wk[l] != NULL;
+        KVPQ_TRY(kvpq__stream_io(st, &coded, sizeof coded));
+        KVPQ_TRY(kvpq__stream_io(st, &has_ring, sizeof has_ring));
+        if (load) {
+            /* n_coded is a multiple of the group size, at most the positions held, and at least
+             * what the window leaves over (a truncate can make it smaller than n_coded_of) */
+            if (coded < 0 || coded % G || coded > lens[l] || lens[l] - coded > s->cap || (lens[l] > 0 && !has_ring))
+                return kvpq__err(KVPQ_ERR_FORMAT, "saved cache kivi layer %d: n_coded %d for %d positions", l,
+                                 (int)coded, lens[l]);
+            s->coded[l] = coded;
+        }
+        const int pages = (coded / G + s->gp - 1) / s->gp;
+        kvpq__pages *pl[2] = {&s->k[l], &s->v[l]};
+        for (int w = 0; w < 2; w++) {
+            if (load) KVPQ_TRY(kvpq__pages_reserve(pl[w], pages));
+            for (int pg = 0; pg < pages; pg++) KVPQ_TRY(kvpq__stream_io(st, pl[w]->page[pg], pl[w]->page_bytes));
+        }
+        if (!has_ring) continue;
+        if (load) {
+            s->wk[l] = calloc(ring, sizeof(uint16_t));
+            s->wv[l] = calloc(ring, sizeof(uint16_t));
+            if (!s->wk[l] || !s->wv[l])
+                return kvpq__err(KVPQ_ERR_NOMEM, "saved cache kivi: out of memory for the window of layer %d", l);
+        }
+        KVPQ_TRY(kvpq__stream_io(st, s->wk[l], ring * sizeof(uint16_t)));
+        KVPQ_TRY(kvpq__stream_io(st, s->wv[l], ring * sizeof(uint16_t)));
+    }
+    return KVPQ_OK;
+}
+
 const kvpq_cache_ops kvpq_cache_ops_kivi2 = {
     .name = "kivi2",
     .create = kivi2_create,
@@ -346,6 +382,7 @@ const kvpq_cache_ops kvpq_cache_ops_kivi2 = {
     .resident_bytes = kivi_resident_bytes,
     .stats = kivi_stats,
     .drop = kivi_drop,
+    .serial = kivi_serial,
 };
 
 const kvpq_cache_ops kvpq_cache_ops_kivi4 = {
@@ -359,4 +396,5 @@ const kvpq_cache_ops kvpq_cache_ops_kivi4 = {
     .resident_bytes = kivi_resident_bytes,
     .stats = kivi_stats,
     .drop = kivi_drop,
+    .serial = kivi_serial,
 };

@@ -59,4 +59,5 @@ const kvpq_cache_ops kvpq_cache_ops_q4_0 = {
     .resident_bytes = kvpq__rows_resident_bytes,
     .drop = kvpq__rows_drop,
     .stats = NULL,
+    .serial = kvpq__rows_serial,
 };

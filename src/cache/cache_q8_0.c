@@ -50,4 +50,5 @@ const kvpq_cache_ops kvpq_cache_ops_q8_0 = {
     .resident_bytes = kvpq__rows_resident_bytes,
     .drop = kvpq__rows_drop,
     .stats = NULL,
+    .serial = kvpq__rows_serial,
 };

@@ -139,3 +139,18 @@ size_t kvpq__rows_resident_bytes(const void *state, const int *lens) {
     for (int l = 0; l < s->p.n_layer; l++) b += kvpq__pages_bytes(&s->k[l]) + kvpq__pages_bytes(&s->v[l]);
     return b;
 }
+
+/* Saved caches: per layer, K then V, the pages holding lens[l] positions, whole. */
+kvpq_status kvpq__rows_serial(void *state, const int *lens, kvpq__stream *st, int load) {
+    rows_state *s = state;
+    const int pt = s->p.page_tokens;
+    for (int l = 0; l < s->p.n_layer; l++) {
+        const int need = (lens[l] + pt - 1) / pt;
+        kvpq__pages *pl[2] = {&s->k[l], &s->v[l]};
+        for (int w = 0; w < 2; w++) {
+            if (load) KVPQ_TRY(kvpq__pages_reserve(pl[w], need));
+            for (int pg = 0; pg < need; pg++) KVPQ_TRY(kvpq__stream_io(st, pl[w]->page[pg], pl[w]->page_bytes));
+        }
+    }
+    return KVPQ_OK;
+}

@@ -25,11 +25,11 @@ def test_json_has_every_cache_in_order():
             "--threads", 1, "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    assert (r["ctx"], r["steps"]) == (48, 3)
-    assert [c["cache"] for c in r["caches"]] == ["fp16", "fp32", "q8_0"]
-    first = r["caches"][0]
+    assert r["schema"] == "kvpq.bench.decode/1" and (r["settings"]["ctx"], r["settings"]["steps"]) == (48, 3)
+    assert [c["cache"] for c in r["results"]] == ["fp16", "fp32", "q8_0"]
+    first = r["results"][0]
     assert first["decode_speedup_vs_first"] == 1.0
-    for c in r["caches"]:
+    for c in r["results"]:
         assert c["decode_ms_median"] > 0 and c["prompt_tok_per_s"] > 0
         assert c["decode_tok_per_s"] == pytest.approx(1e3 / c["decode_ms_median"])
         assert c["decode_speedup_vs_first"] == pytest.approx(first["decode_ms_median"] / c["decode_ms_median"])

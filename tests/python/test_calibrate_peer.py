@@ -84,7 +84,7 @@ def test_ppl_with_the_codebook_and_window_suffix(codebook):
     cb = str(codebook)
     p = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 256, "--chunks", 1, "--threads", 2, "--json",
             "--cache", f"vq:{cb}:w256,vq:{cb}:w0,kivi2:w256,vq:{cb},kivi2", "--kl-base", "fp16")
-    whole, coded, kivi, vq_default, kivi_default = json.loads(p.stdout)
+    whole, coded, kivi, vq_default, kivi_default = json.loads(p.stdout)["results"]
     # window >= chunk: every token stays in fp16 as the fp16 cache holds it; only the summation
     # order of the attention kernels differs (float rounding)
     for r in (whole, kivi):
@@ -121,7 +121,7 @@ def test_keys_layers_gives_layers_their_own_key_M(codebook, tmp_path):
     assert t["layers.2.k.codebook"].shape == (256, 4)
     p = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 256, "--chunks", 1, "--threads", 2, "--json",
             "--cache", f"vq:{codebook}:w0,vq:{out}:w0")
-    uni, mix = json.loads(p.stdout)
+    uni, mix = json.loads(p.stdout)["results"]
     # 256 coded tokens x 3 KV heads x 16 more key bytes in 2 layers, less 2 x 256 x 2 codebook floats
     assert mix["kv_bytes"] - uni["kv_bytes"] == 2 * 256 * 3 * 16 - 2 * 256 * 2 * 4
     for spec, msg in (("d8b12:0-1", "nbits=12"), ("d2b8:0-30", "out of the model's 0-29"), ("d2b8", "CFG:A-B"),

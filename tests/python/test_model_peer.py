@@ -55,7 +55,9 @@ def test_ppl_json_fields_and_kl_against_itself(tmp_path):
     ctx = 64
     p = run("ppl", "--model", MODEL, "--text", TEXT, "--ctx", ctx, "--chunks", 2, "--cache", "fp32,fp16",
             "--kl-base", "fp32", "--json", "--threads", 2)
-    res = json.loads(p.stdout)
+    doc = json.loads(p.stdout)
+    assert doc["schema"] == "kvpq.ppl/1" and doc["settings"]["kl_base"] == "fp32" and doc["settings"]["ctx"] == ctx
+    res = doc["results"]
     assert isinstance(res, list) and len(res) == 2
     f32, f16 = res
     for r in res:
@@ -70,10 +72,10 @@ def test_ppl_json_fields_and_kl_against_itself(tmp_path):
     assert 0 < f16["kl_mean"] < 1e-3
     assert f16["ppl"] == pytest.approx(f32["ppl"], rel=1e-2)
     assert f16["kv_bytes"] < 0.6 * f32["kv_bytes"]
-    # one cache -> one object, same ppl as in the multi-cache run
+    # one cache -> the same shape (one row), same ppl as in the multi-cache run
     one = json.loads(run("ppl", "--model", MODEL, "--text", TEXT, "--ctx", ctx, "--chunks", 2, "--json").stdout)
-    assert isinstance(one, dict)
-    assert one["ppl"] == pytest.approx(f32["ppl"], rel=1e-9)
+    assert one["schema"] == "kvpq.ppl/1" and len(one["results"]) == 1
+    assert one["results"][0]["ppl"] == pytest.approx(f32["ppl"], rel=1e-9)
 
 
 def test_ppl_rejects_non_utf8_text_and_too_long_context(tmp_path):

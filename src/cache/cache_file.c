@@ -1,0 +1,305 @@
+/* cache_file.c — saved caches: kvpq_cache_save / kvpq_cache_load (kvpq.h, docs/cache.md).
+ *
+ * File layout (little-endian, as the machines kvpq runs on; the header says which format version):
+ *   "KVPQSAVE"                         8 bytes
+ *   u32 format version (1), u32 cache kind (kvpq_cache_type)
+ *   i32 n_layer, n_head, n_head_kv, head_dim, max_seq, window, page_tokens (as kvpq_cache_new set them)
+ *   u64 codebook fingerprint (kvpq_codebook_fingerprint; 0 for kinds without a codebook)
+ *   u64 user_len
+ *   i32 lens[n_layer]                  positions held per layer
+ *   user bytes
+ *   the kind's payload                 ops->serial (its pages, windows and counters)
+ *   u64 XXH64 (seed 0) of every byte before it
+ * The checksum covers header and payload, so a flipped bit or a truncated file is refused; the
+ * header is checked field by field first so that a file for another kind, model shape or codebook
+ * gets a message naming what differs. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL /* header-only use of xxHash (Debian libxxhash-dev): no link dependency */
+/* gcc's -Warray-bounds misreads xxHash's inlined tail loop on small inputs (a false positive). */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#include <xxhash.h>
+#pragma GCC diagnostic pop
+
+#include "cache/cache_impl.h"
+#include "internal.h"
+
+#define MAGIC "KVPQSAVE"
+#define MAX_USER ((uint64_t)1 << 30)
+#define MAX_LAYERS 4096
+
+struct kvpq__stream {
+    FILE *f;
+    int load;
+    XXH64_state_t *h;
+    const char *path;
+};
+
+kvpq_status kvpq__stream_io(kvpq__stream *s, void *buf, size_t n) {
+    if (!n) return KVPQ_OK;
+    if (s->load) {
+        size_t got = fread(buf, 1, n, s->f);
+        if (got != n) {
+            if (ferror(s->f))
+                return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': read failed: %s", s->path, strerror(errno));
+            return kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': truncated (the file ends inside its data)", s->path);
+        }
+    } else if (fwrite(buf, 1, n, s->f) != n) {
+        return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': write failed: %s", s->path, strerror(errno));
+    }
+    XXH64_update(s->h, buf, n);
+    return KVPQ_OK;
+}
+
+// ---- codebook fingerprint ----------------------------------------------------------------------
+
+uint64_t kvpq_codebook_fingerprint(const kvpq_codebook *cb) {
+    if (!cb) return 0;
+    XXH64_state_t *h = XXH64_createState();
+    if (!h) return 0;
+    XXH64_reset(h, 0);
+    kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+    const int32_t flags[] = {cp.n_layer, cp.n_head_kv, cp.head_dim, cp.value_rotate, cp.key_norm, cp.value_norm};
+    XXH64_update(h, flags, sizeof flags);
+    const size_t row = (size_t)cp.n_head_kv * cp.head_dim;
+    for (int l = 0; l < cp.n_layer; l++) {
+        for (int w = 0; w < 2; w++) {
+            const kvpq_pq *pq = kvpq_codebook_pq_const(cb, l, w);
+            kvpq_pq_params pp = kvpq_pq_get_params(pq);
+            const int32_t shape[] = {pp.d, pp.M, pp.nbits, (int32_t)pp.granularity};
+            XXH64_update(h, shape, sizeof shape);
+            XXH64_update(h, kvpq_pq_centroids(pq), kvpq_pq_centroids_size(pq) * sizeof(float));
+        }
+        const float *lam = kvpq_codebook_key_smooth_const(cb, l), *mu = kvpq_codebook_key_mean_const(cb, l);
+        if (lam) XXH64_update(h, lam, row * sizeof(float));
+        if (mu) XXH64_update(h, mu, row * sizeof(float));
+    }
+    uint64_t v = XXH64_digest(h);
+    XXH64_freeState(h);
+    return v ? v : 1; /* 0 means "no codebook" */
+}
+
+// ---- header ------------------------------------------------------------------------------------
+
+typedef struct {
+    uint32_t version, type;
+    int32_t n_layer, n_head, n_head_kv, head_dim, max_seq, window, page_tokens;
+    uint64_t cb_fp, user_len;
+} file_header;
+
+static kvpq_status header_io(kvpq__stream *s, file_header *h) {
+    char magic[8];
+    memcpy(magic, MAGIC, 8);
+    KVPQ_TRY(kvpq__stream_io(s, magic, 8));
+    if (s->load && memcmp(magic, MAGIC, 8))
+        return kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': not a kvpq saved cache (magic is not %s)", s->path, MAGIC);
+    KVPQ_TRY(kvpq__stream_io(s, &h->version, sizeof h->version));
+    if (s->load && h->version != KVPQ_CACHE_FILE_VERSION)
+        return kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': format version %u; this library reads version %d",
+                         s->path, (unsigned)h->version, KVPQ_CACHE_FILE_VERSION);
+    KVPQ_TRY(kvpq__stream_io(s, &h->type, sizeof h->type));
+    int32_t *ints[] = {&h->n_layer, &h->n_head, &h->n_head_kv, &h->head_dim, &h->max_seq, &h->window, &h->page_tokens};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) KVPQ_TRY(kvpq__stream_io(s, ints[i], sizeof(int32_t)));
+    KVPQ_TRY(kvpq__stream_io(s, &h->cb_fp, sizeof h->cb_fp));
+    KVPQ_TRY(kvpq__stream_io(s, &h->user_len, sizeof h->user_len));
+    return KVPQ_OK;
+}
+
+// ---- save --------------------------------------------------------------------------------------
+
+kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *user, size_t user_len) {
+    if (!c || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_save: cache or path is NULL");
+    if (user_len && !user) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_save: user is NULL, user_len %zu", user_len);
+    if ((uint64_t)user_len > MAX_USER)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_save: user_len %zu exceeds %llu", user_len,
+                         (unsigned long long)MAX_USER);
+    if (!c->ops->serial)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cache_save: cache %s has no saved form", c->ops->name);
+    /* A sliding-window cache frees the pages of positions its layers no longer see; the saved form
+     * describes whole sequences, so such a cache is refused rather than saved wrong. */
+    if (c->p.sliding_window > 0)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "kvpq_cache_save: a cache with sliding-window layers (sliding_window %d) has no saved form yet",
+                         c->p.sliding_window);
+    /* The file replaced is the one a symbolic link names (tempfile.c); the temporary file sits
+     * beside it, so the rename stays on one file system, and is listed for kvpq_remove_temp_files
+     * (a signal handler's clean-up) until renamed or removed. */
+    char *target = kvpq__resolve_target(path);
+    if (!target) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
+    struct stat sb;
+    if (lstat(target, &sb) == 0 && !S_ISREG(sb.st_mode)) {
+        free(target);
+        return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': not a regular file (any existing file is unchanged)", path);
+    }
+    size_t n = strlen(target);
+    char *tmp = malloc(n + 16);
+    if (!tmp) {
+        free(target);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
+    }
+    snprintf(tmp, n + 16, "%s.tmp.XXXXXX", target);
+    int fd = kvpq__temp_create(tmp);
+    if (fd < 0 || fchmod(fd, 0644) != 0) {
+        kvpq_status s = kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot create a temporary file beside it: %s", path,
+                                  strerror(errno));
+        if (fd >= 0) close(fd);
+        kvpq__temp_done(tmp, 0);
+        free(tmp);
+        free(target);
+        return s;
+    }
+    FILE *f = fdopen(fd, "wb");
+    XXH64_state_t *h = XXH64_createState();
+    kvpq_status s = KVPQ_OK;
+    if (!f || !h) s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
+    kvpq__stream st = {f, 0, h, path};
+    if (s == KVPQ_OK) {
+        XXH64_reset(h, 0);
+        file_header hd = {KVPQ_CACHE_FILE_VERSION, (uint32_t)c->p.type, c->p.n_layer, c->p.n_head, c->p.n_head_kv,
+                          c->p.head_dim, c->p.max_seq, c->p.window, c->p.page_tokens,
+                          c->p.type == KVPQ_CACHE_VQ ? kvpq_codebook_fingerprint(c->p.codebook) : 0, user_len};
+        s = header_io(&st, &hd);
+        for (int l = 0; l < c->p.n_layer && s == KVPQ_OK; l++) {
+            int32_t len = c->len[l];
+            s = kvpq__stream_io(&st, &len, sizeof len);
+        }
+        if (s == KVPQ_OK) s = kvpq__stream_io(&st, (void *)user, user_len);
+        if (s == KVPQ_OK) s = c->ops->serial(c->state, c->len, &st, 0);
+        if (s == KVPQ_OK) {
+            uint64_t sum = XXH64_digest(h);
+            if (fwrite(&sum, sizeof sum, 1, f) != 1)
+                s = kvpq__err(KVPQ_ERR_IO, "saved cache '%s': write failed: %s", path, strerror(errno));
+        }
+        if (s == KVPQ_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
+            s = kvpq__err(KVPQ_ERR_IO, "saved cache '%s': write failed: %s", path, strerror(errno));
+    }
+    if (h) XXH64_freeState(h);
+    if (f) {
+        if (fclose(f) != 0 && s == KVPQ_OK)
+            s = kvpq__err(KVPQ_ERR_IO, "saved cache '%s': write failed: %s", path, strerror(errno));
+    } else {
+        close(fd);
+    }
+    if (s == KVPQ_OK && rename(tmp, target) != 0)
+        s = kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot rename the temporary file onto it: %s", path,
+                      strerror(errno));
+    kvpq__temp_done(tmp, s == KVPQ_OK); /* removes the temporary file unless it was renamed */
+    free(tmp);
+    free(target);
+    return s;
+}
+
+// ---- load --------------------------------------------------------------------------------------
+
+static kvpq_status check_field(const char *path, const char *what, long file, long ours) {
+    if (file == ours) return KVPQ_OK;
+    return kvpq__err(KVPQ_ERR_MISMATCH, "saved cache '%s': %s %ld, this cache has %ld", path, what, file, ours);
+}
+
+kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const char *path, void **user,
+                            size_t *user_len) {
+    if (user) *user = NULL;
+    if (user_len) *user_len = 0;
+    if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_load: out is NULL");
+    *out = NULL;
+    if (!p || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_load: params or path is NULL");
+    /* Non-blocking and a regular file only: a FIFO or a device would block or never end. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': not a regular file", path);
+    }
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
+    }
+    XXH64_state_t *h = XXH64_createState();
+    kvpq_cache *c = NULL;
+    int32_t *lens = NULL;
+    void *ub = NULL;
+    kvpq_status s = h ? KVPQ_OK : kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
+    kvpq__stream st = {f, 1, h, path};
+    file_header hd;
+    memset(&hd, 0, sizeof hd);
+    if (s == KVPQ_OK) {
+        XXH64_reset(h, 0);
+        s = header_io(&st, &hd);
+    }
+    if (s == KVPQ_OK && (hd.n_layer <= 0 || hd.n_layer > MAX_LAYERS || hd.user_len > MAX_USER))
+        s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': header holds n_layer %d, user data %llu bytes", path,
+                      (int)hd.n_layer, (unsigned long long)hd.user_len);
+    if (s == KVPQ_OK && hd.type != (uint32_t)p->type)
+        s = kvpq__err(KVPQ_ERR_MISMATCH, "saved cache '%s': cache kind %s, this cache is %s", path,
+                      kvpq_cache_type_name((kvpq_cache_type)hd.type), kvpq_cache_type_name(p->type));
+    if (s == KVPQ_OK) s = kvpq_cache_new(&c, p);
+    if (s == KVPQ_OK) {
+        const kvpq_cache_params *q = &c->p; /* as kvpq_cache_new clamped window and pages */
+        s = check_field(path, "n_layer", hd.n_layer, q->n_layer);
+        if (s == KVPQ_OK) s = check_field(path, "n_head", hd.n_head, q->n_head);
+        if (s == KVPQ_OK) s = check_field(path, "n_head_kv", hd.n_head_kv, q->n_head_kv);
+        if (s == KVPQ_OK) s = check_field(path, "head_dim", hd.head_dim, q->head_dim);
+        if (s == KVPQ_OK) s = check_field(path, "window", hd.window, q->window);
+        if (s == KVPQ_OK) s = check_field(path, "page_tokens", hd.page_tokens, q->page_tokens);
+        if (s == KVPQ_OK && q->type == KVPQ_CACHE_VQ && hd.cb_fp != kvpq_codebook_fingerprint(q->codebook))
+            s = kvpq__err(KVPQ_ERR_MISMATCH,
+                          "saved cache '%s': made with another codebook (fingerprint %016llx, this one %016llx)", path,
+                          (unsigned long long)hd.cb_fp, (unsigned long long)kvpq_codebook_fingerprint(q->codebook));
+    }
+    if (s == KVPQ_OK && !(lens = malloc((size_t)hd.n_layer * sizeof *lens)))
+        s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
+    for (int l = 0; l < hd.n_layer && s == KVPQ_OK; l++) {
+        s = kvpq__stream_io(&st, &lens[l], sizeof lens[l]);
+        if (s == KVPQ_OK && lens[l] < 0)
+            s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': layer %d holds %d positions", path, l, (int)lens[l]);
+        if (s == KVPQ_OK && lens[l] > c->p.max_seq)
+            s = kvpq__err(KVPQ_ERR_CAPACITY, "saved cache '%s': layer %d holds %d positions, this cache's max_seq is %d",
+                          path, l, (int)lens[l], c->p.max_seq);
+    }
+    if (s == KVPQ_OK && hd.user_len && !(ub = malloc((size_t)hd.user_len)))
+        s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory for %llu bytes of user data",
+                      (unsigned long long)hd.user_len);
+    if (s == KVPQ_OK) s = kvpq__stream_io(&st, ub, (size_t)hd.user_len);
+    if (s == KVPQ_OK) {
+        for (int l = 0; l < c->p.n_layer; l++) c->len[l] = lens[l];
+        s = c->ops->serial(c->state, c->len, &st, 1);
+        if (s != KVPQ_OK && !strstr(kvpq_last_error(), path)) kvpq__err_prefix("saved cache '%s'", path);
+    }
+    if (s == KVPQ_OK) {
+        uint64_t sum = 0, want = XXH64_digest(h);
+#ifdef KVPQ_FUZZING
+        (void)want;
+#endif
+        if (fread(&sum, sizeof sum, 1, f) != 1)
+            s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': truncated (no checksum at the end)", path);
+#ifndef KVPQ_FUZZING /* fuzz builds read on past a wrong checksum, to reach the checks behind it */
+        else if (sum != want)
+            s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': checksum mismatch (file %016llx, contents %016llx): corrupted",
+                          path, (unsigned long long)sum, (unsigned long long)want);
+#endif
+        else if (fgetc(f) != EOF)
+            s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': trailing bytes after the checksum", path);
+    }
+    fclose(f);
+    if (h) XXH64_freeState(h);
+    free(lens);
+    if (s != KVPQ_OK) {
+        kvpq_cache_free(c);
+        free(ub);
+        return s;
+    }
+    *out = c;
+    if (user) *user = ub;
+    else free(ub);
+    if (user_len) *user_len = (size_t)hd.user_len;
+    return KVPQ_OK;
+}

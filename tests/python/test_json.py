@@ -1,0 +1,77 @@
+"""Every `--json` output has one shape (docs/json.md): {"schema": "kvpq.<command>/1", "kvpq_version",
+"settings": {...}, "results": [rows]}, validated against docs/json/kvpq.<command>.schema.json with
+the PyPI `jsonschema` package; row values are checked against the run's settings."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema", reason="the jsonschema package is not installed")
+
+SRC = Path(os.environ.get("KVPQ_SOURCE_DIR", Path(__file__).resolve().parents[2]))
+BIN = os.environ.get("KVPQ_BIN", str(SRC / "build" / "kvpq"))
+MODEL = SRC / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = SRC / "data" / "text" / "persuasion.txt"
+need_model = pytest.mark.skipif(not MODEL.exists(), reason=f"model {MODEL} missing (scripts/fetch_model.sh)")
+
+
+def schema(command):
+    return json.loads((SRC / "docs" / "json" / f"kvpq.{command}.schema.json").read_text())
+
+
+def run_json(*args):
+    p = subprocess.run([BIN, *map(str, args), "--json", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def validate(doc, command):
+    jsonschema.validate(doc, schema(command), cls=jsonschema.Draft202012Validator)
+    assert doc["schema"] == f"kvpq.{command}/1"
+    return doc
+
+
+def test_schemas_reject_the_old_shapes():
+    # the shapes before issue 15: a bare array (bench encode, ppl with several caches), {"caches": [...]}
+    for command, old in (("ppl", [{"cache": "fp16", "ppl": 1.0}]), ("bench.decode", {"caches": []}),
+                         ("bench.encode", [{"S": 1}])):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(old, schema(command), cls=jsonschema.Draft202012Validator)
+
+
+@need_model
+def test_ppl():
+    doc = validate(run_json("ppl", "--model", MODEL, "--text", TEXT, "--ctx", 32, "--chunks", 2, "--cache",
+                            "fp16,q8_0", "--kl-base", "fp32"), "ppl")
+    assert [r["cache"] for r in doc["results"]] == ["fp16", "q8_0"]
+    assert doc["settings"]["ctx"] == 32 and doc["settings"]["chunks"] == 2 and doc["settings"]["kl_base"] == "fp32"
+    assert all(r["tokens"] == 2 * (32 - 1 - 16) and r["ppl"] > 1 for r in doc["results"])
+    one = validate(run_json("ppl", "--model", MODEL, "--text", TEXT, "--ctx", 32, "--chunks", 1), "ppl")
+    assert len(one["results"]) == 1 and one["settings"]["kl_base"] is None
+
+
+@need_model
+def test_bench_decode():
+    doc = validate(run_json("bench", "decode", "--model", MODEL, "--text", TEXT, "--cache", "fp16,fp32",
+                            "--ctx", 16, "--steps", 2, "--threads", 1), "bench.decode")
+    assert [r["cache"] for r in doc["results"]] == ["fp16", "fp32"]
+    assert doc["settings"]["ctx"] == 16 and doc["settings"]["steps"] == 2
+
+
+def test_bench_attend():
+    doc = validate(run_json("bench", "attend", "--ctx", 160, "--layers", 1, "--repeats", 1), "bench.attend")
+    assert doc["settings"]["ctx"] == [160]
+    rows = doc["results"]
+    assert {r["ctx"] for r in rows} == {160} and len(rows) == 2 * 5  # 2 shapes x 5 caches
+    for r in rows:
+        assert r["us_per_call"] > 0
+        fp32 = next(x for x in rows if x["model"] == r["model"] and x["cache"] == "fp32")
+        assert r["speedup_vs_fp32"] == pytest.approx(fp32["us_per_call"] / r["us_per_call"])
+
+
+def test_bench_encode():
+    doc = validate(run_json("bench", "encode", "--shape", "64,2,64", "--repeats", 1), "bench.encode")
+    assert [r["method"] for r in doc["results"]] == ["kvpq", "materializing"]
+    assert all((r["S"], r["H"], r["D"], r["M"]) == (64, 2, 64, 16) for r in doc["results"])

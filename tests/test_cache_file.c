@@ -1,0 +1,308 @@
+/* test_cache_file.c — saved caches (kvpq_cache_save / kvpq_cache_load, src/cache/cache_file.c): a
+ * round trip for every kind gives bit-identical attention and read-back, before and after more
+ * appends; corrupted, truncated and mismatched files (kind, shape, window, codebook) are refused
+ * with a named error; a failed save leaves an existing file as it was and no temporary behind. */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cache_testutil.h"
+#include "kvpq.h"
+
+#define N_LAYER 2
+#define N_HEAD 9
+#define N_HEAD_KV 3
+#define HD 64
+#define WINDOW 64
+#define PAGE 64
+
+static kvpq_codebook *make_codebook(int norm, uint64_t seed) {
+    kvpq_codebook_params p = kvpq_codebook_params_default();
+    p.n_layer = N_LAYER;
+    p.n_head_kv = N_HEAD_KV;
+    p.head_dim = HD;
+    cr_assert_eq(kvpq_pq_params_preset(&p.key, "d4b8", HD), KVPQ_OK);
+    cr_assert_eq(kvpq_pq_params_preset(&p.value, "d4b8", HD), KVPQ_OK);
+    p.key_norm = p.value_norm = norm;
+    kvpq_codebook *cb = NULL;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; l < N_LAYER; l++)
+        for (int w = 0; w < 2; w++) {
+            kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
+            size_t nc = kvpq_pq_centroids_size(pq);
+            float *c = rand_vec(nc, seed + 2u * l + w, 1.0f);
+            cr_assert_eq(kvpq_pq_set_centroids(pq, c, nc), KVPQ_OK, "%s", kvpq_last_error());
+            free(c);
+        }
+    return cb;
+}
+
+static kvpq_cache_params params(kvpq_cache_type t, const kvpq_codebook *cb) {
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = t;
+    p.n_layer = N_LAYER;
+    p.n_head = N_HEAD;
+    p.n_head_kv = N_HEAD_KV;
+    p.head_dim = HD;
+    p.max_seq = 1024;
+    p.window = WINDOW;
+    p.page_tokens = PAGE;
+    p.codebook = cb;
+    p.n_threads = 2;
+    return p;
+}
+
+/* A cache holding L positions per layer, appended in uneven pieces (crossing pages and the window). */
+static kvpq_cache *filled(const kvpq_cache_params *p, int L, uint64_t seed) {
+    kvpq_cache *c = NULL;
+    cr_assert_eq(kvpq_cache_new(&c, p), KVPQ_OK, "%s", kvpq_last_error());
+    const size_t kvw = (size_t)N_HEAD_KV * HD;
+    float *k = rand_vec((size_t)L * kvw, seed, 1.0f), *v = rand_vec((size_t)L * kvw, seed + 1, 1.0f);
+    for (int l = 0; l < N_LAYER; l++) {
+        int pos = 0, piece = 1;
+        while (pos < L) {
+            int n = piece < L - pos ? piece : L - pos;
+            cr_assert_eq(kvpq_cache_append(c, l, n, k + pos * kvw, v + pos * kvw), KVPQ_OK, "%s", kvpq_last_error());
+            pos += n;
+            piece = piece * 2 + 3;
+        }
+    }
+    free(k), free(v);
+    return c;
+}
+
+static void tmp_path(char *buf, size_t n, const char *name) {
+    snprintf(buf, n, "/tmp/kvpq_test_cache_file_%d_%s", (int)getpid(), name);
+}
+
+/* Attention of every layer for a few queries, and the read-back K/V, must be bit-identical. */
+static void expect_same(kvpq_cache *a, kvpq_cache *b, int n_q, uint64_t seed, const char *what) {
+    const int L = kvpq_cache_seq_len(a, 0);
+    cr_assert_eq(kvpq_cache_seq_len(b, 0), L, "%s: %d vs %d positions", what, kvpq_cache_seq_len(b, 0), L);
+    const size_t qw = (size_t)N_HEAD * HD, kvw = (size_t)N_HEAD_KV * HD;
+    float *q = rand_vec((size_t)n_q * qw, seed, 1.0f);
+    float *oa = malloc((size_t)n_q * qw * sizeof *oa), *ob = malloc((size_t)n_q * qw * sizeof *ob);
+    float *ka = malloc((size_t)L * kvw * sizeof *ka), *kb = malloc((size_t)L * kvw * sizeof *kb);
+    for (int l = 0; l < N_LAYER; l++) {
+        cr_assert_eq(kvpq_cache_attend(a, l, n_q, q, oa), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_cache_attend(b, l, n_q, q, ob), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert(!memcmp(oa, ob, (size_t)n_q * qw * sizeof *oa), "%s layer %d: attention differs after load", what, l);
+        cr_assert_eq(kvpq_cache_read(a, l, 0, L, ka, NULL), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_read(b, l, 0, L, kb, NULL), KVPQ_OK);
+        cr_assert(!memcmp(ka, kb, (size_t)L * kvw * sizeof *ka), "%s layer %d: keys differ after load", what, l);
+        cr_assert_eq(kvpq_cache_read(a, l, 0, L, NULL, ka), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_read(b, l, 0, L, NULL, kb), KVPQ_OK);
+        cr_assert(!memcmp(ka, kb, (size_t)L * kvw * sizeof *ka), "%s layer %d: values differ after load", what, l);
+    }
+    kvpq_cache_stats sa, sb;
+    kvpq_cache_get_stats(a, &sa), kvpq_cache_get_stats(b, &sb);
+    /* bytes: equal but for page-table slack a truncate leaves in the original (a few pointers) */
+    cr_assert(sa.resident_bytes >= sb.resident_bytes && sa.resident_bytes - sb.resident_bytes <= 1024,
+              "%s: %zu vs %zu bytes", what, sa.resident_bytes, sb.resident_bytes);
+    cr_assert_eq(sa.tokens_coded, sb.tokens_coded, "%s", what);
+    cr_assert_eq(sa.tokens_window, sb.tokens_window, "%s", what);
+    free(q), free(oa), free(ob), free(ka), free(kb);
+}
+
+static void append_both(kvpq_cache *a, kvpq_cache *b, int n, uint64_t seed) {
+    const size_t kvw = (size_t)N_HEAD_KV * HD;
+    float *k = rand_vec((size_t)n * kvw, seed, 1.0f), *v = rand_vec((size_t)n * kvw, seed + 1, 1.0f);
+    for (int l = 0; l < N_LAYER; l++) {
+        cr_assert_eq(kvpq_cache_append(a, l, n, k, v), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_cache_append(b, l, n, k, v), KVPQ_OK, "%s", kvpq_last_error());
+    }
+    free(k), free(v);
+}
+
+static void round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, int truncate_to, uint64_t seed) {
+    const char *tn = kvpq_cache_type_name(t);
+    kvpq_cache_params p = params(t, cb);
+    kvpq_cache *a = filled(&p, L, seed);
+    if (truncate_to >= 0) cr_assert_eq(kvpq_cache_truncate(a, truncate_to), KVPQ_OK, "%s", kvpq_last_error());
+    char path[256];
+    tmp_path(path, sizeof path, "rt.kvc");
+    const char blob[] = "model=smol;tokens=1,2,3";
+    cr_assert_eq(kvpq_cache_save(a, path, blob, sizeof blob), KVPQ_OK, "%s: %s", tn, kvpq_last_error());
+    kvpq_cache *b = NULL;
+    void *user = NULL;
+    size_t user_len = 0;
+    p.max_seq = 2048; /* a larger max_seq is fine */
+    cr_assert_eq(kvpq_cache_load(&b, &p, path, &user, &user_len), KVPQ_OK, "%s: %s", tn, kvpq_last_error());
+    cr_assert_eq(user_len, sizeof blob);
+    cr_assert(!memcmp(user, blob, sizeof blob));
+    free(user);
+    char what[64];
+    snprintf(what, sizeof what, "%s L %d trunc %d", tn, L, truncate_to);
+    if (kvpq_cache_seq_len(a, 0) > 0) expect_same(a, b, 3 < kvpq_cache_seq_len(a, 0) ? 3 : 1, seed + 7, what);
+    /* The loaded cache carries on exactly as the original: encode, window flushes, pages. */
+    append_both(a, b, 70, seed + 11);
+    expect_same(a, b, 1, seed + 13, what);
+    kvpq_cache_free(a);
+    kvpq_cache_free(b);
+    unlink(path);
+}
+
+Test(cache_file, round_trip_every_kind_identical_attention) {
+    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32,  KVPQ_CACHE_FP16,  KVPQ_CACHE_Q8_0,
+                                            KVPQ_CACHE_Q4_0,  KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4};
+    static const int lens[] = {1, WINDOW + 31, 300};
+    for (int k = 0; k < 6; k++)
+        for (int i = 0; i < 3; i++) round_trip(kinds[k], NULL, lens[i], -1, 100u * k + i);
+    for (int k = 0; k < 6; k++) round_trip(kinds[k], NULL, 300, 150, 700u + k); /* after a truncate */
+    for (int norm = 0; norm < 2; norm++) {
+        kvpq_codebook *cb = make_codebook(norm, 50u + norm);
+        for (int i = 0; i < 3; i++) round_trip(KVPQ_CACHE_VQ, cb, lens[i], -1, 900u + 10u * norm + i);
+        round_trip(KVPQ_CACHE_VQ, cb, 300, 150, 950u + norm);
+        kvpq_codebook_free(cb);
+    }
+}
+
+static void expect_load_fails(const kvpq_cache_params *p, const char *path, kvpq_status want, const char *needle) {
+    kvpq_cache *c = (kvpq_cache *)p; /* must come back NULL */
+    void *user = (void *)p;
+    kvpq_status s = kvpq_cache_load(&c, p, path, &user, NULL);
+    cr_assert_eq(s, want, "expected %s (%s), got %s: %s", kvpq_status_string(want), needle, kvpq_status_string(s),
+                 kvpq_last_error());
+    cr_assert_null(c);
+    cr_assert_null(user);
+    cr_assert(strstr(kvpq_last_error(), needle), "message '%s' lacks '%s'", kvpq_last_error(), needle);
+    cr_assert(strstr(kvpq_last_error(), path), "message '%s' does not name the file", kvpq_last_error());
+}
+
+static unsigned char *slurp(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f);
+    fseek(f, 0, SEEK_END);
+    *n = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *b = malloc(*n);
+    cr_assert_eq(fread(b, 1, *n, f), *n);
+    fclose(f);
+    return b;
+}
+
+static void spit(const char *path, const unsigned char *b, size_t n) {
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(b, 1, n, f), n);
+    fclose(f);
+}
+
+Test(cache_file, corrupted_truncated_and_mismatched_are_refused) {
+    kvpq_codebook *cb = make_codebook(1, 3), *other = make_codebook(1, 4);
+    kvpq_cache_params p = params(KVPQ_CACHE_VQ, cb);
+    kvpq_cache *a = filled(&p, 200, 17);
+    char path[256], bad[256];
+    tmp_path(path, sizeof path, "good.kvc");
+    tmp_path(bad, sizeof bad, "bad.kvc");
+    cr_assert_eq(kvpq_cache_save(a, path, "u", 1), KVPQ_OK, "%s", kvpq_last_error());
+    size_t n;
+    unsigned char *good = slurp(path, &n);
+    /* one flipped bit anywhere: in the header's lens, in the payload, in the checksum */
+    const size_t spots[] = {70, n / 2, n - 3};
+    for (int i = 0; i < 3; i++) {
+        unsigned char *b = malloc(n);
+        memcpy(b, good, n);
+        b[spots[i]] ^= 0x10;
+        spit(bad, b, n);
+        expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, i == 0 ? "" : "checksum");
+        free(b);
+    }
+    /* truncated at several places, and a byte too many */
+    const size_t cuts[] = {0, 5, 40, n / 3, n - 8, n - 1};
+    for (int i = 0; i < 6; i++) {
+        spit(bad, good, cuts[i]);
+        expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, i < 2 ? "" : "truncated");
+    }
+    unsigned char *longer = malloc(n + 1);
+    memcpy(longer, good, n);
+    longer[n] = 0;
+    spit(bad, longer, n + 1);
+    expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "trailing");
+    free(longer);
+    /* not a saved cache; another format version */
+    spit(bad, (const unsigned char *)"GGUF and then some bytes", 24);
+    expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "not a kvpq saved cache");
+    unsigned char *v2 = malloc(n);
+    memcpy(v2, good, n);
+    v2[8] = 2;
+    spit(bad, v2, n);
+    expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "format version 2");
+    free(v2);
+    /* mismatches: kind, codebook, shape, window, pages, capacity */
+    kvpq_cache_params q;
+    q = params(KVPQ_CACHE_KIVI2, NULL);
+    expect_load_fails(&q, path, KVPQ_ERR_MISMATCH, "cache kind vq");
+    q = p, q.codebook = other;
+    expect_load_fails(&q, path, KVPQ_ERR_MISMATCH, "another codebook");
+    q = p, q.window = WINDOW / 2;
+    expect_load_fails(&q, path, KVPQ_ERR_MISMATCH, "window 64");
+    q = p, q.page_tokens = PAGE * 2;
+    expect_load_fails(&q, path, KVPQ_ERR_MISMATCH, "page_tokens 64");
+    q = p, q.n_head = 3; /* same KV heads, another model's query heads */
+    expect_load_fails(&q, path, KVPQ_ERR_MISMATCH, "n_head 9");
+    q = p, q.max_seq = 100;
+    expect_load_fails(&q, path, KVPQ_ERR_CAPACITY, "max_seq");
+    q = p;
+    expect_load_fails(&q, "/nonexistent/dir/x.kvc", KVPQ_ERR_IO, "cannot open");
+    expect_load_fails(&q, "/tmp", KVPQ_ERR_IO, "not a regular file");
+    char fifo[256];
+    tmp_path(fifo, sizeof fifo, "fifo");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    expect_load_fails(&q, fifo, KVPQ_ERR_IO, "not a regular file"); /* returns: does not wait for a writer */
+    unlink(fifo);
+    /* the good file still loads */
+    kvpq_cache *b = NULL;
+    cr_assert_eq(kvpq_cache_load(&b, &p, path, NULL, NULL), KVPQ_OK, "%s", kvpq_last_error());
+    expect_same(a, b, 1, 5, "good file");
+    kvpq_cache_free(b);
+    kvpq_cache_free(a);
+    free(good);
+    unlink(path), unlink(bad);
+    kvpq_codebook_free(cb), kvpq_codebook_free(other);
+}
+
+static int temporaries_left(const char *dir, const char *prefix) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    for (struct dirent *e; d && (e = readdir(d));)
+        if (!strncmp(e->d_name, prefix, strlen(prefix)) && strstr(e->d_name, ".tmp.")) n++;
+    if (d) closedir(d);
+    return n;
+}
+
+Test(cache_file, failed_save_keeps_the_existing_file) {
+    kvpq_cache_params p = params(KVPQ_CACHE_FP32, NULL);
+    kvpq_cache *small = filled(&p, 4, 1), *big = filled(&p, 400, 2);
+    char path[256], prefix[64];
+    tmp_path(path, sizeof path, "keep.kvc");
+    snprintf(prefix, sizeof prefix, "kvpq_test_cache_file_%d_keep", (int)getpid());
+    cr_assert_eq(kvpq_cache_save(small, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+    size_t n0;
+    unsigned char *before = slurp(path, &n0);
+    /* The big cache's file (~1.8 MB) cannot be written under a 256 KiB file-size limit (EFBIG). */
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit rl = {256 << 10, 256 << 10};
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
+    kvpq_status s = kvpq_cache_save(big, path, NULL, 0);
+    cr_assert_eq(s, KVPQ_ERR_IO, "save past the limit: %s (%s)", kvpq_status_string(s), kvpq_last_error());
+    cr_assert(strstr(kvpq_last_error(), path), "%s", kvpq_last_error());
+    size_t n1;
+    unsigned char *after = slurp(path, &n1);
+    cr_assert(n1 == n0 && !memcmp(before, after, n0), "the existing file changed after a failed save");
+    cr_assert_eq(temporaries_left("/tmp", prefix), 0, "a temporary file was left behind");
+    /* into a folder that does not exist: refused, named */
+    cr_assert_eq(kvpq_cache_save(small, "/nonexistent/dir/x.kvc", NULL, 0), KVPQ_ERR_IO);
+    cr_assert(strstr(kvpq_last_error(), "/nonexistent/dir/x.kvc"));
+    kvpq_cache *b = NULL;
+    cr_assert_eq(kvpq_cache_load(&b, &p, path, NULL, NULL), KVPQ_OK, "%s", kvpq_last_error());
+    expect_same(small, b, 1, 3, "kept file");
+    kvpq_cache_free(b), kvpq_cache_free(small), kvpq_cache_free(big);
+    free(before), free(after);
+    unlink(path);
+}

@@ -1,0 +1,18 @@
+/* cli_json.h — the one shape of every `--json` output (docs/json.md):
+ *   {"schema": "kvpq.<command>/1", "kvpq_version": "...", "settings": {...}, "results": [{...}, ...]}
+ * settings: the run's options and environment (model, text, threads, simd, ...); results: one flat
+ * object per row of the command's table. A change that renames or removes a field bumps the /1. */
+#ifndef KVPQ_CLI_JSON_H
+#define KVPQ_CLI_JSON_H
+
+#include <cjson/cJSON.h>
+
+/* A new document for `command` ("ppl", "bench.decode", ...); *settings and *results point into it.
+ * NULL when out of memory. */
+cJSON *cli_json_new(const char *command, cJSON **settings, cJSON **results);
+/* Print the document to stdout and free it. Returns 0, or 1 (message printed) when printing failed. */
+int cli_json_print(cJSON *root);
+/* A number, or null when it is not finite (JSON has no NaN). */
+void cli_json_num(cJSON *o, const char *key, double v);
+
+#endif
