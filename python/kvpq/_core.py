@@ -334,6 +334,8 @@ def smooth_apply_query(q, lam):
 class Codebook:
     """A model's trained codebooks (kvpq_codebook): per layer a key and a value ProductQuantizer, the
     key smoothing factors lambda and key mean mu, plus string metadata; saved as safetensors.
+    keys, values: a preset name ("d4b8", ...) or (M, nbits); granularity: "shared", "subspace", or a
+    (key, value) pair of them.
 
     Codebook(n_layer, n_head_kv, head_dim, keys="d4b8", values=None, ...) makes an untrained one
     (lambda 1, mu 0, zero centroids); Codebook.load(path) reads a file; kvpq.calibrate() trains one."""
@@ -348,14 +350,23 @@ class Codebook:
         cp.n_layer = _int(n_layer, "n_layer", w, 1)
         cp.n_head_kv = _int(n_head_kv, "n_head_kv", w, 1)
         cp.head_dim = _int(head_dim, "head_dim", w, 1)
-        cp.key = _pq_params(w, head_dim, granularity=granularity, preset=keys)[0]
-        cp.value = _pq_params(w, head_dim, granularity=granularity, preset=values or keys)[0]
+        kg, vg = (granularity, granularity) if isinstance(granularity, str) else granularity
+        cp.key = self._quantizer(w, head_dim, keys, kg)[0]
+        cp.value = self._quantizer(w, head_dim, values if values is not None else keys, vg)[0]
         cp.value_rotate = int(bool(value_rotate))
         cp.key_norm = int(bool(key_norm))
         cp.value_norm = int(bool(value_norm))
         h = ffi.new("kvpq_codebook **")
         _check(lib.kvpq_codebook_new(h, cp), w)
         self._h = ffi.gc(h[0], lib.kvpq_codebook_free)
+
+    @staticmethod
+    def _quantizer(where, d, spec, granularity):
+        if isinstance(spec, str):
+            return _pq_params(where, d, granularity=granularity, preset=spec)
+        if isinstance(spec, (tuple, list)) and len(spec) == 2:
+            return _pq_params(where, d, M=spec[0], nbits=spec[1], granularity=granularity)
+        raise _arg_error(where, f"keys/values: {spec!r}: expected a preset name or (M, nbits)")
 
     @classmethod
     def load(cls, path):

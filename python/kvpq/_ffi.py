@@ -79,10 +79,28 @@ def cdef_from_header(text):
     return re.sub(r"\bKVPQ_API\b", "", "\n".join(out))
 
 
+def _openblas_coretype():
+    """OpenBLAS 0.3.21 (Debian 12) does not recognize some recent CPUs and falls back to SSE3 kernels
+    (3.6x slower prefill); it reads OPENBLAS_CORETYPE once, when it loads, so set it before loading
+    libkvpq (the CLI does the same, tools/cli_blas.c). A value the user set is kept."""
+    if "OPENBLAS_CORETYPE" in os.environ:
+        return
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(l for l in f if l.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return
+    if all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
+        os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
+    elif "avx2" in flags and "fma" in flags:
+        os.environ["OPENBLAS_CORETYPE"] = "Haswell"
+
+
 LIB_PATH, INCLUDE_DIR = _find()
 HEADERS = header_files(INCLUDE_DIR)
 CDEF = "\n".join(cdef_from_header(h.read_text()) for h in HEADERS)
 
 ffi = cffi.FFI()
 ffi.cdef(CDEF)
+_openblas_coretype()
 lib = ffi.dlopen(LIB_PATH)
