@@ -33,6 +33,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from . import _core
 
 ATTN_NAME = "kvpq"
+# model_type of transformers models whose GGUF files (convert_hf_to_gguf) permute the Q/K rows so
+# that rotary pairs are adjacent: kvpq's engine sees their keys with channels (2i, 2i+1) paired.
+_GGUF_INTERLEAVED = ("llama", "mistral", "granite")
 
 # Tensors a KVPQ layer's update() returned, by id, to the layer that can attend over them. The entry
 # lives from update() to the attention call of the same layer (the tensor is alive in between, so its
@@ -47,7 +50,8 @@ def _pending_map():
 
 
 def _to_numpy_rows(x):
-    """(1, heads, n, head_dim) torch -> (n, heads, head_dim) float32 C-contiguous numpy."""
+    """(1, heads, n, head_dim) torch -> (n, heads, head_dim) float32 C-contiguous numpy (may share
+    memory with x: read only)."""
     return np.ascontiguousarray(x[0].detach().to("cpu", torch.float32).transpose(0, 1).numpy())
 
 
@@ -74,7 +78,7 @@ class KVPQLayer(CacheLayerMixin):
             raise _core.Error(_core.ERR_INVALID_ARG, f"batch size {key_states.shape[0]}: a KVPQCache holds one "
                                                      "sequence (batch size 1)", "KVPQCache.update")
         c = self.owner.kv_cache(key_states)
-        c.append(self.layer_idx, _to_numpy_rows(key_states), _to_numpy_rows(value_states))
+        c.append(self.layer_idx, self.owner._key_order(_to_numpy_rows(key_states)), _to_numpy_rows(value_states))
         _pending_map()[id(key_states)] = (self.owner, self.layer_idx)
         return key_states, value_states
 
@@ -127,9 +131,12 @@ class KVPQCache(Cache):
     max_seq: positions the cache may hold (default: the model's max_position_embeddings, else 32768).
     n_head: query heads (needed when model is not given; else from the model's config).
     n_threads: kvpq threads (0 = OpenMP default).
+    key_layout: channel order of the codebook's keys, "hf" or "gguf" (default: the codebook's
+      key_layout metadata, else "gguf": a codebook from `kvpq calibrate` on the model's GGUF file).
     """
 
-    def __init__(self, codebook, model=None, window=None, max_seq=None, n_head=None, n_threads=0, fast_scan=False):
+    def __init__(self, codebook, model=None, window=None, max_seq=None, n_head=None, n_threads=0, fast_scan=False,
+                 key_layout=None):
         if not isinstance(codebook, _core.Codebook):
             raise _core.Error(_core.ERR_INVALID_ARG, f"codebook: expected a kvpq.Codebook, got {type(codebook).__name__}",
                               "KVPQCache")
@@ -146,6 +153,14 @@ class KVPQCache(Cache):
         self.n_head = n_head
         self.max_seq = max_seq or 32768
         self.window, self.n_threads, self.fast_scan = window, n_threads, fast_scan
+        # Channel order of the codebook's keys: "hf" (kvpq.transformers.calibrate writes key_layout=hf)
+        # or the GGUF engine's (`kvpq calibrate`), which for the llama architecture interleaves the
+        # rotary pairs; key_layout="hf" or "gguf" overrides.
+        layout = key_layout or codebook.get_meta("key_layout") or "gguf"
+        if layout not in ("hf", "gguf"):
+            raise _core.Error(_core.ERR_INVALID_ARG, f"key_layout: '{layout}': expected 'hf' or 'gguf'", "KVPQCache")
+        model_type = getattr(cfg, "model_type", None) if cfg is not None else None
+        self.interleave = layout == "gguf" and model_type in _GGUF_INTERLEAVED
         self._cache = None
 
     def _check_config(self, cfg):
@@ -159,6 +174,17 @@ class KVPQCache(Cache):
             if getattr(cfg, name, None) and getattr(cfg, "use_sliding_window", True):
                 raise _core.Error(_core.lib.KVPQ_ERR_UNSUPPORTED, f"the model uses {name}={getattr(cfg, name)}, which "
                                   "kvpq attention does not implement", "KVPQCache")
+
+    def _key_order(self, x):
+        """Keys and queries (n, heads, head_dim) in the codebook's channel order. transformers
+        keeps Llama's rotary pairs as (i, i + head_dim/2) ("rotate_half"); GGUF files of the llama
+        architecture, and so kvpq's engine and `kvpq calibrate`, hold them as (2i, 2i+1). q . k is the
+        same in either order, but a codebook's per-channel mean, smoothing factors and sub-vectors
+        are not: a codebook calibrated by the engine is applied to keys put in its order."""
+        if not self.interleave:
+            return x
+        n, h, d = x.shape
+        return np.ascontiguousarray(x.reshape(n, h, 2, d // 2).swapaxes(2, 3).reshape(n, h, d))
 
     def kv_cache(self, like=None):
         """The underlying kvpq.Cache (made at the first update, when the query head count is known)."""
@@ -184,11 +210,11 @@ class KVPQCache(Cache):
         """Attention output (1, n_q, n_head, head_dim) for query (1, n_head, n_q, head_dim) over every
         position of layer layer_idx (the newest n_q are the query's own: causal)."""
         c = self._cache
-        q = _to_numpy_rows(query)
+        q = self._key_order(_to_numpy_rows(query))
         d = q.shape[-1]
         scale_fix = float(scaling) * d ** 0.5  # kvpq uses 1/sqrt(head_dim)
         if abs(scale_fix - 1.0) > 1e-6:
-            q *= np.float32(scale_fix)
+            q = q * np.float32(scale_fix)  # not in place: q may share the model's query tensor
         out = c.attend(layer_idx, q)  # (n_q, n_head, head_dim)
         return torch.from_numpy(out).unsqueeze(0).to(query.device, query.dtype)
 
@@ -299,6 +325,7 @@ def calibrate(model, tokenizer, text, preset="d4b8", tokens=32768, ctx=2048, **k
     if ids.numel() < 16:
         raise _core.Error(_core.ERR_INVALID_ARG, f"text: {ids.numel()} tokens (need at least 16)", "calibrate")
     kv = collect_kv(model, ids, ctx)
-    meta = {"tokens": ids.numel(), "ctx": ctx, "model": getattr(model.config, "_name_or_path", "")}
+    meta = {"tokens": ids.numel(), "ctx": ctx, "model": getattr(model.config, "_name_or_path", ""),
+            "key_layout": "hf"}
     meta.update(kw.pop("meta", {}) or {})
     return _core.calibrate(kv, keys=preset, meta=meta, **kw)
