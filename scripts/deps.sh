@@ -4,7 +4,7 @@
 set -euo pipefail
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 apt_pkgs=(build-essential cmake pkg-config libcriterion-dev libcjson-dev libpcre2-dev libopenblas-dev
-          clang python3 python3-pip)
+          clang python3 python3-pip python3-venv)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
