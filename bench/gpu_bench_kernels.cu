@@ -24,7 +24,6 @@
 
 #include "cuda/common.cuh"
 
-extern "C" int kvpq__cuda_encode_dbg; /* src/cuda/encode.cu: timing knob of the grouped search */
 
 #define CK(call)                                                                              \
     do {                                                                                      \
@@ -123,9 +122,21 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
     KV(kvpq_pq_set_centroids(pq, cent.data(), ncent));
     size_t free0, free1, total;
     CK(cudaMemGetInfo(&free0, &total));
-    kvpq_cuda_pq *q;
+    kvpq_cuda_pq *q; /* the defaults */
     KV(kvpq_cuda_pq_new(&q, pq, H, lam.data(), 1));
     CK(cudaMemGetInfo(&free1, &total));
+    /* every search of our kernel (kvpq_cuda_kernels.encode_search, src/cuda/encode.cu): 0 float32 on
+     * the CUDA cores, 1 tensor cores with a per-key argmin (the previous kernel), 2 tensor cores with
+     * the grouped argmin and exact re-rank (with accumulator input), 3 and 4 the same without (4 / 2
+     * row tiles) */
+    kvpq_cuda_pq *qv[5];
+    for (int v = 0; v < 5; v++) {
+        kvpq_cuda_pq_params qp = kvpq_cuda_pq_params_default();
+        qp.n_head_kv = H;
+        qp.lambda = lam.data();
+        qp.kernels.encode_search = v;
+        KV(kvpq_cuda_pq_new_params(&qv[v], pq, &qp));
+    }
     const int NB = 4;  /* rotating input sets */
     size_t nx = (size_t)S * H * D, cs = kvpq_pq_code_size(pq), ncode = (size_t)S * H * cs;
     long long n_sub = (long long)S * H * (D / dsub);
@@ -146,39 +157,33 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     int it = 0, iters = quick ? 4 : 20, reps = quick ? 3 : 15;
-    /* every search of our kernel (src/cuda/encode.cu): 0 float32 on the CUDA cores, 1 tensor cores
-     * with a per-key argmin (the previous kernel), 2 tensor cores with the grouped argmin and exact
-     * re-rank (with accumulator input), 3 and 4 the same without (4 / 2 row tiles) */
-    const int mma_0 = kvpq__cuda_encode_mma;
     double var_us[5];
-    for (int v = 0; v < 5; v++) {
-        kvpq__cuda_encode_mma = v;
+    for (int v = 0; v < 5; v++)
         var_us[v] = time_graph(
             [&](cudaStream_t s) {
                 kvpq__code_dst d = {dc[it % NB], NULL, 0, 1, 0, 0};
-                KV(kvpq__cuda_encode_launch(q, (size_t)S, dx[it % NB], d, s));
+                KV(kvpq__cuda_encode_launch(qv[v], (size_t)S, dx[it % NB], d, s));
                 it++;
             },
             iters, reps, st);
-    }
-    /* knobs: the grouped search with parts left out (kvpq__cuda_encode_dbg), to place its time */
+    /* knobs: the grouped search with parts left out (kvpq_cuda_pq.dbg, internal), to place its time */
     double knob_us[2][4] = {{0}};
     const int knob_v[2] = {3, 4}, knob_d[4] = {1, 2, 3, 4};
     for (int kv = 0; knobs && kv < 2; kv++)
         for (int kd = 0; kd < 4; kd++) {
-            kvpq__cuda_encode_mma = knob_v[kv];
-            kvpq__cuda_encode_dbg = knob_d[kd];
+            kvpq_cuda_pq *qk = qv[knob_v[kv]];
+            qk->dbg = knob_d[kd];
             knob_us[kv][kd] = time_graph(
                 [&](cudaStream_t s) {
                     kvpq__code_dst d = {dc[it % NB], NULL, 0, 1, 0, 0};
-                    KV(kvpq__cuda_encode_launch(q, (size_t)S, dx[it % NB], d, s));
+                    KV(kvpq__cuda_encode_launch(qk, (size_t)S, dx[it % NB], d, s));
                     it++;
                 },
                 iters, reps, st);
-            kvpq__cuda_encode_dbg = 0;
+            qk->dbg = 0;
         }
-    kvpq__cuda_encode_mma = mma_0;
-    double ours = var_us[mma_0 >= 0 && mma_0 < 5 ? mma_0 : 2];
+    const int mma_0 = q->search;
+    double ours = var_us[mma_0];
     double seed = time_graph(
         [&](cudaStream_t s) {
             seed_encode_kernel<<<(unsigned)((n_sub + 255) / 256), 256, 0, s>>>(dx[it % NB], dC, n_sub, dsub,
@@ -220,6 +225,7 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
     cudaFree(dC);
     cudaStreamDestroy(st);
     kvpq_cuda_pq_free(q);
+    for (int v = 0; v < 5; v++) kvpq_cuda_pq_free(qv[v]);
     kvpq_pq_free(pq);
 }
 
@@ -268,8 +274,6 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
     cp.value = vp;
     cp.key_smooth = lam.data();
     cp.value_rotate = 1;
-    kvpq_cuda_cache *c;
-    KV(kvpq_cuda_cache_new(&c, &cp));
     const int piece = L < 32768 ? L : 32768;
     size_t row = (size_t)n_head_kv * D;
     std::vector<float> hk((size_t)piece * row);
@@ -280,10 +284,6 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
     CK(cudaMemcpy(dk, hk.data(), hk.size() * 4, cudaMemcpyHostToDevice));
     for (auto &v : hk) v = nrand();
     CK(cudaMemcpy(dv, hk.data(), hk.size() * 4, cudaMemcpyHostToDevice));
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < L; t += piece) KV(kvpq_cuda_cache_append(c, b, std::min(piece, L - t), dk, dv));
-    cudaFree(dk);
-    cudaFree(dv);
     size_t nq = (size_t)B * n_head * D;
     std::vector<float> hq(nq);
     for (auto &v : hq) v = nrand();
@@ -293,27 +293,32 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
     CK(cudaMemcpy(dq, hq.data(), nq * 4, cudaMemcpyHostToDevice));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    /* every kernel variant (LUT float32/float16 x value codebook plain/replicated); "ours" is the default */
-    const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep;
-    /* v 4: the default variant with the previous value loop (kvpq__cuda_attend_pvec = 0) */
-    const int pvec_0 = kvpq__cuda_attend_pvec, tc_0 = kvpq__cuda_attend_tc, tcw_0 = kvpq__cuda_attend_tc_warps;
-    /* v 5: the defaults (the tensor-core kernel for this shape): "ours"; v 6, 7: 8- and 16-warp CTAs */
+    /* every kernel variant, each a cache of its own (kvpq_cuda_cache_params.kernels) holding the
+     * same codes: 0-3 LUT kernel, entries float32/float16 x value codebook plain/replicated; 4 the
+     * LUT f16 + replicas kernel with the previous value loop (attend_pvec = 0); 5 the defaults (the
+     * tensor-core kernel for this shape): "ours"; 6, 7: 8- and 16-warp CTAs */
+    const kvpq_cuda_kernels k0 = kvpq_cuda_kernels_default();
     double var_us[8], us = 0;
+    size_t resident = 0;
     for (int v = 0; v < 8; v++) {
-        kvpq__cuda_attend_lut16 = v >= 4 ? lut16_0 : v & 1;
-        kvpq__cuda_attend_vrep = v >= 4 ? vrep_0 : v >> 1;
-        kvpq__cuda_attend_pvec = v == 4 ? 0 : pvec_0;
-        kvpq__cuda_attend_tc = v >= 5 ? tc_0 : 0;
-        kvpq__cuda_attend_tc_warps = v == 6 ? 8 : v == 7 ? 16 : tcw_0;
-        var_us[v] = time_graph([&](cudaStream_t s) { KV(kvpq__cuda_cache_attend_async(c, B, dq, dout, s)); },
+        cp.kernels = k0;
+        cp.kernels.attend_lut16 = v >= 4 ? k0.attend_lut16 : v & 1;
+        cp.kernels.attend_vrep = v >= 4 ? k0.attend_vrep : v >> 1;
+        cp.kernels.attend_pvec = v == 4 ? 0 : k0.attend_pvec;
+        cp.kernels.attend_tc = v >= 5 ? k0.attend_tc : 0;
+        cp.kernels.attend_tc_warps = v == 6 ? 8 : v == 7 ? 16 : k0.attend_tc_warps;
+        kvpq_cuda_cache *c;
+        KV(kvpq_cuda_cache_new(&c, &cp));
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < L; t += piece) KV(kvpq_cuda_cache_append(c, b, std::min(piece, L - t), dk, dv));
+        var_us[v] = time_graph([&](cudaStream_t s) { KV(kvpq_cuda_cache_attend_async(c, B, dq, dout, s)); },
                                quick ? 4 : 20, quick ? 3 : 15, st);
+        if (v == 5) resident = kvpq_cuda_cache_resident_bytes(c);
+        kvpq_cuda_cache_free(c);
     }
     us = var_us[5];
-    kvpq__cuda_attend_lut16 = lut16_0;
-    kvpq__cuda_attend_vrep = vrep_0;
-    kvpq__cuda_attend_pvec = pvec_0;
-    kvpq__cuda_attend_tc = tc_0;
-    kvpq__cuda_attend_tc_warps = tcw_0;
+    cudaFree(dk);
+    cudaFree(dv);
     /* bytes read: key and value codes (and norm-explicit float16 scales) of the coded positions, the
      * float32 window, q; written: out */
     double coded = (double)B * (L - W) * n_head_kv * (kvpq_pq_code_size(kp) + kvpq_pq_code_size(vp) + (ne ? 4 : 0));
@@ -322,13 +327,12 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
            "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu, \"variant_us\": {\"f32_plain\": %.3f, "
            "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f}, "
            "\"tc_warps\": %d, \"default_variant\": \"%s\"}\n",
-           ne ? "attend_ne" : "attend", B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, kvpq_cuda_cache_resident_bytes(c), var_us[0],
-           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], tcw_0, tc_0 ? "tc" : lut16_0 ? "f16_vrep" : "f32_vrep");
+           ne ? "attend_ne" : "attend", B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, resident, var_us[0],
+           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], k0.attend_tc_warps, k0.attend_tc ? "tc" : k0.attend_lut16 ? "f16_vrep" : "f32_vrep");
     fflush(stdout);
     cudaFree(dq);
     cudaFree(dout);
     cudaStreamDestroy(st);
-    kvpq_cuda_cache_free(c);
     if (cb) {
         kvpq_codebook_free(cb);
     } else {

@@ -219,7 +219,8 @@ KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
 /* Divide each row of x: (n, d) in place by its L2 norm (the direction u = x / |x| that a
  * norm-explicit quantizer codes, see kvpq_codebook_params.key_norm); a zero row stays zero.
  * norms: (n) gets |x| of each row (float of the double-precision sum), or NULL. Errors: d < 1, x
- * NULL with n > 0 (KVPQ_ERR_INVALID_ARG). */
+ * NULL with n > 0 (KVPQ_ERR_INVALID_ARG); a NaN/Inf element or a norm beyond float's range
+ * (KVPQ_ERR_NONFINITE, naming the row; x is then unchanged). */
 KVPQ_API kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms);
 
 /* Smoothing factors lambda_c = sqrt(max_t |k_tc|), floored at `floor` (default 1e-2 keeps
@@ -357,6 +358,9 @@ KVPQ_API kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer,
 
 /* ---- KV cache ------------------------------------------------------------------------------- */
 
+/* Largest max_seq a cache takes (2^30 positions): page and position arithmetic then stays in int. */
+#define KVPQ_CACHE_MAX_SEQ (1 << 30)
+
 /* Cache kinds. Enum values are stable; new kinds are added at the end. */
 typedef enum {
     KVPQ_CACHE_FP32 = 0,
@@ -374,9 +378,10 @@ typedef struct {
     int n_head;         /* query heads */
     int n_head_kv;      /* KV heads; n_head % n_head_kv == 0 (GQA) */
     int head_dim;
-    int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond) */
-    int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128) */
-    int page_tokens;    /* tokens per allocated page (default 256) */
+    int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond), 1..KVPQ_CACHE_MAX_SEQ */
+    int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128); a window
+                         * longer than max_seq is clamped to max_seq (the whole sequence) */
+    int page_tokens;    /* tokens per allocated page (default 256); clamped to max_seq likewise */
     const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
     int n_threads;      /* 0 = OpenMP default */
     kvpq_backend backend;
@@ -543,14 +548,46 @@ KVPQ_API kvpq_status kvpq_vocab_piece(const kvpq_vocab *v, int32_t token, char *
  * NULL) says why ("built without CUDA", "no CUDA device: <cuda error>", ...). */
 KVPQ_API int kvpq_cuda_available(char *why, size_t n);
 
+/* Kernel variants of the CUDA backend (docs/CUDA.md), chosen per quantizer or cache at creation,
+ * so that tests and benchmarks can run each one side by side in one process. The defaults
+ * (kvpq_cuda_kernels_default) are the fastest measured on an H200; every variant computes the same
+ * function to within its own rounding (tests/gpu/gpu_check.c checks each against float64). A value
+ * outside the listed ones fails creation with KVPQ_ERR_INVALID_ARG naming the field. */
+typedef struct {
+    int attend_tc;       /* 1 (default): shared K and V codebooks with dsub 4 and nbits 8 take the
+                          * tensor-core attention kernel; 0: the LUT kernel for every codebook */
+    int attend_tc_warps; /* tensor-core kernel, warps per CTA: 8 (two CTAs per SM), 16 (one), or 0
+                          * (default): chosen per launch from the work */
+    int attend_lut16;    /* LUT kernel: 1 (default) float16 LUT entries summed in float32; 0: float32 */
+    int attend_vrep;     /* LUT kernel: 1 (default) the value codebook as 8 bank-private replicas in
+                          * shared memory where it fits; 0: one copy */
+    int attend_pvec;     /* LUT kernel, whole-byte value codes: 1 (default) vector loads of a
+                          * position's probabilities; 0: the previous scalar loop */
+    int encode_search;   /* encode search: 3 (default) tensor cores, grouped argmin and exact
+                          * re-rank; 2 and 4 variants of 3 (other row tiles / CTAs per SM); 1 tensor
+                          * cores with a per-key argmin; 0 float32 on the CUDA cores. Codebooks
+                          * without tensor-core fragments take 0 whatever the value */
+} kvpq_cuda_kernels;
+KVPQ_API kvpq_cuda_kernels kvpq_cuda_kernels_default(void);
+
 /* A product quantizer resident on the GPU: codebook(s) and norms uploaded once, plus the key
  * transforms of VecInfer sec. 3 for n_head_kv heads: x / lambda (per head and channel) when lambda
  * is given, then the normalized Hadamard rotation when rotate != 0. */
 typedef struct kvpq_cuda_pq kvpq_cuda_pq;
 
-/* pq: trained host quantizer (d = 64, 128 or 256; copied, may be freed after). lambda: host
- * (n_head_kv, d) smoothing factors (> 0, finite) or NULL. Errors: KVPQ_ERR_UNSUPPORTED (d),
- * KVPQ_ERR_INVALID_ARG, KVPQ_ERR_NO_DEVICE, KVPQ_ERR_DEVICE. */
+typedef struct {
+    int n_head_kv;             /* heads of each row (default 8) */
+    const float *lambda;       /* host (n_head_kv, d) smoothing factors (> 0, finite; copied), or NULL */
+    int rotate;                /* 1 (default): normalized Hadamard rotation after smoothing */
+    kvpq_cuda_kernels kernels; /* encode_search is the one that applies (default kvpq_cuda_kernels_default) */
+} kvpq_cuda_pq_params;
+KVPQ_API kvpq_cuda_pq_params kvpq_cuda_pq_params_default(void);
+
+/* pq: trained host quantizer (d = 64, 128 or 256; copied, may be freed after). Errors:
+ * KVPQ_ERR_UNSUPPORTED (d), KVPQ_ERR_INVALID_ARG (naming the field), KVPQ_ERR_NO_DEVICE,
+ * KVPQ_ERR_DEVICE. */
+KVPQ_API kvpq_status kvpq_cuda_pq_new_params(kvpq_cuda_pq **out, const kvpq_pq *pq, const kvpq_cuda_pq_params *p);
+/* kvpq_cuda_pq_new_params with the default kernels and the given n_head_kv, lambda, rotate. */
 KVPQ_API kvpq_status kvpq_cuda_pq_new(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_head_kv, const float *lambda,
                                       int rotate);
 KVPQ_API void kvpq_cuda_pq_free(kvpq_cuda_pq *q);
@@ -577,7 +614,7 @@ typedef struct {
     int head_dim;        /* 64, 128 or 256 */
     int n_seq;           /* sequences (batch rows) the cache holds */
     int max_seq;         /* positions per sequence */
-    int window;          /* newest positions kept in float32 (default 128; 0 = none) */
+    int window;          /* newest positions kept in float32 (default 128; 0 = none; clamped to max_seq) */
     int page_tokens;     /* positions per page, a multiple of 32 (default 256) */
     int n_pages;         /* pages in the pool shared by all sequences (0: enough for n_seq * max_seq) */
     const kvpq_pq *key;  /* key quantizer (d = head_dim), copied */
@@ -588,6 +625,8 @@ typedef struct {
                             * Keys are stored as k - mu (codes of H((k - mu) / lambda), window k - mu):
                             * every score of a query shifts by the same q.mu, so attention is unchanged
                             * (exact) while the codes quantize centered keys. Finite values; copied. */
+    kvpq_cuda_kernels kernels; /* kernel variants of the cache's encode and attention (default
+                                * kvpq_cuda_kernels_default) */
 } kvpq_cuda_cache_params;
 KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
 
@@ -619,6 +658,14 @@ KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int seq, int n, 
  * (flash-decoding). docs/CUDA.md has both kernels.
  * q, out: device (n_seq, n_head, head_dim) float32. */
 KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const float *q, float *out);
+/* kvpq_cuda_cache_attend enqueued on `stream` (a cudaStream_t; NULL: the legacy default stream)
+ * without waiting for it: the kernel launch only, so a decode step can capture the attention of
+ * every layer into one CUDA graph (bench/gpu_decode_step.py). The launch is planned from the
+ * lengths the sequences hold at the call: a captured graph replays that plan, so capture again
+ * once sequences grow. Errors: those of kvpq_cuda_cache_attend found before or at the launch;
+ * faults inside the kernel surface at the caller's next synchronization. */
+KVPQ_API kvpq_status kvpq_cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q, float *out,
+                                                  void *stream);
 
 /* Positions held by sequence seq (-1 if out of range). */
 KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq);

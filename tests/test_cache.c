@@ -1,6 +1,7 @@
 /* test_cache.c — the KV-cache API (cache.c) and every CPU kind: attention against an fp64
  * reference over what kvpq_cache_read returns, causal prefill, GQA, pages, truncate, errors, SIMD. */
 #include <criterion/criterion.h>
+#include <limits.h>
 #include <string.h>
 
 #include "cache_testutil.h"
@@ -513,5 +514,33 @@ Test(cache, fp32_error_at_most_twice_naive_float32) {
             kvpq_cache_free(c);
         }
         free(k), free(v), free(q), free(o), free(on), free(ref);
+    }
+}
+
+/* Issue 14 item 8: a position plus a count past INT_MAX must be refused without overflow (UBSan
+ * aborted on pos0 + n, Release printed a negative bound), and a cache cannot be made so large that
+ * its page arithmetic (max_seq + page_tokens - 1) overflows. */
+Test(cache, ranges_checked_without_overflow) {
+    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32, KVPQ_CACHE_FP16, KVPQ_CACHE_Q8_0, KVPQ_CACHE_Q4_0,
+                                            KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4};
+    for (size_t t = 0; t < sizeof kinds / sizeof kinds[0]; t++) {
+        kvpq_cache *c = make(kinds[t], 1, 2, 1, 64, 100, 32, 16);
+        float k[64] = {0}, buf[64];
+        cr_assert_eq(kvpq_cache_append(c, 0, 1, k, k), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_read(c, 0, 1, INT_MAX, buf, NULL), KVPQ_ERR_INVALID_ARG);
+        cr_assert(strstr(kvpq_last_error(), "[1, 2147483648)"), "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_cache_read(c, 0, INT_MAX, INT_MAX, buf, NULL), KVPQ_ERR_INVALID_ARG);
+        cr_assert(strstr(kvpq_last_error(), "[2147483647, 4294967294)"), "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_cache_append(c, 0, INT_MAX, k, k), KVPQ_ERR_CAPACITY);
+        cr_assert_eq(kvpq_cache_seq_len(c, 0), 1);
+        kvpq_cache_free(c);
+        kvpq_cache_params p = kvpq_cache_params_default();
+        p.type = kinds[t];
+        p.max_seq = INT_MAX;
+        p.page_tokens = 1 << 20;
+        c = NULL;
+        cr_assert_eq(kvpq_cache_new(&c, &p), KVPQ_ERR_INVALID_ARG);
+        cr_assert(strstr(kvpq_last_error(), "max_seq 2147483647"), "%s", kvpq_last_error());
+        cr_assert_null(c);
     }
 }

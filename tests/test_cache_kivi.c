@@ -245,3 +245,37 @@ Test(kivi, head_dim_must_be_multiple_of_32) {
     cr_assert(strstr(kvpq_last_error(), "head_dim 48"));
     cr_assert_null(c);
 }
+
+/* Issue 14 item 1: truncate, then append again. With W = 128: 300 + 100 positions (n_coded 256),
+ * truncate to 300 (n_coded stays 256, above the rule's 160 for 300), append 100 other positions.
+ * The append must start from the coded count truncate left, not recompute it from the length (that
+ * re-quantized groups 160..255 from window slots the ring had reused: errors up to ~2 on values in
+ * [-1, 1]). Every position then reads back exactly as a fresh cache fed the same 400 positions. */
+Test(kivi, truncate_then_append_keeps_coded_groups) {
+    const int hkv = 2, hd = 64, W = 128;
+    const size_t kvw = (size_t)hkv * hd;
+    float *k = rand_vec((size_t)500 * kvw, 21, 1.0f), *v = rand_vec((size_t)500 * kvw, 22, 1.0f);
+    float *a = malloc((size_t)400 * kvw * 4), *b = malloc((size_t)400 * kvw * 4);
+    float *av = malloc((size_t)400 * kvw * 4), *bv = malloc((size_t)400 * kvw * 4);
+    for (int bits = 2; bits <= 4; bits += 2) {
+        kvpq_cache *c = make_kivi(bits, hkv, hd, W, 256, 1024), *f = make_kivi(bits, hkv, hd, W, 256, 1024);
+        cr_assert_eq(kvpq_cache_append(c, 0, 300, k, v), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_append(c, 0, 100, k + 400 * kvw, v + 400 * kvw), KVPQ_OK); /* 300..399: other data */
+        cr_assert_eq(kvpq_cache_truncate(c, 300), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_append(c, 0, 100, k + 300 * kvw, v + 300 * kvw), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_append(f, 0, 400, k, v), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_read(c, 0, 0, 400, a, av), KVPQ_OK);
+        cr_assert_eq(kvpq_cache_read(f, 0, 0, 400, b, bv), KVPQ_OK);
+        for (size_t e = 0; e < (size_t)400 * kvw; e++) {
+            cr_assert_eq(a[e], b[e], "kivi%d: key of position %zu: %g, fresh cache %g", bits, e / kvw, a[e], b[e]);
+            cr_assert_eq(av[e], bv[e], "kivi%d: value of position %zu: %g, fresh cache %g", bits, e / kvw, av[e],
+                         bv[e]);
+        }
+        kvpq_cache_stats st;
+        kvpq_cache_get_stats(c, &st);
+        cr_assert_eq(st.tokens_coded, n_coded(400, W));
+        kvpq_cache_free(c);
+        kvpq_cache_free(f);
+    }
+    free(k), free(v), free(a), free(b), free(av), free(bv);
+}

@@ -376,13 +376,35 @@ Test(codebook_file, version_1_file_loads_without_key_mean) {
     for (int l = 0; l < 2; l++) {
         char name[32];
         snprintf(name, sizeof name, "layers.%d.k.mean", l);
-        cJSON_DeleteItemFromObjectCaseSensitive(p.root, name); /* its bytes stay, unreferenced */
+        cJSON_DeleteItemFromObjectCaseSensitive(p.root, name);
     }
+    /* A version 1 writer laid the remaining tensors out contiguously: close the holes (exact
+     * coverage is checked). Tensors stay in their order. */
+    uint8_t *packed = malloc(p.dlen);
+    size_t at = 0;
+    for (size_t lo = 0; lo < p.dlen;) {
+        cJSON *next = NULL;
+        size_t nb = SIZE_MAX, ne = 0;
+        for (cJSON *t = p.root->child; t; t = t->next) {
+            if (!strcmp(t->string, "__metadata__")) continue;
+            size_t tb, te;
+            get_offsets(&p, t->string, &tb, &te);
+            if (tb >= lo && tb < nb) next = t, nb = tb, ne = te;
+        }
+        if (!next) break;
+        memcpy(packed + at, p.data + nb, ne - nb);
+        set_offsets(&p, next->string, (double)at, (double)(at + ne - nb));
+        at += ne - nb;
+        lo = ne;
+    }
+    p.data = packed;
+    p.dlen = at;
     set_meta_str(&p, "k.norm", NULL); /* added in version 3 */
     set_meta_str(&p, "v.norm", NULL);
     set_meta_str(&p, "kvpq.format_version", "1");
     write_parsed(old, &p);
     free_parsed(&p);
+    free(packed);
     cr_assert_eq(kvpq_codebook_load(&b, old), KVPQ_OK, "%s", kvpq_last_error());
     for (int l = 0; l < 2; l++) {
         const float *mu = kvpq_codebook_key_mean_const(b, l);
@@ -724,7 +746,9 @@ Test(codebook_file, bad_offsets_are_rejected) {
     write_parsed(bad, &p);
     expect_fail(bad, KVPQ_ERR_FORMAT, "layers.0.v.codebook", "data_offsets");
     free_parsed(&p);
-    /* Holes between tensors are tolerated (the format allows them); moving a tensor keeps its values. */
+    /* Issue 14 item 5: exact coverage, as safetensors requires. A hole between tensors (the
+     * tensor moved to the end, its old bytes left unused), bytes before the first tensor and
+     * trailing bytes after the last are refused. */
     p = parse_file(good);
     uint8_t *data = calloc(p.dlen + 64, 1);
     memcpy(data, p.data, p.dlen);
@@ -733,14 +757,45 @@ Test(codebook_file, bad_offsets_are_rejected) {
     p.dlen += 64;
     set_offsets(&p, "layers.1.k.codebook", (double)(p.dlen - 32), (double)p.dlen);
     write_parsed(bad, &p);
-    kvpq_codebook *a, *b;
-    cr_assert_eq(kvpq_codebook_load(&a, bad), KVPQ_OK, "%s", kvpq_last_error());
-    cr_assert_eq(kvpq_codebook_load(&b, good), KVPQ_OK);
-    assert_same(a, b);
-    kvpq_codebook_free(a);
-    kvpq_codebook_free(b);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "gap of 32 bytes between tensors layers.1.k.smooth", NULL);
     free(data);
     free_parsed(&p);
+    p = parse_file(good);
+    data = calloc(p.dlen + 5, 1);
+    memcpy(data, p.data, p.dlen);
+    p.data = data;
+    p.dlen += 5;
+    write_parsed(bad, &p);
+    expect_fail(bad, KVPQ_ERR_FORMAT, "5 trailing bytes after the last tensor", NULL);
+    free(data);
+    free_parsed(&p);
+    /* Float-typed offsets: "16.0" or "1.6e1" read as 16 by a JSON parser, but are not integers. */
+    blob g = read_blob(good);
+    uint64_t hn = 0;
+    for (int i = 0; i < 8; i++) hn |= (uint64_t)g.buf[i] << (8 * i);
+    char *hdr = malloc((size_t)hn + 1);
+    memcpy(hdr, g.buf + 8, (size_t)hn);
+    hdr[hn] = '\0';
+    char needle[64];
+    snprintf(needle, sizeof needle, "\"data_offsets\":[%zu,%zu]", kb, ke);
+    char *at = strstr(hdr, needle);
+    cr_assert_not_null(at, "%s not in the header", needle);
+    static const char *const fmt[] = {"\"data_offsets\":[%zu.0,%zu]", "\"data_offsets\":[%zu,%zue0]",
+                                      "\"data_offsets\":[%zu,%zuE+0]"};
+    for (size_t f = 0; f < sizeof fmt / sizeof fmt[0]; f++) {
+        char repl[64], *h2 = malloc((size_t)hn + 16);
+        int rl = snprintf(repl, sizeof repl, fmt[f], kb, ke);
+        size_t pre = (size_t)(at - hdr), nl = strlen(needle);
+        memcpy(h2, hdr, pre);
+        memcpy(h2 + pre, repl, (size_t)rl);
+        memcpy(h2 + pre + rl, at + nl, (size_t)hn - pre - nl);
+        size_t h2n = (size_t)hn - nl + (size_t)rl;
+        write_raw(bad, h2n, h2, h2n, g.buf + 8 + hn, g.len - 8 - (size_t)hn);
+        expect_fail(bad, KVPQ_ERR_FORMAT, "must be integers", f == 0 ? ".0" : "e");
+        free(h2);
+    }
+    free(hdr);
+    free(g.buf);
 }
 
 Test(codebook_file, missing_unexpected_and_duplicate_tensors_are_rejected) {
@@ -801,6 +856,12 @@ Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
         {"layers.0.k.smooth", 2, 0.0f, KVPQ_ERR_FORMAT, "layers.0.k.smooth element 2 is 0: smoothing"},
         {"layers.1.k.mean", 5, NAN, KVPQ_ERR_NONFINITE, "tensor layers.1.k.mean element 5 is NaN"},
         {"layers.1.k.smooth", 7, -1.0f, KVPQ_ERR_FORMAT, "layers.1.k.smooth element 7 is -1"},
+        /* Issue 14 item 10: finite but absurd values (they loaded, then overflowed or degraded). */
+        {"layers.1.k.smooth", 3, 1e-45f, KVPQ_ERR_FORMAT, "layers.1.k.smooth element 3 is 1.4013e-45: smoothing factors must lie in"},
+        {"layers.0.k.smooth", 1, 3e38f, KVPQ_ERR_FORMAT, "layers.0.k.smooth element 1 is 3e+38: smoothing factors must lie in"},
+        {"layers.1.k.codebook", 2, 3e38f, KVPQ_ERR_FORMAT, "layers.1.k.codebook element 2 is 3e+38: expected |x| <="},
+        {"layers.0.v.codebook", 9, -1e7f, KVPQ_ERR_FORMAT, "layers.0.v.codebook element 9 is -1e+07"},
+        {"layers.1.k.mean", 0, 1e30f, KVPQ_ERR_FORMAT, "layers.1.k.mean element 0 is 1e+30"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         parsed p = parse_file(good);

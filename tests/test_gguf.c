@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -61,6 +62,9 @@ typedef struct {
     uint32_t bool_value;     /* override test.bool's byte */
     int dup_key, dup_tensor; /* write a key / tensor name twice */
     int nest;                /* nesting depth of test.nested (default 2) */
+    const char *str_value;   /* override test.string's value "hello" */
+    const char *last_key;    /* override the name of the key test.last */
+    const char *tname0;      /* override the name of tensor 0 "a.f32" */
 } spec;
 
 static spec spec_default(void) {
@@ -114,7 +118,8 @@ static buf build(const spec *s) {
     put_key(&b, "test.bool", GGUF_TYPE_BOOL);
     put_u8(&b, (uint8_t)s->bool_value);
     put_key(&b, "test.string", GGUF_TYPE_STRING);
-    put_strn(&b, "hello", s->str_len != NONE ? s->str_len : 5);
+    put_strn(&b, s->str_value ? s->str_value : "hello",
+             s->str_len != NONE ? s->str_len : s->str_value ? strlen(s->str_value) : 5);
     put_key(&b, "test.u64", GGUF_TYPE_UINT64);
     put_u64(&b, 0xfedcba9876543210ull);
     put_key(&b, "test.i64", GGUF_TYPE_INT64);
@@ -138,7 +143,7 @@ static buf build(const spec *s) {
     put_key(&b, "test.arr_empty", GGUF_TYPE_ARRAY);
     put_u32(&b, GGUF_TYPE_FLOAT64);
     put_u64(&b, 0);
-    put_key(&b, s->dup_key ? "test.u8" : "test.last", GGUF_TYPE_UINT8);
+    put_key(&b, s->dup_key ? "test.u8" : s->last_key ? s->last_key : "test.last", GGUF_TYPE_UINT8);
     put_u8(&b, 1);
     if (s->dup_key) {
         put_key(&b, "test.last", GGUF_TYPE_UINT8);
@@ -146,7 +151,7 @@ static buf build(const spec *s) {
     }
 
     size_t align = s->alignment ? s->alignment : 32;
-    const char *names[4] = {"a.f32", "b.q8_0", "c.q4_1", s->dup_tensor ? "b.q8_0" : NULL};
+    const char *names[4] = {s->tname0 ? s->tname0 : "a.f32", "b.q8_0", "c.q4_1", s->dup_tensor ? "b.q8_0" : NULL};
     uint32_t types[4] = {GGML_TYPE_F32, GGML_TYPE_Q8_0, GGML_TYPE_Q4_1, GGML_TYPE_F32};
     uint64_t ne[4][2] = {{8, 1}, {32, 2}, {64, 3}, {8, 1}};
     int dims[4] = {1, 2, 2, 1};
@@ -588,4 +593,76 @@ Test(gguf, describe_prints_the_model) {
     cr_assert(strstr(text, "token_embd.weight                Q8_0   [576, 49152]"));
     free(text);
     cr_assert_eq(kvpq_gguf_describe("/nonexistent.gguf", stdout, 0), KVPQ_ERR_IO);
+}
+
+/* Write a built file to a temporary path (caller unlinks). */
+static void write_tmp(const buf *b, char *path) {
+    strcpy(path, "/tmp/kvpq_test_gguf_XXXXXX");
+    int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    cr_assert_eq(write(fd, b->p, b->n), (ssize_t)b->n);
+    close(fd);
+}
+
+/* Issue 14 item 6: every string from the file is escaped in kvpq_gguf_describe (values were, keys
+ * and tensor names were not): no ESC, BEL, C1 control or invalid UTF-8 byte reaches the output. */
+Test(gguf, describe_escapes_every_file_string) {
+    spec s = spec_default();
+    s.str_value = "v\x1b[2Jal\xc2\x9b" "31m\xff";
+    s.last_key = "test.\x1b]0;pwned\x07key";
+    s.tname0 = "a\x1b[1m.f32\xe2\x80";
+    buf b = build(&s);
+    char path[64];
+    write_tmp(&b, path);
+    char *text = NULL;
+    size_t size = 0;
+    FILE *out = open_memstream(&text, &size);
+    cr_assert_eq(kvpq_gguf_describe(path, out, 1), KVPQ_OK, "%s", kvpq_last_error());
+    fclose(out);
+    for (size_t i = 0; i < size; i++) {
+        unsigned char c = (unsigned char)text[i];
+        cr_assert(c >= 0x20 || c == '\n', "control byte 0x%02x at %zu: %.200s", c, i, text + (i > 80 ? i - 80 : 0));
+        cr_assert(c != 0x7f && c != 0xff, "byte 0x%02x at %zu", c, i);
+        cr_assert(!(c == 0xc2 && (unsigned char)text[i + 1] >= 0x80 && (unsigned char)text[i + 1] <= 0x9f),
+                  "C1 control at %zu", i);
+    }
+    cr_assert(strstr(text, "\"v\\x1b[2Jal\\xc2\\x9b31m\\xff\""), "%s", text);
+    cr_assert(strstr(text, "test.\\x1b]0;pwned\\x07key"), "%s", text);
+    cr_assert(strstr(text, "a\\x1b[1m.f32\\xe2\\x80"), "%s", text);
+    free(text);
+    unlink(path);
+    free(b.p);
+}
+
+/* Issue 14 item 10: a tensor of a type unknown to ggml (its size unknown: shown as 0 bytes before)
+ * is refused by inspection as by the model loader, naming the tensor and type. */
+Test(gguf, describe_refuses_unknown_tensor_type) {
+    spec s = spec_default();
+    s.ttype = 200;
+    buf b = build(&s);
+    char path[64];
+    write_tmp(&b, path);
+    FILE *out = fopen("/dev/null", "w");
+    cr_assert_eq(kvpq_gguf_describe(path, out, 0), KVPQ_ERR_UNSUPPORTED);
+    fclose(out);
+    cr_assert(strstr(kvpq_last_error(), "tensor 2 'c.q4_1' has type 200"), "%s", kvpq_last_error());
+    unlink(path);
+    free(b.p);
+}
+
+/* Issue 14 item 7: a FIFO as a model or codebook is refused at once (open waited for a writer). */
+Test(gguf, fifo_refused_without_blocking, .timeout = 20) {
+    char dir[] = "/tmp/kvpq_test_fifo_XXXXXX", path[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/fifo", dir);
+    cr_assert_eq(mkfifo(path, 0600), 0);
+    gguf_file *f;
+    cr_assert_eq(gguf_open(&f, path), KVPQ_ERR_IO);
+    cr_assert(strstr(kvpq_last_error(), "not a regular file"), "%s", kvpq_last_error());
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_load(&cb, path), KVPQ_ERR_IO);
+    cr_assert(strstr(kvpq_last_error(), "not a regular file"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_gguf_describe(path, stdout, 0), KVPQ_ERR_IO);
+    unlink(path);
+    rmdir(dir);
 }

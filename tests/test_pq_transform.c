@@ -1,5 +1,6 @@
 /* test_pq_transform.c — normalized Walsh-Hadamard transform and key smoothing (VecInfer sec. 3). */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <string.h>
 
 #include "internal.h"
@@ -81,6 +82,28 @@ Test(normalize_rows, unit_rows_norms_and_zero_row) {
     cr_assert(strstr(kvpq_last_error(), "d=0"), "%s", kvpq_last_error());
     cr_assert_eq(kvpq_normalize_rows(NULL, 1, 4, NULL), KVPQ_ERR_INVALID_ARG);
     cr_assert_eq(kvpq_normalize_rows(NULL, 0, 4, NULL), KVPQ_OK);
+}
+
+/* Issue 14 item 10: a row whose norm is infinite (an Inf element, or finite elements whose norm
+ * exceeds float's range) returned OK with a zero row and an Inf norm. Now NONFINITE naming the row,
+ * x unchanged; a large but representable norm still normalizes. */
+Test(normalize_rows, infinite_norm_refused) {
+    const int d = 4;
+    float x[3 * 4] = {1, 2, 3, 4, 3e38f, 3e38f, 3e38f, 3e38f, 0, 0, 0, 0}, x0[12], nrm[3];
+    memcpy(x0, x, sizeof x);
+    cr_assert_eq(kvpq_normalize_rows(x, 3, d, nrm), KVPQ_ERR_NONFINITE);
+    cr_assert(strstr(kvpq_last_error(), "row 1 has norm 6e+38"), "%s", kvpq_last_error());
+    cr_assert(!memcmp(x, x0, sizeof x), "x unchanged on error");
+    x[5] = INFINITY;
+    cr_assert_eq(kvpq_normalize_rows(x, 3, d, NULL), KVPQ_ERR_NONFINITE);
+    cr_assert(strstr(kvpq_last_error(), "row 1 element 1 is Inf"), "%s", kvpq_last_error());
+    x[5] = NAN;
+    cr_assert_eq(kvpq_normalize_rows(x, 3, d, NULL), KVPQ_ERR_NONFINITE);
+    cr_assert(strstr(kvpq_last_error(), "row 1 element 1 is NaN"), "%s", kvpq_last_error());
+    float y[4] = {1e38f, 1e38f, 1e38f, 1e38f};
+    cr_assert_eq(kvpq_normalize_rows(y, 1, d, nrm), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_float_eq(nrm[0], 2e38f, 1e32f);
+    cr_assert_float_eq(y[0], 0.5f, 1e-6f);
 }
 
 Test(smooth, compute_is_sqrt_of_max_abs_with_floor) {

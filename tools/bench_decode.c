@@ -76,7 +76,7 @@ int cmd_bench_decode(int argc, char **argv) {
     size_t text_len = 0;
     char *text = cli_read_file(text_path, &text_len);
     if (!text) {
-        fprintf(stderr, "kvpq bench decode: cannot read --text %s\n", text_path);
+        fprintf(stderr, "kvpq bench decode: cannot read --text %s: %s\n", text_path, cli_read_error());
         return 1;
     }
     kvpq_model_params mp = kvpq_model_params_default();

@@ -17,6 +17,11 @@ int cmd_ppl(int argc, char **argv);                              /* cmd_ppl.c */
 
 /* Print "kvpq <what>: <status string>: <kvpq_last_error()>" to stderr; returns exit code 1. */
 int cli_fail(const char *what, kvpq_status s);
+/* Write len bytes of a string read from a file (at most max) for a terminal: control characters
+ * (C0, DEL, C1), invalid UTF-8 and '\n' as \xNN / \n escapes, '\\' doubled, the rest as it is.
+ * Every string from a file that kvpq prints goes through here (issue 14: an ESC sequence in a
+ * codebook's metadata reached the terminal). Returns the bytes written. */
+size_t cli_fput_escaped(FILE *f, const char *s, size_t len, size_t max);
 /* Print "kvpq: <printf message>" to stderr; returns exit code 2 (usage error). */
 int cli_usage_error(const char *fmt, ...)
 #if defined(__GNUC__)

@@ -1,8 +1,11 @@
 /* cli_model.c — cache SPEC handling, sampling and UTF-8 streaming for generate and ppl. */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "cli_model.h"
@@ -207,33 +210,72 @@ void cli_utf8_flush(cli_utf8_stream *st, FILE *f) {
     fflush(f);
 }
 
+static char g_read_error[160];
+
+const char *cli_read_error(void) { return g_read_error; }
+
 char *cli_read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
+    g_read_error[0] = '\0';
+    /* O_NONBLOCK: a FIFO must not block the open; it is refused just below, as is any file that is
+     * not regular (/dev/zero would be read without end). */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        int e = errno;
+        snprintf(g_read_error, sizeof g_read_error, "%s", strerror(e));
+        if (fd >= 0) close(fd);
+        errno = e;
+        return NULL;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(g_read_error, sizeof g_read_error, "not a regular file (%s)",
+                 S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISCHR(st.st_mode) ? "a character device"
+                 : S_ISDIR(st.st_mode) ? "a directory" : S_ISSOCK(st.st_mode) ? "a socket" : "a device");
+        close(fd);
+        errno = EINVAL;
+        return NULL;
+    }
+    if (st.st_size > CLI_MAX_TEXT_BYTES) {
+        snprintf(g_read_error, sizeof g_read_error, "%lld bytes, over the %d MiB limit on text files",
+                 (long long)st.st_size, CLI_MAX_TEXT_BYTES >> 20);
+        close(fd);
+        errno = EFBIG;
+        return NULL;
+    }
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap + 1);
+    int err = buf ? 0 : ENOMEM;
     while (buf) {
-        size_t got = fread(buf + n, 1, cap - n, f);
-        n += got;
-        if (n < cap) break;
-        cap *= 2;
-        char *nb = realloc(buf, cap + 1);
-        if (!nb) {
-            free(buf);
-            buf = NULL;
-            errno = ENOMEM;
+        ssize_t got = read(fd, buf + n, cap - n);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) {
+            err = errno;
+            break;
         }
-        buf = nb;
+        if (got == 0) break;
+        n += (size_t)got;
+        if (n > CLI_MAX_TEXT_BYTES) { /* counted as read: a file that grows or lies about its size */
+            err = EFBIG;
+            snprintf(g_read_error, sizeof g_read_error, "over the %d MiB limit on text files (grew while read)",
+                     CLI_MAX_TEXT_BYTES >> 20);
+            break;
+        }
+        if (n == cap) {
+            cap *= 2;
+            char *nb = realloc(buf, cap + 1);
+            if (!nb) err = ENOMEM;
+            else buf = nb;
+            if (!nb) break;
+        }
     }
-    if (buf && ferror(f)) {
+    close(fd);
+    if (err) {
+        if (!g_read_error[0]) snprintf(g_read_error, sizeof g_read_error, "%s", strerror(err));
         free(buf);
-        buf = NULL;
-        errno = EIO;
+        errno = err;
+        return NULL;
     }
-    fclose(f);
-    if (buf) {
-        buf[n] = 0;
-        *len = n;
-    }
+    buf[n] = 0;
+    *len = n;
     return buf;
 }

@@ -50,7 +50,11 @@ void cli_utf8_flush(cli_utf8_stream *st, FILE *f);
 /* 1 if the n bytes are valid UTF-8; else 0 and *bad_offset the offset of the first bad byte. */
 int cli_utf8_valid(const unsigned char *s, size_t n, size_t *bad_offset);
 
-/* Read a whole file into a NUL-terminated buffer (caller frees). NULL with errno set on failure. */
+/* Read a whole text file into a NUL-terminated buffer (caller frees). NULL with errno set on
+ * failure, cli_read_error() then says why: a file that is not regular (a FIFO would block, a device
+ * like /dev/zero never ends) is refused before reading, and so is one over CLI_MAX_TEXT_BYTES. */
+#define CLI_MAX_TEXT_BYTES (256 << 20) /* 256 MiB: ~50 million tokens; a novel is ~1 MB */
 char *cli_read_file(const char *path, size_t *len);
+const char *cli_read_error(void);
 
 #endif

@@ -2,14 +2,51 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "cli.h"
 
 int cli_fail(const char *what, kvpq_status s) {
     const char *detail = kvpq_last_error();
-    fprintf(stderr, "kvpq %s: %s%s%s\n", what, kvpq_status_string(s), detail[0] ? ": " : "", detail);
+    /* The detail may quote a file's strings (a tensor name, a metadata key): escaped. */
+    fprintf(stderr, "kvpq %s: %s%s", what, kvpq_status_string(s), detail[0] ? ": " : "");
+    cli_fput_escaped(stderr, detail, strlen(detail), (size_t)-1);
+    fputc('\n', stderr);
     return 1;
+}
+
+/* Bytes of the valid UTF-8 sequence at s[0..n) that may go to a terminal as they are; 0 for a C0
+ * control or DEL, a byte of an invalid or truncated sequence, or a C1 control (U+0080..U+009F,
+ * e.g. U+009B CSI, which some terminals obey). */
+static size_t printable_len(const unsigned char *s, size_t n) {
+    unsigned c = s[0];
+    if (c < 0x20 || c == 0x7f) return 0;
+    if (c < 0x80) return 1;
+    size_t l = (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+    if (!l || l > n) return 0;
+    unsigned cp = c & (0x7fu >> l);
+    for (size_t i = 1; i < l; i++) {
+        if ((s[i] & 0xc0) != 0x80) return 0;
+        cp = (cp << 6) | (s[i] & 0x3fu);
+    }
+    static const unsigned min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min_cp[l] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) || (cp >= 0x80 && cp <= 0x9f)) return 0;
+    return l;
+}
+
+size_t cli_fput_escaped(FILE *f, const char *str, size_t len, size_t max) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t w = 0;
+    for (size_t i = 0; i < len && i < max;) {
+        size_t l = printable_len(s + i, len - i);
+        if (l == 1 && s[i] == '\\') w += (size_t)fprintf(f, "\\\\");
+        else if (l) w += fwrite(s + i, 1, l, f);
+        else if (s[i] == '\n') w += (size_t)fprintf(f, "\\n");
+        else w += (size_t)fprintf(f, "\\x%02x", s[i]);
+        i += l ? l : 1;
+    }
+    return w;
 }
 
 int cli_usage_error(const char *fmt, ...) {

@@ -351,7 +351,7 @@ int cmd_calibrate(int argc, char **argv) {
 
     size_t text_len = 0;
     if (!(text = cli_read_file(a->text, &text_len))) {
-        rc = cli_usage_error("calibrate: cannot read text file '%s'", a->text);
+        rc = cli_usage_error("calibrate: cannot read text file '%s': %s", a->text, cli_read_error());
         goto done;
     }
     size_t n_tok = 0;

@@ -177,7 +177,7 @@ int cmd_ppl(int argc, char **argv) {
     size_t text_len = 0;
     text = cli_read_file(text_path, &text_len);
     if (!text) {
-        fprintf(stderr, "kvpq ppl: cannot read text file '%s'\n", text_path);
+        fprintf(stderr, "kvpq ppl: cannot read text file '%s': %s\n", text_path, cli_read_error());
         goto done;
     }
     size_t bad;

@@ -80,8 +80,13 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
         if (!n_free++) printf("metadata:\n");
         const char *v = kvpq_codebook_get_meta(cb, k);
         size_t len = strlen(v);
-        /* Long values (a whole text's name list, say) are cut for display. */
-        printf("  %-20s %.*s%s\n", k, len > 100 ? 100 : (int)len, v, len > 100 ? " ..." : "");
+        /* Long values (a whole text's name list, say) are cut for display; keys and values are
+         * the file's strings: escaped. */
+        fputs("  ", stdout);
+        for (size_t w = cli_fput_escaped(stdout, k, strlen(k), 100); w < 20; w++) fputc(' ', stdout);
+        fputc(' ', stdout);
+        cli_fput_escaped(stdout, v, len, 100);
+        printf("%s\n", len > 100 ? " ..." : "");
     }
 
     char ks[48], vs[48], ss[48];

@@ -1,5 +1,9 @@
 /* kvpq.c — the kvpq command-line tool: dispatch to subcommands. */
+#include <errno.h>
+#include <fcntl.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -23,11 +27,17 @@ static int cmd_info(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     const char *path = argv[1];
-    FILE *f = fopen(path, "rb");
-    if (!f) return cli_usage_error("info: cannot open '%s'", path);
+    /* Non-blocking, and only a regular file: `kvpq info FIFO` waited forever for a writer. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return cli_usage_error("info: cannot open '%s': %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return cli_usage_error("info: '%s' is not a regular file", path);
+    }
     char magic[4] = {0};
-    size_t n = fread(magic, 1, 4, f);
-    fclose(f);
+    ssize_t n = read(fd, magic, 4);
+    close(fd);
     if (n == 4 && !memcmp(magic, "GGUF", 4)) return cmd_info_gguf(argc, argv, path);
     return cmd_info_codebook(argc, argv, path);
 }

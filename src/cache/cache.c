@@ -96,7 +96,11 @@ static kvpq_status check_params(const kvpq_cache_params *p) {
                          p->n_head, p->n_head_kv);
     if (p->head_dim <= 0 || p->head_dim > 1024)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: head_dim %d: expected 1..1024", tn, p->head_dim);
-    if (p->max_seq <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: max_seq %d must be > 0", tn, p->max_seq);
+    /* At most 2^30 positions: with page_tokens <= 2^20, page counts (max_seq + page_tokens - 1) and
+     * every position plus a count formed after the capacity check stay below INT_MAX. */
+    if (p->max_seq <= 0 || p->max_seq > KVPQ_CACHE_MAX_SEQ)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: max_seq %d: expected 1..%d", tn, p->max_seq,
+                         KVPQ_CACHE_MAX_SEQ);
     if (p->window < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: window %d must be >= 0", tn, p->window);
     if (p->page_tokens <= 0 || p->page_tokens > (1 << 20))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: page_tokens %d: expected 1..%d", tn, p->page_tokens, 1 << 20);
@@ -151,6 +155,11 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
         got = KVPQ_BACKEND_CPU;
     }
     q.backend = got;
+    /* A window or page longer than the cache can ever hold means "the whole sequence": clamp them to
+     * max_seq, so a short prompt with the default window (128) or pages (256) just works, and a
+     * short cache does not allocate rings and pages for positions it can never hold. */
+    if (q.window > q.max_seq) q.window = q.max_seq;
+    if (q.page_tokens > q.max_seq) q.page_tokens = q.max_seq;
     kvpq_cache *c = calloc(1, sizeof *c);
     if (!c || !(c->len = calloc((size_t)p->n_layer, sizeof *c->len))) {
         free(c);
@@ -240,8 +249,8 @@ kvpq_status kvpq_cache_read(const kvpq_cache *c, int layer, int pos0, int n, flo
     KVPQ_TRY(check_layer(c, layer, "kvpq_cache_read"));
     const int len = c->len[layer];
     if (pos0 < 0 || n < 0 || pos0 > len || n > len - pos0)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_read: positions [%d, %d) out of range: layer %d holds %d",
-                         pos0, pos0 + n, layer, len);
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_read: positions [%d, %lld) out of range: layer %d holds %d",
+                         pos0, (long long)pos0 + n, layer, len);
     if (n == 0 || (!k && !v)) return KVPQ_OK;
     return c->ops->read(c->state, layer, len, pos0, n, k, v);
 }

@@ -220,7 +220,10 @@ static kvpq_status kivi_append(void *state, int layer, int len, int n, const flo
     }
     if (nk) s->wk[layer] = nk, s->wv[layer] = nv;
     const kvpq_attn_kernels *kr = kvpq__attn_kernels();
-    int coded = n_coded_of(s, len);
+    /* Start from the coded count the layer holds: after a truncation it may exceed the rule's
+     * n_coded_of(len) (truncate keeps whole groups), and the window slots of those groups have been
+     * reused since, so they must never be quantized again. */
+    int coded = s->coded[layer];
     for (int t = 0; t < n; t++) {
         /* Window before this write holds at most W + 31 positions, so the slot is free. */
         size_t slot = (size_t)((len + t) % s->cap) * hkv * hd, src = (size_t)t * hkv * hd;

@@ -7,9 +7,9 @@
 #include <string.h>
 
 #include "cache/cache_cpu.h"
+#include "core/ggml_common.h" /* QK4_0, block_q4_0 */
 
-#define QK4_0 32
-#define Q4_0_BLOCK_BYTES (2 + QK4_0 / 2)
+#define Q4_0_BLOCK_BYTES sizeof(block_q4_0)
 
 static size_t q4_0_row_bytes(int head_dim) { return (size_t)head_dim / QK4_0 * Q4_0_BLOCK_BYTES; }
 

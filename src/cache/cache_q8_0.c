@@ -6,9 +6,9 @@
 #include <string.h>
 
 #include "cache/cache_cpu.h"
+#include "core/ggml_common.h" /* QK8_0, block_q8_0 */
 
-#define QK8_0 32
-#define Q8_0_BLOCK_BYTES (2 + QK8_0)
+#define Q8_0_BLOCK_BYTES sizeof(block_q8_0)
 
 static size_t q8_0_row_bytes(int head_dim) { return (size_t)head_dim / QK8_0 * Q8_0_BLOCK_BYTES; }
 

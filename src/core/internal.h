@@ -22,6 +22,10 @@ void kvpq__err_prefix(const char *fmt, ...)
 /* 1 if every one of n floats is finite. */
 int kvpq__all_finite(const float *x, size_t n);
 
+/* KVPQ_OK if every field of a kvpq_cuda_kernels holds one of its listed values, else
+ * KVPQ_ERR_INVALID_ARG naming `fn` and the field (src/core/cuda_stub.c; every build). */
+kvpq_status kvpq__cuda_kernels_check(const kvpq_cuda_kernels *k, const char *fn);
+
 #define KVPQ_TRY(expr)                     \
     do {                                   \
         kvpq_status kvpq__s = (expr);      \

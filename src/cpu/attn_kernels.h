@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/fp16.h" /* kvpq__h2f, kvpq__f2h: the scalar converters */
 #include "kvpq.h"
 
 typedef struct {
@@ -55,40 +56,5 @@ extern const kvpq_attn_kernels kvpq__attn_avx512;
 const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level);
 /* The table of kvpq_simd_get(). */
 const kvpq_attn_kernels *kvpq__attn_kernels(void);
-
-/* IEEE half <-> float32 (round to nearest even, NaN kept quiet), scalar, exact. */
-static inline float kvpq__h2f(uint16_t h) {
-    union { uint32_t u; float f; } o;
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (e == 0) {
-        o.f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24, exact */
-        o.u |= sign;
-    } else if (e == 31) {
-        o.u = sign | 0x7f800000u | (man << 13);
-    } else {
-        o.u = sign | ((e + 112u) << 23) | (man << 13);
-    }
-    return o.f;
-}
-
-static inline uint16_t kvpq__f2h(float x) {
-    union { uint32_t u; float f; } f, magic;
-    f.f = x;
-    uint32_t sign = f.u & 0x80000000u;
-    f.u ^= sign;
-    uint16_t h;
-    if (f.u >= 0x47800000u) {               /* >= 65536 (or Inf/NaN): Inf, or a quiet NaN */
-        h = f.u > 0x7f800000u ? 0x7e00 : 0x7c00;
-    } else if (f.u < 0x38800000u) {         /* below 2^-14: subnormal half or zero */
-        magic.u = 126u << 23;               /* 0.5f: the add rounds to a multiple of 2^-24 (RNE) */
-        f.f += magic.f;
-        h = (uint16_t)(f.u - magic.u);
-    } else {                                /* normal: rebias, round the 13 dropped bits to even */
-        uint32_t odd = (f.u >> 13) & 1u;
-        f.u += 0xc8000000u + 0xfffu + odd;  /* (15 - 127) << 23 wraps modulo 2^32 */
-        h = (uint16_t)(f.u >> 13);
-    }
-    return (uint16_t)(h | (sign >> 16));
-}
 
 #endif

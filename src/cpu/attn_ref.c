@@ -2,6 +2,7 @@
  * versions are tested against), and the dispatch on the SIMD level. */
 #include <math.h>
 
+#include "core/ggml_common.h"
 #include "cpu/attn_kernels.h"
 
 static void qk_ref(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
@@ -67,23 +68,15 @@ static void f32_to_f16_ref(const float *src, uint16_t *dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = kvpq__f2h(src[i]);
 }
 
+/* ggml blocks: the scalar block dequantization of core/ggml_common.h. */
 static void dequant_q8_0_ref(const void *blocks, size_t n_blocks, float *x) {
-    const unsigned char *y = blocks;
-    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 34) {
-        const float d = kvpq__h2f((uint16_t)(y[0] | y[1] << 8));
-        for (int j = 0; j < 32; j++) x[j] = (float)(int8_t)y[2 + j] * d;
-    }
+    const uint8_t *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += QK8_0, y += sizeof(block_q8_0)) kvpq__block_q8_0_ref(y, x);
 }
 
 static void dequant_q4_0_ref(const void *blocks, size_t n_blocks, float *x) {
-    const unsigned char *y = blocks;
-    for (size_t b = 0; b < n_blocks; b++, x += 32, y += 18) {
-        const float d = kvpq__h2f((uint16_t)(y[0] | y[1] << 8));
-        for (int j = 0; j < 16; j++) {
-            x[j] = (float)((y[2 + j] & 0x0f) - 8) * d;
-            x[j + 16] = (float)((y[2 + j] >> 4) - 8) * d;
-        }
-    }
+    const uint8_t *y = blocks;
+    for (size_t b = 0; b < n_blocks; b++, x += QK4_0, y += sizeof(block_q4_0)) kvpq__block_q4_0_ref(y, x);
 }
 
 static void dequant_bits_ref(const unsigned char *codes, int bits, int n, const float *scale, const float *min,

@@ -1,5 +1,6 @@
 /* ggml_kernels.h — per-ISA kernels behind ggml_matvec / ggml_matmul (model/ggml_types.c is the
- * dispatcher and holds the scalar _ref specification). Internal. */
+ * dispatcher and holds the scalar _ref specification). One body, cpu/ggml_body.h, compiled per ISA
+ * by ggml_avx2.c and ggml_avx512.c. Type numbers and block layouts: core/ggml_common.h. Internal. */
 #ifndef KVPQ_GGML_KERNELS_H
 #define KVPQ_GGML_KERNELS_H
 
@@ -18,7 +19,7 @@ typedef float (*kvpq__dot_fn)(const float *a, const float *b, int64_t n);
 typedef void (*kvpq__dequant_fn)(const uint8_t *src, float *dst, int64_t n);
 
 /* Kernel for a ggml type at that ISA, or NULL when there is none (the dispatcher then dequantizes
- * chunks with the _ref and uses the ISA's dot). */
+ * chunks with the _ref and uses the ISA's dot). x86-64 builds only. */
 kvpq__matvec_fn kvpq__ggml_matvec_avx2(uint32_t type);
 kvpq__matvec_fn kvpq__ggml_matvec_avx512(uint32_t type);
 kvpq__dequant_fn kvpq__ggml_dequant_avx2(uint32_t type);

@@ -3,7 +3,7 @@
 #include <math.h>
 
 #include "cpu/vq_kernels.h"
-#include "model/ggml_types.h"
+#include "core/fp16.h"
 
 // ---- reference kernels ----------------------------------------------------------------------
 
@@ -209,11 +209,11 @@ void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *
 }
 
 void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst) {
-    for (size_t i = 0; i < n; i++) dst[i] = kvpq_fp16_to_fp32(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = kvpq__h2f(src[i]);
 }
 
 void kvpq__vq_f32_to_f16_ref(size_t n, const float *src, uint16_t *dst) {
-    for (size_t i = 0; i < n; i++) dst[i] = kvpq_fp32_to_fp16(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = kvpq__f2h(src[i]);
 }
 
 // ---- dispatch -------------------------------------------------------------------------------

@@ -19,13 +19,6 @@
 
 #include "common.cuh"
 
-/* LUT element type of the next launches (kvpq__cuda_attend_lut16, common.cuh). */
-extern "C" int kvpq__cuda_attend_lut16 = 1;
-extern "C" int kvpq__cuda_attend_vrep = 1;
-extern "C" int kvpq__cuda_attend_pvec = 1;
-extern "C" int kvpq__cuda_attend_tc = 1;
-extern "C" int kvpq__cuda_attend_tc_warps = 0;
-
 namespace {
 
 constexpr int kWindowChunk = 32;
@@ -62,7 +55,7 @@ inline Layout make_layout(const kvpq__attend_params &p, int gs, int with_vbook, 
     Layout L;
     L.nw = nw;
     L.lut16 = lut16;
-    L.pvec = kvpq__cuda_attend_pvec;
+    L.pvec = p.pvec;
     int Mk = p.head_dim / p.k_dsub;
     L.k_stride = keys_direct(p) ? 0 : (((p.k_code_size + 3) / 4) | 1);  /* odd: lane = row, conflict-free */
     L.v_stride = (p.v_code_size + 3) / 4;  /* rows are read by all lanes at once: any stride */
@@ -1251,7 +1244,7 @@ kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_spli
     int n_sm = 0;
     size_t optin = 0;
     KVPQ_TRY(kvpq__cuda_props(&n_sm, &optin));
-    int nw = kvpq__cuda_attend_tc_warps;
+    int nw = p.tc_warps;
     if (nw != 8 && nw != 16) {
         /* auto: 8-warp CTAs (two per SM) when the tiles of 32 positions are fewer than 32 per SM (a
          * short batch: more, smaller splits), else 16-warp CTAs (one codebook image per SM) */
@@ -1363,7 +1356,7 @@ kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p) {
 
 kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
                                      cudaStream_t stream) {
-    if (kvpq__cuda_attend_tc && tc_ok(*p)) {
+    if (p->tc && tc_ok(*p)) {
         switch (p->head_dim) {
         case 64: return launch_tc_d<64>(*p, B, max_coded, max_splits, stream);
         case 128: return launch_tc_d<128>(*p, B, max_coded, max_splits, stream);
@@ -1374,7 +1367,7 @@ kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_code
     Layout L;
     /* 16-warp CTAs also when the grid leaves SMs idle: 8-warp CTAs with twice the splits measured
      * slower at B=1, 4k (the per-CTA LUT build dominates there) */
-    KVPQ_TRY(plan(*p, kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep, 16, &gs, &L));
+    KVPQ_TRY(plan(*p, p->lut16, p->vrep, 16, &gs, &L));
     switch (p->head_dim) {
     case 64: return launch_d<64>(*p, L, gs, B, max_coded, max_splits, stream);
     case 128: return launch_d<128>(*p, L, gs, B, max_coded, max_splits, stream);

@@ -119,6 +119,11 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
     a->n_head_kv = c->p.n_head_kv;
     a->counters = c->counters;
     a->tc_image = c->tc_image;
+    a->tc = c->p.kernels.attend_tc;
+    a->tc_warps = c->p.kernels.attend_tc_warps;
+    a->lut16 = c->p.kernels.attend_lut16;
+    a->vrep = c->p.kernels.attend_vrep;
+    a->pvec = c->p.kernels.attend_pvec;
     a->tc_kexp = c->tc_kexp;
     a->tc_vexp = c->tc_vexp;
     a->k_scales = c->k_scales;
@@ -137,6 +142,10 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
     if (!out || !p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: NULL argument");
     *out = NULL;
+    /* A window longer than max_seq holds the whole sequence: clamp it (as kvpq_cache_new does). */
+    kvpq_cuda_cache_params clamped = *p;
+    if (clamped.max_seq > 0 && clamped.window > clamped.max_seq) clamped.window = clamped.max_seq;
+    p = &clamped;
     if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: head_dim=%d: expected 64, 128 or 256", p->head_dim);
     if (p->n_head_kv <= 0 || p->n_head <= 0 || p->n_head % p->n_head_kv)
@@ -145,8 +154,8 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     if (p->n_head / p->n_head_kv > 64)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: %d query heads per KV head (at most 64)",
                          p->n_head / p->n_head_kv);
-    if (p->n_seq <= 0 || p->max_seq <= 0)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_seq=%d and max_seq=%d must be > 0", p->n_seq,
+    if (p->n_seq <= 0 || p->max_seq <= 0 || p->max_seq > KVPQ_CACHE_MAX_SEQ)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_seq=%d must be > 0 and max_seq=%d in 1..2^30", p->n_seq,
                          p->max_seq);
     if (p->window < 0 || p->window > p->max_seq)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: window=%d: expected 0..max_seq=%d", p->window,
@@ -156,6 +165,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
                          p->page_tokens);
     if (p->n_pages < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: n_pages=%d < 0", p->n_pages);
     if (!p->key || !p->value) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key or value quantizer is NULL");
+    KVPQ_TRY(kvpq__cuda_kernels_check(&p->kernels, "kvpq_cuda_cache_new"));
     if (p->key->p.d != p->head_dim || p->value->p.d != p->head_dim)
         return kvpq__err(KVPQ_ERR_MISMATCH, "kvpq_cuda_cache_new: quantizer d (key %d, value %d) != head_dim %d",
                          p->key->p.d, p->value->p.d, p->head_dim);
@@ -178,9 +188,18 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
                                  (double)p->key_mean[i]);
             }
     }
-    kvpq_status s = kvpq__cuda_pq_upload(&c->kq, p->key, p->n_head_kv, p->key_smooth, 1);
-    if (s == KVPQ_OK) s = kvpq__cuda_pq_upload(&c->vq, p->value, p->n_head_kv, NULL, p->value_rotate);
-    if (s == KVPQ_OK && kvpq__cuda_tc_image(p->key, p->value, &c->tc_image, &c->tc_kexp, &c->tc_vexp) != KVPQ_OK) {
+    kvpq_cuda_pq_params kp = kvpq_cuda_pq_params_default(), vp;
+    kp.n_head_kv = p->n_head_kv;
+    kp.kernels = p->kernels;
+    vp = kp;
+    kp.lambda = p->key_smooth;
+    kp.rotate = 1;
+    vp.rotate = p->value_rotate;
+    kvpq_status s = kvpq__cuda_pq_upload(&c->kq, p->key, &kp);
+    if (s == KVPQ_OK) s = kvpq__cuda_pq_upload(&c->vq, p->value, &vp);
+    /* the image only where the tensor-core kernel may run (kernels.attend_tc) */
+    if (s == KVPQ_OK && p->kernels.attend_tc &&
+        kvpq__cuda_tc_image(p->key, p->value, &c->tc_image, &c->tc_kexp, &c->tc_vexp) != KVPQ_OK) {
         c->tc_image = NULL;      /* no image (out of memory): the LUT kernel serves every attention call */
         (void)cudaGetLastError();
     }
@@ -387,9 +406,11 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int se
     return KVPQ_OK;
 }
 
-/* Async launch for benchmarks (no synchronization). */
-kvpq_status kvpq__cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q, float *out,
-                                          cudaStream_t stream) {
+extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q,
+                                                             float *out, void *stream) {
+    if (!c || !q || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: NULL argument");
+    if (n_seq < 1 || n_seq > c->p.n_seq)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: n_seq=%d: expected 1..%d", n_seq, c->p.n_seq);
     int max_coded = 0;
     for (int b = 0; b < n_seq; b++) {
         int L = c->h_len[b];
@@ -403,14 +424,11 @@ kvpq_status kvpq__cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const f
     a.out = out;
     a.part_o = c->part_o;
     a.part_md = c->part_md;
-    return kvpq__cuda_attend_launch(&a, n_seq, max_coded, c->max_splits, stream);
+    return kvpq__cuda_attend_launch(&a, n_seq, max_coded, c->max_splits, (cudaStream_t)stream);
 }
 
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const float *q, float *out) {
-    if (!c || !q || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: NULL argument");
-    if (n_seq < 1 || n_seq > c->p.n_seq)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: n_seq=%d: expected 1..%d", n_seq, c->p.n_seq);
-    KVPQ_TRY(kvpq__cuda_cache_attend_async(c, n_seq, q, out, 0));
+    KVPQ_TRY(kvpq_cuda_cache_attend_async(c, n_seq, q, out, NULL));
     return kvpq__cuda_err(cudaDeviceSynchronize(), "kvpq_cuda_cache_attend: kernel");
 }
 

@@ -45,6 +45,8 @@ struct kvpq_cuda_pq {
     uint2 *frag;       /* device (ksub / 8, k-steps, 32): the codebook as tensor-core B fragments for the
                           encode search (shared codebook, nbits 3..8, dsub 1/2/4/8), or NULL */
     int frag_lt;       /* the fragments hold t * c, t = 2^frag_lt */
+    int search;        /* encode search variant (kvpq_cuda_kernels.encode_search; encode.cu) */
+    int dbg;           /* timing knob of the grouped search, benchmarks only (0 in use; encode.cu) */
 };
 
 /* Where encode writes the codes of row (token t, head h): either contiguous
@@ -77,9 +79,8 @@ kvpq_status kvpq__cuda_decode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
 kvpq_status kvpq__cuda_encode_ne_launch(const kvpq_cuda_pq *q, size_t n_tokens, const float *x, kvpq__code_dst dst,
                                         uint16_t *scales, float *work_x, float *work_n, size_t work_rows,
                                         unsigned long long *bad, unsigned *smax, cudaStream_t stream);
-/* Copy a host quantizer to the device. */
-kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_head_kv, const float *lambda,
-                                 int rotate);
+/* Copy a host quantizer to the device (p->kernels checked by the caller). */
+kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, const kvpq_cuda_pq_params *p);
 
 
 /* Decode attention from codes over paged caches (attend.cu). Pages: key codes
@@ -118,39 +119,23 @@ typedef struct {
                                   tc_pscale = 2^(14 - tc_sexp) (2^14 without value scales) */
     int *counters;             /* device (B, n_head) zeros: CTAs done per (sequence, head group); the last
                                   one merges the splits and sets it back to 0 */
+    /* Kernel variant (kvpq_cuda_kernels, kvpq.h): tc 1 = the tensor-core kernel where tc_image is
+     * set; tc_warps 8 / 16 / 0 (chosen per launch, launch_tc); LUT kernel: lut16 = float16 entries
+     * summed in float32, vrep = the value codebook as 8 bank-private replicas in shared memory
+     * (conflict-free gathers) where it fits, pvec = for whole-byte value codes the value loop loads
+     * a position's GS probabilities as 16/8-byte vectors and hoists its address arithmetic. */
+    int tc, tc_warps, lut16, vrep, pvec;
 } kvpq__attend_params;
 
-/* Process-wide tuning switches of the attention kernel, for benchmarks and tests; not part of the
- * public API. lut16 (default 1): LUT entries float16 (summed in float32) instead of float32. vrep (default 1): the value
- * codebook as 8 bank-private replicas in shared memory (conflict-free gathers) where it fits. pvec
- * (default 1): for whole-byte value codes, the value loop loads a position's GS probabilities as
- * 16/8-byte vectors and hoists its address arithmetic (0: the previous loop, scalar loads). */
-extern "C" int kvpq__cuda_attend_lut16;
-extern "C" int kvpq__cuda_attend_vrep;
-extern "C" int kvpq__cuda_attend_pvec;
-/* tc (default 1): shared K and V codebooks with dsub 4 and nbits 8 take the tensor-core kernel
- * (attend_tc_kernel); 0: the LUT kernel for every configuration. */
-extern "C" int kvpq__cuda_attend_tc;
-/* Warps per CTA of the tensor-core kernel: 8 (two CTAs per SM), 16 (one), else (default 0) chosen
- * per launch from the work (attend.cu, launch_tc). */
-extern "C" int kvpq__cuda_attend_tc_warps;
 /* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when
  * the pair does not qualify (attend.cu): 256 centroids x (16 key replicas, 16 value replicas) of 4
  * float16, each codebook scaled by a power of two to float16's top (the exponents come back). */
 kvpq_status kvpq__cuda_tc_image(const kvpq_pq *key, const kvpq_pq *value, void **image, int *kexp, int *vexp);
-/* Encode search of the next launches (values documented at its definition in encode.cu): 3
- * (default) = tensor cores with a grouped argmin and exact re-rank, 1 = tensor cores with a per-key
- * argmin (the previous kernel), 0 = float32 on the CUDA cores; 2 and 4 are variants of 3. */
-extern "C" int kvpq__cuda_encode_mma;
 
 /* Plan splits for the longest code region `max_coded` over B sequences and launch the attention
  * kernel (splits merged in the same launch) on `stream`. max_splits bounds n_splits (workspace size). */
 kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
                                      cudaStream_t stream);
-/* kvpq_cuda_cache_attend without the final synchronization, on `stream` (benchmarks capture it in
- * a CUDA graph). */
-kvpq_status kvpq__cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q, float *out,
-                                          cudaStream_t stream);
 /* Whether the configuration fits the device (shared memory); message names the shape if not. */
 kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p);
 

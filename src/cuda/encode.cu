@@ -12,8 +12,8 @@
 
 #include "common.cuh"
 
-/* Encode kernel variant of the next launches (kvpq__cuda_encode_mma, common.cuh), all kept so that
- * gpu_check checks and the bench times each side by side (docs/BENCHMARKS.md):
+/* Encode kernel variants (kvpq_cuda_kernels.encode_search, kept in kvpq_cuda_pq.search), all kept
+ * so that gpu_check checks and the bench times each side by side (docs/BENCHMARKS.md):
  *   3 (default) tensor cores, grouped argmin + exact re-rank (search_mma2), no accumulator input,
  *     bank-conflict-free re-rank, rows prefetched; 4 row tiles, 3 CTAs per SM;
  *   4 the same with 2 row tiles, 4 CTAs per SM;
@@ -21,12 +21,8 @@
  *   1 tensor cores with a per-key argmin (search_mma, the previous kernel);
  *   0 float32 on the CUDA cores.
  * 2-4 apply to dsub 2 and 4 (dsub 1 and 8 take 1); quantizers without tensor-core fragments take
- * the float32 search whatever the value. */
-extern "C" int kvpq__cuda_encode_mma = 3;
-/* Timing knob of the grouped search (bench only; 0 in use): bits 1 no search loop, 2 no re-rank, 4 no
- * search at all (codes 0). */
-extern "C" int kvpq__cuda_encode_dbg;
-int kvpq__cuda_encode_dbg = 0;
+ * the float32 search whatever the value. kvpq_cuda_pq.dbg, the timing knob of the grouped search
+ * (benchmarks only; 0 in use): bits 1 no search loop, 2 no re-rank, 4 no search at all (codes 0). */
 
 namespace {
 
@@ -46,7 +42,7 @@ struct EncodeParams {
     int frag_lt;              /* codebook scale t = 2^frag_lt */
     kvpq__code_dst dst;
     int *flag;                /* set to 1 on a non-finite input */
-    int dbg;                  /* kvpq__cuda_encode_dbg */
+    int dbg;                  /* kvpq_cuda_pq.dbg */
 };
 
 /* Tensor-core search: k-steps of 16 for dsub (3 dsub + 2 terms: x_hi c_hi, x_lo c_hi, x_hi c_lo,
@@ -514,7 +510,7 @@ __device__ __forceinline__ void search_mma(const EncodeParams &p, const float *x
     }
 }
 
-/* ---- phase 2, tensor cores, grouped argmin (kvpq__cuda_encode_mma 2-4; 3 is the default) ----
+/* ---- phase 2, tensor cores, grouped argmin (kvpq_cuda_pq.search 2-4; 3 is the default) ----
  *
  * Same keys as search_mma (one mma.m16n8k16 per 16 sub-vectors x 8 centroids and k-step), with two
  * changes that cut the search loop's instructions per mma from ~8.6 to ~5.4-6.6 (SASS) and the
@@ -537,7 +533,7 @@ __device__ __forceinline__ void search_mma(const EncodeParams &p, const float *x
 #define KVPQ_ENCODE_MMA_GROUP 4
 #endif
 constexpr int kMmaGroup = KVPQ_ENCODE_MMA_GROUP;
-/* The grouped variants (kvpq__cuda_encode_mma >= 2): row tiles of 16 sub-vectors a warp holds per
+/* The grouped variants (kvpq_cuda_pq.search >= 2): row tiles of 16 sub-vectors a warp holds per
  * pass over the codebook (times k-steps), and CTAs per SM the registers are capped for. */
 __host__ __device__ constexpr int mma2_row_tiles(int var) { return var == 3 ? 4 : 2; }
 __host__ __device__ constexpr int mma2_blocks(int var) { return var == 3 ? 3 : 4; }
@@ -813,7 +809,7 @@ __device__ __forceinline__ void pack_codes(const EncodeParams &p, long long row0
 
 /* One CTA encodes a tile of T = 4096 / D rows (4096 / DSUB sub-vectors). VAR 0: the float32 search;
  * 1: the tensor-core search of search_mma; 2-4: search_mma2 (grouped argmin, exact re-rank; dsub
- * even and at least kMmaGroup column tiles, else search_mma; see kvpq__cuda_encode_mma). All
+ * even and at least kMmaGroup column tiles, else search_mma; see kvpq_cuda_pq.search). All
  * tensor-core variants (shared codebook,
  * fragments in p.frag) fall back to the float32 search for a tile with a sub-vector out of their
  * range. */
@@ -1107,15 +1103,15 @@ kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
     p.n_books = q->n_books;
     p.nbits = q->p.nbits;
     p.code_size = q->code_size;
-    p.frag = kvpq__cuda_encode_mma ? q->frag : NULL;
+    p.frag = q->search ? q->frag : NULL;
     p.frag_lt = q->frag_lt;
-    p.dbg = kvpq__cuda_encode_dbg;
+    p.dbg = q->dbg;
     p.dst = dst;
     p.flag = q->flag;
     switch (q->p.d) {
-    case 64: return launch_d<64>(p, q->dsub, kvpq__cuda_encode_mma, stream);
-    case 128: return launch_d<128>(p, q->dsub, kvpq__cuda_encode_mma, stream);
-    case 256: return launch_d<256>(p, q->dsub, kvpq__cuda_encode_mma, stream);
+    case 64: return launch_d<64>(p, q->dsub, q->search, stream);
+    case 128: return launch_d<128>(p, q->dsub, q->search, stream);
+    case 256: return launch_d<256>(p, q->dsub, q->search, stream);
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda encode: d=%d: expected 64, 128 or 256", q->p.d);
 }
@@ -1184,11 +1180,12 @@ extern "C" KVPQ_API void kvpq_cuda_pq_free(kvpq_cuda_pq *q) {
     free(q);
 }
 
-kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_head_kv, const float *lambda,
-                                 int rotate) {
+kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, const kvpq_cuda_pq_params *pp) {
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_pq_new: out is NULL");
     *out = NULL;
-    if (!pq) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_pq_new: pq is NULL");
+    if (!pq || !pp) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_pq_new: pq or params is NULL");
+    const int n_head_kv = pp->n_head_kv, rotate = pp->rotate;
+    const float *lambda = pp->lambda;
     if (n_head_kv <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_pq_new: n_head_kv=%d must be > 0", n_head_kv);
     int d = pq->p.d;
     if (d != 64 && d != 128 && d != 256)
@@ -1210,6 +1207,7 @@ kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_he
     q->code_size = (int)pq->code_size;
     q->n_head_kv = n_head_kv;
     q->rotate = rotate != 0;
+    q->search = pp->kernels.encode_search;
     size_t nc = (size_t)pq->n_books * pq->ksub * pq->dsub, nn = (size_t)pq->n_books * pq->ksub;
     kvpq_status s = KVPQ_OK;
     float *il = NULL;
@@ -1255,9 +1253,21 @@ kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_he
     return KVPQ_OK;
 }
 
+extern "C" KVPQ_API kvpq_status kvpq_cuda_pq_new_params(kvpq_cuda_pq **out, const kvpq_pq *pq,
+                                                        const kvpq_cuda_pq_params *p) {
+    if (out) *out = NULL;
+    if (!p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_pq_new_params: params is NULL");
+    KVPQ_TRY(kvpq__cuda_kernels_check(&p->kernels, "kvpq_cuda_pq_new_params"));
+    return kvpq__cuda_pq_upload(out, pq, p);
+}
+
 extern "C" KVPQ_API kvpq_status kvpq_cuda_pq_new(kvpq_cuda_pq **out, const kvpq_pq *pq, int n_head_kv,
                                                  const float *lambda, int rotate) {
-    return kvpq__cuda_pq_upload(out, pq, n_head_kv, lambda, rotate);
+    kvpq_cuda_pq_params p = kvpq_cuda_pq_params_default();
+    p.n_head_kv = n_head_kv;
+    p.lambda = lambda;
+    p.rotate = rotate;
+    return kvpq__cuda_pq_upload(out, pq, &p);
 }
 
 extern "C" KVPQ_API kvpq_status kvpq_cuda_pq_encode(const kvpq_cuda_pq *q, size_t n_tokens, const float *x,

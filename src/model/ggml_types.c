@@ -69,118 +69,29 @@ size_t ggml_row_size(uint32_t type, int64_t n) {
     return ti ? (size_t)(n / ti->blck) * ti->size : 0;
 }
 
-/* ---- fp16 / bf16 (portable; the SIMD files use F16C) ---- */
+/* ---- fp16 / bf16: the one scalar converter is core/fp16.h ---- */
 
-static float f32_from_bits(uint32_t b) {
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-static uint32_t f32_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
-
-float kvpq_fp16_to_fp32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    if (exp == 0) { /* zero or subnormal: mant * 2^-24, exact in float */
-        float v = (float)mant * 0x1p-24f;
-        return sign ? -v : v;
-    }
-    if (exp == 31) return f32_from_bits(sign | 0x7f800000u | (mant << 13)); /* inf, NaN (payload kept) */
-    return f32_from_bits(sign | ((exp + 112) << 23) | (mant << 13));
-}
-
-uint16_t kvpq_fp32_to_fp16(float f) {
-    uint32_t x = f32_bits(f), ax = x & 0x7fffffffu;
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
-    if (ax > 0x7f800000u) return sign | 0x7e00 | (uint16_t)((ax >> 13) & 0x3ff); /* NaN stays NaN */
-    if (ax >= 0x477ff000u) return sign | 0x7c00; /* >= 65520 rounds to infinity */
-    uint32_t e = ax >> 23, mant = (ax & 0x7fffffu) | 0x800000u;
-    if (e < 113) { /* below 2^-14: half subnormal, in units of 2^-24 */
-        uint32_t s = 126 - e;
-        if (ax == 0 || s > 24) return sign;
-        uint32_t r = mant >> s, rem = mant & ((1u << s) - 1), half = 1u << (s - 1);
-        if (rem > half || (rem == half && (r & 1))) r++;
-        return sign | (uint16_t)r;
-    }
-    uint32_t h = ((e - 112) << 10) | ((ax & 0x7fffffu) >> 13), rem = ax & 0x1fff;
-    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
-    return sign | (uint16_t)h;
-}
-
-float kvpq_bf16_to_fp32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
-
-static float half_at(const uint8_t *p) { return kvpq_fp16_to_fp32((uint16_t)(p[0] | (p[1] << 8))); }
+float kvpq_fp16_to_fp32(uint16_t h) { return kvpq__h2f(h); }
+uint16_t kvpq_fp32_to_fp16(float f) { return kvpq__f2h(f); }
+float kvpq_bf16_to_fp32(uint16_t h) { return kvpq__bf2f(h); }
 
 /* ---- dequantization (_ref) ---- */
 
-/* Q4_0 block (18 bytes): fp16 d, 16 bytes of nibbles; element j is the low nibble of byte j and
- * element j+16 its high nibble; value (q - 8) * d. */
-static void dequant_q4_0_ref(const uint8_t *src, float *y, int64_t n) {
-    for (int64_t b = 0; b < n / 32; b++, src += 18, y += 32) {
-        float d = half_at(src);
-        for (int j = 0; j < 16; j++) {
-            y[j] = (float)((src[2 + j] & 0x0f) - 8) * d;
-            y[j + 16] = (float)((src[2 + j] >> 4) - 8) * d;
-        }
+/* Block layouts and the scalar block dequantization (bit-exact with ggml): core/ggml_common.h. */
+#define DEQUANT_BLOCKS_REF(NAME, BLOCK, QK, FN)                         \
+    static void NAME(const uint8_t *src, float *y, int64_t n) {        \
+        for (int64_t b = 0; b < n / (QK); b++, src += sizeof(BLOCK), y += (QK)) FN(src, y); \
     }
-}
-
-/* Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; value q * d + m. */
-static void dequant_q4_1_ref(const uint8_t *src, float *y, int64_t n) {
-    for (int64_t b = 0; b < n / 32; b++, src += 20, y += 32) {
-        float d = half_at(src), m = half_at(src + 2);
-        for (int j = 0; j < 16; j++) {
-            float p0 = (float)(src[4 + j] & 0x0f) * d, p1 = (float)(src[4 + j] >> 4) * d;
-            y[j] = p0 + m;
-            y[j + 16] = p1 + m;
-        }
-    }
-}
-
-/* Q5_0 block (22 bytes): fp16 d, u32 qh (bit j = 5th bit of element j), 16 bytes of nibbles;
- * value (q - 16) * d. */
-static void dequant_q5_0_ref(const uint8_t *src, float *y, int64_t n) {
-    for (int64_t b = 0; b < n / 32; b++, src += 22, y += 32) {
-        float d = half_at(src);
-        uint32_t qh = (uint32_t)src[2] | ((uint32_t)src[3] << 8) | ((uint32_t)src[4] << 16) | ((uint32_t)src[5] << 24);
-        for (int j = 0; j < 16; j++) {
-            int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
-            y[j] = (float)(((src[6 + j] & 0x0f) | (h0 << 4)) - 16) * d;
-            y[j + 16] = (float)(((src[6 + j] >> 4) | (h1 << 4)) - 16) * d;
-        }
-    }
-}
-
-/* Q5_1 block (24 bytes): fp16 d, fp16 m, u32 qh, 16 bytes of nibbles; value q * d + m. */
-static void dequant_q5_1_ref(const uint8_t *src, float *y, int64_t n) {
-    for (int64_t b = 0; b < n / 32; b++, src += 24, y += 32) {
-        float d = half_at(src), m = half_at(src + 2);
-        uint32_t qh = (uint32_t)src[4] | ((uint32_t)src[5] << 8) | ((uint32_t)src[6] << 16) | ((uint32_t)src[7] << 24);
-        for (int j = 0; j < 16; j++) {
-            int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
-            float p0 = (float)((src[8 + j] & 0x0f) | (h0 << 4)) * d, p1 = (float)((src[8 + j] >> 4) | (h1 << 4)) * d;
-            y[j] = p0 + m;
-            y[j + 16] = p1 + m;
-        }
-    }
-}
-
-/* Q8_0 block (34 bytes): fp16 d, 32 int8; value q * d. */
-static void dequant_q8_0_ref(const uint8_t *src, float *y, int64_t n) {
-    for (int64_t b = 0; b < n / 32; b++, src += 34, y += 32) {
-        float d = half_at(src);
-        for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)src[2 + j] * d;
-    }
-}
+DEQUANT_BLOCKS_REF(dequant_q4_0_ref, block_q4_0, QK4_0, kvpq__block_q4_0_ref)
+DEQUANT_BLOCKS_REF(dequant_q4_1_ref, block_q4_1, QK4_1, kvpq__block_q4_1_ref)
+DEQUANT_BLOCKS_REF(dequant_q5_0_ref, block_q5_0, QK5_0, kvpq__block_q5_0_ref)
+DEQUANT_BLOCKS_REF(dequant_q5_1_ref, block_q5_1, QK5_1, kvpq__block_q5_1_ref)
+DEQUANT_BLOCKS_REF(dequant_q8_0_ref, block_q8_0, QK8_0, kvpq__block_q8_0_ref)
 
 static void dequant_f32_ref(const uint8_t *src, float *y, int64_t n) { memcpy(y, src, (size_t)n * 4); }
 
 static void dequant_f16_ref(const uint8_t *src, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = half_at(src + 2 * i);
+    for (int64_t i = 0; i < n; i++) y[i] = kvpq__h2f_at(src + 2 * i);
 }
 
 static void dequant_bf16_ref(const uint8_t *src, float *y, int64_t n) {

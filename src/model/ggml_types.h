@@ -6,13 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/ggml_common.h" /* GGML_TYPE_* numbers, block layouts */
 #include "kvpq.h"
-
-enum {
-    GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q4_1 = 3,
-    GGML_TYPE_Q5_0 = 6, GGML_TYPE_Q5_1 = 7, GGML_TYPE_Q8_0 = 8, GGML_TYPE_Q8_1 = 9,
-    GGML_TYPE_BF16 = 30,
-};
 
 /* "F32", "Q4_1", ...; "type <n>" style name for unknown types is written into a static buffer. */
 const char *ggml_type_name(uint32_t type);
@@ -45,7 +40,7 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
 void ggml_matmul_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
                      float *Y);
 
-/* fp16 <-> fp32 (IEEE half), round-to-nearest-even. */
+/* fp16 <-> fp32 (IEEE half), round-to-nearest-even (core/fp16.h, the library's one converter). */
 float kvpq_fp16_to_fp32(uint16_t h);
 uint16_t kvpq_fp32_to_fp16(float f);
 float kvpq_bf16_to_fp32(uint16_t h);

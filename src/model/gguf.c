@@ -462,7 +462,9 @@ kvpq_status gguf_open_memory(gguf_file **out, const void *data, size_t size) {
 kvpq_status gguf_open(gguf_file **out, const char *path) {
     if (!out || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "gguf_open: NULL argument");
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below as not a regular
+     * file); it changes nothing for a regular file. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return kvpq__err(KVPQ_ERR_IO, "gguf '%s': cannot open: %s", path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st)) {

@@ -10,17 +10,52 @@
 
 /* ---- value printing ---- */
 
-static void print_str(FILE *out, const char *s, size_t len, size_t max) {
-    fputc('"', out);
-    for (size_t i = 0; i < len && i < max; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c == '"' || c == '\\') fprintf(out, "\\%c", c);
-        else if (c == '\n') fputs("\\n", out);
-        else if (c < 0x20 || c == 0x7f) fprintf(out, "\\x%02x", c);
-        else fputc(c, out);
+/* Length of the valid UTF-8 sequence at s[0..n) that is safe to print as it is, 0 when s[0] must
+ * be escaped: a C0 control or DEL, a byte of an invalid or truncated sequence, or a C1 control
+ * (U+0080..U+009F, which some terminals obey as escape sequences, e.g. U+009B CSI). */
+static size_t printable_len(const unsigned char *s, size_t n) {
+    unsigned c = s[0];
+    if (c < 0x20 || c == 0x7f) return 0;
+    if (c < 0x80) return 1;
+    size_t l = (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+    if (!l || l > n) return 0;
+    unsigned cp = c & (0x7f >> l);
+    for (size_t i = 1; i < l; i++) {
+        if ((s[i] & 0xc0) != 0x80) return 0;
+        cp = (cp << 6) | (s[i] & 0x3f);
     }
-    fputc('"', out);
-    if (len > max) fprintf(out, "... (%zu bytes)", len);
+    static const unsigned min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min_cp[l] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) || (cp >= 0x80 && cp <= 0x9f)) return 0;
+    return l;
+}
+
+/* Escape a string from the file for the terminal: '"' and '\\' backslashed, '\n' as \n, every
+ * byte printable_len refuses as \xNN; at most max input bytes (then "... (N bytes)" when quoted).
+ * Every string read from a file goes through here: an ESC in a key or tensor name must never reach
+ * the terminal (issue 14). */
+static size_t print_escaped(FILE *out, const char *str, size_t len, size_t max, int quoted) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t w = 0; /* bytes written */
+    if (quoted) fputc('"', out);
+    for (size_t i = 0; i < len && i < max;) {
+        size_t l = printable_len(s + i, len - i);
+        if (l == 1 && (s[i] == '"' || s[i] == '\\')) w += (size_t)fprintf(out, "\\%c", s[i]);
+        else if (l) w += fwrite(s + i, 1, l, out);
+        else if (s[i] == '\n') w += (size_t)fprintf(out, "\\n");
+        else w += (size_t)fprintf(out, "\\x%02x", s[i]);
+        i += l ? l : 1;
+    }
+    if (quoted) fputc('"', out);
+    if (quoted && len > max) fprintf(out, "... (%zu bytes)", len);
+    if (!quoted && len > max) w += (size_t)fprintf(out, "...");
+    return w;
+}
+
+static void print_str(FILE *out, const char *s, size_t len, size_t max) { print_escaped(out, s, len, max, 1); }
+
+/* A name (metadata key, tensor name) escaped and left-aligned in `width` bytes, as %-*s did. */
+static void print_name(FILE *out, const char *name, int width) {
+    for (size_t i = print_escaped(out, name, strlen(name), 256, 0); i < (size_t)width; i++) fputc(' ', out);
 }
 
 /* One packed little-endian scalar of type t at p. */
@@ -107,7 +142,9 @@ static void print_value(FILE *out, const gguf_file *f, const char *k, int show) 
 }
 
 static void print_kv_line(FILE *out, const gguf_file *f, const char *k, int show) {
-    fprintf(out, "  %-44s %-8s = ", k, gguf_type_name(gguf_type_at(f, gguf_find_key(f, k))));
+    fputs("  ", out);
+    print_name(out, k, 44);
+    fprintf(out, " %-8s = ", gguf_type_name(gguf_type_at(f, gguf_find_key(f, k))));
     print_value(out, f, k, show);
     fputc('\n', out);
 }
@@ -134,6 +171,17 @@ kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose) {
     if (!path || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_gguf_describe: NULL argument");
     gguf_file *f;
     KVPQ_TRY(gguf_open(&f, path));
+    /* The reader opens tensors of a type unknown to ggml (size unknown, shown as 0 bytes before);
+     * the model loader rejects them, and so does inspection, by name. */
+    for (int64_t i = 0; i < gguf_n_tensors(f); i++) {
+        const gguf_tensor *t = gguf_tensor_at(f, i);
+        if (ggml_blck_size(t->type) <= 0 || ggml_type_size(t->type) == 0) {
+            kvpq_status s = kvpq__err(KVPQ_ERR_UNSUPPORTED, "gguf '%s': tensor %lld '%.64s' has %s, not a ggml tensor "
+                                      "type (its size is unknown)", path, (long long)i, t->name, ggml_type_name(t->type));
+            gguf_close(f);
+            return s;
+        }
+    }
     fprintf(out, "file:     %s\n", path);
     fprintf(out, "format:   GGUF v%u, alignment %zu, %" PRId64 " metadata keys, %" PRId64
                  " tensors, data at offset %zu, %zu bytes\n",
@@ -152,7 +200,9 @@ kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose) {
         if (has_prefix(gguf_key_at(f, i), "general.")) print_kv_line(out, f, gguf_key_at(f, i), 8);
 
     if (arch_prefix[0]) {
-        fprintf(out, "\nhyperparameters (%s*):\n", arch_prefix);
+        fputs("\nhyperparameters (", out);
+        print_escaped(out, arch_prefix, strlen(arch_prefix), sizeof arch_prefix, 0);
+        fputs("*):\n", out);
         for (int64_t i = 0; i < gguf_n_kv(f); i++)
             if (has_prefix(gguf_key_at(f, i), arch_prefix)) print_kv_line(out, f, gguf_key_at(f, i), 8);
     }
@@ -205,8 +255,9 @@ kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose) {
         for (int d = 0; d < t->n_dims && o < (int)sizeof shape; d++)
             o += snprintf(shape + o, sizeof shape - (size_t)o, "%s%" PRId64, d ? ", " : "", t->ne[d]);
         if (o < (int)sizeof shape) snprintf(shape + o, sizeof shape - (size_t)o, "]");
-        fprintf(out, "  %4" PRId64 "  %-32s %-6s %-20s %12zu bytes\n", i, t->name, ggml_type_name(t->type), shape,
-                t->nbytes);
+        fprintf(out, "  %4" PRId64 "  ", i);
+        print_name(out, t->name, 32);
+        fprintf(out, " %-6s %-20s %12zu bytes\n", ggml_type_name(t->type), shape, t->nbytes);
         total += t->nbytes;
     }
     fprintf(out, "  total %zu bytes of tensor data\n", total);

@@ -33,6 +33,14 @@
 #define CB_MAX_LAYER 4096
 #define CB_MAX_HEAD_KV 4096
 #define CB_MAX_HEAD_DIM 65536
+/* Ranges of the stored floats (finite but absurd values load and then overflow or degrade the
+ * cache silently). Smoothing factors lambda = sqrt(max |k - mu|): keys within float16's range give
+ * lambda <= sqrt(2 * 65504) ~ 362, and calibration floors it at 1e-2; [2^-20, 2^20] leaves wide
+ * margins on both sides. Centroids and key means: a vector in float16's range rotated by a
+ * normalized Hadamard transform of up to 1024 dims has components up to 65504 * sqrt(1024) ~ 2^21. */
+#define CB_SMOOTH_MIN 0x1p-20
+#define CB_SMOOTH_MAX 0x1p20
+#define CB_MAX_ABS 0x1p21
 
 /* Metadata keys derived from the params (read-only through set_meta), in the order written. */
 enum { CB_N_CONFIG = 13 };
@@ -460,6 +468,12 @@ static kvpq_status check_values(const float *x, size_t n, int kind, const char *
         if (kind == CB_K_SMOOTH && !(x[i] > 0))
             return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: smoothing factors must be positive",
                              name, i, (double)x[i]);
+        if (kind == CB_K_SMOOTH && !(x[i] >= CB_SMOOTH_MIN && x[i] <= CB_SMOOTH_MAX))
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: smoothing factors must lie in [%g, %g]",
+                             name, i, (double)x[i], CB_SMOOTH_MIN, CB_SMOOTH_MAX);
+        if (kind != CB_K_SMOOTH && !(fabsf(x[i]) <= CB_MAX_ABS))
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: expected |x| <= %g", name, i, (double)x[i],
+                             CB_MAX_ABS);
     }
     return KVPQ_OK;
 }
@@ -843,12 +857,29 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
             for (size_t i = 0; i < n_tensor; i++)
                 if (seen[i].t) sorted[n_seen++] = seen[i];
             qsort(sorted, n_seen, sizeof *sorted, cmp_range);
+            /* Exact coverage, as the safetensors format requires (its reference reader rejects the
+             * rest): the tensors tile the data section from byte 0 to its end, no overlap, no gap,
+             * no trailing bytes. A gap or a tail is where hidden data would ride along. */
             for (size_t i = 1; i < n_seen && s == KVPQ_OK; i++)
                 if (sorted[i].begin < sorted[i - 1].end)
                     s = kvpq__err(KVPQ_ERR_FORMAT, "tensors %s [%llu,%llu] and %s [%llu,%llu] overlap",
                                   sorted[i - 1].t->string, (unsigned long long)sorted[i - 1].begin,
                                   (unsigned long long)sorted[i - 1].end, sorted[i].t->string,
                                   (unsigned long long)sorted[i].begin, (unsigned long long)sorted[i].end);
+            if (s == KVPQ_OK && n_seen && sorted[0].begin != 0)
+                s = kvpq__err(KVPQ_ERR_FORMAT, "the data section starts with %llu bytes no tensor covers (before %s)",
+                              (unsigned long long)sorted[0].begin, sorted[0].t->string);
+            for (size_t i = 1; i < n_seen && s == KVPQ_OK; i++)
+                if (sorted[i].begin > sorted[i - 1].end)
+                    s = kvpq__err(KVPQ_ERR_FORMAT, "gap of %llu bytes between tensors %s [%llu,%llu] and %s [%llu,%llu]",
+                                  (unsigned long long)(sorted[i].begin - sorted[i - 1].end), sorted[i - 1].t->string,
+                                  (unsigned long long)sorted[i - 1].begin, (unsigned long long)sorted[i - 1].end,
+                                  sorted[i].t->string, (unsigned long long)sorted[i].begin,
+                                  (unsigned long long)sorted[i].end);
+            if (s == KVPQ_OK && n_seen && sorted[n_seen - 1].end != data_len)
+                s = kvpq__err(KVPQ_ERR_FORMAT, "%llu trailing bytes after the last tensor %s (data section of %llu bytes)",
+                              (unsigned long long)(data_len - sorted[n_seen - 1].end), sorted[n_seen - 1].t->string,
+                              (unsigned long long)data_len);
             free(sorted);
         }
     }
@@ -882,6 +913,36 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     return KVPQ_OK;
 }
 
+/* Every number of a safetensors header (shape, data_offsets) is an integer: refuse any JSON number
+ * written with a fraction or an exponent ("16.0", "1.6e1"), which cJSON would read as 16. Scans the
+ * NUL-terminated header text outside strings. */
+static kvpq_status check_integer_numbers(const char *text) {
+    int in_str = 0;
+    for (const char *c = text; *c; c++) {
+        if (in_str) {
+            if (*c == '\\' && c[1]) c++;
+            else if (*c == '"') in_str = 0;
+            continue;
+        }
+        if (*c == '"') {
+            in_str = 1;
+            continue;
+        }
+        if (*c != '-' && !(*c >= '0' && *c <= '9')) continue;
+        const char *b = c;
+        int frac = 0;
+        while (*c == '-' || *c == '+' || *c == '.' || *c == 'e' || *c == 'E' || (*c >= '0' && *c <= '9')) {
+            frac |= *c == '.' || *c == 'e' || *c == 'E';
+            c++;
+        }
+        if (frac)
+            return kvpq__err(KVPQ_ERR_FORMAT, "header holds the number '%.*s' at byte %td: shape and data_offsets "
+                             "must be integers", (int)(c - b > 32 ? 32 : c - b), b, b - text);
+        c--;
+    }
+    return KVPQ_OK;
+}
+
 static kvpq_status load_mem(kvpq_codebook **out, const uint8_t *buf, size_t len) {
     if (len < 8) return kvpq__err(KVPQ_ERR_FORMAT, "file is %zu bytes, shorter than the 8-byte header length", len);
     uint64_t n = 0;
@@ -910,6 +971,12 @@ static kvpq_status load_mem(kvpq_codebook **out, const uint8_t *buf, size_t len)
                 s = kvpq__err(KVPQ_ERR_FORMAT, "header has bytes after its JSON object (at byte %td of %llu)",
                               c - text, (unsigned long long)n);
         if (s == KVPQ_OK) s = load_header(out, root, buf + 8 + n, (uint64_t)(len - 8 - n));
+        /* After load_header, which names the tensor of a number that is not integral ("8.5");
+         * left to catch here: integral values spelled as floats ("16.0"). */
+        if (s == KVPQ_OK && (s = check_integer_numbers(text)) != KVPQ_OK) {
+            kvpq_codebook_free(*out);
+            *out = NULL;
+        }
     }
     cJSON_Delete(root);
     free(text);
@@ -930,7 +997,7 @@ kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path) {
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_load: out is NULL");
     *out = NULL;
     if (!path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_load: path is NULL");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO must not block the open */
     if (fd < 0) return kvpq__err(KVPQ_ERR_IO, "codebook file '%s': cannot open: %s", path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

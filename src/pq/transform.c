@@ -1,5 +1,6 @@
 /* transform.c — outlier suppression for keys (VecInfer, arXiv 2510.06175, sec. 3): per-channel
  * smoothing by lambda = sqrt(max |K|) and the normalized Walsh-Hadamard rotation. */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 
@@ -40,6 +41,21 @@ kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms) {
     if (d <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_normalize_rows: d=%d: expected > 0", d);
     if (n == 0) return KVPQ_OK;
     if (!x) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_normalize_rows: x is NULL");
+    /* First every row's norm is checked (x is left unchanged on error): a NaN/Inf element, or finite
+     * elements whose norm exceeds float's range, had given a zero row with an infinite norm. */
+    for (size_t i = 0; i < n; i++) {
+        const float *r = x + i * (size_t)d;
+        double ss = 0;
+        for (int j = 0; j < d; j++) ss += (double)r[j] * r[j];
+        if (!isfinite(ss) || sqrt(ss) > FLT_MAX) {
+            for (int j = 0; j < d; j++)
+                if (!isfinite(r[j]))
+                    return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_normalize_rows: row %zu element %d is %s", i, j,
+                                     isnan(r[j]) ? "NaN" : "Inf");
+            return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_normalize_rows: row %zu has norm %g, beyond float's range", i,
+                             sqrt(ss));
+        }
+    }
     for (size_t i = 0; i < n; i++) {
         float *r = x + i * (size_t)d;
         double ss = 0;

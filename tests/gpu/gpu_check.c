@@ -85,10 +85,9 @@
 #define CPU_GPU_REL (5 * ATTEND_REL)
 
 static int g_fail = 0, g_quick = 0;
-/* internal switches of the CUDA kernels (src/cuda/attend.cu: LUT entries float16 when 1, value
- * codebook replicas; src/cuda/encode.cu: tensor-core search when 1) */
-extern int kvpq__cuda_attend_lut16, kvpq__cuda_attend_vrep, kvpq__cuda_attend_pvec, kvpq__cuda_attend_tc,
-    kvpq__cuda_attend_tc_warps, kvpq__cuda_encode_mma;
+/* kernel variants (kvpq_cuda_kernels, kvpq.h) of every quantizer and cache the checks create;
+ * main() walks them */
+static kvpq_cuda_kernels g_kernels;
 /* test hook (src/cuda/cache_cuda.cu): the codes and float16 scales a sequence holds */
 extern kvpq_status kvpq__cuda_cache_read_codes(const kvpq_cuda_cache *c, int seq, uint8_t *kc, uint8_t *vc,
                                                uint16_t *ks, uint16_t *vs);
@@ -120,6 +119,18 @@ static uint64_t g_rng;
             exit(1);                                                                                 \
         }                                                                                            \
     } while (0)
+
+/* kvpq_cuda_pq_new with the kernel variants under check (g_kernels) */
+static kvpq_cuda_pq *cuda_pq(const kvpq_pq *pq, int n_head_kv, const float *lambda, int rotate) {
+    kvpq_cuda_pq_params p = kvpq_cuda_pq_params_default();
+    p.n_head_kv = n_head_kv;
+    p.lambda = lambda;
+    p.rotate = rotate;
+    p.kernels = g_kernels;
+    kvpq_cuda_pq *q = NULL;
+    KV_OK(kvpq_cuda_pq_new_params(&q, pq, &p));
+    return q;
+}
 
 static uint64_t rng_next(void) {
     g_rng ^= g_rng << 13;
@@ -260,8 +271,7 @@ static void check_encode(int d, int dsub, int nbits, kvpq_codebook_granularity g
         for (int i = 0; i < H * d; i++) lambda[i] = 0.5f + 1.5f * (float)urand();
         for (size_t i = 0; i < nx; i++) x[i] *= lambda[i % ((size_t)H * d)];
     }
-    kvpq_cuda_pq *q;
-    KV_OK(kvpq_cuda_pq_new(&q, pq, H, lambda, rotate));
+    kvpq_cuda_pq *q = cuda_pq(pq, H, lambda, rotate);
     float *dx;
     uint8_t *dc;
     CUDA_OK(cudaMalloc((void **)&dx, nx * sizeof(float)));
@@ -474,11 +484,15 @@ static double f16_ulp(double a, double b) {
  * check_encode's comparison with the CPU); where all codes of a row agree the two scales come from
  * the same r and an x' equal to float32 rounding, so they may differ by at most one float16 ulp.
  * flips_at[t] (L) counts the differing codes of position t, and (is_key) its key scales one float16
- * ulp apart. */
+ * ulp apart. gs NULL: a plain quantizer of a cache whose other kind is norm-explicit (the keys of
+ * g_ne == 2, the values of g_ne == 1): the codes of x' itself, no normalization, no scales; its
+ * near-tie flips count too (the CPU VQ cache codes them with its own float32 search: a flipped key
+ * code of a large score moved the attention by 1.2e-2 on an H200, seed 4767639356757468334 under
+ * racecheck, when only the norm-explicit kind's flips were counted). */
 static void ne_cpu_compare(const kvpq_pq *pq, const ref_pq *q, const float *x, int L, int H, const float *mu,
                            const float *lambda, int rotate, const uint8_t *gc, const uint16_t *gs, int is_key,
                            int *flips_at, ne_cpu_counts *cnt) {
-    const int d = q->p.d, M = q->p.M;
+    const int d = q->p.d, M = q->p.M, ne = gs != NULL;
     const size_t n = (size_t)L * H, cs = kvpq_pq_code_size(pq);
     float *xc = malloc(n * d * sizeof *xc), *r = malloc(n * d * sizeof *r), *nrm = malloc(n * sizeof *nrm);
     uint8_t *cc = malloc(n * cs);
@@ -492,7 +506,7 @@ static void ne_cpu_compare(const kvpq_pq *pq, const ref_pq *q, const float *x, i
         }
     }
     if (rotate) KV_OK(kvpq_hadamard(xc, n, d));
-    KV_OK(kvpq_normalize_rows(xc, n, d, nrm));
+    if (ne) KV_OK(kvpq_normalize_rows(xc, n, d, nrm));
     KV_OK(kvpq_pq_encode(pq, n, xc, cc));
     KV_OK(kvpq_pq_decode(pq, n, cc, r));
     int log2d = 0;
@@ -508,7 +522,7 @@ static void ne_cpu_compare(const kvpq_pq *pq, const ref_pq *q, const float *x, i
                 const size_t h = i % (size_t)H;
                 ref_transformed(x + i * d, mu && lambda ? mu + h * d : NULL, lambda ? lambda + h * d : NULL, rotate, d,
                                 x64);
-                const double nx = row_norm(x64, d);
+                const double nx = ne ? row_norm(x64, d) : 1.0;
                 for (int j = 0; j < d; j++) x64[j] = nx > 0 ? x64[j] / nx : 0.0;
                 have_u = 1;
             }
@@ -520,7 +534,7 @@ static void ne_cpu_compare(const kvpq_pq *pq, const ref_pq *q, const float *x, i
         cnt->flips += diff;
         flips_at[i / (size_t)H] += diff;
         cnt->rows++;
-        if (diff) continue;
+        if (diff || !ne) continue;
         double ur = 0, rr = 0;
         for (int j = 0; j < d; j++) {
             ur += (double)xc[i * d + j] * r[i * d + j];
@@ -597,6 +611,7 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     cp.key_smooth = lambda;
     cp.value_rotate = value_rotate;
     cp.key_mean = mu;
+    cp.kernels = g_kernels;
     kvpq_cuda_cache *c;
     if (mu) { /* a non-finite mean is refused at creation, naming it */
         float keep = mu[3];
@@ -608,9 +623,8 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         mu[3] = keep;
     }
     KV_OK(kvpq_cuda_cache_new(&c, &cp));
-    kvpq_cuda_pq *kq, *vq; /* same quantizers, to read back the codes the cache stored */
-    KV_OK(kvpq_cuda_pq_new(&kq, kpq, H, lambda, 1));
-    KV_OK(kvpq_cuda_pq_new(&vq, vpq, H, NULL, value_rotate));
+    /* same quantizers, to read back the codes the cache stored */
+    kvpq_cuda_pq *kq = cuda_pq(kpq, H, lambda, 1), *vq = cuda_pq(vpq, H, NULL, value_rotate);
     size_t row = (size_t)H * D, kcs = kvpq_pq_code_size(kpq), vcs = kvpq_pq_code_size(vpq);
     float **K = malloc(B * sizeof *K), **V = malloc(B * sizeof *V);
     double **Kh = malloc(B * sizeof *Kh), **Vh = malloc(B * sizeof *Vh);
@@ -625,7 +639,7 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     double *xt64 = malloc((size_t)D * sizeof *xt64), ne_scale_worst = 0;
     int ne_bad_codes = 0;
     long ne_rows = 0;
-    ne_cpu_counts nec = {0, 0, 0, 0, 0};
+    ne_cpu_counts nec = {0, 0, 0, 0, 0}, plc = {0, 0, 0, 0, 0}; /* norm-explicit kinds, the plain kind */
     int *flips_at = calloc((size_t)maxL + 1, sizeof *flips_at); /* (maxL) differing codes of a position */
     int *flips_seq = calloc((size_t)B, sizeof *flips_seq);      /* (B) ... over the positions coded there */
     for (int b = 0; b < B; b++) {
@@ -697,8 +711,9 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
             /* the CPU's own codes and scales of the same inputs (every position), and the differing
              * codes of the positions the caches code (not the window's) */
             memset(flips_at, 0, (size_t)L * sizeof *flips_at);
-            if (kne) ne_cpu_compare(kpq, &rk, K[b], L, H, mu, lambda, 1, kc, ksc, 1, flips_at, &nec);
-            if (vne) ne_cpu_compare(vpq, &rv, V[b], L, H, NULL, NULL, value_rotate, vc, vsc, 0, flips_at, &nec);
+            ne_cpu_compare(kpq, &rk, K[b], L, H, mu, lambda, 1, kc, kne ? ksc : NULL, 1, flips_at, kne ? &nec : &plc);
+            ne_cpu_compare(vpq, &rv, V[b], L, H, NULL, NULL, value_rotate, vc, vne ? vsc : NULL, 0, flips_at,
+                           vne ? &nec : &plc);
             for (int t = 0; t < L - (window < L ? window : L); t++) flips_seq[b] += flips_at[t];
         } else {
             /* the cache's codes are those of kvpq_cuda_pq_encode (same kernel, same inputs: k - mu) */
@@ -859,7 +874,9 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         const int PT = g_page_tokens, max_pages = (cp.max_seq + PT - 1) / PT;
         size_t pages = 0;
         for (int b = 0; b < B; b++) pages += (size_t)(lens[b] + PT - 1) / PT;
-        const int tc_img = g == KVPQ_CODEBOOK_SHARED && kdsub == 4 && vdsub == 4 && knbits == 8 && vnbits == 8;
+        /* the tensor-core kernel's codebook image, built only where that kernel may run */
+        const int tc_img = g_kernels.attend_tc && g == KVPQ_CODEBOOK_SHARED && kdsub == 4 && vdsub == 4 && knbits == 8 &&
+                           vnbits == 8;
         const size_t want = pages * H * PT * (kcs + vcs) + 2 * (size_t)B * window * H * D * sizeof(float) +
                             ((size_t)rk.n_books * rk.ksub * (kdsub + 1) + (size_t)rv.n_books * rv.ksub * (vdsub + 1)) * 4 +
                             (size_t)B * (max_pages + 1) * sizeof(int) + (tc_img ? 65536 : 0) +
@@ -867,6 +884,8 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         CHECK(kvpq_cuda_cache_resident_bytes(c) == want, "norm-explicit resident bytes %zu, expected %zu",
               kvpq_cuda_cache_resident_bytes(c), want);
         /* the CPU's own encode of the same inputs, measured directly (ne_cpu_compare) */
+        CHECK(plc.bad_codes == 0, "norm-explicit D=%d: %ld plain codes differ from the CPU's beyond near-ties", D,
+              plc.bad_codes);
         CHECK(nec.bad_codes == 0 && nec.scale_bad == 0,
               "norm-explicit D=%d vs CPU encode: %ld direction codes differ beyond near-ties, %ld scales (codes equal) "
               "differ by more than one float16 ulp",
@@ -918,9 +937,10 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
               "no differing code or key scale)", D, cpu_worst);
         printf("    norm-explicit: %ld scales within %.2f of float16 rounding vs fp64, direction codes ok; vs CPU encode "
                "(%ld rows): %ld codes differ (near-ties), %ld scales one float16 ulp apart; vs CPU VQ cache: %d sequences "
-               "with equal codes and key scales rel diff %.2e, %d with %d differing codes or key scales rel diff %.2e (not bounded)\n",
+               "with equal codes and key scales rel diff %.2e, %d with %d differing codes or key scales rel diff %.2e (not bounded); "
+               "plain kind vs CPU encode: %ld codes differ (near-ties)\n",
                ne_rows, ne_scale_worst, nec.rows, nec.flips, nec.scale_ulp, n_cpu, cpu_worst, n_flip, flip_codes,
-               flip_worst);
+               flip_worst, plc.flips);
         /* after the refused appends above: a good append at the same positions (lens[0], lens[0] + 1)
          * succeeds (no state of the refusals is left), storing its rows right (scales to float16
          * rounding, direction codes the float64 argmin except near-ties) */
@@ -1021,8 +1041,29 @@ int main(void) {
     printf("seed %llu (KVPQ_SEED=... replays)\n", (unsigned long long)g_rng);
     int nt = g_quick ? 40 : 700;
 
-    const int mma_0 = kvpq__cuda_encode_mma;
-    /* every encode kernel variant (src/cuda/encode.cu, kvpq__cuda_encode_mma): 2-4 tensor cores,
+    const kvpq_cuda_kernels k0 = kvpq_cuda_kernels_default();
+    g_kernels = k0;
+    { /* a kernel variant outside the listed values is refused at creation, naming the field */
+        ref_pq r;
+        kvpq_pq *kp = make_pq(128, 4, 8, KVPQ_CODEBOOK_SHARED, &r, NULL);
+        kvpq_cuda_pq_params qp = kvpq_cuda_pq_params_default();
+        qp.kernels.encode_search = 5;
+        kvpq_cuda_pq *q = (kvpq_cuda_pq *)1;
+        kvpq_status s = kvpq_cuda_pq_new_params(&q, kp, &qp);
+        CHECK(s == KVPQ_ERR_INVALID_ARG && q == NULL && strstr(kvpq_last_error(), "kernels.encode_search=5"),
+              "encode_search 5: status %d (%s)", (int)s, kvpq_last_error());
+        kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
+        cp.key = kp;
+        cp.value = kp;
+        cp.kernels.attend_tc_warps = 12;
+        kvpq_cuda_cache *c = (kvpq_cuda_cache *)1;
+        s = kvpq_cuda_cache_new(&c, &cp);
+        CHECK(s == KVPQ_ERR_INVALID_ARG && c == NULL && strstr(kvpq_last_error(), "kernels.attend_tc_warps=12"),
+              "attend_tc_warps 12: status %d (%s)", (int)s, kvpq_last_error());
+        printf("kernel variant out of range refused: %s\n", kvpq_last_error());
+        kvpq_pq_free(kp);
+    }
+    /* every encode kernel variant (kvpq_cuda_kernels.encode_search, src/cuda/encode.cu): 2-4 tensor cores,
      * grouped argmin + exact re-rank (2: accumulator input; 3, 4: none, other row tiles / CTAs per
      * SM); 1 tensor cores, per-key argmin (previous); 0 float32. KVPQ_ENCODE_VARIANTS="2 0" checks
      * a subset. */
@@ -1040,7 +1081,7 @@ int main(void) {
     const char *es = getenv("KVPQ_ENCODE_SHAPES");
     const int few = es && !strcmp(es, "few");
     for (int vi = 0; vi < n_variants && few; vi++) {
-        kvpq__cuda_encode_mma = variants[vi];
+        g_kernels.encode_search = variants[vi];
         printf("encode/decode (variant %d, few shapes):\n", variants[vi]);
         check_encode(128, 4, 8, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 1, 1.f);
         check_encode(256, 4, 8, KVPQ_CODEBOOK_SHARED, 4, nt, 1, 1, 1.f);
@@ -1053,7 +1094,7 @@ int main(void) {
     }
     for (int vi = 0; vi < n_variants && !few; vi++) {
         const int variant = variants[vi];
-        kvpq__cuda_encode_mma = variant;
+        g_kernels.encode_search = variant;
         printf("encode/decode (%s search, variant %d):\n", variant ? "tensor-core" : "float32", variant);
         const int ds[] = {64, 128, 256}, dsubs[] = {1, 2, 4, 8, 16};
         for (int i = 0; i < 3; i++)
@@ -1075,7 +1116,7 @@ int main(void) {
         check_encode(256, 4, 8, KVPQ_CODEBOOK_SHARED, 3, nt, 0, 1, 1e5f);
         check_encode(64, 2, 7, KVPQ_CODEBOOK_SHARED, 3, nt, 1, 0, 30.f);
     }
-    kvpq__cuda_encode_mma = mma_0;
+    g_kernels = k0;
 
     { /* a key LUT that cannot fit in shared memory is refused at creation, naming the shape */
         ref_pq r;
@@ -1103,8 +1144,6 @@ int main(void) {
      * 2048 with 2 (the quick size exceeds the first only) */
     int Lne64b[] = {g_quick ? 64 + 32 * 34 : 64 + 32 * 155};
     int Lne32[] = {32 + 32 * 8, 32 + 32 * 2, 20};
-    const int lut16_0 = kvpq__cuda_attend_lut16, vrep_0 = kvpq__cuda_attend_vrep, pvec_0 = kvpq__cuda_attend_pvec,
-              tc_0 = kvpq__cuda_attend_tc, tcw_0 = kvpq__cuda_attend_tc_warps;
     /* KVPQ_ATTEND_VARIANTS="5 6 7" checks a subset (digits 0-7, below; "" none), e.g. to run only the
      * tensor-core kernel under compute-sanitizer racecheck */
     int att_variants[8] = {0, 1, 2, 3, 4, 5, 6, 7}, n_att = 8;
@@ -1117,21 +1156,22 @@ int main(void) {
     for (int vi = 0; vi < n_att; vi++) { /* every kernel variant the switches select */
         const int variant = att_variants[vi];
         /* 0-3: LUT kernel, entries float32/float16 x value codebook plain/replicated, with the vector
-         * value loop; 4: float16 + replicas with the previous value loop (kvpq__cuda_attend_pvec = 0);
+         * value loop; 4: float16 + replicas with the previous value loop (kernels.attend_pvec = 0);
          * 5: the defaults: shared K and V codebooks with dsub 4, nbits 8 take the tensor-core kernel;
          * 6, 7: the tensor-core kernel with 8-warp and 16-warp CTAs */
-        kvpq__cuda_attend_lut16 = variant >= 4 ? 1 : variant & 1;
-        kvpq__cuda_attend_vrep = variant >= 4 ? 1 : variant >> 1;
-        kvpq__cuda_attend_pvec = variant != 4;
-        kvpq__cuda_attend_tc = variant >= 5;
-        kvpq__cuda_attend_tc_warps = variant == 6 ? 8 : variant == 7 ? 16 : tcw_0;
+        g_kernels = k0;
+        g_kernels.attend_lut16 = variant >= 4 ? 1 : variant & 1;
+        g_kernels.attend_vrep = variant >= 4 ? 1 : variant >> 1;
+        g_kernels.attend_pvec = variant != 4;
+        g_kernels.attend_tc = variant >= 5;
+        g_kernels.attend_tc_warps = variant == 6 ? 8 : variant == 7 ? 16 : k0.attend_tc_warps;
         if (variant >= 5)
             printf(" defaults (tensor-core kernel, CTA warps %d (0: chosen per launch), for shared dsub-4 / 8-bit K and V "
-                   "codebooks, else LUT float16):\n", kvpq__cuda_attend_tc_warps);
+                   "codebooks, else LUT float16):\n", g_kernels.attend_tc_warps);
         else
-            printf(" LUT entries %s, %s, %s value loop:\n", kvpq__cuda_attend_lut16 ? "float16" : "float32",
-                   kvpq__cuda_attend_vrep ? "replicated value codebook" : "plain value codebook",
-                   kvpq__cuda_attend_pvec ? "vector" : "previous");
+            printf(" LUT entries %s, %s, %s value loop:\n", g_kernels.attend_lut16 ? "float16" : "float32",
+                   g_kernels.attend_vrep ? "replicated value codebook" : "plain value codebook",
+                   g_kernels.attend_pvec ? "vector" : "previous");
         check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 0, 4, L1, 0);  /* 2-bit K and V */
         check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1, 0);    /* SmolLM2 shape */
         check_attend(64, 9, 3, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 128, 1, 4, L1, 1);    /* key centering */
@@ -1177,11 +1217,7 @@ int main(void) {
         g_whole = 0;
         g_ne = 0;
     }
-    kvpq__cuda_attend_tc = tc_0;
-    kvpq__cuda_attend_tc_warps = tcw_0;
-    kvpq__cuda_attend_lut16 = lut16_0;
-    kvpq__cuda_attend_vrep = vrep_0;
-    kvpq__cuda_attend_pvec = pvec_0;
+    g_kernels = k0;
 
     if (g_fail) {
         printf("FAILED: %d check(s)\n", g_fail);

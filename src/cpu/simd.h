@@ -1,0 +1,323 @@
+/* simd.h — the width-generic SIMD layer of the CPU kernels. Internal.
+ *
+ * A kernel body is written once against `kvpq_vf` (a vector of KVPQ_VW float32 lanes), `kvpq_vi`
+ * (KVPQ_VW int32 lanes), `kvpq_vm` (a lane mask) and the vf_* / vi_* operations below, and compiled
+ * once per ISA. The translation unit picks the ISA by defining one macro before any include:
+ *
+ *     KVPQ_ISA_AVX512   W = 16: AVX-512 F, BW, VL, DQ (the file is built with those flags)
+ *     KVPQ_ISA_AVX2     W = 8:  AVX2, FMA, F16C
+ *     (neither)         W = 1:  plain C11, the same operations on one lane
+ *
+ * KVPQ_ISA_FN(name) appends the ISA's suffix (name_avx2, name_avx512, name_scalar), so the
+ * instances of one body export distinct symbols. CMake gives `*_avx2.c` and `*_avx512.c` their flags;
+ * a missing flag is a compile error here, never a silent scalar build.
+ *
+ * Rounding is the same at every width: vf_fma / vf_fnma are fused (one rounding; fmaf at W = 1),
+ * conversions from integers and halves are exact, vf_reduce_add adds in a fixed halving tree (lane i
+ * plus lane i + W/2, repeated), so a body's result depends on W only through its own loop structure.
+ * vf_max(a, b) is `a > b ? a : b` (x86 maxps: the second operand when either is NaN).
+ *
+ * Like ggml's simd-mappings.h (GGML_F32_VEC ...), but functions instead of macros so that types are
+ * checked. Only the operations that some kernel uses are here; add one for every ISA at once. */
+#ifndef KVPQ_SIMD_H
+#define KVPQ_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "core/fp16.h"
+
+#define KVPQ_CAT_(a, b) a##_##b
+#define KVPQ_CAT(a, b) KVPQ_CAT_(a, b)
+
+#define KVPQ_INLINE static inline __attribute__((always_inline))
+
+/* exp(x) for x <= 0 (Cephes expf): n = round(x / ln 2), r = x - n ln 2 in two parts (the first
+ * exact in float), exp(r) ~ 1 + r + r^2 P(r) with P of degree 5, times 2^n built in the exponent
+ * field. Inputs are clamped at -87 (giving ~1e-38 instead of 0, which a softmax cannot tell apart).
+ * Relative error a few ulp; NaN stays NaN. The constants, shared by every width: */
+#define KVPQ_EXP_LO (-87.0f)
+#define KVPQ_EXP_LOG2E 1.44269504088896341f
+#define KVPQ_EXP_LN2_HI 0.693359375f
+#define KVPQ_EXP_LN2_LO (-2.12194440e-4f)
+#define KVPQ_EXP_P0 1.9875691500e-4f
+#define KVPQ_EXP_P1 1.3981999507e-3f
+#define KVPQ_EXP_P2 8.3334519073e-3f
+#define KVPQ_EXP_P3 4.1665795894e-2f
+#define KVPQ_EXP_P4 1.6666665459e-1f
+#define KVPQ_EXP_P5 5.0000001201e-1f
+
+#if defined(KVPQ_ISA_AVX512)
+// ---- AVX-512: 16 lanes ----------------------------------------------------------------------------
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512DQ__) || \
+    !defined(__FMA__) || !defined(__F16C__)
+#error "KVPQ_ISA_AVX512: compile this file with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c"
+#endif
+#include <immintrin.h>
+#define KVPQ_VW 16
+#define KVPQ_ISA_FN(name) KVPQ_CAT(name, avx512)
+#define KVPQ_ISA_NAME "avx512"
+typedef __m512 kvpq_vf;
+typedef __m512i kvpq_vi;
+typedef __mmask16 kvpq_vm;
+
+KVPQ_INLINE kvpq_vf vf_zero(void) { return _mm512_setzero_ps(); }
+KVPQ_INLINE kvpq_vf vf_set1(float x) { return _mm512_set1_ps(x); }
+KVPQ_INLINE kvpq_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+KVPQ_INLINE void vf_store(float *p, kvpq_vf v) { _mm512_storeu_ps(p, v); }
+KVPQ_INLINE kvpq_vm vm_first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+/* Lanes i < n (0 <= n <= W) from p, the others 0; reads nothing past p + n. */
+KVPQ_INLINE kvpq_vf vf_load_n(const float *p, int n) { return _mm512_maskz_loadu_ps(vm_first(n), p); }
+KVPQ_INLINE void vf_store_n(float *p, kvpq_vf v, int n) { _mm512_mask_storeu_ps(p, vm_first(n), v); }
+KVPQ_INLINE kvpq_vf vf_add(kvpq_vf a, kvpq_vf b) { return _mm512_add_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_sub(kvpq_vf a, kvpq_vf b) { return _mm512_sub_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_mul(kvpq_vf a, kvpq_vf b) { return _mm512_mul_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_fma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return _mm512_fmadd_ps(a, b, c); }
+KVPQ_INLINE kvpq_vf vf_fnma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return _mm512_fnmadd_ps(a, b, c); }
+KVPQ_INLINE kvpq_vf vf_max(kvpq_vf a, kvpq_vf b) { return _mm512_max_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_min(kvpq_vf a, kvpq_vf b) { return _mm512_min_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_round(kvpq_vf a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+KVPQ_INLINE float vf_first(kvpq_vf v) { return _mm512_cvtss_f32(v); }
+/* lane i + lane i + 8, as an AVX2-width vector: the first step of the halving tree */
+KVPQ_INLINE __m256 vf__half_add(kvpq_vf v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+KVPQ_INLINE __m256 vf__half_max(kvpq_vf v) {
+    return _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+/* fp16 / bf16 / integer loads of W elements, converted exactly */
+KVPQ_INLINE kvpq_vf vf_load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+KVPQ_INLINE void vf_store_f16(uint16_t *p, kvpq_vf v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+KVPQ_INLINE kvpq_vf vf_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+KVPQ_INLINE __m128i vf__bytes(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+KVPQ_INLINE kvpq_vf vf__from_u8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+KVPQ_INLINE kvpq_vf vf__from_i8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+/* integer lanes and masks */
+KVPQ_INLINE kvpq_vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
+KVPQ_INLINE kvpq_vi vi_iota(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+KVPQ_INLINE kvpq_vi vi_add(kvpq_vi a, kvpq_vi b) { return _mm512_add_epi32(a, b); }
+KVPQ_INLINE void vi_store(int32_t *p, kvpq_vi v) { _mm512_storeu_si512((void *)p, v); }
+KVPQ_INLINE kvpq_vf vf_from_vi(kvpq_vi v) { return _mm512_cvtepi32_ps(v); }
+KVPQ_INLINE kvpq_vi vi_from_vf(kvpq_vf v) { return _mm512_cvtps_epi32(v); }
+KVPQ_INLINE kvpq_vi vi_shl(kvpq_vi v, int s) { return _mm512_slli_epi32(v, (unsigned)s); }
+KVPQ_INLINE kvpq_vf vf_from_bits(kvpq_vi v) { return _mm512_castsi512_ps(v); }
+KVPQ_INLINE kvpq_vm vf_lt(kvpq_vf a, kvpq_vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+/* m ? b : a, lane by lane */
+KVPQ_INLINE kvpq_vf vf_blend(kvpq_vf a, kvpq_vf b, kvpq_vm m) { return _mm512_mask_mov_ps(a, m, b); }
+KVPQ_INLINE kvpq_vi vi_blend(kvpq_vi a, kvpq_vi b, kvpq_vm m) { return _mm512_mask_mov_epi32(a, m, b); }
+
+#elif defined(KVPQ_ISA_AVX2)
+// ---- AVX2 + FMA + F16C: 8 lanes ---------------------------------------------------------------------
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "KVPQ_ISA_AVX2: compile this file with -mavx2 -mfma -mf16c"
+#endif
+#include <immintrin.h>
+#define KVPQ_VW 8
+#define KVPQ_ISA_FN(name) KVPQ_CAT(name, avx2)
+#define KVPQ_ISA_NAME "avx2"
+typedef __m256 kvpq_vf;
+typedef __m256i kvpq_vi;
+typedef __m256 kvpq_vm; /* all-ones lanes where true */
+
+KVPQ_INLINE kvpq_vf vf_zero(void) { return _mm256_setzero_ps(); }
+KVPQ_INLINE kvpq_vf vf_set1(float x) { return _mm256_set1_ps(x); }
+KVPQ_INLINE kvpq_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+KVPQ_INLINE void vf_store(float *p, kvpq_vf v) { _mm256_storeu_ps(p, v); }
+KVPQ_INLINE __m256i vm__first(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+KVPQ_INLINE kvpq_vf vf_load_n(const float *p, int n) { return _mm256_maskload_ps(p, vm__first(n)); }
+KVPQ_INLINE void vf_store_n(float *p, kvpq_vf v, int n) { _mm256_maskstore_ps(p, vm__first(n), v); }
+KVPQ_INLINE kvpq_vf vf_add(kvpq_vf a, kvpq_vf b) { return _mm256_add_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_sub(kvpq_vf a, kvpq_vf b) { return _mm256_sub_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_mul(kvpq_vf a, kvpq_vf b) { return _mm256_mul_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_fma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return _mm256_fmadd_ps(a, b, c); }
+KVPQ_INLINE kvpq_vf vf_fnma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return _mm256_fnmadd_ps(a, b, c); }
+KVPQ_INLINE kvpq_vf vf_max(kvpq_vf a, kvpq_vf b) { return _mm256_max_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_min(kvpq_vf a, kvpq_vf b) { return _mm256_min_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_round(kvpq_vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+KVPQ_INLINE float vf_first(kvpq_vf v) { return _mm256_cvtss_f32(v); }
+KVPQ_INLINE __m256 vf__half_add(kvpq_vf v) { return v; }
+KVPQ_INLINE __m256 vf__half_max(kvpq_vf v) { return v; }
+KVPQ_INLINE kvpq_vf vf_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+KVPQ_INLINE void vf_store_f16(uint16_t *p, kvpq_vf v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+KVPQ_INLINE kvpq_vf vf_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+KVPQ_INLINE __m128i vf__bytes(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
+KVPQ_INLINE kvpq_vf vf__from_u8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+KVPQ_INLINE kvpq_vf vf__from_i8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+KVPQ_INLINE kvpq_vi vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
+KVPQ_INLINE kvpq_vi vi_iota(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+KVPQ_INLINE kvpq_vi vi_add(kvpq_vi a, kvpq_vi b) { return _mm256_add_epi32(a, b); }
+KVPQ_INLINE void vi_store(int32_t *p, kvpq_vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+KVPQ_INLINE kvpq_vf vf_from_vi(kvpq_vi v) { return _mm256_cvtepi32_ps(v); }
+KVPQ_INLINE kvpq_vi vi_from_vf(kvpq_vf v) { return _mm256_cvtps_epi32(v); }
+KVPQ_INLINE kvpq_vi vi_shl(kvpq_vi v, int s) { return _mm256_slli_epi32(v, s); }
+KVPQ_INLINE kvpq_vf vf_from_bits(kvpq_vi v) { return _mm256_castsi256_ps(v); }
+KVPQ_INLINE kvpq_vm vf_lt(kvpq_vf a, kvpq_vf b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+KVPQ_INLINE kvpq_vf vf_blend(kvpq_vf a, kvpq_vf b, kvpq_vm m) { return _mm256_blendv_ps(a, b, m); }
+KVPQ_INLINE kvpq_vi vi_blend(kvpq_vi a, kvpq_vi b, kvpq_vm m) {
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), m));
+}
+
+#else
+// ---- scalar: 1 lane ---------------------------------------------------------------------------------
+#define KVPQ_VW 1
+#define KVPQ_ISA_FN(name) KVPQ_CAT(name, scalar)
+#define KVPQ_ISA_NAME "scalar"
+typedef float kvpq_vf;
+typedef int32_t kvpq_vi;
+typedef int kvpq_vm;
+
+KVPQ_INLINE kvpq_vf vf_zero(void) { return 0.0f; }
+KVPQ_INLINE kvpq_vf vf_set1(float x) { return x; }
+KVPQ_INLINE kvpq_vf vf_load(const float *p) { return *p; }
+KVPQ_INLINE void vf_store(float *p, kvpq_vf v) { *p = v; }
+KVPQ_INLINE kvpq_vf vf_load_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
+KVPQ_INLINE void vf_store_n(float *p, kvpq_vf v, int n) {
+    if (n > 0) *p = v;
+}
+KVPQ_INLINE kvpq_vf vf_add(kvpq_vf a, kvpq_vf b) { return a + b; }
+KVPQ_INLINE kvpq_vf vf_sub(kvpq_vf a, kvpq_vf b) { return a - b; }
+KVPQ_INLINE kvpq_vf vf_mul(kvpq_vf a, kvpq_vf b) { return a * b; }
+KVPQ_INLINE kvpq_vf vf_fma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return fmaf(a, b, c); }
+KVPQ_INLINE kvpq_vf vf_fnma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return fmaf(-a, b, c); }
+KVPQ_INLINE kvpq_vf vf_max(kvpq_vf a, kvpq_vf b) { return a > b ? a : b; }
+KVPQ_INLINE kvpq_vf vf_min(kvpq_vf a, kvpq_vf b) { return a < b ? a : b; }
+KVPQ_INLINE kvpq_vf vf_round(kvpq_vf a) { return nearbyintf(a); }
+KVPQ_INLINE float vf_first(kvpq_vf v) { return v; }
+/* (memcpy: ggml rows of halves may start at an odd address) */
+KVPQ_INLINE kvpq_vf vf_load_f16(const uint16_t *p) { return kvpq__h2f_at(p); }
+KVPQ_INLINE void vf_store_f16(uint16_t *p, kvpq_vf v) { *p = kvpq__f2h(v); }
+KVPQ_INLINE kvpq_vf vf_load_bf16(const uint16_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return kvpq__bf2f(h);
+}
+KVPQ_INLINE kvpq_vi vi_set1(int32_t x) { return x; }
+KVPQ_INLINE kvpq_vi vi_iota(void) { return 0; }
+KVPQ_INLINE kvpq_vi vi_add(kvpq_vi a, kvpq_vi b) { return (int32_t)((uint32_t)a + (uint32_t)b); }
+KVPQ_INLINE void vi_store(int32_t *p, kvpq_vi v) { *p = v; }
+KVPQ_INLINE kvpq_vf vf_from_vi(kvpq_vi v) { return (float)v; }
+KVPQ_INLINE kvpq_vi vi_from_vf(kvpq_vf v) { return (int32_t)nearbyintf(v); }
+KVPQ_INLINE kvpq_vi vi_shl(kvpq_vi v, int s) { return (int32_t)((uint32_t)v << s); }
+KVPQ_INLINE kvpq_vf vf_from_bits(kvpq_vi v) {
+    float f;
+    memcpy(&f, &v, sizeof f);
+    return f;
+}
+KVPQ_INLINE kvpq_vm vf_lt(kvpq_vf a, kvpq_vf b) { return a < b; }
+KVPQ_INLINE kvpq_vf vf_blend(kvpq_vf a, kvpq_vf b, kvpq_vm m) { return m ? b : a; }
+KVPQ_INLINE kvpq_vi vi_blend(kvpq_vi a, kvpq_vi b, kvpq_vm m) { return m ? b : a; }
+#endif
+
+// ---- derived operations, written once for every width -----------------------------------------------
+
+#if KVPQ_VW > 1
+/* Horizontal sum in the halving tree: (l0+l4)+(l2+l6) + (l1+l5)+(l3+l7) at W = 8, the 16 lanes first
+ * folded to 8 at W = 16 (the same tree as _mm512_reduce_add_ps). */
+KVPQ_INLINE float vf_reduce_add(kvpq_vf v) {
+    __m256 h = vf__half_add(v);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+KVPQ_INLINE float vf_reduce_max(kvpq_vf v) {
+    __m256 h = vf__half_max(v);
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* W unsigned / signed bytes, the low or high nibbles of W bytes, as floats (exact). */
+KVPQ_INLINE kvpq_vf vf_load_u8(const uint8_t *p) { return vf__from_u8(vf__bytes(p)); }
+KVPQ_INLINE kvpq_vf vf_load_i8(const int8_t *p) { return vf__from_i8(vf__bytes((const uint8_t *)p)); }
+KVPQ_INLINE kvpq_vf vf_load_u4lo(const uint8_t *p) {
+    return vf__from_u8(_mm_and_si128(vf__bytes(p), _mm_set1_epi8(0x0f)));
+}
+KVPQ_INLINE kvpq_vf vf_load_u4hi(const uint8_t *p) {
+    return vf__from_u8(_mm_and_si128(_mm_srli_epi16(vf__bytes(p), 4), _mm_set1_epi8(0x0f)));
+}
+/* One half at an unaligned address, converted by F16C (the scales of quantized blocks). */
+KVPQ_INLINE float vs_h2f_at(const void *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+/* 16 bytes of nibbles -> 32 values (elements 0..15 the low nibbles of bytes 0..15, 16..31 the high
+ * ones; ggml's Q4 order) as 32 / W vectors. One 16-byte load, unpacked in registers. */
+KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+#if KVPQ_VW == 16
+    f[0] = vf__from_u8(lo);
+    f[1] = vf__from_u8(hi);
+#else
+    f[0] = vf__from_u8(lo);
+    f[1] = vf__from_u8(_mm_srli_si128(lo, 8));
+    f[2] = vf__from_u8(hi);
+    f[3] = vf__from_u8(_mm_srli_si128(hi, 8));
+#endif
+}
+#else
+KVPQ_INLINE float vs_h2f_at(const void *p) { return kvpq__h2f_at(p); }
+KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32]) {
+    for (int j = 0; j < 16; j++) {
+        f[j] = (float)(p[j] & 0x0f);
+        f[j + 16] = (float)(p[j] >> 4);
+    }
+}
+KVPQ_INLINE float vf_reduce_add(kvpq_vf v) { return v; }
+KVPQ_INLINE float vf_reduce_max(kvpq_vf v) { return v; }
+KVPQ_INLINE kvpq_vf vf_load_u8(const uint8_t *p) { return (float)*p; }
+KVPQ_INLINE kvpq_vf vf_load_i8(const int8_t *p) { return (float)*p; }
+KVPQ_INLINE kvpq_vf vf_load_u4lo(const uint8_t *p) { return (float)(*p & 0x0f); }
+KVPQ_INLINE kvpq_vf vf_load_u4hi(const uint8_t *p) { return (float)(*p >> 4); }
+#endif
+
+/* exp(x) for x <= 0, the polynomial above (the one vector exp of the CPU kernels). */
+KVPQ_INLINE kvpq_vf vf_exp(kvpq_vf x) {
+    x = vf_max(x, vf_set1(KVPQ_EXP_LO));
+    kvpq_vf n = vf_round(vf_mul(x, vf_set1(KVPQ_EXP_LOG2E)));
+    kvpq_vf r = vf_fnma(n, vf_set1(KVPQ_EXP_LN2_HI), x);
+    r = vf_fnma(n, vf_set1(KVPQ_EXP_LN2_LO), r);
+    kvpq_vf y = vf_set1(KVPQ_EXP_P0);
+    y = vf_fma(y, r, vf_set1(KVPQ_EXP_P1));
+    y = vf_fma(y, r, vf_set1(KVPQ_EXP_P2));
+    y = vf_fma(y, r, vf_set1(KVPQ_EXP_P3));
+    y = vf_fma(y, r, vf_set1(KVPQ_EXP_P4));
+    y = vf_fma(y, r, vf_set1(KVPQ_EXP_P5));
+    y = vf_fma(y, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
+    kvpq_vi e = vi_shl(vi_add(vi_from_vf(n), vi_set1(127)), 23);
+    return vf_mul(y, vf_from_bits(e));
+}
+
+/* dot(a, b) over n float32: four accumulators over 4W-element steps, then W-element steps into
+ * the first, then a masked tail into the second; the sum (s0 + s1) + (s2 + s3) reduced by the tree. */
+KVPQ_INLINE float vf_dot(const float *a, const float *b, int64_t n) {
+    kvpq_vf s0 = vf_zero(), s1 = vf_zero(), s2 = vf_zero(), s3 = vf_zero();
+    int64_t i = 0;
+    for (; i + 4 * KVPQ_VW <= n; i += 4 * KVPQ_VW) {
+        s0 = vf_fma(vf_load(a + i), vf_load(b + i), s0);
+        s1 = vf_fma(vf_load(a + i + KVPQ_VW), vf_load(b + i + KVPQ_VW), s1);
+        s2 = vf_fma(vf_load(a + i + 2 * KVPQ_VW), vf_load(b + i + 2 * KVPQ_VW), s2);
+        s3 = vf_fma(vf_load(a + i + 3 * KVPQ_VW), vf_load(b + i + 3 * KVPQ_VW), s3);
+    }
+    for (; i + KVPQ_VW <= n; i += KVPQ_VW) s0 = vf_fma(vf_load(a + i), vf_load(b + i), s0);
+    if (i < n) s1 = vf_fma(vf_load_n(a + i, (int)(n - i)), vf_load_n(b + i, (int)(n - i)), s1);
+    return vf_reduce_add(vf_add(vf_add(s0, s1), vf_add(s2, s3)));
+}
+
+#endif
