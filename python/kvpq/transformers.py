@@ -170,10 +170,14 @@ class KVPQCache(Cache):
         if got != (cb.n_layer, cb.n_head_kv, cb.head_dim):
             raise _core.Error(lib_mismatch(), f"codebook has n_layer {cb.n_layer}, n_head_kv {cb.n_head_kv}, head_dim "
                                               f"{cb.head_dim}; the model has {got[0]}, {got[1]}, {got[2]}", "KVPQCache")
-        for name in ("sliding_window", "attn_logit_softcapping"):
-            if getattr(cfg, name, None) and getattr(cfg, "use_sliding_window", True):
-                raise _core.Error(_core.lib.KVPQ_ERR_UNSUPPORTED, f"the model uses {name}={getattr(cfg, name)}, which "
-                                  "kvpq attention does not implement", "KVPQCache")
+        unsupported = []
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            unsupported.append(f"sliding_window={cfg.sliding_window}")
+        if getattr(cfg, "attn_logit_softcapping", None):
+            unsupported.append(f"attn_logit_softcapping={cfg.attn_logit_softcapping}")
+        if unsupported:
+            raise _core.Error(_core.lib.KVPQ_ERR_UNSUPPORTED, f"the model uses {', '.join(unsupported)}, which kvpq "
+                              "attention does not implement", "KVPQCache")
 
     def _key_order(self, x):
         """Keys and queries (n, heads, head_dim) in the codebook's channel order. transformers
