@@ -21,7 +21,6 @@ usage: python3 bench/transformers_peer.py --codebook CB.safetensors [--text F] [
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -105,8 +104,11 @@ def gen_one(a):
     ids = kvpq.Vocab(os.path.join(MODEL_DIR, MODEL_FILE)).tokenize(open(a.text, encoding="utf-8").read())
     ids = torch.from_numpy(ids[: a.gen_ctx].astype(np.int64))[None]
     cache = make_cache(a.cache, model, a.codebook)
+    # peak RSS of the run alone: loading the model (GGUF dequantization) peaks higher than anything
+    # after it, so the high-water mark is reset here (Linux: clear_refs 5 resets VmHWM)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     rss0 = rss_kib()
-    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     half = None
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -124,10 +126,11 @@ def gen_one(a):
             tok = logits[:, -1].argmax(-1, keepdim=True)
             out.append(int(tok))
         t_dec = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/status") as f:
+        peak = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
     res = {"cache": a.cache, "tokens": ids.shape[1] + a.gen, "cache_bytes": cache_bytes(cache),
            "bytes_per_token_added": (full[1] - half[1]) / (full[0] - half[0]),
-           "peak_rss_growth_mib": (max(peak, peak0) - rss0) / 1024, "prefill_tok_s": ids.shape[1] / t_pre,
+           "peak_rss_growth_mib": (peak - rss0) / 1024, "prefill_tok_s": ids.shape[1] / t_pre,
            "decode_tok_s": a.gen / t_dec, "generated": out}
     print(json.dumps(res))
 
@@ -152,24 +155,8 @@ def ppl_hf(model, cache_fn, chunks):
     return ppl_with_stderr(nll)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--codebook", required=True)
-    ap.add_argument("--text", default=os.path.join(ROOT, "data", "text", "persuasion.txt"))
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--chunks", type=int, default=2)
-    ap.add_argument("--positions", type=int, default=32)
-    ap.add_argument("--gen-ctx", type=int, default=4096)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--caches", default="dynamic,kvpq,quanto4,quanto2")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json")
-    ap.add_argument("--skip-gen", action="store_true")
-    ap.add_argument("--cache", help=argparse.SUPPRESS)  # child process: one generation
-    a = ap.parse_args()
-    if a.cache:
-        return gen_one(a)
-
+def ppl_part(a):
+    """Logits and perplexity rows of the table (one process: transformers and kvpq's engine)."""
     import torch
     import kvpq
     from kvpq.transformers import KVPQCache
@@ -227,6 +214,29 @@ def main():
     res["ppl_cli_vq_simd"] = simd
     rows.append(("ppl, uncompressed", f"{cli_fp32['ppl']:.4f} (kvpq fp32)", f"{ppl_dyn:.4f} (DynamicCache)",
                  f"{100 * (ppl_dyn / cli_fp32['ppl'] - 1):+.3f}%"))
+    return res, rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--codebook", required=True)
+    ap.add_argument("--text", default=os.path.join(ROOT, "data", "text", "persuasion.txt"))
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=2)
+    ap.add_argument("--positions", type=int, default=32)
+    ap.add_argument("--gen-ctx", type=int, default=4096)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--caches", default="dynamic,kvpq,quanto4,quanto2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json")
+    ap.add_argument("--skip-gen", action="store_true")
+    ap.add_argument("--skip-ppl", action="store_true", help="only the generation table")
+    ap.add_argument("--cache", help=argparse.SUPPRESS)  # child process: one generation
+    a = ap.parse_args()
+    if a.cache:
+        return gen_one(a)
+
+    res, rows = ({}, []) if a.skip_ppl else ppl_part(a)
 
     gens = []
     if not a.skip_gen:
