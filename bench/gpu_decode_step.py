@@ -17,7 +17,8 @@ Each layer has its own cache / K and V tensors (SDPA: as many distinct layers as
 --sdpa-gib, the others reuse them cyclically; every set is many times the 60 MB L2). Times: CUDA
 events around a whole step, median over repeats after a warm-up. Before timing, every layer's
 output of the kvpq graph (outputs poisoned with NaN first) must equal the synchronous
-kvpq_cuda_cache_attend's bit for bit, and the SDPA graph's must equal eager SDPA's.
+kvpq_cuda_cache_attend's bit for bit, and the SDPA graph's eager SDPA's to float16 rounding (its
+split-KV kernels are not bitwise deterministic run to run).
 
 Usage: python3 bench/gpu_decode_step.py --lib build/libkvpq.so [--out DIR] [--quick]
 Writes decode_step.json and decode_step.md under --out (default out/gpu).
@@ -206,8 +207,10 @@ def sdpa_step(B, L, reps, gib):
     g.replay()
     torch.cuda.synchronize()
     for layer in range(N_LAYER):
-        if not torch.equal(outs[layer], ref[layer]):
-            raise RuntimeError(f"SDPA graph, layer {layer}: output differs from eager SDPA")
+        # SDPA's split-KV decode kernels need not be bitwise deterministic: float16 rounding apart
+        if not torch.allclose(outs[layer].float(), ref[layer].float(), rtol=2e-3, atol=2e-3):
+            raise RuntimeError(f"SDPA graph, layer {layer}: output differs from eager SDPA "
+                               f"(max |diff| {(outs[layer].float() - ref[layer].float()).abs().max().item():g})")
     graph_us = step_time_us(g.replay, reps)
     del g, kv, q, outs, ref
     torch.cuda.empty_cache()

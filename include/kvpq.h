@@ -11,6 +11,11 @@
  * multiplied by the same factors and rotated, so `q . k` is unchanged. Attention is computed directly from the codes through a lookup
  * table `LUT[m][c] = q_m . C[m][c]`.
  *
+ * Header tiers: this header is the stable API (status, SIMD level, backends, PQ, codebook file, KV
+ * cache, CUDA); it needs only libkvpq (pkg-config kvpq, CMake kvpq::kvpq). The model runner
+ * (GGUF reader, tokenizer, forward pass: kvpq_model_*, kvpq_vocab_*, kvpq_gguf_*) is kvpq_model.h,
+ * in libkvpq_model (kvpq_model / kvpq::kvpq_model), which brings PCRE2 and OpenBLAS.
+ *
  * Conventions (every function):
  *   - Fallible calls return kvpq_status: KVPQ_OK (0) or a negative error. kvpq_last_error() gives a
  *     thread-local message naming the problem. The library never calls exit() or abort().
@@ -317,13 +322,20 @@ KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char 
 KVPQ_API size_t kvpq_codebook_meta_count(const kvpq_codebook *cb);
 KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
 
-/* Write atomically (temp file then rename: an existing file is never left half-written). Fails
+/* Write atomically (temp file PATH.tmp.XXXXXX, fsync, rename over PATH: an existing file is never
+ * left half-written; on failure the temp file is removed). A PATH that is a symbolic link has the
+ * file it names replaced, not the link. Fails
  * with KVPQ_ERR_NONFINITE / KVPQ_ERR_INVALID_ARG (NaN/Inf, smoothing factor <= 0) rather than write
  * a file that load would reject. New codebooks hold lambda = 1, mu = 0 and zero centroids. */
 KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path);
 /* Load and validate every offset, shape and dtype; rejects NaN/Inf (KVPQ_ERR_NONFINITE) and any
  * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
 KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
+
+/* Remove the temporary files of saves in progress (kvpq_codebook_save's PATH.tmp.XXXXXX).
+ * Async-signal-safe: call it from a SIGINT/SIGTERM handler before the process dies, so that an
+ * interrupted save leaves nothing behind (the kvpq CLI does). The library installs no handlers. */
+KVPQ_API void kvpq_remove_temp_files(void);
 
 /* ---- calibration: a codebook from collected keys and values --------------------------------- */
 
@@ -439,100 +451,10 @@ typedef struct {
     kvpq_backend backend;      /* where it runs */
 } kvpq_cache_stats;
 KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st);
-
-/* ---- models (GGUF, Llama family) ------------------------------------------------------------ */
-
-typedef struct kvpq_model kvpq_model;
-
-typedef struct {
-    int n_threads;   /* 0 = OpenMP default */
-} kvpq_model_params;
-KVPQ_API kvpq_model_params kvpq_model_params_default(void);
-
-typedef struct {
-    char arch[32];       /* general.architecture */
-    char name[128];      /* general.name */
-    int n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_vocab, n_ctx_train;
-    float rope_freq_base;
-    float rms_eps;
-    int32_t bos_id, eos_id;
-    int add_bos;         /* tokenizer.ggml.add_bos_token (0 when absent): prepend BOS to a text */
-} kvpq_model_info;
-
-/* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
- * KVPQ_ERR_UNSUPPORTED (architecture or tensor type, named). */
-KVPQ_API kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model_params *p);
-KVPQ_API void kvpq_model_free(kvpq_model *m);
-KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *info);
-/* The model's chat template (tokenizer.chat_template, a Jinja string; NUL-terminated, owned by the
- * model), or NULL when the file has none. */
-KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
-
-/* Tokenize UTF-8 text with the model's byte-level BPE. parse_special: text like "<|im_start|>"
- * becomes the special token. Writes up to cap ids; *n_tokens gets the full count (call with cap 0
- * to size). Errors: invalid UTF-8 (KVPQ_ERR_INVALID_ARG with the byte offset). */
-KVPQ_API kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t len, int add_bos,
-                                   int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
-/* Bytes of one token's text (may be a partial UTF-8 sequence). *len gets the full length. */
-KVPQ_API kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len);
-
-/* Run n tokens at positions L .. L+n-1, L = kvpq_cache_seq_len(cache, 0), appending their K/V to
- * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. The cache must have
- * the model's n_layer, n_head, n_head_kv and head_dim (else KVPQ_ERR_MISMATCH). Errors: L + n beyond
- * n_ctx_train or the cache's max_seq (KVPQ_ERR_CAPACITY), a token id out of range; on error the
- * cache is truncated back to L. One model serves one eval at a time (it owns the scratch). */
-KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
-                                     int logits_all, float *logits);
-
-/* ---- GGUF inspection ------------------------------------------------------------------------ */
-
-/* Print what a GGUF (v2/v3) file holds to `out`: format (version, alignment, counts, data offset),
- * the general.* keys, the hyperparameters (every `<general.architecture>.*` key), a tokenizer summary
- * (tokenizer.ggml.model, pre, vocab size, merges count, bos/eos/unk/pad ids with their text), other
- * metadata keys (tokenizer.* arrays too when verbose), then one line per tensor: index, name, type,
- * shape as ne[0], ne[1], ... (ne[0] innermost, the order gguf lists) and bytes. The whole file is
- * validated first (as kvpq_model_load does). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT naming what and
- * where ("gguf 'x.gguf': tensor 12 'blk.0.attn_q.weight': data [...] beyond file size N"). */
-KVPQ_API kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose);
-
-/* Dequantize one whole tensor of a GGUF file to float32, bit-exact with ggml's dequantize_row_*
- * (and the PyPI gguf package's gguf.quants.dequantize). out: (ne[3], ne[2], ne[1], ne[0]) float32,
- * ne[0] fastest; cap: floats available at out. *numel (may be NULL) gets ne[0]*ne[1]*ne[2]*ne[3];
- * call with out NULL and cap 0 to query it. Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
- * Errors: KVPQ_ERR_IO / KVPQ_ERR_FORMAT (the file), KVPQ_ERR_INVALID_ARG (no such tensor, or
- * cap < numel), KVPQ_ERR_UNSUPPORTED (tensor type, named). */
-KVPQ_API kvpq_status kvpq_gguf_dequantize_tensor(const char *path, const char *name, float *out, size_t cap,
-                                                 size_t *numel);
-
-/* ---- tokenizer ------------------------------------------------------------------------------ */
-
-/* A model's tokenizer alone, loaded from the tokenizer.ggml.* keys of a GGUF file without its
- * weights: byte-level BPE (GPT-2 style, tokenizer.ggml.model "gpt2") with the pre-tokenizer named
- * by tokenizer.ggml.pre ("smollm", "starcoder", "gpt2", "default", "llama-bpe"), split by PCRE2.
- * It gives the same ids as kvpq_tokenize() on a model loaded from the same file. */
-typedef struct kvpq_vocab kvpq_vocab;
-
-/* Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (a missing or inconsistent tokenizer key, named),
- * KVPQ_ERR_UNSUPPORTED (another tokenizer model, or an unknown pre-tokenizer, named). */
-KVPQ_API kvpq_status kvpq_vocab_load(kvpq_vocab **out, const char *gguf_path);
-KVPQ_API void kvpq_vocab_free(kvpq_vocab *v);
-/* Number of tokens; ids are 0 .. n_tokens - 1. */
-KVPQ_API int32_t kvpq_vocab_n_tokens(const kvpq_vocab *v);
-/* BOS / EOS ids (tokenizer.ggml.bos_token_id / eos_token_id), -1 when the file has none. */
-KVPQ_API int32_t kvpq_vocab_bos(const kvpq_vocab *v);
-KVPQ_API int32_t kvpq_vocab_eos(const kvpq_vocab *v);
-/* Same contract as kvpq_tokenize(): UTF-8 text (len bytes) -> up to cap ids in tokens;
- * *n_tokens gets the full count (call with cap 0 to size). add_bos prepends the BOS id;
- * parse_special turns the text of CONTROL / USER_DEFINED tokens ("<|im_start|>") into those tokens
- * (leftmost-longest), else such text is tokenized as plain text. Errors: KVPQ_ERR_INVALID_ARG for
- * invalid UTF-8 (the message gives the byte offset); KVPQ_ERR_UNSUPPORTED for a byte the
- * vocabulary has no token for (SmolLM2 lacks 21 control / never-valid bytes, e.g. 0x04). */
-KVPQ_API kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, size_t len, int add_bos,
-                                         int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
-/* Same contract as kvpq_token_to_piece(): the raw bytes of a token (special tokens give their
- * text), up to cap bytes into buf, no NUL added; *len gets the full length. Concatenating the pieces
- * of kvpq_vocab_tokenize's output gives back the text. Errors: token out of range. */
-KVPQ_API kvpq_status kvpq_vocab_piece(const kvpq_vocab *v, int32_t token, char *buf, size_t cap, size_t *len);
+/* The params the cache was created with (as resolved: backend is CPU or CUDA, never AUTO), copied
+ * into *p; pointer fields (the codebook) are borrowed from the cache and live as long as it does.
+ * Errors: KVPQ_ERR_INVALID_ARG for NULL. */
+KVPQ_API kvpq_status kvpq_cache_get_params(const kvpq_cache *c, kvpq_cache_params *p);
 
 /* ---- CUDA ----------------------------------------------------------------------------------- */
 /*

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The test command: installs dependencies, fetches the model, builds with warnings as errors, runs
-# the whole suite (C tests through ctest, Python peer checks through pytest), then runs the C suite
-# again under AddressSanitizer + UndefinedBehaviorSanitizer, and runs each libFuzzer target briefly.
+# The test command: installs dependencies, fetches the models (SmolLM2-135M, Qwen2.5-Coder-1.5B,
+# Gemma-3-270M), builds with warnings as errors, runs the whole suite (C tests through ctest, Python
+# peer checks through pytest), then runs the C suite again under AddressSanitizer +
+# UndefinedBehaviorSanitizer, and runs each libFuzzer target briefly.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 jobs=$(nproc)
 ./scripts/deps.sh
-./scripts/fetch_model.sh
+./scripts/fetch_model.sh all
 echo "== build (Release, -Werror)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVPQ_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Install the build tree into a temporary prefix (cmake --install --prefix), then check that the
-# library (static and shared), header, CLI and kvpq.pc are there, and that a small program builds
-# with `pkg-config --cflags --libs kvpq` (shared) and against libkvpq.a (static), and runs.
+# Install the build tree into a temporary prefix (cmake --install --prefix), then check that both
+# tiers are there (kvpq.h + libkvpq, kvpq_model.h + libkvpq_model: static and shared; kvpq.pc,
+# kvpq_model.pc, the CMake package), the CLI, and that:
+#  - a PQ + codebook program (kvpq.h only) builds with `pkg-config --cflags --libs kvpq` (shared)
+#    and against libkvpq.a (static), runs, and neither links PCRE2 nor OpenBLAS (ldd, nm);
+#  - a model-tier program builds with `pkg-config kvpq_model` and runs;
+#  - both build through find_package(kvpq) (kvpq::kvpq, kvpq::kvpq_model) and run.
 # usage: install_check.sh BUILD_DIR [CC]     (registered in ctest as install_check)
 set -euo pipefail
 build=${1:?usage: install_check.sh BUILD_DIR [CC]}
@@ -13,7 +17,9 @@ cmake --install "$build" --prefix "$prefix" >/dev/null
 pc=$(find "$prefix" -name kvpq.pc -path '*/pkgconfig/*' | head -n1)
 [ -n "$pc" ] || { echo "install_check: kvpq.pc not installed" >&2; exit 1; }
 libdir=$(dirname "$(dirname "$pc")")
-for f in "$prefix/include/kvpq.h" "$prefix/bin/kvpq" "$libdir/libkvpq.a" "$libdir/libkvpq.so"; do
+for f in "$prefix/include/kvpq.h" "$prefix/include/kvpq_model.h" "$prefix/bin/kvpq" "$libdir/libkvpq.a" \
+  "$libdir/libkvpq.so" "$libdir/libkvpq_model.a" "$libdir/libkvpq_model.so" "$libdir/pkgconfig/kvpq_model.pc" \
+  "$libdir/cmake/kvpq/kvpqConfig.cmake" "$libdir/cmake/kvpq/kvpqTargets.cmake"; do
   [ -e "$f" ] || { echo "install_check: missing $f" >&2; exit 1; }
 done
 export PKG_CONFIG_PATH="$(dirname "$pc")${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
@@ -51,4 +57,54 @@ static_libs=$(pkg-config --static --libs kvpq | sed 's/\(^\| \)-lkvpq\( \|$\)/ /
   "$libdir/libkvpq.a" $static_libs
 if ldd "$prefix/prog_static" | grep -q libkvpq; then echo "install_check: static program needs libkvpq.so" >&2; exit 1; fi
 "$prefix/prog_static" "$prefix/b.safetensors" | grep -q " ok$"
-echo "install_check: ok ($prefix: lib, header, CLI, kvpq.pc; shared and static programs build and run)"
+# The first tier alone: no PCRE2, no OpenBLAS, in the link line, the loaded libraries or the binary.
+if pkg-config --static --libs kvpq | grep -qE 'pcre2|openblas'; then
+  echo "install_check: kvpq.pc links PCRE2 or OpenBLAS: $(pkg-config --static --libs kvpq)" >&2; exit 1
+fi
+if ldd "$prefix/prog_shared" | grep -qE 'pcre2|openblas'; then
+  echo "install_check: a kvpq.h program loads PCRE2 or OpenBLAS:" >&2; ldd "$prefix/prog_shared" >&2; exit 1
+fi
+if nm "$prefix/prog_static" | grep -qiE 'pcre2_|cblas_'; then
+  echo "install_check: the static kvpq.h program contains PCRE2 or BLAS symbols" >&2; exit 1
+fi
+
+# The model tier: kvpq_model.h, pkg-config kvpq_model (which requires kvpq).
+cat > "$prefix/prog_model.c" <<'C'
+#include <stdio.h>
+#include <string.h>
+#include "kvpq_model.h"
+int main(int argc, char **argv) {
+    kvpq_vocab *v = NULL;
+    kvpq_status s = kvpq_vocab_load(&v, argv[1]); /* no such file: a named I/O error, not a crash */
+    int ok = s == KVPQ_ERR_IO && v == NULL && strstr(kvpq_last_error(), argv[1]) != NULL;
+    kvpq_cache_params cp = kvpq_cache_params_default(); /* the first tier through the second's header */
+    printf("kvpq_model %s %s\n", kvpq_version(), ok && cp.max_seq > 0 ? "ok" : "MISMATCH");
+    return ok && argc == 2 ? 0 : 1;
+}
+C
+"$cc" -std=c11 -Wall -Werror -o "$prefix/prog_model" "$prefix/prog_model.c" $(pkg-config --cflags --libs kvpq_model)
+LD_LIBRARY_PATH="$libdir" "$prefix/prog_model" "$prefix/none.gguf" | grep -q " ok$"
+
+# find_package(kvpq): both tiers from a CMake project.
+mkdir -p "$prefix/cmk"
+cat > "$prefix/cmk/CMakeLists.txt" <<'CM'
+cmake_minimum_required(VERSION 3.20)
+project(kvpq_consumer C)
+find_package(kvpq REQUIRED)
+add_executable(prog ../prog.c)
+target_link_libraries(prog PRIVATE kvpq::kvpq)
+add_executable(prog_model ../prog_model.c)
+target_link_libraries(prog_model PRIVATE kvpq::kvpq_model)
+add_executable(prog_static ../prog.c)
+target_link_libraries(prog_static PRIVATE kvpq::kvpq_static)
+CM
+cmake -S "$prefix/cmk" -B "$prefix/cmk/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILER="$cc" >/dev/null
+cmake --build "$prefix/cmk/build" >/dev/null
+LD_LIBRARY_PATH="$libdir" "$prefix/cmk/build/prog" "$prefix/c.safetensors" | grep -q " ok$"
+LD_LIBRARY_PATH="$libdir" "$prefix/cmk/build/prog_model" "$prefix/none.gguf" | grep -q " ok$"
+"$prefix/cmk/build/prog_static" "$prefix/d.safetensors" | grep -q " ok$"
+if ldd "$prefix/cmk/build/prog" | grep -qE 'pcre2|openblas'; then
+  echo "install_check: kvpq::kvpq pulls in PCRE2 or OpenBLAS" >&2; exit 1
+fi
+echo "install_check: ok ($prefix: both tiers' headers, libraries, .pc files and CMake package, CLI; kvpq.h programs" \
+  "(pkg-config shared/static, find_package) build, run and link neither PCRE2 nor OpenBLAS; kvpq_model.h programs too)"

@@ -15,7 +15,7 @@ echo "pip install ./python: $(( $(date +%s) - t0 )) s"
 cd "$tmp"  # not the source tree: the installed package must be the one imported
 env -u KVPQ_LIB -u KVPQ_INCLUDE -u KVPQ_SOURCE_DIR -u PYTHONPATH "$tmp/venv/bin/python" - <<'PY'
 import numpy as np, kvpq, kvpq._ffi as f
-assert "venv" in f.LIB_PATH and f.LIB_PATH.endswith("kvpq/lib/libkvpq.so"), f.LIB_PATH
+assert "venv" in f.LIB_PATH and f.CORE_PATH.endswith("kvpq/lib/libkvpq.so") and f.MODEL_PATH.endswith("kvpq/lib/libkvpq_model.so"), (f.CORE_PATH, f.MODEL_PATH)
 assert str(f.HEADERS[0]).endswith("kvpq/include/kvpq.h"), f.HEADERS
 x = np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32)
 pq = kvpq.ProductQuantizer(64, preset="d4b8")

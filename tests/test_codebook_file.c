@@ -9,11 +9,12 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* ---- helpers ---------------------------------------------------------------------------------- */
 
@@ -974,4 +975,88 @@ Test(codebook_file, failed_save_leaves_existing_file_intact) {
     kvpq_codebook_free(back);
     kvpq_codebook_free(cb);
     free(before.buf);
+}
+
+/* Issue 14 item 10: saving to a symbolic link replaces the file it names (rename replaced the link),
+ * through a chain of links and to a dangling link (the file is created). */
+Test(codebook_file, save_through_symlink_writes_the_named_file) {
+    kvpq_codebook_params p = small_params(2);
+    kvpq_codebook *cb = random_codebook(&p), *back;
+    write_bytes(path_in("real.safetensors"), "old", 3);
+    cr_assert_eq(symlink("real.safetensors", path_in("link1")), 0);
+    cr_assert_eq(symlink(path_in("link1"), path_in("link2")), 0); /* absolute, to a relative link */
+    cr_assert_eq(kvpq_codebook_save(cb, path_in("link2")), KVPQ_OK, "%s", kvpq_last_error());
+    struct stat st;
+    cr_assert_eq(lstat(path_in("link2"), &st), 0);
+    cr_assert(S_ISLNK(st.st_mode), "link2 is still a link");
+    cr_assert_eq(lstat(path_in("link1"), &st), 0);
+    cr_assert(S_ISLNK(st.st_mode), "link1 is still a link");
+    cr_assert_eq(kvpq_codebook_load(&back, path_in("real.safetensors")), KVPQ_OK, "%s", kvpq_last_error());
+    assert_same(cb, back);
+    kvpq_codebook_free(back);
+    cr_assert_eq(symlink("new.safetensors", path_in("dangling")), 0);
+    cr_assert_eq(kvpq_codebook_save(cb, path_in("dangling")), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_load(&back, path_in("new.safetensors")), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook_free(back);
+    cr_assert_eq(count_dir_entries(), 5, "no temporary file left");
+    kvpq_codebook_free(cb);
+}
+
+/* Issue 14 item 9: a signal that ends the process during a save removes the temp file when the
+ * program's handler calls kvpq_remove_temp_files (as the CLI's does). The signal is SIGXFSZ, raised
+ * by the file-size limit in the middle of the write, so it lands inside the save every time. */
+static void die_cleanly(int sig) {
+    kvpq_remove_temp_files();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+Test(codebook_file, temp_file_removed_when_a_signal_ends_the_save) {
+    kvpq_codebook_params p = small_params(2);
+    kvpq_codebook *cb = random_codebook(&p);
+    const char *out = path_in("cb.safetensors");
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        signal(SIGXFSZ, die_cleanly);
+        struct rlimit rl = {.rlim_cur = 256, .rlim_max = RLIM_INFINITY};
+        setrlimit(RLIMIT_FSIZE, &rl);
+        kvpq_codebook_save(cb, out);
+        _exit(0); /* not reached: the write past 256 bytes raises SIGXFSZ */
+    }
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGXFSZ, "child status %d", status);
+    cr_assert_eq(count_dir_entries(), 0, "a temporary file was left behind");
+    kvpq_codebook_free(cb);
+}
+
+/* Issue 14 item 4: the model a codebook belongs to is recorded, survives a save, and is checked. */
+Test(codebook_file, model_recorded_and_checked) {
+    kvpq_codebook_params p = small_params(2);
+    kvpq_codebook *cb = random_codebook(&p), *back;
+    kvpq_model_info a = {.arch = "llama", .name = "Model A", .fingerprint = "0123456789abcdef"};
+    kvpq_model_info b = a, c = a;
+    snprintf(b.fingerprint, sizeof b.fingerprint, "0123456789abcdee");
+    snprintf(b.name, sizeof b.name, "Model B");
+    snprintf(c.arch, sizeof c.arch, "qwen2");
+    int unchecked = -1;
+    cr_assert_eq(kvpq_codebook_check_model(cb, &a, &unchecked), KVPQ_OK);
+    cr_assert_eq(unchecked, 1, "no fingerprint recorded: unchecked");
+    cr_assert_eq(kvpq_codebook_set_model(cb, &a), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_save(cb, path_in("cb.safetensors")), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_load(&back, path_in("cb.safetensors")), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_str_eq(kvpq_codebook_get_meta(back, "model.fingerprint"), "0123456789abcdef");
+    cr_assert_str_eq(kvpq_codebook_get_meta(back, "model.arch"), "llama");
+    cr_assert_str_eq(kvpq_codebook_get_meta(back, "model"), "Model A");
+    cr_assert_eq(kvpq_codebook_check_model(back, &a, &unchecked), KVPQ_OK);
+    cr_assert_eq(unchecked, 0);
+    cr_assert_eq(kvpq_codebook_check_model(back, &b, &unchecked), KVPQ_ERR_MISMATCH);
+    cr_assert(strstr(kvpq_last_error(), "model 'Model A'") && strstr(kvpq_last_error(), "'Model B'"), "%s",
+              kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_check_model(back, &c, NULL), KVPQ_ERR_MISMATCH);
+    cr_assert(strstr(kvpq_last_error(), "qwen2"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_check_model(NULL, &a, NULL), KVPQ_ERR_INVALID_ARG);
+    kvpq_codebook_free(back);
+    kvpq_codebook_free(cb);
 }

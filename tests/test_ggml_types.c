@@ -31,7 +31,9 @@ Test(ggml_types, sizes_as_ggml) {
         {GGML_TYPE_F32, 1, 4, 1, "F32"},    {GGML_TYPE_F16, 1, 2, 1, "F16"},    {GGML_TYPE_BF16, 1, 2, 1, "BF16"},
         {GGML_TYPE_Q4_0, 32, 18, 1, "Q4_0"}, {GGML_TYPE_Q4_1, 32, 20, 1, "Q4_1"}, {GGML_TYPE_Q5_0, 32, 22, 1, "Q5_0"},
         {GGML_TYPE_Q5_1, 32, 24, 1, "Q5_1"}, {GGML_TYPE_Q8_0, 32, 34, 1, "Q8_0"}, {GGML_TYPE_Q8_1, 32, 36, 0, "Q8_1"},
-        {12, 256, 144, 0, "Q4_K"},          {14, 256, 210, 0, "Q6_K"},
+        {GGML_TYPE_Q2_K, 256, 84, 1, "Q2_K"}, {GGML_TYPE_Q3_K, 256, 110, 1, "Q3_K"}, {GGML_TYPE_Q4_K, 256, 144, 1, "Q4_K"},
+        {GGML_TYPE_Q5_K, 256, 176, 1, "Q5_K"}, {GGML_TYPE_Q6_K, 256, 210, 1, "Q6_K"}, {GGML_TYPE_Q8_K, 256, 292, 0, "Q8_K"},
+        {16, 256, 66, 0, "IQ2_XXS"},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         cr_assert_eq(ggml_blck_size(want[i].t), want[i].blck, "%s", want[i].name);
@@ -172,6 +174,130 @@ Test(ggml_types, dequant_q5_blocks) {
     }
 }
 
+/* ---- K-quants: blocks packed here from chosen quants and scales, following ggml's packing (the
+ * encoder side, written independently of the decoder in model/kquants.c), then dequantized. The
+ * expected value is computed in double (every product is exact, so rounding the double once equals
+ * float32's one rounding of the final subtraction). ---- */
+
+static int rndi(int lo, int hi) { return lo + (int)(rnd() % (uint32_t)(hi - lo + 1)); } /* [lo, hi] */
+
+static float fp16_round(float v) { return kvpq_fp16_to_fp32(kvpq_fp32_to_fp16(v)); }
+
+Test(ggml_types, dequant_q2_K_block) {
+    for (int it = 0; it < 20; it++) {
+        uint8_t blk[84] = {0};
+        int q[256], sc[16], m[16];
+        float d = fp16_round(0.01f * (1 + rndf())), dmin = fp16_round(0.003f * (1 + rndf()));
+        for (int i = 0; i < 16; i++) sc[i] = rndi(0, 15), m[i] = rndi(0, 15), blk[i] = (uint8_t)(sc[i] | m[i] << 4);
+        for (int e = 0; e < 256; e++) q[e] = rndi(0, 3);
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++) blk[16 + 32 * h + l] |= (uint8_t)(q[128 * h + 32 * j + l] << (2 * j));
+        put_half(blk + 80, d);
+        put_half(blk + 82, dmin);
+        float y[256];
+        cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q2_K, blk, y, 256), KVPQ_OK);
+        for (int e = 0; e < 256; e++) {
+            float want = (float)((double)d * sc[e / 16] * q[e] - (double)dmin * m[e / 16]);
+            cr_assert_eq(y[e], want, "Q2_K element %d: %a vs %a", e, y[e], want);
+        }
+    }
+}
+
+Test(ggml_types, dequant_q3_K_block) {
+    for (int it = 0; it < 20; it++) {
+        uint8_t blk[110] = {0};
+        int q[256], sc[16];
+        float d = fp16_round(0.01f * (1 + rndf()));
+        for (int i = 0; i < 16; i++) {
+            sc[i] = rndi(-32, 31);
+            int ls = sc[i] + 32;
+            blk[96 + (i % 8)] |= (uint8_t)((ls & 15) << (i < 8 ? 0 : 4));
+            blk[96 + 8 + i % 4] |= (uint8_t)((ls >> 4) << (2 * (i / 4)));
+        }
+        for (int e = 0; e < 256; e++) {
+            q[e] = rndi(-4, 3);
+            int u = q[e] + 4; /* 0..7: low 2 bits in qs, bit 2 in hmask */
+            blk[32 + 32 * (e / 128) + e % 32] |= (uint8_t)((u & 3) << (2 * ((e / 32) % 4)));
+            if (u & 4) blk[e % 32] |= (uint8_t)(1u << (e / 32));
+        }
+        put_half(blk + 108, d);
+        float y[256];
+        cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q3_K, blk, y, 256), KVPQ_OK);
+        for (int e = 0; e < 256; e++) {
+            float want = (float)((double)d * sc[e / 16] * q[e]);
+            cr_assert_eq(y[e], want, "Q3_K element %d: %a vs %a", e, y[e], want);
+        }
+    }
+}
+
+/* The 12 scale bytes of Q4_K / Q5_K from 8 scales and 8 mins of 6 bits. */
+static void pack_k4_scales(uint8_t *s, const int *sc, const int *m) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            s[j] = (uint8_t)sc[j];
+            s[j + 4] = (uint8_t)m[j];
+        } else {
+            s[j + 4] = (uint8_t)((sc[j] & 15) | (m[j] & 15) << 4);
+            s[j - 4] |= (uint8_t)((sc[j] >> 4) << 6);
+            s[j] |= (uint8_t)((m[j] >> 4) << 6);
+        }
+    }
+}
+
+static void check_q45_K(int bits) {
+    for (int it = 0; it < 20; it++) {
+        uint8_t blk[176] = {0};
+        int q[256], sc[8], m[8];
+        float d = fp16_round(0.001f * (1 + rndf())), dmin = fp16_round(0.002f * (1 + rndf()));
+        for (int j = 0; j < 8; j++) sc[j] = rndi(0, 63), m[j] = rndi(0, 63);
+        put_half(blk, d);
+        put_half(blk + 2, dmin);
+        pack_k4_scales(blk + 4, sc, m);
+        uint8_t *qh = blk + 16, *qs = bits == 5 ? blk + 48 : blk + 16;
+        for (int e = 0; e < 256; e++) {
+            q[e] = rndi(0, (1 << bits) - 1);
+            qs[32 * (e / 64) + e % 32] |= (uint8_t)((q[e] & 15) << (4 * ((e / 32) % 2)));
+            if (q[e] & 16) qh[e % 32] |= (uint8_t)(1u << (e / 32));
+        }
+        float y[256];
+        uint32_t type = bits == 5 ? GGML_TYPE_Q5_K : GGML_TYPE_Q4_K;
+        cr_assert_eq(ggml_dequantize_row_ref(type, blk, y, 256), KVPQ_OK);
+        for (int e = 0; e < 256; e++) {
+            float want = (float)((double)d * sc[e / 32] * q[e] - (double)dmin * m[e / 32]);
+            cr_assert_eq(y[e], want, "Q%d_K element %d: %a vs %a", bits, e, y[e], want);
+        }
+    }
+}
+
+Test(ggml_types, dequant_q4_K_block) { check_q45_K(4); }
+Test(ggml_types, dequant_q5_K_block) { check_q45_K(5); }
+
+Test(ggml_types, dequant_q6_K_block) {
+    for (int it = 0; it < 20; it++) {
+        uint8_t blk[210] = {0};
+        int q[256], sc[16];
+        float d = fp16_round(0.0005f * (1 + rndf()));
+        for (int i = 0; i < 16; i++) sc[i] = rndi(-128, 127), blk[192 + i] = (uint8_t)(int8_t)sc[i];
+        for (int e = 0; e < 256; e++) q[e] = rndi(-32, 31);
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                int u[4];
+                for (int k = 0; k < 4; k++) u[k] = q[128 * h + 32 * k + l] + 32;
+                blk[64 * h + l] = (uint8_t)((u[0] & 15) | (u[2] & 15) << 4);
+                blk[64 * h + l + 32] = (uint8_t)((u[1] & 15) | (u[3] & 15) << 4);
+                blk[128 + 32 * h + l] = (uint8_t)((u[0] >> 4) | (u[1] >> 4) << 2 | (u[2] >> 4) << 4 | (u[3] >> 4) << 6);
+            }
+        put_half(blk + 208, d);
+        float y[256];
+        cr_assert_eq(ggml_dequantize_row_ref(GGML_TYPE_Q6_K, blk, y, 256), KVPQ_OK);
+        for (int e = 0; e < 256; e++) {
+            float want = (float)((double)d * sc[e / 16] * q[e]);
+            cr_assert_eq(y[e], want, "Q6_K element %d: %a vs %a", e, y[e], want);
+        }
+    }
+}
+
 Test(ggml_types, dequant_f16_bf16_f32) {
     uint16_t h[3] = {0x3c00, 0xc000, 0x0001}, bf[2] = {0x3f80, 0x4049};
     float y[3], want_f32[3] = {1.5f, -0.0f, 1e30f};
@@ -188,17 +314,34 @@ Test(ggml_types, dequant_errors) {
     float y[64];
     cr_assert_eq(ggml_dequantize_row(GGML_TYPE_Q4_1, blk, y, 33), KVPQ_ERR_INVALID_ARG);
     cr_assert(strstr(kvpq_last_error(), "33"));
-    cr_assert_eq(ggml_dequantize_row(12, blk, y, 256), KVPQ_ERR_UNSUPPORTED);
-    cr_assert(strstr(kvpq_last_error(), "Q4_K"), "%s", kvpq_last_error());
+    cr_assert_eq(ggml_dequantize_row(16, blk, y, 256), KVPQ_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvpq_last_error(), "IQ2_XXS"), "%s", kvpq_last_error());
+    cr_assert_eq(ggml_dequantize_row(GGML_TYPE_Q4_K, blk, y, 32), KVPQ_ERR_INVALID_ARG); /* not a multiple of 256 */
+    cr_assert(strstr(kvpq_last_error(), "256"), "%s", kvpq_last_error());
     float x[32] = {0}, out[2];
-    ggml_matvec(12, blk, 2, 32, x, out); /* unsupported: loud NaN, never plausible numbers */
+    ggml_matvec(16, blk, 2, 32, x, out); /* unsupported: loud NaN, never plausible numbers */
     cr_assert(isnan(out[0]) && isnan(out[1]));
 }
 
 /* ---- SIMD vs _ref ---- */
 
 static const uint32_t supported[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q4_0,
-                                     GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0};
+                                     GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0,
+                                     GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
+                                     GGML_TYPE_Q6_K};
+
+/* Byte offsets of a block's fp16 scale (d) and min scale (dmin; -1 if none), as core/ggml_common.h. */
+static void scale_offsets(uint32_t type, int *d, int *dmin) {
+    *d = 0;
+    *dmin = type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 ? 2 : -1;
+    switch (type) {
+    case GGML_TYPE_Q2_K: *d = 80, *dmin = 82; break;
+    case GGML_TYPE_Q3_K: *d = 108; break;
+    case GGML_TYPE_Q4_K:
+    case GGML_TYPE_Q5_K: *dmin = 2; break;
+    case GGML_TYPE_Q6_K: *d = 208; break;
+    }
+}
 
 /* Random rows of a type: block scales like a real model's (|d| ~ 1e-3..1e-1), random quants. */
 static uint8_t *random_rows(uint32_t type, int64_t n_rows, int64_t n) {
@@ -225,8 +368,12 @@ static uint8_t *random_rows(uint32_t type, int64_t n_rows, int64_t n) {
             }
         else
             for (size_t b = 0; b < rb / bs; b++) {
-                put_half(row + b * bs, 0.001f + 0.1f * fabsf(rndf()));
-                if (type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1) put_half(row + b * bs + 2, -0.5f * fabsf(rndf()));
+                int od, om;
+                scale_offsets(type, &od, &om);
+                /* K-quants multiply d by 4- to 8-bit sub-block scales: smaller d for like magnitudes */
+                float k = ggml_blck_size(type) == 256 ? 0.02f : 1.0f;
+                put_half(row + b * bs + od, k * (0.001f + 0.1f * fabsf(rndf())));
+                if (om >= 0) put_half(row + b * bs + om, (type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 ? -0.5f : k * 0.3f) * fabsf(rndf()));
             }
     }
     return w;
@@ -264,6 +411,7 @@ Test(ggml_types, simd_matches_ref_at_every_level) {
             for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
                 int64_t n_rows = shapes[si][0], n = shapes[si][1];
                 if (ggml_blck_size(type) == 1 && si % 2) n += 7; /* odd lengths for the SIMD tails */
+                if (ggml_blck_size(type) == 256) n = (n + 255) / 256 * 256;
                 uint8_t *w = random_rows(type, n_rows, n);
                 float *x = malloc((size_t)n * 4), *y = malloc((size_t)n_rows * 4), *yr = malloc((size_t)n_rows * 4),
                       *as = malloc((size_t)n_rows * 4);

@@ -666,3 +666,27 @@ Test(gguf, fifo_refused_without_blocking, .timeout = 20) {
     unlink(path);
     rmdir(dir);
 }
+
+/* Issue 14 item 4: the fingerprint covers metadata and tensor infos (one byte of either changes
+ * it) and not the tensor data. */
+Test(gguf, fingerprint_covers_header_only) {
+    spec s = spec_default();
+    buf b0 = build(&s);
+    s.str_value = "hellp";
+    buf b1 = build(&s);
+    s = spec_default();
+    s.tname0 = "a.f33";
+    buf b2 = build(&s);
+    gguf_file *f0, *f1, *f2, *f3;
+    cr_assert_eq(gguf_open_memory(&f0, b0.p, b0.n), KVPQ_OK);
+    cr_assert_eq(gguf_open_memory(&f1, b1.p, b1.n), KVPQ_OK);
+    cr_assert_eq(gguf_open_memory(&f2, b2.p, b2.n), KVPQ_OK);
+    uint64_t h0 = gguf_fingerprint(f0);
+    cr_assert_neq(h0, gguf_fingerprint(f1), "a metadata value");
+    cr_assert_neq(h0, gguf_fingerprint(f2), "a tensor name");
+    b0.p[b0.n - 1] ^= 0xff; /* the last byte of tensor data */
+    cr_assert_eq(gguf_open_memory(&f3, b0.p, b0.n), KVPQ_OK);
+    cr_assert_eq(gguf_fingerprint(f3), h0, "tensor data is not hashed");
+    gguf_close(f0), gguf_close(f1), gguf_close(f2), gguf_close(f3);
+    free(b0.p), free(b1.p), free(b2.p);
+}

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 #define MODEL_PATH KVPQ_SOURCE_DIR "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define TEXT_PATH KVPQ_SOURCE_DIR "/data/text/persuasion.txt"

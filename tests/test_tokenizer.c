@@ -417,7 +417,7 @@ Test(tokenizer_toy, specials_leftmost_longest) {
 /* Every pre-tokenizer compiles; only GPT-2's keeps a space with the digits after it, so only there
  * can " 1" merge (smollm/starcoder isolate each digit, default and llama-bpe split \p{N} runs off). */
 Test(tokenizer_toy, pre_tokenizers) {
-    const char *names[] = {"gpt2", "default", "llama-bpe", "starcoder", "smollm"};
+    const char *names[] = {"gpt2", "default", "llama-bpe", "starcoder", "smollm", "qwen2"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         toy_spec s = {.pre = names[i], .extra_tokens = {"Ġ1"}, .merges = {"Ġ 1"}, .bos = -1};
         kvpq_tokenizer *t;
@@ -435,14 +435,15 @@ Test(tokenizer_toy, pre_tokenizers) {
 
 Test(tokenizer_toy, errors_name_the_problem) {
     kvpq_tokenizer *t = (kvpq_tokenizer *)1;
-    toy_spec unknown_pre = {.pre = "qwen2", .bos = -1};
+    toy_spec unknown_pre = {.pre = "qwen9", .bos = -1};
     cr_assert_eq(toy_tokenizer(&unknown_pre, &t), KVPQ_ERR_UNSUPPORTED);
-    cr_assert(strstr(kvpq_last_error(), "qwen2") && strstr(kvpq_last_error(), "smollm"), "%s", kvpq_last_error());
+    cr_assert(strstr(kvpq_last_error(), "qwen9") && strstr(kvpq_last_error(), "smollm") &&
+              strstr(kvpq_last_error(), "qwen2"), "%s", kvpq_last_error());
     cr_assert_null(t);
 
-    toy_spec spm = {.model = "llama", .pre = "default", .bos = -1};
-    cr_assert_eq(toy_tokenizer(&spm, &t), KVPQ_ERR_UNSUPPORTED);
-    cr_assert(strstr(kvpq_last_error(), "'llama'"), "%s", kvpq_last_error());
+    toy_spec wordpiece = {.model = "bert", .pre = "default", .bos = -1};
+    cr_assert_eq(toy_tokenizer(&wordpiece, &t), KVPQ_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvpq_last_error(), "'bert'") && strstr(kvpq_last_error(), "'llama'"), "%s", kvpq_last_error());
 
     toy_spec missing = {.pre = "gpt2", .merges = {"a b"}, .bos = -1}; /* "ab" is not a token */
     cr_assert_eq(toy_tokenizer(&missing, &t), KVPQ_ERR_FORMAT);
@@ -456,4 +457,252 @@ Test(tokenizer_toy, errors_name_the_problem) {
     toy_spec bad_bos = {.pre = "gpt2", .bos = 999};
     cr_assert_eq(toy_tokenizer(&bad_bos, &t), KVPQ_ERR_FORMAT);
     cr_assert(strstr(kvpq_last_error(), "bos_token_id = 999"), "%s", kvpq_last_error());
+}
+
+/* qwen2 splits digits one by one (\p{N}) where llama-bpe keeps runs of up to three together. */
+Test(tokenizer_toy, qwen2_digits) {
+    const char *names[] = {"qwen2", "llama-bpe"};
+    for (int i = 0; i < 2; i++) {
+        toy_spec s = {.pre = names[i], .extra_tokens = {"12", "123"}, .merges = {"1 2", "12 3"}, .bos = -1};
+        kvpq_tokenizer *t;
+        cr_assert_eq(toy_tokenizer(&s, &t), KVPQ_OK, "%s: %s", names[i], kvpq_last_error());
+        if (i == 0) toy_expect(t, "x1234", 0, (const int32_t[]){'x', '1', '2', '3', '4'}, 5);
+        else toy_expect(t, "x1234", 0, (const int32_t[]){'x', 257, '4'}, 3);
+        kvpq_tokenizer_free(t);
+    }
+}
+
+// ---- synthetic SentencePiece vocabularies ---------------------------------------------------------
+
+static void kv_f32_arr(gbuf *b, const char *key, const float *vals, size_t n) {
+    put_str(b, key);
+    put_u32(b, GGUF_TYPE_ARRAY);
+    put_u32(b, GGUF_TYPE_FLOAT32);
+    put_u64(b, n);
+    put(b, vals, 4 * n);
+    b->n_kv++;
+}
+static void kv_bool(gbuf *b, const char *key, int val) {
+    put_str(b, key);
+    put_u32(b, GGUF_TYPE_BOOL);
+    uint8_t v = (uint8_t)(val != 0);
+    put(b, &v, 1);
+    b->n_kv++;
+}
+
+/* SPM toy ids: 0 <unk> (UNKNOWN), 1 <s>, 2 </s> (CONTROL), 3 .. 258 the byte tokens <0x00> .. <0xFF>,
+ * then the pieces below. */
+enum { SPM_BYTE0 = 3, SPM_P = 259 };
+static const struct { const char *text; float score; int type; } k_spm_pieces[] = {
+    {"\xe2\x96\x81", -1.0f, 1}, /* 259 '▁' */
+    {"a", -2.0f, 1},            /* 260 */
+    {"b", -2.0f, 1},            /* 261 */
+    {"c", -2.0f, 1},            /* 262 */
+    {"ab", -6.0f, 1},           /* 263: worse than bc, so "abc" is a + bc */
+    {"bc", -3.0f, 1},           /* 264 */
+    {"aa", -4.0f, 1},           /* 265 */
+    {"\xe2\x96\x81" "a", -0.5f, 1}, /* 266 '▁a' */
+    {"<u>", 0.0f, 4},           /* 267 USER_DEFINED: cut out even without parse_special */
+    {"uvw", 0.0f, 4},           /* 268 */
+    {"vwxy", 0.0f, 4},          /* 269: longer, so cut before "uvw" */
+    {"\xe2\x96\x81\xe2\x96\x81", -0.1f, 1}, /* 270 '▁▁' */
+};
+
+static kvpq_status spm_toy(int add_space_prefix, long add_bos, int with_bos_key, kvpq_tokenizer **out) {
+    enum { N = SPM_P + sizeof k_spm_pieces / sizeof k_spm_pieces[0] };
+    static char byte_names[256][8];
+    const char *tokens[N];
+    int32_t types[N];
+    float scores[N];
+    tokens[0] = "<unk>", types[0] = 2, scores[0] = 0;
+    tokens[1] = "<s>", types[1] = 3, scores[1] = 0;
+    tokens[2] = "</s>", types[2] = 3, scores[2] = 0;
+    for (int b = 0; b < 256; b++) {
+        snprintf(byte_names[b], sizeof byte_names[b], "<0x%02X>", b);
+        tokens[SPM_BYTE0 + b] = byte_names[b], types[SPM_BYTE0 + b] = 6, scores[SPM_BYTE0 + b] = 0;
+    }
+    for (size_t i = 0; i < sizeof k_spm_pieces / sizeof k_spm_pieces[0]; i++) {
+        tokens[SPM_P + i] = k_spm_pieces[i].text;
+        types[SPM_P + i] = k_spm_pieces[i].type;
+        scores[SPM_P + i] = k_spm_pieces[i].score;
+    }
+    gbuf kv = {0};
+    kv_str(&kv, "general.architecture", "gemma3");
+    kv_str(&kv, "tokenizer.ggml.model", "llama");
+    kv_str(&kv, "tokenizer.ggml.pre", "default");
+    kv_str_arr(&kv, "tokenizer.ggml.tokens", tokens, N);
+    kv_f32_arr(&kv, "tokenizer.ggml.scores", scores, N);
+    kv_i32_arr(&kv, "tokenizer.ggml.token_type", types, N);
+    if (with_bos_key) kv_u32(&kv, "tokenizer.ggml.bos_token_id", 1);
+    if (add_bos >= 0) kv_bool(&kv, "tokenizer.ggml.add_bos_token", (int)add_bos);
+    if (add_space_prefix >= 0) kv_bool(&kv, "tokenizer.ggml.add_space_prefix", add_space_prefix);
+    gbuf file = {0};
+    put(&file, "GGUF", 4);
+    put_u32(&file, 3);
+    put_u64(&file, 0);
+    put_u64(&file, kv.n_kv);
+    put(&file, kv.p, kv.n);
+    while (file.n % 32) put(&file, "", 1);
+    gguf_file *f = NULL;
+    kvpq_status st = gguf_open_memory(&f, file.p, file.n);
+    cr_assert_eq(st, KVPQ_OK, "toy GGUF: %s", kvpq_last_error());
+    st = kvpq_tokenizer_from_gguf(out, f);
+    gguf_close(f);
+    free(kv.p);
+    free(file.p);
+    return st;
+}
+
+static void toy_expect_len(const kvpq_tokenizer *t, const char *text, size_t len, int parse_special,
+                           const int32_t *want, size_t n_want) {
+    int32_t ids[64];
+    size_t n;
+    kvpq_status st = kvpq_tokenizer_encode(t, text, len, 0, parse_special, ids, 64, &n);
+    cr_assert_eq(st, KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(n, n_want, "'%s': %zu tokens, expected %zu", text, n, n_want);
+    for (size_t i = 0; i < n; i++) cr_assert_eq(ids[i], want[i], "'%s': token %zu is %d, expected %d", text, i, ids[i], want[i]);
+}
+
+/* The pair whose merged text has the highest score merges first, not the leftmost pair: "abc" is
+ * a + bc though "ab" is a token too. Equal pairs merge leftmost first. */
+Test(tokenizer_spm, merge_by_score) {
+    kvpq_tokenizer *t;
+    cr_assert_eq(spm_toy(0, -1, 1, &t), KVPQ_OK, "%s", kvpq_last_error());
+    toy_expect(t, "abc", 0, (const int32_t[]){260, 264}, 2);
+    toy_expect(t, "ab", 0, (const int32_t[]){263}, 1);
+    toy_expect(t, "aaa", 0, (const int32_t[]){265, 260}, 2);
+    toy_expect(t, "aaaa", 0, (const int32_t[]){265, 265}, 2);
+    kvpq_tokenizer_free(t);
+}
+
+/* ' ' is written '▁' before merging; add_space_prefix puts one in front of the text and after each
+ * special token; without the key a SentencePiece vocabulary adds it (llama.cpp's default). */
+Test(tokenizer_spm, space_marker_and_prefix) {
+    kvpq_tokenizer *t;
+    cr_assert_eq(spm_toy(0, -1, 1, &t), KVPQ_OK, "%s", kvpq_last_error());
+    toy_expect(t, "a a", 0, (const int32_t[]){260, 266}, 2);
+    toy_expect(t, "a   a", 0, (const int32_t[]){260, 270, 266}, 3); /* '▁▁' first: its score is higher */
+    kvpq_tokenizer_free(t);
+    for (int key = 0; key < 2; key++) {
+        cr_assert_eq(spm_toy(key ? 1 : -1, -1, 1, &t), KVPQ_OK, "%s", kvpq_last_error());
+        toy_expect(t, "a", 0, (const int32_t[]){266}, 1);
+        toy_expect(t, "a<s>a", 1, (const int32_t[]){266, 1, 266}, 3);
+        toy_expect(t, "a<u>a", 0, (const int32_t[]){266, 267, 266}, 3); /* USER_DEFINED counts as special too */
+        kvpq_tokenizer_free(t);
+    }
+}
+
+/* A character that forms no token is written as the <0xNN> tokens of its bytes; so is invalid UTF-8
+ * (a symbol is a lead byte with the continuation bytes it announces, as in llama.cpp). */
+Test(tokenizer_spm, byte_fallback) {
+    kvpq_tokenizer *t;
+    cr_assert_eq(spm_toy(0, -1, 1, &t), KVPQ_OK, "%s", kvpq_last_error());
+    toy_expect(t, "a\xc3\xa9" "b", 0, (const int32_t[]){260, SPM_BYTE0 + 0xc3, SPM_BYTE0 + 0xa9, 261}, 4);
+    toy_expect_len(t, "b\xff", 2, 0, (const int32_t[]){261, SPM_BYTE0 + 0xff}, 2);
+    /* 0xff reads as the lead of a 4-byte character (llama.cpp's unicode_len_utf8), taking "a" along. */
+    toy_expect_len(t, "\xff" "a", 2, 0, (const int32_t[]){SPM_BYTE0 + 0xff, SPM_BYTE0 + 'a'}, 2);
+    /* "\xc3" announces two bytes, so it takes the 'a' along and neither forms a token. */
+    toy_expect_len(t, "\xc3" "ab", 3, 0, (const int32_t[]){SPM_BYTE0 + 0xc3, SPM_BYTE0 + 'a', 261}, 3);
+    toy_expect_len(t, "b\xe2\x82", 3, 0, (const int32_t[]){261, SPM_BYTE0 + 0xe2, SPM_BYTE0 + 0x82}, 3);
+    kvpq_tokenizer_free(t);
+}
+
+/* CONTROL / UNKNOWN texts are tokens only with parse_special; USER_DEFINED always. Longer texts are
+ * cut first (llama.cpp's order), so in "uvwxy" "vwxy" wins over the leftmost "uvw". */
+Test(tokenizer_spm, specials) {
+    kvpq_tokenizer *t;
+    cr_assert_eq(spm_toy(0, -1, 1, &t), KVPQ_OK, "%s", kvpq_last_error());
+    toy_expect(t, "<s><unk>", 1, (const int32_t[]){1, 0}, 2);
+    int32_t ids[64];
+    size_t n;
+    cr_assert_eq(kvpq_tokenizer_encode(t, "<s></s><unk>", 12, 0, 0, ids, 64, &n), KVPQ_OK);
+    cr_assert_eq(n, 12, "each byte of the control texts is a byte token");
+    for (size_t i = 0; i < n; i++) cr_assert(ids[i] >= SPM_BYTE0, "control token %d from plain text", ids[i]);
+    toy_expect(t, "uvwxy", 0, (const int32_t[]){SPM_BYTE0 + 'u', 269}, 2);
+    toy_expect(t, "uvw", 0, (const int32_t[]){268}, 1);
+    kvpq_tokenizer_free(t);
+}
+
+/* BOS: the key's value, else on for SentencePiece; BOS id 1 when the file names none (llama.cpp). */
+Test(tokenizer_spm, bos_defaults_and_pieces) {
+    kvpq_tokenizer *t;
+    cr_assert_eq(spm_toy(0, -1, 0, &t), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_tokenizer_add_bos_default(t), 1);
+    cr_assert_eq(kvpq_tokenizer_bos(t), 1);
+    cr_assert_eq(kvpq_tokenizer_eos(t), 2);
+    int32_t ids[4];
+    size_t n;
+    cr_assert_eq(kvpq_tokenizer_encode(t, "a", 1, 1, 0, ids, 4, &n), KVPQ_OK);
+    cr_assert(n == 2 && ids[0] == 1 && ids[1] == 260);
+    char buf[16];
+    size_t len;
+    cr_assert_eq(kvpq_tokenizer_piece(t, 266, buf, sizeof buf, &len), KVPQ_OK);
+    cr_assert(len == 2 && memcmp(buf, " a", 2) == 0, "'\xe2\x96\x81' decodes to a space");
+    cr_assert_eq(kvpq_tokenizer_piece(t, SPM_BYTE0 + 0xc3, buf, sizeof buf, &len), KVPQ_OK);
+    cr_assert(len == 1 && (uint8_t)buf[0] == 0xc3, "a byte token decodes to its byte");
+    cr_assert_eq(kvpq_tokenizer_piece(t, 1, buf, sizeof buf, &len), KVPQ_OK);
+    cr_assert(len == 3 && memcmp(buf, "<s>", 3) == 0, "a control token decodes to its text");
+    kvpq_tokenizer_free(t);
+    cr_assert_eq(spm_toy(0, 0, 1, &t), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_tokenizer_add_bos_default(t), 0);
+    kvpq_tokenizer_free(t);
+}
+
+/* Valid UTF-8 round-trips through the pieces when parse_special is off, whatever the vocabulary lacks.
+ * Not so invalid UTF-8 before a space: the space is written as U+2581 first, so a stray lead byte
+ * swallows part of it and the bytes come back as "\xc3\xe2\x96\x81" (llama.cpp does the same). */
+Test(tokenizer_spm, round_trip) {
+    kvpq_tokenizer *t;
+    cr_assert_eq(spm_toy(0, -1, 1, &t), KVPQ_OK, "%s", kvpq_last_error());
+    uint64_t x = 88172645463325252ULL;
+    char text[400], back[400];
+    static const char *const alpha[] = {"a", "b", "c", " ", "\xc3\xa9", "\xf0\x9f\x98\x80", "<u>", "<s>", "u"};
+    for (int round = 0; round < 200; round++) {
+        size_t len = 0;
+        for (int i = 0; i < round % 60; i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            const char *c = alpha[x % (sizeof alpha / sizeof alpha[0])];
+            memcpy(text + len, c, strlen(c));
+            len += strlen(c);
+        }
+        int32_t ids[400];
+        size_t n, o = 0;
+        cr_assert_eq(kvpq_tokenizer_encode(t, text, len, 0, 0, ids, 400, &n), KVPQ_OK, "%s", kvpq_last_error());
+        for (size_t i = 0; i < n; i++) {
+            size_t pl;
+            cr_assert_eq(kvpq_tokenizer_piece(t, ids[i], back + o, sizeof back - o, &pl), KVPQ_OK);
+            o += pl;
+        }
+        cr_assert(o == len && memcmp(back, text, len) == 0, "round %d: round trip differs", round);
+    }
+    toy_expect_len(t, "\xc3 ", 2, 0,
+                   (const int32_t[]){SPM_BYTE0 + 0xc3, SPM_BYTE0 + 0xe2, SPM_BYTE0 + 0x96, SPM_BYTE0 + 0x81}, 4);
+    kvpq_tokenizer_free(t);
+}
+
+/* Gemma-3: a 256 KiB run of spaces, of newlines or of tabs is cut into its USER_DEFINED run tokens,
+ * the longest (31 characters) first, in well under a second (each run token costs one pass, not one
+ * per byte), and the pieces give the run back. */
+Test(tokenizer_model, gemma_long_whitespace_runs, .timeout = 120) {
+    const char *path = KVPQ_SOURCE_DIR "/models/gemma-3-270m-Q4_K_M.gguf";
+    FILE *f = fopen(path, "rb");
+    if (!f) cr_skip_test("%s missing: run scripts/fetch_model.sh", path);
+    fclose(f);
+    kvpq_vocab *v;
+    cr_assert_eq(kvpq_vocab_load(&v, path), KVPQ_OK, "%s", kvpq_last_error());
+    size_t len = quick() ? 20000 : 1 << 18;
+    char *text = malloc(len);
+    const char fill[] = {' ', '\n', '\t'};
+    for (size_t k = 0; k < sizeof fill; k++) {
+        memset(text, fill[k], len);
+        size_t n;
+        int32_t *ids = tokenize(v, text, len, 0, 0, &n);
+        cr_assert_eq(n, len / 31 + (len % 31 != 0), "fill 0x%02x: %zu tokens", fill[k], n);
+        for (size_t i = 0; i + 1 < n; i++) cr_assert_eq(ids[i], ids[0]);
+        cr_assert(kvpq_vocab_token_attr(v, ids[0]) & KVPQ_TOKEN_ATTR_USER_DEFINED);
+        free(ids);
+        expect_round_trip(v, text, len);
+    }
+    free(text);
+    kvpq_vocab_free(v);
 }

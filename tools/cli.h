@@ -3,7 +3,7 @@
 #define KVPQ_CLI_H
 
 #include <stdio.h>
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* Each subcommand gets argv starting at its own name (argv[0] = "info", ...); returns the exit code. */
 int cmd_info_gguf(int argc, char **argv, const char *path);      /* info_gguf.c */
@@ -22,6 +22,13 @@ int cli_fail(const char *what, kvpq_status s);
  * Every string from a file that kvpq prints goes through here (issue 14: an ESC sequence in a
  * codebook's metadata reached the terminal). Returns the bytes written. */
 size_t cli_fput_escaped(FILE *f, const char *s, size_t len, size_t max);
+/* Check an output path before any work: refuse it (usage error printed, returns 2) when it names
+ * the same file as one of the n_inputs (same device and inode, through symbolic and hard links:
+ * `calibrate --model m.gguf -o m.gguf` replaced the model), when it exists and is not a regular
+ * file, or when no file can be created where it will be written (the file a symbolic link names).
+ * in_opts[i] names inputs[i] in the message ("--model"); an input may be NULL. Returns 0 if fine. */
+int cli_check_output(const char *cmd, const char *out, int n_inputs, const char *const *in_opts,
+                     const char *const *inputs);
 /* Print "kvpq: <printf message>" to stderr; returns exit code 2 (usage error). */
 int cli_usage_error(const char *fmt, ...)
 #if defined(__GNUC__)

@@ -32,6 +32,13 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, in
     char base[sizeof c->spec];
     if (snprintf(base, sizeof base, "%s", spec) >= (int)sizeof base)
         return cli_usage_error("cache spec '%.64s...' is longer than %zu bytes", spec, sizeof base - 1);
+    /* ":force": use a codebook whose recorded model differs from this one (kvpq_codebook_check_model). */
+    int force = 0;
+    size_t bl = strlen(base);
+    if (bl > 6 && !strcmp(base + bl - 6, ":force")) {
+        base[bl - 6] = '\0';
+        force = 1;
+    }
     long window = spec_window(base, spec);
     if (window == -2) return 2;
     const char *vq_path = NULL;
@@ -49,6 +56,22 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, in
             return cli_fail("codebook", s);
         }
         cp.codebook = c->codebook;
+        int unchecked = 0;
+        s = kvpq_codebook_check_model(c->codebook, mi, &unchecked);
+        if (s != KVPQ_OK && !force) {
+            fprintf(stderr, "kvpq: cache '%s': ", spec);
+            cli_fail("codebook", s);
+            fprintf(stderr, "kvpq: (append :force to the cache SPEC to use it anyway)\n");
+            kvpq_codebook_free(c->codebook);
+            c->codebook = NULL;
+            return 1;
+        }
+        if (s != KVPQ_OK)
+            fprintf(stderr, "kvpq: cache '%s': warning: the codebook was calibrated on another model (used as asked "
+                            "by :force)\n", spec);
+        if (unchecked)
+            fprintf(stderr, "kvpq: cache '%s': warning: the codebook file records no model fingerprint (written "
+                            "before kvpq recorded one): cannot check that it belongs to this model\n", spec);
     }
     cp.n_layer = mi->n_layer;
     cp.n_head = mi->n_head;
@@ -177,27 +200,46 @@ fail:
     return 0;
 }
 
+/* Token pieces come from the model file's vocabulary: on a terminal, control characters (C0 but
+ * newline, tab and carriage return; DEL; C1 as UTF-8) and bytes of invalid UTF-8 are written as
+ * \xNN, so a vocabulary cannot send escape sequences to it. Redirected output stays byte-exact. */
+static void put_bytes(FILE *f, const unsigned char *b, size_t n, int valid) {
+    static int tty = -1;
+    if (tty < 0) tty = isatty(fileno(f));
+    if (!tty) {
+        fwrite(b, 1, n, f);
+        return;
+    }
+    int ctl = !valid || (n == 1 && ((b[0] < 0x20 && b[0] != '\n' && b[0] != '\t' && b[0] != '\r') || b[0] == 0x7f)) ||
+              (n == 2 && b[0] == 0xc2 && b[1] < 0xa0);
+    if (!ctl) {
+        fwrite(b, 1, n, f);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) fprintf(f, "\\x%02x", b[i]);
+}
+
 void cli_utf8_write(cli_utf8_stream *st, FILE *f, const char *bytes, size_t n) {
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)bytes[i];
         if (st->n_pend == 0) {
             int l = utf8_len(c);
             if (l <= 1) {
-                fputc(c, f);
+                put_bytes(f, &c, 1, l == 1);
                 continue;
             }
             st->pend[st->n_pend++] = c;
             continue;
         }
         if ((c & 0xc0) != 0x80) { /* broken sequence: write what was held and restart on c */
-            fwrite(st->pend, 1, st->n_pend, f);
+            put_bytes(f, st->pend, st->n_pend, 0);
             st->n_pend = 0;
             i--;
             continue;
         }
         st->pend[st->n_pend++] = c;
         if ((int)st->n_pend == utf8_len(st->pend[0])) {
-            fwrite(st->pend, 1, st->n_pend, f);
+            put_bytes(f, st->pend, st->n_pend, 1);
             st->n_pend = 0;
         }
     }
@@ -205,7 +247,7 @@ void cli_utf8_write(cli_utf8_stream *st, FILE *f, const char *bytes, size_t n) {
 }
 
 void cli_utf8_flush(cli_utf8_stream *st, FILE *f) {
-    fwrite(st->pend, 1, st->n_pend, f);
+    put_bytes(f, st->pend, st->n_pend, 0);
     st->n_pend = 0;
     fflush(f);
 }

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* A KV cache made from a SPEC string (fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE) for a model. */
 typedef struct {
@@ -17,7 +17,9 @@ typedef struct {
 } cli_cache;
 
 /* Create a cache sized for the model and max_seq positions. Prints the error (naming the SPEC) and
- * returns a non-zero exit code on failure. */
+ * returns a non-zero exit code on failure. A vq codebook must have been calibrated on this model
+ * (kvpq_codebook_check_model) unless the SPEC ends in ":force"; a file that records no model loads
+ * with a warning. */
 int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model_info *mi, int max_seq, int n_threads);
 void cli_cache_close(cli_cache *c);
 
@@ -38,7 +40,8 @@ int32_t cli_sample(const float *logits, int n_vocab, float temp, float top_p, cl
 
 /* ---- streaming text ---- */
 /* Writes bytes of token pieces to a FILE, holding back an incomplete UTF-8 sequence at the end until
- * the bytes completing it arrive (a token may end in the middle of a character). */
+ * the bytes completing it arrive (a token may end in the middle of a character). On a terminal,
+ * control characters and invalid bytes are written as \xNN (pieces are the model file's strings). */
 typedef struct {
     unsigned char pend[8];
     size_t n_pend;

@@ -1,5 +1,8 @@
 /* cli_util.c — helpers shared by the kvpq subcommands. */
 #include <errno.h>
+#include <limits.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,4 +90,49 @@ double cli_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* The file a write to path replaces: path, or the file its chain of symbolic links names. */
+static void resolve_links(const char *path, char *out, size_t cap) {
+    snprintf(out, cap, "%s", path);
+    for (int hop = 0; hop < 40; hop++) {
+        char link[PATH_MAX];
+        ssize_t n = readlink(out, link, sizeof link - 1);
+        if (n < 0) return;
+        link[n] = '\0';
+        char *slash = strrchr(out, '/');
+        if (link[0] != '/' && slash) {
+            size_t dir = (size_t)(slash - out + 1);
+            if (dir + (size_t)n >= cap) return;
+            memcpy(out + dir, link, (size_t)n + 1);
+        } else {
+            snprintf(out, cap, "%s", link);
+        }
+    }
+}
+
+int cli_check_output(const char *cmd, const char *out, int n_inputs, const char *const *in_opts,
+                     const char *const *inputs) {
+    char target[PATH_MAX];
+    resolve_links(out, target, sizeof target);
+    struct stat so;
+    if (stat(target, &so) == 0) {
+        if (!S_ISREG(so.st_mode))
+            return cli_usage_error("%s: -o '%s' is not a regular file (%s)", cmd, out,
+                                   S_ISDIR(so.st_mode) ? "a directory" : "a device, FIFO or socket");
+        for (int i = 0; i < n_inputs; i++) {
+            struct stat si;
+            if (inputs[i] && stat(inputs[i], &si) == 0 && si.st_dev == so.st_dev && si.st_ino == so.st_ino)
+                return cli_usage_error("%s: -o '%s' is the same file as %s '%s': it would be overwritten", cmd, out,
+                                       in_opts[i], inputs[i]);
+        }
+    }
+    /* Writable? Create (and remove) a file where the save will create its temporary file. */
+    char probe[PATH_MAX + 16];
+    snprintf(probe, sizeof probe, "%s.tmp.XXXXXX", target);
+    int fd = mkstemp(probe);
+    if (fd < 0) return cli_usage_error("%s: -o '%s': cannot write there: %s", cmd, out, strerror(errno));
+    close(fd);
+    unlink(probe);
+    return 0;
 }

@@ -247,6 +247,7 @@ static int make_codebook(const calib_args *a, const kvpq_model_info *mi, kvpq_co
     cp.key.granularity = cp.value.granularity =
         strcmp(a->granularity, "shared") ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
     if ((s = kvpq_codebook_new(cb, &cp)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
+    if ((s = kvpq_codebook_set_model(*cb, mi)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
     if (a->keys_layers && !apply_keys_layers(*cb, a->keys_layers, mi->n_layer, mi->head_dim, cp.key.nbits)) return 2;
     return 0;
 }
@@ -332,6 +333,10 @@ int cmd_calibrate(int argc, char **argv) {
         goto done;
     }
     const calib_args *a = &jobs[0];
+    /* Every output checked before any work: not an input, writable (issue 14). */
+    const char *in_opts[2] = {"--model", "--text"}, *inputs[2] = {a->model, a->text};
+    for (int j = 0; j < n_jobs; j++)
+        if ((rc = cli_check_output("calibrate", jobs[j].out, 2, in_opts, inputs)) != 0) goto done;
 
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)a->threads;

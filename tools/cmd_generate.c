@@ -16,7 +16,8 @@ static void usage(FILE *f) {
             "  --top-p P      nucleus sampling mass (default 0.95)\n"
             "  --seed S       random seed (default 42)\n"
             "  --cache SPEC   KV cache: fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:CODEBOOK.safetensors (default fp32);\n"
-            "                 a suffix :wN sets the full-precision window of vq and kivi caches (default 128)\n"
+            "                 a suffix :wN sets the full-precision window of vq and kivi caches (default 128);\n"
+            "                 a final :force uses a vq codebook calibrated on another model\n"
             "  --chat         wrap the prompt in the model's chat template. Implemented form: ChatML\n"
             "                 (used when tokenizer.chat_template contains \"<|im_start|>\"), with the\n"
             "                 template's default system message when it has one (SmolLM2 does);\n"
@@ -25,29 +26,68 @@ static void usage(FILE *f) {
             "The text goes to stdout as it is produced; prompt and generation tokens/s go to stderr.\n");
 }
 
+/* A prompt as pieces tokenized separately: the template's own text with special tokens parsed
+ * ("<|im_start|>" becomes the control token), the user's text as plain text only, so that a prompt
+ * holding "<|im_end|><|im_start|>assistant" cannot forge a turn (prompt injection; llama.cpp and HF
+ * tokenizers treat user content as plain text the same way). */
+#define CHAT_MAX_PIECES 8
+typedef struct {
+    const char *text[CHAT_MAX_PIECES];
+    size_t len[CHAT_MAX_PIECES];
+    int special[CHAT_MAX_PIECES]; /* 1: template text, special tokens parsed */
+    int n;
+} chat_pieces;
+
+static void piece_add(chat_pieces *c, const char *text, size_t len, int special) {
+    c->text[c->n] = text;
+    c->len[c->n] = len;
+    c->special[c->n++] = special;
+}
+
 /* ChatML prompt: [system,] user, then the assistant header. The default system message is the one
  * the template writes when the conversation has none (text after "<|im_start|>system\n" up to
- * "<|im_end|>"). Returns a malloc'd string or NULL when the template is not ChatML. */
-static char *chatml_prompt(const char *tmpl, const char *user) {
-    if (!tmpl || !strstr(tmpl, "<|im_start|>")) return NULL;
-    const char *sys = NULL;
-    size_t sys_len = 0;
-    const char *p = strstr(tmpl, "<|im_start|>system\n");
+ * "<|im_end|>"). Returns 0 when the template is not ChatML. */
+static int chatml_pieces(const char *tmpl, const char *user, chat_pieces *c) {
+    c->n = 0;
+    if (!tmpl || !strstr(tmpl, "<|im_start|>")) return 0;
+    static const char sys_head[] = "<|im_start|>system\n";
+    const char *p = strstr(tmpl, sys_head);
     if (p) {
-        p += strlen("<|im_start|>system\n");
-        const char *e = strstr(p, "<|im_end|>");
-        if (e && !memchr(p, '{', (size_t)(e - p)) && !memchr(p, '\'', (size_t)(e - p))) {
-            sys = p;
-            sys_len = (size_t)(e - p);
-        }
+        const char *b = p + strlen(sys_head), *e = strstr(b, "<|im_end|>");
+        if (e && !memchr(b, '{', (size_t)(e - b)) && !memchr(b, '\'', (size_t)(e - b)))
+            piece_add(c, p, (size_t)(e - p) + strlen("<|im_end|>"), 1); /* the template's own text */
+        if (c->n) piece_add(c, "\n", 1, 1);
     }
-    size_t n = strlen(user) + sys_len + 128;
-    char *s = malloc(n);
-    if (!s) return NULL;
-    size_t k = 0;
-    if (sys) k += (size_t)snprintf(s + k, n - k, "<|im_start|>system\n%.*s<|im_end|>\n", (int)sys_len, sys);
-    snprintf(s + k, n - k, "<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n", user);
-    return s;
+    piece_add(c, "<|im_start|>user\n", strlen("<|im_start|>user\n"), 1);
+    piece_add(c, user, strlen(user), 0);
+    piece_add(c, "<|im_end|>\n<|im_start|>assistant\n", strlen("<|im_end|>\n<|im_start|>assistant\n"), 1);
+    return 1;
+}
+
+/* Tokenize the pieces one after another (BOS, when asked, before the first) into a malloc'd array. */
+static kvpq_status tokenize_pieces(const kvpq_model *m, const chat_pieces *c, int add_bos, int32_t **out,
+                                   size_t *n_out) {
+    size_t total = 0, n;
+    for (int i = 0; i < c->n; i++) {
+        kvpq_status s = kvpq_tokenize(m, c->text[i], c->len[i], add_bos && i == 0, c->special[i], NULL, 0, &n);
+        if (s != KVPQ_OK) return s;
+        total += n;
+    }
+    int32_t *t = malloc((total ? total : 1) * sizeof *t);
+    if (!t) return KVPQ_ERR_NOMEM;
+    size_t at = 0;
+    for (int i = 0; i < c->n; i++) {
+        kvpq_status s = kvpq_tokenize(m, c->text[i], c->len[i], add_bos && i == 0, c->special[i], t + at,
+                                      total - at, &n);
+        if (s != KVPQ_OK) {
+            free(t);
+            return s;
+        }
+        at += n;
+    }
+    *out = t;
+    *n_out = at;
+    return KVPQ_OK;
 }
 
 int cmd_generate(int argc, char **argv) {
@@ -97,21 +137,21 @@ int cmd_generate(int argc, char **argv) {
     kvpq_model_info mi;
     kvpq_model_get_info(m, &mi);
 
-    char *text = NULL;
     int32_t *toks = NULL, *idx = NULL;
     float *logits = NULL, *work = NULL;
     cli_cache cc = {0};
+    chat_pieces pieces = {.n = 0};
     if (chat) {
-        text = chatml_prompt(kvpq_model_chat_template(m), prompt);
-        if (!text) {
+        if (!chatml_pieces(kvpq_model_chat_template(m), prompt, &pieces)) {
             fprintf(stderr, "kvpq generate: --chat: the model's chat template is %s; only ChatML is implemented\n",
                     kvpq_model_chat_template(m) ? "not ChatML" : "missing");
             goto done;
         }
+    } else {
+        piece_add(&pieces, prompt, strlen(prompt), 0); /* a plain prompt is plain text too */
     }
-    const char *src = text ? text : prompt;
     size_t n_prompt = 0;
-    s = kvpq_tokenize(m, src, strlen(src), mi.add_bos, chat, NULL, 0, &n_prompt);
+    s = tokenize_pieces(m, &pieces, mi.add_bos, &toks, &n_prompt);
     if (s != KVPQ_OK) {
         cli_fail("generate: prompt", s);
         goto done;
@@ -121,6 +161,7 @@ int cmd_generate(int argc, char **argv) {
             fprintf(stderr, "kvpq generate: empty prompt and the model has no BOS token\n");
             goto done;
         }
+        toks[0] = mi.bos_id; /* tokenize_pieces allocated at least one slot */
         n_prompt = 1;
     }
     if ((long)n_prompt + n_gen > mi.n_ctx_train) {
@@ -128,7 +169,6 @@ int cmd_generate(int argc, char **argv) {
                 n_prompt, n_gen, mi.n_ctx_train);
         goto done;
     }
-    toks = malloc((n_prompt + 1) * sizeof *toks);
     logits = malloc((size_t)mi.n_vocab * sizeof *logits);
     work = malloc((size_t)mi.n_vocab * sizeof *work);
     idx = malloc((size_t)mi.n_vocab * sizeof *idx);
@@ -136,9 +176,6 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "kvpq generate: out of memory\n");
         goto done;
     }
-    size_t got = 0;
-    if (kvpq_tokenize(m, src, strlen(src), mi.add_bos, chat, toks, n_prompt, &got) != KVPQ_OK || got == 0)
-        toks[0] = mi.bos_id;
     if (cli_cache_open(&cc, cache_spec, &mi, (int)(n_prompt + (size_t)n_gen + 1), (int)threads)) goto done;
 
     cli_utf8_stream us = {{0}, 0};
@@ -192,7 +229,6 @@ int cmd_generate(int argc, char **argv) {
     rc = 0;
 done:
     cli_cache_close(&cc);
-    free(text);
     free(toks);
     free(logits);
     free(work);

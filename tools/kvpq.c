@@ -1,6 +1,7 @@
 /* kvpq.c — the kvpq command-line tool: dispatch to subcommands. */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -50,6 +51,27 @@ static int cmd_bench(int argc, char **argv) {
     return 2;
 }
 
+/* A signal that ends the process first removes the temp files of saves in progress (an interrupted
+ * calibrate left OUT.tmp.XXXXXX), then ends it as the default action would. */
+static void on_fatal_signal(int sig) {
+    kvpq_remove_temp_files();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void install_signal_cleanup(void) {
+    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGXFSZ};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction sa, old;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_fatal_signal;
+        sigemptyset(&sa.sa_mask);
+        /* An ignored signal (nohup, a shell's background job) stays ignored. */
+        if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+        sigaction(sigs[i], &sa, NULL);
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         usage(argc < 2 ? stderr : stdout);
@@ -57,6 +79,7 @@ int main(int argc, char **argv) {
     }
     const char *c = argv[1];
     cli_blas_fixup(argv);
+    install_signal_cleanup();
     if (!strcmp(c, "version") || !strcmp(c, "--version")) {
         printf("kvpq %s (simd %s)\n", kvpq_version(), kvpq_simd_name(kvpq_simd_get()));
         return 0;

@@ -7,9 +7,10 @@ the platform's C rules; tests/python/test_binding_layout.py compiles a C program
 header and checks every struct's size and field offsets against cffi's.
 
 Where the library and header are found (first hit wins):
-  1. KVPQ_LIB (path of libkvpq.so) and KVPQ_INCLUDE (folder of kvpq.h); KVPQ_INCLUDE defaults to the
+  1. KVPQ_LIB (path of libkvpq.so or libkvpq_model.so; the other is looked for beside it) and
+     KVPQ_INCLUDE (folder of kvpq.h and kvpq_model.h); KVPQ_INCLUDE defaults to the
      source tree's include/ when KVPQ_SOURCE_DIR is set, else to the package's own include/;
-  2. the copies `pip install` put in the package: kvpq/lib/libkvpq.so, kvpq/include/*.h;
+  2. the copies `pip install` put in the package: kvpq/lib/libkvpq*.so, kvpq/include/kvpq*.h;
   3. a source checkout: <repo>/build/libkvpq.so and <repo>/include (python/kvpq/ inside <repo>).
 """
 import os
@@ -32,7 +33,8 @@ def _find():
         if not inc:
             inc = str(_PKG / "include") if (_PKG / "include" / "kvpq.h").exists() else str(_REPO / "include")
         return lib, inc
-    for cand in sorted((_PKG / "lib").glob("libkvpq.so*")) + sorted((_PKG / "lib").glob("libkvpq*.dylib")):
+    cand = _PKG / "lib" / "libkvpq.so"
+    if cand.exists():
         return str(cand), inc or str(_PKG / "include")
     cand = _REPO / "build" / "libkvpq.so"
     if cand.exists():
@@ -102,5 +104,23 @@ CDEF = "\n".join(cdef_from_header(h.read_text()) for h in HEADERS)
 
 ffi = cffi.FFI()
 ffi.cdef(CDEF)
+def _libraries(path):
+    """(core, model) library paths from the one found: libkvpq.so (include/kvpq.h) and, beside it,
+    libkvpq_model.so (include/kvpq_model.h: GGUF, tokenizer, forward pass), which depends on the
+    core. KVPQ_LIB may name either. A build with one library (both APIs in libkvpq.so) has no model
+    file: then model is None."""
+    p = Path(path)
+    if p.name.startswith("libkvpq_model"):
+        core = p.with_name(p.name.replace("libkvpq_model", "libkvpq", 1))
+        return (str(core) if core.exists() else None), str(p)
+    model = p.with_name(p.name.replace("libkvpq", "libkvpq_model", 1))
+    return str(p), (str(model) if model.exists() else None)
+
+
 _openblas_coretype()
-lib = ffi.dlopen(LIB_PATH)
+CORE_PATH, MODEL_PATH = _libraries(LIB_PATH)
+# The core first and global: libkvpq_model.so's dependency on it (by SONAME) then resolves to it
+# wherever the files lie. Symbols are looked up through the last library opened, whose handle also
+# searches its dependencies.
+_core_lib = ffi.dlopen(CORE_PATH, ffi.RTLD_GLOBAL | ffi.RTLD_NOW) if CORE_PATH else None
+lib = ffi.dlopen(MODEL_PATH) if MODEL_PATH else _core_lib

@@ -272,3 +272,9 @@ kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st) {
     if (c->ops->stats) c->ops->stats(c->state, c->len, st);
     return KVPQ_OK;
 }
+
+kvpq_status kvpq_cache_get_params(const kvpq_cache *c, kvpq_cache_params *p) {
+    if (!c || !p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_get_params: NULL argument");
+    *p = c->p;
+    return KVPQ_OK;
+}

@@ -4,23 +4,42 @@
 
 #include "kvpq.h"
 
+/* The few internal functions that libkvpq_model (the second library tier, src/model) calls in
+ * libkvpq: exported from libkvpq.so under their kvpq__ names although no public header declares
+ * them (everything else internal stays hidden by -fvisibility=hidden). */
+#if defined(__GNUC__)
+#define KVPQ_INTERNAL_API __attribute__((visibility("default")))
+#else
+#define KVPQ_INTERNAL_API
+#endif
+
 /* Record a thread-local error message (printf format) and return `s`, so that a failing path is
  * one line: `return kvpq__err(KVPQ_ERR_INVALID_ARG, "dsub %d: expected 1, 2, 4, 8 or 16", dsub);` */
-kvpq_status kvpq__err(kvpq_status s, const char *fmt, ...)
+KVPQ_INTERNAL_API kvpq_status kvpq__err(kvpq_status s, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
 
 /* Prefix the current thread-local message with context: "codebook file 'x': <old message>". */
-void kvpq__err_prefix(const char *fmt, ...)
+KVPQ_INTERNAL_API void kvpq__err_prefix(const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 1, 2)))
 #endif
     ;
 
 /* 1 if every one of n floats is finite. */
-int kvpq__all_finite(const float *x, size_t n);
+KVPQ_INTERNAL_API int kvpq__all_finite(const float *x, size_t n);
+
+/* ---- atomic saves (tempfile.c) ---- */
+/* The file a save to `path` must replace: path itself, or, when it is a symbolic link, the file the
+ * chain of links names (which may not exist yet). malloc'd; NULL when out of memory. */
+char *kvpq__resolve_target(const char *path);
+/* mkstemp(tmpl) (tmpl ends in XXXXXX), the file listed for kvpq_remove_temp_files until
+ * kvpq__temp_done. Returns the descriptor, or -1 with errno set. */
+int kvpq__temp_create(char *tmpl);
+/* Unlist a temp file; remove it too unless keep (it has been renamed into place). */
+void kvpq__temp_done(const char *tmpl, int keep);
 
 /* KVPQ_OK if every field of a kvpq_cuda_kernels holds one of its listed values, else
  * KVPQ_ERR_INVALID_ARG naming `fn` and the field (src/core/cuda_stub.c; every build). */

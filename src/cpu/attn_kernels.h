@@ -1,7 +1,7 @@
 /* attn_kernels.h — CPU kernels of the attention paths of the KV caches, one table per SIMD level.
  *
- * attn_ref.c holds the scalar *_ref kernels, the specification; attn_avx2.c and attn_avx512.c
- * override them. kvpq__attn_kernels() picks the table for kvpq_simd_get(). Every kernel handles any
+ * attn_ref.c holds the scalar *_ref kernels, the specification; attn_body.h, compiled per ISA
+ * by attn_avx2.c and attn_avx512.c, overrides them. kvpq__attn_kernels() picks the table for kvpq_simd_get(). Every kernel handles any
  * size (SIMD kernels finish tails in scalar code). Internal. */
 #ifndef KVPQ_ATTN_KERNELS_H
 #define KVPQ_ATTN_KERNELS_H
@@ -47,7 +47,7 @@ typedef struct {
 } kvpq_attn_kernels;
 
 extern const kvpq_attn_kernels kvpq__attn_ref;
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__) /* one body, attn_body.h, compiled per ISA */
 extern const kvpq_attn_kernels kvpq__attn_avx2;
 extern const kvpq_attn_kernels kvpq__attn_avx512;
 #endif

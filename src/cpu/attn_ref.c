@@ -4,6 +4,7 @@
 
 #include "core/ggml_common.h"
 #include "cpu/attn_kernels.h"
+#include "cpu/dispatch.h"
 
 static void qk_ref(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
     for (int r = 0; r < R; r++)
@@ -114,13 +115,7 @@ const kvpq_attn_kernels kvpq__attn_ref = {
     .dequant_bits_g32 = dequant_bits_g32_ref,
 };
 
-const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (level == KVPQ_SIMD_AVX512) return &kvpq__attn_avx512;
-    if (level == KVPQ_SIMD_AVX2) return &kvpq__attn_avx2;
-#endif
-    (void)level;
-    return &kvpq__attn_ref;
-}
+/* The one CPU kernel table (dispatch.c) holds the attention kernels of each level. */
+const kvpq_attn_kernels *kvpq__attn_kernels_for(kvpq_simd_level level) { return kvpq__cpu_kernels_for(level)->attn; }
 
-const kvpq_attn_kernels *kvpq__attn_kernels(void) { return kvpq__attn_kernels_for(kvpq_simd_get()); }
+const kvpq_attn_kernels *kvpq__attn_kernels(void) { return kvpq__cpu_kernels()->attn; }

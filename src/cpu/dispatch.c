@@ -48,21 +48,67 @@ void kvpq__nn_ref(const kvpq_nn_book *book, size_t n, const float *x, size_t x_s
     }
 }
 
-// ---- table -------------------------------------------------------------------------------------
+float kvpq__dot_f32_ref(const float *a, const float *b, int64_t n) {
+    float s = 0;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+// ---- the table ---------------------------------------------------------------------------------
 
 static kvpq_cpu_kernels tables[3];
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
-static void tables_init(void) {
-    tables[KVPQ_SIMD_SCALAR].nn = kvpq__nn_ref;
-    tables[KVPQ_SIMD_AVX2] = tables[KVPQ_SIMD_SCALAR];
-    tables[KVPQ_SIMD_AVX2].nn = kvpq__nn_avx2;
-    tables[KVPQ_SIMD_AVX512] = tables[KVPQ_SIMD_AVX2];
-    tables[KVPQ_SIMD_AVX512].nn = kvpq__nn_avx512;
+static void fill_ref(kvpq_cpu_kernels *t) {
+    t->level = KVPQ_SIMD_SCALAR;
+    t->nn = kvpq__nn_ref;
+    t->attn = &kvpq__attn_ref;
+    kvpq__vq_kernels_ref(&t->vq);
+    t->dot_f32 = kvpq__dot_f32_ref;
+    for (int ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) t->ggml_matvec[ty] = NULL, t->ggml_dequant[ty] = NULL;
 }
 
+#if defined(__x86_64__)
+/* Override with what one ISA's bodies have (ISA = avx2 or avx512). */
+#define FILL_ISA(ISA, LEVEL)                                                                  \
+    static void fill_##ISA(kvpq_cpu_kernels *t) {                                             \
+        t->level = LEVEL;                                                                     \
+        t->nn = kvpq__nn_##ISA;                                                               \
+        t->attn = &kvpq__attn_##ISA;                                                          \
+        kvpq__vq_kernels_##ISA(&t->vq);                                                       \
+        t->dot_f32 = kvpq__dot_f32_##ISA;                                                     \
+        for (uint32_t ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) {                              \
+            kvpq__matvec_fn mv = kvpq__ggml_matvec_##ISA(ty);                                 \
+            kvpq__dequant_fn dq = kvpq__ggml_dequant_##ISA(ty);                               \
+            if (mv) t->ggml_matvec[ty] = mv;                                                  \
+            if (dq) t->ggml_dequant[ty] = dq;                                                 \
+        }                                                                                     \
+    }
+FILL_ISA(avx2, KVPQ_SIMD_AVX2)
+FILL_ISA(avx512, KVPQ_SIMD_AVX512)
+#endif
+
+static void tables_init(void) {
+    fill_ref(&tables[KVPQ_SIMD_SCALAR]);
+    tables[KVPQ_SIMD_AVX2] = tables[KVPQ_SIMD_SCALAR];
+    tables[KVPQ_SIMD_AVX512] = tables[KVPQ_SIMD_SCALAR];
+#if defined(__x86_64__)
+    fill_avx2(&tables[KVPQ_SIMD_AVX2]);
+    tables[KVPQ_SIMD_AVX512] = tables[KVPQ_SIMD_AVX2];
+    fill_avx512(&tables[KVPQ_SIMD_AVX512]);
+#endif
+}
+
+const kvpq_cpu_kernels *kvpq__cpu_kernels_for(kvpq_simd_level level) {
+    pthread_once(&tables_once, tables_init);
+    int l = (int)level, best = (int)kvpq__simd_best();
+    if (l < KVPQ_SIMD_SCALAR) l = KVPQ_SIMD_SCALAR;
+    if (l > best) l = best; /* never a level the CPU lacks */
+    return &tables[l];
+}
+
+/* The hot lookup (callers take it per call): kvpq_simd_get() never exceeds the CPU's level. */
 const kvpq_cpu_kernels *kvpq__cpu_kernels(void) {
     pthread_once(&tables_once, tables_init);
-    /* kvpq_simd_get() never returns a level the CPU lacks, so the override is safe to call. */
     return &tables[kvpq_simd_get()];
 }

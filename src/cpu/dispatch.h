@@ -1,11 +1,21 @@
-/* dispatch.h — the CPU kernel table: filled with the scalar `_ref` kernels (the specification),
- * then overridden by the AVX2 / AVX-512 variants that kvpq_simd_get() allows. Internal. */
+/* dispatch.h — the one CPU kernel table. Internal.
+ *
+ * One table per SIMD level, built once (pthread_once) on first use: the scalar level holds the
+ * `_ref` kernels (the specification), the AVX2 level starts as a copy of it and is overridden by
+ * every kernel the AVX2 bodies have, the AVX-512 level starts as a copy of the AVX2 one and is
+ * overridden in turn. So a kernel missing at one level is the next narrower level's. Callers take
+ * kvpq__cpu_kernels() (the level of kvpq_simd_get(): detected once, KVPQ_SIMD or kvpq_simd_set()
+ * force a lower one) and never test the ISA themselves. docs/cpu_kernels.md has the full picture. */
 #ifndef KVPQ_DISPATCH_H
 #define KVPQ_DISPATCH_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cpu/attn_kernels.h"
+#include "cpu/ggml_kernels.h"
+#include "cpu/vq_kernels.h"
+#include "internal.h"
 #include "kvpq.h"
 
 /* Centroids are padded to a multiple of KVPQ_NN_PAD so that SIMD kernels never need a tail loop:
@@ -30,22 +40,36 @@ typedef void (*kvpq_nn_fn)(const kvpq_nn_book *book, size_t n, const float *x, s
                            int32_t *idx, size_t idx_stride);
 
 typedef struct {
-    kvpq_nn_fn nn; /* nearest-centroid search */
+    kvpq_simd_level level;
+    kvpq_nn_fn nn;                 /* nearest-centroid search (PQ encode, k-means) */
+    const kvpq_attn_kernels *attn; /* attention paths of the per-token caches (attn_kernels.h) */
+    kvpq_vq_kernels vq;            /* attention from PQ codes (vq_kernels.h) */
+    kvpq__dot_fn dot_f32;          /* dot(a, b) over n float32 */
+    /* GGML tensor types by type number: SIMD row kernels (ggml_kernels.h). NULL where the level
+     * has none; model/ggml_types.c then uses its _ref (the GGUF type specs live there). */
+    kvpq__matvec_fn ggml_matvec[KVPQ_GGML_TYPE_SLOTS];
+    kvpq__dequant_fn ggml_dequant[KVPQ_GGML_TYPE_SLOTS];
 } kvpq_cpu_kernels;
 
-/* The table for the current SIMD level (kvpq_simd_get()); re-resolved when the level changes. */
-const kvpq_cpu_kernels *kvpq__cpu_kernels(void);
+/* The table of kvpq_simd_get()'s level. Never NULL. */
+KVPQ_INTERNAL_API const kvpq_cpu_kernels *kvpq__cpu_kernels(void);
+/* The table of a level; a level above what the CPU supports gives the best it does. */
+const kvpq_cpu_kernels *kvpq__cpu_kernels_for(kvpq_simd_level level);
+/* The best level this CPU supports (detected once). */
+kvpq_simd_level kvpq__simd_best(void);
 
 /* Build a padded, transposed codebook from C: (ksub, dsub), C row-major. ct: (dsub, kpad) and
  * norms: (kpad) are caller-provided (kpad = kvpq__nn_kpad(ksub)). */
 static inline int kvpq__nn_kpad(int ksub) { return (ksub + KVPQ_NN_PAD - 1) / KVPQ_NN_PAD * KVPQ_NN_PAD; }
 void kvpq__nn_book_init(kvpq_nn_book *b, int dsub, int ksub, const float *C, float *ct, float *norms);
 
-/* Variants (each file compiled with its ISA flags). */
+/* Variants: nn_body.h compiled per ISA by nn_avx2.c and nn_avx512.c. */
 void kvpq__nn_ref(const kvpq_nn_book *book, size_t n, const float *x, size_t x_stride, int32_t *idx,
                   size_t idx_stride);
 void kvpq__nn_avx2(const kvpq_nn_book *book, size_t n, const float *x, size_t x_stride, int32_t *idx,
                    size_t idx_stride);
+/* dot(a, b) over n float32 summed in order: the specification of kvpq_cpu_kernels.dot_f32. */
+float kvpq__dot_f32_ref(const float *a, const float *b, int64_t n);
 void kvpq__nn_avx512(const kvpq_nn_book *book, size_t n, const float *x, size_t x_stride, int32_t *idx,
                      size_t idx_stride);
 

@@ -1,7 +1,10 @@
-/* simd.c — CPU SIMD level: detected once, overridable by KVPQ_SIMD or kvpq_simd_set(). */
+/* simd.c — CPU SIMD level: detected once (pthread_once), overridable by KVPQ_SIMD or
+ * kvpq_simd_set(). The kernel table of each level is cpu/dispatch.c's. */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/dispatch.h"
 #include "internal.h"
 
 static int detected = -1; /* best level the CPU supports */
@@ -18,8 +21,9 @@ static int detect(void) {
     return KVPQ_SIMD_SCALAR;
 }
 
-static void init_once(void) {
-    if (current >= 0) return;
+static pthread_once_t level_once = PTHREAD_ONCE_INIT;
+
+static void level_init(void) {
     detected = detect();
     current = detected;
     const char *env = getenv("KVPQ_SIMD");
@@ -31,6 +35,13 @@ static void init_once(void) {
         /* An unknown or unsupported request keeps the detected level (a library never exits). */
         if (want >= 0 && want <= detected) current = want;
     }
+}
+
+static void init_once(void) { pthread_once(&level_once, level_init); }
+
+kvpq_simd_level kvpq__simd_best(void) {
+    init_once();
+    return (kvpq_simd_level)detected;
 }
 
 kvpq_simd_level kvpq_simd_get(void) {

@@ -36,7 +36,7 @@
 /* exp(x) for x <= 0 (Cephes expf): n = round(x / ln 2), r = x - n ln 2 in two parts (the first
  * exact in float), exp(r) ~ 1 + r + r^2 P(r) with P of degree 5, times 2^n built in the exponent
  * field. Inputs are clamped at -87 (giving ~1e-38 instead of 0, which a softmax cannot tell apart).
- * Relative error a few ulp; NaN stays NaN. The constants, shared by every width: */
+ * Relative error a few ulp (~2e-7); NaN stays NaN. The constants, shared by every width: */
 #define KVPQ_EXP_LO (-87.0f)
 #define KVPQ_EXP_LOG2E 1.44269504088896341f
 #define KVPQ_EXP_LN2_HI 0.693359375f
@@ -112,6 +112,11 @@ KVPQ_INLINE kvpq_vm vf_lt(kvpq_vf a, kvpq_vf b) { return _mm512_cmp_ps_mask(a, b
 /* m ? b : a, lane by lane */
 KVPQ_INLINE kvpq_vf vf_blend(kvpq_vf a, kvpq_vf b, kvpq_vm m) { return _mm512_mask_mov_ps(a, m, b); }
 KVPQ_INLINE kvpq_vi vi_blend(kvpq_vi a, kvpq_vi b, kvpq_vm m) { return _mm512_mask_mov_epi32(a, m, b); }
+/* The lowest of idx's lanes among the lanes where v holds its minimum (an argmin's tie-break). */
+KVPQ_INLINE int32_t vf_argmin_lowest(kvpq_vf v, kvpq_vi idx) {
+    float m = _mm512_reduce_min_ps(v);
+    return _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ), idx);
+}
 
 #elif defined(KVPQ_ISA_AVX2)
 // ---- AVX2 + FMA + F16C: 8 lanes ---------------------------------------------------------------------
@@ -133,6 +138,7 @@ KVPQ_INLINE void vf_store(float *p, kvpq_vf v) { _mm256_storeu_ps(p, v); }
 KVPQ_INLINE __m256i vm__first(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+KVPQ_INLINE kvpq_vm vm_first(int n) { return _mm256_castsi256_ps(vm__first(n)); }
 KVPQ_INLINE kvpq_vf vf_load_n(const float *p, int n) { return _mm256_maskload_ps(p, vm__first(n)); }
 KVPQ_INLINE void vf_store_n(float *p, kvpq_vf v, int n) { _mm256_maskstore_ps(p, vm__first(n), v); }
 KVPQ_INLINE kvpq_vf vf_add(kvpq_vf a, kvpq_vf b) { return _mm256_add_ps(a, b); }
@@ -169,6 +175,17 @@ KVPQ_INLINE kvpq_vf vf_blend(kvpq_vf a, kvpq_vf b, kvpq_vm m) { return _mm256_bl
 KVPQ_INLINE kvpq_vi vi_blend(kvpq_vi a, kvpq_vi b, kvpq_vm m) {
     return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), m));
 }
+KVPQ_INLINE int32_t vf_argmin_lowest(kvpq_vf v, kvpq_vi idx) {
+    float bv[8];
+    int32_t bi[8];
+    _mm256_storeu_ps(bv, v);
+    _mm256_storeu_si256((__m256i *)bi, idx);
+    float m = bv[0];
+    int32_t r = bi[0];
+    for (int l = 1; l < 8; l++)
+        if (bv[l] < m || (bv[l] == m && bi[l] < r)) m = bv[l], r = bi[l];
+    return r;
+}
 
 #else
 // ---- scalar: 1 lane ---------------------------------------------------------------------------------
@@ -183,6 +200,7 @@ KVPQ_INLINE kvpq_vf vf_zero(void) { return 0.0f; }
 KVPQ_INLINE kvpq_vf vf_set1(float x) { return x; }
 KVPQ_INLINE kvpq_vf vf_load(const float *p) { return *p; }
 KVPQ_INLINE void vf_store(float *p, kvpq_vf v) { *p = v; }
+KVPQ_INLINE kvpq_vm vm_first(int n) { return n > 0; }
 KVPQ_INLINE kvpq_vf vf_load_n(const float *p, int n) { return n > 0 ? *p : 0.0f; }
 KVPQ_INLINE void vf_store_n(float *p, kvpq_vf v, int n) {
     if (n > 0) *p = v;
@@ -219,6 +237,7 @@ KVPQ_INLINE kvpq_vf vf_from_bits(kvpq_vi v) {
 KVPQ_INLINE kvpq_vm vf_lt(kvpq_vf a, kvpq_vf b) { return a < b; }
 KVPQ_INLINE kvpq_vf vf_blend(kvpq_vf a, kvpq_vf b, kvpq_vm m) { return m ? b : a; }
 KVPQ_INLINE kvpq_vi vi_blend(kvpq_vi a, kvpq_vi b, kvpq_vm m) { return m ? b : a; }
+KVPQ_INLINE int32_t vf_argmin_lowest(kvpq_vf v, kvpq_vi idx) { return idx; }
 #endif
 
 // ---- derived operations, written once for every width -----------------------------------------------
@@ -243,12 +262,55 @@ KVPQ_INLINE float vf_reduce_max(kvpq_vf v) {
 /* W unsigned / signed bytes, the low or high nibbles of W bytes, as floats (exact). */
 KVPQ_INLINE kvpq_vf vf_load_u8(const uint8_t *p) { return vf__from_u8(vf__bytes(p)); }
 KVPQ_INLINE kvpq_vf vf_load_i8(const int8_t *p) { return vf__from_i8(vf__bytes((const uint8_t *)p)); }
+/* The 8 bytes of v (little-endian, byte j in lane j) as floats, lanes from 8 on zero: built in
+ * registers, for bytes just computed (a vector load of bytes stored one word at a time would stall
+ * on store forwarding). */
+KVPQ_INLINE kvpq_vf vf_from_u8x8(uint64_t v) { return vf__from_u8(_mm_cvtsi64_si128((long long)v)); }
 KVPQ_INLINE kvpq_vf vf_load_u4lo(const uint8_t *p) {
     return vf__from_u8(_mm_and_si128(vf__bytes(p), _mm_set1_epi8(0x0f)));
 }
 KVPQ_INLINE kvpq_vf vf_load_u4hi(const uint8_t *p) {
     return vf__from_u8(_mm_and_si128(_mm_srli_epi16(vf__bytes(p), 4), _mm_set1_epi8(0x0f)));
 }
+/* {sum a0, sum a1, sum a2, sum a3} into out[0..4): one horizontal-add tree for four dot products
+ * (at W = 16 each vector is first folded to 8 lanes, lane i + lane i + 8). */
+KVPQ_INLINE void vf_reduce4(kvpq_vf a0, kvpq_vf a1, kvpq_vf a2, kvpq_vf a3, float *out) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(vf__half_add(a0), vf__half_add(a1)),
+                              _mm256_hadd_ps(vf__half_add(a2), vf__half_add(a3)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+/* 32 codes of `bits` bits (2 or 4), packed LSB-first from p (4 * bits bytes), as 32 / W vectors of
+ * their unsigned values in order. */
+KVPQ_INLINE void vf_load_codes32(const uint8_t *p, int bits, kvpq_vf f[32 / KVPQ_VW]) {
+    __m128i q0, q1; /* codes 0..15, 16..31 as bytes */
+    if (bits == 4) {
+        const __m128i m = _mm_set1_epi8(0x0f);
+        __m128i b = _mm_loadu_si128((const __m128i *)p);
+        __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+        q0 = _mm_unpacklo_epi8(l, h);
+        q1 = _mm_unpackhi_epi8(l, h);
+    } else {
+        const __m128i m = _mm_set1_epi8(0x03);
+        __m128i b = _mm_loadl_epi64((const __m128i *)p);
+        __m128i p0 = _mm_and_si128(b, m), p1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+        __m128i p2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), p3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+        __m128i u01 = _mm_unpacklo_epi8(p0, p1), u23 = _mm_unpacklo_epi8(p2, p3);
+        q0 = _mm_unpacklo_epi16(u01, u23);
+        q1 = _mm_unpackhi_epi16(u01, u23);
+    }
+#if KVPQ_VW == 16
+    f[0] = vf__from_u8(q0);
+    f[1] = vf__from_u8(q1);
+#else
+    f[0] = vf__from_u8(q0);
+    f[1] = vf__from_u8(_mm_srli_si128(q0, 8));
+    f[2] = vf__from_u8(q1);
+    f[3] = vf__from_u8(_mm_srli_si128(q1, 8));
+#endif
+}
+/* One half <-> float by F16C (exact; RNE like vcvtps2ph): the scalar tails of vector loops. */
+KVPQ_INLINE float vs_h2f(uint16_t h) { return _cvtsh_ss(h); }
+KVPQ_INLINE uint16_t vs_f2h(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* One half at an unaligned address, converted by F16C (the scales of quantized blocks). */
 KVPQ_INLINE float vs_h2f_at(const void *p) {
     uint16_t h;
@@ -272,6 +334,14 @@ KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
 #endif
 }
 #else
+KVPQ_INLINE void vf_reduce4(kvpq_vf a0, kvpq_vf a1, kvpq_vf a2, kvpq_vf a3, float *out) {
+    out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3;
+}
+KVPQ_INLINE void vf_load_codes32(const uint8_t *p, int bits, kvpq_vf f[32]) {
+    for (int c = 0; c < 32; c++) f[c] = (float)((p[c * bits / 8] >> (c * bits % 8)) & ((1 << bits) - 1));
+}
+KVPQ_INLINE float vs_h2f(uint16_t h) { return kvpq__h2f(h); }
+KVPQ_INLINE uint16_t vs_f2h(float x) { return kvpq__f2h(x); }
 KVPQ_INLINE float vs_h2f_at(const void *p) { return kvpq__h2f_at(p); }
 KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32]) {
     for (int j = 0; j < 16; j++) {
@@ -283,13 +353,14 @@ KVPQ_INLINE float vf_reduce_add(kvpq_vf v) { return v; }
 KVPQ_INLINE float vf_reduce_max(kvpq_vf v) { return v; }
 KVPQ_INLINE kvpq_vf vf_load_u8(const uint8_t *p) { return (float)*p; }
 KVPQ_INLINE kvpq_vf vf_load_i8(const int8_t *p) { return (float)*p; }
+KVPQ_INLINE kvpq_vf vf_from_u8x8(uint64_t v) { return (float)(v & 0xff); }
 KVPQ_INLINE kvpq_vf vf_load_u4lo(const uint8_t *p) { return (float)(*p & 0x0f); }
 KVPQ_INLINE kvpq_vf vf_load_u4hi(const uint8_t *p) { return (float)(*p >> 4); }
 #endif
 
 /* exp(x) for x <= 0, the polynomial above (the one vector exp of the CPU kernels). */
 KVPQ_INLINE kvpq_vf vf_exp(kvpq_vf x) {
-    x = vf_max(x, vf_set1(KVPQ_EXP_LO));
+    x = vf_max(vf_set1(KVPQ_EXP_LO), x); /* this operand order keeps NaN (maxps returns the second) */
     kvpq_vf n = vf_round(vf_mul(x, vf_set1(KVPQ_EXP_LOG2E)));
     kvpq_vf r = vf_fnma(n, vf_set1(KVPQ_EXP_LN2_HI), x);
     r = vf_fnma(n, vf_set1(KVPQ_EXP_LN2_LO), r);

@@ -1,56 +1,12 @@
-/* vq_avx512.c — AVX-512 kernels of attention from PQ codes (see vq_kernels.h; *_ref is the spec).
- * Groups of 16 query heads per KV head (gp a multiple of 16) load a table row as one zmm; narrower
- * groups are served by the AVX2 kernels (a 4- or 8-float row gains nothing from wider registers). */
+/* vq_avx512.c — attention from PQ codes at AVX-512 F/BW/VL/DQ: the width-generic kernels of
+ * vq_body.h (16-lane rows: gp a multiple of 16, lane periods of 16), plus what only this level has:
+ * 4-centroid permutes for gp = 4 with dsub = 4, values decoded per token, per-token scales for
+ * gp = 4, and fast-scan scores with VBMI. Narrower groups go to the AVX2 kernels (a 4- or 8-float
+ * row gains nothing from wider registers). See vq_kernels.h for the shapes and the math. */
+#define KVPQ_ISA_AVX512
+#define VQ_NEXT(name) kvpq__vq_##name##_avx2
 #if defined(__x86_64__)
-#include <immintrin.h>
-#include <math.h>
-
-#include "cpu/vq_kernels.h"
-
-#define VQ_SCORE_AVX512(NAME, T, FALLBACK)                                                        \
-    static void NAME(int n, int M, int ksub, int gp, const T *codes, const float *lut, float *s) { \
-        if (gp % 16) {                                                                            \
-            FALLBACK(n, M, ksub, gp, codes, lut, s);                                              \
-            return;                                                                               \
-        }                                                                                         \
-        const size_t ms = (size_t)ksub * gp;                                                      \
-        for (int t = 0; t < n; t++) {                                                             \
-            const T *c = codes + (size_t)t * M;                                                   \
-            for (int b = 0; b < gp; b += 16) {                                                    \
-                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                        \
-                int m = 0;                                                                        \
-                for (; m + 1 < M; m += 2) {                                                       \
-                    a0 = _mm512_add_ps(a0, _mm512_loadu_ps(lut + m * ms + (size_t)c[m] * gp + b)); \
-                    a1 = _mm512_add_ps(a1, _mm512_loadu_ps(lut + (m + 1) * ms + (size_t)c[m + 1] * gp + b)); \
-                }                                                                                 \
-                if (m < M) a0 = _mm512_add_ps(a0, _mm512_loadu_ps(lut + m * ms + (size_t)c[m] * gp + b)); \
-                _mm512_storeu_ps(s + (size_t)t * gp + b, _mm512_add_ps(a0, a1));                  \
-            }                                                                                     \
-        }                                                                                         \
-    }
-VQ_SCORE_AVX512(score_u8_avx512, uint8_t, kvpq__vq_score_u8_avx2)
-VQ_SCORE_AVX512(score_u16_avx512, uint16_t, kvpq__vq_score_u16_avx2)
-
-#define VQ_ACCUM_AVX512(NAME, T, FALLBACK)                                                        \
-    static void NAME(int n, int M, int ksub, int gp, const T *codes, const float *p, float *table) { \
-        if (gp % 16) {                                                                            \
-            FALLBACK(n, M, ksub, gp, codes, p, table);                                            \
-            return;                                                                               \
-        }                                                                                         \
-        const size_t ms = (size_t)ksub * gp;                                                      \
-        for (int t = 0; t < n; t++) {                                                             \
-            const T *c = codes + (size_t)t * M;                                                   \
-            for (int b = 0; b < gp; b += 16) {                                                    \
-                const __m512 pv = _mm512_loadu_ps(p + (size_t)t * gp + b);                        \
-                for (int m = 0; m < M; m++) {                                                     \
-                    float *row = table + m * ms + (size_t)c[m] * gp + b;                          \
-                    _mm512_storeu_ps(row, _mm512_add_ps(_mm512_loadu_ps(row), pv));               \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    }
-VQ_ACCUM_AVX512(accum_u8_avx512, uint8_t, kvpq__vq_accum_u8_avx2)
-VQ_ACCUM_AVX512(accum_u16_avx512, uint16_t, kvpq__vq_accum_u16_avx2)
+#include "cpu/vq_body.h"
 
 // ---- LUT build and value output for gp = 4, dsub = 4 (d4b8 with GQA groups of 2..4) ---------------
 
@@ -59,7 +15,7 @@ VQ_ACCUM_AVX512(accum_u16_avx512, uint16_t, kvpq__vq_accum_u16_avx2)
 static void lut_build_avx512(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
                              float *lut) {
     if (gp != 4 || dsub != 4 || ksub % 4) {
-        kvpq__vq_lut_build_avx2(M, ksub, dsub, n_books, cent, gp, qt, lut);
+        lut_build_lanes(M, ksub, dsub, n_books, cent, gp, qt, lut);
         return;
     }
     for (int m = 0; m < M; m++) {
@@ -81,7 +37,7 @@ static void lut_build_avx512(int M, int ksub, int dsub, int n_books, const float
 static void table_out_avx512(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
                              float *out) {
     if (gp != 4 || dsub != 4 || ksub % 4) {
-        kvpq__vq_table_out_avx2(M, ksub, dsub, n_books, cent, gp, table, out);
+        table_out_lanes(M, ksub, dsub, n_books, cent, gp, table, out);
         return;
     }
     for (int m = 0; m < M; m++) {
@@ -199,116 +155,6 @@ VQ_VBMI static void score_fs_u8_vbmi(int n, int M, int G, int gp, const uint8_t 
         kvpq__vq_score_fs_u8_ref(n - t0, M, G, gp, codes + (size_t)t0 * M, lut8, scale, bias, s + (size_t)t0 * gp);
 }
 
-// ---- softmax weights: exp through vscalefps --------------------------------------------------
-
-/* exp(x) as in the AVX2 kernel (x = k ln2 + r, degree-6 Taylor of e^r, relative error < 2e-7; x
- * clamped below at -87), with 2^k applied by vscalefps instead of building exponent bits. NaN stays
- * NaN (max returns its second operand when one is NaN). */
-static inline __m512 exp512_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
-
-/* gp dividing 16 or a multiple of 16 (up to 64): the lanes' references repeat with a period of
- * vw = max(gp, 16) floats; two independent vectors per step when vw = 16. */
-static void exp_sum_avx512(int n, int gp, float *s, const float *m, float *sum) {
-    if (gp > 64 || !(16 % gp == 0 || gp % 16 == 0)) {
-        kvpq__vq_exp_sum_avx2(n, gp, s, m, sum);
-        return;
-    }
-    const size_t total = (size_t)n * gp;
-    const int vw = gp < 16 ? 16 : gp;
-    float pat[64], lanes[64];
-    for (int l = 0; l < vw; l++) pat[l] = m[l % gp];
-    size_t i = 0;
-    if (vw == 16) {
-        const __m512 mv = _mm512_loadu_ps(pat);
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        for (; i + 32 <= total; i += 32) {
-            const __m512 e0 = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
-            const __m512 e1 = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i + 16), mv));
-            _mm512_storeu_ps(s + i, e0);
-            _mm512_storeu_ps(s + i + 16, e1);
-            a0 = _mm512_add_ps(a0, e0);
-            a1 = _mm512_add_ps(a1, e1);
-        }
-        for (; i + 16 <= total; i += 16) {
-            const __m512 e0 = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
-            _mm512_storeu_ps(s + i, e0);
-            a0 = _mm512_add_ps(a0, e0);
-        }
-        _mm512_storeu_ps(lanes, _mm512_add_ps(a0, a1));
-    } else {
-        __m512 acc[4];
-        for (int b = 0; b < vw / 16; b++) acc[b] = _mm512_setzero_ps();
-        for (; i + vw <= total; i += vw)
-            for (int b = 0; b < vw / 16; b++) {
-                const __m512 e = exp512_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i + 16 * b), _mm512_loadu_ps(pat + 16 * b)));
-                _mm512_storeu_ps(s + i + 16 * b, e);
-                acc[b] = _mm512_add_ps(acc[b], e);
-            }
-        for (int b = 0; b < vw / 16; b++) _mm512_storeu_ps(lanes + 16 * b, acc[b]);
-    }
-    for (int l = 0; l < vw; l++) sum[l % gp] += lanes[l];
-    if (i < total) { /* vw = 16 only (total is a multiple of vw otherwise): < 16 floats from lane 0 */
-        const int nl = (int)(total - i);
-        const __mmask16 km = (__mmask16)((1u << nl) - 1);
-        const __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(km, s + i), _mm512_loadu_ps(pat)));
-        _mm512_mask_storeu_ps(s + i, km, e);
-        _mm512_storeu_ps(lanes, e);
-        for (int l = 0; l < nl; l++) sum[l % gp] += lanes[l];
-    }
-}
-
-/* Same lane periods as exp_sum_avx512; four accumulators for a 16-float period. max(s, acc) returns
- * acc when s is NaN, so NaN entries are skipped as in the reference. */
-static void lane_max_avx512(int n, int gp, const float *s, float *mx) {
-    if (gp > 64 || !(16 % gp == 0 || gp % 16 == 0)) {
-        kvpq__vq_lane_max_ref(n, gp, s, mx);
-        return;
-    }
-    const size_t total = (size_t)n * gp;
-    const int vw = gp < 16 ? 16 : gp;
-    float lanes[64];
-    size_t i = 0;
-    if (vw == 16) {
-        __m512 a0 = _mm512_set1_ps(-INFINITY), a1 = a0, a2 = a0, a3 = a0;
-        for (; i + 64 <= total; i += 64) {
-            a0 = _mm512_max_ps(_mm512_loadu_ps(s + i), a0);
-            a1 = _mm512_max_ps(_mm512_loadu_ps(s + i + 16), a1);
-            a2 = _mm512_max_ps(_mm512_loadu_ps(s + i + 32), a2);
-            a3 = _mm512_max_ps(_mm512_loadu_ps(s + i + 48), a3);
-        }
-        for (; i + 16 <= total; i += 16) a0 = _mm512_max_ps(_mm512_loadu_ps(s + i), a0);
-        if (i < total) { /* < 16 floats from lane 0; masked-off lanes stay -inf */
-            const __mmask16 km = (__mmask16)((1u << (total - i)) - 1);
-            a1 = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), km, s + i), a1);
-            i = total;
-        }
-        _mm512_storeu_ps(lanes, _mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
-    } else {
-        __m512 acc[4];
-        for (int b = 0; b < vw / 16; b++) acc[b] = _mm512_set1_ps(-INFINITY);
-        for (; i < total; i += vw) /* total is a multiple of vw = gp */
-            for (int b = 0; b < vw / 16; b++) acc[b] = _mm512_max_ps(_mm512_loadu_ps(s + i + 16 * b), acc[b]);
-        for (int b = 0; b < vw / 16; b++) _mm512_storeu_ps(lanes + 16 * b, acc[b]);
-    }
-    for (int g = 0; g < gp; g++) mx[g] = -INFINITY;
-    for (int l = 0; l < vw; l++) mx[l % gp] = lanes[l] > mx[l % gp] ? lanes[l] : mx[l % gp];
-}
-
 // ---- values decoded per token: dsub = 4, M a multiple of 16, groups of up to 4 heads ---------------
 
 /* One token's value slice (16 sub-spaces, 64 floats) is four zmm of four centroids each (one 128-bit load per
@@ -391,17 +237,12 @@ static void scale_tokens_avx512(int n, int gp, float *s, const uint16_t *scale, 
 }
 
 void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k) {
+    vq_body_fill(k);
     k->scale_tokens = scale_tokens_avx512;
     k->accum_dec_u8 = accum_dec_u8_avx512;
     k->accum_dec_ok = accum_dec_ok_avx512;
     if (__builtin_cpu_supports("avx512vbmi")) k->score_fs_u8 = score_fs_u8_vbmi;
-    k->exp_sum = exp_sum_avx512;
-    k->lane_max = lane_max_avx512;
     k->lut_build = lut_build_avx512;
     k->table_out = table_out_avx512;
-    k->score_u8 = score_u8_avx512;
-    k->score_u16 = score_u16_avx512;
-    k->accum_u8 = accum_u8_avx512;
-    k->accum_u16 = accum_u16_avx512;
 }
 #endif

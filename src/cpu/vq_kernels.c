@@ -2,6 +2,7 @@
  * The shapes and the math are documented in vq_kernels.h. */
 #include <math.h>
 
+#include "cpu/dispatch.h"
 #include "cpu/vq_kernels.h"
 #include "core/fp16.h"
 
@@ -218,11 +219,8 @@ void kvpq__vq_f32_to_f16_ref(size_t n, const float *src, uint16_t *dst) {
 
 // ---- dispatch -------------------------------------------------------------------------------
 
-static kvpq_vq_kernels tables[3];
-static int tables_ready;
-
-static void init_tables(void) {
-    kvpq_vq_kernels ref = {
+void kvpq__vq_kernels_ref(kvpq_vq_kernels *k) {
+    const kvpq_vq_kernels ref = {
         .score_u8 = kvpq__vq_score_u8_ref,
         .score_u16 = kvpq__vq_score_u16_ref,
         .score_fs_u8 = kvpq__vq_score_fs_u8_ref,
@@ -240,27 +238,8 @@ static void init_tables(void) {
         .f16_to_f32 = kvpq__vq_f16_to_f32_ref,
         .f32_to_f16 = kvpq__vq_f32_to_f16_ref,
     };
-    tables[0] = tables[1] = tables[2] = ref;
-#if defined(__x86_64__)
-    kvpq__vq_kernels_avx2(&tables[1]);
-    tables[2] = tables[1];
-    kvpq__vq_kernels_avx512(&tables[2]);
-#endif
+    *k = ref;
 }
 
-const kvpq_vq_kernels *kvpq__vq_kernels(kvpq_simd_level level) {
-    /* Filling the same constant tables twice from two threads is harmless; do it once up front. */
-    if (!tables_ready) {
-#pragma omp critical(kvpq_vq_kernels_init)
-        {
-            if (!tables_ready) {
-                init_tables();
-                tables_ready = 1;
-            }
-        }
-    }
-    int i = (int)level;
-    if (i < 0) i = 0;
-    if (i > 2) i = 2;
-    return &tables[i];
-}
+/* The one CPU kernel table (dispatch.c) holds the VQ kernels of each level. */
+const kvpq_vq_kernels *kvpq__vq_kernels(kvpq_simd_level level) { return &kvpq__cpu_kernels_for(level)->vq; }

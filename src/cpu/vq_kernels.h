@@ -70,8 +70,11 @@ typedef struct {
     void (*f32_to_f16)(size_t n, const float *src, uint16_t *dst);
 } kvpq_vq_kernels;
 
-/* The kernels of a SIMD level (the best this build and CPU have at or below `level`). */
+/* The kernels of a SIMD level (the best this build and CPU have at or below `level`): the vq part of
+ * the one CPU kernel table (dispatch.h). */
 const kvpq_vq_kernels *kvpq__vq_kernels(kvpq_simd_level level);
+/* The _ref kernels into k (the scalar level of the table). */
+void kvpq__vq_kernels_ref(kvpq_vq_kernels *k);
 
 void kvpq__vq_score_u8_ref(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s);
 void kvpq__vq_score_u16_ref(int n, int M, int ksub, int gp, const uint16_t *idx, const float *lut, float *s);
@@ -103,21 +106,29 @@ void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst);
 void kvpq__vq_f32_to_f16_ref(size_t n, const float *src, uint16_t *dst);
 
 #if defined(__x86_64__)
-/* Variants fill only the (kernel, gp) pairs they accelerate and fall back to the next level. */
+/* Variants (vq_body.h compiled per ISA by vq_avx2.c and vq_avx512.c, plus their own kernels) fill
+ * only the (kernel, gp) pairs they accelerate and fall back to the next level. */
 void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k);
 void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k);
-void kvpq__vq_score_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s);
-void kvpq__vq_score_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx, const float *lut, float *s);
-void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table);
-void kvpq__vq_accum_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table);
-int kvpq__vq_softmax_step_avx2(int n, int gp, float *s, float *m, float *d, float *rescale);
-void kvpq__vq_exp_sum_avx2(int n, int gp, float *s, const float *m, float *sum);
-void kvpq__vq_lane_max_avx2(int n, int gp, const float *s, float *mx);
-void kvpq__vq_scale_rows_avx2(size_t rows, int gp, const float *rescale, float *table);
-void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
-                             float *lut);
-void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
-                             float *out);
+#define KVPQ_VQ_DECLARE(ISA)                                                                              \
+    void kvpq__vq_score_u8_##ISA(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s); \
+    void kvpq__vq_score_u16_##ISA(int n, int M, int ksub, int gp, const uint16_t *idx, const float *lut, float *s); \
+    void kvpq__vq_accum_u8_##ISA(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table); \
+    void kvpq__vq_accum_u16_##ISA(int n, int M, int ksub, int gp, const uint16_t *idx, const float *p, float *table); \
+    int kvpq__vq_softmax_step_##ISA(int n, int gp, float *s, float *m, float *d, float *rescale);                  \
+    void kvpq__vq_exp_sum_##ISA(int n, int gp, float *s, const float *m, float *sum);                             \
+    void kvpq__vq_lane_max_##ISA(int n, int gp, const float *s, float *mx);                                       \
+    void kvpq__vq_scale_rows_##ISA(size_t rows, int gp, const float *rescale, float *table);                      \
+    void kvpq__vq_lut_build_##ISA(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt, \
+                                  float *lut);                                                                    \
+    void kvpq__vq_table_out_##ISA(int M, int ksub, int dsub, int n_books, const float *cent, int gp,             \
+                                  const float *table, float *out);                                                \
+    void kvpq__vq_weighted_sum_##ISA(int n, int d, const float *p, const float *v, float *out);                   \
+    void kvpq__vq_dot_rows_##ISA(int n, int d, const float *q, const float *k, float *out);                       \
+    void kvpq__vq_f16_to_f32_##ISA(size_t n, const uint16_t *src, float *dst);                                    \
+    void kvpq__vq_f32_to_f16_##ISA(size_t n, const float *src, uint16_t *dst);
+KVPQ_VQ_DECLARE(avx2)
+KVPQ_VQ_DECLARE(avx512)
 #endif
 
 #endif

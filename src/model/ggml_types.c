@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/dispatch.h"
 #include "cpu/ggml_kernels.h"
 #include "internal.h"
 #include "model/ggml_types.h"
@@ -27,9 +28,9 @@ typedef struct {
 static const type_info types[] = {
     [0] = {"F32", 1, 4, 1},        [1] = {"F16", 1, 2, 1},        [2] = {"Q4_0", 32, 18, 1},
     [3] = {"Q4_1", 32, 20, 1},     [6] = {"Q5_0", 32, 22, 1},     [7] = {"Q5_1", 32, 24, 1},
-    [8] = {"Q8_0", 32, 34, 1},     [9] = {"Q8_1", 32, 36, 0},     [10] = {"Q2_K", 256, 84, 0},
-    [11] = {"Q3_K", 256, 110, 0},  [12] = {"Q4_K", 256, 144, 0},  [13] = {"Q5_K", 256, 176, 0},
-    [14] = {"Q6_K", 256, 210, 0},  [15] = {"Q8_K", 256, 292, 0},  [16] = {"IQ2_XXS", 256, 66, 0},
+    [8] = {"Q8_0", 32, 34, 1},     [9] = {"Q8_1", 32, 36, 0},     [10] = {"Q2_K", 256, 84, 1},
+    [11] = {"Q3_K", 256, 110, 1},  [12] = {"Q4_K", 256, 144, 1},  [13] = {"Q5_K", 256, 176, 1},
+    [14] = {"Q6_K", 256, 210, 1},  [15] = {"Q8_K", 256, 292, 0},  [16] = {"IQ2_XXS", 256, 66, 0},
     [17] = {"IQ2_XS", 256, 74, 0}, [18] = {"IQ3_XXS", 256, 98, 0}, [19] = {"IQ1_S", 256, 50, 0},
     [20] = {"IQ4_NL", 32, 18, 0},  [21] = {"IQ3_S", 256, 110, 0}, [22] = {"IQ2_S", 256, 82, 0},
     [23] = {"IQ4_XS", 256, 136, 0}, [24] = {"I8", 1, 1, 0},       [25] = {"I16", 1, 2, 0},
@@ -87,6 +88,11 @@ DEQUANT_BLOCKS_REF(dequant_q4_1_ref, block_q4_1, QK4_1, kvpq__block_q4_1_ref)
 DEQUANT_BLOCKS_REF(dequant_q5_0_ref, block_q5_0, QK5_0, kvpq__block_q5_0_ref)
 DEQUANT_BLOCKS_REF(dequant_q5_1_ref, block_q5_1, QK5_1, kvpq__block_q5_1_ref)
 DEQUANT_BLOCKS_REF(dequant_q8_0_ref, block_q8_0, QK8_0, kvpq__block_q8_0_ref)
+DEQUANT_BLOCKS_REF(dequant_q2_K_ref, block_q2_K, QK_K, kvpq__block_q2_K_ref)
+DEQUANT_BLOCKS_REF(dequant_q3_K_ref, block_q3_K, QK_K, kvpq__block_q3_K_ref)
+DEQUANT_BLOCKS_REF(dequant_q4_K_ref, block_q4_K, QK_K, kvpq__block_q4_K_ref)
+DEQUANT_BLOCKS_REF(dequant_q5_K_ref, block_q5_K, QK_K, kvpq__block_q5_K_ref)
+DEQUANT_BLOCKS_REF(dequant_q6_K_ref, block_q6_K, QK_K, kvpq__block_q6_K_ref)
 
 static void dequant_f32_ref(const uint8_t *src, float *y, int64_t n) { memcpy(y, src, (size_t)n * 4); }
 
@@ -108,17 +114,18 @@ static kvpq__dequant_fn dequant_ref(uint32_t type) {
     case GGML_TYPE_Q5_0: return dequant_q5_0_ref;
     case GGML_TYPE_Q5_1: return dequant_q5_1_ref;
     case GGML_TYPE_Q8_0: return dequant_q8_0_ref;
+    case GGML_TYPE_Q2_K: return dequant_q2_K_ref;
+    case GGML_TYPE_Q3_K: return dequant_q3_K_ref;
+    case GGML_TYPE_Q4_K: return dequant_q4_K_ref;
+    case GGML_TYPE_Q5_K: return dequant_q5_K_ref;
+    case GGML_TYPE_Q6_K: return dequant_q6_K_ref;
     }
     return NULL;
 }
 
+/* The SIMD level's kernel from the one CPU kernel table (cpu/dispatch.h), else the _ref. */
 static kvpq__dequant_fn dequant_best(uint32_t type) {
-    kvpq__dequant_fn fn = NULL;
-#if defined(__x86_64__)
-    kvpq_simd_level l = kvpq_simd_get();
-    if (l >= KVPQ_SIMD_AVX512) fn = kvpq__ggml_dequant_avx512(type);
-    if (!fn && l >= KVPQ_SIMD_AVX2) fn = kvpq__ggml_dequant_avx2(type);
-#endif
+    kvpq__dequant_fn fn = type < KVPQ_GGML_TYPE_SLOTS ? kvpq__cpu_kernels()->ggml_dequant[type] : NULL;
     return fn ? fn : dequant_ref(type);
 }
 
@@ -149,12 +156,6 @@ kvpq_status ggml_dequantize_row(uint32_t type, const void *src, float *dst, int6
 
 static void fill_nan(float *y, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] = NAN;
-}
-
-static float dot_ref(const float *a, const float *b, int64_t n) {
-    float s = 0;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
 }
 
 /* The specification: y[r] = sum_i w_ri x_i with w dequantized by the _ref, summed in order in float. */
@@ -192,23 +193,10 @@ void ggml_matmul_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, in
     }
 }
 
-static kvpq__dot_fn dot_best(void) {
-#if defined(__x86_64__)
-    kvpq_simd_level l = kvpq_simd_get();
-    if (l >= KVPQ_SIMD_AVX512) return kvpq__dot_f32_avx512;
-    if (l >= KVPQ_SIMD_AVX2) return kvpq__dot_f32_avx2;
-#endif
-    return dot_ref;
-}
+static kvpq__dot_fn dot_best(void) { return kvpq__cpu_kernels()->dot_f32; }
 
 static kvpq__matvec_fn matvec_kernel(uint32_t type) {
-    kvpq__matvec_fn fn = NULL;
-#if defined(__x86_64__)
-    kvpq_simd_level l = kvpq_simd_get();
-    if (l >= KVPQ_SIMD_AVX512) fn = kvpq__ggml_matvec_avx512(type);
-    if (!fn && l >= KVPQ_SIMD_AVX2) fn = kvpq__ggml_matvec_avx2(type);
-#endif
-    return fn;
+    return type < KVPQ_GGML_TYPE_SLOTS ? kvpq__cpu_kernels()->ggml_matvec[type] : NULL;
 }
 
 /* Generic rows: dequantize CHUNK elements at a time, then the ISA's dot. */
@@ -249,16 +237,19 @@ void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const 
     size_t rb = ggml_row_size(type, n);
     kvpq__matvec_fn kern = matvec_kernel(type);
     kvpq__dot_fn dot = dot_best();
-    /* Per-32-block sums of x for the Q4 kernels (they add the block offset once per block). */
-    float xs_stack[512], *xs = NULL;
-    int64_t nb = n / 32;
-    if (kern && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1)) {
-        xs = nb <= 512 ? xs_stack : malloc((size_t)nb * sizeof *xs);
+    /* Sums of x over each group of g elements for the kernels that add a block offset or min once
+     * per group: g = 32 (Q4_0, Q4_1, Q4_K, Q5_K), 16 (Q2_K, whose sub-blocks are 16). */
+    float xs_stack[1024], *xs = NULL;
+    int g = type == GGML_TYPE_Q2_K ? 16 : 32;
+    int64_t nb = n / g;
+    if (kern && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q2_K ||
+                 type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K)) {
+        xs = nb <= 1024 ? xs_stack : malloc((size_t)nb * sizeof *xs);
         if (!xs) kern = NULL;
         else
             for (int64_t b = 0; b < nb; b++) {
                 float s = 0;
-                for (int j = 0; j < 32; j++) s += x[b * 32 + j];
+                for (int j = 0; j < g; j++) s += x[b * g + j];
                 xs[b] = s;
             }
     }

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 /* Metadata value types, numbered as in the GGUF spec. */
 typedef enum {
@@ -41,6 +41,11 @@ size_t gguf_alignment(const gguf_file *f);
 /* Byte offset of the tensor data section (after the header, padded to the alignment), file size. */
 size_t gguf_data_offset(const gguf_file *f);
 size_t gguf_file_size(const gguf_file *f);
+/* A 64-bit hash of the header: magic, version, every metadata key and value (architecture,
+ * hyperparameters, vocabulary, name) and every tensor's name, shape, type and offset. Two files
+ * differ in it unless they describe the same model in the same layout (the weights themselves are
+ * not read: a fine-tune saved with identical metadata would not be told apart). */
+uint64_t gguf_fingerprint(const gguf_file *f);
 /* "uint8", ..., "float64"; "invalid" for a value outside the enum. */
 const char *gguf_type_name(gguf_type t);
 

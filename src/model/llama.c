@@ -16,7 +16,6 @@
 
 #include <omp.h>
 
-#include "cache/cache_impl.h"
 #include "ggml_types.h"
 #include "gguf.h"
 #include "internal.h"
@@ -245,6 +244,9 @@ kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model
     if (!m) return kvpq__err(KVPQ_ERR_NOMEM, "model: out of memory");
     m->n_threads = p ? p->n_threads : 0;
     kvpq_status s = gguf_open(&m->gf, path);
+    if (s == KVPQ_OK)
+        snprintf(m->info.fingerprint, sizeof m->info.fingerprint, "%016llx",
+                 (unsigned long long)gguf_fingerprint(m->gf));
     if (s == KVPQ_OK) s = load_hparams(m);
     if (s == KVPQ_OK) s = load_tensors(m);
     if (s == KVPQ_OK) s = kvpq_tokenizer_from_gguf(&m->tok, m->gf);
@@ -316,6 +318,8 @@ kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, s
     if (!m) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_token_to_piece: NULL model");
     return kvpq_tokenizer_piece(m->tok, token, buf, cap, len);
 }
+
+unsigned kvpq_token_attr(const kvpq_model *m, int32_t token) { return m ? kvpq_tokenizer_token_attr(m->tok, token) : 0; }
 
 /* ---- forward pass --------------------------------------------------------------------------- */
 
@@ -414,7 +418,9 @@ kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tok
     if (!m || !cache || !tokens || !logits) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: NULL argument");
     const kvpq_model_info *in = &m->info;
     if (n < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: n = %d tokens, expected >= 1", n);
-    const kvpq_cache_params *cp = &cache->p;
+    kvpq_cache_params cache_params;
+    KVPQ_TRY(kvpq_cache_get_params(cache, &cache_params));
+    const kvpq_cache_params *cp = &cache_params;
     if (cp->n_layer != in->n_layer || cp->n_head != in->n_head || cp->n_head_kv != in->n_head_kv ||
         cp->head_dim != in->head_dim)
         return kvpq__err(KVPQ_ERR_MISMATCH,

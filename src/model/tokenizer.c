@@ -1,19 +1,30 @@
-/* tokenizer.c — byte-level BPE (GPT-2 style) over the tokenizer.ggml.* keys of a GGUF file.
+/* tokenizer.c — the two tokenizers of llama.cpp-converted GGUF files, over their tokenizer.ggml.* keys:
+ *   - byte-level BPE (GPT-2 style, tokenizer.ggml.model "gpt2": SmolLM2, Qwen2.5, Llama 3);
+ *   - SentencePiece-style BPE over scores (tokenizer.ggml.model "llama": Gemma, Llama 2, Mistral).
  *
- * Pipeline of kvpq_tokenizer_encode (the same as HF tokenizers' ByteLevel BPE and llama.cpp's
- * LLAMA_VOCAB_TYPE_BPE):
- *   1. validate UTF-8 (PCRE2's UTF check, which reports the offset of the bad byte);
- *   2. with parse_special, cut the text at special tokens (CONTROL / USER_DEFINED), leftmost-longest;
- *   3. pre-tokenize each fragment by the chain of regexes named by tokenizer.ggml.pre (PCRE2, UTF +
- *      Unicode properties, JIT when available). As in llama.cpp's unicode_regex_split, each regex
- *      splits the pieces left by the previous one and the text between matches is kept as a piece;
- *   4. byte-pair-encode each piece: start from one symbol per byte and repeatedly merge the adjacent
- *      pair of lowest merge rank (leftmost on ties), with a binary heap of candidate pairs and
- *      lazy invalidation: O(n log n) per piece, so long runs of spaces or symbols stay cheap.
+ * Pipeline of kvpq_tokenizer_encode:
+ *   1. (byte-level BPE) validate UTF-8 (PCRE2's UTF check, which reports the offset of the bad byte);
+ *   2. cut the text at special tokens as llama.cpp's tokenizer_st_partition does: every token text
+ *      of type USER_DEFINED always, and of type CONTROL / UNKNOWN only with parse_special; longer
+ *      token texts are cut first, each at its leftmost occurrences not inside an earlier cut;
+ *   3a. byte-level BPE: pre-tokenize each fragment by the chain of regexes named by
+ *      tokenizer.ggml.pre (PCRE2, UTF + Unicode properties, JIT when available). As in llama.cpp's
+ *      unicode_regex_split, each regex splits the pieces left by the previous one and the text
+ *      between matches is kept as a piece; then byte-pair-encode each piece: start from one symbol
+ *      per byte and repeatedly merge the adjacent pair of lowest merge rank (leftmost on ties), with
+ *      a binary heap of candidate pairs and lazy invalidation: O(n log n) per piece;
+ *   3b. SentencePiece BPE: each fragment, with ' ' written as U+2581 '▁' (and one '▁' in front when
+ *      tokenizer.ggml.add_space_prefix and the fragment starts the text or follows a special token),
+ *      starts as one symbol per UTF-8 character; the adjacent pair whose concatenation is the token
+ *      of highest score merges first (leftmost on ties), until no pair is a token (Kudo & Richardson
+ *      2018, SentencePiece's BPE model; the same loop as llama.cpp's llm_tokenizer_spm). A final
+ *      symbol that is not a token is written as its bytes' <0xNN> tokens (byte fallback).
  *
- * Token texts in GGUF are in the GPT-2 "bytes to unicode" form (each byte mapped to a printable code
- * point, e.g. ' ' -> U+0120 'Ġ'); they are decoded to raw bytes once at load, so merging, lookup and
- * detokenization all work on raw bytes. Special tokens (CONTROL / USER_DEFINED) keep their text as is.
+ * Byte-level token texts in GGUF are in the GPT-2 "bytes to unicode" form (each byte mapped to a
+ * printable code point, e.g. ' ' -> U+0120 'Ġ'); they are decoded to raw bytes once at load, so
+ * merging, lookup and detokenization all work on raw bytes. SentencePiece token texts stay as the
+ * file has them (lookup works on the '▁' form) and their pieces are decoded once at load ('▁' -> ' ',
+ * <0xNN> -> that byte). Special tokens (CONTROL / USER_DEFINED / UNKNOWN) keep their text as is.
  */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -28,6 +39,12 @@
 /* llama.cpp token types (tokenizer.ggml.token_type). */
 enum { TOKEN_NORMAL = 1, TOKEN_UNKNOWN = 2, TOKEN_CONTROL = 3, TOKEN_USER_DEFINED = 4, TOKEN_UNUSED = 5,
        TOKEN_BYTE = 6 };
+
+enum { KIND_BPE, KIND_SPM }; /* tokenizer.ggml.model "gpt2", "llama" */
+
+/* How a token's text is cut out of input text (special_attr): */
+#define SPECIAL_CTRL 1 /* CONTROL / UNKNOWN: only with parse_special */
+#define SPECIAL_USER 2 /* USER_DEFINED: always, as llama.cpp and HF tokenizers' non-special added tokens */
 
 #define MAX_PRE_REGEX 4
 
@@ -58,6 +75,11 @@ static const pre_spec k_pre[] = {
     {"llama-bpe", 1,
      {"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}"
       "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    /* Qwen2 / Qwen2.5: the Llama 3 pattern with single digits (\\p{N} instead of \\p{N}{1,3}), as the
+     * models' tokenizer.json has it; llama.cpp uses the same for stablelm2 and hunyuan. */
+    {"qwen2", 1,
+     {"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+      "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
 };
 
 // ---- the tokenizer object ------------------------------------------------------------------------
@@ -68,27 +90,51 @@ typedef struct {
     int32_t merged;        /* token id of left + right */
 } merge_slot;
 
+/* Token text -> id (open addressing over the token texts in pool). Each slot keeps 32 more bits of
+ * the hash, so a probe reads the token's text only when those match: most SentencePiece lookups
+ * are of pairs that are no token, and would otherwise miss the cache twice (offsets, text). */
+typedef struct {
+    int32_t id;      /* -1: empty */
+    uint32_t tag;    /* hash >> 32 */
+} text_slot;
+typedef struct {
+    text_slot *slot; // (mask + 1)
+    uint64_t mask;
+} text_index;
+
 struct kvpq_tokenizer {
+    int kind;                /* KIND_BPE / KIND_SPM */
     int32_t n_vocab;
-    char *pool;              /* raw bytes of every token, concatenated */
+    char *pool;              /* every token's text, concatenated: raw bytes (BPE), the file's text (SPM) */
     uint32_t *text_off;      // (n_vocab + 1) offsets into pool
     uint8_t *type;           // (n_vocab) token type (TOKEN_*)
+    uint8_t *special_attr;   // (n_vocab) SPECIAL_* bits, 0 for tokens never cut out of text
     /* Token of each single byte; -1 where the vocabulary lacks it (SmolLM2 has no token for 21
      * bytes, e.g. 0x04 and 0xc0): such a byte in the text is an error rather than silently dropped
-     * as HF tokenizers and llama.cpp do. */
+     * as HF tokenizers and llama.cpp do. SPM: the <0xNN> token, else the one-byte text's. */
     int32_t byte_token[256];
 
-    merge_slot *merges;      // (merge_mask + 1) open-addressing table keyed by (left, right)
+    merge_slot *merges;      // (merge_mask + 1) open-addressing table keyed by (left, right) (BPE)
     uint64_t merge_mask;
 
-    int32_t *special;        // (n_special) CONTROL / USER_DEFINED ids, by first byte then longest first
+    /* Special tokens (special_attr != 0), sorted by their first two bytes, longest first within. */
+    int32_t *special;        // (n_special)
     int32_t n_special;
-    int32_t special_start[257]; /* specials starting with byte b: special[special_start[b] .. [b+1]) */
+    int32_t *special_start2; // (65537) specials of 2+ bytes starting with bytes (b0, b1) at [b0 << 8 | b1]
+    int32_t special_single[256]; /* the special whose text is this one byte, -1 */
+    uint8_t special_first[256];  /* some special starts with this byte */
 
-    int n_regex;
+    int n_regex;             /* BPE pre-tokenizer */
     pcre2_code *regex[MAX_PRE_REGEX];
     int jit;                 /* every regex was JIT-compiled */
     char pre[64];
+
+    /* SPM */
+    float *score;            // (n_vocab) tokenizer.ggml.scores: higher merges first
+    text_index ix;           /* token text -> id */
+    char *piece_pool;        /* decoded pieces: '▁' -> ' ', <0xNN> -> the byte */
+    uint32_t *piece_off;     // (n_vocab + 1) offsets into piece_pool
+    int add_space_prefix;
 
     int32_t bos, eos;        /* -1 when absent */
     int add_bos;
@@ -126,14 +172,27 @@ int32_t kvpq_tokenizer_bos(const kvpq_tokenizer *t) { return t ? t->bos : -1; }
 int32_t kvpq_tokenizer_eos(const kvpq_tokenizer *t) { return t ? t->eos : -1; }
 int kvpq_tokenizer_add_bos_default(const kvpq_tokenizer *t) { return t ? t->add_bos : 0; }
 
+unsigned kvpq_tokenizer_token_attr(const kvpq_tokenizer *t, int32_t token) {
+    if (!t || token < 0 || token >= t->n_vocab) return 0;
+    return ((t->special_attr[token] & SPECIAL_CTRL) ? KVPQ_TOKEN_ATTR_CONTROL : 0u) |
+           ((t->special_attr[token] & SPECIAL_USER) ? KVPQ_TOKEN_ATTR_USER_DEFINED : 0u) |
+           (t->kind == KIND_SPM && t->type[token] == TOKEN_BYTE ? KVPQ_TOKEN_ATTR_BYTE : 0u);
+}
+
 void kvpq_tokenizer_free(kvpq_tokenizer *t) {
     if (!t) return;
     for (int i = 0; i < t->n_regex; i++) pcre2_code_free(t->regex[i]);
     free(t->pool);
     free(t->text_off);
     free(t->type);
+    free(t->special_attr);
     free(t->merges);
     free(t->special);
+    free(t->special_start2);
+    free(t->score);
+    free(t->ix.slot);
+    free(t->piece_pool);
+    free(t->piece_off);
     free(t);
 }
 
@@ -182,19 +241,16 @@ static long byte_level_decode(const int16_t inv[324], const char *s, size_t n, c
 
 // ---- construction --------------------------------------------------------------------------------
 
-/* Token text -> id, only needed while building the merge table. */
-typedef struct {
-    int32_t *slot;   // (mask + 1) token ids, -1 empty
-    uint64_t mask;
-} text_index;
-
 static int32_t text_index_find(const kvpq_tokenizer *t, const text_index *ix, const char *s, size_t n) {
-    for (uint64_t i = hash_bytes(s, n) & ix->mask;; i = (i + 1) & ix->mask) {
-        int32_t id = ix->slot[i];
-        if (id < 0) return -1;
+    uint64_t h = hash_bytes(s, n);
+    uint32_t tag = (uint32_t)(h >> 32);
+    for (uint64_t i = h & ix->mask;; i = (i + 1) & ix->mask) {
+        const text_slot *e = &ix->slot[i];
+        if (e->id < 0) return -1;
+        if (e->tag != tag) continue;
         size_t len;
-        const char *txt = tok_text(t, id, &len);
-        if (len == n && memcmp(txt, s, n) == 0) return id;
+        const char *txt = tok_text(t, e->id, &len);
+        if (len == n && memcmp(txt, s, n) == 0) return e->id;
     }
 }
 
@@ -204,7 +260,9 @@ static uint64_t pow2_at_least(uint64_t n) {
     return p;
 }
 
-static kvpq_status build_text_index(const kvpq_tokenizer *t, text_index *ix) {
+/* Index every non-empty token text. Where two tokens share a text, the first id wins (as HF
+ * tokenizers' vocabulary, for BPE) or the last (as llama.cpp's token_to_id map, for SPM). */
+static kvpq_status build_text_index(const kvpq_tokenizer *t, text_index *ix, int last_wins) {
     ix->mask = pow2_at_least((uint64_t)t->n_vocab * 2) - 1;
     ix->slot = malloc((ix->mask + 1) * sizeof *ix->slot);
     if (!ix->slot) return kvpq__err(KVPQ_ERR_NOMEM, "tokenizer: token index of %d entries", t->n_vocab);
@@ -213,10 +271,13 @@ static kvpq_status build_text_index(const kvpq_tokenizer *t, text_index *ix) {
         size_t len;
         const char *s = tok_text(t, id, &len);
         if (len == 0) continue;
-        if (text_index_find(t, ix, s, len) >= 0) continue; /* duplicate text: the first id wins */
-        uint64_t i = hash_bytes(s, len) & ix->mask;
-        while (ix->slot[i] >= 0) i = (i + 1) & ix->mask;
-        ix->slot[i] = id;
+        uint64_t h = hash_bytes(s, len), i = h & ix->mask;
+        for (; ix->slot[i].id >= 0; i = (i + 1) & ix->mask) {
+            size_t l2;
+            const char *s2 = tok_text(t, ix->slot[i].id, &l2);
+            if (l2 == len && memcmp(s2, s, len) == 0) break;
+        }
+        if (ix->slot[i].id < 0 || last_wins) ix->slot[i] = (text_slot){id, (uint32_t)(h >> 32)};
     }
     return KVPQ_OK;
 }
@@ -274,7 +335,8 @@ static kvpq_status load_vocab(kvpq_tokenizer *t, const gguf_file *f, const int16
         KVPQ_TRY(gguf_get_arr_str(f, "tokenizer.ggml.tokens", i, &s, &len));
         t->text_off[i] = (uint32_t)off;
         long raw = -1;
-        if (t->type[i] != TOKEN_CONTROL && t->type[i] != TOKEN_USER_DEFINED)
+        if (t->kind == KIND_BPE && t->type[i] != TOKEN_CONTROL && t->type[i] != TOKEN_USER_DEFINED &&
+            t->type[i] != TOKEN_UNKNOWN)
             raw = byte_level_decode(inv, s, len, t->pool + off);
         if (raw < 0) { /* special, or not byte-level text (as llama.cpp, give the text as is) */
             memcpy(t->pool + off, s, len);
@@ -285,6 +347,80 @@ static kvpq_status load_vocab(kvpq_tokenizer *t, const gguf_file *f, const int16
     t->text_off[n] = (uint32_t)off;
 
     for (int b = 0; b < 256; b++) t->byte_token[b] = -1;
+    return KVPQ_OK;
+}
+
+/* tokenizer.ggml.scores (float32, or int32 as llama.cpp also reads); all 0 when absent. */
+static kvpq_status load_scores(kvpq_tokenizer *t, const gguf_file *f) {
+    t->score = calloc((size_t)t->n_vocab, sizeof *t->score);
+    if (!t->score) return kvpq__err(KVPQ_ERR_NOMEM, "tokenizer: %d scores", t->n_vocab);
+    if (gguf_find_key(f, "tokenizer.ggml.scores") < 0) return KVPQ_OK;
+    gguf_type et;
+    uint64_t n;
+    const void *data;
+    KVPQ_TRY(gguf_get_arr_info(f, "tokenizer.ggml.scores", &et, &n));
+    if (et != GGUF_TYPE_FLOAT32 && et != GGUF_TYPE_INT32)
+        return kvpq__err(KVPQ_ERR_FORMAT, "tokenizer.ggml.scores: array of type %d, expected float32", (int)et);
+    if (n != (uint64_t)t->n_vocab)
+        return kvpq__err(KVPQ_ERR_FORMAT, "tokenizer.ggml.scores: %llu entries for %d tokens", (unsigned long long)n,
+                         t->n_vocab);
+    KVPQ_TRY(gguf_get_arr_data(f, "tokenizer.ggml.scores", &data));
+    for (int32_t i = 0; i < t->n_vocab; i++) {
+        if (et == GGUF_TYPE_FLOAT32) {
+            memcpy(&t->score[i], (const char *)data + 4 * (size_t)i, 4);
+        } else {
+            int32_t v;
+            memcpy(&v, (const char *)data + 4 * (size_t)i, 4);
+            t->score[i] = (float)v;
+        }
+    }
+    return KVPQ_OK;
+}
+
+/* "<0xNN>" (two hex digits, either case) -> NN, else -1. */
+static int byte_token_value(const char *s, size_t n) {
+    if (n != 6 || memcmp(s, "<0x", 3) != 0 || s[5] != '>') return -1;
+    int v = 0;
+    for (int k = 3; k < 5; k++) {
+        char c = s[k];
+        int d = (c >= '0' && c <= '9') ? c - '0' : (c >= 'A' && c <= 'F') ? c - 'A' + 10 : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+        if (d < 0) return -1;
+        v = 16 * v + d;
+    }
+    return v;
+}
+
+/* SPM pieces as detokenization gives them: NORMAL (and UNUSED) texts with '▁' as ' ', BYTE tokens as
+ * their byte, special tokens as their text. llama.cpp gives UNUSED tokens no text at all; here every
+ * token keeps a piece, so decoding never loses what a model emitted. */
+static kvpq_status build_spm_pieces(kvpq_tokenizer *t) {
+    size_t total = t->text_off[t->n_vocab]; /* a piece is never longer than its text */
+    t->piece_pool = malloc(total ? total : 1);
+    t->piece_off = malloc(((size_t)t->n_vocab + 1) * sizeof *t->piece_off);
+    if (!t->piece_pool || !t->piece_off) return kvpq__err(KVPQ_ERR_NOMEM, "tokenizer: %zu bytes of pieces", total);
+    size_t o = 0;
+    for (int32_t id = 0; id < t->n_vocab; id++) {
+        size_t n;
+        const char *s = tok_text(t, id, &n);
+        t->piece_off[id] = (uint32_t)o;
+        int byte = t->type[id] == TOKEN_BYTE ? byte_token_value(s, n) : -1;
+        if (byte >= 0) {
+            t->piece_pool[o++] = (char)byte;
+        } else if (t->type[id] == TOKEN_CONTROL || t->type[id] == TOKEN_USER_DEFINED || t->type[id] == TOKEN_UNKNOWN) {
+            memcpy(t->piece_pool + o, s, n);
+            o += n;
+        } else {
+            for (size_t i = 0; i < n;) {
+                if (i + 3 <= n && memcmp(s + i, "\xe2\x96\x81", 3) == 0) {
+                    t->piece_pool[o++] = ' ';
+                    i += 3;
+                } else {
+                    t->piece_pool[o++] = s[i++];
+                }
+            }
+        }
+    }
+    t->piece_off[t->n_vocab] = (uint32_t)o;
     return KVPQ_OK;
 }
 
@@ -352,34 +488,76 @@ static kvpq_status load_merges(kvpq_tokenizer *t, const gguf_file *f, const text
     return st;
 }
 
+/* Texts that llama.cpp's vocabulary loader treats as end-of-generation tokens and therefore marks
+ * CONTROL whatever the file's token type says (llama_vocab::impl::load): Qwen2.5's "</s>" (a NORMAL
+ * token) and Gemma-3's "</s>" (USER_DEFINED) are cut out of text only with parse_special. */
+static const char *const k_eog_text[] = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\xef\xbd\x9c" "end\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>", "[e~[",
+};
+
 static int cmp_special(const void *pa, const void *pb, void *ctx) {
     const kvpq_tokenizer *t = ctx;
     int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
     size_t la, lb;
     const char *sa = tok_text(t, a, &la), *sb = tok_text(t, b, &lb);
-    if ((uint8_t)sa[0] != (uint8_t)sb[0]) return (uint8_t)sa[0] < (uint8_t)sb[0] ? -1 : 1;
-    if (la != lb) return la > lb ? -1 : 1; /* longest first: leftmost-longest matching */
+    int ka = (uint8_t)sa[0] << 8 | (uint8_t)sa[1], kb = (uint8_t)sb[0] << 8 | (uint8_t)sb[1];
+    if (ka != kb) return ka < kb ? -1 : 1;
+    if (la != lb) return la > lb ? -1 : 1; /* longest first */
     return a < b ? -1 : a > b;
 }
 
-static kvpq_status load_specials(kvpq_tokenizer *t) {
+/* Which tokens are cut out of text (special_attr) and the index that finds them at a position. */
+static kvpq_status load_specials(kvpq_tokenizer *t, const text_index *ix) {
+    t->special_attr = calloc((size_t)t->n_vocab, 1);
+    t->special_start2 = malloc(65537 * sizeof *t->special_start2);
+    if (!t->special_attr || !t->special_start2) return kvpq__err(KVPQ_ERR_NOMEM, "tokenizer: special tokens");
+    for (int32_t id = 0; id < t->n_vocab; id++) {
+        uint8_t ty = t->type[id];
+        t->special_attr[id] = (ty == TOKEN_CONTROL || ty == TOKEN_UNKNOWN) ? SPECIAL_CTRL
+                              : ty == TOKEN_USER_DEFINED                   ? SPECIAL_USER
+                                                                           : 0;
+    }
+    /* Looked up by their text in t->pool (raw bytes for BPE). llama.cpp looks up the byte-level
+     * text, which is the same for every ASCII name; only DeepSeek's name is not ASCII. */
+    for (size_t k = 0; k < sizeof k_eog_text / sizeof k_eog_text[0]; k++) {
+        int32_t id = text_index_find(t, ix, k_eog_text[k], strlen(k_eog_text[k]));
+        if (id >= 0) t->special_attr[id] = SPECIAL_CTRL;
+    }
+    /* ... except that "</s>" stays a plain token beside another end marker (Gemma 4, PLaMo 2). */
+    if (text_index_find(t, ix, "<|tool_response>", 16) >= 0 || text_index_find(t, ix, "<|plamo:eos|>", 13) >= 0) {
+        int32_t id = text_index_find(t, ix, "</s>", 4);
+        if (id >= 0) t->special_attr[id] = 0;
+    }
     int32_t n = 0;
-    for (int32_t id = 0; id < t->n_vocab; id++)
-        if ((t->type[id] == TOKEN_CONTROL || t->type[id] == TOKEN_USER_DEFINED) && t->text_off[id + 1] > t->text_off[id])
-            n++;
+    for (int b = 0; b < 256; b++) t->special_single[b] = -1;
+    memset(t->special_first, 0, sizeof t->special_first);
+    for (int32_t id = 0; id < t->n_vocab; id++) {
+        size_t len;
+        const char *s = tok_text(t, id, &len);
+        if (!t->special_attr[id] || len == 0) continue;
+        t->special_first[(uint8_t)s[0]] = 1;
+        if (len == 1) t->special_single[(uint8_t)s[0]] = id;
+        else n++;
+    }
     t->special = malloc((size_t)(n ? n : 1) * sizeof *t->special);
     if (!t->special) return kvpq__err(KVPQ_ERR_NOMEM, "tokenizer: %d special tokens", n);
     t->n_special = 0;
     for (int32_t id = 0; id < t->n_vocab; id++)
-        if ((t->type[id] == TOKEN_CONTROL || t->type[id] == TOKEN_USER_DEFINED) && t->text_off[id + 1] > t->text_off[id])
-            t->special[t->n_special++] = id;
+        if (t->special_attr[id] && t->text_off[id + 1] - t->text_off[id] >= 2) t->special[t->n_special++] = id;
     qsort_r(t->special, (size_t)t->n_special, sizeof *t->special, cmp_special, t);
     int32_t k = 0;
-    for (int b = 0; b < 256; b++) {
-        t->special_start[b] = k;
-        while (k < t->n_special && (uint8_t)t->pool[t->text_off[t->special[k]]] == b) k++;
+    for (int key = 0; key < 65536; key++) {
+        t->special_start2[key] = k;
+        while (k < t->n_special) {
+            const uint8_t *s = (const uint8_t *)t->pool + t->text_off[t->special[k]];
+            if ((s[0] << 8 | s[1]) != key) break;
+            k++;
+        }
     }
-    t->special_start[256] = k;
+    t->special_start2[65536] = k;
     return KVPQ_OK;
 }
 
@@ -431,37 +609,66 @@ static kvpq_status from_gguf(kvpq_tokenizer *t, const gguf_file *f) {
     const char *s;
     size_t len;
     KVPQ_TRY(gguf_get_str(f, "tokenizer.ggml.model", &s, &len));
-    if (len != 4 || memcmp(s, "gpt2", 4) != 0)
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "tokenizer.ggml.model '%.*s': only 'gpt2' (byte-level BPE) is supported",
+    if (len == 4 && memcmp(s, "gpt2", 4) == 0) {
+        t->kind = KIND_BPE;
+    } else if (len == 5 && memcmp(s, "llama", 5) == 0) {
+        t->kind = KIND_SPM;
+    } else {
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "tokenizer.ggml.model '%.*s': supported are 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)",
                          (int)(len > 64 ? 64 : len), s);
-    if (gguf_find_key(f, "tokenizer.ggml.pre") >= 0) {
-        KVPQ_TRY(gguf_get_str(f, "tokenizer.ggml.pre", &s, &len));
-    } else { /* older conversions: llama.cpp falls back to its default chain too */
-        s = "default";
-        len = strlen(s);
     }
-    KVPQ_TRY(compile_pre(t, s, len));
+    if (t->kind == KIND_BPE) {
+        if (gguf_find_key(f, "tokenizer.ggml.pre") >= 0) {
+            KVPQ_TRY(gguf_get_str(f, "tokenizer.ggml.pre", &s, &len));
+        } else { /* older conversions: llama.cpp falls back to its default chain too */
+            s = "default";
+            len = strlen(s);
+        }
+        KVPQ_TRY(compile_pre(t, s, len));
+    } else {
+        /* SentencePiece splits nothing before BPE; llama.cpp ignores tokenizer.ggml.pre here too. */
+        snprintf(t->pre, sizeof t->pre, "none");
+    }
 
     int16_t inv[324];
     unicode_to_byte_table(inv);
     KVPQ_TRY(load_vocab(t, f, inv));
 
-    text_index ix;
-    KVPQ_TRY(build_text_index(t, &ix));
-    for (int b = 0; b < 256; b++) {
-        char c = (char)b;
-        t->byte_token[b] = text_index_find(t, &ix, &c, 1);
+    KVPQ_TRY(build_text_index(t, &t->ix, t->kind == KIND_SPM));
+    if (t->kind == KIND_BPE) {
+        for (int b = 0; b < 256; b++) {
+            char c = (char)b;
+            t->byte_token[b] = text_index_find(t, &t->ix, &c, 1);
+        }
+        KVPQ_TRY(load_merges(t, f, &t->ix, inv));
+    } else {
+        static const char hex[] = "0123456789ABCDEF";
+        for (int b = 0; b < 256; b++) { /* as llama.cpp's byte_to_token: <0xNN>, else the byte's own token */
+            char name[6] = {'<', '0', 'x', hex[b >> 4], hex[b & 15], '>'}, c = (char)b;
+            t->byte_token[b] = text_index_find(t, &t->ix, name, 6);
+            if (t->byte_token[b] < 0) t->byte_token[b] = text_index_find(t, &t->ix, &c, 1);
+        }
+        KVPQ_TRY(load_scores(t, f));
+        KVPQ_TRY(build_spm_pieces(t));
     }
-    kvpq_status st = load_merges(t, f, &ix, inv);
-    free(ix.slot);
-    KVPQ_TRY(st);
-    KVPQ_TRY(load_specials(t));
+    KVPQ_TRY(load_specials(t, &t->ix));
+    if (t->kind == KIND_BPE) { /* only SPM looks texts up while encoding */
+        free(t->ix.slot);
+        t->ix.slot = NULL;
+    }
 
+    /* SentencePiece conversions without these keys mean Llama 2's ids and habits (llama.cpp's defaults). */
     KVPQ_TRY(get_token_id(f, t, "tokenizer.ggml.bos_token_id", &t->bos));
     KVPQ_TRY(get_token_id(f, t, "tokenizer.ggml.eos_token_id", &t->eos));
-    t->add_bos = 0;
+    if (t->kind == KIND_SPM && gguf_find_key(f, "tokenizer.ggml.bos_token_id") < 0 && t->n_vocab > 1) t->bos = 1;
+    if (t->kind == KIND_SPM && gguf_find_key(f, "tokenizer.ggml.eos_token_id") < 0 && t->n_vocab > 2) t->eos = 2;
+    t->add_bos = t->kind == KIND_SPM;
     if (gguf_find_key(f, "tokenizer.ggml.add_bos_token") >= 0)
         KVPQ_TRY(gguf_get_bool(f, "tokenizer.ggml.add_bos_token", &t->add_bos));
+    t->add_space_prefix = t->kind == KIND_SPM;
+    if (gguf_find_key(f, "tokenizer.ggml.add_space_prefix") >= 0)
+        KVPQ_TRY(gguf_get_bool(f, "tokenizer.ggml.add_space_prefix", &t->add_space_prefix));
     return KVPQ_OK;
 }
 
@@ -481,10 +688,15 @@ kvpq_status kvpq_tokenizer_from_gguf(kvpq_tokenizer **out, const gguf_file *f) {
 
 // ---- encoding ------------------------------------------------------------------------------------
 
+/* A candidate merge in a heap ordered by key, smallest first. BPE: key = rank << 32 | left, so the
+ * lowest rank merges first and ties go leftmost; a, b = ids of the pair when pushed (stale if either
+ * changed), merged = id of the result. SPM: key = ~order(score) << 32 | left, so the highest score
+ * merges first and ties go leftmost; a = right symbol, b = byte length of the pair when pushed (stale
+ * unless both symbols still have those lengths), merged = id of the pair's text. */
 typedef struct {
-    int32_t rank;     /* merge rank of the pair: the heap key */
-    int32_t left;     /* symbol index of the left member: tie-break, leftmost first */
-    int32_t id_left, id_right; /* ids when pushed: the entry is stale if either changed */
+    uint64_t key;
+    int32_t left;
+    int32_t a, b;
     int32_t merged;
 } bpe_pair;
 
@@ -507,10 +719,13 @@ typedef struct {
     pcre2_match_data *md;
     pcre2_match_context *mctx;
     pcre2_jit_stack *jit_stack;
-    /* BPE work arrays, grown to the longest piece seen */
+    /* BPE / SPM work arrays, grown to the longest piece seen */
     int32_t *id, *next, *prev;  // (work_cap)
+    int32_t *sym_off, *sym_len; // (work_cap) SPM: each symbol's bytes in esc
     bpe_pair *heap;             // (3 * work_cap): n-1 initial pairs + at most 2 per merge
     size_t work_cap;
+    char *esc;                  // (esc_cap) SPM: the fragment with ' ' as U+2581
+    size_t esc_cap;
     /* Pieces repeat (a novel has ~220k pieces but ~15k distinct ones), so each call memoizes BPE
      * results; NULL slots (allocation failed) just disable the cache. */
     piece_slot *cache;          // (CACHE_SLOTS)
@@ -524,15 +739,11 @@ static inline void emit(enc_ctx *c, int32_t id) {
     c->n++;
 }
 
-static inline int pair_less(const bpe_pair *a, const bpe_pair *b) {
-    return a->rank < b->rank || (a->rank == b->rank && a->left < b->left);
-}
-
 static void heap_push(bpe_pair *h, size_t *n, bpe_pair p) {
     size_t i = (*n)++;
     while (i > 0) {
         size_t parent = (i - 1) / 2;
-        if (!pair_less(&p, &h[parent])) break;
+        if (p.key >= h[parent].key) break;
         h[i] = h[parent];
         i = parent;
     }
@@ -545,8 +756,8 @@ static bpe_pair heap_pop(bpe_pair *h, size_t *n) {
     for (;;) {
         size_t l = 2 * i + 1;
         if (l >= *n) break;
-        size_t m = (l + 1 < *n && pair_less(&h[l + 1], &h[l])) ? l + 1 : l;
-        if (!pair_less(&h[m], &last)) break;
+        size_t m = (l + 1 < *n && h[l + 1].key < h[l].key) ? l + 1 : l;
+        if (h[m].key >= last.key) break;
         h[i] = h[m];
         i = m;
     }
@@ -556,22 +767,25 @@ static bpe_pair heap_pop(bpe_pair *h, size_t *n) {
 
 static inline void push_pair(enc_ctx *c, size_t *hn, int32_t left, int32_t right) {
     const merge_slot *m = merge_find(c->t, c->id[left], c->id[right]);
-    if (m) heap_push(c->heap, hn, (bpe_pair){m->rank, left, c->id[left], c->id[right], m->merged});
+    if (m)
+        heap_push(c->heap, hn,
+                  (bpe_pair){(uint64_t)(uint32_t)m->rank << 32 | (uint32_t)left, left, c->id[left], c->id[right], m->merged});
 }
 
 static kvpq_status work_reserve(enc_ctx *c, size_t n) {
     if (n <= c->work_cap) return KVPQ_OK;
     size_t cap = c->work_cap ? c->work_cap : 64;
     while (cap < n) cap *= 2;
-    int32_t *id = realloc(c->id, cap * sizeof *id);
-    if (id) c->id = id;
-    int32_t *next = realloc(c->next, cap * sizeof *next);
-    if (next) c->next = next;
-    int32_t *prev = realloc(c->prev, cap * sizeof *prev);
-    if (prev) c->prev = prev;
+    int32_t **arr[] = {&c->id, &c->next, &c->prev, &c->sym_off, &c->sym_len};
+    int ok = 1;
+    for (size_t k = 0; k < sizeof arr / sizeof arr[0]; k++) {
+        int32_t *p = realloc(*arr[k], cap * sizeof **arr[k]);
+        if (p) *arr[k] = p;
+        else ok = 0;
+    }
     bpe_pair *heap = realloc(c->heap, 3 * cap * sizeof *heap);
     if (heap) c->heap = heap;
-    if (!id || !next || !prev || !heap) return kvpq__err(KVPQ_ERR_NOMEM, "tokenizer: work space for a %zu-byte piece", n);
+    if (!ok || !heap) return kvpq__err(KVPQ_ERR_NOMEM, "tokenizer: work space for a %zu-byte piece", n);
     c->work_cap = cap;
     return KVPQ_OK;
 }
@@ -630,7 +844,7 @@ static kvpq_status bpe_piece(enc_ctx *c, size_t s, size_t e) {
         bpe_pair top = heap_pop(c->heap, &hn);
         int32_t l = top.left, r = next[l];
         /* Stale when the left symbol was absorbed (id -1), or either side changed since the push. */
-        if (id[l] != top.id_left || r < 0 || id[r] != top.id_right) continue;
+        if (id[l] != top.a || r < 0 || id[r] != top.b) continue;
         id[l] = top.merged;
         id[r] = -1;
         next[l] = next[r];
@@ -688,18 +902,204 @@ static kvpq_status split(enc_ctx *c, int level, size_t s, size_t e) {
     return split(c, level + 1, s + gap, e);
 }
 
-/* The longest special token starting at text[i, len), or -1. */
-static inline int32_t special_at(const kvpq_tokenizer *t, const char *text, size_t i, size_t len, size_t *tlen) {
-    uint8_t b = (uint8_t)text[i];
-    for (int32_t k = t->special_start[b]; k < t->special_start[b + 1]; k++) {
-        size_t l;
-        const char *s = tok_text(t, t->special[k], &l);
-        if (l <= len - i && memcmp(s, text + i, l) == 0) {
-            *tlen = l;
-            return t->special[k];
+// ---- SentencePiece BPE ---------------------------------------------------------------------------
+
+/* Scores as unsigned integers of the same order (IEEE-754 sign-magnitude to two's-complement-like). */
+static inline uint32_t score_order(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+static inline void spm_push(enc_ctx *c, size_t *hn, int32_t l, int32_t r) {
+    if (l < 0 || r < 0) return;
+    size_t n = (size_t)c->sym_len[l] + (size_t)c->sym_len[r];
+    int32_t id = text_index_find(c->t, &c->t->ix, c->esc + c->sym_off[l], n);
+    if (id < 0) return;
+    uint64_t key = (uint64_t)(~score_order(c->t->score[id])) << 32 | (uint32_t)l;
+    heap_push(c->heap, hn, (bpe_pair){key, l, r, (int32_t)n, id});
+}
+
+/* Encode one raw fragment text[s, e) (no special token inside); prefix: write a '▁' in front. Any
+ * bytes are accepted: a symbol is a UTF-8 lead byte and the continuation bytes it announces (cut at
+ * the end), as llama.cpp's llm_tokenizer_spm_session, and what forms no token falls back to bytes. */
+static kvpq_status spm_fragment(enc_ctx *c, size_t s, size_t e, int prefix) {
+    static const char marker[3] = {'\xe2', '\x96', '\x81'}; /* U+2581 */
+    const kvpq_tokenizer *t = c->t;
+    size_t n = e - s, n_esc = 0;
+    for (size_t i = s; i < e; i++) n_esc += c->text[i] == ' ' ? 3 : 1;
+    n_esc += prefix ? 3 : 0;
+    if (n_esc == 0) return KVPQ_OK;
+    if (n_esc > INT32_MAX) return kvpq__err(KVPQ_ERR_CAPACITY, "tokenizer: a %zu-byte fragment", n);
+    if (n_esc > c->esc_cap) {
+        char *p = realloc(c->esc, n_esc);
+        if (!p) return kvpq__err(KVPQ_ERR_NOMEM, "tokenizer: a %zu-byte fragment", n);
+        c->esc = p;
+        c->esc_cap = n_esc;
+    }
+    char *esc = c->esc;
+    size_t o = 0;
+    if (prefix) { memcpy(esc, marker, 3); o = 3; }
+    for (size_t i = s; i < e; i++) {
+        if (c->text[i] == ' ') { memcpy(esc + o, marker, 3); o += 3; }
+        else esc[o++] = c->text[i];
+    }
+    KVPQ_TRY(work_reserve(c, n_esc));
+    int32_t *off = c->sym_off, *len = c->sym_len, *next = c->next, *prev = c->prev, *id = c->id;
+    int32_t n_sym = 0;
+    for (size_t i = 0; i < n_esc; n_sym++) {
+        uint8_t b = (uint8_t)esc[i];
+        size_t l = b < 0xc0 ? 1 : b < 0xe0 ? 2 : b < 0xf0 ? 3 : 4; /* llama.cpp's unicode_len_utf8 */
+        if (l > n_esc - i) l = n_esc - i;
+        off[n_sym] = (int32_t)i;
+        len[n_sym] = (int32_t)l;
+        prev[n_sym] = n_sym - 1;
+        next[n_sym] = n_sym + 1;
+        id[n_sym] = -1; /* looked up at the end: merged symbols get their pair's id */
+        i += l;
+    }
+    next[n_sym - 1] = -1;
+    size_t hn = 0;
+    for (int32_t i = 0; i + 1 < n_sym; i++) spm_push(c, &hn, i, i + 1);
+    while (hn > 0) {
+        bpe_pair top = heap_pop(c->heap, &hn);
+        int32_t l = top.left, r = top.a;
+        if (len[l] == 0 || len[r] == 0 || len[l] + len[r] != top.b) continue; /* stale */
+        len[l] += len[r];
+        len[r] = 0;
+        id[l] = top.merged;
+        next[l] = next[r];
+        if (next[r] >= 0) prev[next[r]] = l;
+        spm_push(c, &hn, prev[l], l);
+        spm_push(c, &hn, l, next[l]);
+    }
+    for (int32_t i = 0; i >= 0; i = next[i]) {
+        int32_t tok = id[i] >= 0 ? id[i] : text_index_find(t, &t->ix, esc + off[i], (size_t)len[i]);
+        if (tok >= 0) {
+            emit(c, tok);
+            continue;
+        }
+        for (int32_t k = 0; k < len[i]; k++) {
+            uint8_t b = (uint8_t)esc[off[i] + k];
+            if (t->byte_token[b] < 0)
+                return kvpq__err(KVPQ_ERR_UNSUPPORTED, "text: byte 0x%02x in the fragment at byte offset %zu has no token "
+                                 "(no <0x%02X> byte-fallback token) in this vocabulary", b, s, b);
+            emit(c, t->byte_token[b]);
         }
     }
-    return -1;
+    return KVPQ_OK;
+}
+
+// ---- special tokens and the whole text -----------------------------------------------------------
+
+typedef struct {
+    size_t pos;
+    int32_t id;
+} special_cut;
+
+static int cmp_cut(const void *pa, const void *pb) {
+    const special_cut *a = pa, *b = pb;
+    return a->pos < b->pos ? -1 : a->pos > b->pos;
+}
+
+static int cmp_len_desc(const void *pa, const void *pb, void *ctx) {
+    const kvpq_tokenizer *t = ctx;
+    int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
+    uint32_t la = t->text_off[a + 1] - t->text_off[a], lb = t->text_off[b + 1] - t->text_off[b];
+    if (la != lb) return la > lb ? -1 : 1;
+    return a < b ? -1 : a > b;
+}
+
+/* The special tokens to cut out of text[0, len), as llama.cpp's tokenizer_st_partition: tokens in
+ * order of decreasing text length (then id), each cut at its leftmost occurrences that lie wholly in
+ * text not cut yet. Only tokens that occur at all are searched for, found in one pass over the text
+ * through the index by first two bytes; each then costs one memmem pass. *cuts (malloc'd, sorted
+ * by position) gets *n_cuts entries. */
+static kvpq_status find_specials(const kvpq_tokenizer *t, const char *text, size_t len, int parse_special,
+                                 special_cut **cuts, size_t *n_cuts) {
+    *cuts = NULL;
+    *n_cuts = 0;
+    uint8_t want = SPECIAL_USER | (parse_special ? SPECIAL_CTRL : 0);
+    int32_t *present = NULL;
+    size_t n_present = 0, cap_present = 0;
+    uint8_t *seen = NULL, *claimed = NULL;
+    special_cut *out = NULL;
+    size_t n_out = 0, cap_out = 0;
+    kvpq_status st = KVPQ_OK;
+    for (size_t i = 0; i < len && st == KVPQ_OK; i++) {
+        uint8_t b0 = (uint8_t)text[i];
+        if (!t->special_first[b0]) continue;
+        int32_t cand[2] = {t->special_single[b0], -1};
+        int32_t k0 = 0, k1 = 0;
+        if (i + 1 < len) {
+            int key = b0 << 8 | (uint8_t)text[i + 1];
+            k0 = t->special_start2[key];
+            k1 = t->special_start2[key + 1];
+        }
+        for (int32_t k = k0 - 1; k < k1; k++) { /* k0 - 1: the one-byte special */
+            int32_t id = k < k0 ? cand[0] : t->special[k];
+            if (id < 0 || !(t->special_attr[id] & want) || (seen && seen[id])) continue;
+            size_t l;
+            const char *s = tok_text(t, id, &l);
+            if (l > len - i || memcmp(s, text + i, l) != 0) continue;
+            if (!seen) {
+                seen = calloc((size_t)t->n_vocab, 1);
+                if (!seen) { st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: special tokens"); break; }
+            }
+            seen[id] = 1;
+            if (n_present == cap_present) {
+                cap_present = cap_present ? 2 * cap_present : 16;
+                int32_t *p = realloc(present, cap_present * sizeof *p);
+                if (!p) { st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: special tokens"); break; }
+                present = p;
+            }
+            present[n_present++] = id;
+        }
+    }
+    if (st == KVPQ_OK && n_present > 0) {
+        qsort_r(present, n_present, sizeof *present, cmp_len_desc, (void *)t);
+        claimed = calloc(len, 1);
+        if (!claimed) st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: %zu bytes of text", len);
+        for (size_t k = 0; k < n_present && st == KVPQ_OK; k++) {
+            size_t l;
+            const char *s = tok_text(t, present[k], &l);
+            for (size_t p = 0; p + l <= len;) {
+                const char *q = memmem(text + p, len - p, s, l);
+                if (!q) break;
+                size_t at = (size_t)(q - text);
+                /* It must lie wholly in text not cut yet; else no occurrence can start before the
+                 * end of the cut run it overlaps (a run of 1 MiB of '\n' would otherwise cost one
+                 * memmem call per byte for each of Gemma's 31 newline-run tokens). */
+                size_t j = at + l;
+                while (j > at && !claimed[j - 1]) j--;
+                if (j > at) {
+                    while (j < len && claimed[j]) j++;
+                    p = j;
+                    continue;
+                }
+                memset(claimed + at, 1, l);
+                if (n_out == cap_out) {
+                    cap_out = cap_out ? 2 * cap_out : 64;
+                    special_cut *o = realloc(out, cap_out * sizeof *o);
+                    if (!o) { st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: special tokens"); break; }
+                    out = o;
+                }
+                out[n_out++] = (special_cut){at, present[k]};
+                p = at + l;
+            }
+        }
+    }
+    free(present);
+    free(seen);
+    free(claimed);
+    if (st != KVPQ_OK) {
+        free(out);
+        return st;
+    }
+    if (n_out > 1) qsort(out, n_out, sizeof *out, cmp_cut); /* qsort(NULL, 0, ...) is undefined */
+    *cuts = out;
+    *n_cuts = n_out;
+    return KVPQ_OK;
 }
 
 static kvpq_status validate_utf8(enc_ctx *c, size_t len) {
@@ -716,30 +1116,39 @@ static kvpq_status validate_utf8(enc_ctx *c, size_t len) {
     return regex_error(rc);
 }
 
+/* One raw fragment: pre-tokenize + BPE, or SentencePiece BPE. */
+static kvpq_status encode_fragment(enc_ctx *c, size_t s, size_t e, int after_special) {
+    if (s >= e) return KVPQ_OK;
+    if (c->t->kind == KIND_BPE) return split(c, 0, s, e);
+    return spm_fragment(c, s, e, c->t->add_space_prefix && after_special);
+}
+
 static kvpq_status encode(enc_ctx *c, size_t len, int add_bos, int parse_special) {
     const kvpq_tokenizer *t = c->t;
-    if (len > 0) KVPQ_TRY(validate_utf8(c, len));
+    if (t->kind == KIND_BPE && len > 0) KVPQ_TRY(validate_utf8(c, len));
     if (add_bos) {
         if (t->bos < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "add_bos: the vocabulary has no BOS token");
         emit(c, t->bos);
     }
+    special_cut *cuts = NULL;
+    size_t n_cuts = 0;
+    KVPQ_TRY(find_specials(t, c->text, len, parse_special, &cuts, &n_cuts));
+    kvpq_status st = KVPQ_OK;
     size_t start = 0;
-    if (parse_special && t->n_special > 0) {
-        for (size_t i = 0; i < len;) {
-            uint8_t b = (uint8_t)c->text[i];
-            size_t tl;
-            int32_t sp;
-            if (t->special_start[b] == t->special_start[b + 1] || (sp = special_at(t, c->text, i, len, &tl)) < 0) {
-                i++;
-                continue;
-            }
-            KVPQ_TRY(split(c, 0, start, i));
-            emit(c, sp);
-            i += tl;
-            start = i;
+    int after_special = 1; /* the start of the text counts as after a special token (llama.cpp) */
+    for (size_t k = 0; k < n_cuts && st == KVPQ_OK; k++) {
+        if (cuts[k].pos > start) {
+            st = encode_fragment(c, start, cuts[k].pos, after_special);
+            after_special = 0;
         }
+        if (st != KVPQ_OK) break;
+        emit(c, cuts[k].id);
+        after_special = 1;
+        start = cuts[k].pos + (t->text_off[cuts[k].id + 1] - t->text_off[cuts[k].id]);
     }
-    return split(c, 0, start, len);
+    if (st == KVPQ_OK) st = encode_fragment(c, start, len, after_special);
+    free(cuts);
+    return st;
 }
 
 kvpq_status kvpq_tokenizer_encode(const kvpq_tokenizer *t, const char *text, size_t len, int add_bos,
@@ -749,16 +1158,19 @@ kvpq_status kvpq_tokenizer_encode(const kvpq_tokenizer *t, const char *text, siz
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "tokenize: NULL %s",
                          !t ? "tokenizer" : !n_tokens ? "n_tokens" : (!text && len > 0) ? "text" : "tokens");
     enc_ctx c = {.t = t, .text = text ? text : "", .out = tokens, .cap = cap};
-    c.md = pcre2_match_data_create(4, NULL);
-    c.mctx = pcre2_match_context_create(NULL);
-    kvpq_status st = (!c.md || !c.mctx) ? kvpq__err(KVPQ_ERR_NOMEM, "tokenize: PCRE2 match data") : KVPQ_OK;
-    if (st == KVPQ_OK && t->jit) {
-        /* The default 32 KiB JIT stack is too small for \s+(?!\S) over very long runs of spaces. */
-        c.jit_stack = pcre2_jit_stack_create(32 * 1024, 64 * 1024 * 1024, NULL);
-        if (!c.jit_stack) st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: PCRE2 JIT stack");
-        else pcre2_jit_stack_assign(c.mctx, NULL, c.jit_stack);
+    kvpq_status st = KVPQ_OK;
+    if (t->kind == KIND_BPE) {
+        c.md = pcre2_match_data_create(4, NULL);
+        c.mctx = pcre2_match_context_create(NULL);
+        if (!c.md || !c.mctx) st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: PCRE2 match data");
+        if (st == KVPQ_OK && t->jit) {
+            /* The default 32 KiB JIT stack is too small for \s+(?!\S) over very long runs of spaces. */
+            c.jit_stack = pcre2_jit_stack_create(32 * 1024, 64 * 1024 * 1024, NULL);
+            if (!c.jit_stack) st = kvpq__err(KVPQ_ERR_NOMEM, "tokenize: PCRE2 JIT stack");
+            else pcre2_jit_stack_assign(c.mctx, NULL, c.jit_stack);
+        }
+        if (st == KVPQ_OK && len > 4096) c.cache = calloc(CACHE_SLOTS, sizeof *c.cache); /* worth it on long texts */
     }
-    if (st == KVPQ_OK && len > 4096) c.cache = calloc(CACHE_SLOTS, sizeof *c.cache); /* worth it on long texts */
     if (st == KVPQ_OK) st = encode(&c, len, add_bos, parse_special);
     if (st == KVPQ_OK) *n_tokens = c.n;
     pcre2_jit_stack_free(c.jit_stack);
@@ -767,7 +1179,10 @@ kvpq_status kvpq_tokenizer_encode(const kvpq_tokenizer *t, const char *text, siz
     free(c.id);
     free(c.next);
     free(c.prev);
+    free(c.sym_off);
+    free(c.sym_len);
     free(c.heap);
+    free(c.esc);
     free(c.cache);
     free(c.pool);
     return st;
@@ -782,7 +1197,13 @@ kvpq_status kvpq_tokenizer_piece(const kvpq_tokenizer *t, int32_t token, char *b
     if (token < 0 || token >= t->n_vocab)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "token_to_piece: token %d outside the vocabulary of %d", token, t->n_vocab);
     size_t n;
-    const char *s = tok_text(t, token, &n);
+    const char *s;
+    if (t->kind == KIND_SPM) {
+        n = t->piece_off[token + 1] - t->piece_off[token];
+        s = t->piece_pool + t->piece_off[token];
+    } else {
+        s = tok_text(t, token, &n);
+    }
     if (cap > 0) memcpy(buf, s, n < cap ? n : cap);
     *len = n;
     return KVPQ_OK;

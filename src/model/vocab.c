@@ -38,6 +38,8 @@ void kvpq_vocab_free(kvpq_vocab *v) {
 int32_t kvpq_vocab_n_tokens(const kvpq_vocab *v) { return v ? kvpq_tokenizer_n_vocab(v->tok) : 0; }
 int32_t kvpq_vocab_bos(const kvpq_vocab *v) { return v ? kvpq_tokenizer_bos(v->tok) : -1; }
 int32_t kvpq_vocab_eos(const kvpq_vocab *v) { return v ? kvpq_tokenizer_eos(v->tok) : -1; }
+int kvpq_vocab_add_bos(const kvpq_vocab *v) { return v ? kvpq_tokenizer_add_bos_default(v->tok) : 0; }
+unsigned kvpq_vocab_token_attr(const kvpq_vocab *v, int32_t token) { return v ? kvpq_tokenizer_token_attr(v->tok, token) : 0; }
 
 kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, size_t len, int add_bos, int parse_special,
                                 int32_t *tokens, size_t cap, size_t *n_tokens) {

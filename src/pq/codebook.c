@@ -561,19 +561,32 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     uint8_t len_le[8];
     for (int i = 0; i < 8; i++) len_le[i] = (uint8_t)(n_header >> (8 * i));
 
-    size_t plen = strlen(path);
-    char *tmp = malloc(plen + 16);
+    /* Saving to a symbolic link replaces the file it names (rename would replace the link), and
+     * the temp file goes beside that file, on its file system. */
+    char *target = kvpq__resolve_target(path);
+    size_t plen = target ? strlen(target) : 0;
+    char *tmp = target ? malloc(plen + 16) : NULL;
     if (!tmp) {
+        free(target);
         cJSON_free(json);
         return kvpq__err(KVPQ_ERR_NOMEM, "codebook save: out of memory");
     }
-    memcpy(tmp, path, plen);
+    memcpy(tmp, target, plen);
     memcpy(tmp + plen, ".tmp.XXXXXX", 12);
-    int fd = mkstemp(tmp);
+    struct stat st;
+    if (lstat(target, &st) == 0 && !S_ISREG(st.st_mode)) { /* never rename over a directory or /dev/null */
+        free(tmp);
+        free(target);
+        cJSON_free(json);
+        return kvpq__err(KVPQ_ERR_IO, "codebook save '%s': not a regular file (any existing file is unchanged)",
+                         path);
+    }
+    int fd = kvpq__temp_create(tmp);
     if (fd < 0) {
         kvpq_status s = kvpq__err(KVPQ_ERR_IO, "codebook save '%s': cannot create a temporary file beside it: %s",
                                   path, strerror(errno));
         free(tmp);
+        free(target);
         cJSON_free(json);
         return s;
     }
@@ -589,14 +602,13 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     int err = ok ? 0 : errno;
     if (ok && fsync(fd) != 0) ok = 0, err = errno;
     if (close(fd) != 0 && ok) ok = 0, err = errno;
-    if (ok && rename(tmp, path) != 0) ok = 0, err = errno;
-    if (!ok) {
-        unlink(tmp);
-        free(tmp);
+    if (ok && rename(tmp, target) != 0) ok = 0, err = errno;
+    kvpq__temp_done(tmp, ok);
+    free(tmp);
+    free(target);
+    if (!ok)
         return kvpq__err(KVPQ_ERR_IO, "codebook save '%s': %s (any existing file is unchanged)", path,
                          strerror(err ? err : EIO));
-    }
-    free(tmp);
     return KVPQ_OK;
 }
 

@@ -12,7 +12,6 @@
  * own no point, so it cannot raise MSE(a_t, .). Floating-point rounding could still add a few ulps;
  * an iteration that would raise the MSE is rolled back and ends the run (a fixed point within
  * rounding), so the reported MSE never rises. */
-#include <cblas.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -24,7 +23,7 @@
 
 #define KM_BLOCK 1024          /* points per parallel block and per partial sum */
 #define KMPP_POINTS_PER_K 16   /* k-means++ seeds on at most 16 k points (uniform subsample) */
-#define GEMM_MAX_FLOATS (1u << 20) /* distance block of the sgemm path: at most 4 MiB */
+#define GEMM_MAX_FLOATS (1u << 20) /* distance block of the general-d path: at most 4 MiB */
 
 // ---- random numbers ----------------------------------------------------------------------------
 
@@ -50,7 +49,7 @@ typedef struct {
     int d, k, nt;
     size_t n;            /* points used */
     const float *x;      /* (n, d) contiguous copy of the used points */
-    int fused;           /* d in {1,2,4,8,16}: dispatch nn kernel; else sgemm blocks */
+    int fused;           /* d in {1,2,4,8,16}: dispatch nn kernel; else blocks of dot products */
     float *ct, *cnorm;   /* fused: prepared codebook (d, kpad) + (kpad); gemm: cnorm (k) */
     float *gemm;         /* gemm: (rows, k) block of -2 x.c */
     int32_t *assign;     /* (n) */
@@ -107,9 +106,13 @@ static double km_assign(km_t *s, const float *C) {
         if (rows < 1) rows = 1;
         for (size_t i0 = 0; i0 < n; i0 += rows) {
             size_t r = n - i0 < rows ? n - i0 : rows;
-            /* G = -2 X C^T: (r, k); OpenBLAS threads it */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)r, k, d, -2.0f, s->x + i0 * d, d, C, d, 0.0f,
-                        s->gemm, k);
+            /* G = -2 X C^T: (r, k), one dot product per (point, centroid) with the SIMD level's float
+             * dot (libkvpq does not link a BLAS; this path serves only d outside {1, 2, 4, 8, 16}). */
+            const kvpq__dot_fn dot = kvpq__cpu_kernels()->dot_f32;
+#pragma omp parallel for num_threads(s->nt) schedule(static)
+            for (size_t t = 0; t < r; t++)
+                for (int c = 0; c < k; c++)
+                    s->gemm[t * k + c] = -2.0f * dot(s->x + (i0 + t) * d, C + (size_t)c * d, d);
 #pragma omp parallel for num_threads(s->nt) schedule(static)
             for (size_t t = 0; t < r; t++) {
                 const float *g = s->gemm + t * k;

@@ -68,9 +68,31 @@ def write(name, alignment=None, tensors=True, arch="llama"):
     w.close()
 
 
+def write_kquants(name):
+    """One small tensor of each K-quant type (2 rows of 256) and a Q5_0 one (Gemma's), so that the
+    fuzzer starts from files whose tensors reach the K-quant dequantization and matvec kernels."""
+    w = gguf.GGUFWriter(os.path.join(out, name), "qwen2")
+    w.add_block_count(1)
+    T = gguf.GGMLQuantizationType
+    for qt in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0):
+        raw = q_bytes(qt, 2, 256)
+        # the fp16 scales of the K-quant layouts are not at offset 0: set them sane as well
+        blck, size = gguf.GGML_QUANT_SIZES[qt]
+        offs = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}.get(qt, ())
+        blocks = raw.reshape(2, -1, size)
+        for o in offs:
+            blocks[:, :, o:o + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+        w.add_tensor(f"blk.0.{qt.name.lower()}.weight", blocks.reshape(2, -1), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 write("small_v3.gguf")
 write("small_align64.gguf", alignment=64)
 write("no_tensors.gguf", tensors=False)
+write_kquants("kquants.gguf")
 model = os.path.join(os.path.dirname(__file__), "..", "..", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 if os.path.exists(model):
     with open(model, "rb") as f, open(os.path.join(out, "model_prefix.gguf"), "wb") as g:

@@ -1,0 +1,180 @@
+/* bench_kquant.c — ggml_matvec (the decode hot path) on the K-quant weight types beside Q4_1 and Q8_0
+ * (older kernels) in the same run, at every SIMD level: "scalar" is the _ref specification (run in
+ * parallel over rows), the others the SIMD kernels.
+ *  1. one matrix of Qwen2.5-Coder-1.5B's ffn_gate shape (8960 x 1536) of each type, random blocks,
+ *     warm in cache: us per call and GB/s of weight bytes;
+ *  2. one decoded token of a real model file (every 2-D weight of every layer plus the output
+ *     matrix, once each, the model's own types): ms per token, GB/s, and the fraction of a plain
+ *     parallel read of the same bytes (the memory ceiling, measured here).
+ * Table: median of repeats. OMP_NUM_THREADS sets the threads (the issue's target: 2).
+ * Usage: bench_kquant [repeats] [model.gguf]   (default models/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf) */
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "model/ggml_types.h"
+#include "model/gguf.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static uint64_t s = 88172645463325252ull;
+static uint8_t rnd8(void) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return (uint8_t)s;
+}
+
+/* Byte offsets of a block's fp16 scales (d, and dmin or m where the type has one; -1 if none). */
+static void scale_offsets(uint32_t type, int *d, int *m) {
+    *d = 0;
+    *m = -1;
+    switch (type) {
+    case GGML_TYPE_Q4_1: *m = 2; break;
+    case GGML_TYPE_Q2_K: *d = 80, *m = 82; break;
+    case GGML_TYPE_Q3_K: *d = 108; break;
+    case GGML_TYPE_Q4_K:
+    case GGML_TYPE_Q5_K: *m = 2; break;
+    case GGML_TYPE_Q6_K: *d = 208; break;
+    }
+}
+
+static uint8_t *random_weights(uint32_t type, int64_t rows, int64_t n) {
+    size_t rb = ggml_row_size(type, n), bs = ggml_type_size(type), total = rb * (size_t)rows;
+    uint8_t *w = malloc(total);
+    for (size_t i = 0; i < total; i++) w[i] = rnd8();
+    int od, om;
+    scale_offsets(type, &od, &om);
+    uint16_t d = kvpq_fp32_to_fp16(ggml_blck_size(type) == 256 ? 0.001f : 0.01f), m = kvpq_fp32_to_fp16(-0.05f);
+    for (size_t b = 0; b < total / bs; b++) { /* sane fp16 scales */
+        memcpy(w + b * bs + od, &d, 2);
+        if (om >= 0) memcpy(w + b * bs + om, &m, 2);
+    }
+    return w;
+}
+
+#define MAXREP 200
+
+static volatile uint64_t sink;
+
+/* Memory-read ceiling: sum every 8-byte word of each tensor (parallel, as the matvecs). */
+static void read_sum(const gguf_tensor **t, int nt) {
+    uint64_t acc = 0;
+    for (int k = 0; k < nt; k++) {
+        const uint64_t *p = (const uint64_t *)t[k]->data;
+        size_t n8 = t[k]->nbytes / 8;
+#pragma omp parallel for reduction(+ : acc) if (n8 >= 8192)
+        for (size_t i = 0; i < n8; i++) acc += p[i];
+    }
+    sink += acc;
+}
+
+/* Median seconds of `reps` runs of the statement. */
+#define TIME(reps, stmt)                                \
+    ({                                                  \
+        double t_[MAXREP];                              \
+        for (int r_ = 0; r_ < (reps); r_++) {           \
+            double t0_ = now();                         \
+            stmt;                                       \
+            t_[r_] = now() - t0_;                       \
+        }                                               \
+        qsort(t_, (size_t)(reps), sizeof(double), cmp); \
+        t_[(reps) / 2];                                 \
+    })
+
+static void one_token(const gguf_tensor **t, int nt, const float *x, float *y) {
+    for (int k = 0; k < nt; k++) ggml_matvec(t[k]->type, t[k]->data, t[k]->ne[1], t[k]->ne[0], x, y);
+}
+
+int main(int argc, char **argv) {
+    int reps = argc > 1 ? atoi(argv[1]) : 21;
+    if (reps < 1 || reps > MAXREP) reps = 21;
+    const char *model = argc > 2 ? argv[2] : "models/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf";
+    kvpq_simd_level best = kvpq_simd_get();
+
+    const uint32_t types[] = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
+                              GGML_TYPE_Q6_K, GGML_TYPE_Q4_1, GGML_TYPE_Q8_0};
+    const int64_t rows = 8960, n = 1536;
+    printf("ggml_matvec %lld x %lld (Qwen2.5-1.5B ffn_gate shape), warm, threads %d, median of %d\n",
+           (long long)rows, (long long)n, omp_get_max_threads(), reps);
+    printf("%-6s %8s %-8s %10s %8s %10s\n", "type", "MB", "simd", "us/call", "GB/s", "vs scalar");
+    float *x = malloc((size_t)(rows > n ? rows : n) * 4), *y = malloc((size_t)(rows > 262144 ? rows : 262144) * 4);
+    for (int64_t i = 0; i < n; i++) x[i] = (float)(i % 7) * 0.1f - 0.3f;
+    for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
+        uint32_t type = types[k];
+        uint8_t *w = random_weights(type, rows, n);
+        double bytes = (double)ggml_row_size(type, n) * (double)rows, t0 = 0;
+        for (int l = 0; l <= (int)best; l++) {
+            kvpq_simd_set((kvpq_simd_level)l);
+            ggml_matvec(type, w, rows, n, x, y); /* warm */
+            double t = TIME(l == 0 && reps > 5 ? 5 : reps, ggml_matvec(type, w, rows, n, x, y));
+            if (l == 0) t0 = t;
+            printf("%-6s %8.2f %-8s %10.1f %8.2f %9.2fx\n", ggml_type_name(type), bytes / 1e6,
+                   kvpq_simd_name((kvpq_simd_level)l), t * 1e6, bytes / t / 1e9, t0 / t);
+        }
+        free(w);
+    }
+
+    gguf_file *f;
+    if (gguf_open(&f, model) != KVPQ_OK) {
+        printf("\n(%s: %s; the real-model table needs it: scripts/fetch_model.sh all)\n", model, kvpq_last_error());
+    } else {
+        const gguf_tensor *t[1024];
+        int nt = 0;
+        size_t total = 0, by_type[64] = {0};
+        int64_t max_n = 0;
+        for (int64_t i = 0; i < gguf_n_tensors(f) && nt < 1024; i++) {
+            const gguf_tensor *g = gguf_tensor_at(f, i);
+            int is_out = !strcmp(g->name, "output.weight");
+            if (g->n_dims != 2 || !ggml_type_supported(g->type) || (strncmp(g->name, "blk.", 4) && !is_out)) continue;
+            t[nt++] = g;
+            total += g->nbytes;
+            if (g->type < 64) by_type[g->type] += g->nbytes;
+            if (g->ne[0] > max_n) max_n = g->ne[0];
+        }
+        if (!gguf_find_tensor(f, "output.weight")) { /* tied output: the token embedding */
+            const gguf_tensor *g = gguf_find_tensor(f, "token_embd.weight");
+            if (g && ggml_type_supported(g->type) && nt < 1024) {
+                t[nt++] = g;
+                total += g->nbytes;
+                if (g->type < 64) by_type[g->type] += g->nbytes;
+            }
+        }
+        float *xm = malloc((size_t)max_n * 4), *ym = malloc((size_t)300000 * 4);
+        for (int64_t i = 0; i < max_n; i++) xm[i] = (float)(i % 5) * 0.1f - 0.2f;
+        printf("\none decoded token of %s: %d matrices, %.1f MB (", model, nt, (double)total / 1e6);
+        for (int ty = 0; ty < 64; ty++)
+            if (by_type[ty]) printf(" %s %.0f MB", ggml_type_name((uint32_t)ty), (double)by_type[ty] / 1e6);
+        printf(" ), threads %d\n", omp_get_max_threads());
+        printf("%-10s %10s %8s %10s\n", "simd", "ms/token", "GB/s", "of ceiling");
+        int r = reps > 11 ? 11 : reps;
+        read_sum(t, nt);
+        double tc = TIME(r, read_sum(t, nt));
+        printf("%-10s %10.2f %8.2f %10s\n", "read-sum", tc * 1e3, (double)total / tc / 1e9, "1.00");
+        for (int l = 0; l <= (int)best; l++) {
+            kvpq_simd_set((kvpq_simd_level)l);
+            int rl = l == 0 && r > 3 ? 3 : r;
+            double tt = TIME(rl, one_token(t, nt, xm, ym));
+            printf("%-10s %10.2f %8.2f %10.2f\n", kvpq_simd_name((kvpq_simd_level)l), tt * 1e3,
+                   (double)total / tt / 1e9, tc / tt);
+        }
+        free(xm);
+        free(ym);
+        gguf_close(f);
+    }
+    kvpq_simd_set(best);
+    free(x);
+    free(y);
+    return 0;
+}

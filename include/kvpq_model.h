@@ -1,0 +1,178 @@
+/*
+ * kvpq_model.h — the model runner of kvpq: GGUF files, the byte-level BPE tokenizer, and the forward
+ * pass of Llama-family models (llama, qwen2, gemma3) over a kvpq_cache.
+ *
+ * This is the second tier of kvpq's public API: it includes kvpq.h (the stable PQ / codebook / cache
+ * API) and lives in its own library, libkvpq_model (pkg-config kvpq_model, CMake kvpq::kvpq_model),
+ * which links libkvpq plus PCRE2 (pre-tokenizer regexes) and OpenBLAS (prompt matmuls). A program
+ * that only compresses KV caches includes kvpq.h and links libkvpq alone.
+ * Conventions as in kvpq.h (kvpq_status, kvpq_last_error, *_default, *_free(NULL)).
+ *
+ * Usage (greedy decoding):
+ *
+ *     kvpq_model *m;
+ *     if (kvpq_model_load(&m, "model.gguf", NULL) != KVPQ_OK) { fprintf(stderr, "%s\n", kvpq_last_error()); ... }
+ *     kvpq_model_info mi;
+ *     kvpq_model_get_info(m, &mi);
+ *     kvpq_cache_params cp = kvpq_cache_params_default();
+ *     cp.n_layer = mi.n_layer; cp.n_head = mi.n_head; cp.n_head_kv = mi.n_head_kv; cp.head_dim = mi.head_dim;
+ *     kvpq_cache *c;
+ *     kvpq_cache_new(&c, &cp);
+ *     int32_t ids[256]; size_t n;
+ *     kvpq_tokenize(m, text, strlen(text), mi.add_bos, 0, ids, 256, &n);
+ *     float *logits = malloc(mi.n_vocab * sizeof *logits);
+ *     kvpq_model_eval(m, c, ids, (int)n, 0, logits);      // logits of the last token
+ */
+#ifndef KVPQ_MODEL_H
+#define KVPQ_MODEL_H
+
+#include "kvpq.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- models (GGUF, Llama family) ------------------------------------------------------------ */
+
+typedef struct kvpq_model kvpq_model;
+
+typedef struct {
+    int n_threads;   /* 0 = OpenMP default */
+} kvpq_model_params;
+KVPQ_API kvpq_model_params kvpq_model_params_default(void);
+
+typedef struct {
+    char arch[32];       /* general.architecture */
+    char name[128];      /* general.name */
+    int n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_vocab, n_ctx_train;
+    float rope_freq_base;
+    float rms_eps;
+    int32_t bos_id, eos_id;
+    int add_bos;         /* tokenizer.ggml.add_bos_token (0 when absent): prepend BOS to a text */
+    char fingerprint[17]; /* 16 hex digits: a hash of the GGUF header (every metadata key and value,
+                             every tensor's name, shape and type); recorded in codebooks */
+} kvpq_model_info;
+
+/* Load a GGUF model (memory-mapped). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (corrupt; names what),
+ * KVPQ_ERR_UNSUPPORTED (architecture or tensor type, named). */
+KVPQ_API kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model_params *p);
+KVPQ_API void kvpq_model_free(kvpq_model *m);
+KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *info);
+/* The model's chat template (tokenizer.chat_template, a Jinja string; NUL-terminated, owned by the
+ * model), or NULL when the file has none. */
+KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
+
+/* The model a codebook was calibrated on, recorded as metadata: model (general.name), model.arch
+ * (general.architecture) and model.fingerprint (kvpq_model_info.fingerprint). Errors: NULL
+ * argument (KVPQ_ERR_INVALID_ARG). */
+KVPQ_API kvpq_status kvpq_codebook_set_model(kvpq_codebook *cb, const kvpq_model_info *mi);
+/* Check that a codebook was calibrated on this model: its model.arch and model.fingerprint must
+ * equal the model's, else KVPQ_ERR_MISMATCH naming both models (a codebook of another model with
+ * the same shapes loads and runs, silently wrong: perplexity 815 instead of 34). A file without
+ * model.fingerprint (written before kvpq recorded it) is KVPQ_OK with *unchecked = 1 (may be NULL),
+ * for the caller to warn; shapes are checked by kvpq_cache_new. */
+KVPQ_API kvpq_status kvpq_codebook_check_model(const kvpq_codebook *cb, const kvpq_model_info *mi, int *unchecked);
+
+/* Tokenize text with the model's tokenizer (byte-level BPE or SentencePiece BPE, see kvpq_vocab
+ * below for the whole contract). parse_special: text like "<|im_start|>" or "<start_of_turn>"
+ * becomes the CONTROL token; pass 0 for text a user typed, which then never yields a CONTROL token
+ * by being cut out of the text. Writes up to cap ids; *n_tokens gets the full count (call with cap 0
+ * to size). Errors: invalid UTF-8 for a byte-level BPE vocabulary (KVPQ_ERR_INVALID_ARG with the
+ * byte offset). */
+KVPQ_API kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t len, int add_bos,
+                                   int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
+/* Bytes of one token's text (may be a partial UTF-8 sequence). *len gets the full length. */
+KVPQ_API kvpq_status kvpq_token_to_piece(const kvpq_model *m, int32_t token, char *buf, size_t cap, size_t *len);
+/* KVPQ_TOKEN_ATTR_* bits of a token of the model's vocabulary (see kvpq_vocab_token_attr below). */
+KVPQ_API unsigned kvpq_token_attr(const kvpq_model *m, int32_t token);
+
+/* Run n tokens at positions L .. L+n-1, L = kvpq_cache_seq_len(cache, 0), appending their K/V to
+ * cache. logits: (n, n_vocab) if logits_all, else (n_vocab) for the last token. The cache must have
+ * the model's n_layer, n_head, n_head_kv and head_dim (else KVPQ_ERR_MISMATCH). Errors: L + n beyond
+ * n_ctx_train or the cache's max_seq (KVPQ_ERR_CAPACITY), a token id out of range; on error the
+ * cache is truncated back to L. One model serves one eval at a time (it owns the scratch). */
+KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
+                                     int logits_all, float *logits);
+
+/* ---- GGUF inspection ------------------------------------------------------------------------ */
+
+/* Print what a GGUF (v2/v3) file holds to `out`: format (version, alignment, counts, data offset),
+ * the general.* keys, the hyperparameters (every `<general.architecture>.*` key), a tokenizer summary
+ * (tokenizer.ggml.model, pre, vocab size, merges count, bos/eos/unk/pad ids with their text), other
+ * metadata keys (tokenizer.* arrays too when verbose), then one line per tensor: index, name, type,
+ * shape as ne[0], ne[1], ... (ne[0] innermost, the order gguf lists) and bytes. The whole file is
+ * validated first (as kvpq_model_load does). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT naming what and
+ * where ("gguf 'x.gguf': tensor 12 'blk.0.attn_q.weight': data [...] beyond file size N"). */
+KVPQ_API kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose);
+
+/* Dequantize one whole tensor of a GGUF file to float32, bit-exact with ggml's dequantize_row_*
+ * (and the PyPI gguf package's gguf.quants.dequantize). out: (ne[3], ne[2], ne[1], ne[0]) float32,
+ * ne[0] fastest; cap: floats available at out. *numel (may be NULL) gets ne[0]*ne[1]*ne[2]*ne[3];
+ * call with out NULL and cap 0 to query it. Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+ * Errors: KVPQ_ERR_IO / KVPQ_ERR_FORMAT (the file), KVPQ_ERR_INVALID_ARG (no such tensor, or
+ * cap < numel), KVPQ_ERR_UNSUPPORTED (tensor type, named). */
+KVPQ_API kvpq_status kvpq_gguf_dequantize_tensor(const char *path, const char *name, float *out, size_t cap,
+                                                 size_t *numel);
+
+/* ---- tokenizer ------------------------------------------------------------------------------ */
+
+/* A model's tokenizer alone, loaded from the tokenizer.ggml.* keys of a GGUF file without its
+ * weights. Two kinds, as llama.cpp converts them:
+ *   - tokenizer.ggml.model "gpt2": byte-level BPE (GPT-2 style; SmolLM2, Qwen2.5, Llama 3) with the
+ *     pre-tokenizer named by tokenizer.ggml.pre ("smollm", "starcoder", "gpt2", "default",
+ *     "llama-bpe", "qwen2"), split by PCRE2, merges by rank (tokenizer.ggml.merges);
+ *   - tokenizer.ggml.model "llama": SentencePiece-style BPE (Gemma, Llama 2): ' ' written as U+2581,
+ *     a U+2581 in front when tokenizer.ggml.add_space_prefix (default on), merges by
+ *     tokenizer.ggml.scores (highest first), and <0xNN> byte-fallback tokens for what forms no token.
+ * Token ids equal llama.cpp's llama_tokenize on the same file (tests/test_tokenizer_golden.c).
+ * It gives the same ids as kvpq_tokenize() on a model loaded from the same file. */
+typedef struct kvpq_vocab kvpq_vocab;
+
+/* Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT (a missing or inconsistent tokenizer key, named),
+ * KVPQ_ERR_UNSUPPORTED (another tokenizer model, or an unknown pre-tokenizer, named). */
+KVPQ_API kvpq_status kvpq_vocab_load(kvpq_vocab **out, const char *gguf_path);
+KVPQ_API void kvpq_vocab_free(kvpq_vocab *v);
+/* Number of tokens; ids are 0 .. n_tokens - 1. */
+KVPQ_API int32_t kvpq_vocab_n_tokens(const kvpq_vocab *v);
+/* BOS / EOS ids (tokenizer.ggml.bos_token_id / eos_token_id), -1 when the file has none
+ * (SentencePiece vocabularies without the keys: 1 / 2, as llama.cpp). */
+KVPQ_API int32_t kvpq_vocab_bos(const kvpq_vocab *v);
+KVPQ_API int32_t kvpq_vocab_eos(const kvpq_vocab *v);
+/* tokenizer.ggml.add_bos_token: whether a text of this model starts with BOS (absent: 0 for
+ * byte-level BPE, 1 for SentencePiece, as llama.cpp). */
+KVPQ_API int kvpq_vocab_add_bos(const kvpq_vocab *v);
+
+/* What a token is (bits of kvpq_vocab_token_attr). */
+#define KVPQ_TOKEN_ATTR_CONTROL 1u      /* CONTROL / UNKNOWN, or an end-of-generation text llama.cpp marks
+                                         * control ("</s>", "<|im_end|>", "<end_of_turn>", ...): cut out
+                                         * of text only with parse_special */
+#define KVPQ_TOKEN_ATTR_USER_DEFINED 2u /* USER_DEFINED: cut out of text always (Gemma's "\n\n", "<td>") */
+#define KVPQ_TOKEN_ATTR_BYTE 4u         /* a SentencePiece byte-fallback token <0xNN> */
+/* Bits of KVPQ_TOKEN_ATTR_* for a token, 0 for a plain token or an id out of range. */
+KVPQ_API unsigned kvpq_vocab_token_attr(const kvpq_vocab *v, int32_t token);
+
+/* Same contract as kvpq_tokenize(): text (len bytes) -> up to cap ids in tokens; *n_tokens gets the
+ * full count (call with cap 0 to size). add_bos prepends the BOS id. Special tokens are cut out of
+ * the text first, as llama.cpp does: USER_DEFINED texts always, CONTROL texts only with
+ * parse_special; longer texts first, each at its leftmost occurrences outside earlier cuts. Without
+ * parse_special no CONTROL token comes from a cut; merging could in principle still reach a token
+ * whose text is a control text (as in llama.cpp), which none of the three models here does on text
+ * spelling their special tokens (tests/test_tokenizer_golden.c). Byte-level BPE: text must be UTF-8
+ * (else KVPQ_ERR_INVALID_ARG with the byte offset, where llama.cpp would silently put U+FFFD for
+ * each bad byte) and every byte must have a token (else KVPQ_ERR_UNSUPPORTED: SmolLM2 lacks 21
+ * control / never-valid bytes, e.g. 0x04).
+ * SentencePiece: any bytes are accepted; what forms no token is written as <0xNN> tokens, so even
+ * invalid UTF-8 round-trips (except before a space, which is written U+2581 first). */
+KVPQ_API kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, size_t len, int add_bos,
+                                         int parse_special, int32_t *tokens, size_t cap, size_t *n_tokens);
+/* Same contract as kvpq_token_to_piece(): the raw bytes of a token (special tokens give their
+ * text; SentencePiece: U+2581 as ' ', <0xNN> as that byte), up to cap bytes into buf, no NUL added;
+ * *len gets the full length. Concatenating the pieces of kvpq_vocab_tokenize's output gives back
+ * the text (SentencePiece: except a literal U+2581, which comes back as ' '). Errors: token out of
+ * range. */
+KVPQ_API kvpq_status kvpq_vocab_piece(const kvpq_vocab *v, int32_t token, char *buf, size_t cap, size_t *len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVPQ_MODEL_H */
