@@ -22,5 +22,6 @@ pq = kvpq.ProductQuantizer(64, preset="d4b8")
 rep = pq.train(x, niter=3)
 err = float(((pq.decode(pq.encode(x)) - x) ** 2).sum(1).mean())
 assert abs(err - rep["mse_final"]) < 1e-3 * err, (err, rep)
+assert kvpq.lib.kvpq_vocab_load and kvpq.lib.kvpq_cache_new  # both library tiers resolve
 print(f"installed kvpq {kvpq.__version__} from {f.LIB_PATH}: PQ round trip MSE {err:.4f}; 1 passed, 0 failed")
 PY

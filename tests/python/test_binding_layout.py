@@ -72,23 +72,30 @@ def test_every_declared_function_resolves():
     assert len([n for n in dir(_ffi.lib) if n.startswith("kvpq_")]) > 80
 
 
-def test_a_split_header_gives_the_same_declarations(tmp_path):
-    """The header split in two (kvpq.h + kvpq_model.h including it) declares the same names."""
-    text = (_ffi.Path(_ffi.INCLUDE_DIR) / "kvpq.h").read_text()
-    cut = text.index("/* ---- models (GGUF")
-    end = text.index("#ifdef __cplusplus\n}")
-    (tmp_path / "kvpq.h").write_text(text[:cut] + text[end:])
-    (tmp_path / "kvpq_model.h").write_text('#ifndef KVPQ_MODEL_H\n#define KVPQ_MODEL_H\n#include "kvpq.h"\n'
-                                           '#ifdef __cplusplus\nextern "C" {\n#endif\n' + text[cut:end]
-                                           + '#ifdef __cplusplus\n}\n#endif\n#endif\n')
-    hs = _ffi.header_files(tmp_path)
-    assert [h.name for h in hs] == ["kvpq.h", "kvpq_model.h"]
-    f = _ffi.cffi.FFI()
-    f.cdef("\n".join(_ffi.cdef_from_header(h.read_text()) for h in hs))
-    whole = _ffi.cffi.FFI()
-    whole.cdef(_ffi.cdef_from_header(text))
-    assert sorted(f.list_types()[0]) == sorted(whole.list_types()[0])
-    assert f.sizeof("kvpq_model_info") == whole.sizeof("kvpq_model_info")
+def test_one_header_or_several_give_the_same_declarations(tmp_path):
+    """The binding reads whatever kvpq*.h the include folder holds: the API in one kvpq.h, or split
+    into kvpq.h + kvpq_model.h (which includes it), declares the same names and layouts."""
+    hs = _ffi.header_files(_ffi.INCLUDE_DIR)
+    assert hs[0].name == "kvpq.h"
+    texts = [h.read_text() for h in hs]
+    if len(hs) == 1:  # make a split: the model section to kvpq_model.h
+        text = texts[0]
+        cut, end = text.index("/* ---- models (GGUF"), text.index("#ifdef __cplusplus\n}")
+        one = [text]
+        several = [text[:cut] + text[end:], '#ifndef KVPQ_MODEL_H\n#define KVPQ_MODEL_H\n#include "kvpq.h"\n'
+                   '#ifdef __cplusplus\nextern "C" {\n#endif\n' + text[cut:end] + '#ifdef __cplusplus\n}\n#endif\n#endif\n']
+    else:  # merge the split into one file
+        several = texts
+        one = ["\n".join(t.replace('#include "kvpq.h"', "") for t in texts)]
+    for name, t in zip(["kvpq.h", "kvpq_model.h"], several):
+        (tmp_path / name).write_text(t)
+    assert [h.name for h in _ffi.header_files(tmp_path)] == ["kvpq.h", "kvpq_model.h"][:len(several)]
+    a, b = _ffi.cffi.FFI(), _ffi.cffi.FFI()
+    a.cdef("\n".join(_ffi.cdef_from_header(t) for t in several))
+    b.cdef("\n".join(_ffi.cdef_from_header(t) for t in one))
+    assert sorted(a.list_types()[0]) == sorted(b.list_types()[0])
+    assert a.sizeof("kvpq_model_info") == b.sizeof("kvpq_model_info") == _ffi.ffi.sizeof("kvpq_model_info")
+    assert hasattr(_ffi.lib, "kvpq_model_load") and hasattr(_ffi.lib, "kvpq_cache_new")
 
 
 def test_version_matches_header():
