@@ -134,3 +134,20 @@ def test_real_model_logits_and_perplexity_parity_with_the_cli(hf_model, codebook
     f16, vq = json.loads(p.stdout)
     assert ppl == pytest.approx(vq["ppl"], rel=5e-3), (ppl, vq["ppl"])
     assert abs(vq["ppl"] / f16["ppl"] - 1) > 1e-3  # the codes changed the result: parity is not trivial
+
+
+def test_calibrate_from_the_transformers_model(hf_model):
+    """kvpq.transformers.calibrate trains on the model's own keys, in transformers' channel order
+    (key_layout=hf): its key mean is the mean of the collected post-RoPE keys, and KVPQCache then
+    uses the keys as they are (no reordering)."""
+    from transformers import AutoTokenizer
+
+    from kvpq.transformers import calibrate, collect_kv
+    tok = AutoTokenizer.from_pretrained(str(MODEL.parent), gguf_file=MODEL.name)
+    text = (SRC / "data" / "text" / "emma.txt").read_text(encoding="utf-8")[:4000]
+    cb = calibrate(hf_model, tok, text, "d4b8", tokens=256, ctx=128, niter=2)
+    assert cb.get_meta("key_layout") == "hf" and cb.get_meta("tokens") == "256"
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0][:256]
+    kv = collect_kv(hf_model, ids, 128)
+    np.testing.assert_allclose(cb.key_mean(7), kv[7][0].astype(np.float64).mean(0), atol=1e-5)
+    assert not KVPQCache(cb, hf_model).interleave
