@@ -20,7 +20,7 @@ set -euo pipefail
 root=${1:-$(cd "$(dirname "$0")/.." && pwd)}
 cd "$root"
 
-BENCH_INTERNAL="model/ggml_types.h cuda/common.cuh"
+BENCH_INTERNAL="model/ggml_types.h model/gguf.h cuda/common.cuh"  # gguf.h: bench_kquant times kernels on a real file's tensors
 PRIVATE="src/cache/cache_impl.h src/cache/cache_cpu.h src/pq/codebook_impl.h"
 
 rank() { # directory (relative to the root) -> layer rank, or empty for public/tool/other
