@@ -33,7 +33,9 @@ UTF8_SAMPLE = (
 class Lib:
     """kvpq.Vocab in the shape these tests use: tokenize gives (status, ids) or (status, message)."""
 
-    def __init__(self):
+    def __init__(self, lib_path=None):
+        if lib_path:  # the library to load, when kvpq is not imported yet (else KVPQ_LIB decided)
+            os.environ.setdefault("KVPQ_LIB", str(lib_path))
         import kvpq
         self.kvpq = kvpq
 
