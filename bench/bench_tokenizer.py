@@ -1,11 +1,10 @@
-"""Tokenizer throughput: kvpq (ctypes on libkvpq, kvpq_vocab_tokenize) beside HF tokenizers (the same
+"""Tokenizer throughput: kvpq (kvpq_vocab_tokenize through the kvpq package) beside HF tokenizers (the same
 vocabulary, merges and SmolLM2 pre-tokenizer, built by tests/python/test_tokenizer_peer.py), both run
 in this one process on the same text, single-threaded, median of repeats.
 
     KVPQ_LIB=build/libkvpq.so python3 bench/bench_tokenizer.py [text.txt ...] [--repeat N]
 """
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -34,8 +33,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--model", default=str(peer.MODEL))
     a = ap.parse_args()
-    lib = peer.Lib(os.environ.get("KVPQ_LIB", str(ROOT / "build" / "libkvpq.so")))
-    h = lib.load(a.model)
+    os.environ.setdefault("KVPQ_LIB", str(ROOT / "build" / "libkvpq.so"))
+    sys.path.insert(0, str(ROOT / "python"))
+    import kvpq
+    h = kvpq.Vocab(a.model)
     t0 = time.perf_counter()
     tk = peer.hf_from_gguf(a.model)
     print(f"HF tokenizer built from the GGUF in {time.perf_counter() - t0:.2f} s")
@@ -45,20 +46,20 @@ def main():
         text = peer.read_text(path)
         data = text.encode("utf-8")
         # One kvpq call into a buffer allocated beforehand (a token is at least one byte).
-        buf = (ctypes.c_int32 * (len(data) + 1))()
-        n = ctypes.c_size_t()
+        # (the raw call through kvpq.lib: Vocab.tokenize would add a sizing pass)
+        buf = kvpq.ffi.new("int32_t[]", len(data) + 1)
+        n = kvpq.ffi.new("size_t *")
 
         def run_kvpq():
-            st = lib.lib.kvpq_vocab_tokenize(h, data, len(data), 0, 1, buf, len(data) + 1, ctypes.byref(n))
-            assert st == 0, lib.lib.kvpq_last_error().decode()
+            st = kvpq.lib.kvpq_vocab_tokenize(h._h, data, len(data), 0, 1, buf, len(data) + 1, n)
+            assert st == 0, kvpq.last_error()
 
         tk_s, _ = median_time(run_kvpq, a.repeat)
-        ids = list(buf[: n.value])
+        ids = list(buf[0:n[0]])
         hf_s, enc = median_time(lambda: tk.encode(text, add_special_tokens=False), a.repeat)
         n = len(ids)
         print(f"{Path(path).name:<22} {len(text.encode()):>9} {n:>8} {tk_s:>8.3f} {n / tk_s:>11.0f} {hf_s:>8.3f}"
               f" {len(enc.ids) / hf_s:>11.0f} {hf_s / tk_s:>7.1f}x {str(enc.ids == ids):>8}")
-    lib.lib.kvpq_vocab_free(h)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@
            faiss.IndexFlatL2 over all points) so the quality comparison is like for like.
 
 Both libraries run with the same number of OpenMP threads (--threads, default 2). Times are the
-median of --repeats runs after one warm-up. kvpq is loaded with ctypes from KVPQ_LIB (or --lib).
+median of --repeats runs after one warm-up. kvpq is the Python package over the library at KVPQ_LIB (or --lib); the timed
+encode is the raw kvpq_pq_encode call (kvpq.lib), without the package's argument checks.
 
   KVPQ_LIB=build/libkvpq.so python3 bench/faiss_compare.py [--threads 2] [--quick] [--json]
 """
 import argparse
-import ctypes as C
 import json
 import os
 import statistics
@@ -47,45 +47,20 @@ import faiss  # noqa: E402
 faiss.omp_set_num_threads(args.threads)
 
 
-class PQParams(C.Structure):
-    _fields_ = [("d", C.c_int), ("M", C.c_int), ("nbits", C.c_int), ("granularity", C.c_int)]
+os.environ.setdefault("KVPQ_LIB", args.lib)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+import kvpq  # noqa: E402
 
-
-PROGRESS = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_char_p, C.c_double, C.c_double)
-
-
-class KMParams(C.Structure):
-    _fields_ = [("niter", C.c_int), ("max_points_per_centroid", C.c_int), ("seed", C.c_uint64),
-                ("n_threads", C.c_int), ("progress", PROGRESS), ("progress_user", C.c_void_p),
-                ("init", C.c_int)]
-
-
-class KMReport(C.Structure):
-    _fields_ = [("mse_init", C.c_double), ("mse_final", C.c_double), ("iterations", C.c_int),
-                ("empty_repaired", C.c_int), ("n_used", C.c_size_t)]
-
-
-lib = C.CDLL(args.lib)
-lib.kvpq_last_error.restype = C.c_char_p
-lib.kvpq_pq_new.argtypes = [C.POINTER(C.c_void_p), C.POINTER(PQParams)]
-lib.kvpq_pq_free.argtypes = [C.c_void_p]
-lib.kvpq_pq_set_centroids.argtypes = [C.c_void_p, C.c_void_p, C.c_size_t]
-lib.kvpq_pq_encode.argtypes = [C.c_void_p, C.c_size_t, C.c_void_p, C.c_void_p]
-lib.kvpq_pq_code_size.argtypes = [C.c_void_p]
-lib.kvpq_pq_code_size.restype = C.c_size_t
-lib.kvpq_kmeans.argtypes = [C.c_int, C.c_int, C.c_size_t, C.c_void_p, C.POINTER(KMParams), C.c_void_p,
-                            C.POINTER(KMReport)]
-lib.kvpq_simd_get.restype = C.c_int
-lib.kvpq_simd_name.restype = C.c_char_p
+lib, ffi = kvpq.lib, kvpq.ffi
 
 
 def check(status, what):
     if status != 0:
-        raise RuntimeError(f"{what}: status {status}: {lib.kvpq_last_error().decode()}")
+        raise RuntimeError(f"{what}: status {status}: {kvpq.last_error()}")
 
 
-def ptr(a):
-    return a.ctypes.data_as(C.c_void_p)
+def ptr(a, t="float *"):
+    return ffi.cast(t, a.ctypes.data)
 
 
 def timed_pair(fa, fb, repeats):
@@ -122,17 +97,14 @@ def bench_encode(n, d, M, nbits, repeats):
     pq.cp.min_points_per_centroid = 1  # codebook quality is not what is timed here
     pq.train(x[: min(n, 256 * (1 << nbits))])
     cent = faiss.vector_to_array(pq.centroids).astype(np.float32)  # (M, ksub, dsub)
-    p = PQParams(d, M, nbits, 1)  # SUBSPACE, like faiss
-    h = C.c_void_p()
-    check(lib.kvpq_pq_new(C.byref(h), C.byref(p)), "kvpq_pq_new")
-    check(lib.kvpq_pq_set_centroids(h, ptr(cent), cent.size), "kvpq_pq_set_centroids")
-    cs = lib.kvpq_pq_code_size(h)
-    ours = np.zeros((n, cs), np.uint8)
+    q = kvpq.ProductQuantizer(d, M, nbits, granularity="subspace")  # like faiss
+    q.centroids = cent.reshape(M, 1 << nbits, d // M)
+    ours = np.zeros((n, q.code_size), np.uint8)
     t_faiss, t_kvpq = timed_pair(lambda: pq.compute_codes(x),
-                                 lambda: check(lib.kvpq_pq_encode(h, n, ptr(x), ptr(ours)), "kvpq_pq_encode"), repeats)
+                                 lambda: check(lib.kvpq_pq_encode(q._h, n, ptr(x), ptr(ours, "uint8_t *")),
+                                               "kvpq_pq_encode"), repeats)
     theirs = pq.compute_codes(x)
     agree = float((theirs == ours).mean()) * 100
-    lib.kvpq_pq_free(h)
     nsub = n * M
     return dict(kind="encode", n=n, d=d, M=M, nbits=nbits, dsub=d // M, faiss_ms=t_faiss * 1e3,
                 kvpq_ms=t_kvpq * 1e3, faiss_subvec_per_s=nsub / t_faiss, kvpq_subvec_per_s=nsub / t_kvpq,
@@ -143,8 +115,6 @@ def bench_kmeans(n, d, k, niter, repeats):
     """Repeat r uses seed 1000 + r for both libraries, interleaved: median time, mean +- std of the
     final MSE over the seeds (the seed-to-seed spread is the scale on which to read the MSE ratio)."""
     x = data(n, d, 2)
-    cent = np.zeros((k, d), np.float32)
-    rep = KMReport()
     tf, tk, mf, mk, its = [], [], [], [], []
     for r in range(repeats + 1):  # r = 0: warm-up, not recorded
         seed = 1000 + r
@@ -153,17 +123,17 @@ def bench_kmeans(n, d, k, niter, repeats):
         km.cp.min_points_per_centroid = 1  # no warning spam for small quick runs
         km.train(x)
         t1 = time.perf_counter()
-        kp = KMParams(niter, 256, seed, args.threads, PROGRESS(0), None)
-        check(lib.kvpq_kmeans(d, k, n, ptr(x), C.byref(kp), ptr(cent), C.byref(rep)), "kvpq_kmeans")
+        cent, rep = kvpq.kmeans(x, k, niter=niter, max_points_per_centroid=256, seed=seed, init="pp",
+                                n_threads=args.threads)
         t2 = time.perf_counter()
         if r == 0:
             continue
         tf.append(t1 - t0), tk.append(t2 - t1)
-        mf.append(mse_of(x, km.centroids)), mk.append(mse_of(x, cent)), its.append(rep.iterations)
+        mf.append(mse_of(x, km.centroids)), mk.append(mse_of(x, cent)), its.append(rep["iterations"])
     return dict(kind="kmeans", n=n, d=d, k=k, niter=niter, faiss_ms=statistics.median(tf) * 1e3,
                 kvpq_ms=statistics.median(tk) * 1e3, speedup=statistics.median(tf) / statistics.median(tk),
                 faiss_mse=float(np.mean(mf)), kvpq_mse=float(np.mean(mk)), faiss_mse_std=float(np.std(mf)),
-                kvpq_mse_std=float(np.std(mk)), kvpq_iterations=its, n_used=rep.n_used, seeds=repeats)
+                kvpq_mse_std=float(np.std(mk)), kvpq_iterations=its, n_used=rep["n_used"], seeds=repeats)
 
 
 def main():
@@ -184,7 +154,7 @@ def main():
         km = []
     for n, d, k, niter in km:
         rows.append(bench_kmeans(n, d, k, niter, max(3, args.repeats // 2)))
-    simd = lib.kvpq_simd_name(lib.kvpq_simd_get()).decode()
+    simd = kvpq.simd_get()
     if args.json:
         print(json.dumps(dict(threads=args.threads, simd=simd, faiss=faiss.__version__, rows=rows), indent=1))
         return

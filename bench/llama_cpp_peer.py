@@ -9,14 +9,13 @@ Peers:
   * an independent numpy reference forward pass written here over the PyPI `gguf` package's
     dequantization (always): logits of the first positions.
 
-kvpq is driven through its shared library (ctypes over include/kvpq.h: KVPQ_LIB or build/libkvpq.so).
+kvpq is driven through the kvpq Python package (python/kvpq; KVPQ_LIB or build/libkvpq.so of a checkout).
 Prints one table; `--json` writes the numbers as JSON too.
 
 usage: python3 bench/llama_cpp_peer.py [--model M] [--text F] [--ctx 512] [--chunks 4]
                                        [--positions 32] [--threads 2] [--json OUT]
 """
 import argparse
-import ctypes
 import json
 import math
 import os
@@ -27,101 +26,34 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# ---- kvpq through ctypes ---------------------------------------------------------------------------
+# ---- kvpq through its Python package ---------------------------------------------------------------
 
-
-class ModelInfo(ctypes.Structure):
-    _fields_ = [("arch", ctypes.c_char * 32), ("name", ctypes.c_char * 128)] + [
-        (f, ctypes.c_int)
-        for f in ("n_layer", "n_head", "n_head_kv", "head_dim", "n_embd", "n_ff", "n_vocab", "n_ctx_train")
-    ] + [("rope_freq_base", ctypes.c_float), ("rms_eps", ctypes.c_float), ("bos_id", ctypes.c_int32),
-         ("eos_id", ctypes.c_int32), ("add_bos", ctypes.c_int), ("fingerprint", ctypes.c_char * 17),
-         ("sliding_window", ctypes.c_int), ("n_swa_layers", ctypes.c_int)]
-
-
-class CacheParams(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_int) for f in ("type", "n_layer", "n_head", "n_head_kv", "head_dim", "max_seq",
-                                            "window", "page_tokens")] + [
-        ("codebook", ctypes.c_void_p), ("n_threads", ctypes.c_int), ("backend", ctypes.c_int),
-        ("vq_fast_scan", ctypes.c_int), ("sliding_window", ctypes.c_int), ("swa_layers", ctypes.c_void_p)]
-
-
-class ModelParams(ctypes.Structure):
-    _fields_ = [("n_threads", ctypes.c_int)]
-
-
-def openblas_coretype_fixup():
-    """OpenBLAS 0.3.21 does not recognize this VM's CPU and falls back to SSE3 kernels (3.6x slower
-    prefill); it reads OPENBLAS_CORETYPE once, when it loads, so set it before loading kvpq (the
-    kvpq CLI does the same, tools/cli_blas.c)."""
-    if "OPENBLAS_CORETYPE" in os.environ:
-        return
-    try:
-        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return
-    if all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
-        os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
-    elif "avx2" in flags and "fma" in flags:
-        os.environ["OPENBLAS_CORETYPE"] = "Haswell"
+if os.path.join(ROOT, "python") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "python"))  # a checkout's python/kvpq when not pip-installed
 
 
 class Kvpq:
-    """The few kvpq.h calls this benchmark needs."""
+    """The few kvpq calls this benchmark needs, over kvpq.Model (the package sets OPENBLAS_CORETYPE
+    before it loads the library, as the CLI does). lib_path: libkvpq.so to load (KVPQ_LIB)."""
 
     def __init__(self, lib_path, model_path, n_threads):
-        openblas_coretype_fixup()
-        L = ctypes.CDLL(lib_path)
-        self.L = L
-        L.kvpq_last_error.restype = ctypes.c_char_p
-        L.kvpq_model_params_default.restype = ModelParams
-        L.kvpq_cache_params_default.restype = CacheParams
-        L.kvpq_model_load.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.POINTER(ModelParams)]
-        L.kvpq_model_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(ModelInfo)]
-        L.kvpq_cache_new.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(CacheParams)]
-        L.kvpq_model_cache_params.argtypes = [ctypes.c_void_p, ctypes.POINTER(CacheParams)]
-        L.kvpq_cache_free.argtypes = [ctypes.c_void_p]
-        L.kvpq_cache_truncate.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        L.kvpq_model_eval.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int,
-                                      ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
-        L.kvpq_tokenize.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                    ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
-        mp = L.kvpq_model_params_default()
-        mp.n_threads = n_threads
-        self.model = ctypes.c_void_p()
-        self._check(L.kvpq_model_load(ctypes.byref(self.model), model_path.encode(), ctypes.byref(mp)), "model_load")
-        self.info = ModelInfo()
-        self._check(L.kvpq_model_get_info(self.model, ctypes.byref(self.info)), "model_get_info")
-
-    def _check(self, s, what):
-        if s != 0:
-            raise RuntimeError(f"kvpq {what}: status {s}: {self.L.kvpq_last_error().decode()}")
+        if lib_path:
+            os.environ.setdefault("KVPQ_LIB", lib_path)
+        import kvpq
+        self.kvpq = kvpq
+        self.model = kvpq.Model(model_path, n_threads=n_threads)
+        from types import SimpleNamespace
+        self.info = SimpleNamespace(**self.model.info)
 
     def tokenize(self, text, add_bos):
-        b = text.encode()
-        n = ctypes.c_size_t()
-        self._check(self.L.kvpq_tokenize(self.model, b, len(b), add_bos, 0, None, 0, ctypes.byref(n)), "tokenize")
-        out = (ctypes.c_int32 * n.value)()
-        self._check(self.L.kvpq_tokenize(self.model, b, len(b), add_bos, 0, out, n.value, ctypes.byref(n)), "tokenize")
-        return list(out)
+        return self.model.tokenize(text, add_bos=bool(add_bos)).tolist()
 
-    def new_cache(self, max_seq, cache_type=0):
-        cp = self.L.kvpq_cache_params_default()
-        cp.type = cache_type
-        self._check(self.L.kvpq_model_cache_params(self.model, ctypes.byref(cp)), "model_cache_params")
-        cp.max_seq = max_seq
-        c = ctypes.c_void_p()
-        self._check(self.L.kvpq_cache_new(ctypes.byref(c), ctypes.byref(cp)), "cache_new")
-        return c
+    def new_cache(self, max_seq, cache_type="fp32"):
+        return self.model.new_cache(cache_type, max_seq)
 
     def eval(self, cache, tokens, logits_all):
-        n = len(tokens)
-        V = self.info.n_vocab
-        out = np.empty((n if logits_all else 1, V), dtype=np.float32)
-        arr = (ctypes.c_int32 * n)(*tokens)
-        self._check(self.L.kvpq_model_eval(self.model, cache, arr, n, 1 if logits_all else 0,
-                                           out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))), "model_eval")
-        return out
+        out = self.model.eval(cache, np.asarray(tokens, dtype=np.int32), logits_all)
+        return out if logits_all else out[None, :]
 
 
 # ---- llama.cpp's perplexity scoring (examples/perplexity), shared by both engines ----------------
@@ -288,7 +220,7 @@ def main():
     nll = []
     t0 = time.perf_counter()
     for ch in chunks:
-        kv.L.kvpq_cache_truncate(c, 0)
+        c.truncate(0)
         nll += score_chunk(kv.eval(c, ch, True), ch)
     t_ours = time.perf_counter() - t0
     ppl, se = ppl_with_stderr(nll)
@@ -296,7 +228,7 @@ def main():
 
     def speed_ours():
         """Prefill of one chunk (last logits only), then greedy decode one token at a time."""
-        kv.L.kvpq_cache_truncate(c, 0)
+        c.truncate(0)
         t0 = time.perf_counter()
         last = kv.eval(c, chunks[0], False)
         pre = len(chunks[0]) / (time.perf_counter() - t0)

@@ -42,7 +42,7 @@ from llama_cpp_peer import NumpyLlama
 M = os.path.join(ROOT, 'models', 'SmolLM2-135M-Instruct.Q4_1.gguf')
 np.random.seed(0)
 L = NumpyLlama(M)
-# tokenize with kvpq via ctypes
+# tokenize with kvpq (the Python package, through llama_cpp_peer.Kvpq)
 from llama_cpp_peer import Kvpq
 kv = Kvpq(os.environ.get('KVPQ_LIB', os.path.join(ROOT, 'build', 'libkvpq.so')), M, 2)
 

@@ -337,6 +337,37 @@ KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
  * interrupted save leaves nothing behind (the kvpq CLI does). The library installs no handlers. */
 KVPQ_API void kvpq_remove_temp_files(void);
 
+/* ---- calibration: a codebook from collected keys and values --------------------------------- */
+
+/* How kvpq_codebook_calibrate_layer trains a layer. kvpq_calibrate_params_default() gives the
+ * defaults of `kvpq calibrate` (which calls this function), so equal inputs give equal files. */
+typedef struct {
+    int center;                /* 1 (default): subtract the per-(KV head, channel) key mean mu first */
+    float smooth_floor;        /* floor of the smoothing factors lambda (default 1e-2, kvpq_smooth_compute) */
+    /* k-means of both quantizers: defaults niter 25, seed 1234, init KVPQ_KMEANS_INIT_RANDOM (as faiss),
+     * max_points_per_centroid 0 = per quantizer 256, or 32 when its nbits > 8. */
+    kvpq_kmeans_params kmeans;
+} kvpq_calibrate_params;
+KVPQ_API kvpq_calibrate_params kvpq_calibrate_params_default(void);
+
+/* Train layer `layer` of cb from keys and values a model produced: its key mean mu (when
+ * p->center; else mu is left 0), key smoothing factors lambda = sqrt(max_t |k - mu|) per KV head and
+ * channel (floored at p->smooth_floor), and its key and value codebooks, by k-means over the
+ * transformed vectors of all KV heads pooled. Keys become H((k - mu) / lambda) (VecInfer, arXiv
+ * 2510.06175, sec. 3); values H v when the codebook's value_rotate is set, else v; each is divided
+ * by its L2 norm when the codebook's key_norm / value_norm is set (norm-explicit quantizers are
+ * trained on directions, Dai et al., AAAI 2020). The quantizer shapes (presets, a layer's own key M,
+ * granularity) are those cb was created with.
+ * k, v: (n_tokens, n_head_kv, head_dim) float32 post-RoPE keys and values of that layer (read only;
+ * the work is done in copies). p may be NULL (defaults). key_report, value_report may be NULL; they
+ * get the k-means reports (MSE per transformed vector). Progress: p->kmeans.progress, as
+ * kvpq_pq_train. Errors: cb NULL, layer out of range, n_tokens too small for a quantizer's ksub
+ * (KVPQ_ERR_INVALID_ARG, naming it); NaN/Inf in k or v (KVPQ_ERR_NONFINITE, naming which);
+ * KVPQ_ERR_NOMEM. On error the layer may be partly trained. */
+KVPQ_API kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n_tokens, const float *k,
+                                                   const float *v, const kvpq_calibrate_params *p,
+                                                   kvpq_kmeans_report *key_report, kvpq_kmeans_report *value_report);
+
 /* ---- KV cache ------------------------------------------------------------------------------- */
 
 /* Largest max_seq a cache takes (2^30 positions): page and position arithmetic then stays in int. */

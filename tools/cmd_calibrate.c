@@ -267,57 +267,32 @@ static int make_codebook(const calib_args *a, const kvpq_model_info *mi, kvpq_co
 }
 
 /* Train one job's codebook cb on the collected activations kall, vall (n_layer, n_use, n_head_kv,
- * head_dim) (left unchanged: each layer is transformed in the copies kd, vd (n_use * row)) and
- * write it to a->out with its metadata. */
+ * head_dim) (left unchanged: kvpq_codebook_calibrate_layer works in copies) and write it to a->out
+ * with its metadata. */
 static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const char *model_path, kvpq_codebook *cb,
-                          const float *kall, const float *vall, size_t n_use, float *kd, float *vd, float *lam,
-                          double t0, double t_fwd) {
-    const int L = mi->n_layer, H = mi->n_head_kv, D = mi->head_dim;
-    const size_t row = (size_t)H * D;
-    kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+                          const float *kall, const float *vall, size_t n_use, double t0, double t_fwd) {
+    const int L = mi->n_layer;
+    const size_t row = (size_t)mi->n_head_kv * mi->head_dim;
     kvpq_status s;
-    kvpq_kmeans_params km = kvpq_kmeans_params_default();
-    km.niter = (int)a->iters;
-    km.seed = (uint64_t)a->seed;
-    km.n_threads = (int)a->threads;
-    km.progress = progress_cb;
-    km.init = strcmp(a->kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
+    kvpq_calibrate_params clp = kvpq_calibrate_params_default();
+    clp.center = (int)a->center;
+    clp.kmeans.niter = (int)a->iters;
+    clp.kmeans.seed = (uint64_t)a->seed;
+    clp.kmeans.n_threads = (int)a->threads;
+    clp.kmeans.progress = progress_cb;
+    clp.kmeans.init = strcmp(a->kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
+    clp.kmeans.max_points_per_centroid = a->max_ppc > 0 ? (int)a->max_ppc : 0; /* 0: 256, or 32 for nbits > 8 */
     double mse_k = 0, mse_v = 0, t1 = cli_now();
     char what[128], note[96] = "";
     snprintf(what, sizeof what, "calibrate: %s: k-means", base_name(a->out));
     cli_progress pr;
     cli_progress_begin(&pr, what, "layers", L);
     for (int l = 0; l < L; l++) {
-        memcpy(kd, kall + (size_t)l * n_use * row, sizeof(float) * n_use * row);
-        memcpy(vd, vall + (size_t)l * n_use * row, sizeof(float) * n_use * row);
-        if (a->center) {
-            float *mu = kvpq_codebook_key_mean(cb, l); /* (H, D) */
-            for (size_t c = 0; c < row; c++) {
-                double acc = 0;
-                for (size_t t = 0; t < n_use; t++) acc += kd[t * row + c];
-                mu[c] = (float)(acc / (double)n_use);
-            }
-            for (size_t t = 0; t < n_use; t++)
-                for (size_t c = 0; c < row; c++) kd[t * row + c] -= mu[c];
-        }
-        if ((s = kvpq_smooth_compute(n_use, H, D, kd, 1e-2f, lam)) != KVPQ_OK)
-            return cli_fail("calibrate: smoothing factors", s);
-        memcpy(kvpq_codebook_key_smooth(cb, l), lam, sizeof(float) * row);
-        if ((s = kvpq_smooth_apply(kd, n_use, H, D, lam, 0)) != KVPQ_OK ||
-            (s = kvpq_hadamard(kd, n_use * H, D)) != KVPQ_OK ||
-            (a->value_rotate && (s = kvpq_hadamard(vd, n_use * H, D)) != KVPQ_OK))
-            return cli_fail("calibrate: smoothing and rotation", s);
-        /* Norm-explicit quantizers are trained on directions (the cache keeps the scale). */
-        if ((a->key_norm && (s = kvpq_normalize_rows(kd, n_use * H, D, NULL)) != KVPQ_OK) ||
-            (a->value_norm && (s = kvpq_normalize_rows(vd, n_use * H, D, NULL)) != KVPQ_OK))
-            return cli_fail("calibrate: normalizing", s);
+        /* centering, smoothing, rotation, normalization, k-means: the library's recipe */
         kvpq_kmeans_report rk, rv;
-        km.max_points_per_centroid = a->max_ppc > 0 ? (int)a->max_ppc : (cp.key.nbits > 8 ? 32 : 256);
-        if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 0), &km, n_use * H, kd, &rk)) != KVPQ_OK)
-            return cli_fail("calibrate: training the key codebook", s);
-        km.max_points_per_centroid = a->max_ppc > 0 ? (int)a->max_ppc : (cp.value.nbits > 8 ? 32 : 256);
-        if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, l, 1), &km, n_use * H, vd, &rv)) != KVPQ_OK)
-            return cli_fail("calibrate: training the value codebook", s);
+        if ((s = kvpq_codebook_calibrate_layer(cb, l, n_use, kall + (size_t)l * n_use * row,
+                                               vall + (size_t)l * n_use * row, &clp, &rk, &rv)) != KVPQ_OK)
+            return cli_fail("calibrate", s);
         mse_k += rk.mse_final;
         mse_v += rv.mse_final;
         snprintf(note, sizeof note, "key mse %.4g, value mse %.4g", rk.mse_final, rv.mse_final);
@@ -368,7 +343,7 @@ int cmd_calibrate(int argc, char **argv) {
     kvpq_cache *cache = NULL;
     char *text = NULL;
     int32_t *tokens = NULL;
-    float *logits = NULL, *kall = NULL, *vall = NULL, *lam = NULL, *kd = NULL, *vd = NULL;
+    float *logits = NULL, *kall = NULL, *vall = NULL;
     double t0 = cli_now();
     int pr = parse_args(argc, argv, jobs, &n_jobs, split_buf);
     if (pr <= 0) {
@@ -434,11 +409,8 @@ int cmd_calibrate(int argc, char **argv) {
     }
     kall = malloc(sizeof(float) * (size_t)L * n_use * row);
     vall = malloc(sizeof(float) * (size_t)L * n_use * row);
-    kd = malloc(sizeof(float) * n_use * row);
-    vd = malloc(sizeof(float) * n_use * row);
     logits = malloc(sizeof(float) * (size_t)mi.n_vocab);
-    lam = malloc(sizeof(float) * row);
-    if (!kall || !vall || !kd || !vd || !logits || !lam) goto oom;
+    if (!kall || !vall || !logits) goto oom;
     cli_progress pf;
     cli_progress_begin(&pf, "calibrate: forward", "tokens", (double)n_use);
     for (size_t p0 = 0; p0 < n_use; p0 += (size_t)a->ctx) {
@@ -470,7 +442,7 @@ int cmd_calibrate(int argc, char **argv) {
 
     /* ---- per job and layer: centering, smoothing, rotation, k-means; then the file ---- */
     for (int j = 0; j < n_jobs; j++)
-        if ((rc = train_and_save(&jobs[j], &mi, a->model, cbs[j], kall, vall, n_use, kd, vd, lam, t0, t_fwd)) != 0)
+        if ((rc = train_and_save(&jobs[j], &mi, a->model, cbs[j], kall, vall, n_use, t0, t_fwd)) != 0)
             goto done;
     rc = 0;
     goto done;
@@ -484,9 +456,6 @@ done:
     free(logits);
     free(kall);
     free(vall);
-    free(kd);
-    free(vd);
-    free(lam);
     kvpq_cache_free(cache);
     kvpq_model_free(model);
     return rc;

@@ -1,67 +1,31 @@
-"""kvpq's q8_0 / q4_0 / fp16 KV caches vs the PyPI gguf package and numpy, through ctypes on
-KVPQ_LIB: what kvpq_cache_read returns must equal, bit for bit, gguf.quants.dequantize(
+"""kvpq's q8_0 / q4_0 / fp16 KV caches vs the PyPI gguf package and numpy, through the kvpq
+package: what kvpq_cache_read returns must equal, bit for bit, gguf.quants.dequantize(
 gguf.quants.quantize(x)) for Q8_0 and Q4_0 (ggml's block layouts and quantize_row_*_ref rounding),
 and numpy's float16 round trip for fp16. Attention must match a float64 numpy softmax attention over
 the read-back K/V."""
-import ctypes
-import os
-
 import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
-LIB = os.environ.get("KVPQ_LIB")
-pytestmark = pytest.mark.skipif(not LIB, reason="KVPQ_LIB not set (run through ctest)")
+import kvpq  # noqa: E402
 
-FP32, FP16, Q8_0, Q4_0 = 0, 1, 2, 3
-
-
-class CacheParams(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("n_layer", ctypes.c_int), ("n_head", ctypes.c_int),
-                ("n_head_kv", ctypes.c_int), ("head_dim", ctypes.c_int), ("max_seq", ctypes.c_int),
-                ("window", ctypes.c_int), ("page_tokens", ctypes.c_int), ("codebook", ctypes.c_void_p),
-                ("n_threads", ctypes.c_int), ("backend", ctypes.c_int), ("vq_fast_scan", ctypes.c_int),
-                ("sliding_window", ctypes.c_int), ("swa_layers", ctypes.c_void_p)]  # all of include/kvpq.h's
-
-
-FP = ctypes.POINTER(ctypes.c_float)
+FP32, FP16, Q8_0, Q4_0 = "fp32", "fp16", "q8_0", "q4_0"
 
 
 @pytest.fixture(scope="module")
 def lib():
-    L = ctypes.CDLL(LIB)
-    L.kvpq_cache_params_default.restype = CacheParams
-    L.kvpq_cache_new.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(CacheParams)]
-    L.kvpq_cache_free.argtypes = [ctypes.c_void_p]
-    L.kvpq_cache_append.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, FP, FP]
-    L.kvpq_cache_read.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, FP, FP]
-    L.kvpq_cache_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, FP, FP]
-    L.kvpq_last_error.restype = ctypes.c_char_p
-    return L
-
-
-def fptr(a):
-    return a.ctypes.data_as(FP)
+    return kvpq
 
 
 def run_cache(lib, kind, k, v, q):
     """Append k, v (L, n_head_kv, head_dim) to a one-layer cache; read back; attend q (1, n_head, hd)."""
     L, hkv, hd = k.shape
-    p = lib.kvpq_cache_params_default()
-    p.type, p.n_layer, p.n_head, p.n_head_kv, p.head_dim, p.max_seq = kind, 1, q.shape[1], hkv, hd, L
-    c = ctypes.c_void_p()
-    assert lib.kvpq_cache_new(ctypes.byref(c), ctypes.byref(p)) == 0, lib.kvpq_last_error().decode()
-    try:
-        assert lib.kvpq_cache_append(c, 0, L, fptr(k), fptr(v)) == 0, lib.kvpq_last_error().decode()
-        kr, vr = np.empty_like(k), np.empty_like(v)
-        assert lib.kvpq_cache_read(c, 0, 0, L, fptr(kr), fptr(vr)) == 0
-        out = np.empty_like(q)
-        assert lib.kvpq_cache_attend(c, 0, 1, fptr(q), fptr(out)) == 0
-        return kr, vr, out
-    finally:
-        lib.kvpq_cache_free(c)
+    c = lib.Cache(kind, n_layer=1, n_head=q.shape[1], n_head_kv=hkv, head_dim=hd, max_seq=L)
+    c.append(0, k, v)
+    kr, vr = c.read(0, 0, L)
+    return kr, vr, c.attend(0, q)
 
 
 def data(seed, L=300, hkv=3, hd=64, n_head=9):

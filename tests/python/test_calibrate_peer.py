@@ -157,3 +157,35 @@ def test_also_writes_the_same_codebooks_as_separate_runs(tmp_path):
         bad = run(*base, "-o", tmp_path / "m.safetensors", "--also", extra, check=False)
         assert bad.returncode == 2 and msg in bad.stderr, (extra, bad.stderr)
         assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_python_calibrate_writes_the_clis_tensors(codebook, tmp_path):
+    """kvpq.calibrate over the keys and values the library's own forward pass produced (the same
+    tokens and chunks as `kvpq calibrate`) trains, bit for bit, the CLI's tensors: both call
+    kvpq_codebook_calibrate_layer with the same defaults (d4b8, norm-explicit, centering, 25 -> 2
+    k-means iterations, random init, seed 1234)."""
+    import kvpq
+    m = kvpq.Model(MODEL, n_threads=2)
+    toks = m.tokenize(CALIB.read_text(encoding="utf-8")[:20000])[:TOKENS]
+    c = m.new_cache("fp32", CTX)
+    ks, vs = [[] for _ in range(m.info["n_layer"])], [[] for _ in range(m.info["n_layer"])]
+    for c0 in range(0, TOKENS, CTX):
+        c.truncate(0)
+        m.eval(c, toks[c0:c0 + CTX])
+        for layer in range(m.info["n_layer"]):
+            k, v = c.read(layer)
+            ks[layer].append(k)
+            vs[layer].append(v)
+    kv = [(np.concatenate(ks[i]), np.concatenate(vs[i])) for i in range(m.info["n_layer"])]
+    cb = kvpq.calibrate(kv, keys="d4b8", niter=2, n_threads=2)
+    out = tmp_path / "py.safetensors"
+    cb.save(out)
+    ours, cli = st_numpy.load_file(str(out)), st_numpy.load_file(str(codebook))
+    assert sorted(ours) == sorted(cli)
+    for name in cli:
+        assert np.array_equal(ours[name].view(np.uint32), cli[name].view(np.uint32)), name
+    # a NaN in the activations is refused, naming the layer's argument
+    kv[3] = (kv[3][0].copy(), kv[3][1])
+    kv[3][0][5, 1, 7] = np.nan
+    with pytest.raises(kvpq.Error, match=r"k \(layer 3\): holds NaN or Inf \(first at index \(5, 1, 7\)\)"):
+        kvpq.calibrate(kv, keys="d4b8", niter=1)

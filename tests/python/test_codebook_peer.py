@@ -1,11 +1,11 @@
 """Codebook files against the reference safetensors implementation (PyPI `safetensors`).
 
-A file kvpq writes (through the C API, by ctypes on the shared library at env KVPQ_LIB) must be read
+A file kvpq writes (through the C API, by the kvpq package) must be read
 by safetensors with the documented names, shapes, values and metadata; a file safetensors writes
 with those names and metadata must be loaded by kvpq with the same values.
 """
-import ctypes
 import os
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -13,61 +13,22 @@ import pytest
 st_numpy = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
 from safetensors import safe_open  # noqa: E402
 
-SHARED, SUBSPACE = 0, 1
+import kvpq  # noqa: E402
+
+SHARED, SUBSPACE = "shared", "subspace"
 
 
-class PQParams(ctypes.Structure):
-    _fields_ = [("d", ctypes.c_int), ("M", ctypes.c_int), ("nbits", ctypes.c_int), ("granularity", ctypes.c_int)]
+def _params(key_gran, value_gran):
+    return NS(n_layer=3, n_head_kv=2, head_dim=16,
+              key=NS(d=16, M=4, nbits=8, granularity=key_gran),     # dsub 4, ksub 256
+              value=NS(d=16, M=8, nbits=3, granularity=value_gran),  # dsub 2, ksub 8
+              value_rotate=1, key_norm=0, value_norm=0)
 
 
-class CodebookParams(ctypes.Structure):
-    _fields_ = [("n_layer", ctypes.c_int), ("n_head_kv", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("key", PQParams), ("value", PQParams), ("value_rotate", ctypes.c_int),
-                ("key_norm", ctypes.c_int), ("value_norm", ctypes.c_int)]
-
-
-def _lib():
-    path = os.environ.get("KVPQ_LIB")
-    if not path:
-        pytest.fail("env KVPQ_LIB (the kvpq shared library) is not set; run through ctest")
-    lib = ctypes.CDLL(path)
-    vp, c_int, c_char_p, c_size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t
-    fp = ctypes.POINTER(ctypes.c_float)
-    sig = {
-        "kvpq_codebook_params_default": (CodebookParams, []),
-        "kvpq_codebook_new": (c_int, [ctypes.POINTER(vp), ctypes.POINTER(CodebookParams)]),
-        "kvpq_codebook_free": (None, [vp]),
-        "kvpq_codebook_save": (c_int, [vp, c_char_p]),
-        "kvpq_codebook_load": (c_int, [ctypes.POINTER(vp), c_char_p]),
-        "kvpq_codebook_get_params": (CodebookParams, [vp]),
-        "kvpq_codebook_pq": (vp, [vp, c_int, c_int]),
-        "kvpq_codebook_key_smooth": (fp, [vp, c_int]),
-        "kvpq_codebook_key_mean": (fp, [vp, c_int]),
-        "kvpq_codebook_set_meta": (c_int, [vp, c_char_p, c_char_p]),
-        "kvpq_codebook_get_meta": (c_char_p, [vp, c_char_p]),
-        "kvpq_codebook_layer_key_M": (c_int, [vp, c_int]),
-        "kvpq_pq_centroids_size": (c_size_t, [vp]),
-        "kvpq_pq_centroids": (fp, [vp]),
-        "kvpq_pq_set_centroids": (c_int, [vp, fp, c_size_t]),
-        "kvpq_last_error": (c_char_p, []),
-    }
-    for name, (res, args) in sig.items():
-        f = getattr(lib, name)
-        f.restype, f.argtypes = res, args
-    return lib
-
-
-def _check(lib, status):
-    assert status == 0, lib.kvpq_last_error().decode()
-
-
-def _params(lib, key_gran, value_gran):
-    p = lib.kvpq_codebook_params_default()
-    p.n_layer, p.n_head_kv, p.head_dim = 3, 2, 16
-    p.key = PQParams(16, 4, 8, key_gran)      # dsub 4, ksub 256
-    p.value = PQParams(16, 8, 3, value_gran)  # dsub 2, ksub 8
-    p.value_rotate = 1
-    return p
+def _new(p):
+    return kvpq.Codebook(p.n_layer, p.n_head_kv, p.head_dim, keys=(p.key.M, p.key.nbits),
+                         values=(p.value.M, p.value.nbits), granularity=(p.key.granularity, p.value.granularity),
+                         value_rotate=p.value_rotate, key_norm=p.key_norm, value_norm=p.value_norm)
 
 
 def _book_shape(q):
@@ -89,12 +50,11 @@ def _expected_tensors(p, rng, version=3):
 
 
 def _config_meta(p, version=3):
-    gran = {SHARED: "shared", SUBSPACE: "subspace"}
     meta = {
         "kvpq.format_version": str(version), "n_layer": str(p.n_layer), "n_head_kv": str(p.n_head_kv),
         "head_dim": str(p.head_dim), "k.M": str(p.key.M), "k.nbits": str(p.key.nbits),
-        "k.granularity": gran[p.key.granularity], "v.M": str(p.value.M), "v.nbits": str(p.value.nbits),
-        "v.granularity": gran[p.value.granularity], "v.rotate": str(p.value_rotate),
+        "k.granularity": p.key.granularity, "v.M": str(p.value.M), "v.nbits": str(p.value.nbits),
+        "v.granularity": p.value.granularity, "v.rotate": str(p.value_rotate),
     }
     if version >= 3:  # norm-explicit quantizers (format version 3)
         meta.update({"k.norm": str(p.key_norm), "v.norm": str(p.value_norm)})
@@ -104,33 +64,20 @@ def _config_meta(p, version=3):
 FREE_META = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "text": "emma.txt \u2713 \"quoted\"", "tokens": "4096"}
 
 
-def _as_ptr(a):
-    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-
-
 @pytest.mark.parametrize("key_gran,value_gran", [(SHARED, SUBSPACE), (SUBSPACE, SHARED)])
 def test_kvpq_file_is_read_by_safetensors(tmp_path, key_gran, value_gran):
-    lib = _lib()
-    p = _params(lib, key_gran, value_gran)
+    p = _params(key_gran, value_gran)
     want = _expected_tensors(p, np.random.default_rng(1))
-    cb = ctypes.c_void_p()
-    _check(lib, lib.kvpq_codebook_new(ctypes.byref(cb), ctypes.byref(p)))
-    try:
-        for i in range(p.n_layer):
-            sm = np.ctypeslib.as_array(lib.kvpq_codebook_key_smooth(cb, i), shape=(p.n_head_kv * p.head_dim,))
-            sm[:] = want[f"layers.{i}.k.smooth"].ravel()
-            mu = np.ctypeslib.as_array(lib.kvpq_codebook_key_mean(cb, i), shape=(p.n_head_kv * p.head_dim,))
-            mu[:] = want[f"layers.{i}.k.mean"].ravel()
-            for v, kind in ((0, "k"), (1, "v")):
-                a = np.ascontiguousarray(want[f"layers.{i}.{kind}.codebook"].ravel())
-                pq = lib.kvpq_codebook_pq(cb, i, v)
-                _check(lib, lib.kvpq_pq_set_centroids(pq, _as_ptr(a), a.size))
-        for k, v in FREE_META.items():
-            _check(lib, lib.kvpq_codebook_set_meta(cb, k.encode(), v.encode()))
-        path = tmp_path / "kvpq.safetensors"
-        _check(lib, lib.kvpq_codebook_save(cb, str(path).encode()))
-    finally:
-        lib.kvpq_codebook_free(cb)
+    cb = _new(p)
+    for i in range(p.n_layer):
+        cb.set_key_smooth(i, want[f"layers.{i}.k.smooth"])
+        cb.set_key_mean(i, want[f"layers.{i}.k.mean"])
+        cb.key_pq(i).centroids = want[f"layers.{i}.k.codebook"]
+        cb.value_pq(i).centroids = want[f"layers.{i}.v.codebook"]
+    for k, v in FREE_META.items():
+        cb.set_meta(k, v)
+    path = tmp_path / "kvpq.safetensors"
+    cb.save(path)
 
     got = st_numpy.load_file(str(path))
     assert sorted(got) == sorted(want)
@@ -146,8 +93,7 @@ def test_kvpq_file_is_read_by_safetensors(tmp_path, key_gran, value_gran):
 @pytest.mark.parametrize("key_gran,value_gran,version", [(SHARED, SHARED, 3), (SUBSPACE, SUBSPACE, 2),
                                                          (SHARED, SUBSPACE, 1)])
 def test_safetensors_file_is_loaded_by_kvpq(tmp_path, key_gran, value_gran, version):
-    lib = _lib()
-    p = _params(lib, key_gran, value_gran)
+    p = _params(key_gran, value_gran)
     if version >= 3:
         p.key_norm, p.value_norm = 1, 0
     want = _expected_tensors(p, np.random.default_rng(2), version)
@@ -155,54 +101,46 @@ def test_safetensors_file_is_loaded_by_kvpq(tmp_path, key_gran, value_gran, vers
     # The reference writer orders tensors its own way (not ours) and pads the header itself.
     st_numpy.save_file(want, str(path), metadata={**_config_meta(p, version), **FREE_META})
 
-    cb = ctypes.c_void_p()
-    _check(lib, lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()))
-    try:
-        q = lib.kvpq_codebook_get_params(cb)
-        assert (q.n_layer, q.n_head_kv, q.head_dim, q.value_rotate) == (3, 2, 16, 1)
-        assert (q.key_norm, q.value_norm) == ((1, 0) if version >= 3 else (0, 0))
-        assert (q.key.M, q.key.nbits, q.key.granularity) == (4, 8, key_gran)
-        assert (q.value.M, q.value.nbits, q.value.granularity) == (8, 3, value_gran)
-        for i in range(p.n_layer):
-            sm = np.ctypeslib.as_array(lib.kvpq_codebook_key_smooth(cb, i), shape=(p.n_head_kv * p.head_dim,))
-            assert np.array_equal(sm, want[f"layers.{i}.k.smooth"].ravel())
-            mu = np.ctypeslib.as_array(lib.kvpq_codebook_key_mean(cb, i), shape=(p.n_head_kv * p.head_dim,))
-            want_mu = want[f"layers.{i}.k.mean"].ravel() if version >= 2 else np.zeros_like(mu)  # v1: mu = 0
-            assert np.array_equal(mu, want_mu)
-            for v, kind in ((0, "k"), (1, "v")):
-                pq = lib.kvpq_codebook_pq(cb, i, v)
-                n = lib.kvpq_pq_centroids_size(pq)
-                c = np.ctypeslib.as_array(lib.kvpq_pq_centroids(pq), shape=(n,))
-                assert np.array_equal(c, want[f"layers.{i}.{kind}.codebook"].ravel()), (i, kind)
-        for k, v in FREE_META.items():
-            assert lib.kvpq_codebook_get_meta(cb, k.encode()).decode() == v
-    finally:
-        lib.kvpq_codebook_free(cb)
+    cb = kvpq.Codebook.load(path)
+    q = cb.info()
+    assert (q["n_layer"], q["n_head_kv"], q["head_dim"], q["value_rotate"]) == (3, 2, 16, True)
+    assert (q["key_norm"], q["value_norm"]) == ((True, False) if version >= 3 else (False, False))
+    assert q["key"] == {"d": 16, "M": 4, "nbits": 8, "granularity": key_gran}
+    assert q["value"] == {"d": 16, "M": 8, "nbits": 3, "granularity": value_gran}
+    for i in range(p.n_layer):
+        assert np.array_equal(cb.key_smooth(i), want[f"layers.{i}.k.smooth"])
+        want_mu = want[f"layers.{i}.k.mean"] if version >= 2 else np.zeros((2, 16), np.float32)  # v1: mu = 0
+        assert np.array_equal(cb.key_mean(i), want_mu)
+        assert np.array_equal(cb.key_pq(i).centroids, want[f"layers.{i}.k.codebook"]), (i, "k")
+        assert np.array_equal(cb.value_pq(i).centroids, want[f"layers.{i}.v.codebook"]), (i, "v")
+    for k, v in FREE_META.items():
+        assert cb.get_meta(k) == v
 
 
 def test_safetensors_file_with_wrong_shape_is_rejected_by_kvpq(tmp_path):
-    lib = _lib()
-    p = _params(lib, SHARED, SHARED)
+    p = _params(SHARED, SHARED)
     want = _expected_tensors(p, np.random.default_rng(3))
     want["layers.2.v.codebook"] = want["layers.2.v.codebook"][:7]  # 7 centroids, 8 expected
     path = tmp_path / "bad.safetensors"
     st_numpy.save_file(want, str(path), metadata=_config_meta(p))
-    cb = ctypes.c_void_p()
-    assert lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()) == -4  # KVPQ_ERR_FORMAT
-    assert "tensor layers.2.v.codebook has shape [7,2], expected [8,2]" in lib.kvpq_last_error().decode()
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.Codebook.load(path)
+    assert e.value.status == -4  # KVPQ_ERR_FORMAT
+    assert "tensor layers.2.v.codebook has shape [7,2], expected [8,2]" in e.value.detail
     # Float16 tensors are rejected by dtype, naming the tensor.
     want = _expected_tensors(p, np.random.default_rng(3))
     want["layers.0.k.smooth"] = want["layers.0.k.smooth"].astype(np.float16)
     st_numpy.save_file(want, str(path), metadata=_config_meta(p))
-    assert lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()) == -4
-    assert "tensor layers.0.k.smooth has dtype F16, expected F32" in lib.kvpq_last_error().decode()
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.Codebook.load(path)
+    assert e.value.status == -4
+    assert "tensor layers.0.k.smooth has dtype F16, expected F32" in str(e.value)
 
 
 def test_cli_info_reports_a_safetensors_written_file(tmp_path):
     import subprocess
 
-    lib = _lib()
-    p = _params(lib, SHARED, SUBSPACE)
+    p = _params(SHARED, SUBSPACE)
     want = _expected_tensors(p, np.random.default_rng(4))
     want["layers.1.k.smooth"][1, 5] = 0.03125  # the layer's minimum
     want["layers.1.k.smooth"][0, 0] = 7.5      # and maximum
@@ -236,32 +174,24 @@ def test_per_layer_key_M_both_directions(tmp_path, key_gran):
     identical; kvpq info lists the differing layers."""
     import subprocess
 
-    lib = _lib()
-    p = _params(lib, key_gran, SHARED)
+    p = _params(key_gran, SHARED)
     layer_M = {1: 8, 2: 16}  # dsub 2 and 1; layer 0 keeps k.M = 4 (dsub 4)
     want = _expected_tensors(p, np.random.default_rng(5))
     for i, M in layer_M.items():
-        q = PQParams(p.key.d, M, p.key.nbits, key_gran)
+        q = NS(d=p.key.d, M=M, nbits=p.key.nbits, granularity=key_gran)
         want[f"layers.{i}.k.codebook"] = np.random.default_rng(i).standard_normal(_book_shape(q)).astype(np.float32)
     meta = {**_config_meta(p), **{f"k.M.{i}": str(M) for i, M in layer_M.items()}, **FREE_META}
     path = tmp_path / "peer_mix.safetensors"
     st_numpy.save_file(want, str(path), metadata=meta)
 
-    cb = ctypes.c_void_p()
-    _check(lib, lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()))
+    cb = kvpq.Codebook.load(path)
     out = tmp_path / "kvpq_mix.safetensors"
-    try:
-        assert lib.kvpq_codebook_get_params(cb).key.M == 4
-        assert [lib.kvpq_codebook_layer_key_M(cb, i) for i in range(3)] == [4, 8, 16]
-        assert lib.kvpq_codebook_get_meta(cb, b"k.M.1").decode() == "8"
-        for i in range(3):
-            pq = lib.kvpq_codebook_pq(cb, i, 0)
-            n = lib.kvpq_pq_centroids_size(pq)
-            c = np.ctypeslib.as_array(lib.kvpq_pq_centroids(pq), shape=(n,))
-            assert np.array_equal(c, want[f"layers.{i}.k.codebook"].ravel()), i
-        _check(lib, lib.kvpq_codebook_save(cb, str(out).encode()))
-    finally:
-        lib.kvpq_codebook_free(cb)
+    assert cb.params.key.M == 4
+    assert cb.info()["key_M"] == [4, 8, 16]
+    assert cb.get_meta("k.M.1") == "8"
+    for i in range(3):
+        assert np.array_equal(cb.key_pq(i).centroids, want[f"layers.{i}.k.codebook"]), i
+    cb.save(out)
     got = st_numpy.load_file(str(out))
     assert sorted(got) == sorted(want)
     for name, a in want.items():
@@ -276,5 +206,7 @@ def test_per_layer_key_M_both_directions(tmp_path, key_gran):
     # Metadata and tensor disagreeing: refused, naming the key's metadata.
     want["layers.2.k.codebook"] = want["layers.1.k.codebook"]
     st_numpy.save_file(want, str(path), metadata=meta)
-    assert lib.kvpq_codebook_load(ctypes.byref(cb), str(path).encode()) == -4  # KVPQ_ERR_FORMAT
-    assert "(metadata k.M.2=16)" in lib.kvpq_last_error().decode()
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.Codebook.load(path)
+    assert e.value.status == -4  # KVPQ_ERR_FORMAT
+    assert "(metadata k.M.2=16)" in e.value.detail

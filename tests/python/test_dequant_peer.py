@@ -1,7 +1,6 @@
 """kvpq's dequantization of real model tensors vs the PyPI gguf package (GGUFReader +
 gguf.quants.dequantize): must be bit-exact (np.array_equal on float32). kvpq is called through
-ctypes on KVPQ_LIB: kvpq_gguf_dequantize_tensor(path, name, out, cap, &numel)."""
-import ctypes
+the kvpq package: kvpq.gguf_dequantize (kvpq_gguf_dequantize_tensor)."""
 import os
 import subprocess
 
@@ -13,12 +12,10 @@ from gguf import quants  # noqa: E402
 
 SRC = os.environ.get("KVPQ_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 MODEL = os.path.join(SRC, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-LIB = os.environ.get("KVPQ_LIB")
 BIN = os.environ.get("KVPQ_BIN")
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists(MODEL), reason=f"model missing: {MODEL} (scripts/fetch_model.sh)"),
-    pytest.mark.skipif(not LIB, reason="KVPQ_LIB not set (run through ctest)"),
 ]
 
 # A Q4_1 of each shape the forward pass uses, the Q8_0 embedding (tied output), F32 norms.
@@ -35,15 +32,8 @@ TENSORS = [
 
 @pytest.fixture(scope="module")
 def lib():
-    L = ctypes.CDLL(LIB)
-    L.kvpq_gguf_dequantize_tensor.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float),
-                                              ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
-    L.kvpq_gguf_dequantize_tensor.restype = ctypes.c_int
-    L.kvpq_last_error.restype = ctypes.c_char_p
-    L.kvpq_simd_get.restype = ctypes.c_int
-    L.kvpq_simd_set.argtypes = [ctypes.c_int]
-    L.kvpq_simd_set.restype = ctypes.c_int
-    return L
+    import kvpq
+    return kvpq
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +42,7 @@ def reader():
 
 
 def kvpq_dequant(lib, name):
-    n = ctypes.c_size_t(0)
-    s = lib.kvpq_gguf_dequantize_tensor(MODEL.encode(), name.encode(), None, 0, ctypes.byref(n))
-    assert s == 0, lib.kvpq_last_error().decode()
-    out = np.empty(n.value, dtype=np.float32)
-    s = lib.kvpq_gguf_dequantize_tensor(MODEL.encode(), name.encode(),
-                                        out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n.value, None)
-    assert s == 0, lib.kvpq_last_error().decode()
-    return out
+    return lib.gguf_dequantize(MODEL, name)
 
 
 LEVELS = {0: "scalar", 1: "avx2", 2: "avx512"}
@@ -72,10 +55,10 @@ def test_bit_exact_with_gguf_package(lib, reader, name):
     want = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(-1)
     # The values are not trivial (a zero-filled result would also be 'equal' to zeros).
     assert np.count_nonzero(want) > want.size // 2
-    best = lib.kvpq_simd_get()
+    best = lib.simd_get()
     try:
-        for level in range(best + 1):
-            assert lib.kvpq_simd_set(level) == 0
+        for level in [LEVELS[i] for i in range(list(LEVELS.values()).index(best) + 1)]:
+            lib.simd_set(level)
             got = kvpq_dequant(lib, name)
             assert got.shape == want.shape
             # Compare bit patterns so that -0.0 vs 0.0 or NaN payloads would also be caught.
@@ -83,17 +66,19 @@ def test_bit_exact_with_gguf_package(lib, reader, name):
             assert mism.size == 0, f"{name} ({t.tensor_type.name}, simd {LEVELS[level]}): {mism.size} of " \
                                    f"{got.size} differ, first at {mism[:5]}: kvpq {got[mism[:5]]} gguf {want[mism[:5]]}"
     finally:
-        lib.kvpq_simd_set(best)
+        lib.simd_set(best)
 
 
 def test_errors_are_named(lib):
-    out = (ctypes.c_float * 4)()
-    s = lib.kvpq_gguf_dequantize_tensor(MODEL.encode(), b"no.such.tensor", out, 4, None)
-    assert s == -1 and b"no.such.tensor" in lib.kvpq_last_error()
-    s = lib.kvpq_gguf_dequantize_tensor(MODEL.encode(), b"output_norm.weight", out, 4, None)
-    assert s == -1 and b"576 elements" in lib.kvpq_last_error()
-    s = lib.kvpq_gguf_dequantize_tensor(b"/nonexistent.gguf", b"x", out, 4, None)
-    assert s == -3
+    with pytest.raises(lib.Error) as e:
+        lib.gguf_dequantize(MODEL, "no.such.tensor")
+    assert e.value.status == -1 and "no.such.tensor" in e.value.detail
+    out = lib.ffi.new("float[]", 4)  # the raw C call, for a buffer too small
+    assert lib.lib.kvpq_gguf_dequantize_tensor(MODEL.encode(), b"output_norm.weight", out, 4, lib.ffi.NULL) == -1
+    assert "576 elements" in lib.last_error()
+    with pytest.raises(lib.Error) as e:
+        lib.gguf_dequantize("/nonexistent.gguf", "x")
+    assert e.value.status == -3
 
 
 @pytest.mark.skipif(not BIN, reason="KVPQ_BIN not set")

@@ -5,8 +5,7 @@ dequantization vs the PyPI gguf package's (GGUFReader + gguf.quants.dequantize),
   whole 1.1 GB file), and a check that every type present in each file is among them;
 - random blocks of every K-quant type (Q2_K, Q3_K, Q5_K appear in neither file) with random finite
   fp16 scales over the whole fp16 range, written to a GGUF file by gguf's GGUFWriter.
-kvpq is called through ctypes on KVPQ_LIB: kvpq_gguf_dequantize_tensor(path, name, out, cap, &numel)."""
-import ctypes
+kvpq is called through the kvpq package: kvpq.gguf_dequantize (kvpq_gguf_dequantize_tensor)."""
 import os
 
 import numpy as np
@@ -43,15 +42,8 @@ LEVELS = {0: "scalar", 1: "avx2", 2: "avx512"}
 
 @pytest.fixture(scope="module")
 def lib():
-    L = ctypes.CDLL(LIB)
-    L.kvpq_gguf_dequantize_tensor.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float),
-                                              ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
-    L.kvpq_gguf_dequantize_tensor.restype = ctypes.c_int
-    L.kvpq_last_error.restype = ctypes.c_char_p
-    L.kvpq_simd_get.restype = ctypes.c_int
-    L.kvpq_simd_set.argtypes = [ctypes.c_int]
-    L.kvpq_simd_set.restype = ctypes.c_int
-    return L
+    import kvpq
+    return kvpq
 
 
 _readers = {}
@@ -66,29 +58,23 @@ def reader(path):
 
 
 def kvpq_dequant(lib, path, name):
-    n = ctypes.c_size_t(0)
-    s = lib.kvpq_gguf_dequantize_tensor(path.encode(), name.encode(), None, 0, ctypes.byref(n))
-    assert s == 0, lib.kvpq_last_error().decode()
-    out = np.empty(n.value, dtype=np.float32)
-    s = lib.kvpq_gguf_dequantize_tensor(path.encode(), name.encode(),
-                                        out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n.value, None)
-    assert s == 0, lib.kvpq_last_error().decode()
-    return out
+    return lib.gguf_dequantize(path, name)
 
 
 def assert_bit_exact_every_level(lib, path, name, want, what):
-    best = lib.kvpq_simd_get()
+    best = lib.simd_get()
+    names = list(LEVELS.values())
     try:
-        for level in range(best + 1):
-            assert lib.kvpq_simd_set(level) == 0
+        for level in names[: names.index(best) + 1]:
+            lib.simd_set(level)
             got = kvpq_dequant(lib, path, name)
             assert got.shape == want.shape
             # Bit patterns, so that -0.0 vs 0.0 would be caught too.
             mism = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
-            assert mism.size == 0, f"{what} (simd {LEVELS[level]}): {mism.size} of {got.size} differ, first at " \
+            assert mism.size == 0, f"{what} (simd {level}): {mism.size} of {got.size} differ, first at " \
                                    f"{mism[:5]}: kvpq {got[mism[:5]]} gguf {want[mism[:5]]}"
     finally:
-        lib.kvpq_simd_set(best)
+        lib.simd_set(best)
 
 
 @pytest.mark.parametrize("path,name", REAL, ids=[f"{os.path.basename(p)[:5]}:{n}" for p, n in REAL])

@@ -1,8 +1,8 @@
 """kvpq's forward pass and its CLI (generate, ppl) on the real model.
 
 Peer: an independent numpy Llama forward pass (bench/llama_cpp_peer.py, NumpyLlama) over weights
-dequantized by the PyPI `gguf` package, not by kvpq. kvpq is reached through ctypes on the shared
-library (env KVPQ_LIB) and through the CLI (env KVPQ_BIN). llama.cpp itself is compared by the
+dequantized by the PyPI `gguf` package, not by kvpq. kvpq is reached through the kvpq Python
+package (library at env KVPQ_LIB) and through the CLI (env KVPQ_BIN). llama.cpp itself is compared by the
 benchmark bench/llama_cpp_peer.py (it needs llama-cpp-python, a long source build).
 """
 import json

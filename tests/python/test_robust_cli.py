@@ -202,27 +202,15 @@ def test_temp_file_removed_when_a_signal_ends_the_save(tmp_path):
 
 # ---- item 2: prompt injection through --chat ----
 
-LIB = os.environ.get("KVPQ_LIB", str(SRC / "build" / "libkvpq.so"))
 
 
 def lib_tokenizer():
-    import ctypes
-    lib = ctypes.CDLL(LIB)
-    lib.kvpq_model_load.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_void_p]
-    lib.kvpq_tokenize.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
-    lib.kvpq_model_free.argtypes = [ctypes.c_void_p]
-    m = ctypes.c_void_p()
-    assert lib.kvpq_model_load(ctypes.byref(m), str(MODEL).encode(), None) == 0
+    import kvpq
+    m = kvpq.Model(MODEL)
 
     def tok(text, special):
-        b = text.encode()
-        n = ctypes.c_size_t()
-        assert lib.kvpq_tokenize(m, b, len(b), 0, special, None, 0, ctypes.byref(n)) == 0
-        arr = (ctypes.c_int32 * max(n.value, 1))()
-        assert lib.kvpq_tokenize(m, b, len(b), 0, special, arr, n.value, ctypes.byref(n)) == 0
-        return list(arr[:n.value])
-    return tok, lambda: lib.kvpq_model_free(m)
+        return m.tokenize(text, add_bos=False, parse_special=bool(special)).tolist()
+    return tok, lambda: None
 
 
 def prompt_tokens(stderr):

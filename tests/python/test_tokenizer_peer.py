@@ -4,9 +4,8 @@ The peer: a `tokenizers.Tokenizer` with a BPE model made from tokenizer.ggml.tok
 with the PyPI `gguf` package, not with kvpq), SmolLM2's pre-tokenizer from its tokenizer.json
 (Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)]), a
 ByteLevel decoder, and the CONTROL tokens as special added tokens. kvpq must give exactly the same
-ids. kvpq is reached through ctypes on the shared library (env KVPQ_LIB) and its public kvpq_vocab_*.
+ids. kvpq is reached through the kvpq package (kvpq.Vocab over the public kvpq_vocab_*).
 """
-import ctypes
 import os
 import random
 from pathlib import Path
@@ -32,43 +31,25 @@ UTF8_SAMPLE = (
 
 
 class Lib:
-    def __init__(self, path):
-        self.lib = lib = ctypes.CDLL(path)
-        lib.kvpq_vocab_load.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-        lib.kvpq_vocab_free.argtypes = [ctypes.c_void_p]
-        lib.kvpq_vocab_n_tokens.argtypes = [ctypes.c_void_p]
-        lib.kvpq_vocab_n_tokens.restype = ctypes.c_int32
-        lib.kvpq_vocab_tokenize.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
-                                            ctypes.c_int, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
-                                            ctypes.POINTER(ctypes.c_size_t)]
-        lib.kvpq_vocab_piece.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t,
-                                         ctypes.POINTER(ctypes.c_size_t)]
-        lib.kvpq_last_error.restype = ctypes.c_char_p
+    """kvpq.Vocab in the shape these tests use: tokenize gives (status, ids) or (status, message)."""
+
+    def __init__(self, lib_path=None):
+        if lib_path:  # the library to load, when kvpq is not imported yet (else KVPQ_LIB decided)
+            os.environ.setdefault("KVPQ_LIB", str(lib_path))
+        import kvpq
+        self.kvpq = kvpq
 
     def load(self, path):
-        h = ctypes.c_void_p()
-        st = self.lib.kvpq_vocab_load(ctypes.byref(h), str(path).encode())
-        assert st == 0, self.lib.kvpq_last_error().decode()
-        return h
+        return self.kvpq.Vocab(path)
 
     def tokenize(self, h, text, add_bos=False, parse_special=False):
-        data = text.encode("utf-8") if isinstance(text, str) else text
-        n = ctypes.c_size_t()
-        st = self.lib.kvpq_vocab_tokenize(h, data, len(data), int(add_bos), int(parse_special), None, 0,
-                                          ctypes.byref(n))
-        if st != 0:
-            return st, self.lib.kvpq_last_error().decode()
-        buf = (ctypes.c_int32 * max(n.value, 1))()
-        st = self.lib.kvpq_vocab_tokenize(h, data, len(data), int(add_bos), int(parse_special), buf, n.value,
-                                          ctypes.byref(n))
-        assert st == 0, self.lib.kvpq_last_error().decode()
-        return 0, list(buf[: n.value])
+        try:
+            return 0, h.tokenize(text, add_bos=add_bos, parse_special=parse_special).tolist()
+        except self.kvpq.Error as e:
+            return e.status, e.detail
 
     def piece(self, h, token):
-        n = ctypes.c_size_t()
-        buf = ctypes.create_string_buffer(256)
-        assert self.lib.kvpq_vocab_piece(h, token, buf, 256, ctypes.byref(n)) == 0
-        return buf.raw[: n.value]
+        return h.piece(token)
 
 
 def hf_from_gguf(path):
@@ -101,15 +82,11 @@ def hf_from_gguf(path):
 def env():
     if not MODEL.exists():
         pytest.skip(f"{MODEL} missing (scripts/fetch_model.sh)")
-    lib_path = os.environ.get("KVPQ_LIB")
-    if not lib_path:
-        pytest.skip("KVPQ_LIB not set (run through ctest)")
     pytest.importorskip("tokenizers")
     pytest.importorskip("gguf")
-    lib = Lib(lib_path)
+    lib = Lib()
     h = lib.load(MODEL)
     yield lib, h, hf_from_gguf(MODEL)
-    lib.lib.kvpq_vocab_free(h)
 
 
 def novels():

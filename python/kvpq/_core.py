@@ -1,0 +1,732 @@
+"""numpy API over libkvpq: quantizers, codebooks, caches, key transforms, models, calibration.
+
+Conventions (as the C API, include/kvpq.h):
+  - arrays are C-contiguous numpy arrays of the stated dtype (float32 unless said), shapes
+    (outer, ..., inner); nothing is converted silently: a wrong dtype, shape, layout or a NaN/Inf
+    raises kvpq.Error naming the argument;
+  - functions return new arrays; inputs are never modified;
+  - every failing library call raises kvpq.Error carrying the kvpq_status, its name and the
+    library's kvpq_last_error() text.
+"""
+import os
+
+import numpy as np
+
+from ._ffi import ffi, lib
+
+# ---- errors ------------------------------------------------------------------------------------
+
+OK = lib.KVPQ_OK
+ERR_INVALID_ARG = lib.KVPQ_ERR_INVALID_ARG
+ERR_NONFINITE = lib.KVPQ_ERR_NONFINITE
+
+
+class Error(Exception):
+    """A kvpq failure. status: the kvpq_status (negative int); status_name: its fixed name
+    ("invalid argument", ...); detail: the kvpq_last_error() text, or the binding's own message for
+    a check made before calling the library (argument dtype, shape, NaN)."""
+
+    def __init__(self, status, detail, where=""):
+        self.status = int(status)
+        self.status_name = ffi.string(lib.kvpq_status_string(self.status)).decode()
+        self.detail = detail
+        self.where = where
+        prefix = f"{where}: " if where else ""
+        super().__init__(f"{prefix}{detail} [{self.status_name} ({self.status})]")
+
+
+def _check(status, where):
+    if status != OK:
+        raise Error(status, ffi.string(lib.kvpq_last_error()).decode("utf-8", "replace"), where)
+
+
+def _arg_error(where, msg, status=ERR_INVALID_ARG):
+    return Error(status, msg, where)
+
+
+def _array(x, name, where, dtype=np.float32, shape=None, finite=True):
+    """Check an argument array: numpy, dtype, C-contiguous, shape (a tuple; None matches any size),
+    and (for floats) finite. Returns it unchanged."""
+    if not isinstance(x, np.ndarray):
+        raise _arg_error(where, f"{name}: expected a numpy array of {np.dtype(dtype).name}, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise _arg_error(where, f"{name}: expected dtype {np.dtype(dtype).name}, got {x.dtype.name} "
+                                f"(convert with np.ascontiguousarray({name}, dtype=np.{np.dtype(dtype).name}))")
+    if shape is not None:
+        ok = x.ndim == len(shape) and all(w is None or w == g for w, g in zip(shape, x.shape))
+        if not ok:
+            want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+            raise _arg_error(where, f"{name}: expected shape {want}, got {tuple(x.shape)}")
+    if not x.flags.c_contiguous:
+        raise _arg_error(where, f"{name}: not C-contiguous (use np.ascontiguousarray({name}))")
+    if finite and x.dtype.kind == "f" and x.size and not np.isfinite(x).all():
+        i = np.unravel_index(int(np.argmin(np.isfinite(x).ravel())), x.shape)
+        raise _arg_error(where, f"{name}: holds NaN or Inf (first at index {tuple(int(j) for j in i)})", ERR_NONFINITE)
+    return x
+
+
+def _ptr(a, ctype="float *"):
+    return ffi.cast(ctype, a.ctypes.data) if a is not None else ffi.NULL
+
+
+def _int(v, name, where, lo=None):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise _arg_error(where, f"{name}: expected an int, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise _arg_error(where, f"{name}: {v} is below {lo}")
+    return int(v)
+
+
+def _str(p):
+    return None if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
+
+
+def version():
+    """Library version "MAJOR.MINOR.PATCH"."""
+    return _str(lib.kvpq_version())
+
+
+def last_error():
+    """kvpq_last_error(): detail of the last failing call on this thread ("" if none)."""
+    return _str(lib.kvpq_last_error())
+
+
+# ---- SIMD level ---------------------------------------------------------------------------------
+
+SIMD_LEVELS = {"scalar": lib.KVPQ_SIMD_SCALAR, "avx2": lib.KVPQ_SIMD_AVX2, "avx512": lib.KVPQ_SIMD_AVX512}
+
+
+def simd_get():
+    """Name of the CPU kernels' SIMD level in use ("scalar", "avx2", "avx512")."""
+    return _str(lib.kvpq_simd_name(lib.kvpq_simd_get()))
+
+
+def simd_set(level):
+    """Force a SIMD level by name. Raises kvpq.Error (unsupported) if the CPU lacks it."""
+    if level not in SIMD_LEVELS:
+        raise _arg_error("simd_set", f"level: '{level}' is not one of {sorted(SIMD_LEVELS)}")
+    _check(lib.kvpq_simd_set(SIMD_LEVELS[level]), "simd_set")
+
+
+# ---- product quantizer --------------------------------------------------------------------------
+
+_GRAN = {"shared": lib.KVPQ_CODEBOOK_SHARED, "subspace": lib.KVPQ_CODEBOOK_SUBSPACE}
+_GRAN_NAME = {v: k for k, v in _GRAN.items()}
+_INIT = {"pp": lib.KVPQ_KMEANS_INIT_PP, "random": lib.KVPQ_KMEANS_INIT_RANDOM}
+
+
+def _pq_params(where, d, M=None, nbits=None, granularity="shared", preset=None):
+    p = ffi.new("kvpq_pq_params *", lib.kvpq_pq_params_default())
+    d = _int(d, "d", where, 1)
+    if preset is not None:
+        _check(lib.kvpq_pq_params_preset(p, preset.encode(), d), where)
+    else:
+        p.d = d
+        if M is not None:
+            p.M = _int(M, "M", where, 1)
+        if nbits is not None:
+            p.nbits = _int(nbits, "nbits", where, 1)
+    if granularity not in _GRAN:
+        raise _arg_error(where, f"granularity: '{granularity}': expected 'shared' or 'subspace'")
+    p.granularity = _GRAN[granularity]
+    return p
+
+
+def _kmeans_params(where, niter, seed, max_points_per_centroid, init, n_threads, base=None):
+    kp = ffi.new("kvpq_kmeans_params *", base if base is not None else lib.kvpq_kmeans_params_default())
+    if niter is not None:
+        kp.niter = _int(niter, "niter", where, 1)
+    if seed is not None:
+        kp.seed = _int(seed, "seed", where, 0)
+    if max_points_per_centroid is not None:
+        kp.max_points_per_centroid = _int(max_points_per_centroid, "max_points_per_centroid", where, 0)
+    if init is not None:
+        if init not in _INIT:
+            raise _arg_error(where, f"init: '{init}': expected 'pp' or 'random'")
+        kp.init = _INIT[init]
+    if n_threads is not None:
+        kp.n_threads = _int(n_threads, "n_threads", where, 0)
+    return kp
+
+
+def _report(r):
+    return {"mse_init": r.mse_init, "mse_final": r.mse_final, "iterations": r.iterations,
+            "empty_repaired": r.empty_repaired, "n_used": int(r.n_used)}
+
+
+class ProductQuantizer:
+    """A product quantizer (kvpq_pq): vectors of d dims split into M sub-vectors of dsub = d / M
+    dims, each coded by the index of its nearest of ksub = 2**nbits centroids (Jegou et al., TPAMI
+    2011). granularity "shared": one (ksub, dsub) codebook for every sub-space (VecInfer);
+    "subspace": (M, ksub, dsub), as faiss. ProductQuantizer(d, preset="d4b8") takes M and nbits from
+    a preset ("d8b8" 1 bit/element, "d8b12" 1.5, "d4b8" 2, "d2b8" 4)."""
+
+    def __init__(self, d=64, M=16, nbits=8, granularity="shared", preset=None, _borrow=None):
+        if _borrow is not None:
+            self._h, self._owner = _borrow
+            return
+        p = _pq_params("ProductQuantizer", d, M if preset is None else None, nbits if preset is None else None,
+                       granularity, preset)
+        h = ffi.new("kvpq_pq **")
+        _check(lib.kvpq_pq_new(h, p), "ProductQuantizer")
+        self._h = ffi.gc(h[0], lib.kvpq_pq_free)
+        self._owner = None
+
+    @property
+    def params(self):
+        return lib.kvpq_pq_get_params(self._h)
+
+    d = property(lambda self: self.params.d)
+    M = property(lambda self: self.params.M)
+    nbits = property(lambda self: self.params.nbits)
+    dsub = property(lambda self: self.params.d // self.params.M)
+    ksub = property(lambda self: 1 << self.params.nbits)
+    granularity = property(lambda self: _GRAN_NAME[self.params.granularity])
+    code_size = property(lambda self: int(lib.kvpq_pq_code_size(self._h)))
+
+    def __repr__(self):
+        return (f"ProductQuantizer(d={self.d}, M={self.M}, nbits={self.nbits}, "
+                f"granularity='{self.granularity}')")
+
+    @property
+    def centroids(self):
+        """Copy of the centroids: (ksub, dsub) shared or (M, ksub, dsub) subspace, float32."""
+        n = int(lib.kvpq_pq_centroids_size(self._h))
+        buf = ffi.buffer(lib.kvpq_pq_centroids(self._h), n * 4)
+        shape = (self.ksub, self.dsub) if self.granularity == "shared" else (self.M, self.ksub, self.dsub)
+        return np.frombuffer(buf, dtype=np.float32).reshape(shape).copy()
+
+    @centroids.setter
+    def centroids(self, c):
+        shape = (self.ksub, self.dsub) if self.granularity == "shared" else (self.M, self.ksub, self.dsub)
+        _array(c, "centroids", "ProductQuantizer.centroids", shape=shape)
+        _check(lib.kvpq_pq_set_centroids(self._h, _ptr(c), c.size), "ProductQuantizer.centroids")
+
+    def train(self, x, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
+        """Train the codebook(s) by k-means on x: (n, d) float32 (kvpq_pq_train; defaults of
+        kvpq_kmeans_params_default: 25 iterations, seed 1234, k-means++ init, 256 points per
+        centroid). Returns the k-means report as a dict (mse_init, mse_final per d-dim vector,
+        iterations, empty_repaired, n_used)."""
+        _array(x, "x", "ProductQuantizer.train", shape=(None, self.d))
+        kp = _kmeans_params("ProductQuantizer.train", niter, seed, max_points_per_centroid, init, n_threads)
+        r = ffi.new("kvpq_kmeans_report *")
+        _check(lib.kvpq_pq_train(self._h, kp, x.shape[0], _ptr(x), r), "ProductQuantizer.train")
+        return _report(r)
+
+    def encode(self, x):
+        """x: (n, d) float32 -> packed codes (n, code_size) uint8 (code m in bits [m*nbits, (m+1)*nbits)
+        of a little-endian bit stream)."""
+        _array(x, "x", "ProductQuantizer.encode", shape=(None, self.d))
+        codes = np.empty((x.shape[0], self.code_size), np.uint8)
+        _check(lib.kvpq_pq_encode(self._h, x.shape[0], _ptr(x), _ptr(codes, "uint8_t *")), "ProductQuantizer.encode")
+        return codes
+
+    def assign(self, x):
+        """x: (n, d) float32 -> centroid indices (n, M) uint16 (unpacked codes)."""
+        _array(x, "x", "ProductQuantizer.assign", shape=(None, self.d))
+        idx = np.empty((x.shape[0], self.M), np.uint16)
+        _check(lib.kvpq_pq_assign(self._h, x.shape[0], _ptr(x), _ptr(idx, "uint16_t *")), "ProductQuantizer.assign")
+        return idx
+
+    def decode(self, codes):
+        """codes: (n, code_size) uint8 -> reconstructions (n, d) float32."""
+        _array(codes, "codes", "ProductQuantizer.decode", dtype=np.uint8, shape=(None, self.code_size))
+        x = np.empty((codes.shape[0], self.d), np.float32)
+        _check(lib.kvpq_pq_decode(self._h, codes.shape[0], _ptr(codes, "uint8_t *"), _ptr(x)),
+               "ProductQuantizer.decode")
+        return x
+
+
+def kmeans(x, k, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
+    """k-means of x: (n, d) float32 into k centroids (kvpq_kmeans). Returns (centroids (k, d),
+    report dict)."""
+    _array(x, "x", "kmeans", shape=(None, None))
+    k = _int(k, "k", "kmeans", 1)
+    kp = _kmeans_params("kmeans", niter, seed, max_points_per_centroid, init, n_threads)
+    cent = np.empty((k, x.shape[1]), np.float32)
+    r = ffi.new("kvpq_kmeans_report *")
+    _check(lib.kvpq_kmeans(x.shape[1], k, x.shape[0], _ptr(x), kp, _ptr(cent), r), "kmeans")
+    return cent, _report(r)
+
+
+def codes_pack(idx, nbits):
+    """Pack idx (n, M) uint16 (each < 2**nbits) into (n, ceil(M*nbits/8)) uint8."""
+    _array(idx, "idx", "codes_pack", dtype=np.uint16, shape=(None, None))
+    M = idx.shape[1]
+    out = np.empty((idx.shape[0], int(lib.kvpq_codes_size(M, nbits))), np.uint8)
+    _check(lib.kvpq_codes_pack(M, nbits, idx.shape[0], _ptr(idx, "uint16_t *"), _ptr(out, "uint8_t *")),
+           "codes_pack")
+    return out
+
+
+def codes_unpack(packed, M, nbits):
+    """Unpack (n, ceil(M*nbits/8)) uint8 into idx (n, M) uint16."""
+    size = int(lib.kvpq_codes_size(M, nbits))
+    _array(packed, "packed", "codes_unpack", dtype=np.uint8, shape=(None, size))
+    idx = np.empty((packed.shape[0], M), np.uint16)
+    _check(lib.kvpq_codes_unpack(M, nbits, packed.shape[0], _ptr(packed, "uint8_t *"), _ptr(idx, "uint16_t *")),
+           "codes_unpack")
+    return idx
+
+
+# ---- key transforms (VecInfer sec. 3) -------------------------------------------------------------
+
+def hadamard(x):
+    """Normalized Walsh-Hadamard transform (Sylvester order, scaled by 1/sqrt(d); orthonormal and
+    self-inverse) of every last-axis vector of x: (..., d) float32, d a power of two. Returns a new
+    array."""
+    _array(x, "x", "hadamard")
+    if x.ndim < 1:
+        raise _arg_error("hadamard", "x: expected at least 1 dimension")
+    y = x.copy()
+    d = x.shape[-1]
+    _check(lib.kvpq_hadamard(_ptr(y), y.size // d if d else 0, d), "hadamard")
+    return y
+
+
+def normalize_rows(x):
+    """Unit directions of the last-axis vectors of x: (..., d) float32. Returns (u, norms) with u
+    the shape of x (zero rows stay zero) and norms (...) the L2 norms."""
+    _array(x, "x", "normalize_rows")
+    if x.ndim < 1:
+        raise _arg_error("normalize_rows", "x: expected at least 1 dimension")
+    u = x.copy()
+    d = x.shape[-1]
+    norms = np.empty(x.shape[:-1], np.float32)
+    _check(lib.kvpq_normalize_rows(_ptr(u), u.size // d if d else 0, d, _ptr(norms)), "normalize_rows")
+    return u, norms
+
+
+def smooth_compute(k, floor=1e-2):
+    """Key smoothing factors lambda = sqrt(max_t |k_t|) per KV head and channel, floored at
+    `floor` (VecInfer sec. 3). k: (n_tokens, n_head_kv, head_dim) float32 -> (n_head_kv, head_dim)."""
+    _array(k, "k", "smooth_compute", shape=(None, None, None))
+    lam = np.empty(k.shape[1:], np.float32)
+    _check(lib.kvpq_smooth_compute(k.shape[0], k.shape[1], k.shape[2], _ptr(k), float(floor), _ptr(lam)),
+           "smooth_compute")
+    return lam
+
+
+def smooth_apply(x, lam, inverse=False):
+    """x / lambda (inverse=False: what keys get before rotation) or x * lambda (inverse=True).
+    x: (n, n_head_kv, head_dim), lam: (n_head_kv, head_dim), float32. Returns a new array."""
+    _array(x, "x", "smooth_apply", shape=(None, None, None))
+    _array(lam, "lam", "smooth_apply", shape=x.shape[1:])
+    y = x.copy()
+    _check(lib.kvpq_smooth_apply(_ptr(y), y.shape[0], y.shape[1], y.shape[2], _ptr(lam), int(bool(inverse))),
+           "smooth_apply")
+    return y
+
+
+def smooth_apply_query(q, lam):
+    """Queries times the factors of their KV head (GQA: head h uses row h // (n_head // n_head_kv)),
+    so (q * lambda) . (k / lambda) = q . k. q: (n, n_head, head_dim), lam: (n_head_kv, head_dim)."""
+    _array(q, "q", "smooth_apply_query", shape=(None, None, None))
+    _array(lam, "lam", "smooth_apply_query", shape=(None, q.shape[2]))
+    y = q.copy()
+    _check(lib.kvpq_smooth_apply_query(_ptr(y), y.shape[0], y.shape[1], lam.shape[0], y.shape[2], _ptr(lam)),
+           "smooth_apply_query")
+    return y
+
+
+# ---- codebook file ----------------------------------------------------------------------------------
+
+class Codebook:
+    """A model's trained codebooks (kvpq_codebook): per layer a key and a value ProductQuantizer, the
+    key smoothing factors lambda and key mean mu, plus string metadata; saved as safetensors.
+    keys, values: a preset name ("d4b8", ...) or (M, nbits); granularity: "shared", "subspace", or a
+    (key, value) pair of them.
+
+    Codebook(n_layer, n_head_kv, head_dim, keys="d4b8", values=None, ...) makes an untrained one
+    (lambda 1, mu 0, zero centroids); Codebook.load(path) reads a file; kvpq.calibrate() trains one."""
+
+    def __init__(self, n_layer, n_head_kv, head_dim, keys="d4b8", values=None, granularity="shared",
+                 value_rotate=False, key_norm=True, value_norm=True, _handle=None):
+        if _handle is not None:
+            self._h = ffi.gc(_handle, lib.kvpq_codebook_free)
+            return
+        w = "Codebook"
+        cp = ffi.new("kvpq_codebook_params *", lib.kvpq_codebook_params_default())
+        cp.n_layer = _int(n_layer, "n_layer", w, 1)
+        cp.n_head_kv = _int(n_head_kv, "n_head_kv", w, 1)
+        cp.head_dim = _int(head_dim, "head_dim", w, 1)
+        kg, vg = (granularity, granularity) if isinstance(granularity, str) else granularity
+        cp.key = self._quantizer(w, head_dim, keys, kg)[0]
+        cp.value = self._quantizer(w, head_dim, values if values is not None else keys, vg)[0]
+        cp.value_rotate = int(bool(value_rotate))
+        cp.key_norm = int(bool(key_norm))
+        cp.value_norm = int(bool(value_norm))
+        h = ffi.new("kvpq_codebook **")
+        _check(lib.kvpq_codebook_new(h, cp), w)
+        self._h = ffi.gc(h[0], lib.kvpq_codebook_free)
+
+    @staticmethod
+    def _quantizer(where, d, spec, granularity):
+        if isinstance(spec, str):
+            return _pq_params(where, d, granularity=granularity, preset=spec)
+        if isinstance(spec, (tuple, list)) and len(spec) == 2:
+            return _pq_params(where, d, M=spec[0], nbits=spec[1], granularity=granularity)
+        raise _arg_error(where, f"keys/values: {spec!r}: expected a preset name or (M, nbits)")
+
+    @classmethod
+    def load(cls, path):
+        """Read and validate a codebook file (kvpq_codebook_load)."""
+        h = ffi.new("kvpq_codebook **")
+        _check(lib.kvpq_codebook_load(h, os.fsencode(path)), f"Codebook.load('{path}')")
+        return cls(0, 0, 0, _handle=h[0])
+
+    def save(self, path):
+        """Write atomically as safetensors (kvpq_codebook_save)."""
+        _check(lib.kvpq_codebook_save(self._h, os.fsencode(path)), f"Codebook.save('{path}')")
+
+    @property
+    def params(self):
+        return lib.kvpq_codebook_get_params(self._h)
+
+    n_layer = property(lambda self: self.params.n_layer)
+    n_head_kv = property(lambda self: self.params.n_head_kv)
+    head_dim = property(lambda self: self.params.head_dim)
+
+    def _layer(self, layer, where):
+        layer = _int(layer, "layer", where)
+        if not 0 <= layer < self.n_layer:
+            raise _arg_error(where, f"layer: {layer} out of range 0..{self.n_layer - 1}")
+        return layer
+
+    def key_pq(self, layer):
+        """The key ProductQuantizer of a layer (borrowed: lives as long as this codebook)."""
+        return ProductQuantizer(_borrow=(lib.kvpq_codebook_pq(self._h, self._layer(layer, "Codebook.key_pq"), 0),
+                                         self))
+
+    def value_pq(self, layer):
+        """The value ProductQuantizer of a layer (borrowed)."""
+        return ProductQuantizer(_borrow=(lib.kvpq_codebook_pq(self._h, self._layer(layer, "Codebook.value_pq"), 1),
+                                         self))
+
+    def set_layer_key_M(self, layer, M):
+        """Give one layer's key quantizer M sub-vectors (kvpq_codebook_set_layer_key_M)."""
+        _check(lib.kvpq_codebook_set_layer_key_M(self._h, self._layer(layer, "Codebook.set_layer_key_M"),
+                                                 _int(M, "M", "Codebook.set_layer_key_M", 1)),
+               "Codebook.set_layer_key_M")
+
+    def _rows(self, ptr):
+        n = self.n_head_kv * self.head_dim
+        return np.frombuffer(ffi.buffer(ptr, n * 4), np.float32).reshape(self.n_head_kv, self.head_dim)
+
+    def key_smooth(self, layer):
+        """Copy of a layer's key smoothing factors lambda: (n_head_kv, head_dim) float32."""
+        return self._rows(lib.kvpq_codebook_key_smooth(self._h, self._layer(layer, "Codebook.key_smooth"))).copy()
+
+    def set_key_smooth(self, layer, lam):
+        _array(lam, "lam", "Codebook.set_key_smooth", shape=(self.n_head_kv, self.head_dim))
+        if not (lam > 0).all():
+            raise _arg_error("Codebook.set_key_smooth", "lam: every factor must be > 0")
+        self._rows(lib.kvpq_codebook_key_smooth(self._h, self._layer(layer, "Codebook.set_key_smooth")))[:] = lam
+
+    def key_mean(self, layer):
+        """Copy of a layer's key mean mu: (n_head_kv, head_dim) float32."""
+        return self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.key_mean"))).copy()
+
+    def set_key_mean(self, layer, mu):
+        _array(mu, "mu", "Codebook.set_key_mean", shape=(self.n_head_kv, self.head_dim))
+        self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.set_key_mean")))[:] = mu
+
+    def meta(self):
+        """Every metadata entry (config keys included) as a dict of strings."""
+        out = {}
+        for i in range(int(lib.kvpq_codebook_meta_count(self._h))):
+            k = _str(lib.kvpq_codebook_meta_key(self._h, i))
+            out[k] = _str(lib.kvpq_codebook_get_meta(self._h, k.encode()))
+        return out
+
+    def get_meta(self, key):
+        return _str(lib.kvpq_codebook_get_meta(self._h, key.encode()))
+
+    def set_meta(self, key, value):
+        _check(lib.kvpq_codebook_set_meta(self._h, str(key).encode(), str(value).encode()), "Codebook.set_meta")
+
+    def info(self):
+        """A summary dict: n_layer, n_head_kv, head_dim, key/value (d, M, nbits, granularity),
+        value_rotate, key_norm, value_norm, key_M per layer, bits per element of the codes, meta."""
+        p = self.params
+
+        def q(pp):
+            return {"d": pp.d, "M": pp.M, "nbits": pp.nbits, "granularity": _GRAN_NAME[pp.granularity]}
+        key_M = [int(lib.kvpq_codebook_layer_key_M(self._h, i)) for i in range(p.n_layer)]
+        bits_k = sum(m * p.key.nbits for m in key_M) / (p.n_layer * p.head_dim)
+        return {"n_layer": p.n_layer, "n_head_kv": p.n_head_kv, "head_dim": p.head_dim, "key": q(p.key),
+                "value": q(p.value), "value_rotate": bool(p.value_rotate), "key_norm": bool(p.key_norm),
+                "value_norm": bool(p.value_norm), "key_M": key_M,
+                "bits_per_element": {"key": bits_k, "value": p.value.M * p.value.nbits / p.head_dim},
+                "meta": self.meta()}
+
+    def __repr__(self):
+        p = self.params
+        return (f"Codebook(n_layer={p.n_layer}, n_head_kv={p.n_head_kv}, head_dim={p.head_dim}, "
+                f"key M={p.key.M} nbits={p.key.nbits}, value M={p.value.M} nbits={p.value.nbits})")
+
+
+def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter=None, seed=None,
+                    max_points_per_centroid=None, init=None, n_threads=None):
+    """Train one layer of `codebook` from its keys and values (kvpq_codebook_calibrate_layer: key
+    mean, smoothing, Hadamard, normalization, k-means; the recipe of `kvpq calibrate`).
+    k, v: (n_tokens, n_head_kv, head_dim) float32, keys post-RoPE. Returns (key report, value report)."""
+    w = "calibrate_layer"
+    shape = (None, codebook.n_head_kv, codebook.head_dim)
+    _array(k, "k", w, shape=shape)
+    _array(v, "v", w, shape=shape)
+    if k.shape != v.shape:
+        raise _arg_error(w, f"v: shape {v.shape} differs from k's {k.shape}")
+    cp = ffi.new("kvpq_calibrate_params *", lib.kvpq_calibrate_params_default())
+    cp.center = int(bool(center))
+    cp.smooth_floor = float(smooth_floor)
+    cp.kmeans = _kmeans_params(w, niter, seed, max_points_per_centroid, init, n_threads, base=cp.kmeans)[0]
+    rk, rv = ffi.new("kvpq_kmeans_report *"), ffi.new("kvpq_kmeans_report *")
+    _check(lib.kvpq_codebook_calibrate_layer(codebook._h, codebook._layer(layer, w), k.shape[0], _ptr(k), _ptr(v),
+                                             cp, rk, rv), w)
+    return _report(rk), _report(rv)
+
+
+def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value_rotate=False, key_norm=True,
+              value_norm=True, keys_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
+              init=None, n_threads=None, meta=None):
+    """Train a Codebook from keys and values a model produced.
+
+    keys_values: a sequence over layers of (k, v) pairs, each (n_tokens, n_head_kv, head_dim)
+      float32 post-RoPE (an iterator is fine: one layer is held at a time), or a pair of arrays
+      (K, V) of shape (n_layer, n_tokens, n_head_kv, head_dim).
+    keys, values: presets ("d8b8" 1 bit/element, "d8b12", "d4b8" 2, "d2b8" 4; values default to keys).
+    keys_layers: {layer: preset} giving some layers' keys another M (same nbits).
+    The rest as `kvpq calibrate` (same defaults: center, norm-explicit keys and values, k-means 25
+    iterations, random init, seed 1234), so the same activations give the same file bytes.
+    meta: extra string metadata. Returns the Codebook."""
+    if isinstance(keys_values, tuple) and len(keys_values) == 2 and isinstance(keys_values[0], np.ndarray) \
+            and keys_values[0].ndim == 4:
+        K, V = keys_values
+        _array(K, "K", "calibrate", shape=(None, None, None, None))
+        _array(V, "V", "calibrate", shape=K.shape)
+        pairs = [(K[i], V[i]) for i in range(K.shape[0])]
+    else:
+        pairs = keys_values
+    cb = None
+    n_tok = 0
+    for layer, (k, v) in enumerate(pairs):
+        _array(k, f"k (layer {layer})", "calibrate", shape=(None, None, None))
+        if cb is None:
+            n_layer = len(pairs) if hasattr(pairs, "__len__") else None
+            if n_layer is None:
+                raise _arg_error("calibrate", "keys_values: needs a length (a list or tuple over layers)")
+            cb = Codebook(n_layer, k.shape[1], k.shape[2], keys=keys, values=values, granularity=granularity,
+                          value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
+            for l, preset in (keys_layers or {}).items():
+                q = _pq_params("calibrate", k.shape[2], preset=preset)
+                cb.set_layer_key_M(l, q.M)
+        n_tok = k.shape[0]
+        calibrate_layer(cb, layer, k, v, center=center, niter=niter, seed=seed,
+                        max_points_per_centroid=max_points_per_centroid, init=init, n_threads=n_threads)
+    if cb is None:
+        raise _arg_error("calibrate", "keys_values: no layers")
+    cb.set_meta("tokens", n_tok)
+    cb.set_meta("keys", keys)
+    cb.set_meta("values", values or keys)
+    for k, v in (meta or {}).items():
+        cb.set_meta(k, v)
+    return cb
+
+
+# ---- KV cache ----------------------------------------------------------------------------------------
+
+_CACHE_KINDS = {"fp32": lib.KVPQ_CACHE_FP32, "fp16": lib.KVPQ_CACHE_FP16, "q8_0": lib.KVPQ_CACHE_Q8_0,
+                "q4_0": lib.KVPQ_CACHE_Q4_0, "kivi2": lib.KVPQ_CACHE_KIVI2, "kivi4": lib.KVPQ_CACHE_KIVI4,
+                "vq": lib.KVPQ_CACHE_VQ}
+
+
+class Cache:
+    """A KV cache of n_layer layers (kvpq_cache). kind: "fp32", "fp16", "q8_0", "q4_0", "kivi2",
+    "kivi4", or "vq" (product-quantization codes, attention from codes through per-query lookup
+    tables; needs `codebook`). window: newest positions kept in float32 (vq/kivi). The codebook is
+    kept alive by the cache."""
+
+    def __init__(self, kind, n_layer, n_head, n_head_kv, head_dim, max_seq, codebook=None, window=None,
+                 page_tokens=None, n_threads=0, fast_scan=False):
+        w = "Cache"
+        if kind not in _CACHE_KINDS:
+            raise _arg_error(w, f"kind: '{kind}' is not one of {sorted(_CACHE_KINDS)}")
+        if kind == "vq" and not isinstance(codebook, Codebook):
+            raise _arg_error(w, "codebook: a vq cache needs a kvpq.Codebook")
+        p = ffi.new("kvpq_cache_params *", lib.kvpq_cache_params_default())
+        p.type = _CACHE_KINDS[kind]
+        p.n_layer = _int(n_layer, "n_layer", w, 1)
+        p.n_head = _int(n_head, "n_head", w, 1)
+        p.n_head_kv = _int(n_head_kv, "n_head_kv", w, 1)
+        p.head_dim = _int(head_dim, "head_dim", w, 1)
+        p.max_seq = _int(max_seq, "max_seq", w, 1)
+        if window is not None:
+            p.window = _int(window, "window", w, 0)
+        if page_tokens is not None:
+            p.page_tokens = _int(page_tokens, "page_tokens", w, 1)
+        p.n_threads = _int(n_threads, "n_threads", w, 0)
+        p.vq_fast_scan = int(bool(fast_scan))
+        self._codebook = codebook
+        if codebook is not None:
+            p.codebook = codebook._h
+        h = ffi.new("kvpq_cache **")
+        _check(lib.kvpq_cache_new(h, p), w)
+        self._h = ffi.gc(h[0], lib.kvpq_cache_free)
+        self.kind, self.n_layer, self.n_head, self.n_head_kv, self.head_dim, self.max_seq = (
+            kind, p.n_layer, p.n_head, p.n_head_kv, p.head_dim, p.max_seq)
+        self.window = p.window
+
+    def _layer(self, layer, where):
+        layer = _int(layer, "layer", where)
+        if not 0 <= layer < self.n_layer:
+            raise _arg_error(where, f"layer: {layer} out of range 0..{self.n_layer - 1}")
+        return layer
+
+    def append(self, layer, k, v):
+        """Append positions to a layer: k, v (n, n_head_kv, head_dim) float32, keys post-RoPE."""
+        w = "Cache.append"
+        shape = (None, self.n_head_kv, self.head_dim)
+        _array(k, "k", w, shape=shape)
+        _array(v, "v", w, shape=shape)
+        if k.shape[0] != v.shape[0]:
+            raise _arg_error(w, f"v: {v.shape[0]} positions, k has {k.shape[0]}")
+        _check(lib.kvpq_cache_append(self._h, self._layer(layer, w), k.shape[0], _ptr(k), _ptr(v)), w)
+
+    def attend(self, layer, q):
+        """Causal attention of the newest n_q positions: q (n_q, n_head, head_dim) float32 -> out of
+        the same shape; query i (position L - n_q + i) attends to positions 0 .. L - n_q + i with
+        scale 1/sqrt(head_dim), query head h reading KV head h // (n_head // n_head_kv)."""
+        w = "Cache.attend"
+        _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
+        out = np.empty_like(q)
+        _check(lib.kvpq_cache_attend(self._h, self._layer(layer, w), q.shape[0], _ptr(q), _ptr(out)), w)
+        return out
+
+    def truncate(self, n_pos):
+        """Keep positions [0, n_pos) of every layer."""
+        _check(lib.kvpq_cache_truncate(self._h, _int(n_pos, "n_pos", "Cache.truncate", 0)), "Cache.truncate")
+
+    def seq_len(self, layer=0):
+        return int(lib.kvpq_cache_seq_len(self._h, self._layer(layer, "Cache.seq_len")))
+
+    def read(self, layer, pos0=0, n=None):
+        """Positions [pos0, pos0 + n) of a layer as attention sees them (dequantized): (k, v), each
+        (n, n_head_kv, head_dim) float32. n defaults to the rest of the layer."""
+        w = "Cache.read"
+        layer = self._layer(layer, w)
+        if n is None:
+            n = self.seq_len(layer) - pos0
+        k = np.empty((n, self.n_head_kv, self.head_dim), np.float32)
+        v = np.empty_like(k)
+        _check(lib.kvpq_cache_read(self._h, layer, _int(pos0, "pos0", w, 0), _int(n, "n", w, 0), _ptr(k), _ptr(v)), w)
+        return k, v
+
+    @property
+    def resident_bytes(self):
+        """Bytes resident for the stored K and V (codes, window, scales, pages, codebooks)."""
+        return int(lib.kvpq_cache_resident_bytes(self._h))
+
+    def stats(self):
+        st = ffi.new("kvpq_cache_stats *")
+        _check(lib.kvpq_cache_get_stats(self._h, st), "Cache.stats")
+        return {"resident_bytes": int(st.resident_bytes), "elements": int(st.elements),
+                "bits_per_element": st.bits_per_element, "tokens_coded": int(st.tokens_coded),
+                "tokens_window": int(st.tokens_window)}
+
+
+# ---- models (GGUF) -----------------------------------------------------------------------------------
+
+class Model:
+    """A GGUF model run by kvpq's own forward pass (kvpq_model, Llama family)."""
+
+    def __init__(self, path, n_threads=0):
+        mp = ffi.new("kvpq_model_params *", lib.kvpq_model_params_default())
+        mp.n_threads = _int(n_threads, "n_threads", "Model", 0)
+        h = ffi.new("kvpq_model **")
+        _check(lib.kvpq_model_load(h, os.fsencode(path), mp), f"Model('{path}')")
+        self._h = ffi.gc(h[0], lib.kvpq_model_free)
+        mi = ffi.new("kvpq_model_info *")
+        _check(lib.kvpq_model_get_info(self._h, mi), "Model")
+        self.info = {f: getattr(mi, f) for f in ("n_layer", "n_head", "n_head_kv", "head_dim", "n_embd", "n_ff",
+                                                 "n_vocab", "n_ctx_train", "rope_freq_base", "rms_eps", "bos_id",
+                                                 "eos_id", "add_bos")}
+        self.info["arch"] = ffi.string(mi.arch).decode()
+        self.info["name"] = ffi.string(mi.name).decode()
+
+    def tokenize(self, text, add_bos=False, parse_special=False):
+        """UTF-8 text -> token ids (n,) int32."""
+        b = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        n = ffi.new("size_t *")
+        _check(lib.kvpq_tokenize(self._h, b, len(b), int(add_bos), int(parse_special), ffi.NULL, 0, n), "Model.tokenize")
+        out = np.empty(n[0], np.int32)
+        _check(lib.kvpq_tokenize(self._h, b, len(b), int(add_bos), int(parse_special), _ptr(out, "int32_t *"), n[0], n),
+               "Model.tokenize")
+        return out
+
+    def token_to_piece(self, token):
+        n = ffi.new("size_t *")
+        buf = ffi.new("char[]", 256)
+        _check(lib.kvpq_token_to_piece(self._h, int(token), buf, 256, n), "Model.token_to_piece")
+        if n[0] > 256:
+            buf = ffi.new("char[]", n[0])
+            _check(lib.kvpq_token_to_piece(self._h, int(token), buf, n[0], n), "Model.token_to_piece")
+        return ffi.buffer(buf, n[0])[:]
+
+    def new_cache(self, kind="fp32", max_seq=None, codebook=None, **kw):
+        """A Cache shaped for this model."""
+        i = self.info
+        return Cache(kind, i["n_layer"], i["n_head"], i["n_head_kv"], i["head_dim"], max_seq or i["n_ctx_train"],
+                     codebook=codebook, **kw)
+
+    def eval(self, cache, tokens, logits_all=False):
+        """Run tokens (n,) int32 at the positions after those cache holds, appending their K/V.
+        Returns logits (n, n_vocab) float32 if logits_all, else (n_vocab,) of the last token."""
+        tokens = _array(tokens, "tokens", "Model.eval", dtype=np.int32, shape=(None,))
+        nv = self.info["n_vocab"]
+        out = np.empty((len(tokens), nv) if logits_all else (nv,), np.float32)
+        _check(lib.kvpq_model_eval(self._h, cache._h, _ptr(tokens, "int32_t *"), len(tokens), int(bool(logits_all)),
+                                   _ptr(out)), "Model.eval")
+        return out
+
+
+class Vocab:
+    """A GGUF file's tokenizer alone (kvpq_vocab: byte-level BPE)."""
+
+    def __init__(self, gguf_path):
+        h = ffi.new("kvpq_vocab **")
+        _check(lib.kvpq_vocab_load(h, os.fsencode(gguf_path)), f"Vocab('{gguf_path}')")
+        self._h = ffi.gc(h[0], lib.kvpq_vocab_free)
+
+    n_tokens = property(lambda self: int(lib.kvpq_vocab_n_tokens(self._h)))
+    bos = property(lambda self: int(lib.kvpq_vocab_bos(self._h)))
+    eos = property(lambda self: int(lib.kvpq_vocab_eos(self._h)))
+
+    def tokenize(self, text, add_bos=False, parse_special=False):
+        b = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        n = ffi.new("size_t *")
+        _check(lib.kvpq_vocab_tokenize(self._h, b, len(b), int(add_bos), int(parse_special), ffi.NULL, 0, n),
+               "Vocab.tokenize")
+        out = np.empty(n[0], np.int32)
+        _check(lib.kvpq_vocab_tokenize(self._h, b, len(b), int(add_bos), int(parse_special), _ptr(out, "int32_t *"),
+                                       n[0], n), "Vocab.tokenize")
+        return out
+
+    def piece(self, token):
+        n = ffi.new("size_t *")
+        buf = ffi.new("char[]", 256)
+        _check(lib.kvpq_vocab_piece(self._h, int(token), buf, 256, n), "Vocab.piece")
+        if n[0] > 256:
+            buf = ffi.new("char[]", n[0])
+            _check(lib.kvpq_vocab_piece(self._h, int(token), buf, n[0], n), "Vocab.piece")
+        return ffi.buffer(buf, n[0])[:]
+
+
+def gguf_dequantize(path, name):
+    """One tensor of a GGUF file dequantized to float32 (kvpq_gguf_dequantize_tensor), flat
+    (ne[0]*ne[1]*...,) with ne[0] fastest; reshape as the caller knows."""
+    n = ffi.new("size_t *")
+    _check(lib.kvpq_gguf_dequantize_tensor(os.fsencode(path), name.encode(), ffi.NULL, 0, n), "gguf_dequantize")
+    out = np.empty(n[0], np.float32)
+    _check(lib.kvpq_gguf_dequantize_tensor(os.fsencode(path), name.encode(), _ptr(out), n[0], n), "gguf_dequantize")
+    return out

@@ -1,0 +1,89 @@
+/* calibrate.c — one layer of a codebook from collected keys and values: the recipe of
+ * `kvpq calibrate` (centering, smoothing, Hadamard rotation, normalization, k-means), shared by the
+ * CLI and the Python binding so both train the same codebook from the same activations. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+kvpq_calibrate_params kvpq_calibrate_params_default(void) {
+    kvpq_calibrate_params p = {.center = 1, .smooth_floor = 1e-2f, .kmeans = kvpq_kmeans_params_default()};
+    p.kmeans.init = KVPQ_KMEANS_INIT_RANDOM;
+    p.kmeans.max_points_per_centroid = 0;
+    return p;
+}
+
+kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n_tokens, const float *k,
+                                          const float *v, const kvpq_calibrate_params *p,
+                                          kvpq_kmeans_report *key_report, kvpq_kmeans_report *value_report) {
+    kvpq_calibrate_params def = kvpq_calibrate_params_default();
+    if (!p) p = &def;
+    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_calibrate_layer: codebook is NULL");
+    kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+    if (layer < 0 || layer >= cp.n_layer)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_calibrate_layer: layer %d out of range 0..%d", layer,
+                         cp.n_layer - 1);
+    if (n_tokens == 0 || !k || !v)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_calibrate_layer: layer %d: %s", layer,
+                         n_tokens == 0 ? "n_tokens is 0" : "k or v is NULL");
+    if (!(p->smooth_floor > 0))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_calibrate_layer: smooth_floor %g: expected > 0",
+                         (double)p->smooth_floor);
+    const int H = cp.n_head_kv, D = cp.head_dim;
+    const size_t row = (size_t)H * D;
+    if (n_tokens > SIZE_MAX / sizeof(float) / row)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_calibrate_layer: n_tokens %zu too large", n_tokens);
+    if (!kvpq__all_finite(k, n_tokens * row))
+        return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_codebook_calibrate_layer: layer %d: k holds NaN or Inf", layer);
+    if (!kvpq__all_finite(v, n_tokens * row))
+        return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_codebook_calibrate_layer: layer %d: v holds NaN or Inf", layer);
+    float *kd = malloc(sizeof(float) * n_tokens * row), *vd = malloc(sizeof(float) * n_tokens * row);
+    float *lam = malloc(sizeof(float) * row);
+    kvpq_status s = KVPQ_OK;
+    if (!kd || !vd || !lam) {
+        s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_calibrate_layer: out of memory (%zu tokens)", n_tokens);
+        goto done;
+    }
+    memcpy(kd, k, sizeof(float) * n_tokens * row);
+    memcpy(vd, v, sizeof(float) * n_tokens * row);
+    if (p->center) {
+        /* mu in double over tokens (the order `kvpq calibrate` always used: its files stay identical) */
+        float *mu = kvpq_codebook_key_mean(cb, layer); /* (H, D) */
+        for (size_t c = 0; c < row; c++) {
+            double acc = 0;
+            for (size_t t = 0; t < n_tokens; t++) acc += kd[t * row + c];
+            mu[c] = (float)(acc / (double)n_tokens);
+        }
+        for (size_t t = 0; t < n_tokens; t++)
+            for (size_t c = 0; c < row; c++) kd[t * row + c] -= mu[c];
+    }
+    if ((s = kvpq_smooth_compute(n_tokens, H, D, kd, p->smooth_floor, lam)) != KVPQ_OK) goto fail;
+    memcpy(kvpq_codebook_key_smooth(cb, layer), lam, sizeof(float) * row);
+    if ((s = kvpq_smooth_apply(kd, n_tokens, H, D, lam, 0)) != KVPQ_OK ||
+        (s = kvpq_hadamard(kd, n_tokens * H, D)) != KVPQ_OK ||
+        (cp.value_rotate && (s = kvpq_hadamard(vd, n_tokens * H, D)) != KVPQ_OK))
+        goto fail;
+    if ((cp.key_norm && (s = kvpq_normalize_rows(kd, n_tokens * H, D, NULL)) != KVPQ_OK) ||
+        (cp.value_norm && (s = kvpq_normalize_rows(vd, n_tokens * H, D, NULL)) != KVPQ_OK))
+        goto fail;
+    kvpq_kmeans_params km = p->kmeans;
+    int ppc = p->kmeans.max_points_per_centroid;
+    km.max_points_per_centroid = ppc > 0 ? ppc : (cp.key.nbits > 8 ? 32 : 256);
+    if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, layer, 0), &km, n_tokens * H, kd, key_report)) != KVPQ_OK) {
+        kvpq__err_prefix("kvpq_codebook_calibrate_layer: layer %d: key codebook", layer);
+        goto done;
+    }
+    km.max_points_per_centroid = ppc > 0 ? ppc : (cp.value.nbits > 8 ? 32 : 256);
+    if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, layer, 1), &km, n_tokens * H, vd, value_report)) != KVPQ_OK) {
+        kvpq__err_prefix("kvpq_codebook_calibrate_layer: layer %d: value codebook", layer);
+        goto done;
+    }
+    goto done;
+fail:
+    kvpq__err_prefix("kvpq_codebook_calibrate_layer: layer %d", layer);
+done:
+    free(kd);
+    free(vd);
+    free(lam);
+    return s;
+}

@@ -1,0 +1,182 @@
+"""The numpy API of the kvpq package: a round trip through every entry point, against numpy
+formulas written here, and the argument checks (dtype, shape, contiguity, NaN) that raise kvpq.Error
+naming the argument."""
+import numpy as np
+import pytest
+
+import kvpq
+
+RNG = np.random.default_rng(20261201)
+
+
+def rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def test_product_quantizer_round_trip():
+    x = rand(3000, 32)
+    for gran in ("shared", "subspace"):
+        pq = kvpq.ProductQuantizer(32, M=8, nbits=6, granularity=gran)
+        assert (pq.d, pq.M, pq.nbits, pq.dsub, pq.ksub, pq.code_size, pq.granularity) == (32, 8, 6, 4, 64, 6, gran)
+        rep = pq.train(x, niter=8, seed=3)
+        assert rep["iterations"] >= 1 and rep["mse_final"] <= rep["mse_init"]
+        codes, idx = pq.encode(x), pq.assign(x)
+        assert codes.dtype == np.uint8 and codes.shape == (3000, 6) and idx.shape == (3000, 8)
+        assert np.array_equal(kvpq.codes_pack(idx, 6), codes)
+        assert np.array_equal(kvpq.codes_unpack(codes, 8, 6), idx)
+        y = pq.decode(codes)
+        # decode is the gather of the centroids the indices name
+        cent = pq.centroids
+        book = cent[None].repeat(8, 0) if gran == "shared" else cent
+        want = np.stack([book[m][idx[:, m]] for m in range(8)], 1).reshape(3000, 32)
+        assert np.array_equal(y, want)
+        # each index is the nearest centroid of its sub-vector (exact float64 distances; ties aside)
+        sub = x.reshape(3000, 8, 4).astype(np.float64)
+        d2 = ((sub[:, :, None, :] - book[None].astype(np.float64)) ** 2).sum(-1)  # (n, M, ksub)
+        best = d2.min(-1)
+        got = np.take_along_axis(d2, idx[..., None].astype(np.int64), -1)[..., 0]
+        assert np.all(got <= best + 1e-5 * (1 + best))
+        # the reported MSE is that of the trained codebook (subspace: all 3000 points used, no subsample)
+        if gran == "subspace":
+            assert abs(((x - y) ** 2).sum(1).mean() - rep["mse_final"]) <= 1e-3 * rep["mse_final"]
+        # centroids set -> read back
+        pq2 = kvpq.ProductQuantizer(32, M=8, nbits=6, granularity=gran)
+        pq2.centroids = cent
+        assert np.array_equal(pq2.encode(x), codes)
+
+
+def test_preset_and_kmeans():
+    pq = kvpq.ProductQuantizer(64, preset="d8b12")
+    assert (pq.M, pq.nbits) == (8, 12)
+    x = rand(4000, 4)
+    cent, rep = kvpq.kmeans(x, 16, niter=10)
+    assert cent.shape == (16, 4) and rep["n_used"] == 4000
+    d2 = ((x[:, None, :].astype(np.float64) - cent[None]) ** 2).sum(-1).min(1).mean()
+    assert abs(d2 - rep["mse_final"]) <= 1e-3 * d2
+
+
+def test_transforms_against_numpy():
+    x = rand(5, 3, 16)
+    h = kvpq.hadamard(x)
+    H = np.array([[1.0]])
+    while H.shape[0] < 16:
+        H = np.block([[H, H], [H, -H]])
+    np.testing.assert_allclose(h, x @ (H / 4.0).T, atol=1e-5)
+    np.testing.assert_allclose(kvpq.hadamard(h), x, atol=1e-5)  # self-inverse
+    u, n = kvpq.normalize_rows(x)
+    np.testing.assert_allclose(n, np.linalg.norm(x, axis=-1), rtol=1e-6)
+    np.testing.assert_allclose(u, x / np.linalg.norm(x, axis=-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    k = rand(50, 2, 8, scale=3.0)
+    k[:, 1, 4] = 0.0  # a silent channel: floored
+    lam = kvpq.smooth_compute(k)
+    want = np.maximum(np.sqrt(np.abs(k).max(0)), 1e-2)
+    np.testing.assert_allclose(lam, want, rtol=1e-6)
+    ks = kvpq.smooth_apply(k, lam)
+    np.testing.assert_allclose(ks, k / lam, rtol=1e-6)
+    np.testing.assert_allclose(kvpq.smooth_apply(ks, lam, inverse=True), k, rtol=1e-5, atol=1e-6)
+    q = rand(4, 6, 8)  # GQA: 6 query heads over 2 KV heads
+    qs = kvpq.smooth_apply_query(q, lam)
+    np.testing.assert_allclose(qs, q * np.repeat(lam, 3, 0)[None], rtol=1e-6)
+    # q . k unchanged
+    np.testing.assert_allclose((qs[0, 4] * ks[7, 1]).sum(), (q[0, 4] * k[7, 1]).sum(), rtol=1e-4)
+
+
+def test_codebook_save_load_info(tmp_path):
+    cb = kvpq.Codebook(2, 3, 32, keys="d4b8", values="d8b8", value_rotate=True)
+    lam = rand(3, 32) ** 2 + 0.5
+    cb.set_key_smooth(1, lam)
+    cb.set_key_mean(0, rand(3, 32))
+    cb.key_pq(1).centroids = rand(256, 4)
+    cb.set_meta("note", "hello \u2713")
+    cb.save(tmp_path / "c.safetensors")
+    back = kvpq.Codebook.load(tmp_path / "c.safetensors")
+    assert np.array_equal(back.key_smooth(1), lam)
+    assert np.array_equal(back.key_mean(0), cb.key_mean(0))
+    assert np.array_equal(back.key_pq(1).centroids, cb.key_pq(1).centroids)
+    info = back.info()
+    assert info["key"]["M"] == 8 and info["value"]["M"] == 4 and info["value_rotate"] and info["key_norm"]
+    assert info["bits_per_element"] == {"key": 2.0, "value": 1.0}
+    assert info["meta"]["note"] == "hello \u2713" and back.get_meta("n_layer") == "2"
+
+
+def test_calibrated_vq_cache_round_trip():
+    L, H, D, n = 2, 2, 32, 400
+    kv = [(rand(n, H, D, scale=2.0) + 1.0, rand(n, H, D)) for _ in range(L)]
+    cb = kvpq.calibrate(kv, keys="d4b8", niter=4)
+    np.testing.assert_allclose(cb.key_mean(0), kv[0][0].mean(0), atol=1e-5)
+    c = kvpq.Cache("vq", L, 4, H, D, max_seq=512, codebook=cb, window=16)
+    for layer in range(L):
+        c.append(layer, *kv[layer])
+    assert c.seq_len(0) == n
+    st = c.stats()
+    assert st["tokens_window"] == 16 * L and st["tokens_coded"] == (n - 16) * L
+    assert c.resident_bytes == st["resident_bytes"] > 0
+    assert c.resident_bytes < 0.25 * (2 * L * n * H * D * 4)
+    k, v = c.read(1)
+    f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731  the window holds float16
+    assert np.array_equal(k[-16:], f16(kv[1][0][-16:])) and np.array_equal(v[-16:], f16(kv[1][1][-16:]))
+    rel = np.linalg.norm(k[:-16] - kv[1][0][:-16]) / np.linalg.norm(kv[1][0][:-16])
+    assert 0 < rel < 0.5
+    # attention from codes equals exact attention over what read() returns (float64 reference)
+    q = rand(3, 4, D)
+    c.truncate(n - 3)
+    c.append(1, kv[1][0][n - 3:], kv[1][1][n - 3:])
+    k, v = c.read(1)
+    out = c.attend(1, q)
+    for i in range(3):
+        for h in range(4):
+            p = n - 3 + i
+            s = k[: p + 1, h // 2].astype(np.float64) @ q[i, h] / np.sqrt(D)
+            w = np.exp(s - s.max())
+            ref = (w / w.sum()) @ v[: p + 1, h // 2]
+            np.testing.assert_allclose(out[i, h], ref, rtol=2e-3, atol=2e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("call,arg,msg", [
+    (lambda pq, x: pq.encode(x.astype(np.float64)), "x", "expected dtype float32, got float64"),
+    (lambda pq, x: pq.encode(x[:, :16]), "x", "expected shape (*, 32), got (100, 16)"),
+    (lambda pq, x: pq.encode(np.asfortranarray(x)), "x", "not C-contiguous"),
+    (lambda pq, x: pq.encode(x.tolist()), "x", "expected a numpy array of float32, got list"),
+    (lambda pq, x: pq.decode(np.zeros((3, 5), np.uint8)), "codes", "expected shape (*, 8), got (3, 5)"),
+    (lambda pq, x: pq.decode(np.zeros((3, 8), np.int8)), "codes", "expected dtype uint8, got int8"),
+    (lambda pq, x: pq.train(x[:, :4]), "x", "expected shape (*, 32)"),
+    (lambda pq, x: kvpq.hadamard(x.astype(np.float16)), "x", "expected dtype float32, got float16"),
+    (lambda pq, x: kvpq.smooth_apply(x.reshape(100, 2, 16), np.ones((3, 16), np.float32)), "lam",
+     "expected shape (2, 16), got (3, 16)"),
+    (lambda pq, x: kvpq.Cache("fp32", 1, 2, 1, 32, 8).append(0, x[:4].reshape(4, 1, 32), x[:3].reshape(3, 1, 32)),
+     "v", "3 positions, k has 4"),
+    (lambda pq, x: kvpq.Cache("fp32", 1, 2, 1, 32, 8).attend(0, x[:1].reshape(1, 1, 32)), "q",
+     "expected shape (*, 2, 32), got (1, 1, 32)"),
+    (lambda pq, x: kvpq.Cache("vq", 1, 2, 1, 32, 8), "codebook", "needs a kvpq.Codebook"),
+    (lambda pq, x: kvpq.Cache("q3", 1, 2, 1, 32, 8), "kind", "'q3' is not one of"),
+])
+def test_bad_arguments_name_the_argument(call, arg, msg):
+    pq = kvpq.ProductQuantizer(32, M=8, nbits=8)
+    x = rand(100, 32)
+    with pytest.raises(kvpq.Error) as e:
+        call(pq, x)
+    assert e.value.status == -1 and e.value.status_name == "invalid argument"
+    assert f"{arg}: " in str(e.value) and msg in str(e.value), str(e.value)
+
+
+def test_nan_and_library_errors():
+    pq = kvpq.ProductQuantizer(32, M=8, nbits=8)
+    x = rand(100, 32)
+    x[7, 3] = np.inf
+    with pytest.raises(kvpq.Error, match=r"x: holds NaN or Inf \(first at index \(7, 3\)\)") as e:
+        pq.encode(x)
+    assert e.value.status == -6
+    k = rand(4, 1, 32)
+    k[2, 0, 0] = np.nan
+    with pytest.raises(kvpq.Error, match=r"k: holds NaN") as e:
+        kvpq.Cache("fp32", 1, 2, 1, 32, 8).append(0, k, rand(4, 1, 32))
+    # an error the library raises carries its status and kvpq_last_error() text
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.ProductQuantizer(30, M=7, nbits=8)
+    assert e.value.status == -1 and e.value.detail == kvpq.last_error() and "30" in e.value.detail
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.Cache("fp32", 1, 2, 1, 32, 4).append(0, rand(5, 1, 32), rand(5, 1, 32))
+    assert e.value.status == -10  # KVPQ_ERR_CAPACITY
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.hadamard(rand(2, 12))
+    assert e.value.status == -5 and "12" in e.value.detail
