@@ -12,10 +12,8 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
-            "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]
-"
-            "                     [--prompt-cache FILE] [--quiet]
-"
+            "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]\n"
+            "                     [--prompt-cache FILE] [--quiet]\n"
             "  --model M      GGUF model (Llama family)\n"
             "  --prompt P     prompt text (default empty: starts from BOS when the model adds one)\n"
             "  -n N           tokens to generate (default 64); stops early at the end-of-sequence token\n"
