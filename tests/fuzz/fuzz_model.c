@@ -13,7 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "kvpq.h"
+#include "kvpq_model.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
