@@ -22,23 +22,9 @@
 #define PAGE 64
 
 static kvpq_codebook *make_codebook(int norm, uint64_t seed) {
-    kvpq_codebook_params p = kvpq_codebook_params_default();
-    p.n_layer = N_LAYER;
-    p.n_head_kv = N_HEAD_KV;
-    p.head_dim = HD;
-    cr_assert_eq(kvpq_pq_params_preset(&p.key, "d4b8", HD), KVPQ_OK);
-    cr_assert_eq(kvpq_pq_params_preset(&p.value, "d4b8", HD), KVPQ_OK);
-    p.key_norm = p.value_norm = norm;
-    kvpq_codebook *cb = NULL;
-    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
-    for (int l = 0; l < N_LAYER; l++)
-        for (int w = 0; w < 2; w++) {
-            kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
-            size_t nc = kvpq_pq_centroids_size(pq);
-            float *c = rand_vec(nc, seed + 2u * l + w, 1.0f);
-            cr_assert_eq(kvpq_pq_set_centroids(pq, c, nc), KVPQ_OK, "%s", kvpq_last_error());
-            free(c);
-        }
+    kvpq_codebook *cb = test_codebook(&(test_codebook_spec){.n_layer = N_LAYER, .n_head_kv = N_HEAD_KV, .head_dim = HD,
+                                                            .norm = norm, .seed = seed, .seed_step = 1, .scale = 1.0f});
+    cr_assert_not_null(cb, "%s", kvpq_last_error());
     return cb;
 }
 

@@ -53,29 +53,11 @@ static const kind KINDS[] = {
 static double f16r(double x) { return (double)kvpq_fp16_to_fp32(kvpq_fp32_to_fp16((float)x)); }
 
 static kvpq_codebook *make_codebook(int norm, uint64_t seed) {
-    kvpq_codebook_params p = kvpq_codebook_params_default();
-    p.n_layer = N_LAYER;
-    p.n_head_kv = N_HEAD_KV;
-    p.head_dim = HD;
-    cr_assert_eq(kvpq_pq_params_preset(&p.key, "d4b8", HD), KVPQ_OK);
-    cr_assert_eq(kvpq_pq_params_preset(&p.value, "d4b8", HD), KVPQ_OK);
-    p.key_norm = p.value_norm = norm;
-    kvpq_codebook *cb = NULL;
-    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
-    for (int l = 0; l < N_LAYER; l++) {
-        for (int w = 0; w < 2; w++) { /* random centroids: the cache's logic does not care how good */
-            kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
-            size_t n = kvpq_pq_centroids_size(pq);
-            float *c = rand_vec(n, seed + 17 * (uint64_t)(2 * l + w), norm ? 0.5f : 1.0f);
-            cr_assert_eq(kvpq_pq_set_centroids(pq, c, n), KVPQ_OK, "%s", kvpq_last_error());
-            free(c);
-        }
-        float *lam = kvpq_codebook_key_smooth(cb, l), *mu = kvpq_codebook_key_mean(cb, l);
-        for (int i = 0; i < ROW; i++) {
-            lam[i] = (float)(0.5 + 1.5 * rng_unif(&seed));
-            mu[i] = (float)(rng_unif(&seed) - 0.5);
-        }
-    }
+    /* random centroids (the cache's logic does not care how good) and random smoothing and means */
+    kvpq_codebook *cb = test_codebook(&(test_codebook_spec){.n_layer = N_LAYER, .n_head_kv = N_HEAD_KV, .head_dim = HD,
+                                                            .norm = norm, .seed = seed, .seed_step = 17,
+                                                            .scale = norm ? 0.5f : 1.0f, .smooth = 1});
+    cr_assert_not_null(cb, "%s", kvpq_last_error());
     return cb;
 }
 

@@ -24,29 +24,10 @@
 
 /* A VQ codebook (d4b8 keys and values) trained on Gaussian data through the public API. */
 static kvpq_codebook *make_codebook(int n_layer, int norm) {
-    kvpq_codebook_params p = kvpq_codebook_params_default();
-    p.n_layer = n_layer;
-    p.n_head_kv = N_HEAD_KV;
-    p.head_dim = HD;
-    cr_assert_eq(kvpq_pq_params_preset(&p.key, "d4b8", HD), KVPQ_OK, "%s", kvpq_last_error());
-    cr_assert_eq(kvpq_pq_params_preset(&p.value, "d4b8", HD), KVPQ_OK, "%s", kvpq_last_error());
-    p.key_norm = p.value_norm = norm;
-    kvpq_codebook *cb = NULL;
-    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
-    kvpq_kmeans_params kp = kvpq_kmeans_params_default();
-    kp.niter = 2;
-    kp.max_points_per_centroid = 2;
-    kp.n_threads = 1;
-    for (int l = 0; l < n_layer; l++)
-        for (int w = 0; w < 2; w++) {
-            kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
-            kvpq_pq_params pp = kvpq_pq_get_params(pq);
-            size_t n = (size_t)(2 * (1 << pp.nbits) + pp.M - 1) / pp.M;
-            float *x = rand_vec(n * pp.d, 900u + 2u * l + w, 1.0f);
-            if (norm) cr_assert_eq(kvpq_normalize_rows(x, n, pp.d, NULL), KVPQ_OK, "%s", kvpq_last_error());
-            cr_assert_eq(kvpq_pq_train(pq, &kp, n, x, NULL), KVPQ_OK, "%s", kvpq_last_error());
-            free(x);
-        }
+    kvpq_codebook *cb = test_codebook(&(test_codebook_spec){.n_layer = n_layer, .n_head_kv = N_HEAD_KV, .head_dim = HD,
+                                                            .norm = norm, .seed = 900, .seed_step = 1,
+                                                            .train_points = -1, .max_points_per_centroid = 2});
+    cr_assert_not_null(cb, "%s", kvpq_last_error());
     return cb;
 }
 

@@ -24,25 +24,9 @@ static const kvpq_cache_type KINDS[] = {KVPQ_CACHE_FP32,  KVPQ_CACHE_FP16,  KVPQ
 #define N_KINDS ((int)(sizeof KINDS / sizeof KINDS[0]))
 
 static kvpq_codebook *make_codebook(int n_layer, int n_head_kv, int hd) {
-    kvpq_codebook_params p = kvpq_codebook_params_default();
-    p.n_layer = n_layer;
-    p.n_head_kv = n_head_kv;
-    p.head_dim = hd;
-    cr_assert_eq(kvpq_pq_params_preset(&p.key, "d4b8", hd), KVPQ_OK, "%s", kvpq_last_error());
-    cr_assert_eq(kvpq_pq_params_preset(&p.value, "d4b8", hd), KVPQ_OK, "%s", kvpq_last_error());
-    kvpq_codebook *cb = NULL;
-    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
-    kvpq_kmeans_params kp = kvpq_kmeans_params_default();
-    kp.niter = 2;
-    kp.n_threads = 1;
-    for (int l = 0; l < n_layer; l++)
-        for (int w = 0; w < 2; w++) {
-            kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
-            size_t n = 1024;
-            float *x = rand_vec(n * hd, 900u + 2u * l + w, 1.0f);
-            cr_assert_eq(kvpq_pq_train(pq, &kp, n, x, NULL), KVPQ_OK, "%s", kvpq_last_error());
-            free(x);
-        }
+    kvpq_codebook *cb = test_codebook(&(test_codebook_spec){.n_layer = n_layer, .n_head_kv = n_head_kv, .head_dim = hd,
+                                                            .norm = -1, .seed = 900, .seed_step = 1, .train_points = 1024});
+    cr_assert_not_null(cb, "%s", kvpq_last_error());
     return cb;
 }
 
