@@ -14,18 +14,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "kvpq.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* Parallel sum of n floats with 8 independent accumulators (the compiler vectorizes it). */
 static float read_all(const float *x, size_t n) {

@@ -10,40 +10,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "model/ggml_types.h"
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static uint64_t s = 88172645463325252ull;
-static uint8_t rnd8(void) {
-    s ^= s << 13;
-    s ^= s >> 7;
-    s ^= s << 17;
-    return (uint8_t)s;
-}
-
-static uint8_t *random_weights(uint32_t type, int64_t rows, int64_t n) {
-    size_t rb = ggml_row_size(type, n), bs = ggml_type_size(type), total = rb * (size_t)rows;
-    uint8_t *w = malloc(total);
-    for (size_t i = 0; i < total; i++) w[i] = rnd8();
-    for (size_t b = 0; b < total / bs; b++) { /* sane fp16 scales (and Q4_1 offsets) */
-        uint16_t d = kvpq_fp32_to_fp16(0.01f), m = kvpq_fp32_to_fp16(-0.05f);
-        memcpy(w + b * bs, &d, 2);
-        if (type == GGML_TYPE_Q4_1) memcpy(w + b * bs + 2, &m, 2);
-    }
-    return w;
-}
-
-#define MAXREP 200
 
 static volatile uint64_t sink;
 
@@ -72,19 +40,6 @@ static void one_token(const uint8_t *wq, const uint8_t *wo, const float *x, floa
         }
     ggml_matvec(GGML_TYPE_Q8_0, wo, 49152, 576, x, y);
 }
-
-/* Median seconds of `reps` runs of the statement. */
-#define TIME(reps, stmt)                                             \
-    ({                                                               \
-        double t_[MAXREP];                                           \
-        for (int r_ = 0; r_ < (reps); r_++) {                        \
-            double t0_ = now();                                      \
-            stmt;                                                    \
-            t_[r_] = now() - t0_;                                    \
-        }                                                            \
-        qsort(t_, (size_t)(reps), sizeof(double), cmp);              \
-        t_[(reps) / 2];                                              \
-    })
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 31;

@@ -14,57 +14,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "model/ggml_types.h"
 #include "model/gguf.h"
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static uint64_t s = 88172645463325252ull;
-static uint8_t rnd8(void) {
-    s ^= s << 13;
-    s ^= s >> 7;
-    s ^= s << 17;
-    return (uint8_t)s;
-}
-
-/* Byte offsets of a block's fp16 scales (d, and dmin or m where the type has one; -1 if none). */
-static void scale_offsets(uint32_t type, int *d, int *m) {
-    *d = 0;
-    *m = -1;
-    switch (type) {
-    case GGML_TYPE_Q4_1: *m = 2; break;
-    case GGML_TYPE_Q2_K: *d = 80, *m = 82; break;
-    case GGML_TYPE_Q3_K: *d = 108; break;
-    case GGML_TYPE_Q4_K:
-    case GGML_TYPE_Q5_K: *m = 2; break;
-    case GGML_TYPE_Q6_K: *d = 208; break;
-    }
-}
-
-static uint8_t *random_weights(uint32_t type, int64_t rows, int64_t n) {
-    size_t rb = ggml_row_size(type, n), bs = ggml_type_size(type), total = rb * (size_t)rows;
-    uint8_t *w = malloc(total);
-    for (size_t i = 0; i < total; i++) w[i] = rnd8();
-    int od, om;
-    scale_offsets(type, &od, &om);
-    uint16_t d = kvpq_fp32_to_fp16(ggml_blck_size(type) == 256 ? 0.001f : 0.01f), m = kvpq_fp32_to_fp16(-0.05f);
-    for (size_t b = 0; b < total / bs; b++) { /* sane fp16 scales */
-        memcpy(w + b * bs + od, &d, 2);
-        if (om >= 0) memcpy(w + b * bs + om, &m, 2);
-    }
-    return w;
-}
-
-#define MAXREP 200
 
 static volatile uint64_t sink;
 
@@ -81,17 +33,6 @@ static void read_sum(const gguf_tensor **t, int nt) {
 }
 
 /* Median seconds of `reps` runs of the statement. */
-#define TIME(reps, stmt)                                \
-    ({                                                  \
-        double t_[MAXREP];                              \
-        for (int r_ = 0; r_ < (reps); r_++) {           \
-            double t0_ = now();                         \
-            stmt;                                       \
-            t_[r_] = now() - t0_;                       \
-        }                                               \
-        qsort(t_, (size_t)(reps), sizeof(double), cmp); \
-        t_[(reps) / 2];                                 \
-    })
 
 static void one_token(const gguf_tensor **t, int nt, const float *x, float *y) {
     for (int k = 0; k < nt; k++) ggml_matvec(t[k]->type, t[k]->data, t[k]->ne[1], t[k]->ne[0], x, y);
