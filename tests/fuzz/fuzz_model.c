@@ -84,10 +84,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if ((int64_t)mi.n_embd * mi.n_vocab <= (1 << 16) && (int64_t)mi.n_embd * mi.n_ff <= (1 << 16) &&
             mi.n_layer <= 8 && mi.n_ctx_train >= 2) {
             kvpq_cache_params cp = kvpq_cache_params_default();
-            cp.n_layer = mi.n_layer;
-            cp.n_head = mi.n_head;
-            cp.n_head_kv = mi.n_head_kv;
-            cp.head_dim = mi.head_dim;
+            if (kvpq_model_cache_params(m, &cp) != KVPQ_OK) abort(); /* shapes and sliding window */
             cp.max_seq = 4;
             cp.n_threads = 1;
             kvpq_cache *c = NULL;
