@@ -158,7 +158,7 @@ typedef struct {
     int niter;                    /* Lloyd iterations (default 25, as faiss Kmeans) */
     int max_points_per_centroid;  /* subsample to at most ksub * this points (default 256, faiss) */
     uint64_t seed;                /* same seed, same data -> same codebook (any thread count) */
-    int n_threads;                /* 0 = OpenMP default */
+    int n_threads;                /* 0 = OpenMP default; at most 1024 */
     kvpq_progress_fn progress;    /* optional */
     void *progress_user;
     /* Initial centroids: KVPQ_KMEANS_INIT_PP (default) k-means++ seeding (Arthur & Vassilvitskii
@@ -395,7 +395,7 @@ typedef struct {
                          * longer than max_seq is clamped to max_seq (the whole sequence) */
     int page_tokens;    /* tokens per allocated page (default 256); clamped to max_seq likewise */
     const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
-    int n_threads;      /* 0 = OpenMP default */
+    int n_threads;      /* 0 = OpenMP default; at most 1024 */
     kvpq_backend backend;
     /* VQ, 8-bit key codes: 1 = approximate key scores by "fast-scan" (André et al., VLDB 2015;
      * faiss PQ fast-scan): the float LUT of each query head is quantized to 8 bits with one step

@@ -37,7 +37,7 @@ extern "C" {
 typedef struct kvpq_model kvpq_model;
 
 typedef struct {
-    int n_threads;   /* 0 = OpenMP default */
+    int n_threads;   /* 0 = OpenMP default; at most 1024 */
 } kvpq_model_params;
 KVPQ_API kvpq_model_params kvpq_model_params_default(void);
 

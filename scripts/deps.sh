@@ -13,7 +13,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 root=$(cd "$(dirname "$0")/.." && pwd)
-if ! python3 -c "import sys; import importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in ['numpy','cffi','safetensors','gguf','faiss','tokenizers','transformers','matplotlib','pytest','jsonschema','adjustText']))" 2>/dev/null; then
+if ! python3 -c "import sys; import importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in ['numpy','cffi','safetensors','gguf','faiss','tokenizers','transformers','matplotlib','pytest','jsonschema','adjustText','hypothesis']))" 2>/dev/null; then
   echo "deps: pip install -r python/requirements-dev.txt"
   # A Debian system python refuses installs (PEP 668); then install beside its packages.
   python3 -m pip install -q -r "$root/python/requirements-dev.txt" ||

@@ -69,12 +69,36 @@ def _ptr(a, ctype="float *"):
     return ffi.cast(ctype, a.ctypes.data) if a is not None else ffi.NULL
 
 
-def _int(v, name, where, lo=None):
+INT_MAX = 2 ** 31 - 1
+
+
+def _int(v, name, where, lo=None, hi=INT_MAX):
+    """An int argument within [lo, hi] (hi: C int's maximum unless said), else kvpq.Error naming it
+    (never cffi's OverflowError)."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
         raise _arg_error(where, f"{name}: expected an int, got {type(v).__name__}")
-    if lo is not None and v < lo:
+    v = int(v)
+    if lo is None:
+        lo = -INT_MAX - 1
+    if v < lo:
         raise _arg_error(where, f"{name}: {v} is below {lo}")
-    return int(v)
+    if v > hi:
+        raise _arg_error(where, f"{name}: {v} is above {hi}")
+    return v
+
+
+def _dim(x, axis, name, where):
+    """x.shape[axis] as a C int (a zero-size array may have a dimension beyond it)."""
+    return _int(x.shape[axis], f"{name}.shape[{axis}]", where, 0)
+
+
+def _text(text, where):
+    """str (encoded as UTF-8) or bytes-like -> bytes, else kvpq.Error naming `text`."""
+    if isinstance(text, str):
+        return text.encode("utf-8", "surrogatepass")
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        return bytes(text)
+    raise _arg_error(where, f"text: expected str or bytes, got {type(text).__name__}")
 
 
 def _str(p):
@@ -137,7 +161,7 @@ def _kmeans_params(where, niter, seed, max_points_per_centroid, init, n_threads,
     if niter is not None:
         kp.niter = _int(niter, "niter", where, 1)
     if seed is not None:
-        kp.seed = _int(seed, "seed", where, 0)
+        kp.seed = _int(seed, "seed", where, 0, 2 ** 64 - 1)
     if max_points_per_centroid is not None:
         kp.max_points_per_centroid = _int(max_points_per_centroid, "max_points_per_centroid", where, 0)
     if init is not None:
@@ -243,16 +267,20 @@ def kmeans(x, k, niter=None, seed=None, max_points_per_centroid=None, init=None,
     _array(x, "x", "kmeans", shape=(None, None))
     k = _int(k, "k", "kmeans", 1)
     kp = _kmeans_params("kmeans", niter, seed, max_points_per_centroid, init, n_threads)
-    cent = np.empty((k, x.shape[1]), np.float32)
+    d = _dim(x, 1, "x", "kmeans")
+    if k > x.shape[0]:
+        raise _arg_error("kmeans", f"k: {k} centroids from {x.shape[0]} vectors of x")
+    cent = np.empty((k, d), np.float32)
     r = ffi.new("kvpq_kmeans_report *")
-    _check(lib.kvpq_kmeans(x.shape[1], k, x.shape[0], _ptr(x), kp, _ptr(cent), r), "kmeans")
+    _check(lib.kvpq_kmeans(d, k, x.shape[0], _ptr(x), kp, _ptr(cent), r), "kmeans")
     return cent, _report(r)
 
 
 def codes_pack(idx, nbits):
     """Pack idx (n, M) uint16 (each < 2**nbits) into (n, ceil(M*nbits/8)) uint8."""
     _array(idx, "idx", "codes_pack", dtype=np.uint16, shape=(None, None))
-    M = idx.shape[1]
+    M = _dim(idx, 1, "idx", "codes_pack")
+    nbits = _int(nbits, "nbits", "codes_pack", 1, 16)
     out = np.empty((idx.shape[0], int(lib.kvpq_codes_size(M, nbits))), np.uint8)
     _check(lib.kvpq_codes_pack(M, nbits, idx.shape[0], _ptr(idx, "uint16_t *"), _ptr(out, "uint8_t *")),
            "codes_pack")
@@ -261,6 +289,8 @@ def codes_pack(idx, nbits):
 
 def codes_unpack(packed, M, nbits):
     """Unpack (n, ceil(M*nbits/8)) uint8 into idx (n, M) uint16."""
+    M = _int(M, "M", "codes_unpack", 1)
+    nbits = _int(nbits, "nbits", "codes_unpack", 1, 16)
     size = int(lib.kvpq_codes_size(M, nbits))
     _array(packed, "packed", "codes_unpack", dtype=np.uint8, shape=(None, size))
     idx = np.empty((packed.shape[0], M), np.uint16)
@@ -279,7 +309,7 @@ def hadamard(x):
     if x.ndim < 1:
         raise _arg_error("hadamard", "x: expected at least 1 dimension")
     y = x.copy()
-    d = x.shape[-1]
+    d = _dim(x, -1, "x", "hadamard")
     _check(lib.kvpq_hadamard(_ptr(y), y.size // d if d else 0, d), "hadamard")
     return y
 
@@ -290,8 +320,10 @@ def normalize_rows(x):
     _array(x, "x", "normalize_rows")
     if x.ndim < 1:
         raise _arg_error("normalize_rows", "x: expected at least 1 dimension")
+    d = _dim(x, -1, "x", "normalize_rows")
+    if d < 1:  # before allocating norms of shape x.shape[:-1], which a zero-size x may make huge
+        raise _arg_error("normalize_rows", f"x: last dimension is 0 (shape {tuple(x.shape)})")
     u = x.copy()
-    d = x.shape[-1]
     norms = np.empty(x.shape[:-1], np.float32)
     _check(lib.kvpq_normalize_rows(_ptr(u), u.size // d if d else 0, d, _ptr(norms)), "normalize_rows")
     return u, norms
@@ -301,8 +333,11 @@ def smooth_compute(k, floor=1e-2):
     """Key smoothing factors lambda = sqrt(max_t |k_t|) per KV head and channel, floored at
     `floor` (VecInfer sec. 3). k: (n_tokens, n_head_kv, head_dim) float32 -> (n_head_kv, head_dim)."""
     _array(k, "k", "smooth_compute", shape=(None, None, None))
+    h, d = _dim(k, 1, "k", "smooth_compute"), _dim(k, 2, "k", "smooth_compute")
+    if not isinstance(floor, (int, float, np.integer, np.floating)) or isinstance(floor, (bool, np.bool_)):
+        raise _arg_error("smooth_compute", f"floor: expected a number, got {type(floor).__name__}")
     lam = np.empty(k.shape[1:], np.float32)
-    _check(lib.kvpq_smooth_compute(k.shape[0], k.shape[1], k.shape[2], _ptr(k), float(floor), _ptr(lam)),
+    _check(lib.kvpq_smooth_compute(k.shape[0], h, d, _ptr(k), float(floor), _ptr(lam)),
            "smooth_compute")
     return lam
 
@@ -312,8 +347,9 @@ def smooth_apply(x, lam, inverse=False):
     x: (n, n_head_kv, head_dim), lam: (n_head_kv, head_dim), float32. Returns a new array."""
     _array(x, "x", "smooth_apply", shape=(None, None, None))
     _array(lam, "lam", "smooth_apply", shape=x.shape[1:])
+    h, d = _dim(x, 1, "x", "smooth_apply"), _dim(x, 2, "x", "smooth_apply")
     y = x.copy()
-    _check(lib.kvpq_smooth_apply(_ptr(y), y.shape[0], y.shape[1], y.shape[2], _ptr(lam), int(bool(inverse))),
+    _check(lib.kvpq_smooth_apply(_ptr(y), y.shape[0], h, d, _ptr(lam), int(bool(inverse))),
            "smooth_apply")
     return y
 
@@ -323,8 +359,10 @@ def smooth_apply_query(q, lam):
     so (q * lambda) . (k / lambda) = q . k. q: (n, n_head, head_dim), lam: (n_head_kv, head_dim)."""
     _array(q, "q", "smooth_apply_query", shape=(None, None, None))
     _array(lam, "lam", "smooth_apply_query", shape=(None, q.shape[2]))
+    h, hkv, d = (_dim(q, 1, "q", "smooth_apply_query"), _dim(lam, 0, "lam", "smooth_apply_query"),
+                 _dim(q, 2, "q", "smooth_apply_query"))
     y = q.copy()
-    _check(lib.kvpq_smooth_apply_query(_ptr(y), y.shape[0], y.shape[1], lam.shape[0], y.shape[2], _ptr(lam)),
+    _check(lib.kvpq_smooth_apply_query(_ptr(y), y.shape[0], h, hkv, d, _ptr(lam)),
            "smooth_apply_query")
     return y
 
@@ -508,9 +546,15 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value
         pairs = [(K[i], V[i]) for i in range(K.shape[0])]
     else:
         pairs = keys_values
+    if not hasattr(pairs, "__iter__"):
+        raise _arg_error("calibrate", f"keys_values: expected a sequence of (k, v) pairs, got {type(pairs).__name__}")
     cb = None
     n_tok = 0
-    for layer, (k, v) in enumerate(pairs):
+    for layer, kv in enumerate(pairs):
+        if not (isinstance(kv, (tuple, list)) and len(kv) == 2):
+            raise _arg_error("calibrate", f"keys_values: layer {layer}: expected a (k, v) pair of arrays, got "
+                                          f"{type(kv).__name__}")
+        k, v = kv
         _array(k, f"k (layer {layer})", "calibrate", shape=(None, None, None))
         if cb is None:
             n_layer = len(pairs) if hasattr(pairs, "__len__") else None
@@ -615,11 +659,14 @@ class Cache:
         (n, n_head_kv, head_dim) float32. n defaults to the rest of the layer."""
         w = "Cache.read"
         layer = self._layer(layer, w)
-        if n is None:
-            n = self.seq_len(layer) - pos0
+        pos0 = _int(pos0, "pos0", w, 0)
+        L = self.seq_len(layer)
+        n = L - pos0 if n is None else _int(n, "n", w, 0)
+        if n < 0 or pos0 + n > L:  # before allocating: n may be up to 2**31 - 1
+            raise _arg_error(w, f"pos0, n: positions [{pos0}, {pos0 + n}) beyond the {L} layer {layer} holds")
         k = np.empty((n, self.n_head_kv, self.head_dim), np.float32)
         v = np.empty_like(k)
-        _check(lib.kvpq_cache_read(self._h, layer, _int(pos0, "pos0", w, 0), _int(n, "n", w, 0), _ptr(k), _ptr(v)), w)
+        _check(lib.kvpq_cache_read(self._h, layer, pos0, n, _ptr(k), _ptr(v)), w)
         return k, v
 
     @property
@@ -656,7 +703,7 @@ class Model:
 
     def tokenize(self, text, add_bos=False, parse_special=False):
         """UTF-8 text -> token ids (n,) int32."""
-        b = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        b = _text(text, self.__class__.__name__ + ".tokenize")
         n = ffi.new("size_t *")
         _check(lib.kvpq_tokenize(self._h, b, len(b), int(add_bos), int(parse_special), ffi.NULL, 0, n), "Model.tokenize")
         out = np.empty(n[0], np.int32)
@@ -667,10 +714,11 @@ class Model:
     def token_to_piece(self, token):
         n = ffi.new("size_t *")
         buf = ffi.new("char[]", 256)
-        _check(lib.kvpq_token_to_piece(self._h, int(token), buf, 256, n), "Model.token_to_piece")
+        token = _int(token, "token", "Model.token_to_piece")
+        _check(lib.kvpq_token_to_piece(self._h, token, buf, 256, n), "Model.token_to_piece")
         if n[0] > 256:
             buf = ffi.new("char[]", n[0])
-            _check(lib.kvpq_token_to_piece(self._h, int(token), buf, n[0], n), "Model.token_to_piece")
+            _check(lib.kvpq_token_to_piece(self._h, token, buf, n[0], n), "Model.token_to_piece")
         return ffi.buffer(buf, n[0])[:]
 
     def new_cache(self, kind="fp32", max_seq=None, codebook=None, **kw):
@@ -703,7 +751,7 @@ class Vocab:
     eos = property(lambda self: int(lib.kvpq_vocab_eos(self._h)))
 
     def tokenize(self, text, add_bos=False, parse_special=False):
-        b = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        b = _text(text, self.__class__.__name__ + ".tokenize")
         n = ffi.new("size_t *")
         _check(lib.kvpq_vocab_tokenize(self._h, b, len(b), int(add_bos), int(parse_special), ffi.NULL, 0, n),
                "Vocab.tokenize")
@@ -715,10 +763,11 @@ class Vocab:
     def piece(self, token):
         n = ffi.new("size_t *")
         buf = ffi.new("char[]", 256)
-        _check(lib.kvpq_vocab_piece(self._h, int(token), buf, 256, n), "Vocab.piece")
+        token = _int(token, "token", "Vocab.piece")
+        _check(lib.kvpq_vocab_piece(self._h, token, buf, 256, n), "Vocab.piece")
         if n[0] > 256:
             buf = ffi.new("char[]", n[0])
-            _check(lib.kvpq_vocab_piece(self._h, int(token), buf, n[0], n), "Vocab.piece")
+            _check(lib.kvpq_vocab_piece(self._h, token, buf, n[0], n), "Vocab.piece")
         return ffi.buffer(buf, n[0])[:]
 
 

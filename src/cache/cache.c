@@ -106,9 +106,9 @@ static kvpq_status check_params(const kvpq_cache_params *p) {
     if (p->window < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: window %d must be >= 0", tn, p->window);
     if (p->page_tokens <= 0 || p->page_tokens > (1 << 20))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: page_tokens %d: expected 1..%d", tn, p->page_tokens, 1 << 20);
-    if (p->n_threads < 0)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_threads %d must be >= 0 (0 = OpenMP default)", tn,
-                         p->n_threads);
+    if (p->n_threads < 0 || p->n_threads > KVPQ_MAX_THREADS)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_threads %d: expected 0..%d (0 = OpenMP default)", tn,
+                         p->n_threads, KVPQ_MAX_THREADS);
     if (p->sliding_window < 0)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: sliding_window %d must be >= 0 (0 = none)", tn,
                          p->sliding_window);

@@ -45,6 +45,11 @@ void kvpq__temp_done(const char *tmpl, int keep);
  * KVPQ_ERR_INVALID_ARG naming `fn` and the field (src/core/cuda_stub.c; every build). */
 kvpq_status kvpq__cuda_kernels_check(const kvpq_cuda_kernels *k, const char *fn);
 
+/* Largest n_threads the library takes (kmeans, cache, model params; the CLI's --threads has the same
+ * bound). Above it OpenMP may fail to build the thread team, and libgomp then ends the process
+ * ("Out of memory allocating ...") instead of returning. */
+#define KVPQ_MAX_THREADS 1024
+
 #define KVPQ_TRY(expr)                     \
     do {                                   \
         kvpq_status kvpq__s = (expr);      \

@@ -339,7 +339,8 @@ kvpq_model_params kvpq_model_params_default(void) {
 kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model_params *p) {
     if (!out || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_load: NULL argument");
     *out = NULL;
-    if (p && p->n_threads < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "n_threads %d: expected >= 0", p->n_threads);
+    if (p && (p->n_threads < 0 || p->n_threads > KVPQ_MAX_THREADS))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "n_threads %d: expected 0..%d", p->n_threads, KVPQ_MAX_THREADS);
     kvpq_model *m = calloc(1, sizeof *m);
     if (!m) return kvpq__err(KVPQ_ERR_NOMEM, "model: out of memory");
     m->n_threads = p ? p->n_threads : 0;

@@ -236,7 +236,8 @@ static kvpq_status km_run(int d, int k, size_t n, const float *x, size_t x_strid
     if (kp->max_points_per_centroid < 1)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: max_points_per_centroid=%d: expected >= 1", fn,
                          kp->max_points_per_centroid);
-    if (kp->n_threads < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: n_threads=%d: expected >= 0", fn, kp->n_threads);
+    if (kp->n_threads < 0 || kp->n_threads > KVPQ_MAX_THREADS)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: n_threads=%d: expected 0..%d", fn, kp->n_threads, KVPQ_MAX_THREADS);
     const int nt = kp->n_threads > 0 ? kp->n_threads : omp_get_max_threads();
 
     int bad = 0;
