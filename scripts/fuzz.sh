@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the libFuzzer targets (tests/fuzz/fuzz_*.c, clang, ASan+UBSan) and run each for a while.
 # usage: scripts/fuzz.sh [SECONDS_PER_TARGET (default 60)] [TARGET ...]
-# Seeds: tests/fuzz/corpus/<name>/ or tests/fuzz/corpus_<name>/ (fuzz_<name>.c), copied into build-fuzz/corpus/ so the committed
+# Seeds: tests/fuzz/corpus/<name>/ or tests/fuzz/corpus_<name>/ (fuzz_<name>.c), and the inputs of past crashes,
+# tests/fuzz/regressions/<name>/ (each run replays them first), copied into build-fuzz/corpus/ so the committed
 # seeds stay small; a dictionary tests/fuzz/fuzz_<name>.dict is used when present. Crashes are
 # written to build-fuzz/crashes/ and make the script fail.
 set -euo pipefail
@@ -20,7 +21,7 @@ for t in "${targets[@]}"; do
   name=${t#fuzz_}
   corpus=build-fuzz/corpus/$name
   mkdir -p "$corpus"
-  for seeds in "tests/fuzz/corpus/$name" "tests/fuzz/corpus_$name"; do
+  for seeds in "tests/fuzz/corpus/$name" "tests/fuzz/corpus_$name" "tests/fuzz/regressions/$name"; do
     [ -d "$seeds" ] && cp -n "$seeds"/* "$corpus"/ 2>/dev/null || true
   done
   dict=(); [ -f "tests/fuzz/$t.dict" ] && dict=(-dict="tests/fuzz/$t.dict")

@@ -856,7 +856,8 @@ static kvpq_status vq_serial(void *state, const int *lens, kvpq__stream *s, int 
         int32_t coded = L->n_coded, has_ring = L->wk != NULL;
         KVPQ_TRY(kvpq__stream_io(s, &coded, sizeof coded));
         KVPQ_TRY(kvpq__stream_io(s, &has_ring, sizeof has_ring));
-        const int pages = (coded + st->page_tokens - 1) / st->page_tokens;
+        /* in 64 bits: on load, coded comes from the file and is checked only below (INT32_MAX overflowed) */
+        const int64_t pages = ((int64_t)coded + st->page_tokens - 1) / st->page_tokens;
         if (load) {
             if (coded < 0 || coded > lens[l] || lens[l] - coded > st->cap || pages > st->max_pages ||
                 (lens[l] > 0 && !has_ring))
