@@ -459,6 +459,13 @@ typedef struct {
     int64_t tokens_coded;      /* per layer, summed: positions held as codes (VQ/KIVI) */
     int64_t tokens_window;     /* per layer, summed: positions held in full precision */
     kvpq_backend backend;      /* where it runs */
+    /* The bytes of the tokens held, in their stored form: per coded token its share of a page
+     * (codes, scales), per window token its fp16 K and V; without what resident_bytes adds for
+     * capacity (the unused slots of the last page and of the window ring) and for codebooks. After
+     * a short run resident_bytes is mostly empty capacity (a 4-token fp16 cache holds a whole
+     * 256-token page); stored_bytes is what the tokens themselves take. CPU kinds; 0 on the GPU. */
+    size_t stored_bytes;
+    double stored_bits_per_element; /* stored_bytes * 8 / elements (0 when empty) */
 } kvpq_cache_stats;
 KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st);
 

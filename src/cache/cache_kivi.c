@@ -330,8 +330,11 @@ static size_t kivi_resident_bytes(const void *state, const int *lens) {
 static void kivi_stats(const void *state, const int *lens, kvpq_cache_stats *st) {
     const kivi_state *s = state;
     for (int l = 0; l < s->p.n_layer; l++) {
-        st->tokens_coded += s->coded[l] - s->k[l].base * s->gp * G;
-        st->tokens_window += lens[l] - s->coded[l];
+        const size_t coded = (size_t)(s->coded[l] - s->k[l].base * s->gp * G), window = (size_t)(lens[l] - s->coded[l]);
+        st->tokens_coded += (int64_t)coded;
+        st->tokens_window += (int64_t)window;
+        st->stored_bytes += coded * (s->k[l].page_bytes + s->v[l].page_bytes) / ((size_t)s->gp * G) +
+                            window * 2 * (size_t)s->p.n_head_kv * s->p.head_dim * sizeof(uint16_t);
     }
 }
 

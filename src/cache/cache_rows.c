@@ -140,6 +140,15 @@ size_t kvpq__rows_resident_bytes(const void *state, const int *lens) {
     return b;
 }
 
+void kvpq__rows_stats(const void *state, const int *lens, kvpq_cache_stats *st) {
+    const rows_state *s = state;
+    const int pt = s->p.page_tokens;
+    for (int l = 0; l < s->p.n_layer; l++) {
+        const size_t held = (size_t)(lens[l] - s->k[l].base * pt); /* positions in the pages kept */
+        st->stored_bytes += held * (s->k[l].page_bytes + s->v[l].page_bytes) / (size_t)pt;
+    }
+}
+
 /* Saved caches: per layer, K then V, the pages holding lens[l] positions, whole. */
 kvpq_status kvpq__rows_serial(void *state, const int *lens, kvpq__stream *st, int load) {
     rows_state *s = state;

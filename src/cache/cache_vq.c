@@ -841,8 +841,13 @@ static void vq_stats(const void *state, const int *lens, kvpq_cache_stats *s) {
     s->tokens_coded = 0;
     s->tokens_window = 0;
     for (int l = 0; l < st->n_layer; l++) {
-        s->tokens_coded += st->layers[l].n_coded - st->layers[l].first_page * st->page_tokens;
-        s->tokens_window += lens[l] - st->layers[l].n_coded;
+        const vq_layer *L = &st->layers[l];
+        const size_t coded = (size_t)(L->n_coded - L->first_page * st->page_tokens),
+                     window = (size_t)(lens[l] - L->n_coded);
+        s->tokens_coded += (int64_t)coded;
+        s->tokens_window += (int64_t)window;
+        s->stored_bytes += coded * L->page_bytes / (size_t)st->page_tokens +
+                           window * 2 * (size_t)st->n_head_kv * st->head_dim * sizeof(uint16_t);
     }
 }
 
