@@ -14,7 +14,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
             "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]\n"
-            "                     [--prompt-cache FILE] [--quiet]\n"
+            "                     [--prompt-cache FILE] [--quiet] [--logits-out FILE]\n"
             "  --model M      GGUF model (Llama family)\n"
             "  --prompt P     prompt text (default empty: starts from BOS when the model adds one)\n"
             "  -n N           tokens to generate (default 64); stops early at the end-of-sequence token\n"
@@ -36,6 +36,8 @@ static void usage(FILE *f) {
             "                 shares with this prompt are loaded instead of computed; else (or when this\n"
             "                 prompt is longer) the processed prompt is written to FILE. A FILE of\n"
             "                 another model, codebook or cache kind, or a damaged one, is refused\n"
+            "  --logits-out FILE  write the logits every token is sampled from (float32, n_vocab per row) to\n"
+            "                 FILE (for tests; kvpq chat has the same option)\n"
             "The text goes to stdout as it is produced; prompt and generation tokens/s go to stderr.\n");
 }
 
@@ -119,10 +121,10 @@ static int prompt_cache_load(const char *path, const char *line, cli_cache *cc, 
 
 static const char *const OPTS[] = {"--help",  "-h",     "--chat",      "--quiet", "-q",      "--prompt-cache",
                                    "--model", "-m",     "--prompt",    "-p",      "--cache", "-n",
-                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", NULL};
+                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", "--logits-out", NULL};
 
 int cmd_generate(int argc, char **argv) {
-    const char *model_path = NULL, *prompt = "", *cache_spec = "fp32", *prompt_cache = NULL;
+    const char *model_path = NULL, *prompt = "", *cache_spec = "fp32", *prompt_cache = NULL, *logits_out = NULL;
     long n_gen = 64, seed = 42, threads = 0;
     double temp = 0.8, top_p = 0.95;
     int chat = 0, print_ids = 0;
@@ -151,6 +153,7 @@ int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--cache")) cache_spec = v;
         else if (!strcmp(a, "--prompt-ids")) prompt_ids = v;
         else if (!strcmp(a, "--prompt-cache")) prompt_cache = v;
+        else if (!strcmp(a, "--logits-out")) logits_out = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
             if (!cli_parse_int(a, v, 0, 1 << 20, &n_gen)) return 2;
         } else if (!strcmp(a, "--seed")) {
@@ -184,6 +187,7 @@ int cmd_generate(int argc, char **argv) {
     float *logits = NULL, *work = NULL;
     cli_cache cc = {0};
     cli_chat_pieces pieces = {0};
+    FILE *lf = NULL;
     if (chat) {
         cli_chat_template tmpl;
         const char *note = NULL;
@@ -275,6 +279,12 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "kvpq generate: --prompt-cache %s: saved %zu prompt tokens (%.3f s)\n", prompt_cache,
                 n_prompt, cli_now() - ts);
     }
+    lf = logits_out ? fopen(logits_out, "wb") : NULL;
+    if (logits_out && !lf) {
+        fprintf(stderr, "kvpq generate: --logits-out '%s': cannot write: ", logits_out);
+        perror(NULL);
+        goto done;
+    }
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)seed);
     const double t_first_start = cli_now();
@@ -283,6 +293,10 @@ int cmd_generate(int argc, char **argv) {
     double t_dec = 0;
     char piece[256];
     for (; n_done < n_gen; n_done++) {
+        if (lf && fwrite(logits, sizeof *logits, (size_t)mi.n_vocab, lf) != (size_t)mi.n_vocab) {
+            fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", logits_out);
+            goto done;
+        }
         int32_t t = cli_sample(logits, mi.n_vocab, (float)temp, (float)top_p, &rng, work, idx);
         if (!first_reported) { /* time to first token: loading the saved prompt + the rest + sampling */
             first_reported = 1;
@@ -317,6 +331,14 @@ int cmd_generate(int argc, char **argv) {
             goto done;
         }
     }
+    if (lf) {
+        int close_failed = fclose(lf) != 0;
+        lf = NULL;
+        if (close_failed) {
+            fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", logits_out);
+            goto done;
+        }
+    }
     cli_utf8_flush(&us, stdout);
     fputc('\n', stdout);
     fflush(stdout);
@@ -330,6 +352,7 @@ int cmd_generate(int argc, char **argv) {
         cli_print_cache_memory("generate", cache_spec, cc.cache, &cst);
     rc = 0;
 done:
+    if (lf) fclose(lf);
     cli_chat_pieces_free(&pieces);
     cli_cache_close(&cc);
     free(toks);
