@@ -18,8 +18,9 @@ static void usage(FILE *f) {
             "usage: kvpq chat --model M [--cache SPEC] [--system TEXT] [-n N] [--temp T] [--top-p P] [--seed S]\n"
             "                 [--ctx N] [--template auto|chatml|gemma] [--threads N] [--json] [--quiet]\n"
             "                 [--render] [--render-ids] [--logits-out FILE]\n"
-            "A conversation with the model in its chat template. Each line of stdin is one user message\n"
-            "(on a terminal a '> ' prompt is shown); the reply streams to stdout; end of input ends the chat.\n"
+            "A conversation with the model in its chat template. Each line of stdin is one user message (a\n"
+            "line ending in \\ goes on with the next: a multi-line message; on a terminal a '> ' prompt is\n"
+            "shown); the reply streams to stdout; end of input ends the chat.\n"
             "The KV cache is kept across turns: a turn prefills only its own new tokens, so with a vq or kivi\n"
             "cache the conversation so far is held as codes. Lines: /reset starts a new conversation (empty\n"
             "cache), /exit ends; a line starting with // sends the rest starting with /; empty lines are skipped.\n"
@@ -97,6 +98,38 @@ static char *utf8_clean(const char *s, size_t n) {
     return o;
 }
 
+/* One message from stdin: a line without its "\n" (and "\r"); a line ending in a backslash goes on
+ * with the next line (the backslash becomes a newline of the message), as llama.cpp's interactive
+ * mode has it. Returns its length, or -1 at end of input with nothing read (or an error). */
+static ssize_t read_message(char **msg, size_t *cap, FILE *in) {
+    char *line = NULL;
+    size_t lcap = 0, n = 0;
+    ssize_t got;
+    int any = 0;
+    while ((got = getline(&line, &lcap, in)) >= 0) {
+        any = 1;
+        while (got > 0 && (line[got - 1] == '\n' || line[got - 1] == '\r')) line[--got] = '\0';
+        int more = got > 0 && line[got - 1] == '\\';
+        if (more) line[got - 1] = '\n';
+        if (n + (size_t)got + 1 > *cap) {
+            size_t nc = (n + (size_t)got + 1) * 2;
+            char *nm = realloc(*msg, nc);
+            if (!nm) {
+                free(line);
+                return -1;
+            }
+            *msg = nm;
+            *cap = nc;
+        }
+        memcpy(*msg + n, line, (size_t)got);
+        n += (size_t)got;
+        (*msg)[n] = '\0';
+        if (!more) break;
+    }
+    free(line);
+    return any ? (ssize_t)n : -1;
+}
+
 static cJSON *ids_json(const int32_t *t, size_t n) {
     cJSON *a = cJSON_CreateArray();
     for (size_t i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(t[i]));
@@ -113,8 +146,7 @@ static int render(const kvpq_model *m, const cli_chat_template *t, const char *s
     char *line = NULL;
     ssize_t got;
     int rc = 1;
-    while ((got = getline(&line, &lcap, stdin)) >= 0) {
-        while (got > 0 && (line[got - 1] == '\n' || line[got - 1] == '\r')) line[--got] = '\0';
+    while ((got = read_message(&line, &lcap, stdin)) >= 0) {
         if (n_lines == cap) {
             char **nl = realloc(lines, (cap = cap ? 2 * cap : 16) * sizeof *nl);
             if (!nl) goto done;
@@ -283,9 +315,8 @@ int cmd_chat(int argc, char **argv) {
             fputs("> ", stderr);
             fflush(stderr);
         }
-        ssize_t got = getline(&line, &lcap, stdin);
+        ssize_t got = read_message(&line, &lcap, stdin);
         if (got < 0) break; /* end of input: the chat ends */
-        while (got > 0 && (line[got - 1] == '\n' || line[got - 1] == '\r')) line[--got] = '\0';
         const char *msg = line;
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
         if (!strcmp(line, "/reset")) {
