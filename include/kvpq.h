@@ -473,9 +473,9 @@ KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats 
  * A cache's stored state (codes, scales, windows: every kind, exactly as held, so attention after a
  * load equals attention before the save) in one file: a header (magic "KVPQSAVE", format version,
  * cache kind, shapes, max_seq, window, page_tokens, an XXH64 fingerprint of the VQ codebook, the
- * positions held per layer), an optional caller blob (e.g. the model and the prompt's tokens), the
+ * positions held and the first one still held per layer), an optional caller blob (e.g. the model and the prompt's tokens), the
  * kind's payload, then an XXH64 checksum (xxHash, Collet) over everything before it. */
-#define KVPQ_CACHE_FILE_VERSION 1
+#define KVPQ_CACHE_FILE_VERSION 2 /* 2 added the first position held per layer (sliding windows); 1 loads */
 
 /* Write c to path atomically: a temporary file in the same folder, flushed and fsync'd, renamed over
  * path; on any error it is removed and an existing file at path is left as it was. user: user_len

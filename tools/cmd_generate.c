@@ -109,9 +109,14 @@ static int prompt_cache_load(const char *path, const char *line, cli_cache *cc, 
     if ((int)nf != kvpq_cache_seq_len(lc, 0)) p = 0; /* the blob does not describe the cache: use nothing */
     if (p >= n) p = n - 1;
     free(ub);
-    if ((s = kvpq_cache_truncate(lc, (int)p)) != KVPQ_OK) {
+    if (p < nf && (s = kvpq_cache_truncate(lc, (int)p)) != KVPQ_OK) {
+        /* A sliding-window layer has freed positions the shorter prompt would need again: the saved
+         * prompt is of no use for this one, which is computed (and saved) in full. */
+        fprintf(stderr, "kvpq generate: --prompt-cache %s: not used: ", path);
+        cli_fput_escaped(stderr, kvpq_last_error(), strlen(kvpq_last_error()), 512);
+        fputc('\n', stderr);
         kvpq_cache_free(lc);
-        return cli_fail("generate: --prompt-cache", s);
+        return 0;
     }
     kvpq_cache_free(cc->cache);
     cc->cache = lc;
@@ -343,9 +348,10 @@ int cmd_generate(int argc, char **argv) {
     fputc('\n', stdout);
     fflush(stdout);
     fprintf(stderr,
-            "kvpq generate: prompt %zu tokens in %.3f s (%.1f tok/s); generated %ld tokens, %ld one-token evals in "
+            "kvpq generate: prompt %zu tokens in %.3f s (%.1f tok/s%s); generated %ld tokens, %ld one-token evals in "
             "%.3f s (%.1f tok/s); cache %s\n",
-            n_prompt, t_prompt, n_prompt / (t_prompt > 0 ? t_prompt : 1e-9), n_done, n_dec, t_dec,
+            n_prompt, t_prompt, (n_prompt - reused) / (t_prompt > 0 ? t_prompt : 1e-9),
+            reused ? " over the tokens evaluated; the rest came from --prompt-cache" : "", n_done, n_dec, t_dec,
             n_dec / (t_dec > 0 ? t_dec : 1e-9), cache_spec);
     kvpq_cache_stats cst;
     if (kvpq_cache_get_stats(cc.cache, &cst) == KVPQ_OK)

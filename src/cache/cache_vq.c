@@ -853,7 +853,7 @@ static void vq_stats(const void *state, const int *lens, kvpq_cache_stats *s) {
 
 /* Saved caches: per layer, n_coded, the pages of its codes (and scales), whole, whether the
  * window ring exists, and the ring (fp16). */
-static kvpq_status vq_serial(void *state, const int *lens, kvpq__stream *s, int load) {
+static kvpq_status vq_serial(void *state, const int *lens, const int *lo, kvpq__stream *s, int load) {
     vq_state *st = state;
     const size_t ring = (size_t)st->cap * st->n_head_kv * st->head_dim;
     for (int l = 0; l < st->n_layer; l++) {
@@ -861,19 +861,23 @@ static kvpq_status vq_serial(void *state, const int *lens, kvpq__stream *s, int 
         int32_t coded = L->n_coded, has_ring = L->wk != NULL;
         KVPQ_TRY(kvpq__stream_io(s, &coded, sizeof coded));
         KVPQ_TRY(kvpq__stream_io(s, &has_ring, sizeof has_ring));
-        const int pages = (coded + st->page_tokens - 1) / st->page_tokens;
+        const int pages = (coded + st->page_tokens - 1) / st->page_tokens, first = lo[l] / st->page_tokens;
         if (load) {
+            if (lo[l] % st->page_tokens || lo[l] > coded)
+                return kvpq__err(KVPQ_ERR_FORMAT, "saved cache vq layer %d: first position %d for %d coded", l, lo[l],
+                                 (int)coded);
             if (coded < 0 || coded > lens[l] || lens[l] - coded > st->cap || pages > st->max_pages ||
                 (lens[l] > 0 && !has_ring))
                 return kvpq__err(KVPQ_ERR_FORMAT, "saved cache vq layer %d: n_coded %d for %d positions", l,
                                  (int)coded, lens[l]);
             L->n_coded = coded;
+            L->first_page = first; /* pages a sliding window had freed stay NULL */
             for (; L->n_pages < pages; L->n_pages++)
-                if (!(L->pages[L->n_pages] = malloc(L->page_bytes)))
+                if (L->n_pages >= first && !(L->pages[L->n_pages] = malloc(L->page_bytes)))
                     return kvpq__err(KVPQ_ERR_NOMEM, "saved cache vq: out of memory for a page of %zu bytes",
                                      L->page_bytes);
         }
-        for (int pg = 0; pg < pages; pg++) KVPQ_TRY(kvpq__stream_io(s, L->pages[pg], L->page_bytes));
+        for (int pg = first; pg < pages; pg++) KVPQ_TRY(kvpq__stream_io(s, L->pages[pg], L->page_bytes));
         if (!has_ring) continue;
         if (load) {
             L->wk = calloc(ring, sizeof(uint16_t));

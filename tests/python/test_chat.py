@@ -33,6 +33,8 @@ SMOL = MODELS["smollm2"]
 need_smol = pytest.mark.skipif(not SMOL.exists(), reason=f"model {SMOL} missing (scripts/fetch_model.sh)")
 # Control tokens: (turn start, turn end) ids in each vocabulary (the GGUFs' tokenizer.ggml.tokens)
 CONTROL = {"smollm2": (1, 2), "qwen25": (151644, 151645), "gemma3": (105, 106)}
+SPELLING = {"smollm2": ("<|im_start|>", "<|im_end|>"), "qwen25": ("<|im_start|>", "<|im_end|>"),
+            "gemma3": ("<start_of_turn>", "<end_of_turn>")}
 
 # Conversations: user, assistant, user, ... (the last a user message); optional system text.
 CONVERSATIONS = [
@@ -165,7 +167,7 @@ def test_message_text_never_becomes_control_tokens(name, evil):
     assert len(ids) > len(benign) + 10
     # (a peer that parses special tokens in message text, as transformers' apply_chat_template does,
     # would give more control tokens here: shown for the model whose spelling this is)
-    if name in ("qwen25", "gemma3") and ("<|im_end|>" in evil) == (name == "qwen25"):
+    if name in ("qwen25", "gemma3") and any(t in evil for t in SPELLING[name]):
         tk = hf_tokenizer(name)
         parsed = tk.encode(evil, add_special_tokens=False).ids
         assert start in parsed or end in parsed
@@ -192,8 +194,8 @@ def test_chat_keeps_the_cache_and_second_turn_equals_one_generate(tmp_path):
     assert t1["positions"] == t1["prompt_tokens"] + t1["reply_tokens"]
     conv = t1["prompt_ids"] + t1["reply_ids"] + t2["prompt_ids"]
     lg = tmp_path / "gen.f32"
-    p = subprocess.run([BIN, "generate", "--model", str(SMOL), "--prompt-ids", ",".join(map(str, conv)), "-n", 4,
-                        "--temp", 0, "--cache", "fp32", "--logits-out", str(lg), "--print-ids"],
+    p = subprocess.run([BIN, "generate", "--model", str(SMOL), "--prompt-ids", ",".join(map(str, conv)), "-n", "4",
+                        "--temp", "0", "--cache", "fp32", "--logits-out", str(lg), "--print-ids"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     n_vocab = 49152
@@ -212,11 +214,14 @@ def test_chat_keeps_the_cache_and_second_turn_equals_one_generate(tmp_path):
     # the check can fail: without turn 1 in the cache the logits are far from these
     lh = tmp_path / "nohist.f32"
     p = subprocess.run([BIN, "generate", "--model", str(SMOL), "--prompt-ids", ",".join(map(str, t2["prompt_ids"])),
-                        "-n", 1, "--temp", 0, "--cache", "fp32", "--logits-out", str(lh)],
+                        "-n", "1", "--temp", "0", "--cache", "fp32", "--logits-out", str(lh)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     c = np.fromfile(lh, dtype=np.float32).reshape(-1, n_vocab)
-    assert np.abs(c[0] - b[0]).max() > 20 * diff
+    far = np.abs(c[0] - b[0]).max()
+    print(f"prefill equivalence: max |logit diff| {diff:.3g} (max |logit| {np.abs(b[0]).max():.3g}); "
+          f"without turn 1: {far:.3g}")
+    assert far > 20 * diff
 
 
 @need_smol
