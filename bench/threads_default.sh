@@ -69,7 +69,7 @@ done | awk -F'\t' -v data="$out" '
         }
         for (s = 1; s <= ns; s++) {
             i = order[s]
-            printf "| %s | %.1f | %.1f | %.2f | %.2f | %s | %s |\n", name[i], md[i], mp[i],
-                   bd > 0 ? md[i] / bd : 0, bp > 0 ? mp[i] / bp : 0, ld[i], lp[i]
+            rd = (bd > 0) ? md[i] / bd : 0; rp = (bp > 0) ? mp[i] / bp : 0
+            printf("| %s | %.1f | %.1f | %.2f | %.2f | %s | %s |\n", name[i], md[i], mp[i], rd, rp, ld[i], lp[i])
         }
     }'
