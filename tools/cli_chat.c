@@ -75,7 +75,7 @@ int cli_chat_template_init(cli_chat_template *t, const kvpq_model *m, const char
         t->start = "<|im_start|>";
         t->end = "<|im_end|>";
         t->assistant_role = "assistant";
-        if (tmpl && !force) chatml_default_system(tmpl, t->default_system, sizeof t->default_system);
+        if (tmpl) chatml_default_system(tmpl, t->default_system, sizeof t->default_system);
     } else {
         t->name = "gemma";
         t->start = "<start_of_turn>";

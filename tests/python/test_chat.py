@@ -206,7 +206,7 @@ def test_chat_keeps_the_cache_and_second_turn_equals_one_generate(tmp_path):
     diff = np.abs(chat2 - b[0]).max()
     # batched prefill and one-token decode round differently (reply 1 was decoded token by token in
     # the chat, prefilled in one batch by generate): equal up to float32 rounding through 30 layers
-    assert diff < 2e-2 * np.abs(b[0]).max(), diff
+    assert diff < 2e-3 * np.abs(b[0]).max(), diff  # measured: 3e-5 of max |logit| 33
     assert chat2.argmax() == b[0].argmax()
     gen_ids = [int(x) for x in p.stdout.split()]
     k = min(len(gen_ids), t2["reply_tokens"])
