@@ -459,6 +459,13 @@ typedef struct {
     int64_t tokens_coded;      /* per layer, summed: positions held as codes (VQ/KIVI) */
     int64_t tokens_window;     /* per layer, summed: positions held in full precision */
     kvpq_backend backend;      /* where it runs */
+    /* The bytes of the tokens held, in their stored form: per coded token its share of a page
+     * (codes, scales), per window token its fp16 K and V; without what resident_bytes adds for
+     * capacity (the unused slots of the last page and of the window ring) and for codebooks. After
+     * a short run resident_bytes is mostly empty capacity (a 4-token fp16 cache holds a whole
+     * 256-token page); stored_bytes is what the tokens themselves take. CPU kinds; 0 on the GPU. */
+    size_t stored_bytes;
+    double stored_bits_per_element; /* stored_bytes * 8 / elements (0 when empty) */
 } kvpq_cache_stats;
 KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st);
 
@@ -466,9 +473,9 @@ KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats 
  * A cache's stored state (codes, scales, windows: every kind, exactly as held, so attention after a
  * load equals attention before the save) in one file: a header (magic "KVPQSAVE", format version,
  * cache kind, shapes, max_seq, window, page_tokens, an XXH64 fingerprint of the VQ codebook, the
- * positions held per layer), an optional caller blob (e.g. the model and the prompt's tokens), the
+ * positions held and the first one still held per layer), an optional caller blob (e.g. the model and the prompt's tokens), the
  * kind's payload, then an XXH64 checksum (xxHash, Collet) over everything before it. */
-#define KVPQ_CACHE_FILE_VERSION 1
+#define KVPQ_CACHE_FILE_VERSION 2 /* 2 added the first position held per layer (sliding windows); 1 loads */
 
 /* Write c to path atomically: a temporary file in the same folder, flushed and fsync'd, renamed over
  * path; on any error it is removed and an existing file at path is left as it was. user: user_len

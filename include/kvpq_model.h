@@ -64,6 +64,14 @@ KVPQ_API kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *i
  * model), or NULL when the file has none. */
 KVPQ_API const char *kvpq_model_chat_template(const kvpq_model *m);
 
+/* A fingerprint of the model's weights: 16 hex digits and a NUL into out, the XXH64 (xxHash, Collet;
+ * seed 0) of the GGUF's whole tensor data section. kvpq_model_info.fingerprint covers the header
+ * only (metadata, tensor names, shapes, types); this tells apart two files whose headers are equal
+ * and weights are not (a re-saved fine-tune, a damaged copy). Reads every weight byte once (~0.1 s
+ * per GB from the page cache), so it is computed on demand, not at load. `kvpq generate
+ * --prompt-cache` records both. Errors: NULL argument (KVPQ_ERR_INVALID_ARG). */
+KVPQ_API kvpq_status kvpq_model_data_fingerprint(const kvpq_model *m, char out[17]);
+
 /* Fill the model's shape into cache params: n_layer, n_head, n_head_kv, head_dim, and its
  * sliding window (sliding_window, swa_layers: borrowed from the model, copied by kvpq_cache_new).
  * The other fields are left as they are. kvpq_model_eval refuses a cache whose sliding window

@@ -5,7 +5,7 @@
 # data/ (paths in the docs are relative to the clone's root; outputs land in the scratch folder),
 # with the kvpq of this build first on PATH, in one bash session per block (so `M=...` carries on).
 # Small settings are appended (later options win): calibrate --tokens 128 --ctx 64 --iters 1,
-# ppl --ctx 64 --chunks 1, generate -n 4, bench encode --shape 256,2,64 --repeats 1, bench attend
+# ppl --ctx 64 --chunks 1, generate -n 4, chat -n 4 (a command may read stdin from printf/echo |), bench encode --shape 256,2,64 --repeats 1, bench attend
 # --ctx 256 --layers 1 --repeats 1, bench decode --ctx 32 --steps 2. Not run, by name: the main job
 # and the CI script (hours; they run on their own) and the cmake lines (this build and
 # tests/install_check.sh run them).
@@ -28,10 +28,10 @@ ln -s "$root/data" "$work/run/data"
 python3 - "$root" "$work" <<'EOF'
 import glob, os, re, sys
 root, work = sys.argv[1], sys.argv[2]
-CMD = re.compile(r"^(?:    |\t)\s*((?:\./)?(?:build/)?kvpq\s|[A-Z_]+=\S*\s*$|[A-Z_]+=\S+\s+(?:\./)?(?:build/)?kvpq\s|\./scripts/|scripts/|cmake\s|bench/)")
+CMD = re.compile(r"^(?:    |\t)\s*((?:\./)?(?:build/)?kvpq\s|(?:printf|echo)\s.*\|\s*(?:\./)?(?:build/)?kvpq\s|[A-Z_]+=\S*\s*$|[A-Z_]+=\S+\s+(?:\./)?(?:build/)?kvpq\s|\./scripts/|scripts/|cmake\s|bench/)")
 SKIP = re.compile(r"^(\./)?scripts/(main_job|test|deps|fetch_model)\.sh|^cmake\s|^bench/")
 SMALL = [(r"\bkvpq calibrate\b", " --tokens 128 --ctx 64 --iters 1"), (r"\bkvpq ppl\b", " --ctx 64 --chunks 1"),
-         (r"\bkvpq generate\b", " -n 4"), (r"\bkvpq bench encode\b", " --shape 256,2,64 --repeats 1"),
+         (r"\bkvpq generate\b", " -n 4"), (r"\bkvpq chat\b", " -n 4"), (r"\bkvpq bench encode\b", " --shape 256,2,64 --repeats 1"),
          (r"\bkvpq bench attend\b", " --ctx 256 --layers 1 --repeats 1"), (r"\bkvpq bench decode\b", " --ctx 32 --steps 2")]
 def strip_comment(cmd):
     """The command without a trailing shell comment (a # after a blank, outside quotes)."""

@@ -148,6 +148,63 @@ Test(cache_file, round_trip_every_kind_identical_attention) {
     }
 }
 
+/* Sliding-window caches (issue 15 item 7, every kind): layer 0 local (window SW), layer 1 global. The
+ * local layer has freed its front pages; the file holds the pages from there on and the loaded cache
+ * starts at the same position: identical attention, read-back of what is held, bytes; then it
+ * carries on the same. A cache without that sliding window refuses the file. */
+#define SW 40
+static void expect_load_fails(const kvpq_cache_params *p, const char *path, kvpq_status want, const char *needle);
+static void swa_round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, uint64_t seed) {
+    static const uint8_t swa[N_LAYER] = {1, 0};
+    const char *tn = kvpq_cache_type_name(t);
+    kvpq_cache_params p = params(t, cb);
+    p.sliding_window = SW;
+    p.swa_layers = swa;
+    kvpq_cache *a = filled(&p, L, seed);
+    kvpq_cache_stats sa, sb;
+    kvpq_cache_get_stats(a, &sa);
+    cr_assert_lt(sa.elements, (int64_t)2 * N_LAYER * L * N_HEAD_KV * HD, "%s: the local layer dropped nothing", tn);
+    char path[256];
+    tmp_path(path, sizeof path, "swa.kvc");
+    cr_assert_eq(kvpq_cache_save(a, path, NULL, 0), KVPQ_OK, "%s: %s", tn, kvpq_last_error());
+    kvpq_cache *b = NULL;
+    cr_assert_eq(kvpq_cache_load(&b, &p, path, NULL, NULL), KVPQ_OK, "%s: %s", tn, kvpq_last_error());
+    const size_t qw = (size_t)N_HEAD * HD, kvw = (size_t)N_HEAD_KV * HD;
+    for (int round = 0; round < 2; round++) {
+        const int n = kvpq_cache_seq_len(a, 0), from = n - SW + 1 > 0 ? n - SW + 1 : 0;
+        cr_assert_eq(kvpq_cache_seq_len(b, 0), n);
+        float *q = rand_vec(qw, seed + 5 + round, 1.0f), *oa = malloc(qw * sizeof *oa), *ob = malloc(qw * sizeof *ob);
+        float *ka = malloc((size_t)n * kvw * sizeof *ka), *kb = malloc((size_t)n * kvw * sizeof *kb);
+        for (int l = 0; l < N_LAYER; l++) {
+            cr_assert_eq(kvpq_cache_attend(a, l, 1, q, oa), KVPQ_OK, "%s", kvpq_last_error());
+            cr_assert_eq(kvpq_cache_attend(b, l, 1, q, ob), KVPQ_OK, "%s", kvpq_last_error());
+            cr_assert(!memcmp(oa, ob, qw * sizeof *oa), "%s round %d layer %d: attention differs", tn, round, l);
+            const int r0 = l == 0 ? from : 0; /* the global layer still holds every position */
+            cr_assert_eq(kvpq_cache_read(a, l, r0, n - r0, ka, kb), KVPQ_OK, "%s", kvpq_last_error());
+            float *ka2 = malloc((size_t)n * kvw * sizeof *ka2), *kb2 = malloc((size_t)n * kvw * sizeof *kb2);
+            cr_assert_eq(kvpq_cache_read(b, l, r0, n - r0, ka2, kb2), KVPQ_OK, "%s", kvpq_last_error());
+            cr_assert(!memcmp(ka, ka2, (size_t)(n - r0) * kvw * sizeof *ka), "%s layer %d: keys differ", tn, l);
+            cr_assert(!memcmp(kb, kb2, (size_t)(n - r0) * kvw * sizeof *kb), "%s layer %d: values differ", tn, l);
+            free(ka2), free(kb2);
+        }
+        /* the dropped front stays dropped in both */
+        cr_assert_neq(kvpq_cache_read(b, 0, 0, 1, ka, NULL), KVPQ_OK, "%s: position 0 of the local layer", tn);
+        kvpq_cache_get_stats(a, &sa), kvpq_cache_get_stats(b, &sb);
+        cr_assert(sa.resident_bytes >= sb.resident_bytes && sa.resident_bytes - sb.resident_bytes <= 1024,
+                  "%s: %zu vs %zu bytes", tn, sa.resident_bytes, sb.resident_bytes);
+        cr_assert_eq(sa.stored_bytes, sb.stored_bytes, "%s", tn);
+        cr_assert_eq(sa.elements, sb.elements, "%s", tn);
+        cr_assert_eq(sa.tokens_coded, sb.tokens_coded, "%s", tn);
+        free(q), free(oa), free(ob), free(ka), free(kb);
+        append_both(a, b, 70, seed + 11); /* carries on: more pages freed alike */
+    }
+    kvpq_cache_params g = params(t, cb); /* the same shapes, no sliding window */
+    expect_load_fails(&g, path, KVPQ_ERR_MISMATCH, "sliding window");
+    kvpq_cache_free(a);
+    kvpq_cache_free(b);
+    unlink(path);
+}
+
 static void expect_load_fails(const kvpq_cache_params *p, const char *path, kvpq_status want, const char *needle) {
     kvpq_cache *c = (kvpq_cache *)p; /* must come back NULL */
     void *user = (void *)p;
@@ -216,9 +273,9 @@ Test(cache_file, corrupted_truncated_and_mismatched_are_refused) {
     expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "not a kvpq saved cache");
     unsigned char *v2 = malloc(n);
     memcpy(v2, good, n);
-    v2[8] = 2;
+    v2[8] = 3;
     spit(bad, v2, n);
-    expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "format version 2");
+    expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "format version 3");
     free(v2);
     /* mismatches: kind, codebook, shape, window, pages, capacity */
     kvpq_cache_params q;
@@ -291,4 +348,13 @@ Test(cache_file, failed_save_keeps_the_existing_file) {
     kvpq_cache_free(b), kvpq_cache_free(small), kvpq_cache_free(big);
     free(before), free(after);
     unlink(path);
+}
+
+Test(cache_file, sliding_window_round_trip_every_kind) {
+    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32,  KVPQ_CACHE_FP16,  KVPQ_CACHE_Q8_0,
+                                            KVPQ_CACHE_Q4_0,  KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4};
+    for (int k = 0; k < 6; k++) swa_round_trip(kinds[k], NULL, 300, 1300u + k);
+    kvpq_codebook *cb = make_codebook(1, 77u);
+    swa_round_trip(KVPQ_CACHE_VQ, cb, 300, 1400u);
+    kvpq_codebook_free(cb);
 }

@@ -13,6 +13,7 @@ int cmd_bench_attend(int argc, char **argv);                     /* bench_attend
 int cmd_bench_decode(int argc, char **argv);                     /* bench_decode.c */
 int cmd_calibrate(int argc, char **argv);                        /* cmd_calibrate.c */
 int cmd_generate(int argc, char **argv);                         /* cmd_generate.c */
+int cmd_chat(int argc, char **argv);                             /* cmd_chat.c */
 int cmd_ppl(int argc, char **argv);                              /* cmd_ppl.c */
 
 /* Print "kvpq <what>: <status string>: <kvpq_last_error()>" to stderr; returns exit code 1. */

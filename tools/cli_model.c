@@ -98,6 +98,14 @@ void cli_cache_close(cli_cache *c) {
     c->codebook = NULL;
 }
 
+void cli_print_cache_memory(const char *cmd, const char *spec, const kvpq_cache *c, const kvpq_cache_stats *st) {
+    fprintf(stderr,
+            "kvpq %s: cache %s holds %d positions: stored tokens %zu bytes (%.3f bits per element); resident %zu "
+            "bytes (%.2f MiB, %.3f bits per element: whole pages, window ring, codebooks)\n",
+            cmd, spec, kvpq_cache_seq_len(c, 0), st->stored_bytes, st->stored_bits_per_element, st->resident_bytes,
+            st->resident_bytes / 1048576.0, st->bits_per_element);
+}
+
 /* ---- sampling ---- */
 
 static uint64_t splitmix64(uint64_t *x) {

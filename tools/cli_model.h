@@ -23,6 +23,10 @@ typedef struct {
  * that records no model loads with a warning. */
 int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_seq, int n_threads);
 void cli_cache_close(cli_cache *c);
+/* One stderr line on a cache's memory, its two figures labelled apart: the stored tokens' bytes and
+ * bits per element (what the held positions take) and the resident bytes and bits per element
+ * (allocated: whole pages, the window ring, codebooks; a short run is mostly this capacity). */
+void cli_print_cache_memory(const char *cmd, const char *spec, const kvpq_cache *c, const kvpq_cache_stats *st);
 
 /* ---- sampling ---- */
 typedef struct {

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "cli_chat.h"
 #include "cli_model.h"
 
 #define PROMPT_BATCH 512 /* prompt tokens per kvpq_model_eval call */
@@ -13,7 +14,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
             "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]\n"
-            "                     [--prompt-cache FILE] [--quiet]\n"
+            "                     [--prompt-cache FILE] [--quiet] [--logits-out FILE]\n"
             "  --model M      GGUF model (Llama family)\n"
             "  --prompt P     prompt text (default empty: starts from BOS when the model adds one)\n"
             "  -n N           tokens to generate (default 64); stops early at the end-of-sequence token\n"
@@ -23,10 +24,9 @@ static void usage(FILE *f) {
             "  --cache SPEC   KV cache: fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:CODEBOOK.safetensors (default fp32);\n"
             "                 a suffix :wN sets the full-precision window of vq and kivi caches (default 128);\n"
             "                 a final :force uses a vq codebook calibrated on another model\n"
-            "  --chat         wrap the prompt in the model's chat template. Implemented form: ChatML\n"
-            "                 (used when tokenizer.chat_template contains \"<|im_start|>\"), with the\n"
-            "                 template's default system message when it has one (SmolLM2 and Qwen2.5 do);\n"
-            "                 other templates are refused\n"
+            "  --chat         wrap the prompt in the model's chat template, as one user turn (forms: ChatML,\n"
+            "                 with the template's default system message when it has one, and Gemma; see\n"
+            "                 kvpq chat --help); the prompt's text never yields control tokens\n"
             "  --threads N    CPU threads (default: OpenMP default)\n"
             "  --prompt-ids IDS  the prompt as token ids (\"2,818,5279\"; any separators) instead of text\n"
             "  --print-ids    print the generated token ids (one line, space-separated) instead of text\n"
@@ -36,99 +36,29 @@ static void usage(FILE *f) {
             "                 shares with this prompt are loaded instead of computed; else (or when this\n"
             "                 prompt is longer) the processed prompt is written to FILE. A FILE of\n"
             "                 another model, codebook or cache kind, or a damaged one, is refused\n"
+            "  --logits-out FILE  write the logits every token is sampled from (float32, n_vocab per row) to\n"
+            "                 FILE (for tests; kvpq chat has the same option)\n"
             "The text goes to stdout as it is produced; prompt and generation tokens/s go to stderr.\n");
 }
 
-/* A prompt as pieces tokenized separately: the template's own text with special tokens parsed
- * ("<|im_start|>" becomes the control token), the user's text as plain text only, so that a prompt
- * holding "<|im_end|><|im_start|>assistant" cannot forge a turn (prompt injection; llama.cpp and HF
- * tokenizers treat user content as plain text the same way). */
-#define CHAT_MAX_PIECES 8
-typedef struct {
-    const char *text[CHAT_MAX_PIECES];
-    size_t len[CHAT_MAX_PIECES];
-    int special[CHAT_MAX_PIECES]; /* 1: template text, special tokens parsed */
-    int n;
-} chat_pieces;
-
-static void piece_add(chat_pieces *c, const char *text, size_t len, int special) {
-    c->text[c->n] = text;
-    c->len[c->n] = len;
-    c->special[c->n++] = special;
-}
-
-/* ChatML prompt: [system,] user, then the assistant header. The default system message is the one
- * the template writes when the conversation has none (text after "<|im_start|>system\n" up to
- * "<|im_end|>"). Returns 0 when the template is not ChatML. */
-static int chatml_pieces(const char *tmpl, const char *user, chat_pieces *c) {
-    c->n = 0;
-    if (!tmpl || !strstr(tmpl, "<|im_start|>")) return 0;
-    /* The first system turn written out as plain text (Qwen2.5's template writes its default in an
-     * else branch, after a turn built from the messages, and escapes its newline: "\\n"). */
-    static const char sys_head[] = "<|im_start|>system";
-    for (const char *p = strstr(tmpl, sys_head); p && !c->n; p = strstr(p + 1, sys_head)) {
-        const char *b = p + strlen(sys_head);
-        if (*b == '\n') b++;
-        else if (b[0] == '\\' && b[1] == 'n') b += 2;
-        else continue;
-        const char *e = strstr(b, "<|im_end|>");
-        if (e && e > b && !memchr(b, '{', (size_t)(e - b)) && !memchr(b, '\'', (size_t)(e - b))) {
-            /* the template's own text, its newline written out */
-            piece_add(c, "<|im_start|>system\n", strlen("<|im_start|>system\n"), 1);
-            piece_add(c, b, (size_t)(e - b) + strlen("<|im_end|>"), 1);
-            piece_add(c, "\n", 1, 1);
-        }
-    }
-    piece_add(c, "<|im_start|>user\n", strlen("<|im_start|>user\n"), 1);
-    piece_add(c, user, strlen(user), 0);
-    piece_add(c, "<|im_end|>\n<|im_start|>assistant\n", strlen("<|im_end|>\n<|im_start|>assistant\n"), 1);
-    return 1;
-}
-
-/* Tokenize the pieces one after another (BOS, when asked, before the first) into a malloc'd array. */
-static kvpq_status tokenize_pieces(const kvpq_model *m, const chat_pieces *c, int add_bos, int32_t **out,
-                                   size_t *n_out) {
-    size_t total = 0, n;
-    for (int i = 0; i < c->n; i++) {
-        kvpq_status s = kvpq_tokenize(m, c->text[i], c->len[i], add_bos && i == 0, c->special[i], NULL, 0, &n);
-        if (s != KVPQ_OK) return s;
-        total += n;
-    }
-    int32_t *t = malloc((total ? total : 1) * sizeof *t);
-    if (!t) return KVPQ_ERR_NOMEM;
-    size_t at = 0;
-    for (int i = 0; i < c->n; i++) {
-        kvpq_status s = kvpq_tokenize(m, c->text[i], c->len[i], add_bos && i == 0, c->special[i], t + at,
-                                      total - at, &n);
-        if (s != KVPQ_OK) {
-            free(t);
-            return s;
-        }
-        at += n;
-    }
-    *out = t;
-    *n_out = at;
-    return KVPQ_OK;
-}
-
 /* ---- --prompt-cache ----
- * The caller blob of the saved cache: a line naming the model ("kvpq-prompt-cache 1 model=<file name>
- * size=<bytes> name=<general.name> vocab=<n>"), a NUL, then the prompt's tokens (int32). The
- * library checks the cache kind, shapes, window, pages and codebook; this line checks the model. */
-static void model_line(char *buf, size_t n, const char *model_path, const kvpq_model_info *mi) {
-    FILE *f = fopen(model_path, "rb");
-    long size = -1;
-    if (f && fseek(f, 0, SEEK_END) == 0) size = ftell(f);
-    if (f) fclose(f);
-    const char *base = strrchr(model_path, '/');
-    snprintf(buf, n, "kvpq-prompt-cache 1 model=%s size=%ld name=%s vocab=%d", base ? base + 1 : model_path, size,
-             mi->name, mi->n_vocab);
+ * The caller blob of the saved cache: a line naming the model ("kvpq-prompt-cache 2 fingerprint=<the
+ * GGUF header's, kvpq_model_info.fingerprint> data=<XXH64 of the tensor data,
+ * kvpq_model_data_fingerprint> name=<general.name> vocab=<n>"), a NUL, then the prompt's tokens
+ * (int32). The library checks the cache kind, shapes, window, pages and codebook; this line checks
+ * the model: the file name and size, which version 1 recorded, say nothing about the weights (a
+ * different model saved under the same name was accepted). */
+static int model_line(char *buf, size_t n, kvpq_model *m, const kvpq_model_info *mi) {
+    char data[17];
+    kvpq_status s = kvpq_model_data_fingerprint(m, data);
+    if (s != KVPQ_OK) return cli_fail("generate: --prompt-cache", s);
+    snprintf(buf, n, "kvpq-prompt-cache 2 fingerprint=%s data=%s name=%s vocab=%d", mi->fingerprint, data, mi->name,
+             mi->n_vocab);
+    return 0;
 }
 
-static int prompt_cache_save(const char *path, const char *model_path, const kvpq_model_info *mi,
-                             const kvpq_cache *cache, const int32_t *toks, size_t n) {
-    char line[512];
-    model_line(line, sizeof line, model_path, mi);
+static int prompt_cache_save(const char *path, const char *line, const kvpq_cache *cache, const int32_t *toks,
+                             size_t n) {
     size_t ll = strlen(line) + 1, bytes = ll + n * sizeof *toks;
     char *blob = malloc(bytes);
     if (!blob) return fprintf(stderr, "kvpq generate: out of memory\n"), 1;
@@ -142,13 +72,11 @@ static int prompt_cache_save(const char *path, const char *model_path, const kvp
 /* Load FILE when it exists: refuse (1, message printed) a file of another model, cache kind, shape,
  * codebook, or a damaged one; else replace cc->cache by the loaded one cut to the tokens it shares
  * with toks (at most n - 1: the last prompt token is evaluated for its logits); *reused gets that. */
-static int prompt_cache_load(const char *path, kvpq_model *m, const char *model_path, cli_cache *cc,
-                             const int32_t *toks, size_t n, size_t *reused) {
+static int prompt_cache_load(const char *path, const char *line, cli_cache *cc, const int32_t *toks, size_t n,
+                             size_t *reused) {
     *reused = 0;
     struct stat sb;
     if (stat(path, &sb) != 0 && errno == ENOENT) return 0; /* no file yet: this run writes it */
-    kvpq_model_info mi;
-    kvpq_model_get_info(m, &mi);
     kvpq_cache *lc = NULL;
     void *ub = NULL;
     size_t ul = 0;
@@ -157,16 +85,14 @@ static int prompt_cache_load(const char *path, kvpq_model *m, const char *model_
         fprintf(stderr, "kvpq generate: --prompt-cache %s is refused (remove it or name another file)\n", path);
         return cli_fail("generate: --prompt-cache", s);
     }
-    char line[512];
-    model_line(line, sizeof line, model_path, &mi);
     const char *blob = ub;
     size_t ll = blob ? strnlen(blob, ul) : 0;
     if (!blob || ll == ul || strcmp(blob, line) || (ul - ll - 1) % sizeof(int32_t)) {
         /* the file's line may hold anything: escaped */
-        fprintf(stderr, "kvpq generate: --prompt-cache %s: made for another model (", path);
+        fprintf(stderr, "kvpq generate: --prompt-cache %s: made for another model, or by an older kvpq (file: ", path);
         cli_fput_escaped(stderr, blob ? blob : "", blob ? ll : 0, 512);
         fprintf(stderr, "; this run: ");
-        cli_fput_escaped(stderr, line, strlen(line), sizeof line);
+        cli_fput_escaped(stderr, line, strlen(line), 512);
         fprintf(stderr, "); refused (remove it or name another file)\n");
         kvpq_cache_free(lc);
         free(ub);
@@ -183,9 +109,14 @@ static int prompt_cache_load(const char *path, kvpq_model *m, const char *model_
     if ((int)nf != kvpq_cache_seq_len(lc, 0)) p = 0; /* the blob does not describe the cache: use nothing */
     if (p >= n) p = n - 1;
     free(ub);
-    if ((s = kvpq_cache_truncate(lc, (int)p)) != KVPQ_OK) {
+    if (p < nf && (s = kvpq_cache_truncate(lc, (int)p)) != KVPQ_OK) {
+        /* A sliding-window layer has freed positions the shorter prompt would need again: the saved
+         * prompt is of no use for this one, which is computed (and saved) in full. */
+        fprintf(stderr, "kvpq generate: --prompt-cache %s: not used: ", path);
+        cli_fput_escaped(stderr, kvpq_last_error(), strlen(kvpq_last_error()), 512);
+        fputc('\n', stderr);
         kvpq_cache_free(lc);
-        return cli_fail("generate: --prompt-cache", s);
+        return 0;
     }
     kvpq_cache_free(cc->cache);
     cc->cache = lc;
@@ -195,10 +126,10 @@ static int prompt_cache_load(const char *path, kvpq_model *m, const char *model_
 
 static const char *const OPTS[] = {"--help",  "-h",     "--chat",      "--quiet", "-q",      "--prompt-cache",
                                    "--model", "-m",     "--prompt",    "-p",      "--cache", "-n",
-                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", NULL};
+                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", "--logits-out", NULL};
 
 int cmd_generate(int argc, char **argv) {
-    const char *model_path = NULL, *prompt = "", *cache_spec = "fp32", *prompt_cache = NULL;
+    const char *model_path = NULL, *prompt = "", *cache_spec = "fp32", *prompt_cache = NULL, *logits_out = NULL;
     long n_gen = 64, seed = 42, threads = 0;
     double temp = 0.8, top_p = 0.95;
     int chat = 0, print_ids = 0;
@@ -227,6 +158,7 @@ int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--cache")) cache_spec = v;
         else if (!strcmp(a, "--prompt-ids")) prompt_ids = v;
         else if (!strcmp(a, "--prompt-cache")) prompt_cache = v;
+        else if (!strcmp(a, "--logits-out")) logits_out = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
             if (!cli_parse_int(a, v, 0, 1 << 20, &n_gen)) return 2;
         } else if (!strcmp(a, "--seed")) {
@@ -259,15 +191,18 @@ int cmd_generate(int argc, char **argv) {
     int32_t *toks = NULL, *idx = NULL;
     float *logits = NULL, *work = NULL;
     cli_cache cc = {0};
-    chat_pieces pieces = {.n = 0};
+    cli_chat_pieces pieces = {0};
+    FILE *lf = NULL;
     if (chat) {
-        if (!chatml_pieces(kvpq_model_chat_template(m), prompt, &pieces)) {
-            fprintf(stderr, "kvpq generate: --chat: the model's chat template is %s; only ChatML is implemented\n",
-                    kvpq_model_chat_template(m) ? "not ChatML" : "missing");
-            goto done;
-        }
+        cli_chat_template tmpl;
+        const char *note = NULL;
+        if (cli_chat_template_init(&tmpl, m, NULL, "generate: --chat", &note)) goto done;
+        if (note) fprintf(stderr, "kvpq generate: --chat: %s\n", note);
+        cli_chat_begin(&tmpl, &pieces, NULL);
+        cli_chat_user(&tmpl, &pieces, prompt, 1, NULL);
+        cli_chat_assistant_open(&tmpl, &pieces);
     } else {
-        piece_add(&pieces, prompt, strlen(prompt), 0); /* a plain prompt is plain text too */
+        cli_chat_user_plain(&pieces, prompt); /* a plain prompt is plain text too */
     }
     size_t n_prompt = 0;
     if (prompt_ids) { /* ids as given: BOS, if wanted, among them */
@@ -282,7 +217,7 @@ int cmd_generate(int argc, char **argv) {
             goto done;
         }
     } else
-        s = tokenize_pieces(m, &pieces, mi.add_bos, &toks, &n_prompt);
+        s = cli_chat_tokenize(m, &pieces, mi.add_bos, &toks, &n_prompt);
     if (s != KVPQ_OK) {
         cli_fail("generate: prompt", s);
         goto done;
@@ -314,7 +249,9 @@ int cmd_generate(int argc, char **argv) {
         goto done;
     double t0 = cli_now(), t_load = 0;
     size_t reused = 0;
-    if (prompt_cache && (rc = prompt_cache_load(prompt_cache, m, model_path, &cc, toks, n_prompt, &reused)) != 0) {
+    char pc_line[512];
+    if (prompt_cache && model_line(pc_line, sizeof pc_line, m, &mi)) goto done;
+    if (prompt_cache && (rc = prompt_cache_load(prompt_cache, pc_line, &cc, toks, n_prompt, &reused)) != 0) {
         rc = 1;
         goto done;
     }
@@ -343,9 +280,15 @@ int cmd_generate(int argc, char **argv) {
     double t_prompt = cli_now() - t0;
     if (prompt_cache && reused + 1 < n_prompt) { /* new prompt content: keep it for the next run */
         double ts = cli_now();
-        if (prompt_cache_save(prompt_cache, model_path, &mi, cc.cache, toks, n_prompt)) goto done;
+        if (prompt_cache_save(prompt_cache, pc_line, cc.cache, toks, n_prompt)) goto done;
         fprintf(stderr, "kvpq generate: --prompt-cache %s: saved %zu prompt tokens (%.3f s)\n", prompt_cache,
                 n_prompt, cli_now() - ts);
+    }
+    lf = logits_out ? fopen(logits_out, "wb") : NULL;
+    if (logits_out && !lf) {
+        fprintf(stderr, "kvpq generate: --logits-out '%s': cannot write: ", logits_out);
+        perror(NULL);
+        goto done;
     }
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)seed);
@@ -355,6 +298,10 @@ int cmd_generate(int argc, char **argv) {
     double t_dec = 0;
     char piece[256];
     for (; n_done < n_gen; n_done++) {
+        if (lf && fwrite(logits, sizeof *logits, (size_t)mi.n_vocab, lf) != (size_t)mi.n_vocab) {
+            fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", logits_out);
+            goto done;
+        }
         int32_t t = cli_sample(logits, mi.n_vocab, (float)temp, (float)top_p, &rng, work, idx);
         if (!first_reported) { /* time to first token: loading the saved prompt + the rest + sampling */
             first_reported = 1;
@@ -389,21 +336,30 @@ int cmd_generate(int argc, char **argv) {
             goto done;
         }
     }
+    if (lf) {
+        int close_failed = fclose(lf) != 0;
+        lf = NULL;
+        if (close_failed) {
+            fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", logits_out);
+            goto done;
+        }
+    }
     cli_utf8_flush(&us, stdout);
     fputc('\n', stdout);
     fflush(stdout);
     fprintf(stderr,
-            "kvpq generate: prompt %zu tokens in %.3f s (%.1f tok/s); generated %ld tokens, %ld one-token evals in "
+            "kvpq generate: prompt %zu tokens in %.3f s (%.1f tok/s%s); generated %ld tokens, %ld one-token evals in "
             "%.3f s (%.1f tok/s); cache %s\n",
-            n_prompt, t_prompt, n_prompt / (t_prompt > 0 ? t_prompt : 1e-9), n_done, n_dec, t_dec,
+            n_prompt, t_prompt, (n_prompt - reused) / (t_prompt > 0 ? t_prompt : 1e-9),
+            reused ? " over the tokens evaluated; the rest came from --prompt-cache" : "", n_done, n_dec, t_dec,
             n_dec / (t_dec > 0 ? t_dec : 1e-9), cache_spec);
     kvpq_cache_stats cst;
     if (kvpq_cache_get_stats(cc.cache, &cst) == KVPQ_OK)
-        fprintf(stderr, "kvpq generate: cache %s holds %d positions in %zu bytes (%.2f MiB), %.3f bits per element\n",
-                cache_spec, kvpq_cache_seq_len(cc.cache, 0), cst.resident_bytes, cst.resident_bytes / 1048576.0,
-                cst.bits_per_element);
+        cli_print_cache_memory("generate", cache_spec, cc.cache, &cst);
     rc = 0;
 done:
+    if (lf) fclose(lf);
+    cli_chat_pieces_free(&pieces);
     cli_cache_close(&cc);
     free(toks);
     free(logits);

@@ -16,6 +16,7 @@ static void usage(FILE *f) {
             "  info FILE                  what a GGUF model or a kvpq codebook file holds\n"
             "  calibrate --model M ...    train codebooks on a model's real keys and values\n"
             "  generate --model M ...     generate text, with a chosen KV cache\n"
+            "  chat --model M ...         multi-turn chat from stdin in the model's chat template, cache kept\n"
             "  ppl --model M --text F ... perplexity, with a chosen KV cache beside a baseline\n"
             "  bench encode|attend|decode ... benchmarks (ours beside baselines, one table)\n"
             "  version                    version, SIMD level, CUDA (built / device found)\n"
@@ -23,7 +24,7 @@ static void usage(FILE *f) {
             kvpq_version());
 }
 
-static const char *const COMMANDS[] = {"info", "calibrate", "generate", "ppl", "bench", "version", "help", NULL};
+static const char *const COMMANDS[] = {"info", "calibrate", "generate", "chat", "ppl", "bench", "version", "help", NULL};
 static const char *const BENCHES[] = {"encode", "attend", "decode", NULL};
 
 static int cmd_info(int argc, char **argv) {
@@ -87,6 +88,7 @@ static int dispatch(int argc, char **argv) {
     if (!strcmp(c, "bench")) return cmd_bench(argc, argv);
     if (!strcmp(c, "calibrate")) return cmd_calibrate(argc, argv);
     if (!strcmp(c, "generate")) return cmd_generate(argc, argv);
+    if (!strcmp(c, "chat")) return cmd_chat(argc, argv);
     if (!strcmp(c, "ppl")) return cmd_ppl(argc, argv);
     const char *near = cli_nearest(c, COMMANDS);
     if (near) return cli_usage_error("unknown command '%s'; did you mean '%s'? (kvpq help)", c, near);

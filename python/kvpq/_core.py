@@ -679,7 +679,8 @@ class Cache:
         _check(lib.kvpq_cache_get_stats(self._h, st), "Cache.stats")
         return {"resident_bytes": int(st.resident_bytes), "elements": int(st.elements),
                 "bits_per_element": st.bits_per_element, "tokens_coded": int(st.tokens_coded),
-                "tokens_window": int(st.tokens_window)}
+                "tokens_window": int(st.tokens_window), "stored_bytes": int(st.stored_bytes),
+                "stored_bits_per_element": st.stored_bits_per_element}
 
 
 # ---- models (GGUF) -----------------------------------------------------------------------------------

@@ -309,6 +309,7 @@ kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st) {
     st->bits_per_element = st->elements ? (double)st->resident_bytes * 8.0 / (double)st->elements : 0.0;
     st->backend = c->p.backend;
     if (c->ops->stats) c->ops->stats(c->state, c->len, st);
+    st->stored_bits_per_element = st->elements ? (double)st->stored_bytes * 8.0 / (double)st->elements : 0.0;
     return KVPQ_OK;
 }
 

@@ -101,7 +101,8 @@ kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const fl
 kvpq_status kvpq__rows_truncate(void *state, const int *lens, int n_pos);
 kvpq_status kvpq__rows_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v);
 size_t kvpq__rows_resident_bytes(const void *state, const int *lens);
+void kvpq__rows_stats(const void *state, const int *lens, kvpq_cache_stats *st);
 int kvpq__rows_drop(void *state, int layer, int len, int keep_from);
-kvpq_status kvpq__rows_serial(void *state, const int *lens, kvpq__stream *s, int load);
+kvpq_status kvpq__rows_serial(void *state, const int *lens, const int *lo, kvpq__stream *s, int load);
 
 #endif

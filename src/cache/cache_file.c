@@ -2,11 +2,13 @@
  *
  * File layout (little-endian, as the machines kvpq runs on; the header says which format version):
  *   "KVPQSAVE"                         8 bytes
- *   u32 format version (1), u32 cache kind (kvpq_cache_type)
+ *   u32 format version (2; 1 is read too), u32 cache kind (kvpq_cache_type)
  *   i32 n_layer, n_head, n_head_kv, head_dim, max_seq, window, page_tokens (as kvpq_cache_new set them)
  *   u64 codebook fingerprint (kvpq_codebook_fingerprint; 0 for kinds without a codebook)
  *   u64 user_len
  *   i32 lens[n_layer]                  positions held per layer
+ *   i32 lo[n_layer]                    (version 2) first position held per layer: > 0 in sliding-window
+ *                                      layers whose front pages were freed (version 1: all 0)
  *   user bytes
  *   the kind's payload                 ops->serial (its pages, windows and counters)
  *   u64 XXH64 (seed 0) of every byte before it
@@ -101,8 +103,8 @@ static kvpq_status header_io(kvpq__stream *s, file_header *h) {
     if (s->load && memcmp(magic, MAGIC, 8))
         return kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': not a kvpq saved cache (magic is not %s)", s->path, MAGIC);
     KVPQ_TRY(kvpq__stream_io(s, &h->version, sizeof h->version));
-    if (s->load && h->version != KVPQ_CACHE_FILE_VERSION)
-        return kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': format version %u; this library reads version %d",
+    if (s->load && (h->version < 1 || h->version > KVPQ_CACHE_FILE_VERSION))
+        return kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': format version %u; this library reads versions 1 to %d",
                          s->path, (unsigned)h->version, KVPQ_CACHE_FILE_VERSION);
     KVPQ_TRY(kvpq__stream_io(s, &h->type, sizeof h->type));
     int32_t *ints[] = {&h->n_layer, &h->n_head, &h->n_head_kv, &h->head_dim, &h->max_seq, &h->window, &h->page_tokens};
@@ -122,12 +124,8 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
                          (unsigned long long)MAX_USER);
     if (!c->ops->serial)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cache_save: cache %s has no saved form", c->ops->name);
-    /* A sliding-window cache frees the pages of positions its layers no longer see; the saved form
-     * describes whole sequences, so such a cache is refused rather than saved wrong. */
-    if (c->p.sliding_window > 0)
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
-                         "kvpq_cache_save: a cache with sliding-window layers (sliding_window %d) has no saved form yet",
-                         c->p.sliding_window);
+    /* A sliding-window cache has freed the pages of positions its local layers no longer see: the
+     * file records where each layer starts (lo) and holds the pages from there on. */
     /* The file replaced is the one a symbolic link names (tempfile.c); the temporary file sits
      * beside it, so the rename stays on one file system, and is listed for kvpq_remove_temp_files
      * (a signal handler's clean-up) until renamed or removed. */
@@ -170,8 +168,12 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
             int32_t len = c->len[l];
             s = kvpq__stream_io(&st, &len, sizeof len);
         }
+        for (int l = 0; l < c->p.n_layer && s == KVPQ_OK; l++) {
+            int32_t lo = c->lo[l];
+            s = kvpq__stream_io(&st, &lo, sizeof lo);
+        }
         if (s == KVPQ_OK) s = kvpq__stream_io(&st, (void *)user, user_len);
-        if (s == KVPQ_OK) s = c->ops->serial(c->state, c->len, &st, 0);
+        if (s == KVPQ_OK) s = c->ops->serial(c->state, c->len, c->lo, &st, 0);
         if (s == KVPQ_OK) {
             uint64_t sum = XXH64_digest(h);
             if (fwrite(&sum, sizeof sum, 1, f) != 1)
@@ -225,7 +227,7 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     }
     XXH64_state_t *h = XXH64_createState();
     kvpq_cache *c = NULL;
-    int32_t *lens = NULL;
+    int32_t *lens = NULL, *lo = NULL;
     void *ub = NULL;
     kvpq_status s = h ? KVPQ_OK : kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
     kvpq__stream st = {f, 1, h, path};
@@ -255,7 +257,7 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
                           "saved cache '%s': made with another codebook (fingerprint %016llx, this one %016llx)", path,
                           (unsigned long long)hd.cb_fp, (unsigned long long)kvpq_codebook_fingerprint(q->codebook));
     }
-    if (s == KVPQ_OK && !(lens = malloc((size_t)hd.n_layer * sizeof *lens)))
+    if (s == KVPQ_OK && (!(lens = malloc((size_t)hd.n_layer * sizeof *lens)) || !(lo = calloc((size_t)hd.n_layer, sizeof *lo))))
         s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
     for (int l = 0; l < hd.n_layer && s == KVPQ_OK; l++) {
         s = kvpq__stream_io(&st, &lens[l], sizeof lens[l]);
@@ -265,13 +267,26 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
             s = kvpq__err(KVPQ_ERR_CAPACITY, "saved cache '%s': layer %d holds %d positions, this cache's max_seq is %d",
                           path, l, (int)lens[l], c->p.max_seq);
     }
+    for (int l = 0; l < hd.n_layer && s == KVPQ_OK && hd.version >= 2; l++) {
+        s = kvpq__stream_io(&st, &lo[l], sizeof lo[l]);
+        if (s == KVPQ_OK && (lo[l] < 0 || lo[l] > lens[l]))
+            s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': layer %d starts at position %d of %d", path, l, (int)lo[l],
+                          (int)lens[l]);
+        /* only a layer with a sliding window frees positions; the file's layer did, this cache's
+         * layer attends to every position: another model (or sliding window) */
+        if (s == KVPQ_OK && lo[l] > 0 && kvpq__window_start(&c->p, l, lens[l]) < lo[l])
+            s = kvpq__err(KVPQ_ERR_MISMATCH,
+                          "saved cache '%s': layer %d dropped the positions before %d (a sliding window); this "
+                          "cache's layer %d %s",
+                          path, l, (int)lo[l], l, kvpq__layer_window(&c->p, l) ? "still needs them" : "has no sliding window");
+    }
     if (s == KVPQ_OK && hd.user_len && !(ub = malloc((size_t)hd.user_len)))
         s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory for %llu bytes of user data",
                       (unsigned long long)hd.user_len);
     if (s == KVPQ_OK) s = kvpq__stream_io(&st, ub, (size_t)hd.user_len);
     if (s == KVPQ_OK) {
-        for (int l = 0; l < c->p.n_layer; l++) c->len[l] = lens[l];
-        s = c->ops->serial(c->state, c->len, &st, 1);
+        for (int l = 0; l < c->p.n_layer; l++) c->len[l] = lens[l], c->lo[l] = lo[l];
+        s = c->ops->serial(c->state, c->len, c->lo, &st, 1);
         if (s != KVPQ_OK && !strstr(kvpq_last_error(), path)) kvpq__err_prefix("saved cache '%s'", path);
     }
     if (s == KVPQ_OK) {
@@ -292,6 +307,7 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     fclose(f);
     if (h) XXH64_freeState(h);
     free(lens);
+    free(lo);
     if (s != KVPQ_OK) {
         kvpq_cache_free(c);
         free(ub);

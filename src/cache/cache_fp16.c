@@ -31,6 +31,6 @@ const kvpq_cache_ops kvpq_cache_ops_fp16 = {
     .read = kvpq__rows_read,
     .resident_bytes = kvpq__rows_resident_bytes,
     .drop = kvpq__rows_drop,
-    .stats = NULL,
+    .stats = kvpq__rows_stats,
     .serial = kvpq__rows_serial,
 };

@@ -38,7 +38,10 @@ typedef struct kvpq_cache_ops {
      * holding lens[l] positions needs through s; with load 1, read the same into a fresh state made
      * from the same params (allocating its pages). One function for both directions keeps the two
      * in step. A value read that the state cannot hold is KVPQ_ERR_FORMAT. NULL: not saveable. */
-    kvpq_status (*serial)(void *state, const int *lens, kvpq__stream *s, int load);
+    /* lo[l]: the first position layer l holds (what `drop` returned; 0 without a sliding window):
+     * storage units before it are neither written nor read, and a load leaves the state starting
+     * there (a value lo that the kind's units cannot start at is KVPQ_ERR_FORMAT). */
+    kvpq_status (*serial)(void *state, const int *lens, const int *lo, kvpq__stream *s, int load);
 } kvpq_cache_ops;
 
 /* Positions a query of `layer` may see (its sliding window), or 0 for every earlier position. */

@@ -330,14 +330,17 @@ static size_t kivi_resident_bytes(const void *state, const int *lens) {
 static void kivi_stats(const void *state, const int *lens, kvpq_cache_stats *st) {
     const kivi_state *s = state;
     for (int l = 0; l < s->p.n_layer; l++) {
-        st->tokens_coded += s->coded[l] - s->k[l].base * s->gp * G;
-        st->tokens_window += lens[l] - s->coded[l];
+        const size_t coded = (size_t)(s->coded[l] - s->k[l].base * s->gp * G), window = (size_t)(lens[l] - s->coded[l]);
+        st->tokens_coded += (int64_t)coded;
+        st->tokens_window += (int64_t)window;
+        st->stored_bytes += coded * (s->k[l].page_bytes + s->v[l].page_bytes) / ((size_t)s->gp * G) +
+                            window * 2 * (size_t)s->p.n_head_kv * s->p.head_dim * sizeof(uint16_t);
     }
 }
 
 /* Saved caches: per layer, n_coded, the pages of its groups (keys, then values), whether the
  * window ring exists, and the ring. */
-static kvpq_status kivi_serial(void *state, const int *lens, kvpq__stream *st, int load) {
+static kvpq_status kivi_serial(void *state, const int *lens, const int *lo, kvpq__stream *st, int load) {
     kivi_state *s = state;
     const size_t ring = (size_t)s->cap * s->p.n_head_kv * s->p.head_dim;
     for (int l = 0; l < s->p.n_layer; l++) {
@@ -350,13 +353,21 @@ static kvpq_status kivi_serial(void *state, const int *lens, kvpq__stream *st, i
             if (coded < 0 || coded % G || coded > lens[l] || lens[l] - coded > s->cap || (lens[l] > 0 && !has_ring))
                 return kvpq__err(KVPQ_ERR_FORMAT, "saved cache kivi layer %d: n_coded %d for %d positions", l,
                                  (int)coded, lens[l]);
+            /* a sliding window frees whole pages of coded groups only */
+            if (lo[l] % (s->gp * G) || lo[l] > coded)
+                return kvpq__err(KVPQ_ERR_FORMAT, "saved cache kivi layer %d: first position %d for %d coded", l,
+                                 lo[l], (int)coded);
             s->coded[l] = coded;
         }
-        const int pages = (coded / G + s->gp - 1) / s->gp;
+        const int pages = (coded / G + s->gp - 1) / s->gp, first = lo[l] / (s->gp * G);
         kvpq__pages *pl[2] = {&s->k[l], &s->v[l]};
         for (int w = 0; w < 2; w++) {
-            if (load) KVPQ_TRY(kvpq__pages_reserve(pl[w], pages));
-            for (int pg = 0; pg < pages; pg++) KVPQ_TRY(kvpq__stream_io(st, pl[w]->page[pg], pl[w]->page_bytes));
+            if (load) {
+                kvpq__pages_drop_front(pl[w], first);
+                KVPQ_TRY(kvpq__pages_reserve(pl[w], pages));
+            }
+            for (int pg = first; pg < pages; pg++)
+                KVPQ_TRY(kvpq__stream_io(st, kvpq__page(pl[w], pg), pl[w]->page_bytes));
         }
         if (!has_ring) continue;
         if (load) {

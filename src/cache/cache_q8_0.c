@@ -49,6 +49,6 @@ const kvpq_cache_ops kvpq_cache_ops_q8_0 = {
     .read = kvpq__rows_read,
     .resident_bytes = kvpq__rows_resident_bytes,
     .drop = kvpq__rows_drop,
-    .stats = NULL,
+    .stats = kvpq__rows_stats,
     .serial = kvpq__rows_serial,
 };

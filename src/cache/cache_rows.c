@@ -140,16 +140,32 @@ size_t kvpq__rows_resident_bytes(const void *state, const int *lens) {
     return b;
 }
 
+void kvpq__rows_stats(const void *state, const int *lens, kvpq_cache_stats *st) {
+    const rows_state *s = state;
+    const int pt = s->p.page_tokens;
+    for (int l = 0; l < s->p.n_layer; l++) {
+        const size_t held = (size_t)(lens[l] - s->k[l].base * pt); /* positions in the pages kept */
+        st->stored_bytes += held * (s->k[l].page_bytes + s->v[l].page_bytes) / (size_t)pt;
+    }
+}
+
 /* Saved caches: per layer, K then V, the pages holding lens[l] positions, whole. */
-kvpq_status kvpq__rows_serial(void *state, const int *lens, kvpq__stream *st, int load) {
+kvpq_status kvpq__rows_serial(void *state, const int *lens, const int *lo, kvpq__stream *st, int load) {
     rows_state *s = state;
     const int pt = s->p.page_tokens;
     for (int l = 0; l < s->p.n_layer; l++) {
-        const int need = (lens[l] + pt - 1) / pt;
+        const int need = (lens[l] + pt - 1) / pt, first = lo[l] / pt;
+        if (load && lo[l] % pt)
+            return kvpq__err(KVPQ_ERR_FORMAT, "saved cache layer %d: first position %d is not at a page (%d)", l,
+                             lo[l], pt);
         kvpq__pages *pl[2] = {&s->k[l], &s->v[l]};
         for (int w = 0; w < 2; w++) {
-            if (load) KVPQ_TRY(kvpq__pages_reserve(pl[w], need));
-            for (int pg = 0; pg < need; pg++) KVPQ_TRY(kvpq__stream_io(st, pl[w]->page[pg], pl[w]->page_bytes));
+            if (load) {
+                kvpq__pages_drop_front(pl[w], first); /* the pages a sliding window had freed stay absent */
+                KVPQ_TRY(kvpq__pages_reserve(pl[w], need));
+            }
+            for (int pg = first; pg < need; pg++)
+                KVPQ_TRY(kvpq__stream_io(st, kvpq__page(pl[w], pg), pl[w]->page_bytes));
         }
     }
     return KVPQ_OK;

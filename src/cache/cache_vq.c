@@ -841,14 +841,19 @@ static void vq_stats(const void *state, const int *lens, kvpq_cache_stats *s) {
     s->tokens_coded = 0;
     s->tokens_window = 0;
     for (int l = 0; l < st->n_layer; l++) {
-        s->tokens_coded += st->layers[l].n_coded - st->layers[l].first_page * st->page_tokens;
-        s->tokens_window += lens[l] - st->layers[l].n_coded;
+        const vq_layer *L = &st->layers[l];
+        const size_t coded = (size_t)(L->n_coded - L->first_page * st->page_tokens),
+                     window = (size_t)(lens[l] - L->n_coded);
+        s->tokens_coded += (int64_t)coded;
+        s->tokens_window += (int64_t)window;
+        s->stored_bytes += coded * L->page_bytes / (size_t)st->page_tokens +
+                           window * 2 * (size_t)st->n_head_kv * st->head_dim * sizeof(uint16_t);
     }
 }
 
 /* Saved caches: per layer, n_coded, the pages of its codes (and scales), whole, whether the
  * window ring exists, and the ring (fp16). */
-static kvpq_status vq_serial(void *state, const int *lens, kvpq__stream *s, int load) {
+static kvpq_status vq_serial(void *state, const int *lens, const int *lo, kvpq__stream *s, int load) {
     vq_state *st = state;
     const size_t ring = (size_t)st->cap * st->n_head_kv * st->head_dim;
     for (int l = 0; l < st->n_layer; l++) {
@@ -858,18 +863,23 @@ static kvpq_status vq_serial(void *state, const int *lens, kvpq__stream *s, int 
         KVPQ_TRY(kvpq__stream_io(s, &has_ring, sizeof has_ring));
         /* in 64 bits: on load, coded comes from the file and is checked only below (INT32_MAX overflowed) */
         const int64_t pages = ((int64_t)coded + st->page_tokens - 1) / st->page_tokens;
+        const int first = lo[l] / st->page_tokens;
         if (load) {
+            if (lo[l] % st->page_tokens || lo[l] > coded)
+                return kvpq__err(KVPQ_ERR_FORMAT, "saved cache vq layer %d: first position %d for %d coded", l, lo[l],
+                                 (int)coded);
             if (coded < 0 || coded > lens[l] || lens[l] - coded > st->cap || pages > st->max_pages ||
                 (lens[l] > 0 && !has_ring))
                 return kvpq__err(KVPQ_ERR_FORMAT, "saved cache vq layer %d: n_coded %d for %d positions", l,
                                  (int)coded, lens[l]);
             L->n_coded = coded;
+            L->first_page = first; /* pages a sliding window had freed stay NULL */
             for (; L->n_pages < pages; L->n_pages++)
-                if (!(L->pages[L->n_pages] = malloc(L->page_bytes)))
+                if (L->n_pages >= first && !(L->pages[L->n_pages] = malloc(L->page_bytes)))
                     return kvpq__err(KVPQ_ERR_NOMEM, "saved cache vq: out of memory for a page of %zu bytes",
                                      L->page_bytes);
         }
-        for (int pg = 0; pg < pages; pg++) KVPQ_TRY(kvpq__stream_io(s, L->pages[pg], L->page_bytes));
+        for (int pg = first; pg < pages; pg++) KVPQ_TRY(kvpq__stream_io(s, L->pages[pg], L->page_bytes));
         if (!has_ring) continue;
         if (load) {
             L->wk = calloc(ring, sizeof(uint16_t));

@@ -9,6 +9,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#define XXH_INLINE_ALL /* header-only use of xxHash (Debian libxxhash-dev), as src/cache/cache_file.c */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#include <xxhash.h>
+#pragma GCC diagnostic pop
+
 #include "internal.h"
 #include "model/ggml_types.h"
 #include "model/gguf.h"
@@ -513,6 +519,10 @@ uint64_t gguf_fingerprint(const gguf_file *f) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < f->header_end; i++) h = (h ^ f->base[i]) * 0x100000001b3ull;
     return h;
+}
+
+uint64_t gguf_data_fingerprint(const gguf_file *f) {
+    return XXH64(f->base + f->data_off, f->size - f->data_off, 0);
 }
 
 /* ---- metadata accessors ---- */

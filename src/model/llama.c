@@ -431,6 +431,12 @@ kvpq_status kvpq_model_get_info(const kvpq_model *m, kvpq_model_info *info) {
 
 const char *kvpq_model_chat_template(const kvpq_model *m) { return m ? m->chat_template : NULL; }
 
+kvpq_status kvpq_model_data_fingerprint(const kvpq_model *m, char out[17]) {
+    if (!m || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_data_fingerprint: NULL argument");
+    snprintf(out, 17, "%016llx", (unsigned long long)gguf_data_fingerprint(m->gf));
+    return KVPQ_OK;
+}
+
 kvpq_status kvpq_model_cache_params(const kvpq_model *m, kvpq_cache_params *p) {
     if (!m || !p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_cache_params: NULL argument");
     p->n_layer = m->info.n_layer;

@@ -16,7 +16,7 @@ TEXT = SRC / "data" / "text" / "emma.txt"
 need_model = pytest.mark.skipif(not MODEL.exists(), reason=f"model {MODEL} missing (scripts/fetch_model.sh)")
 
 COMMANDS = [["info"], ["calibrate"], ["generate"], ["ppl"], ["bench"], ["bench", "encode"], ["bench", "attend"],
-            ["bench", "decode"], ["version"], ["help"]]
+            ["bench", "decode"], ["version"], ["help"], ["chat"]]
 
 
 def run(*args, cwd=None, timeout=600):
@@ -88,12 +88,18 @@ def test_generate_short_prompt_every_kind_reports_memory(kind, codebook):
     p = run("generate", "--model", MODEL, "--cache", spec, "--prompt", "Once upon a time", "-n", 4, "--temp", 0)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("Once upon a time") and len(p.stdout) > len("Once upon a time\n")
-    m = re.search(r"holds (\d+) positions in (\d+) bytes \([0-9.]+ MiB\), ([0-9.]+) bits per element", p.stderr)
+    m = re.search(r"holds (\d+) positions: stored tokens (\d+) bytes \(([0-9.]+) bits per element\); resident (\d+) "
+                  r"bytes \([0-9.]+ MiB, ([0-9.]+) bits per element", p.stderr)
     assert m, p.stderr
-    positions, nbytes, bits = int(m[1]), int(m[2]), float(m[3])
+    positions, stored, sbits, nbytes, bits = int(m[1]), int(m[2]), float(m[3]), int(m[4]), float(m[5])
     assert positions == 4 + 3  # 4 prompt tokens (BOS-less SmolLM2) + 3 evaluated generated tokens
     elements = 2 * positions * 30 * 3 * 64  # K and V, 30 layers, 3 KV heads, head_dim 64
     assert abs(bits - nbytes * 8 / elements) < 1e-2 * bits
+    assert abs(sbits - stored * 8 / elements) < 1e-2 * sbits
+    # the stored tokens' bits are those of the format (7 positions, all inside a vq/kivi window: fp16);
+    # resident bytes add the empty rest of the pages, the window ring and the codebook
+    expect = {"fp32": 32, "fp16": 16, "q8_0": 8.5, "q4_0": 4.5, "kivi2": 16, "kivi4": 16, "vq": 16}[kind]
+    assert sbits == pytest.approx(expect, abs=1e-3) and stored <= nbytes
 
 
 @need_model
@@ -160,10 +166,22 @@ def test_prompt_cache_reuses_and_refuses(kind, codebook, tmp_path):
     p = run("generate", "--model", MODEL, "--cache", other, "-n", 1, "--prompt", prompt, "--prompt-cache", f)
     assert p.returncode == 1 and "mismatch" in p.stderr and "cache kind" in p.stderr, p.stderr
     assert f.read_bytes() == saved
-    other_model = tmp_path / "other-model.gguf"  # the model is named by its file: another file is another model
-    other_model.symlink_to(MODEL)
+    # the model is identified by its contents (header fingerprint + XXH64 of the tensor data), not its
+    # file name: the same file under another name is the same model; another file under the same name,
+    # equal to the model but for one byte of one weight, is another model
+    same = tmp_path / "renamed.gguf"
+    same.symlink_to(MODEL)
+    p = run("generate", "--model", same, "--cache", spec, "-n", 1, "--prompt", prompt, "--prompt-cache", f)
+    assert p.returncode == 0 and "made for another model" not in p.stderr, p.stderr
+    assert f.read_bytes() == saved
+    (tmp_path / "other").mkdir()
+    other_model = tmp_path / "other" / MODEL.name
+    data = bytearray(MODEL.read_bytes())
+    data[-1000] ^= 0x01  # a byte of the last tensor's data: header, name and size unchanged
+    other_model.write_bytes(bytes(data))
+    del data
     p = run("generate", "--model", other_model, "--cache", spec, "-n", 1, "--prompt", prompt, "--prompt-cache", f)
-    assert p.returncode == 1 and "made for another model" in p.stderr, p.stderr
+    assert p.returncode == 1 and "made for another model" in p.stderr and " data=" in p.stderr, p.stderr
     assert f.read_bytes() == saved
     bad = bytearray(saved)
     bad[len(bad) // 2] ^= 1

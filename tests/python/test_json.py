@@ -75,3 +75,21 @@ def test_bench_encode():
     doc = validate(run_json("bench", "encode", "--shape", "64,2,64", "--repeats", 1), "bench.encode")
     assert [r["method"] for r in doc["results"]] == ["kvpq", "materializing"]
     assert all((r["S"], r["H"], r["D"], r["M"]) == (64, 2, 64, 16) for r in doc["results"])
+
+
+@need_model
+def test_chat():
+    p = subprocess.run([BIN, "chat", "--model", str(MODEL), "-n", "6", "--temp", "0", "--cache", "q8_0", "--json",
+                        "--quiet"],
+                       input="Hi!\nWhat is 2+2?\n", capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    doc = validate(json.loads(p.stdout), "chat")
+    assert doc["settings"]["cache"] == "q8_0" and doc["settings"]["template"] == "chatml"
+    assert doc["settings"]["system"].startswith("You are a helpful AI assistant")  # SmolLM2's default
+    rows = doc["results"]
+    assert [r["turn"] for r in rows] == [1, 2]
+    assert all(r["reply_tokens"] == len(r["reply_ids"]) <= 6 and r["prompt_tokens"] == len(r["prompt_ids"])
+               for r in rows)
+    empty = subprocess.run([BIN, "chat", "--model", str(MODEL), "--json", "--quiet"], input="", capture_output=True,
+                           text=True, timeout=600)
+    assert empty.returncode == 0 and validate(json.loads(empty.stdout), "chat")["results"] == []
