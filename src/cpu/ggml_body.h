@@ -106,6 +106,31 @@ KVPQ_INLINE void blk_q4_0(const uint8_t *p, const float *x, const float *xs, kvp
     *off = *d * xs[0];
 }
 
+/* A Q5 block's fifth bits: qh, 4 bytes little-endian (may be unaligned). */
+KVPQ_INLINE uint32_t q5_qh(const uint8_t *p) {
+    uint32_t h;
+    memcpy(&h, p, sizeof h);
+    return h; /* x86: little-endian, as the file */
+}
+
+/* Q5_0: w = (q - 16)*d, so a block gives d * (q . x) - 16 * d * sum(x). */
+KVPQ_INLINE void blk_q5_0(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
+    kvpq_vf f[QV];
+    vf_load_q5_32(KVPQ_BLK_AT(p, block_q5_0, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_0, qh)), f);
+    *dot = block_dot(f, x);
+    *d = BLK_F16(p, block_q5_0, d);
+    *off = *d * xs[0];
+}
+
+/* Q5_1: w = q*d + m, so a block gives d * (q . x) + m * sum(x). */
+KVPQ_INLINE void blk_q5_1(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
+    kvpq_vf f[QV];
+    vf_load_q5_32(KVPQ_BLK_AT(p, block_q5_1, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_1, qh)), f);
+    *dot = block_dot(f, x);
+    *d = BLK_F16(p, block_q5_1, d);
+    *off = BLK_F16(p, block_q5_1, m) * xs[0];
+}
+
 KVPQ_INLINE void blk_q8_0(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
     kvpq_vf f[QV];
     q8_block(KVPQ_BLK_AT(p, block_q8_0, qs), f);
@@ -121,6 +146,8 @@ KVPQ_INLINE void blk_q8_0(const uint8_t *p, const float *x, const float *xs, kvp
     }
 MATVEC_BLOCKS(q4_1, block_q4_1, QK4_1, 1.0f)
 MATVEC_BLOCKS(q4_0, block_q4_0, QK4_0, -8.0f)
+MATVEC_BLOCKS(q5_0, block_q5_0, QK5_0, -16.0f)
+MATVEC_BLOCKS(q5_1, block_q5_1, QK5_1, 1.0f)
 MATVEC_BLOCKS(q8_0, block_q8_0, QK8_0, 0.0f)
 
 float KVPQ_ISA_FN(kvpq__dot_f32)(const float *a, const float *b, int64_t n) { return vf_dot(a, b, n); }
@@ -435,6 +462,8 @@ kvpq__matvec_fn KVPQ_ISA_FN(kvpq__ggml_matvec)(uint32_t type) {
     case GGML_TYPE_BF16: return matvec_bf16;
     case GGML_TYPE_Q4_0: return matvec_q4_0;
     case GGML_TYPE_Q4_1: return matvec_q4_1;
+    case GGML_TYPE_Q5_0: return matvec_q5_0;
+    case GGML_TYPE_Q5_1: return matvec_q5_1;
     case GGML_TYPE_Q8_0: return matvec_q8_0;
     case GGML_TYPE_Q2_K: return matvec_q2_K;
     case GGML_TYPE_Q3_K: return matvec_q3_K;
@@ -465,6 +494,24 @@ static void dequant_q4_0(const uint8_t *p, float *y, int64_t n) {
     }
 }
 
+static void dequant_q5_0(const uint8_t *p, float *y, int64_t n) {
+    const kvpq_vf sixteen = vf_set1(16.0f);
+    for (int64_t b = 0; b < n / QK5_0; b++, p += sizeof(block_q5_0), y += QK5_0) {
+        kvpq_vf d = vf_set1(BLK_F16(p, block_q5_0, d)), f[QV];
+        vf_load_q5_32(KVPQ_BLK_AT(p, block_q5_0, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_0, qh)), f);
+        /* q - 16 is exact in float, so this equals ggml's (float)(q - 16) * d. */
+        for (int k = 0; k < QV; k++) vf_store(y + k * W, vf_mul(vf_sub(f[k], sixteen), d));
+    }
+}
+
+static void dequant_q5_1(const uint8_t *p, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK5_1; b++, p += sizeof(block_q5_1), y += QK5_1) {
+        kvpq_vf d = vf_set1(BLK_F16(p, block_q5_1, d)), m = vf_set1(BLK_F16(p, block_q5_1, m)), f[QV];
+        vf_load_q5_32(KVPQ_BLK_AT(p, block_q5_1, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_1, qh)), f);
+        for (int k = 0; k < QV; k++) vf_store(y + k * W, vf_add(vf_mul(f[k], d), m));
+    }
+}
+
 static void dequant_q8_0(const uint8_t *p, float *y, int64_t n) {
     for (int64_t b = 0; b < n / QK8_0; b++, p += sizeof(block_q8_0), y += QK8_0) {
         kvpq_vf d = vf_set1(BLK_F16(p, block_q8_0, d)), f[QV];
@@ -484,6 +531,8 @@ kvpq__dequant_fn KVPQ_ISA_FN(kvpq__ggml_dequant)(uint32_t type) {
     switch (type) {
     case GGML_TYPE_Q4_0: return dequant_q4_0;
     case GGML_TYPE_Q4_1: return dequant_q4_1;
+    case GGML_TYPE_Q5_0: return dequant_q5_0;
+    case GGML_TYPE_Q5_1: return dequant_q5_1;
     case GGML_TYPE_Q8_0: return dequant_q8_0;
     case GGML_TYPE_F16: return dequant_f16;
     case GGML_TYPE_Q2_K: return dequant_q2_K;

@@ -12,7 +12,7 @@
 
 /* y[r] = dot(row r of W, x) for r in [0, n_rows). W: n_rows rows of row_bytes bytes each, n
  * elements per row (a multiple of the type's block size); x: (n) float32; xs: (n/32) sums of x over
- * each 32-element block (used by the Q4_0, Q4_1, Q4_K, Q5_K kernels to apply the block offsets or
+ * each 32-element block (used by the Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K kernels to apply the block offsets or
  * mins once per block; Q2_K: (n/16) sums over 16-element groups, its sub-blocks; may be NULL for
  * other types); y: (n_rows). */
 typedef void (*kvpq__matvec_fn)(const uint8_t *W, size_t row_bytes, int64_t n_rows, int64_t n, const float *x,

@@ -317,12 +317,8 @@ KVPQ_INLINE float vs_h2f_at(const void *p) {
     memcpy(&h, p, sizeof h);
     return _cvtsh_ss(h);
 }
-/* 16 bytes of nibbles -> 32 values (elements 0..15 the low nibbles of bytes 0..15, 16..31 the high
- * ones; ggml's Q4 order) as 32 / W vectors. One 16-byte load, unpacked in registers. */
-KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    __m128i q = _mm_loadu_si128((const __m128i *)p);
-    __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+/* 32 bytes (lo: elements 0..15, hi: 16..31) as 32 / W vectors of their unsigned values. */
+KVPQ_INLINE void vf__u8x32(__m128i lo, __m128i hi, kvpq_vf f[32 / KVPQ_VW]) {
 #if KVPQ_VW == 16
     f[0] = vf__from_u8(lo);
     f[1] = vf__from_u8(hi);
@@ -332,6 +328,33 @@ KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
     f[2] = vf__from_u8(hi);
     f[3] = vf__from_u8(_mm_srli_si128(hi, 8));
 #endif
+}
+/* 16 bytes of nibbles -> 32 values (elements 0..15 the low nibbles of bytes 0..15, 16..31 the high
+ * ones; ggml's Q4 order) as 32 / W vectors. One 16-byte load, unpacked in registers. */
+KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    vf__u8x32(_mm_and_si128(q, m4), _mm_and_si128(_mm_srli_epi16(q, 4), m4), f);
+}
+/* Bit j of b (j < 16) -> byte j: 0x10 where the bit is set, else 0 (a Q5 block's fifth bits). */
+KVPQ_INLINE __m128i vf__bits16_x10(uint32_t b) {
+#if KVPQ_VW == 16
+    return _mm_maskz_set1_epi8((__mmask16)b, 0x10);
+#else
+    /* byte j holds byte j / 8 of b; keep bit j % 8 of it; compare to the bit */
+    const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ull);
+    __m128i v = _mm_set_epi64x((long long)(((b >> 8) & 0xffu) * 0x0101010101010101ull),
+                               (long long)((b & 0xffu) * 0x0101010101010101ull));
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), _mm_set1_epi8(0x10));
+#endif
+}
+/* A Q5 block's 32 unsigned values 0..31 (ggml's Q5_0 / Q5_1 order): element j < 16 is the low nibble
+ * of qs[j] plus 16 * bit j of qh, element j + 16 the high nibble of qs[j] plus 16 * bit j + 16. */
+KVPQ_INLINE void vf_load_q5_32(const uint8_t *qs, uint32_t qh, kvpq_vf f[32 / KVPQ_VW]) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    vf__u8x32(_mm_or_si128(_mm_and_si128(q, m4), vf__bits16_x10(qh)),
+              _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), m4), vf__bits16_x10(qh >> 16)), f);
 }
 #else
 KVPQ_INLINE void vf_reduce4(kvpq_vf a0, kvpq_vf a1, kvpq_vf a2, kvpq_vf a3, float *out) {
@@ -347,6 +370,12 @@ KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32]) {
     for (int j = 0; j < 16; j++) {
         f[j] = (float)(p[j] & 0x0f);
         f[j + 16] = (float)(p[j] >> 4);
+    }
+}
+KVPQ_INLINE void vf_load_q5_32(const uint8_t *qs, uint32_t qh, kvpq_vf f[32]) {
+    for (int j = 0; j < 16; j++) {
+        f[j] = (float)((qs[j] & 0x0f) | ((qh >> j) & 1) << 4);
+        f[j + 16] = (float)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
     }
 }
 KVPQ_INLINE float vf_reduce_add(kvpq_vf v) { return v; }
