@@ -544,6 +544,38 @@ kvpq__dequant_fn KVPQ_ISA_FN(kvpq__ggml_dequant)(uint32_t type) {
     return NULL;
 }
 
+// ---- gated activations (ggml_kernels.h: kvpq__glu_*) ---------------------------------------------
+
+/* sqrt(2 / pi) doubled: 0.5 (1 + tanh(y)) = sigmoid(2 y) */
+#define GELU_2C 1.5957691216f
+
+static void glu_gelu_tanh(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    for (; i < n; i += W) {
+        int m = n - i < W ? (int)(n - i) : W;
+        kvpq_vf x = vf_load_n(g + i, m), x2 = vf_mul(x, x);
+        kvpq_vf y = vf_mul(vf_mul(vf_set1(GELU_2C), x), vf_fma(vf_set1(0.044715f), x2, vf_set1(1.0f)));
+        vf_store_n(g + i, vf_mul(vf_mul(x, vf_sigmoid(y)), vf_load_n(u + i, m)), m);
+    }
+}
+
+static void glu_silu(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i += W) {
+        int m = n - i < W ? (int)(n - i) : W;
+        kvpq_vf x = vf_load_n(g + i, m);
+        vf_store_n(g + i, vf_mul(vf_mul(x, vf_sigmoid(x)), vf_load_n(u + i, m)), m);
+    }
+}
+
+kvpq__glu_fn KVPQ_ISA_FN(kvpq__glu)(kvpq_glu_kind kind) {
+    switch (kind) {
+    case KVPQ_GLU_SILU: return glu_silu;
+    case KVPQ_GLU_GELU_TANH: return glu_gelu_tanh;
+    default: return NULL;
+    }
+}
+
+#undef GELU_2C
 #undef W
 #undef BLK_F16
 #undef QV
