@@ -59,6 +59,9 @@ KVPQ_INLINE kvpq_vf block_dot(const kvpq_vf f[QV], const float *x) {
  * off_scale. So a block contributes d * dot + off_scale * off. */
 typedef void (*blk_fn)(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off);
 
+/* Software prefetch distance of the 32-element block kernels, in bytes. */
+#define BPF_BYTES 1024
+
 /* Rows of blocks of bs bytes and qk elements: two blocks at a time into two accumulators (latency),
  * then the leftover block; offsets summed in a float beside; one vf_reduce_add per row.
  * off_scale == 0: the type has no offset term (xs may be NULL). Inlined per type (blk constant). */
@@ -72,6 +75,9 @@ KVPQ_INLINE void matvec_blocks(blk_fn blk, size_t bs, int qk, float off_scale, c
         float accm = 0, d0, d1, o0 = 0, o1 = 0;
         int64_t b = 0;
         for (; b + 1 < nb; b += 2, p += 2 * bs) {
+            /* one line ahead per pair of blocks (>= 36 bytes): every line of the stream is asked for
+             * BPF_BYTES early (decode reads each weight once from DRAM; see KPF_DIST below) */
+            __builtin_prefetch(p + BPF_BYTES, 0, 3);
             blk(p, x + b * qk, off_scale != 0 ? xs + b * xq : NULL, &v0, &d0, &o0);
             blk(p + bs, x + (b + 1) * qk, off_scale != 0 ? xs + (b + 1) * xq : NULL, &v1, &d1, &o1);
             acc0 = vf_fma(vf_set1(d0), v0, acc0);
