@@ -9,9 +9,6 @@ first step where the chosen tokens differ, each side's top-2 margin and both tok
 A margin far below the logit difference between the two implementations elsewhere (their max |diff| on
 the shared steps, printed too) is a near-tie that either arithmetic may break either way.
 
-Models with sliding-window layers (Gemma 3) are not supported: the Python binding has no
-sliding-window cache parameters yet.
-
 usage: python3 bench/greedy_margin.py [--model smollm2|PATH] [-n 32] [--threads 2] [--cache fp32]
        (needs KVPQ_LIB=build/libkvpq_model.so and PYTHONPATH=python, as ctest sets them)
 """
