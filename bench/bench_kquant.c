@@ -1,4 +1,4 @@
-/* bench_kquant.c — ggml_matvec (the decode hot path) on the K-quant weight types beside Q4_1 and Q8_0
+/* bench_kquant.c — ggml_matvec (the decode hot path) on the K-quant weight types beside Q4_1, Q5_0, Q5_1 and Q8_0
  * (older kernels) in the same run, at every SIMD level: "scalar" is the _ref specification (run in
  * parallel over rows), the others the SIMD kernels.
  *  1. one matrix of Qwen2.5-Coder-1.5B's ffn_gate shape (8960 x 1536) of each type, random blocks,
@@ -6,7 +6,7 @@
  *  2. one decoded token of a real model file (every 2-D weight of every layer plus the output
  *     matrix, once each, the model's own types): ms per token, GB/s, and the fraction of a plain
  *     parallel read of the same bytes (the memory ceiling, measured here).
- * Table: median of repeats. OMP_NUM_THREADS sets the threads (the issue's target: 2).
+ * Table: median of repeats (wall time; CPU time of the process with KVPQ_BENCH_CPU=1). OMP_NUM_THREADS sets the threads (the issue's target: 2).
  * Usage: bench_kquant [repeats] [model.gguf]   (default models/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf) */
 #include <omp.h>
 #include <stdio.h>
@@ -45,7 +45,7 @@ int main(int argc, char **argv) {
     kvpq_simd_level best = kvpq_simd_get();
 
     const uint32_t types[] = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
-                              GGML_TYPE_Q6_K, GGML_TYPE_Q4_1, GGML_TYPE_Q8_0};
+                              GGML_TYPE_Q6_K, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0};
     const int64_t rows = 8960, n = 1536;
     printf("ggml_matvec %lld x %lld (Qwen2.5-1.5B ffn_gate shape), warm, threads %d, median of %d\n",
            (long long)rows, (long long)n, omp_get_max_threads(), reps);

@@ -10,10 +10,13 @@
 
 #include "model/ggml_types.h"
 
-/* Seconds on the monotonic clock. */
+/* Seconds on the monotonic clock; with KVPQ_BENCH_CPU=1, CPU time of the process (all threads)
+ * instead, for a loaded machine where a preempted run's wall time says nothing about the kernel. */
 static inline double now(void) {
+    static int cpu = -1;
+    if (cpu < 0) cpu = getenv("KVPQ_BENCH_CPU") && atoi(getenv("KVPQ_BENCH_CPU")) > 0;
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(cpu ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -52,7 +55,8 @@ static inline void scale_offsets(uint32_t type, int *d, int *m) {
     *d = 0;
     *m = -1;
     switch (type) {
-    case GGML_TYPE_Q4_1: *m = 2; break;
+    case GGML_TYPE_Q4_1:
+    case GGML_TYPE_Q5_1: *m = 2; break;
     case GGML_TYPE_Q2_K: *d = 80, *m = 82; break;
     case GGML_TYPE_Q3_K: *d = 108; break;
     case GGML_TYPE_Q4_K:

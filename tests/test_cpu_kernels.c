@@ -32,7 +32,7 @@ Test(cpu_kernels, every_level_is_complete) {
     for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
         const kvpq_cpu_kernels *t = kvpq__cpu_kernels_for((kvpq_simd_level)lv);
         cr_assert_eq((int)t->level, lv);
-        cr_assert(t->nn && t->attn && t->dot_f32, "level %d", lv);
+        cr_assert(t->nn && t->attn && t->dot_f32 && t->glu[KVPQ_GLU_SILU] && t->glu[KVPQ_GLU_GELU_TANH], "level %d", lv);
         const kvpq_vq_kernels *v = &t->vq;
         cr_assert(v->score_u8 && v->score_u16 && v->accum_u8 && v->accum_u16 && v->score_fs_u8 && v->softmax_step &&
                       v->exp_sum && v->lane_max && v->scale_rows && v->scale_tokens && v->lut_build && v->table_out &&

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "cpu/dispatch.h"
 #include "model/ggml_types.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -475,4 +476,50 @@ Test(ggml_types, matmul_matches_ref_at_every_level) {
         }
     }
     kvpq_simd_set(best);
+}
+
+/* ---- gated FFN activations (cpu/ggml_kernels.h kvpq__glu_*) ---- */
+
+/* Every level's GELU-tanh and SiLU gate against the formulas in double: within 1e-6 of the value
+ * plus 2e-7 |g u| (the _ref's libm tanhf form loses that much absolutely where 1 + tanh(y) cancels);
+ * lengths around the vector widths; NaN stays NaN, +-large saturates, -0 and 0 give 0. */
+Test(ggml_types, glu_kernels_at_every_level) {
+    const kvpq_simd_level best = kvpq__simd_best();
+    enum { N = 4099 };
+    static float g0[N], u[N], g[N];
+    for (int i = 0; i < N; i++) {
+        g0[i] = 12.0f * rndf() * (i % 3 == 0 ? 0.1f : 1.0f);
+        u[i] = 2.0f * rndf();
+    }
+    g0[0] = 0.0f, g0[1] = -0.0f, g0[2] = 90.0f, g0[3] = -90.0f, g0[4] = 1e-30f, g0[5] = NAN;
+    for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
+        const kvpq_cpu_kernels *t = kvpq__cpu_kernels_for((kvpq_simd_level)lv);
+        for (int kind = 0; kind < KVPQ_GLU_COUNT; kind++) {
+            cr_assert(t->glu[kind], "level %d: glu %d missing", lv, kind);
+            const int lens[] = {1, 7, 8, 15, 16, 17, 33, N};
+            for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+                int n = lens[li];
+                memcpy(g, g0, sizeof g);
+                t->glu[kind](g, u, n);
+                for (int i = 0; i < N; i++) {
+                    if (i >= n) {
+                        cr_assert(!memcmp(&g[i], &g0[i], 4), "level %d kind %d n %d: wrote past n at %d", lv, kind, n, i);
+                        continue;
+                    }
+                    double x = g0[i], want;
+                    if (kind == KVPQ_GLU_GELU_TANH)
+                        want = 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))) * u[i];
+                    else
+                        want = x / (1.0 + exp(-x)) * u[i];
+                    if (isnan(x)) {
+                        cr_assert(isnan(g[i]), "level %d kind %d: NaN in, %g out", lv, kind, g[i]);
+                        continue;
+                    }
+                    double tol = 1e-6 * fabs(want) + 2e-7 * fabs(x * u[i]) + 1e-37;
+                    cr_assert(fabs(g[i] - want) <= tol, "level %d kind %d n %d: act(%.9g) * %.9g = %.9g, want %.9g",
+                              lv, kind, n, x, u[i], g[i], want);
+                }
+            }
+        }
+    }
 }

@@ -592,7 +592,7 @@ class Cache:
     kept alive by the cache."""
 
     def __init__(self, kind, n_layer, n_head, n_head_kv, head_dim, max_seq, codebook=None, window=None,
-                 page_tokens=None, n_threads=0, fast_scan=False):
+                 page_tokens=None, n_threads=0, fast_scan=False, sliding_window=0, swa_layers=None):
         w = "Cache"
         if kind not in _CACHE_KINDS:
             raise _arg_error(w, f"kind: '{kind}' is not one of {sorted(_CACHE_KINDS)}")
@@ -611,6 +611,16 @@ class Cache:
             p.page_tokens = _int(page_tokens, "page_tokens", w, 1)
         p.n_threads = _int(n_threads, "n_threads", w, 0)
         p.vq_fast_scan = int(bool(fast_scan))
+        # sliding_window: local layers see only the newest sliding_window positions (kvpq.h);
+        # swa_layers: (n_layer) flags of the local layers, None = every layer. Copied by kvpq_cache_new.
+        p.sliding_window = _int(sliding_window, "sliding_window", w, 0)
+        swa = None
+        if swa_layers is not None:
+            flags = [1 if f else 0 for f in swa_layers]
+            if len(flags) != p.n_layer:
+                raise _arg_error(w, f"swa_layers: {len(flags)} flags for {p.n_layer} layers")
+            swa = ffi.new("uint8_t[]", flags)
+            p.swa_layers = swa
         self._codebook = codebook
         if codebook is not None:
             p.codebook = codebook._h
@@ -723,8 +733,14 @@ class Model:
         return ffi.buffer(buf, n[0])[:]
 
     def new_cache(self, kind="fp32", max_seq=None, codebook=None, **kw):
-        """A Cache shaped for this model."""
+        """A Cache shaped for this model, with its sliding-window layers (kvpq_model_cache_params)."""
         i = self.info
+        cp = ffi.new("kvpq_cache_params *", lib.kvpq_cache_params_default())
+        _check(lib.kvpq_model_cache_params(self._h, cp), "Model.new_cache")
+        if cp.sliding_window > 0 and "sliding_window" not in kw:
+            kw["sliding_window"] = cp.sliding_window
+            if cp.swa_layers != ffi.NULL and "swa_layers" not in kw:
+                kw["swa_layers"] = [cp.swa_layers[l] for l in range(i["n_layer"])]
         return Cache(kind, i["n_layer"], i["n_head"], i["n_head_kv"], i["head_dim"], max_seq or i["n_ctx_train"],
                      codebook=codebook, **kw)
 

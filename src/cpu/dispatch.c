@@ -54,6 +54,19 @@ float kvpq__dot_f32_ref(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+void kvpq__glu_ref(kvpq_glu_kind kind, float *g, const float *u, int64_t n) {
+    if (kind == KVPQ_GLU_GELU_TANH)
+        for (int64_t i = 0; i < n; i++) {
+            float x = g[i];
+            g[i] = 0.5f * x * (1.0f + tanhf(0.7978845608f * x * (1.0f + 0.044715f * x * x))) * u[i];
+        }
+    else
+        for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void glu_silu_ref(float *g, const float *u, int64_t n) { kvpq__glu_ref(KVPQ_GLU_SILU, g, u, n); }
+static void glu_gelu_tanh_ref(float *g, const float *u, int64_t n) { kvpq__glu_ref(KVPQ_GLU_GELU_TANH, g, u, n); }
+
 // ---- the table ---------------------------------------------------------------------------------
 
 static kvpq_cpu_kernels tables[3];
@@ -65,6 +78,8 @@ static void fill_ref(kvpq_cpu_kernels *t) {
     t->attn = &kvpq__attn_ref;
     kvpq__vq_kernels_ref(&t->vq);
     t->dot_f32 = kvpq__dot_f32_ref;
+    t->glu[KVPQ_GLU_SILU] = glu_silu_ref;
+    t->glu[KVPQ_GLU_GELU_TANH] = glu_gelu_tanh_ref;
     for (int ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) t->ggml_matvec[ty] = NULL, t->ggml_dequant[ty] = NULL;
 }
 
@@ -77,6 +92,8 @@ static void fill_ref(kvpq_cpu_kernels *t) {
         t->attn = &kvpq__attn_##ISA;                                                          \
         kvpq__vq_kernels_##ISA(&t->vq);                                                       \
         t->dot_f32 = kvpq__dot_f32_##ISA;                                                     \
+        for (int k = 0; k < KVPQ_GLU_COUNT; k++)                                              \
+            if (kvpq__glu_##ISA((kvpq_glu_kind)k)) t->glu[k] = kvpq__glu_##ISA((kvpq_glu_kind)k); \
         for (uint32_t ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) {                              \
             kvpq__matvec_fn mv = kvpq__ggml_matvec_##ISA(ty);                                 \
             kvpq__dequant_fn dq = kvpq__ggml_dequant_##ISA(ty);                               \

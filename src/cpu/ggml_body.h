@@ -59,6 +59,9 @@ KVPQ_INLINE kvpq_vf block_dot(const kvpq_vf f[QV], const float *x) {
  * off_scale. So a block contributes d * dot + off_scale * off. */
 typedef void (*blk_fn)(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off);
 
+/* Software prefetch distance of the 32-element block kernels, in bytes. */
+#define BPF_BYTES 1024
+
 /* Rows of blocks of bs bytes and qk elements: two blocks at a time into two accumulators (latency),
  * then the leftover block; offsets summed in a float beside; one vf_reduce_add per row.
  * off_scale == 0: the type has no offset term (xs may be NULL). Inlined per type (blk constant). */
@@ -72,6 +75,9 @@ KVPQ_INLINE void matvec_blocks(blk_fn blk, size_t bs, int qk, float off_scale, c
         float accm = 0, d0, d1, o0 = 0, o1 = 0;
         int64_t b = 0;
         for (; b + 1 < nb; b += 2, p += 2 * bs) {
+            /* one line ahead per pair of blocks (>= 36 bytes): every line of the stream is asked for
+             * BPF_BYTES early (decode reads each weight once from DRAM; see KPF_DIST below) */
+            __builtin_prefetch(p + BPF_BYTES, 0, 3);
             blk(p, x + b * qk, off_scale != 0 ? xs + b * xq : NULL, &v0, &d0, &o0);
             blk(p + bs, x + (b + 1) * qk, off_scale != 0 ? xs + (b + 1) * xq : NULL, &v1, &d1, &o1);
             acc0 = vf_fma(vf_set1(d0), v0, acc0);
@@ -106,6 +112,31 @@ KVPQ_INLINE void blk_q4_0(const uint8_t *p, const float *x, const float *xs, kvp
     *off = *d * xs[0];
 }
 
+/* A Q5 block's fifth bits: qh, 4 bytes little-endian (may be unaligned). */
+KVPQ_INLINE uint32_t q5_qh(const uint8_t *p) {
+    uint32_t h;
+    memcpy(&h, p, sizeof h);
+    return h; /* x86: little-endian, as the file */
+}
+
+/* Q5_0: w = (q - 16)*d, so a block gives d * (q . x) - 16 * d * sum(x). */
+KVPQ_INLINE void blk_q5_0(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
+    kvpq_vf f[QV];
+    vf_load_q5_32(KVPQ_BLK_AT(p, block_q5_0, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_0, qh)), f);
+    *dot = block_dot(f, x);
+    *d = BLK_F16(p, block_q5_0, d);
+    *off = *d * xs[0];
+}
+
+/* Q5_1: w = q*d + m, so a block gives d * (q . x) + m * sum(x). */
+KVPQ_INLINE void blk_q5_1(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
+    kvpq_vf f[QV];
+    vf_load_q5_32(KVPQ_BLK_AT(p, block_q5_1, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_1, qh)), f);
+    *dot = block_dot(f, x);
+    *d = BLK_F16(p, block_q5_1, d);
+    *off = BLK_F16(p, block_q5_1, m) * xs[0];
+}
+
 KVPQ_INLINE void blk_q8_0(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off) {
     kvpq_vf f[QV];
     q8_block(KVPQ_BLK_AT(p, block_q8_0, qs), f);
@@ -121,6 +152,8 @@ KVPQ_INLINE void blk_q8_0(const uint8_t *p, const float *x, const float *xs, kvp
     }
 MATVEC_BLOCKS(q4_1, block_q4_1, QK4_1, 1.0f)
 MATVEC_BLOCKS(q4_0, block_q4_0, QK4_0, -8.0f)
+MATVEC_BLOCKS(q5_0, block_q5_0, QK5_0, -16.0f)
+MATVEC_BLOCKS(q5_1, block_q5_1, QK5_1, 1.0f)
 MATVEC_BLOCKS(q8_0, block_q8_0, QK8_0, 0.0f)
 
 float KVPQ_ISA_FN(kvpq__dot_f32)(const float *a, const float *b, int64_t n) { return vf_dot(a, b, n); }
@@ -435,6 +468,8 @@ kvpq__matvec_fn KVPQ_ISA_FN(kvpq__ggml_matvec)(uint32_t type) {
     case GGML_TYPE_BF16: return matvec_bf16;
     case GGML_TYPE_Q4_0: return matvec_q4_0;
     case GGML_TYPE_Q4_1: return matvec_q4_1;
+    case GGML_TYPE_Q5_0: return matvec_q5_0;
+    case GGML_TYPE_Q5_1: return matvec_q5_1;
     case GGML_TYPE_Q8_0: return matvec_q8_0;
     case GGML_TYPE_Q2_K: return matvec_q2_K;
     case GGML_TYPE_Q3_K: return matvec_q3_K;
@@ -465,6 +500,24 @@ static void dequant_q4_0(const uint8_t *p, float *y, int64_t n) {
     }
 }
 
+static void dequant_q5_0(const uint8_t *p, float *y, int64_t n) {
+    const kvpq_vf sixteen = vf_set1(16.0f);
+    for (int64_t b = 0; b < n / QK5_0; b++, p += sizeof(block_q5_0), y += QK5_0) {
+        kvpq_vf d = vf_set1(BLK_F16(p, block_q5_0, d)), f[QV];
+        vf_load_q5_32(KVPQ_BLK_AT(p, block_q5_0, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_0, qh)), f);
+        /* q - 16 is exact in float, so this equals ggml's (float)(q - 16) * d. */
+        for (int k = 0; k < QV; k++) vf_store(y + k * W, vf_mul(vf_sub(f[k], sixteen), d));
+    }
+}
+
+static void dequant_q5_1(const uint8_t *p, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK5_1; b++, p += sizeof(block_q5_1), y += QK5_1) {
+        kvpq_vf d = vf_set1(BLK_F16(p, block_q5_1, d)), m = vf_set1(BLK_F16(p, block_q5_1, m)), f[QV];
+        vf_load_q5_32(KVPQ_BLK_AT(p, block_q5_1, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_1, qh)), f);
+        for (int k = 0; k < QV; k++) vf_store(y + k * W, vf_add(vf_mul(f[k], d), m));
+    }
+}
+
 static void dequant_q8_0(const uint8_t *p, float *y, int64_t n) {
     for (int64_t b = 0; b < n / QK8_0; b++, p += sizeof(block_q8_0), y += QK8_0) {
         kvpq_vf d = vf_set1(BLK_F16(p, block_q8_0, d)), f[QV];
@@ -484,6 +537,8 @@ kvpq__dequant_fn KVPQ_ISA_FN(kvpq__ggml_dequant)(uint32_t type) {
     switch (type) {
     case GGML_TYPE_Q4_0: return dequant_q4_0;
     case GGML_TYPE_Q4_1: return dequant_q4_1;
+    case GGML_TYPE_Q5_0: return dequant_q5_0;
+    case GGML_TYPE_Q5_1: return dequant_q5_1;
     case GGML_TYPE_Q8_0: return dequant_q8_0;
     case GGML_TYPE_F16: return dequant_f16;
     case GGML_TYPE_Q2_K: return dequant_q2_K;
@@ -495,6 +550,38 @@ kvpq__dequant_fn KVPQ_ISA_FN(kvpq__ggml_dequant)(uint32_t type) {
     return NULL;
 }
 
+// ---- gated activations (ggml_kernels.h: kvpq__glu_*) ---------------------------------------------
+
+/* sqrt(2 / pi) doubled: 0.5 (1 + tanh(y)) = sigmoid(2 y) */
+#define GELU_2C 1.5957691216f
+
+static void glu_gelu_tanh(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    for (; i < n; i += W) {
+        int m = n - i < W ? (int)(n - i) : W;
+        kvpq_vf x = vf_load_n(g + i, m), x2 = vf_mul(x, x);
+        kvpq_vf y = vf_mul(vf_mul(vf_set1(GELU_2C), x), vf_fma(vf_set1(0.044715f), x2, vf_set1(1.0f)));
+        vf_store_n(g + i, vf_mul(vf_mul(x, vf_sigmoid(y)), vf_load_n(u + i, m)), m);
+    }
+}
+
+static void glu_silu(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i += W) {
+        int m = n - i < W ? (int)(n - i) : W;
+        kvpq_vf x = vf_load_n(g + i, m);
+        vf_store_n(g + i, vf_mul(vf_mul(x, vf_sigmoid(x)), vf_load_n(u + i, m)), m);
+    }
+}
+
+kvpq__glu_fn KVPQ_ISA_FN(kvpq__glu)(kvpq_glu_kind kind) {
+    switch (kind) {
+    case KVPQ_GLU_SILU: return glu_silu;
+    case KVPQ_GLU_GELU_TANH: return glu_gelu_tanh;
+    default: return NULL;
+    }
+}
+
+#undef GELU_2C
 #undef W
 #undef BLK_F16
 #undef QV

@@ -12,7 +12,7 @@
 
 /* y[r] = dot(row r of W, x) for r in [0, n_rows). W: n_rows rows of row_bytes bytes each, n
  * elements per row (a multiple of the type's block size); x: (n) float32; xs: (n/32) sums of x over
- * each 32-element block (used by the Q4_0, Q4_1, Q4_K, Q5_K kernels to apply the block offsets or
+ * each 32-element block (used by the Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K kernels to apply the block offsets or
  * mins once per block; Q2_K: (n/16) sums over 16-element groups, its sub-blocks; may be NULL for
  * other types); y: (n_rows). */
 typedef void (*kvpq__matvec_fn)(const uint8_t *W, size_t row_bytes, int64_t n_rows, int64_t n, const float *x,
@@ -21,6 +21,18 @@ typedef void (*kvpq__matvec_fn)(const uint8_t *W, size_t row_bytes, int64_t n_ro
 typedef float (*kvpq__dot_fn)(const float *a, const float *b, int64_t n);
 /* Dequantize n elements (a multiple of the block size) of a row; bit-exact with the _ref. */
 typedef void (*kvpq__dequant_fn)(const uint8_t *src, float *dst, int64_t n);
+
+/* The gated activations of the FFN (the model's elementwise hot spot after the matrices): in place,
+ * g[i] = act(g[i]) * u[i] for i < n. KVPQ_GLU_GELU_TANH: act(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x +
+ * 0.044715 x^3))) (Hendrycks & Gimpel 2016, arXiv 1606.08415; Gemma's GeGLU); KVPQ_GLU_SILU:
+ * act(x) = x / (1 + exp(-x)) (SwiGLU, Shazeer 2020, arXiv 2002.05202). The _ref (kvpq__glu_ref) is
+ * libm's tanhf / expf; the SIMD versions write 0.5 (1 + tanh(y)) as sigmoid(2 y) and take the
+ * sigmoid from simd.h's vf_exp, a few ulp from the _ref. */
+typedef enum { KVPQ_GLU_SILU = 0, KVPQ_GLU_GELU_TANH = 1, KVPQ_GLU_COUNT } kvpq_glu_kind;
+typedef void (*kvpq__glu_fn)(float *g, const float *u, int64_t n);
+void kvpq__glu_ref(kvpq_glu_kind kind, float *g, const float *u, int64_t n);
+kvpq__glu_fn kvpq__glu_avx2(kvpq_glu_kind kind);
+kvpq__glu_fn kvpq__glu_avx512(kvpq_glu_kind kind);
 
 /* Kernel for a ggml type at that ISA, or NULL when there is none (the dispatcher then dequantizes
  * chunks with the _ref and uses the ISA's dot). x86-64 builds only. */

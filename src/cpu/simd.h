@@ -73,6 +73,7 @@ KVPQ_INLINE void vf_store_n(float *p, kvpq_vf v, int n) { _mm512_mask_storeu_ps(
 KVPQ_INLINE kvpq_vf vf_add(kvpq_vf a, kvpq_vf b) { return _mm512_add_ps(a, b); }
 KVPQ_INLINE kvpq_vf vf_sub(kvpq_vf a, kvpq_vf b) { return _mm512_sub_ps(a, b); }
 KVPQ_INLINE kvpq_vf vf_mul(kvpq_vf a, kvpq_vf b) { return _mm512_mul_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_div(kvpq_vf a, kvpq_vf b) { return _mm512_div_ps(a, b); }
 KVPQ_INLINE kvpq_vf vf_fma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return _mm512_fmadd_ps(a, b, c); }
 KVPQ_INLINE kvpq_vf vf_fnma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return _mm512_fnmadd_ps(a, b, c); }
 KVPQ_INLINE kvpq_vf vf_max(kvpq_vf a, kvpq_vf b) { return _mm512_max_ps(a, b); }
@@ -144,6 +145,7 @@ KVPQ_INLINE void vf_store_n(float *p, kvpq_vf v, int n) { _mm256_maskstore_ps(p,
 KVPQ_INLINE kvpq_vf vf_add(kvpq_vf a, kvpq_vf b) { return _mm256_add_ps(a, b); }
 KVPQ_INLINE kvpq_vf vf_sub(kvpq_vf a, kvpq_vf b) { return _mm256_sub_ps(a, b); }
 KVPQ_INLINE kvpq_vf vf_mul(kvpq_vf a, kvpq_vf b) { return _mm256_mul_ps(a, b); }
+KVPQ_INLINE kvpq_vf vf_div(kvpq_vf a, kvpq_vf b) { return _mm256_div_ps(a, b); }
 KVPQ_INLINE kvpq_vf vf_fma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return _mm256_fmadd_ps(a, b, c); }
 KVPQ_INLINE kvpq_vf vf_fnma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return _mm256_fnmadd_ps(a, b, c); }
 KVPQ_INLINE kvpq_vf vf_max(kvpq_vf a, kvpq_vf b) { return _mm256_max_ps(a, b); }
@@ -208,6 +210,7 @@ KVPQ_INLINE void vf_store_n(float *p, kvpq_vf v, int n) {
 KVPQ_INLINE kvpq_vf vf_add(kvpq_vf a, kvpq_vf b) { return a + b; }
 KVPQ_INLINE kvpq_vf vf_sub(kvpq_vf a, kvpq_vf b) { return a - b; }
 KVPQ_INLINE kvpq_vf vf_mul(kvpq_vf a, kvpq_vf b) { return a * b; }
+KVPQ_INLINE kvpq_vf vf_div(kvpq_vf a, kvpq_vf b) { return a / b; }
 KVPQ_INLINE kvpq_vf vf_fma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return fmaf(a, b, c); }
 KVPQ_INLINE kvpq_vf vf_fnma(kvpq_vf a, kvpq_vf b, kvpq_vf c) { return fmaf(-a, b, c); }
 KVPQ_INLINE kvpq_vf vf_max(kvpq_vf a, kvpq_vf b) { return a > b ? a : b; }
@@ -317,12 +320,8 @@ KVPQ_INLINE float vs_h2f_at(const void *p) {
     memcpy(&h, p, sizeof h);
     return _cvtsh_ss(h);
 }
-/* 16 bytes of nibbles -> 32 values (elements 0..15 the low nibbles of bytes 0..15, 16..31 the high
- * ones; ggml's Q4 order) as 32 / W vectors. One 16-byte load, unpacked in registers. */
-KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    __m128i q = _mm_loadu_si128((const __m128i *)p);
-    __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+/* 32 bytes (lo: elements 0..15, hi: 16..31) as 32 / W vectors of their unsigned values. */
+KVPQ_INLINE void vf__u8x32(__m128i lo, __m128i hi, kvpq_vf f[32 / KVPQ_VW]) {
 #if KVPQ_VW == 16
     f[0] = vf__from_u8(lo);
     f[1] = vf__from_u8(hi);
@@ -332,6 +331,32 @@ KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
     f[2] = vf__from_u8(hi);
     f[3] = vf__from_u8(_mm_srli_si128(hi, 8));
 #endif
+}
+/* 16 bytes of nibbles -> 32 values (elements 0..15 the low nibbles of bytes 0..15, 16..31 the high
+ * ones; ggml's Q4 order) as 32 / W vectors. One 16-byte load, unpacked in registers. */
+KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    vf__u8x32(_mm_and_si128(q, m4), _mm_and_si128(_mm_srli_epi16(q, 4), m4), f);
+}
+/* A Q5 block's 32 unsigned values 0..31 (ggml's Q5_0 / Q5_1 order): element j < 16 is the low nibble
+ * of qs[j] plus 16 * bit j of qh, element j + 16 the high nibble of qs[j] plus 16 * bit j + 16. The
+ * fifth bits become bytes 0x10 / 0 in registers: a mask register at AVX-512 (BW, VL); at AVX2 byte j
+ * takes byte j / 8 of qh (pshufb), keeps bit j % 8 and compares it with that bit. */
+KVPQ_INLINE void vf_load_q5_32(const uint8_t *qs, uint32_t qh, kvpq_vf f[32 / KVPQ_VW]) {
+    const __m128i m4 = _mm_set1_epi8(0x0f), x10 = _mm_set1_epi8(0x10);
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+#if KVPQ_VW == 16
+    __m128i h0 = _mm_maskz_mov_epi8((__mmask16)qh, x10), h1 = _mm_maskz_mov_epi8((__mmask16)(qh >> 16), x10);
+#else
+    const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ull);
+    __m128i b = _mm_cvtsi32_si128((int)qh);
+    __m128i b0 = _mm_shuffle_epi8(b, _mm_set_epi64x(0x0101010101010101ll, 0)),
+            b1 = _mm_shuffle_epi8(b, _mm_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll));
+    __m128i h0 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b0, bit), bit), x10),
+            h1 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b1, bit), bit), x10);
+#endif
+    vf__u8x32(_mm_or_si128(_mm_and_si128(q, m4), h0), _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), m4), h1), f);
 }
 #else
 KVPQ_INLINE void vf_reduce4(kvpq_vf a0, kvpq_vf a1, kvpq_vf a2, kvpq_vf a3, float *out) {
@@ -347,6 +372,12 @@ KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32]) {
     for (int j = 0; j < 16; j++) {
         f[j] = (float)(p[j] & 0x0f);
         f[j + 16] = (float)(p[j] >> 4);
+    }
+}
+KVPQ_INLINE void vf_load_q5_32(const uint8_t *qs, uint32_t qh, kvpq_vf f[32]) {
+    for (int j = 0; j < 16; j++) {
+        f[j] = (float)((qs[j] & 0x0f) | ((qh >> j) & 1) << 4);
+        f[j + 16] = (float)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
     }
 }
 KVPQ_INLINE float vf_reduce_add(kvpq_vf v) { return v; }
@@ -373,6 +404,14 @@ KVPQ_INLINE kvpq_vf vf_exp(kvpq_vf x) {
     y = vf_fma(y, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
     kvpq_vi e = vi_shl(vi_add(vi_from_vf(n), vi_set1(127)), 23);
     return vf_mul(y, vf_from_bits(e));
+}
+
+/* The logistic function 1 / (1 + exp(-z)) through vf_exp of -|z| <= 0 (no overflow either way):
+ * t = exp(-|z|), r = 1 / (1 + t); z >= 0 gives r, z < 0 gives t * r. Relative error a few ulp. */
+KVPQ_INLINE kvpq_vf vf_sigmoid(kvpq_vf z) {
+    kvpq_vf t = vf_exp(vf_min(z, vf_sub(vf_zero(), z)));
+    kvpq_vf r = vf_div(vf_set1(1.0f), vf_add(vf_set1(1.0f), t));
+    return vf_blend(r, vf_mul(t, r), vf_lt(z, vf_zero()));
 }
 
 /* dot(a, b) over n float32: four accumulators over 4W-element steps, then W-element steps into

@@ -238,11 +238,12 @@ void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const 
     kvpq__matvec_fn kern = matvec_kernel(type);
     kvpq__dot_fn dot = dot_best();
     /* Sums of x over each group of g elements for the kernels that add a block offset or min once
-     * per group: g = 32 (Q4_0, Q4_1, Q4_K, Q5_K), 16 (Q2_K, whose sub-blocks are 16). */
+     * per group: g = 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K), 16 (Q2_K, whose sub-blocks are 16). */
     float xs_stack[1024], *xs = NULL;
     int g = type == GGML_TYPE_Q2_K ? 16 : 32;
     int64_t nb = n / g;
-    if (kern && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q2_K ||
+    if (kern && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_0 ||
+                 type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q2_K ||
                  type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K)) {
         xs = nb <= 1024 ? xs_stack : malloc((size_t)nb * sizeof *xs);
         if (!xs) kern = NULL;

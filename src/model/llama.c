@@ -23,6 +23,7 @@
 #include <omp.h>
 
 #include "arch.h"
+#include "cpu/dispatch.h"
 #include "ggml_types.h"
 #include "gguf.h"
 #include "internal.h"
@@ -558,18 +559,13 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
         rmsnorm(n, E, m->x, V[ARCH_T_FFN_NORM], eps, m->xb);
         project(L->w[ARCH_T_FFN_GATE], n, m->xb, m->hb);
         project(L->w[ARCH_T_FFN_UP], n, m->xb, m->hb2);
-        if (m->arch->ffn == ARCH_FFN_GEGLU_TANH) {
+        { /* act(gate) * up: GELU (tanh form) or SiLU, the table's SIMD kernel (cpu/ggml_kernels.h) */
+            kvpq__glu_fn glu = kvpq__cpu_kernels()->glu[m->arch->ffn == ARCH_FFN_GEGLU_TANH ? KVPQ_GLU_GELU_TANH
+                                                                                          : KVPQ_GLU_SILU];
+            const int64_t total = (int64_t)n * F, chunk = 4096;
 #pragma omp parallel for schedule(static) if (n > 8)
-            for (size_t i = 0; i < (size_t)n * F; i++) { /* GELU, tanh form (Hendrycks & Gimpel 2016) */
-                float g = m->hb[i];
-                m->hb[i] = 0.5f * g * (1.0f + tanhf(0.7978845608f * g * (1.0f + 0.044715f * g * g))) * m->hb2[i];
-            }
-        } else {
-#pragma omp parallel for schedule(static) if (n > 8)
-            for (size_t i = 0; i < (size_t)n * F; i++) {
-                float g = m->hb[i];
-                m->hb[i] = g / (1.0f + expf(-g)) * m->hb2[i]; /* SwiGLU (Shazeer 2020) */
-            }
+            for (int64_t i0 = 0; i0 < total; i0 += chunk)
+                glu(m->hb + i0, m->hb2 + i0, total - i0 < chunk ? total - i0 : chunk);
         }
         project(L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
         if (V[ARCH_T_FFN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_FFN_POST_NORM], eps, m->xb2);

@@ -3,8 +3,9 @@ dequantization vs the PyPI gguf package's (GGUFReader + gguf.quants.dequantize),
 (bit patterns compared) at every SIMD level this CPU has. Two sources of blocks:
 - real tensors of the two model files (a few small ones per type, so that CI reads megabytes, not the
   whole 1.1 GB file), and a check that every type present in each file is among them;
-- random blocks of every K-quant type (Q2_K, Q3_K, Q5_K appear in neither file) with random finite
-  fp16 scales over the whole fp16 range, written to a GGUF file by gguf's GGUFWriter.
+- random blocks of every K-quant type (Q2_K, Q3_K, Q5_K appear in neither file) and of Q4_0, Q4_1,
+  Q5_0, Q5_1, Q8_0 (Q5_0 / Q5_1 have SIMD kernels, ggml_body.h; Q5_1 is in neither file) with random
+  finite fp16 scales over the whole fp16 range, written to a GGUF file by gguf's GGUFWriter.
 kvpq is called through the kvpq package: kvpq.gguf_dequantize (kvpq_gguf_dequantize_tensor)."""
 import os
 
@@ -33,6 +34,7 @@ REAL = [
     (GEMMA, "blk.0.ffn_down.weight"),  # Q6_K (2048 x 640)
     (GEMMA, "blk.0.attn_k.weight"),  # Q5_0 (640 x 256)
     (GEMMA, "blk.3.ffn_up.weight"),  # Q5_0 (640 x 2048)
+    (GEMMA, "blk.0.attn_q.weight"),  # Q5_0 (640 x 1024): the SIMD Q5_0 kernel on a third real matrix
     (GEMMA, "blk.0.attn_v.weight"),  # Q8_0 (640 x 256)
     (GEMMA, "blk.0.attn_q_norm.weight"),  # F32
 ]

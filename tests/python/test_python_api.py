@@ -149,6 +149,8 @@ def test_calibrated_vq_cache_round_trip():
      "expected shape (*, 2, 32), got (1, 1, 32)"),
     (lambda pq, x: kvpq.Cache("vq", 1, 2, 1, 32, 8), "codebook", "needs a kvpq.Codebook"),
     (lambda pq, x: kvpq.Cache("q3", 1, 2, 1, 32, 8), "kind", "'q3' is not one of"),
+    (lambda pq, x: kvpq.Cache("fp32", 3, 2, 1, 32, 8, sliding_window=4, swa_layers=[1, 0]), "swa_layers",
+     "2 flags for 3 layers"),
 ])
 def test_bad_arguments_name_the_argument(call, arg, msg):
     pq = kvpq.ProductQuantizer(32, M=8, nbits=8)
@@ -180,3 +182,24 @@ def test_nan_and_library_errors():
     with pytest.raises(kvpq.Error) as e:
         kvpq.hadamard(rand(2, 12))
     assert e.value.status == -5 and "12" in e.value.detail
+
+
+def test_sliding_window_cache_equals_attention_over_the_window():
+    """A local layer (swa_layers[l] = 1) attends over the newest sliding_window positions only: its
+    output equals an unwindowed cache's on those positions; a global layer is unchanged."""
+    W, n, hd = 4, 11, 32
+    k, v, q = rand(n, 1, hd), rand(n, 1, hd), rand(1, 2, hd)
+    swa = kvpq.Cache("fp32", 2, 2, 1, hd, 16, sliding_window=W, swa_layers=[1, 0])
+    full = kvpq.Cache("fp32", 1, 2, 1, hd, 16)
+    last = kvpq.Cache("fp32", 1, 2, 1, hd, 16)
+    for layer in (0, 1):
+        swa.append(layer, k[:-1], v[:-1])
+    full.append(0, k[:-1], v[:-1])
+    last.append(0, k[n - W:-1], v[n - W:-1])
+    for layer in (0, 1):
+        swa.append(layer, k[-1:], v[-1:])
+    full.append(0, k[-1:], v[-1:])
+    last.append(0, k[-1:], v[-1:])
+    np.testing.assert_allclose(swa.attend(0, q), last.attend(0, q), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(swa.attend(1, q), full.attend(0, q), rtol=1e-6, atol=1e-7)
+    assert not np.allclose(swa.attend(0, q), full.attend(0, q))
