@@ -245,3 +245,41 @@ def test_calibrate_from_the_transformers_model(hf_model):
     kv = collect_kv(hf_model, ids, 128)
     np.testing.assert_allclose(cb.key_mean(7), kv[7][0].astype(np.float64).mean(0), atol=1e-5)
     assert not KVPQCache(cb, hf_model).interleave
+
+
+def cuda_ready():
+    return torch.cuda.is_available() and kvpq.cuda_available()[0]
+
+
+@pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA device and libkvpq built with CUDA (KVPQ_CUDA=ON)")
+def test_cuda_tensors_go_to_kvpq_cuda_cache():
+    """On CUDA, KVPQCache keeps each layer in a kvpq_cuda_cache (device codes; batch rows as its
+    sequences). Prefill attends exactly (SDPA over the prompt), decode from the device cache: with a
+    float32 window covering every position it equals DynamicCache to float rounding; with codes
+    (window 0) greedy tokens and logits stay close to the CPU KVPQCache's (other kernels, same codes
+    up to float ties), and a prompt fed in two chunks (token-by-token appends) equals one prefill."""
+    model = tiny_llama().cuda()
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    cb = model_codebook(model.cpu())
+    model.cuda()
+    ref_tok, ref_logits = generate(model, ids.cuda(), dynamic(model))
+    cache = KVPQCache(cb, model, window=64, max_seq=64)
+    tok, logits = generate(model, ids.cuda(), cache)
+    assert cache.on_cuda and cache.resident_bytes > 0 and not cache._cpu
+    assert torch.equal(tok, ref_tok)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-3, atol=1e-3 * float(ref_logits.abs().max()))
+    gpu_tok, gpu_logits = generate(model, ids.cuda(), KVPQCache(cb, model, window=0, max_seq=64))
+    cpu_tok, cpu_logits = generate(model.cpu(), ids, KVPQCache(cb, model, window=0, max_seq=64))
+    model.cuda()
+    assert (gpu_tok.cpu() == cpu_tok).float().mean() >= 0.9
+    assert float((gpu_logits.cpu() - cpu_logits).abs().max()) < 0.05 * float(cpu_logits.abs().max())
+    # chunked prefill on CUDA: the second chunk is appended and attended token by token
+    c1, c2 = KVPQCache(cb, model, window=64, max_seq=64), KVPQCache(cb, model, window=64, max_seq=64)
+    with torch.no_grad():
+        x = ids.cuda()
+        model(x[:, :1], past_key_values=c1, use_cache=True)
+        a = model(x[:, 1:], past_key_values=c1, use_cache=True).logits[:, -1]
+        model(x[:, :1], past_key_values=c2, use_cache=True)
+        for i in range(1, 40):
+            b = model(x[:, i:i + 1], past_key_values=c2, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
