@@ -256,8 +256,11 @@ def test_cuda_tensors_go_to_kvpq_cuda_cache():
     """On CUDA, KVPQCache keeps each layer in a kvpq_cuda_cache (device codes; batch rows as its
     sequences). Prefill attends exactly (SDPA over the prompt), decode from the device cache: with a
     float32 window covering every position it equals DynamicCache to float rounding; with codes
-    (window 0) greedy tokens and logits stay close to the CPU KVPQCache's (other kernels, same codes
-    up to float ties), and a prompt fed in two chunks (token-by-token appends) equals one prefill."""
+    (window 0) greedy tokens stay close to the CPU KVPQCache's, the first token's logits (exact
+    prefill) equal DynamicCache's and the later ones move (codes); a prompt fed as 1 + 39 tokens
+    (the chunk appended and attended token by token) equals feeding it one token at a time.
+    Ran on an H200 on 2026-12-01 with an earlier form of the window-0 logits check, which compared
+    logits of the two different prefills and failed; this form has not run on a GPU yet."""
     model = tiny_llama().cuda()
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3))
     cb = model_codebook(model.cpu())
@@ -272,7 +275,12 @@ def test_cuda_tensors_go_to_kvpq_cuda_cache():
     cpu_tok, cpu_logits = generate(model.cpu(), ids, KVPQCache(cb, model, window=0, max_seq=64))
     model.cuda()
     assert (gpu_tok.cpu() == cpu_tok).float().mean() >= 0.9
-    assert float((gpu_logits.cpu() - cpu_logits).abs().max()) < 0.05 * float(cpu_logits.abs().max())
+    # the first token's logits come from the exact prefill (SDPA over the prompt), as DynamicCache's;
+    # every later one from the device codes (the CPU cache's prefill attends from codes already, so
+    # its logits are not comparable element by element)
+    scale = float(ref_logits.abs().max())
+    torch.testing.assert_close(gpu_logits[:, 0], ref_logits[:, 0], rtol=1e-3, atol=1e-3 * scale)
+    assert float((gpu_logits[:, 1:] - ref_logits[:, 1:]).abs().max()) > 1e-2 * scale
     # chunked prefill on CUDA: the second chunk is appended and attended token by token
     c1, c2 = KVPQCache(cb, model, window=64, max_seq=64), KVPQCache(cb, model, window=64, max_seq=64)
     with torch.no_grad():
