@@ -8,7 +8,7 @@ run one after another on one stream (in a model, layer l + 1's query needs layer
   kvpq graph    kvpq_cuda_cache_attend_async of all 32 layers (one kvpq_cuda_cache each, 2-bit
                 K and V codes: dsub 4, nbits 8, window 128) captured into ONE CUDA graph: one
                 launch per step
-  kvpq eager    the same 32 calls launched one by one from Python (ctypes)
+  kvpq eager    the same 32 calls launched one by one from Python (the kvpq package's cffi binding)
   SDPA eager    32 torch.nn.functional.scaled_dot_product_attention calls on fp16 K/V
                 (enable_gqa=True), launched one by one from Python: what an eager decode loop does
   SDPA graph    the same 32 SDPA calls captured into one CUDA graph
@@ -20,11 +20,10 @@ output of the kvpq graph (outputs poisoned with NaN first) must equal the synchr
 kvpq_cuda_cache_attend's bit for bit, and the SDPA graph's eager SDPA's to float16 rounding (its
 split-KV kernels are not bitwise deterministic run to run).
 
-Usage: python3 bench/gpu_decode_step.py --lib build/libkvpq.so [--out DIR] [--quick]
+Usage: python3 bench/gpu_decode_step.py [--lib build/libkvpq.so] [--out DIR] [--quick]
 Writes decode_step.json and decode_step.md under --out (default out/gpu).
 """
 import argparse
-import ctypes as C
 import datetime
 import json
 import math
@@ -36,50 +35,19 @@ import torch
 N_LAYER, N_HEAD, N_HEAD_KV, D, WINDOW = 32, 32, 8, 128, 128
 
 
-class PqParams(C.Structure):
-    _fields_ = [("d", C.c_int), ("M", C.c_int), ("nbits", C.c_int), ("granularity", C.c_int)]
-
-
-class Kernels(C.Structure):
-    _fields_ = [("attend_tc", C.c_int), ("attend_tc_warps", C.c_int), ("attend_lut16", C.c_int),
-                ("attend_vrep", C.c_int), ("attend_pvec", C.c_int), ("encode_search", C.c_int)]
-
-
-class CacheParams(C.Structure):  # kvpq_cuda_cache_params, include/kvpq.h
-    _fields_ = [("n_head", C.c_int), ("n_head_kv", C.c_int), ("head_dim", C.c_int), ("n_seq", C.c_int),
-                ("max_seq", C.c_int), ("window", C.c_int), ("page_tokens", C.c_int), ("n_pages", C.c_int),
-                ("key", C.c_void_p), ("value", C.c_void_p), ("key_smooth", C.c_void_p),
-                ("value_rotate", C.c_int), ("key_mean", C.c_void_p), ("kernels", Kernels)]
-
-
 def load(path):
-    lib = C.CDLL(path)
-    lib.kvpq_last_error.restype = C.c_char_p
-    lib.kvpq_cuda_available.argtypes = [C.c_char_p, C.c_size_t]
-    lib.kvpq_pq_new.argtypes = [C.POINTER(C.c_void_p), C.POINTER(PqParams)]
-    lib.kvpq_pq_centroids_size.restype = C.c_size_t
-    lib.kvpq_pq_centroids_size.argtypes = [C.c_void_p]
-    lib.kvpq_pq_set_centroids.argtypes = [C.c_void_p, C.POINTER(C.c_float), C.c_size_t]
-    lib.kvpq_pq_free.argtypes = [C.c_void_p]
-    lib.kvpq_cuda_cache_params_default.restype = CacheParams
-    lib.kvpq_cuda_cache_new.argtypes = [C.POINTER(C.c_void_p), C.POINTER(CacheParams)]
-    lib.kvpq_cuda_cache_free.argtypes = [C.c_void_p]
-    lib.kvpq_cuda_cache_append.argtypes = [C.c_void_p, C.c_int, C.c_int, C.c_void_p, C.c_void_p]
-    lib.kvpq_cuda_cache_attend.argtypes = [C.c_void_p, C.c_int, C.c_void_p, C.c_void_p]
-    lib.kvpq_cuda_cache_attend_async.argtypes = [C.c_void_p, C.c_int, C.c_void_p, C.c_void_p, C.c_void_p]
-    lib.kvpq_cuda_cache_resident_bytes.restype = C.c_size_t
-    lib.kvpq_cuda_cache_resident_bytes.argtypes = [C.c_void_p]
-    p = lib.kvpq_cuda_cache_params_default()
-    got = (p.n_head, p.n_head_kv, p.head_dim, p.n_seq, p.max_seq, p.window, p.page_tokens,
-           p.kernels.attend_tc, p.kernels.encode_search)
-    if got != (32, 8, 128, 1, 4096, 128, 256, 1, 3):  # the layout above matches kvpq.h's
-        raise SystemExit(f"kvpq_cuda_cache_params layout mismatch: defaults read back as {got}")
-    return lib
+    """The kvpq package (cffi, declared from the installed header: no hand-copied structs) over the
+    library at `path` (a CUDA build's libkvpq.so), or the installed package's when path is None."""
+    if path:
+        os.environ["KVPQ_LIB"] = os.path.abspath(path)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+    import kvpq
+    return kvpq
 
 
-def ok(lib, status, what):
+def ok(kvpq, status, what):
     if status != 0:
-        raise RuntimeError(f"{what}: status {status}: {lib.kvpq_last_error().decode()}")
+        raise RuntimeError(f"{what}: status {status}: {kvpq.last_error()}")
 
 
 def step_time_us(run, reps):
@@ -113,48 +81,47 @@ def capture(fn):
     return g
 
 
-def kvpq_step(lib, B, L, reps, gen):
-    pp = PqParams(D, D // 4, 8, 0)
+def kvpq_step(kvpq, B, L, reps, gen):
+    ffi, lib = kvpq.ffi, kvpq.lib
     pq = []
     for _ in range(2):  # key and value quantizers, random centroids (speed does not depend on training)
-        h = C.c_void_p()
-        ok(lib, lib.kvpq_pq_new(C.byref(h), C.byref(pp)), "kvpq_pq_new")
-        n = lib.kvpq_pq_centroids_size(h)
-        cent = torch.randn(n, generator=gen).float().contiguous()
-        ok(lib, lib.kvpq_pq_set_centroids(h, C.cast(cent.data_ptr(), C.POINTER(C.c_float)), n), "set_centroids")
-        pq.append(h)
+        q = kvpq.ProductQuantizer(d=D, M=D // 4, nbits=8)
+        q.centroids = torch.randn(q.ksub, q.dsub, generator=gen).float().numpy()
+        pq.append(q)
     lam = (0.5 + torch.randn(N_HEAD_KV, D, generator=gen).abs()).float().contiguous()
-    cp = lib.kvpq_cuda_cache_params_default()
+    cp = ffi.new("kvpq_cuda_cache_params *", lib.kvpq_cuda_cache_params_default())
     cp.n_head, cp.n_head_kv, cp.head_dim, cp.n_seq, cp.max_seq = N_HEAD, N_HEAD_KV, D, B, L
     cp.window, cp.page_tokens, cp.value_rotate = WINDOW, 256, 1
-    cp.key, cp.value, cp.key_smooth = pq[0].value, pq[1].value, lam.data_ptr()
+    cp.key, cp.value, cp.key_smooth = pq[0]._h, pq[1]._h, ffi.cast("float *", lam.data_ptr())
+    F = lambda t: ffi.cast("float *", t.data_ptr())  # noqa: E731
     piece = min(L, 32768)
     caches = []
     for layer in range(N_LAYER):
-        h = C.c_void_p()
-        ok(lib, lib.kvpq_cuda_cache_new(C.byref(h), C.byref(cp)), "kvpq_cuda_cache_new")
+        hp = ffi.new("kvpq_cuda_cache **")
+        ok(kvpq, lib.kvpq_cuda_cache_new(hp, cp), "kvpq_cuda_cache_new")
+        h = ffi.gc(hp[0], lib.kvpq_cuda_cache_free)
         caches.append(h)
         for b in range(B):
             for t in range(0, L, piece):
                 n = min(piece, L - t)
                 k = torch.randn(n, N_HEAD_KV, D, device="cuda")
                 v = torch.randn(n, N_HEAD_KV, D, device="cuda")
-                ok(lib, lib.kvpq_cuda_cache_append(h, b, n, k.data_ptr(), v.data_ptr()), "append")
+                ok(kvpq, lib.kvpq_cuda_cache_append(h, b, n, F(k), F(v)), "append")
     del k, v
     resident = sum(lib.kvpq_cuda_cache_resident_bytes(h) for h in caches)
     q = [torch.randn(B, N_HEAD, D, device="cuda") for _ in range(N_LAYER)]
     out = [torch.empty(B, N_HEAD, D, device="cuda") for _ in range(N_LAYER)]
     ref = [torch.empty(B, N_HEAD, D, device="cuda") for _ in range(N_LAYER)]
     for layer in range(N_LAYER):
-        ok(lib, lib.kvpq_cuda_cache_attend(caches[layer], B, q[layer].data_ptr(), ref[layer].data_ptr()), "attend")
+        ok(kvpq, lib.kvpq_cuda_cache_attend(caches[layer], B, F(q[layer]), F(ref[layer])), "attend")
     bad = []
 
     def launches():
-        st = C.c_void_p(torch.cuda.current_stream().cuda_stream)
+        st = ffi.cast("void *", torch.cuda.current_stream().cuda_stream)
         for layer in range(N_LAYER):
-            s = lib.kvpq_cuda_cache_attend_async(caches[layer], B, q[layer].data_ptr(), out[layer].data_ptr(), st)
+            s = lib.kvpq_cuda_cache_attend_async(caches[layer], B, F(q[layer]), F(out[layer]), st)
             if s != 0:
-                bad.append((layer, s, lib.kvpq_last_error().decode()))
+                bad.append((layer, s, kvpq.last_error()))
 
     g = capture(launches)
     if bad:
@@ -171,11 +138,7 @@ def kvpq_step(lib, B, L, reps, gen):
     eager_us = step_time_us(launches, reps)
     if bad:
         raise RuntimeError(f"kvpq_cuda_cache_attend_async failed: {bad[:3]}")
-    del g
-    for h in caches:
-        lib.kvpq_cuda_cache_free(h)
-    for h in pq:
-        lib.kvpq_pq_free(h)
+    del g, caches, pq  # freed by their ffi.gc finalizers
     coded = B * max(L - WINDOW, 0) * N_HEAD_KV * (32 + 32)  # 32-byte key and value code rows
     win = B * min(L, WINDOW) * N_HEAD_KV * D * 4 * 2
     bytes_read = N_LAYER * (coded + win + B * N_HEAD * D * 4)
@@ -220,7 +183,8 @@ def sdpa_step(B, L, reps, gib):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", required=True, help="the kvpq shared library of a CUDA build (libkvpq.so)")
+    ap.add_argument("--lib", help="the kvpq shared library of a CUDA build (libkvpq.so); default: the installed "
+                    "kvpq package's (KVPQ_CUDA=ON pip install ./python)")
     ap.add_argument("--out", default="out/gpu")
     ap.add_argument("--quick", action="store_true", help="batch 1 at 4k and 32k, fewer repeats")
     ap.add_argument("--sdpa-gib", type=float, default=40.0, help="device memory for distinct SDPA layers")
@@ -228,10 +192,10 @@ def main():
     if not torch.cuda.is_available():
         print("SKIP: no CUDA device for PyTorch")
         return 77
-    lib = load(a.lib)
-    why = C.create_string_buffer(256)
-    if not lib.kvpq_cuda_available(why, 256):
-        print(f"SKIP: {why.value.decode()}")
+    kvpq = load(a.lib)
+    avail, why = kvpq.cuda_available()
+    if not avail:
+        print(f"SKIP: {why}")
         return 77
     os.makedirs(a.out, exist_ok=True)
     gen = torch.Generator().manual_seed(1)
@@ -240,7 +204,7 @@ def main():
     for B, L in shapes:
         reps = 5 if a.quick else (30 if B * L <= 32768 else 10)
         r = {"B": B, "L": L}
-        r.update(kvpq_step(lib, B, L, reps, gen))
+        r.update(kvpq_step(kvpq, B, L, reps, gen))
         torch.cuda.empty_cache()
         r.update(sdpa_step(B, L, reps, a.sdpa_gib))
         rows.append(r)

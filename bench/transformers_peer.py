@@ -193,7 +193,7 @@ def ppl_part(a):
     p = subprocess.run([bin_, "ppl", "--model", os.path.join(MODEL_DIR, MODEL_FILE), "--text", a.text, "--ctx",
                         str(a.ctx), "--chunks", str(a.chunks), "--threads", str(a.threads), "--json", "--cache",
                         f"fp32,vq:{a.codebook}"], capture_output=True, text=True, check=True)
-    cli_fp32, cli_vq = json.loads(p.stdout)
+    cli_fp32, cli_vq = json.loads(p.stdout)["results"]
     # the noise floor of this comparison: the engine against itself when only the rounding of its
     # forward pass changes (another SIMD level), which moves keys by ~1 ulp and flips a few codes
     simd = {}
@@ -202,7 +202,7 @@ def ppl_part(a):
                             str(a.ctx), "--chunks", str(a.chunks), "--threads", str(a.threads), "--json", "--cache",
                             f"vq:{a.codebook}"], capture_output=True, text=True, env={**os.environ, "KVPQ_SIMD": level})
         if q.returncode == 0:
-            simd[level] = json.loads(q.stdout)["ppl"]
+            simd[level] = json.loads(q.stdout)["results"][0]["ppl"]
     rel = ppl_vq / cli_vq["ppl"] - 1
     res.update(ppl_kvpqcache=ppl_vq, ppl_cli_vq=cli_vq["ppl"], ppl_rel_diff=rel, ppl_dynamic=ppl_dyn,
                ppl_cli_fp32=cli_fp32["ppl"], ppl_kvpqcache_seconds=t_vq)

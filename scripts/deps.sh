@@ -13,9 +13,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 root=$(cd "$(dirname "$0")/.." && pwd)
-if ! python3 -c "import sys; import importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in ['numpy','cffi','safetensors','gguf','faiss','tokenizers','transformers','matplotlib','pytest','jsonschema','adjustText','hypothesis']))" 2>/dev/null; then
-  echo "deps: pip install -r python/requirements-dev.txt"
+# requirements-dev.txt: the peers and tooling of the tests, benchmarks and figures;
+# requirements-transformers.txt: torch, accelerate and optimum-quanto for kvpq.transformers and its test
+# (tests/python/test_transformers.py). PyPI's torch wheel for x86_64 Linux depends on its CUDA runtime
+# wheels (nvidia-*; no CPU-only torch is on PyPI, and torch does not import without
+# them): 6.4 minutes and +5.3 GB cold on this VM, once per machine (README "Dependencies").
+mods="['numpy','cffi','safetensors','gguf','faiss','tokenizers','transformers','matplotlib','pytest','jsonschema','adjustText','hypothesis','torch','accelerate','optimum.quanto']"
+if ! python3 -c "import sys; import importlib.util as u; sys.exit(any(u.find_spec(m.split('.')[0]) is None or u.find_spec(m) is None for m in $mods))" 2>/dev/null; then
+  reqs=(-r "$root/python/requirements-dev.txt" -r "$root/python/requirements-transformers.txt")
+  echo "deps: pip install -r python/requirements-dev.txt -r python/requirements-transformers.txt"
   # A Debian system python refuses installs (PEP 668); then install beside its packages.
-  python3 -m pip install -q -r "$root/python/requirements-dev.txt" ||
-    python3 -m pip install -q --break-system-packages -r "$root/python/requirements-dev.txt"
+  python3 -m pip install -q "${reqs[@]}" || python3 -m pip install -q --break-system-packages "${reqs[@]}"
 fi

@@ -630,6 +630,9 @@ class Cache:
         self.kind, self.n_layer, self.n_head, self.n_head_kv, self.head_dim, self.max_seq = (
             kind, p.n_layer, p.n_head, p.n_head_kv, p.head_dim, p.max_seq)
         self.window = p.window
+        self.sliding_window = p.sliding_window
+        self.swa_layers = (None if p.sliding_window == 0 else
+                           [True] * p.n_layer if swa is None else [bool(x) for x in swa])
 
     def _layer(self, layer, where):
         layer = _int(layer, "layer", where)
@@ -691,6 +694,79 @@ class Cache:
                 "bits_per_element": st.bits_per_element, "tokens_coded": int(st.tokens_coded),
                 "tokens_window": int(st.tokens_window), "stored_bytes": int(st.stored_bytes),
                 "stored_bits_per_element": st.stored_bits_per_element}
+
+
+# ---- CUDA cache (device pointers) -------------------------------------------------------------------
+
+def cuda_available():
+    """(available, why): whether libkvpq was built with CUDA and a device is usable (kvpq_cuda_available)."""
+    why = ffi.new("char[]", 256)
+    ok = bool(lib.kvpq_cuda_available(why, 256))
+    return ok, ffi.string(why).decode("utf-8", "replace")
+
+
+class CudaCache:
+    """One layer of a device-resident VQ cache for a batch of sequences (kvpq_cuda_cache, include/kvpq.h,
+    docs/CUDA.md), made from layer `layer` of a Codebook: its key/value quantizers (norm-explicit ones
+    included), key smoothing factors and key mean. Pointers are device addresses (ints, e.g. a torch
+    tensor's data_ptr()) of float32 C-contiguous memory on the current device:
+      append(seq, n, k, v): k, v (n, n_head_kv, head_dim) for sequence seq (synchronous);
+      attend(n_seq, q, out, stream=None): decode attention of one query per sequence 0..n_seq-1,
+        q and out (n_seq, n_head, head_dim), scale 1/sqrt(head_dim); enqueued on `stream` (a
+        cudaStream_t as an int; None: synchronous kvpq_cuda_cache_attend).
+    Errors raise kvpq.Error (KVPQ_ERR_NO_DEVICE without a CUDA build or device)."""
+
+    def __init__(self, codebook, layer, n_head, n_seq, max_seq, window=None, page_tokens=None, n_pages=0):
+        w = "CudaCache"
+        if not isinstance(codebook, Codebook):
+            raise _arg_error(w, "codebook: expected a kvpq.Codebook")
+        layer = codebook._layer(layer, w)
+        cbp = codebook.params
+        p = ffi.new("kvpq_cuda_cache_params *", lib.kvpq_cuda_cache_params_default())
+        p.n_head = _int(n_head, "n_head", w, 1)
+        p.n_head_kv = cbp.n_head_kv
+        p.head_dim = cbp.head_dim
+        p.n_seq = _int(n_seq, "n_seq", w, 1)
+        p.max_seq = _int(max_seq, "max_seq", w, 1)
+        if window is not None:
+            p.window = _int(window, "window", w, 0)
+        if page_tokens is not None:
+            p.page_tokens = _int(page_tokens, "page_tokens", w, 1)
+        p.n_pages = _int(n_pages, "n_pages", w, 0)
+        p.key = lib.kvpq_codebook_pq(codebook._h, layer, 0)
+        p.value = lib.kvpq_codebook_pq(codebook._h, layer, 1)
+        p.key_smooth = lib.kvpq_codebook_key_smooth(codebook._h, layer)
+        p.key_mean = lib.kvpq_codebook_key_mean(codebook._h, layer)
+        p.value_rotate = cbp.value_rotate
+        h = ffi.new("kvpq_cuda_cache **")
+        _check(lib.kvpq_cuda_cache_new(h, p), w)
+        self._h = ffi.gc(h[0], lib.kvpq_cuda_cache_free)
+        self._codebook = codebook
+        self.n_head, self.n_head_kv, self.head_dim, self.n_seq, self.max_seq, self.window = (
+            p.n_head, p.n_head_kv, p.head_dim, p.n_seq, p.max_seq, p.window)
+
+    def append(self, seq, n, k, v):
+        _check(lib.kvpq_cuda_cache_append(self._h, int(seq), int(n), ffi.cast("float *", int(k)),
+                                          ffi.cast("float *", int(v))), "CudaCache.append")
+
+    def attend(self, n_seq, q, out, stream=None):
+        qp, op = ffi.cast("float *", int(q)), ffi.cast("float *", int(out))
+        if stream is None:
+            _check(lib.kvpq_cuda_cache_attend(self._h, int(n_seq), qp, op), "CudaCache.attend")
+        else:
+            _check(lib.kvpq_cuda_cache_attend_async(self._h, int(n_seq), qp, op, ffi.cast("void *", int(stream))),
+                   "CudaCache.attend")
+
+    def seq_len(self, seq=0):
+        return int(lib.kvpq_cuda_cache_seq_len(self._h, int(seq)))
+
+    def clear(self, seq):
+        _check(lib.kvpq_cuda_cache_clear(self._h, int(seq)), "CudaCache.clear")
+
+    @property
+    def resident_bytes(self):
+        """Device bytes held (code pages in use, window, codebooks, page tables; kvpq.h)."""
+        return int(lib.kvpq_cuda_cache_resident_bytes(self._h))
 
 
 # ---- models (GGUF) -----------------------------------------------------------------------------------

@@ -9,16 +9,16 @@ attention function that computes attention from them.
 
 How it fits transformers (v5): KVPQCache is a `transformers.Cache` whose layers hand each new token's
 post-RoPE keys and values to a kvpq VQ cache (kvpq_cache_append: codes, plus the newest `window`
-positions in float32) and return only those new tokens' own tensors, never a float copy of the coded
+positions in fp16) and return only those new tokens' own tensors, never a float copy of the coded
 ones. The attention function registered under the name "kvpq" (AttentionInterface) recognizes them
 and calls kvpq_cache_attend, which scores the coded keys through per-query lookup tables and sums the
 coded values per centroid (VecInfer, arXiv 2510.06175). `KVPQCache(codebook, model)` switches the
 model's attention implementation to "kvpq" (for any other cache the "kvpq" function falls back to
 transformers' SDPA, so the model keeps working with DynamicCache).
 
-Limits (errors say so): batch size 1 (one sequence per cache); the CPU library (CUDA tensors are
-moved to the CPU and back: the device-resident kvpq_cuda_cache is not wired here yet); causal
-attention without sliding window, logit soft-capping or attention sinks; the codebook's head_dim,
+Limits (errors say so): batch rows must be unpadded (equal lengths); no beam search (kvpq caches
+cannot be copied); attention logit soft-capping (Gemma 2) and attention sinks are refused; on CUDA
+(kvpq_cuda_cache, when libkvpq has CUDA) no sliding-window layers. The codebook's head_dim,
 n_head_kv and n_layer must be the model's.
 """
 import threading
@@ -50,22 +50,34 @@ def _pending_map():
 
 
 def _to_numpy_rows(x):
-    """(1, heads, n, head_dim) torch -> (n, heads, head_dim) float32 C-contiguous numpy (may share
-    memory with x: read only)."""
-    return np.ascontiguousarray(x[0].detach().to("cpu", torch.float32).transpose(0, 1).numpy())
+    """(heads, n, head_dim) torch (one batch row) -> (n, heads, head_dim) float32 C-contiguous numpy
+    (may share memory with x: read only)."""
+    return np.ascontiguousarray(x.detach().to("cpu", torch.float32).transpose(0, 1).numpy())
+
+
+def _to_device_rows(x):
+    """(heads, n, head_dim) torch (one batch row, CUDA) -> (n, heads, head_dim) float32 contiguous on
+    the same device."""
+    return x.detach().to(torch.float32).transpose(0, 1).contiguous()
+
+
+def _error(msg, where="KVPQCache", status=None):
+    return _core.Error(_core.ERR_INVALID_ARG if status is None else status, msg, where)
 
 
 class KVPQLayer(CacheLayerMixin):
-    """One model layer of a KVPQCache: a view of layer `layer_idx` of the shared kvpq.Cache."""
+    """One model layer of a KVPQCache: a view of layer `layer_idx` of the shared kvpq caches (one
+    kvpq.Cache per batch row on the CPU; one kvpq.CudaCache per layer, holding every row, on CUDA)."""
 
-    is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, owner, layer_idx):
+    def __init__(self, owner, layer_idx, sliding_window=0):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window > 0
 
     def lazy_initialization(self, key_states, value_states):
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -74,50 +86,63 @@ class KVPQLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != 1:
-            raise _core.Error(_core.ERR_INVALID_ARG, f"batch size {key_states.shape[0]}: a KVPQCache holds one "
-                                                     "sequence (batch size 1)", "KVPQCache.update")
-        c = self.owner.kv_cache(key_states)
-        c.append(self.layer_idx, self.owner._key_order(_to_numpy_rows(key_states)), _to_numpy_rows(value_states))
-        _pending_map()[id(key_states)] = (self.owner, self.layer_idx)
+        o = self.owner
+        o._ensure(key_states)
+        B, n = key_states.shape[0], key_states.shape[-2]
+        prev = self.get_seq_length()
+        deferred = False
+        if o.on_cuda:
+            c = o._cuda[self.layer_idx]
+            if n > 1 and prev > 0:
+                deferred = True  # chunked prefill on CUDA: appended token by token in attend()
+            else:
+                for b in range(B):
+                    k = o._key_order_t(_to_device_rows(key_states[b]))
+                    v = _to_device_rows(value_states[b])
+                    c.append(b, n, k.data_ptr(), v.data_ptr())
+        else:
+            for b in range(B):
+                o._cpu[b].append(self.layer_idx, o._key_order(_to_numpy_rows(key_states[b])),
+                                 _to_numpy_rows(value_states[b]))
+        _pending_map()[id(key_states)] = (o, self.layer_idx, prev, deferred, value_states)
         return key_states, value_states
 
     def get_seq_length(self):
-        c = self.owner._cache
-        return 0 if c is None else c.seq_len(self.layer_idx)
+        o = self.owner
+        if o._cuda:
+            return o._cuda[self.layer_idx].seq_len(0)
+        return o._cpu[0].seq_len(self.layer_idx) if o._cpu else 0
 
     def get_mask_sizes(self, query_length):
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self):
-        return -1 if self.owner._cache is None else self.owner._cache.max_seq
+        return -1 if not self.owner._cpu and not self.owner._cuda else self.owner.max_seq
 
     def reset(self):
-        if self.owner._cache is not None:
-            self.owner._cache.truncate(0)
+        if self.layer_idx == 0:
+            self.owner._truncate(0)
 
     def crop(self, tokens_to_remove):
-        c = self.owner._cache
-        if c is None:
-            return
-        n = c.seq_len(self.layer_idx)
+        n = self.get_seq_length()
         keep = n + tokens_to_remove if tokens_to_remove < 0 else n - tokens_to_remove
         if self.layer_idx == 0:  # kvpq_cache_truncate cuts every layer at once
-            c.truncate(max(keep, 0))
+            self.owner._truncate(max(keep, 0))
 
     def reorder_cache(self, beam_idx):
-        if beam_idx.numel() != 1 or int(beam_idx[0]) != 0:
-            raise _core.Error(_core.ERR_INVALID_ARG, "beam search needs batch size > 1, which a KVPQCache does not "
-                                                     "hold", "KVPQCache.reorder_cache")
+        idx = [int(i) for i in beam_idx.reshape(-1)]
+        if idx != list(range(len(idx))):
+            raise _error(f"reorder_cache {idx}: beam search reorders batch rows, which a KVPQCache cannot copy (kvpq "
+                         "has no cache copy); use greedy or sampling", "KVPQCache.reorder_cache")
 
     def batch_repeat_interleave(self, repeats):
         if repeats != 1:
-            raise _core.Error(_core.ERR_INVALID_ARG, f"repeat {repeats}: a KVPQCache holds one sequence",
-                              "KVPQCache.batch_repeat_interleave")
+            raise _error(f"repeat {repeats}: a KVPQCache cannot copy batch rows (kvpq has no cache copy)",
+                         "KVPQCache.batch_repeat_interleave")
 
     def batch_select_indices(self, indices):
-        if indices.numel() != 1:
-            raise _core.Error(_core.ERR_INVALID_ARG, "a KVPQCache holds one sequence", "KVPQCache.batch_select_indices")
+        if self.layer_idx == 0:
+            self.owner._select(indices)
 
 
 class KVPQCache(Cache):
@@ -126,58 +151,132 @@ class KVPQCache(Cache):
     codebook: a kvpq.Codebook for this model (kvpq.transformers.calibrate, `kvpq calibrate`, or
       Codebook.load); its n_layer, n_head_kv and head_dim must be the model's.
     model: optional; when given, its attention implementation is set to "kvpq" (else call
-      kvpq.transformers.use_kvpq_attention(model) once), and n_head / max_seq are read from its config.
-    window: newest positions kept in float32 beside the codes (default 128, the library's).
-    max_seq: positions the cache may hold (default: the model's max_position_embeddings, else 32768).
+      kvpq.transformers.use_kvpq_attention(model) once), and n_head, max_seq and the sliding-window
+      layers are read from its config.
+    window: newest positions kept uncoded beside the codes (default 128, the library's): in fp16 in
+      the CPU cache (src/cache/cache_vq.c), in float32 in kvpq_cuda_cache.
+    max_seq: positions the cache may hold per sequence (default: the model's max_position_embeddings,
+      else 32768; on CUDA the device pages for n_batch * max_seq positions are allocated up front).
     n_head: query heads (needed when model is not given; else from the model's config).
     n_threads: kvpq threads (0 = OpenMP default).
     key_layout: channel order of the codebook's keys, "hf" or "gguf" (default: the codebook's
       key_layout metadata, else "gguf": a codebook from `kvpq calibrate` on the model's GGUF file).
+    sliding_window, swa_layers: local attention (Gemma 2/3, Mistral): a layer l with swa_layers[l]
+      attends to the newest sliding_window positions only, and the kvpq cache frees older ones
+      (kvpq_cache_params.sliding_window). Default: from the model's config (sliding_window and
+      layer_types "sliding_attention"; every layer when the config has no layer_types).
+    device: "auto" (default): CUDA tensors go to kvpq_cuda_cache when libkvpq has CUDA and a device
+      (kvpq.cuda_available()), else they are moved to the CPU cache and back; "cpu" forces the CPU cache.
+
+    Batch: each batch row is its own kvpq sequence (one kvpq.Cache per row on the CPU; one
+    kvpq_cuda_cache of n_seq rows per layer on CUDA). Rows must be unpadded (equal lengths): a padded
+    row (an attention mask hiding a past position) raises kvpq.Error.
+    On CUDA: kvpq_cuda_cache_attend serves one query per sequence (decode); a prefill into an empty
+    cache attends exactly over the prompt's own float keys and values (SDPA) and then stores them as
+    codes; a chunk of several tokens into a non-empty cache is appended and attended one token at a
+    time. Sliding-window layers are CPU-only (kvpq_cuda_cache has none: refused by name).
     """
 
     def __init__(self, codebook, model=None, window=None, max_seq=None, n_head=None, n_threads=0, fast_scan=False,
-                 key_layout=None):
+                 key_layout=None, sliding_window=None, swa_layers=None, device="auto"):
         if not isinstance(codebook, _core.Codebook):
-            raise _core.Error(_core.ERR_INVALID_ARG, f"codebook: expected a kvpq.Codebook, got {type(codebook).__name__}",
-                              "KVPQCache")
+            raise _error(f"codebook: expected a kvpq.Codebook, got {type(codebook).__name__}")
+        if device not in ("auto", "cpu"):
+            raise _error(f"device: '{device}': expected 'auto' or 'cpu'")
         self.codebook = codebook
         n = codebook.n_layer
-        super().__init__(layers=[KVPQLayer(self, i) for i in range(n)])
         cfg = getattr(model, "config", None)
         if cfg is not None:
             cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             self._check_config(cfg)
             n_head = n_head or cfg.num_attention_heads
             max_seq = max_seq or getattr(cfg, "max_position_embeddings", None)
+            if sliding_window is None:
+                sliding_window, swa_layers = _swa_from_config(cfg, n)
+        sliding_window = int(sliding_window or 0)
+        if sliding_window and swa_layers is None:
+            swa_layers = [True] * n
+        if swa_layers is not None and len(swa_layers) != n:
+            raise _error(f"swa_layers: {len(swa_layers)} flags for {n} layers")
+        self.sliding_window = sliding_window
+        self.swa_layers = [bool(x) for x in swa_layers] if sliding_window else [False] * n
+        super().__init__(layers=[KVPQLayer(self, i, sliding_window if self.swa_layers[i] else 0) for i in range(n)])
+        if model is not None:
             use_kvpq_attention(model)
         self.n_head = n_head
         self.max_seq = max_seq or 32768
-        self.window, self.n_threads, self.fast_scan = window, n_threads, fast_scan
+        self.window, self.n_threads, self.fast_scan, self.device = window, n_threads, fast_scan, device
         # Channel order of the codebook's keys: "hf" (kvpq.transformers.calibrate writes key_layout=hf)
         # or the GGUF engine's (`kvpq calibrate`), which for the llama architecture interleaves the
         # rotary pairs; key_layout="hf" or "gguf" overrides.
         layout = key_layout or codebook.get_meta("key_layout") or "gguf"
         if layout not in ("hf", "gguf"):
-            raise _core.Error(_core.ERR_INVALID_ARG, f"key_layout: '{layout}': expected 'hf' or 'gguf'", "KVPQCache")
+            raise _error(f"key_layout: '{layout}': expected 'hf' or 'gguf'")
         model_type = getattr(cfg, "model_type", None) if cfg is not None else None
         self.interleave = layout == "gguf" and model_type in _GGUF_INTERLEAVED
-        self._cache = None
+        self._cpu = []    # one kvpq.Cache per batch row
+        self._cuda = []   # one kvpq.CudaCache per layer (every batch row)
+        self.on_cuda = False
+        self.n_batch = 0
 
     def _check_config(self, cfg):
         cb = self.codebook
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         got = (cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads), hd)
         if got != (cb.n_layer, cb.n_head_kv, cb.head_dim):
-            raise _core.Error(lib_mismatch(), f"codebook has n_layer {cb.n_layer}, n_head_kv {cb.n_head_kv}, head_dim "
-                                              f"{cb.head_dim}; the model has {got[0]}, {got[1]}, {got[2]}", "KVPQCache")
-        unsupported = []
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            unsupported.append(f"sliding_window={cfg.sliding_window}")
+            raise _error(f"codebook has n_layer {cb.n_layer}, n_head_kv {cb.n_head_kv}, head_dim {cb.head_dim}; the "
+                         f"model has {got[0]}, {got[1]}, {got[2]}", status=lib_mismatch())
         if getattr(cfg, "attn_logit_softcapping", None):
-            unsupported.append(f"attn_logit_softcapping={cfg.attn_logit_softcapping}")
-        if unsupported:
-            raise _core.Error(_core.lib.KVPQ_ERR_UNSUPPORTED, f"the model uses {', '.join(unsupported)}, which kvpq "
-                              "attention does not implement", "KVPQCache")
+            # kvpq attention (CPU and CUDA) computes softmax(q.k / sqrt(d)) from codes with no hook
+            # between the scores and the softmax, so c * tanh(s / c) cannot be applied
+            raise _error(f"the model uses attn_logit_softcapping={cfg.attn_logit_softcapping} (Gemma-2 style "
+                         "attention logit soft-capping), which kvpq attention does not implement",
+                         status=_core.lib.KVPQ_ERR_UNSUPPORTED)
+
+    def _ensure(self, like):
+        """Create the kvpq caches at the first update (batch size, device and query heads known)."""
+        B = like.shape[0]
+        if self._cpu or self._cuda:
+            if B != self.n_batch:
+                raise _error(f"batch size {B}: this KVPQCache holds {self.n_batch} sequences", "KVPQCache.update")
+            return
+        if self.n_head is None:
+            raise _error("n_head: unknown; pass model= or n_head= to KVPQCache")
+        cb = self.codebook
+        self.n_batch = B
+        if like.is_cuda and self.device == "auto" and _core.cuda_available()[0]:
+            if self.sliding_window:
+                raise _error("sliding-window layers on CUDA: kvpq_cuda_cache has no sliding window; use device='cpu'",
+                             status=_core.lib.KVPQ_ERR_UNSUPPORTED)
+            with torch.cuda.device(like.device):
+                self._cuda = [_core.CudaCache(cb, l, self.n_head, B, self.max_seq, window=self.window)
+                              for l in range(cb.n_layer)]
+            self.on_cuda = True
+        else:
+            self._cpu = [_core.Cache("vq", cb.n_layer, self.n_head, cb.n_head_kv, cb.head_dim, self.max_seq,
+                                     codebook=cb, window=self.window, n_threads=self.n_threads,
+                                     fast_scan=self.fast_scan, sliding_window=self.sliding_window,
+                                     swa_layers=self.swa_layers if self.sliding_window else None)
+                         for _ in range(B)]
+
+    def _truncate(self, n_pos):
+        for c in self._cpu:
+            c.truncate(n_pos)
+        if self._cuda:
+            if n_pos != 0:
+                raise _error(f"crop to {n_pos} positions: kvpq_cuda_cache can only be cleared", "KVPQCache.crop")
+            for c in self._cuda:
+                for b in range(self.n_batch):
+                    c.clear(b)
+
+    def _select(self, indices):
+        idx = [int(i) for i in torch.as_tensor(indices).reshape(-1)]
+        if self._cuda:
+            if idx != list(range(self.n_batch)):
+                raise _error("batch_select_indices: kvpq_cuda_cache rows cannot be dropped", "KVPQCache")
+            return
+        self._cpu = [self._cpu[i] for i in idx]
+        self.n_batch = len(idx)
 
     def _key_order(self, x):
         """Keys and queries (n, heads, head_dim) in the codebook's channel order. transformers
@@ -190,41 +289,104 @@ class KVPQCache(Cache):
         n, h, d = x.shape
         return np.ascontiguousarray(x.reshape(n, h, 2, d // 2).swapaxes(2, 3).reshape(n, h, d))
 
-    def kv_cache(self, like=None):
-        """The underlying kvpq.Cache (made at the first update, when the query head count is known)."""
-        if self._cache is None:
-            if self.n_head is None:
-                raise _core.Error(_core.ERR_INVALID_ARG, "n_head: unknown; pass model= or n_head= to KVPQCache",
-                                  "KVPQCache")
-            cb = self.codebook
-            self._cache = _core.Cache("vq", cb.n_layer, self.n_head, cb.n_head_kv, cb.head_dim, self.max_seq,
-                                      codebook=cb, window=self.window, n_threads=self.n_threads,
-                                      fast_scan=self.fast_scan)
-        return self._cache
+    def _key_order_t(self, x):
+        """_key_order for a torch tensor (..., head_dim), contiguous."""
+        if not self.interleave:
+            return x.contiguous()
+        d = x.shape[-1]
+        return x.reshape(*x.shape[:-1], 2, d // 2).transpose(-1, -2).reshape(x.shape).contiguous()
+
+    def kv_cache(self, like=None, row=0):
+        """The underlying kvpq.Cache of batch row `row` (CPU; made at the first update)."""
+        if not self._cpu:
+            if like is None:
+                raise _error("no kvpq cache yet: it is made at the first update", "KVPQCache.kv_cache")
+            self._ensure(like)
+        return self._cpu[row]
 
     @property
     def resident_bytes(self):
-        """Bytes the kvpq cache holds for K and V (codes, float32 window, norms, codebooks)."""
-        return 0 if self._cache is None else self._cache.resident_bytes
+        """Bytes the kvpq caches hold for K and V (codes, float32 window, norms, codebooks; on CUDA,
+        device bytes of kvpq_cuda_cache_resident_bytes), every batch row."""
+        return sum(c.resident_bytes for c in self._cpu) + sum(c.resident_bytes for c in self._cuda)
 
     def stats(self):
-        return {} if self._cache is None else self._cache.stats()
+        if not self._cpu:
+            return {}
+        st = [c.stats() for c in self._cpu]
+        return {k: (sum(s[k] for s in st) if k != "bits_per_element" else st[0][k]) for k in st[0]}
 
-    def attend(self, layer_idx, query, scaling):
-        """Attention output (1, n_q, n_head, head_dim) for query (1, n_head, n_q, head_dim) over every
-        position of layer layer_idx (the newest n_q are the query's own: causal)."""
-        c = self._cache
-        q = self._key_order(_to_numpy_rows(query))
-        d = q.shape[-1]
+    def _scaled_query(self, query, scaling):
+        d = query.shape[-1]
         scale_fix = float(scaling) * d ** 0.5  # kvpq uses 1/sqrt(head_dim)
-        if abs(scale_fix - 1.0) > 1e-6:
-            q = q * np.float32(scale_fix)  # not in place: q may share the model's query tensor
-        out = c.attend(layer_idx, q)  # (n_q, n_head, head_dim)
-        return torch.from_numpy(out).unsqueeze(0).to(query.device, query.dtype)
+        return query * scale_fix if abs(scale_fix - 1.0) > 1e-6 else query  # not in place
+
+    def attend(self, layer_idx, query, scaling, key=None, value=None, prev=0, deferred=False):
+        """Attention output (B, n_q, n_head, head_dim) for query (B, n_head, n_q, head_dim) over every
+        position of layer layer_idx (the newest n_q are the query's own: causal). key/value: the new
+        tokens' tensors (CUDA prefill and chunks); prev: positions held before them."""
+        if self.on_cuda:
+            return self._attend_cuda(layer_idx, query, scaling, key, value, prev, deferred)
+        q = self._scaled_query(query, scaling)
+        outs = [self._cpu[b].attend(layer_idx, self._key_order(_to_numpy_rows(q[b]))) for b in range(q.shape[0])]
+        return torch.from_numpy(np.stack(outs)).to(query.device, query.dtype)
+
+    def _attend_cuda(self, layer_idx, query, scaling, key, value, prev, deferred):
+        B, H, n_q, d = query.shape
+        c = self._cuda[layer_idx]
+        if prev == 0 and n_q > 1:
+            # prefill into an empty cache: exact causal attention over the prompt's own keys/values
+            # (kvpq_cuda_cache_attend serves one query per sequence); they are already stored as codes
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key.to(query.dtype), value.to(query.dtype), is_causal=True, scale=float(scaling),
+                enable_gqa=key.shape[1] != H)
+            return out.transpose(1, 2)
+        q = self._key_order_t(self._scaled_query(query, scaling).to(torch.float32).transpose(1, 2))  # (B, n_q, H, d)
+        out = torch.empty((B, n_q, H, d), device=query.device, dtype=torch.float32)
+        stream = torch.cuda.current_stream(query.device).cuda_stream
+        for i in range(n_q):
+            if deferred:  # one token of a chunk: append it, then attend with its query
+                for b in range(B):
+                    k = self._key_order_t(_to_device_rows(key[b, :, i:i + 1]))
+                    v = _to_device_rows(value[b, :, i:i + 1])
+                    c.append(b, 1, k.data_ptr(), v.data_ptr())
+            qi = q[:, i].contiguous()
+            oi = torch.empty_like(qi)
+            c.attend(B, qi.data_ptr(), oi.data_ptr(), stream)
+            out[:, i] = oi
+        # attention is enqueued on the current stream; torch reads `out` after it on the same stream
+        return out.to(query.dtype)
+
+
+def _swa_from_config(cfg, n_layer):
+    """(sliding_window, swa_layers) of a transformers config: layer_types "sliding_attention" (Gemma 2/3,
+    Qwen2, ...) or, without layer_types, every layer when sliding_window is set (Mistral)."""
+    w = getattr(cfg, "sliding_window", None)
+    if not w or not getattr(cfg, "use_sliding_window", True):
+        return 0, None
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return int(w), [True] * n_layer
+    swa = [t == "sliding_attention" for t in types]
+    return (int(w), swa) if any(swa) else (0, None)
 
 
 def lib_mismatch():
     return _core.lib.KVPQ_ERR_MISMATCH
+
+
+def _check_unpadded(mask, layer_window, kv_len):
+    """A padded batch row hides some past positions from its newest query: kvpq attends to every
+    position a row holds (causal, or the newest layer_window ones), so such a mask is refused."""
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return
+    last = mask[:, 0, -1, -min(layer_window or kv_len, mask.shape[-1]):]
+    ok = last if last.dtype == torch.bool else last == 0
+    if not bool(ok.all()):
+        rows = [int(r) for r in torch.nonzero(~ok.all(dim=-1)).reshape(-1)]
+        raise _core.Error(_core.ERR_INVALID_ARG, f"batch rows {rows} are padded (the attention mask hides positions "
+                          "from the newest query): a KVPQCache holds unpadded rows of equal length",
+                          "kvpq_attention_forward")
 
 
 def kvpq_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -235,14 +397,21 @@ def kvpq_attention_forward(module, query, key, value, attention_mask, scaling=No
     if entry is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    cache, layer_idx = entry
-    for name in ("sliding_window", "softcap", "s_aux"):
+    cache, layer_idx, prev, deferred, _ = entry
+    for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise _core.Error(_core.lib.KVPQ_ERR_UNSUPPORTED, f"{name}={kwargs[name]} is not implemented by kvpq "
                                                               "attention", "kvpq_attention_forward")
+    layer_window = cache.layers[layer_idx].sliding_window
+    sw = kwargs.get("sliding_window")
+    if (sw or 0) != layer_window:
+        raise _core.Error(_core.ERR_INVALID_ARG, f"layer {layer_idx}: the model attends with sliding_window={sw}, the "
+                          f"KVPQCache layer was made with {layer_window or None} (pass the model to KVPQCache, or "
+                          "sliding_window= and swa_layers=)", "kvpq_attention_forward")
+    _check_unpadded(attention_mask, layer_window, prev + query.shape[2])
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return cache.attend(layer_idx, query, scaling), None
+    return cache.attend(layer_idx, query, scaling, key, value, prev, deferred), None
 
 
 _registered = False
@@ -314,8 +483,8 @@ def collect_kv(model, input_ids, ctx=2048):
             col = _Collect(n_layer)
             model(ids[:, p0:p0 + ctx], past_key_values=col, use_cache=True)
             for i, layer in enumerate(col.layers):
-                ks[i].append(_to_numpy_rows(torch.cat(layer.k, dim=-2)))
-                vs[i].append(_to_numpy_rows(torch.cat(layer.v, dim=-2)))
+                ks[i].append(_to_numpy_rows(torch.cat(layer.k, dim=-2)[0]))
+                vs[i].append(_to_numpy_rows(torch.cat(layer.v, dim=-2)[0]))
     return [(np.concatenate(ks[i]), np.concatenate(vs[i])) for i in range(n_layer)]
 
 

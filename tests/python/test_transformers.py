@@ -82,11 +82,105 @@ def test_attention_from_codes_equals_exact_attention_over_the_dequantized_cache(
     np.testing.assert_allclose(out[0].numpy(), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_batch_of_two_is_refused_by_name():
+def test_a_second_batch_size_is_refused_by_name():
     cb = kvpq.Codebook(1, 1, 64)
     cache = KVPQCache(cb, n_head=2)
-    with pytest.raises(kvpq.Error, match="batch size 2"):
-        cache.update(torch.zeros(2, 1, 3, 64), torch.zeros(2, 1, 3, 64), 0)
+    cache.update(torch.zeros(2, 1, 3, 64), torch.zeros(2, 1, 3, 64), 0)
+    with pytest.raises(kvpq.Error, match="batch size 3: this KVPQCache holds 2 sequences"):
+        cache.update(torch.zeros(3, 1, 1, 64), torch.zeros(3, 1, 1, 64), 0)
+
+
+# ---- tiny random transformers models (made here, no download): KVPQCache against DynamicCache ------
+
+def tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_gemma3(seed=0):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
+                           sliding_window=12, max_position_embeddings=256,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def model_codebook(model, preset="d4b8"):
+    """A codebook calibrated on the tiny model's own keys and values (key_layout hf)."""
+    from kvpq.transformers import collect_kv
+    ids = torch.randint(0, model.config.vocab_size, (256,), generator=torch.Generator().manual_seed(7))
+    cb = kvpq.calibrate(collect_kv(model, ids, 128), keys=preset, niter=4)
+    cb.set_meta("key_layout", "hf")
+    return cb
+
+
+def generate(model, ids, cache, n=12):
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def dynamic(model):
+    from transformers import DynamicCache
+    return DynamicCache(config=model.config)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_batch_of_two_and_sliding_window_equal_dynamic_cache(make):
+    """Batch 2 (each row its own kvpq sequence) and, for the Gemma-3 config, sliding-window layers
+    (window 12 < the 40-token prompt + 12 generated: the kvpq cache frees what the window no longer
+    sees). With a float window covering every position, KVPQCache's attention is exact: greedy tokens
+    equal DynamicCache's and logits agree to the window's fp16 rounding. Then with codes (window 0): each row
+    equals that row generated alone (batch 1), and the codes really change the logits."""
+    model = make()
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    cb = model_codebook(model)
+    ref_tok, ref_logits = generate(model, ids, dynamic(model))
+    cache = KVPQCache(cb, model, window=64, max_seq=64)
+    tok, logits = generate(model, ids, cache)
+    assert torch.equal(tok, ref_tok)
+    # the VQ cache's window holds fp16 keys and values (src/cache/cache_vq.c): fp16 rounding only
+    # (measured 2.7e-4 of max |logit| for the Llama config)
+    exact_err = float((logits - ref_logits).abs().max())
+    assert exact_err < 1e-3 * float(ref_logits.abs().max())
+    if make is tiny_gemma3:
+        assert cache.swa_layers == [True, True, False] and cache.sliding_window == 12
+        # the kvpq cache itself masks (and frees) by the window: logits equal DynamicCache's beyond it
+        c = cache.kv_cache(row=1)
+        assert c.sliding_window == 12 and c.swa_layers == [True, True, False] and cache.get_seq_length(0) == 51
+    coded = KVPQCache(cb, model, window=0, max_seq=64)  # the VQ cache codes blocks of 32 positions
+    tok2, logits2 = generate(model, ids, coded)
+    for b in range(2):
+        tb, lb = generate(model, ids[b:b + 1], KVPQCache(cb, model, window=4, max_seq=64))
+        assert torch.equal(tok2[b:b + 1], tb)
+        torch.testing.assert_close(logits2[b:b + 1], lb, rtol=1e-4, atol=1e-4)
+    assert float((logits2 - ref_logits).abs().max()) > 5 * exact_err  # codes, not floats, at window 0
+
+
+def test_padded_rows_are_refused_by_name():
+    model = tiny_llama()
+    cb = model_codebook(model)
+    ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1 left-padded
+    with pytest.raises(kvpq.Error, match=r"batch rows \[1\] are padded"):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=KVPQCache(cb, model, max_seq=64), use_cache=True)
+
+
+def test_attention_logit_softcapping_is_refused_by_name():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    cfg = Gemma2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, attn_logit_softcapping=50.0)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with pytest.raises(kvpq.Error, match="attn_logit_softcapping=50.0"):
+        KVPQCache(kvpq.Codebook(2, 1, 64), model)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +225,7 @@ def test_real_model_logits_and_perplexity_parity_with_the_cli(hf_model, codebook
     p = subprocess.run([BIN, "ppl", "--model", MODEL, "--text", text, "--ctx", str(ctx), "--chunks", "1", "--threads",
                         "2", "--json", "--cache", f"fp16,vq:{codebook}"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    f16, vq = json.loads(p.stdout)
+    f16, vq = json.loads(p.stdout)["results"]
     assert ppl == pytest.approx(vq["ppl"], rel=5e-3), (ppl, vq["ppl"])
     assert abs(vq["ppl"] / f16["ppl"] - 1) > 1e-3  # the codes changed the result: parity is not trivial
 
@@ -151,3 +245,49 @@ def test_calibrate_from_the_transformers_model(hf_model):
     kv = collect_kv(hf_model, ids, 128)
     np.testing.assert_allclose(cb.key_mean(7), kv[7][0].astype(np.float64).mean(0), atol=1e-5)
     assert not KVPQCache(cb, hf_model).interleave
+
+
+def cuda_ready():
+    return torch.cuda.is_available() and kvpq.cuda_available()[0]
+
+
+@pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA device and libkvpq built with CUDA (KVPQ_CUDA=ON)")
+def test_cuda_tensors_go_to_kvpq_cuda_cache():
+    """On CUDA, KVPQCache keeps each layer in a kvpq_cuda_cache (device codes; batch rows as its
+    sequences). Prefill attends exactly (SDPA over the prompt), decode from the device cache: with a
+    float32 window covering every position it equals DynamicCache to float rounding; with codes
+    (window 0) greedy tokens stay close to the CPU KVPQCache's, the first token's logits (exact
+    prefill) equal DynamicCache's and the later ones move (codes); a prompt fed as 1 + 39 tokens
+    (the chunk appended and attended token by token) equals feeding it one token at a time.
+    Ran on an H200 on 2026-12-01 with an earlier form of the window-0 logits check, which compared
+    logits of the two different prefills and failed; this form has not run on a GPU yet."""
+    model = tiny_llama().cuda()
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    cb = model_codebook(model.cpu())
+    model.cuda()
+    ref_tok, ref_logits = generate(model, ids.cuda(), dynamic(model))
+    cache = KVPQCache(cb, model, window=64, max_seq=64)
+    tok, logits = generate(model, ids.cuda(), cache)
+    assert cache.on_cuda and cache.resident_bytes > 0 and not cache._cpu
+    assert torch.equal(tok, ref_tok)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-3, atol=1e-3 * float(ref_logits.abs().max()))
+    gpu_tok, gpu_logits = generate(model, ids.cuda(), KVPQCache(cb, model, window=0, max_seq=64))
+    cpu_tok, cpu_logits = generate(model.cpu(), ids, KVPQCache(cb, model, window=0, max_seq=64))
+    model.cuda()
+    assert (gpu_tok.cpu() == cpu_tok).float().mean() >= 0.9
+    # the first token's logits come from the exact prefill (SDPA over the prompt), as DynamicCache's;
+    # every later one from the device codes (the CPU cache's prefill attends from codes already, so
+    # its logits are not comparable element by element)
+    scale = float(ref_logits.abs().max())
+    torch.testing.assert_close(gpu_logits[:, 0], ref_logits[:, 0], rtol=1e-3, atol=1e-3 * scale)
+    assert float((gpu_logits[:, 1:] - ref_logits[:, 1:]).abs().max()) > 1e-2 * scale
+    # chunked prefill on CUDA: the second chunk is appended and attended token by token
+    c1, c2 = KVPQCache(cb, model, window=64, max_seq=64), KVPQCache(cb, model, window=64, max_seq=64)
+    with torch.no_grad():
+        x = ids.cuda()
+        model(x[:, :1], past_key_values=c1, use_cache=True)
+        a = model(x[:, 1:], past_key_values=c1, use_cache=True).logits[:, -1]
+        model(x[:, :1], past_key_values=c2, use_cache=True)
+        for i in range(1, 40):
+            b = model(x[:, i:i + 1], past_key_values=c2, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
