@@ -730,6 +730,21 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+/* Programmatic dependent launch (PTX griddepcontrol, sm_90): wait until the grid this one depends on
+ * has finished and its memory is visible (returns at once for a plain launch), and let the next grid
+ * of the stream be scheduled. Nothing before pdl_wait() may read what an earlier kernel of the stream
+ * can write (q, outputs, workspace, counters). */
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
@@ -841,6 +856,13 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
             if (k < my_n) issue(k);
             __pipeline_commit();
         }
+    }
+    /* everything above reads only the image, the page table, the lengths and the code pages (written
+     * by appends, which synchronize): with a programmatic dependent launch it overlaps the previous
+     * kernel of the stream; q, the window's use of it and every write come after the wait */
+    pdl_wait();
+    pdl_trigger();
+    if (c0 < c1) {
         if (warp < GS) {  /* q' = Hadamard(q * lambda) * log2(e)/sqrt(D), scaled by 2^qexp to float16's top */
             constexpr int EPL = D / 32;
             float v[EPL], mx = 0.f;
@@ -1235,6 +1257,21 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
     const int wmin = (p.window + 63) / 64;
     if (p.n_splits < wmin) p.n_splits = wmin < max_splits ? wmin : max_splits;
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
+    if (p.pdl && stream) {
+        /* programmatic dependent launch: the kernel's prologue may run while the previous kernel of
+         * the stream finishes; it waits for it (griddepcontrol.wait) before reading q */
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.gridDim = grid;
+        cfg.blockDim = dim3(NW * 32);
+        cfg.dynamicSmemBytes = (size_t)L.total;
+        cfg.stream = stream;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return kvpq__cuda_err(cudaLaunchKernelEx(&cfg, kern, p, L), "cuda attend kernel launch (tensor cores, PDL)");
+    }
     kern<<<grid, NW * 32, L.total, stream>>>(p, L);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");
 }
