@@ -585,7 +585,8 @@ typedef struct {
     int n_seq;           /* sequences (batch rows) the cache holds */
     int max_seq;         /* positions per sequence */
     int window;          /* newest positions kept in float32 (default 128; 0 = none; clamped to max_seq) */
-    int page_tokens;     /* positions per page, a multiple of 32 (default 256) */
+    int page_tokens;     /* positions per page, a multiple of 32 (default 256); one longer than
+                          * max_seq is cut to the smallest power of two >= max_seq (>= 32) */
     int n_pages;         /* pages in the pool shared by all sequences (0: enough for n_seq * max_seq) */
     const kvpq_pq *key;  /* key quantizer (d = head_dim), copied */
     const kvpq_pq *value;/* value quantizer (d = head_dim), copied */

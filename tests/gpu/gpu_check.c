@@ -557,6 +557,93 @@ static void ne_cpu_compare(const kvpq_pq *pq, const ref_pq *q, const float *x, i
     free(x64);
 }
 
+/* A page longer than max_seq is cut to the smallest power of two >= max_seq (kvpq_cuda_cache_new):
+ * a cache with pages of 65536 positions and max_seq 100 holds what one with pages of 128 holds (the
+ * same resident bytes; before the cut its one page per sequence took 512 times the code bytes) and
+ * attends with the same bits; page_tokens 96 (not a power of two, shorter than max_seq 100) stays. */
+static void check_page_clamp(void) {
+    const int D = 128, H = 8, NH = 32, MS = 100, lens[2] = {100, 37};
+    ref_pq rk, rv;
+    float sck, scv;
+    kvpq_pq *kpq = make_pq(D, 4, 8, KVPQ_CODEBOOK_SHARED, &rk, &sck), *vpq = make_pq(D, 4, 8, KVPQ_CODEBOOK_SHARED, &rv, &scv);
+    const size_t row = (size_t)H * D, nq = (size_t)2 * NH * D;
+    float *k = malloc(MS * row * sizeof *k), *v = malloc(MS * row * sizeof *v), *q = malloc(nq * sizeof *q);
+    float *o[2] = {malloc(nq * sizeof(float)), malloc(nq * sizeof(float))}, *dk, *dv, *dq, *dout;
+    for (size_t i = 0; i < MS * row; i++) {
+        k[i] = sck * nrand();
+        v[i] = scv * nrand();
+    }
+    for (size_t i = 0; i < nq; i++) q[i] = nrand() / sck;
+    CUDA_OK(cudaMalloc((void **)&dk, MS * row * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dv, MS * row * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dq, nq * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dout, nq * sizeof(float)));
+    CUDA_OK(cudaMemcpy(dk, k, MS * row * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dv, v, MS * row * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dq, q, nq * sizeof(float), cudaMemcpyHostToDevice));
+    size_t res[2] = {0, 0};
+    const int pts[2] = {65536, 128};
+    for (int i = 0; i < 2; i++) {
+        kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
+        cp.n_head = NH;
+        cp.n_head_kv = H;
+        cp.head_dim = D;
+        cp.n_seq = 2;
+        cp.max_seq = MS;
+        cp.window = 16;
+        cp.page_tokens = pts[i];
+        cp.key = kpq;
+        cp.value = vpq;
+        cp.value_rotate = 1;
+        cp.kernels = g_kernels;
+        kvpq_cuda_cache *c;
+        KV_OK(kvpq_cuda_cache_new(&c, &cp));
+        for (int b = 0; b < 2; b++) KV_OK(kvpq_cuda_cache_append(c, b, lens[b], dk, dv));
+        res[i] = kvpq_cuda_cache_resident_bytes(c);
+        CUDA_OK(cudaMemset(dout, 0xFF, nq * sizeof(float)));
+        KV_OK(kvpq_cuda_cache_attend(c, 2, dq, dout));
+        CUDA_OK(cudaMemcpy(o[i], dout, nq * sizeof(float), cudaMemcpyDeviceToHost));
+        kvpq_cuda_cache_free(c);
+    }
+    CHECK(res[0] == res[1], "pages of 65536 with max_seq %d: resident bytes %zu, pages of 128: %zu", MS, res[0], res[1]);
+    CHECK(memcmp(o[0], o[1], nq * sizeof(float)) == 0, "pages of 65536 with max_seq %d attend differently from pages of 128", MS);
+    { /* a page shorter than max_seq is kept whatever its length (96: the LUT kernel's pages) */
+        kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
+        cp.n_head = NH;
+        cp.n_head_kv = H;
+        cp.head_dim = D;
+        cp.n_seq = 1;
+        cp.max_seq = MS;
+        cp.page_tokens = 96;
+        cp.key = kpq;
+        cp.value = vpq;
+        kvpq_cuda_cache *c;
+        KV_OK(kvpq_cuda_cache_new(&c, &cp));
+        KV_OK(kvpq_cuda_cache_append(c, 0, 97, dk, dv)); /* two pages */
+        const size_t two = kvpq_cuda_cache_resident_bytes(c);
+        KV_OK(kvpq_cuda_cache_clear(c, 0));
+        KV_OK(kvpq_cuda_cache_append(c, 0, 96, dk, dv)); /* one page */
+        const size_t one = kvpq_cuda_cache_resident_bytes(c);
+        CHECK(two - one == (size_t)96 * H * (kvpq_pq_code_size(kpq) + kvpq_pq_code_size(vpq)),
+              "pages of 96, max_seq 100: one page is %zu bytes, expected %zu", two - one,
+              (size_t)96 * H * (kvpq_pq_code_size(kpq) + kvpq_pq_code_size(vpq)));
+        kvpq_cuda_cache_free(c);
+    }
+    printf("page clamp: pages of 65536 with max_seq %d hold %zu resident bytes, as pages of 128; same attention bits\n", MS,
+           res[0]);
+    CUDA_OK(cudaFree(dk));
+    CUDA_OK(cudaFree(dv));
+    CUDA_OK(cudaFree(dq));
+    CUDA_OK(cudaFree(dout));
+    free(k);
+    free(v);
+    free(q);
+    free(o[0]);
+    free(o[1]);
+    kvpq_pq_free(kpq);
+    kvpq_pq_free(vpq);
+}
+
 /* with_mean: the cache centers keys by a per-(KV head, channel) mean mu (key_mean); keys are drawn
  * around a large mu, the reference attends over dequantized codes of k - mu, plus mu. The error is
  * checked over the whole batch and per sequence (a short sequence, mostly window, must not hide a
@@ -1107,6 +1194,7 @@ int main(void) {
         printf("kernel variant out of range refused: %s\n", kvpq_last_error());
         kvpq_pq_free(kp);
     }
+    check_page_clamp();
     /* every encode kernel variant (kvpq_cuda_kernels.encode_search, src/cuda/encode.cu): 2-4 tensor cores,
      * grouped argmin + exact re-rank (2: accumulator input; 3, 4: none, other row tiles / CTAs per
      * SM); 1 tensor cores, per-key argmin (previous); 0 float32. KVPQ_ENCODE_VARIANTS="2 0" checks
