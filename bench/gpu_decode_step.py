@@ -9,6 +9,10 @@ run one after another on one stream (in a model, layer l + 1's query needs layer
                 K and V codes: dsub 4, nbits 8, window 128) captured into ONE CUDA graph: one
                 launch per step
   kvpq eager    the same 32 calls launched one by one from Python (the kvpq package's cffi binding)
+  ... no PDL    the same with kernels.attend_pdl = 0: each attention kernel a plain launch (session 6);
+                by default (attend_pdl = 1) each is a programmatic dependent launch, whose prologue
+                (codebook image, page table, first code tiles) overlaps the previous layer's kernel
+                and which waits for that kernel to finish before it reads its query
   SDPA eager    32 torch.nn.functional.scaled_dot_product_attention calls on fp16 K/V
                 (enable_gqa=True), launched one by one from Python: what an eager decode loop does
   SDPA graph    the same 32 SDPA calls captured into one CUDA graph
@@ -81,7 +85,7 @@ def capture(fn):
     return g
 
 
-def kvpq_step(kvpq, B, L, reps, gen):
+def kvpq_step(kvpq, B, L, reps, gen, pdl=1):
     ffi, lib = kvpq.ffi, kvpq.lib
     pq = []
     for _ in range(2):  # key and value quantizers, random centroids (speed does not depend on training)
@@ -94,6 +98,7 @@ def kvpq_step(kvpq, B, L, reps, gen):
     cp.window, cp.page_tokens, cp.value_rotate = WINDOW, 256, 1
     cp.key, cp.value, cp.key_smooth = pq[0]._h, pq[1]._h, ffi.cast("float *", lam.data_ptr())
     F = lambda t: ffi.cast("float *", t.data_ptr())  # noqa: E731
+    cp.kernels.attend_pdl = pdl
     piece = min(L, 32768)
     caches = []
     for layer in range(N_LAYER):
@@ -206,6 +211,9 @@ def main():
         r = {"B": B, "L": L}
         r.update(kvpq_step(kvpq, B, L, reps, gen))
         torch.cuda.empty_cache()
+        r0 = kvpq_step(kvpq, B, L, reps, gen, pdl=0)
+        r.update({"kvpq_graph_nopdl_us": r0["kvpq_graph_us"], "kvpq_eager_nopdl_us": r0["kvpq_eager_us"]})
+        torch.cuda.empty_cache()
         r.update(sdpa_step(B, L, reps, a.sdpa_gib))
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -216,14 +224,16 @@ def main():
              f"{D}); ours: 2-bit K and V codes (dsub 4, nbits 8), window {WINDOW}; us per step (per layer in "
              "brackets):", "",
              "| B | context | SDPA eager (32 launches) | SDPA graph | kvpq eager (32 launches) | kvpq graph (1 launch) "
-             "| kvpq graph GB/s | vs SDPA eager | vs SDPA graph | KV GiB fp16 / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| kvpq graph GB/s | vs SDPA eager | vs SDPA graph | kvpq graph, no PDL | kvpq eager, no PDL "
+             "| KV GiB fp16 / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def us(k):
             return f"{r[k]:.1f} ({r[k] / N_LAYER:.2f})"
         lines.append(f"| {r['B']} | {r['L']} | {us('sdpa_eager_us')} | {us('sdpa_graph_us')} | {us('kvpq_eager_us')} "
                      f"| {us('kvpq_graph_us')} | {r['kvpq_bytes_read'] / r['kvpq_graph_us'] / 1e3:.0f} "
                      f"| {r['sdpa_eager_us'] / r['kvpq_graph_us']:.2f}x | {r['sdpa_graph_us'] / r['kvpq_graph_us']:.2f}x "
+                     f"| {us('kvpq_graph_nopdl_us')} | {us('kvpq_eager_nopdl_us')} "
                      f"| {r['sdpa_kv_bytes'] / 2**30:.2f} / {r['kvpq_resident_bytes'] / 2**30:.2f} |")
     lines += ["", "SDPA layers with their own K/V: " +
               ", ".join(f"B={r['B']} L={r['L']}: {r['sdpa_distinct_layers']}" for r in rows) + " (of 32)."]

@@ -537,6 +537,13 @@ typedef struct {
                           * re-rank; 2 and 4 variants of 3 (other row tiles / CTAs per SM); 1 tensor
                           * cores with a per-key argmin; 0 float32 on the CUDA cores. Codebooks
                           * without tensor-core fragments take 0 whatever the value */
+    int attend_pdl;      /* tensor-core kernel launched by kvpq_cuda_cache_attend_async on a stream
+                          * other than the legacy default (NULL): 1 (default) as a programmatic
+                          * dependent launch (Hopper), so that its prologue (codebook image, page
+                          * table, first code tiles: none of them written by attention calls) overlaps
+                          * the previous kernel of the stream, and only then waits for that kernel to
+                          * finish before reading q or writing anything; 0: a plain launch. The
+                          * synchronous kvpq_cuda_cache_attend always launches plainly */
 } kvpq_cuda_kernels;
 KVPQ_API kvpq_cuda_kernels kvpq_cuda_kernels_default(void);
 
@@ -585,7 +592,8 @@ typedef struct {
     int n_seq;           /* sequences (batch rows) the cache holds */
     int max_seq;         /* positions per sequence */
     int window;          /* newest positions kept in float32 (default 128; 0 = none; clamped to max_seq) */
-    int page_tokens;     /* positions per page, a multiple of 32 (default 256) */
+    int page_tokens;     /* positions per page, a multiple of 32 (default 256); one longer than
+                          * max_seq is cut to the smallest power of two >= max_seq (>= 32) */
     int n_pages;         /* pages in the pool shared by all sequences (0: enough for n_seq * max_seq) */
     const kvpq_pq *key;  /* key quantizer (d = head_dim), copied */
     const kvpq_pq *value;/* value quantizer (d = head_dim), copied */

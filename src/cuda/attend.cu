@@ -319,23 +319,40 @@ __device__ void finish_cta(const kvpq__attend_params &p, const float *mbuf, int 
         const size_t base = ((size_t)b * p.n_head + head) * nsp;
         /* lanes over splits for {m, d}; then every lane walks the splits for its channels, loads
          * independent of each other (an empty split has m = -inf and o = 0: weight 0) */
+        /* {m, d} of all splits in one pass (lanes over splits, merged online, then across the warp:
+         * one round trip instead of one for m and one for d) */
         float mx = -INFINITY, dd = 0.f, acc[EPL];
-        for (int s = lane; s < nsp; s += 32) mx = fmaxf(mx, __ldcg(p.part_md + (base + s) * 2));
-        mx = warp_max(mx);  /* finite: every sequence holds >= 1 position */
         for (int s = lane; s < nsp; s += 32) {
-            float m = __ldcg(p.part_md + (base + s) * 2);
-            dd += (m == -INFINITY ? 0.f : exp2f(m - mx)) * __ldcg(p.part_md + (base + s) * 2 + 1);
+            const float2 md = __ldcg(reinterpret_cast<const float2 *>(p.part_md + (base + s) * 2));
+            if (md.x != -INFINITY) {
+                const float mn = fmaxf(mx, md.x);
+                dd = dd * (mx == -INFINITY ? 0.f : exp2f(mx - mn)) + md.y * exp2f(md.x - mn);
+                mx = mn;
+            }
         }
-        dd = warp_sum(dd);
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            const float mo = __shfl_xor_sync(KVPQ_FULL_MASK, mx, o), d_o = __shfl_xor_sync(KVPQ_FULL_MASK, dd, o);
+            const float mn = fmaxf(mx, mo);
+            dd = (mx == -INFINITY ? 0.f : dd * exp2f(mx - mn)) + (mo == -INFINITY ? 0.f : d_o * exp2f(mo - mn));
+            mx = mn;  /* finite at the end: every sequence holds >= 1 position */
+        }
 #pragma unroll
         for (int j = 0; j < EPL; j++) acc[j] = 0.f;
-#pragma unroll 4
-        for (int s = 0; s < nsp; s++) {
-            float m = __ldcg(p.part_md + (base + s) * 2);
-            float sc = m == -INFINITY ? 0.f : exp2f(m - mx);
+        /* the partials of up to 16 (head_dim <= 128) or 8 splits in flight at once */
+        auto add_split = [&](int s) {
+            const float m = __ldcg(p.part_md + (base + s) * 2);
+            const float sc = m == -INFINITY ? 0.f : exp2f(m - mx);
             const float *po = p.part_o + (base + s) * D + lane * EPL;
 #pragma unroll
             for (int j = 0; j < EPL; j++) acc[j] = fmaf(sc, __ldcg(po + j), acc[j]);
+        };
+        if constexpr (D <= 128) {
+#pragma unroll 16
+            for (int s = 0; s < nsp; s++) add_split(s);
+        } else {
+#pragma unroll 8
+            for (int s = 0; s < nsp; s++) add_split(s);
         }
         float inv = 1.f / dd;
 #pragma unroll
@@ -730,6 +747,21 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+/* Programmatic dependent launch (PTX griddepcontrol, sm_90): wait until the grid this one depends on
+ * has finished and its memory is visible (returns at once for a plain launch), and let the next grid
+ * of the stream be scheduled. Nothing before pdl_wait() may read what an earlier kernel of the stream
+ * can write (q, outputs, workspace, counters). */
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
@@ -841,6 +873,13 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
             if (k < my_n) issue(k);
             __pipeline_commit();
         }
+    }
+    /* everything above reads only the image, the page table, the lengths and the code pages (written
+     * by appends, which synchronize): with a programmatic dependent launch it overlaps the previous
+     * kernel of the stream; q, the window's use of it and every write come after the wait */
+    pdl_wait();
+    pdl_trigger();
+    if (c0 < c1) {
         if (warp < GS) {  /* q' = Hadamard(q * lambda) * log2(e)/sqrt(D), scaled by 2^qexp to float16's top */
             constexpr int EPL = D / 32;
             float v[EPL], mx = 0.f;
@@ -1102,10 +1141,20 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__atten
     float *mbuf = reinterpret_cast<float *>(smem_tc);
     const int len = p.seq_len[b], win = min(p.window, len), coded = len - win;
     const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
+    /* every CTA also takes 1/n_splits of the window (no window CTAs: no second wave of CTAs); its rows
+     * are requested into L2 now (the window ring is written by appends only, so this may run before
+     * the programmatic-launch wait in tc_codes), so that tc_window finds them there */
+    const int w0 = coded + (int)((long long)win * split / p.n_splits), w1 = coded + (int)((long long)win * (split + 1) / p.n_splits);
+    {
+        const int lane = threadIdx.x & 31;
+        for (int t = w0 + (int)(threadIdx.x >> 5); t < w1; t += NW) {
+            const size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * (D / 32);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p.k_win + row));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p.v_win + row));
+        }
+    }
     tc_codes<D, GS, NW, SC>(p, L, smem_tc, b, kvh, head0, c0, c1);
-    /* every CTA also takes 1/n_splits of the window (no window CTAs: no second wave of CTAs) */
-    tc_window<D, GS, NW>(p, mbuf, b, kvh, head0, coded + (int)((long long)win * split / p.n_splits),
-                     coded + (int)((long long)win * (split + 1) / p.n_splits));
+    tc_window<D, GS, NW>(p, mbuf, b, kvh, head0, w0, w1);
     __syncthreads();
     finish_cta<D, GS>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
 }
@@ -1235,6 +1284,21 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
     const int wmin = (p.window + 63) / 64;
     if (p.n_splits < wmin) p.n_splits = wmin < max_splits ? wmin : max_splits;
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
+    if (p.pdl && stream) {
+        /* programmatic dependent launch: the kernel's prologue may run while the previous kernel of
+         * the stream finishes; it waits for it (griddepcontrol.wait) before reading q */
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.gridDim = grid;
+        cfg.blockDim = dim3(NW * 32);
+        cfg.dynamicSmemBytes = (size_t)L.total;
+        cfg.stream = stream;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return kvpq__cuda_err(cudaLaunchKernelEx(&cfg, kern, p, L), "cuda attend kernel launch (tensor cores, PDL)");
+    }
     kern<<<grid, NW * 32, L.total, stream>>>(p, L);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");
 }

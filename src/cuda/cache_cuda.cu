@@ -124,6 +124,7 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
     a->lut16 = c->p.kernels.attend_lut16;
     a->vrep = c->p.kernels.attend_vrep;
     a->pvec = c->p.kernels.attend_pvec;
+    a->pdl = c->p.kernels.attend_pdl;
     a->tc_kexp = c->tc_kexp;
     a->tc_vexp = c->tc_vexp;
     a->k_scales = c->k_scales;
@@ -142,9 +143,17 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p) {
     if (!out || !p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: NULL argument");
     *out = NULL;
-    /* A window longer than max_seq holds the whole sequence: clamp it (as kvpq_cache_new does). */
+    /* A window longer than max_seq holds the whole sequence: clamp it (as kvpq_cache_new does). So
+     * does a page longer than max_seq: it is cut to the smallest power of two >= max_seq (at least
+     * 32, so that pages stay multiples of 32 and a power of two stays one: the tensor-core attention
+     * needs that), if that is shorter. */
     kvpq_cuda_cache_params clamped = *p;
     if (clamped.max_seq > 0 && clamped.window > clamped.max_seq) clamped.window = clamped.max_seq;
+    if (clamped.max_seq > 0 && clamped.page_tokens > clamped.max_seq && clamped.page_tokens % 32 == 0) {
+        int pt = 32;
+        while (pt < clamped.max_seq) pt *= 2;
+        if (pt < clamped.page_tokens) clamped.page_tokens = pt;
+    }
     p = &clamped;
     if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_cache_new: head_dim=%d: expected 64, 128 or 256", p->head_dim);

@@ -125,6 +125,8 @@ typedef struct {
      * (conflict-free gathers) where it fits, pvec = for whole-byte value codes the value loop loads
      * a position's GS probabilities as 16/8-byte vectors and hoists its address arithmetic. */
     int tc, tc_warps, lut16, vrep, pvec;
+    int pdl;                   /* tensor-core kernel: programmatic dependent launch (kernels.attend_pdl)
+                                  when the launcher is given a stream other than NULL */
 } kvpq__attend_params;
 
 /* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when

@@ -406,6 +406,9 @@ static int g_ne = 0;
  * a norm-explicit append longer than one pass of the encode workspace (4 MiB / (n_head_kv *
  * head_dim * 4) tokens) then runs the passes after the first (t0 > 0 in kvpq__cuda_encode_ne_launch) */
 static int g_whole = 0;
+/* 1: the cache's max_seq is exactly the longest sequence, so that a window longer than it is clamped
+ * (kvpq_cuda_cache_new holds the whole sequence then, as kvpq_cache_new does) */
+static int g_tight = 0;
 
 /* The float64 transformed vector x' of a stored row: keys H((k - mu) / lambda), values H v or v. */
 static void ref_transformed(const float *x, const float *mu, const float *lambda, int rotate, int d, double *out) {
@@ -554,6 +557,93 @@ static void ne_cpu_compare(const kvpq_pq *pq, const ref_pq *q, const float *x, i
     free(x64);
 }
 
+/* A page longer than max_seq is cut to the smallest power of two >= max_seq (kvpq_cuda_cache_new):
+ * a cache with pages of 65536 positions and max_seq 100 holds what one with pages of 128 holds (the
+ * same resident bytes; before the cut its one page per sequence took 512 times the code bytes) and
+ * attends with the same bits; page_tokens 96 (not a power of two, shorter than max_seq 100) stays. */
+static void check_page_clamp(void) {
+    const int D = 128, H = 8, NH = 32, MS = 100, lens[2] = {100, 37};
+    ref_pq rk, rv;
+    float sck, scv;
+    kvpq_pq *kpq = make_pq(D, 4, 8, KVPQ_CODEBOOK_SHARED, &rk, &sck), *vpq = make_pq(D, 4, 8, KVPQ_CODEBOOK_SHARED, &rv, &scv);
+    const size_t row = (size_t)H * D, nq = (size_t)2 * NH * D;
+    float *k = malloc(MS * row * sizeof *k), *v = malloc(MS * row * sizeof *v), *q = malloc(nq * sizeof *q);
+    float *o[2] = {malloc(nq * sizeof(float)), malloc(nq * sizeof(float))}, *dk, *dv, *dq, *dout;
+    for (size_t i = 0; i < MS * row; i++) {
+        k[i] = sck * nrand();
+        v[i] = scv * nrand();
+    }
+    for (size_t i = 0; i < nq; i++) q[i] = nrand() / sck;
+    CUDA_OK(cudaMalloc((void **)&dk, MS * row * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dv, MS * row * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dq, nq * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dout, nq * sizeof(float)));
+    CUDA_OK(cudaMemcpy(dk, k, MS * row * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dv, v, MS * row * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dq, q, nq * sizeof(float), cudaMemcpyHostToDevice));
+    size_t res[2] = {0, 0};
+    const int pts[2] = {65536, 128};
+    for (int i = 0; i < 2; i++) {
+        kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
+        cp.n_head = NH;
+        cp.n_head_kv = H;
+        cp.head_dim = D;
+        cp.n_seq = 2;
+        cp.max_seq = MS;
+        cp.window = 16;
+        cp.page_tokens = pts[i];
+        cp.key = kpq;
+        cp.value = vpq;
+        cp.value_rotate = 1;
+        cp.kernels = g_kernels;
+        kvpq_cuda_cache *c;
+        KV_OK(kvpq_cuda_cache_new(&c, &cp));
+        for (int b = 0; b < 2; b++) KV_OK(kvpq_cuda_cache_append(c, b, lens[b], dk, dv));
+        res[i] = kvpq_cuda_cache_resident_bytes(c);
+        CUDA_OK(cudaMemset(dout, 0xFF, nq * sizeof(float)));
+        KV_OK(kvpq_cuda_cache_attend(c, 2, dq, dout));
+        CUDA_OK(cudaMemcpy(o[i], dout, nq * sizeof(float), cudaMemcpyDeviceToHost));
+        kvpq_cuda_cache_free(c);
+    }
+    CHECK(res[0] == res[1], "pages of 65536 with max_seq %d: resident bytes %zu, pages of 128: %zu", MS, res[0], res[1]);
+    CHECK(memcmp(o[0], o[1], nq * sizeof(float)) == 0, "pages of 65536 with max_seq %d attend differently from pages of 128", MS);
+    { /* a page shorter than max_seq is kept whatever its length (96: the LUT kernel's pages) */
+        kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
+        cp.n_head = NH;
+        cp.n_head_kv = H;
+        cp.head_dim = D;
+        cp.n_seq = 1;
+        cp.max_seq = MS;
+        cp.page_tokens = 96;
+        cp.key = kpq;
+        cp.value = vpq;
+        kvpq_cuda_cache *c;
+        KV_OK(kvpq_cuda_cache_new(&c, &cp));
+        KV_OK(kvpq_cuda_cache_append(c, 0, 97, dk, dv)); /* two pages */
+        const size_t two = kvpq_cuda_cache_resident_bytes(c);
+        KV_OK(kvpq_cuda_cache_clear(c, 0));
+        KV_OK(kvpq_cuda_cache_append(c, 0, 96, dk, dv)); /* one page */
+        const size_t one = kvpq_cuda_cache_resident_bytes(c);
+        CHECK(two - one == (size_t)96 * H * (kvpq_pq_code_size(kpq) + kvpq_pq_code_size(vpq)),
+              "pages of 96, max_seq 100: one page is %zu bytes, expected %zu", two - one,
+              (size_t)96 * H * (kvpq_pq_code_size(kpq) + kvpq_pq_code_size(vpq)));
+        kvpq_cuda_cache_free(c);
+    }
+    printf("page clamp: pages of 65536 with max_seq %d hold %zu resident bytes, as pages of 128; same attention bits\n", MS,
+           res[0]);
+    CUDA_OK(cudaFree(dk));
+    CUDA_OK(cudaFree(dv));
+    CUDA_OK(cudaFree(dq));
+    CUDA_OK(cudaFree(dout));
+    free(k);
+    free(v);
+    free(q);
+    free(o[0]);
+    free(o[1]);
+    kvpq_pq_free(kpq);
+    kvpq_pq_free(vpq);
+}
+
 /* with_mean: the cache centers keys by a per-(KV head, channel) mean mu (key_mean); keys are drawn
  * around a large mu, the reference attends over dequantized codes of k - mu, plus mu. The error is
  * checked over the whole batch and per sequence (a short sequence, mostly window, must not hide a
@@ -602,7 +692,7 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
     cp.n_head_kv = n_head_kv;
     cp.head_dim = D;
     cp.n_seq = B;
-    cp.max_seq = maxL + 64 > window ? maxL + 64 : window;
+    cp.max_seq = g_tight ? maxL : maxL + 64 > window ? maxL + 64 : window;
     cp.window = window;
     cp.page_tokens = g_page_tokens;
     cp.n_pages = 0;
@@ -623,6 +713,18 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         mu[3] = keep;
     }
     KV_OK(kvpq_cuda_cache_new(&c, &cp));
+    if (g_tight) { /* the window ring holds min(window, max_seq) positions: resident bytes before any append */
+        const int wc = window < cp.max_seq ? window : cp.max_seq, max_pages = (cp.max_seq + g_page_tokens - 1) / g_page_tokens;
+        const int tc_img = g_kernels.attend_tc && g == KVPQ_CODEBOOK_SHARED && kdsub == 4 && vdsub == 4 && knbits == 8 &&
+                           vnbits == 8;
+        const size_t want = 2 * (size_t)B * wc * n_head_kv * D * sizeof(float) +
+                            ((size_t)rk.n_books * rk.ksub * (kdsub + 1) + (size_t)rv.n_books * rv.ksub * (vdsub + 1)) * 4 +
+                            (size_t)B * (max_pages + 1) * sizeof(int) + (tc_img ? 65536 : 0);
+        CHECK(kvpq_cuda_cache_resident_bytes(c) == want, "window %d > max_seq %d: resident bytes %zu, expected %zu (window %d)",
+              window, cp.max_seq, kvpq_cuda_cache_resident_bytes(c), want, wc);
+        printf("  window %d > max_seq %d: created, ring of %d positions (%zu resident bytes)\n", window, cp.max_seq, wc,
+               kvpq_cuda_cache_resident_bytes(c));
+    }
     /* same quantizers, to read back the codes the cache stored */
     kvpq_cuda_pq *kq = cuda_pq(kpq, H, lambda, 1), *vq = cuda_pq(vpq, H, NULL, value_rotate);
     size_t row = (size_t)H * D, kcs = kvpq_pq_code_size(kpq), vcs = kvpq_pq_code_size(vpq);
@@ -812,6 +914,35 @@ static void check_attend(int D, int n_head, int n_head_kv, int kdsub, int knbits
         KV_OK(kvpq_cuda_cache_attend(c, B, dq, dout));
         CUDA_OK(cudaMemcpy(out2, dout, nq * sizeof(float), cudaMemcpyDeviceToHost));
         CHECK(memcmp(out, out2, nq * sizeof(float)) == 0, "attend: a second launch gives different output");
+        /* kvpq_cuda_cache_attend_async on a stream of its own (a programmatic dependent launch with
+         * kernels.attend_pdl = 1 on the tensor-core kernel): A = attend(q), then B = attend(A), whose
+         * query is the previous kernel's output (so B must wait for A before reading it), then A again
+         * over the poisoned A; each must give the bits of the synchronous call on the same query */
+        float *refB = malloc(nq * sizeof *refB), *dA, *dB;
+        CUDA_OK(cudaMalloc((void **)&dA, nq * sizeof(float)));
+        CUDA_OK(cudaMalloc((void **)&dB, nq * sizeof(float)));
+        KV_OK(kvpq_cuda_cache_attend(c, B, dout, dB)); /* dout holds attend(q) */
+        CUDA_OK(cudaMemcpy(refB, dB, nq * sizeof(float), cudaMemcpyDeviceToHost));
+        cudaStream_t st;
+        CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        for (int rep = 0; rep < 2; rep++) {
+            CUDA_OK(cudaMemsetAsync(dA, 0xFF, nq * sizeof(float), st));
+            CUDA_OK(cudaMemsetAsync(dB, 0xFF, nq * sizeof(float), st));
+            KV_OK(kvpq_cuda_cache_attend_async(c, B, dq, dA, st));
+            KV_OK(kvpq_cuda_cache_attend_async(c, B, dA, dB, st));
+            KV_OK(kvpq_cuda_cache_attend_async(c, B, dq, dA, st));
+            CUDA_OK(cudaStreamSynchronize(st));
+            CUDA_OK(cudaMemcpy(out2, dA, nq * sizeof(float), cudaMemcpyDeviceToHost));
+            CHECK(memcmp(out, out2, nq * sizeof(float)) == 0, "attend_async (pdl %d) on a stream: A differs from the synchronous call",
+                  g_kernels.attend_pdl);
+            CUDA_OK(cudaMemcpy(out2, dB, nq * sizeof(float), cudaMemcpyDeviceToHost));
+            CHECK(memcmp(refB, out2, nq * sizeof(float)) == 0,
+                  "attend_async (pdl %d) on a stream: B = attend(A) differs from the synchronous call", g_kernels.attend_pdl);
+        }
+        CUDA_OK(cudaStreamDestroy(st));
+        CUDA_OK(cudaFree(dA));
+        CUDA_OK(cudaFree(dB));
+        free(refB);
         free(out2);
     }
     int g_sz = n_head / n_head_kv;
@@ -1063,6 +1194,7 @@ int main(void) {
         printf("kernel variant out of range refused: %s\n", kvpq_last_error());
         kvpq_pq_free(kp);
     }
+    check_page_clamp();
     /* every encode kernel variant (kvpq_cuda_kernels.encode_search, src/cuda/encode.cu): 2-4 tensor cores,
      * grouped argmin + exact re-rank (2: accumulator input; 3, 4: none, other row tiles / CTAs per
      * SM); 1 tensor cores, per-key argmin (previous); 0 float32. KVPQ_ENCODE_VARIANTS="2 0" checks
@@ -1180,6 +1312,9 @@ int main(void) {
         check_attend(128, 8, 8, 2, 8, 8, 8, KVPQ_CODEBOOK_SHARED, 0, 0, 3, L3, 0);     /* no window, MHA */
         check_attend(64, 16, 2, 8, 6, 2, 5, KVPQ_CODEBOOK_SUBSPACE, 16, 1, 3, L3, 0);  /* subspace books, odd bits */
         check_attend(128, 24, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 500, 0, 3, L3, 0);  /* window > length; 12 heads/KV */
+        g_tight = 1; /* window 500 > max_seq 257: clamped at creation */
+        check_attend(128, 32, 8, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 500, 1, 3, L3, 0);
+        g_tight = 0;
         check_attend(256, 16, 2, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 64, 1, 1, L2, 0);   /* D 256, 8 heads/KV */
         check_attend(64, 4, 4, 4, 8, 4, 8, KVPQ_CODEBOOK_SHARED, 32, 0, 3, L3, 1);     /* MHA, 1 head/KV */
         /* tensor-core paths the shapes above miss: 8 heads per KV head with codes (two mma per k-step),
