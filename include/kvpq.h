@@ -422,6 +422,15 @@ typedef struct {
     int sliding_window;
     const uint8_t *swa_layers; /* (n_layer) 1 = local layer; NULL with sliding_window > 0 = every
                                   layer. Copied by kvpq_cache_new (need not outlive the call). */
+    /* Attention sinks (Xiao et al. 2023, "StreamingLLM", arXiv 2309.17453): the first `sinks`
+     * positions of every layer are held apart in fp16 (IEEE half, round to nearest even, like the
+     * window) and never quantized; the kind stores positions sinks.. as its own sequence (its window,
+     * groups and pages count from there). Attention merges the two parts exactly (online softmax:
+     * each part's output and log-sum-exp). Counted in resident_bytes (2 * sinks * n_head_kv *
+     * head_dim * 2 bytes per layer, allocated with the cache). 0 (default): none. Any kind but fp32
+     * and fp16 (KVPQ_ERR_INVALID_ARG there), 0..65536; kvpq_cache_save refuses a cache with sinks
+     * (KVPQ_ERR_UNSUPPORTED). In a sliding-window layer a sink is seen only while inside the window. */
+    int sinks;
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
 

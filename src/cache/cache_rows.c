@@ -149,11 +149,11 @@ static void rows_load16(const void *state, int layer, int kvh, int t0, int n, co
     *v = (const uint16_t *)row_at(s, &s->v[layer], kvh, t0);
 }
 
-kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const float *q, float *out) {
+kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse) {
     rows_state *s = state;
     if (s->codec->f16_rows)
-        return kvpq__attend_cpu_f16(&s->p, s, rows_load16, s->p.page_tokens, layer, len, n_q, q, out);
-    if (!s->rot_k) return kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, q, out);
+        return kvpq__attend_cpu_f16(&s->p, s, rows_load16, s->p.page_tokens, layer, len, n_q, q, out, lse);
+    if (!s->rot_k) return kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, q, out, lse);
     /* Rotated kinds, as llama.cpp's graph (llm_graph_context::build_attn): scores from H_k q against
      * the stored H_k k (H_k orthonormal: q.k unchanged), values summed in the H_v space, then the
      * output rotated back by H_v (self-inverse). */
@@ -162,7 +162,7 @@ kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const fl
     if (!qr) return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory rotating %d queries", s->codec->name, n_q);
     memcpy(qr, q, nq * s->p.head_dim * sizeof *qr);
     rotate(qr, nq, s->p.head_dim, s->rot_k);
-    kvpq_status st = kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, qr, out);
+    kvpq_status st = kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, qr, out, lse);
     free(qr);
     if (st == KVPQ_OK) rotate(out, nq, s->p.head_dim, s->rot_v);
     return st;
