@@ -1,5 +1,5 @@
 /* bench_cache_attend.c — decode attention (n_q = 1, all query heads of one layer) of every baseline
- * cache kind (fp32, fp16, q8_0, q4_0, kivi2, kivi4) beside, in the same process on the same data:
+ * cache kind (fp32, fp16, q8_0, q4_0, q8_0r, q4_0r, kivi2, kivi4) beside, in the same process on the same data:
  *   - a plain parallel read (sum) of the fp32 K and V arrays: a reference rate for streaming the
  *     bytes an fp32 attention must read (plain C; not a hard ceiling: a tuned kernel can beat it), and
  *   - an OpenBLAS baseline: S = Q K^T (sgemm), softmax, O = P V (sgemm) over contiguous fp32 K/V.
@@ -93,8 +93,8 @@ int main(int argc, char **argv) {
     const double tb = t[reps / 2];
     printf("%-28s %10.1f %10.1f %8.2f %10s %12s\n", "OpenBLAS sgemm+softmax fp32", tb * 1e6, 2.0 * n * 4 / tb / 1e9,
            1.0, "32.00", "");
-    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32, KVPQ_CACHE_FP16, KVPQ_CACHE_Q8_0,
-                                            KVPQ_CACHE_Q4_0, KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4};
+    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32,  KVPQ_CACHE_FP16,  KVPQ_CACHE_Q8_0,  KVPQ_CACHE_Q4_0,
+                                            KVPQ_CACHE_Q8_0R, KVPQ_CACHE_Q4_0R, KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4};
     for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
         kvpq_cache_params p = kvpq_cache_params_default();
         p.type = kinds[i], p.n_layer = 1, p.n_head = n_head, p.n_head_kv = n_head_kv, p.head_dim = hd, p.max_seq = L;

@@ -382,6 +382,13 @@ typedef enum {
     KVPQ_CACHE_KIVI2 = 4,  /* KIVI (arXiv 2402.02750): keys per channel, values per token, 2 bits */
     KVPQ_CACHE_KIVI4 = 5,  /* likewise, 4 bits */
     KVPQ_CACHE_VQ = 6,     /* product-quantization codes with attention from codes */
+    /* llama.cpp's rotated quantized KV cache (its default for quantized K/V since April 2026,
+     * src/llama-kv-cache.cpp): keys and queries multiplied by the normalized Walsh-Hadamard matrix
+     * of the largest power-of-two block dividing head_dim (64 at head_dim 64, 128 at 128, 256 at
+     * 256), values by blocks of 64, then q8_0 / q4_0 blocks; the attention output is rotated back.
+     * Needs head_dim % 64 == 0 (else KVPQ_ERR_UNSUPPORTED). */
+    KVPQ_CACHE_Q8_0R = 7,
+    KVPQ_CACHE_Q4_0R = 8,
 } kvpq_cache_type;
 
 typedef struct {
@@ -415,10 +422,19 @@ typedef struct {
     int sliding_window;
     const uint8_t *swa_layers; /* (n_layer) 1 = local layer; NULL with sliding_window > 0 = every
                                   layer. Copied by kvpq_cache_new (need not outlive the call). */
+    /* Attention sinks (Xiao et al. 2023, "StreamingLLM", arXiv 2309.17453): the first `sinks`
+     * positions of every layer are held apart in fp16 (IEEE half, round to nearest even, like the
+     * window) and never quantized; the kind stores positions sinks.. as its own sequence (its window,
+     * groups and pages count from there). Attention merges the two parts exactly (online softmax:
+     * each part's output and log-sum-exp). Counted in resident_bytes (2 * sinks * n_head_kv *
+     * head_dim * 2 bytes per layer, allocated with the cache). 0 (default): none. Any kind but fp32
+     * and fp16 (KVPQ_ERR_INVALID_ARG there), 0..65536; kvpq_cache_save refuses a cache with sinks
+     * (KVPQ_ERR_UNSUPPORTED). In a sliding-window layer a sink is seen only while inside the window. */
+    int sinks;
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
 
-/* Parse a SPEC string: fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE. Sets p->type; for vq: returns the
+/* Parse a SPEC string: fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 vq:FILE. Sets p->type; for vq: returns the
  * FILE part in *vq_path (pointer into spec; NULL otherwise). Errors name the SPEC. */
 KVPQ_API kvpq_status kvpq_cache_type_parse(const char *spec, kvpq_cache_type *type, const char **vq_path);
 KVPQ_API const char *kvpq_cache_type_name(kvpq_cache_type t);

@@ -12,14 +12,17 @@
 
 /* ---- caches ---- */
 
-/* A trailing ":w" followed by digits (or nothing) is the full-precision window of a VQ or KIVI
- * cache: strips it from `buf` and returns N; -1 when there is none; -2 (error printed) when it is
- * empty or out of range. A codebook path that itself ends in ":w<digits>" cannot be named. */
-static long spec_window(char *buf, const char *spec) {
+/* A trailing ":<letter>" followed by digits (or nothing): ":wN" is the full-precision window of a
+ * VQ or KIVI cache, ":sN" the attention sinks of a quantized cache (kvpq_cache_params.sinks).
+ * Strips it from `buf` and returns N; -1 when there is none; -2 (error printed) when it is empty or
+ * out of range. A codebook path that itself ends in ":w<digits>" or ":s<digits>" cannot be named. */
+static long spec_suffix(char *buf, const char *spec, char letter, const char *what, long max) {
     char *w = strrchr(buf, ':');
-    if (!w || w[1] != 'w' || strspn(w + 2, "0123456789") != strlen(w + 2)) return -1;
-    if (!w[2] || strlen(w + 2) > 7 || strtol(w + 2, NULL, 10) > (1L << 20))
-        return cli_usage_error("cache '%s': window ':w%s': expected :wN with N in 0..%ld", spec, w + 2, 1L << 20), -2;
+    if (!w || w[1] != letter || strspn(w + 2, "0123456789") != strlen(w + 2)) return -1;
+    if (!w[2] || strlen(w + 2) > 7 || strtol(w + 2, NULL, 10) > max)
+        return cli_usage_error("cache '%s': %s ':%c%s': expected :%cN with N in 0..%ld", spec, what, letter, w + 2,
+                               letter, max),
+               -2;
     long n = strtol(w + 2, NULL, 10);
     *w = '\0';
     return n;
@@ -42,14 +45,27 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_
         base[bl - 6] = '\0';
         force = 1;
     }
-    long window = spec_window(base, spec);
-    if (window == -2) return 2;
+    /* :wN and :sN in either order. */
+    long window = -1, sinks = -1;
+    for (int i = 0; i < 2; i++) {
+        long w = window < 0 ? spec_suffix(base, spec, 'w', "window", 1L << 20) : -1;
+        if (w == -2) return 2;
+        if (w >= 0) window = w;
+        long sn = sinks < 0 ? spec_suffix(base, spec, 's', "sinks", 65536) : -1;
+        if (sn == -2) return 2;
+        if (sn >= 0) sinks = sn;
+    }
     const char *vq_path = NULL;
     kvpq_status s = kvpq_cache_type_parse(base, &cp.type, &vq_path);
     if (s == KVPQ_OK && window >= 0) {
         if (cp.type != KVPQ_CACHE_VQ && cp.type != KVPQ_CACHE_KIVI2 && cp.type != KVPQ_CACHE_KIVI4)
             return cli_usage_error("cache '%s': a window (:w%ld) applies to vq and kivi caches only", spec, window);
         cp.window = (int)window;
+    }
+    if (s == KVPQ_OK && sinks >= 0) {
+        if (cp.type == KVPQ_CACHE_FP32 || cp.type == KVPQ_CACHE_FP16)
+            return cli_usage_error("cache '%s': sinks (:s%ld) apply to the quantized caches only", spec, sinks);
+        cp.sinks = (int)sinks;
     }
     if (s != KVPQ_OK) return cli_fail("cache spec", s);
     if (vq_path) {

@@ -582,17 +582,18 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value
 
 _CACHE_KINDS = {"fp32": lib.KVPQ_CACHE_FP32, "fp16": lib.KVPQ_CACHE_FP16, "q8_0": lib.KVPQ_CACHE_Q8_0,
                 "q4_0": lib.KVPQ_CACHE_Q4_0, "kivi2": lib.KVPQ_CACHE_KIVI2, "kivi4": lib.KVPQ_CACHE_KIVI4,
-                "vq": lib.KVPQ_CACHE_VQ}
+                "vq": lib.KVPQ_CACHE_VQ, "q8_0r": lib.KVPQ_CACHE_Q8_0R, "q4_0r": lib.KVPQ_CACHE_Q4_0R}
 
 
 class Cache:
-    """A KV cache of n_layer layers (kvpq_cache). kind: "fp32", "fp16", "q8_0", "q4_0", "kivi2",
-    "kivi4", or "vq" (product-quantization codes, attention from codes through per-query lookup
-    tables; needs `codebook`). window: newest positions kept in float32 (vq/kivi). The codebook is
-    kept alive by the cache."""
+    """A KV cache of n_layer layers (kvpq_cache). kind: "fp32", "fp16", "q8_0", "q4_0", "q8_0r",
+    "q4_0r" (llama.cpp's Hadamard-rotated q8_0 / q4_0), "kivi2", "kivi4", or "vq" (product-quantization
+    codes, attention from codes through per-query lookup tables; needs `codebook`). window: newest
+    positions kept in float32 (vq/kivi). sinks: the first positions kept in fp16 beside a quantized
+    kind (attention sinks, kvpq_cache_params.sinks; 0 = none). The codebook is kept alive by the cache."""
 
     def __init__(self, kind, n_layer, n_head, n_head_kv, head_dim, max_seq, codebook=None, window=None,
-                 page_tokens=None, n_threads=0, fast_scan=False, sliding_window=0, swa_layers=None):
+                 page_tokens=None, n_threads=0, fast_scan=False, sliding_window=0, swa_layers=None, sinks=0):
         w = "Cache"
         if kind not in _CACHE_KINDS:
             raise _arg_error(w, f"kind: '{kind}' is not one of {sorted(_CACHE_KINDS)}")
@@ -621,6 +622,7 @@ class Cache:
                 raise _arg_error(w, f"swa_layers: {len(flags)} flags for {p.n_layer} layers")
             swa = ffi.new("uint8_t[]", flags)
             p.swa_layers = swa
+        p.sinks = _int(sinks, "sinks", w, 0)
         self._codebook = codebook
         if codebook is not None:
             p.codebook = codebook._h

@@ -1,10 +1,13 @@
 /* cache.c — the public KV-cache API: argument checks (NULL, layer range, NaN/Inf, capacity) done
  * once here, per-layer positions counts, and dispatch to the kind's ops (cache_impl.h). */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/cache_cpu.h"
 #include "cache/cache_impl.h"
+#include "core/fp16.h"
 #include "internal.h"
 
 /* The VQ kind lives in cache_vq.c. When that file is present at compile time, reference it
@@ -33,11 +36,13 @@ static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
     case KVPQ_CACHE_KIVI2: return &kvpq_cache_ops_kivi2;
     case KVPQ_CACHE_KIVI4: return &kvpq_cache_ops_kivi4;
     case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq; /* NULL while the weak reference is unresolved */
+    case KVPQ_CACHE_Q8_0R: return &kvpq_cache_ops_q8_0r;
+    case KVPQ_CACHE_Q4_0R: return &kvpq_cache_ops_q4_0r;
     }
     return NULL;
 }
 
-static const char *const type_names[] = {"fp32", "fp16", "q8_0", "q4_0", "kivi2", "kivi4", "vq"};
+static const char *const type_names[] = {"fp32", "fp16", "q8_0", "q4_0", "kivi2", "kivi4", "vq", "q8_0r", "q4_0r"};
 #define N_TYPES ((int)(sizeof type_names / sizeof type_names[0]))
 
 kvpq_cache_params kvpq_cache_params_default(void) {
@@ -56,6 +61,7 @@ kvpq_cache_params kvpq_cache_params_default(void) {
         .backend = KVPQ_BACKEND_AUTO,
         .sliding_window = 0,
         .swa_layers = NULL,
+        .sinks = 0,
     };
     return p;
 }
@@ -77,7 +83,7 @@ kvpq_status kvpq_cache_type_parse(const char *spec, kvpq_cache_type *type, const
     }
     if (!strcmp(spec, "vq"))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec 'vq': expected vq:FILE (the codebook file)");
-    return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec '%s': expected fp32, fp16, q8_0, q4_0, kivi2, kivi4 or vq:FILE",
+    return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec '%s': expected fp32, fp16, q8_0, q4_0, q8_0r, q4_0r, kivi2, kivi4 or vq:FILE",
                      spec);
 }
 
@@ -112,6 +118,12 @@ static kvpq_status check_params(const kvpq_cache_params *p) {
     if (p->sliding_window < 0)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: sliding_window %d must be >= 0 (0 = none)", tn,
                          p->sliding_window);
+    if (p->sinks < 0 || p->sinks > 65536)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: sinks %d: expected 0..65536", tn, p->sinks);
+    if (p->sinks > 0 && (p->type == KVPQ_CACHE_FP32 || p->type == KVPQ_CACHE_FP16))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                         "cache %s: sinks %d: attention sinks apply to the quantized kinds (this one loses nothing to "
+                         "keep)", tn, p->sinks);
     if (p->type == KVPQ_CACHE_VQ) {
         if (!p->codebook) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache vq: params.codebook is NULL (vq needs one)");
         if (!kvpq_codebook_get_params)
@@ -165,6 +177,7 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
      * short cache does not allocate rings and pages for positions it can never hold. */
     if (q.window > q.max_seq) q.window = q.max_seq;
     if (q.page_tokens > q.max_seq) q.page_tokens = q.max_seq;
+    if (q.sinks > q.max_seq) q.sinks = q.max_seq;
     if (q.sliding_window > 0 && !ops->drop)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: sliding-window layers are not supported by this kind",
                          kvpq_cache_type_name(p->type));
@@ -183,8 +196,20 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
     }
     c->p = q;
     c->ops = ops;
+    if (q.sinks > 0) {
+        size_t ns = (size_t)q.n_layer * q.sinks * q.n_head_kv * q.head_dim;
+        c->sk = calloc(ns, sizeof *c->sk);
+        c->sv = calloc(ns, sizeof *c->sv);
+        c->ilen = calloc((size_t)q.n_layer, sizeof *c->ilen);
+        if (!c->sk || !c->sv || !c->ilen) {
+            free(c->sk), free(c->sv), free(c->ilen), free(c->len), free(c->lo), free(c->swa);
+            free(c);
+            return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_new: out of memory for %d attention sinks", q.sinks);
+        }
+    }
     s = ops->create(&c->state, &c->p);
     if (s != KVPQ_OK) {
+        free(c->sk), free(c->sv), free(c->ilen);
         free(c->len), free(c->lo), free(c->swa);
         free(c);
         return s;
@@ -196,6 +221,7 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
 void kvpq_cache_free(kvpq_cache *c) {
     if (!c) return;
     if (c->state) c->ops->destroy(c->state);
+    free(c->sk), free(c->sv), free(c->ilen);
     free(c->len), free(c->lo), free(c->swa);
     free(c);
 }
@@ -231,12 +257,90 @@ kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const float *k, c
                          c->ops->name, layer, len, n, c->p.max_seq);
     KVPQ_TRY(check_finite(c, k, n, c->p.n_head_kv, "K", layer, len));
     KVPQ_TRY(check_finite(c, v, n, c->p.n_head_kv, "V", layer, len));
+    const int S = c->p.sinks, ns = len < S ? (n < S - len ? n : S - len) : 0; /* positions going to sinks */
+    const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim;
+    if (ns > 0) {
+        KVPQ_TRY(kvpq__check_range(&c->p, "sinks", "K", layer, len, ns, k, 65504.0f));
+        KVPQ_TRY(kvpq__check_range(&c->p, "sinks", "V", layer, len, ns, v, 65504.0f));
+    }
     /* Sliding window: the first query to come (position len) sees positions from
-     * kvpq__window_start(len); what lies before can go. */
+     * kvpq__window_start(len); what lies before can go (the kind's part; sinks stay allocated). */
     const int keep = kvpq__window_start(&c->p, layer, len);
-    if (keep > c->lo[layer]) c->lo[layer] = c->ops->drop(c->state, layer, len, keep);
-    KVPQ_TRY(c->ops->append(c->state, layer, len, n, k, v));
+    if (keep > c->lo[layer] && keep > S) c->lo[layer] = S + c->ops->drop(c->state, layer, len - S, keep - S);
+    if (n > ns) KVPQ_TRY(c->ops->append(c->state, layer, len + ns - S, n - ns, k + ns * kvw, v + ns * kvw));
+    for (size_t i = 0; i < (size_t)ns * kvw; i++) { /* cannot fail: after the kind's append */
+        size_t dst = ((size_t)layer * S + len) * kvw + i;
+        c->sk[dst] = kvpq__f2h(k[i]);
+        c->sv[dst] = kvpq__f2h(v[i]);
+    }
     c->len[layer] = len + n;
+    return KVPQ_OK;
+}
+
+/* The kind's positions per layer: every position but the sinks. */
+static const int *inner_lens(const kvpq_cache *c) {
+    if (!c->p.sinks) return c->len;
+    for (int l = 0; l < c->p.n_layer; l++) c->ilen[l] = c->len[l] > c->p.sinks ? c->len[l] - c->p.sinks : 0;
+    return c->ilen;
+}
+
+/* Attention with sinks: the kind attends its positions (S..) for the queries at positions >= S and
+ * returns each row's log-sum-exp; the sinks a query sees (positions [max(0, window start), min(S,
+ * pos + 1))) are scored here in double, and the two parts are merged as two online-softmax states:
+ * with (m_s, d_s, o_s) over the sinks and (lse, out) from the kind, M = max(m_s, lse),
+ * out = (e^(m_s - M) o_s + e^(lse - M) out) / (e^(m_s - M) d_s + e^(lse - M)). */
+static kvpq_status attend_sinks(kvpq_cache *c, int layer, int len, int n_q, const float *q, float *out) {
+    const int S = c->p.sinks, hd = c->p.head_dim, nh = c->p.n_head, g = nh / c->p.n_head_kv;
+    const size_t qw = (size_t)nh * hd, kvw = (size_t)c->p.n_head_kv * hd;
+    int n_in = len - S < n_q ? len - S : n_q; /* queries at positions >= S */
+    if (n_in < 0) n_in = 0;
+    float *lse = NULL;
+    if (n_in > 0) {
+        if (!(lse = malloc((size_t)n_in * nh * sizeof *lse)))
+            return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory for %d queries", c->ops->name, n_q);
+        kvpq_status s = c->ops->attend(c->state, layer, len - S, n_in, q + (size_t)(n_q - n_in) * qw,
+                                       out + (size_t)(n_q - n_in) * qw, lse);
+        if (s != KVPQ_OK) {
+            free(lse);
+            return s;
+        }
+    }
+    const int nt = c->p.n_threads > 0 ? c->p.n_threads : omp_get_max_threads();
+    const double scale = 1.0 / sqrt((double)hd);
+    const uint16_t *sk = c->sk + (size_t)layer * S * kvw, *sv = c->sv + (size_t)layer * S * kvw;
+#pragma omp parallel for num_threads(nt) if ((double)n_q * nh * S * hd > 1e5) schedule(static)
+    for (int r = 0; r < n_q * nh; r++) {
+        const int i = r / nh, h = r % nh, pos = len - n_q + i, kvh = h / g;
+        int t0 = kvpq__window_start(&c->p, layer, pos), t1 = pos + 1 < S ? pos + 1 : S;
+        float *dst = out + (size_t)i * qw + (size_t)h * hd;
+        if (t0 >= t1) continue; /* no sink in this query's window: the kind's part alone */
+        const float *qi = q + (size_t)i * qw + (size_t)h * hd;
+        double m = -INFINITY, d = 0.0, o[1024];
+        for (int t = t0; t < t1; t++) {
+            const uint16_t *kt = sk + (size_t)t * kvw + (size_t)kvh * hd;
+            double sc = 0.0;
+            for (int j = 0; j < hd; j++) sc += (double)qi[j] * kvpq__h2f(kt[j]);
+            if (sc * scale > m) m = sc * scale;
+        }
+        for (int j = 0; j < hd; j++) o[j] = 0.0;
+        for (int t = t0; t < t1; t++) {
+            const uint16_t *kt = sk + (size_t)t * kvw + (size_t)kvh * hd, *vt = sv + (size_t)t * kvw + (size_t)kvh * hd;
+            double sc = 0.0;
+            for (int j = 0; j < hd; j++) sc += (double)qi[j] * kvpq__h2f(kt[j]);
+            double w = exp(sc * scale - m);
+            d += w;
+            for (int j = 0; j < hd; j++) o[j] += w * kvpq__h2f(vt[j]);
+        }
+        const int ii = i - (n_q - n_in); /* the kind's query row, when it has one */
+        if (ii < 0) {
+            for (int j = 0; j < hd; j++) dst[j] = (float)(o[j] / d);
+            continue;
+        }
+        const double l = lse[(size_t)ii * nh + h], M = m > l ? m : l, a = exp(m - M), b = exp(l - M);
+        const double inv = 1.0 / (a * d + b);
+        for (int j = 0; j < hd; j++) dst[j] = (float)((a * o[j] + b * dst[j]) * inv);
+    }
+    free(lse);
     return KVPQ_OK;
 }
 
@@ -253,7 +357,8 @@ kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q,
                          "kvpq_cache_attend: layer %d (sliding window %d) no longer holds positions before %d, which "
                          "the query at position %d would see",
                          layer, c->p.sliding_window, c->lo[layer], len - n_q);
-    return c->ops->attend(c->state, layer, len, n_q, q, out);
+    if (c->p.sinks > 0) return attend_sinks(c, layer, len, n_q, q, out);
+    return c->ops->attend(c->state, layer, len, n_q, q, out, NULL);
 }
 
 kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos) {
@@ -267,7 +372,8 @@ kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos) {
                              "kvpq_cache_truncate: layer %d (sliding window %d) no longer holds positions before %d; "
                              "truncating to %d needs them",
                              l, c->p.sliding_window, c->lo[l], n_pos);
-    KVPQ_TRY(c->ops->truncate(c->state, c->len, n_pos));
+    const int S = c->p.sinks;
+    KVPQ_TRY(c->ops->truncate(c->state, inner_lens(c), n_pos > S ? n_pos - S : 0));
     for (int l = 0; l < c->p.n_layer; l++) {
         if (c->len[l] > n_pos) c->len[l] = n_pos;
         if (n_pos == 0) c->lo[l] = 0;
@@ -291,12 +397,24 @@ kvpq_status kvpq_cache_read(const kvpq_cache *c, int layer, int pos0, int n, flo
         return kvpq__err(KVPQ_ERR_INVALID_ARG,
                          "kvpq_cache_read: layer %d (sliding window %d) no longer holds positions before %d (asked from %d)",
                          layer, c->p.sliding_window, c->lo[layer], pos0);
-    return c->ops->read(c->state, layer, len, pos0, n, k, v);
+    const int S = c->p.sinks;
+    if (!S) return c->ops->read(c->state, layer, len, pos0, n, k, v);
+    const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim;
+    const int n_s = pos0 < S ? (n < S - pos0 ? n : S - pos0) : 0; /* positions read from the sinks */
+    for (size_t i = 0; i < (size_t)n_s * kvw; i++) {
+        size_t src = ((size_t)layer * S + pos0) * kvw + i;
+        if (k) k[i] = kvpq__h2f(c->sk[src]);
+        if (v) v[i] = kvpq__h2f(c->sv[src]);
+    }
+    if (n == n_s) return KVPQ_OK;
+    return c->ops->read(c->state, layer, len - S, pos0 + n_s - S, n - n_s, k ? k + n_s * kvw : NULL,
+                        v ? v + n_s * kvw : NULL);
 }
 
 size_t kvpq_cache_resident_bytes(const kvpq_cache *c) {
     if (!c) return 0;
-    return c->ops->resident_bytes(c->state, c->len);
+    const size_t sink_bytes = (size_t)2 * c->p.n_layer * c->p.sinks * c->p.n_head_kv * c->p.head_dim * sizeof(uint16_t);
+    return c->ops->resident_bytes(c->state, inner_lens(c)) + sink_bytes;
 }
 
 kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st) {
@@ -308,7 +426,12 @@ kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats *st) {
     st->elements = 2 * tokens * c->p.n_head_kv * c->p.head_dim;
     st->bits_per_element = st->elements ? (double)st->resident_bytes * 8.0 / (double)st->elements : 0.0;
     st->backend = c->p.backend;
-    if (c->ops->stats) c->ops->stats(c->state, c->len, st);
+    if (c->ops->stats) c->ops->stats(c->state, inner_lens(c), st);
+    for (int l = 0; l < c->p.n_layer && c->p.sinks; l++) { /* sinks: full precision (fp16 K and V) */
+        const int ns = c->len[l] < c->p.sinks ? c->len[l] : c->p.sinks;
+        st->tokens_window += ns;
+        st->stored_bytes += (size_t)2 * ns * c->p.n_head_kv * c->p.head_dim * sizeof(uint16_t);
+    }
     st->stored_bits_per_element = st->elements ? (double)st->stored_bytes * 8.0 / (double)st->elements : 0.0;
     return KVPQ_OK;
 }

@@ -85,7 +85,7 @@ kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, cons
 
 static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvpq__load_fn load,
                               kvpq__load16_fn load16, int align, int layer, int len, int n_q, const float *q,
-                              float *out) {
+                              float *out, float *lse) {
     const int hd = p->head_dim, hkv = p->n_head_kv, g = p->n_head / p->n_head_kv;
     const int rows = n_q * g; /* query rows of one KV head: row r = (query r / g, head kvh*g + r % g) */
     const int nb = (rows + RB - 1) / RB;
@@ -234,19 +234,20 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
             float *dst = out + ((size_t)i * p->n_head + head) * hd;
             float inv = 1.0f / st.d; /* d >= 1: the row's max score contributes exp(0) */
             for (int c = 0; c < hd; c++) dst[c] = o[c] * inv;
+            if (lse) lse[(size_t)i * p->n_head + head] = st.m + logf(st.d);
         }
     free(part);
     return KVPQ_OK;
 }
 
 kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
-                             int layer, int len, int n_q, const float *q, float *out) {
-    return attend_any(p, state, load, NULL, align, layer, len, n_q, q, out);
+                             int layer, int len, int n_q, const float *q, float *out, float *lse) {
+    return attend_any(p, state, load, NULL, align, layer, len, n_q, q, out, lse);
 }
 
 kvpq_status kvpq__attend_cpu_f16(const kvpq_cache_params *p, const void *state, kvpq__load16_fn load16, int align,
-                                 int layer, int len, int n_q, const float *q, float *out) {
-    return attend_any(p, state, NULL, load16, align, layer, len, n_q, q, out);
+                                 int layer, int len, int n_q, const float *q, float *out, float *lse) {
+    return attend_any(p, state, NULL, load16, align, layer, len, n_q, q, out, lse);
 }
 
 kvpq_status kvpq__read_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,

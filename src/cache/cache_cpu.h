@@ -59,13 +59,13 @@ typedef void (*kvpq__load16_fn)(const void *state, int layer, int kvh, int t0, i
  * range) and spread with OpenMP; token ranges of one row are combined with kvpq_softmax_merge
  * (split-KV decoding, "Flash-Decoding"). */
 kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
-                             int layer, int len, int n_q, const float *q, float *out);
+                             int layer, int len, int n_q, const float *q, float *out, float *lse);
 /* The same for fp16 rows: blocks of at most KVPQ_ATTN_F16_ROWS query rows use the fused fp16
  * kernels (qk_f16, pv_f16: conversion in registers, no fp32 copy); larger blocks (prefill)
  * convert each chunk once into fp32 and use the fp32 kernels. */
 #define KVPQ_ATTN_F16_ROWS 4
 kvpq_status kvpq__attend_cpu_f16(const kvpq_cache_params *p, const void *state, kvpq__load16_fn load16, int align,
-                                 int layer, int len, int n_q, const float *q, float *out);
+                                 int layer, int len, int n_q, const float *q, float *out, float *lse);
 
 /* kvpq_cache_read through `load`: k, v (n, n_head_kv, head_dim), either may be NULL. */
 kvpq_status kvpq__read_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
@@ -95,9 +95,14 @@ kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, cons
 
 /* Page layout: (n_head_kv, page_tokens, row_bytes) so a KV head's rows in a page are contiguous. */
 kvpq_status kvpq__rows_create(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec);
+/* The same with llama.cpp's rotation of K/V head vectors (the q4_0r / q8_0r kinds): K (and the
+ * queries) by the normalized Walsh-Hadamard matrix of the largest power-of-two block dividing
+ * head_dim, V by blocks of 64, before quantizing; the attention output is rotated back and
+ * kvpq_cache_read returns the stored vectors rotated back. head_dim % 64 != 0: KVPQ_ERR_UNSUPPORTED. */
+kvpq_status kvpq__rows_create_rotated(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec);
 void kvpq__rows_destroy(void *state);
 kvpq_status kvpq__rows_append(void *state, int layer, int len, int n, const float *k, const float *v);
-kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const float *q, float *out);
+kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse);
 kvpq_status kvpq__rows_truncate(void *state, const int *lens, int n_pos);
 kvpq_status kvpq__rows_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v);
 size_t kvpq__rows_resident_bytes(const void *state, const int *lens);

@@ -124,6 +124,9 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
                          (unsigned long long)MAX_USER);
     if (!c->ops->serial)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cache_save: cache %s has no saved form", c->ops->name);
+    if (c->p.sinks > 0)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "kvpq_cache_save: a cache with attention sinks (sinks %d) has no saved form yet", c->p.sinks);
     /* A sliding-window cache has freed the pages of positions its local layers no longer see: the
      * file records where each layer starts (lo) and holds the pages from there on. */
     /* The file replaced is the one a symbolic link names (tempfile.c); the temporary file sits
@@ -212,6 +215,10 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_load: out is NULL");
     *out = NULL;
     if (!p || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_load: params or path is NULL");
+    if (p->sinks > 0) /* kvpq_cache_save writes none: a file cannot hold them */
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "saved cache '%s': a cache with attention sinks (sinks %d) has no saved form yet", path,
+                         p->sinks);
     /* Non-blocking and a regular file only: a FIFO or a device would block or never end. */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot open: %s", path, strerror(errno));

@@ -20,8 +20,10 @@ typedef struct kvpq_cache_ops {
     void (*destroy)(void *state);
     /* Append n positions after the `len` already held by `layer`. k, v: (n, n_head_kv, head_dim). */
     kvpq_status (*append)(void *state, int layer, int len, int n, const float *k, const float *v);
-    /* Causal attention of the newest n_q positions (see kvpq_cache_attend); `len` positions held. */
-    kvpq_status (*attend)(void *state, int layer, int len, int n_q, const float *q, float *out);
+    /* Causal attention of the newest n_q positions (see kvpq_cache_attend); `len` positions held.
+     * lse: NULL, or (n_q, n_head) gets each row's log-sum-exp of its scaled scores, m + log(d) of the
+     * final online-softmax state (cache.c merges attention-sink positions with it). */
+    kvpq_status (*attend)(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse);
     /* Drop positions >= n_pos of every layer (lens[l] were held before). */
     kvpq_status (*truncate)(void *state, const int *lens, int n_pos);
     /* Dequantized K/V of positions [pos0, pos0+n); k or v may be NULL. */
@@ -62,6 +64,11 @@ struct kvpq_cache {
     int *len; /* (n_layer) positions held per layer */
     int *lo;  /* (n_layer) first position still held (> 0 only in sliding-window layers) */
     uint8_t *swa; /* (n_layer) copy of params.swa_layers (p.swa_layers points here), or NULL */
+    /* Attention sinks (params.sinks = S > 0): positions [0, S) of every layer in fp16, (n_layer, S,
+     * n_head_kv, head_dim) each; the kind holds positions S.. as its positions 0.. (its len is
+     * max(0, len - S), kept in ilen). NULL when S == 0. */
+    uint16_t *sk, *sv;
+    int *ilen;
 };
 
 /* The kinds; a kind not built yet is NULL and kvpq_cache_new reports it as unsupported. */
@@ -69,6 +76,8 @@ extern const kvpq_cache_ops kvpq_cache_ops_fp32;
 extern const kvpq_cache_ops kvpq_cache_ops_fp16;
 extern const kvpq_cache_ops kvpq_cache_ops_q8_0;
 extern const kvpq_cache_ops kvpq_cache_ops_q4_0;
+extern const kvpq_cache_ops kvpq_cache_ops_q8_0r;
+extern const kvpq_cache_ops kvpq_cache_ops_q4_0r;
 extern const kvpq_cache_ops kvpq_cache_ops_kivi2;
 extern const kvpq_cache_ops kvpq_cache_ops_kivi4;
 /* Defined by src/cache/cache_vq.c. cache.c references it strongly when that file exists at compile

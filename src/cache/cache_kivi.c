@@ -258,9 +258,9 @@ static void kivi_load(const void *state, int layer, int kvh, int t0, int n, floa
     *v = vbuf;
 }
 
-static kvpq_status kivi_attend(void *state, int layer, int len, int n_q, const float *q, float *out) {
+static kvpq_status kivi_attend(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse) {
     kivi_state *s = state;
-    return kvpq__attend_cpu(&s->p, s, kivi_load, KVPQ_ATTN_CHUNK, layer, len, n_q, q, out);
+    return kvpq__attend_cpu(&s->p, s, kivi_load, KVPQ_ATTN_CHUNK, layer, len, n_q, q, out, lse);
 }
 
 static kvpq_status kivi_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v) {

@@ -635,7 +635,7 @@ static void vq_merge(kvpq_softmax_state *a, float *oa, const kvpq_softmax_state 
 /* Finish query position i of KV head h: merge the coded splits, rotate back, attend the window
  * exactly, merge, normalize into out (G, d). */
 static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, const float *q, const float *parts,
-                      int n_split, vq_scratch *s, const kvpq_vq_kernels *K, float *out) {
+                      int n_split, vq_scratch *s, const kvpq_vq_kernels *K, float *out, float *lse) {
     const int gp = st->gp, G = st->group, d = st->head_dim;
     const size_t psz = (size_t)gp * (2 + d);
     kvpq_softmax_state a[64]; /* G <= 64, checked by vq_attend */
@@ -676,10 +676,11 @@ static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, con
         }
         float inv = acc.d > 0.0f ? 1.0f / acc.d : 0.0f;
         for (int j = 0; j < d; j++) out[(size_t)g * d + j] = o[j] * inv;
+        if (lse) lse[g] = acc.d > 0.0f ? acc.m + logf(acc.d) : -INFINITY;
     }
 }
 
-static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const float *q, float *out) {
+static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse) {
     vq_state *st = state;
     const vq_layer *L = &st->layers[layer];
     const int nkv = st->n_head_kv, d = st->head_dim, G = st->group, gp = st->gp, nt = st->n_threads;
@@ -726,7 +727,8 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
         for (int j = 0; j < base_jobs; j++) {
             int i = j / nkv, h = j % nkv;
             size_t off = ((size_t)i * st->n_head + (size_t)h * G) * d;
-            vq_finish(st, L, h, P + i, q + off, parts + (size_t)j * n_split * psz, n_split, s, K, out + off);
+            vq_finish(st, L, h, P + i, q + off, parts + (size_t)j * n_split * psz, n_split, s, K, out + off,
+                      lse ? lse + (size_t)i * st->n_head + (size_t)h * G : NULL);
         }
     }
     return KVPQ_OK;

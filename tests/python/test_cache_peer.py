@@ -79,3 +79,37 @@ def test_fp32_attention_matches_numpy(lib):
     assert np.array_equal(kr, k) and np.array_equal(vr, v)
     ref = ref_attend(k, v, q)
     assert np.abs(out - ref).max() <= 2e-5 * np.abs(ref).max()
+
+
+def sylvester(n):
+    """Normalized Walsh-Hadamard matrix (Sylvester order), fp64: llama.cpp's ggml_gen_hadamard."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+@pytest.mark.parametrize("kind,qtype", [("q8_0r", "Q8_0"), ("q4_0r", "Q4_0")])
+@pytest.mark.parametrize("hd", [64, 256])
+def test_rotated_read_back_is_gguf_blocks_of_hadamard(lib, kind, qtype, hd):
+    """llama.cpp's rotated KV (src/llama-kv-cache.cpp): K by H_r with r the largest power of two
+    dividing head_dim, V by H_64 blocks, then ggml blocks. With integer inputs and r in {64, 256}
+    (scales 1/8, 1/16) the rotation is exact in float32 and float64, so kvpq and gguf quantize the same
+    vectors; the read-back is H applied to gguf's dequantization (float32 sums: 1e-6 relative)."""
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(hd)
+    L, hkv, n_head = 100, 2, 8
+    k = rng.integers(-7, 8, (L, hkv, hd)).astype(np.float32)
+    v = rng.integers(-9, 10, (L, hkv, hd)).astype(np.float32)
+    k[:, 0, 5] += 60  # a key channel bias, as Qwen2.5's
+    q = rng.standard_normal((1, n_head, hd)).astype(np.float32) * 0.05
+    kr, vr, out = run_cache(lib, kind, k, v, q)
+    hk, hv = sylvester(hd), sylvester(64)
+    for x, xr, h in ((k, kr, hk), (v, vr, hv)):
+        r = h.shape[0]
+        y = (x.reshape(-1, r).astype(np.float64) @ h.T).astype(np.float32)  # exact
+        d = quants.dequantize(quants.quantize(y.reshape(-1, hd), t), t).reshape(-1, r).astype(np.float64)
+        want = (d @ h.T).reshape(x.shape)
+        assert np.abs(xr - want).max() <= 1e-6 * np.abs(want).max()
+    ref = ref_attend(kr, vr, q)
+    assert np.abs(out - ref).max() <= 2e-5 * np.abs(ref).max()
