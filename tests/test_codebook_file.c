@@ -960,7 +960,11 @@ Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
 Test(codebook_file, format_version_and_config_metadata_are_checked) {
     const char *good = save_small(), *bad = path_in("bad.safetensors");
     struct { const char *key, *value; kvpq_status s; const char *msg; } cases[] = {
-        {"kvpq.format_version", "4", KVPQ_ERR_UNSUPPORTED, "format version '4'"},
+        {"kvpq.format_version", "5", KVPQ_ERR_UNSUPPORTED, "format version '5'"},
+        /* version 4 features in a version 3 file */
+        {"k.granularity", "head", KVPQ_ERR_FORMAT, "'head' in a version 3 file"},
+        {"k.stages", "2", KVPQ_ERR_FORMAT, "k.stages / k2.M appear in a version 3 file"},
+        {"k2.M", "8", KVPQ_ERR_FORMAT, "k.stages / k2.M appear in a version 3 file"},
         {"kvpq.format_version", "2", KVPQ_ERR_FORMAT, "k.norm / v.norm appear in a version 2 file"},
         {"k.norm", NULL, KVPQ_ERR_FORMAT, "metadata k.norm is missing"},
         {"v.norm", "2", KVPQ_ERR_FORMAT, "v.norm"},
@@ -1142,5 +1146,125 @@ Test(codebook_file, model_recorded_and_checked) {
     cr_assert(strstr(kvpq_last_error(), "qwen2"), "%s", kvpq_last_error());
     cr_assert_eq(kvpq_codebook_check_model(NULL, &a, NULL), KVPQ_ERR_INVALID_ARG);
     kvpq_codebook_free(back);
+    kvpq_codebook_free(cb);
+}
+
+// ---- version 4: head granularity and two key stages ----------------------------------------------
+
+/* Head granularity (one book per KV head) and a residual second key stage round-trip bit for bit;
+ * the file is version 4 with k.stages / k2.M and tensors (n_head_kv, ksub, dsub) and
+ * layers.{i}.k.codebook2; a plain codebook still writes version 3. */
+Test(codebook_file, head_and_two_stage_round_trip) {
+    for (int two = 0; two < 2; two++) {
+        kvpq_codebook_params p = small_params(3);
+        p.key.granularity = KVPQ_CODEBOOK_HEAD;
+        if (two) {
+            p.key_stages = 2;
+            p.key2 = (kvpq_pq_params){.d = 8, .M = 2, .nbits = 2, .granularity = KVPQ_CODEBOOK_HEAD};
+        }
+        kvpq_codebook *a = random_codebook_m(&p, mixed_M), *b;
+        kvpq_codebook_params ap = kvpq_codebook_get_params(a);
+        cr_assert_eq(ap.key.n_head, 2, "a codebook sets its HEAD quantizers' n_head to n_head_kv");
+        cr_assert_eq(ap.key_stages, 1 + two);
+        cr_assert_eq(kvpq_pq_centroids_size(kvpq_codebook_pq_const(a, 1, 0)), (size_t)2 * 4 * 2);
+        if (two) {
+            for (int l = 0; l < 3; l++) {
+                kvpq_pq *q2 = kvpq_codebook_key_pq2(a, l);
+                cr_assert_not_null(q2);
+                size_t n = kvpq_pq_centroids_size(q2);
+                cr_assert_eq(n, (size_t)2 * 4 * 4);
+                float c[32];
+                for (size_t i = 0; i < n; i++) c[i] = frand(-1.0f, 1.0f);
+                cr_assert_eq(kvpq_pq_set_centroids(q2, c, n), KVPQ_OK);
+            }
+        } else {
+            cr_assert_null(kvpq_codebook_key_pq2(a, 0));
+        }
+        const char *path = path_in("hv4.safetensors"), *path2 = path_in("hv4b.safetensors");
+        cr_assert_eq(kvpq_codebook_save(a, path), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_load(&b, path), KVPQ_OK, "%s", kvpq_last_error());
+        assert_same(a, b);
+        for (int l = 0; two && l < 3; l++) {
+            const kvpq_pq *x = kvpq_codebook_key_pq2_const(a, l), *y = kvpq_codebook_key_pq2_const(b, l);
+            cr_assert_eq(memcmp(kvpq_pq_centroids(x), kvpq_pq_centroids(y), kvpq_pq_centroids_size(x) * 4), 0);
+        }
+        cr_assert_eq(kvpq_codebook_save(b, path2), KVPQ_OK);
+        blob x = read_blob(path), y = read_blob(path2);
+        cr_assert(x.len == y.len && !memcmp(x.buf, y.buf, x.len), "stages %d: re-saved file differs", 1 + two);
+        free(x.buf);
+        free(y.buf);
+        parsed f = parse_file(path);
+        cJSON *meta = cJSON_GetObjectItemCaseSensitive(f.root, "__metadata__");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "kvpq.format_version")->valuestring, "4");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.granularity")->valuestring, "head");
+        char *sh = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(tensor(&f, "layers.0.k.codebook"), "shape"));
+        cr_assert_str_eq(sh, "[2,4,1]"); /* layer 0: M 8 (dsub 1), 2 heads, ksub 4 */
+        free(sh);
+        if (two) {
+            cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.stages")->valuestring, "2");
+            cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k2.M")->valuestring, "2");
+            sh = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(tensor(&f, "layers.2.k.codebook2"), "shape"));
+            cr_assert_str_eq(sh, "[2,4,4]");
+            free(sh);
+            /* Inconsistent files are refused, naming what is wrong. */
+            const char *bad = path_in("hv4bad.safetensors");
+            struct { const char *key, *value, *msg1; } cases[] = {
+                {"k2.M", "4", "tensor layers.0.k.codebook2 has shape [2,4,4], expected [2,4,2]"},
+                {"k.stages", "1", "metadata k2.M appears without k.stages=2"},
+                {"k.stages", "3", "metadata k.stages='3'"},
+                {"k2.M", NULL, "metadata k2.M is missing"},
+                {"kvpq.format_version", "3", "appear in a version 3 file"},
+            };
+            for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+                parsed g = parse_file(path);
+                set_meta_str(&g, cases[i].key, cases[i].value);
+                write_parsed(bad, &g);
+                expect_fail(bad, KVPQ_ERR_FORMAT, cases[i].msg1, NULL);
+                free_parsed(&g);
+            }
+        } else {
+            cr_assert_null(cJSON_GetObjectItemCaseSensitive(meta, "k.stages"));
+            cr_assert_null(cJSON_GetObjectItemCaseSensitive(f.root, "layers.0.k.codebook2"));
+        }
+        free_parsed(&f);
+        kvpq_codebook_free(a);
+        kvpq_codebook_free(b);
+    }
+    /* A plain codebook (no head granularity, one stage) is written as version 3, as before. */
+    kvpq_codebook_params p = small_params(2);
+    kvpq_codebook *c = random_codebook(&p);
+    cr_assert_str_eq(kvpq_codebook_get_meta(c, "kvpq.format_version"), "3");
+    kvpq_codebook_free(c);
+    /* Stage two must share key's nbits and granularity. */
+    p.key_stages = 2;
+    p.key2 = (kvpq_pq_params){.d = 8, .M = 2, .nbits = 3, .granularity = KVPQ_CODEBOOK_SHARED};
+    cr_assert_eq(kvpq_codebook_new(&c, &p), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "key2 (stage two): nbits=3"), "%s", kvpq_last_error());
+    p.key_stages = 3;
+    cr_assert_eq(kvpq_codebook_new(&c, &p), KVPQ_ERR_INVALID_ARG);
+}
+
+/* A version 3 file written by kvpq before version 4 existed (tests/data/codebook/v3_small.safetensors:
+ * shared keys with layer 1 at M 8, subspace values, norm-explicit keys, rotated values) loads with
+ * the same params and values, and re-saves byte for byte. */
+Test(codebook_file, version_3_fixture_still_loads) {
+    const char *fx = KVPQ_SOURCE_DIR "/tests/data/codebook/v3_small.safetensors";
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_load(&cb, fx), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook_params p = kvpq_codebook_get_params(cb);
+    cr_assert(p.n_layer == 2 && p.n_head_kv == 2 && p.head_dim == 8);
+    cr_assert(p.key.M == 4 && p.key.nbits == 2 && p.key.granularity == KVPQ_CODEBOOK_SHARED);
+    cr_assert(p.value.M == 2 && p.value.nbits == 3 && p.value.granularity == KVPQ_CODEBOOK_SUBSPACE);
+    cr_assert(p.key_norm == 1 && p.value_norm == 0 && p.value_rotate == 1 && p.key_stages == 1);
+    cr_assert_eq(kvpq_codebook_layer_key_M(cb, 1), 8);
+    cr_assert_null(kvpq_codebook_key_pq2(cb, 0));
+    cr_assert_float_eq(kvpq_pq_centroids(kvpq_codebook_pq_const(cb, 1, 0))[0], -0.09989116f, 1e-7f);
+    cr_assert_float_eq(kvpq_pq_centroids(kvpq_codebook_pq_const(cb, 0, 1))[(8 + 2) * 4 + 1], -0.52786773f, 1e-7f);
+    const char *out = path_in("v3_resave.safetensors");
+    cr_assert_eq(kvpq_codebook_save(cb, out), KVPQ_OK, "%s", kvpq_last_error());
+    blob x = read_blob(fx), y = read_blob(out);
+    cr_assert(x.len == y.len && !memcmp(x.buf, y.buf, x.len), "re-saved v3 fixture differs");
+    free(x.buf);
+    free(y.buf);
     kvpq_codebook_free(cb);
 }

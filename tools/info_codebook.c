@@ -7,6 +7,7 @@
 static const char *const config_keys[] = {
     "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
     "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate", "k.norm", "v.norm",
+    "k.stages",            "k2.M",
 };
 
 static int is_config_key(const char *k) {
@@ -19,7 +20,8 @@ static int is_config_key(const char *k) {
 static void print_pq(const char *what, const kvpq_pq_params *q) {
     int dsub = q->d / q->M;
     printf("%-6s M=%d dsub=%d nbits=%d ksub=%d granularity=%s  %.3f bits/element\n", what, q->M, dsub, q->nbits,
-           1 << q->nbits, q->granularity == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : "shared",
+           1 << q->nbits,
+           q->granularity == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : q->granularity == KVPQ_CODEBOOK_HEAD ? "head" : "shared",
            (double)q->M * q->nbits / q->d);
 }
 
@@ -27,6 +29,8 @@ static void print_pq(const char *what, const kvpq_pq_params *q) {
 static void book_shape(const kvpq_pq_params *q, char *buf, size_t cap) {
     if (q->granularity == KVPQ_CODEBOOK_SUBSPACE)
         snprintf(buf, cap, "[%d,%d,%d]", q->M, 1 << q->nbits, q->d / q->M);
+    else if (q->granularity == KVPQ_CODEBOOK_HEAD)
+        snprintf(buf, cap, "[%d,%d,%d]", q->n_head, 1 << q->nbits, q->d / q->M);
     else
         snprintf(buf, cap, "[%d,%d]", 1 << q->nbits, q->d / q->M);
 }
@@ -74,6 +78,10 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
             l = e + 1;
         }
     }
+    if (p.key_stages == 2) { /* residual second stage: its codes in every layer */
+        print_pq("key2", &p.key2);
+        bits[0] += (double)p.n_layer * p.key2.M * p.key2.nbits;
+    }
     /* Codes, plus one float16 scale per vector of a norm-explicit quantizer. */
     printf("bits/element (K and V together, codes and per-vector scales): %.3f\n",
            ((bits[0] + bits[1]) / p.n_layer + 16.0 * (p.key_norm + p.value_norm)) / (2.0 * p.head_dim));
@@ -98,7 +106,13 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
     snprintf(ss, sizeof ss, "[%d,%d]", p.n_head_kv, p.head_dim);
     book_shape(&p.key, ks, sizeof ks); /* k.M's; layers listed above with their own M differ */
     book_shape(&p.value, vs, sizeof vs);
-    printf("tensors per layer: k.smooth %s  k.mean %s  k.codebook %s  v.codebook %s  (F32)\n", ss, ss, ks, vs);
+    char k2s[64] = "";
+    if (p.key_stages == 2) {
+        char b2[40];
+        book_shape(&p.key2, b2, sizeof b2);
+        snprintf(k2s, sizeof k2s, "  k.codebook2 %s", b2);
+    }
+    printf("tensors per layer: k.smooth %s  k.mean %s  k.codebook %s%s  v.codebook %s  (F32)\n", ss, ss, ks, k2s, vs);
     printf("%5s %12s %12s %12s %12s %14s %14s\n", "layer", "smooth.min", "smooth.max", "smooth.mean", "k.mean.rms",
            "k.centroid.rms", "v.centroid.rms");
     for (int l = 0; l < p.n_layer; l++) {

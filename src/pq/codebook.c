@@ -43,21 +43,27 @@
 #define CB_MAX_ABS 0x1p21
 
 /* Metadata keys derived from the params (read-only through set_meta), in the order written. */
-enum { CB_N_CONFIG = 13 };
-static const char *const cb_config_keys[CB_N_CONFIG] = {
+enum { CB_N_CONFIG = 13, CB_N_CONFIG_MAX = 15 };
+static const char *const cb_config_keys[CB_N_CONFIG_MAX] = {
     "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
     "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate", "k.norm", "v.norm",
+    /* version 4, written only with key_stages = 2: */
+    "k.stages",            "k2.M",
 };
 
 /* Tensor kinds of one layer, in file order. */
-enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_K_MEAN = 3, CB_N_KIND = 4 };
-static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "v.codebook", "k.mean"};
-/* Format version 1 files hold the first three kinds (no key mean: mu = 0); version 2 all four. */
+enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_K_MEAN = 3, CB_K_BOOK2 = 4, CB_N_KIND = 5 };
+static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "v.codebook", "k.mean",
+                                                     "k.codebook2"};
+/* Format version 1 files hold the first three kinds (no key mean: mu = 0); versions 2-3 the first
+ * four; version 4 adds k.codebook2 in a codebook with two key stages. */
 #define CB_N_KIND_V1 3
 
 struct kvpq_codebook {
     kvpq_codebook_params p;
     kvpq_pq **pq;       /* (n_layer, 2): [2*i] key quantizer, [2*i + 1] value quantizer */
+    kvpq_pq **pq2;      /* (n_layer) key stage-two quantizers (key_stages = 2), else NULL */
+    int n_config;       /* config metadata entries: CB_N_CONFIG, or CB_N_CONFIG_MAX with two key stages */
     int *layer_M;       /* (n_layer, 2) each layer's key [2*i] and value [2*i + 1] M (p.key.M / p.value.M
                          * unless set_layer_key_M / set_layer_value_M changed it) */
     float *smooth;      /* (n_layer, n_head_kv, head_dim) key smoothing factors lambda */
@@ -79,7 +85,28 @@ kvpq_codebook_params kvpq_codebook_params_default(void) {
 }
 
 static const char *granularity_name(kvpq_codebook_granularity g) {
-    return g == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : "shared";
+    return g == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : g == KVPQ_CODEBOOK_HEAD ? "head" : "shared";
+}
+
+/* The params as a codebook holds them: HEAD quantizers get n_head = n_head_kv (others 0), one key
+ * stage is key_stages = 1 with key2 = key, stage two takes key's nbits and granularity fields. */
+static kvpq_codebook_params params_normalize(const kvpq_codebook_params *in) {
+    kvpq_codebook_params p = *in;
+    kvpq_pq_params *q[2] = {&p.key, &p.value};
+    for (int v = 0; v < 2; v++) q[v]->n_head = q[v]->granularity == KVPQ_CODEBOOK_HEAD ? p.n_head_kv : 0;
+    if (p.key_stages <= 1) {
+        p.key_stages = 1;
+        p.key2 = p.key;
+    } else {
+        p.key2.n_head = p.key2.granularity == KVPQ_CODEBOOK_HEAD ? p.n_head_kv : 0;
+    }
+    return p;
+}
+
+/* Version 4 features in use: head granularity or two key stages. */
+static int params_v4(const kvpq_codebook_params *p) {
+    return p->key.granularity == KVPQ_CODEBOOK_HEAD || p->value.granularity == KVPQ_CODEBOOK_HEAD ||
+           p->key_stages == 2;
 }
 
 static kvpq_status params_check(const kvpq_codebook_params *p) {
@@ -111,6 +138,24 @@ static kvpq_status params_check(const kvpq_codebook_params *p) {
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key_norm=%d: expected 0 or 1", p->key_norm);
     if (p->value_norm != 0 && p->value_norm != 1)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook value_norm=%d: expected 0 or 1", p->value_norm);
+    if (p->key_stages < 0 || p->key_stages > 2)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key_stages=%d: expected 1 or 2", p->key_stages);
+    if (p->key_stages == 2) {
+        if (p->key2.d != p->head_dim)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key2.d=%d: expected head_dim=%d", p->key2.d, p->head_dim);
+        if (p->key2.nbits != p->key.nbits || p->key2.granularity != p->key.granularity)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                             "codebook key2 (stage two): nbits=%d granularity=%d, expected key's nbits=%d "
+                             "granularity=%d (the cache adds the two stages' tables as one)",
+                             p->key2.nbits, (int)p->key2.granularity, p->key.nbits, (int)p->key.granularity);
+        kvpq_pq_params q = p->key2;
+        if (q.granularity == KVPQ_CODEBOOK_HEAD) q.n_head = p->n_head_kv;
+        kvpq_status s = kvpq__pq_params_check(&q);
+        if (s != KVPQ_OK) {
+            kvpq__err_prefix("codebook key2 (stage two) quantizer");
+            return s;
+        }
+    }
     return KVPQ_OK;
 }
 
@@ -192,7 +237,7 @@ static int default_M(const kvpq_codebook_params *p, int is_value) { return is_va
 
 static int is_config_key(const char *key) {
     if (is_layer_m_key(key)) return 1;
-    for (int i = 0; i < CB_N_CONFIG; i++)
+    for (int i = 0; i < CB_N_CONFIG_MAX; i++)
         if (!strcmp(key, cb_config_keys[i])) return 1;
     return 0;
 }
@@ -208,7 +253,7 @@ static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
     char **k = calloc(cap, sizeof *k), **v = calloc(cap, sizeof *v);
     int ok = k && v;
     size_t o = 0;
-    for (size_t i = 0; ok && i < cb->n_meta && i < CB_N_CONFIG; i++, o++) {
+    for (size_t i = 0; ok && i < cb->n_meta && i < (size_t)cb->n_config; i++, o++) {
         k[o] = cb->meta_key[i];
         v[o] = cb->meta_val[i];
     }
@@ -235,7 +280,7 @@ static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
         free(v);
         return kvpq__err(KVPQ_ERR_NOMEM, "codebook metadata: out of memory");
     }
-    for (size_t i = CB_N_CONFIG; i < cb->n_meta; i++) {
+    for (size_t i = (size_t)cb->n_config; i < cb->n_meta; i++) {
         if (is_layer_m_key(cb->meta_key[i])) {
             free(cb->meta_key[i]);
             free(cb->meta_val[i]);
@@ -256,8 +301,8 @@ static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
 
 static kvpq_status meta_put_config(kvpq_codebook *cb) {
     const kvpq_codebook_params *p = &cb->p;
-    char v[CB_N_CONFIG][32];
-    snprintf(v[0], sizeof v[0], "%s", KVPQ_CODEBOOK_FORMAT_VERSION);
+    char v[CB_N_CONFIG_MAX][32];
+    snprintf(v[0], sizeof v[0], "%s", params_v4(p) ? KVPQ_CODEBOOK_FORMAT_VERSION : KVPQ_CODEBOOK_FORMAT_VERSION_PLAIN);
     snprintf(v[1], sizeof v[1], "%d", p->n_layer);
     snprintf(v[2], sizeof v[2], "%d", p->n_head_kv);
     snprintf(v[3], sizeof v[3], "%d", p->head_dim);
@@ -270,23 +315,30 @@ static kvpq_status meta_put_config(kvpq_codebook *cb) {
     snprintf(v[10], sizeof v[10], "%d", p->value_rotate);
     snprintf(v[11], sizeof v[11], "%d", p->key_norm);
     snprintf(v[12], sizeof v[12], "%d", p->value_norm);
-    for (int i = 0; i < CB_N_CONFIG; i++) KVPQ_TRY(meta_put(cb, cb_config_keys[i], v[i]));
+    snprintf(v[13], sizeof v[13], "%d", p->key_stages);
+    snprintf(v[14], sizeof v[14], "%d", p->key2.M);
+    for (int i = 0; i < cb->n_config; i++) KVPQ_TRY(meta_put(cb, cb_config_keys[i], v[i]));
     return KVPQ_OK;
 }
 
 kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p) {
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_new: out is NULL");
     *out = NULL;
-    KVPQ_TRY(params_check(p));
+    if (!p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook params: NULL");
+    const kvpq_codebook_params np = params_normalize(p);
+    KVPQ_TRY(params_check(&np));
+    p = &np;
     kvpq_codebook *cb = calloc(1, sizeof *cb);
     if (!cb) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory");
     cb->p = *p;
+    cb->n_config = p->key_stages == 2 ? CB_N_CONFIG_MAX : CB_N_CONFIG;
     size_t n_smooth = (size_t)p->n_layer * p->n_head_kv * p->head_dim;
     cb->pq = calloc((size_t)2 * p->n_layer, sizeof *cb->pq);
+    cb->pq2 = calloc((size_t)p->n_layer, sizeof *cb->pq2);
     cb->layer_M = malloc((size_t)2 * p->n_layer * sizeof *cb->layer_M);
     cb->smooth = malloc(n_smooth * sizeof(float));
     cb->mean = calloc(n_smooth, sizeof(float)); /* mu = 0: no centering until trained */
-    if (!cb->pq || !cb->layer_M || !cb->smooth || !cb->mean) {
+    if (!cb->pq || !cb->pq2 || !cb->layer_M || !cb->smooth || !cb->mean) {
         kvpq_codebook_free(cb);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory for %d layers", p->n_layer);
     }
@@ -303,6 +355,15 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
             return s;
         }
         cb->pq[i]->norm_explicit = (i & 1) ? p->value_norm : p->key_norm;
+        cb->pq[i]->stage2 = !(i & 1) && p->key_stages == 2;
+    }
+    for (int l = 0; p->key_stages == 2 && l < p->n_layer; l++) {
+        kvpq_status s = kvpq_pq_new(&cb->pq2[l], &p->key2);
+        if (s != KVPQ_OK) {
+            kvpq_codebook_free(cb);
+            return s;
+        }
+        cb->pq2[l]->norm_explicit = p->key_norm;
     }
     kvpq_status s = meta_put_config(cb);
     if (s != KVPQ_OK) {
@@ -317,7 +378,10 @@ void kvpq_codebook_free(kvpq_codebook *cb) {
     if (!cb) return;
     if (cb->pq)
         for (int i = 0; i < 2 * cb->p.n_layer; i++) kvpq_pq_free(cb->pq[i]);
+    if (cb->pq2)
+        for (int i = 0; i < cb->p.n_layer; i++) kvpq_pq_free(cb->pq2[i]);
     free(cb->pq);
+    free(cb->pq2);
     free(cb->layer_M);
     free(cb->smooth);
     free(cb->mean);
@@ -374,6 +438,7 @@ static kvpq_status set_layer_M(kvpq_codebook *cb, int layer, int is_value, int M
         return s;
     }
     pq->norm_explicit = is_value ? cb->p.value_norm : cb->p.key_norm;
+    pq->stage2 = !is_value && cb->p.key_stages == 2;
     kvpq_pq_free(cb->pq[i]);
     cb->pq[i] = pq;
     return KVPQ_OK;
@@ -385,6 +450,15 @@ kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M) {
 
 kvpq_status kvpq_codebook_set_layer_value_M(kvpq_codebook *cb, int layer, int M) {
     return set_layer_M(cb, layer, 1, M, "kvpq_codebook_set_layer_value_M");
+}
+
+kvpq_pq *kvpq_codebook_key_pq2(kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return NULL;
+    return cb->pq2[layer];
+}
+
+const kvpq_pq *kvpq_codebook_key_pq2_const(const kvpq_codebook *cb, int layer) {
+    return kvpq_codebook_key_pq2((kvpq_codebook *)cb, layer);
 }
 
 int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer) {
@@ -459,9 +533,10 @@ static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, const int 
         s.dim[1] = (uint64_t)p->head_dim;
         return s;
     }
-    const kvpq_pq_params *q = kind == CB_K_BOOK ? &p->key : &p->value;
-    const int M = kind == CB_K_BOOK ? lm[0] : lm[1];
+    const kvpq_pq_params *q = kind == CB_K_BOOK ? &p->key : kind == CB_K_BOOK2 ? &p->key2 : &p->value;
+    const int M = kind == CB_K_BOOK ? lm[0] : kind == CB_K_BOOK2 ? p->key2.M : lm[1];
     if (q->granularity == KVPQ_CODEBOOK_SUBSPACE) s.dim[s.ndim++] = (uint64_t)M;
+    if (q->granularity == KVPQ_CODEBOOK_HEAD) s.dim[s.ndim++] = (uint64_t)p->n_head_kv;
     s.dim[s.ndim++] = (uint64_t)1 << q->nbits;
     s.dim[s.ndim++] = (uint64_t)(q->d / M);
     return s;
@@ -487,7 +562,7 @@ static float *tensor_data(const kvpq_codebook *cb, int layer, int kind, size_t *
         *n = (size_t)cb->p.n_head_kv * cb->p.head_dim;
         return (kind == CB_K_SMOOTH ? cb->smooth : cb->mean) + (size_t)layer * *n;
     }
-    kvpq_pq *pq = cb->pq[2 * layer + (kind == CB_V_BOOK)];
+    kvpq_pq *pq = kind == CB_K_BOOK2 ? cb->pq2[layer] : cb->pq[2 * layer + (kind == CB_V_BOOK)];
     *n = kvpq_pq_centroids_size(pq);
     return pq->centroids;
 }
@@ -536,6 +611,7 @@ static char *build_header(const kvpq_codebook *cb) {
     uint64_t off = 0;
     for (int l = 0; l < cb->p.n_layer; l++) {
         for (int k = 0; k < CB_N_KIND; k++) {
+            if (k == CB_K_BOOK2 && cb->p.key_stages != 2) continue;
             char name[64];
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
             cb_shape sh = tensor_shape(&cb->p, k, cb->layer_M + 2 * l);
@@ -577,6 +653,7 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     /* Never write a file that load would reject. */
     for (int l = 0; l < cb->p.n_layer; l++)
         for (int k = 0; k < CB_N_KIND; k++) {
+            if (k == CB_K_BOOK2 && cb->p.key_stages != 2) continue;
             char name[64];
             size_t n;
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
@@ -629,6 +706,7 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     cJSON_free(json);
     for (int l = 0; ok && l < cb->p.n_layer; l++)
         for (int k = 0; ok && k < CB_N_KIND; k++) {
+            if (k == CB_K_BOOK2 && cb->p.key_stages != 2) continue;
             size_t n;
             const float *x = tensor_data(cb, l, k, &n);
             ok = write_all(fd, x, n * sizeof(float)) == 0;
@@ -684,7 +762,8 @@ static kvpq_status meta_granularity(const cJSON *meta, const char *key, kvpq_cod
     if (!j) return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s is missing", key);
     if (!strcmp(j->valuestring, "shared")) *g = KVPQ_CODEBOOK_SHARED;
     else if (!strcmp(j->valuestring, "subspace")) *g = KVPQ_CODEBOOK_SUBSPACE;
-    else return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected shared or subspace", key, j->valuestring);
+    else if (!strcmp(j->valuestring, "head")) *g = KVPQ_CODEBOOK_HEAD;
+    else return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected shared, subspace or head", key, j->valuestring);
     return KVPQ_OK;
 }
 
@@ -720,10 +799,11 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     if (!ver) return kvpq__err(KVPQ_ERR_FORMAT, "metadata kvpq.format_version is missing (not a kvpq codebook file)");
     if (!strcmp(ver->valuestring, "1")) *version = 1;
     else if (!strcmp(ver->valuestring, "2")) *version = 2;
-    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 3;
+    else if (!strcmp(ver->valuestring, "3")) *version = 3;
+    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 4;
     else
         return kvpq__err(KVPQ_ERR_UNSUPPORTED,
-                         "format version '%.32s' is not supported: this build reads versions 1, 2 and %s",
+                         "format version '%.32s' is not supported: this build reads versions 1, 2, 3 and %s",
                          ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION);
     memset(p, 0, sizeof *p);
     KVPQ_TRY(meta_int(meta, "n_layer", 1, CB_MAX_LAYER, &p->n_layer));
@@ -743,7 +823,28 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
         return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.norm / v.norm appear in a version %d file (added in version 3)",
                          *version);
     }
+    p->key_stages = 1;
+    if (*version >= 4) {
+        if (cJSON_GetObjectItemCaseSensitive(meta, "k.stages"))
+            KVPQ_TRY(meta_int(meta, "k.stages", 1, 2, &p->key_stages));
+        if (p->key_stages == 2) {
+            KVPQ_TRY(meta_int(meta, "k2.M", 1, CB_MAX_HEAD_DIM, &p->key2.M));
+            p->key2.nbits = p->key.nbits;
+            p->key2.granularity = p->key.granularity;
+            p->key2.d = p->head_dim;
+        } else if (cJSON_GetObjectItemCaseSensitive(meta, "k2.M")) {
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata k2.M appears without k.stages=2");
+        }
+    } else {
+        if (cJSON_GetObjectItemCaseSensitive(meta, "k.stages") || cJSON_GetObjectItemCaseSensitive(meta, "k2.M"))
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.stages / k2.M appear in a version %d file (added in "
+                             "version 4)", *version);
+        if (p->key.granularity == KVPQ_CODEBOOK_HEAD || p->value.granularity == KVPQ_CODEBOOK_HEAD)
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.granularity / v.granularity 'head' in a version %d file "
+                             "(added in version 4)", *version);
+    }
     p->key.d = p->value.d = p->head_dim;
+    *p = params_normalize(p);
     if (params_check(p) != KVPQ_OK) {
         kvpq__err_prefix("inconsistent metadata");
         return KVPQ_ERR_FORMAT;
@@ -866,7 +967,9 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     kvpq_codebook_params p;
     int version = 0;
     KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, &version));
-    const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_N_KIND; /* kinds the file must hold per layer */
+    /* kinds the file must hold per layer: the first n_kind, plus k.codebook2 with two key stages */
+    const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_K_MEAN + 1;
+#define CB_KIND_EXPECTED(k) ((k) < n_kind || ((k) == CB_K_BOOK2 && p.key_stages == 2))
     int *key_M = malloc((size_t)2 * p.n_layer * sizeof *key_M); /* (n_layer, 2) key and value M */
     if (!key_M) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
     kvpq_status s = read_layer_m(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, key_M);
@@ -889,10 +992,12 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
             continue;
         }
         int layer, kind;
-        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer || kind >= n_kind) {
+        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer || !CB_KIND_EXPECTED(kind)) {
             s = kvpq__err(KVPQ_ERR_FORMAT, "unexpected tensor '%.64s' (a version %d file holds layers.{0..%d}.{%s})",
                           t->string, version, p.n_layer - 1,
-                          version == 1 ? "k.smooth, k.codebook, v.codebook" : "k.smooth, k.mean, k.codebook, v.codebook");
+                          version == 1            ? "k.smooth, k.codebook, v.codebook"
+                          : p.key_stages == 2     ? "k.smooth, k.mean, k.codebook, k.codebook2, v.codebook"
+                                                  : "k.smooth, k.mean, k.codebook, v.codebook");
             break;
         }
         cb_range *r = &seen[(size_t)layer * CB_N_KIND + kind];
@@ -900,7 +1005,7 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
         else s = check_entry(t, &p, layer, kind, key_M + 2 * layer, data_len, r);
     }
     for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++)
-        if (!seen[i].t && (int)(i % CB_N_KIND) < n_kind)
+        if (!seen[i].t && CB_KIND_EXPECTED((int)(i % CB_N_KIND)))
             s = kvpq__err(KVPQ_ERR_FORMAT, "tensor layers.%zu.%s is missing", i / CB_N_KIND,
                           cb_kind_names[i % CB_N_KIND]);
     if (s == KVPQ_OK) {
@@ -958,6 +1063,7 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
         memcpy(dst, data + seen[i].begin, n * sizeof(float)); /* the data may be unaligned: copy, then read */
         s = check_values(dst, n, kind, seen[i].t->string);
         if (s == KVPQ_OK && (kind == CB_K_BOOK || kind == CB_V_BOOK)) kvpq__pq_update_norms(cb->pq[2 * layer + (kind == CB_V_BOOK)]);
+        if (s == KVPQ_OK && kind == CB_K_BOOK2) kvpq__pq_update_norms(cb->pq2[layer]);
     }
     free(seen);
     if (s != KVPQ_OK) {
