@@ -262,17 +262,19 @@ KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int
 /* ---- codebook file (safetensors) ------------------------------------------------------------ */
 
 /* A model's trained codebooks: per layer, key and value quantizers, key mean and smoothing factors.
- * Saved as safetensors (format version 3; version 1 files, without k.mean, load with mu = 0); tensors:
+ * Saved as safetensors (format version 4 when head granularity or two key stages are used, else 3;
+ * version 1 files, without k.mean, load with mu = 0); tensors:
  *   layers.{i}.k.smooth    (n_head_kv, head_dim) F32   key smoothing factors lambda
  *   layers.{i}.k.mean      (n_head_kv, head_dim) F32   per-channel key mean mu (post-RoPE)
- *   layers.{i}.k.codebook  (ksub, dsub) or (M, ksub, dsub) F32
+ *   layers.{i}.k.codebook  (ksub, dsub), (M, ksub, dsub) or (n_head_kv, ksub, dsub) (head) F32
+ *   layers.{i}.k.codebook2 stage two of the keys (key_stages = 2), likewise with key2.M
  *   layers.{i}.v.codebook  likewise
  * and metadata (all strings): kvpq.format_version, n_layer, n_head_kv, head_dim, k.M, k.nbits,
  * k.granularity, v.M, v.nbits, v.granularity, v.rotate, k.norm, v.norm, k.M.{i} / v.M.{i} (a layer
  * whose key / value M differs from k.M / v.M, see kvpq_codebook_set_layer_key_M and _value_M), plus
  * free-form keys (model, text, tokens).
  * Format version 3 added k.norm and v.norm (norm-explicit quantizers); versions 1 and 2 load with
- * both 0.
+ * both 0. Version 4 added granularity "head" and k.stages, k2.M (docs/codebook_file.md).
  */
 typedef struct kvpq_codebook kvpq_codebook;
 
@@ -642,6 +644,8 @@ KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
  * reconstruction) per (position, KV head) is stored beside the code pages (device memory, counted
  * by kvpq_cuda_cache_resident_bytes); a coded key's score is s_k times that of its codes, a coded
  * value's softmax weight p enters the value sum as p s_v. docs/CUDA.md.
+ * Head-granularity quantizers and key quantizers of a two-stage codebook (key_stages = 2) are refused
+ * with KVPQ_ERR_UNSUPPORTED (the CPU VQ cache takes both).
  * Errors: KVPQ_ERR_INVALID_ARG / KVPQ_ERR_UNSUPPORTED naming the field, KVPQ_ERR_NONFINITE (key_mean),
  * KVPQ_ERR_NO_DEVICE, KVPQ_ERR_DEVICE (including out of device memory), KVPQ_ERR_NOMEM (host). */
 KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p);

@@ -250,3 +250,36 @@ def test_per_layer_value_M_both_directions(tmp_path, value_gran):
         kvpq.Codebook.load(path)
     assert e.value.status == -4
     assert "(metadata v.M.2=16)" in e.value.detail
+
+
+def test_head_granularity_and_two_key_stages_read_by_safetensors(tmp_path):
+    """A codebook with head granularity and a residual second key stage (format version 4) reads in
+    the safetensors package with the documented names and shapes: k.codebook (n_head_kv, ksub, dsub),
+    k.codebook2, metadata k.stages / k2.M; a file written by safetensors with them loads in kvpq."""
+    rng = np.random.default_rng(7)
+    cb = kvpq.Codebook(2, 3, 16, keys=(4, 3), values=(8, 3), granularity=("head", "shared"), keys2=(2, 3),
+                       key_norm=False, value_norm=False)
+    info = cb.info()
+    assert info["key"]["granularity"] == "head" and info["key_stages"] == 2 and info["key2"]["M"] == 2
+    for l in range(2):
+        cb.key_pq(l).centroids = rng.standard_normal((3, 8, 4)).astype(np.float32)
+        cb.key2_pq(l).centroids = rng.standard_normal((3, 8, 8)).astype(np.float32)
+    assert cb.key2_pq(0).centroids.shape == (3, 8, 8)
+    path = tmp_path / "v4.safetensors"
+    cb.save(path)
+    got = st_numpy.load_file(str(path))
+    assert got["layers.1.k.codebook"].shape == (3, 8, 4)
+    assert got["layers.1.k.codebook2"].shape == (3, 8, 8)
+    assert np.array_equal(got["layers.0.k.codebook2"], cb.key2_pq(0).centroids)
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta["kvpq.format_version"] == "4" and meta["k.stages"] == "2" and meta["k2.M"] == "2"
+    assert meta["k.granularity"] == "head"
+    # Written back by safetensors (another writer), loaded by kvpq with the same values.
+    got["layers.0.k.codebook"] = rng.standard_normal((3, 8, 4)).astype(np.float32)
+    other = tmp_path / "v4_peer.safetensors"
+    st_numpy.save_file(got, str(other), metadata=meta)
+    cb2 = kvpq.Codebook.load(other)
+    assert np.array_equal(cb2.key_pq(0).centroids, got["layers.0.k.codebook"])
+    assert np.array_equal(cb2.key2_pq(1).centroids, got["layers.1.k.codebook2"])
+    assert cb2.key2_pq(0) is not None and kvpq.Codebook(1, 1, 16).key2_pq(0) is None
