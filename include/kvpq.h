@@ -338,6 +338,15 @@ KVPQ_API int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer);
  * layer out of range. */
 KVPQ_API kvpq_pq *kvpq_codebook_key_pq2(kvpq_codebook *cb, int layer);
 KVPQ_API const kvpq_pq *kvpq_codebook_key_pq2_const(const kvpq_codebook *cb, int layer);
+/* Per-layer residual stages (bit allocation by layer): in a codebook made with key_stages = 2, give
+ * layer `layer` one stage (its stage-two quantizer is dropped) or two again (a fresh stage two,
+ * zero centroids, params key2). Saved as metadata k.stages.{layer} = "1" for the layers without
+ * stage two (their layers.{i}.k.codebook2 is then absent). Errors: cb NULL, layer out of range,
+ * stages not 1 or 2, stages 2 in a codebook with key_stages = 1 (KVPQ_ERR_INVALID_ARG); on error the
+ * codebook is unchanged. */
+KVPQ_API kvpq_status kvpq_codebook_set_layer_key_stages(kvpq_codebook *cb, int layer, int stages);
+/* A layer's key stages (1 or 2); 0 if cb is NULL or the layer is out of range. */
+KVPQ_API int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer);
 /* Per-layer value bit allocation, the same for a layer's value quantizer: a fresh one (zero
  * centroids) of M sub-vectors, nbits and granularity those of params.value, dsub = head_dim / M.
  * Saved as metadata v.M.{layer} (only for layers whose M differs from v.M) and a v.codebook tensor of

@@ -61,6 +61,8 @@ static int g_norm = 0;
 static const int *g_value_M = NULL;
 /* Preset of a residual second key stage for the codebooks make_codebook builds, or NULL (one stage). */
 static const char *g_key2 = NULL;
+/* (n_layer) each layer's key stages (with g_key2), or NULL (two everywhere). */
+static const int *g_key_stages = NULL;
 
 /* key_M: (n_layer) each layer's key M (per-layer bit allocation), or NULL for c->kpreset's. */
 static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_M) {
@@ -83,6 +85,8 @@ static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_
     cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
     for (int l = 0; key_M && l < n_layer; l++)
         cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, l, key_M[l]), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; g_key_stages && l < n_layer; l++)
+        cr_assert_eq(kvpq_codebook_set_layer_key_stages(cb, l, g_key_stages[l]), KVPQ_OK, "%s", kvpq_last_error());
     for (int l = 0; g_value_M && l < n_layer; l++)
         cr_assert_eq(kvpq_codebook_set_layer_value_M(cb, l, g_value_M[l]), KVPQ_OK, "%s", kvpq_last_error());
     kvpq_kmeans_params kp = kvpq_kmeans_params_default();
@@ -576,6 +580,17 @@ Test(cache_vq, head_granularity_and_two_stage_keys_match_fp64) {
             else run_config(&cs[i].c, len, 32, 48);
             g_key2 = NULL;
         }
+    /* Per-layer stages (layer 1 without stage two) beside per-layer key M: each layer's code size
+     * and table rows are its own. */
+    const int stages[3] = {2, 1, 2}, key_M[3] = {8, 16, 16};
+    g_key2 = "d8b8";
+    g_key_stages = stages;
+    for (int f = 0; f < 4; f += 3) {
+        g_norm = f;
+        run_config_layers(&cs[2].c, len, 32, 40, 3, key_M);
+    }
+    g_key_stages = NULL;
+    g_key2 = NULL;
     g_norm = 0;
     /* fast-scan scores over the joined (M1 + M2) tables: within its own bound, so only checked to run
      * and give finite output close to the exact path. */

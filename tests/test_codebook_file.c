@@ -1168,8 +1168,16 @@ Test(codebook_file, head_and_two_stage_round_trip) {
         cr_assert_eq(ap.key_stages, 1 + two);
         cr_assert_eq(kvpq_pq_centroids_size(kvpq_codebook_pq_const(a, 1, 0)), (size_t)2 * 4 * 2);
         if (two) {
+            /* per-layer stages: layer 1 keeps one stage */
+            cr_assert_eq(kvpq_codebook_set_layer_key_stages(a, 1, 1), KVPQ_OK, "%s", kvpq_last_error());
+            cr_assert_eq(kvpq_codebook_layer_key_stages(a, 1), 1);
+            cr_assert_eq(kvpq_codebook_layer_key_stages(a, 0), 2);
+            cr_assert_null(kvpq_codebook_key_pq2(a, 1));
+            cr_assert_eq(kvpq_codebook_set_layer_key_stages(a, 1, 3), KVPQ_ERR_INVALID_ARG);
+            cr_assert_eq(kvpq_codebook_set_layer_key_stages(a, 3, 1), KVPQ_ERR_INVALID_ARG);
             for (int l = 0; l < 3; l++) {
                 kvpq_pq *q2 = kvpq_codebook_key_pq2(a, l);
+                if (l == 1) continue;
                 cr_assert_not_null(q2);
                 size_t n = kvpq_pq_centroids_size(q2);
                 cr_assert_eq(n, (size_t)2 * 4 * 4);
@@ -1186,6 +1194,11 @@ Test(codebook_file, head_and_two_stage_round_trip) {
         assert_same(a, b);
         for (int l = 0; two && l < 3; l++) {
             const kvpq_pq *x = kvpq_codebook_key_pq2_const(a, l), *y = kvpq_codebook_key_pq2_const(b, l);
+            cr_assert_eq(kvpq_codebook_layer_key_stages(b, l), l == 1 ? 1 : 2);
+            if (l == 1) {
+                cr_assert_null(y);
+                continue;
+            }
             cr_assert_eq(memcmp(kvpq_pq_centroids(x), kvpq_pq_centroids(y), kvpq_pq_centroids_size(x) * 4), 0);
         }
         cr_assert_eq(kvpq_codebook_save(b, path2), KVPQ_OK);
@@ -1206,6 +1219,9 @@ Test(codebook_file, head_and_two_stage_round_trip) {
             sh = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(tensor(&f, "layers.2.k.codebook2"), "shape"));
             cr_assert_str_eq(sh, "[2,4,4]");
             free(sh);
+            cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.stages.1")->valuestring, "1");
+            cr_assert_null(cJSON_GetObjectItemCaseSensitive(meta, "k.stages.0"));
+            cr_assert_null(cJSON_GetObjectItemCaseSensitive(f.root, "layers.1.k.codebook2"));
             /* Inconsistent files are refused, naming what is wrong. */
             const char *bad = path_in("hv4bad.safetensors");
             struct { const char *key, *value, *msg1; } cases[] = {
@@ -1214,6 +1230,10 @@ Test(codebook_file, head_and_two_stage_round_trip) {
                 {"k.stages", "3", "metadata k.stages='3'"},
                 {"k2.M", NULL, "metadata k2.M is missing"},
                 {"kvpq.format_version", "3", "appear in a version 3 file"},
+                {"k.stages.1", "2", "tensor layers.1.k.codebook2 is missing"},
+                {"k.stages.1", NULL, "tensor layers.1.k.codebook2 is missing"},
+                {"k.stages.0", "3", "metadata k.stages.0='3': expected 1 or 2"},
+                {"k.stages.7", "1", "metadata 'k.stages.7'"},
             };
             for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
                 parsed g = parse_file(path);
@@ -1242,6 +1262,13 @@ Test(codebook_file, head_and_two_stage_round_trip) {
     cr_assert(strstr(kvpq_last_error(), "key2 (stage two): nbits=3"), "%s", kvpq_last_error());
     p.key_stages = 3;
     cr_assert_eq(kvpq_codebook_new(&c, &p), KVPQ_ERR_INVALID_ARG);
+    /* stages 2 in a one-stage codebook: no key2 params */
+    p = small_params(2);
+    c = random_codebook(&p);
+    cr_assert_eq(kvpq_codebook_set_layer_key_stages(c, 0, 2), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "needs a codebook made with key_stages=2"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_set_layer_key_stages(c, 0, 1), KVPQ_OK);
+    kvpq_codebook_free(c);
 }
 
 /* A version 3 file written by kvpq before version 4 existed (tests/data/codebook/v3_small.safetensors:

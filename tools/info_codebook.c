@@ -11,7 +11,8 @@ static const char *const config_keys[] = {
 };
 
 static int is_config_key(const char *k) {
-    if (!strncmp(k, "k.M.", 4) || !strncmp(k, "v.M.", 4)) return 1; /* per-layer M, printed with the layers */
+    if (!strncmp(k, "k.M.", 4) || !strncmp(k, "v.M.", 4) || !strncmp(k, "k.stages.", 9))
+        return 1; /* per-layer M and stages, printed with the layers */
     for (size_t i = 0; i < sizeof config_keys / sizeof config_keys[0]; i++)
         if (!strcmp(k, config_keys[i])) return 1;
     return 0;
@@ -78,9 +79,17 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
             l = e + 1;
         }
     }
-    if (p.key_stages == 2) { /* residual second stage: its codes in every layer */
+    if (p.key_stages == 2) { /* residual second stage: its codes in the layers that have it */
         print_pq("key2", &p.key2);
-        bits[0] += (double)p.n_layer * p.key2.M * p.key2.nbits;
+        int n2 = 0;
+        for (int l = 0; l < p.n_layer; l++) n2 += kvpq_codebook_layer_key_stages(cb, l) == 2;
+        bits[0] += (double)n2 * p.key2.M * p.key2.nbits;
+        if (n2 < p.n_layer) {
+            printf("  key2 in layers:");
+            for (int l = 0; l < p.n_layer; l++)
+                if (kvpq_codebook_layer_key_stages(cb, l) == 2) printf(" %d", l);
+            printf(" (%d of %d)\n", n2, p.n_layer);
+        }
     }
     /* Codes, plus one float16 scale per vector of a norm-explicit quantizer. */
     printf("bits/element (K and V together, codes and per-vector scales): %.3f\n",

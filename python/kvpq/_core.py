@@ -417,6 +417,12 @@ class Codebook:
         h = lib.kvpq_codebook_key_pq2(self._h, self._layer(layer, "Codebook.key2_pq"))
         return None if h == ffi.NULL else ProductQuantizer(_borrow=(h, self))
 
+    def set_layer_key_stages(self, layer, stages):
+        """One or two key stages for a layer of a two-stage codebook (kvpq_codebook_set_layer_key_stages)."""
+        _check(lib.kvpq_codebook_set_layer_key_stages(self._h, self._layer(layer, "Codebook.set_layer_key_stages"),
+                                                      _int(stages, "stages", "Codebook.set_layer_key_stages", 1)),
+               "Codebook.set_layer_key_stages")
+
     def set_layer_key_M(self, layer, M):
         """Give one layer's key quantizer M sub-vectors (kvpq_codebook_set_layer_key_M)."""
         _check(lib.kvpq_codebook_set_layer_key_M(self._h, self._layer(layer, "Codebook.set_layer_key_M"),
@@ -476,13 +482,15 @@ class Codebook:
         key_M = [int(lib.kvpq_codebook_layer_key_M(self._h, i)) for i in range(p.n_layer)]
         bits_k = sum(m * p.key.nbits for m in key_M) / (p.n_layer * p.head_dim)
         value_M = [int(lib.kvpq_codebook_layer_value_M(self._h, i)) for i in range(p.n_layer)]
+        stages = [int(lib.kvpq_codebook_layer_key_stages(self._h, i)) for i in range(p.n_layer)]
         bits_v = sum(m * p.value.nbits for m in value_M) / (p.n_layer * p.head_dim)
         return {"n_layer": p.n_layer, "n_head_kv": p.n_head_kv, "head_dim": p.head_dim, "key": q(p.key),
                 "value": q(p.value), "value_rotate": bool(p.value_rotate), "key_norm": bool(p.key_norm),
                 "value_norm": bool(p.value_norm), "key_M": key_M, "value_M": value_M,
                 "key_stages": p.key_stages, "key2": q(p.key2) if p.key_stages == 2 else None,
-                "bits_per_element": {"key": bits_k + (p.key2.M * p.key2.nbits / p.head_dim if p.key_stages == 2
-                                                      else 0), "value": bits_v},
+                "key_stages_per_layer": stages,
+                "bits_per_element": {"key": bits_k + sum(s == 2 for s in stages) * p.key2.M * p.key2.nbits
+                                     / (p.n_layer * p.head_dim), "value": bits_v},
                 "meta": self.meta()}
 
     def __repr__(self):

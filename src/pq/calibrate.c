@@ -74,7 +74,7 @@ kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n
         kvpq__err_prefix("kvpq_codebook_calibrate_layer: layer %d: key codebook", layer);
         goto done;
     }
-    if (cp.key_stages == 2) {
+    if (kvpq_codebook_key_pq2(cb, layer)) { /* this layer has a second key stage */
         /* Residual VQ (Juang & Gray 1982): stage two is k-means on the stage-one errors x - r1 of the
          * same transformed keys (directions with key_norm). */
         const kvpq_pq *k1 = kvpq_codebook_pq(cb, layer, 0);

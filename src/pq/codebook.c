@@ -64,8 +64,9 @@ struct kvpq_codebook {
     kvpq_pq **pq;       /* (n_layer, 2): [2*i] key quantizer, [2*i + 1] value quantizer */
     kvpq_pq **pq2;      /* (n_layer) key stage-two quantizers (key_stages = 2), else NULL */
     int n_config;       /* config metadata entries: CB_N_CONFIG, or CB_N_CONFIG_MAX with two key stages */
-    int *layer_M;       /* (n_layer, 2) each layer's key [2*i] and value [2*i + 1] M (p.key.M / p.value.M
-                         * unless set_layer_key_M / set_layer_value_M changed it) */
+    int *layer_M;       /* (n_layer, 3) each layer's key [3*i] and value [3*i + 1] M (p.key.M / p.value.M
+                         * unless set_layer_key_M / set_layer_value_M changed it) and key stages
+                         * [3*i + 2] (p.key_stages unless set_layer_key_stages changed it) */
     float *smooth;      /* (n_layer, n_head_kv, head_dim) key smoothing factors lambda */
     float *mean;        /* (n_layer, n_head_kv, head_dim) per-channel key mean mu */
     size_t n_meta, cap_meta;
@@ -220,20 +221,23 @@ static kvpq_status meta_put(kvpq_codebook *cb, const char *key, const char *valu
     return KVPQ_OK;
 }
 
-/* Per-layer key / value M entries are "k.M.{i}" / "v.M.{i}"; every key with these prefixes is
- * reserved. */
-static const char *const cb_layer_m_prefix[2] = {"k.M.", "v.M."};
-#define CB_LAYER_M_PREFIX_LEN 4
+/* Per-layer entries: key / value M "k.M.{i}" / "v.M.{i}", key stages "k.stages.{i}"; every key with
+ * these prefixes is reserved. */
+static const char *const cb_layer_m_prefix[3] = {"k.M.", "v.M.", "k.stages."};
+static const int cb_layer_m_prefix_len[3] = {4, 4, 9};
 
-/* 0 (key) or 1 (value) when key starts with that kind's per-layer M prefix, else -1. */
+/* 0 (key M), 1 (value M) or 2 (key stages) when key starts with that per-layer prefix, else -1. */
 static int layer_m_kind(const char *key) {
-    for (int v = 0; v < 2; v++)
-        if (!strncmp(key, cb_layer_m_prefix[v], CB_LAYER_M_PREFIX_LEN)) return v;
+    for (int v = 0; v < 3; v++)
+        if (!strncmp(key, cb_layer_m_prefix[v], (size_t)cb_layer_m_prefix_len[v])) return v;
     return -1;
 }
 static int is_layer_m_key(const char *key) { return layer_m_kind(key) >= 0; }
 
-static int default_M(const kvpq_codebook_params *p, int is_value) { return is_value ? p->value.M : p->key.M; }
+/* The file-wide value of per-layer entry kind w (k.M, v.M, k.stages). */
+static int default_M(const kvpq_codebook_params *p, int w) {
+    return w == 2 ? p->key_stages : w ? p->value.M : p->key.M;
+}
 
 static int is_config_key(const char *key) {
     if (is_layer_m_key(key)) return 1;
@@ -242,13 +246,13 @@ static int is_config_key(const char *key) {
     return 0;
 }
 
-/* Rewrite the k.M.{i} and v.M.{i} entries from cb->layer_M (the layers differing from k.M / v.M, in
- * layer order, keys then values, right after the config keys). All or nothing: on NOMEM the
- * metadata is unchanged. */
+/* Rewrite the k.M.{i}, v.M.{i} and k.stages.{i} entries from cb->layer_M (the layers differing from
+ * k.M / v.M / k.stages, in layer order, key M then value M then stages, right after the config
+ * keys). All or nothing: on NOMEM the metadata is unchanged. */
 static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
     size_t n_keep = 0, n_new = 0;
     for (size_t i = 0; i < cb->n_meta; i++) n_keep += !is_layer_m_key(cb->meta_key[i]);
-    for (int l = 0; l < 2 * cb->p.n_layer; l++) n_new += cb->layer_M[l] != default_M(&cb->p, l & 1);
+    for (int l = 0; l < 3 * cb->p.n_layer; l++) n_new += cb->layer_M[l] != default_M(&cb->p, l % 3);
     size_t n = n_keep + n_new, cap = n > 16 ? n : 16;
     char **k = calloc(cap, sizeof *k), **v = calloc(cap, sizeof *v);
     int ok = k && v;
@@ -258,9 +262,9 @@ static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
         v[o] = cb->meta_val[i];
     }
     size_t first_new = o;
-    for (int w = 0; w < 2; w++)
+    for (int w = 0; w < 3; w++)
     for (int l = 0; ok && l < cb->p.n_layer; l++) {
-        const int M = cb->layer_M[2 * l + w];
+        const int M = cb->layer_M[3 * l + w];
         if (M == default_M(&cb->p, w)) continue;
         char kb[32], vb[16];
         snprintf(kb, sizeof kb, "%s%d", cb_layer_m_prefix[w], l);
@@ -335,7 +339,7 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
     size_t n_smooth = (size_t)p->n_layer * p->n_head_kv * p->head_dim;
     cb->pq = calloc((size_t)2 * p->n_layer, sizeof *cb->pq);
     cb->pq2 = calloc((size_t)p->n_layer, sizeof *cb->pq2);
-    cb->layer_M = malloc((size_t)2 * p->n_layer * sizeof *cb->layer_M);
+    cb->layer_M = malloc((size_t)3 * p->n_layer * sizeof *cb->layer_M);
     cb->smooth = malloc(n_smooth * sizeof(float));
     cb->mean = calloc(n_smooth, sizeof(float)); /* mu = 0: no centering until trained */
     if (!cb->pq || !cb->pq2 || !cb->layer_M || !cb->smooth || !cb->mean) {
@@ -345,8 +349,9 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
     /* lambda = 1 is the identity smoothing until trained factors are stored. */
     for (size_t i = 0; i < n_smooth; i++) cb->smooth[i] = 1.0f;
     for (int l = 0; l < p->n_layer; l++) {
-        cb->layer_M[2 * l] = p->key.M;
-        cb->layer_M[2 * l + 1] = p->value.M;
+        cb->layer_M[3 * l] = p->key.M;
+        cb->layer_M[3 * l + 1] = p->value.M;
+        cb->layer_M[3 * l + 2] = p->key_stages;
     }
     for (int i = 0; i < 2 * p->n_layer; i++) {
         kvpq_status s = kvpq_pq_new(&cb->pq[i], (i & 1) ? &p->value : &p->key);
@@ -428,17 +433,17 @@ static kvpq_status set_layer_M(kvpq_codebook *cb, int layer, int is_value, int M
     KVPQ_TRY(layer_params(&cb->p, layer, is_value, M, &q));
     kvpq_pq *pq;
     KVPQ_TRY(kvpq_pq_new(&pq, &q));
-    const int i = 2 * layer + is_value;
-    int old = cb->layer_M[i];
-    cb->layer_M[i] = M;
+    const int i = 2 * layer + is_value, im = 3 * layer + is_value;
+    int old = cb->layer_M[im];
+    cb->layer_M[im] = M;
     kvpq_status s = meta_sync_layer_m(cb);
     if (s != KVPQ_OK) {
-        cb->layer_M[i] = old;
+        cb->layer_M[im] = old;
         kvpq_pq_free(pq);
         return s;
     }
     pq->norm_explicit = is_value ? cb->p.value_norm : cb->p.key_norm;
-    pq->stage2 = !is_value && cb->p.key_stages == 2;
+    pq->stage2 = !is_value && cb->pq2[layer] != NULL;
     kvpq_pq_free(cb->pq[i]);
     cb->pq[i] = pq;
     return KVPQ_OK;
@@ -463,12 +468,46 @@ const kvpq_pq *kvpq_codebook_key_pq2_const(const kvpq_codebook *cb, int layer) {
 
 int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer) {
     if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
-    return cb->layer_M[2 * layer];
+    return cb->layer_M[3 * layer];
 }
 
 int kvpq_codebook_layer_value_M(const kvpq_codebook *cb, int layer) {
     if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
-    return cb->layer_M[2 * layer + 1];
+    return cb->layer_M[3 * layer + 1];
+}
+
+kvpq_status kvpq_codebook_set_layer_key_stages(kvpq_codebook *cb, int layer, int stages) {
+    const char *fn = "kvpq_codebook_set_layer_key_stages";
+    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: cb is NULL", fn);
+    if (layer < 0 || layer >= cb->p.n_layer)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d out of range [0, %d)", fn, layer, cb->p.n_layer);
+    if (stages != 1 && stages != 2) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: stages=%d: expected 1 or 2", fn, stages);
+    if (stages == 2 && cb->p.key_stages != 2)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d: stages=2 needs a codebook made with key_stages=2 (its "
+                         "key2 params)", fn, layer);
+    const int im = 3 * layer + 2, old = cb->layer_M[im];
+    if (old == stages) return KVPQ_OK;
+    kvpq_pq *pq2 = NULL;
+    if (stages == 2) {
+        KVPQ_TRY(kvpq_pq_new(&pq2, &cb->p.key2));
+        pq2->norm_explicit = cb->p.key_norm;
+    }
+    cb->layer_M[im] = stages;
+    kvpq_status s = meta_sync_layer_m(cb);
+    if (s != KVPQ_OK) {
+        cb->layer_M[im] = old;
+        kvpq_pq_free(pq2);
+        return s;
+    }
+    kvpq_pq_free(cb->pq2[layer]);
+    cb->pq2[layer] = pq2;
+    cb->pq[2 * layer]->stage2 = stages == 2;
+    return KVPQ_OK;
+}
+
+int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
+    return cb->layer_M[3 * layer + 2];
 }
 
 float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer) {
@@ -611,10 +650,10 @@ static char *build_header(const kvpq_codebook *cb) {
     uint64_t off = 0;
     for (int l = 0; l < cb->p.n_layer; l++) {
         for (int k = 0; k < CB_N_KIND; k++) {
-            if (k == CB_K_BOOK2 && cb->p.key_stages != 2) continue;
+            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
             char name[64];
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
-            cb_shape sh = tensor_shape(&cb->p, k, cb->layer_M + 2 * l);
+            cb_shape sh = tensor_shape(&cb->p, k, cb->layer_M + 3 * l);
             uint64_t bytes = (uint64_t)shape_numel(&sh) * sizeof(float);
             cJSON *t = cJSON_AddObjectToObject(root, name);
             cJSON *shape = t ? cJSON_AddArrayToObject(t, "shape") : NULL;
@@ -653,7 +692,7 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     /* Never write a file that load would reject. */
     for (int l = 0; l < cb->p.n_layer; l++)
         for (int k = 0; k < CB_N_KIND; k++) {
-            if (k == CB_K_BOOK2 && cb->p.key_stages != 2) continue;
+            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
             char name[64];
             size_t n;
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
@@ -706,7 +745,7 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     cJSON_free(json);
     for (int l = 0; ok && l < cb->p.n_layer; l++)
         for (int k = 0; ok && k < CB_N_KIND; k++) {
-            if (k == CB_K_BOOK2 && cb->p.key_stages != 2) continue;
+            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
             size_t n;
             const float *x = tensor_data(cb, l, k, &n);
             ok = write_all(fd, x, n * sizeof(float)) == 0;
@@ -858,16 +897,24 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
  * granularity). */
 static kvpq_status read_layer_m(const cJSON *meta, const kvpq_codebook_params *p, int *layer_M) {
     for (int l = 0; l < p->n_layer; l++) {
-        layer_M[2 * l] = p->key.M;
-        layer_M[2 * l + 1] = p->value.M;
+        layer_M[3 * l] = p->key.M;
+        layer_M[3 * l + 1] = p->value.M;
+        layer_M[3 * l + 2] = p->key_stages;
     }
     for (const cJSON *j = meta->child; j; j = j->next) {
         const int w = layer_m_kind(j->string);
         if (w < 0) continue;
         int layer, M;
-        if (!parse_dec(j->string + CB_LAYER_M_PREFIX_LEN, 0, p->n_layer - 1, &layer))
+        if (!parse_dec(j->string + cb_layer_m_prefix_len[w], 0, p->n_layer - 1, &layer))
             return kvpq__err(KVPQ_ERR_FORMAT, "metadata '%.64s': expected %s{layer} with layer in [0, %d]",
                              j->string, cb_layer_m_prefix[w], p->n_layer - 1);
+        if (w == 2) { /* k.stages.{i}: "1" drops stage two from a layer of a k.stages=2 file */
+            if (p->key_stages != 2 || !parse_dec(j->valuestring, 1, 2, &M))
+                return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected 1 or 2 in a file with k.stages=2",
+                                 j->string, j->valuestring);
+            layer_M[3 * layer + 2] = M;
+            continue;
+        }
         if (!parse_dec(j->valuestring, 1, p->head_dim, &M))
             return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected an integer in [1, %d]", j->string,
                              j->valuestring, p->head_dim);
@@ -876,7 +923,7 @@ static kvpq_status read_layer_m(const cJSON *meta, const kvpq_codebook_params *p
             kvpq__err_prefix("metadata %s", j->string);
             return KVPQ_ERR_FORMAT;
         }
-        layer_M[2 * layer + w] = M;
+        layer_M[3 * layer + w] = M;
     }
     return KVPQ_OK;
 }
@@ -969,8 +1016,8 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, &version));
     /* kinds the file must hold per layer: the first n_kind, plus k.codebook2 with two key stages */
     const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_K_MEAN + 1;
-#define CB_KIND_EXPECTED(k) ((k) < n_kind || ((k) == CB_K_BOOK2 && p.key_stages == 2))
-    int *key_M = malloc((size_t)2 * p.n_layer * sizeof *key_M); /* (n_layer, 2) key and value M */
+#define CB_KIND_EXPECTED(k, l) ((k) < n_kind || ((k) == CB_K_BOOK2 && key_M[3 * (l) + 2] == 2))
+    int *key_M = malloc((size_t)3 * p.n_layer * sizeof *key_M); /* (n_layer, 3) key M, value M, key stages */
     if (!key_M) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
     kvpq_status s = read_layer_m(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, key_M);
     if (s != KVPQ_OK) {
@@ -992,7 +1039,7 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
             continue;
         }
         int layer, kind;
-        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer || !CB_KIND_EXPECTED(kind)) {
+        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer || !CB_KIND_EXPECTED(kind, layer)) {
             s = kvpq__err(KVPQ_ERR_FORMAT, "unexpected tensor '%.64s' (a version %d file holds layers.{0..%d}.{%s})",
                           t->string, version, p.n_layer - 1,
                           version == 1            ? "k.smooth, k.codebook, v.codebook"
@@ -1002,10 +1049,10 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
         }
         cb_range *r = &seen[(size_t)layer * CB_N_KIND + kind];
         if (r->t) s = kvpq__err(KVPQ_ERR_FORMAT, "tensor %s appears twice", t->string);
-        else s = check_entry(t, &p, layer, kind, key_M + 2 * layer, data_len, r);
+        else s = check_entry(t, &p, layer, kind, key_M + 3 * layer, data_len, r);
     }
     for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++)
-        if (!seen[i].t && CB_KIND_EXPECTED((int)(i % CB_N_KIND)))
+        if (!seen[i].t && CB_KIND_EXPECTED((int)(i % CB_N_KIND), (int)(i / CB_N_KIND)))
             s = kvpq__err(KVPQ_ERR_FORMAT, "tensor layers.%zu.%s is missing", i / CB_N_KIND,
                           cb_kind_names[i % CB_N_KIND]);
     if (s == KVPQ_OK) {
@@ -1045,9 +1092,11 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
 
     kvpq_codebook *cb = NULL;
     if (s == KVPQ_OK) s = kvpq_codebook_new(&cb, &p);
-    for (int l = 0; l < p.n_layer && s == KVPQ_OK; l++)
+    for (int l = 0; l < p.n_layer && s == KVPQ_OK; l++) {
         for (int w = 0; w < 2 && s == KVPQ_OK; w++)
-            if (key_M[2 * l + w] != default_M(&p, w)) s = set_layer_M(cb, l, w, key_M[2 * l + w], "load");
+            if (key_M[3 * l + w] != default_M(&p, w)) s = set_layer_M(cb, l, w, key_M[3 * l + w], "load");
+        if (s == KVPQ_OK && key_M[3 * l + 2] != p.key_stages) s = kvpq_codebook_set_layer_key_stages(cb, l, 1);
+    }
     free(key_M);
     for (const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, "__metadata__")->child; j && s == KVPQ_OK;
          j = j->next) {
