@@ -308,7 +308,8 @@ typedef struct {
      * with the two tables added: sum_m LUT1[m][c1_m] + sum_m LUT2[m][c2_m], LUT2[m][c] = q'_m .
      * C2[m][c]; with key_norm the scale is the least-squares fit on the two-stage reconstruction,
      * s = x . r / |r|^2 with r = r1 + r2. Calibration trains stage two by k-means on the stage-one
-     * residuals of the calibration keys. 1 (default; 0 is taken as 1) or 2. */
+     * residuals of the calibration keys. 1 (default; 0 is taken as 1) or 2: every layer gets a second
+     * stage, which kvpq_codebook_set_layer_key_stages can then drop layer by layer. */
     int key_stages;
     /* Stage two's quantizer (key_stages = 2): d = head_dim, any allowed M, nbits and granularity
      * those of key (KVPQ_ERR_INVALID_ARG otherwise: the cache adds the two tables as one). Ignored
