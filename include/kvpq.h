@@ -120,14 +120,25 @@ KVPQ_API const char *kvpq_backend_name(kvpq_backend b);
 /* ---- product quantizer ---------------------------------------------------------------------- */
 
 /* Whether one codebook serves every sub-space, (ksub, dsub), as in the VecInfer reference code, or
- * each sub-space has its own, (M, ksub, dsub), as in faiss's ProductQuantizer. */
-typedef enum { KVPQ_CODEBOOK_SHARED = 0, KVPQ_CODEBOOK_SUBSPACE = 1 } kvpq_codebook_granularity;
+ * each sub-space has its own, (M, ksub, dsub), as in faiss's ProductQuantizer, or each KV head has
+ * its own, shared by that head's sub-spaces, (n_head, ksub, dsub) (HEAD; decision: one book per
+ * head rather than per (head, sub-space), so a head's book still sees M times as many sub-vectors
+ * as a per-sub-space book would, and the count of centroids grows with the heads only). A HEAD
+ * quantizer codes rows that interleave the heads, as a KV cache lays them out: row i (of n, a
+ * multiple of n_head) belongs to head i % n_head and is coded with that head's book. */
+typedef enum {
+    KVPQ_CODEBOOK_SHARED = 0,
+    KVPQ_CODEBOOK_SUBSPACE = 1,
+    KVPQ_CODEBOOK_HEAD = 2,
+} kvpq_codebook_granularity;
 
 typedef struct {
     int d;          /* vector dimension (head_dim); a multiple of dsub */
     int M;          /* number of sub-spaces; dsub = d / M must be 1, 2, 4, 8 or 16 */
     int nbits;      /* bits per code, 1..12; ksub = 2^nbits centroids */
     kvpq_codebook_granularity granularity;
+    int n_head;     /* HEAD granularity: heads (books), 1..4096; ignored otherwise (0). A codebook
+                     * sets it to its n_head_kv. */
 } kvpq_pq_params;
 
 /* d=64, M=16 (dsub 4), nbits 8: 2 bits per element; granularity SHARED. */
@@ -144,9 +155,9 @@ KVPQ_API kvpq_status kvpq_pq_new(kvpq_pq **out, const kvpq_pq_params *p);
 KVPQ_API void kvpq_pq_free(kvpq_pq *pq);
 KVPQ_API kvpq_pq_params kvpq_pq_get_params(const kvpq_pq *pq);
 
-/* Number of centroid floats: ksub*dsub (SHARED) or M*ksub*dsub (SUBSPACE). */
+/* Number of centroid floats: ksub*dsub (SHARED), M*ksub*dsub (SUBSPACE), n_head*ksub*dsub (HEAD). */
 KVPQ_API size_t kvpq_pq_centroids_size(const kvpq_pq *pq);
-/* Borrowed pointer to the centroids: (ksub, dsub) or (M, ksub, dsub) float32. */
+/* Borrowed pointer to the centroids: (ksub, dsub), (M, ksub, dsub) or (n_head, ksub, dsub) float32. */
 KVPQ_API const float *kvpq_pq_centroids(const kvpq_pq *pq);
 /* Copy `n` centroid floats in (n must equal kvpq_pq_centroids_size). Rejects NaN/Inf. */
 KVPQ_API kvpq_status kvpq_pq_set_centroids(kvpq_pq *pq, const float *centroids, size_t n);
@@ -190,7 +201,8 @@ KVPQ_API kvpq_status kvpq_kmeans(int d, int k, size_t n, const float *x, const k
                                  float *centroids, kvpq_kmeans_report *report);
 
 /* Train the quantizer's codebook(s) on x: (n, d). SHARED pools the n*M sub-vectors into one
- * k-means; SUBSPACE runs M k-means. report may be NULL; its MSEs are per d-dim vector (SUBSPACE:
+ * k-means; SUBSPACE runs M k-means; HEAD runs one per head on the (n / n_head) * M sub-vectors of its
+ * rows (rows i % n_head == h; n a multiple of n_head, else KVPQ_ERR_INVALID_ARG). report may be NULL; its MSEs are per d-dim vector (SUBSPACE:
  * summed over sub-spaces; SHARED: M x the sub-vector MSE), its counts summed over the k-means runs.
  * Progress: stage "pq_train", done/total over all sub-spaces. On error the codebook is unchanged.
  * Errors: as kvpq_kmeans; n*M < ksub (SHARED) or n < ksub (SUBSPACE). */
@@ -250,16 +262,19 @@ KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int
 /* ---- codebook file (safetensors) ------------------------------------------------------------ */
 
 /* A model's trained codebooks: per layer, key and value quantizers, key mean and smoothing factors.
- * Saved as safetensors (format version 3; version 1 files, without k.mean, load with mu = 0); tensors:
+ * Saved as safetensors (format version 4 when head granularity or two key stages are used, else 3;
+ * version 1 files, without k.mean, load with mu = 0); tensors:
  *   layers.{i}.k.smooth    (n_head_kv, head_dim) F32   key smoothing factors lambda
  *   layers.{i}.k.mean      (n_head_kv, head_dim) F32   per-channel key mean mu (post-RoPE)
- *   layers.{i}.k.codebook  (ksub, dsub) or (M, ksub, dsub) F32
+ *   layers.{i}.k.codebook  (ksub, dsub), (M, ksub, dsub) or (n_head_kv, ksub, dsub) (head) F32
+ *   layers.{i}.k.codebook2 stage two of the keys (key_stages = 2), likewise with key2.M
  *   layers.{i}.v.codebook  likewise
  * and metadata (all strings): kvpq.format_version, n_layer, n_head_kv, head_dim, k.M, k.nbits,
- * k.granularity, v.M, v.nbits, v.granularity, v.rotate, k.norm, v.norm, k.M.{i} (a layer whose key
- * M differs from k.M, see kvpq_codebook_set_layer_key_M), plus free-form keys (model, text, tokens).
+ * k.granularity, v.M, v.nbits, v.granularity, v.rotate, k.norm, v.norm, k.M.{i} / v.M.{i} (a layer
+ * whose key / value M differs from k.M / v.M, see kvpq_codebook_set_layer_key_M and _value_M), plus
+ * free-form keys (model, text, tokens).
  * Format version 3 added k.norm and v.norm (norm-explicit quantizers); versions 1 and 2 load with
- * both 0.
+ * both 0. Version 4 added granularity "head" and k.stages, k2.M (docs/codebook_file.md).
  */
 typedef struct kvpq_codebook kvpq_codebook;
 
@@ -285,6 +300,22 @@ typedef struct {
      * norm-explicit keys the cache's vq_fast_scan option is ignored (exact scores). */
     int key_norm;
     int value_norm;
+    /* Residual vector quantization of keys (Juang & Gray, "Multiple stage vector quantization for
+     * speech coding", ICASSP 1982; "residual VQ", Chen, Guan & Wang, Sensors 2010): key_stages = 2
+     * adds a second quantizer (key2) per layer that codes the error of the first, e = x - r1 (x the
+     * transformed key, or its direction with key_norm; r1 its stage-one reconstruction), so
+     * x_hat = r1 + r2. The VQ cache stores both code sets per (token, KV head) and scores from codes
+     * with the two tables added: sum_m LUT1[m][c1_m] + sum_m LUT2[m][c2_m], LUT2[m][c] = q'_m .
+     * C2[m][c]; with key_norm the scale is the least-squares fit on the two-stage reconstruction,
+     * s = x . r / |r|^2 with r = r1 + r2. Calibration trains stage two by k-means on the stage-one
+     * residuals of the calibration keys. 1 (default; 0 is taken as 1) or 2: every layer gets a second
+     * stage, which kvpq_codebook_set_layer_key_stages can then drop layer by layer. */
+    int key_stages;
+    /* Stage two's quantizer (key_stages = 2): d = head_dim, any allowed M, nbits and granularity
+     * those of key (KVPQ_ERR_INVALID_ARG otherwise: the cache adds the two tables as one). Ignored
+     * (set to key) with one stage. File: metadata k.stages, k2.M and tensors layers.{i}.k.codebook2
+     * (format version 4). The CUDA cache refuses a two-stage layer (KVPQ_ERR_UNSUPPORTED). */
+    kvpq_pq_params key2;
 } kvpq_codebook_params;
 KVPQ_API kvpq_codebook_params kvpq_codebook_params_default(void);
 
@@ -304,6 +335,27 @@ KVPQ_API kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer,
 /* A layer's key M (params.key.M unless set_layer_key_M changed it); 0 if cb is NULL or the layer
  * is out of range. */
 KVPQ_API int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer);
+/* Borrowed: a layer's stage-two key quantizer (params.key_stages = 2), NULL with one stage or a
+ * layer out of range. */
+KVPQ_API kvpq_pq *kvpq_codebook_key_pq2(kvpq_codebook *cb, int layer);
+KVPQ_API const kvpq_pq *kvpq_codebook_key_pq2_const(const kvpq_codebook *cb, int layer);
+/* Per-layer residual stages (bit allocation by layer): in a codebook made with key_stages = 2, give
+ * layer `layer` one stage (its stage-two quantizer is dropped) or two again (a fresh stage two,
+ * zero centroids, params key2). Saved as metadata k.stages.{layer} = "1" for the layers without
+ * stage two (their layers.{i}.k.codebook2 is then absent). Errors: cb NULL, layer out of range,
+ * stages not 1 or 2, stages 2 in a codebook with key_stages = 1 (KVPQ_ERR_INVALID_ARG); on error the
+ * codebook is unchanged. */
+KVPQ_API kvpq_status kvpq_codebook_set_layer_key_stages(kvpq_codebook *cb, int layer, int stages);
+/* A layer's key stages (1 or 2); 0 if cb is NULL or the layer is out of range. */
+KVPQ_API int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer);
+/* Per-layer value bit allocation, the same for a layer's value quantizer: a fresh one (zero
+ * centroids) of M sub-vectors, nbits and granularity those of params.value, dsub = head_dim / M.
+ * Saved as metadata v.M.{layer} (only for layers whose M differs from v.M) and a v.codebook tensor of
+ * that layer's shape. Errors as kvpq_codebook_set_layer_key_M; on error the codebook is unchanged. */
+KVPQ_API kvpq_status kvpq_codebook_set_layer_value_M(kvpq_codebook *cb, int layer, int M);
+/* A layer's value M (params.value.M unless set_layer_value_M changed it); 0 if cb is NULL or the
+ * layer is out of range. */
+KVPQ_API int kvpq_codebook_layer_value_M(const kvpq_codebook *cb, int layer);
 /* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
 KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
@@ -314,7 +366,7 @@ KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, in
 KVPQ_API float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer);
 /* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. The config keys
- * (kvpq.format_version, n_layer, ... v.rotate, k.M.{i}) are listed and readable too, derived from the params;
+ * (kvpq.format_version, n_layer, ... v.rotate, k.M.{i}, v.M.{i}) are listed and readable too, derived from the params;
  * set fails on them with KVPQ_ERR_INVALID_ARG. Values of k.granularity: "shared" or "subspace". */
 KVPQ_API kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value);
 KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key);
@@ -360,7 +412,10 @@ KVPQ_API kvpq_calibrate_params kvpq_calibrate_params_default(void);
  * granularity) are those cb was created with.
  * k, v: (n_tokens, n_head_kv, head_dim) float32 post-RoPE keys and values of that layer (read only;
  * the work is done in copies). p may be NULL (defaults). key_report, value_report may be NULL; they
- * get the k-means reports (MSE per transformed vector). Progress: p->kmeans.progress, as
+ * get the k-means reports (MSE per transformed vector; with two key stages, key_report's mse_final
+ * is stage two's, i.e. the error left after both stages). Two key stages (params.key_stages = 2):
+ * stage two is trained by k-means on the stage-one residuals x - r1 of the same keys (residual VQ).
+ * Head granularity: each KV head's book is trained on that head's vectors only. Progress: p->kmeans.progress, as
  * kvpq_pq_train. Errors: cb NULL, layer out of range, n_tokens too small for a quantizer's ksub
  * (KVPQ_ERR_INVALID_ARG, naming it); NaN/Inf in k or v (KVPQ_ERR_NONFINITE, naming which);
  * KVPQ_ERR_NOMEM. On error the layer may be partly trained. */
@@ -630,6 +685,8 @@ KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
  * reconstruction) per (position, KV head) is stored beside the code pages (device memory, counted
  * by kvpq_cuda_cache_resident_bytes); a coded key's score is s_k times that of its codes, a coded
  * value's softmax weight p enters the value sum as p s_v. docs/CUDA.md.
+ * Head-granularity quantizers and key quantizers of a two-stage codebook (key_stages = 2) are refused
+ * with KVPQ_ERR_UNSUPPORTED (the CPU VQ cache takes both).
  * Errors: KVPQ_ERR_INVALID_ARG / KVPQ_ERR_UNSUPPORTED naming the field, KVPQ_ERR_NONFINITE (key_mean),
  * KVPQ_ERR_NO_DEVICE, KVPQ_ERR_DEVICE (including out of device memory), KVPQ_ERR_NOMEM (host). */
 KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_cache_params *p);

@@ -57,6 +57,12 @@ static kvpq_codebook *make_codebook(int n_layer, const cfg *c) { return make_cod
 
 /* Norm-explicit quantizers of the codebooks make_codebook builds: bit 0 keys, bit 1 values. */
 static int g_norm = 0;
+/* (n_layer) each layer's value M for the codebooks make_codebook builds, or NULL (c->vpreset's). */
+static const int *g_value_M = NULL;
+/* Preset of a residual second key stage for the codebooks make_codebook builds, or NULL (one stage). */
+static const char *g_key2 = NULL;
+/* (n_layer) each layer's key stages (with g_key2), or NULL (two everywhere). */
+static const int *g_key_stages = NULL;
 
 /* key_M: (n_layer) each layer's key M (per-layer bit allocation), or NULL for c->kpreset's. */
 static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_M) {
@@ -70,17 +76,28 @@ static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_
     p.value_rotate = c->rotate;
     p.key_norm = g_norm & 1;
     p.value_norm = (g_norm >> 1) & 1;
+    if (g_key2) {
+        p.key_stages = 2;
+        cr_assert_eq(kvpq_pq_params_preset(&p.key2, g_key2, c->head_dim), KVPQ_OK, "%s", kvpq_last_error());
+        p.key2.granularity = c->gran;
+    }
     kvpq_codebook *cb = NULL;
     cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
     for (int l = 0; key_M && l < n_layer; l++)
         cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, l, key_M[l]), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; g_key_stages && l < n_layer; l++)
+        cr_assert_eq(kvpq_codebook_set_layer_key_stages(cb, l, g_key_stages[l]), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; g_value_M && l < n_layer; l++)
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(cb, l, g_value_M[l]), KVPQ_OK, "%s", kvpq_last_error());
     kvpq_kmeans_params kp = kvpq_kmeans_params_default();
     kp.niter = 2;
     kp.max_points_per_centroid = 2;
     kp.n_threads = 1;
     for (int l = 0; l < n_layer; l++) {
-        for (int w = 0; w < 2; w++) {
-            kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
+        for (int w = 0; w < 3; w++) {
+            /* w = 2: the stage-two key quantizer (residual VQ), trained on smaller vectors */
+            kvpq_pq *pq = w == 2 ? kvpq_codebook_key_pq2(cb, l) : kvpq_codebook_pq(cb, l, w);
+            if (!pq) continue;
             kvpq_pq_params pp = kvpq_pq_get_params(pq);
             int ksub = 1 << pp.nbits;
             if (pp.nbits > 8) {
@@ -93,9 +110,12 @@ static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_
                 continue;
             }
             /* Enough vectors for k-means: n*M >= ksub (shared) or n >= ksub (per sub-space). */
-            size_t n = pp.granularity == KVPQ_CODEBOOK_SHARED ? (size_t)(2 * ksub + pp.M - 1) / pp.M : (size_t)2 * ksub;
-            float *x = randn(n * pp.d, 1.0f);
-            if ((g_norm >> w) & 1) /* norm-explicit: trained on directions, as kvpq calibrate does */
+            /* HEAD: rows interleave the heads; each head's book needs ksub sub-vectors of its rows. */
+            size_t n = pp.granularity == KVPQ_CODEBOOK_SHARED     ? (size_t)(2 * ksub + pp.M - 1) / pp.M
+                       : pp.granularity == KVPQ_CODEBOOK_SUBSPACE ? (size_t)2 * ksub
+                                                                  : (size_t)pp.n_head * ((2 * ksub + pp.M - 1) / pp.M);
+            float *x = randn(n * pp.d, w == 2 ? 0.3f : 1.0f);
+            if (w < 2 && ((g_norm >> w) & 1)) /* norm-explicit: trained on directions, as kvpq calibrate does */
                 cr_assert_eq(kvpq_normalize_rows(x, n, pp.d, NULL), KVPQ_OK, "%s", kvpq_last_error());
             cr_assert_eq(kvpq_pq_train(pq, &kp, n, x, NULL), KVPQ_OK, "%s", kvpq_last_error());
             free(x);
@@ -536,6 +556,204 @@ Test(cache_vq, norm_explicit_matches_fp64) {
     run_config_layers(&cs[0], len, 32, 33, 3, key_M);
     run_config(&cs[3], len, 16, 33);
     g_norm = 0;
+}
+
+/* Head granularity and two key stages: attention from codes within 2e-4 of exact fp64 attention
+ * over what read() decodes (the two stages' reconstruction r1 + r2; each head's own books), for
+ * GQA groups 3 and 1, both dsub mixes, nbits 8 and 12 (the unpacked-index path), with and without
+ * norm-explicit scales, at every SIMD level for one shape; fast-scan over the joined tables too. */
+Test(cache_vq, head_granularity_and_two_stage_keys_match_fp64) {
+    const int len = quick() ? 230 : 380;
+    struct { cfg c; const char *k2; } cs[] = {
+        {{9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_HEAD, 0}, NULL},
+        {{8, 2, 128, "d8b8", "d2b8", KVPQ_CODEBOOK_HEAD, 1}, NULL},
+        {{9, 3, 64, "d8b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0}, "d8b8"},
+        {{6, 2, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 1}, "d8b8"},
+        {{9, 3, 64, "d4b8", "d8b8", KVPQ_CODEBOOK_HEAD, 0}, "d8b8"},
+        {{4, 4, 64, "d8b12", "d8b12", KVPQ_CODEBOOK_SHARED, 0}, "d8b12"},
+    };
+    for (int f = 0; f < 4; f += 3)
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+            g_norm = f;
+            g_key2 = cs[i].k2;
+            if (i == 4) for_each_simd(&cs[i].c, len, 32, 48);
+            else run_config(&cs[i].c, len, 32, 48);
+            g_key2 = NULL;
+        }
+    /* Per-layer stages (layer 1 without stage two) beside per-layer key M: each layer's code size
+     * and table rows are its own. */
+    const int stages[3] = {2, 1, 2}, key_M[3] = {8, 16, 16};
+    g_key2 = "d8b8";
+    g_key_stages = stages;
+    for (int f = 0; f < 4; f += 3) {
+        g_norm = f;
+        run_config_layers(&cs[2].c, len, 32, 40, 3, key_M);
+    }
+    g_key_stages = NULL;
+    g_key2 = NULL;
+    g_norm = 0;
+    /* fast-scan scores over the joined (M1 + M2) tables: within its own bound, so only checked to run
+     * and give finite output close to the exact path. */
+    cfg c = {9, 3, 64, "d8b8", "d4b8", KVPQ_CODEBOOK_HEAD, 0};
+    g_key2 = "d8b8";
+    kvpq_codebook *cb = make_codebook(1, &c);
+    g_key2 = NULL;
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ;
+    p.n_layer = 1;
+    p.n_head = 9;
+    p.n_head_kv = 3;
+    p.head_dim = 64;
+    p.max_seq = 512;
+    p.window = 16;
+    p.codebook = cb;
+    p.n_threads = 1;
+    kvpq_cache *a, *b;
+    cr_assert_eq(kvpq_cache_new(&a, &p), KVPQ_OK, "%s", kvpq_last_error());
+    p.vq_fast_scan = 1;
+    cr_assert_eq(kvpq_cache_new(&b, &p), KVPQ_OK, "%s", kvpq_last_error());
+    float *k, *v;
+    append_random(a, 0, &c, 300, &k, &v);
+    cr_assert_eq(kvpq_cache_append(b, 0, 300, k, v), KVPQ_OK);
+    float *q = randn(9 * 64, 1.0f), oa[9 * 64], ob[9 * 64];
+    cr_assert_eq(kvpq_cache_attend(a, 0, 1, q, oa), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_attend(b, 0, 1, q, ob), KVPQ_OK);
+    double e = 0;
+    for (int i = 0; i < 9 * 64; i++) e = fmax(e, fabs((double)oa[i] - ob[i]));
+    cr_assert(e < 0.05, "fast-scan vs exact over two-stage head codes: %g", e);
+    free(q);
+    free(k);
+    free(v);
+    kvpq_cache_free(a);
+    kvpq_cache_free(b);
+    kvpq_codebook_free(cb);
+}
+
+/* read() of coded keys equals a reconstruction built here from the public API alone: per KV head h,
+ * a plain SHARED quantizer holding only head h's books (head granularity), and residual VQ spelled
+ * out (encode, decode, subtract, encode the error with stage two, add). The heads' books differ, and
+ * decoding with a neighbour head's books does not reproduce read(): a cache that used one head's
+ * books for all heads fails. A second stage lowers the key reconstruction error. */
+Test(cache_vq, head_books_and_two_stages_read_equals_public_reconstruction) {
+    const int nkv = 3, d = 64, len = 160, W = 16;
+    for (int two = 0; two < 2; two++) {
+        cfg c = {9, nkv, d, "d8b8", "d4b8", KVPQ_CODEBOOK_HEAD, 0};
+        g_key2 = two ? "d8b8" : NULL;
+        kvpq_codebook *cb = make_codebook(1, &c);
+        g_key2 = NULL;
+        kvpq_cache *cache = make_cache(cb, 1, &c, W, 64, 256);
+        float *k, *v;
+        append_random(cache, 0, &c, len, &k, &v);
+        const int nc = expected_coded(len, W);
+        const size_t row = (size_t)nkv * d;
+        float *kh = malloc((size_t)len * row * sizeof(float));
+        cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, NULL), KVPQ_OK, "%s", kvpq_last_error());
+        const kvpq_pq *k1 = kvpq_codebook_pq_const(cb, 0, 0), *k2 = kvpq_codebook_key_pq2_const(cb, 0);
+        cr_assert_eq(kvpq_pq_get_params(k1).granularity, KVPQ_CODEBOOK_HEAD);
+        cr_assert_eq(kvpq_pq_centroids_size(k1), (size_t)nkv * 256 * 8);
+        const float *lam = kvpq_codebook_key_smooth_const(cb, 0), *mu = kvpq_codebook_key_mean_const(cb, 0);
+        const size_t bk = 256 * 8; /* floats of one head's book (ksub 256, dsub 8) */
+        for (int h = 1; h < nkv; h++)
+            cr_assert_neq(memcmp(kvpq_pq_centroids(k1), kvpq_pq_centroids(k1) + h * bk, bk * sizeof(float)), 0,
+                          "heads 0 and %d have the same book", h);
+        double err_own = 0, err_other = 0, mse = 0;
+        for (int h = 0; h < nkv; h++)
+            for (int use = 0; use < 2; use++) { /* use 0: head h's books; 1: head (h + 1) % nkv's */
+                const int hb = use ? (h + 1) % nkv : h;
+                kvpq_pq *p1, *p2 = NULL;
+                kvpq_pq_params pp = {.d = d, .M = 8, .nbits = 8, .granularity = KVPQ_CODEBOOK_SHARED};
+                cr_assert_eq(kvpq_pq_new(&p1, &pp), KVPQ_OK);
+                cr_assert_eq(kvpq_pq_set_centroids(p1, kvpq_pq_centroids(k1) + hb * bk, bk), KVPQ_OK);
+                if (k2) {
+                    cr_assert_eq(kvpq_pq_new(&p2, &pp), KVPQ_OK);
+                    cr_assert_eq(kvpq_pq_set_centroids(p2, kvpq_pq_centroids(k2) + hb * bk, bk), KVPQ_OK);
+                }
+                for (int t = 0; t < nc; t++) {
+                    float x[64], r[64], e[64], r2[64];
+                    uint8_t code[8];
+                    uint16_t hx[64];
+                    const kvpq_vq_kernels *K = kvpq__vq_kernels(KVPQ_SIMD_SCALAR);
+                    K->f32_to_f16(d, k + t * row + h * d, hx); /* the window's fp16 rounding */
+                    K->f16_to_f32(d, hx, x);
+                    for (int j = 0; j < d; j++) x[j] = (x[j] - mu[h * d + j]) / lam[h * d + j];
+                    kvpq_hadamard(x, 1, d);
+                    cr_assert_eq(kvpq_pq_encode(p1, 1, x, code), KVPQ_OK);
+                    cr_assert_eq(kvpq_pq_decode(p1, 1, code, r), KVPQ_OK);
+                    if (p2) {
+                        for (int j = 0; j < d; j++) e[j] = x[j] - r[j];
+                        cr_assert_eq(kvpq_pq_encode(p2, 1, e, code), KVPQ_OK);
+                        cr_assert_eq(kvpq_pq_decode(p2, 1, code, r2), KVPQ_OK);
+                        for (int j = 0; j < d; j++) r[j] += r2[j];
+                    }
+                    kvpq_hadamard(r, 1, d);
+                    for (int j = 0; j < d; j++) {
+                        const float want = r[j] * lam[h * d + j] + mu[h * d + j], got = kh[t * row + h * d + j];
+                        const double de = fabs((double)got - want) / (1.0 + fabs(want));
+                        if (use) err_other = fmax(err_other, de);
+                        else {
+                            err_own = fmax(err_own, de);
+                            const double o = got - k[t * row + h * d + j];
+                            mse += o * o;
+                        }
+                    }
+                }
+                kvpq_pq_free(p1);
+                kvpq_pq_free(p2);
+            }
+        cr_assert(err_own < 1e-5, "stages %d: read() differs from head h's own reconstruction by %g", 1 + two, err_own);
+        cr_assert(err_other > 1e-2, "stages %d: another head's books reproduce read() (%g)", 1 + two, err_other);
+        static double mse_one;
+        if (!two) mse_one = mse;
+        else cr_assert(mse < 0.8 * mse_one, "two stages: key MSE %g not below one stage's %g", mse, mse_one);
+        free(kh);
+        free(k);
+        free(v);
+        kvpq_cache_free(cache);
+        kvpq_codebook_free(cb);
+    }
+}
+
+/* Per-layer value M (kvpq_codebook_set_layer_value_M) beside per-layer key M: every layer attends
+ * within 2e-4 of fp64 attention over its decoded values (its own code size, W table or per-token
+ * decode), with and without norm-explicit scales, both granularities; the page sizes follow each
+ * layer's M (resident bytes from the real pages). */
+Test(cache_vq, per_layer_value_M_matches_fp64) {
+    const int key_M[3] = {16, 32, 8}, value_M[3] = {8, 16, 32};
+    const int len = quick() ? 230 : 380;
+    for (int gran = 0; gran < 2; gran++)
+        for (int f = 0; f < 4; f += 3) {
+            cfg c = {9, 3, 64, "d4b8", "d4b8", (kvpq_codebook_granularity)gran, gran};
+            g_norm = f;
+            g_value_M = value_M;
+            run_config_layers(&c, len, 32, 40, 3, key_M);
+            g_value_M = NULL;
+        }
+    g_norm = 0;
+    /* The value M took effect: layer l's pages hold value codes of value_M[l] bytes. */
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    g_value_M = value_M;
+    kvpq_codebook *cb = make_codebook(3, &c);
+    g_value_M = NULL;
+    for (int l = 0; l < 3; l++) cr_assert_eq(kvpq_codebook_layer_value_M(cb, l), value_M[l]);
+    kvpq_codebook *cb0 = make_codebook(3, &c);
+    kvpq_cache *a = make_cache(cb, 3, &c, 0, 64, 256), *b = make_cache(cb0, 3, &c, 0, 64, 256);
+    for (int l = 0; l < 3; l++) {
+        append_random(a, l, &c, 64, NULL, NULL);
+        append_random(b, l, &c, 64, NULL, NULL);
+    }
+    /* one page of 64 tokens x 3 heads per layer; value code bytes 8+16+32 against 16*3 */
+    size_t ra = kvpq_cache_resident_bytes(a), rb = kvpq_cache_resident_bytes(b);
+    size_t cba = 0, cbb = 0;
+    for (int l = 0; l < 3; l++) {
+        cba += kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 1)) * sizeof(float);
+        cbb += kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb0, l, 1)) * sizeof(float);
+    }
+    cr_assert_eq((long long)(ra - cba) - (long long)(rb - cbb), (long long)64 * 3 * ((8 + 16 + 32) - 3 * 16),
+                 "resident %zu vs %zu", ra, rb);
+    kvpq_cache_free(a);
+    kvpq_cache_free(b);
+    kvpq_codebook_free(cb);
+    kvpq_codebook_free(cb0);
 }
 
 /* A token whose norm-explicit scale would not fit in float16 is refused when it is appended, naming

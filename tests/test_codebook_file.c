@@ -115,6 +115,7 @@ static void assert_same(const kvpq_codebook *a, const kvpq_codebook *b) {
     cr_assert_eq(memcmp(&pa, &pb, sizeof pa), 0, "params differ");
     for (int l = 0; l < pa.n_layer; l++) {
         cr_assert_eq(kvpq_codebook_layer_key_M(a, l), kvpq_codebook_layer_key_M(b, l), "layer %d key M", l);
+        cr_assert_eq(kvpq_codebook_layer_value_M(a, l), kvpq_codebook_layer_value_M(b, l), "layer %d value M", l);
         cr_assert_eq(memcmp(kvpq_codebook_key_smooth_const(a, l), kvpq_codebook_key_smooth_const(b, l),
                             (size_t)pa.n_head_kv * pa.head_dim * sizeof(float)), 0, "layer %d smoothing", l);
         cr_assert_eq(memcmp(kvpq_codebook_key_mean_const(a, l), kvpq_codebook_key_mean_const(b, l),
@@ -645,6 +646,89 @@ Test(codebook_file, mixed_key_M_round_trip_is_bit_identical) {
     }
 }
 
+/* Per-layer value M, symmetric to the key's: v.M.{i} written only where it differs, each layer's
+ * v.codebook in its own shape, bit-identical round trip, and a file whose v.M.{i} disagrees with
+ * the tensor (or names no layer) rejected naming both. Layer 1 keeps v.M; keys mixed too. */
+Test(codebook_file, mixed_value_M_round_trip_and_rejects) {
+    const int value_M[3] = {1, 2, 8}; /* v.M = 2, nbits 3 */
+    for (int gran = 0; gran < 2; gran++) {
+        kvpq_codebook_params p = small_params(3);
+        p.value.granularity = (kvpq_codebook_granularity)gran;
+        kvpq_codebook *a;
+        cr_assert_eq(kvpq_codebook_new(&a, &p), KVPQ_OK);
+        cr_assert_eq(kvpq_codebook_layer_value_M(a, 0), p.value.M);
+        cr_assert_eq(kvpq_codebook_layer_value_M(a, 3), 0);
+        cr_assert_eq(kvpq_codebook_layer_value_M(NULL, 0), 0);
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(a, 0, 3), KVPQ_ERR_INVALID_ARG);
+        cr_assert(strstr(kvpq_last_error(), "layer 0 value M=3: expected a divisor of head_dim=8"), "%s",
+                  kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(a, 3, 4), KVPQ_ERR_INVALID_ARG);
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(NULL, 0, 4), KVPQ_ERR_INVALID_ARG);
+        cr_assert_eq(kvpq_codebook_set_meta(a, "v.M.1", "8"), KVPQ_ERR_INVALID_ARG, "v.M.{i} is derived");
+        kvpq_codebook_free(a);
+        /* random contents after the shapes are set */
+        kvpq_codebook *tmp = random_codebook_m(&p, mixed_M);
+        for (int l = 0; l < 3; l++)
+            cr_assert_eq(kvpq_codebook_set_layer_value_M(tmp, l, value_M[l]), KVPQ_OK, "%s", kvpq_last_error());
+        for (int l = 0; l < 3; l++) {
+            kvpq_pq *pq = kvpq_codebook_pq(tmp, l, 1);
+            cr_assert_eq(kvpq_pq_get_params(pq).M, value_M[l]);
+            size_t n = kvpq_pq_centroids_size(pq);
+            float *c = malloc(n * sizeof *c);
+            for (size_t i = 0; i < n; i++) c[i] = frand(-3.0f, 3.0f);
+            cr_assert_eq(kvpq_pq_set_centroids(pq, c, n), KVPQ_OK);
+            free(c);
+        }
+        kvpq_codebook *b;
+        const char *path = path_in("vmix.safetensors"), *path2 = path_in("vmix2.safetensors");
+        cr_assert_eq(kvpq_codebook_save(tmp, path), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_load(&b, path), KVPQ_OK, "%s", kvpq_last_error());
+        assert_same(tmp, b);
+        for (int l = 0; l < 3; l++) {
+            cr_assert_eq(kvpq_codebook_layer_value_M(b, l), value_M[l]);
+            cr_assert_eq(kvpq_codebook_layer_key_M(b, l), mixed_M[l]);
+        }
+        cr_assert_eq(kvpq_codebook_save(b, path2), KVPQ_OK);
+        blob x = read_blob(path), y = read_blob(path2);
+        cr_assert_eq(x.len, y.len);
+        cr_assert_eq(memcmp(x.buf, y.buf, x.len), 0, "granularity %d: re-saved file differs", gran);
+        free(x.buf);
+        free(y.buf);
+        parsed f = parse_file(path);
+        cJSON *meta = cJSON_GetObjectItemCaseSensitive(f.root, "__metadata__");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "v.M.0")->valuestring, "1");
+        cr_assert_null(cJSON_GetObjectItemCaseSensitive(meta, "v.M.1"));
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "v.M.2")->valuestring, "8");
+        const char *want[2][3] = {{"[8,8]", "[8,4]", "[8,1]"}, {"[1,8,8]", "[2,8,4]", "[8,8,1]"}};
+        for (int l = 0; l < 3; l++) {
+            char name[32];
+            snprintf(name, sizeof name, "layers.%d.v.codebook", l);
+            char *sh = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(tensor(&f, name), "shape"));
+            cr_assert_str_eq(sh, want[gran][l], "%s", name);
+            free(sh);
+        }
+        free_parsed(&f);
+        if (gran == 0) {
+            const char *bad = path_in("vbad.safetensors");
+            struct { const char *key, *value, *msg1, *msg2; } cases[] = {
+                {"v.M.1", "8", "tensor layers.1.v.codebook has shape [8,4], expected [8,1] (metadata v.M.1=8)", NULL},
+                {"v.M.0", NULL, "tensor layers.0.v.codebook has shape [8,8], expected [8,4]", NULL},
+                {"v.M.3", "8", "metadata 'v.M.3'", "layer in [0, 2]"},
+                {"v.M.0", "3", "metadata v.M.0", "divisor of head_dim=8"},
+            };
+            for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+                parsed g = parse_file(path);
+                set_meta_str(&g, cases[i].key, cases[i].value);
+                write_parsed(bad, &g);
+                expect_fail(bad, KVPQ_ERR_FORMAT, cases[i].msg1, cases[i].msg2);
+                free_parsed(&g);
+            }
+        }
+        kvpq_codebook_free(tmp);
+        kvpq_codebook_free(b);
+    }
+}
+
 Test(codebook_file, mixed_key_M_inconsistent_file_is_rejected) {
     kvpq_codebook_params p = small_params(3);
     kvpq_codebook *a = random_codebook_m(&p, mixed_M);
@@ -876,7 +960,11 @@ Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
 Test(codebook_file, format_version_and_config_metadata_are_checked) {
     const char *good = save_small(), *bad = path_in("bad.safetensors");
     struct { const char *key, *value; kvpq_status s; const char *msg; } cases[] = {
-        {"kvpq.format_version", "4", KVPQ_ERR_UNSUPPORTED, "format version '4'"},
+        {"kvpq.format_version", "5", KVPQ_ERR_UNSUPPORTED, "format version '5'"},
+        /* version 4 features in a version 3 file */
+        {"k.granularity", "head", KVPQ_ERR_FORMAT, "'head' in a version 3 file"},
+        {"k.stages", "2", KVPQ_ERR_FORMAT, "k.stages / k2.M appear in a version 3 file"},
+        {"k2.M", "8", KVPQ_ERR_FORMAT, "k.stages / k2.M appear in a version 3 file"},
         {"kvpq.format_version", "2", KVPQ_ERR_FORMAT, "k.norm / v.norm appear in a version 2 file"},
         {"k.norm", NULL, KVPQ_ERR_FORMAT, "metadata k.norm is missing"},
         {"v.norm", "2", KVPQ_ERR_FORMAT, "v.norm"},
@@ -1058,5 +1146,152 @@ Test(codebook_file, model_recorded_and_checked) {
     cr_assert(strstr(kvpq_last_error(), "qwen2"), "%s", kvpq_last_error());
     cr_assert_eq(kvpq_codebook_check_model(NULL, &a, NULL), KVPQ_ERR_INVALID_ARG);
     kvpq_codebook_free(back);
+    kvpq_codebook_free(cb);
+}
+
+// ---- version 4: head granularity and two key stages ----------------------------------------------
+
+/* Head granularity (one book per KV head) and a residual second key stage round-trip bit for bit;
+ * the file is version 4 with k.stages / k2.M and tensors (n_head_kv, ksub, dsub) and
+ * layers.{i}.k.codebook2; a plain codebook still writes version 3. */
+Test(codebook_file, head_and_two_stage_round_trip) {
+    for (int two = 0; two < 2; two++) {
+        kvpq_codebook_params p = small_params(3);
+        p.key.granularity = KVPQ_CODEBOOK_HEAD;
+        if (two) {
+            p.key_stages = 2;
+            p.key2 = (kvpq_pq_params){.d = 8, .M = 2, .nbits = 2, .granularity = KVPQ_CODEBOOK_HEAD};
+        }
+        kvpq_codebook *a = random_codebook_m(&p, mixed_M), *b;
+        kvpq_codebook_params ap = kvpq_codebook_get_params(a);
+        cr_assert_eq(ap.key.n_head, 2, "a codebook sets its HEAD quantizers' n_head to n_head_kv");
+        cr_assert_eq(ap.key_stages, 1 + two);
+        cr_assert_eq(kvpq_pq_centroids_size(kvpq_codebook_pq_const(a, 1, 0)), (size_t)2 * 4 * 2);
+        if (two) {
+            /* per-layer stages: layer 1 keeps one stage */
+            cr_assert_eq(kvpq_codebook_set_layer_key_stages(a, 1, 1), KVPQ_OK, "%s", kvpq_last_error());
+            cr_assert_eq(kvpq_codebook_layer_key_stages(a, 1), 1);
+            cr_assert_eq(kvpq_codebook_layer_key_stages(a, 0), 2);
+            cr_assert_null(kvpq_codebook_key_pq2(a, 1));
+            cr_assert_eq(kvpq_codebook_set_layer_key_stages(a, 1, 3), KVPQ_ERR_INVALID_ARG);
+            cr_assert_eq(kvpq_codebook_set_layer_key_stages(a, 3, 1), KVPQ_ERR_INVALID_ARG);
+            for (int l = 0; l < 3; l++) {
+                kvpq_pq *q2 = kvpq_codebook_key_pq2(a, l);
+                if (l == 1) continue;
+                cr_assert_not_null(q2);
+                size_t n = kvpq_pq_centroids_size(q2);
+                cr_assert_eq(n, (size_t)2 * 4 * 4);
+                float c[32];
+                for (size_t i = 0; i < n; i++) c[i] = frand(-1.0f, 1.0f);
+                cr_assert_eq(kvpq_pq_set_centroids(q2, c, n), KVPQ_OK);
+            }
+        } else {
+            cr_assert_null(kvpq_codebook_key_pq2(a, 0));
+        }
+        const char *path = path_in("hv4.safetensors"), *path2 = path_in("hv4b.safetensors");
+        cr_assert_eq(kvpq_codebook_save(a, path), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_load(&b, path), KVPQ_OK, "%s", kvpq_last_error());
+        assert_same(a, b);
+        for (int l = 0; two && l < 3; l++) {
+            const kvpq_pq *x = kvpq_codebook_key_pq2_const(a, l), *y = kvpq_codebook_key_pq2_const(b, l);
+            cr_assert_eq(kvpq_codebook_layer_key_stages(b, l), l == 1 ? 1 : 2);
+            if (l == 1) {
+                cr_assert_null(y);
+                continue;
+            }
+            cr_assert_eq(memcmp(kvpq_pq_centroids(x), kvpq_pq_centroids(y), kvpq_pq_centroids_size(x) * 4), 0);
+        }
+        cr_assert_eq(kvpq_codebook_save(b, path2), KVPQ_OK);
+        blob x = read_blob(path), y = read_blob(path2);
+        cr_assert(x.len == y.len && !memcmp(x.buf, y.buf, x.len), "stages %d: re-saved file differs", 1 + two);
+        free(x.buf);
+        free(y.buf);
+        parsed f = parse_file(path);
+        cJSON *meta = cJSON_GetObjectItemCaseSensitive(f.root, "__metadata__");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "kvpq.format_version")->valuestring, "4");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.granularity")->valuestring, "head");
+        char *sh = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(tensor(&f, "layers.0.k.codebook"), "shape"));
+        cr_assert_str_eq(sh, "[2,4,1]"); /* layer 0: M 8 (dsub 1), 2 heads, ksub 4 */
+        free(sh);
+        if (two) {
+            cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.stages")->valuestring, "2");
+            cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k2.M")->valuestring, "2");
+            sh = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(tensor(&f, "layers.2.k.codebook2"), "shape"));
+            cr_assert_str_eq(sh, "[2,4,4]");
+            free(sh);
+            cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "k.stages.1")->valuestring, "1");
+            cr_assert_null(cJSON_GetObjectItemCaseSensitive(meta, "k.stages.0"));
+            cr_assert_null(cJSON_GetObjectItemCaseSensitive(f.root, "layers.1.k.codebook2"));
+            /* Inconsistent files are refused, naming what is wrong. */
+            const char *bad = path_in("hv4bad.safetensors");
+            struct { const char *key, *value, *msg1; } cases[] = {
+                {"k2.M", "4", "tensor layers.0.k.codebook2 has shape [2,4,4], expected [2,4,2]"},
+                {"k.stages", "1", "metadata k2.M appears without k.stages=2"},
+                {"k.stages", "3", "metadata k.stages='3'"},
+                {"k2.M", NULL, "metadata k2.M is missing"},
+                {"kvpq.format_version", "3", "appear in a version 3 file"},
+                {"k.stages.1", "2", "tensor layers.1.k.codebook2 is missing"},
+                {"k.stages.1", NULL, "tensor layers.1.k.codebook2 is missing"},
+                {"k.stages.0", "3", "metadata k.stages.0='3': expected 1 or 2"},
+                {"k.stages.7", "1", "metadata 'k.stages.7'"},
+            };
+            for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+                parsed g = parse_file(path);
+                set_meta_str(&g, cases[i].key, cases[i].value);
+                write_parsed(bad, &g);
+                expect_fail(bad, KVPQ_ERR_FORMAT, cases[i].msg1, NULL);
+                free_parsed(&g);
+            }
+        } else {
+            cr_assert_null(cJSON_GetObjectItemCaseSensitive(meta, "k.stages"));
+            cr_assert_null(cJSON_GetObjectItemCaseSensitive(f.root, "layers.0.k.codebook2"));
+        }
+        free_parsed(&f);
+        kvpq_codebook_free(a);
+        kvpq_codebook_free(b);
+    }
+    /* A plain codebook (no head granularity, one stage) is written as version 3, as before. */
+    kvpq_codebook_params p = small_params(2);
+    kvpq_codebook *c = random_codebook(&p);
+    cr_assert_str_eq(kvpq_codebook_get_meta(c, "kvpq.format_version"), "3");
+    kvpq_codebook_free(c);
+    /* Stage two must share key's nbits and granularity. */
+    p.key_stages = 2;
+    p.key2 = (kvpq_pq_params){.d = 8, .M = 2, .nbits = 3, .granularity = KVPQ_CODEBOOK_SHARED};
+    cr_assert_eq(kvpq_codebook_new(&c, &p), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "key2 (stage two): nbits=3"), "%s", kvpq_last_error());
+    p.key_stages = 3;
+    cr_assert_eq(kvpq_codebook_new(&c, &p), KVPQ_ERR_INVALID_ARG);
+    /* stages 2 in a one-stage codebook: no key2 params */
+    p = small_params(2);
+    c = random_codebook(&p);
+    cr_assert_eq(kvpq_codebook_set_layer_key_stages(c, 0, 2), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "needs a codebook made with key_stages=2"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_set_layer_key_stages(c, 0, 1), KVPQ_OK);
+    kvpq_codebook_free(c);
+}
+
+/* A version 3 file written by kvpq before version 4 existed (tests/data/codebook/v3_small.safetensors:
+ * shared keys with layer 1 at M 8, subspace values, norm-explicit keys, rotated values) loads with
+ * the same params and values, and re-saves byte for byte. */
+Test(codebook_file, version_3_fixture_still_loads) {
+    const char *fx = KVPQ_SOURCE_DIR "/tests/data/codebook/v3_small.safetensors";
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_load(&cb, fx), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook_params p = kvpq_codebook_get_params(cb);
+    cr_assert(p.n_layer == 2 && p.n_head_kv == 2 && p.head_dim == 8);
+    cr_assert(p.key.M == 4 && p.key.nbits == 2 && p.key.granularity == KVPQ_CODEBOOK_SHARED);
+    cr_assert(p.value.M == 2 && p.value.nbits == 3 && p.value.granularity == KVPQ_CODEBOOK_SUBSPACE);
+    cr_assert(p.key_norm == 1 && p.value_norm == 0 && p.value_rotate == 1 && p.key_stages == 1);
+    cr_assert_eq(kvpq_codebook_layer_key_M(cb, 1), 8);
+    cr_assert_null(kvpq_codebook_key_pq2(cb, 0));
+    cr_assert_float_eq(kvpq_pq_centroids(kvpq_codebook_pq_const(cb, 1, 0))[0], -0.09989116f, 1e-7f);
+    cr_assert_float_eq(kvpq_pq_centroids(kvpq_codebook_pq_const(cb, 0, 1))[(8 + 2) * 4 + 1], -0.52786773f, 1e-7f);
+    const char *out = path_in("v3_resave.safetensors");
+    cr_assert_eq(kvpq_codebook_save(cb, out), KVPQ_OK, "%s", kvpq_last_error());
+    blob x = read_blob(fx), y = read_blob(out);
+    cr_assert(x.len == y.len && !memcmp(x.buf, y.buf, x.len), "re-saved v3 fixture differs");
+    free(x.buf);
+    free(y.buf);
     kvpq_codebook_free(cb);
 }

@@ -284,3 +284,53 @@ Test(pq_encode, bad_params_are_named) {
     cr_assert_eq(kvpq_pq_set_centroids(pq, c, 63), KVPQ_ERR_INVALID_ARG);
     kvpq_pq_free(pq);
 }
+
+/* Head granularity at the quantizer level: rows interleave n_head heads, row i is coded with head
+ * i % n_head's book (the same codes as a plain SHARED quantizer holding that book); training fits
+ * each head's book on that head's rows only; n not a multiple of n_head is refused. */
+Test(pq_encode, head_granularity_uses_each_rows_head_book) {
+    kvpq_pq_params p = {.d = 8, .M = 2, .nbits = 2, .granularity = KVPQ_CODEBOOK_HEAD, .n_head = 2};
+    kvpq_pq *pq;
+    cr_assert_eq(kvpq_pq_new(&pq, &p), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_pq_centroids_size(pq), (size_t)2 * 4 * 4);
+    /* train: head 0's rows near +5, head 1's near -5 */
+    const size_t n = 400;
+    float *x = malloc(n * 8 * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        for (int j = 0; j < 8; j++) x[i * 8 + j] = (i % 2 ? -5.0f : 5.0f) + 0.5f * (float)((i * 7 + (size_t)j * 3) % 5);
+    cr_assert_eq(kvpq_pq_train(pq, NULL, n, x, NULL), KVPQ_OK, "%s", kvpq_last_error());
+    const float *c = kvpq_pq_centroids(pq);
+    for (int i = 0; i < 16; i++) cr_assert(c[i] > 4.9f, "head 0 centroid %d = %g", i, (double)c[i]);
+    for (int i = 16; i < 32; i++) cr_assert(c[i] < -2.9f, "head 1 centroid %d = %g", i, (double)c[i]);
+    /* encode / decode against a SHARED quantizer per head */
+    uint8_t *codes = malloc(n), *ch = malloc(n);
+    float *y = malloc(n * 8 * sizeof(float)), *yh = malloc(8 * sizeof(float));
+    cr_assert_eq(kvpq_pq_encode(pq, n, x, codes), KVPQ_OK);
+    cr_assert_eq(kvpq_pq_decode(pq, n, codes, y), KVPQ_OK);
+    for (int h = 0; h < 2; h++) {
+        kvpq_pq *s;
+        kvpq_pq_params sp = {.d = 8, .M = 2, .nbits = 2, .granularity = KVPQ_CODEBOOK_SHARED};
+        cr_assert_eq(kvpq_pq_new(&s, &sp), KVPQ_OK);
+        cr_assert_eq(kvpq_pq_set_centroids(s, c + h * 16, 16), KVPQ_OK);
+        for (size_t i = (size_t)h; i < n; i += 2) {
+            cr_assert_eq(kvpq_pq_encode(s, 1, x + i * 8, ch), KVPQ_OK);
+            cr_assert_eq(ch[0], codes[i], "row %zu", i);
+            cr_assert_eq(kvpq_pq_decode(s, 1, ch, yh), KVPQ_OK);
+            cr_assert_eq(memcmp(yh, y + i * 8, 8 * sizeof(float)), 0, "row %zu decode", i);
+        }
+        kvpq_pq_free(s);
+    }
+    cr_assert_eq(kvpq_pq_encode(pq, 3, x, codes), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "not a multiple of n_head=2"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_pq_decode(pq, 3, codes, y), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_pq_train(pq, NULL, 3, x, NULL), KVPQ_ERR_INVALID_ARG);
+    p.n_head = 0;
+    kvpq_pq *bad;
+    cr_assert_eq(kvpq_pq_new(&bad, &p), KVPQ_ERR_INVALID_ARG);
+    free(x);
+    free(codes);
+    free(ch);
+    free(y);
+    free(yh);
+    kvpq_pq_free(pq);
+}

@@ -7,10 +7,12 @@
 static const char *const config_keys[] = {
     "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
     "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate", "k.norm", "v.norm",
+    "k.stages",            "k2.M",
 };
 
 static int is_config_key(const char *k) {
-    if (!strncmp(k, "k.M.", 4)) return 1; /* per-layer key M, printed with the layers */
+    if (!strncmp(k, "k.M.", 4) || !strncmp(k, "v.M.", 4) || !strncmp(k, "k.stages.", 9))
+        return 1; /* per-layer M and stages, printed with the layers */
     for (size_t i = 0; i < sizeof config_keys / sizeof config_keys[0]; i++)
         if (!strcmp(k, config_keys[i])) return 1;
     return 0;
@@ -19,7 +21,8 @@ static int is_config_key(const char *k) {
 static void print_pq(const char *what, const kvpq_pq_params *q) {
     int dsub = q->d / q->M;
     printf("%-6s M=%d dsub=%d nbits=%d ksub=%d granularity=%s  %.3f bits/element\n", what, q->M, dsub, q->nbits,
-           1 << q->nbits, q->granularity == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : "shared",
+           1 << q->nbits,
+           q->granularity == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : q->granularity == KVPQ_CODEBOOK_HEAD ? "head" : "shared",
            (double)q->M * q->nbits / q->d);
 }
 
@@ -27,6 +30,8 @@ static void print_pq(const char *what, const kvpq_pq_params *q) {
 static void book_shape(const kvpq_pq_params *q, char *buf, size_t cap) {
     if (q->granularity == KVPQ_CODEBOOK_SUBSPACE)
         snprintf(buf, cap, "[%d,%d,%d]", q->M, 1 << q->nbits, q->d / q->M);
+    else if (q->granularity == KVPQ_CODEBOOK_HEAD)
+        snprintf(buf, cap, "[%d,%d,%d]", q->n_head, 1 << q->nbits, q->d / q->M);
     else
         snprintf(buf, cap, "[%d,%d]", 1 << q->nbits, q->d / q->M);
 }
@@ -51,27 +56,44 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
            kvpq_codebook_get_meta(cb, "kvpq.format_version"));
     printf("n_layer=%d n_head_kv=%d head_dim=%d value_rotate=%d key_norm=%d value_norm=%d\n", p.n_layer, p.n_head_kv,
            p.head_dim, p.value_rotate, p.key_norm, p.value_norm);
-    print_pq("key", &p.key);
-    /* Layers whose key M differs from k.M (per-layer bit allocation), as runs of equal M. */
-    double key_bits = 0; /* code bits per key vector, summed over layers */
-    for (int l = 0; l < p.n_layer; l++) key_bits += (double)kvpq_codebook_layer_key_M(cb, l) * p.key.nbits;
-    for (int l = 0; l < p.n_layer;) {
-        int M = kvpq_codebook_layer_key_M(cb, l), e = l;
-        while (e + 1 < p.n_layer && kvpq_codebook_layer_key_M(cb, e + 1) == M) e++;
-        if (M != p.key.M) {
-            char what[48];
-            snprintf(what, sizeof what, "  key layers %d-%d", l, e);
-            kvpq_pq_params q = p.key;
-            q.M = M;
-            print_pq(what, &q);
+    /* Per kind, the layers whose M differs from k.M / v.M (per-layer bit allocation), as runs of
+     * equal M, and the code bits per vector summed over layers. */
+    double bits[2] = {0, 0};
+    for (int w = 0; w < 2; w++) {
+        const kvpq_pq_params *base = w ? &p.value : &p.key;
+        print_pq(w ? "value" : "key", base);
+        for (int l = 0; l < p.n_layer; l++)
+            bits[w] += (double)(w ? kvpq_codebook_layer_value_M(cb, l) : kvpq_codebook_layer_key_M(cb, l)) * base->nbits;
+        for (int l = 0; l < p.n_layer;) {
+            int M = w ? kvpq_codebook_layer_value_M(cb, l) : kvpq_codebook_layer_key_M(cb, l), e = l;
+            while (e + 1 < p.n_layer &&
+                   (w ? kvpq_codebook_layer_value_M(cb, e + 1) : kvpq_codebook_layer_key_M(cb, e + 1)) == M)
+                e++;
+            if (M != base->M) {
+                char what[48];
+                snprintf(what, sizeof what, "  %s layers %d-%d", w ? "value" : "key", l, e);
+                kvpq_pq_params q = *base;
+                q.M = M;
+                print_pq(what, &q);
+            }
+            l = e + 1;
         }
-        l = e + 1;
     }
-    print_pq("value", &p.value);
+    if (p.key_stages == 2) { /* residual second stage: its codes in the layers that have it */
+        print_pq("key2", &p.key2);
+        int n2 = 0;
+        for (int l = 0; l < p.n_layer; l++) n2 += kvpq_codebook_layer_key_stages(cb, l) == 2;
+        bits[0] += (double)n2 * p.key2.M * p.key2.nbits;
+        if (n2 < p.n_layer) {
+            printf("  key2 in layers:");
+            for (int l = 0; l < p.n_layer; l++)
+                if (kvpq_codebook_layer_key_stages(cb, l) == 2) printf(" %d", l);
+            printf(" (%d of %d)\n", n2, p.n_layer);
+        }
+    }
     /* Codes, plus one float16 scale per vector of a norm-explicit quantizer. */
     printf("bits/element (K and V together, codes and per-vector scales): %.3f\n",
-           (key_bits / p.n_layer + (double)p.value.M * p.value.nbits + 16.0 * (p.key_norm + p.value_norm)) /
-               (2.0 * p.head_dim));
+           ((bits[0] + bits[1]) / p.n_layer + 16.0 * (p.key_norm + p.value_norm)) / (2.0 * p.head_dim));
 
     size_t n_free = 0;
     for (size_t i = 0; i < kvpq_codebook_meta_count(cb); i++) {
@@ -93,7 +115,13 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
     snprintf(ss, sizeof ss, "[%d,%d]", p.n_head_kv, p.head_dim);
     book_shape(&p.key, ks, sizeof ks); /* k.M's; layers listed above with their own M differ */
     book_shape(&p.value, vs, sizeof vs);
-    printf("tensors per layer: k.smooth %s  k.mean %s  k.codebook %s  v.codebook %s  (F32)\n", ss, ss, ks, vs);
+    char k2s[64] = "";
+    if (p.key_stages == 2) {
+        char b2[40];
+        book_shape(&p.key2, b2, sizeof b2);
+        snprintf(k2s, sizeof k2s, "  k.codebook2 %s", b2);
+    }
+    printf("tensors per layer: k.smooth %s  k.mean %s  k.codebook %s%s  v.codebook %s  (F32)\n", ss, ss, ks, k2s, vs);
     printf("%5s %12s %12s %12s %12s %14s %14s\n", "layer", "smooth.min", "smooth.max", "smooth.mean", "k.mean.rms",
            "k.centroid.rms", "v.centroid.rms");
     for (int l = 0; l < p.n_layer; l++) {

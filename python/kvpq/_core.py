@@ -134,12 +134,12 @@ def simd_set(level):
 
 # ---- product quantizer --------------------------------------------------------------------------
 
-_GRAN = {"shared": lib.KVPQ_CODEBOOK_SHARED, "subspace": lib.KVPQ_CODEBOOK_SUBSPACE}
+_GRAN = {"shared": lib.KVPQ_CODEBOOK_SHARED, "subspace": lib.KVPQ_CODEBOOK_SUBSPACE, "head": lib.KVPQ_CODEBOOK_HEAD}
 _GRAN_NAME = {v: k for k, v in _GRAN.items()}
 _INIT = {"pp": lib.KVPQ_KMEANS_INIT_PP, "random": lib.KVPQ_KMEANS_INIT_RANDOM}
 
 
-def _pq_params(where, d, M=None, nbits=None, granularity="shared", preset=None):
+def _pq_params(where, d, M=None, nbits=None, granularity="shared", preset=None, n_head=0):
     p = ffi.new("kvpq_pq_params *", lib.kvpq_pq_params_default())
     d = _int(d, "d", where, 1)
     if preset is not None:
@@ -151,8 +151,9 @@ def _pq_params(where, d, M=None, nbits=None, granularity="shared", preset=None):
         if nbits is not None:
             p.nbits = _int(nbits, "nbits", where, 1)
     if granularity not in _GRAN:
-        raise _arg_error(where, f"granularity: '{granularity}': expected 'shared' or 'subspace'")
+        raise _arg_error(where, f"granularity: '{granularity}': expected 'shared', 'subspace' or 'head'")
     p.granularity = _GRAN[granularity]
+    p.n_head = _int(n_head, "n_head", where, 0)
     return p
 
 
@@ -183,14 +184,16 @@ class ProductQuantizer:
     dims, each coded by the index of its nearest of ksub = 2**nbits centroids (Jegou et al., TPAMI
     2011). granularity "shared": one (ksub, dsub) codebook for every sub-space (VecInfer);
     "subspace": (M, ksub, dsub), as faiss. ProductQuantizer(d, preset="d4b8") takes M and nbits from
-    a preset ("d8b8" 1 bit/element, "d8b12" 1.5, "d4b8" 2, "d2b8" 4)."""
+    a preset ("d8b8" 1 bit/element, "d8b12" 1.5, "d4b8" 2, "d2b8" 4). granularity "head":
+    (n_head, ksub, dsub), one codebook per head; rows given to encode/decode/train interleave the
+    heads (row i is head i % n_head)."""
 
-    def __init__(self, d=64, M=16, nbits=8, granularity="shared", preset=None, _borrow=None):
+    def __init__(self, d=64, M=16, nbits=8, granularity="shared", preset=None, n_head=0, _borrow=None):
         if _borrow is not None:
             self._h, self._owner = _borrow
             return
         p = _pq_params("ProductQuantizer", d, M if preset is None else None, nbits if preset is None else None,
-                       granularity, preset)
+                       granularity, preset, n_head)
         h = ffi.new("kvpq_pq **")
         _check(lib.kvpq_pq_new(h, p), "ProductQuantizer")
         self._h = ffi.gc(h[0], lib.kvpq_pq_free)
@@ -208,6 +211,11 @@ class ProductQuantizer:
     granularity = property(lambda self: _GRAN_NAME[self.params.granularity])
     code_size = property(lambda self: int(lib.kvpq_pq_code_size(self._h)))
 
+    def _shape(self):
+        g = self.granularity
+        lead = () if g == "shared" else (self.M,) if g == "subspace" else (self.params.n_head,)
+        return lead + (self.ksub, self.dsub)
+
     def __repr__(self):
         return (f"ProductQuantizer(d={self.d}, M={self.M}, nbits={self.nbits}, "
                 f"granularity='{self.granularity}')")
@@ -217,13 +225,11 @@ class ProductQuantizer:
         """Copy of the centroids: (ksub, dsub) shared or (M, ksub, dsub) subspace, float32."""
         n = int(lib.kvpq_pq_centroids_size(self._h))
         buf = ffi.buffer(lib.kvpq_pq_centroids(self._h), n * 4)
-        shape = (self.ksub, self.dsub) if self.granularity == "shared" else (self.M, self.ksub, self.dsub)
-        return np.frombuffer(buf, dtype=np.float32).reshape(shape).copy()
+        return np.frombuffer(buf, dtype=np.float32).reshape(self._shape()).copy()
 
     @centroids.setter
     def centroids(self, c):
-        shape = (self.ksub, self.dsub) if self.granularity == "shared" else (self.M, self.ksub, self.dsub)
-        _array(c, "centroids", "ProductQuantizer.centroids", shape=shape)
+        _array(c, "centroids", "ProductQuantizer.centroids", shape=self._shape())
         _check(lib.kvpq_pq_set_centroids(self._h, _ptr(c), c.size), "ProductQuantizer.centroids")
 
     def train(self, x, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
@@ -379,7 +385,7 @@ class Codebook:
     (lambda 1, mu 0, zero centroids); Codebook.load(path) reads a file; kvpq.calibrate() trains one."""
 
     def __init__(self, n_layer, n_head_kv, head_dim, keys="d4b8", values=None, granularity="shared",
-                 value_rotate=False, key_norm=True, value_norm=True, _handle=None):
+                 value_rotate=False, key_norm=True, value_norm=True, keys2=None, _handle=None):
         if _handle is not None:
             self._h = ffi.gc(_handle, lib.kvpq_codebook_free)
             return
@@ -394,6 +400,9 @@ class Codebook:
         cp.value_rotate = int(bool(value_rotate))
         cp.key_norm = int(bool(key_norm))
         cp.value_norm = int(bool(value_norm))
+        if keys2 is not None:  # residual second stage of the keys (same nbits and granularity as keys)
+            cp.key_stages = 2
+            cp.key2 = self._quantizer(w, head_dim, keys2, kg)[0]
         h = ffi.new("kvpq_codebook **")
         _check(lib.kvpq_codebook_new(h, cp), w)
         self._h = ffi.gc(h[0], lib.kvpq_codebook_free)
@@ -441,11 +450,28 @@ class Codebook:
         return ProductQuantizer(_borrow=(lib.kvpq_codebook_pq(self._h, self._layer(layer, "Codebook.value_pq"), 1),
                                          self))
 
+    def key2_pq(self, layer):
+        """The stage-two key ProductQuantizer of a layer (borrowed), or None with one key stage."""
+        h = lib.kvpq_codebook_key_pq2(self._h, self._layer(layer, "Codebook.key2_pq"))
+        return None if h == ffi.NULL else ProductQuantizer(_borrow=(h, self))
+
+    def set_layer_key_stages(self, layer, stages):
+        """One or two key stages for a layer of a two-stage codebook (kvpq_codebook_set_layer_key_stages)."""
+        _check(lib.kvpq_codebook_set_layer_key_stages(self._h, self._layer(layer, "Codebook.set_layer_key_stages"),
+                                                      _int(stages, "stages", "Codebook.set_layer_key_stages", 1)),
+               "Codebook.set_layer_key_stages")
+
     def set_layer_key_M(self, layer, M):
         """Give one layer's key quantizer M sub-vectors (kvpq_codebook_set_layer_key_M)."""
         _check(lib.kvpq_codebook_set_layer_key_M(self._h, self._layer(layer, "Codebook.set_layer_key_M"),
                                                  _int(M, "M", "Codebook.set_layer_key_M", 1)),
                "Codebook.set_layer_key_M")
+
+    def set_layer_value_M(self, layer, M):
+        """Give one layer's value quantizer M sub-vectors (kvpq_codebook_set_layer_value_M)."""
+        _check(lib.kvpq_codebook_set_layer_value_M(self._h, self._layer(layer, "Codebook.set_layer_value_M"),
+                                                   _int(M, "M", "Codebook.set_layer_value_M", 1)),
+               "Codebook.set_layer_value_M")
 
     def _rows(self, ptr):
         n = self.n_head_kv * self.head_dim
@@ -485,17 +511,24 @@ class Codebook:
 
     def info(self):
         """A summary dict: n_layer, n_head_kv, head_dim, key/value (d, M, nbits, granularity),
-        value_rotate, key_norm, value_norm, key_M per layer, bits per element of the codes, meta."""
+        value_rotate, key_norm, value_norm, key_M and value_M per layer, bits per element of the codes,
+        meta."""
         p = self.params
 
         def q(pp):
             return {"d": pp.d, "M": pp.M, "nbits": pp.nbits, "granularity": _GRAN_NAME[pp.granularity]}
         key_M = [int(lib.kvpq_codebook_layer_key_M(self._h, i)) for i in range(p.n_layer)]
         bits_k = sum(m * p.key.nbits for m in key_M) / (p.n_layer * p.head_dim)
+        value_M = [int(lib.kvpq_codebook_layer_value_M(self._h, i)) for i in range(p.n_layer)]
+        stages = [int(lib.kvpq_codebook_layer_key_stages(self._h, i)) for i in range(p.n_layer)]
+        bits_v = sum(m * p.value.nbits for m in value_M) / (p.n_layer * p.head_dim)
         return {"n_layer": p.n_layer, "n_head_kv": p.n_head_kv, "head_dim": p.head_dim, "key": q(p.key),
                 "value": q(p.value), "value_rotate": bool(p.value_rotate), "key_norm": bool(p.key_norm),
-                "value_norm": bool(p.value_norm), "key_M": key_M,
-                "bits_per_element": {"key": bits_k, "value": p.value.M * p.value.nbits / p.head_dim},
+                "value_norm": bool(p.value_norm), "key_M": key_M, "value_M": value_M,
+                "key_stages": p.key_stages, "key2": q(p.key2) if p.key_stages == 2 else None,
+                "key_stages_per_layer": stages,
+                "bits_per_element": {"key": bits_k + sum(s == 2 for s in stages) * p.key2.M * p.key2.nbits
+                                     / (p.n_layer * p.head_dim), "value": bits_v},
                 "meta": self.meta()}
 
     def __repr__(self):
@@ -525,8 +558,9 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
     return _report(rk), _report(rv)
 
 
-def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value_rotate=False, key_norm=True,
-              value_norm=True, keys_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
+def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2=None, value_rotate=False,
+              key_norm=True,
+              value_norm=True, keys_layers=None, values_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
               init=None, n_threads=None, meta=None):
     """Train a Codebook from keys and values a model produced.
 
@@ -534,7 +568,10 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value
       float32 post-RoPE (an iterator is fine: one layer is held at a time), or a pair of arrays
       (K, V) of shape (n_layer, n_tokens, n_head_kv, head_dim).
     keys, values: presets ("d8b8" 1 bit/element, "d8b12", "d4b8" 2, "d2b8" 4; values default to keys).
+    granularity: "shared", "subspace" or "head" (one codebook per KV head), or a (key, value) pair.
+    keys2: preset of a residual second key stage (same nbits), e.g. "d8b8"; None: one stage.
     keys_layers: {layer: preset} giving some layers' keys another M (same nbits).
+    values_layers: likewise for values.
     The rest as `kvpq calibrate` (same defaults: center, norm-explicit keys and values, k-means 25
     iterations, random init, seed 1234), so the same activations give the same file bytes.
     meta: extra string metadata. Returns the Codebook."""
@@ -561,10 +598,12 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value
             if n_layer is None:
                 raise _arg_error("calibrate", "keys_values: needs a length (a list or tuple over layers)")
             cb = Codebook(n_layer, k.shape[1], k.shape[2], keys=keys, values=values, granularity=granularity,
-                          value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
+                          keys2=keys2, value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
             for l, preset in (keys_layers or {}).items():
                 q = _pq_params("calibrate", k.shape[2], preset=preset)
                 cb.set_layer_key_M(l, q.M)
+            for l, preset in (values_layers or {}).items():
+                cb.set_layer_value_M(l, _pq_params("calibrate", k.shape[2], preset=preset).M)
         n_tok = k.shape[0]
         calibrate_layer(cb, layer, k, v, center=center, niter=niter, seed=seed,
                         max_points_per_centroid=max_points_per_centroid, init=init, n_threads=n_threads)

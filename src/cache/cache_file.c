@@ -79,6 +79,14 @@ uint64_t kvpq_codebook_fingerprint(const kvpq_codebook *cb) {
             XXH64_update(h, shape, sizeof shape);
             XXH64_update(h, kvpq_pq_centroids(pq), kvpq_pq_centroids_size(pq) * sizeof(float));
         }
+        const kvpq_pq *pq2 = kvpq_codebook_key_pq2_const(cb, l); /* residual second stage: only when present,
+                                                                    * so one-stage fingerprints are unchanged */
+        if (pq2) {
+            kvpq_pq_params pp = kvpq_pq_get_params(pq2);
+            const int32_t shape[] = {-2, pp.d, pp.M, pp.nbits, (int32_t)pp.granularity};
+            XXH64_update(h, shape, sizeof shape);
+            XXH64_update(h, kvpq_pq_centroids(pq2), kvpq_pq_centroids_size(pq2) * sizeof(float));
+        }
         const float *lam = kvpq_codebook_key_smooth_const(cb, l), *mu = kvpq_codebook_key_mean_const(cb, l);
         if (lam) XXH64_update(h, lam, row * sizeof(float));
         if (mu) XXH64_update(h, mu, row * sizeof(float));

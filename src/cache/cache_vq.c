@@ -25,9 +25,10 @@
  *   - coded positions [0, n_coded): pages of page_tokens positions, allocated as the sequence
  *     grows; one page holds K codes (n_head_kv, page_tokens, k_code_size) then V codes
  *     (n_head_kv, page_tokens, v_code_size), so one head's codes are contiguous within a page.
- *     k_code_size is the layer's own: a codebook may give layers different key M (per-layer bit
- *     allocation, kvpq_codebook_set_layer_key_M), so page sizes, LUT shapes and fast-scan use
- *     differ by layer; the per-thread scratch is sized for the largest.
+ *     k_code_size and v_code_size are the layer's own: a codebook may give layers different key
+ *     and value M (per-layer bit allocation, kvpq_codebook_set_layer_key_M / _value_M), so page
+ *     sizes, LUT and W-table shapes and fast-scan use differ by layer; the per-thread scratch is
+ *     sized for the largest.
  *   - window positions [n_coded, len): fp16 (IEEE half) keys and values in the original space, in
  *     a ring (n_head_kv, cap, head_dim), slot = position % cap, cap = window + VQ_FLUSH.
  *   n_coded = floor((len - window) / VQ_FLUSH) * VQ_FLUSH when len >= window + VQ_FLUSH, else 0:
@@ -66,9 +67,11 @@
 typedef struct {
     uint8_t **pages;  /* (max_pages) each page_bytes: K codes then V codes, see above */
     size_t kcs;       /* bytes of one K code vector: this layer's key M (kvpq_codebook_layer_key_M) */
+    size_t vcs;       /* bytes of one V code vector: this layer's value M (kvpq_codebook_layer_value_M) */
     size_t page_bytes;/* n_head_kv * page_tokens * (kcs + vcs), then the scales (see vq_scales) */
     size_t scale_off; /* byte offset of the K scales in a page (4-byte aligned) */
     int fast_scan;    /* st->fast_scan and this layer's key M <= 256 */
+    int Mk;           /* key codes per vector: stage one's M, plus stage two's M with two key stages */
     int n_pages;      /* pages allocated: [first_page, n_pages) are non-NULL */
     int first_page;   /* pages before it were dropped (sliding-window layers) */
     int swa;          /* sliding window of this layer (positions a query sees), 0 = none */
@@ -101,10 +104,9 @@ typedef struct {
     int k_norm, v_norm;   /* norm-explicit key / value quantizers: a float16 scale per (token, KV head) */
     int fast_scan;        /* params.vq_fast_scan and 8-bit key codes (per layer: also M <= 256) */
     float scale;          /* 1 / sqrt(head_dim) */
-    kvpq_pq_params vp;    /* value quantizer params; the key's M varies by layer (kpq[l]->p) */
-    int k_ksub, v_ksub, v_dsub;
-    size_t vcs;           /* bytes of one V code vector; K: per layer (vq_layer.kcs) */
+    int k_ksub, v_ksub;   /* code sizes are per layer (vq_layer.kcs, .vcs) */
     const kvpq_pq **kpq;  /* (n_layer) borrowed from the codebook */
+    const kvpq_pq **kpq2; /* (n_layer) stage-two key quantizers (residual VQ), NULL with one stage */
     const kvpq_pq **vpq;  /* (n_layer) */
     const float **smooth; /* (n_layer) -> (n_head_kv, head_dim) borrowed */
     const float **mean;   /* (n_layer) -> (n_head_kv, head_dim) borrowed key means mu */
@@ -141,7 +143,7 @@ static uint8_t *vq_kcodes(const vq_state *st, const vq_layer *L, int h, int pos)
 
 static uint8_t *vq_vcodes(const vq_state *st, const vq_layer *L, int h, int pos) {
     return L->pages[pos / st->page_tokens] + (size_t)st->n_head_kv * st->page_tokens * L->kcs +
-           ((size_t)h * st->page_tokens + pos % st->page_tokens) * st->vcs;
+           ((size_t)h * st->page_tokens + pos % st->page_tokens) * L->vcs;
 }
 
 /* The float16 scales of KV head h from position pos to the end of its page: is_value 0 for keys,
@@ -187,6 +189,7 @@ static void vq_destroy(void *state) {
     free(st->scr);
     free(st->layers);
     free(st->kpq);
+    free(st->kpq2);
     free(st->vpq);
     free(st->smooth);
     free(st->mean);
@@ -275,23 +278,23 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->k_norm = cp.key_norm != 0;
     st->v_norm = cp.value_norm != 0;
     st->fast_scan = p->vq_fast_scan && cp.key.nbits == 8 && !st->k_norm;
-    st->vp = cp.value;
     st->k_ksub = 1 << cp.key.nbits;
     st->v_ksub = 1 << cp.value.nbits;
-    st->v_dsub = p->head_dim / cp.value.M;
-    st->vcs = kvpq_codes_size(cp.value.M, cp.value.nbits);
 
     st->kpq = calloc(p->n_layer, sizeof *st->kpq);
+    st->kpq2 = calloc(p->n_layer, sizeof *st->kpq2);
     st->vpq = calloc(p->n_layer, sizeof *st->vpq);
     st->smooth = calloc(p->n_layer, sizeof *st->smooth);
     st->mean = calloc(p->n_layer, sizeof *st->mean);
     st->layers = calloc(p->n_layer, sizeof *st->layers);
     st->scr = calloc(st->n_threads, sizeof *st->scr);
     st->h16 = calloc((size_t)p->n_head_kv * p->head_dim, sizeof(uint16_t));
-    if (!st->kpq || !st->vpq || !st->smooth || !st->mean || !st->layers || !st->scr || !st->h16) goto nomem;
-    int mk_max = 0, mk_fs = 0; /* largest key M of any layer, of any fast-scan layer */
+    if (!st->kpq || !st->kpq2 || !st->vpq || !st->smooth || !st->mean || !st->layers || !st->scr || !st->h16) goto nomem;
+    int mk_max = 0, mk_fs = 0, mv_max = 0; /* largest key M of any layer, of any fast-scan layer, value M */
     for (int l = 0; l < p->n_layer; l++) {
         st->kpq[l] = kvpq_codebook_pq_const(cb, l, 0);
+        st->kpq2[l] = kvpq_codebook_key_pq2_const(cb, l);
+        if (st->kpq2[l]) st->codebook_bytes += kvpq_pq_centroids_size(st->kpq2[l]) * sizeof(float);
         st->vpq[l] = kvpq_codebook_pq_const(cb, l, 1);
         st->smooth[l] = kvpq_codebook_key_smooth_const(cb, l);
         st->mean[l] = kvpq_codebook_key_mean_const(cb, l);
@@ -299,9 +302,14 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         st->codebook_bytes += 2 * (size_t)p->n_head_kv * p->head_dim * sizeof(float);
         vq_layer *L = &st->layers[l];
         L->swa = kvpq__layer_window(p, l);
-        const int Mk = st->kpq[l]->p.M; /* this layer's key M: the scratch is sized for the largest */
+        /* this layer's key M (both stages' codes form one bit stream): the scratch is sized for the largest */
+        const int Mk = st->kpq[l]->p.M + (st->kpq2[l] ? st->kpq2[l]->p.M : 0);
+        L->Mk = Mk;
         L->kcs = kvpq_codes_size(Mk, st->kpq[l]->p.nbits);
-        const size_t code_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs);
+        const int Mv = st->vpq[l]->p.M; /* this layer's value M */
+        L->vcs = kvpq_codes_size(Mv, st->vpq[l]->p.nbits);
+        if (Mv > mv_max) mv_max = Mv;
+        const size_t code_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + L->vcs);
         const int n_scales = st->k_norm + st->v_norm; /* kinds of float16 scales after the codes */
         L->scale_off = n_scales ? (code_bytes + 3) / 4 * 4 : code_bytes;
         L->page_bytes = L->scale_off + (size_t)n_scales * p->n_head_kv * p->page_tokens * sizeof(uint16_t);
@@ -312,12 +320,12 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         if (!L->pages) goto nomem;
     }
     const int gp = st->gp, d = st->head_dim;
-    const int mmax = mk_max > cp.value.M ? mk_max : cp.value.M;
+    const int mmax = mk_max > mv_max ? mk_max : mv_max;
     for (int t = 0; t < st->n_threads; t++) {
         vq_scratch *s = &st->scr[t];
         s->qr = calloc((size_t)gp * d, sizeof(float));
         s->lut = calloc((size_t)mk_max * st->k_ksub * gp, sizeof(float));
-        s->table = calloc((size_t)cp.value.M * st->v_ksub * gp, sizeof(float));
+        s->table = calloc((size_t)mv_max * st->v_ksub * gp, sizeof(float));
         s->s = calloc((size_t)vq_block_tokens(gp) * gp, sizeof(float));
         s->idx = calloc((size_t)VQ_CHUNK * mmax, sizeof(uint16_t));
         s->rescale = calloc(gp, sizeof(float));
@@ -352,20 +360,89 @@ static kvpq_status vq_grow(void **buf, size_t *cap, size_t want, size_t elem) {
     return KVPQ_OK;
 }
 
-/* Encode nv transformed vectors x (nv, head_dim) with pq into codes (nv, code size). With a
- * norm-explicit quantizer (norm = 1) x is replaced by its directions u = x / |x| (0 stays 0), u is
- * encoded, and scales (nv) get s = x . r / |r|^2 in float16 (r = decoded u; s = 0 when x or r is
- * 0). Row i is position t0 + i / n_head_kv, KV head i % n_head_kv. Fails with KVPQ_ERR_INVALID_ARG
- * when a scale exceeds float16. */
-static kvpq_status vq_encode(vq_state *st, const kvpq_pq *pq, int norm, int layer, const char *what, int t0,
-                             size_t nv, float *x, uint8_t *codes, uint16_t *scales) {
-    if (!norm) return kvpq_pq_encode(pq, nv, x, codes);
+/* Residual VQ (Juang & Gray 1982): x (nv, d) -> stage-one indices c1 = argmin |x - C1[c]| and
+ * stage-two indices c2 of the error e = x - r1; codes (nv, code size of M1 + M2 indices) get the
+ * M1 + M2 indices as one bit stream (stage one first), r (nv, d) the reconstruction r1 + r2. */
+static kvpq_status vq_encode_two(const kvpq_pq *pq1, const kvpq_pq *pq2, size_t nv, const float *x, uint8_t *codes,
+                                 float *r) {
+    const int M1 = pq1->p.M, M2 = pq2->p.M, nb = pq1->p.nbits, d = pq1->p.d;
+    const size_t cs = pq1->code_size > pq2->code_size ? pq1->code_size : pq2->code_size;
+    uint16_t *i1 = malloc(nv * M1 * sizeof(uint16_t)), *i2 = malloc(nv * M2 * sizeof(uint16_t));
+    uint16_t *idx = malloc(nv * (M1 + M2) * sizeof(uint16_t));
+    uint8_t *c = malloc(nv * cs);
+    float *e = malloc(nv * d * sizeof(float));
+    kvpq_status s = KVPQ_OK;
+    if (!i1 || !i2 || !idx || !c || !e) s = kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory (two-stage encode)");
+    if (s == KVPQ_OK) s = kvpq_pq_assign(pq1, nv, x, i1);
+    if (s == KVPQ_OK) s = kvpq_codes_pack(M1, nb, nv, i1, c);
+    if (s == KVPQ_OK) s = kvpq_pq_decode(pq1, nv, c, r);
+    if (s == KVPQ_OK) {
+        for (size_t i = 0; i < nv * d; i++) e[i] = x[i] - r[i];
+        s = kvpq_pq_assign(pq2, nv, e, i2);
+    }
+    if (s == KVPQ_OK) s = kvpq_codes_pack(M2, nb, nv, i2, c);
+    if (s == KVPQ_OK) s = kvpq_pq_decode(pq2, nv, c, e);
+    if (s == KVPQ_OK) {
+        for (size_t i = 0; i < nv * d; i++) r[i] += e[i];
+        for (size_t i = 0; i < nv; i++) {
+            memcpy(idx + i * (M1 + M2), i1 + i * M1, M1 * sizeof(uint16_t));
+            memcpy(idx + i * (M1 + M2) + M1, i2 + i * M2, M2 * sizeof(uint16_t));
+        }
+        s = kvpq_codes_pack(M1 + M2, nb, nv, idx, codes);
+    }
+    free(i1);
+    free(i2);
+    free(idx);
+    free(c);
+    free(e);
+    return s;
+}
+
+/* Decode two-stage codes (nv, code size of M1 + M2) into x (nv, d) = r1 + r2. */
+static kvpq_status vq_decode_two(const kvpq_pq *pq1, const kvpq_pq *pq2, size_t nv, const uint8_t *codes, float *x) {
+    const int M1 = pq1->p.M, M2 = pq2->p.M, nb = pq1->p.nbits, d = pq1->p.d;
+    const size_t cs = pq1->code_size > pq2->code_size ? pq1->code_size : pq2->code_size;
+    uint16_t *idx = malloc(nv * (M1 + M2) * sizeof(uint16_t)), *ix = malloc(nv * (M1 > M2 ? M1 : M2) * sizeof(uint16_t));
+    uint8_t *c = malloc(nv * cs);
+    float *e = malloc(nv * d * sizeof(float));
+    kvpq_status s = KVPQ_OK;
+    if (!idx || !ix || !c || !e) s = kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory (two-stage decode)");
+    if (s == KVPQ_OK) s = kvpq_codes_unpack(M1 + M2, nb, nv, codes, idx);
+    for (int st = 0; st < 2 && s == KVPQ_OK; st++) {
+        const int M = st ? M2 : M1, off = st ? M1 : 0;
+        for (size_t i = 0; i < nv; i++) memcpy(ix + i * M, idx + i * (M1 + M2) + off, M * sizeof(uint16_t));
+        s = kvpq_codes_pack(M, nb, nv, ix, c);
+        if (s == KVPQ_OK) s = kvpq_pq_decode(st ? pq2 : pq1, nv, c, st ? e : x);
+    }
+    if (s == KVPQ_OK)
+        for (size_t i = 0; i < nv * d; i++) x[i] += e[i];
+    free(idx);
+    free(ix);
+    free(c);
+    free(e);
+    return s;
+}
+
+/* Encode nv transformed vectors x (nv, head_dim) with pq (and pq2, the residual second stage, when
+ * not NULL: vq_encode_two) into codes (nv, code size). With a norm-explicit quantizer (norm = 1) x
+ * is replaced by its directions u = x / |x| (0 stays 0), u is encoded, and scales (nv) get
+ * s = x . r / |r|^2 in float16 (r = decoded u, both stages summed: the least-squares scale of the
+ * two-stage reconstruction; s = 0 when x or r is 0). Row i is position t0 + i / n_head_kv, KV head
+ * i % n_head_kv. Fails with KVPQ_ERR_INVALID_ARG when a scale exceeds float16. */
+static kvpq_status vq_encode(vq_state *st, const kvpq_pq *pq, const kvpq_pq *pq2, int norm, int layer,
+                             const char *what, int t0, size_t nv, float *x, uint8_t *codes, uint16_t *scales) {
+    if (!norm && !pq2) return kvpq_pq_encode(pq, nv, x, codes);
     const int d = st->head_dim;
     KVPQ_TRY(vq_grow((void **)&st->xr, &st->xr_cap, nv * d + nv, sizeof(float)));
     float *r = st->xr, *nrm = st->xr + nv * d; /* (nv, d) decoded directions, (nv) norms then scales */
-    KVPQ_TRY(kvpq_normalize_rows(x, nv, d, nrm));
-    KVPQ_TRY(kvpq_pq_encode(pq, nv, x, codes));
-    KVPQ_TRY(kvpq_pq_decode(pq, nv, codes, r));
+    if (norm) KVPQ_TRY(kvpq_normalize_rows(x, nv, d, nrm));
+    if (pq2) {
+        KVPQ_TRY(vq_encode_two(pq, pq2, nv, x, codes, r));
+        if (!norm) return KVPQ_OK;
+    } else {
+        KVPQ_TRY(kvpq_pq_encode(pq, nv, x, codes));
+        KVPQ_TRY(kvpq_pq_decode(pq, nv, codes, r));
+    }
     for (size_t i = 0; i < nv; i++) {
         double ur = 0, rr = 0;
         for (int j = 0; j < d; j++) {
@@ -397,7 +474,7 @@ static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int
     KVPQ_TRY(vq_grow((void **)&st->xk, &st->xk_cap, nv * d, sizeof(float)));
     KVPQ_TRY(vq_grow((void **)&st->xv, &st->xv_cap, nv * d, sizeof(float)));
     KVPQ_TRY(vq_grow((void **)&st->ck, &st->ck_cap, nv * L->kcs, 1));
-    KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * st->vcs, 1));
+    KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * L->vcs, 1));
     if (st->k_norm) KVPQ_TRY(vq_grow((void **)&st->sk, &st->sk_cap, nv, sizeof(uint16_t)));
     if (st->v_norm) KVPQ_TRY(vq_grow((void **)&st->sv, &st->sv_cap, nv, sizeof(uint16_t)));
     for (int t = t0; t < t1; t++) {
@@ -421,8 +498,8 @@ static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int
     }
     KVPQ_TRY(kvpq_hadamard(st->xk, nv, d));
     if (st->value_rotate) KVPQ_TRY(kvpq_hadamard(st->xv, nv, d));
-    KVPQ_TRY(vq_encode(st, st->kpq[layer], st->k_norm, layer, "key", t0, nv, st->xk, st->ck, st->sk));
-    return vq_encode(st, st->vpq[layer], st->v_norm, layer, "value", t0, nv, st->xv, st->cv, st->sv);
+    KVPQ_TRY(vq_encode(st, st->kpq[layer], st->kpq2[layer], st->k_norm, layer, "key", t0, nv, st->xk, st->ck, st->sk));
+    return vq_encode(st, st->vpq[layer], NULL, st->v_norm, layer, "value", t0, nv, st->xv, st->cv, st->sv);
 }
 
 static kvpq_status vq_append(void *state, int layer, int len, int n, const float *k, const float *v) {
@@ -482,7 +559,7 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
             for (int h = 0; h < nkv; h++) {
                 size_t r = (size_t)(t - first) * nkv + h;
                 memcpy(vq_kcodes(st, L, h, t), st->ck + r * L->kcs, L->kcs);
-                memcpy(vq_vcodes(st, L, h, t), st->cv + r * st->vcs, st->vcs);
+                memcpy(vq_vcodes(st, L, h, t), st->cv + r * L->vcs, L->vcs);
                 if (st->k_norm) *vq_scales(st, L, 0, h, t) = st->sk[r];
                 if (st->v_norm) *vq_scales(st, L, 1, h, t) = st->sv[r];
             }
@@ -532,7 +609,16 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     memset(qt, 0, (size_t)gp * d * sizeof(float));
     for (int g = 0; g < G; g++)
         for (int i = 0; i < d; i++) qt[(size_t)i * gp + g] = s->qr[(size_t)g * d + i];
-    K->lut_build(kpq->p.M, kpq->ksub, kpq->dsub, kpq->n_books, kpq->centroids, gp, qt, s->lut);
+    /* Head granularity: KV head h's own books (kvpq__pq_head_book). Residual keys: stage two's table
+     * follows stage one's, LUT2[m][c] = q'_m . C2[m][c], and the codes of both stages form one
+     * vector of M1 + M2 indices, so a score is sum_m LUT1[m][c1_m] + sum_m LUT2[m][c2_m]. */
+    K->lut_build(kpq->p.M, kpq->ksub, kpq->dsub, kvpq__pq_view_books(kpq), kvpq__pq_head_book(kpq, h), gp, qt, s->lut);
+    const kvpq_pq *kpq2 = st->kpq2[layer];
+    if (kpq2) {
+        /* qt for stage two's sub-spaces: the same q' regrouped (M2, dsub2, gp) = (head_dim, gp) */
+        K->lut_build(kpq2->p.M, kpq2->ksub, kpq2->dsub, kvpq__pq_view_books(kpq2), kvpq__pq_head_book(kpq2, h), gp, qt,
+                     s->lut + (size_t)kpq->p.M * kpq->ksub * gp);
+    }
     /* Coded keys are centered: add q . mu_h / sqrt(d) once per score, through LUT row m = 0 (after
      * the per-token scaling instead, for norm-explicit keys). */
     const float *mu = st->mean[layer] + (size_t)h * d;
@@ -545,14 +631,16 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
         else if (b != 0.0f)
             for (int c = 0; c < kpq->ksub; c++) s->lut[(size_t)c * gp + g] += b;
     }
-    if (L->fast_scan) kvpq__vq_lut_quantize(kpq->p.M, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
+    if (L->fast_scan) kvpq__vq_lut_quantize(L->Mk, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
     const size_t table_rows = (size_t)vpq->p.M * vpq->ksub;
     /* Values: decoded per token straight into po where the SIMD level has that kernel for this
      * shape (small groups, see accum_dec_u8), else summed per (m, c) in the W table. */
     const int dec = vpq->p.nbits == 8 && K->accum_dec_ok && K->accum_dec_ok(vpq->p.M, vpq->dsub, G);
     if (!dec) memset(s->table, 0, table_rows * gp * sizeof(float));
     const int kbits8 = kpq->p.nbits == 8, vbits8 = vpq->p.nbits == 8;
-    const int Mk = kpq->p.M, Mv = vpq->p.M;
+    const int Mk = L->Mk, Mv = vpq->p.M;
+    const float *vcent = kvpq__pq_head_book(vpq, h);
+    const int vbooks = kvpq__pq_view_books(vpq);
     /* Two passes per block of up to vq_block_tokens(gp) tokens: all scores of the block first (they
      * stay in L2), then its per-lane maximum becomes the softmax reference m before any weight is
      * taken, so the W table is rescaled at most once per block (not each time a chunk's maximum
@@ -603,7 +691,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             if (st->v_norm) /* exp_sum put p(t) into the denominator; the value sums take p(t) s(t) */
                 K->scale_tokens(n, gp, sc, vq_scales(st, L, 1, h, t), NULL);
             if (dec) {
-                K->accum_dec_u8(n, Mv, vpq->dsub, vpq->n_books, vpq->centroids, gp, G, vc, sc, po);
+                K->accum_dec_u8(n, Mv, vpq->dsub, vbooks, vcent, gp, G, vc, sc, po);
             } else if (vbits8) {
                 K->accum_u8(n, Mv, vpq->ksub, gp, vc, sc, s->table);
             } else {
@@ -616,7 +704,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     }
     /* (M, dsub, gp) = (head_dim, gp) in s->o, then heads outermost into the part. */
     if (dec) return; /* po already holds the weighted values */
-    K->table_out(vpq->p.M, vpq->ksub, vpq->dsub, vpq->n_books, vpq->centroids, gp, s->table, s->o);
+    K->table_out(vpq->p.M, vpq->ksub, vpq->dsub, vbooks, vcent, gp, s->table, s->o);
     for (int g = 0; g < G; g++)
         for (int i = 0; i < d; i++) po[(size_t)g * d + i] = s->o[(size_t)i * gp + g];
 }
@@ -763,7 +851,7 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
     int c1 = pos0 + n < L->n_coded ? pos0 + n : L->n_coded; /* coded part [pos0, c1) */
     if (c1 > pos0) {
         size_t nv = (size_t)(c1 - pos0) * nkv;
-        size_t cs = L->kcs > st->vcs ? L->kcs : st->vcs;
+        size_t cs = L->kcs > L->vcs ? L->kcs : L->vcs;
         uint8_t *codes = malloc(nv * cs);
         float *x = malloc(nv * d * sizeof(float));
         if (!codes || !x) {
@@ -775,12 +863,13 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
         for (int which = 0; which < 2 && rc == KVPQ_OK; which++) {
             float *dst = which ? v : k;
             if (!dst) continue;
-            size_t sz = which ? st->vcs : L->kcs;
+            size_t sz = which ? L->vcs : L->kcs;
             for (int t = pos0; t < c1; t++)
                 for (int h = 0; h < nkv; h++)
                     memcpy(codes + ((size_t)(t - pos0) * nkv + h) * sz,
                            which ? vq_vcodes(st, L, h, t) : vq_kcodes(st, L, h, t), sz);
-            rc = kvpq_pq_decode(which ? st->vpq[layer] : st->kpq[layer], nv, codes, x);
+            if (!which && st->kpq2[layer]) rc = vq_decode_two(st->kpq[layer], st->kpq2[layer], nv, codes, x);
+            else rc = kvpq_pq_decode(which ? st->vpq[layer] : st->kpq[layer], nv, codes, x);
             if (rc != KVPQ_OK) break;
             if (which ? st->v_norm : st->k_norm)
                 for (int t = pos0; t < c1; t++)

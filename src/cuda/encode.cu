@@ -1190,6 +1190,12 @@ kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, const kv
     int d = pq->p.d;
     if (d != 64 && d != 128 && d != 256)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_pq_new: d=%d: the CUDA kernels handle 64, 128 or 256", d);
+    if (pq->p.granularity == KVPQ_CODEBOOK_HEAD)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_pq_new: head granularity (one codebook per KV head) is "
+                         "not supported by the CUDA kernels; use the CPU VQ cache");
+    if (pq->stage2)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cuda_pq_new: a key quantizer with a residual second stage "
+                         "(key_stages = 2) is not supported by the CUDA kernels; use the CPU VQ cache");
     size_t nl = (size_t)n_head_kv * d;
     if (lambda) {
         for (size_t i = 0; i < nl; i++)

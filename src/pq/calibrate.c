@@ -1,6 +1,7 @@
 /* calibrate.c — one layer of a codebook from collected keys and values: the recipe of
  * `kvpq calibrate` (centering, smoothing, Hadamard rotation, normalization, k-means), shared by the
  * CLI and the Python binding so both train the same codebook from the same activations. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -72,6 +73,29 @@ kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n
     if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, layer, 0), &km, n_tokens * H, kd, key_report)) != KVPQ_OK) {
         kvpq__err_prefix("kvpq_codebook_calibrate_layer: layer %d: key codebook", layer);
         goto done;
+    }
+    if (kvpq_codebook_key_pq2(cb, layer)) { /* this layer has a second key stage */
+        /* Residual VQ (Juang & Gray 1982): stage two is k-means on the stage-one errors x - r1 of the
+         * same transformed keys (directions with key_norm). */
+        const kvpq_pq *k1 = kvpq_codebook_pq(cb, layer, 0);
+        const size_t nv = n_tokens * H;
+        uint8_t *codes = malloc(nv * kvpq_pq_code_size(k1));
+        float *r1 = malloc(sizeof(float) * nv * D);
+        if (!codes || !r1) s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_calibrate_layer: out of memory (stage two)");
+        if (s == KVPQ_OK) s = kvpq_pq_encode(k1, nv, kd, codes);
+        if (s == KVPQ_OK) s = kvpq_pq_decode(k1, nv, codes, r1);
+        if (s == KVPQ_OK) {
+            for (size_t i = 0; i < nv * D; i++) kd[i] -= r1[i];
+            kvpq_kmeans_report r2;
+            s = kvpq_pq_train(kvpq_codebook_key_pq2(cb, layer), &km, nv, kd, &r2);
+            if (s == KVPQ_OK && key_report) key_report->mse_final = r2.mse_final; /* after both stages */
+        }
+        free(codes);
+        free(r1);
+        if (s != KVPQ_OK) {
+            kvpq__err_prefix("kvpq_codebook_calibrate_layer: layer %d: key stage-two codebook", layer);
+            goto done;
+        }
     }
     km.max_points_per_centroid = ppc > 0 ? ppc : (cp.value.nbits > 8 ? 32 : 256);
     if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, layer, 1), &km, n_tokens * H, vd, value_report)) != KVPQ_OK) {

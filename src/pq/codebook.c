@@ -43,27 +43,36 @@
 #define CB_MAX_ABS 0x1p21
 
 /* Metadata keys derived from the params (read-only through set_meta), in the order written. */
-enum { CB_N_CONFIG = 13 };
-static const char *const cb_config_keys[CB_N_CONFIG] = {
+enum { CB_N_CONFIG = 13, CB_N_CONFIG_MAX = 15 };
+static const char *const cb_config_keys[CB_N_CONFIG_MAX] = {
     "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
     "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate", "k.norm", "v.norm",
+    /* version 4, written only with key_stages = 2: */
+    "k.stages",            "k2.M",
 };
 
 /* Tensor kinds of one layer, in file order. */
-enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_K_MEAN = 3, CB_N_KIND = 4 };
-static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "v.codebook", "k.mean"};
-/* Format version 1 files hold the first three kinds (no key mean: mu = 0); version 2 all four. */
+enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_K_MEAN = 3, CB_K_BOOK2 = 4, CB_N_KIND = 5 };
+static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "v.codebook", "k.mean",
+                                                     "k.codebook2"};
+/* Format version 1 files hold the first three kinds (no key mean: mu = 0); versions 2-3 the first
+ * four; version 4 adds k.codebook2 in a codebook with two key stages. */
 #define CB_N_KIND_V1 3
 
 struct kvpq_codebook {
     kvpq_codebook_params p;
     kvpq_pq **pq;       /* (n_layer, 2): [2*i] key quantizer, [2*i + 1] value quantizer */
-    int *key_M;         /* (n_layer) each layer's key M (p.key.M unless set_layer_key_M changed it) */
+    kvpq_pq **pq2;      /* (n_layer) key stage-two quantizers (key_stages = 2), else NULL */
+    int n_config;       /* config metadata entries: CB_N_CONFIG, or CB_N_CONFIG_MAX with two key stages */
+    int *layer_M;       /* (n_layer, 3) each layer's key [3*i] and value [3*i + 1] M (p.key.M / p.value.M
+                         * unless set_layer_key_M / set_layer_value_M changed it) and key stages
+                         * [3*i + 2] (p.key_stages unless set_layer_key_stages changed it) */
     float *smooth;      /* (n_layer, n_head_kv, head_dim) key smoothing factors lambda */
     float *mean;        /* (n_layer, n_head_kv, head_dim) per-channel key mean mu */
     size_t n_meta, cap_meta;
     char **meta_key;    /* (n_meta); the first CB_N_CONFIG entries are cb_config_keys, then the
-                         * k.M.{i} of the layers whose key M differs from k.M, in layer order */
+                         * k.M.{i} of the layers whose key M differs from k.M, in layer order, then
+                         * likewise v.M.{i} */
     char **meta_val;    /* (n_meta) */
 };
 
@@ -77,7 +86,28 @@ kvpq_codebook_params kvpq_codebook_params_default(void) {
 }
 
 static const char *granularity_name(kvpq_codebook_granularity g) {
-    return g == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : "shared";
+    return g == KVPQ_CODEBOOK_SUBSPACE ? "subspace" : g == KVPQ_CODEBOOK_HEAD ? "head" : "shared";
+}
+
+/* The params as a codebook holds them: HEAD quantizers get n_head = n_head_kv (others 0), one key
+ * stage is key_stages = 1 with key2 = key, stage two takes key's nbits and granularity fields. */
+static kvpq_codebook_params params_normalize(const kvpq_codebook_params *in) {
+    kvpq_codebook_params p = *in;
+    kvpq_pq_params *q[2] = {&p.key, &p.value};
+    for (int v = 0; v < 2; v++) q[v]->n_head = q[v]->granularity == KVPQ_CODEBOOK_HEAD ? p.n_head_kv : 0;
+    if (p.key_stages <= 1) {
+        p.key_stages = 1;
+        p.key2 = p.key;
+    } else {
+        p.key2.n_head = p.key2.granularity == KVPQ_CODEBOOK_HEAD ? p.n_head_kv : 0;
+    }
+    return p;
+}
+
+/* Version 4 features in use: head granularity or two key stages. */
+static int params_v4(const kvpq_codebook_params *p) {
+    return p->key.granularity == KVPQ_CODEBOOK_HEAD || p->value.granularity == KVPQ_CODEBOOK_HEAD ||
+           p->key_stages == 2;
 }
 
 static kvpq_status params_check(const kvpq_codebook_params *p) {
@@ -109,6 +139,24 @@ static kvpq_status params_check(const kvpq_codebook_params *p) {
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key_norm=%d: expected 0 or 1", p->key_norm);
     if (p->value_norm != 0 && p->value_norm != 1)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook value_norm=%d: expected 0 or 1", p->value_norm);
+    if (p->key_stages < 0 || p->key_stages > 2)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key_stages=%d: expected 1 or 2", p->key_stages);
+    if (p->key_stages == 2) {
+        if (p->key2.d != p->head_dim)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key2.d=%d: expected head_dim=%d", p->key2.d, p->head_dim);
+        if (p->key2.nbits != p->key.nbits || p->key2.granularity != p->key.granularity)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                             "codebook key2 (stage two): nbits=%d granularity=%d, expected key's nbits=%d "
+                             "granularity=%d (the cache adds the two stages' tables as one)",
+                             p->key2.nbits, (int)p->key2.granularity, p->key.nbits, (int)p->key.granularity);
+        kvpq_pq_params q = p->key2;
+        if (q.granularity == KVPQ_CODEBOOK_HEAD) q.n_head = p->n_head_kv;
+        kvpq_status s = kvpq__pq_params_check(&q);
+        if (s != KVPQ_OK) {
+            kvpq__err_prefix("codebook key2 (stage two) quantizer");
+            return s;
+        }
+    }
     return KVPQ_OK;
 }
 
@@ -173,38 +221,54 @@ static kvpq_status meta_put(kvpq_codebook *cb, const char *key, const char *valu
     return KVPQ_OK;
 }
 
-/* Per-layer key M entries are "k.M.{i}"; every key with this prefix is reserved. */
-#define CB_LAYER_M_PREFIX "k.M."
+/* Per-layer entries: key / value M "k.M.{i}" / "v.M.{i}", key stages "k.stages.{i}"; every key with
+ * these prefixes is reserved. */
+static const char *const cb_layer_m_prefix[3] = {"k.M.", "v.M.", "k.stages."};
+static const int cb_layer_m_prefix_len[3] = {4, 4, 9};
 
-static int is_layer_m_key(const char *key) { return !strncmp(key, CB_LAYER_M_PREFIX, strlen(CB_LAYER_M_PREFIX)); }
+/* 0 (key M), 1 (value M) or 2 (key stages) when key starts with that per-layer prefix, else -1. */
+static int layer_m_kind(const char *key) {
+    for (int v = 0; v < 3; v++)
+        if (!strncmp(key, cb_layer_m_prefix[v], (size_t)cb_layer_m_prefix_len[v])) return v;
+    return -1;
+}
+static int is_layer_m_key(const char *key) { return layer_m_kind(key) >= 0; }
+
+/* The file-wide value of per-layer entry kind w (k.M, v.M, k.stages). */
+static int default_M(const kvpq_codebook_params *p, int w) {
+    return w == 2 ? p->key_stages : w ? p->value.M : p->key.M;
+}
 
 static int is_config_key(const char *key) {
     if (is_layer_m_key(key)) return 1;
-    for (int i = 0; i < CB_N_CONFIG; i++)
+    for (int i = 0; i < CB_N_CONFIG_MAX; i++)
         if (!strcmp(key, cb_config_keys[i])) return 1;
     return 0;
 }
 
-/* Rewrite the k.M.{i} entries from cb->key_M (the layers differing from k.M, in layer order, right
- * after the config keys). All or nothing: on NOMEM the metadata is unchanged. */
+/* Rewrite the k.M.{i}, v.M.{i} and k.stages.{i} entries from cb->layer_M (the layers differing from
+ * k.M / v.M / k.stages, in layer order, key M then value M then stages, right after the config
+ * keys). All or nothing: on NOMEM the metadata is unchanged. */
 static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
     size_t n_keep = 0, n_new = 0;
     for (size_t i = 0; i < cb->n_meta; i++) n_keep += !is_layer_m_key(cb->meta_key[i]);
-    for (int l = 0; l < cb->p.n_layer; l++) n_new += cb->key_M[l] != cb->p.key.M;
+    for (int l = 0; l < 3 * cb->p.n_layer; l++) n_new += cb->layer_M[l] != default_M(&cb->p, l % 3);
     size_t n = n_keep + n_new, cap = n > 16 ? n : 16;
     char **k = calloc(cap, sizeof *k), **v = calloc(cap, sizeof *v);
     int ok = k && v;
     size_t o = 0;
-    for (size_t i = 0; ok && i < cb->n_meta && i < CB_N_CONFIG; i++, o++) {
+    for (size_t i = 0; ok && i < cb->n_meta && i < (size_t)cb->n_config; i++, o++) {
         k[o] = cb->meta_key[i];
         v[o] = cb->meta_val[i];
     }
     size_t first_new = o;
+    for (int w = 0; w < 3; w++)
     for (int l = 0; ok && l < cb->p.n_layer; l++) {
-        if (cb->key_M[l] == cb->p.key.M) continue;
+        const int M = cb->layer_M[3 * l + w];
+        if (M == default_M(&cb->p, w)) continue;
         char kb[32], vb[16];
-        snprintf(kb, sizeof kb, CB_LAYER_M_PREFIX "%d", l);
-        snprintf(vb, sizeof vb, "%d", cb->key_M[l]);
+        snprintf(kb, sizeof kb, "%s%d", cb_layer_m_prefix[w], l);
+        snprintf(vb, sizeof vb, "%d", M);
         k[o] = str_dup(kb);
         v[o] = str_dup(vb);
         ok = k[o] && v[o];
@@ -220,7 +284,7 @@ static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
         free(v);
         return kvpq__err(KVPQ_ERR_NOMEM, "codebook metadata: out of memory");
     }
-    for (size_t i = CB_N_CONFIG; i < cb->n_meta; i++) {
+    for (size_t i = (size_t)cb->n_config; i < cb->n_meta; i++) {
         if (is_layer_m_key(cb->meta_key[i])) {
             free(cb->meta_key[i]);
             free(cb->meta_val[i]);
@@ -241,8 +305,8 @@ static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
 
 static kvpq_status meta_put_config(kvpq_codebook *cb) {
     const kvpq_codebook_params *p = &cb->p;
-    char v[CB_N_CONFIG][32];
-    snprintf(v[0], sizeof v[0], "%s", KVPQ_CODEBOOK_FORMAT_VERSION);
+    char v[CB_N_CONFIG_MAX][32];
+    snprintf(v[0], sizeof v[0], "%s", params_v4(p) ? KVPQ_CODEBOOK_FORMAT_VERSION : KVPQ_CODEBOOK_FORMAT_VERSION_PLAIN);
     snprintf(v[1], sizeof v[1], "%d", p->n_layer);
     snprintf(v[2], sizeof v[2], "%d", p->n_head_kv);
     snprintf(v[3], sizeof v[3], "%d", p->head_dim);
@@ -255,29 +319,40 @@ static kvpq_status meta_put_config(kvpq_codebook *cb) {
     snprintf(v[10], sizeof v[10], "%d", p->value_rotate);
     snprintf(v[11], sizeof v[11], "%d", p->key_norm);
     snprintf(v[12], sizeof v[12], "%d", p->value_norm);
-    for (int i = 0; i < CB_N_CONFIG; i++) KVPQ_TRY(meta_put(cb, cb_config_keys[i], v[i]));
+    snprintf(v[13], sizeof v[13], "%d", p->key_stages);
+    snprintf(v[14], sizeof v[14], "%d", p->key2.M);
+    for (int i = 0; i < cb->n_config; i++) KVPQ_TRY(meta_put(cb, cb_config_keys[i], v[i]));
     return KVPQ_OK;
 }
 
 kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p) {
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_new: out is NULL");
     *out = NULL;
-    KVPQ_TRY(params_check(p));
+    if (!p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook params: NULL");
+    const kvpq_codebook_params np = params_normalize(p);
+    KVPQ_TRY(params_check(&np));
+    p = &np;
     kvpq_codebook *cb = calloc(1, sizeof *cb);
     if (!cb) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory");
     cb->p = *p;
+    cb->n_config = p->key_stages == 2 ? CB_N_CONFIG_MAX : CB_N_CONFIG;
     size_t n_smooth = (size_t)p->n_layer * p->n_head_kv * p->head_dim;
     cb->pq = calloc((size_t)2 * p->n_layer, sizeof *cb->pq);
-    cb->key_M = malloc((size_t)p->n_layer * sizeof *cb->key_M);
+    cb->pq2 = calloc((size_t)p->n_layer, sizeof *cb->pq2);
+    cb->layer_M = malloc((size_t)3 * p->n_layer * sizeof *cb->layer_M);
     cb->smooth = malloc(n_smooth * sizeof(float));
     cb->mean = calloc(n_smooth, sizeof(float)); /* mu = 0: no centering until trained */
-    if (!cb->pq || !cb->key_M || !cb->smooth || !cb->mean) {
+    if (!cb->pq || !cb->pq2 || !cb->layer_M || !cb->smooth || !cb->mean) {
         kvpq_codebook_free(cb);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory for %d layers", p->n_layer);
     }
     /* lambda = 1 is the identity smoothing until trained factors are stored. */
     for (size_t i = 0; i < n_smooth; i++) cb->smooth[i] = 1.0f;
-    for (int l = 0; l < p->n_layer; l++) cb->key_M[l] = p->key.M;
+    for (int l = 0; l < p->n_layer; l++) {
+        cb->layer_M[3 * l] = p->key.M;
+        cb->layer_M[3 * l + 1] = p->value.M;
+        cb->layer_M[3 * l + 2] = p->key_stages;
+    }
     for (int i = 0; i < 2 * p->n_layer; i++) {
         kvpq_status s = kvpq_pq_new(&cb->pq[i], (i & 1) ? &p->value : &p->key);
         if (s != KVPQ_OK) {
@@ -285,6 +360,15 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
             return s;
         }
         cb->pq[i]->norm_explicit = (i & 1) ? p->value_norm : p->key_norm;
+        cb->pq[i]->stage2 = !(i & 1) && p->key_stages == 2;
+    }
+    for (int l = 0; p->key_stages == 2 && l < p->n_layer; l++) {
+        kvpq_status s = kvpq_pq_new(&cb->pq2[l], &p->key2);
+        if (s != KVPQ_OK) {
+            kvpq_codebook_free(cb);
+            return s;
+        }
+        cb->pq2[l]->norm_explicit = p->key_norm;
     }
     kvpq_status s = meta_put_config(cb);
     if (s != KVPQ_OK) {
@@ -299,8 +383,11 @@ void kvpq_codebook_free(kvpq_codebook *cb) {
     if (!cb) return;
     if (cb->pq)
         for (int i = 0; i < 2 * cb->p.n_layer; i++) kvpq_pq_free(cb->pq[i]);
+    if (cb->pq2)
+        for (int i = 0; i < cb->p.n_layer; i++) kvpq_pq_free(cb->pq2[i]);
     free(cb->pq);
-    free(cb->key_M);
+    free(cb->pq2);
+    free(cb->layer_M);
     free(cb->smooth);
     free(cb->mean);
     for (size_t i = 0; i < cb->n_meta; i++) {
@@ -324,44 +411,103 @@ const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int layer, int is
     return cb->pq[2 * layer + (is_value ? 1 : 0)];
 }
 
-/* A layer's key quantizer params with M replaced: checked (M divides head_dim, dsub allowed). */
-static kvpq_status layer_key_params(const kvpq_codebook_params *p, int layer, int M, kvpq_pq_params *q) {
-    *q = p->key;
+/* A layer's key (is_value 0) or value (1) quantizer params with M replaced: checked (M divides
+ * head_dim, dsub allowed). */
+static kvpq_status layer_params(const kvpq_codebook_params *p, int layer, int is_value, int M, kvpq_pq_params *q) {
+    const char *what = is_value ? "value" : "key";
+    *q = is_value ? p->value : p->key;
     q->M = M;
     if (M < 1 || M > p->head_dim || p->head_dim % M)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook layer %d key M=%d: expected a divisor of head_dim=%d",
-                         layer, M, p->head_dim);
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook layer %d %s M=%d: expected a divisor of head_dim=%d",
+                         layer, what, M, p->head_dim);
     kvpq_status s = kvpq__pq_params_check(q);
-    if (s != KVPQ_OK) kvpq__err_prefix("codebook layer %d key M=%d", layer, M);
+    if (s != KVPQ_OK) kvpq__err_prefix("codebook layer %d %s M=%d", layer, what, M);
     return s;
 }
 
-kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M) {
-    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_layer_key_M: cb is NULL");
+static kvpq_status set_layer_M(kvpq_codebook *cb, int layer, int is_value, int M, const char *fn) {
+    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: cb is NULL", fn);
     if (layer < 0 || layer >= cb->p.n_layer)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_layer_key_M: layer %d out of range [0, %d)", layer,
-                         cb->p.n_layer);
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d out of range [0, %d)", fn, layer, cb->p.n_layer);
     kvpq_pq_params q;
-    KVPQ_TRY(layer_key_params(&cb->p, layer, M, &q));
+    KVPQ_TRY(layer_params(&cb->p, layer, is_value, M, &q));
     kvpq_pq *pq;
     KVPQ_TRY(kvpq_pq_new(&pq, &q));
-    int old = cb->key_M[layer];
-    cb->key_M[layer] = M;
+    const int i = 2 * layer + is_value, im = 3 * layer + is_value;
+    int old = cb->layer_M[im];
+    cb->layer_M[im] = M;
     kvpq_status s = meta_sync_layer_m(cb);
     if (s != KVPQ_OK) {
-        cb->key_M[layer] = old;
+        cb->layer_M[im] = old;
         kvpq_pq_free(pq);
         return s;
     }
-    pq->norm_explicit = cb->p.key_norm;
-    kvpq_pq_free(cb->pq[2 * layer]);
-    cb->pq[2 * layer] = pq;
+    pq->norm_explicit = is_value ? cb->p.value_norm : cb->p.key_norm;
+    pq->stage2 = !is_value && cb->pq2[layer] != NULL;
+    kvpq_pq_free(cb->pq[i]);
+    cb->pq[i] = pq;
     return KVPQ_OK;
+}
+
+kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M) {
+    return set_layer_M(cb, layer, 0, M, "kvpq_codebook_set_layer_key_M");
+}
+
+kvpq_status kvpq_codebook_set_layer_value_M(kvpq_codebook *cb, int layer, int M) {
+    return set_layer_M(cb, layer, 1, M, "kvpq_codebook_set_layer_value_M");
+}
+
+kvpq_pq *kvpq_codebook_key_pq2(kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return NULL;
+    return cb->pq2[layer];
+}
+
+const kvpq_pq *kvpq_codebook_key_pq2_const(const kvpq_codebook *cb, int layer) {
+    return kvpq_codebook_key_pq2((kvpq_codebook *)cb, layer);
 }
 
 int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer) {
     if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
-    return cb->key_M[layer];
+    return cb->layer_M[3 * layer];
+}
+
+int kvpq_codebook_layer_value_M(const kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
+    return cb->layer_M[3 * layer + 1];
+}
+
+kvpq_status kvpq_codebook_set_layer_key_stages(kvpq_codebook *cb, int layer, int stages) {
+    const char *fn = "kvpq_codebook_set_layer_key_stages";
+    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: cb is NULL", fn);
+    if (layer < 0 || layer >= cb->p.n_layer)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d out of range [0, %d)", fn, layer, cb->p.n_layer);
+    if (stages != 1 && stages != 2) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: stages=%d: expected 1 or 2", fn, stages);
+    if (stages == 2 && cb->p.key_stages != 2)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d: stages=2 needs a codebook made with key_stages=2 (its "
+                         "key2 params)", fn, layer);
+    const int im = 3 * layer + 2, old = cb->layer_M[im];
+    if (old == stages) return KVPQ_OK;
+    kvpq_pq *pq2 = NULL;
+    if (stages == 2) {
+        KVPQ_TRY(kvpq_pq_new(&pq2, &cb->p.key2));
+        pq2->norm_explicit = cb->p.key_norm;
+    }
+    cb->layer_M[im] = stages;
+    kvpq_status s = meta_sync_layer_m(cb);
+    if (s != KVPQ_OK) {
+        cb->layer_M[im] = old;
+        kvpq_pq_free(pq2);
+        return s;
+    }
+    kvpq_pq_free(cb->pq2[layer]);
+    cb->pq2[layer] = pq2;
+    cb->pq[2 * layer]->stage2 = stages == 2;
+    return KVPQ_OK;
+}
+
+int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
+    return cb->layer_M[3 * layer + 2];
 }
 
 float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer) {
@@ -416,8 +562,9 @@ typedef struct {
     uint64_t dim[CB_MAX_DIMS];
 } cb_shape;
 
-/* Shape of a tensor of `kind`; key_M is the layer's key M (k.M or its k.M.{i}). */
-static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, int key_M) {
+/* Shape of a tensor of `kind`; lm: the layer's key and value M (k.M or its k.M.{i}, v.M or its
+ * v.M.{i}). */
+static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, const int *lm) {
     cb_shape s = {0};
     if (kind == CB_K_SMOOTH || kind == CB_K_MEAN) {
         s.ndim = 2;
@@ -425,9 +572,10 @@ static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, int key_M)
         s.dim[1] = (uint64_t)p->head_dim;
         return s;
     }
-    const kvpq_pq_params *q = kind == CB_K_BOOK ? &p->key : &p->value;
-    const int M = kind == CB_K_BOOK ? key_M : q->M;
+    const kvpq_pq_params *q = kind == CB_K_BOOK ? &p->key : kind == CB_K_BOOK2 ? &p->key2 : &p->value;
+    const int M = kind == CB_K_BOOK ? lm[0] : kind == CB_K_BOOK2 ? p->key2.M : lm[1];
     if (q->granularity == KVPQ_CODEBOOK_SUBSPACE) s.dim[s.ndim++] = (uint64_t)M;
+    if (q->granularity == KVPQ_CODEBOOK_HEAD) s.dim[s.ndim++] = (uint64_t)p->n_head_kv;
     s.dim[s.ndim++] = (uint64_t)1 << q->nbits;
     s.dim[s.ndim++] = (uint64_t)(q->d / M);
     return s;
@@ -453,7 +601,7 @@ static float *tensor_data(const kvpq_codebook *cb, int layer, int kind, size_t *
         *n = (size_t)cb->p.n_head_kv * cb->p.head_dim;
         return (kind == CB_K_SMOOTH ? cb->smooth : cb->mean) + (size_t)layer * *n;
     }
-    kvpq_pq *pq = cb->pq[2 * layer + (kind == CB_V_BOOK)];
+    kvpq_pq *pq = kind == CB_K_BOOK2 ? cb->pq2[layer] : cb->pq[2 * layer + (kind == CB_V_BOOK)];
     *n = kvpq_pq_centroids_size(pq);
     return pq->centroids;
 }
@@ -502,9 +650,10 @@ static char *build_header(const kvpq_codebook *cb) {
     uint64_t off = 0;
     for (int l = 0; l < cb->p.n_layer; l++) {
         for (int k = 0; k < CB_N_KIND; k++) {
+            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
             char name[64];
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
-            cb_shape sh = tensor_shape(&cb->p, k, cb->key_M[l]);
+            cb_shape sh = tensor_shape(&cb->p, k, cb->layer_M + 3 * l);
             uint64_t bytes = (uint64_t)shape_numel(&sh) * sizeof(float);
             cJSON *t = cJSON_AddObjectToObject(root, name);
             cJSON *shape = t ? cJSON_AddArrayToObject(t, "shape") : NULL;
@@ -543,6 +692,7 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     /* Never write a file that load would reject. */
     for (int l = 0; l < cb->p.n_layer; l++)
         for (int k = 0; k < CB_N_KIND; k++) {
+            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
             char name[64];
             size_t n;
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
@@ -595,6 +745,7 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     cJSON_free(json);
     for (int l = 0; ok && l < cb->p.n_layer; l++)
         for (int k = 0; ok && k < CB_N_KIND; k++) {
+            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
             size_t n;
             const float *x = tensor_data(cb, l, k, &n);
             ok = write_all(fd, x, n * sizeof(float)) == 0;
@@ -650,7 +801,8 @@ static kvpq_status meta_granularity(const cJSON *meta, const char *key, kvpq_cod
     if (!j) return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s is missing", key);
     if (!strcmp(j->valuestring, "shared")) *g = KVPQ_CODEBOOK_SHARED;
     else if (!strcmp(j->valuestring, "subspace")) *g = KVPQ_CODEBOOK_SUBSPACE;
-    else return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected shared or subspace", key, j->valuestring);
+    else if (!strcmp(j->valuestring, "head")) *g = KVPQ_CODEBOOK_HEAD;
+    else return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected shared, subspace or head", key, j->valuestring);
     return KVPQ_OK;
 }
 
@@ -686,10 +838,11 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     if (!ver) return kvpq__err(KVPQ_ERR_FORMAT, "metadata kvpq.format_version is missing (not a kvpq codebook file)");
     if (!strcmp(ver->valuestring, "1")) *version = 1;
     else if (!strcmp(ver->valuestring, "2")) *version = 2;
-    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 3;
+    else if (!strcmp(ver->valuestring, "3")) *version = 3;
+    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 4;
     else
         return kvpq__err(KVPQ_ERR_UNSUPPORTED,
-                         "format version '%.32s' is not supported: this build reads versions 1, 2 and %s",
+                         "format version '%.32s' is not supported: this build reads versions 1, 2, 3 and %s",
                          ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION);
     memset(p, 0, sizeof *p);
     KVPQ_TRY(meta_int(meta, "n_layer", 1, CB_MAX_LAYER, &p->n_layer));
@@ -709,7 +862,28 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
         return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.norm / v.norm appear in a version %d file (added in version 3)",
                          *version);
     }
+    p->key_stages = 1;
+    if (*version >= 4) {
+        if (cJSON_GetObjectItemCaseSensitive(meta, "k.stages"))
+            KVPQ_TRY(meta_int(meta, "k.stages", 1, 2, &p->key_stages));
+        if (p->key_stages == 2) {
+            KVPQ_TRY(meta_int(meta, "k2.M", 1, CB_MAX_HEAD_DIM, &p->key2.M));
+            p->key2.nbits = p->key.nbits;
+            p->key2.granularity = p->key.granularity;
+            p->key2.d = p->head_dim;
+        } else if (cJSON_GetObjectItemCaseSensitive(meta, "k2.M")) {
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata k2.M appears without k.stages=2");
+        }
+    } else {
+        if (cJSON_GetObjectItemCaseSensitive(meta, "k.stages") || cJSON_GetObjectItemCaseSensitive(meta, "k2.M"))
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.stages / k2.M appear in a version %d file (added in "
+                             "version 4)", *version);
+        if (p->key.granularity == KVPQ_CODEBOOK_HEAD || p->value.granularity == KVPQ_CODEBOOK_HEAD)
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.granularity / v.granularity 'head' in a version %d file "
+                             "(added in version 4)", *version);
+    }
     p->key.d = p->value.d = p->head_dim;
+    *p = params_normalize(p);
     if (params_check(p) != KVPQ_OK) {
         kvpq__err_prefix("inconsistent metadata");
         return KVPQ_ERR_FORMAT;
@@ -717,26 +891,39 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     return KVPQ_OK;
 }
 
-/* The per-layer key M entries k.M.{i} of __metadata__ (validated by read_config) into key_M
- * (n_layer), which starts as k.M everywhere. Each must name a layer below n_layer in canonical
- * decimal and hold an M that divides head_dim with an allowed dsub (same nbits and granularity). */
-static kvpq_status read_layer_m(const cJSON *meta, const kvpq_codebook_params *p, int *key_M) {
-    for (int l = 0; l < p->n_layer; l++) key_M[l] = p->key.M;
+/* The per-layer M entries k.M.{i} and v.M.{i} of __metadata__ (validated by read_config) into
+ * layer_M (n_layer, 2), which starts as k.M / v.M everywhere. Each must name a layer below n_layer
+ * in canonical decimal and hold an M that divides head_dim with an allowed dsub (same nbits and
+ * granularity). */
+static kvpq_status read_layer_m(const cJSON *meta, const kvpq_codebook_params *p, int *layer_M) {
+    for (int l = 0; l < p->n_layer; l++) {
+        layer_M[3 * l] = p->key.M;
+        layer_M[3 * l + 1] = p->value.M;
+        layer_M[3 * l + 2] = p->key_stages;
+    }
     for (const cJSON *j = meta->child; j; j = j->next) {
-        if (!is_layer_m_key(j->string)) continue;
+        const int w = layer_m_kind(j->string);
+        if (w < 0) continue;
         int layer, M;
-        if (!parse_dec(j->string + strlen(CB_LAYER_M_PREFIX), 0, p->n_layer - 1, &layer))
-            return kvpq__err(KVPQ_ERR_FORMAT, "metadata '%.64s': expected k.M.{layer} with layer in [0, %d]",
-                             j->string, p->n_layer - 1);
+        if (!parse_dec(j->string + cb_layer_m_prefix_len[w], 0, p->n_layer - 1, &layer))
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata '%.64s': expected %s{layer} with layer in [0, %d]",
+                             j->string, cb_layer_m_prefix[w], p->n_layer - 1);
+        if (w == 2) { /* k.stages.{i}: "1" drops stage two from a layer of a k.stages=2 file */
+            if (p->key_stages != 2 || !parse_dec(j->valuestring, 1, 2, &M))
+                return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected 1 or 2 in a file with k.stages=2",
+                                 j->string, j->valuestring);
+            layer_M[3 * layer + 2] = M;
+            continue;
+        }
         if (!parse_dec(j->valuestring, 1, p->head_dim, &M))
             return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected an integer in [1, %d]", j->string,
                              j->valuestring, p->head_dim);
         kvpq_pq_params q;
-        if (layer_key_params(p, layer, M, &q) != KVPQ_OK) {
+        if (layer_params(p, layer, w, M, &q) != KVPQ_OK) {
             kvpq__err_prefix("metadata %s", j->string);
             return KVPQ_ERR_FORMAT;
         }
-        key_M[layer] = M;
+        layer_M[3 * layer + w] = M;
     }
     return KVPQ_OK;
 }
@@ -769,7 +956,7 @@ static int cmp_range(const void *a, const void *b) {
 }
 
 /* Check one tensor entry against its expected dtype, shape and the data section; fills r. */
-static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, int layer, int kind, int key_M,
+static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, int layer, int kind, const int *lm,
                                uint64_t data_len, cb_range *r) {
     const char *name = t->string;
     if (!cJSON_IsObject(t)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: entry is not a JSON object", name);
@@ -780,7 +967,7 @@ static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, in
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: dtype is missing or not a string", name);
     if (strcmp(dtype->valuestring, "F32"))
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has dtype %.16s, expected F32", name, dtype->valuestring);
-    cb_shape want = tensor_shape(p, kind, key_M), got = {0};
+    cb_shape want = tensor_shape(p, kind, lm), got = {0};
     if (!cJSON_IsArray(shape)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: shape is missing or not an array", name);
     int too_many = 0;
     for (const cJSON *d = shape->child; d; d = d->next) {
@@ -798,9 +985,12 @@ static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, in
         shape_str(&got, gs, sizeof gs);
         if (too_many) snprintf(gs, sizeof gs, "of more than %d dims", CB_MAX_DIMS);
         shape_str(&want, ws, sizeof ws);
-        if (kind == CB_K_BOOK && key_M != p->key.M)
+        if (kind == CB_K_BOOK && lm[0] != p->key.M)
             return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s (metadata k.M.%d=%d)", name, gs,
-                             ws, layer, key_M);
+                             ws, layer, lm[0]);
+        if (kind == CB_V_BOOK && lm[1] != p->value.M)
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s (metadata v.M.%d=%d)", name, gs,
+                             ws, layer, lm[1]);
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s", name, gs, ws);
     }
     if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2 || !json_u64(offs->child, &r->begin) ||
@@ -824,8 +1014,10 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     kvpq_codebook_params p;
     int version = 0;
     KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, &version));
-    const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_N_KIND; /* kinds the file must hold per layer */
-    int *key_M = malloc((size_t)p.n_layer * sizeof *key_M); /* (n_layer) */
+    /* kinds the file must hold per layer: the first n_kind, plus k.codebook2 with two key stages */
+    const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_K_MEAN + 1;
+#define CB_KIND_EXPECTED(k, l) ((k) < n_kind || ((k) == CB_K_BOOK2 && key_M[3 * (l) + 2] == 2))
+    int *key_M = malloc((size_t)3 * p.n_layer * sizeof *key_M); /* (n_layer, 3) key M, value M, key stages */
     if (!key_M) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
     kvpq_status s = read_layer_m(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, key_M);
     if (s != KVPQ_OK) {
@@ -847,18 +1039,20 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
             continue;
         }
         int layer, kind;
-        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer || kind >= n_kind) {
+        if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer || !CB_KIND_EXPECTED(kind, layer)) {
             s = kvpq__err(KVPQ_ERR_FORMAT, "unexpected tensor '%.64s' (a version %d file holds layers.{0..%d}.{%s})",
                           t->string, version, p.n_layer - 1,
-                          version == 1 ? "k.smooth, k.codebook, v.codebook" : "k.smooth, k.mean, k.codebook, v.codebook");
+                          version == 1            ? "k.smooth, k.codebook, v.codebook"
+                          : p.key_stages == 2     ? "k.smooth, k.mean, k.codebook, k.codebook2, v.codebook"
+                                                  : "k.smooth, k.mean, k.codebook, v.codebook");
             break;
         }
         cb_range *r = &seen[(size_t)layer * CB_N_KIND + kind];
         if (r->t) s = kvpq__err(KVPQ_ERR_FORMAT, "tensor %s appears twice", t->string);
-        else s = check_entry(t, &p, layer, kind, key_M[layer], data_len, r);
+        else s = check_entry(t, &p, layer, kind, key_M + 3 * layer, data_len, r);
     }
     for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++)
-        if (!seen[i].t && (int)(i % CB_N_KIND) < n_kind)
+        if (!seen[i].t && CB_KIND_EXPECTED((int)(i % CB_N_KIND), (int)(i / CB_N_KIND)))
             s = kvpq__err(KVPQ_ERR_FORMAT, "tensor layers.%zu.%s is missing", i / CB_N_KIND,
                           cb_kind_names[i % CB_N_KIND]);
     if (s == KVPQ_OK) {
@@ -898,8 +1092,11 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
 
     kvpq_codebook *cb = NULL;
     if (s == KVPQ_OK) s = kvpq_codebook_new(&cb, &p);
-    for (int l = 0; l < p.n_layer && s == KVPQ_OK; l++)
-        if (key_M[l] != p.key.M) s = kvpq_codebook_set_layer_key_M(cb, l, key_M[l]);
+    for (int l = 0; l < p.n_layer && s == KVPQ_OK; l++) {
+        for (int w = 0; w < 2 && s == KVPQ_OK; w++)
+            if (key_M[3 * l + w] != default_M(&p, w)) s = set_layer_M(cb, l, w, key_M[3 * l + w], "load");
+        if (s == KVPQ_OK && key_M[3 * l + 2] != p.key_stages) s = kvpq_codebook_set_layer_key_stages(cb, l, 1);
+    }
     free(key_M);
     for (const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, "__metadata__")->child; j && s == KVPQ_OK;
          j = j->next) {
@@ -915,6 +1112,7 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
         memcpy(dst, data + seen[i].begin, n * sizeof(float)); /* the data may be unaligned: copy, then read */
         s = check_values(dst, n, kind, seen[i].t->string);
         if (s == KVPQ_OK && (kind == CB_K_BOOK || kind == CB_V_BOOK)) kvpq__pq_update_norms(cb->pq[2 * layer + (kind == CB_V_BOOK)]);
+        if (s == KVPQ_OK && kind == CB_K_BOOK2) kvpq__pq_update_norms(cb->pq2[layer]);
     }
     free(seen);
     if (s != KVPQ_OK) {

@@ -43,6 +43,10 @@ kvpq_status kvpq__pq_encode_nt(const kvpq_pq *pq, size_t n, const float *x, uint
     const int par = nt > 1 && (double)n * M * ksub >= PAR_MIN_WORK;
     size_t bad = first_nonfinite_row(n, d, x, nt, par);
     if (bad < n) return kvpq__err(KVPQ_ERR_NONFINITE, "%s: x[%zu] (of n=%zu vectors) contains NaN or Inf", fn, bad, n);
+    const int head = pq->p.granularity == KVPQ_CODEBOOK_HEAD, nh = head ? pq->p.n_head : 1;
+    if (head && n % (size_t)nh)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: n=%zu rows is not a multiple of n_head=%d (head granularity)", fn,
+                         n, nh);
 
     const int kpad = kvpq__nn_kpad(ksub);
     float *ws = malloc(sizeof(float) * (size_t)nbooks * kpad * (dsub + 1));
@@ -71,7 +75,11 @@ kvpq_status kvpq__pq_encode_nt(const kvpq_pq *pq, size_t n, const float *x, uint
             if (!buf) continue;
             size_t r0 = blk * rows_per_block, r1 = r0 + rows_per_block < n ? r0 + rows_per_block : n;
             const float *xb = x + r0 * (size_t)d;
-            if (nbooks == 1) {
+            if (head) {
+                /* HEAD: row r is head r % n_head; its M sub-vectors use that head's book */
+                for (size_t r = r0; r < r1; r++)
+                    nn(&books[r % (size_t)nh], (size_t)M, x + r * (size_t)d, (size_t)dsub, buf + (r - r0) * M, 1);
+            } else if (nbooks == 1) {
                 /* SHARED: the block is (rows * M, dsub) contiguous sub-vectors, one codebook */
                 nn(&books[0], (r1 - r0) * (size_t)M, xb, (size_t)dsub, buf, 1);
             } else {
@@ -108,15 +116,21 @@ kvpq_status kvpq__pq_decode_nt(const kvpq_pq *pq, size_t n, const uint8_t *codes
     if (!codes || !x) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_pq_decode: NULL array (n=%zu)", n);
     const int d = pq->p.d, M = pq->p.M, dsub = pq->dsub, nbits = pq->p.nbits;
     const size_t cs = pq->code_size;
+    const int head = pq->p.granularity == KVPQ_CODEBOOK_HEAD;
+    if (head && n % (size_t)pq->p.n_head)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_pq_decode: n=%zu rows is not a multiple of n_head=%d (head "
+                         "granularity)", n, pq->p.n_head);
     const int nt = resolve_threads(n_threads);
     const int par = nt > 1 && (double)n * d >= PAR_MIN_WORK;
 #pragma omp parallel for num_threads(nt) if (par) schedule(static)
     for (size_t i = 0; i < n; i++) {
         const uint8_t *row = codes + i * cs;
         float *xi = x + i * (size_t)d;
+        const float *hb = head ? kvpq__pq_head_book(pq, (int)(i % (size_t)pq->p.n_head)) : NULL;
         for (int m = 0; m < M; m++) {
             uint32_t c = nbits == 8 ? row[m] : kvpq__code_get(row, cs, m, nbits);
-            memcpy(xi + (size_t)m * dsub, kvpq__pq_book(pq, m) + (size_t)c * dsub, sizeof(float) * (size_t)dsub);
+            memcpy(xi + (size_t)m * dsub, (head ? hb : kvpq__pq_book(pq, m)) + (size_t)c * dsub,
+                   sizeof(float) * (size_t)dsub);
         }
     }
     return KVPQ_OK;

@@ -369,7 +369,42 @@ kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, c
     if (!cent) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_pq_train: out of memory");
     kvpq_kmeans_report total = {0};
     kvpq_status st = KVPQ_OK;
-    if (pq->n_books == 1) {
+    if (pq->p.granularity == KVPQ_CODEBOOK_HEAD) {
+        /* HEAD: per head, the (n / n_head) * M sub-vectors of its rows, gathered contiguous */
+        const int nh = pq->p.n_head;
+        const size_t nr = n / (size_t)nh;
+        float *xh = NULL;
+        if (n % (size_t)nh)
+            st = kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_pq_train: n=%zu rows is not a multiple of n_head=%d (head "
+                           "granularity)", n, nh);
+        else if (nr * (size_t)M < (size_t)ksub)
+            st = kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_pq_train: n=%zu vectors give %zu sub-vectors per head < ksub=%d",
+                           n, nr * (size_t)M, ksub);
+        else if (!(xh = malloc(sizeof(float) * nr * (size_t)d)))
+            st = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_pq_train: out of memory");
+        for (int h = 0; h < nh && st == KVPQ_OK; h++) {
+            for (size_t r = 0; r < nr; r++)
+                memcpy(xh + r * (size_t)d, x + (r * (size_t)nh + (size_t)h) * d, sizeof(float) * (size_t)d);
+            kvpq_kmeans_report r;
+            uint64_t seed = kp->seed + 0x9E3779B97F4A7C15ull * (uint64_t)(h + 1);
+            train_progress tp = {kp, h, nh};
+            kvpq_kmeans_params kph = *kp;
+            if (kp->progress) {
+                kph.progress = train_progress_fn;
+                kph.progress_user = &tp;
+            }
+            st = km_run(dsub, ksub, nr * (size_t)M, xh, (size_t)dsub, &kph, seed, "pq_train",
+                        cent + (size_t)h * ksub * dsub, &r);
+            if (st != KVPQ_OK) kvpq__err_prefix("kvpq_pq_train: head %d", h);
+            /* per d-dim vector, averaged over heads */
+            total.mse_init += r.mse_init * M / nh;
+            total.mse_final += r.mse_final * M / nh;
+            total.iterations += r.iterations;
+            total.empty_repaired += r.empty_repaired;
+            total.n_used += r.n_used;
+        }
+        free(xh);
+    } else if (pq->n_books == 1) {
         /* SHARED: the (n, d) array is (n * M, dsub) contiguous sub-vectors */
         if (n * (size_t)M < (size_t)ksub)
             st = kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_pq_train: n=%zu vectors give %zu sub-vectors < ksub=%d", n,

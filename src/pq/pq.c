@@ -38,9 +38,12 @@ kvpq_status kvpq__pq_params_check(const kvpq_pq_params *p) {
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "pq dsub=%d (d=%d / M=%d): expected 1, 2, 4, 8 or 16", dsub, p->d, p->M);
     if (p->nbits < 1 || p->nbits > 12)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "pq nbits=%d: expected 1..12", p->nbits);
-    if (p->granularity != KVPQ_CODEBOOK_SHARED && p->granularity != KVPQ_CODEBOOK_SUBSPACE)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "pq granularity=%d: expected shared (0) or subspace (1)",
+    if (p->granularity != KVPQ_CODEBOOK_SHARED && p->granularity != KVPQ_CODEBOOK_SUBSPACE &&
+        p->granularity != KVPQ_CODEBOOK_HEAD)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "pq granularity=%d: expected shared (0), subspace (1) or head (2)",
                          (int)p->granularity);
+    if (p->granularity == KVPQ_CODEBOOK_HEAD && (p->n_head < 1 || p->n_head > 4096))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "pq n_head=%d: expected 1..4096 for head granularity", p->n_head);
     return KVPQ_OK;
 }
 
@@ -55,14 +58,15 @@ kvpq_status kvpq_pq_new(kvpq_pq **out, const kvpq_pq_params *p) {
     pq->p = *p;
     pq->dsub = p->d / p->M;
     pq->ksub = 1 << p->nbits;
-    pq->n_books = p->granularity == KVPQ_CODEBOOK_SHARED ? 1 : p->M;
+    pq->n_books = p->granularity == KVPQ_CODEBOOK_SHARED ? 1 : p->granularity == KVPQ_CODEBOOK_HEAD ? p->n_head : p->M;
+    if (p->granularity != KVPQ_CODEBOOK_HEAD) pq->p.n_head = 0;
     pq->code_size = kvpq_codes_size(p->M, p->nbits);
     pq->centroids = calloc((size_t)pq->n_books * pq->ksub * pq->dsub, sizeof(float));
     pq->norms = calloc((size_t)pq->n_books * pq->ksub, sizeof(float));
     if (!pq->centroids || !pq->norms) {
         kvpq_pq_free(pq);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_pq_new: out of memory for %d codebook(s) of %d x %d",
-                         p->granularity == KVPQ_CODEBOOK_SHARED ? 1 : p->M, 1 << p->nbits, p->d / p->M);
+                         pq->n_books, 1 << p->nbits, p->d / p->M);
     }
     *out = pq;
     return KVPQ_OK;

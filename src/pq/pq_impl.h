@@ -8,17 +8,29 @@ struct kvpq_pq {
     kvpq_pq_params p;
     int dsub;          /* d / M */
     int ksub;          /* 2^nbits */
-    int n_books;       /* 1 (SHARED) or M (SUBSPACE) */
+    int n_books;       /* 1 (SHARED), M (SUBSPACE) or n_head (HEAD) */
     size_t code_size;  /* ceil(M * nbits / 8) */
     float *centroids;  /* (n_books, ksub, dsub) */
     float *norms;      /* (n_books, ksub) squared L2 norms of the centroids, kept in sync */
+    int stage2;        /* 1: the stage-one key quantizer of a codebook layer with a residual second
+                        * stage (kvpq_codebook_params.key_stages); the CUDA cache refuses it */
     int norm_explicit; /* 1: a norm-explicit codebook's quantizer (codes directions; the VQ cache
                         * keeps a scale per vector, kvpq_codebook_params.key_norm); 0 otherwise */
 };
 
-/* Centroids of sub-space m: (ksub, dsub). */
+/* Centroids of sub-space m: (ksub, dsub). Not for HEAD quantizers (see kvpq__pq_head_book). */
 static inline const float *kvpq__pq_book(const kvpq_pq *pq, int m) {
     return pq->centroids + (size_t)(pq->n_books == 1 ? 0 : m) * pq->ksub * pq->dsub;
+}
+/* The book of vectors of head h (row h % n_head of an interleaved batch): (ksub, dsub), shared by
+ * its sub-spaces for HEAD; book 0 (SHARED) or the first sub-space's (SUBSPACE) otherwise, which
+ * callers then index by sub-space as kvpq__pq_book does (n_books of the view: kvpq__pq_view_books). */
+static inline const float *kvpq__pq_head_book(const kvpq_pq *pq, int h) {
+    return pq->p.granularity == KVPQ_CODEBOOK_HEAD ? pq->centroids + (size_t)h * pq->ksub * pq->dsub : pq->centroids;
+}
+/* n_books as seen by one head's vectors: 1 for HEAD (its own book), else pq->n_books. */
+static inline int kvpq__pq_view_books(const kvpq_pq *pq) {
+    return pq->p.granularity == KVPQ_CODEBOOK_HEAD ? 1 : pq->n_books;
 }
 static inline const float *kvpq__pq_norms(const kvpq_pq *pq, int m) {
     return pq->norms + (size_t)(pq->n_books == 1 ? 0 : m) * pq->ksub;

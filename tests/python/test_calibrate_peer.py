@@ -189,3 +189,44 @@ def test_python_calibrate_writes_the_clis_tensors(codebook, tmp_path):
     kv[3][0][5, 1, 7] = np.nan
     with pytest.raises(kvpq.Error, match=r"k \(layer 3\): holds NaN or Inf \(first at index \(5, 1, 7\)\)"):
         kvpq.calibrate(kv, keys="d4b8", niter=1)
+
+
+def test_head_granularity_and_second_key_stage_from_the_cli(tmp_path):
+    """--granularity head --keys d8b8 --keys2 d8b8 (and --values-layers): one (n_head_kv, ksub, dsub)
+    book per KV head, a k.codebook2 per layer trained on the stage-one residuals of unit directions
+    (so its centroids are shorter than stage one's), per-layer value M; `kvpq ppl` with a window of 0
+    counts the second stage's codes and centroids in the cache's bytes, exactly."""
+    base = ["calibrate", "--model", MODEL, "--text", CALIB, "--tokens", TOKENS, "--ctx", CTX, "--iters", 2,
+            "--threads", 2, "--granularity", "head", "--keys", "d8b8", "--values", "d4b8"]
+    one, two = tmp_path / "h1.safetensors", tmp_path / "h2.safetensors"
+    run(*base, "-o", one, "--also", f"--keys2 d8b8 --values-layers d8b8:0-1 -o {two}")
+    from safetensors import safe_open
+    with safe_open(str(two), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta["kvpq.format_version"] == "4" and meta["k.granularity"] == "head" and meta["k.stages"] == "2"
+    assert meta["k2.M"] == "8" and meta["v.M.0"] == "8" and meta["v.M.1"] == "8" and "v.M.2" not in meta
+    t, t1 = st_numpy.load_file(str(two)), st_numpy.load_file(str(one))
+    assert t["layers.5.k.codebook"].shape == (3, 256, 8) and t["layers.5.k.codebook2"].shape == (3, 256, 8)
+    assert t["layers.0.v.codebook"].shape == (3, 256, 8) and t["layers.2.v.codebook"].shape == (3, 256, 4)
+    assert "layers.0.k.codebook2" not in t1
+    # the heads' books differ; stage two codes residuals: shorter centroids than stage one's
+    k = t["layers.5.k.codebook"]
+    assert not np.array_equal(k[0], k[1]) and not np.array_equal(k[1], k[2])
+    for layer in (0, 13, 29):
+        n1 = np.linalg.norm(t[f"layers.{layer}.k.codebook"], axis=-1).mean()
+        n2 = np.linalg.norm(t[f"layers.{layer}.k.codebook2"], axis=-1).mean()
+        assert n2 < 0.8 * n1, (layer, n1, n2)
+    info = subprocess.run([BIN, "info", str(two)], capture_output=True, text=True)
+    assert info.returncode == 0 and "granularity=head" in info.stdout and "key2" in info.stdout, info.stdout
+    p = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 256, "--chunks", 1, "--threads", 2, "--json",
+            "--cache", f"vq:{one}:w0,vq:{two}:w0")
+    r1, r2 = json.loads(p.stdout)["results"]
+    # 256 coded tokens x 3 KV heads x (30 layers x 8 stage-two bytes, less 8 value bytes in the 2 d8b8
+    # value layers), plus the stage-two books (30 x 3 x 256 x 8 floats) and the 2 larger value books
+    # (3 x 256 x (8 - 4) floats more each)
+    want = 256 * 3 * (30 * 8 - 2 * 8) + 30 * 3 * 256 * 8 * 4 + 2 * 3 * 256 * 4 * 4
+    assert r2["kv_bytes"] - r1["kv_bytes"] == want
+    assert np.isfinite(r2["ppl"]) and r2["ppl"] > 1
+    bad = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", TOKENS, "--ctx", CTX, "--keys", "d4b8",
+              "--keys2", "d8b12", "-o", tmp_path / "bad.safetensors", check=False)
+    assert bad.returncode == 2 and "--keys2 d8b12 has nbits=12" in bad.stderr, bad.stderr

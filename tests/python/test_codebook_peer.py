@@ -210,3 +210,76 @@ def test_per_layer_key_M_both_directions(tmp_path, key_gran):
         kvpq.Codebook.load(path)
     assert e.value.status == -4  # KVPQ_ERR_FORMAT
     assert "(metadata k.M.2=16)" in e.value.detail
+
+
+@pytest.mark.parametrize("value_gran", [SHARED, SUBSPACE])
+def test_per_layer_value_M_both_directions(tmp_path, value_gran):
+    """Per-layer value M (metadata v.M.{i}, value tensors of each layer's shape), as for keys: a
+    safetensors-written file loads with those M and values, kvpq's re-save reads back identical in
+    safetensors, kvpq info lists the differing value layers, a disagreeing tensor is refused."""
+    import subprocess
+
+    p = _params(SHARED, value_gran)
+    layer_M = {0: 4, 2: 16}  # dsub 4 and 1; layer 1 keeps v.M = 8
+    want = _expected_tensors(p, np.random.default_rng(6))
+    for i, M in layer_M.items():
+        q = NS(d=p.value.d, M=M, nbits=p.value.nbits, granularity=value_gran)
+        want[f"layers.{i}.v.codebook"] = np.random.default_rng(10 + i).standard_normal(_book_shape(q)).astype(np.float32)
+    meta = {**_config_meta(p), **{f"v.M.{i}": str(M) for i, M in layer_M.items()}, **FREE_META}
+    path = tmp_path / "peer_vmix.safetensors"
+    st_numpy.save_file(want, str(path), metadata=meta)
+
+    cb = kvpq.Codebook.load(path)
+    assert cb.info()["value_M"] == [4, 8, 16]
+    for i in range(3):
+        assert np.array_equal(cb.value_pq(i).centroids, want[f"layers.{i}.v.codebook"]), i
+    out = tmp_path / "kvpq_vmix.safetensors"
+    cb.save(out)
+    got = st_numpy.load_file(str(out))
+    for name, a in want.items():
+        assert got[name].shape == a.shape and np.array_equal(got[name].view(np.uint32), a.view(np.uint32)), name
+    with safe_open(str(out), framework="numpy") as f:
+        assert f.metadata() == meta
+    info = subprocess.run([os.environ["KVPQ_BIN"], "info", str(out)], capture_output=True, text=True)
+    assert info.returncode == 0, info.stderr
+    assert "value layers 0-0 M=4 dsub=4" in info.stdout
+    assert "value layers 2-2 M=16 dsub=1" in info.stdout
+    want["layers.2.v.codebook"] = want["layers.0.v.codebook"]
+    st_numpy.save_file(want, str(path), metadata=meta)
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.Codebook.load(path)
+    assert e.value.status == -4
+    assert "(metadata v.M.2=16)" in e.value.detail
+
+
+def test_head_granularity_and_two_key_stages_read_by_safetensors(tmp_path):
+    """A codebook with head granularity and a residual second key stage (format version 4) reads in
+    the safetensors package with the documented names and shapes: k.codebook (n_head_kv, ksub, dsub),
+    k.codebook2, metadata k.stages / k2.M; a file written by safetensors with them loads in kvpq."""
+    rng = np.random.default_rng(7)
+    cb = kvpq.Codebook(2, 3, 16, keys=(4, 3), values=(8, 3), granularity=("head", "shared"), keys2=(2, 3),
+                       key_norm=False, value_norm=False)
+    info = cb.info()
+    assert info["key"]["granularity"] == "head" and info["key_stages"] == 2 and info["key2"]["M"] == 2
+    for l in range(2):
+        cb.key_pq(l).centroids = rng.standard_normal((3, 8, 4)).astype(np.float32)
+        cb.key2_pq(l).centroids = rng.standard_normal((3, 8, 8)).astype(np.float32)
+    assert cb.key2_pq(0).centroids.shape == (3, 8, 8)
+    path = tmp_path / "v4.safetensors"
+    cb.save(path)
+    got = st_numpy.load_file(str(path))
+    assert got["layers.1.k.codebook"].shape == (3, 8, 4)
+    assert got["layers.1.k.codebook2"].shape == (3, 8, 8)
+    assert np.array_equal(got["layers.0.k.codebook2"], cb.key2_pq(0).centroids)
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta["kvpq.format_version"] == "4" and meta["k.stages"] == "2" and meta["k2.M"] == "2"
+    assert meta["k.granularity"] == "head"
+    # Written back by safetensors (another writer), loaded by kvpq with the same values.
+    got["layers.0.k.codebook"] = rng.standard_normal((3, 8, 4)).astype(np.float32)
+    other = tmp_path / "v4_peer.safetensors"
+    st_numpy.save_file(got, str(other), metadata=meta)
+    cb2 = kvpq.Codebook.load(other)
+    assert np.array_equal(cb2.key_pq(0).centroids, got["layers.0.k.codebook"])
+    assert np.array_equal(cb2.key2_pq(1).centroids, got["layers.1.k.codebook2"])
+    assert cb2.key2_pq(0) is not None and kvpq.Codebook(1, 1, 16).key2_pq(0) is None
