@@ -256,8 +256,9 @@ KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int
  *   layers.{i}.k.codebook  (ksub, dsub) or (M, ksub, dsub) F32
  *   layers.{i}.v.codebook  likewise
  * and metadata (all strings): kvpq.format_version, n_layer, n_head_kv, head_dim, k.M, k.nbits,
- * k.granularity, v.M, v.nbits, v.granularity, v.rotate, k.norm, v.norm, k.M.{i} (a layer whose key
- * M differs from k.M, see kvpq_codebook_set_layer_key_M), plus free-form keys (model, text, tokens).
+ * k.granularity, v.M, v.nbits, v.granularity, v.rotate, k.norm, v.norm, k.M.{i} / v.M.{i} (a layer
+ * whose key / value M differs from k.M / v.M, see kvpq_codebook_set_layer_key_M and _value_M), plus
+ * free-form keys (model, text, tokens).
  * Format version 3 added k.norm and v.norm (norm-explicit quantizers); versions 1 and 2 load with
  * both 0.
  */
@@ -304,6 +305,14 @@ KVPQ_API kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer,
 /* A layer's key M (params.key.M unless set_layer_key_M changed it); 0 if cb is NULL or the layer
  * is out of range. */
 KVPQ_API int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer);
+/* Per-layer value bit allocation, the same for a layer's value quantizer: a fresh one (zero
+ * centroids) of M sub-vectors, nbits and granularity those of params.value, dsub = head_dim / M.
+ * Saved as metadata v.M.{layer} (only for layers whose M differs from v.M) and a v.codebook tensor of
+ * that layer's shape. Errors as kvpq_codebook_set_layer_key_M; on error the codebook is unchanged. */
+KVPQ_API kvpq_status kvpq_codebook_set_layer_value_M(kvpq_codebook *cb, int layer, int M);
+/* A layer's value M (params.value.M unless set_layer_value_M changed it); 0 if cb is NULL or the
+ * layer is out of range. */
+KVPQ_API int kvpq_codebook_layer_value_M(const kvpq_codebook *cb, int layer);
 /* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
 KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
@@ -314,7 +323,7 @@ KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, in
 KVPQ_API float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer);
 /* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. The config keys
- * (kvpq.format_version, n_layer, ... v.rotate, k.M.{i}) are listed and readable too, derived from the params;
+ * (kvpq.format_version, n_layer, ... v.rotate, k.M.{i}, v.M.{i}) are listed and readable too, derived from the params;
  * set fails on them with KVPQ_ERR_INVALID_ARG. Values of k.granularity: "shared" or "subspace". */
 KVPQ_API kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value);
 KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key);

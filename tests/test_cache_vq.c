@@ -57,6 +57,8 @@ static kvpq_codebook *make_codebook(int n_layer, const cfg *c) { return make_cod
 
 /* Norm-explicit quantizers of the codebooks make_codebook builds: bit 0 keys, bit 1 values. */
 static int g_norm = 0;
+/* (n_layer) each layer's value M for the codebooks make_codebook builds, or NULL (c->vpreset's). */
+static const int *g_value_M = NULL;
 
 /* key_M: (n_layer) each layer's key M (per-layer bit allocation), or NULL for c->kpreset's. */
 static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_M) {
@@ -74,6 +76,8 @@ static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_
     cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
     for (int l = 0; key_M && l < n_layer; l++)
         cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, l, key_M[l]), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; g_value_M && l < n_layer; l++)
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(cb, l, g_value_M[l]), KVPQ_OK, "%s", kvpq_last_error());
     kvpq_kmeans_params kp = kvpq_kmeans_params_default();
     kp.niter = 2;
     kp.max_points_per_centroid = 2;
@@ -536,6 +540,49 @@ Test(cache_vq, norm_explicit_matches_fp64) {
     run_config_layers(&cs[0], len, 32, 33, 3, key_M);
     run_config(&cs[3], len, 16, 33);
     g_norm = 0;
+}
+
+/* Per-layer value M (kvpq_codebook_set_layer_value_M) beside per-layer key M: every layer attends
+ * within 2e-4 of fp64 attention over its decoded values (its own code size, W table or per-token
+ * decode), with and without norm-explicit scales, both granularities; the page sizes follow each
+ * layer's M (resident bytes from the real pages). */
+Test(cache_vq, per_layer_value_M_matches_fp64) {
+    const int key_M[3] = {16, 32, 8}, value_M[3] = {8, 16, 32};
+    const int len = quick() ? 230 : 380;
+    for (int gran = 0; gran < 2; gran++)
+        for (int f = 0; f < 4; f += 3) {
+            cfg c = {9, 3, 64, "d4b8", "d4b8", (kvpq_codebook_granularity)gran, gran};
+            g_norm = f;
+            g_value_M = value_M;
+            run_config_layers(&c, len, 32, 40, 3, key_M);
+            g_value_M = NULL;
+        }
+    g_norm = 0;
+    /* The value M took effect: layer l's pages hold value codes of value_M[l] bytes. */
+    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    g_value_M = value_M;
+    kvpq_codebook *cb = make_codebook(3, &c);
+    g_value_M = NULL;
+    for (int l = 0; l < 3; l++) cr_assert_eq(kvpq_codebook_layer_value_M(cb, l), value_M[l]);
+    kvpq_codebook *cb0 = make_codebook(3, &c);
+    kvpq_cache *a = make_cache(cb, 3, &c, 0, 64, 256), *b = make_cache(cb0, 3, &c, 0, 64, 256);
+    for (int l = 0; l < 3; l++) {
+        append_random(a, l, &c, 64, NULL, NULL);
+        append_random(b, l, &c, 64, NULL, NULL);
+    }
+    /* one page of 64 tokens x 3 heads per layer; value code bytes 8+16+32 against 16*3 */
+    size_t ra = kvpq_cache_resident_bytes(a), rb = kvpq_cache_resident_bytes(b);
+    size_t cba = 0, cbb = 0;
+    for (int l = 0; l < 3; l++) {
+        cba += kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 1)) * sizeof(float);
+        cbb += kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb0, l, 1)) * sizeof(float);
+    }
+    cr_assert_eq((long long)(ra - cba) - (long long)(rb - cbb), (long long)64 * 3 * ((8 + 16 + 32) - 3 * 16),
+                 "resident %zu vs %zu", ra, rb);
+    kvpq_cache_free(a);
+    kvpq_cache_free(b);
+    kvpq_codebook_free(cb);
+    kvpq_codebook_free(cb0);
 }
 
 /* A token whose norm-explicit scale would not fit in float16 is refused when it is appended, naming

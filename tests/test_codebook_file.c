@@ -115,6 +115,7 @@ static void assert_same(const kvpq_codebook *a, const kvpq_codebook *b) {
     cr_assert_eq(memcmp(&pa, &pb, sizeof pa), 0, "params differ");
     for (int l = 0; l < pa.n_layer; l++) {
         cr_assert_eq(kvpq_codebook_layer_key_M(a, l), kvpq_codebook_layer_key_M(b, l), "layer %d key M", l);
+        cr_assert_eq(kvpq_codebook_layer_value_M(a, l), kvpq_codebook_layer_value_M(b, l), "layer %d value M", l);
         cr_assert_eq(memcmp(kvpq_codebook_key_smooth_const(a, l), kvpq_codebook_key_smooth_const(b, l),
                             (size_t)pa.n_head_kv * pa.head_dim * sizeof(float)), 0, "layer %d smoothing", l);
         cr_assert_eq(memcmp(kvpq_codebook_key_mean_const(a, l), kvpq_codebook_key_mean_const(b, l),
@@ -641,6 +642,89 @@ Test(codebook_file, mixed_key_M_round_trip_is_bit_identical) {
         }
         free_parsed(&f);
         kvpq_codebook_free(a);
+        kvpq_codebook_free(b);
+    }
+}
+
+/* Per-layer value M, symmetric to the key's: v.M.{i} written only where it differs, each layer's
+ * v.codebook in its own shape, bit-identical round trip, and a file whose v.M.{i} disagrees with
+ * the tensor (or names no layer) rejected naming both. Layer 1 keeps v.M; keys mixed too. */
+Test(codebook_file, mixed_value_M_round_trip_and_rejects) {
+    const int value_M[3] = {1, 2, 8}; /* v.M = 2, nbits 3 */
+    for (int gran = 0; gran < 2; gran++) {
+        kvpq_codebook_params p = small_params(3);
+        p.value.granularity = (kvpq_codebook_granularity)gran;
+        kvpq_codebook *a;
+        cr_assert_eq(kvpq_codebook_new(&a, &p), KVPQ_OK);
+        cr_assert_eq(kvpq_codebook_layer_value_M(a, 0), p.value.M);
+        cr_assert_eq(kvpq_codebook_layer_value_M(a, 3), 0);
+        cr_assert_eq(kvpq_codebook_layer_value_M(NULL, 0), 0);
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(a, 0, 3), KVPQ_ERR_INVALID_ARG);
+        cr_assert(strstr(kvpq_last_error(), "layer 0 value M=3: expected a divisor of head_dim=8"), "%s",
+                  kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(a, 3, 4), KVPQ_ERR_INVALID_ARG);
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(NULL, 0, 4), KVPQ_ERR_INVALID_ARG);
+        cr_assert_eq(kvpq_codebook_set_meta(a, "v.M.1", "8"), KVPQ_ERR_INVALID_ARG, "v.M.{i} is derived");
+        kvpq_codebook_free(a);
+        /* random contents after the shapes are set */
+        kvpq_codebook *tmp = random_codebook_m(&p, mixed_M);
+        for (int l = 0; l < 3; l++)
+            cr_assert_eq(kvpq_codebook_set_layer_value_M(tmp, l, value_M[l]), KVPQ_OK, "%s", kvpq_last_error());
+        for (int l = 0; l < 3; l++) {
+            kvpq_pq *pq = kvpq_codebook_pq(tmp, l, 1);
+            cr_assert_eq(kvpq_pq_get_params(pq).M, value_M[l]);
+            size_t n = kvpq_pq_centroids_size(pq);
+            float *c = malloc(n * sizeof *c);
+            for (size_t i = 0; i < n; i++) c[i] = frand(-3.0f, 3.0f);
+            cr_assert_eq(kvpq_pq_set_centroids(pq, c, n), KVPQ_OK);
+            free(c);
+        }
+        kvpq_codebook *b;
+        const char *path = path_in("vmix.safetensors"), *path2 = path_in("vmix2.safetensors");
+        cr_assert_eq(kvpq_codebook_save(tmp, path), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_load(&b, path), KVPQ_OK, "%s", kvpq_last_error());
+        assert_same(tmp, b);
+        for (int l = 0; l < 3; l++) {
+            cr_assert_eq(kvpq_codebook_layer_value_M(b, l), value_M[l]);
+            cr_assert_eq(kvpq_codebook_layer_key_M(b, l), mixed_M[l]);
+        }
+        cr_assert_eq(kvpq_codebook_save(b, path2), KVPQ_OK);
+        blob x = read_blob(path), y = read_blob(path2);
+        cr_assert_eq(x.len, y.len);
+        cr_assert_eq(memcmp(x.buf, y.buf, x.len), 0, "granularity %d: re-saved file differs", gran);
+        free(x.buf);
+        free(y.buf);
+        parsed f = parse_file(path);
+        cJSON *meta = cJSON_GetObjectItemCaseSensitive(f.root, "__metadata__");
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "v.M.0")->valuestring, "1");
+        cr_assert_null(cJSON_GetObjectItemCaseSensitive(meta, "v.M.1"));
+        cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(meta, "v.M.2")->valuestring, "8");
+        const char *want[2][3] = {{"[8,8]", "[8,4]", "[8,1]"}, {"[1,8,8]", "[2,8,4]", "[8,8,1]"}};
+        for (int l = 0; l < 3; l++) {
+            char name[32];
+            snprintf(name, sizeof name, "layers.%d.v.codebook", l);
+            char *sh = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(tensor(&f, name), "shape"));
+            cr_assert_str_eq(sh, want[gran][l], "%s", name);
+            free(sh);
+        }
+        free_parsed(&f);
+        if (gran == 0) {
+            const char *bad = path_in("vbad.safetensors");
+            struct { const char *key, *value, *msg1, *msg2; } cases[] = {
+                {"v.M.1", "8", "tensor layers.1.v.codebook has shape [8,4], expected [8,1] (metadata v.M.1=8)", NULL},
+                {"v.M.0", NULL, "tensor layers.0.v.codebook has shape [8,8], expected [8,4]", NULL},
+                {"v.M.3", "8", "metadata 'v.M.3'", "layer in [0, 2]"},
+                {"v.M.0", "3", "metadata v.M.0", "divisor of head_dim=8"},
+            };
+            for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+                parsed g = parse_file(path);
+                set_meta_str(&g, cases[i].key, cases[i].value);
+                write_parsed(bad, &g);
+                expect_fail(bad, KVPQ_ERR_FORMAT, cases[i].msg1, cases[i].msg2);
+                free_parsed(&g);
+            }
+        }
+        kvpq_codebook_free(tmp);
         kvpq_codebook_free(b);
     }
 }

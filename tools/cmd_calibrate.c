@@ -20,7 +20,7 @@
 #define CALIB_STEP 512
 
 typedef struct {
-    const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *kmeans_init;
+    const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *values_layers, *kmeans_init;
     long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm;
     long seed;
     /* --bits: automatic per-layer allocation (docs/allocation.md) */
@@ -40,6 +40,7 @@ static void calib_usage(FILE *f) {
             "  --keys-layers CFG:A-B[,CFG:A-B...]  layers A..B (inclusive, 0-based) get key preset CFG\n"
             "                        instead (its M; same nbits as --keys), e.g. d2b8:10-19\n"
             "  --values CFG          value quantizer preset, same names (default: as --keys)\n"
+            "  --values-layers CFG:A-B[,...]  likewise for values (same nbits as --values), e.g. d2b8:0-1\n"
             "  --granularity G       shared: one (ksub, dsub) codebook per layer and K/V, as VecInfer;\n"
             "                        subspace: (M, ksub, dsub), as faiss (default shared)\n"
             "  --value-rotate 0|1    Hadamard-rotate values before encoding (default 0)\n"
@@ -69,9 +70,9 @@ static void calib_usage(FILE *f) {
             "                        0: values keep --values in every layer)\n"
             "  --also \"OPTIONS -o OUT\"   also train and write another codebook from the same forward pass\n"
             "                        (repeatable, up to 16): OPTIONS override the codebook options above\n"
-            "                        (--keys, --values, --keys-layers, --granularity, --value-rotate, --center,\n"
+            "                        (--keys, --values, --keys-layers, --values-layers, --granularity, --value-rotate, --center,\n"
             "                        --key-norm, --value-norm, --iters, --kmeans-init,\n"
-            "                        --max-points-per-centroid, --seed); --keys-layers is not inherited and\n"
+            "                        --max-points-per-centroid, --seed); --keys-layers / --values-layers are not inherited and\n"
             "                        --values defaults to the job's --keys unless given on the main command\n");
 }
 
@@ -121,6 +122,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         STR_OPT("--keys", keys)
         STR_OPT("--keys-layers", keys_layers)
         STR_OPT("--values", values)
+        STR_OPT("--values-layers", values_layers)
         STR_OPT("--granularity", granularity)
         STR_OPT("--kmeans-init", kmeans_init)
         INT_OPT("--tokens", tokens, 16, 1L << 24)
@@ -152,7 +154,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
 #undef INT_OPT
         {
             static const char *const OPTS[] = {"--help", "-h", "--quiet", "-q", "--also", "--model", "--text", "-o", "--out", "--keys",
-                                               "--keys-layers", "--values", "--granularity", "--kmeans-init",
+                                               "--keys-layers", "--values", "--values-layers", "--granularity", "--kmeans-init",
                                                "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
                                                "--center", "--key-norm", "--value-norm",
                                                "--max-points-per-centroid", "--seed", "--bits", "--candidates",
@@ -195,6 +197,7 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
         *b = base;
         b->out = NULL;
         b->keys_layers = NULL;
+        b->values_layers = NULL;
         b->n_also = 0;
         /* Split the string at spaces into an argv (element 0 unused), in a copy we own. */
         size_t len = strlen(base.also[j]) + 1;
@@ -226,16 +229,18 @@ static int progress_cb(void *user, const char *stage, double done, double total)
     return 0;
 }
 
-/* Apply --keys-layers "CFG:A-B[,CFG:A-B...]" (A-B inclusive; "CFG:A" is one layer) to cb: each
- * named layer's key quantizer takes CFG's M. Returns 1, or 0 after printing the problem. */
-static int apply_keys_layers(kvpq_codebook *cb, const char *spec, int n_layer, int head_dim, int key_nbits) {
+/* Apply --keys-layers (is_value 0) or --values-layers (1) "CFG:A-B[,CFG:A-B...]" (A-B inclusive;
+ * "CFG:A" is one layer) to cb: each named layer's key (value) quantizer takes CFG's M. Returns 1, or
+ * 0 after printing the problem. */
+static int apply_layers(kvpq_codebook *cb, const char *spec, int n_layer, int head_dim, int key_nbits, int is_value) {
     const char *p = spec;
-    if (!*p) return cli_usage_error("calibrate: --keys-layers is empty"), 0;
+    const char *opt = is_value ? "--values-layers" : "--keys-layers", *base = is_value ? "--values" : "--keys";
+    if (!*p) return cli_usage_error("calibrate: %s is empty", opt), 0;
     while (*p) {
         const char *end = strchr(p, ','), *colon = strchr(p, ':');
         size_t n = end ? (size_t)(end - p) : strlen(p);
         if (!colon || colon >= p + n || colon == p || (size_t)(colon - p) > 31)
-            return cli_usage_error("calibrate: --keys-layers item '%.*s': expected CFG:A-B (e.g. d2b8:10-19)", (int)n, p),
+            return cli_usage_error("calibrate: %s item '%.*s': expected CFG:A-B (e.g. d2b8:10-19)", opt, (int)n, p),
                    0;
         char cfg[32];
         memcpy(cfg, p, (size_t)(colon - p));
@@ -245,7 +250,7 @@ static int apply_keys_layers(kvpq_codebook *cb, const char *spec, int n_layer, i
         size_t rn = n - (size_t)(r - p);
         char range[32];
         if (rn == 0 || rn > 31)
-            return cli_usage_error("calibrate: --keys-layers item '%.*s': expected CFG:A-B", (int)n, p), 0;
+            return cli_usage_error("calibrate: %s item '%.*s': expected CFG:A-B", opt, (int)n, p), 0;
         memcpy(range, r, rn);
         range[rn] = '\0';
         int ok = sscanf(range, "%d-%d%n", &a, &b, &used) == 2 && used == (int)rn;
@@ -255,24 +260,25 @@ static int apply_keys_layers(kvpq_codebook *cb, const char *spec, int n_layer, i
             b = a;
         }
         if (!ok)
-            return cli_usage_error("calibrate: --keys-layers item '%.*s': layer range '%s' is not A-B", (int)n, p, range),
+            return cli_usage_error("calibrate: %s item '%.*s': layer range '%s' is not A-B", opt, (int)n, p, range),
                    0;
         if (a < 0 || b < a || b >= n_layer)
-            return cli_usage_error("calibrate: --keys-layers item '%.*s': layers %d-%d out of the model's 0-%d", (int)n,
-                                   p, a, b, n_layer - 1),
+            return cli_usage_error("calibrate: %s item '%.*s': layers %d-%d out of the model's 0-%d", opt,
+                                   (int)n, p, a, b, n_layer - 1),
                    0;
         kvpq_pq_params q;
         kvpq_status s = kvpq_pq_params_preset(&q, cfg, head_dim);
-        if (s != KVPQ_OK) return cli_fail("calibrate: --keys-layers", s), 0;
+        if (s != KVPQ_OK) return cli_fail(is_value ? "calibrate: --values-layers" : "calibrate: --keys-layers", s), 0;
         if (q.nbits != key_nbits)
-            return cli_usage_error("calibrate: --keys-layers preset %s has nbits=%d, --keys has nbits=%d (a layer may "
-                                   "change only M)", cfg, q.nbits, key_nbits),
+            return cli_usage_error("calibrate: %s preset %s has nbits=%d, %s has nbits=%d (a layer may "
+                                   "change only M)", opt, cfg, q.nbits, base, key_nbits),
                    0;
         for (int l = a; l <= b; l++)
-            if ((s = kvpq_codebook_set_layer_key_M(cb, l, q.M)) != KVPQ_OK)
-                return cli_fail("calibrate: --keys-layers", s), 0;
+            if ((s = is_value ? kvpq_codebook_set_layer_value_M(cb, l, q.M) : kvpq_codebook_set_layer_key_M(cb, l, q.M)) !=
+                KVPQ_OK)
+                return cli_fail(is_value ? "calibrate: --values-layers" : "calibrate: --keys-layers", s), 0;
         p = end ? end + 1 : p + n;
-        if (end && !*p) return cli_usage_error("calibrate: --keys-layers ends with ','"), 0;
+        if (end && !*p) return cli_usage_error("calibrate: %s ends with ','", opt), 0;
     }
     return 1;
 }
@@ -299,7 +305,9 @@ static int make_codebook(const calib_args *a, const kvpq_model_info *mi, kvpq_co
         strcmp(a->granularity, "shared") ? KVPQ_CODEBOOK_SUBSPACE : KVPQ_CODEBOOK_SHARED;
     if ((s = kvpq_codebook_new(cb, &cp)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
     if ((s = kvpq_codebook_set_model(*cb, mi)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
-    if (a->keys_layers && !apply_keys_layers(*cb, a->keys_layers, mi->n_layer, mi->head_dim, cp.key.nbits)) return 2;
+    if (a->keys_layers && !apply_layers(*cb, a->keys_layers, mi->n_layer, mi->head_dim, cp.key.nbits, 0)) return 2;
+    if (a->values_layers && !apply_layers(*cb, a->values_layers, mi->n_layer, mi->head_dim, cp.value.nbits, 1))
+        return 2;
     return 0;
 }
 
@@ -355,6 +363,7 @@ static void set_common_meta(const calib_args *a, const kvpq_model_info *mi, cons
     kvpq_codebook_set_meta(cb, "ctx", buf);
     kvpq_codebook_set_meta(cb, "keys", a->keys);
     if (a->keys_layers) kvpq_codebook_set_meta(cb, "keys_layers", a->keys_layers);
+    if (a->values_layers) kvpq_codebook_set_meta(cb, "values_layers", a->values_layers);
     kvpq_codebook_set_meta(cb, "values", a->values);
     snprintf(buf, sizeof buf, "%ld", a->seed);
     kvpq_codebook_set_meta(cb, "seed", buf);

@@ -10,7 +10,7 @@ static const char *const config_keys[] = {
 };
 
 static int is_config_key(const char *k) {
-    if (!strncmp(k, "k.M.", 4)) return 1; /* per-layer key M, printed with the layers */
+    if (!strncmp(k, "k.M.", 4) || !strncmp(k, "v.M.", 4)) return 1; /* per-layer M, printed with the layers */
     for (size_t i = 0; i < sizeof config_keys / sizeof config_keys[0]; i++)
         if (!strcmp(k, config_keys[i])) return 1;
     return 0;
@@ -51,27 +51,32 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
            kvpq_codebook_get_meta(cb, "kvpq.format_version"));
     printf("n_layer=%d n_head_kv=%d head_dim=%d value_rotate=%d key_norm=%d value_norm=%d\n", p.n_layer, p.n_head_kv,
            p.head_dim, p.value_rotate, p.key_norm, p.value_norm);
-    print_pq("key", &p.key);
-    /* Layers whose key M differs from k.M (per-layer bit allocation), as runs of equal M. */
-    double key_bits = 0; /* code bits per key vector, summed over layers */
-    for (int l = 0; l < p.n_layer; l++) key_bits += (double)kvpq_codebook_layer_key_M(cb, l) * p.key.nbits;
-    for (int l = 0; l < p.n_layer;) {
-        int M = kvpq_codebook_layer_key_M(cb, l), e = l;
-        while (e + 1 < p.n_layer && kvpq_codebook_layer_key_M(cb, e + 1) == M) e++;
-        if (M != p.key.M) {
-            char what[48];
-            snprintf(what, sizeof what, "  key layers %d-%d", l, e);
-            kvpq_pq_params q = p.key;
-            q.M = M;
-            print_pq(what, &q);
+    /* Per kind, the layers whose M differs from k.M / v.M (per-layer bit allocation), as runs of
+     * equal M, and the code bits per vector summed over layers. */
+    double bits[2] = {0, 0};
+    for (int w = 0; w < 2; w++) {
+        const kvpq_pq_params *base = w ? &p.value : &p.key;
+        print_pq(w ? "value" : "key", base);
+        for (int l = 0; l < p.n_layer; l++)
+            bits[w] += (double)(w ? kvpq_codebook_layer_value_M(cb, l) : kvpq_codebook_layer_key_M(cb, l)) * base->nbits;
+        for (int l = 0; l < p.n_layer;) {
+            int M = w ? kvpq_codebook_layer_value_M(cb, l) : kvpq_codebook_layer_key_M(cb, l), e = l;
+            while (e + 1 < p.n_layer &&
+                   (w ? kvpq_codebook_layer_value_M(cb, e + 1) : kvpq_codebook_layer_key_M(cb, e + 1)) == M)
+                e++;
+            if (M != base->M) {
+                char what[48];
+                snprintf(what, sizeof what, "  %s layers %d-%d", w ? "value" : "key", l, e);
+                kvpq_pq_params q = *base;
+                q.M = M;
+                print_pq(what, &q);
+            }
+            l = e + 1;
         }
-        l = e + 1;
     }
-    print_pq("value", &p.value);
     /* Codes, plus one float16 scale per vector of a norm-explicit quantizer. */
     printf("bits/element (K and V together, codes and per-vector scales): %.3f\n",
-           (key_bits / p.n_layer + (double)p.value.M * p.value.nbits + 16.0 * (p.key_norm + p.value_norm)) /
-               (2.0 * p.head_dim));
+           ((bits[0] + bits[1]) / p.n_layer + 16.0 * (p.key_norm + p.value_norm)) / (2.0 * p.head_dim));
 
     /* An allocation by `kvpq calibrate --bits` (docs/allocation.md): the budget, the prediction, and
      * each layer's presets with the KL they were predicted to cost. */

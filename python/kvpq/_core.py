@@ -409,6 +409,12 @@ class Codebook:
                                                  _int(M, "M", "Codebook.set_layer_key_M", 1)),
                "Codebook.set_layer_key_M")
 
+    def set_layer_value_M(self, layer, M):
+        """Give one layer's value quantizer M sub-vectors (kvpq_codebook_set_layer_value_M)."""
+        _check(lib.kvpq_codebook_set_layer_value_M(self._h, self._layer(layer, "Codebook.set_layer_value_M"),
+                                                   _int(M, "M", "Codebook.set_layer_value_M", 1)),
+               "Codebook.set_layer_value_M")
+
     def _rows(self, ptr):
         n = self.n_head_kv * self.head_dim
         return np.frombuffer(ffi.buffer(ptr, n * 4), np.float32).reshape(self.n_head_kv, self.head_dim)
@@ -447,17 +453,20 @@ class Codebook:
 
     def info(self):
         """A summary dict: n_layer, n_head_kv, head_dim, key/value (d, M, nbits, granularity),
-        value_rotate, key_norm, value_norm, key_M per layer, bits per element of the codes, meta."""
+        value_rotate, key_norm, value_norm, key_M and value_M per layer, bits per element of the codes,
+        meta."""
         p = self.params
 
         def q(pp):
             return {"d": pp.d, "M": pp.M, "nbits": pp.nbits, "granularity": _GRAN_NAME[pp.granularity]}
         key_M = [int(lib.kvpq_codebook_layer_key_M(self._h, i)) for i in range(p.n_layer)]
         bits_k = sum(m * p.key.nbits for m in key_M) / (p.n_layer * p.head_dim)
+        value_M = [int(lib.kvpq_codebook_layer_value_M(self._h, i)) for i in range(p.n_layer)]
+        bits_v = sum(m * p.value.nbits for m in value_M) / (p.n_layer * p.head_dim)
         return {"n_layer": p.n_layer, "n_head_kv": p.n_head_kv, "head_dim": p.head_dim, "key": q(p.key),
                 "value": q(p.value), "value_rotate": bool(p.value_rotate), "key_norm": bool(p.key_norm),
-                "value_norm": bool(p.value_norm), "key_M": key_M,
-                "bits_per_element": {"key": bits_k, "value": p.value.M * p.value.nbits / p.head_dim},
+                "value_norm": bool(p.value_norm), "key_M": key_M, "value_M": value_M,
+                "bits_per_element": {"key": bits_k, "value": bits_v},
                 "meta": self.meta()}
 
     def __repr__(self):
@@ -488,7 +497,7 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
 
 
 def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value_rotate=False, key_norm=True,
-              value_norm=True, keys_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
+              value_norm=True, keys_layers=None, values_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
               init=None, n_threads=None, meta=None):
     """Train a Codebook from keys and values a model produced.
 
@@ -497,6 +506,7 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value
       (K, V) of shape (n_layer, n_tokens, n_head_kv, head_dim).
     keys, values: presets ("d8b8" 1 bit/element, "d8b12", "d4b8" 2, "d2b8" 4; values default to keys).
     keys_layers: {layer: preset} giving some layers' keys another M (same nbits).
+    values_layers: likewise for values.
     The rest as `kvpq calibrate` (same defaults: center, norm-explicit keys and values, k-means 25
     iterations, random init, seed 1234), so the same activations give the same file bytes.
     meta: extra string metadata. Returns the Codebook."""
@@ -521,6 +531,8 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value
             for l, preset in (keys_layers or {}).items():
                 q = _pq_params("calibrate", k.shape[2], preset=preset)
                 cb.set_layer_key_M(l, q.M)
+            for l, preset in (values_layers or {}).items():
+                cb.set_layer_value_M(l, _pq_params("calibrate", k.shape[2], preset=preset).M)
         n_tok = k.shape[0]
         calibrate_layer(cb, layer, k, v, center=center, niter=niter, seed=seed,
                         max_points_per_centroid=max_points_per_centroid, init=init, n_threads=n_threads)

@@ -25,9 +25,10 @@
  *   - coded positions [0, n_coded): pages of page_tokens positions, allocated as the sequence
  *     grows; one page holds K codes (n_head_kv, page_tokens, k_code_size) then V codes
  *     (n_head_kv, page_tokens, v_code_size), so one head's codes are contiguous within a page.
- *     k_code_size is the layer's own: a codebook may give layers different key M (per-layer bit
- *     allocation, kvpq_codebook_set_layer_key_M), so page sizes, LUT shapes and fast-scan use
- *     differ by layer; the per-thread scratch is sized for the largest.
+ *     k_code_size and v_code_size are the layer's own: a codebook may give layers different key
+ *     and value M (per-layer bit allocation, kvpq_codebook_set_layer_key_M / _value_M), so page
+ *     sizes, LUT and W-table shapes and fast-scan use differ by layer; the per-thread scratch is
+ *     sized for the largest.
  *   - window positions [n_coded, len): fp16 (IEEE half) keys and values in the original space, in
  *     a ring (n_head_kv, cap, head_dim), slot = position % cap, cap = window + VQ_FLUSH.
  *   n_coded = floor((len - window) / VQ_FLUSH) * VQ_FLUSH when len >= window + VQ_FLUSH, else 0:
@@ -66,6 +67,7 @@
 typedef struct {
     uint8_t **pages;  /* (max_pages) each page_bytes: K codes then V codes, see above */
     size_t kcs;       /* bytes of one K code vector: this layer's key M (kvpq_codebook_layer_key_M) */
+    size_t vcs;       /* bytes of one V code vector: this layer's value M (kvpq_codebook_layer_value_M) */
     size_t page_bytes;/* n_head_kv * page_tokens * (kcs + vcs), then the scales (see vq_scales) */
     size_t scale_off; /* byte offset of the K scales in a page (4-byte aligned) */
     int fast_scan;    /* st->fast_scan and this layer's key M <= 256 */
@@ -101,9 +103,7 @@ typedef struct {
     int k_norm, v_norm;   /* norm-explicit key / value quantizers: a float16 scale per (token, KV head) */
     int fast_scan;        /* params.vq_fast_scan and 8-bit key codes (per layer: also M <= 256) */
     float scale;          /* 1 / sqrt(head_dim) */
-    kvpq_pq_params vp;    /* value quantizer params; the key's M varies by layer (kpq[l]->p) */
-    int k_ksub, v_ksub, v_dsub;
-    size_t vcs;           /* bytes of one V code vector; K: per layer (vq_layer.kcs) */
+    int k_ksub, v_ksub;   /* code sizes are per layer (vq_layer.kcs, .vcs) */
     const kvpq_pq **kpq;  /* (n_layer) borrowed from the codebook */
     const kvpq_pq **vpq;  /* (n_layer) */
     const float **smooth; /* (n_layer) -> (n_head_kv, head_dim) borrowed */
@@ -141,7 +141,7 @@ static uint8_t *vq_kcodes(const vq_state *st, const vq_layer *L, int h, int pos)
 
 static uint8_t *vq_vcodes(const vq_state *st, const vq_layer *L, int h, int pos) {
     return L->pages[pos / st->page_tokens] + (size_t)st->n_head_kv * st->page_tokens * L->kcs +
-           ((size_t)h * st->page_tokens + pos % st->page_tokens) * st->vcs;
+           ((size_t)h * st->page_tokens + pos % st->page_tokens) * L->vcs;
 }
 
 /* The float16 scales of KV head h from position pos to the end of its page: is_value 0 for keys,
@@ -275,11 +275,8 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->k_norm = cp.key_norm != 0;
     st->v_norm = cp.value_norm != 0;
     st->fast_scan = p->vq_fast_scan && cp.key.nbits == 8 && !st->k_norm;
-    st->vp = cp.value;
     st->k_ksub = 1 << cp.key.nbits;
     st->v_ksub = 1 << cp.value.nbits;
-    st->v_dsub = p->head_dim / cp.value.M;
-    st->vcs = kvpq_codes_size(cp.value.M, cp.value.nbits);
 
     st->kpq = calloc(p->n_layer, sizeof *st->kpq);
     st->vpq = calloc(p->n_layer, sizeof *st->vpq);
@@ -289,7 +286,7 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->scr = calloc(st->n_threads, sizeof *st->scr);
     st->h16 = calloc((size_t)p->n_head_kv * p->head_dim, sizeof(uint16_t));
     if (!st->kpq || !st->vpq || !st->smooth || !st->mean || !st->layers || !st->scr || !st->h16) goto nomem;
-    int mk_max = 0, mk_fs = 0; /* largest key M of any layer, of any fast-scan layer */
+    int mk_max = 0, mk_fs = 0, mv_max = 0; /* largest key M of any layer, of any fast-scan layer, value M */
     for (int l = 0; l < p->n_layer; l++) {
         st->kpq[l] = kvpq_codebook_pq_const(cb, l, 0);
         st->vpq[l] = kvpq_codebook_pq_const(cb, l, 1);
@@ -301,7 +298,10 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         L->swa = kvpq__layer_window(p, l);
         const int Mk = st->kpq[l]->p.M; /* this layer's key M: the scratch is sized for the largest */
         L->kcs = kvpq_codes_size(Mk, st->kpq[l]->p.nbits);
-        const size_t code_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + st->vcs);
+        const int Mv = st->vpq[l]->p.M; /* this layer's value M */
+        L->vcs = kvpq_codes_size(Mv, st->vpq[l]->p.nbits);
+        if (Mv > mv_max) mv_max = Mv;
+        const size_t code_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + L->vcs);
         const int n_scales = st->k_norm + st->v_norm; /* kinds of float16 scales after the codes */
         L->scale_off = n_scales ? (code_bytes + 3) / 4 * 4 : code_bytes;
         L->page_bytes = L->scale_off + (size_t)n_scales * p->n_head_kv * p->page_tokens * sizeof(uint16_t);
@@ -312,12 +312,12 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         if (!L->pages) goto nomem;
     }
     const int gp = st->gp, d = st->head_dim;
-    const int mmax = mk_max > cp.value.M ? mk_max : cp.value.M;
+    const int mmax = mk_max > mv_max ? mk_max : mv_max;
     for (int t = 0; t < st->n_threads; t++) {
         vq_scratch *s = &st->scr[t];
         s->qr = calloc((size_t)gp * d, sizeof(float));
         s->lut = calloc((size_t)mk_max * st->k_ksub * gp, sizeof(float));
-        s->table = calloc((size_t)cp.value.M * st->v_ksub * gp, sizeof(float));
+        s->table = calloc((size_t)mv_max * st->v_ksub * gp, sizeof(float));
         s->s = calloc((size_t)vq_block_tokens(gp) * gp, sizeof(float));
         s->idx = calloc((size_t)VQ_CHUNK * mmax, sizeof(uint16_t));
         s->rescale = calloc(gp, sizeof(float));
@@ -397,7 +397,7 @@ static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int
     KVPQ_TRY(vq_grow((void **)&st->xk, &st->xk_cap, nv * d, sizeof(float)));
     KVPQ_TRY(vq_grow((void **)&st->xv, &st->xv_cap, nv * d, sizeof(float)));
     KVPQ_TRY(vq_grow((void **)&st->ck, &st->ck_cap, nv * L->kcs, 1));
-    KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * st->vcs, 1));
+    KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * L->vcs, 1));
     if (st->k_norm) KVPQ_TRY(vq_grow((void **)&st->sk, &st->sk_cap, nv, sizeof(uint16_t)));
     if (st->v_norm) KVPQ_TRY(vq_grow((void **)&st->sv, &st->sv_cap, nv, sizeof(uint16_t)));
     for (int t = t0; t < t1; t++) {
@@ -482,7 +482,7 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
             for (int h = 0; h < nkv; h++) {
                 size_t r = (size_t)(t - first) * nkv + h;
                 memcpy(vq_kcodes(st, L, h, t), st->ck + r * L->kcs, L->kcs);
-                memcpy(vq_vcodes(st, L, h, t), st->cv + r * st->vcs, st->vcs);
+                memcpy(vq_vcodes(st, L, h, t), st->cv + r * L->vcs, L->vcs);
                 if (st->k_norm) *vq_scales(st, L, 0, h, t) = st->sk[r];
                 if (st->v_norm) *vq_scales(st, L, 1, h, t) = st->sv[r];
             }
@@ -761,7 +761,7 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
     int c1 = pos0 + n < L->n_coded ? pos0 + n : L->n_coded; /* coded part [pos0, c1) */
     if (c1 > pos0) {
         size_t nv = (size_t)(c1 - pos0) * nkv;
-        size_t cs = L->kcs > st->vcs ? L->kcs : st->vcs;
+        size_t cs = L->kcs > L->vcs ? L->kcs : L->vcs;
         uint8_t *codes = malloc(nv * cs);
         float *x = malloc(nv * d * sizeof(float));
         if (!codes || !x) {
@@ -773,7 +773,7 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
         for (int which = 0; which < 2 && rc == KVPQ_OK; which++) {
             float *dst = which ? v : k;
             if (!dst) continue;
-            size_t sz = which ? st->vcs : L->kcs;
+            size_t sz = which ? L->vcs : L->kcs;
             for (int t = pos0; t < c1; t++)
                 for (int h = 0; h < nkv; h++)
                     memcpy(codes + ((size_t)(t - pos0) * nkv + h) * sz,

@@ -58,12 +58,14 @@ static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "
 struct kvpq_codebook {
     kvpq_codebook_params p;
     kvpq_pq **pq;       /* (n_layer, 2): [2*i] key quantizer, [2*i + 1] value quantizer */
-    int *key_M;         /* (n_layer) each layer's key M (p.key.M unless set_layer_key_M changed it) */
+    int *layer_M;       /* (n_layer, 2) each layer's key [2*i] and value [2*i + 1] M (p.key.M / p.value.M
+                         * unless set_layer_key_M / set_layer_value_M changed it) */
     float *smooth;      /* (n_layer, n_head_kv, head_dim) key smoothing factors lambda */
     float *mean;        /* (n_layer, n_head_kv, head_dim) per-channel key mean mu */
     size_t n_meta, cap_meta;
     char **meta_key;    /* (n_meta); the first CB_N_CONFIG entries are cb_config_keys, then the
-                         * k.M.{i} of the layers whose key M differs from k.M, in layer order */
+                         * k.M.{i} of the layers whose key M differs from k.M, in layer order, then
+                         * likewise v.M.{i} */
     char **meta_val;    /* (n_meta) */
 };
 
@@ -173,10 +175,20 @@ static kvpq_status meta_put(kvpq_codebook *cb, const char *key, const char *valu
     return KVPQ_OK;
 }
 
-/* Per-layer key M entries are "k.M.{i}"; every key with this prefix is reserved. */
-#define CB_LAYER_M_PREFIX "k.M."
+/* Per-layer key / value M entries are "k.M.{i}" / "v.M.{i}"; every key with these prefixes is
+ * reserved. */
+static const char *const cb_layer_m_prefix[2] = {"k.M.", "v.M."};
+#define CB_LAYER_M_PREFIX_LEN 4
 
-static int is_layer_m_key(const char *key) { return !strncmp(key, CB_LAYER_M_PREFIX, strlen(CB_LAYER_M_PREFIX)); }
+/* 0 (key) or 1 (value) when key starts with that kind's per-layer M prefix, else -1. */
+static int layer_m_kind(const char *key) {
+    for (int v = 0; v < 2; v++)
+        if (!strncmp(key, cb_layer_m_prefix[v], CB_LAYER_M_PREFIX_LEN)) return v;
+    return -1;
+}
+static int is_layer_m_key(const char *key) { return layer_m_kind(key) >= 0; }
+
+static int default_M(const kvpq_codebook_params *p, int is_value) { return is_value ? p->value.M : p->key.M; }
 
 static int is_config_key(const char *key) {
     if (is_layer_m_key(key)) return 1;
@@ -185,12 +197,13 @@ static int is_config_key(const char *key) {
     return 0;
 }
 
-/* Rewrite the k.M.{i} entries from cb->key_M (the layers differing from k.M, in layer order, right
- * after the config keys). All or nothing: on NOMEM the metadata is unchanged. */
+/* Rewrite the k.M.{i} and v.M.{i} entries from cb->layer_M (the layers differing from k.M / v.M, in
+ * layer order, keys then values, right after the config keys). All or nothing: on NOMEM the
+ * metadata is unchanged. */
 static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
     size_t n_keep = 0, n_new = 0;
     for (size_t i = 0; i < cb->n_meta; i++) n_keep += !is_layer_m_key(cb->meta_key[i]);
-    for (int l = 0; l < cb->p.n_layer; l++) n_new += cb->key_M[l] != cb->p.key.M;
+    for (int l = 0; l < 2 * cb->p.n_layer; l++) n_new += cb->layer_M[l] != default_M(&cb->p, l & 1);
     size_t n = n_keep + n_new, cap = n > 16 ? n : 16;
     char **k = calloc(cap, sizeof *k), **v = calloc(cap, sizeof *v);
     int ok = k && v;
@@ -200,11 +213,13 @@ static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
         v[o] = cb->meta_val[i];
     }
     size_t first_new = o;
+    for (int w = 0; w < 2; w++)
     for (int l = 0; ok && l < cb->p.n_layer; l++) {
-        if (cb->key_M[l] == cb->p.key.M) continue;
+        const int M = cb->layer_M[2 * l + w];
+        if (M == default_M(&cb->p, w)) continue;
         char kb[32], vb[16];
-        snprintf(kb, sizeof kb, CB_LAYER_M_PREFIX "%d", l);
-        snprintf(vb, sizeof vb, "%d", cb->key_M[l]);
+        snprintf(kb, sizeof kb, "%s%d", cb_layer_m_prefix[w], l);
+        snprintf(vb, sizeof vb, "%d", M);
         k[o] = str_dup(kb);
         v[o] = str_dup(vb);
         ok = k[o] && v[o];
@@ -268,16 +283,19 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
     cb->p = *p;
     size_t n_smooth = (size_t)p->n_layer * p->n_head_kv * p->head_dim;
     cb->pq = calloc((size_t)2 * p->n_layer, sizeof *cb->pq);
-    cb->key_M = malloc((size_t)p->n_layer * sizeof *cb->key_M);
+    cb->layer_M = malloc((size_t)2 * p->n_layer * sizeof *cb->layer_M);
     cb->smooth = malloc(n_smooth * sizeof(float));
     cb->mean = calloc(n_smooth, sizeof(float)); /* mu = 0: no centering until trained */
-    if (!cb->pq || !cb->key_M || !cb->smooth || !cb->mean) {
+    if (!cb->pq || !cb->layer_M || !cb->smooth || !cb->mean) {
         kvpq_codebook_free(cb);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory for %d layers", p->n_layer);
     }
     /* lambda = 1 is the identity smoothing until trained factors are stored. */
     for (size_t i = 0; i < n_smooth; i++) cb->smooth[i] = 1.0f;
-    for (int l = 0; l < p->n_layer; l++) cb->key_M[l] = p->key.M;
+    for (int l = 0; l < p->n_layer; l++) {
+        cb->layer_M[2 * l] = p->key.M;
+        cb->layer_M[2 * l + 1] = p->value.M;
+    }
     for (int i = 0; i < 2 * p->n_layer; i++) {
         kvpq_status s = kvpq_pq_new(&cb->pq[i], (i & 1) ? &p->value : &p->key);
         if (s != KVPQ_OK) {
@@ -300,7 +318,7 @@ void kvpq_codebook_free(kvpq_codebook *cb) {
     if (cb->pq)
         for (int i = 0; i < 2 * cb->p.n_layer; i++) kvpq_pq_free(cb->pq[i]);
     free(cb->pq);
-    free(cb->key_M);
+    free(cb->layer_M);
     free(cb->smooth);
     free(cb->mean);
     for (size_t i = 0; i < cb->n_meta; i++) {
@@ -324,44 +342,59 @@ const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int layer, int is
     return cb->pq[2 * layer + (is_value ? 1 : 0)];
 }
 
-/* A layer's key quantizer params with M replaced: checked (M divides head_dim, dsub allowed). */
-static kvpq_status layer_key_params(const kvpq_codebook_params *p, int layer, int M, kvpq_pq_params *q) {
-    *q = p->key;
+/* A layer's key (is_value 0) or value (1) quantizer params with M replaced: checked (M divides
+ * head_dim, dsub allowed). */
+static kvpq_status layer_params(const kvpq_codebook_params *p, int layer, int is_value, int M, kvpq_pq_params *q) {
+    const char *what = is_value ? "value" : "key";
+    *q = is_value ? p->value : p->key;
     q->M = M;
     if (M < 1 || M > p->head_dim || p->head_dim % M)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook layer %d key M=%d: expected a divisor of head_dim=%d",
-                         layer, M, p->head_dim);
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook layer %d %s M=%d: expected a divisor of head_dim=%d",
+                         layer, what, M, p->head_dim);
     kvpq_status s = kvpq__pq_params_check(q);
-    if (s != KVPQ_OK) kvpq__err_prefix("codebook layer %d key M=%d", layer, M);
+    if (s != KVPQ_OK) kvpq__err_prefix("codebook layer %d %s M=%d", layer, what, M);
     return s;
 }
 
-kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M) {
-    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_layer_key_M: cb is NULL");
+static kvpq_status set_layer_M(kvpq_codebook *cb, int layer, int is_value, int M, const char *fn) {
+    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: cb is NULL", fn);
     if (layer < 0 || layer >= cb->p.n_layer)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_layer_key_M: layer %d out of range [0, %d)", layer,
-                         cb->p.n_layer);
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d out of range [0, %d)", fn, layer, cb->p.n_layer);
     kvpq_pq_params q;
-    KVPQ_TRY(layer_key_params(&cb->p, layer, M, &q));
+    KVPQ_TRY(layer_params(&cb->p, layer, is_value, M, &q));
     kvpq_pq *pq;
     KVPQ_TRY(kvpq_pq_new(&pq, &q));
-    int old = cb->key_M[layer];
-    cb->key_M[layer] = M;
+    const int i = 2 * layer + is_value;
+    int old = cb->layer_M[i];
+    cb->layer_M[i] = M;
     kvpq_status s = meta_sync_layer_m(cb);
     if (s != KVPQ_OK) {
-        cb->key_M[layer] = old;
+        cb->layer_M[i] = old;
         kvpq_pq_free(pq);
         return s;
     }
-    pq->norm_explicit = cb->p.key_norm;
-    kvpq_pq_free(cb->pq[2 * layer]);
-    cb->pq[2 * layer] = pq;
+    pq->norm_explicit = is_value ? cb->p.value_norm : cb->p.key_norm;
+    kvpq_pq_free(cb->pq[i]);
+    cb->pq[i] = pq;
     return KVPQ_OK;
+}
+
+kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M) {
+    return set_layer_M(cb, layer, 0, M, "kvpq_codebook_set_layer_key_M");
+}
+
+kvpq_status kvpq_codebook_set_layer_value_M(kvpq_codebook *cb, int layer, int M) {
+    return set_layer_M(cb, layer, 1, M, "kvpq_codebook_set_layer_value_M");
 }
 
 int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer) {
     if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
-    return cb->key_M[layer];
+    return cb->layer_M[2 * layer];
+}
+
+int kvpq_codebook_layer_value_M(const kvpq_codebook *cb, int layer) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return 0;
+    return cb->layer_M[2 * layer + 1];
 }
 
 float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer) {
@@ -416,8 +449,9 @@ typedef struct {
     uint64_t dim[CB_MAX_DIMS];
 } cb_shape;
 
-/* Shape of a tensor of `kind`; key_M is the layer's key M (k.M or its k.M.{i}). */
-static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, int key_M) {
+/* Shape of a tensor of `kind`; lm: the layer's key and value M (k.M or its k.M.{i}, v.M or its
+ * v.M.{i}). */
+static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, const int *lm) {
     cb_shape s = {0};
     if (kind == CB_K_SMOOTH || kind == CB_K_MEAN) {
         s.ndim = 2;
@@ -426,7 +460,7 @@ static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, int key_M)
         return s;
     }
     const kvpq_pq_params *q = kind == CB_K_BOOK ? &p->key : &p->value;
-    const int M = kind == CB_K_BOOK ? key_M : q->M;
+    const int M = kind == CB_K_BOOK ? lm[0] : lm[1];
     if (q->granularity == KVPQ_CODEBOOK_SUBSPACE) s.dim[s.ndim++] = (uint64_t)M;
     s.dim[s.ndim++] = (uint64_t)1 << q->nbits;
     s.dim[s.ndim++] = (uint64_t)(q->d / M);
@@ -504,7 +538,7 @@ static char *build_header(const kvpq_codebook *cb) {
         for (int k = 0; k < CB_N_KIND; k++) {
             char name[64];
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
-            cb_shape sh = tensor_shape(&cb->p, k, cb->key_M[l]);
+            cb_shape sh = tensor_shape(&cb->p, k, cb->layer_M + 2 * l);
             uint64_t bytes = (uint64_t)shape_numel(&sh) * sizeof(float);
             cJSON *t = cJSON_AddObjectToObject(root, name);
             cJSON *shape = t ? cJSON_AddArrayToObject(t, "shape") : NULL;
@@ -717,26 +751,31 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     return KVPQ_OK;
 }
 
-/* The per-layer key M entries k.M.{i} of __metadata__ (validated by read_config) into key_M
- * (n_layer), which starts as k.M everywhere. Each must name a layer below n_layer in canonical
- * decimal and hold an M that divides head_dim with an allowed dsub (same nbits and granularity). */
-static kvpq_status read_layer_m(const cJSON *meta, const kvpq_codebook_params *p, int *key_M) {
-    for (int l = 0; l < p->n_layer; l++) key_M[l] = p->key.M;
+/* The per-layer M entries k.M.{i} and v.M.{i} of __metadata__ (validated by read_config) into
+ * layer_M (n_layer, 2), which starts as k.M / v.M everywhere. Each must name a layer below n_layer
+ * in canonical decimal and hold an M that divides head_dim with an allowed dsub (same nbits and
+ * granularity). */
+static kvpq_status read_layer_m(const cJSON *meta, const kvpq_codebook_params *p, int *layer_M) {
+    for (int l = 0; l < p->n_layer; l++) {
+        layer_M[2 * l] = p->key.M;
+        layer_M[2 * l + 1] = p->value.M;
+    }
     for (const cJSON *j = meta->child; j; j = j->next) {
-        if (!is_layer_m_key(j->string)) continue;
+        const int w = layer_m_kind(j->string);
+        if (w < 0) continue;
         int layer, M;
-        if (!parse_dec(j->string + strlen(CB_LAYER_M_PREFIX), 0, p->n_layer - 1, &layer))
-            return kvpq__err(KVPQ_ERR_FORMAT, "metadata '%.64s': expected k.M.{layer} with layer in [0, %d]",
-                             j->string, p->n_layer - 1);
+        if (!parse_dec(j->string + CB_LAYER_M_PREFIX_LEN, 0, p->n_layer - 1, &layer))
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata '%.64s': expected %s{layer} with layer in [0, %d]",
+                             j->string, cb_layer_m_prefix[w], p->n_layer - 1);
         if (!parse_dec(j->valuestring, 1, p->head_dim, &M))
             return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected an integer in [1, %d]", j->string,
                              j->valuestring, p->head_dim);
         kvpq_pq_params q;
-        if (layer_key_params(p, layer, M, &q) != KVPQ_OK) {
+        if (layer_params(p, layer, w, M, &q) != KVPQ_OK) {
             kvpq__err_prefix("metadata %s", j->string);
             return KVPQ_ERR_FORMAT;
         }
-        key_M[layer] = M;
+        layer_M[2 * layer + w] = M;
     }
     return KVPQ_OK;
 }
@@ -769,7 +808,7 @@ static int cmp_range(const void *a, const void *b) {
 }
 
 /* Check one tensor entry against its expected dtype, shape and the data section; fills r. */
-static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, int layer, int kind, int key_M,
+static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, int layer, int kind, const int *lm,
                                uint64_t data_len, cb_range *r) {
     const char *name = t->string;
     if (!cJSON_IsObject(t)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: entry is not a JSON object", name);
@@ -780,7 +819,7 @@ static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, in
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: dtype is missing or not a string", name);
     if (strcmp(dtype->valuestring, "F32"))
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has dtype %.16s, expected F32", name, dtype->valuestring);
-    cb_shape want = tensor_shape(p, kind, key_M), got = {0};
+    cb_shape want = tensor_shape(p, kind, lm), got = {0};
     if (!cJSON_IsArray(shape)) return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s: shape is missing or not an array", name);
     int too_many = 0;
     for (const cJSON *d = shape->child; d; d = d->next) {
@@ -798,9 +837,12 @@ static kvpq_status check_entry(const cJSON *t, const kvpq_codebook_params *p, in
         shape_str(&got, gs, sizeof gs);
         if (too_many) snprintf(gs, sizeof gs, "of more than %d dims", CB_MAX_DIMS);
         shape_str(&want, ws, sizeof ws);
-        if (kind == CB_K_BOOK && key_M != p->key.M)
+        if (kind == CB_K_BOOK && lm[0] != p->key.M)
             return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s (metadata k.M.%d=%d)", name, gs,
-                             ws, layer, key_M);
+                             ws, layer, lm[0]);
+        if (kind == CB_V_BOOK && lm[1] != p->value.M)
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s (metadata v.M.%d=%d)", name, gs,
+                             ws, layer, lm[1]);
         return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s has shape %s, expected %s", name, gs, ws);
     }
     if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2 || !json_u64(offs->child, &r->begin) ||
@@ -825,7 +867,7 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     int version = 0;
     KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, &version));
     const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_N_KIND; /* kinds the file must hold per layer */
-    int *key_M = malloc((size_t)p.n_layer * sizeof *key_M); /* (n_layer) */
+    int *key_M = malloc((size_t)2 * p.n_layer * sizeof *key_M); /* (n_layer, 2) key and value M */
     if (!key_M) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
     kvpq_status s = read_layer_m(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, key_M);
     if (s != KVPQ_OK) {
@@ -855,7 +897,7 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
         }
         cb_range *r = &seen[(size_t)layer * CB_N_KIND + kind];
         if (r->t) s = kvpq__err(KVPQ_ERR_FORMAT, "tensor %s appears twice", t->string);
-        else s = check_entry(t, &p, layer, kind, key_M[layer], data_len, r);
+        else s = check_entry(t, &p, layer, kind, key_M + 2 * layer, data_len, r);
     }
     for (size_t i = 0; i < n_tensor && s == KVPQ_OK; i++)
         if (!seen[i].t && (int)(i % CB_N_KIND) < n_kind)
@@ -899,7 +941,8 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     kvpq_codebook *cb = NULL;
     if (s == KVPQ_OK) s = kvpq_codebook_new(&cb, &p);
     for (int l = 0; l < p.n_layer && s == KVPQ_OK; l++)
-        if (key_M[l] != p.key.M) s = kvpq_codebook_set_layer_key_M(cb, l, key_M[l]);
+        for (int w = 0; w < 2 && s == KVPQ_OK; w++)
+            if (key_M[2 * l + w] != default_M(&p, w)) s = set_layer_M(cb, l, w, key_M[2 * l + w], "load");
     free(key_M);
     for (const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, "__metadata__")->child; j && s == KVPQ_OK;
          j = j->next) {

@@ -210,3 +210,43 @@ def test_per_layer_key_M_both_directions(tmp_path, key_gran):
         kvpq.Codebook.load(path)
     assert e.value.status == -4  # KVPQ_ERR_FORMAT
     assert "(metadata k.M.2=16)" in e.value.detail
+
+
+@pytest.mark.parametrize("value_gran", [SHARED, SUBSPACE])
+def test_per_layer_value_M_both_directions(tmp_path, value_gran):
+    """Per-layer value M (metadata v.M.{i}, value tensors of each layer's shape), as for keys: a
+    safetensors-written file loads with those M and values, kvpq's re-save reads back identical in
+    safetensors, kvpq info lists the differing value layers, a disagreeing tensor is refused."""
+    import subprocess
+
+    p = _params(SHARED, value_gran)
+    layer_M = {0: 4, 2: 16}  # dsub 4 and 1; layer 1 keeps v.M = 8
+    want = _expected_tensors(p, np.random.default_rng(6))
+    for i, M in layer_M.items():
+        q = NS(d=p.value.d, M=M, nbits=p.value.nbits, granularity=value_gran)
+        want[f"layers.{i}.v.codebook"] = np.random.default_rng(10 + i).standard_normal(_book_shape(q)).astype(np.float32)
+    meta = {**_config_meta(p), **{f"v.M.{i}": str(M) for i, M in layer_M.items()}, **FREE_META}
+    path = tmp_path / "peer_vmix.safetensors"
+    st_numpy.save_file(want, str(path), metadata=meta)
+
+    cb = kvpq.Codebook.load(path)
+    assert cb.info()["value_M"] == [4, 8, 16]
+    for i in range(3):
+        assert np.array_equal(cb.value_pq(i).centroids, want[f"layers.{i}.v.codebook"]), i
+    out = tmp_path / "kvpq_vmix.safetensors"
+    cb.save(out)
+    got = st_numpy.load_file(str(out))
+    for name, a in want.items():
+        assert got[name].shape == a.shape and np.array_equal(got[name].view(np.uint32), a.view(np.uint32)), name
+    with safe_open(str(out), framework="numpy") as f:
+        assert f.metadata() == meta
+    info = subprocess.run([os.environ["KVPQ_BIN"], "info", str(out)], capture_output=True, text=True)
+    assert info.returncode == 0, info.stderr
+    assert "value layers 0-0 M=4 dsub=4" in info.stdout
+    assert "value layers 2-2 M=16 dsub=1" in info.stdout
+    want["layers.2.v.codebook"] = want["layers.0.v.codebook"]
+    st_numpy.save_file(want, str(path), metadata=meta)
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.Codebook.load(path)
+    assert e.value.status == -4
+    assert "(metadata v.M.2=16)" in e.value.detail
