@@ -115,6 +115,7 @@ static void check_bytes(int sliding_window, int window, int page, int len, int s
     kvpq_codebook *cb = make_cb(L, H, D, "d4b8", "d8b8");
     cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 1, 8), KVPQ_OK); /* d2b8 keys in layer 1 */
     cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 2, 2), KVPQ_OK); /* d8b8 keys in layer 2 */
+    cr_assert_eq(kvpq_codebook_set_layer_value_M(cb, 0, 8), KVPQ_OK); /* d2b8 values in layer 0 */
     uint8_t swa[3] = {1, 0, 1};
     kvpq_cache_params p = kvpq_cache_params_default();
     p.type = KVPQ_CACHE_VQ, p.n_layer = L, p.n_head = 4, p.n_head_kv = H, p.head_dim = D;
@@ -362,22 +363,22 @@ Test(alloc, the_sensitive_layer_gets_the_most_bits_and_the_budget_holds, .timeou
             cr_assert_geq(choice[kind * SL + SENSITIVE], choice[kind * SL + l], "kind %d: layer %d got %s, layer %d %s",
                           kind, SENSITIVE, PRESETS[choice[kind * SL + SENSITIVE]], l, PRESETS[choice[kind * SL + l]]);
     cr_assert_eq(choice[SENSITIVE], 2, "the sensitive layer's keys get 4 bits");
-    /* the cache built from the allocation's keys (per-layer M; values d4b8 in every layer, as
-     * `kvpq calibrate --alloc-values 0`) holds what the byte model predicts at CTX */
+    /* the cache built from the allocation (per-layer key and value M, each layer's trained
+     * quantizers) holds what the byte model predicts at CTX, within the budget */
     kvpq_codebook *fin = make_cb(SL, SHKV, SD, "d4b8", "d4b8");
-    double key_bytes = 0;
+    double bytes = (double)fixed;
     for (int l = 0; l < SL; l++) {
-        const kvpq_pq *kq = kvpq_codebook_pq_const(cc[choice[l]], l, 0), *vq = kvpq_codebook_pq_const(cc[1], l, 1);
+        const kvpq_pq *kq = kvpq_codebook_pq_const(cc[choice[l]], l, 0), *vq = kvpq_codebook_pq_const(cc[choice[SL + l]], l, 1);
         cr_assert_eq(kvpq_codebook_set_layer_key_M(fin, l, kvpq_pq_get_params(kq).M), KVPQ_OK);
+        cr_assert_eq(kvpq_codebook_set_layer_value_M(fin, l, kvpq_pq_get_params(vq).M), KVPQ_OK);
         kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 0), kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq));
         kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 1), kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq));
         memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(cc[0], l), sizeof(float) * row);
         memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(cc[0], l), sizeof(float) * row);
-        key_bytes += (double)lb[choice[l]][2 * l];
+        bytes += (double)lb[choice[l]][2 * l] + (double)lb[choice[SL + l]][2 * l + 1];
     }
-    double vbytes = 0;
-    for (int l = 0; l < SL; l++) vbytes += (double)lb[1][2 * l + 1];
-    const double predicted = 8 * (key_bytes + vbytes + (double)fixed) / (double)el;
+    const double predicted = 8 * bytes / (double)el;
+    cr_assert_float_eq(bytes, (double)(used + (int64_t)fixed), 0.5);
     vp.codebook = fin;
     kvpq_cache *vc = NULL;
     cr_assert_eq(kvpq_cache_new(&vc, &vp), KVPQ_OK, "%s", kvpq_last_error());

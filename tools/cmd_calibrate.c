@@ -397,9 +397,8 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
     return 0;
 }
 
-/* Per-layer value M (the cb branch's kvpq_codebook_set_layer_value_M): until it is merged, --bits
- * allocates keys only and values keep --values in every layer. */
-#define CALIB_HAVE_VALUE_M 0
+/* Per-layer value M (kvpq_codebook_set_layer_value_M): --bits allocates values per layer too. */
+#define CALIB_HAVE_VALUE_M 1
 
 static int sens_progress(void *user, const char *stage, double done, double total) {
     (void)stage;
@@ -471,7 +470,7 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     for (int c = 0; c < n_cand; c++) {
         calib_args b = *a;
         b.keys = b.values = names[c];
-        b.keys_layers = NULL;
+        b.keys_layers = b.values_layers = NULL;
         if ((rc = make_codebook(&b, mi, &cc[c])) != 0) goto done;
         if ((rc = train_layers(&b, mi, cc[c], kall, vall, n_use, &mk, &mv)) != 0) goto done;
         if (c == (vfix >= 0 ? vfix : 0)) mse_k = mk, mse_v = mv;
@@ -554,11 +553,16 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     }
     for (int c = 1; c < n_cand; c++)
         if (count[c] > count[base_k]) base_k = c;
+    int vcount[MAXC] = {0}, base_v = 0;
+    for (int l = 0; l < L; l++) vcount[vc_[l]]++;
+    for (int c = 1; c < n_cand; c++)
+        if (vcount[c] > vcount[base_v]) base_v = c;
     {
         calib_args b = *a;
         b.keys = names[base_k];
-        b.values = names[vfix >= 0 ? vfix : 0];
+        b.values = names[base_v];
         b.keys_layers = NULL;
+        b.values_layers = NULL;
         if ((rc = make_codebook(&b, mi, &fin)) != 0) goto done;
         rc = 1;
     }
@@ -566,6 +570,7 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     for (int l = 0; l < L; l++) {
         const kvpq_pq *kq = kvpq_codebook_pq_const(cc[kc[l]], l, 0), *vq = kvpq_codebook_pq_const(cc[vc_[l]], l, 1);
         if ((s = kvpq_codebook_set_layer_key_M(fin, l, kvpq_pq_get_params(kq).M)) != KVPQ_OK ||
+            (s = kvpq_codebook_set_layer_value_M(fin, l, kvpq_pq_get_params(vq).M)) != KVPQ_OK ||
             (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 0), kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq))) !=
                 KVPQ_OK ||
             (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 1), kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq))) !=
