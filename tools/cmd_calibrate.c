@@ -27,6 +27,9 @@ typedef struct {
     double bits;
     const char *cands;
     long holdout_ctx, holdout_chunks, window, alloc_values, sinks, full_sens;
+    double more_bits[8];
+    const char *more_out[8];
+    int n_more_bits;
     const char *also[CALIB_MAX_ALSO]; /* --also option strings: more codebooks from the same forward pass */
     int n_also;
 } calib_args;
@@ -58,6 +61,8 @@ static void calib_usage(FILE *f) {
             "                        bits per element at context --ctx stay <= B, minimizing the predicted loss\n"
             "                        (sum over layers of the KL each layer's coding costs alone, measured on\n"
             "                        text held back from k-means: the END of FILE); docs/allocation.md\n"
+            "  --bits-also \"B OUT\"   also write the allocation for budget B to OUT, from the same\n"
+            "                        measurements (repeatable, up to 8)\n"
             "  --candidates P,P,...  presets to choose among, one nbits (default d8b8,d4b8,d2b8)\n"
             "  --holdout-ctx N       tokens per held-out chunk of the measurement (default min(--ctx, 1024))\n"
             "  --holdout-chunks K    held-out chunks (default 1)\n"
@@ -142,6 +147,17 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--sinks", sinks, 0, 1L << 20)
         INT_OPT("--alloc-values", alloc_values, 0, 1)
         INT_OPT("--full-sensitivity", full_sens, 0, 1)
+        if (!strcmp(o, "--bits-also")) { /* "B OUT": another budget from the same measurements */
+            char *end = NULL;
+            if (!v || a->n_more_bits == 8) return cli_usage_error("calibrate: --bits-also needs \"B OUT\" (at most 8)"), -2;
+            double b = strtod(v, &end);
+            if (end == v || *end != ' ' || !(b > 0 && b <= 32) || !end[1])
+                return cli_usage_error("calibrate: --bits-also '%s': expected \"B OUT\", B in (0, 32]", v), -2;
+            a->more_bits[a->n_more_bits] = b;
+            a->more_out[a->n_more_bits++] = end + 1;
+            i++;
+            continue;
+        }
         if (!strcmp(o, "--bits")) {
             char *end = NULL;
             a->bits = v ? strtod(v, &end) : 0;
@@ -159,7 +175,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
                                                "--center", "--key-norm", "--value-norm",
                                                "--max-points-per-centroid", "--seed", "--bits", "--candidates",
                                                "--holdout-ctx", "--holdout-chunks", "--window", "--sinks",
-                                               "--alloc-values", "--full-sensitivity", NULL};
+                                               "--alloc-values", "--full-sensitivity", "--bits-also", NULL};
             return cli_unknown_option("calibrate", o, OPTS), -2;
         }
     }
@@ -523,128 +539,134 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             rc = cli_fail("calibrate: cache bytes", s);
             goto done;
         }
-    double budget = a->bits * (double)elements / 8.0 - (double)fixed, pred_fixed = 0;
-    for (int g = 0; g < G; g++) {
-        const int l = g % L, kind = g / L;
-        for (int c = 0; c < n_cand; c++) {
-            cost[(size_t)g * n_cand + c] = kl[((size_t)c * 2 + kind) * L + l];
-            weight[(size_t)g * n_cand + c] = (int64_t)lb[((size_t)c * L + l) * 2 + kind];
+    for (int bi = 0; bi <= a->n_more_bits; bi++) {
+        const double bits_i = bi ? a->more_bits[bi - 1] : a->bits;
+        const char *out_i = bi ? a->more_out[bi - 1] : a->out;
+        kvpq_codebook_free(fin);
+        fin = NULL;
+        double budget = bits_i * (double)elements / 8.0 - (double)fixed, pred_fixed = 0;
+        for (int g = 0; g < G; g++) {
+            const int l = g % L, kind = g / L;
+            for (int c = 0; c < n_cand; c++) {
+                cost[(size_t)g * n_cand + c] = kl[((size_t)c * 2 + kind) * L + l];
+                weight[(size_t)g * n_cand + c] = (int64_t)lb[((size_t)c * L + l) * 2 + kind];
+            }
         }
-    }
-    if (!alloc_values)
-        for (int l = 0; l < L; l++) {
-            budget -= (double)lb[((size_t)vfix * L + l) * 2 + 1];
-            pred_fixed += kl[((size_t)vfix * 2 + 1) * L + l];
-        }
-    double pred = 0;
-    int64_t used = 0;
-    if (budget < 0) budget = 0;
-    if ((s = kvpq_alloc_mckp(G, n_cand, cost, weight, (int64_t)budget, 0, choice, &pred, &used)) != KVPQ_OK) {
-        rc = cli_fail("calibrate: --bits: no allocation fits", s);
-        goto done;
-    }
-    pred += pred_fixed;
-    /* 4. the codebook: each layer takes its chosen candidate's trained quantizers */
-    int kc[4096], vc_[4096], count[MAXC] = {0}, base_k = 0;
-    for (int l = 0; l < L; l++) {
-        kc[l] = choice[l];
-        vc_[l] = alloc_values ? choice[L + l] : vfix;
-        count[kc[l]]++;
-    }
-    for (int c = 1; c < n_cand; c++)
-        if (count[c] > count[base_k]) base_k = c;
-    int vcount[MAXC] = {0}, base_v = 0;
-    for (int l = 0; l < L; l++) vcount[vc_[l]]++;
-    for (int c = 1; c < n_cand; c++)
-        if (vcount[c] > vcount[base_v]) base_v = c;
-    {
-        calib_args b = *a;
-        b.keys = names[base_k];
-        b.values = names[base_v];
-        b.keys_layers = NULL;
-        b.values_layers = NULL;
-        if ((rc = make_codebook(&b, mi, &fin)) != 0) goto done;
-        rc = 1;
-    }
-    int64_t total_bytes = (int64_t)fixed;
-    for (int l = 0; l < L; l++) {
-        const kvpq_pq *kq = kvpq_codebook_pq_const(cc[kc[l]], l, 0), *vq = kvpq_codebook_pq_const(cc[vc_[l]], l, 1);
-        if ((s = kvpq_codebook_set_layer_key_M(fin, l, kvpq_pq_get_params(kq).M)) != KVPQ_OK ||
-            (s = kvpq_codebook_set_layer_value_M(fin, l, kvpq_pq_get_params(vq).M)) != KVPQ_OK ||
-            (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 0), kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq))) !=
-                KVPQ_OK ||
-            (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 1), kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq))) !=
-                KVPQ_OK) {
-            rc = cli_fail("calibrate: assembling the codebook", s);
+        if (!alloc_values)
+            for (int l = 0; l < L; l++) {
+                budget -= (double)lb[((size_t)vfix * L + l) * 2 + 1];
+                pred_fixed += kl[((size_t)vfix * 2 + 1) * L + l];
+            }
+        double pred = 0;
+        int64_t used = 0;
+        if (budget < 0) budget = 0;
+        if ((s = kvpq_alloc_mckp(G, n_cand, cost, weight, (int64_t)budget, 0, choice, &pred, &used)) != KVPQ_OK) {
+            rc = cli_fail("calibrate: --bits: no allocation fits", s);
             goto done;
         }
-        const size_t row = (size_t)mi->n_head_kv * mi->head_dim;
-        memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(cc[0], l), sizeof(float) * row);
-        memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(cc[0], l), sizeof(float) * row);
-        total_bytes += (int64_t)lb[((size_t)kc[l] * L + l) * 2] + (int64_t)lb[((size_t)vc_[l] * L + l) * 2 + 1];
-    }
-    const double eff = 8.0 * (double)total_bytes / (double)elements;
-    /* 5. metadata */
-    set_common_meta(a, mi, a->model, fin, n_use, mse_k, mse_v);
-    char buf[128];
-    const size_t lcap = (size_t)L * 24 + 64;
-    if (!(list = malloc(lcap))) goto oom;
-    snprintf(buf, sizeof buf, "%g", a->bits);
-    kvpq_codebook_set_meta(fin, "alloc.bits", buf);
-    snprintf(buf, sizeof buf, "%ld", a->ctx);
-    kvpq_codebook_set_meta(fin, "alloc.ctx", buf);
-    snprintf(buf, sizeof buf, "%ld", a->window);
-    kvpq_codebook_set_meta(fin, "alloc.window", buf);
-    snprintf(buf, sizeof buf, "%ld", a->sinks);
-    kvpq_codebook_set_meta(fin, "alloc.sinks", buf);
-    kvpq_codebook_set_meta(fin, "alloc.candidates", a->cands);
-    kvpq_codebook_set_meta(fin, "alloc.method", "mckp-dp");
-    kvpq_codebook_set_meta(fin, "alloc.sensitivity", a->full_sens ? "full" : names[sp.ref_cand]);
-    kvpq_codebook_set_meta(fin, "alloc.values", alloc_values ? "allocated" : "fixed");
-    snprintf(buf, sizeof buf, "%d", n_chunks * hctx);
-    kvpq_codebook_set_meta(fin, "alloc.holdout_tokens", buf);
-    snprintf(buf, sizeof buf, "%d", hctx);
-    kvpq_codebook_set_meta(fin, "alloc.holdout_ctx", buf);
-    snprintf(buf, sizeof buf, "%.6g", pred);
-    kvpq_codebook_set_meta(fin, "alloc.predicted_kl", buf);
-    snprintf(buf, sizeof buf, "%.6g", eff);
-    kvpq_codebook_set_meta(fin, "alloc.effective_bits", buf);
-    for (int kind = 0; kind < 2; kind++) {
-        list[0] = '\0';
-        for (int l = 0; l < L; l++) list_add(list, lcap, names[kind ? vc_[l] : kc[l]]);
-        kvpq_codebook_set_meta(fin, kind ? "alloc.v" : "alloc.k", list);
-        list[0] = '\0';
+        pred += pred_fixed;
+        /* 4. the codebook: each layer takes its chosen candidate's trained quantizers */
+        int kc[4096], vc_[4096], count[MAXC] = {0}, base_k = 0;
         for (int l = 0; l < L; l++) {
-            snprintf(buf, sizeof buf, "%.4g", kl[((size_t)(kind ? vc_[l] : kc[l]) * 2 + kind) * L + l]);
-            list_add(list, lcap, buf);
+            kc[l] = choice[l];
+            vc_[l] = alloc_values ? choice[L + l] : vfix;
+            count[kc[l]]++;
         }
-        kvpq_codebook_set_meta(fin, kind ? "alloc.kl.v" : "alloc.kl.k", list);
-        for (int c = 0; c < n_cand; c++) { /* the whole measured table */
+        for (int c = 1; c < n_cand; c++)
+            if (count[c] > count[base_k]) base_k = c;
+        int vcount[MAXC] = {0}, base_v = 0;
+        for (int l = 0; l < L; l++) vcount[vc_[l]]++;
+        for (int c = 1; c < n_cand; c++)
+            if (vcount[c] > vcount[base_v]) base_v = c;
+        {
+            calib_args b = *a;
+            b.keys = names[base_k];
+            b.values = names[base_v];
+            b.keys_layers = NULL;
+            b.values_layers = NULL;
+            if ((rc = make_codebook(&b, mi, &fin)) != 0) goto done;
+            rc = 1;
+        }
+        int64_t total_bytes = (int64_t)fixed;
+        for (int l = 0; l < L; l++) {
+            const kvpq_pq *kq = kvpq_codebook_pq_const(cc[kc[l]], l, 0), *vq = kvpq_codebook_pq_const(cc[vc_[l]], l, 1);
+            if ((s = kvpq_codebook_set_layer_key_M(fin, l, kvpq_pq_get_params(kq).M)) != KVPQ_OK ||
+                (s = kvpq_codebook_set_layer_value_M(fin, l, kvpq_pq_get_params(vq).M)) != KVPQ_OK ||
+                (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 0), kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq))) !=
+                    KVPQ_OK ||
+                (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 1), kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq))) !=
+                    KVPQ_OK) {
+                rc = cli_fail("calibrate: assembling the codebook", s);
+                goto done;
+            }
+            const size_t row = (size_t)mi->n_head_kv * mi->head_dim;
+            memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(cc[0], l), sizeof(float) * row);
+            memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(cc[0], l), sizeof(float) * row);
+            total_bytes += (int64_t)lb[((size_t)kc[l] * L + l) * 2] + (int64_t)lb[((size_t)vc_[l] * L + l) * 2 + 1];
+        }
+        const double eff = 8.0 * (double)total_bytes / (double)elements;
+        /* 5. metadata */
+        set_common_meta(a, mi, a->model, fin, n_use, mse_k, mse_v);
+        char buf[128];
+        const size_t lcap = (size_t)L * 24 + 64;
+        if (!(list = malloc(lcap))) goto oom;
+        snprintf(buf, sizeof buf, "%g", bits_i);
+        kvpq_codebook_set_meta(fin, "alloc.bits", buf);
+        snprintf(buf, sizeof buf, "%ld", a->ctx);
+        kvpq_codebook_set_meta(fin, "alloc.ctx", buf);
+        snprintf(buf, sizeof buf, "%ld", a->window);
+        kvpq_codebook_set_meta(fin, "alloc.window", buf);
+        snprintf(buf, sizeof buf, "%ld", a->sinks);
+        kvpq_codebook_set_meta(fin, "alloc.sinks", buf);
+        kvpq_codebook_set_meta(fin, "alloc.candidates", a->cands);
+        kvpq_codebook_set_meta(fin, "alloc.method", "mckp-dp");
+        kvpq_codebook_set_meta(fin, "alloc.sensitivity", a->full_sens ? "full" : names[sp.ref_cand]);
+        kvpq_codebook_set_meta(fin, "alloc.values", alloc_values ? "allocated" : "fixed");
+        snprintf(buf, sizeof buf, "%d", n_chunks * hctx);
+        kvpq_codebook_set_meta(fin, "alloc.holdout_tokens", buf);
+        snprintf(buf, sizeof buf, "%d", hctx);
+        kvpq_codebook_set_meta(fin, "alloc.holdout_ctx", buf);
+        snprintf(buf, sizeof buf, "%.6g", pred);
+        kvpq_codebook_set_meta(fin, "alloc.predicted_kl", buf);
+        snprintf(buf, sizeof buf, "%.6g", eff);
+        kvpq_codebook_set_meta(fin, "alloc.effective_bits", buf);
+        for (int kind = 0; kind < 2; kind++) {
+            list[0] = '\0';
+            for (int l = 0; l < L; l++) list_add(list, lcap, names[kind ? vc_[l] : kc[l]]);
+            kvpq_codebook_set_meta(fin, kind ? "alloc.v" : "alloc.k", list);
             list[0] = '\0';
             for (int l = 0; l < L; l++) {
-                snprintf(buf, sizeof buf, "%.4g", kl[((size_t)c * 2 + kind) * L + l]);
+                snprintf(buf, sizeof buf, "%.4g", kl[((size_t)(kind ? vc_[l] : kc[l]) * 2 + kind) * L + l]);
                 list_add(list, lcap, buf);
             }
-            char key[64];
-            snprintf(key, sizeof key, "alloc.sens.%s.%s", kind ? "v" : "k", names[c]);
-            kvpq_codebook_set_meta(fin, key, list);
+            kvpq_codebook_set_meta(fin, kind ? "alloc.kl.v" : "alloc.kl.k", list);
+            for (int c = 0; c < n_cand; c++) { /* the whole measured table */
+                list[0] = '\0';
+                for (int l = 0; l < L; l++) {
+                    snprintf(buf, sizeof buf, "%.4g", kl[((size_t)c * 2 + kind) * L + l]);
+                    list_add(list, lcap, buf);
+                }
+                char key[64];
+                snprintf(key, sizeof key, "alloc.sens.%s.%s", kind ? "v" : "k", names[c]);
+                kvpq_codebook_set_meta(fin, key, list);
+            }
         }
+        if ((s = kvpq_codebook_save(fin, out_i)) != KVPQ_OK) {
+            rc = cli_fail("calibrate: writing the codebook file", s);
+            goto done;
+        }
+        fprintf(stderr, "kvpq calibrate: allocation for %.3g bits at ctx %ld (window %ld, sinks %ld): effective %.4f bits, "
+                        "predicted KL %.4f\n  layer: key preset (KL) / value preset (KL)\n",
+                bits_i, a->ctx, a->window, a->sinks, eff, pred);
+        for (int l = 0; l < L; l++)
+            fprintf(stderr, "  %3d: %s (%.4f) / %s (%.4f)\n", l, names[kc[l]], kl[((size_t)kc[l] * 2) * L + l],
+                    names[vc_[l]], kl[((size_t)vc_[l] * 2 + 1) * L + l]);
+        fprintf(stderr,
+                "kvpq calibrate: wrote %s (%d layers, %d candidates, %zu tokens for k-means, %d held out; forward %.1f s, "
+                "k-means %.1f s, sensitivity %.1f s, total %.1f s wall, %.1f s CPU)\n",
+                out_i, L, n_cand, n_use, n_chunks * hctx, t_fwd, t_km - t0 - t_fwd, t_sens - t_km, cli_now() - t0,
+                cpu_seconds() - c0);
     }
-    if ((s = kvpq_codebook_save(fin, a->out)) != KVPQ_OK) {
-        rc = cli_fail("calibrate: writing the codebook file", s);
-        goto done;
-    }
-    fprintf(stderr, "kvpq calibrate: allocation for %.3g bits at ctx %ld (window %ld, sinks %ld): effective %.4f bits, "
-                    "predicted KL %.4f\n  layer: key preset (KL) / value preset (KL)\n",
-            a->bits, a->ctx, a->window, a->sinks, eff, pred);
-    for (int l = 0; l < L; l++)
-        fprintf(stderr, "  %3d: %s (%.4f) / %s (%.4f)\n", l, names[kc[l]], kl[((size_t)kc[l] * 2) * L + l],
-                names[vc_[l]], kl[((size_t)vc_[l] * 2 + 1) * L + l]);
-    fprintf(stderr,
-            "kvpq calibrate: wrote %s (%d layers, %d candidates, %zu tokens for k-means, %d held out; forward %.1f s, "
-            "k-means %.1f s, sensitivity %.1f s, total %.1f s wall, %.1f s CPU)\n",
-            a->out, L, n_cand, n_use, n_chunks * hctx, t_fwd, t_km - t0 - t_fwd, t_sens - t_km, cli_now() - t0,
-            cpu_seconds() - c0);
     rc = 0;
     goto done;
 oom:
