@@ -410,6 +410,13 @@ typedef enum {
     KVPQ_CACHE_KIVI2 = 4,  /* KIVI (arXiv 2402.02750): keys per channel, values per token, 2 bits */
     KVPQ_CACHE_KIVI4 = 5,  /* likewise, 4 bits */
     KVPQ_CACHE_VQ = 6,     /* product-quantization codes with attention from codes */
+    /* llama.cpp's rotated quantized KV cache (its default for quantized K/V since April 2026,
+     * src/llama-kv-cache.cpp): keys and queries multiplied by the normalized Walsh-Hadamard matrix
+     * of the largest power-of-two block dividing head_dim (64 at head_dim 64, 128 at 128, 256 at
+     * 256), values by blocks of 64, then q8_0 / q4_0 blocks; the attention output is rotated back.
+     * Needs head_dim % 64 == 0 (else KVPQ_ERR_UNSUPPORTED). */
+    KVPQ_CACHE_Q8_0R = 7,
+    KVPQ_CACHE_Q4_0R = 8,
 } kvpq_cache_type;
 
 typedef struct {
@@ -458,7 +465,7 @@ KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
 KVPQ_API kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params *p, int len, int step,
                                          size_t *layer_bytes, size_t *fixed_bytes, int64_t *elements);
 
-/* Parse a SPEC string: fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE. Sets p->type; for vq: returns the
+/* Parse a SPEC string: fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 vq:FILE. Sets p->type; for vq: returns the
  * FILE part in *vq_path (pointer into spec; NULL otherwise). Errors name the SPEC. */
 KVPQ_API kvpq_status kvpq_cache_type_parse(const char *spec, kvpq_cache_type *type, const char **vq_path);
 KVPQ_API const char *kvpq_cache_type_name(kvpq_cache_type t);

@@ -148,12 +148,13 @@ static void round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, int tr
 }
 
 Test(cache_file, round_trip_every_kind_identical_attention) {
-    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32,  KVPQ_CACHE_FP16,  KVPQ_CACHE_Q8_0,
-                                            KVPQ_CACHE_Q4_0,  KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4};
+    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32,  KVPQ_CACHE_FP16,  KVPQ_CACHE_Q8_0,  KVPQ_CACHE_Q4_0,
+                                            KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4, KVPQ_CACHE_Q8_0R, KVPQ_CACHE_Q4_0R};
     static const int lens[] = {1, WINDOW + 31, 300};
-    for (int k = 0; k < 6; k++)
+    const int nk = (int)(sizeof kinds / sizeof kinds[0]);
+    for (int k = 0; k < nk; k++)
         for (int i = 0; i < 3; i++) round_trip(kinds[k], NULL, lens[i], -1, 100u * k + i);
-    for (int k = 0; k < 6; k++) round_trip(kinds[k], NULL, 300, 150, 700u + k); /* after a truncate */
+    for (int k = 0; k < nk; k++) round_trip(kinds[k], NULL, 300, 150, 700u + k); /* after a truncate */
     for (int norm = 0; norm < 2; norm++) {
         kvpq_codebook *cb = make_codebook(norm, 50u + norm);
         for (int i = 0; i < 3; i++) round_trip(KVPQ_CACHE_VQ, cb, lens[i], -1, 900u + 10u * norm + i);

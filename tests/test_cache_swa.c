@@ -20,7 +20,8 @@
 #define L_TOTAL 700
 
 static const kvpq_cache_type KINDS[] = {KVPQ_CACHE_FP32,  KVPQ_CACHE_FP16,  KVPQ_CACHE_Q8_0, KVPQ_CACHE_Q4_0,
-                                        KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4, KVPQ_CACHE_VQ};
+                                        KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4, KVPQ_CACHE_VQ,   KVPQ_CACHE_Q8_0R,
+                                        KVPQ_CACHE_Q4_0R};
 #define N_KINDS ((int)(sizeof KINDS / sizeof KINDS[0]))
 
 static kvpq_codebook *make_codebook(int n_layer, int n_head_kv, int hd) {

@@ -23,7 +23,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq bench decode --cache SPEC[,SPEC...] [--model M] [--text FILE] [--ctx N] [--steps N]\n"
             "                         [--threads N] [--json] [--quiet]\n"
-            "  Decode tokens/s of the model with each cache SPEC (fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE),\n"
+            "  Decode tokens/s of the model with each cache SPEC (fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 vq:FILE),\n"
             "  side by side in one process: a --ctx-token prompt from FILE (default 4096 tokens of\n"
             "  data/text/persuasion.txt), then --steps one-token evals (default 32) fed from the text's next\n"
             "  tokens, the caches taking turns each step. The prompt runs in batches of 512 tokens. Model default:\n"

@@ -9,7 +9,7 @@
 
 #include "kvpq_model.h"
 
-/* A KV cache made from a SPEC string (fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:FILE) for a model. */
+/* A KV cache made from a SPEC string (fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 vq:FILE) for a model. */
 typedef struct {
     char spec[256];
     kvpq_cache *cache;

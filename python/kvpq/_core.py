@@ -550,13 +550,13 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", value
 
 _CACHE_KINDS = {"fp32": lib.KVPQ_CACHE_FP32, "fp16": lib.KVPQ_CACHE_FP16, "q8_0": lib.KVPQ_CACHE_Q8_0,
                 "q4_0": lib.KVPQ_CACHE_Q4_0, "kivi2": lib.KVPQ_CACHE_KIVI2, "kivi4": lib.KVPQ_CACHE_KIVI4,
-                "vq": lib.KVPQ_CACHE_VQ}
+                "vq": lib.KVPQ_CACHE_VQ, "q8_0r": lib.KVPQ_CACHE_Q8_0R, "q4_0r": lib.KVPQ_CACHE_Q4_0R}
 
 
 class Cache:
-    """A KV cache of n_layer layers (kvpq_cache). kind: "fp32", "fp16", "q8_0", "q4_0", "kivi2",
-    "kivi4", or "vq" (product-quantization codes, attention from codes through per-query lookup
-    tables; needs `codebook`). window: newest positions kept in float32 (vq/kivi). The codebook is
+    """A KV cache of n_layer layers (kvpq_cache). kind: "fp32", "fp16", "q8_0", "q4_0", "q8_0r",
+    "q4_0r" (llama.cpp's Hadamard-rotated q8_0 / q4_0), "kivi2", "kivi4", or "vq" (product-quantization
+    codes, attention from codes through per-query lookup tables; needs `codebook`). window: newest positions kept in float32 (vq/kivi). The codebook is
     kept alive by the cache."""
 
     def __init__(self, kind, n_layer, n_head, n_head_kv, head_dim, max_seq, codebook=None, window=None,

@@ -33,11 +33,13 @@ static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
     case KVPQ_CACHE_KIVI2: return &kvpq_cache_ops_kivi2;
     case KVPQ_CACHE_KIVI4: return &kvpq_cache_ops_kivi4;
     case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq; /* NULL while the weak reference is unresolved */
+    case KVPQ_CACHE_Q8_0R: return &kvpq_cache_ops_q8_0r;
+    case KVPQ_CACHE_Q4_0R: return &kvpq_cache_ops_q4_0r;
     }
     return NULL;
 }
 
-static const char *const type_names[] = {"fp32", "fp16", "q8_0", "q4_0", "kivi2", "kivi4", "vq"};
+static const char *const type_names[] = {"fp32", "fp16", "q8_0", "q4_0", "kivi2", "kivi4", "vq", "q8_0r", "q4_0r"};
 #define N_TYPES ((int)(sizeof type_names / sizeof type_names[0]))
 
 kvpq_cache_params kvpq_cache_params_default(void) {
@@ -77,7 +79,7 @@ kvpq_status kvpq_cache_type_parse(const char *spec, kvpq_cache_type *type, const
     }
     if (!strcmp(spec, "vq"))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec 'vq': expected vq:FILE (the codebook file)");
-    return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec '%s': expected fp32, fp16, q8_0, q4_0, kivi2, kivi4 or vq:FILE",
+    return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache spec '%s': expected fp32, fp16, q8_0, q4_0, q8_0r, q4_0r, kivi2, kivi4 or vq:FILE",
                      spec);
 }
 

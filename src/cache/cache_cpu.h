@@ -95,6 +95,11 @@ kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, cons
 
 /* Page layout: (n_head_kv, page_tokens, row_bytes) so a KV head's rows in a page are contiguous. */
 kvpq_status kvpq__rows_create(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec);
+/* The same with llama.cpp's rotation of K/V head vectors (the q4_0r / q8_0r kinds): K (and the
+ * queries) by the normalized Walsh-Hadamard matrix of the largest power-of-two block dividing
+ * head_dim, V by blocks of 64, before quantizing; the attention output is rotated back and
+ * kvpq_cache_read returns the stored vectors rotated back. head_dim % 64 != 0: KVPQ_ERR_UNSUPPORTED. */
+kvpq_status kvpq__rows_create_rotated(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec);
 void kvpq__rows_destroy(void *state);
 kvpq_status kvpq__rows_append(void *state, int layer, int len, int n, const float *k, const float *v);
 kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const float *q, float *out);

@@ -66,6 +66,8 @@ extern const kvpq_cache_ops kvpq_cache_ops_fp32;
 extern const kvpq_cache_ops kvpq_cache_ops_fp16;
 extern const kvpq_cache_ops kvpq_cache_ops_q8_0;
 extern const kvpq_cache_ops kvpq_cache_ops_q4_0;
+extern const kvpq_cache_ops kvpq_cache_ops_q8_0r;
+extern const kvpq_cache_ops kvpq_cache_ops_q4_0r;
 extern const kvpq_cache_ops kvpq_cache_ops_kivi2;
 extern const kvpq_cache_ops kvpq_cache_ops_kivi4;
 /* Defined by src/cache/cache_vq.c. cache.c references it strongly when that file exists at compile

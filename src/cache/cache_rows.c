@@ -12,6 +12,7 @@ typedef struct {
     const kvpq__row_codec *codec;
     size_t row_bytes;
     kvpq__pages *k, *v; /* (n_layer) */
+    int rot_k, rot_v;   /* rotated kinds: Walsh-Hadamard block sizes for K (and Q) and V; 0 = none */
 } rows_state;
 
 kvpq_status kvpq__rows_create(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec) {
@@ -35,6 +36,28 @@ kvpq_status kvpq__rows_create(void **state, const kvpq_cache_params *p, const kv
     return KVPQ_OK;
 }
 
+/* llama.cpp's rotation sizes (src/llama-kv-cache.cpp, llama_kv_cache's constructor, 2026): keys
+ * n_rot_k = 64, doubled while head_dim % (2 n_rot_k) == 0 (the largest power of two dividing
+ * head_dim); values n_rot_v = 64; both only when head_dim % 64 == 0. */
+kvpq_status kvpq__rows_create_rotated(void **state, const kvpq_cache_params *p, const kvpq__row_codec *codec) {
+    if (p->head_dim % 64)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "cache %s: head_dim %d is not a multiple of 64 (llama.cpp rotates K/V only then; use the "
+                         "unrotated kind)",
+                         codec->name, p->head_dim);
+    KVPQ_TRY(kvpq__rows_create(state, p, codec));
+    rows_state *s = *state;
+    s->rot_k = 64;
+    while (p->head_dim % (2 * s->rot_k) == 0) s->rot_k *= 2;
+    s->rot_v = 64;
+    return KVPQ_OK;
+}
+
+/* x (n_vec, head_dim) times the block-diagonal Walsh-Hadamard matrix of block size r (self-inverse). */
+static void rotate(float *x, size_t n_vec, int head_dim, int r) {
+    if (r) kvpq_hadamard(x, n_vec * (size_t)(head_dim / r), r); /* r is a power of two: cannot fail */
+}
+
 void kvpq__rows_destroy(void *state) {
     rows_state *s = state;
     if (!s) return;
@@ -50,13 +73,38 @@ static unsigned char *row_at(const rows_state *s, const kvpq__pages *pl, int kvh
     return kvpq__page(pl, pos / pt) + ((size_t)kvh * pt + pos % pt) * s->row_bytes;
 }
 
+static kvpq_status rows_append_plain(rows_state *s, int layer, int len, int n, const float *k, const float *v);
+
 kvpq_status kvpq__rows_append(void *state, int layer, int len, int n, const float *k, const float *v) {
     rows_state *s = state;
-    const int pt = s->p.page_tokens, hkv = s->p.n_head_kv, hd = s->p.head_dim;
-    if (s->codec->max_abs > 0) {
-        KVPQ_TRY(kvpq__check_range(&s->p, s->codec->name, "K", layer, len, n, k, s->codec->max_abs));
-        KVPQ_TRY(kvpq__check_range(&s->p, s->codec->name, "V", layer, len, n, v, s->codec->max_abs));
+    const int hkv = s->p.n_head_kv, hd = s->p.head_dim;
+    float *rk = NULL;
+    if (s->rot_k) { /* rotated kinds quantize H k and H v; the range check applies to those */
+        const size_t ne = (size_t)n * hkv * hd;
+        if (!(rk = malloc(2 * ne * sizeof *rk)))
+            return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory rotating %d positions", s->codec->name, n);
+        memcpy(rk, k, ne * sizeof *rk);
+        memcpy(rk + ne, v, ne * sizeof *rk);
+        rotate(rk, (size_t)n * hkv, hd, s->rot_k);
+        rotate(rk + ne, (size_t)n * hkv, hd, s->rot_v);
+        k = rk;
+        v = rk + ne;
     }
+    kvpq_status st = KVPQ_OK;
+    if (s->codec->max_abs > 0) {
+        st = kvpq__check_range(&s->p, s->codec->name, s->rot_k ? "K (rotated)" : "K", layer, len, n, k,
+                               s->codec->max_abs);
+        if (st == KVPQ_OK)
+            st = kvpq__check_range(&s->p, s->codec->name, s->rot_k ? "V (rotated)" : "V", layer, len, n, v,
+                                   s->codec->max_abs);
+    }
+    if (st == KVPQ_OK) st = rows_append_plain(s, layer, len, n, k, v);
+    free(rk);
+    return st;
+}
+
+static kvpq_status rows_append_plain(rows_state *s, int layer, int len, int n, const float *k, const float *v) {
+    const int pt = s->p.page_tokens, hkv = s->p.n_head_kv, hd = s->p.head_dim;
     int need = (len + n + pt - 1) / pt;
     kvpq__pages *pk = &s->k[layer], *pv = &s->v[layer];
     int had_k = pk->n, had_v = pv->n;
@@ -105,7 +153,19 @@ kvpq_status kvpq__rows_attend(void *state, int layer, int len, int n_q, const fl
     rows_state *s = state;
     if (s->codec->f16_rows)
         return kvpq__attend_cpu_f16(&s->p, s, rows_load16, s->p.page_tokens, layer, len, n_q, q, out);
-    return kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, q, out);
+    if (!s->rot_k) return kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, q, out);
+    /* Rotated kinds, as llama.cpp's graph (llm_graph_context::build_attn): scores from H_k q against
+     * the stored H_k k (H_k orthonormal: q.k unchanged), values summed in the H_v space, then the
+     * output rotated back by H_v (self-inverse). */
+    const size_t nq = (size_t)n_q * s->p.n_head;
+    float *qr = malloc(nq * s->p.head_dim * sizeof *qr);
+    if (!qr) return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory rotating %d queries", s->codec->name, n_q);
+    memcpy(qr, q, nq * s->p.head_dim * sizeof *qr);
+    rotate(qr, nq, s->p.head_dim, s->rot_k);
+    kvpq_status st = kvpq__attend_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, len, n_q, qr, out);
+    free(qr);
+    if (st == KVPQ_OK) rotate(out, nq, s->p.head_dim, s->rot_v);
+    return st;
 }
 
 kvpq_status kvpq__rows_truncate(void *state, const int *lens, int n_pos) {
@@ -121,7 +181,12 @@ kvpq_status kvpq__rows_truncate(void *state, const int *lens, int n_pos) {
 
 kvpq_status kvpq__rows_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v) {
     const rows_state *s = state;
-    return kvpq__read_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, pos0, n, k, v);
+    (void)len;
+    KVPQ_TRY(kvpq__read_cpu(&s->p, s, rows_load, s->p.page_tokens, layer, pos0, n, k, v));
+    /* Rotated kinds: back to the model's space (each rotation is its own inverse). */
+    if (k) rotate(k, (size_t)n * s->p.n_head_kv, s->p.head_dim, s->rot_k);
+    if (v) rotate(v, (size_t)n * s->p.n_head_kv, s->p.head_dim, s->rot_v);
+    return KVPQ_OK;
 }
 
 int kvpq__rows_drop(void *state, int layer, int len, int keep_from) {
