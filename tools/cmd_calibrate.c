@@ -8,6 +8,7 @@
  * (VecInfer, arXiv 2510.06175, sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
  * k-means on the transformed data (all KV heads of a layer pooled). Writes a safetensors codebook
  * file (kvpq_codebook_save) with the model, text, token count and configuration as metadata. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -539,6 +540,7 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             rc = cli_fail("calibrate: cache bytes", s);
             goto done;
         }
+    int n_failed = 0;
     for (int bi = 0; bi <= a->n_more_bits; bi++) {
         const double bits_i = bi ? a->more_bits[bi - 1] : a->bits;
         const char *out_i = bi ? a->more_out[bi - 1] : a->out;
@@ -561,8 +563,20 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
         int64_t used = 0;
         if (budget < 0) budget = 0;
         if ((s = kvpq_alloc_mckp(G, n_cand, cost, weight, (int64_t)budget, 0, choice, &pred, &used)) != KVPQ_OK) {
-            rc = cli_fail("calibrate: --bits: no allocation fits", s);
-            goto done;
+            /* the lightest allocation's effective bits, so the user knows what budget fits */
+            double light = (double)fixed;
+            for (int g = 0; g < G; g++) {
+                double m = INFINITY;
+                for (int c = 0; c < n_cand; c++)
+                    if ((double)weight[(size_t)g * n_cand + c] < m) m = (double)weight[(size_t)g * n_cand + c];
+                light += m;
+            }
+            if (!alloc_values)
+                for (int l = 0; l < L; l++) light += (double)lb[((size_t)vfix * L + l) * 2 + 1];
+            fprintf(stderr, "kvpq calibrate: --bits %g at ctx %ld: no allocation fits (the lightest needs %.4f effective "
+                            "bits); %s not written\n", bits_i, a->ctx, 8.0 * light / (double)elements, out_i);
+            n_failed++;
+            continue; /* the other budgets still get their files */
         }
         pred += pred_fixed;
         /* 4. the codebook: each layer takes its chosen candidate's trained quantizers */
@@ -667,7 +681,7 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                 out_i, L, n_cand, n_use, n_chunks * hctx, t_fwd, t_km - t0 - t_fwd, t_sens - t_km, cli_now() - t0,
                 cpu_seconds() - c0);
     }
-    rc = 0;
+    rc = n_failed ? 1 : 0;
     goto done;
 oom:
     rc = cli_usage_error("calibrate: out of memory");
