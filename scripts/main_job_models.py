@@ -102,7 +102,7 @@ def figure(panels, path):
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
-    fig.suptitle("held-out novel (persuasion.txt): peers (triangles, hollow = uniform VQ presets) and kvpq's frontier")
+    fig.suptitle("held-out novel (persuasion.txt): peers (triangles;\nhollow: uniform VQ presets) and kvpq's frontier", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
