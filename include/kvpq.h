@@ -423,6 +423,25 @@ KVPQ_API kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer,
                                                    const float *v, const kvpq_calibrate_params *p,
                                                    kvpq_kmeans_report *key_report, kvpq_kmeans_report *value_report);
 
+/* ---- bit allocation (docs/allocation.md) ------------------------------------------------------ */
+
+/* Multiple-choice knapsack: pick one choice per group minimizing the summed cost subject to the
+ * summed weight <= budget. Exact dynamic programming over the weight (Kellerer, Pferschy & Pisinger,
+ * "Knapsack Problems", Springer 2004, ch. 11; Dudzinski & Walukiewicz, EJOR 1987): when
+ * budget <= max_units the weights are used as they are and the optimum is exact; otherwise weights
+ * are counted in quanta q = ceil(budget / max_units), each rounded UP, so the result still respects
+ * the budget and is optimal for the rounded weights (within one quantum per group of the optimum's
+ * weight). O(n_groups * n_choices * min(budget, max_units)) time, n_groups * (units + 1) bytes.
+ * cost, weight: (n_groups, n_choices); a choice with weight < 0 or cost +Inf is unavailable.
+ * max_units 0: 65536. choice: (n_groups) the chosen index per group; total_cost, total_weight (may be
+ * NULL) its sums (ties: the lowest total weight is not guaranteed, the lowest-index choice is kept).
+ * Errors: KVPQ_ERR_INVALID_ARG (sizes, NaN cost, a group with no usable choice), KVPQ_ERR_CAPACITY
+ * (even the lightest choices exceed the budget; the message says their weight), KVPQ_ERR_NOMEM. */
+KVPQ_API kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, const int64_t *weight,
+                                     int64_t budget, int64_t max_units, int *choice, double *total_cost,
+                                     int64_t *total_weight);
+
+
 /* ---- KV cache ------------------------------------------------------------------------------- */
 
 /* Largest max_seq a cache takes (2^30 positions): page and position arithmetic then stays in int. */
@@ -488,6 +507,18 @@ typedef struct {
     int sinks;
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
+
+/* Resident bytes of a VQ cache made from p (its window, page_tokens, max_seq and sliding window,
+ * clamped as kvpq_cache_new does) with codebook cb, after `len` positions were appended in steps of
+ * `step` (kvpq_model_eval appends in steps of 512), split as kvpq_cache_resident_bytes counts them:
+ * layer_bytes (n_layer, 2) (may be NULL): per layer, the key [.., 0] and value [.., 1] part: codes
+ * and norm-explicit scales of the coded positions held (whole pages) plus that quantizer's
+ * centroids; *fixed_bytes: what no quantizer choice changes (the fp16 window rings, smoothing
+ * factors, key means); *elements: K and V elements held (as kvpq_cache_stats.elements; a
+ * sliding-window layer holds fewer positions). Effective bits = 8 * (sum + fixed) / elements.
+ * Errors: KVPQ_ERR_INVALID_ARG (NULL, shapes that differ, len beyond max_seq). */
+KVPQ_API kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params *p, int len, int step,
+                                         size_t *layer_bytes, size_t *fixed_bytes, int64_t *elements);
 
 /* Parse a SPEC string: fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 vq:FILE. Sets p->type; for vq: returns the
  * FILE part in *vq_path (pointer into spec; NULL otherwise). Errors name the SPEC. */

@@ -111,6 +111,44 @@ KVPQ_API unsigned kvpq_token_attr(const kvpq_model *m, int32_t token);
 KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
                                      int logits_all, float *logits);
 
+/* ---- per-layer sensitivity of the VQ cache (bit allocation, docs/allocation.md) ---------------- */
+
+typedef struct {
+    int window;     /* newest positions kept exact, as the VQ cache's window (default 128) */
+    int sinks;      /* first positions of the sequence kept exact (attention sinks; default 0) */
+    int score_from; /* positions score_from .. n-2 are compared (their next-token distributions);
+                     * -1 (default): n/2, as kvpq ppl scores the second half of a chunk */
+    int kinds;      /* bit 0: measure keys, bit 1: values (default 3) */
+    /* -1 (default): every candidate is measured by a forward pass. c >= 0: only candidate c is; the
+     * others are scaled from it by the layer's attention-output error, kl(c') = kl(c) * e(c') / e(c),
+     * e = sum over the scored positions and query heads of |attn(reconstruction) - attn(exact)|^2
+     * (KL is second order in a small perturbation of the logits; the same layer's error propagates
+     * through the same later layers). n_cand times cheaper; an approximation (docs/allocation.md). */
+    int ref_cand;
+    int n_threads;  /* 0 = OpenMP default */
+    kvpq_progress_fn progress; /* optional: stage "sensitivity", done/total over measurements */
+    void *progress_user;
+} kvpq_sensitivity_params;
+KVPQ_API kvpq_sensitivity_params kvpq_sensitivity_params_default(void);
+
+/* How much coding ONE layer's keys (or values) with a candidate codebook costs the model, every other
+ * layer and kind in full precision: for each candidate c, layer l and kind (0 keys, 1 values),
+ * kl[(c * 2 + kind) * n_layer + l] = mean over the scored positions of KL(p || p~), p the next-token
+ * distribution with the float32 cache, p~ with layer l's keys (values) replaced by candidate c's
+ * reconstruction (the VQ cache's: centering, smoothing, rotation, norm-explicit scale, codes) at the
+ * positions the VQ cache would hold as codes when it evaluates the chunk in kvpq_model_eval's steps
+ * of 512 tokens (all but the newest `window`, in batches of 32, and the first `sinks`), exactly
+ * elsewhere. One pass stores every layer's input and keys/values; each measurement then reruns only
+ * layers l .. n_layer-1. Kinds not asked for in p->kinds are left as they are in kl.
+ * tokens: (n) one chunk, positions 0 .. n-1 (BOS, if the model wants it, already first); 64 <= n <=
+ * the model's context. cands: (n_cand) codebooks of this model's shape (kvpq_cache_new's checks).
+ * Cost: about n_cand * 2 * n_layer / 2 forward passes of the chunk (with ref_cand: 2 * n_layer / 2).
+ * Errors: KVPQ_ERR_INVALID_ARG (named), KVPQ_ERR_MISMATCH (a codebook of another shape),
+ * KVPQ_ERR_NOMEM, errors of the forward pass. */
+KVPQ_API kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, int n,
+                                                  const kvpq_codebook *const *cands, int n_cand,
+                                                  const kvpq_sensitivity_params *p, double *kl);
+
 /* ---- GGUF inspection ------------------------------------------------------------------------ */
 
 /* Print what a GGUF (v2/v3) file holds to `out`: format (version, alignment, counts, data offset),

@@ -8,8 +8,10 @@
  * (VecInfer, arXiv 2510.06175, sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
  * k-means on the transformed data (all KV heads of a layer pooled). Writes a safetensors codebook
  * file (kvpq_codebook_save) with the model, text, token count and configuration as metadata. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli.h"
 #include "cli_model.h"
@@ -22,6 +24,13 @@ typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *values_layers, *kmeans_init, *keys2;
     long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm;
     long seed;
+    /* --bits: automatic per-layer allocation (docs/allocation.md) */
+    double bits;
+    const char *cands;
+    long holdout_ctx, holdout_chunks, window, alloc_values, sinks, full_sens;
+    double more_bits[8];
+    const char *more_out[8];
+    int n_more_bits;
     const char *also[CALIB_MAX_ALSO]; /* --also option strings: more codebooks from the same forward pass */
     int n_also;
 } calib_args;
@@ -52,6 +61,22 @@ static void calib_usage(FILE *f) {
             "  --seed S              k-means seed (default 1234)\n"
             "  --quiet               no progress lines (forward pass, k-means) on stderr\n"
             "  --threads N           threads (default: all)\n"
+            "  --bits B              choose each layer's key (and value) preset so that the VQ cache's effective\n"
+            "                        bits per element at context --ctx stay <= B, minimizing the predicted loss\n"
+            "                        (sum over layers of the KL each layer's coding costs alone, measured on\n"
+            "                        text held back from k-means: the END of FILE); docs/allocation.md\n"
+            "  --bits-also \"B OUT\"   also write the allocation for budget B to OUT, from the same\n"
+            "                        measurements (repeatable, up to 8)\n"
+            "  --candidates P,P,...  presets to choose among, one nbits (default d8b8,d4b8,d2b8)\n"
+            "  --holdout-ctx N       tokens per held-out chunk of the measurement (default min(--ctx, 1024))\n"
+            "  --holdout-chunks K    held-out chunks (default 1)\n"
+            "  --window W            full-precision window of the cache the allocation is for (default 128)\n"
+            "  --sinks S             first positions kept exact by that cache (default 0)\n"
+            "  --full-sensitivity 0|1  1: a forward pass per layer, kind and candidate; 0 (default): per layer\n"
+            "                        and kind one pass at the --values candidate, the others scaled by the\n"
+            "                        layer's attention-output error (3x cheaper with three candidates)\n"
+            "  --alloc-values 0|1    also allocate values per layer (default 1 when per-layer value M exists;\n"
+            "                        0: values keep --values in every layer)\n"
             "  --also \"OPTIONS -o OUT\"   also train and write another codebook from the same forward pass\n"
             "                        (repeatable, up to 16): OPTIONS override the codebook options above\n"
             "                        (--keys, --keys2, --values, --keys-layers, --values-layers, --granularity, --value-rotate, --center,\n"
@@ -120,6 +145,32 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--value-norm", value_norm, 0, 1)
         INT_OPT("--max-points-per-centroid", max_ppc, 1, 1L << 20)
         INT_OPT("--seed", seed, 0, 0x7fffffffL)
+        STR_OPT("--candidates", cands)
+        INT_OPT("--holdout-ctx", holdout_ctx, 64, 1L << 20)
+        INT_OPT("--holdout-chunks", holdout_chunks, 1, 1024)
+        INT_OPT("--window", window, 0, 1L << 20)
+        INT_OPT("--sinks", sinks, 0, 1L << 20)
+        INT_OPT("--alloc-values", alloc_values, 0, 1)
+        INT_OPT("--full-sensitivity", full_sens, 0, 1)
+        if (!strcmp(o, "--bits-also")) { /* "B OUT": another budget from the same measurements */
+            char *end = NULL;
+            if (!v || a->n_more_bits == 8) return cli_usage_error("calibrate: --bits-also needs \"B OUT\" (at most 8)"), -2;
+            double b = strtod(v, &end);
+            if (end == v || *end != ' ' || !(b > 0 && b <= 32) || !end[1])
+                return cli_usage_error("calibrate: --bits-also '%s': expected \"B OUT\", B in (0, 32]", v), -2;
+            a->more_bits[a->n_more_bits] = b;
+            a->more_out[a->n_more_bits++] = end + 1;
+            i++;
+            continue;
+        }
+        if (!strcmp(o, "--bits")) {
+            char *end = NULL;
+            a->bits = v ? strtod(v, &end) : 0;
+            if (!v || end == v || *end || !(a->bits > 0 && a->bits <= 32))
+                return cli_usage_error("calibrate: --bits '%s': expected a number in (0, 32]", v ? v : ""), -2;
+            i++;
+            continue;
+        }
 #undef STR_OPT
 #undef INT_OPT
         {
@@ -127,7 +178,9 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
                                                "--keys-layers", "--values", "--values-layers", "--keys2", "--granularity", "--kmeans-init",
                                                "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
                                                "--center", "--key-norm", "--value-norm",
-                                               "--max-points-per-centroid", "--seed", NULL};
+                                               "--max-points-per-centroid", "--seed", "--bits", "--candidates",
+                                               "--holdout-ctx", "--holdout-chunks", "--window", "--sinks",
+                                               "--alloc-values", "--full-sensitivity", "--bits-also", NULL};
             return cli_unknown_option("calibrate", o, OPTS), -2;
         }
     }
@@ -151,7 +204,8 @@ static int finish_job(calib_args *a, const char *what) {
 static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char **split_buf) {
     calib_args *a = &jobs[0];
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
-                      .seed = 1234, .max_ppc = -1, .center = 1, .key_norm = 1, .value_norm = 1};
+                      .seed = 1234, .max_ppc = -1, .center = 1, .key_norm = 1, .value_norm = 1,
+                      .cands = "d8b8,d4b8,d2b8", .holdout_chunks = 1, .window = 128, .alloc_values = -1};
     int r = parse_opts(argc, argv, a, 0);
     if (r <= 0) return r;
     if (!a->model || !a->text || !a->out)
@@ -288,11 +342,11 @@ static int make_codebook(const calib_args *a, const kvpq_model_info *mi, kvpq_co
     return 0;
 }
 
-/* Train one job's codebook cb on the collected activations kall, vall (n_layer, n_use, n_head_kv,
- * head_dim) (left unchanged: kvpq_codebook_calibrate_layer works in copies) and write it to a->out
- * with its metadata. */
-static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const char *model_path, kvpq_codebook *cb,
-                          const float *kall, const float *vall, size_t n_use, double t0, double t_fwd) {
+/* Train every layer of cb on the collected activations kall, vall (n_layer, n_use, n_head_kv,
+ * head_dim) (left unchanged: kvpq_codebook_calibrate_layer works in copies); the summed k-means
+ * MSEs go to *mse_k_sum, *mse_v_sum. */
+static int train_layers(const calib_args *a, const kvpq_model_info *mi, kvpq_codebook *cb, const float *kall,
+                        const float *vall, size_t n_use, double *mse_k_sum, double *mse_v_sum) {
     const int L = mi->n_layer;
     const size_t row = (size_t)mi->n_head_kv * mi->head_dim;
     kvpq_status s;
@@ -304,7 +358,7 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
     clp.kmeans.progress = progress_cb;
     clp.kmeans.init = strcmp(a->kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
     clp.kmeans.max_points_per_centroid = a->max_ppc > 0 ? (int)a->max_ppc : 0; /* 0: 256, or 32 for nbits > 8 */
-    double mse_k = 0, mse_v = 0, t1 = cli_now();
+    double mse_k = 0, mse_v = 0;
     char what[128], note[96] = "";
     snprintf(what, sizeof what, "calibrate: %s: k-means", base_name(a->out));
     cli_progress pr;
@@ -321,7 +375,15 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
         cli_progress_update(&pr, l + 1, note);
     }
     cli_progress_end(&pr, L, note);
+    *mse_k_sum = mse_k;
+    *mse_v_sum = mse_v;
+    return 0;
+}
 
+/* The metadata every codebook of calibrate records. */
+static void set_common_meta(const calib_args *a, const kvpq_model_info *mi, const char *model_path, kvpq_codebook *cb,
+                            size_t n_use, double mse_k, double mse_v) {
+    const int L = mi->n_layer;
     char buf[64];
     kvpq_codebook_set_meta(cb, "model", mi->name);
     kvpq_codebook_set_meta(cb, "model_file", base_name(model_path));
@@ -346,6 +408,17 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
     kvpq_codebook_set_meta(cb, "key_mse_mean", buf);
     snprintf(buf, sizeof buf, "%.6g", mse_v / L);
     kvpq_codebook_set_meta(cb, "value_mse_mean", buf);
+}
+
+/* Train one job's codebook cb (train_layers) and write it to a->out with its metadata. */
+static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const char *model_path, kvpq_codebook *cb,
+                          const float *kall, const float *vall, size_t n_use, double t0, double t_fwd) {
+    const int L = mi->n_layer;
+    kvpq_status s;
+    double mse_k = 0, mse_v = 0, t1 = cli_now();
+    int r = train_layers(a, mi, cb, kall, vall, n_use, &mse_k, &mse_v);
+    if (r) return r;
+    set_common_meta(a, mi, model_path, cb, n_use, mse_k, mse_v);
     if ((s = kvpq_codebook_save(cb, a->out)) != KVPQ_OK) return cli_fail("calibrate: writing the codebook file", s);
     fprintf(stderr,
             "kvpq calibrate: wrote %s (%d layers, keys %s%s%s%s, values %s%s%s, %zu tokens; forward %.1f s, k-means "
@@ -354,6 +427,291 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
             a->key_norm ? " norm-explicit" : "", a->values, a->value_rotate ? " rotated" : "",
             a->value_norm ? " norm-explicit" : "", n_use, t_fwd, cli_now() - t1, cli_now() - t0);
     return 0;
+}
+
+/* Per-layer value M (kvpq_codebook_set_layer_value_M): --bits allocates values per layer too. */
+#define CALIB_HAVE_VALUE_M 1
+
+static int sens_progress(void *user, const char *stage, double done, double total) {
+    (void)stage;
+    (void)total;
+    cli_progress_update((cli_progress *)user, done, NULL);
+    return 0;
+}
+
+static double cpu_seconds(void) { return (double)clock() / CLOCKS_PER_SEC; }
+
+/* Append "x" (a number with %.4g, or a string) to a comma-separated list in buf. */
+static void list_add(char *buf, size_t cap, const char *item) {
+    size_t n = strlen(buf);
+    snprintf(buf + n, cap - n, "%s%s", n ? "," : "", item);
+}
+
+/* --bits: train a codebook per candidate preset (every layer, keys and values), measure on the
+ * held-out chunks hold (n_chunks x hctx tokens) what each layer's keys / values cost at each preset
+ * alone (kvpq_model_layer_sensitivity), pick per-layer presets by the multiple-choice knapsack
+ * (kvpq_alloc_mckp) under the effective-bits budget at context a->ctx (kvpq_vq_cache_bytes), and
+ * write the assembled codebook with the allocation in its metadata. */
+static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_info *mi, const int32_t *hold,
+                     int hctx, int n_chunks, const float *kall, const float *vall, size_t n_use, double t0,
+                     double t_fwd) {
+    enum { MAXC = 8 };
+    const int L = mi->n_layer;
+    const double c0 = cpu_seconds();
+    char names[MAXC][16];
+    int n_cand = 0, rc = 1;
+    kvpq_codebook *cc[MAXC] = {0}, *fin = NULL;
+    double *kl = NULL, *klc = NULL, *cost = NULL;
+    int64_t *weight = NULL;
+    size_t *lb = NULL;
+    int *choice = NULL;
+    int32_t *tk = NULL;
+    char *list = NULL;
+    kvpq_status s;
+    const int alloc_values = a->alloc_values < 0 ? CALIB_HAVE_VALUE_M : (int)a->alloc_values;
+    if (alloc_values && !CALIB_HAVE_VALUE_M)
+        return cli_usage_error("calibrate: --alloc-values 1 needs per-layer value M (not in this build)");
+    /* the candidate presets */
+    const char *p = a->cands;
+    int nbits = -1, vfix = -1;
+    while (*p) {
+        size_t n = strcspn(p, ",");
+        if (n == 0 || n >= sizeof names[0] || n_cand == MAXC)
+            return cli_usage_error("calibrate: --candidates '%s': expected up to %d comma-separated presets", a->cands,
+                                   MAXC);
+        memcpy(names[n_cand], p, n);
+        names[n_cand][n] = '\0';
+        kvpq_pq_params q;
+        if ((s = kvpq_pq_params_preset(&q, names[n_cand], mi->head_dim)) != KVPQ_OK)
+            return cli_fail("calibrate: --candidates", s);
+        if (nbits >= 0 && q.nbits != nbits)
+            return cli_usage_error("calibrate: --candidates: %s has nbits %d, the others %d (a layer may change only M)",
+                                   names[n_cand], q.nbits, nbits);
+        nbits = q.nbits;
+        if (!strcmp(names[n_cand], a->values)) vfix = n_cand;
+        n_cand++;
+        p += n;
+        if (*p) p++;
+    }
+    if (n_cand < 1) return cli_usage_error("calibrate: --candidates is empty");
+    if (!alloc_values && vfix < 0)
+        return cli_usage_error("calibrate: --values %s must be one of --candidates %s (values are not allocated)",
+                               a->values, a->cands);
+    /* 1. a codebook per candidate, every layer (one forward pass served them all) */
+    double mse_k = 0, mse_v = 0, mk, mv;
+    for (int c = 0; c < n_cand; c++) {
+        calib_args b = *a;
+        b.keys = b.values = names[c];
+        b.keys_layers = b.values_layers = NULL;
+        if ((rc = make_codebook(&b, mi, &cc[c])) != 0) goto done;
+        if ((rc = train_layers(&b, mi, cc[c], kall, vall, n_use, &mk, &mv)) != 0) goto done;
+        if (c == (vfix >= 0 ? vfix : 0)) mse_k = mk, mse_v = mv;
+    }
+    double t_km = cli_now();
+    /* 2. sensitivities on the held-out chunks */
+    rc = 1;
+    const size_t nkl = (size_t)n_cand * 2 * L;
+    kl = calloc(nkl, sizeof *kl);
+    klc = calloc(nkl, sizeof *klc);
+    tk = malloc(sizeof *tk * (size_t)hctx);
+    if (!kl || !klc || !tk) goto oom;
+    kvpq_sensitivity_params sp = kvpq_sensitivity_params_default();
+    sp.window = (int)a->window;
+    sp.sinks = (int)a->sinks;
+    sp.n_threads = (int)a->threads;
+    sp.ref_cand = a->full_sens ? -1 : (vfix >= 0 ? vfix : n_cand / 2);
+    cli_progress pr;
+    cli_progress_begin(&pr, "calibrate: per-layer sensitivity", "measurements", (double)nkl);
+    sp.progress = sens_progress;
+    sp.progress_user = &pr;
+    for (int ch = 0; ch < n_chunks; ch++) {
+        memcpy(tk, hold + (size_t)ch * hctx, sizeof *tk * (size_t)hctx);
+        if (mi->add_bos) tk[0] = mi->bos_id; /* as kvpq ppl scores a chunk */
+        if ((s = kvpq_model_layer_sensitivity(model, tk, hctx, (const kvpq_codebook *const *)cc, n_cand, &sp, klc)) !=
+            KVPQ_OK) {
+            rc = cli_fail("calibrate: sensitivity", s);
+            goto done;
+        }
+        for (size_t i = 0; i < nkl; i++) kl[i] += klc[i] / n_chunks;
+    }
+    cli_progress_end(&pr, (double)nkl, NULL);
+    double t_sens = cli_now();
+    /* 3. bytes of each choice at context a->ctx, the budget, the knapsack */
+    kvpq_cache_params cp = kvpq_cache_params_default();
+    cp.type = KVPQ_CACHE_VQ;
+    kvpq_model_cache_params(model, &cp);
+    cp.max_seq = (int)a->ctx;
+    cp.window = (int)a->window;
+    lb = malloc(sizeof *lb * (size_t)n_cand * 2 * L);
+    const int G = alloc_values ? 2 * L : L;
+    cost = malloc(sizeof *cost * (size_t)G * n_cand);
+    weight = malloc(sizeof *weight * (size_t)G * n_cand);
+    choice = malloc(sizeof *choice * (size_t)G);
+    if (!lb || !cost || !weight || !choice) goto oom;
+    size_t fixed = 0;
+    int64_t elements = 0;
+    for (int c = 0; c < n_cand; c++)
+        if ((s = kvpq_vq_cache_bytes(cc[c], &cp, (int)a->ctx, 512, lb + (size_t)c * 2 * L, &fixed, &elements)) != KVPQ_OK) {
+            rc = cli_fail("calibrate: cache bytes", s);
+            goto done;
+        }
+    int n_failed = 0;
+    for (int bi = 0; bi <= a->n_more_bits; bi++) {
+        const double bits_i = bi ? a->more_bits[bi - 1] : a->bits;
+        const char *out_i = bi ? a->more_out[bi - 1] : a->out;
+        kvpq_codebook_free(fin);
+        fin = NULL;
+        double budget = bits_i * (double)elements / 8.0 - (double)fixed, pred_fixed = 0;
+        for (int g = 0; g < G; g++) {
+            const int l = g % L, kind = g / L;
+            for (int c = 0; c < n_cand; c++) {
+                cost[(size_t)g * n_cand + c] = kl[((size_t)c * 2 + kind) * L + l];
+                weight[(size_t)g * n_cand + c] = (int64_t)lb[((size_t)c * L + l) * 2 + kind];
+            }
+        }
+        if (!alloc_values)
+            for (int l = 0; l < L; l++) {
+                budget -= (double)lb[((size_t)vfix * L + l) * 2 + 1];
+                pred_fixed += kl[((size_t)vfix * 2 + 1) * L + l];
+            }
+        double pred = 0;
+        int64_t used = 0;
+        if (budget < 0) budget = 0;
+        if ((s = kvpq_alloc_mckp(G, n_cand, cost, weight, (int64_t)budget, 0, choice, &pred, &used)) != KVPQ_OK) {
+            /* the lightest allocation's effective bits, so the user knows what budget fits */
+            double light = (double)fixed;
+            for (int g = 0; g < G; g++) {
+                double m = INFINITY;
+                for (int c = 0; c < n_cand; c++)
+                    if ((double)weight[(size_t)g * n_cand + c] < m) m = (double)weight[(size_t)g * n_cand + c];
+                light += m;
+            }
+            if (!alloc_values)
+                for (int l = 0; l < L; l++) light += (double)lb[((size_t)vfix * L + l) * 2 + 1];
+            fprintf(stderr, "kvpq calibrate: --bits %g at ctx %ld: no allocation fits (the lightest needs %.4f effective "
+                            "bits); %s not written\n", bits_i, a->ctx, 8.0 * light / (double)elements, out_i);
+            n_failed++;
+            continue; /* the other budgets still get their files */
+        }
+        pred += pred_fixed;
+        /* 4. the codebook: each layer takes its chosen candidate's trained quantizers */
+        int kc[4096], vc_[4096], count[MAXC] = {0}, base_k = 0;
+        for (int l = 0; l < L; l++) {
+            kc[l] = choice[l];
+            vc_[l] = alloc_values ? choice[L + l] : vfix;
+            count[kc[l]]++;
+        }
+        for (int c = 1; c < n_cand; c++)
+            if (count[c] > count[base_k]) base_k = c;
+        int vcount[MAXC] = {0}, base_v = 0;
+        for (int l = 0; l < L; l++) vcount[vc_[l]]++;
+        for (int c = 1; c < n_cand; c++)
+            if (vcount[c] > vcount[base_v]) base_v = c;
+        {
+            calib_args b = *a;
+            b.keys = names[base_k];
+            b.values = names[base_v];
+            b.keys_layers = NULL;
+            b.values_layers = NULL;
+            if ((rc = make_codebook(&b, mi, &fin)) != 0) goto done;
+            rc = 1;
+        }
+        int64_t total_bytes = (int64_t)fixed;
+        for (int l = 0; l < L; l++) {
+            const kvpq_pq *kq = kvpq_codebook_pq_const(cc[kc[l]], l, 0), *vq = kvpq_codebook_pq_const(cc[vc_[l]], l, 1);
+            if ((s = kvpq_codebook_set_layer_key_M(fin, l, kvpq_pq_get_params(kq).M)) != KVPQ_OK ||
+                (s = kvpq_codebook_set_layer_value_M(fin, l, kvpq_pq_get_params(vq).M)) != KVPQ_OK ||
+                (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 0), kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq))) !=
+                    KVPQ_OK ||
+                (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 1), kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq))) !=
+                    KVPQ_OK) {
+                rc = cli_fail("calibrate: assembling the codebook", s);
+                goto done;
+            }
+            const size_t row = (size_t)mi->n_head_kv * mi->head_dim;
+            memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(cc[0], l), sizeof(float) * row);
+            memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(cc[0], l), sizeof(float) * row);
+            total_bytes += (int64_t)lb[((size_t)kc[l] * L + l) * 2] + (int64_t)lb[((size_t)vc_[l] * L + l) * 2 + 1];
+        }
+        const double eff = 8.0 * (double)total_bytes / (double)elements;
+        /* 5. metadata */
+        set_common_meta(a, mi, a->model, fin, n_use, mse_k, mse_v);
+        char buf[128];
+        const size_t lcap = (size_t)L * 24 + 64;
+        if (!(list = malloc(lcap))) goto oom;
+        snprintf(buf, sizeof buf, "%g", bits_i);
+        kvpq_codebook_set_meta(fin, "alloc.bits", buf);
+        snprintf(buf, sizeof buf, "%ld", a->ctx);
+        kvpq_codebook_set_meta(fin, "alloc.ctx", buf);
+        snprintf(buf, sizeof buf, "%ld", a->window);
+        kvpq_codebook_set_meta(fin, "alloc.window", buf);
+        snprintf(buf, sizeof buf, "%ld", a->sinks);
+        kvpq_codebook_set_meta(fin, "alloc.sinks", buf);
+        kvpq_codebook_set_meta(fin, "alloc.candidates", a->cands);
+        kvpq_codebook_set_meta(fin, "alloc.method", "mckp-dp");
+        kvpq_codebook_set_meta(fin, "alloc.sensitivity", a->full_sens ? "full" : names[sp.ref_cand]);
+        kvpq_codebook_set_meta(fin, "alloc.values", alloc_values ? "allocated" : "fixed");
+        snprintf(buf, sizeof buf, "%d", n_chunks * hctx);
+        kvpq_codebook_set_meta(fin, "alloc.holdout_tokens", buf);
+        snprintf(buf, sizeof buf, "%d", hctx);
+        kvpq_codebook_set_meta(fin, "alloc.holdout_ctx", buf);
+        snprintf(buf, sizeof buf, "%.6g", pred);
+        kvpq_codebook_set_meta(fin, "alloc.predicted_kl", buf);
+        snprintf(buf, sizeof buf, "%.6g", eff);
+        kvpq_codebook_set_meta(fin, "alloc.effective_bits", buf);
+        for (int kind = 0; kind < 2; kind++) {
+            list[0] = '\0';
+            for (int l = 0; l < L; l++) list_add(list, lcap, names[kind ? vc_[l] : kc[l]]);
+            kvpq_codebook_set_meta(fin, kind ? "alloc.v" : "alloc.k", list);
+            list[0] = '\0';
+            for (int l = 0; l < L; l++) {
+                snprintf(buf, sizeof buf, "%.4g", kl[((size_t)(kind ? vc_[l] : kc[l]) * 2 + kind) * L + l]);
+                list_add(list, lcap, buf);
+            }
+            kvpq_codebook_set_meta(fin, kind ? "alloc.kl.v" : "alloc.kl.k", list);
+            for (int c = 0; c < n_cand; c++) { /* the whole measured table */
+                list[0] = '\0';
+                for (int l = 0; l < L; l++) {
+                    snprintf(buf, sizeof buf, "%.4g", kl[((size_t)c * 2 + kind) * L + l]);
+                    list_add(list, lcap, buf);
+                }
+                char key[64];
+                snprintf(key, sizeof key, "alloc.sens.%s.%s", kind ? "v" : "k", names[c]);
+                kvpq_codebook_set_meta(fin, key, list);
+            }
+        }
+        if ((s = kvpq_codebook_save(fin, out_i)) != KVPQ_OK) {
+            rc = cli_fail("calibrate: writing the codebook file", s);
+            goto done;
+        }
+        fprintf(stderr, "kvpq calibrate: allocation for %.3g bits at ctx %ld (window %ld, sinks %ld): effective %.4f bits, "
+                        "predicted KL %.4f\n  layer: key preset (KL) / value preset (KL)\n",
+                bits_i, a->ctx, a->window, a->sinks, eff, pred);
+        for (int l = 0; l < L; l++)
+            fprintf(stderr, "  %3d: %s (%.4f) / %s (%.4f)\n", l, names[kc[l]], kl[((size_t)kc[l] * 2) * L + l],
+                    names[vc_[l]], kl[((size_t)vc_[l] * 2 + 1) * L + l]);
+        fprintf(stderr,
+                "kvpq calibrate: wrote %s (%d layers, %d candidates, %zu tokens for k-means, %d held out; forward %.1f s, "
+                "k-means %.1f s, sensitivity %.1f s, total %.1f s wall, %.1f s CPU)\n",
+                out_i, L, n_cand, n_use, n_chunks * hctx, t_fwd, t_km - t0 - t_fwd, t_sens - t_km, cli_now() - t0,
+                cpu_seconds() - c0);
+    }
+    rc = n_failed ? 1 : 0;
+    goto done;
+oom:
+    rc = cli_usage_error("calibrate: out of memory");
+done:
+    for (int c = 0; c < MAXC; c++) kvpq_codebook_free(cc[c]);
+    kvpq_codebook_free(fin);
+    free(kl);
+    free(klc);
+    free(cost);
+    free(weight);
+    free(lb);
+    free(choice);
+    free(tk);
+    free(list);
+    return rc;
 }
 
 int cmd_calibrate(int argc, char **argv) {
@@ -411,7 +769,21 @@ int cmd_calibrate(int argc, char **argv) {
         rc = cli_fail("calibrate: tokenizing", s);
         goto done;
     }
-    size_t n_use = n_tok < (size_t)a->tokens ? n_tok : (size_t)a->tokens;
+    /* --bits: the end of the text is held back from k-means for the sensitivity measurements */
+    int hctx = 0, hchunks = 0;
+    size_t n_avail = n_tok;
+    if (a->bits > 0) {
+        hctx = (int)(a->holdout_ctx ? a->holdout_ctx : (a->ctx < 1024 ? a->ctx : 1024));
+        hchunks = (int)a->holdout_chunks;
+        if (hctx > mi.n_ctx_train) hctx = mi.n_ctx_train;
+        if ((size_t)hctx * hchunks + 16 > n_tok) {
+            rc = cli_usage_error("calibrate: --bits: the text has %zu tokens, too few to hold back %d x %d", n_tok,
+                                 hchunks, hctx);
+            goto done;
+        }
+        n_avail = n_tok - (size_t)hctx * hchunks;
+    }
+    size_t n_use = n_avail < (size_t)a->tokens ? n_avail : (size_t)a->tokens;
     if (n_use < 16) {
         rc = cli_usage_error("calibrate: text file '%s' has only %zu tokens (need at least 16)", a->text, n_tok);
         goto done;
@@ -465,9 +837,13 @@ int cmd_calibrate(int argc, char **argv) {
     cli_progress_end(&pf, (double)n_use, NULL);
 
     /* ---- per job and layer: centering, smoothing, rotation, k-means; then the file ---- */
-    for (int j = 0; j < n_jobs; j++)
-        if ((rc = train_and_save(&jobs[j], &mi, a->model, cbs[j], kall, vall, n_use, t0, t_fwd)) != 0)
-            goto done;
+    for (int j = 0; j < n_jobs; j++) {
+        if (j == 0 && a->bits > 0)
+            rc = run_alloc(a, model, &mi, tokens + n_avail, hctx, hchunks, kall, vall, n_use, t0, t_fwd);
+        else
+            rc = train_and_save(&jobs[j], &mi, a->model, cbs[j], kall, vall, n_use, t0, t_fwd);
+        if (rc != 0) goto done;
+    }
     rc = 0;
     goto done;
 oom:

@@ -95,6 +95,31 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
     printf("bits/element (K and V together, codes and per-vector scales): %.3f\n",
            ((bits[0] + bits[1]) / p.n_layer + 16.0 * (p.key_norm + p.value_norm)) / (2.0 * p.head_dim));
 
+    /* An allocation by `kvpq calibrate --bits` (docs/allocation.md): the budget, the prediction, and
+     * each layer's presets with the KL they were predicted to cost. */
+    const char *ab = kvpq_codebook_get_meta(cb, "alloc.bits");
+    if (ab) {
+        const char *g[] = {"alloc.ctx", "alloc.window", "alloc.sinks", "alloc.effective_bits", "alloc.predicted_kl",
+                           "alloc.k", "alloc.v", "alloc.kl.k", "alloc.kl.v"};
+        const char *v[9];
+        for (int i = 0; i < 9; i++) v[i] = kvpq_codebook_get_meta(cb, g[i]);
+        printf("allocation:      --bits %s at ctx %s (window %s, sinks %s): effective bits %s, predicted KL %s\n", ab,
+               v[0] ? v[0] : "?", v[1] ? v[1] : "?", v[2] ? v[2] : "0", v[3] ? v[3] : "?", v[4] ? v[4] : "?");
+        const char *cur[4] = {v[5], v[6], v[7], v[8]};
+        if (cur[0] && cur[1] && cur[2] && cur[3]) {
+            printf("  %5s %8s %10s %8s %10s\n", "layer", "keys", "key KL", "values", "value KL");
+            for (int l = 0; l < p.n_layer; l++) {
+                char f[4][32];
+                for (int j = 0; j < 4; j++) {
+                    size_t n = strcspn(cur[j], ",");
+                    snprintf(f[j], sizeof f[j], "%.*s", (int)(n < 31 ? n : 31), cur[j]);
+                    cur[j] += n + (cur[j][n] == ',');
+                }
+                printf("  %5d %8s %10s %8s %10s\n", l, f[0], f[2], f[1], f[3]);
+            }
+        }
+    }
+
     size_t n_free = 0;
     for (size_t i = 0; i < kvpq_codebook_meta_count(cb); i++) {
         const char *k = kvpq_codebook_meta_key(cb, i);

@@ -28,6 +28,7 @@
 #include "gguf.h"
 #include "internal.h"
 #include "tokenizer.h"
+#include "eval_hook.h"
 
 /* Tokens per internal step of kvpq_model_eval: the scratch is sized for this many, so a long
  * prefill runs in steps of this size and decode allocates nothing. */
@@ -517,20 +518,30 @@ static void project(const gguf_tensor *W, int n, const float *X, float *Y) {
 }
 
 /* One step of at most LLAMA_BLOCK tokens. want: 0 no logits (a prefill step before the last),
- * 1 the last token's (n_vocab), 2 every token's (n, n_vocab). */
+ * 1 the last token's (n_vocab), 2 every token's (n, n_vocab), 3 those of tokens hook->logits_from ..
+ * n-1 ((n - logits_from, n_vocab)). hook (NULL for a plain eval, see kvpq__eval_hook): start at
+ * layer hook->layer0 from the residual stream hook->x0 instead of the embeddings, save each
+ * layer's input, and let hook->attend compute one layer's attention. */
 static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0, int want,
-                              float *logits) {
+                              float *logits, const kvpq__eval_hook *hook) {
     const kvpq_model_info *in = &m->info;
     const int E = in->n_embd, F = in->n_ff, hd = in->head_dim;
     const int Q = in->n_head * hd, KV = in->n_head_kv * hd;
     const float eps = in->rms_eps;
-    size_t erow = ggml_row_size(m->tok_embd->type, E);
-    for (int t = 0; t < n; t++)
-        KVPQ_TRY(ggml_dequantize_row(m->tok_embd->type, (const char *)m->tok_embd->data + (size_t)tokens[t] * erow,
-                                     m->x + (size_t)t * E, E));
-    if (m->embd_scale != 1.0f)
-        for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] *= m->embd_scale;
-    for (int l = 0; l < in->n_layer; l++) {
+    const int l0 = hook ? hook->layer0 : 0;
+    if (l0 > 0) {
+        memcpy(m->x, hook->x0, sizeof(float) * (size_t)n * E);
+    } else {
+        size_t erow = ggml_row_size(m->tok_embd->type, E);
+        for (int t = 0; t < n; t++)
+            KVPQ_TRY(ggml_dequantize_row(m->tok_embd->type, (const char *)m->tok_embd->data + (size_t)tokens[t] * erow,
+                                         m->x + (size_t)t * E, E));
+        if (m->embd_scale != 1.0f)
+            for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] *= m->embd_scale;
+    }
+    for (int l = l0; l < in->n_layer; l++) {
+        if (hook && hook->save_x)
+            memcpy(hook->save_x + ((size_t)l * hook->save_tokens + pos0) * E, m->x, sizeof(float) * (size_t)n * E);
         const llama_layer *L = &m->layers[l];
         float *const *V = L->vec;
         rmsnorm(n, E, m->x, V[ARCH_T_ATTN_NORM], eps, m->xb);
@@ -546,8 +557,19 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
         rope(m, L->inv_freq, n, in->n_head_kv, pos0, m->k);
         if (m->q_scale != 1.0f)
             for (size_t i = 0; i < (size_t)n * Q; i++) m->q[i] *= m->q_scale;
+        if (hook && hook->save_q)
+            memcpy(hook->save_q + ((size_t)l * hook->save_tokens + pos0) * Q, m->q, sizeof(float) * (size_t)n * Q);
+        if (hook && hook->save_k) {
+            memcpy(hook->save_k + ((size_t)l * hook->save_tokens + pos0) * KV, m->k, sizeof(float) * (size_t)n * KV);
+            memcpy(hook->save_v + ((size_t)l * hook->save_tokens + pos0) * KV, m->v, sizeof(float) * (size_t)n * KV);
+        }
         kvpq_status s = kvpq_cache_append(cache, l, n, m->k, m->v);
-        if (s == KVPQ_OK) s = kvpq_cache_attend(cache, l, n, m->q, m->att);
+        if (s == KVPQ_OK) {
+            if (hook && hook->attend && l == hook->attend_layer)
+                s = hook->attend(hook->user, l, n, pos0, m->q, m->att);
+            else
+                s = kvpq_cache_attend(cache, l, n, m->q, m->att);
+        }
         if (s != KVPQ_OK) {
             kvpq__err_prefix("layer %d", l);
             return s;
@@ -572,7 +594,14 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
         for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
     }
     int n_out = 0;
-    if (want == 2) {
+    if (want == 3) {
+        const int f = hook->logits_from;
+        if (f < n) {
+            rmsnorm(n - f, E, m->x + (size_t)f * E, m->output_norm, eps, m->xb);
+            project(m->output, n - f, m->xb, logits);
+            n_out = n - f;
+        }
+    } else if (want == 2) {
         rmsnorm(n, E, m->x, m->output_norm, eps, m->xb);
         project(m->output, n, m->xb, logits);
         n_out = n;
@@ -634,9 +663,9 @@ kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tok
     for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += LLAMA_BLOCK) {
         int nb = n - t0 < LLAMA_BLOCK ? n - t0 : LLAMA_BLOCK;
         if (logits_all)
-            s = eval_block(m, cache, tokens + t0, nb, L + t0, 2, logits + (size_t)t0 * in->n_vocab);
+            s = eval_block(m, cache, tokens + t0, nb, L + t0, 2, logits + (size_t)t0 * in->n_vocab, NULL);
         else
-            s = eval_block(m, cache, tokens + t0, nb, L + t0, t0 + nb == n ? 1 : 0, logits);
+            s = eval_block(m, cache, tokens + t0, nb, L + t0, t0 + nb == n ? 1 : 0, logits, NULL);
     }
     if (m->n_threads > 0) omp_set_num_threads(saved_threads);
     if (s != KVPQ_OK) {
@@ -646,5 +675,30 @@ kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tok
         kvpq_cache_truncate(cache, L);
         kvpq__err(s, "%s", msg);
     }
+    return s;
+}
+
+kvpq_status kvpq__model_eval_hooked(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0,
+                                    int logits_from, float *logits, const kvpq__eval_hook *hook) {
+    if (!m || !cache || !tokens || !hook || n < 1)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__model_eval_hooked: bad argument");
+    const kvpq_model_info *in = &m->info;
+    if (hook->layer0 < 0 || hook->layer0 >= in->n_layer)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__model_eval_hooked: layer0 %d", hook->layer0);
+    int saved_threads = omp_get_max_threads();
+    if (m->n_threads > 0) omp_set_num_threads(m->n_threads);
+    kvpq_status s = KVPQ_OK;
+    for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += LLAMA_BLOCK) {
+        int nb = n - t0 < LLAMA_BLOCK ? n - t0 : LLAMA_BLOCK;
+        kvpq__eval_hook h = *hook;
+        if (h.layer0 > 0) h.x0 = hook->x0 + (size_t)t0 * in->n_embd;
+        /* logits of tokens logits_from .. n-1, rows in order */
+        h.logits_from = logits_from > t0 ? logits_from - t0 : 0;
+        float *lg = logits && t0 + nb > logits_from
+                        ? logits + (size_t)(t0 + h.logits_from - logits_from) * in->n_vocab
+                        : NULL;
+        s = eval_block(m, cache, tokens + t0, nb, pos0 + t0, lg ? 3 : 0, lg, &h);
+    }
+    if (m->n_threads > 0) omp_set_num_threads(saved_threads);
     return s;
 }

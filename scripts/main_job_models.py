@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Issue #18's main-job table and figure: per model, every peer cache and kvpq's allocated VQ
+codebooks (`kvpq calibrate --bits B`) on the held-out novel, with the fp16 cache as base.
+
+Inputs are `kvpq ppl --json --kl-base fp16` outputs (schema kvpq.ppl/1). Usage:
+
+    scripts/main_job_models.py --md docs/main_job.md --figure docs/main_job_models.png \
+        --panel "SmolLM2-135M ctx 4096=out/mj/smol_ctx4096_kvpq.json,bench/results/main_job_ppl_ctx4096.json" ...
+
+Rows whose cache is `vq:FILE` with an allocation (metadata alloc.*) are kvpq's: the table adds the
+predicted KL (alloc.predicted_kl) and its ratio to the measured mean KL; their points form the
+frontier line in the figure. Other vq rows (uniform presets of an earlier run) are drawn hollow."""
+import argparse
+import datetime
+import json
+import os
+import re
+import struct
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def cb_meta(path):
+    """The __metadata__ of a safetensors codebook (None when unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            return json.loads(f.read(n)).get("__metadata__", {})
+    except OSError:
+        return None
+
+
+def rows_of(paths):
+    out, seen = [], set()
+    for p in paths:
+        d = json.load(open(p))
+        assert d.get("schema") == "kvpq.ppl/1", p
+        for r in d["results"]:
+            spec = r["cache"]
+            m = re.match(r"vq:(.*?)(:w\d+)?(:force)?$", spec)
+            meta = cb_meta(m.group(1)) if m else None
+            r["_alloc"] = meta if meta and "alloc.bits" in meta else None
+            if r["_alloc"]:
+                r["_name"] = f"kvpq --bits {meta['alloc.bits']}"
+            elif m:
+                mm = re.search(r"cb_(\w+)\.safetensors", spec)
+                r["_name"] = "vq-" + (mm.group(1) if mm else os.path.basename(m.group(1))) + (m.group(2) or "")
+            else:
+                r["_name"] = spec
+            if r["_name"] in seen:  # the first file given wins (newer runs first)
+                continue
+            seen.add(r["_name"])
+            r["_src"] = p
+            r["_dppl"] = 100.0 * (r["ppl"] / r["ppl_base"] - 1.0)
+            out.append(r)
+    return out
+
+
+def table(title, rows):
+    lines = [f"### {title}", "",
+             "| cache | eff. bits | ppl | Δppl vs fp16 | KL mean | top-1 | predicted KL | predicted / measured |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(rows, key=lambda r: r["bits_per_element"]):
+        pk, ratio = "", ""
+        if r["_alloc"]:
+            p = float(r["_alloc"]["alloc.predicted_kl"])
+            pk, ratio = f"{p:.4f}", f"{p / r['kl_mean']:.2f}"
+        lines.append(f"| {r['_name']} | {r['bits_per_element']:.3f} | {r['ppl']:.3f} | {r['_dppl']:+.2f}% | "
+                     f"{r['kl_mean']:.4f} | {100 * r['top1_agree']:.1f}% | {pk} | {ratio} |")
+    base = rows[0]
+    srcs = sorted({r["_src"] for r in rows})
+    lines += ["", f"fp16 base ppl {base['ppl_base']:.3f}; sources: " + ", ".join(f"`{s}`" for s in srcs)]
+    return "\n".join(lines)
+
+
+def figure(panels, path):
+    n = len(panels)
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.6), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels):
+        kv = sorted([r for r in rows if r["_alloc"]], key=lambda r: r["bits_per_element"])
+        for r in rows:
+            if r["_alloc"] or r["_name"] == "fp16":
+                continue
+            hollow = r["_name"].startswith("vq-")
+            ax.plot(r["bits_per_element"], r["_dppl"], "o" if hollow else "^", fillstyle="none" if hollow else "full",
+                    color="grey" if hollow else "C1")
+            ax.annotate(r["_name"], (r["bits_per_element"], r["_dppl"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        if kv:
+            ax.plot([r["bits_per_element"] for r in kv], [r["_dppl"] for r in kv], "-o", color="C0",
+                    label="kvpq --bits (allocated)")
+            for r in kv:
+                ax.annotate(r["_name"].replace("kvpq ", ""), (r["bits_per_element"], r["_dppl"]), fontsize=7,
+                            xytext=(3, -10), textcoords="offset points", color="C0")
+        ax.set_yscale("symlog", linthresh=1)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("effective bits per element (as kvpq ppl counts them)")
+        ax.set_ylabel("Δ perplexity vs fp16 cache (%, symlog)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle("held-out novel (persuasion.txt): peers (triangles;\nhollow: uniform VQ presets) and kvpq's frontier", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--panel", action="append", required=True, help="TITLE=JSON[,JSON...]")
+    ap.add_argument("--md", required=True)
+    ap.add_argument("--figure", required=True)
+    ap.add_argument("--preamble", default="", help="a file whose text goes before the tables")
+    a = ap.parse_args()
+    panels = []
+    for p in a.panel:
+        title, files = p.split("=", 1)
+        panels.append((title, rows_of(files.split(","))))
+    text = ["# Main job (issue #18): 2-bit caches on three models", "",
+            f"Generated {datetime.date.today().isoformat()} by `scripts/main_job_models.py`.", ""]
+    if a.preamble:
+        text.append(open(a.preamble).read())
+    for title, rows in panels:
+        text += [table(title, rows), ""]
+    text.append(f"![delta perplexity against effective bits]({os.path.basename(a.figure)})")
+    open(a.md, "w").write("\n".join(text) + "\n")
+    figure(panels, a.figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+/* sensitivity.c — what coding one layer's keys or values costs the model's next-token distribution
+ * (kvpq_model_layer_sensitivity, kvpq_model.h): the measurements behind `kvpq calibrate --bits`. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "eval_hook.h"
+#include "internal.h"
+
+/* The VQ cache's batch of encoding (cache_vq.c VQ_FLUSH): the window overflows in steps of this. */
+#define SENS_FLUSH 32
+
+kvpq_sensitivity_params kvpq_sensitivity_params_default(void) {
+    kvpq_sensitivity_params p = {.window = 128, .sinks = 0, .score_from = -1, .kinds = 3, .ref_cand = -1, .n_threads = 0};
+    return p;
+}
+
+typedef struct {
+    int n_head, n_head_kv, hd, window, sinks, swa;
+    const float *k, *v;   /* (n, n_head_kv, hd) exact keys / values of the layer */
+    const float *kr, *vr; /* reconstructions, or NULL where exact */
+} mixed_attn;
+
+/* Positions a VQ cache holding len positions keeps as codes (cache_vq.c vq_target_coded). */
+static int coded_upto(int window, int len) {
+    if (len < window + SENS_FLUSH) return 0;
+    return ((len - window) / SENS_FLUSH) * SENS_FLUSH;
+}
+
+static kvpq_status mixed_attend(void *user, int layer, int n, int pos0, const float *q, float *out) {
+    (void)layer;
+    const mixed_attn *a = user;
+    const int H = a->n_head, hkv = a->n_head_kv, hd = a->hd, g = H / hkv, len = pos0 + n;
+    const int nc = coded_upto(a->window, len);
+    const size_t row = (size_t)hkv * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+    int bad = 0;
+#pragma omp parallel reduction(| : bad)
+    {
+        float *sc = malloc(sizeof(float) * (size_t)len);
+        double *acc = malloc(sizeof(double) * (size_t)hd);
+        if (!sc || !acc) bad = 1;
+#pragma omp for schedule(dynamic, 4)
+        for (int ih = 0; ih < n * H; ih++) {
+            if (!sc || !acc) continue;
+            const int i = ih / H, h = ih % H, kvh = h / g, pos = pos0 + i;
+            const int lo = a->swa > 0 && pos - a->swa + 1 > 0 ? pos - a->swa + 1 : 0;
+            const float *qi = q + ((size_t)i * H + h) * hd;
+            float mx = -INFINITY;
+            for (int j = lo; j <= pos; j++) {
+                const int coded = j >= a->sinks && j < nc;
+                const float *kj = (coded && a->kr ? a->kr : a->k) + (size_t)j * row + (size_t)kvh * hd;
+                float s = 0;
+                for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
+                s *= scale;
+                sc[j] = s;
+                if (s > mx) mx = s;
+            }
+            double den = 0;
+            for (int d = 0; d < hd; d++) acc[d] = 0;
+            for (int j = lo; j <= pos; j++) {
+                const int coded = j >= a->sinks && j < nc;
+                const float *vj = (coded && a->vr ? a->vr : a->v) + (size_t)j * row + (size_t)kvh * hd;
+                double w = exp((double)sc[j] - mx);
+                den += w;
+                for (int d = 0; d < hd; d++) acc[d] += w * vj[d];
+            }
+            float *o = out + ((size_t)i * H + h) * hd;
+            for (int d = 0; d < hd; d++) o[d] = (float)(acc[d] / den);
+        }
+        free(sc);
+        free(acc);
+    }
+    return bad ? kvpq__err(KVPQ_ERR_NOMEM, "sensitivity: out of memory") : KVPQ_OK;
+}
+
+/* In place: logits -> log-probabilities (sums in double). */
+static void log_softmax(float *row, int V) {
+    float mx = row[0];
+    for (int i = 1; i < V; i++)
+        if (row[i] > mx) mx = row[i];
+    double sum = 0;
+    for (int i = 0; i < V; i++) sum += exp((double)row[i] - mx);
+    double lse = mx + log(sum);
+    for (int i = 0; i < V; i++) row[i] = (float)((double)row[i] - lse);
+}
+
+kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, int n,
+                                         const kvpq_codebook *const *cands, int n_cand,
+                                         const kvpq_sensitivity_params *p, double *kl) {
+    kvpq_sensitivity_params def = kvpq_sensitivity_params_default();
+    if (!p) p = &def;
+    if (!m || !tokens || !cands || !kl || n_cand < 1)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_layer_sensitivity: NULL argument or n_cand %d < 1", n_cand);
+    kvpq_model_info mi;
+    KVPQ_TRY(kvpq_model_get_info(m, &mi));
+    if (n < 64 || n > mi.n_ctx_train)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_layer_sensitivity: n = %d tokens: expected 64..%d", n,
+                         mi.n_ctx_train);
+    const int first = p->score_from < 0 ? n / 2 : p->score_from;
+    if (p->ref_cand >= n_cand)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_layer_sensitivity: ref_cand %d: expected < n_cand %d",
+                         p->ref_cand, n_cand);
+    if (first >= n - 1 || p->window < 0 || p->sinks < 0 || p->kinds < 1 || p->kinds > 3 || p->n_threads < 0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                         "kvpq_model_layer_sensitivity: score_from %d, window %d, sinks %d, kinds %d, n_threads %d "
+                         "(expected score_from < n - 1 = %d, window, sinks >= 0, kinds 1..3)",
+                         p->score_from, p->window, p->sinks, p->kinds, p->n_threads, n - 1);
+    for (int c = 0; c < n_cand; c++) {
+        if (!cands[c]) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_layer_sensitivity: cands[%d] is NULL", c);
+        kvpq_codebook_params cp = kvpq_codebook_get_params(cands[c]);
+        if (cp.n_layer != mi.n_layer || cp.n_head_kv != mi.n_head_kv || cp.head_dim != mi.head_dim)
+            return kvpq__err(KVPQ_ERR_MISMATCH,
+                             "kvpq_model_layer_sensitivity: cands[%d] has n_layer %d, n_head_kv %d, head_dim %d; the "
+                             "model %d, %d, %d", c, cp.n_layer, cp.n_head_kv, cp.head_dim, mi.n_layer, mi.n_head_kv,
+                             mi.head_dim);
+    }
+    const int L = mi.n_layer, E = mi.n_embd, V = mi.n_vocab, n_sc = n - 1 - first;
+    const size_t row = (size_t)mi.n_head_kv * mi.head_dim;
+    const int n_pad = (n + SENS_FLUSH - 1) / SENS_FLUSH * SENS_FLUSH;
+    kvpq_status s = KVPQ_OK;
+    kvpq_cache *fc = NULL, *vc = NULL;
+    float *xs = malloc(sizeof(float) * (size_t)L * n * E);
+    float *ks = malloc(sizeof(float) * (size_t)L * n * row), *vs = malloc(sizeof(float) * (size_t)L * n * row);
+    float *kr = malloc(sizeof(float) * (size_t)n_pad * row), *vr = malloc(sizeof(float) * (size_t)n_pad * row);
+    float *pad = malloc(sizeof(float) * (size_t)n_pad * row);
+    const int ref = p->ref_cand;
+    const size_t qrow = (size_t)mi.n_head * mi.head_dim;
+    float *qs = ref >= 0 ? malloc(sizeof(float) * (size_t)L * n * qrow) : NULL;
+    float *oe = ref >= 0 ? malloc(sizeof(float) * (size_t)n * qrow) : NULL;
+    float *om = ref >= 0 ? malloc(sizeof(float) * (size_t)n * qrow) : NULL;
+    double *err = ref >= 0 ? calloc((size_t)n_cand * 2 * L, sizeof(double)) : NULL;
+    float *base = malloc(sizeof(float) * (size_t)(n - first) * V), *lp = malloc(sizeof(float) * (size_t)(n - first) * V);
+    if (!xs || !ks || !vs || !kr || !vr || !pad || !base || !lp || (ref >= 0 && (!qs || !oe || !om || !err))) {
+        s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_model_layer_sensitivity: out of memory (%d layers x %d tokens)", L, n);
+        goto done;
+    }
+    int saved_threads = omp_get_max_threads();
+    if (p->n_threads > 0) omp_set_num_threads(p->n_threads);
+    kvpq_cache_params cpar = kvpq_cache_params_default();
+    cpar.type = KVPQ_CACHE_FP32;
+    kvpq_model_cache_params(m, &cpar);
+    cpar.max_seq = n;
+    cpar.n_threads = p->n_threads;
+    if ((s = kvpq_cache_new(&fc, &cpar)) != KVPQ_OK) goto restore;
+    /* the full-precision pass: every layer's input, keys and values; the reference distributions */
+    kvpq__eval_hook h0 = {.layer0 = 0, .save_x = xs, .save_k = ks, .save_v = vs, .save_q = qs, .save_tokens = n,
+                          .attend_layer = -1};
+    if ((s = kvpq__model_eval_hooked(m, fc, tokens, n, 0, first, base, &h0)) != KVPQ_OK) goto restore;
+#pragma omp parallel for schedule(static)
+    for (int j = 0; j < n_sc; j++) log_softmax(base + (size_t)j * V, V);
+    const int kinds[2] = {p->kinds & 1, (p->kinds >> 1) & 1};
+    const double total = (double)n_cand * L * (kinds[0] + kinds[1]);
+    double done = 0;
+    for (int c = 0; c < n_cand && s == KVPQ_OK; c++) {
+        /* the candidate's reconstructions of every position: a VQ cache without a window (and
+         * without a sliding window, so nothing is dropped), filled to a multiple of its batch */
+        kvpq_cache_params vp = cpar;
+        vp.type = KVPQ_CACHE_VQ;
+        vp.codebook = cands[c];
+        vp.window = 0;
+        vp.sliding_window = 0;
+        vp.swa_layers = NULL;
+        vp.max_seq = n_pad;
+        if ((s = kvpq_cache_new(&vc, &vp)) != KVPQ_OK) break;
+        for (int l = 0; l < L && s == KVPQ_OK; l++) {
+            const float *kl_ = ks + (size_t)l * n * row, *vl_ = vs + (size_t)l * n * row;
+            s = kvpq_cache_append(vc, l, n, kl_, vl_);
+            if (s == KVPQ_OK && n_pad > n) {
+                for (int t = 0; t < n_pad - n; t++) memcpy(pad + (size_t)t * row, kl_ + (size_t)(n - 1) * row, sizeof(float) * row);
+                s = kvpq_cache_append(vc, l, n_pad - n, pad, pad);
+            }
+        }
+        for (int l = 0; l < L && s == KVPQ_OK; l++) {
+            if ((s = kvpq_cache_read(vc, l, 0, n, kr, vr)) != KVPQ_OK) break;
+            for (int kind = 0; kind < 2 && s == KVPQ_OK; kind++) {
+                if (!kinds[kind]) continue;
+                mixed_attn a = {.n_head = mi.n_head, .n_head_kv = mi.n_head_kv, .hd = mi.head_dim,
+                                .window = p->window, .sinks = p->sinks,
+                                .swa = cpar.sliding_window > 0 && (!cpar.swa_layers || cpar.swa_layers[l])
+                                           ? cpar.sliding_window : 0,
+                                .k = ks + (size_t)l * n * row, .v = vs + (size_t)l * n * row,
+                                .kr = kind == 0 ? kr : NULL, .vr = kind == 1 ? vr : NULL};
+                if (ref >= 0) {
+                    /* the layer's attention output over the scored queries, exact and coded, in
+                     * kvpq_model_eval's steps (what the codes cover depends on the step's end) */
+                    double e = 0;
+                    for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += 512) {
+                        int nb = n - t0 < 512 ? n - t0 : 512;
+                        if (t0 + nb <= first) continue;
+                        const float *qb = qs + ((size_t)l * n + t0) * qrow;
+                        mixed_attn ex = a;
+                        ex.kr = ex.vr = NULL;
+                        if ((s = mixed_attend(&ex, l, nb, t0, qb, oe)) != KVPQ_OK ||
+                            (s = mixed_attend(&a, l, nb, t0, qb, om)) != KVPQ_OK)
+                            break;
+                        for (size_t i = (size_t)(first > t0 ? first - t0 : 0) * qrow; i < (size_t)nb * qrow; i++) {
+                            double d = (double)om[i] - oe[i];
+                            e += d * d;
+                        }
+                    }
+                    err[((size_t)c * 2 + kind) * L + l] = e;
+                    if (c != ref) {
+                        done += 1;
+                        continue; /* scaled from the reference below */
+                    }
+                }
+                kvpq__eval_hook h = {.layer0 = l, .x0 = xs + (size_t)l * n * E, .attend_layer = l,
+                                     .attend = mixed_attend, .user = &a};
+                if ((s = kvpq_cache_truncate(fc, 0)) != KVPQ_OK) break;
+                if ((s = kvpq__model_eval_hooked(m, fc, tokens, n, 0, first, lp, &h)) != KVPQ_OK) break;
+                double sum = 0;
+#pragma omp parallel for reduction(+ : sum) schedule(static)
+                for (int j = 0; j < n_sc; j++) {
+                    float *r = lp + (size_t)j * V;
+                    const float *b = base + (size_t)j * V;
+                    log_softmax(r, V);
+                    double d = 0;
+                    for (int t = 0; t < V; t++) d += exp((double)b[t]) * ((double)b[t] - (double)r[t]);
+                    sum += d > 0 ? d : 0;
+                }
+                kl[((size_t)c * 2 + kind) * L + l] = sum / n_sc;
+                done += 1;
+                if (p->progress && p->progress(p->progress_user, "sensitivity", done, total)) {
+                    s = kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_layer_sensitivity: cancelled");
+                    break;
+                }
+            }
+        }
+        kvpq_cache_free(vc);
+        vc = NULL;
+    }
+    if (s == KVPQ_OK && ref >= 0)
+        for (int c = 0; c < n_cand; c++)
+            for (int kind = 0; kind < 2; kind++)
+                for (int l = 0; l < L && c != ref && kinds[kind]; l++) {
+                    const double er = err[((size_t)ref * 2 + kind) * L + l], kr0 = kl[((size_t)ref * 2 + kind) * L + l];
+                    kl[((size_t)c * 2 + kind) * L + l] = er > 0 ? kr0 * err[((size_t)c * 2 + kind) * L + l] / er : 0;
+                }
+restore:
+    if (p->n_threads > 0) omp_set_num_threads(saved_threads);
+done:
+    kvpq_cache_free(fc);
+    kvpq_cache_free(vc);
+    free(xs);
+    free(ks);
+    free(vs);
+    free(kr);
+    free(vr);
+    free(pad);
+    free(base);
+    free(lp);
+    free(qs);
+    free(oe);
+    free(om);
+    free(err);
+    return s;
+}
