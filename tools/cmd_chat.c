@@ -101,33 +101,45 @@ static char *utf8_clean(const char *s, size_t n) {
 /* One message from stdin: a line without its "\n" (and "\r"); a line ending in a backslash goes on
  * with the next line (the backslash becomes a newline of the message), as llama.cpp's interactive
  * mode has it. Returns its length, or -1 at end of input with nothing read (or an error). */
+/* Longest message read from stdin (bytes, continuation lines included): input without a newline
+ * (e.g. /dev/zero) would otherwise be read without limit. */
+#define CHAT_MAX_MESSAGE ((size_t)16 << 20)
+
+/* One message: a line, joined with the following ones while a line ends in a backslash. Returns its
+ * length, -1 at end of input (or out of memory), -2 when it exceeds CHAT_MAX_MESSAGE (reported). */
 static ssize_t read_message(char **msg, size_t *cap, FILE *in) {
-    char *line = NULL;
-    size_t lcap = 0, n = 0;
-    ssize_t got;
-    int any = 0;
-    while ((got = getline(&line, &lcap, in)) >= 0) {
-        any = 1;
-        while (got > 0 && (line[got - 1] == '\n' || line[got - 1] == '\r')) line[--got] = '\0';
-        int more = got > 0 && line[got - 1] == '\\';
-        if (more) line[got - 1] = '\n';
-        if (n + (size_t)got + 1 > *cap) {
-            size_t nc = (n + (size_t)got + 1) * 2;
-            char *nm = realloc(*msg, nc);
-            if (!nm) {
-                free(line);
-                return -1;
+    size_t n = 0;
+    int any = 0, c;
+    for (;;) {
+        size_t start = n;
+        int eol = 0;
+        while ((c = getc(in)) != EOF) {
+            any = 1;
+            if (c == '\n') {
+                eol = 1;
+                break;
             }
-            *msg = nm;
-            *cap = nc;
+            if (n + 2 > *cap) {
+                if (n + 2 > CHAT_MAX_MESSAGE) {
+                    fprintf(stderr, "kvpq chat: a message longer than %zu bytes on stdin: refused\n", CHAT_MAX_MESSAGE);
+                    return -2;
+                }
+                size_t nc = *cap ? 2 * *cap : 256;
+                char *nm = realloc(*msg, nc);
+                if (!nm) return -1;
+                *msg = nm;
+                *cap = nc;
+            }
+            (*msg)[n++] = (char)c;
         }
-        memcpy(*msg + n, line, (size_t)got);
-        n += (size_t)got;
+        if (!any) return -1;
+        while (n > start && (*msg)[n - 1] == '\r') n--;
+        int more = eol && n > start && (*msg)[n - 1] == '\\';
+        if (more) (*msg)[n - 1] = '\n';
         (*msg)[n] = '\0';
         if (!more) break;
     }
-    free(line);
-    return any ? (ssize_t)n : -1;
+    return (ssize_t)n;
 }
 
 static cJSON *ids_json(const int32_t *t, size_t n) {
@@ -155,6 +167,7 @@ static int render(const kvpq_model *m, const cli_chat_template *t, const char *s
         if (!(lines[n_lines] = strdup(line))) goto done;
         n_lines++;
     }
+    if (got == -2) goto done; /* a message too long: reported */
     cli_chat_begin(t, &pc, system);
     for (size_t i = 0; i < n_lines; i++) {
         if (i % 2 == 0) {
@@ -316,7 +329,8 @@ int cmd_chat(int argc, char **argv) {
             fflush(stderr);
         }
         ssize_t got = read_message(&line, &lcap, stdin);
-        if (got < 0) break; /* end of input: the chat ends */
+        if (got == -2) goto done; /* too long: reported */
+        if (got < 0) break;       /* end of input: the chat ends */
         const char *msg = line;
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
         if (!strcmp(line, "/reset")) {

@@ -277,3 +277,13 @@ def test_turn_beyond_the_context_refused():
     p = chat(SMOL, "--temp", 0, "-n", 4, "--ctx", 48, "--quiet", stdin="Hello there, how are you today?\n" * 3)
     assert p.returncode == 0
     assert "message not sent" in p.stderr and "--ctx" in p.stderr
+
+
+@pytest.mark.parametrize("mode", [[], ["--render"]])
+def test_message_without_end_refused_at_the_cap(mode):
+    # Input with no newline (as /dev/zero) is read up to 16 MiB per message, then refused by name:
+    # before, chat read it without limit.
+    p = subprocess.run([BIN, "chat", "--model", str(SMOL), "--quiet", *mode], input=b"a" * (17 << 20),
+                       capture_output=True, timeout=120)
+    assert p.returncode == 1
+    assert b"message longer than 16777216 bytes" in p.stderr
