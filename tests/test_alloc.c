@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "cache_testutil.h"
+#include "gguf_writer.h"
 #include "kvpq_model.h"
 
 /* ---- the knapsack ------------------------------------------------------------------------------ */
@@ -163,34 +164,15 @@ Test(alloc, byte_model_equals_the_cache_resident_bytes) {
 
 /* ---- a synthetic model (float32 GGUF, the writer of test_model_arch.c reduced to llama) -------- */
 
-typedef struct {
-    unsigned char *p;
-    size_t n, cap;
-} buf;
-static void put(buf *b, const void *src, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 1024;
-        b->p = realloc(b->p, b->cap);
-        cr_assert_not_null(b->p);
-    }
-    memcpy(b->p + b->n, src, n);
-    b->n += n;
-}
-static void put_u32(buf *b, uint32_t v) { put(b, &v, 4); }
-static void put_u64(buf *b, uint64_t v) { put(b, &v, 8); }
-static void put_str(buf *b, const char *s) {
-    put_u64(b, strlen(s));
-    put(b, s, strlen(s));
-}
-static void kv_u32(buf *b, const char *k, uint32_t v) {
+static void kv_u32(gw_buf *b, const char *k, uint32_t v) {
     char key[128];
     snprintf(key, sizeof key, "llama.%s", k);
-    put_str(b, key), put_u32(b, 4), put_u32(b, v);
+    gw_kv_u32(b, key, v);
 }
-static void kv_f32(buf *b, const char *k, float v) {
+static void kv_f32(gw_buf *b, const char *k, float v) {
     char key[128];
     snprintf(key, sizeof key, "llama.%s", k);
-    put_str(b, key), put_u32(b, 6), put(b, &v, 4);
+    gw_kv_f32(b, key, v);
 }
 
 enum { SL = 4, SE = 64, SF = 96, SH = 4, SHKV = 2, SD = 16, SV = 64 };
@@ -200,34 +182,32 @@ enum { SL = 4, SE = 64, SF = 96, SH = 4, SHKV = 2, SD = 16, SV = 64 };
  * projection by 3 (sharper attention): that layer's attention dominates the residual stream, so an
  * error in its keys or values moves the logits far more than the same error elsewhere. */
 static char *write_model(void) {
-    buf kv = {0}, tens = {0}, data = {0}, b = {0};
-    int n_kv = 0, nt = 0;
+    gw_buf kv = {0}, tens = {0}, data = {0};
+    int nt = 0;
     uint64_t seed = 99;
-    put_str(&kv, "general.architecture"), put_u32(&kv, 8), put_str(&kv, "llama"), n_kv++;
-    put_str(&kv, "tokenizer.ggml.model"), put_u32(&kv, 8), put_str(&kv, "bert"), n_kv++;
-    kv_u32(&kv, "block_count", SL), n_kv++;
-    kv_u32(&kv, "embedding_length", SE), n_kv++;
-    kv_u32(&kv, "feed_forward_length", SF), n_kv++;
-    kv_u32(&kv, "attention.head_count", SH), n_kv++;
-    kv_u32(&kv, "attention.head_count_kv", SHKV), n_kv++;
-    kv_u32(&kv, "attention.key_length", SD), n_kv++;
-    kv_u32(&kv, "attention.value_length", SD), n_kv++;
-    kv_u32(&kv, "context_length", 4096), n_kv++;
-    kv_f32(&kv, "rope.freq_base", 1e4f), n_kv++;
-    kv_f32(&kv, "attention.layer_norm_rms_epsilon", 1e-6f), n_kv++;
+    gw_kv_str(&kv, "general.architecture", "llama");
+    gw_kv_str(&kv, "tokenizer.ggml.model", "bert");
+    kv_u32(&kv, "block_count", SL);
+    kv_u32(&kv, "embedding_length", SE);
+    kv_u32(&kv, "feed_forward_length", SF);
+    kv_u32(&kv, "attention.head_count", SH);
+    kv_u32(&kv, "attention.head_count_kv", SHKV);
+    kv_u32(&kv, "attention.key_length", SD);
+    kv_u32(&kv, "attention.value_length", SD);
+    kv_u32(&kv, "context_length", 4096);
+    kv_f32(&kv, "rope.freq_base", 1e4f);
+    kv_f32(&kv, "attention.layer_norm_rms_epsilon", 1e-6f);
     uint64_t off = 0;
-    static const unsigned char zero[32];
 #define TENSOR(name, rows, cols, scale, offset)                                                   \
     do {                                                                                          \
-        put_str(&tens, name), put_u32(&tens, (rows) == 1 ? 1 : 2), put_u64(&tens, (uint64_t)(cols)); \
-        if ((rows) != 1) put_u64(&tens, (uint64_t)(rows));                                        \
-        put_u32(&tens, 0), put_u64(&tens, off);                                                   \
+        const uint64_t ne_[2] = {(uint64_t)(cols), (uint64_t)(rows)};                             \
+        gw_tensor_info(&tens, name, (rows) == 1 ? 1 : 2, ne_, 0 /* F32 */, off);                 \
         size_t cnt = (size_t)(rows) * (cols);                                                     \
         for (size_t i = 0; i < cnt; i++) {                                                        \
             float x = (offset) + (scale) * rng_normal(&seed);                                     \
-            put(&data, &x, 4);                                                                    \
+            gw_f32(&data, x);                                                                     \
         }                                                                                         \
-        put(&data, zero, (32 - cnt * 4 % 32) % 32);                                               \
+        gw_pad(&data, 32);                                                                        \
         off += (cnt * 4 + 31) / 32 * 32;                                                          \
         nt++;                                                                                     \
     } while (0)
@@ -251,17 +231,10 @@ static char *write_model(void) {
 #undef T
     }
 #undef TENSOR
-    put(&b, "GGUF", 4), put_u32(&b, 3), put_u64(&b, (uint64_t)nt), put_u64(&b, (uint64_t)n_kv);
-    put(&b, kv.p, kv.n);
-    put(&b, tens.p, tens.n);
-    put(&b, zero, (32 - b.n % 32) % 32);
-    put(&b, data.p, data.n);
-    char *path = strdup("/tmp/kvpq_alloc.XXXXXX");
-    int fd = mkstemp(path);
-    cr_assert_geq(fd, 0);
-    cr_assert_eq(write(fd, b.p, b.n), (ssize_t)b.n);
-    close(fd);
-    free(b.p), free(kv.p), free(tens.p), free(data.p);
+    gw_buf b = gw_file(&kv, (uint64_t)nt, &tens, &data, 32);
+    char *path = gw_write_temp(&b, "/tmp/kvpq_alloc.XXXXXX");
+    cr_assert_not_null(path);
+    gw_free(&b), gw_free(&kv), gw_free(&tens), gw_free(&data);
     return path;
 }
 

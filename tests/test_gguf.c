@@ -8,41 +8,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "gguf_writer.h"
 #include "internal.h"
 #include "model/ggml_types.h"
 #include "model/gguf.h"
 
-/* ---- a tiny GGUF writer ---- */
-
-typedef struct {
-    uint8_t *p;
-    size_t n, cap;
-} buf;
-
-static void put(buf *b, const void *src, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-        cr_assert(b->p);
-    }
-    memcpy(b->p + b->n, src, n);
-    b->n += n;
-}
-static void put_u8(buf *b, uint8_t v) { put(b, &v, 1); }
-static void put_u16(buf *b, uint16_t v) { put(b, &v, 2); } /* the test host is little-endian (x86-64) */
-static void put_u32(buf *b, uint32_t v) { put(b, &v, 4); }
-static void put_u64(buf *b, uint64_t v) { put(b, &v, 8); }
-static void put_f32(buf *b, float v) { put(b, &v, 4); }
-static void put_f64(buf *b, double v) { put(b, &v, 8); }
-static void put_strn(buf *b, const char *s, uint64_t len_field) {
-    put_u64(b, len_field);
-    put(b, s, strlen(s));
-}
-static void put_str(buf *b, const char *s) { put_strn(b, s, strlen(s)); }
-static void put_key(buf *b, const char *k, uint32_t type) {
-    put_str(b, k);
-    put_u32(b, type);
-}
+/* ---- the sample file (written by tests/gguf_writer.c) ---- */
 
 #define NONE UINT64_MAX
 /* What to write, and which field to corrupt (NONE / 0 = leave as is). */
@@ -75,79 +46,79 @@ static spec spec_default(void) {
 }
 
 /* Tensors: 0 "a.f32" F32 [8] = 0..7; 1 "b.q8_0" Q8_0 [32, 2]; 2 "c.q4_1" Q4_1 [64, 3]. */
-static void write_nested(buf *b, int depth) {
+static void write_nested(gw_buf *b, int depth) {
     if (depth == 1) {
-        put_u32(b, GGUF_TYPE_INT16);
-        put_u64(b, 2);
-        put_u16(b, (uint16_t)-3);
-        put_u16(b, 7);
+        gw_u32(b, GGUF_TYPE_INT16);
+        gw_u64(b, 2);
+        gw_u16(b, (uint16_t)-3);
+        gw_u16(b, 7);
         return;
     }
-    put_u32(b, GGUF_TYPE_ARRAY);
-    put_u64(b, 1);
+    gw_u32(b, GGUF_TYPE_ARRAY);
+    gw_u64(b, 1);
     write_nested(b, depth - 1);
 }
 
-static buf build(const spec *s) {
-    buf b = {0};
+static gw_buf build(const spec *s) {
+    gw_buf b = {0};
     size_t n_kv = 18 + (s->alignment ? 1 : 0) + (s->dup_key ? 1 : 0);
-    put(&b, "GGUF", 4);
-    put_u32(&b, s->version);
-    put_u64(&b, s->tensor_count != NONE ? s->tensor_count : 3 + (s->dup_tensor ? 1 : 0));
-    put_u64(&b, s->kv_count != NONE ? s->kv_count : n_kv);
-    put_key(&b, "general.architecture", GGUF_TYPE_STRING);
-    put_str(&b, "llama");
+    gw_put(&b, "GGUF", 4);
+    gw_u32(&b, s->version);
+    gw_u64(&b, s->tensor_count != NONE ? s->tensor_count : 3 + (s->dup_tensor ? 1 : 0));
+    gw_u64(&b, s->kv_count != NONE ? s->kv_count : n_kv);
+    gw_key(&b, "general.architecture", GGUF_TYPE_STRING);
+    gw_str(&b, "llama");
     if (s->alignment) {
-        put_key(&b, "general.alignment", GGUF_TYPE_UINT32);
-        put_u32(&b, s->alignment);
+        gw_key(&b, "general.alignment", GGUF_TYPE_UINT32);
+        gw_u32(&b, s->alignment);
     }
-    put_key(&b, "test.u8", s->value_type != UINT32_MAX ? s->value_type : GGUF_TYPE_UINT8);
-    put_u8(&b, 200);
-    put_key(&b, "test.i8", GGUF_TYPE_INT8);
-    put_u8(&b, (uint8_t)-5);
-    put_key(&b, "test.u16", GGUF_TYPE_UINT16);
-    put_u16(&b, 60000);
-    put_key(&b, "test.i16", GGUF_TYPE_INT16);
-    put_u16(&b, (uint16_t)-30000);
-    put_key(&b, "test.u32", GGUF_TYPE_UINT32);
-    put_u32(&b, 4000000000u);
-    put_key(&b, "test.i32", GGUF_TYPE_INT32);
-    put_u32(&b, (uint32_t)-2000000000);
-    put_key(&b, "test.f32", GGUF_TYPE_FLOAT32);
-    put_f32(&b, 1.5f);
-    put_key(&b, "test.bool", GGUF_TYPE_BOOL);
-    put_u8(&b, (uint8_t)s->bool_value);
-    put_key(&b, "test.string", GGUF_TYPE_STRING);
-    put_strn(&b, s->str_value ? s->str_value : "hello",
+    gw_key(&b, "test.u8", s->value_type != UINT32_MAX ? s->value_type : GGUF_TYPE_UINT8);
+    gw_u8(&b, 200);
+    gw_key(&b, "test.i8", GGUF_TYPE_INT8);
+    gw_u8(&b, (uint8_t)-5);
+    gw_key(&b, "test.u16", GGUF_TYPE_UINT16);
+    gw_u16(&b, 60000);
+    gw_key(&b, "test.i16", GGUF_TYPE_INT16);
+    gw_u16(&b, (uint16_t)-30000);
+    gw_key(&b, "test.u32", GGUF_TYPE_UINT32);
+    gw_u32(&b, 4000000000u);
+    gw_key(&b, "test.i32", GGUF_TYPE_INT32);
+    gw_u32(&b, (uint32_t)-2000000000);
+    gw_key(&b, "test.f32", GGUF_TYPE_FLOAT32);
+    gw_f32(&b, 1.5f);
+    gw_key(&b, "test.bool", GGUF_TYPE_BOOL);
+    gw_u8(&b, (uint8_t)s->bool_value);
+    gw_key(&b, "test.string", GGUF_TYPE_STRING);
+    gw_strn(&b, s->str_value ? s->str_value : "hello",
              s->str_len != NONE ? s->str_len : s->str_value ? strlen(s->str_value) : 5);
-    put_key(&b, "test.u64", GGUF_TYPE_UINT64);
-    put_u64(&b, 0xfedcba9876543210ull);
-    put_key(&b, "test.i64", GGUF_TYPE_INT64);
-    put_u64(&b, (uint64_t)-9000000000ll);
-    put_key(&b, "test.f64", GGUF_TYPE_FLOAT64);
-    put_f64(&b, -2.25);
-    put_key(&b, "test.arr_u32", GGUF_TYPE_ARRAY);
-    put_u32(&b, GGUF_TYPE_UINT32);
-    put_u64(&b, s->arr_len != NONE ? s->arr_len : 3);
-    put_u32(&b, 10);
-    put_u32(&b, 20);
-    put_u32(&b, 30);
-    put_key(&b, "test.arr_str", GGUF_TYPE_ARRAY);
-    put_u32(&b, GGUF_TYPE_STRING);
-    put_u64(&b, s->strarr_len != NONE ? s->strarr_len : 3);
-    put_str(&b, "a");
-    put_str(&b, "");
-    put_str(&b, "ccc");
-    put_key(&b, "test.nested", GGUF_TYPE_ARRAY);
+    gw_key(&b, "test.u64", GGUF_TYPE_UINT64);
+    gw_u64(&b, 0xfedcba9876543210ull);
+    gw_key(&b, "test.i64", GGUF_TYPE_INT64);
+    gw_u64(&b, (uint64_t)-9000000000ll);
+    gw_key(&b, "test.f64", GGUF_TYPE_FLOAT64);
+    gw_f64(&b, -2.25);
+    gw_key(&b, "test.arr_u32", GGUF_TYPE_ARRAY);
+    gw_u32(&b, GGUF_TYPE_UINT32);
+    gw_u64(&b, s->arr_len != NONE ? s->arr_len : 3);
+    gw_u32(&b, 10);
+    gw_u32(&b, 20);
+    gw_u32(&b, 30);
+    gw_key(&b, "test.arr_str", GGUF_TYPE_ARRAY);
+    gw_u32(&b, GGUF_TYPE_STRING);
+    gw_u64(&b, s->strarr_len != NONE ? s->strarr_len : 3);
+    gw_str(&b, "a");
+    gw_str(&b, "");
+    gw_str(&b, "ccc");
+    gw_key(&b, "test.nested", GGUF_TYPE_ARRAY);
     write_nested(&b, s->nest);
-    put_key(&b, "test.arr_empty", GGUF_TYPE_ARRAY);
-    put_u32(&b, GGUF_TYPE_FLOAT64);
-    put_u64(&b, 0);
-    put_key(&b, s->dup_key ? "test.u8" : s->last_key ? s->last_key : "test.last", GGUF_TYPE_UINT8);
-    put_u8(&b, 1);
+    gw_key(&b, "test.arr_empty", GGUF_TYPE_ARRAY);
+    gw_u32(&b, GGUF_TYPE_FLOAT64);
+    gw_u64(&b, 0);
+    gw_key(&b, s->dup_key ? "test.u8" : s->last_key ? s->last_key : "test.last", GGUF_TYPE_UINT8);
+    gw_u8(&b, 1);
     if (s->dup_key) {
-        put_key(&b, "test.last", GGUF_TYPE_UINT8);
-        put_u8(&b, 1);
+        gw_key(&b, "test.last", GGUF_TYPE_UINT8);
+        gw_u8(&b, 1);
     }
 
     size_t align = s->alignment ? s->alignment : 32;
@@ -163,30 +134,30 @@ static buf build(const spec *s) {
         off = (off + bytes[i] + align - 1) / align * align;
     }
     for (size_t i = 0; i < nt; i++) {
-        put_str(&b, names[i]);
+        gw_str(&b, names[i]);
         uint32_t nd = (i == 1 && s->n_dims) ? s->n_dims : (uint32_t)dims[i];
-        put_u32(&b, nd);
-        for (uint32_t d = 0; d < nd; d++) put_u64(&b, (i == 1 && d == 0 && s->ne0 != NONE) ? s->ne0 : ne[i][d < 2 ? d : 1]);
-        put_u32(&b, (i == 2 && s->ttype != UINT32_MAX) ? s->ttype : types[i]);
-        put_u64(&b, (i == 2 && s->offset != NONE) ? s->offset : offs[i]);
+        gw_u32(&b, nd);
+        for (uint32_t d = 0; d < nd; d++) gw_u64(&b, (i == 1 && d == 0 && s->ne0 != NONE) ? s->ne0 : ne[i][d < 2 ? d : 1]);
+        gw_u32(&b, (i == 2 && s->ttype != UINT32_MAX) ? s->ttype : types[i]);
+        gw_u64(&b, (i == 2 && s->offset != NONE) ? s->offset : offs[i]);
     }
     if (align > 4096) return b; /* a hostile alignment: no data section (the reader must notice) */
-    while (b.n % align) put_u8(&b, 0);
+    while (b.n % align) gw_u8(&b, 0);
     size_t data0 = b.n;
     for (size_t i = 0; i < nt; i++) {
-        while (b.n < data0 + offs[i]) put_u8(&b, 0);
+        while (b.n < data0 + offs[i]) gw_u8(&b, 0);
         if (types[i] == GGML_TYPE_F32)
-            for (int j = 0; j < 8; j++) put_f32(&b, (float)j);
+            for (int j = 0; j < 8; j++) gw_f32(&b, (float)j);
         else if (types[i] == GGML_TYPE_Q8_0)
             for (int r = 0; r < 2; r++) {
-                put_u16(&b, kvpq_fp32_to_fp16(0.5f));
-                for (int j = 0; j < 32; j++) put_u8(&b, (uint8_t)(j - 16));
+                gw_u16(&b, kvpq_fp32_to_fp16(0.5f));
+                for (int j = 0; j < 32; j++) gw_u8(&b, (uint8_t)(j - 16));
             }
         else
             for (int blk = 0; blk < 6; blk++) {
-                put_u16(&b, kvpq_fp32_to_fp16(0.25f));
-                put_u16(&b, kvpq_fp32_to_fp16(-1.0f));
-                for (int j = 0; j < 16; j++) put_u8(&b, (uint8_t)((j & 15) | ((15 - j) << 4)));
+                gw_u16(&b, kvpq_fp32_to_fp16(0.25f));
+                gw_u16(&b, kvpq_fp32_to_fp16(-1.0f));
+                for (int j = 0; j < 16; j++) gw_u8(&b, (uint8_t)((j & 15) | ((15 - j) << 4)));
             }
     }
     return b;
@@ -200,7 +171,7 @@ static kvpq_status open_copy(const uint8_t *p, size_t n, gguf_file **f, uint8_t 
 }
 
 static void expect_error(const spec *s, const char *needle) {
-    buf b = build(s);
+    gw_buf b = build(s);
     gguf_file *f = (gguf_file *)1;
     uint8_t *copy;
     kvpq_status st = open_copy(b.p, b.n, &f, &copy);
@@ -210,7 +181,7 @@ static void expect_error(const spec *s, const char *needle) {
     cr_assert(strstr(kvpq_last_error(), needle), "error '%s' should mention '%s'", kvpq_last_error(), needle);
     cr_assert(strstr(kvpq_last_error(), "gguf '<memory>'"), "error '%s' should name the file", kvpq_last_error());
     free(copy);
-    free(b.p);
+    gw_free(&b);
 }
 
 /* ---- parsing ---- */
@@ -318,23 +289,23 @@ static void check_sample(gguf_file *f, const uint8_t *base, uint32_t version, si
 
 Test(gguf, parses_every_value_type_v3) {
     spec s = spec_default();
-    buf b = build(&s);
+    gw_buf b = build(&s);
     gguf_file *f;
     cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_OK, "%s", kvpq_last_error());
     check_sample(f, b.p, 3, 32);
     gguf_close(f);
-    free(b.p);
+    gw_free(&b);
 }
 
 Test(gguf, parses_v2) {
     spec s = spec_default();
     s.version = 2;
-    buf b = build(&s);
+    gw_buf b = build(&s);
     gguf_file *f;
     cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_OK, "%s", kvpq_last_error());
     check_sample(f, b.p, 2, 32);
     gguf_close(f);
-    free(b.p);
+    gw_free(&b);
 }
 
 Test(gguf, honours_general_alignment) {
@@ -342,31 +313,31 @@ Test(gguf, honours_general_alignment) {
     for (size_t k = 0; k < sizeof aligns / sizeof aligns[0]; k++) {
         spec s = spec_default();
         s.alignment = aligns[k];
-        buf b = build(&s);
+        gw_buf b = build(&s);
         gguf_file *f;
         cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_OK, "alignment %u: %s", aligns[k], kvpq_last_error());
         check_sample(f, b.p, 3, aligns[k]);
         cr_assert_eq(gguf_data_offset(f) % aligns[k], 0);
         gguf_close(f);
-        free(b.p);
+        gw_free(&b);
     }
 }
 
 Test(gguf, nested_arrays_within_limit_parse) {
     spec s = spec_default();
     s.nest = 8;
-    buf b = build(&s);
+    gw_buf b = build(&s);
     gguf_file *f;
     cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_OK, "%s", kvpq_last_error());
     gguf_close(f);
-    free(b.p);
+    gw_free(&b);
 }
 
 /* ---- rejection ---- */
 
 Test(gguf, every_truncation_is_rejected) {
     spec s = spec_default();
-    buf b = build(&s);
+    gw_buf b = build(&s);
     for (size_t cut = 0; cut < b.n; cut++) {
         gguf_file *f;
         uint8_t *copy;
@@ -376,17 +347,17 @@ Test(gguf, every_truncation_is_rejected) {
         cr_assert(strlen(kvpq_last_error()) > 30, "%s", kvpq_last_error());
         free(copy);
     }
-    free(b.p);
+    gw_free(&b);
 }
 
 Test(gguf, bad_magic_and_versions) {
     spec s = spec_default();
-    buf b = build(&s);
+    gw_buf b = build(&s);
     b.p[0] = 'X';
     gguf_file *f;
     cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_ERR_FORMAT);
     cr_assert(strstr(kvpq_last_error(), "bad magic"), "%s", kvpq_last_error());
-    free(b.p);
+    gw_free(&b);
     s.version = 1;
     expect_error(&s, "version 1 is not supported");
     s.version = 4;
@@ -413,15 +384,15 @@ Test(gguf, hostile_counts_and_lengths) {
     expect_error(&s, "'test.arr_str': array of 2305843009213693953 strings");
     s = spec_default();
     s.strarr_len = 4; /* one more string than written: runs into the following key */
-    buf b = build(&s);
+    gw_buf b = build(&s);
     gguf_file *f;
     cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_ERR_FORMAT);
-    free(b.p);
+    gw_free(&b);
     s = spec_default();
     s.kv_count = 30; /* more keys than written: the tensor infos are misread as keys */
     b = build(&s);
     cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_ERR_FORMAT);
-    free(b.p);
+    gw_free(&b);
 }
 
 Test(gguf, bad_values) {
@@ -443,11 +414,11 @@ Test(gguf, bad_values) {
     s.alignment = 48;
     expect_error(&s, "general.alignment: 48 is not a power of two");
     s.alignment = 0x80000000u;
-    buf b = build(&s); /* a valid power of two: the data section lands far beyond the file */
+    gw_buf b = build(&s); /* a valid power of two: the data section lands far beyond the file */
     gguf_file *f;
     cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_ERR_FORMAT);
     cr_assert(strstr(kvpq_last_error(), "beyond file size"), "%s", kvpq_last_error());
-    free(b.p);
+    gw_free(&b);
 }
 
 Test(gguf, bad_tensor_infos) {
@@ -482,7 +453,7 @@ Test(gguf, bad_tensor_infos) {
 Test(gguf, unknown_tensor_type_opens_but_is_unsupported) {
     spec s = spec_default();
     s.ttype = 200;
-    buf b = build(&s);
+    gw_buf b = build(&s);
     gguf_file *f;
     cr_assert_eq(gguf_open_memory(&f, b.p, b.n), KVPQ_OK, "%s", kvpq_last_error());
     const gguf_tensor *t = gguf_find_tensor(f, "c.q4_1");
@@ -493,7 +464,7 @@ Test(gguf, unknown_tensor_type_opens_but_is_unsupported) {
     cr_assert_eq(ggml_dequantize_row(t->type, t->data, out, 64), KVPQ_ERR_UNSUPPORTED);
     cr_assert(strstr(kvpq_last_error(), "type 200"));
     gguf_close(f);
-    free(b.p);
+    gw_free(&b);
     /* A ggml type kvpq does not dequantize (Q4_K): the size is known and checked. */
     s.ttype = 12;
     expect_error(&s, "not a multiple of the Q4_K block size 256");
@@ -514,7 +485,7 @@ Test(gguf, file_errors) {
     cr_assert(strstr(kvpq_last_error(), "too small"), "%s", kvpq_last_error());
     /* A valid file through the mmap path. */
     spec s = spec_default();
-    buf b = build(&s);
+    gw_buf b = build(&s);
     FILE *fp = fopen(path, "wb");
     cr_assert_eq(fwrite(b.p, 1, b.n, fp), b.n);
     fclose(fp);
@@ -523,7 +494,7 @@ Test(gguf, file_errors) {
     gguf_close(f);
     gguf_close(NULL);
     unlink(path);
-    free(b.p);
+    gw_free(&b);
 }
 
 /* ---- the real model ---- */
@@ -596,7 +567,7 @@ Test(gguf, describe_prints_the_model) {
 }
 
 /* Write a built file to a temporary path (caller unlinks). */
-static void write_tmp(const buf *b, char *path) {
+static void write_tmp(const gw_buf *b, char *path) {
     strcpy(path, "/tmp/kvpq_test_gguf_XXXXXX");
     int fd = mkstemp(path);
     cr_assert(fd >= 0);
@@ -611,7 +582,7 @@ Test(gguf, describe_escapes_every_file_string) {
     s.str_value = "v\x1b[2Jal\xc2\x9b" "31m\xff";
     s.last_key = "test.\x1b]0;pwned\x07key";
     s.tname0 = "a\x1b[1m.f32\xe2\x80";
-    buf b = build(&s);
+    gw_buf b = build(&s);
     char path[64];
     write_tmp(&b, path);
     char *text = NULL;
@@ -631,7 +602,7 @@ Test(gguf, describe_escapes_every_file_string) {
     cr_assert(strstr(text, "a\\x1b[1m.f32\\xe2\\x80"), "%s", text);
     free(text);
     unlink(path);
-    free(b.p);
+    gw_free(&b);
 }
 
 /* Issue 14 item 10: a tensor of a type unknown to ggml (its size unknown: shown as 0 bytes before)
@@ -639,7 +610,7 @@ Test(gguf, describe_escapes_every_file_string) {
 Test(gguf, describe_refuses_unknown_tensor_type) {
     spec s = spec_default();
     s.ttype = 200;
-    buf b = build(&s);
+    gw_buf b = build(&s);
     char path[64];
     write_tmp(&b, path);
     FILE *out = fopen("/dev/null", "w");
@@ -647,7 +618,7 @@ Test(gguf, describe_refuses_unknown_tensor_type) {
     fclose(out);
     cr_assert(strstr(kvpq_last_error(), "tensor 2 'c.q4_1' has type 200"), "%s", kvpq_last_error());
     unlink(path);
-    free(b.p);
+    gw_free(&b);
 }
 
 /* Issue 14 item 7: a FIFO as a model or codebook is refused at once (open waited for a writer). */
@@ -671,12 +642,12 @@ Test(gguf, fifo_refused_without_blocking, .timeout = 20) {
  * it) and not the tensor data. */
 Test(gguf, fingerprint_covers_header_only) {
     spec s = spec_default();
-    buf b0 = build(&s);
+    gw_buf b0 = build(&s);
     s.str_value = "hellp";
-    buf b1 = build(&s);
+    gw_buf b1 = build(&s);
     s = spec_default();
     s.tname0 = "a.f33";
-    buf b2 = build(&s);
+    gw_buf b2 = build(&s);
     gguf_file *f0, *f1, *f2, *f3;
     cr_assert_eq(gguf_open_memory(&f0, b0.p, b0.n), KVPQ_OK);
     cr_assert_eq(gguf_open_memory(&f1, b1.p, b1.n), KVPQ_OK);

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "cache_testutil.h"
+#include "gguf_writer.h"
 #include "kvpq_model.h"
 
 /* kvpq (float32, RMS sums in double) vs the fp64 reference, relative to the largest logit, over 3
@@ -19,30 +20,7 @@
  * layout, base, window or norm moves logits by 1e-2 and more. */
 #define LOGIT_RTOL 1e-4
 
-/* ---- a tiny GGUF writer (spec: ggml/docs/gguf.md) --------------------------------------------- */
-
-typedef struct {
-    unsigned char *p;
-    size_t n, cap;
-} buf;
-
-static void put(buf *b, const void *src, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 1024;
-        b->p = realloc(b->p, b->cap);
-        cr_assert_not_null(b->p);
-    }
-    memcpy(b->p + b->n, src, n);
-    b->n += n;
-}
-static void put_u32(buf *b, uint32_t v) { put(b, &v, 4); }
-static void put_u64(buf *b, uint64_t v) { put(b, &v, 8); }
-static void put_str(buf *b, const char *s) {
-    put_u64(b, strlen(s));
-    put(b, s, strlen(s));
-}
-
-enum { T_U32 = 4, T_F32 = 6, T_STR = 8 };
+/* ---- synthetic models, written by tests/gguf_writer.c -------------------------------------- */
 
 typedef struct {
     char name[64];
@@ -121,62 +99,48 @@ static void make_weights(model_spec *s) {
     }
 }
 
-static void kv_u32(buf *b, const char *arch, const char *k, uint32_t v) {
+static void kv_u32(gw_buf *b, const char *arch, const char *k, uint32_t v) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, k);
-    put_str(b, key), put_u32(b, T_U32), put_u32(b, v);
+    gw_kv_u32(b, key, v);
 }
-static void kv_f32(buf *b, const char *arch, const char *k, float v) {
+static void kv_f32(gw_buf *b, const char *arch, const char *k, float v) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, k);
-    put_str(b, key), put_u32(b, T_F32), put(b, &v, 4);
+    gw_kv_f32(b, key, v);
 }
 
 /* Write the file; returns its path (a temporary file the caller unlinks). */
 static char *write_gguf(const model_spec *s) {
-    buf b = {0}, kv = {0};
-    int n_kv = 0;
+    gw_buf kv = {0}, tens = {0}, data = {0};
     const char *a = s->arch;
-    put_str(&kv, "general.architecture"), put_u32(&kv, T_STR), put_str(&kv, a), n_kv++;
+    gw_kv_str(&kv, "general.architecture", a);
     /* A tokenizer kvpq does not run: the model still loads and evaluates token ids. */
-    put_str(&kv, "tokenizer.ggml.model"), put_u32(&kv, T_STR), put_str(&kv, "bert"), n_kv++;
-    kv_u32(&kv, a, "block_count", (uint32_t)s->n_layer), n_kv++;
-    kv_u32(&kv, a, "embedding_length", (uint32_t)s->n_embd), n_kv++;
-    kv_u32(&kv, a, "feed_forward_length", (uint32_t)s->n_ff), n_kv++;
-    kv_u32(&kv, a, "attention.head_count", (uint32_t)s->n_head), n_kv++;
-    kv_u32(&kv, a, "attention.head_count_kv", (uint32_t)s->n_head_kv), n_kv++;
-    kv_u32(&kv, a, "attention.key_length", (uint32_t)s->head_dim), n_kv++;
-    kv_u32(&kv, a, "attention.value_length", (uint32_t)s->head_dim), n_kv++;
-    kv_u32(&kv, a, "context_length", 4096), n_kv++;
-    kv_f32(&kv, a, "rope.freq_base", s->rope_base), n_kv++;
-    kv_f32(&kv, a, "attention.layer_norm_rms_epsilon", s->eps), n_kv++;
-    if (s->swa) kv_u32(&kv, a, "attention.sliding_window", (uint32_t)s->swa), n_kv++;
-    if (s->swa_pattern) kv_u32(&kv, a, "attention.sliding_window_pattern", (uint32_t)s->swa_pattern), n_kv++;
-    if (s->softcap > 0) kv_f32(&kv, a, "final_logit_softcapping", s->softcap), n_kv++;
-    put(&b, "GGUF", 4), put_u32(&b, 3), put_u64(&b, (uint64_t)s->nt), put_u64(&b, (uint64_t)n_kv);
-    put(&b, kv.p, kv.n);
-    uint64_t off = 0;
+    gw_kv_str(&kv, "tokenizer.ggml.model", "bert");
+    kv_u32(&kv, a, "block_count", (uint32_t)s->n_layer);
+    kv_u32(&kv, a, "embedding_length", (uint32_t)s->n_embd);
+    kv_u32(&kv, a, "feed_forward_length", (uint32_t)s->n_ff);
+    kv_u32(&kv, a, "attention.head_count", (uint32_t)s->n_head);
+    kv_u32(&kv, a, "attention.head_count_kv", (uint32_t)s->n_head_kv);
+    kv_u32(&kv, a, "attention.key_length", (uint32_t)s->head_dim);
+    kv_u32(&kv, a, "attention.value_length", (uint32_t)s->head_dim);
+    kv_u32(&kv, a, "context_length", 4096);
+    kv_f32(&kv, a, "rope.freq_base", s->rope_base);
+    kv_f32(&kv, a, "attention.layer_norm_rms_epsilon", s->eps);
+    if (s->swa) kv_u32(&kv, a, "attention.sliding_window", (uint32_t)s->swa);
+    if (s->swa_pattern) kv_u32(&kv, a, "attention.sliding_window_pattern", (uint32_t)s->swa_pattern);
+    if (s->softcap > 0) kv_f32(&kv, a, "final_logit_softcapping", s->softcap);
     for (int i = 0; i < s->nt; i++) {
         const tensor *t = &s->t[i];
-        put_str(&b, t->name), put_u32(&b, (uint32_t)t->n_dims);
-        for (int d = 0; d < t->n_dims; d++) put_u64(&b, (uint64_t)t->ne[d]);
-        put_u32(&b, 0 /* F32 */), put_u64(&b, off);
-        off += ((uint64_t)t->ne[0] * (t->n_dims > 1 ? t->ne[1] : 1) * 4 + 31) / 32 * 32;
+        const uint64_t ne[2] = {(uint64_t)t->ne[0], (uint64_t)t->ne[1]};
+        gw_tensor_info(&tens, t->name, (uint32_t)t->n_dims, ne, 0 /* F32 */, data.n);
+        gw_put(&data, t->data, (size_t)t->ne[0] * (t->n_dims > 1 ? t->ne[1] : 1) * 4);
+        gw_pad(&data, 32);
     }
-    static const unsigned char zero[32];
-    put(&b, zero, (32 - b.n % 32) % 32);
-    for (int i = 0; i < s->nt; i++) {
-        const tensor *t = &s->t[i];
-        size_t bytes = (size_t)t->ne[0] * (t->n_dims > 1 ? t->ne[1] : 1) * 4;
-        put(&b, t->data, bytes);
-        put(&b, zero, (32 - bytes % 32) % 32);
-    }
-    char *path = strdup("/tmp/kvpq_arch.XXXXXX");
-    int fd = mkstemp(path);
-    cr_assert_geq(fd, 0);
-    cr_assert_eq(write(fd, b.p, b.n), (ssize_t)b.n);
-    close(fd);
-    free(b.p), free(kv.p);
+    gw_buf b = gw_file(&kv, (uint64_t)s->nt, &tens, &data, 32);
+    char *path = gw_write_temp(&b, "/tmp/kvpq_arch.XXXXXX");
+    cr_assert_not_null(path);
+    gw_free(&b), gw_free(&kv), gw_free(&tens), gw_free(&data);
     return path;
 }
 

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf_writer.h"
 #include "model/gguf.h"
 #include "kvpq.h"
 #include "model/tokenizer.h"
@@ -240,55 +241,7 @@ Test(tokenizer_model, long_runs, .timeout = 120) {
 
 // ---- synthetic vocabularies -----------------------------------------------------------------------
 
-/* A GGUF v3 file with metadata only, written into memory. */
-typedef struct {
-    char *p;
-    size_t n, cap;
-    uint64_t n_kv;
-} gbuf;
-
-static void put(gbuf *b, const void *d, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-    }
-    memcpy(b->p + b->n, d, n);
-    b->n += n;
-}
-static void put_u32(gbuf *b, uint32_t v) { put(b, &v, 4); }
-static void put_u64(gbuf *b, uint64_t v) { put(b, &v, 8); }
-static void put_str(gbuf *b, const char *s) {
-    put_u64(b, strlen(s));
-    put(b, s, strlen(s));
-}
-static void kv_str(gbuf *b, const char *key, const char *val) {
-    put_str(b, key);
-    put_u32(b, GGUF_TYPE_STRING);
-    put_str(b, val);
-    b->n_kv++;
-}
-static void kv_u32(gbuf *b, const char *key, uint32_t val) {
-    put_str(b, key);
-    put_u32(b, GGUF_TYPE_UINT32);
-    put_u32(b, val);
-    b->n_kv++;
-}
-static void kv_str_arr(gbuf *b, const char *key, const char *const *vals, size_t n) {
-    put_str(b, key);
-    put_u32(b, GGUF_TYPE_ARRAY);
-    put_u32(b, GGUF_TYPE_STRING);
-    put_u64(b, n);
-    for (size_t i = 0; i < n; i++) put_str(b, vals[i]);
-    b->n_kv++;
-}
-static void kv_i32_arr(gbuf *b, const char *key, const int32_t *vals, size_t n) {
-    put_str(b, key);
-    put_u32(b, GGUF_TYPE_ARRAY);
-    put_u32(b, GGUF_TYPE_INT32);
-    put_u64(b, n);
-    put(b, vals, 4 * n);
-    b->n_kv++;
-}
+/* Toy GGUF files with metadata only, written in memory by tests/gguf_writer.c. */
 
 /* GPT-2 byte -> code point, written independently of the library's inverse table. */
 static void byte_level_char(int byte, char out[3]) {
@@ -334,28 +287,22 @@ static kvpq_status toy_tokenizer(const toy_spec *s, kvpq_tokenizer **out) {
         types[nt++] = s->extra_types[i] ? s->extra_types[i] : 1;
     }
     while (nm < 8 && s->merges[nm]) nm++;
-    gbuf kv = {0};
-    kv_str(&kv, "general.architecture", "llama");
-    kv_str(&kv, "tokenizer.ggml.model", s->model ? s->model : "gpt2");
-    if (s->pre) kv_str(&kv, "tokenizer.ggml.pre", s->pre);
-    kv_str_arr(&kv, "tokenizer.ggml.tokens", tokens, nt);
-    kv_i32_arr(&kv, "tokenizer.ggml.token_type", types, nt);
-    kv_str_arr(&kv, "tokenizer.ggml.merges", s->merges, nm);
-    if (s->bos >= 0) kv_u32(&kv, "tokenizer.ggml.bos_token_id", (uint32_t)s->bos);
-    gbuf file = {0};
-    put(&file, "GGUF", 4);
-    put_u32(&file, 3);
-    put_u64(&file, 0);       /* tensors */
-    put_u64(&file, kv.n_kv); /* metadata pairs */
-    put(&file, kv.p, kv.n);
-    while (file.n % 32) put(&file, "", 1);
+    gw_buf kv = {0};
+    gw_kv_str(&kv, "general.architecture", "llama");
+    gw_kv_str(&kv, "tokenizer.ggml.model", s->model ? s->model : "gpt2");
+    if (s->pre) gw_kv_str(&kv, "tokenizer.ggml.pre", s->pre);
+    gw_kv_str_arr(&kv, "tokenizer.ggml.tokens", tokens, nt);
+    gw_kv_i32_arr(&kv, "tokenizer.ggml.token_type", types, nt);
+    gw_kv_str_arr(&kv, "tokenizer.ggml.merges", s->merges, nm);
+    if (s->bos >= 0) gw_kv_u32(&kv, "tokenizer.ggml.bos_token_id", (uint32_t)s->bos);
+    gw_buf file = gw_file(&kv, 0, NULL, NULL, 32); /* no tensors */
     gguf_file *f = NULL;
     kvpq_status st = gguf_open_memory(&f, file.p, file.n);
     cr_assert_eq(st, KVPQ_OK, "toy GGUF: %s", kvpq_last_error());
     st = kvpq_tokenizer_from_gguf(out, f);
     gguf_close(f);
-    free(kv.p);
-    free(file.p);
+    gw_free(&kv);
+    gw_free(&file);
     return st;
 }
 
@@ -474,22 +421,6 @@ Test(tokenizer_toy, qwen2_digits) {
 
 // ---- synthetic SentencePiece vocabularies ---------------------------------------------------------
 
-static void kv_f32_arr(gbuf *b, const char *key, const float *vals, size_t n) {
-    put_str(b, key);
-    put_u32(b, GGUF_TYPE_ARRAY);
-    put_u32(b, GGUF_TYPE_FLOAT32);
-    put_u64(b, n);
-    put(b, vals, 4 * n);
-    b->n_kv++;
-}
-static void kv_bool(gbuf *b, const char *key, int val) {
-    put_str(b, key);
-    put_u32(b, GGUF_TYPE_BOOL);
-    uint8_t v = (uint8_t)(val != 0);
-    put(b, &v, 1);
-    b->n_kv++;
-}
-
 /* SPM toy ids: 0 <unk> (UNKNOWN), 1 <s>, 2 </s> (CONTROL), 3 .. 258 the byte tokens <0x00> .. <0xFF>,
  * then the pieces below. */
 enum { SPM_BYTE0 = 3, SPM_P = 259 };
@@ -526,30 +457,24 @@ static kvpq_status spm_toy(int add_space_prefix, long add_bos, int with_bos_key,
         types[SPM_P + i] = k_spm_pieces[i].type;
         scores[SPM_P + i] = k_spm_pieces[i].score;
     }
-    gbuf kv = {0};
-    kv_str(&kv, "general.architecture", "gemma3");
-    kv_str(&kv, "tokenizer.ggml.model", "llama");
-    kv_str(&kv, "tokenizer.ggml.pre", "default");
-    kv_str_arr(&kv, "tokenizer.ggml.tokens", tokens, N);
-    kv_f32_arr(&kv, "tokenizer.ggml.scores", scores, N);
-    kv_i32_arr(&kv, "tokenizer.ggml.token_type", types, N);
-    if (with_bos_key) kv_u32(&kv, "tokenizer.ggml.bos_token_id", 1);
-    if (add_bos >= 0) kv_bool(&kv, "tokenizer.ggml.add_bos_token", (int)add_bos);
-    if (add_space_prefix >= 0) kv_bool(&kv, "tokenizer.ggml.add_space_prefix", add_space_prefix);
-    gbuf file = {0};
-    put(&file, "GGUF", 4);
-    put_u32(&file, 3);
-    put_u64(&file, 0);
-    put_u64(&file, kv.n_kv);
-    put(&file, kv.p, kv.n);
-    while (file.n % 32) put(&file, "", 1);
+    gw_buf kv = {0};
+    gw_kv_str(&kv, "general.architecture", "gemma3");
+    gw_kv_str(&kv, "tokenizer.ggml.model", "llama");
+    gw_kv_str(&kv, "tokenizer.ggml.pre", "default");
+    gw_kv_str_arr(&kv, "tokenizer.ggml.tokens", tokens, N);
+    gw_kv_f32_arr(&kv, "tokenizer.ggml.scores", scores, N);
+    gw_kv_i32_arr(&kv, "tokenizer.ggml.token_type", types, N);
+    if (with_bos_key) gw_kv_u32(&kv, "tokenizer.ggml.bos_token_id", 1);
+    if (add_bos >= 0) gw_kv_bool(&kv, "tokenizer.ggml.add_bos_token", (int)add_bos);
+    if (add_space_prefix >= 0) gw_kv_bool(&kv, "tokenizer.ggml.add_space_prefix", add_space_prefix);
+    gw_buf file = gw_file(&kv, 0, NULL, NULL, 32); /* no tensors */
     gguf_file *f = NULL;
     kvpq_status st = gguf_open_memory(&f, file.p, file.n);
     cr_assert_eq(st, KVPQ_OK, "toy GGUF: %s", kvpq_last_error());
     st = kvpq_tokenizer_from_gguf(out, f);
     gguf_close(f);
-    free(kv.p);
-    free(file.p);
+    gw_free(&kv);
+    gw_free(&file);
     return st;
 }
 

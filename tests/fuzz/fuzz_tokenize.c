@@ -17,6 +17,7 @@
 
 #include "internal.h"
 #include "kvpq_model.h"
+#include "gguf_writer.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 
@@ -37,50 +38,8 @@ static kvpq_vocab *model_vocab(void) {
 
 // ---- synthetic vocabularies in an in-memory GGUF -------------------------------------------------
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-    uint64_t n_kv;
-} gbuf;
-
-static void put(gbuf *b, const void *d, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-        if (!b->p) abort();
-    }
-    memcpy(b->p + b->n, d, n);
-    b->n += n;
-}
-static void put_u32(gbuf *b, uint32_t v) { put(b, &v, 4); }
-static void put_u64(gbuf *b, uint64_t v) { put(b, &v, 8); }
-static void put_str(gbuf *b, const char *s) {
-    put_u64(b, strlen(s));
-    put(b, s, strlen(s));
-}
-static void kv_head(gbuf *b, const char *key, uint32_t type) {
-    put_str(b, key);
-    put_u32(b, type);
-    b->n_kv++;
-}
-static void kv_str(gbuf *b, const char *key, const char *val) {
-    kv_head(b, key, GGUF_TYPE_STRING);
-    put_str(b, val);
-}
-static void kv_arr(gbuf *b, const char *key, uint32_t type, uint64_t n) {
-    kv_head(b, key, GGUF_TYPE_ARRAY);
-    put_u32(b, type);
-    put_u64(b, n);
-}
-
-static kvpq_tokenizer *from_kv(gbuf *kv) {
-    gbuf file = {0};
-    put(&file, "GGUF", 4);
-    put_u32(&file, 3);
-    put_u64(&file, 0);
-    put_u64(&file, kv->n_kv);
-    put(&file, kv->p, kv->n);
-    while (file.n % 32) put(&file, "", 1);
+static kvpq_tokenizer *from_kv(gw_buf *kv) {
+    gw_buf file = gw_file(kv, 0, NULL, NULL, 32); /* no tensors */
     gguf_file *f = NULL;
     kvpq_tokenizer *t = NULL;
     if (gguf_open_memory(&f, file.p, file.n) != KVPQ_OK || kvpq_tokenizer_from_gguf(&t, f) != KVPQ_OK) {
@@ -88,8 +47,8 @@ static kvpq_tokenizer *from_kv(gbuf *kv) {
         abort();
     }
     gguf_close(f);
-    free(file.p);
-    free(kv->p);
+    gw_free(&file);
+    gw_free(kv);
     return t;
 }
 
@@ -117,27 +76,27 @@ static kvpq_tokenizer *bpe_qwen2_vocab(void) {
                                             {"'", "s", "'s"}, {"Ã", "©", "Ã©"}};
     enum { N_MERGES = sizeof merges / sizeof merges[0], N = 256 + N_MERGES + 2 };
     char bytes[256][3];
-    gbuf kv = {0};
-    kv_str(&kv, "tokenizer.ggml.model", "gpt2");
-    kv_str(&kv, "tokenizer.ggml.pre", "qwen2");
-    kv_arr(&kv, "tokenizer.ggml.tokens", GGUF_TYPE_STRING, N);
+    gw_buf kv = {0};
+    gw_kv_str(&kv, "tokenizer.ggml.model", "gpt2");
+    gw_kv_str(&kv, "tokenizer.ggml.pre", "qwen2");
+    gw_kv_arr(&kv, "tokenizer.ggml.tokens", GGUF_TYPE_STRING, N);
     for (int b = 0; b < 256; b++) {
         byte_level(b, bytes[b]);
-        put_str(&kv, bytes[b]);
+        gw_str(&kv, bytes[b]);
     }
-    for (int m = 0; m < N_MERGES; m++) put_str(&kv, merges[m][2]);
-    put_str(&kv, "<|im_end|>");
-    put_str(&kv, "<tool>");
-    kv_arr(&kv, "tokenizer.ggml.token_type", GGUF_TYPE_INT32, N);
-    for (int i = 0; i < N; i++) put_u32(&kv, i == N - 2 ? 3 : i == N - 1 ? 4 : 1);
-    kv_arr(&kv, "tokenizer.ggml.merges", GGUF_TYPE_STRING, N_MERGES);
+    for (int m = 0; m < N_MERGES; m++) gw_str(&kv, merges[m][2]);
+    gw_str(&kv, "<|im_end|>");
+    gw_str(&kv, "<tool>");
+    gw_kv_arr(&kv, "tokenizer.ggml.token_type", GGUF_TYPE_INT32, N);
+    for (int i = 0; i < N; i++) gw_u32(&kv, i == N - 2 ? 3 : i == N - 1 ? 4 : 1);
+    gw_kv_arr(&kv, "tokenizer.ggml.merges", GGUF_TYPE_STRING, N_MERGES);
     for (int m = 0; m < N_MERGES; m++) {
         char s[32];
         snprintf(s, sizeof s, "%s %s", merges[m][0], merges[m][1]);
-        put_str(&kv, s);
+        gw_str(&kv, s);
     }
-    kv_head(&kv, "tokenizer.ggml.bos_token_id", GGUF_TYPE_UINT32);
-    put_u32(&kv, N - 2);
+    gw_key(&kv, "tokenizer.ggml.bos_token_id", GGUF_TYPE_UINT32);
+    gw_u32(&kv, N - 2);
     return from_kv(&kv);
 }
 
@@ -148,28 +107,28 @@ static kvpq_tokenizer *spm_vocab(int add_space_prefix) {
         {"\xe2\x96\x81\xe2\x96\x81", -1, 1}, {"\xc3\xa9", -2, 1}, {"<start_of_turn>", 0, 3},
         {"<end_of_turn>", 0, 3}, {"\n", 0, 4}, {"\n\n", 0, 4}, {"  ", 0, 4}, {"<td>", 0, 4}};
     enum { NP = sizeof pieces / sizeof pieces[0], N = 3 + 256 + NP };
-    gbuf kv = {0};
-    kv_str(&kv, "tokenizer.ggml.model", "llama");
-    kv_arr(&kv, "tokenizer.ggml.tokens", GGUF_TYPE_STRING, N);
-    put_str(&kv, "<unk>");
-    put_str(&kv, "<s>");
-    put_str(&kv, "</s>");
+    gw_buf kv = {0};
+    gw_kv_str(&kv, "tokenizer.ggml.model", "llama");
+    gw_kv_arr(&kv, "tokenizer.ggml.tokens", GGUF_TYPE_STRING, N);
+    gw_str(&kv, "<unk>");
+    gw_str(&kv, "<s>");
+    gw_str(&kv, "</s>");
     for (int b = 0; b < 256; b++) {
         char s[8];
         snprintf(s, sizeof s, "<0x%02X>", b);
-        put_str(&kv, s);
+        gw_str(&kv, s);
     }
-    for (int i = 0; i < NP; i++) put_str(&kv, pieces[i].text);
-    kv_arr(&kv, "tokenizer.ggml.scores", GGUF_TYPE_FLOAT32, N);
+    for (int i = 0; i < NP; i++) gw_str(&kv, pieces[i].text);
+    gw_kv_arr(&kv, "tokenizer.ggml.scores", GGUF_TYPE_FLOAT32, N);
     for (int i = 0; i < N; i++) {
         float s = i < 3 + 256 ? 0.0f : pieces[i - 3 - 256].score;
-        put(&kv, &s, 4);
+        gw_put(&kv, &s, 4);
     }
-    kv_arr(&kv, "tokenizer.ggml.token_type", GGUF_TYPE_INT32, N);
-    for (int i = 0; i < N; i++) put_u32(&kv, i == 0 ? 2 : i < 3 ? 3 : i < 3 + 256 ? 6 : (uint32_t)pieces[i - 3 - 256].type);
-    kv_head(&kv, "tokenizer.ggml.add_space_prefix", GGUF_TYPE_BOOL);
+    gw_kv_arr(&kv, "tokenizer.ggml.token_type", GGUF_TYPE_INT32, N);
+    for (int i = 0; i < N; i++) gw_u32(&kv, i == 0 ? 2 : i < 3 ? 3 : i < 3 + 256 ? 6 : (uint32_t)pieces[i - 3 - 256].type);
+    gw_key(&kv, "tokenizer.ggml.add_space_prefix", GGUF_TYPE_BOOL);
     uint8_t flag = (uint8_t)add_space_prefix;
-    put(&kv, &flag, 1);
+    gw_put(&kv, &flag, 1);
     return from_kv(&kv);
 }
 
