@@ -196,3 +196,26 @@ Test(cache_rot, names_specs_and_head_dim_errors) {
     cr_assert(strstr(kvpq_last_error(), "multiple of 64"), "%s", kvpq_last_error());
     cr_assert_null(c);
 }
+
+/* The rotated kinds reported stored_bytes 0 (their ops table had no stats function): a previous
+ * review's finding. Stored bytes are those of the plain kinds' blocks: q8_0 34 bytes per 32
+ * elements (8.5 bits), q4_0 18 (4.5 bits), rotation or not. */
+Test(cache_rot, stats_count_the_stored_blocks) {
+    const kvpq_cache_type kinds[4] = {KVPQ_CACHE_Q8_0, KVPQ_CACHE_Q8_0R, KVPQ_CACHE_Q4_0, KVPQ_CACHE_Q4_0R};
+    const size_t block_bytes[4] = {34, 34, 18, 18};
+    enum { HKV = 2, HD = 64, N = 100 };
+    float *k = rand_vec((size_t)N * HKV * HD, 3, 1.0f), *v = rand_vec((size_t)N * HKV * HD, 4, 1.0f);
+    for (int i = 0; i < 4; i++) {
+        kvpq_cache *c = make(kinds[i], 4, HKV, HD, 256);
+        cr_assert_eq(kvpq_cache_append(c, 0, N, k, v), KVPQ_OK, "%s", kvpq_last_error());
+        kvpq_cache_stats st;
+        cr_assert_eq(kvpq_cache_get_stats(c, &st), KVPQ_OK);
+        const size_t want = (size_t)2 * N * HKV * (HD / 32) * block_bytes[i];
+        cr_assert_eq(st.stored_bytes, want, "%s: stored_bytes %zu, expected %zu", kvpq_cache_type_name(kinds[i]),
+                     st.stored_bytes, want);
+        cr_assert_float_eq(st.stored_bits_per_element, block_bytes[i] * 8.0 / 32.0, 1e-12, "%s",
+                           kvpq_cache_type_name(kinds[i]));
+        kvpq_cache_free(c);
+    }
+    free(k), free(v);
+}

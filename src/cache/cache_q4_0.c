@@ -84,6 +84,6 @@ const kvpq_cache_ops kvpq_cache_ops_q4_0r = {
     .read = kvpq__rows_read,
     .resident_bytes = kvpq__rows_resident_bytes,
     .drop = kvpq__rows_drop,
-    .stats = NULL,
+    .stats = kvpq__rows_stats, /* the plain kind's blocks: rotation adds no stored bytes */
     .serial = kvpq__rows_serial,
 };
