@@ -446,6 +446,10 @@ KVPQ_API kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *
 
 /* Largest max_seq a cache takes (2^30 positions): page and position arithmetic then stays in int. */
 #define KVPQ_CACHE_MAX_SEQ (1 << 30)
+/* Largest n_layer and n_head (query heads) a cache takes (KVPQ_ERR_INVALID_ARG beyond); the largest
+ * published models have 126 layers and 128 query heads. */
+#define KVPQ_CACHE_MAX_LAYERS 4096
+#define KVPQ_CACHE_MAX_HEADS 4096
 
 /* Cache kinds. Enum values are stable; new kinds are added at the end. */
 typedef enum {
@@ -467,10 +471,10 @@ typedef enum {
 
 typedef struct {
     kvpq_cache_type type;
-    int n_layer;
-    int n_head;         /* query heads */
+    int n_layer;        /* 1..KVPQ_CACHE_MAX_LAYERS */
+    int n_head;         /* query heads, 1..KVPQ_CACHE_MAX_HEADS */
     int n_head_kv;      /* KV heads; n_head % n_head_kv == 0 (GQA) */
-    int head_dim;
+    int head_dim;       /* 1..1024 */
     int max_seq;        /* positions the cache may hold (KVPQ_ERR_CAPACITY beyond), 1..KVPQ_CACHE_MAX_SEQ */
     int window;         /* VQ/KIVI: newest tokens kept in full precision (default 128); a window
                          * longer than max_seq is clamped to max_seq (the whole sequence) */

@@ -544,3 +544,37 @@ Test(cache, ranges_checked_without_overflow) {
         cr_assert_null(c);
     }
 }
+
+/* n_layer and n_head were bounded below only: n_layer INT_MAX reached calloc (a 16 GiB request per
+ * table, or a failed allocation reported as NOMEM rather than as the bad field). Both are now
+ * 1..4096 with a named error, for every kind, and n_head_kv may not exceed n_head. */
+Test(cache, layer_and_head_counts_bounded_by_name) {
+    for (int t = KVPQ_CACHE_FP32; t <= KVPQ_CACHE_Q4_0R; t++) {
+        if (t == KVPQ_CACHE_VQ) continue; /* needs a codebook; its shapes are checked against it */
+        const struct { int n_layer, n_head, n_head_kv; const char *needle; } bad[] = {
+            {KVPQ_CACHE_MAX_LAYERS + 1, 2, 1, "n_layer 4097: expected 1..4096"},
+            {INT_MAX, 2, 1, "n_layer 2147483647: expected 1..4096"},
+            {0, 2, 1, "n_layer 0: expected 1..4096"},
+            {2, KVPQ_CACHE_MAX_HEADS + 1, 1, "n_head 4097: expected 1..4096"},
+            {2, INT_MAX, INT_MAX, "n_head 2147483647: expected 1..4096"},
+            {2, -1, 1, "n_head -1: expected 1..4096"},
+            {2, 2, 4, "n_head_kv 4: expected 1..n_head (2)"},
+        };
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+            kvpq_cache_params p = kvpq_cache_params_default();
+            p.type = (kvpq_cache_type)t, p.n_layer = bad[i].n_layer, p.n_head = bad[i].n_head;
+            p.n_head_kv = bad[i].n_head_kv, p.head_dim = 64, p.max_seq = 16;
+            kvpq_cache *c = (kvpq_cache *)1;
+            cr_assert_eq(kvpq_cache_new(&c, &p), KVPQ_ERR_INVALID_ARG, "%s case %zu", kvpq_cache_type_name(p.type), i);
+            cr_assert(strstr(kvpq_last_error(), bad[i].needle), "%s", kvpq_last_error());
+            cr_assert_null(c);
+        }
+        /* the bounds themselves are accepted */
+        kvpq_cache_params p = kvpq_cache_params_default();
+        p.type = (kvpq_cache_type)t, p.n_layer = KVPQ_CACHE_MAX_LAYERS, p.n_head = KVPQ_CACHE_MAX_HEADS;
+        p.n_head_kv = 1, p.head_dim = 64, p.max_seq = 4, p.page_tokens = 4;
+        kvpq_cache *c = NULL;
+        cr_assert_eq(kvpq_cache_new(&c, &p), KVPQ_OK, "%s: %s", kvpq_cache_type_name(p.type), kvpq_last_error());
+        kvpq_cache_free(c);
+    }
+}

@@ -95,10 +95,17 @@ static kvpq_status check_params(const kvpq_cache_params *p) {
     if ((int)p->type < 0 || (int)p->type >= N_TYPES)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache type %d: expected 0..%d", (int)p->type, N_TYPES - 1);
     const char *tn = type_names[p->type];
-    if (p->n_layer <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_layer %d must be > 0", tn, p->n_layer);
-    if (p->n_head <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_head %d must be > 0", tn, p->n_head);
-    if (p->n_head_kv <= 0)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_head_kv %d must be > 0", tn, p->n_head_kv);
+    /* Bounded so that per-layer and per-head tables (n_layer x n_head x head_dim and such) stay small
+     * and their sizes far from overflow: a huge count is an error, not a failed giant allocation. */
+    if (p->n_layer <= 0 || p->n_layer > KVPQ_CACHE_MAX_LAYERS)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_layer %d: expected 1..%d", tn, p->n_layer,
+                         KVPQ_CACHE_MAX_LAYERS);
+    if (p->n_head <= 0 || p->n_head > KVPQ_CACHE_MAX_HEADS)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_head %d: expected 1..%d", tn, p->n_head,
+                         KVPQ_CACHE_MAX_HEADS);
+    if (p->n_head_kv <= 0 || p->n_head_kv > p->n_head)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_head_kv %d: expected 1..n_head (%d)", tn, p->n_head_kv,
+                         p->n_head);
     if (p->n_head % p->n_head_kv)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache %s: n_head %d is not a multiple of n_head_kv %d (GQA)", tn,
                          p->n_head, p->n_head_kv);
