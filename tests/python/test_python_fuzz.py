@@ -326,15 +326,42 @@ def test_calibrate(K, V):
 
 # ---- caches ---------------------------------------------------------------------------------------
 
-KINDS = ["fp32", "fp16", "q8_0", "q4_0", "kivi2", "kivi4", "vq"]
+# Every cache kind, and the variants kvpq.Cache takes: attention sinks, a sliding window (layer 0
+# local), and VQ codebooks with one book per sub-space, per KV head, or two key stages (residual).
+KINDS = ["fp32", "fp16", "q8_0", "q4_0", "q8_0r", "q4_0r", "kivi2", "kivi4", "vq"]
 CB = kvpq.Codebook(2, 2, 32, keys="d4b8")
+CBS = {"shared": CB, "subspace": kvpq.Codebook(2, 2, 32, keys="d4b8", granularity="subspace"),
+       "head": kvpq.Codebook(2, 2, 32, keys="d4b8", granularity="head"),
+       "residual": kvpq.Codebook(2, 2, 32, keys="d4b8", keys2="d8b8"),
+       "head-residual": kvpq.Codebook(2, 2, 32, keys="d4b8", keys2="d8b8", granularity="head")}
+
+
+def test_every_cache_kind_is_fuzzed():
+    """A kind the package takes (kvpq.Cache's kinds, the C enum's names) that test_cache does not draw
+    fails here."""
+    from kvpq import _core
+    assert sorted(KINDS) == sorted(_core._CACHE_KINDS)
+    assert sorted(_core._CACHE_KINDS.values()) == list(range(len(_core._CACHE_KINDS)))
 
 
 @FUZZ
-@given(st.sampled_from(KINDS), ints((0, 1)), arrays((None, 2, 32)), arrays((None, 2, 32)), arrays((None, 4, 32)),
-       ints((0, 1, 2, 3)), ints((0, 1, 2, 3, 5)), ints((0, 1, 3, 9)))
-def test_cache(kind, layer, k, v, q, pos0, n, n_pos):
-    c = kvpq.Cache(kind, 2, 4, 2, 32, 64, codebook=CB if kind == "vq" else None, window=8, n_threads=1)
+@given(st.sampled_from(KINDS), ints((0, 1)), ints((0, 1, 2, 3)), ints((0, 1, 2, 3, 5)), ints((0, 1, 3, 9)), st.data())
+def test_cache(kind, layer, pos0, n, n_pos, data):
+    hd = 64 if kind in ("q8_0r", "q4_0r") else 32  # the rotated kinds need head_dim % 64 == 0
+    k = data.draw(arrays((None, 2, hd)))
+    v = data.draw(arrays((None, 2, hd)))
+    q = data.draw(arrays((None, 4, hd)))
+    kw = {}
+    if kind == "vq":
+        kw["codebook"] = CBS[data.draw(st.sampled_from(sorted(CBS)))]
+    if kind not in ("fp32", "fp16") and data.draw(st.booleans()):
+        kw["sinks"] = data.draw(ints((1, 3)))
+    if data.draw(st.booleans()):
+        kw["sliding_window"] = data.draw(ints((2, 4)))
+        kw["swa_layers"] = data.draw(st.sampled_from([None, [1, 0], [0, 1], [1], "x"]))
+    c = call(kvpq.Cache, ["sinks", "sliding_window", "swa_layers"], kind, 2, 4, 2, hd, 64, window=8, n_threads=1, **kw)
+    if c is None:
+        return
     call(c.append, ["layer", "k", "v"], layer, k, v)
     out = call(c.attend, ["layer", "q"], layer, q)
     if out is not None:
@@ -342,7 +369,7 @@ def test_cache(kind, layer, k, v, q, pos0, n, n_pos):
     out = call(c.read, ["layer", "pos0", "n"], layer, pos0, n)
     if out is not None:
         kk, vv = out
-        assert _is_f32(kk, (n, 2, 32)) and _is_f32(vv, (n, 2, 32))
+        assert _is_f32(kk, (n, 2, hd)) and _is_f32(vv, (n, 2, hd))
     call(c.truncate, ["n_pos"], n_pos)
     call(c.read, ["layer", "pos0", "n"], 0, pos0)  # n: the rest
     call(c.seq_len, ["layer"], layer)
