@@ -7,7 +7,10 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/inotify.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -358,4 +361,113 @@ Test(cache_file, sliding_window_round_trip_every_kind) {
     kvpq_codebook *cb = make_codebook(1, 77u);
     swa_round_trip(KVPQ_CACHE_VQ, cb, 300, 1400u);
     kvpq_codebook_free(cb);
+}
+
+// ---- a signal in the middle of a save (issue 14 item 9) ------------------------------------------
+
+/* What kvpq's CLI installs for SIGINT / SIGTERM (tools/kvpq.c): remove the temporary files of saves
+ * in progress, then end as the default action would. */
+static void end_cleanly(int sig) {
+    kvpq_remove_temp_files();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+/* Child: fill and save an fp32 cache of `scale` x 8 MiB (what) or a codebook of scale x 4 MiB into
+ * dir/out; exits 0 if the save finished. */
+static void save_in_child(const char *dir, int what, int scale) {
+    signal(SIGINT, end_cleanly), signal(SIGTERM, end_cleanly);
+    char out[512];
+    snprintf(out, sizeof out, "%s/out", dir);
+    if (what == 0) {
+        kvpq_cache_params p = kvpq_cache_params_default();
+        p.type = KVPQ_CACHE_FP32, p.n_layer = 4 * scale, p.n_head = 4, p.n_head_kv = 4, p.head_dim = 128;
+        p.max_seq = 512, p.page_tokens = 512, p.n_threads = 1;
+        kvpq_cache *c = NULL;
+        if (kvpq_cache_new(&c, &p) != KVPQ_OK) _exit(2);
+        float *x = calloc((size_t)512 * 4 * 128, sizeof *x);
+        for (int l = 0; l < p.n_layer; l++)
+            if (kvpq_cache_append(c, l, 512, x, x) != KVPQ_OK) _exit(2);
+        _exit(kvpq_cache_save(c, out, NULL, 0) == KVPQ_OK ? 0 : 3);
+    }
+    kvpq_codebook_params p = kvpq_codebook_params_default();
+    p.n_layer = 8 * scale, p.n_head_kv = 2, p.head_dim = 128;
+    if (kvpq_pq_params_preset(&p.key, "d2b8", 128) != KVPQ_OK) _exit(2);
+    p.key.granularity = KVPQ_CODEBOOK_SUBSPACE; /* (64, 256, 2) float32: 128 KiB per quantizer */
+    p.value = p.key;
+    kvpq_codebook *cb = NULL;
+    if (kvpq_codebook_new(&cb, &p) != KVPQ_OK) _exit(2);
+    _exit(kvpq_codebook_save(cb, out) == KVPQ_OK ? 0 : 3);
+}
+
+/* Send sig to a saving child the moment its temporary file appears (inotify); returns 1 if the
+ * signal ended the save (the child died of it), 0 if the save had already finished. */
+static int interrupt_save(const char *dir, int what, int scale, int sig) {
+    int in = inotify_init1(IN_NONBLOCK);
+    cr_assert_geq(in, 0);
+    cr_assert_geq(inotify_add_watch(in, dir, IN_CREATE), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) save_in_child(dir, what, scale);
+    int sent = 0;
+    for (int waited = 0; !sent && waited < 120000;) {
+        struct pollfd pf = {.fd = in, .events = POLLIN};
+        if (poll(&pf, 1, 100) <= 0) {
+            waited += 100;
+            int st;
+            if (waitpid(pid, &st, WNOHANG) == pid) { /* ended before any temporary appeared */
+                cr_assert(0, "child ended (status %d) before creating its temporary file", st);
+            }
+            continue;
+        }
+        char ev[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+        ssize_t n = read(in, ev, sizeof ev);
+        for (ssize_t i = 0; i < n;) {
+            const struct inotify_event *e = (const struct inotify_event *)(ev + i);
+            if (e->len && strstr(e->name, ".tmp.")) sent = kill(pid, sig) == 0;
+            i += (ssize_t)(sizeof *e + e->len);
+        }
+    }
+    close(in);
+    cr_assert(sent, "no temporary file appeared");
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    if (WIFEXITED(status)) {
+        cr_assert_eq(WEXITSTATUS(status), 0, "the save failed");
+        return 0;
+    }
+    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == sig, "child status %d", status);
+    return 1;
+}
+
+/* SIGINT or SIGTERM while a cache file or a codebook is being written: the handler removes
+ * OUT.tmp.XXXXXX and the target is never created. The signal is sent when inotify reports the
+ * temporary file; if the save still won the race, it is retried 4x and 16x larger. */
+Test(cache_file, sigint_or_sigterm_mid_save_leaves_no_temporary, .timeout = 600) {
+    const int sigs[2] = {SIGINT, SIGTERM};
+    for (int what = 0; what < 2; what++)
+        for (int si = 0; si < 2; si++) {
+            char dir[] = "/tmp/kvpq_sigsave_XXXXXX";
+            cr_assert_not_null(mkdtemp(dir));
+            int hit = 0;
+            for (int scale = 1; !hit && scale <= 16; scale *= 4) {
+                hit = interrupt_save(dir, what, scale, sigs[si]);
+                char out[600];
+                snprintf(out, sizeof out, "%s/out", dir);
+                if (!hit) unlink(out);
+            }
+            cr_assert(hit, "%s %s: every save finished before the signal", what ? "codebook" : "cache",
+                      strsignal(sigs[si]));
+            cr_assert_eq(temporaries_left(dir, ""), 0, "%s %s: a temporary file was left behind",
+                         what ? "codebook" : "cache", strsignal(sigs[si]));
+            struct stat sb;
+            cr_assert_neq(stat(dir, &sb), -1);
+            DIR *d = opendir(dir);
+            int entries = 0;
+            for (struct dirent *e; d && (e = readdir(d));) entries += e->d_name[0] != '.';
+            closedir(d);
+            cr_assert_eq(entries, 0, "%s %s: %d files left in %s", what ? "codebook" : "cache", strsignal(sigs[si]),
+                         entries, dir);
+            rmdir(dir);
+        }
 }
