@@ -200,6 +200,60 @@ def test_temp_file_removed_when_a_signal_ends_the_save(tmp_path):
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
 
 
+def _interrupt_at_temporary(args, folder, sig, timeout=300):
+    """Run kvpq with args; send sig the moment a *.tmp.* file appears in folder (inotify through
+    ctypes, so the signal lands while the save is writing). Returns (returncode, signalled)."""
+    import ctypes
+    import select
+    import signal
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK)
+    assert fd >= 0
+    assert libc.inotify_add_watch(fd, str(folder).encode(), 0x100) >= 0  # IN_CREATE
+    p = subprocess.Popen([BIN, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sent = False
+    try:
+        while not sent and p.poll() is None:
+            if not select.select([fd], [], [], 0.1)[0]:
+                continue
+            buf = os.read(fd, 4096)
+            i = 0
+            while i < len(buf):
+                _, _, _, n = struct.unpack_from("iIII", buf, i)
+                name = buf[i + 16:i + 16 + n].rstrip(b"\0")
+                if b".tmp." in name and not sent:
+                    p.send_signal(sig)
+                    sent = True
+                i += 16 + n
+        p.wait(timeout=timeout)
+    finally:
+        os.close(fd)
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, sent
+
+
+@need_model
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_signal_during_prompt_cache_save_leaves_no_temporary(tmp_path, signame):
+    """Item 9 through the CLI with SIGINT / SIGTERM (the other test uses SIGXFSZ): generate writes
+    its --prompt-cache (an fp32 cache of whole 256-token pages, about 12 MB) into a fresh folder;
+    the signal is sent when the temporary file appears; kvpq must die of it and leave nothing."""
+    import signal
+    sig = getattr(signal, signame)
+    out = tmp_path / "p.kvc"
+    for _ in range(3):  # a save that won the race is retried (then the file is removed)
+        rc, sent = _interrupt_at_temporary(["generate", "--model", MODEL, "-n", 1, "--temp", 0, "--prompt",
+                                            "hello there", "--prompt-cache", out, "--threads", 1], tmp_path, sig)
+        assert sent, "no temporary file appeared"
+        if rc == -sig:
+            break
+        assert rc == 0, rc
+        out.unlink()
+    assert rc == -sig, rc
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
 # ---- item 2: prompt injection through --chat ----
 
 
