@@ -578,3 +578,40 @@ Test(cache, layer_and_head_counts_bounded_by_name) {
         kvpq_cache_free(c);
     }
 }
+
+/* kvpq_vq_cache_bytes took the cache params unchecked: page_tokens 0 divided by zero (SIGFPE),
+ * a window near INT_MAX overflowed window + 32 (UBSan), a negative window gave a huge byte count.
+ * Now the ranges of kvpq_cache_new, refused by name. */
+Test(cache, vq_cache_bytes_refuses_params_out_of_range) {
+    kvpq_codebook *cb = test_codebook(&(test_codebook_spec){.n_layer = 1, .n_head_kv = 1, .head_dim = 16, .norm = -1,
+                                                            .seed = 1, .seed_step = 1, .scale = 1.0f});
+    cr_assert_not_null(cb, "%s", kvpq_last_error());
+    const struct { int max_seq, window, page_tokens, sliding_window; const char *needle; } bad[] = {
+        {100, 16, 0, 0, "page_tokens 0"},
+        {100, 16, -4, 0, "page_tokens -4"},
+        {100, 16, (1 << 20) + 1, 0, "page_tokens 1048577"},
+        {100, -1000, 16, 0, "window -1000"},
+        {INT_MAX, INT_MAX - 1, 256, 0, "max_seq 2147483647"},
+        {0, 16, 16, 0, "max_seq 0"},
+        {100, 16, 16, -5, "sliding_window -5"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvpq_cache_params p = kvpq_cache_params_default();
+        p.type = KVPQ_CACHE_VQ, p.n_layer = 1, p.n_head = 1, p.n_head_kv = 1, p.head_dim = 16, p.codebook = cb;
+        p.max_seq = bad[i].max_seq, p.window = bad[i].window, p.page_tokens = bad[i].page_tokens;
+        p.sliding_window = bad[i].sliding_window;
+        size_t fixed = 0;
+        int64_t el = 0;
+        const int len = bad[i].max_seq < 50 ? bad[i].max_seq : 50;
+        cr_assert_eq(kvpq_vq_cache_bytes(cb, &p, len, 7, NULL, &fixed, &el), KVPQ_ERR_INVALID_ARG, "case %zu", i);
+        cr_assert(strstr(kvpq_last_error(), bad[i].needle), "%s", kvpq_last_error());
+    }
+    kvpq_cache_params p = kvpq_cache_params_default(); /* and a good one still works */
+    p.type = KVPQ_CACHE_VQ, p.n_layer = 1, p.n_head = 1, p.n_head_kv = 1, p.head_dim = 16, p.codebook = cb;
+    p.max_seq = 100, p.window = 16, p.page_tokens = 16;
+    size_t fixed = 0;
+    int64_t el = 0;
+    cr_assert_eq(kvpq_vq_cache_bytes(cb, &p, 50, 7, NULL, &fixed, &el), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(el, 2 * 50 * 16);
+    kvpq_codebook_free(cb);
+}

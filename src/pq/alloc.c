@@ -96,6 +96,14 @@ kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params
                                 size_t *layer_bytes, size_t *fixed_bytes, int64_t *elements) {
     if (!cb || !p || len < 0 || step < 1)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_vq_cache_bytes: NULL argument, len %d or step %d", len, step);
+    /* The ranges kvpq_cache_new takes: page_tokens 0 divided by zero below, and a window or max_seq
+     * near INT_MAX overflowed window + ALLOC_FLUSH. */
+    if (p->max_seq < 1 || p->max_seq > KVPQ_CACHE_MAX_SEQ || p->page_tokens < 1 || p->page_tokens > (1 << 20) ||
+        p->window < 0 || p->sliding_window < 0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                         "kvpq_vq_cache_bytes: max_seq %d (expected 1..%d), page_tokens %d (1..%d), window %d, "
+                         "sliding_window %d (>= 0): out of range", p->max_seq, KVPQ_CACHE_MAX_SEQ, p->page_tokens,
+                         1 << 20, p->window, p->sliding_window);
     kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
     if (cp.n_layer != p->n_layer || cp.n_head_kv != p->n_head_kv || cp.head_dim != p->head_dim || p->max_seq < 1 ||
         len > p->max_seq)
