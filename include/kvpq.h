@@ -433,10 +433,11 @@ KVPQ_API kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer,
  * the budget and is optimal for the rounded weights (within one quantum per group of the optimum's
  * weight). O(n_groups * n_choices * min(budget, max_units)) time, n_groups * (units + 1) bytes.
  * cost, weight: (n_groups, n_choices); a choice with weight < 0 or cost +Inf is unavailable.
- * max_units 0: 65536. choice: (n_groups) the chosen index per group; total_cost, total_weight (may be
+ * max_units 0: 65536, at most KVPQ_ALLOC_MAX_UNITS. choice: (n_groups) the chosen index per group; total_cost, total_weight (may be
  * NULL) its sums (ties: the lowest total weight is not guaranteed, the lowest-index choice is kept).
  * Errors: KVPQ_ERR_INVALID_ARG (sizes, NaN cost, a group with no usable choice), KVPQ_ERR_CAPACITY
  * (even the lightest choices exceed the budget; the message says their weight), KVPQ_ERR_NOMEM. */
+#define KVPQ_ALLOC_MAX_UNITS ((int64_t)1 << 30) /* largest max_units (tables of n_groups x units bytes) */
 KVPQ_API kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, const int64_t *weight,
                                      int64_t budget, int64_t max_units, int *choice, double *total_cost,
                                      int64_t *total_weight);

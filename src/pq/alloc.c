@@ -17,8 +17,14 @@ kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, con
         return kvpq__err(KVPQ_ERR_INVALID_ARG,
                          "kvpq_alloc_mckp: n_groups %d (>= 1), n_choices %d (1..255), budget %lld (>= 0), max_units "
                          "%lld (>= 0), or a NULL array", n_groups, n_choices, (long long)budget, (long long)max_units);
+    /* Units are bounded: the tables take n_groups * (units + 1) bytes, and with budget and max_units
+     * near INT64_MAX the sizes (U + 1) * sizeof(double) wrapped to a small allocation. */
+    if (max_units > KVPQ_ALLOC_MAX_UNITS)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_alloc_mckp: max_units %lld: expected 0..%lld", (long long)max_units,
+                         (long long)KVPQ_ALLOC_MAX_UNITS);
     if (max_units == 0) max_units = 1 << 16;
-    const int64_t q = budget > max_units ? (budget + max_units - 1) / max_units : 1; /* weight quantum */
+    /* ceil(budget / max_units) and ceil(w / q) below without forming budget + max_units - 1 (overflow) */
+    const int64_t q = budget > max_units ? budget / max_units + (budget % max_units != 0) : 1; /* weight quantum */
     const int64_t U = budget / q;
     const size_t G = (size_t)n_groups, C = (size_t)n_choices;
     int any_ok = 1;
@@ -50,7 +56,7 @@ kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, con
                 int64_t w = weight[g * C + c];
                 double x = cost[g * C + c];
                 if (w < 0 || !isfinite(x)) continue;
-                int64_t wu = (w + q - 1) / q; /* rounded up: a pick within U units is within budget */
+                int64_t wu = w / q + (w % q != 0); /* rounded up: a pick within U units is within budget */
                 if (wu > u) continue;
                 double t = best[u - wu] + x;
                 if (t < b) b = t, bc = (int)c;
@@ -69,7 +75,7 @@ kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, con
             int64_t m = INT64_MAX;
             for (size_t c = 0; c < C; c++)
                 if (weight[g * C + c] >= 0 && isfinite(cost[g * C + c]) && weight[g * C + c] < m) m = weight[g * C + c];
-            wmin += m;
+            wmin = m > INT64_MAX - wmin ? INT64_MAX : wmin + m; /* saturated: only a message */
         }
         s = kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_alloc_mckp: budget %lld is below the lightest allocation (%lld)",
                       (long long)budget, (long long)wmin);
@@ -79,7 +85,7 @@ kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, con
         for (size_t g = G; g-- > 0;) {
             int c = pick[g * (size_t)(U + 1) + (size_t)u];
             choice[g] = c;
-            u -= (weight[g * C + (size_t)c] + q - 1) / q;
+            u -= weight[g * C + (size_t)c] / q + (weight[g * C + (size_t)c] % q != 0);
             tw += weight[g * C + (size_t)c];
             tc += cost[g * C + (size_t)c];
         }
