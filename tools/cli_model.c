@@ -352,6 +352,11 @@ int32_t *cli_parse_ids(const char *s, size_t len, size_t *n) {
     int32_t *ids = malloc(cap * sizeof *ids);
     for (size_t i = 0; ids && i < len;) {
         if (s[i] < '0' || s[i] > '9') {
+            /* "-5" is a negative number, not a separator and the id 5 (it was read as 5) */
+            if (s[i] == '-' && i + 1 < len && s[i + 1] >= '0' && s[i + 1] <= '9') {
+                free(ids);
+                return NULL;
+            }
             i++;
             continue;
         }

@@ -59,8 +59,8 @@ void cli_utf8_flush(cli_utf8_stream *st, FILE *f);
 int cli_utf8_valid(const unsigned char *s, size_t n, size_t *bad_offset);
 
 /* Token ids written as decimal numbers with any separators ("[2, 818, 5279]" as llama-tokenize
- * --ids prints them, or "2 818 5279"): a malloc'd array and its count *n. NULL when out of memory
- * or a number exceeds int32. */
+ * --ids prints them, or "2 818 5279"): a malloc'd array and its count *n. NULL when out of memory,
+ * a number exceeds int32 or is negative ('-' right before a digit). */
 int32_t *cli_parse_ids(const char *s, size_t len, size_t *n);
 
 /* Read a whole text file into a NUL-terminated buffer (caller frees). NULL with errno set on

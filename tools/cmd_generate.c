@@ -215,7 +215,7 @@ int cmd_generate(int argc, char **argv) {
             toks = malloc(sizeof *toks);
         }
         if (!toks) {
-            fprintf(stderr, "kvpq generate: --prompt-ids: out of memory or a number beyond int32\n");
+            fprintf(stderr, "kvpq generate: --prompt-ids: out of memory, or a negative number or one beyond int32\n");
             goto done;
         }
     } else

@@ -107,7 +107,7 @@ static void ppl_stats(double nll, double nll2, int64_t count, double *ppl, doubl
 
 #define json_num cli_json_num
 
-static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "-f", "--cache", "--kl-base",
+static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "-f", "--tokens", "--cache", "--kl-base",
                                    "--ctx", "-c", "--chunks", "--batch", "-b", "--threads", "-t", NULL};
 
 int cmd_ppl(int argc, char **argv) {
@@ -207,7 +207,7 @@ int cmd_ppl(int argc, char **argv) {
     if (ids_path) {
         toks = cli_parse_ids(text, text_len, &n_tok);
         if (!toks) {
-            fprintf(stderr, "kvpq ppl: --tokens '%s': out of memory or a number beyond int32\n", ids_path);
+            fprintf(stderr, "kvpq ppl: --tokens '%s': out of memory, or a negative number or one beyond int32\n", ids_path);
             goto done;
         }
         for (size_t i = 0; i < n_tok; i++)

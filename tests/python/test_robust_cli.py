@@ -254,6 +254,24 @@ def test_signal_during_prompt_cache_save_leaves_no_temporary(tmp_path, signame):
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
 
 
+@need_model
+def test_negative_token_ids_refused(tmp_path):
+    """--prompt-ids "-5" was read as the id 5 ('-' taken as a separator): a negative number is now
+    refused by name, in ppl --tokens too, which is accepted again."""
+    r = run("generate", "--model", MODEL, "-n", 1, "--prompt-ids", "-5")
+    assert r.returncode != 0 and b"negative" in r.stderr, (r.returncode, r.stderr[-300:])
+    ids = tmp_path / "ids.txt"
+    ids.write_text("[1, 2, -3, 4]")
+    r = run("ppl", "--model", MODEL, "--tokens", ids, "--ctx", 4, "--chunks", 1)
+    assert r.returncode != 0 and b"negative" in r.stderr, (r.returncode, r.stderr[-300:])
+    r = run("generate", "--model", MODEL, "-n", 1, "--temp", 0, "--prompt-ids", "[1, 2]")  # separators still work
+    assert r.returncode == 0, r.stderr[-300:]
+    # ppl --tokens (in its --help) was refused as an unknown option: it was missing from the option list
+    ids.write_text("[1, 2, 3, 4, 5, 6, 7, 8]")
+    r = run("ppl", "--model", MODEL, "--tokens", ids, "--ctx", 4, "--chunks", 1)
+    assert r.returncode == 0 and b"PPL" in r.stdout + r.stderr, (r.returncode, r.stderr[-300:])
+
+
 # ---- item 2: prompt injection through --chat ----
 
 
