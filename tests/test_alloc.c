@@ -110,7 +110,7 @@ static kvpq_codebook *make_cb(int n_layer, int H, int D, const char *key, const 
     return cb;
 }
 
-static void check_bytes(int sliding_window, int window, int page, int len, int step) {
+static void check_bytes_sinks(int sliding_window, int window, int page, int len, int step, int sinks) {
     const int L = 3, H = 2, D = 16;
     kvpq_codebook *cb = make_cb(L, H, D, "d4b8", "d8b8");
     cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 1, 8), KVPQ_OK); /* d2b8 keys in layer 1 */
@@ -122,6 +122,7 @@ static void check_bytes(int sliding_window, int window, int page, int len, int s
     p.max_seq = len, p.window = window, p.page_tokens = page, p.codebook = cb, p.n_threads = 1;
     p.backend = KVPQ_BACKEND_CPU;
     p.sliding_window = sliding_window, p.swa_layers = sliding_window ? swa : NULL;
+    p.sinks = sinks;
     kvpq_cache *c = NULL;
     cr_assert_eq(kvpq_cache_new(&c, &p), KVPQ_OK, "%s", kvpq_last_error());
     float *k = rand_vec((size_t)len * H * D, 1, 1.0f), *v = rand_vec((size_t)len * H * D, 2, 1.0f);
@@ -137,11 +138,11 @@ static void check_bytes(int sliding_window, int window, int page, int len, int s
     int64_t el = 0;
     cr_assert_eq(kvpq_vq_cache_bytes(cb, &p, len, step, lb, &fixed, &el), KVPQ_OK, "%s", kvpq_last_error());
     for (int i = 0; i < 6; i++) sum += lb[i];
-    cr_assert_eq(sum + fixed, st.resident_bytes, "sw %d window %d page %d len %d step %d: model %zu, cache %zu",
-                 sliding_window, window, page, len, step, sum + fixed, st.resident_bytes);
+    cr_assert_eq(sum + fixed, st.resident_bytes, "sw %d window %d page %d len %d step %d sinks %d: model %zu, cache %zu",
+                 sliding_window, window, page, len, step, sinks, sum + fixed, st.resident_bytes);
     cr_assert_eq(el, st.elements, "elements: model %lld, cache %lld", (long long)el, (long long)st.elements);
     /* a layer's key part grows with its M: d2b8 (layer 1) > d4b8 (layer 0) > d8b8 (layer 2) */
-    if (st.tokens_coded > 0 && !sliding_window) { /* codes only (centroids: the other way round) */
+    if (st.tokens_coded > 0 && !sliding_window && !sinks) { /* codes only (centroids: the other way round) */
         size_t code[3];
         for (int l = 0; l < 3; l++) code[l] = lb[2 * l] - kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 0)) * 4;
         cr_assert(code[1] > code[0] && code[0] > code[2], "%zu %zu %zu", code[0], code[1], code[2]);
@@ -152,7 +153,18 @@ static void check_bytes(int sliding_window, int window, int page, int len, int s
     free(v);
 }
 
+static void check_bytes(int sliding_window, int window, int page, int len, int step) {
+    check_bytes_sinks(sliding_window, window, page, len, step, 0);
+}
+
 Test(alloc, byte_model_equals_the_cache_resident_bytes) {
+    /* attention sinks: fp16, allocated with the cache; the kind's positions start after them */
+    check_bytes_sinks(0, 8, 16, 100, 24, 1);
+    check_bytes_sinks(0, 8, 16, 100, 512, 4);
+    check_bytes_sinks(0, 0, 32, 300, 512, 16);
+    check_bytes_sinks(0, 8, 16, 3, 512, 4); /* only sinks held */
+    check_bytes_sinks(20, 8, 16, 200, 24, 4);
+    check_bytes_sinks(40, 4, 8, 333, 7, 1);
     check_bytes(0, 8, 16, 100, 24);
     check_bytes(0, 8, 16, 100, 1);
     check_bytes(0, 128, 256, 100, 512); /* nothing coded yet */
