@@ -344,6 +344,49 @@ Test(alloc, the_sensitive_layer_gets_the_most_bits_and_the_budget_holds, .timeou
                                      t[(c * 2 + kind) * SL + l]);
                     }
             }
+    /* Other windows (calibrate --window-candidates), scaled from the measured window (16) by each
+     * candidate's attention-output error: the measured window scales to itself; a window holding
+     * every position codes none (0); against a forward-pass measurement at window 64, within a factor
+     * WIN_TOL per layer where it matters, the same total ordering of windows, and the sensitive layer
+     * still costs the most. */
+    {
+        const int wins[3] = {16, 64, NH};
+        double klw[3 * 3 * 2 * SL], kl16[3 * 2 * SL], kl64[3 * 2 * SL];
+        sp.ref_cand = -1;
+        sp.window = 16, sp.windows = wins, sp.n_windows = 3, sp.kl_windows = klw;
+        cr_assert_eq(kvpq_model_layer_sensitivity(m, tok + NT, NH, (const kvpq_codebook *const *)cc, 3, &sp, kl16),
+                     KVPQ_OK, "%s", kvpq_last_error());
+        sp.window = 64, sp.windows = NULL, sp.n_windows = 0, sp.kl_windows = NULL;
+        cr_assert_eq(kvpq_model_layer_sensitivity(m, tok + NT, NH, (const kvpq_codebook *const *)cc, 3, &sp, kl64),
+                     KVPQ_OK, "%s", kvpq_last_error());
+        /* the scaled KL at 64 vs the measured: KL is second order in the logit change, the error ratio
+         * first order in the attention output's; measured here within 10%, asserted within 30% */
+        const double WIN_TOL = 1.3;
+        double s16 = 0, s64w = 0, s64m = 0;
+        for (int i = 0; i < 3 * 2 * SL; i++) {
+            cr_assert_float_eq(klw[i], kl16[i], 1e-12 + 1e-9 * kl16[i], "window 16 scaled to itself: %g vs %g", klw[i],
+                               kl16[i]);
+            cr_assert_eq(klw[2 * 3 * 2 * SL + i], 0.0, "a window of every position codes none");
+            const double sc = klw[3 * 2 * SL + i], me = kl64[i];
+            fprintf(stderr, "window 64, %s %s layer %d: scaled %.4g measured %.4g\n", PRESETS[i / (2 * SL)],
+                    i / SL % 2 ? "values" : "keys", i % SL, sc, me);
+            if (me > 0.05 * kl16[i] && me > 1e-5)
+                cr_assert(sc < WIN_TOL * me && me < WIN_TOL * sc, "window 64, item %d: scaled %g, measured %g", i, sc, me);
+            s16 += kl16[i], s64w += sc, s64m += me;
+        }
+        cr_assert(s64w < s16 && s64m < s16, "a longer window loses less: 16: %g, 64: scaled %g, measured %g", s16, s64w,
+                  s64m);
+        for (int c = 0; c < 3; c++)
+            for (int l = 0; l < SL; l++)
+                if (l != SENSITIVE)
+                    cr_assert_gt(klw[3 * 2 * SL + (c * 2 + 0) * SL + SENSITIVE], klw[3 * 2 * SL + (c * 2 + 0) * SL + l]);
+        sp.window = 16;
+        const int bad[1] = {-1};
+        sp.windows = bad, sp.n_windows = 1, sp.kl_windows = klw;
+        cr_assert_eq(kvpq_model_layer_sensitivity(m, tok + NT, NH, (const kvpq_codebook *const *)cc, 3, &sp, kl16),
+                     KVPQ_ERR_INVALID_ARG);
+        sp.windows = NULL, sp.n_windows = 0, sp.kl_windows = NULL;
+    }
     /* more bits, less loss, in the sensitive layer */
     cr_assert_gt(kl[(0 * 2 + 0) * SL + SENSITIVE], kl[(2 * 2 + 0) * SL + SENSITIVE]);
     /* the knapsack over keys and values at a budget of 2.2 bits at context CTX */
