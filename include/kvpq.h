@@ -507,8 +507,8 @@ typedef struct {
      * groups and pages count from there). Attention merges the two parts exactly (online softmax:
      * each part's output and log-sum-exp). Counted in resident_bytes (2 * sinks * n_head_kv *
      * head_dim * 2 bytes per layer, allocated with the cache). 0 (default): none. Any kind but fp32
-     * and fp16 (KVPQ_ERR_INVALID_ARG there), 0..65536; kvpq_cache_save refuses a cache with sinks
-     * (KVPQ_ERR_UNSUPPORTED). In a sliding-window layer a sink is seen only while inside the window. */
+     * and fp16 (KVPQ_ERR_INVALID_ARG there), 0..65536; kvpq_cache_save stores them (saved-cache
+     * format version 3). In a sliding-window layer a sink is seen only while inside the window. */
     int sinks;
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
@@ -518,8 +518,8 @@ KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
  * `step` (kvpq_model_eval appends in steps of 512), split as kvpq_cache_resident_bytes counts them:
  * layer_bytes (n_layer, 2) (may be NULL): per layer, the key [.., 0] and value [.., 1] part: codes
  * and norm-explicit scales of the coded positions held (whole pages) plus that quantizer's
- * centroids; *fixed_bytes: what no quantizer choice changes (the fp16 window rings, smoothing
- * factors, key means); *elements: K and V elements held (as kvpq_cache_stats.elements; a
+ * centroids; *fixed_bytes: what no quantizer choice changes (the fp16 window rings, the attention
+ * sinks of p->sinks, smoothing factors, key means); *elements: K and V elements held (as kvpq_cache_stats.elements; a
  * sliding-window layer holds fewer positions). Effective bits = 8 * (sum + fixed) / elements.
  * Errors: KVPQ_ERR_INVALID_ARG (NULL, shapes that differ, len beyond max_seq). */
 KVPQ_API kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params *p, int len, int step,
@@ -580,9 +580,12 @@ KVPQ_API kvpq_status kvpq_cache_get_stats(const kvpq_cache *c, kvpq_cache_stats 
  * A cache's stored state (codes, scales, windows: every kind, exactly as held, so attention after a
  * load equals attention before the save) in one file: a header (magic "KVPQSAVE", format version,
  * cache kind, shapes, max_seq, window, page_tokens, an XXH64 fingerprint of the VQ codebook, the
- * positions held and the first one still held per layer), an optional caller blob (e.g. the model and the prompt's tokens), the
- * kind's payload, then an XXH64 checksum (xxHash, Collet) over everything before it. */
-#define KVPQ_CACHE_FILE_VERSION 2 /* 2 added the first position held per layer (sliding windows); 1 loads */
+ * positions held and the first one still held per layer), an optional caller blob (e.g. the model and the prompt's tokens),
+ * the attention sinks (fp16, version 3 only), the kind's payload, then an XXH64 checksum (xxHash,
+ * Collet) over everything before it. A cache without sinks is written as version 2, so readers
+ * of version 2 read it; versions 1 and 2 load. */
+#define KVPQ_CACHE_FILE_VERSION 3 /* newest version read and written: 3 added attention sinks (written only when
+                                   * sinks > 0), 2 the first position held per layer (sliding windows) */
 
 /* Write c to path atomically: a temporary file in the same folder, flushed and fsync'd, renamed over
  * path; on any error it is removed and an existing file at path is left as it was. user: user_len
@@ -596,8 +599,9 @@ KVPQ_API kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, cons
  * p->max_seq may be larger than the file's (KVPQ_ERR_CAPACITY when the positions held exceed it).
  * *user (malloc'd, caller frees; NULL when none) and *user_len get the caller blob; either may be
  * NULL. Errors, each naming the file: KVPQ_ERR_IO (cannot open or read), KVPQ_ERR_FORMAT (not a
- * saved cache, another format version, truncated, checksum mismatch: corrupted),
- * KVPQ_ERR_MISMATCH (another kind, shape, window, page size or codebook: the field is named). On
+ * saved cache, another format version, truncated, checksum mismatch: corrupted, a sink that is not a
+ * finite fp16 value), KVPQ_ERR_MISMATCH (another kind, shape, window, page size, codebook or number
+ * of sinks: the field is named; a file from before version 3 holds 0 sinks). On
  * error *out is NULL. */
 KVPQ_API kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const char *path, void **user,
                                      size_t *user_len);

@@ -128,6 +128,16 @@ typedef struct {
     int n_threads;  /* 0 = OpenMP default */
     kvpq_progress_fn progress; /* optional: stage "sensitivity", done/total over measurements */
     void *progress_user;
+    /* Other windows (optional, 0..15; `window` is the one measured): for each windows[w] (>= 0),
+     * kl_windows[((w * n_cand + c) * 2 + kind) * n_layer + l] (caller's, n_windows * n_cand * 2 *
+     * n_layer doubles) gets kl(c, window) * e(c, W) / e(c, window), e the attention-output error as
+     * for ref_cand with the coded positions of window W (KL second order in the logit change, as
+     * above); +inf where W codes positions and `window` codes none (measure at the smallest window).
+     * The errors of every window come from one pass over each layer's scores (nested coded
+     * prefixes). Default 0: none. */
+    const int *windows;
+    int n_windows;
+    double *kl_windows;
 } kvpq_sensitivity_params;
 KVPQ_API kvpq_sensitivity_params kvpq_sensitivity_params_default(void);
 

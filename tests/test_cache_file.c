@@ -65,6 +65,9 @@ static kvpq_cache *filled(const kvpq_cache_params *p, int L, uint64_t seed) {
     return c;
 }
 
+static unsigned char *slurp(const char *path, size_t *n);
+static void spit(const char *path, const unsigned char *b, size_t n);
+
 static void tmp_path(char *buf, size_t n, const char *name) {
     snprintf(buf, n, "/tmp/kvpq_test_cache_file_%d_%s", (int)getpid(), name);
 }
@@ -108,15 +111,21 @@ static void append_both(kvpq_cache *a, kvpq_cache *b, int n, uint64_t seed) {
     free(k), free(v);
 }
 
-static void round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, int truncate_to, uint64_t seed) {
+static void round_trip_sinks(kvpq_cache_type t, const kvpq_codebook *cb, int L, int truncate_to, uint64_t seed,
+                             int sinks) {
     const char *tn = kvpq_cache_type_name(t);
     kvpq_cache_params p = params(t, cb);
+    p.sinks = sinks;
     kvpq_cache *a = filled(&p, L, seed);
     if (truncate_to >= 0) cr_assert_eq(kvpq_cache_truncate(a, truncate_to), KVPQ_OK, "%s", kvpq_last_error());
     char path[256];
     tmp_path(path, sizeof path, "rt.kvc");
     const char blob[] = "model=smol;tokens=1,2,3";
     cr_assert_eq(kvpq_cache_save(a, path, blob, sizeof blob), KVPQ_OK, "%s: %s", tn, kvpq_last_error());
+    size_t fn;
+    unsigned char *fb = slurp(path, &fn);
+    cr_assert_eq(fb[8], sinks > 0 ? 3 : 2, "%s sinks %d: format version %d", tn, sinks, fb[8]); /* v2 unless sinks */
+    free(fb);
     kvpq_cache *b = NULL;
     void *user = NULL;
     size_t user_len = 0;
@@ -126,7 +135,7 @@ static void round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, int tr
     cr_assert(!memcmp(user, blob, sizeof blob));
     free(user);
     char what[64];
-    snprintf(what, sizeof what, "%s L %d trunc %d", tn, L, truncate_to);
+    snprintf(what, sizeof what, "%s L %d trunc %d sinks %d", tn, L, truncate_to, sinks);
     if (kvpq_cache_seq_len(a, 0) > 0) expect_same(a, b, 3 < kvpq_cache_seq_len(a, 0) ? 3 : 1, seed + 7, what);
     /* The loaded cache carries on exactly as the original: encode, window flushes, pages. */
     append_both(a, b, 70, seed + 11);
@@ -134,6 +143,10 @@ static void round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, int tr
     kvpq_cache_free(a);
     kvpq_cache_free(b);
     unlink(path);
+}
+
+static void round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, int truncate_to, uint64_t seed) {
+    round_trip_sinks(t, cb, L, truncate_to, seed, 0);
 }
 
 Test(cache_file, round_trip_every_kind_identical_attention) {
@@ -158,10 +171,11 @@ Test(cache_file, round_trip_every_kind_identical_attention) {
  * carries on the same. A cache without that sliding window refuses the file. */
 #define SW 40
 static void expect_load_fails(const kvpq_cache_params *p, const char *path, kvpq_status want, const char *needle);
-static void swa_round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, uint64_t seed) {
+static void swa_round_trip_sinks(kvpq_cache_type t, const kvpq_codebook *cb, int L, uint64_t seed, int sinks) {
     static const uint8_t swa[N_LAYER] = {1, 0};
     const char *tn = kvpq_cache_type_name(t);
     kvpq_cache_params p = params(t, cb);
+    p.sinks = sinks;
     p.sliding_window = SW;
     p.swa_layers = swa;
     kvpq_cache *a = filled(&p, L, seed);
@@ -203,10 +217,15 @@ static void swa_round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, ui
         append_both(a, b, 70, seed + 11); /* carries on: more pages freed alike */
     }
     kvpq_cache_params g = params(t, cb); /* the same shapes, no sliding window */
+    g.sinks = sinks;
     expect_load_fails(&g, path, KVPQ_ERR_MISMATCH, "sliding window");
     kvpq_cache_free(a);
     kvpq_cache_free(b);
     unlink(path);
+}
+
+static void swa_round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, uint64_t seed) {
+    swa_round_trip_sinks(t, cb, L, seed, 0);
 }
 
 static void expect_load_fails(const kvpq_cache_params *p, const char *path, kvpq_status want, const char *needle) {
@@ -277,9 +296,9 @@ Test(cache_file, corrupted_truncated_and_mismatched_are_refused) {
     expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "not a kvpq saved cache");
     unsigned char *v2 = malloc(n);
     memcpy(v2, good, n);
-    v2[8] = 3;
+    v2[8] = 4;
     spit(bad, v2, n);
-    expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "format version 3");
+    expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "format version 4");
     free(v2);
     /* mismatches: kind, codebook, shape, window, pages, capacity */
     kvpq_cache_params q;
@@ -470,4 +489,115 @@ Test(cache_file, sigint_or_sigterm_mid_save_leaves_no_temporary, .timeout = 600)
                          entries, dir);
             rmdir(dir);
         }
+/* Attention sinks (format version 3): every quantized kind, sinks shorter and longer than the
+ * sequence, after a truncate and with a sliding-window layer: identical attention, read-back and
+ * bytes, and the loaded cache carries on the same. */
+Test(cache_file, sinks_round_trip_every_quantized_kind) {
+    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_Q8_0,  KVPQ_CACHE_Q4_0,  KVPQ_CACHE_Q8_0R,
+                                            KVPQ_CACHE_Q4_0R, KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4};
+    const int nk = (int)(sizeof kinds / sizeof kinds[0]);
+    for (int k = 0; k < nk; k++) {
+        round_trip_sinks(kinds[k], NULL, 3, -1, 2000u + k, 4);   /* all positions are sinks */
+        round_trip_sinks(kinds[k], NULL, 300, -1, 2100u + k, 1);
+        round_trip_sinks(kinds[k], NULL, 300, 150, 2200u + k, 4); /* after a truncate */
+    }
+    kvpq_cache_type swa_kinds[] = {KVPQ_CACHE_Q4_0, KVPQ_CACHE_KIVI2};
+    for (int k = 0; k < 2; k++) swa_round_trip_sinks(swa_kinds[k], NULL, 300, 2300u + k, 4);
+    kvpq_codebook *cb = make_codebook(1, 61u);
+    round_trip_sinks(KVPQ_CACHE_VQ, cb, 3, -1, 2400u, 4);
+    round_trip_sinks(KVPQ_CACHE_VQ, cb, 300, -1, 2401u, 1);
+    round_trip_sinks(KVPQ_CACHE_VQ, cb, 300, 150, 2402u, 16);
+    swa_round_trip_sinks(KVPQ_CACHE_VQ, cb, 300, 2403u, 4);
+    kvpq_codebook_free(cb);
+}
+
+/* A file with sinks loads only into a cache with as many (and a file without into one without);
+ * a damaged sink section or sink count is refused by name (before the checksum is reached). */
+Test(cache_file, sinks_mismatch_and_corrupted_section_refused) {
+    kvpq_cache_params p = params(KVPQ_CACHE_Q4_0, NULL);
+    p.sinks = 4;
+    kvpq_cache *a = filled(&p, 200, 31);
+    char path[256], bad[256], plain[256];
+    tmp_path(path, sizeof path, "sinks.kvc");
+    tmp_path(bad, sizeof bad, "sinks_bad.kvc");
+    tmp_path(plain, sizeof plain, "plain.kvc");
+    cr_assert_eq(kvpq_cache_save(a, path, "u", 1), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_cache_params q = p;
+    q.sinks = 0;
+    expect_load_fails(&q, path, KVPQ_ERR_MISMATCH, "sinks 4, this cache has 0");
+    q.sinks = 2;
+    expect_load_fails(&q, path, KVPQ_ERR_MISMATCH, "sinks 4, this cache has 2");
+    kvpq_cache_params r = p;
+    r.sinks = 0;
+    kvpq_cache *w = filled(&r, 200, 31);
+    cr_assert_eq(kvpq_cache_save(w, plain, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+    expect_load_fails(&p, plain, KVPQ_ERR_MISMATCH, "sinks 0, this cache has 4");
+    kvpq_cache_free(w);
+    size_t n;
+    unsigned char *good = slurp(path, &n);
+    /* header 60 bytes, lens and lo (4 + 4 per layer), sinks (i32), user (1 byte), then the sinks */
+    const size_t at_sinks = 60 + 8 * N_LAYER, at_section = at_sinks + 4 + 1;
+    int32_t S;
+    memcpy(&S, good + at_sinks, 4);
+    cr_assert_eq(S, 4);
+    unsigned char *b = malloc(n);
+    const int32_t bad_counts[] = {0, -3, 2000};
+    for (int i = 0; i < 3; i++) {
+        memcpy(b, good, n);
+        memcpy(b + at_sinks, &bad_counts[i], 4);
+        spit(bad, b, n);
+        expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "sinks");
+    }
+    /* an fp16 Inf and a NaN inside layer 1's V sinks */
+    const size_t kvw = (size_t)N_HEAD_KV * HD, layer_bytes = 2 * 4 * kvw * 2;
+    const uint16_t nonfinite[] = {0x7c00, 0xfe01};
+    for (int i = 0; i < 2; i++) {
+        memcpy(b, good, n);
+        memcpy(b + at_section + layer_bytes + 4 * kvw * 2 + 2 * (kvw + 5), &nonfinite[i], 2);
+        spit(bad, b, n);
+        expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "sink section: layer 1 V at position 1 (head 0, dim 5)");
+    }
+    /* a flipped bit in a sink that stays finite: the checksum */
+    memcpy(b, good, n);
+    b[at_section + 3] ^= 0x01;
+    spit(bad, b, n);
+    expect_load_fails(&p, bad, KVPQ_ERR_FORMAT, "checksum");
+    free(b), free(good);
+    kvpq_cache_free(a);
+    unlink(path), unlink(bad), unlink(plain);
+}
+
+/* A version 2 file written by kvpq before version 3 existed (tests/data/cache/v2_fp16.kvc: an fp16
+ * cache, 1 layer, 2 heads, 1 KV head, head_dim 32, max_seq 64, pages of 16, 20 positions of
+ * rand_vec seeds 5 and 6, user blob "v2 fixture") still loads and reads back those values; the same
+ * cache saved today is the same bytes (a cache without sinks is still written as version 2). */
+Test(cache_file, version_2_fixture_loads_and_is_still_written) {
+    const char *fx = KVPQ_SOURCE_DIR "/tests/data/cache/v2_fp16.kvc";
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_FP16, p.n_layer = 1, p.n_head = 2, p.n_head_kv = 1, p.head_dim = 32;
+    p.max_seq = 64, p.window = 8, p.page_tokens = 16, p.n_threads = 1;
+    kvpq_cache *c = NULL;
+    void *user = NULL;
+    size_t user_len = 0;
+    cr_assert_eq(kvpq_cache_load(&c, &p, fx, &user, &user_len), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert(user_len == 10 && !memcmp(user, "v2 fixture", 10));
+    free(user);
+    cr_assert_eq(kvpq_cache_seq_len(c, 0), 20);
+    kvpq_cache *d = NULL;
+    cr_assert_eq(kvpq_cache_new(&d, &p), KVPQ_OK);
+    float *k = rand_vec(20 * 32, 5, 1.0f), *v = rand_vec(20 * 32, 6, 1.0f);
+    cr_assert_eq(kvpq_cache_append(d, 0, 20, k, v), KVPQ_OK);
+    float ka[20 * 32], kb[20 * 32], va[20 * 32], vb[20 * 32];
+    cr_assert_eq(kvpq_cache_read(c, 0, 0, 20, ka, va), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_read(d, 0, 0, 20, kb, vb), KVPQ_OK);
+    cr_assert(!memcmp(ka, kb, sizeof ka) && !memcmp(va, vb, sizeof va), "the fixture reads back other values");
+    char path[256];
+    tmp_path(path, sizeof path, "v2_again.kvc");
+    cr_assert_eq(kvpq_cache_save(d, path, "v2 fixture", 10), KVPQ_OK, "%s", kvpq_last_error());
+    size_t n0, n1;
+    unsigned char *a0 = slurp(fx, &n0), *a1 = slurp(path, &n1);
+    cr_assert(n0 == n1 && !memcmp(a0, a1, n0), "a cache without sinks is no longer saved as the same version 2 bytes");
+    free(a0), free(a1), free(k), free(v);
+    kvpq_cache_free(c), kvpq_cache_free(d);
+    unlink(path);
 }

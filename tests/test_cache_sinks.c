@@ -2,7 +2,7 @@
  * (fp16), the kind holds the rest as its own sequence (its read-back equals a cache without sinks fed
  * the positions from S on), attention equals fp64 attention over the read-back K/V with the sink rows
  * exact (prefill across S, decode, fewer positions than S, truncate below S, sliding-window layers),
- * the sinks are counted in resident bytes, and save/load refuse them by name. */
+ * the sinks are counted in resident bytes, and save/load keep them (format version 3). */
 #include <criterion/criterion.h>
 #include <string.h>
 #include <unistd.h>
@@ -153,7 +153,7 @@ Test(cache_sinks, sliding_window_layer_sees_sinks_only_inside_its_window) {
     free(k), free(v), free(q);
 }
 
-Test(cache_sinks, counted_in_bytes_refused_by_fp_kinds_and_save) {
+Test(cache_sinks, counted_in_bytes_refused_by_fp_kinds_and_saved) {
     const int S = 16;
     kvpq_cache *a = make(KVPQ_CACHE_Q4_0, NULL, 0, 512, 0), *b = make(KVPQ_CACHE_Q4_0, NULL, S, 512, 0);
     float *k = rand_vec(512 * NKV * HD, 1, 1.0f), *v = rand_vec(512 * NKV * HD, 2, 1.0f);
@@ -177,14 +177,18 @@ Test(cache_sinks, counted_in_bytes_refused_by_fp_kinds_and_save) {
     int fd = mkstemp(path);
     cr_assert(fd >= 0);
     close(fd);
-    cr_assert_eq(kvpq_cache_save(b, path, NULL, 0), KVPQ_ERR_UNSUPPORTED);
-    cr_assert(strstr(kvpq_last_error(), "sinks"), "%s", kvpq_last_error());
-    cr_assert_eq(kvpq_cache_save(a, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+    /* saved with its sinks (format version 3; tests/test_cache_file.c covers every kind) */
+    cr_assert_eq(kvpq_cache_save(b, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
     kvpq_cache_params p;
     cr_assert_eq(kvpq_cache_get_params(b, &p), KVPQ_OK);
     cr_assert_eq(p.sinks, S);
     kvpq_cache *c = NULL;
-    cr_assert_eq(kvpq_cache_load(&c, &p, path, NULL, NULL), KVPQ_ERR_UNSUPPORTED);
+    cr_assert_eq(kvpq_cache_load(&c, &p, path, NULL, NULL), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_resident_bytes(c), kvpq_cache_resident_bytes(b));
+    kvpq_cache_free(c);
+    c = NULL;
+    cr_assert_eq(kvpq_cache_save(a, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_load(&c, &p, path, NULL, NULL), KVPQ_ERR_MISMATCH); /* a file without sinks */
     cr_assert(strstr(kvpq_last_error(), "sinks"), "%s", kvpq_last_error());
     cr_assert_null(c);
     unlink(path);

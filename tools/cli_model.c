@@ -9,24 +9,9 @@
 
 #include "cli.h"
 #include "cli_model.h"
+#include "cli_spec.h"
 
 /* ---- caches ---- */
-
-/* A trailing ":<letter>" followed by digits (or nothing): ":wN" is the full-precision window of a
- * VQ or KIVI cache, ":sN" the attention sinks of a quantized cache (kvpq_cache_params.sinks).
- * Strips it from `buf` and returns N; -1 when there is none; -2 (error printed) when it is empty or
- * out of range. A codebook path that itself ends in ":w<digits>" or ":s<digits>" cannot be named. */
-static long spec_suffix(char *buf, const char *spec, char letter, const char *what, long max) {
-    char *w = strrchr(buf, ':');
-    if (!w || w[1] != letter || strspn(w + 2, "0123456789") != strlen(w + 2)) return -1;
-    if (!w[2] || strlen(w + 2) > 7 || strtol(w + 2, NULL, 10) > max)
-        return cli_usage_error("cache '%s': %s ':%c%s': expected :%cN with N in 0..%ld", spec, what, letter, w + 2,
-                               letter, max),
-               -2;
-    long n = strtol(w + 2, NULL, 10);
-    *w = '\0';
-    return n;
-}
 
 int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_seq, int n_threads) {
     kvpq_model_info info;
@@ -35,39 +20,13 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_
     memset(c, 0, sizeof *c);
     snprintf(c->spec, sizeof c->spec, "%s", spec);
     kvpq_cache_params cp = kvpq_cache_params_default();
-    char base[sizeof c->spec];
-    if (snprintf(base, sizeof base, "%s", spec) >= (int)sizeof base)
-        return cli_usage_error("cache spec '%.64s...' is longer than %zu bytes", spec, sizeof base - 1);
-    /* ":force": use a codebook whose recorded model differs from this one (kvpq_codebook_check_model). */
-    int force = 0;
-    size_t bl = strlen(base);
-    if (bl > 6 && !strcmp(base + bl - 6, ":force")) {
-        base[bl - 6] = '\0';
-        force = 1;
-    }
-    /* :wN and :sN in either order. */
-    long window = -1, sinks = -1;
-    for (int i = 0; i < 2; i++) {
-        long w = window < 0 ? spec_suffix(base, spec, 'w', "window", 1L << 20) : -1;
-        if (w == -2) return 2;
-        if (w >= 0) window = w;
-        long sn = sinks < 0 ? spec_suffix(base, spec, 's', "sinks", 65536) : -1;
-        if (sn == -2) return 2;
-        if (sn >= 0) sinks = sn;
-    }
-    const char *vq_path = NULL;
-    kvpq_status s = kvpq_cache_type_parse(base, &cp.type, &vq_path);
-    if (s == KVPQ_OK && window >= 0) {
-        if (cp.type != KVPQ_CACHE_VQ && cp.type != KVPQ_CACHE_KIVI2 && cp.type != KVPQ_CACHE_KIVI4)
-            return cli_usage_error("cache '%s': a window (:w%ld) applies to vq and kivi caches only", spec, window);
-        cp.window = (int)window;
-    }
-    if (s == KVPQ_OK && sinks >= 0) {
-        if (cp.type == KVPQ_CACHE_FP32 || cp.type == KVPQ_CACHE_FP16)
-            return cli_usage_error("cache '%s': sinks (:s%ld) apply to the quantized caches only", spec, sinks);
-        cp.sinks = (int)sinks;
-    }
-    if (s != KVPQ_OK) return cli_fail("cache spec", s);
+    cli_cache_spec sp;
+    char err[512];
+    if (cli_cache_spec_parse(spec, &sp, err, sizeof err) != 0) return cli_usage_error("%s", err);
+    cp.type = sp.type;
+    const char *vq_path = sp.type == KVPQ_CACHE_VQ ? sp.path : NULL;
+    const int force = sp.force;
+    kvpq_status s;
     if (vq_path) {
         s = kvpq_codebook_load(&c->codebook, vq_path);
         if (s != KVPQ_OK) {
@@ -92,6 +51,29 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_
             fprintf(stderr, "kvpq: cache '%s': warning: the codebook file records no model fingerprint (written "
                             "before kvpq recorded one): cannot check that it belongs to this model\n", spec);
     }
+    /* window and sinks: the SPEC's suffixes; else, for vq, what the codebook's allocation was made
+     * for (alloc.window / alloc.sinks, written by calibrate --bits); else the defaults (window 128,
+     * the CLI's sinks: cli_cache_default_sinks) */
+    int window = sp.window, sinks = sp.sinks;
+    if (c->codebook) {
+        const char *keys[2] = {"alloc.window", "alloc.sinks"};
+        int *dst[2] = {&window, &sinks};
+        for (int i = 0; i < 2; i++) {
+            const char *v = kvpq_codebook_get_meta(c->codebook, keys[i]);
+            char *e = NULL;
+            long x = v ? strtol(v, &e, 10) : -1;
+            if (v && (e == v || *e || x < 0 || x > (i ? 65536L : 1L << 20))) {
+                fprintf(stderr, "kvpq: cache '%s': codebook metadata %s = '%s' is not a number in 0..%ld\n", spec,
+                        keys[i], v, i ? 65536L : 1L << 20);
+                kvpq_codebook_free(c->codebook);
+                c->codebook = NULL;
+                return 1;
+            }
+            if (v && *dst[i] < 0) *dst[i] = (int)x;
+        }
+    }
+    if (window >= 0) cp.window = window;
+    cp.sinks = sinks >= 0 ? sinks : cli_cache_default_sinks(cp.type);
     kvpq_model_cache_params(m, &cp); /* shape and sliding window */
     cp.max_seq = max_seq;
     cp.n_threads = n_threads;

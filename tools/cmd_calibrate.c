@@ -8,6 +8,7 @@
  * (VecInfer, arXiv 2510.06175, sec. 3), rotates the values too when asked, and trains one key and one value codebook per layer by
  * k-means on the transformed data (all KV heads of a layer pooled). Writes a safetensors codebook
  * file (kvpq_codebook_save) with the model, text, token count and configuration as metadata. */
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,8 @@ typedef struct {
     double bits;
     const char *cands;
     long holdout_ctx, holdout_chunks, window, alloc_values, sinks, full_sens;
+    const char *window_cands; /* --window-candidates; parsed into wins (ascending, distinct) */
+    int wins[16], n_wins;
     double more_bits[8];
     const char *more_out[8];
     int n_more_bits;
@@ -70,8 +73,12 @@ static void calib_usage(FILE *f) {
             "  --candidates P,P,...  presets to choose among, one nbits (default d8b8,d4b8,d2b8)\n"
             "  --holdout-ctx N       tokens per held-out chunk of the measurement (default min(--ctx, 1024))\n"
             "  --holdout-chunks K    held-out chunks (default 1)\n"
-            "  --window W            full-precision window of the cache the allocation is for (default 128)\n"
-            "  --sinks S             first positions kept exact by that cache (default 0)\n"
+            "  --window-candidates W,W,...  full-precision windows (newest positions in fp16) to choose\n"
+            "                        among with the presets; the window's bytes count in the budget (default\n"
+            "                        0,16,32,64,128; at most 16)\n"
+            "  --window W            a fixed window instead (as --window-candidates W)\n"
+            "  --sinks S             first positions kept in fp16 by that cache, counted in the budget\n"
+            "                        (default 1)\n"
             "  --full-sensitivity 0|1  1: a forward pass per layer, kind and candidate; 0 (default): per layer\n"
             "                        and kind one pass at the --values candidate, the others scaled by the\n"
             "                        layer's attention-output error (3x cheaper with three candidates)\n"
@@ -149,6 +156,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--holdout-ctx", holdout_ctx, 64, 1L << 20)
         INT_OPT("--holdout-chunks", holdout_chunks, 1, 1024)
         INT_OPT("--window", window, 0, 1L << 20)
+        STR_OPT("--window-candidates", window_cands)
         INT_OPT("--sinks", sinks, 0, 1L << 20)
         INT_OPT("--alloc-values", alloc_values, 0, 1)
         INT_OPT("--full-sensitivity", full_sens, 0, 1)
@@ -179,7 +187,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
                                                "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
                                                "--center", "--key-norm", "--value-norm",
                                                "--max-points-per-centroid", "--seed", "--bits", "--candidates",
-                                               "--holdout-ctx", "--holdout-chunks", "--window", "--sinks",
+                                               "--holdout-ctx", "--holdout-chunks", "--window", "--window-candidates", "--sinks",
                                                "--alloc-values", "--full-sensitivity", "--bits-also", NULL};
             return cli_unknown_option("calibrate", o, OPTS), -2;
         }
@@ -205,11 +213,39 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
     calib_args *a = &jobs[0];
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
                       .seed = 1234, .max_ppc = -1, .center = 1, .key_norm = 1, .value_norm = 1,
-                      .cands = "d8b8,d4b8,d2b8", .holdout_chunks = 1, .window = 128, .alloc_values = -1};
+                      .cands = "d8b8,d4b8,d2b8", .holdout_chunks = 1, .window = -1, .alloc_values = -1,
+                      .sinks = 1};
     int r = parse_opts(argc, argv, a, 0);
     if (r <= 0) return r;
     if (!a->model || !a->text || !a->out)
         return cli_usage_error("calibrate: --model, --text and -o are required (see kvpq calibrate --help)"), -2;
+    /* --window-candidates: checked here, before the model is loaded and any k-means runs */
+    if (a->window >= 0 && a->window_cands)
+        return cli_usage_error("calibrate: --window and --window-candidates: give one (--window W is "
+                               "--window-candidates W)"), -2;
+    if (a->window >= 0) {
+        a->wins[0] = (int)a->window, a->n_wins = 1;
+    } else {
+        const char *w = a->window_cands ? a->window_cands : "0,16,32,64,128";
+        a->n_wins = 0;
+        while (1) {
+            char *end = NULL;
+            errno = 0;
+            long x = strtol(w, &end, 10);
+            if (end == w || (*end && *end != ',') || errno || x < 0 || x > (1L << 20) || a->n_wins == 16)
+                return cli_usage_error("calibrate: --window-candidates '%s': expected up to 16 comma-separated "
+                                       "windows in 0..%ld", a->window_cands ? a->window_cands : "", 1L << 20), -2;
+            for (int i = 0; i < a->n_wins; i++)
+                if (a->wins[i] == (int)x)
+                    return cli_usage_error("calibrate: --window-candidates '%s': window %ld is listed twice",
+                                           a->window_cands, x), -2;
+            int at = a->n_wins++; /* insertion: ascending */
+            while (at > 0 && a->wins[at - 1] > (int)x) a->wins[at] = a->wins[at - 1], at--;
+            a->wins[at] = (int)x;
+            if (!*end) break;
+            w = end + 1;
+        }
+    }
     calib_args base = *a; /* before defaults: --values stays unset unless given */
     if ((r = finish_job(a, "the main command")) <= 0) return r;
     *n_jobs = 1 + base.n_also;
@@ -511,13 +547,17 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     /* 2. sensitivities on the held-out chunks */
     rc = 1;
     const size_t nkl = (size_t)n_cand * 2 * L;
-    kl = calloc(nkl, sizeof *kl);
-    klc = calloc(nkl, sizeof *klc);
+    const int NW = a->n_wins; /* window candidates, ascending: the smallest is measured, the others scaled */
+    kl = calloc(nkl * NW, sizeof *kl);
+    klc = calloc(nkl * NW, sizeof *klc);
     tk = malloc(sizeof *tk * (size_t)hctx);
     if (!kl || !klc || !tk) goto oom;
     kvpq_sensitivity_params sp = kvpq_sensitivity_params_default();
-    sp.window = (int)a->window;
+    sp.window = a->wins[0];
     sp.sinks = (int)a->sinks;
+    sp.windows = a->wins + 1;
+    sp.n_windows = NW - 1;
+    sp.kl_windows = klc + nkl;
     sp.n_threads = (int)a->threads;
     sp.ref_cand = a->full_sens ? -1 : (vfix >= 0 ? vfix : n_cand / 2);
     cli_progress pr;
@@ -532,67 +572,97 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             rc = cli_fail("calibrate: sensitivity", s);
             goto done;
         }
-        for (size_t i = 0; i < nkl; i++) kl[i] += klc[i] / n_chunks;
+        for (size_t i = 0; i < nkl * NW; i++) kl[i] += klc[i] / n_chunks; /* kl + w * nkl: window wins[w] */
     }
     cli_progress_end(&pr, (double)nkl, NULL);
     double t_sens = cli_now();
-    /* 3. bytes of each choice at context a->ctx, the budget, the knapsack */
+    /* 3. bytes of each choice at context a->ctx, per window candidate, the budget, the knapsack */
     kvpq_cache_params cp = kvpq_cache_params_default();
     cp.type = KVPQ_CACHE_VQ;
     kvpq_model_cache_params(model, &cp);
     cp.max_seq = (int)a->ctx;
-    cp.window = (int)a->window;
-    lb = malloc(sizeof *lb * (size_t)n_cand * 2 * L);
+    cp.sinks = (int)a->sinks;
+    lb = malloc(sizeof *lb * (size_t)NW * n_cand * 2 * L);
     const int G = alloc_values ? 2 * L : L;
     cost = malloc(sizeof *cost * (size_t)G * n_cand);
     weight = malloc(sizeof *weight * (size_t)G * n_cand);
-    choice = malloc(sizeof *choice * (size_t)G);
+    choice = malloc(sizeof *choice * (size_t)G * (NW + 1));
     if (!lb || !cost || !weight || !choice) goto oom;
-    size_t fixed = 0;
+    size_t fixed_w[16] = {0};
     int64_t elements = 0;
-    for (int c = 0; c < n_cand; c++)
-        if ((s = kvpq_vq_cache_bytes(cc[c], &cp, (int)a->ctx, 512, lb + (size_t)c * 2 * L, &fixed, &elements)) != KVPQ_OK) {
-            rc = cli_fail("calibrate: cache bytes", s);
-            goto done;
-        }
+    for (int w = 0; w < NW; w++) {
+        cp.window = a->wins[w];
+        for (int c = 0; c < n_cand; c++)
+            if ((s = kvpq_vq_cache_bytes(cc[c], &cp, (int)a->ctx, 512, lb + ((size_t)w * n_cand + c) * 2 * L,
+                                         &fixed_w[w], &elements)) != KVPQ_OK) {
+                rc = cli_fail("calibrate: cache bytes", s);
+                goto done;
+            }
+    }
     int n_failed = 0;
     for (int bi = 0; bi <= a->n_more_bits; bi++) {
         const double bits_i = bi ? a->more_bits[bi - 1] : a->bits;
         const char *out_i = bi ? a->more_out[bi - 1] : a->out;
         kvpq_codebook_free(fin);
         fin = NULL;
-        double budget = bits_i * (double)elements / 8.0 - (double)fixed, pred_fixed = 0;
-        for (int g = 0; g < G; g++) {
-            const int l = g % L, kind = g / L;
-            for (int c = 0; c < n_cand; c++) {
-                cost[(size_t)g * n_cand + c] = kl[((size_t)c * 2 + kind) * L + l];
-                weight[(size_t)g * n_cand + c] = (int64_t)lb[((size_t)c * L + l) * 2 + kind];
-            }
-        }
-        if (!alloc_values)
-            for (int l = 0; l < L; l++) {
-                budget -= (double)lb[((size_t)vfix * L + l) * 2 + 1];
-                pred_fixed += kl[((size_t)vfix * 2 + 1) * L + l];
-            }
-        double pred = 0;
-        int64_t used = 0;
-        if (budget < 0) budget = 0;
-        if ((s = kvpq_alloc_mckp(G, n_cand, cost, weight, (int64_t)budget, 0, choice, &pred, &used)) != KVPQ_OK) {
-            /* the lightest allocation's effective bits, so the user knows what budget fits */
-            double light = (double)fixed;
+        /* every window candidate: its knapsack; the least predicted KL wins (ties: the first, smaller) */
+        double pred_w[16], best_pred = INFINITY, pred_fixed = 0, light_min = INFINITY;
+        int best_w = -1;
+        int *best_choice = choice + (size_t)G * NW;
+        for (int w = 0; w < NW; w++) {
+            const double *klw = kl + (size_t)w * nkl;
+            const size_t *lbw = lb + (size_t)w * n_cand * 2 * L;
+            double budget = bits_i * (double)elements / 8.0 - (double)fixed_w[w], pf = 0;
             for (int g = 0; g < G; g++) {
-                double m = INFINITY;
-                for (int c = 0; c < n_cand; c++)
-                    if ((double)weight[(size_t)g * n_cand + c] < m) m = (double)weight[(size_t)g * n_cand + c];
-                light += m;
+                const int l = g % L, kind = g / L;
+                for (int c = 0; c < n_cand; c++) {
+                    cost[(size_t)g * n_cand + c] = klw[((size_t)c * 2 + kind) * L + l];
+                    weight[(size_t)g * n_cand + c] = (int64_t)lbw[((size_t)c * L + l) * 2 + kind];
+                }
             }
             if (!alloc_values)
-                for (int l = 0; l < L; l++) light += (double)lb[((size_t)vfix * L + l) * 2 + 1];
-            fprintf(stderr, "kvpq calibrate: --bits %g at ctx %ld: no allocation fits (the lightest needs %.4f effective "
-                            "bits); %s not written\n", bits_i, a->ctx, 8.0 * light / (double)elements, out_i);
+                for (int l = 0; l < L; l++) {
+                    budget -= (double)lbw[((size_t)vfix * L + l) * 2 + 1];
+                    pf += klw[((size_t)vfix * 2 + 1) * L + l];
+                }
+            double pr_ = 0;
+            int64_t used = 0;
+            pred_w[w] = INFINITY;
+            if (budget >= 0 &&
+                kvpq_alloc_mckp(G, n_cand, cost, weight, (int64_t)budget, 0, choice + (size_t)G * w, &pr_, &used) ==
+                    KVPQ_OK) {
+                pred_w[w] = pr_ + pf;
+                if (pred_w[w] < best_pred) {
+                    best_pred = pred_w[w], best_w = w, pred_fixed = pf;
+                    memcpy(best_choice, choice + (size_t)G * w, sizeof *choice * (size_t)G);
+                }
+            } else {
+                /* the lightest allocation's effective bits at this window, so the user knows what fits */
+                double light = (double)fixed_w[w];
+                for (int g = 0; g < G; g++) {
+                    double m = INFINITY;
+                    for (int c = 0; c < n_cand; c++)
+                        if ((double)weight[(size_t)g * n_cand + c] < m) m = (double)weight[(size_t)g * n_cand + c];
+                    light += m;
+                }
+                if (!alloc_values)
+                    for (int l = 0; l < L; l++) light += (double)lbw[((size_t)vfix * L + l) * 2 + 1];
+                if (light < light_min) light_min = light;
+            }
+        }
+        if (best_w < 0) {
+            fprintf(stderr, "kvpq calibrate: --bits %g at ctx %ld: no allocation fits at any window (the lightest needs "
+                            "%.4f effective bits); %s not written\n", bits_i, a->ctx, 8.0 * light_min / (double)elements,
+                    out_i);
             n_failed++;
             continue; /* the other budgets still get their files */
         }
+        const int win = a->wins[best_w];
+        const double *klb = kl + (size_t)best_w * nkl;
+        const size_t *lbb = lb + (size_t)best_w * n_cand * 2 * L;
+        const size_t fixed = fixed_w[best_w];
+        for (int g = 0; g < G; g++) choice[g] = best_choice[g];
+        double pred = best_pred - pred_fixed;
         pred += pred_fixed;
         /* 4. the codebook: each layer takes its chosen candidate's trained quantizers */
         int kc[4096], vc_[4096], count[MAXC] = {0}, base_k = 0;
@@ -631,20 +701,34 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             const size_t row = (size_t)mi->n_head_kv * mi->head_dim;
             memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(cc[0], l), sizeof(float) * row);
             memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(cc[0], l), sizeof(float) * row);
-            total_bytes += (int64_t)lb[((size_t)kc[l] * L + l) * 2] + (int64_t)lb[((size_t)vc_[l] * L + l) * 2 + 1];
+            total_bytes += (int64_t)lbb[((size_t)kc[l] * L + l) * 2] + (int64_t)lbb[((size_t)vc_[l] * L + l) * 2 + 1];
         }
         const double eff = 8.0 * (double)total_bytes / (double)elements;
         /* 5. metadata */
         set_common_meta(a, mi, a->model, fin, n_use, mse_k, mse_v);
         char buf[128];
         const size_t lcap = (size_t)L * 24 + 64;
+        free(list);
         if (!(list = malloc(lcap))) goto oom;
         snprintf(buf, sizeof buf, "%g", bits_i);
         kvpq_codebook_set_meta(fin, "alloc.bits", buf);
         snprintf(buf, sizeof buf, "%ld", a->ctx);
         kvpq_codebook_set_meta(fin, "alloc.ctx", buf);
-        snprintf(buf, sizeof buf, "%ld", a->window);
+        snprintf(buf, sizeof buf, "%d", win);
         kvpq_codebook_set_meta(fin, "alloc.window", buf);
+        list[0] = '\0';
+        for (int w = 0; w < NW; w++) {
+            snprintf(buf, sizeof buf, "%d", a->wins[w]);
+            list_add(list, lcap, buf);
+        }
+        kvpq_codebook_set_meta(fin, "alloc.window_candidates", list);
+        list[0] = '\0';
+        for (int w = 0; w < NW; w++) { /* the predicted KL at each window ("none": no allocation fits) */
+            if (isfinite(pred_w[w])) snprintf(buf, sizeof buf, "%d:%.4g", a->wins[w], pred_w[w]);
+            else snprintf(buf, sizeof buf, "%d:none", a->wins[w]);
+            list_add(list, lcap, buf);
+        }
+        kvpq_codebook_set_meta(fin, "alloc.window_predicted_kl", list);
         snprintf(buf, sizeof buf, "%ld", a->sinks);
         kvpq_codebook_set_meta(fin, "alloc.sinks", buf);
         kvpq_codebook_set_meta(fin, "alloc.candidates", a->cands);
@@ -665,14 +749,14 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             kvpq_codebook_set_meta(fin, kind ? "alloc.v" : "alloc.k", list);
             list[0] = '\0';
             for (int l = 0; l < L; l++) {
-                snprintf(buf, sizeof buf, "%.4g", kl[((size_t)(kind ? vc_[l] : kc[l]) * 2 + kind) * L + l]);
+                snprintf(buf, sizeof buf, "%.4g", klb[((size_t)(kind ? vc_[l] : kc[l]) * 2 + kind) * L + l]);
                 list_add(list, lcap, buf);
             }
             kvpq_codebook_set_meta(fin, kind ? "alloc.kl.v" : "alloc.kl.k", list);
             for (int c = 0; c < n_cand; c++) { /* the whole measured table */
                 list[0] = '\0';
                 for (int l = 0; l < L; l++) {
-                    snprintf(buf, sizeof buf, "%.4g", kl[((size_t)c * 2 + kind) * L + l]);
+                    snprintf(buf, sizeof buf, "%.4g", klb[((size_t)c * 2 + kind) * L + l]);
                     list_add(list, lcap, buf);
                 }
                 char key[64];
@@ -684,12 +768,16 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             rc = cli_fail("calibrate: writing the codebook file", s);
             goto done;
         }
-        fprintf(stderr, "kvpq calibrate: allocation for %.3g bits at ctx %ld (window %ld, sinks %ld): effective %.4f bits, "
-                        "predicted KL %.4f\n  layer: key preset (KL) / value preset (KL)\n",
-                bits_i, a->ctx, a->window, a->sinks, eff, pred);
+        fprintf(stderr, "kvpq calibrate: allocation for %.3g bits at ctx %ld (window %d of", bits_i, a->ctx, win);
+        for (int w = 0; w < NW; w++) {
+            if (isfinite(pred_w[w])) fprintf(stderr, " %d (KL %.4g)", a->wins[w], pred_w[w]);
+            else fprintf(stderr, " %d (none fits)", a->wins[w]);
+        }
+        fprintf(stderr, ", sinks %ld): effective %.4f bits, predicted KL %.4f\n  layer: key preset (KL) / value preset "
+                        "(KL)\n", a->sinks, eff, pred);
         for (int l = 0; l < L; l++)
-            fprintf(stderr, "  %3d: %s (%.4f) / %s (%.4f)\n", l, names[kc[l]], kl[((size_t)kc[l] * 2) * L + l],
-                    names[vc_[l]], kl[((size_t)vc_[l] * 2 + 1) * L + l]);
+            fprintf(stderr, "  %3d: %s (%.4f) / %s (%.4f)\n", l, names[kc[l]], klb[((size_t)kc[l] * 2) * L + l],
+                    names[vc_[l]], klb[((size_t)vc_[l] * 2 + 1) * L + l]);
         fprintf(stderr,
                 "kvpq calibrate: wrote %s (%d layers, %d candidates, %zu tokens for k-means, %d held out; forward %.1f s, "
                 "k-means %.1f s, sensitivity %.1f s, total %.1f s wall, %.1f s CPU)\n",

@@ -10,6 +10,7 @@
 #include "cli_chat.h"
 #include "cli_json.h"
 #include "cli_model.h"
+#include "cli_spec.h"
 
 #define PROMPT_BATCH 512
 
@@ -27,7 +28,7 @@ static void usage(FILE *f) {
             "Text you type never becomes a control token: \"<|im_end|>\" in a message is plain text.\n"
             "  --model M      GGUF model\n"
             "  --cache SPEC   KV cache: fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:CODEBOOK.safetensors (default fp32),\n"
-            "                 with :wN and :force as in kvpq generate\n"
+            "                 with :wN, :sN and :force as in kvpq generate\n"
             "  --system TEXT  system message (default: the template's own, if any: SmolLM2 and Qwen2.5 have one;\n"
             "                 Gemma has no system role: the text goes before the first user message)\n"
             "  -n N           most tokens per reply (default 256); a reply also ends at the model's end-of-turn\n"
@@ -257,6 +258,7 @@ int cmd_chat(int argc, char **argv) {
     size_t bad;
     if (system && !cli_utf8_valid((const unsigned char *)system, strlen(system), &bad))
         return cli_usage_error("chat: --system is not valid UTF-8 (byte %zu)", bad);
+    if (cli_cache_spec_check(cache_spec)) return 2; /* before the model loads */
 
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)threads;

@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "cli_chat.h"
 #include "cli_model.h"
+#include "cli_spec.h"
 
 #define PROMPT_BATCH 512 /* prompt tokens per kvpq_model_eval call */
 
@@ -24,8 +25,9 @@ static void usage(FILE *f) {
             "  --cache SPEC   KV cache: fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 vq:CODEBOOK.safetensors\n"
             "                 (default fp32); a suffix :wN sets the full-precision window of vq and kivi\n"
             "                 caches (default 128); :sN keeps the first N positions in fp16 (attention\n"
-            "                 sinks, quantized caches; default 0; a cache with sinks has no --prompt-cache);\n"
-            "                 a final :force uses a vq codebook calibrated on another model\n"
+            "                 sinks, quantized caches; default 1 for vq kivi2 kivi4 q4_0r, else 0; :s0\n"
+            "                 turns it off; a --bits codebook brings its own window and sinks); :force\n"
+            "                 uses a vq codebook calibrated on another model; suffixes in any order, once\n"
             "  --chat         wrap the prompt in the model's chat template, as one user turn (forms: ChatML,\n"
             "                 with the template's default system message when it has one, and Gemma; see\n"
             "                 kvpq chat --help); the prompt's text never yields control tokens\n"
@@ -181,6 +183,7 @@ int cmd_generate(int argc, char **argv) {
     if (!cli_utf8_valid((const unsigned char *)prompt, strlen(prompt), &bad))
         return cli_usage_error("generate: --prompt is not valid UTF-8 (byte %zu)", bad);
 
+    if (cli_cache_spec_check(cache_spec)) return 2; /* before the model loads */
     int rc = 1;
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)threads;

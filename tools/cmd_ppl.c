@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "cli_model.h"
+#include "cli_spec.h"
 
 #define PPL_MAX_CACHES 32
 
@@ -29,8 +30,10 @@ static void usage(FILE *f) {
             "                   vq:CODEBOOK.safetensors (default fp32); a suffix :wN sets the full-\n"
             "                   precision window of a vq or kivi cache (default 128), e.g. kivi2:w64; :sN\n"
             "                   keeps the first N positions of a quantized cache in fp16 (attention sinks,\n"
-            "                   counted in bits/elem; default 0), e.g. vq:cb.safetensors:s4; a final\n"
-            "                   :force uses a vq codebook calibrated on another model\n"
+            "                   counted in bits/elem; default 1 for vq kivi2 kivi4 q4_0r, else 0; :s0\n"
+            "                   turns it off), e.g. vq:cb.safetensors:s4; :force uses a vq codebook\n"
+            "                   calibrated on another model; suffixes in any order, each once; a vq\n"
+            "                   codebook from calibrate --bits brings its window and sinks\n"
             "  --kl-base SPEC   also run this cache on the same chunks and report, per test cache, the\n"
             "                   base perplexity, KL(base || test) per scored token (mean and 99th\n"
             "                   percentile, nats) and top-1 agreement; the base runs once per chunk\n"
@@ -190,6 +193,11 @@ int cmd_ppl(int argc, char **argv) {
         fprintf(stderr, "kvpq ppl: text file '%s' is not valid UTF-8 (first bad byte at offset %zu)\n", text_path, bad);
         goto done;
     }
+    for (int i = 0; i <= n_caches; i++) /* every SPEC checked before the model loads: exit code 2 */
+        if (i < n_caches ? cli_cache_spec_check(specs[i]) : kl_base ? cli_cache_spec_check(kl_base) : 0) {
+            rc = 2;
+            goto done;
+        }
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)threads;
     kvpq_status s = kvpq_model_load(&m, model_path, &mp);

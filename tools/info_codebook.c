@@ -105,6 +105,8 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
         for (int i = 0; i < 9; i++) v[i] = kvpq_codebook_get_meta(cb, g[i]);
         printf("allocation:      --bits %s at ctx %s (window %s, sinks %s): effective bits %s, predicted KL %s\n", ab,
                v[0] ? v[0] : "?", v[1] ? v[1] : "?", v[2] ? v[2] : "0", v[3] ? v[3] : "?", v[4] ? v[4] : "?");
+        const char *wp = kvpq_codebook_get_meta(cb, "alloc.window_predicted_kl");
+        if (wp) printf("  window chosen among (window:predicted KL): %s\n", wp);
         const char *cur[4] = {v[5], v[6], v[7], v[8]};
         if (cur[0] && cur[1] && cur[2] && cur[3]) {
             printf("  %5s %8s %10s %8s %10s\n", "layer", "keys", "key KL", "values", "value KL");

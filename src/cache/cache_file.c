@@ -2,19 +2,24 @@
  *
  * File layout (little-endian, as the machines kvpq runs on; the header says which format version):
  *   "KVPQSAVE"                         8 bytes
- *   u32 format version (2; 1 is read too), u32 cache kind (kvpq_cache_type)
+ *   u32 format version (3 with sinks, else 2; 1 is read too), u32 cache kind (kvpq_cache_type)
  *   i32 n_layer, n_head, n_head_kv, head_dim, max_seq, window, page_tokens (as kvpq_cache_new set them)
  *   u64 codebook fingerprint (kvpq_codebook_fingerprint; 0 for kinds without a codebook)
  *   u64 user_len
  *   i32 lens[n_layer]                  positions held per layer
  *   i32 lo[n_layer]                    (version 2) first position held per layer: > 0 in sliding-window
  *                                      layers whose front pages were freed (version 1: all 0)
+ *   i32 sinks S                        (version 3) attention sinks, 1..max_seq
  *   user bytes
+ *   sinks                              (version 3) per layer, K then V of its first min(len, S) positions,
+ *                                      fp16, (n, n_head_kv, head_dim) each
  *   the kind's payload                 ops->serial (its pages, windows and counters)
  *   u64 XXH64 (seed 0) of every byte before it
  * The checksum covers header and payload, so a flipped bit or a truncated file is refused; the
  * header is checked field by field first so that a file for another kind, model shape or codebook
- * gets a message naming what differs. */
+ * gets a message naming what differs. A cache without sinks is written as version 2, byte for byte
+ * what earlier versions of kvpq wrote. With sinks, the kind holds positions S.. as its own 0.., so
+ * its payload is serialized with lens and lo shifted by S (inner_pos). */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -122,6 +127,39 @@ static kvpq_status header_io(kvpq__stream *s, file_header *h) {
     return KVPQ_OK;
 }
 
+/* The kind's view of positions with S sinks: it holds positions S.. as its 0.. (cache.c, inner_lens);
+ * a layer's first held position lo is 0 or >= S (cache.c sets lo = S + what the kind dropped). */
+static void inner_pos(const int *len, const int *lo, int n_layer, int S, int *ilen, int *ilo) {
+    for (int l = 0; l < n_layer; l++) {
+        ilen[l] = len[l] > S ? len[l] - S : 0;
+        ilo[l] = lo[l] > S ? lo[l] - S : 0;
+    }
+}
+
+/* The sink section (version 3): per layer, K then V of positions [0, min(len, S)), fp16. On load,
+ * every value must be a finite fp16 (what kvpq_cache_append stores: it refuses non-finite input and
+ * values beyond fp16's range), so a damaged section is refused by name even where the checksum is
+ * not checked (fuzz builds). */
+static kvpq_status sinks_io(kvpq__stream *st, kvpq_cache *c, const int *lens, int load) {
+    const int S = c->p.sinks;
+    const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim;
+    for (int l = 0; l < c->p.n_layer; l++) {
+        const int ns = lens[l] < S ? lens[l] : S;
+        uint16_t *part[2] = {c->sk + (size_t)l * S * kvw, c->sv + (size_t)l * S * kvw};
+        for (int w = 0; w < 2; w++) {
+            KVPQ_TRY(kvpq__stream_io(st, part[w], (size_t)ns * kvw * sizeof(uint16_t)));
+            for (size_t i = 0; load && i < (size_t)ns * kvw; i++)
+                if ((part[w][i] & 0x7c00) == 0x7c00)
+                    return kvpq__err(KVPQ_ERR_FORMAT,
+                                     "saved cache '%s': sink section: layer %d %s at position %d (head %d, dim %d) is "
+                                     "not a finite fp16 value (0x%04x): corrupted",
+                                     st->path, l, w ? "V" : "K", (int)(i / kvw), (int)(i / c->p.head_dim % c->p.n_head_kv),
+                                     (int)(i % c->p.head_dim), part[w][i]);
+        }
+    }
+    return KVPQ_OK;
+}
+
 // ---- save --------------------------------------------------------------------------------------
 
 kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *user, size_t user_len) {
@@ -132,9 +170,6 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
                          (unsigned long long)MAX_USER);
     if (!c->ops->serial)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_cache_save: cache %s has no saved form", c->ops->name);
-    if (c->p.sinks > 0)
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
-                         "kvpq_cache_save: a cache with attention sinks (sinks %d) has no saved form yet", c->p.sinks);
     /* A sliding-window cache has freed the pages of positions its local layers no longer see: the
      * file records where each layer starts (lo) and holds the pages from there on. */
     /* The file replaced is the one a symbolic link names (tempfile.c); the temporary file sits
@@ -171,7 +206,8 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
     kvpq__stream st = {f, 0, h, path};
     if (s == KVPQ_OK) {
         XXH64_reset(h, 0);
-        file_header hd = {KVPQ_CACHE_FILE_VERSION, (uint32_t)c->p.type, c->p.n_layer, c->p.n_head, c->p.n_head_kv,
+        const int S = c->p.sinks;
+        file_header hd = {S > 0 ? 3u : 2u, (uint32_t)c->p.type, c->p.n_layer, c->p.n_head, c->p.n_head_kv,
                           c->p.head_dim, c->p.max_seq, c->p.window, c->p.page_tokens,
                           c->p.type == KVPQ_CACHE_VQ ? kvpq_codebook_fingerprint(c->p.codebook) : 0, user_len};
         s = header_io(&st, &hd);
@@ -183,8 +219,21 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
             int32_t lo = c->lo[l];
             s = kvpq__stream_io(&st, &lo, sizeof lo);
         }
+        int32_t sinks = S;
+        if (s == KVPQ_OK && S > 0) s = kvpq__stream_io(&st, &sinks, sizeof sinks);
         if (s == KVPQ_OK) s = kvpq__stream_io(&st, (void *)user, user_len);
-        if (s == KVPQ_OK) s = c->ops->serial(c->state, c->len, c->lo, &st, 0);
+        if (s == KVPQ_OK && S > 0) s = sinks_io(&st, (kvpq_cache *)c, c->len, 0);
+        if (s == KVPQ_OK && S > 0) {
+            int *ilen = malloc((size_t)c->p.n_layer * 2 * sizeof *ilen);
+            if (!ilen) s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
+            if (s == KVPQ_OK) {
+                inner_pos(c->len, c->lo, c->p.n_layer, S, ilen, ilen + c->p.n_layer);
+                s = c->ops->serial(c->state, ilen, ilen + c->p.n_layer, &st, 0);
+            }
+            free(ilen);
+        } else if (s == KVPQ_OK) {
+            s = c->ops->serial(c->state, c->len, c->lo, &st, 0);
+        }
         if (s == KVPQ_OK) {
             uint64_t sum = XXH64_digest(h);
             if (fwrite(&sum, sizeof sum, 1, f) != 1)
@@ -223,10 +272,6 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_load: out is NULL");
     *out = NULL;
     if (!p || !path) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_load: params or path is NULL");
-    if (p->sinks > 0) /* kvpq_cache_save writes none: a file cannot hold them */
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
-                         "saved cache '%s': a cache with attention sinks (sinks %d) has no saved form yet", path,
-                         p->sinks);
     /* Non-blocking and a regular file only: a FIFO or a device would block or never end. */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot open: %s", path, strerror(errno));
@@ -242,7 +287,8 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     }
     XXH64_state_t *h = XXH64_createState();
     kvpq_cache *c = NULL;
-    int32_t *lens = NULL, *lo = NULL;
+    int32_t *lens = NULL, *lo = NULL, file_sinks = 0;
+    int *ipos = NULL;
     void *ub = NULL;
     kvpq_status s = h ? KVPQ_OK : kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
     kvpq__stream st = {f, 1, h, path};
@@ -295,13 +341,35 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
                           "cache's layer %d %s",
                           path, l, (int)lo[l], l, kvpq__layer_window(&c->p, l) ? "still needs them" : "has no sliding window");
     }
+    if (s == KVPQ_OK && hd.version >= 3) {
+        s = kvpq__stream_io(&st, &file_sinks, sizeof file_sinks);
+        if (s == KVPQ_OK && (file_sinks < 1 || file_sinks > hd.max_seq))
+            s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': sinks %d (a version 3 file holds 1 to max_seq %d)", path,
+                          (int)file_sinks, (int)hd.max_seq);
+    }
+    /* sinks as kvpq_cache_new clamped them (to max_seq); a file from before version 3 holds none */
+    if (s == KVPQ_OK) s = check_field(path, "sinks", file_sinks, c->p.sinks);
+    for (int l = 0; l < hd.n_layer && s == KVPQ_OK && file_sinks > 0; l++)
+        if (lo[l] > 0 && lo[l] < file_sinks)
+            s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': layer %d starts at position %d, inside its %d sinks", path,
+                          l, (int)lo[l], (int)file_sinks);
     if (s == KVPQ_OK && hd.user_len && !(ub = malloc((size_t)hd.user_len)))
         s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory for %llu bytes of user data",
                       (unsigned long long)hd.user_len);
     if (s == KVPQ_OK) s = kvpq__stream_io(&st, ub, (size_t)hd.user_len);
     if (s == KVPQ_OK) {
         for (int l = 0; l < c->p.n_layer; l++) c->len[l] = lens[l], c->lo[l] = lo[l];
-        s = c->ops->serial(c->state, c->len, c->lo, &st, 1);
+        if (file_sinks > 0) {
+            s = sinks_io(&st, c, c->len, 1);
+            if (s == KVPQ_OK && !(ipos = malloc((size_t)c->p.n_layer * 2 * sizeof *ipos)))
+                s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
+            if (s == KVPQ_OK) {
+                inner_pos(c->len, c->lo, c->p.n_layer, file_sinks, ipos, ipos + c->p.n_layer);
+                s = c->ops->serial(c->state, ipos, ipos + c->p.n_layer, &st, 1);
+            }
+        } else {
+            s = c->ops->serial(c->state, c->len, c->lo, &st, 1);
+        }
         if (s != KVPQ_OK && !strstr(kvpq_last_error(), path)) kvpq__err_prefix("saved cache '%s'", path);
     }
     if (s == KVPQ_OK) {
@@ -323,6 +391,7 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     if (h) XXH64_freeState(h);
     free(lens);
     free(lo);
+    free(ipos);
     if (s != KVPQ_OK) {
         kvpq_cache_free(c);
         free(ub);

@@ -76,6 +76,101 @@ static kvpq_status mixed_attend(void *user, int layer, int n, int pos0, const fl
     return bad ? kvpq__err(KVPQ_ERR_NOMEM, "sensitivity: out of memory") : KVPQ_OK;
 }
 
+/* For each window W in wins (n_w of them), the sum over the queries at positions first .. pos0+n-1
+ * of this step (n queries from pos0, the cache holding len = pos0 + n positions) and over the query
+ * heads of |attn_W - attn_exact|^2, attn_W having the positions [sinks, coded_upto(W, len)) read
+ * from the reconstruction (a->kr / a->vr where not NULL). The coded sets of the windows are nested
+ * prefixes, so one pass serves them all: with every score exact (a_j) and coded (b_j), and m their
+ * maximum, attn_W = (X + D(nc_W)) / (x + d(nc_W)), X, x the exact softmax numerator and
+ * denominator and D(t), d(t) the running sums over coded positions j < t of
+ * e^(b_j - m) vb_j - e^(a_j - m) v_j and e^(b_j - m) - e^(a_j - m). Sums in double; err (n_w) is
+ * added to. */
+static kvpq_status window_errors(const mixed_attn *a, int n, int pos0, int first, const float *q, int n_w,
+                                 const int *wins, double *err) {
+    const int H = a->n_head, hkv = a->n_head_kv, hd = a->hd, g = H / hkv, len = pos0 + n;
+    const size_t row = (size_t)hkv * hd;
+    const double scale = 1.0 / sqrt((double)hd);
+    int nc[16];
+    for (int w = 0; w < n_w; w++) nc[w] = coded_upto(wins[w], len);
+    const float *kb_ = a->kr ? a->kr : a->k, *vb_ = a->vr ? a->vr : a->v;
+    int bad = 0;
+    const int i0 = first > pos0 ? first - pos0 : 0;
+#pragma omp parallel reduction(| : bad)
+    {
+        double *sa = malloc(sizeof(double) * (size_t)len), *sb = malloc(sizeof(double) * (size_t)len);
+        double *X = malloc(sizeof(double) * (size_t)hd * (2 + (size_t)n_w)), *Dv = X + hd, *Dw = X + 2 * (size_t)hd;
+        double dw[16], el[16];
+        for (int w = 0; w < n_w; w++) el[w] = 0;
+        if (!sa || !sb || !X) bad = 1;
+#pragma omp for schedule(dynamic, 4)
+        for (int ih = i0 * H; ih < n * H; ih++) {
+            if (bad) continue;
+            const int i = ih / H, h = ih % H, kvh = h / g, pos = pos0 + i;
+            const int lo = a->swa > 0 && pos - a->swa + 1 > 0 ? pos - a->swa + 1 : 0;
+            const int cs = lo > a->sinks ? lo : a->sinks; /* first position that can be coded */
+            const float *qi = q + ((size_t)i * H + h) * hd;
+            double mx = -INFINITY;
+            int ce = cs; /* coded positions this query sees: [cs, ce) */
+            for (int w = 0; w < n_w; w++) {
+                int e = nc[w] < pos + 1 ? nc[w] : pos + 1;
+                if (e > ce) ce = e;
+            }
+            for (int j = lo; j <= pos; j++) {
+                const float *kj = a->k + (size_t)j * row + (size_t)kvh * hd;
+                double s = 0;
+                for (int d = 0; d < hd; d++) s += (double)qi[d] * kj[d];
+                sa[j] = s * scale;
+                if (sa[j] > mx) mx = sa[j];
+                if (j >= cs && j < ce) {
+                    const float *kr = kb_ + (size_t)j * row + (size_t)kvh * hd;
+                    double t = 0;
+                    for (int d = 0; d < hd; d++) t += (double)qi[d] * kr[d];
+                    sb[j] = t * scale;
+                    if (sb[j] > mx) mx = sb[j];
+                }
+            }
+            double x = 0, dd = 0;
+            for (int d = 0; d < hd; d++) X[d] = Dv[d] = 0;
+            for (int j = lo; j <= pos; j++) {
+                const float *vj = a->v + (size_t)j * row + (size_t)kvh * hd;
+                const double wa = exp(sa[j] - mx);
+                x += wa;
+                for (int d = 0; d < hd; d++) X[d] += wa * vj[d];
+            }
+            for (int w = 0; w < n_w; w++) dw[w] = 0;
+            for (int w = 0; w < n_w; w++)
+                for (int d = 0; d < hd; d++) Dw[(size_t)w * hd + d] = 0;
+            for (int j = cs; j < ce; j++) {
+                const float *vj = a->v + (size_t)j * row + (size_t)kvh * hd;
+                const float *vr = vb_ + (size_t)j * row + (size_t)kvh * hd;
+                const double wa = exp(sa[j] - mx), wb = exp(sb[j] - mx);
+                dd += wb - wa;
+                for (int d = 0; d < hd; d++) Dv[d] += wb * vr[d] - wa * vj[d];
+                for (int w = 0; w < n_w; w++)
+                    if ((nc[w] < pos + 1 ? nc[w] : pos + 1) == j + 1) {
+                        dw[w] = dd;
+                        memcpy(Dw + (size_t)w * hd, Dv, sizeof(double) * (size_t)hd);
+                    }
+            }
+            for (int w = 0; w < n_w; w++) {
+                if ((nc[w] < pos + 1 ? nc[w] : pos + 1) <= cs) continue; /* nothing coded: exact */
+                double e = 0;
+                for (int d = 0; d < hd; d++) {
+                    const double diff = (X[d] + Dw[(size_t)w * hd + d]) / (x + dw[w]) - X[d] / x;
+                    e += diff * diff;
+                }
+                el[w] += e;
+            }
+        }
+#pragma omp critical
+        for (int w = 0; w < n_w; w++) err[w] += el[w];
+        free(sa);
+        free(sb);
+        free(X);
+    }
+    return bad ? kvpq__err(KVPQ_ERR_NOMEM, "sensitivity: out of memory") : KVPQ_OK;
+}
+
 /* In place: logits -> log-probabilities (sums in double). */
 static void log_softmax(float *row, int V) {
     float mx = row[0];
@@ -108,6 +203,14 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
                          "kvpq_model_layer_sensitivity: score_from %d, window %d, sinks %d, kinds %d, n_threads %d "
                          "(expected score_from < n - 1 = %d, window, sinks >= 0, kinds 1..3)",
                          p->score_from, p->window, p->sinks, p->kinds, p->n_threads, n - 1);
+    if (p->n_windows < 0 || p->n_windows > 15 || (p->n_windows > 0 && (!p->windows || !p->kl_windows)))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG,
+                         "kvpq_model_layer_sensitivity: n_windows %d (expected 0..15, with windows and kl_windows)",
+                         p->n_windows);
+    for (int w = 0; w < p->n_windows; w++)
+        if (p->windows[w] < 0)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_layer_sensitivity: windows[%d] = %d: expected >= 0", w,
+                             p->windows[w]);
     for (int c = 0; c < n_cand; c++) {
         if (!cands[c]) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_layer_sensitivity: cands[%d] is NULL", c);
         kvpq_codebook_params cp = kvpq_codebook_get_params(cands[c]);
@@ -126,14 +229,15 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
     float *ks = malloc(sizeof(float) * (size_t)L * n * row), *vs = malloc(sizeof(float) * (size_t)L * n * row);
     float *kr = malloc(sizeof(float) * (size_t)n_pad * row), *vr = malloc(sizeof(float) * (size_t)n_pad * row);
     float *pad = malloc(sizeof(float) * (size_t)n_pad * row);
-    const int ref = p->ref_cand;
+    const int ref = p->ref_cand, nw = p->n_windows, use_err = ref >= 0 || nw > 0;
+    int wall[16]; /* the measured window first, then the others */
+    wall[0] = p->window;
+    for (int w = 0; w < nw; w++) wall[1 + w] = p->windows[w];
     const size_t qrow = (size_t)mi.n_head * mi.head_dim;
-    float *qs = ref >= 0 ? malloc(sizeof(float) * (size_t)L * n * qrow) : NULL;
-    float *oe = ref >= 0 ? malloc(sizeof(float) * (size_t)n * qrow) : NULL;
-    float *om = ref >= 0 ? malloc(sizeof(float) * (size_t)n * qrow) : NULL;
-    double *err = ref >= 0 ? calloc((size_t)n_cand * 2 * L, sizeof(double)) : NULL;
+    float *qs = use_err ? malloc(sizeof(float) * (size_t)L * n * qrow) : NULL;
+    double *err = use_err ? calloc((size_t)(1 + nw) * n_cand * 2 * L, sizeof(double)) : NULL;
     float *base = malloc(sizeof(float) * (size_t)(n - first) * V), *lp = malloc(sizeof(float) * (size_t)(n - first) * V);
-    if (!xs || !ks || !vs || !kr || !vr || !pad || !base || !lp || (ref >= 0 && (!qs || !oe || !om || !err))) {
+    if (!xs || !ks || !vs || !kr || !vr || !pad || !base || !lp || (use_err && (!qs || !err))) {
         s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_model_layer_sensitivity: out of memory (%d layers x %d tokens)", L, n);
         goto done;
     }
@@ -183,26 +287,18 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
                                            ? cpar.sliding_window : 0,
                                 .k = ks + (size_t)l * n * row, .v = vs + (size_t)l * n * row,
                                 .kr = kind == 0 ? kr : NULL, .vr = kind == 1 ? vr : NULL};
-                if (ref >= 0) {
-                    /* the layer's attention output over the scored queries, exact and coded, in
-                     * kvpq_model_eval's steps (what the codes cover depends on the step's end) */
-                    double e = 0;
+                if (use_err) {
+                    /* the layer's attention-output error over the scored queries, at every window,
+                     * in kvpq_model_eval's steps (what the codes cover depends on the step's end) */
+                    double e[16] = {0};
                     for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += 512) {
                         int nb = n - t0 < 512 ? n - t0 : 512;
                         if (t0 + nb <= first) continue;
-                        const float *qb = qs + ((size_t)l * n + t0) * qrow;
-                        mixed_attn ex = a;
-                        ex.kr = ex.vr = NULL;
-                        if ((s = mixed_attend(&ex, l, nb, t0, qb, oe)) != KVPQ_OK ||
-                            (s = mixed_attend(&a, l, nb, t0, qb, om)) != KVPQ_OK)
-                            break;
-                        for (size_t i = (size_t)(first > t0 ? first - t0 : 0) * qrow; i < (size_t)nb * qrow; i++) {
-                            double d = (double)om[i] - oe[i];
-                            e += d * d;
-                        }
+                        s = window_errors(&a, nb, t0, first, qs + ((size_t)l * n + t0) * qrow, 1 + nw, wall, e);
                     }
-                    err[((size_t)c * 2 + kind) * L + l] = e;
-                    if (c != ref) {
+                    if (s != KVPQ_OK) break;
+                    for (int w = 0; w <= nw; w++) err[(((size_t)w * n_cand + c) * 2 + kind) * L + l] = e[w];
+                    if (ref >= 0 && c != ref) {
                         done += 1;
                         continue; /* scaled from the reference below */
                     }
@@ -239,6 +335,12 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
                     const double er = err[((size_t)ref * 2 + kind) * L + l], kr0 = kl[((size_t)ref * 2 + kind) * L + l];
                     kl[((size_t)c * 2 + kind) * L + l] = er > 0 ? kr0 * err[((size_t)c * 2 + kind) * L + l] / er : 0;
                 }
+    /* the other windows: scaled from the measured window by the same candidate's error ratio */
+    for (int w = 0; s == KVPQ_OK && w < nw; w++)
+        for (size_t i = 0; i < (size_t)n_cand * 2 * L; i++) {
+            const double e0 = err[i], ew = err[(size_t)(1 + w) * n_cand * 2 * L + i];
+            p->kl_windows[(size_t)w * n_cand * 2 * L + i] = e0 > 0 ? kl[i] * ew / e0 : (ew > 0 ? INFINITY : kl[i]);
+        }
 restore:
     if (p->n_threads > 0) omp_set_num_threads(saved_threads);
 done:
@@ -253,8 +355,6 @@ done:
     free(base);
     free(lp);
     free(qs);
-    free(oe);
-    free(om);
     free(err);
     return s;
 }

@@ -120,24 +120,32 @@ kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params
     const int H = cp.n_head_kv, D = cp.head_dim;
     const int window = p->window < p->max_seq ? p->window : p->max_seq;
     const int pt = p->page_tokens < p->max_seq ? p->page_tokens : p->max_seq;
+    /* attention sinks (clamped to max_seq as kvpq_cache_new does): positions [0, S) in fp16, allocated
+     * with the cache; the VQ kind holds positions S.. as its own 0.. (cache.c) */
+    const int S = p->sinks > 0 ? (p->sinks < p->max_seq ? p->sinks : p->max_seq) : 0;
     const int cap = window + ALLOC_FLUSH;
     size_t fixed = 0;
     int64_t el = 0;
     for (int l = 0; l < cp.n_layer; l++) {
         const kvpq_pq *kq = kvpq_codebook_pq_const(cb, l, 0), *vq = kvpq_codebook_pq_const(cb, l, 1);
         const int sw = p->sliding_window > 0 && (!p->swa_layers || p->swa_layers[l]) ? p->sliding_window : 0;
-        /* replay the appends of kvpq_model_eval in steps: pages allocated and dropped */
+        /* replay the appends of kvpq_model_eval in steps: pages allocated and dropped (cache.c: a
+         * layer drops what the next query no longer sees, keep, counted past the sinks) */
         int n_coded = 0, n_pages = 0, first_page = 0;
         for (int cur = 0; cur < len;) {
             int nb = len - cur < step ? len - cur : step;
             if (sw > 0) {
                 int keep = cur - sw + 1 > 0 ? cur - sw + 1 : 0;
-                int upto = (keep < n_coded ? keep : n_coded) / pt;
-                if (upto > n_pages) upto = n_pages;
-                if (upto > first_page) first_page = upto;
+                if (keep > S) {
+                    keep -= S;
+                    int upto = (keep < n_coded ? keep : n_coded) / pt;
+                    if (upto > n_pages) upto = n_pages;
+                    if (upto > first_page) first_page = upto;
+                }
             }
             cur += nb;
-            n_coded = cur < window + ALLOC_FLUSH ? 0 : ((cur - window) / ALLOC_FLUSH) * ALLOC_FLUSH;
+            const int in = cur > S ? cur - S : 0; /* the kind's positions */
+            n_coded = in < window + ALLOC_FLUSH ? 0 : ((in - window) / ALLOC_FLUSH) * ALLOC_FLUSH;
             int need = (n_coded + pt - 1) / pt;
             if (need > n_pages) n_pages = need;
         }
@@ -146,8 +154,9 @@ kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params
         size_t vb = held * (kvpq_pq_code_size(vq) + (cp.value_norm ? 2 : 0)) + kvpq_pq_centroids_size(vq) * sizeof(float);
         if (layer_bytes) layer_bytes[2 * l] = kb, layer_bytes[2 * l + 1] = vb;
         fixed += 2 * (size_t)H * D * sizeof(float);                       /* smoothing factors, key mean */
-        if (len > 0) fixed += 2 * (size_t)cap * H * D * sizeof(uint16_t); /* the fp16 window ring */
-        el += 2 * (int64_t)(len - (int64_t)first_page * pt) * H * D;
+        if (len > S) fixed += 2 * (size_t)cap * H * D * sizeof(uint16_t); /* the fp16 window ring */
+        fixed += 2 * (size_t)S * H * D * sizeof(uint16_t);                 /* the sinks, K and V */
+        el += 2 * (int64_t)(len - (first_page > 0 ? (int64_t)S + (int64_t)first_page * pt : 0)) * H * D;
     }
     if (fixed_bytes) *fixed_bytes = fixed;
     if (elements) *elements = el;

@@ -2,7 +2,8 @@
  * load cleanly or fail with a status and a message, never crash, leak or read out of bounds; a
  * cache that loads must attend and read back. In fuzz builds (KVPQ_FUZZING) the reader ignores a
  * checksum mismatch, so that mutations reach the header and payload checks behind it. The input's
- * first byte picks the kind the loader expects (fp16, q4_0, kivi2, vq); the rest is the file,
+ * first byte picks the kind the loader expects (bits 0-1: fp16, q4_0, kivi2, vq) and whether it has 2
+ * attention sinks (bit 2, quantized kinds: format version 3's sink section); the rest is the file,
  * written to a memfd and loaded through /proc/self/fd. Seeds: tests/fuzz/corpus/cache_file/. */
 #include <stdint.h>
 #include <stdio.h>
@@ -56,6 +57,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
     static const kvpq_cache_type kinds[4] = {KVPQ_CACHE_FP16, KVPQ_CACHE_Q4_0, KVPQ_CACHE_KIVI2, KVPQ_CACHE_VQ};
     kvpq_cache_params p = params(kinds[data[0] & 3], codebook());
+    if ((data[0] & 4) && p.type != KVPQ_CACHE_FP16) p.sinks = 2;
     int fd = memfd_create("kvpq_fuzz", 0);
     if (fd < 0) return 0;
     if (size > 1 && write(fd, data + 1, size - 1) != (ssize_t)(size - 1)) {

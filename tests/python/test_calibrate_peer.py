@@ -230,3 +230,16 @@ def test_head_granularity_and_second_key_stage_from_the_cli(tmp_path):
     bad = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", TOKENS, "--ctx", CTX, "--keys", "d4b8",
               "--keys2", "d8b12", "-o", tmp_path / "bad.safetensors", check=False)
     assert bad.returncode == 2 and "--keys2 d8b12 has nbits=12" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("cands,needle", [("0,16,16", "listed twice"), ("0,x", "expected up to 16"),
+                                          ("5,-1", "expected up to 16"), ("", "expected up to 16"),
+                                          (",".join(map(str, range(17))), "expected up to 16")])
+def test_window_candidates_checked_before_the_model_loads(cands, needle, tmp_path):
+    # a model that does not exist: the option is refused (exit code 2) before any loading or k-means
+    p = run("calibrate", "--model", tmp_path / "none.gguf", "--text", tmp_path / "none.txt", "-o", tmp_path / "o.st",
+            "--bits", 2, "--window-candidates", cands, check=False)
+    assert p.returncode == 2 and needle in p.stderr and "--window-candidates" in p.stderr, p.stderr
+    p = run("calibrate", "--model", tmp_path / "none.gguf", "--text", tmp_path / "none.txt", "-o", tmp_path / "o.st",
+            "--bits", 2, "--window", 8, "--window-candidates", "0,8", check=False)
+    assert p.returncode == 2 and "give one" in p.stderr, p.stderr

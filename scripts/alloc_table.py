@@ -1,0 +1,39 @@
+"""Markdown table of `kvpq ppl --json --kl-base fp16` results (one or more files), with each
+allocated codebook's budget, window, sinks and predicted KL (its alloc.* metadata) beside the
+measured KL. Usage: python3 scripts/alloc_table.py RESULT.json [...]  (docs/allocation.md)"""
+import json
+import struct
+import sys
+
+
+def meta(path):
+    """The __metadata__ of a safetensors file (the codebook's free-form keys)."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            return json.loads(f.read(n)).get("__metadata__", {})
+    except OSError:
+        return {}
+
+
+rows = []
+for p in sys.argv[1:]:
+    for r in json.load(open(p))["results"]:
+        m = meta(r["cache"][3:]) if r["cache"].startswith("vq:") else {}
+        rows.append((r, m))
+rows.sort(key=lambda x: x[0]["bits_per_element"])
+print("| cache | window, sinks | eff. bits | ppl | Δppl vs fp16 | KL mean | top-1 | predicted KL | predicted / measured |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+for r, m in rows:
+    name = r["cache"]
+    if m.get("alloc.bits"):
+        name = f"kvpq --bits {m['alloc.bits']}"
+    ws = f"{m['alloc.window']}, {m.get('alloc.sinks', '0')}" if m.get("alloc.window") else ""
+    pred = float(m["alloc.predicted_kl"]) if m.get("alloc.predicted_kl") else None
+    d = 100 * (r["ppl"] / r["ppl_base"] - 1)
+    ps = "" if pred is None else "%.4f" % pred
+    ratio = "" if pred is None else "%.2f" % (pred / r["kl_mean"])
+    print(f"| {name} | {ws} | {r['bits_per_element']:.3f} | {r['ppl']:.3f} | {d:+.2f}% | {r['kl_mean']:.4f} | "
+          f"{100 * r['top1_agree']:.1f}% | {ps} | {ratio} |")
+base = rows[0][0]
+print(f"\nfp16 base ppl {base['ppl_base']:.3f} ({base['ctx']} ctx, {base['chunks']} chunks, {base['tokens']} scored tokens)")
