@@ -388,6 +388,19 @@ Test(model_arch, missing_tensor_is_refused_by_name) {
     expect_refused(&s, "blk.2.post_ffw_norm.weight");
 }
 
+/* block_count is checked against the file's tensors before the layer table is allocated: fuzz_model
+ * found 4 KB files claiming up to 2^24 layers, a 2.2-4.4 GB allocation before any layer was looked
+ * at (the inputs: tests/fuzz/regressions/model/). */
+Test(model_arch, block_count_beyond_the_tensors_is_refused_before_allocating) {
+    const int counts[] = {4, 1 << 23, 1 << 24};
+    for (int i = 0; i < 3; i++) {
+        model_spec s = spec_of(i == 1 ? "gemma3" : "llama"); /* gemma3: the sliding-window flags too */
+        make_weights(&s);
+        s.n_layer = counts[i];
+        expect_refused(&s, "block_count");
+    }
+}
+
 Test(model_arch, unexpected_tensor_is_refused_by_name) {
     model_spec s = spec_of("llama");
     make_weights(&s);

@@ -170,6 +170,16 @@ static kvpq_status load_hparams(kvpq_model *m) {
     }
     const char *a = in->arch;
     KVPQ_TRY(get_u32_key(f, a, "block_count", 1, 0, &in->n_layer));
+    /* Every layer holds the architecture's required tensors, so block_count is bounded by the file's
+     * tensor count before anything is sized by it (the layer table, the sliding-window flags): a
+     * 4 KB file claiming 2^24 layers made the layer table one 4.4 GB allocation (found by fuzz_model). */
+    const int64_t per_layer = m->arch->layer_required ? __builtin_popcount(m->arch->layer_required) : 1;
+    if ((int64_t)in->n_layer * per_layer > gguf_n_tensors(f))
+        return kvpq__err(KVPQ_ERR_FORMAT,
+                         "metadata key %s.block_count: %d layers of architecture %s need at least %lld tensors, the "
+                         "file has %lld (truncated or corrupt)",
+                         a, in->n_layer, m->arch->name, (long long)(in->n_layer * per_layer),
+                         (long long)gguf_n_tensors(f));
     KVPQ_TRY(get_u32_key(f, a, "embedding_length", 1, 0, &in->n_embd));
     KVPQ_TRY(get_u32_key(f, a, "feed_forward_length", 1, 0, &in->n_ff));
     KVPQ_TRY(get_u32_key(f, a, "attention.head_count", 1, 0, &in->n_head));
