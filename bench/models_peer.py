@@ -21,7 +21,7 @@ Targets: perplexity within 1%, 32 greedy tokens identical, decode >= 0.8x, prefi
 
 usage: python3 bench/models_peer.py [--models smollm2,qwen2.5-coder-1.5b,gemma3-270m] [--text F]
           [--chunks512 8] [--chunks2048 2] [--threads 2] [--llama-bin DIR] [--kvpq build/kvpq]
-          [--skip ppl,greedy,speed] [--json OUT]
+          [--kvpq-base BIN] [--skip ppl,greedy,speed] [--json OUT]
 """
 import argparse
 import json
@@ -130,10 +130,11 @@ def llama_bench(a, model, n_prompt, n_gen):
                                                                   "n_ubatch", "flash_attn")}
 
 
-def kvpq_speed(a, model, prompt_ids, n_gen, which):
+def kvpq_speed(a, model, prompt_ids, n_gen, which, kvpq=None):
     """One kvpq generate run with an fp16 cache: prefill tok/s of prompt_ids (which=0) or decode tok/s
-    of n_gen - 1 one-token evals (which=1), as kvpq generate prints them on stderr."""
-    _, err = run([a.kvpq, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt_ids)), "-n",
+    of n_gen - 1 one-token evals (which=1), as kvpq generate prints them on stderr. kvpq: the binary
+    (default --kvpq)."""
+    _, err = run([kvpq or a.kvpq, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt_ids)), "-n",
                   str(n_gen), "--temp", "0", "--print-ids", "--cache", "fp16", "--threads", str(a.threads)])
     return float(re.findall(r"\(([0-9.]+) tok/s\)", err)[which])
 
@@ -163,15 +164,21 @@ def speed(a, model, text_ids):
             def kvpq():
                 r["kvpq_" + kind] = (kvpq_speed(a, model, text_ids[:512], 1, 0) if kind == "prefill"
                                      else kvpq_speed(a, model, text_ids[:1], 129, 1))
-            for f in ((llama, kvpq) if i % 2 == 0 else (kvpq, llama)):
+            order = [llama, kvpq]
+            if a.kvpq_base and kind == "prefill":
+                def base():
+                    r["base_prefill"] = kvpq_speed(a, model, text_ids[:512], 1, 0, a.kvpq_base)
+                order.append(base)
+            for f in (order if i % 2 == 0 else order[::-1]):
                 f()
         r["load_after"] = os.getloadavg()[0]
         rounds.append(r)
-        print(f"  round {i + 1}/{a.reps}: prefill kvpq {r['kvpq_prefill']:.1f} llama.cpp {r['llama_prefill']:.1f}; "
+        base = f" base {r['base_prefill']:.1f}" if "base_prefill" in r else ""
+        print(f"  round {i + 1}/{a.reps}: prefill kvpq {r['kvpq_prefill']:.1f}{base} llama.cpp {r['llama_prefill']:.1f}; "
               f"decode kvpq {r['kvpq_decode']:.1f} llama.cpp {r['llama_decode']:.1f} tok/s; load "
               f"{r['load_before']:.1f} -> {r['load_after']:.1f}", flush=True)
     res = {k: median([r[k] for r in rounds]) for k in ("kvpq_prefill", "llama_prefill", "kvpq_decode",
-                                                          "llama_decode")}
+                                                          "llama_decode", "base_prefill") if k in rounds[0]}
     res.update(rounds=rounds, statistic=f"median of {a.reps} interleaved rounds", threads=a.threads,
                load_min=min(min(r["load_before"], r["load_after"]) for r in rounds),
                load_max=max(max(r["load_before"], r["load_after"]) for r in rounds), llama_bench=meta)
@@ -188,6 +195,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="speed rounds, interleaved; the median of each side is reported")
     ap.add_argument("--llama-bin", default=LLAMA_BIN)
     ap.add_argument("--kvpq", default=os.path.join(ROOT, "build", "kvpq"))
+    ap.add_argument("--kvpq-base", help="a second kvpq binary (e.g. main's) whose prefill runs in the same rounds")
     ap.add_argument("--skip", default="")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -237,11 +245,18 @@ def main():
             print(f"| {name} | {s['threads']} | {s['kvpq_prefill']:.1f} | {s['llama_prefill']:.1f} | "
                   f"{s['kvpq_prefill'] / s['llama_prefill']:.2f}x | {s['kvpq_decode']:.1f} | {s['llama_decode']:.1f} | "
                   f"{s['kvpq_decode'] / s['llama_decode']:.2f}x | {s['load_min']:.1f}-{s['load_max']:.1f} |")
+        if a.kvpq_base:
+            print(f"\n--kvpq-base {a.kvpq_base}, prefill tok/s (median, same rounds) and its ratio to llama.cpp:")
+            for name, r in results.items():
+                s = r["speed"]
+                print(f"  {name}: {s['base_prefill']:.1f} ({s['base_prefill'] / s['llama_prefill']:.2f}x); --kvpq / "
+                      f"base {s['kvpq_prefill'] / s['base_prefill']:.2f}x")
     if a.json:
         git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         run_info = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                     "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "kvpq_commit": git.stdout.strip(),
-                    "llama_bin": a.llama_bin, "cpus": os.cpu_count(), "OMP_WAIT_POLICY": "PASSIVE"}
+                    "llama_bin": a.llama_bin, "kvpq": a.kvpq, "kvpq_base": a.kvpq_base, "cpus": os.cpu_count(),
+                    "OMP_WAIT_POLICY": "PASSIVE"}
         with open(a.json, "w") as f:
             json.dump({**results, "_run": run_info}, f, indent=1)
 
