@@ -21,7 +21,7 @@ Targets: perplexity within 1%, 32 greedy tokens identical, decode >= 0.8x, prefi
 
 usage: python3 bench/models_peer.py [--models smollm2,qwen2.5-coder-1.5b,gemma3-270m] [--text F]
           [--chunks512 8] [--chunks2048 2] [--threads 2] [--llama-bin DIR] [--kvpq build/kvpq]
-          [--kvpq-base BIN] [--skip ppl,greedy,speed] [--json OUT]
+          [--kvpq-base BIN] [--llama-client auto|lib] [--skip ppl,greedy,speed] [--json OUT]
 """
 import argparse
 import json
@@ -52,7 +52,34 @@ def run(cmd, env=None):
     return p.stdout, p.stderr
 
 
+def speed_client(llama_bin):
+    """bench/llama_cpp_speed.c built against llama_bin's libllama (once per run, in a temporary folder):
+    llama-bench's pp/tg measurement and llama-tokenize's ids through libllama alone, for a llama.cpp
+    build that has libllama but not the tools (they need llama.cpp's `common` library too)."""
+    global _CLIENT
+    if _CLIENT is None:
+        src = os.path.dirname(os.path.dirname(os.path.abspath(llama_bin)))  # .../llama.cpp from .../build/bin
+        _CLIENT = os.path.join(tempfile.mkdtemp(prefix="llama_cpp_speed"), "llama_cpp_speed")
+        run(["cc", "-O2", "-I", f"{src}/include", "-I", f"{src}/ggml/include",
+             os.path.join(ROOT, "bench", "llama_cpp_speed.c"), "-L", llama_bin, "-lllama", f"-Wl,-rpath,{llama_bin}",
+             "-o", _CLIENT])
+    return _CLIENT
+
+
+_CLIENT = None
+
+
 def ids_of(text_arg, model, llama_bin, is_file):
+    if not os.path.exists(f"{llama_bin}/llama-tokenize"):
+        if not is_file:
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+                f.write(text_arg)
+            try:
+                return ids_of(f.name, model, llama_bin, True)
+            finally:
+                os.unlink(f.name)
+        out, _ = run([speed_client(llama_bin), model, "1", "tok", text_arg])
+        return [int(x) for x in out.split()]
     cmd = [f"{llama_bin}/llama-tokenize", "-m", model, "--ids", "--log-disable"]
     cmd += ["-f", text_arg] if is_file else ["-p", text_arg]
     out, _ = run(cmd)
@@ -119,7 +146,12 @@ def greedy(a, model, n=32):
 
 def llama_bench(a, model, n_prompt, n_gen):
     """One llama-bench measurement (-r 1, after its own warmup run): tokens/s of pp<n_prompt> or
-    tg<n_gen> at --threads threads, and the build/CPU fields llama-bench reports."""
+    tg<n_gen> at --threads threads, and the build/CPU fields llama-bench reports. Without llama-bench in
+    --llama-bin: the same measurement through bench/llama_cpp_speed.c (see speed_client)."""
+    if a.llama_client == "lib" or not os.path.exists(f"{a.llama_bin}/llama-bench"):
+        test, n = ("pp", n_prompt) if n_prompt else ("tg", n_gen)
+        out, _ = run([speed_client(a.llama_bin), model, str(a.threads), test, str(n)])
+        return float(json.loads(out.strip().splitlines()[-1])["ts"]), {"client": "bench/llama_cpp_speed.c (libllama)"}
     out, _ = run([f"{a.llama_bin}/llama-bench", "-m", model, "-t", str(a.threads), "-p", str(n_prompt), "-n",
                   str(n_gen), "-r", "1", "-o", "json"])
     rows = json.loads(out)
@@ -196,6 +228,8 @@ def main():
     ap.add_argument("--llama-bin", default=LLAMA_BIN)
     ap.add_argument("--kvpq", default=os.path.join(ROOT, "build", "kvpq"))
     ap.add_argument("--kvpq-base", help="a second kvpq binary (e.g. main's) whose prefill runs in the same rounds")
+    ap.add_argument("--llama-client", choices=("auto", "lib"), default="auto",
+                    help="llama.cpp speed through llama-bench (auto: when built) or bench/llama_cpp_speed.c (lib)")
     ap.add_argument("--skip", default="")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -255,7 +289,7 @@ def main():
         git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         run_info = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                     "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "kvpq_commit": git.stdout.strip(),
-                    "llama_bin": a.llama_bin, "kvpq": a.kvpq, "kvpq_base": a.kvpq_base, "cpus": os.cpu_count(),
+                    "llama_bin": a.llama_bin, "kvpq": a.kvpq, "kvpq_base": a.kvpq_base, "llama_client": a.llama_client, "cpus": os.cpu_count(),
                     "OMP_WAIT_POLICY": "PASSIVE"}
         with open(a.json, "w") as f:
             json.dump({**results, "_run": run_info}, f, indent=1)
