@@ -56,7 +56,7 @@ def vq_name(spec, m, meta):
         base = mm.group(1)
     elif meta and meta.get("keys"):
         k, v = meta["keys"], meta.get("values") or meta["keys"]
-        base = k if k == v else f"k{k}/v{v}"
+        base = k if k == v else f"{k}/{v}"  # keys/values
     else:
         base = os.path.basename(m.group(1))
     return "vq-" + base + (m.group(2) or "")
