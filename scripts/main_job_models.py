@@ -9,7 +9,15 @@ Inputs are `kvpq ppl --json --kl-base fp16` outputs (schema kvpq.ppl/1). Usage:
 
 Rows whose cache is `vq:FILE` with an allocation (metadata alloc.*) are kvpq's: the table adds the
 predicted KL (alloc.predicted_kl) and its ratio to the measured mean KL; their points form the
-frontier line in the figure. Other vq rows (uniform presets of an earlier run) are drawn hollow."""
+frontier line in the figure. Other vq rows (uniform presets) are drawn hollow and named from the
+codebook file (`cb_PRESET`) or its `keys` / `values` metadata, plus the window suffix.
+
+Rows without a KL (a run without `--kl-base`, e.g. the Qwen peers) show "n/a" for KL and top-1; their
+Δppl is the row's `delta_pct`, or else its ppl against the file's fp16 row, or its `ppl_base`.
+
+With --md, an existing file that holds the markers `<!-- main_job_models: begin -->` and
+`<!-- main_job_models: end -->` keeps everything outside them; only the part between is replaced
+(docs/main_job.md carries other sections). A file without the markers is written whole."""
 import argparse
 import datetime
 import json
@@ -33,28 +41,61 @@ def cb_meta(path):
         return None
 
 
+BEGIN, END = "<!-- main_job_models: begin -->", "<!-- main_job_models: end -->"
+
+
+def num(r, key):
+    """r[key] as a float, or None when missing or null (runs without --kl-base have no KL)."""
+    v = r.get(key)
+    return None if v is None else float(v)
+
+
+def vq_name(spec, m, meta):
+    mm = re.search(r"cb_(\w+)\.safetensors", spec)
+    if mm:
+        base = mm.group(1)
+    elif meta and meta.get("keys"):
+        k, v = meta["keys"], meta.get("values") or meta["keys"]
+        base = k if k == v else f"{k}/{v}"  # keys/values
+    else:
+        base = os.path.basename(m.group(1))
+    return "vq-" + base + (m.group(2) or "")
+
+
 def rows_of(paths):
     out, seen = [], set()
     for p in paths:
         d = json.load(open(p))
-        assert d.get("schema") == "kvpq.ppl/1", p
+        if d.get("schema") != "kvpq.ppl/1":
+            raise SystemExit(f"main_job_models: {p}: schema {d.get('schema')!r}, expected 'kvpq.ppl/1'")
+        fp16 = next((num(r, "ppl") for r in d["results"] if r["cache"] == "fp16"), None)
         for r in d["results"]:
             spec = r["cache"]
             m = re.match(r"vq:(.*?)(:w\d+)?(:force)?$", spec)
-            meta = cb_meta(m.group(1)) if m else None
+            meta = None
+            if m:  # a codebook not at its recorded path (out/ of the run) is looked for beside the JSON
+                meta = cb_meta(m.group(1))
+                if meta is None:
+                    meta = cb_meta(os.path.join(os.path.dirname(p), os.path.basename(m.group(1))))
             r["_alloc"] = meta if meta and "alloc.bits" in meta else None
             if r["_alloc"]:
                 r["_name"] = f"kvpq --bits {meta['alloc.bits']}"
             elif m:
-                mm = re.search(r"cb_(\w+)\.safetensors", spec)
-                r["_name"] = "vq-" + (mm.group(1) if mm else os.path.basename(m.group(1))) + (m.group(2) or "")
+                r["_name"] = vq_name(spec, m, meta)
             else:
                 r["_name"] = spec
             if r["_name"] in seen:  # the first file given wins (newer runs first)
                 continue
             seen.add(r["_name"])
             r["_src"] = p
-            r["_dppl"] = 100.0 * (r["ppl"] / r["ppl_base"] - 1.0)
+            base = num(r, "ppl_base") or fp16
+            r["_base"] = base
+            if num(r, "delta_pct") is not None:
+                r["_dppl"] = num(r, "delta_pct")
+            elif base:
+                r["_dppl"] = 100.0 * (r["ppl"] / base - 1.0)
+            else:
+                raise SystemExit(f"main_job_models: {p}: row {spec}: no ppl_base, delta_pct or fp16 row")
             out.append(r)
     return out
 
@@ -65,14 +106,18 @@ def table(title, rows):
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(rows, key=lambda r: r["bits_per_element"]):
         pk, ratio = "", ""
+        klm, top1 = num(r, "kl_mean"), num(r, "top1_agree")
         if r["_alloc"]:
             p = float(r["_alloc"]["alloc.predicted_kl"])
-            pk, ratio = f"{p:.4f}", f"{p / r['kl_mean']:.2f}"
+            pk = f"{p:.4f}"
+            ratio = f"{p / klm:.2f}" if klm else "n/a"
+        kls = "n/a" if klm is None else f"{klm:.4f}"
+        t1 = "n/a" if top1 is None else f"{100 * top1:.1f}%"
         lines.append(f"| {r['_name']} | {r['bits_per_element']:.3f} | {r['ppl']:.3f} | {r['_dppl']:+.2f}% | "
-                     f"{r['kl_mean']:.4f} | {100 * r['top1_agree']:.1f}% | {pk} | {ratio} |")
-    base = rows[0]
+                     f"{kls} | {t1} | {pk} | {ratio} |")
+    bases = sorted({f"{r['_base']:.3f}" for r in rows if r["_base"]})
     srcs = sorted({r["_src"] for r in rows})
-    lines += ["", f"fp16 base ppl {base['ppl_base']:.3f}; sources: " + ", ".join(f"`{s}`" for s in srcs)]
+    lines += ["", f"fp16 base ppl {' / '.join(bases)}; sources: " + ", ".join(f"`{s}`" for s in srcs)]
     return "\n".join(lines)
 
 
@@ -101,7 +146,8 @@ def figure(panels, path):
         ax.set_ylabel("Δ perplexity vs fp16 cache (%, symlog)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
+        if kv:
+            ax.legend(fontsize=8, loc="upper right")
     fig.suptitle("held-out novel (persuasion.txt): peers (triangles;\nhollow: uniform VQ presets) and kvpq's frontier", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -118,14 +164,22 @@ def main():
     for p in a.panel:
         title, files = p.split("=", 1)
         panels.append((title, rows_of(files.split(","))))
-    text = ["# Main job (issue #18): 2-bit caches on three models", "",
-            f"Generated {datetime.date.today().isoformat()} by `scripts/main_job_models.py`.", ""]
+    gen = []
     if a.preamble:
-        text.append(open(a.preamble).read())
+        gen.append(open(a.preamble).read())
     for title, rows in panels:
-        text += [table(title, rows), ""]
-    text.append(f"![delta perplexity against effective bits]({os.path.basename(a.figure)})")
-    open(a.md, "w").write("\n".join(text) + "\n")
+        gen += [table(title, rows), ""]
+    gen.append(f"![delta perplexity against effective bits]({os.path.basename(a.figure)})")
+    old = open(a.md).read() if os.path.exists(a.md) else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        body = head + BEGIN + "\n" + "\n".join(gen) + "\n" + END + tail
+    else:
+        body = "\n".join(["# Main job (issue #18): 2-bit caches on three models", "",
+                          f"Generated {datetime.date.today().isoformat()} by `scripts/main_job_models.py`.", ""]
+                         + gen) + "\n"
+    open(a.md, "w").write(body)
     figure(panels, a.figure)
 
 
