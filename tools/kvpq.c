@@ -41,10 +41,16 @@ static int cmd_info(int argc, char **argv) {
         close(fd);
         return cli_usage_error("info: '%s' is not a regular file", path);
     }
-    char magic[4] = {0};
-    ssize_t n = read(fd, magic, 4);
+    char magic[8] = {0};
+    ssize_t n = read(fd, magic, 8);
     close(fd);
-    if (n == 4 && !memcmp(magic, "GGUF", 4)) return cmd_info_gguf(argc, argv, path);
+    if (n >= 4 && !memcmp(magic, "GGUF", 4)) return cmd_info_gguf(argc, argv, path);
+    /* A saved cache was read as a codebook ("header length 4996252662716454475 exceeds ..."). */
+    if (n == 8 && !memcmp(magic, "KVPQSAVE", 8)) {
+        fprintf(stderr, "kvpq info: '%s' is a saved kvpq cache (kvpq_cache_save, generate --prompt-cache), which info "
+                        "does not describe: it takes a .gguf model or a .safetensors codebook\n", path);
+        return 1;
+    }
     return cmd_info_codebook(argc, argv, path);
 }
 

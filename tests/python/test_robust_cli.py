@@ -272,6 +272,17 @@ def test_negative_token_ids_refused(tmp_path):
     assert r.returncode == 0 and b"PPL" in r.stdout + r.stderr, (r.returncode, r.stderr[-300:])
 
 
+@need_model
+def test_info_names_a_saved_cache(tmp_path):
+    """kvpq info on a saved cache read it as a codebook and reported a corrupt header length."""
+    pc = tmp_path / "p.kvc"
+    r = run("generate", "--model", MODEL, "-n", 1, "--temp", 0, "--prompt", "hello there", "--prompt-cache", pc)
+    assert r.returncode == 0 and pc.exists(), r.stderr[-300:]
+    r = run("info", pc)
+    assert r.returncode == 1 and b"is a saved kvpq cache" in r.stderr, (r.returncode, r.stderr[-300:])
+    assert b"header length" not in r.stderr
+
+
 # ---- item 2: prompt injection through --chat ----
 
 
