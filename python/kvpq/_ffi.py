@@ -122,5 +122,12 @@ CORE_PATH, MODEL_PATH = _libraries(LIB_PATH)
 # The core first and global: libkvpq_model.so's dependency on it (by SONAME) then resolves to it
 # wherever the files lie. Symbols are looked up through the last library opened, whose handle also
 # searches its dependencies.
-_core_lib = ffi.dlopen(CORE_PATH, ffi.RTLD_GLOBAL | ffi.RTLD_NOW) if CORE_PATH else None
-lib = ffi.dlopen(MODEL_PATH) if MODEL_PATH else _core_lib
+# RTLD_NODELETE: the libraries stay mapped until the process ends. At interpreter teardown the module
+# dicts are cleared and the library objects die (cffi then dlcloses them) before the last garbage
+# collection frees the handles that ffi.gc gave a destructor from these libraries (kvpq_cache_free,
+# kvpq_model_free, ...): without it that destructor jumped into unmapped code (SIGSEGV after the
+# full test_transformers.py run; core dump: cdatagcp_finalize -> ffi_call into an address no
+# library held, libkvpq*.so no longer loaded). tests/python/test_python_api.py checks it.
+_FLAGS = ffi.RTLD_NOW | getattr(os, "RTLD_NODELETE", 0)
+_core_lib = ffi.dlopen(CORE_PATH, ffi.RTLD_GLOBAL | _FLAGS) if CORE_PATH else None
+lib = ffi.dlopen(MODEL_PATH, _FLAGS) if MODEL_PATH else _core_lib

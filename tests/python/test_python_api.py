@@ -203,3 +203,24 @@ def test_sliding_window_cache_equals_attention_over_the_window():
     np.testing.assert_allclose(swa.attend(0, q), last.attend(0, q), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(swa.attend(1, q), full.attend(0, q), rtol=1e-6, atol=1e-7)
     assert not np.allclose(swa.attend(0, q), full.attend(0, q))
+
+
+def test_handles_freed_after_the_library_objects_died_do_not_crash():
+    """At interpreter teardown the module dicts are cleared, the cffi library objects die and cffi
+    dlcloses libkvpq*.so; handles freed later by the last garbage collection (a cycle holding a
+    Cache or Model) then called their ffi.gc destructor in unmapped code: the full
+    test_transformers.py run ended in SIGSEGV after passing. ffi.dlclose does here what teardown
+    does; the libraries are opened RTLD_NODELETE, so the destructor still finds its code."""
+    import subprocess
+    import sys
+    code = ("import kvpq, kvpq._ffi as F\n"
+            "pq = kvpq.ProductQuantizer(d=16, M=4, nbits=4)\n"
+            "F.ffi.dlclose(F.lib)\n"
+            "if F._core_lib is not None and F._core_lib is not F.lib: F.ffi.dlclose(F._core_lib)\n"
+            "del pq\n"
+            "print('freed')\n")
+    import os
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(kvpq.__file__))] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "freed", (r.returncode, r.stdout, r.stderr[-2000:])
