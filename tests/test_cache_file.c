@@ -489,6 +489,8 @@ Test(cache_file, sigint_or_sigterm_mid_save_leaves_no_temporary, .timeout = 600)
                          entries, dir);
             rmdir(dir);
         }
+}
+
 /* Attention sinks (format version 3): every quantized kind, sinks shorter and longer than the
  * sequence, after a truncate and with a sliding-window layer: identical attention, read-back and
  * bytes, and the loaded cache carries on the same. */

@@ -205,3 +205,37 @@ Test(cache_sinks, counted_in_bytes_refused_by_fp_kinds_and_saved) {
     kvpq_cache_free(a), kvpq_cache_free(b), kvpq_cache_free(d);
     free(k), free(v);
 }
+
+/* A sliding-window layer whose kind has dropped nothing yet (its window start is past the sinks but
+ * inside its first page) still holds every position: truncating back, reading the sinks and the
+ * element count must be as in a cache that never dropped. The layer's first position held was set
+ * to S on every append past the window whether or not the kind freed a page, so kvpq_cache_truncate
+ * refused ("no longer holds positions before 4"), reads of the sinks were refused and
+ * kvpq_cache_get_stats counted S positions fewer (kvpq generate --prompt-cache then recomputed a
+ * shorter prompt on Gemma-3 with the CLI's default sink). */
+Test(cache_sinks, sliding_window_layer_that_dropped_nothing_keeps_every_position) {
+    const int W = 50, S = 4;
+    const size_t kvw = (size_t)NKV * HD;
+    float *k = grid_vec(200 * kvw, 11), *v = grid_vec(200 * kvw, 12);
+    static const kvpq_cache_type kinds[] = {KVPQ_CACHE_Q4_0, KVPQ_CACHE_KIVI2, KVPQ_CACHE_FP16};
+    for (int i = 0; i < 3; i++) {
+        const int sinks = kinds[i] == KVPQ_CACHE_FP16 ? 0 : S;
+        kvpq_cache *c = make(kinds[i], NULL, sinks, 200, W);
+        for (int l = 0; l < 2; l++) { /* 56 then 4: the second append's window starts at 7, page 0 (32) */
+            cr_assert_eq(kvpq_cache_append(c, l, 56, k, v), KVPQ_OK, "%s", kvpq_last_error());
+            cr_assert_eq(kvpq_cache_append(c, l, 4, k + 56 * kvw, v + 56 * kvw), KVPQ_OK, "%s", kvpq_last_error());
+        }
+        kvpq_cache_stats st;
+        cr_assert_eq(kvpq_cache_get_stats(c, &st), KVPQ_OK);
+        cr_assert_eq(st.elements, (int64_t)2 * 2 * 60 * kvw, "%s: %lld elements, every position is held",
+                     kvpq_cache_type_name(kinds[i]), (long long)st.elements);
+        float kr[4 * NKV * HD], vr[4 * NKV * HD];
+        cr_assert_eq(kvpq_cache_read(c, 1, 0, 4, kr, vr), KVPQ_OK, "%s: %s", kvpq_cache_type_name(kinds[i]),
+                     kvpq_last_error());
+        if (sinks) cr_assert(!memcmp(kr, k, sizeof kr) && !memcmp(vr, v, sizeof vr), "sinks read back other values");
+        cr_assert_eq(kvpq_cache_truncate(c, 20), KVPQ_OK, "%s: %s", kvpq_cache_type_name(kinds[i]), kvpq_last_error());
+        cr_assert_eq(kvpq_cache_seq_len(c, 1), 20);
+        kvpq_cache_free(c);
+    }
+    free(k), free(v);
+}

@@ -273,7 +273,12 @@ kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const float *k, c
     /* Sliding window: the first query to come (position len) sees positions from
      * kvpq__window_start(len); what lies before can go (the kind's part; sinks stay allocated). */
     const int keep = kvpq__window_start(&c->p, layer, len);
-    if (keep > c->lo[layer] && keep > S) c->lo[layer] = S + c->ops->drop(c->state, layer, len - S, keep - S);
+    if (keep > c->lo[layer] && keep > S) {
+        /* the kind's first held position: 0 while it has freed no page, and then every position is
+         * still held (lo stays 0: S + 0 refused truncations and sink reads that need nothing freed) */
+        const int kind_lo = c->ops->drop(c->state, layer, len - S, keep - S);
+        if (kind_lo > 0) c->lo[layer] = S + kind_lo;
+    }
     if (n > ns) KVPQ_TRY(c->ops->append(c->state, layer, len + ns - S, n - ns, k + ns * kvw, v + ns * kvw));
     for (size_t i = 0; i < (size_t)ns * kvw; i++) { /* cannot fail: after the kind's append */
         size_t dst = ((size_t)layer * S + len) * kvw + i;

@@ -358,7 +358,9 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
                       (unsigned long long)hd.user_len);
     if (s == KVPQ_OK) s = kvpq__stream_io(&st, ub, (size_t)hd.user_len);
     if (s == KVPQ_OK) {
-        for (int l = 0; l < c->p.n_layer; l++) c->len[l] = lens[l], c->lo[l] = lo[l];
+        /* lo == S: a file saved before kvpq_cache_append kept lo at 0 while the kind had freed nothing */
+        for (int l = 0; l < c->p.n_layer; l++)
+            c->len[l] = lens[l], c->lo[l] = file_sinks > 0 && lo[l] == file_sinks ? 0 : lo[l];
         if (file_sinks > 0) {
             s = sinks_io(&st, c, c->len, 1);
             if (s == KVPQ_OK && !(ipos = malloc((size_t)c->p.n_layer * 2 * sizeof *ipos)))

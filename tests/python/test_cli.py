@@ -192,3 +192,39 @@ def test_prompt_cache_reuses_and_refuses(kind, codebook, tmp_path):
     f.write_bytes(saved[: len(saved) // 3])
     p = run(*args, "--prompt", prompt)
     assert p.returncode == 1 and "truncated" in p.stderr, p.stderr
+
+
+@need_model
+def test_vq_codebook_brings_its_window_and_sinks(codebook, tmp_path):
+    """A codebook from calibrate --bits records alloc.window / alloc.sinks; vq:FILE takes them, a
+    :wN / :sN suffix wins, and a value that is not a number is refused naming the key (exit 1)."""
+    import kvpq
+    prompt = " ".join(["word"] * 60)  # ~60 positions: past a 0-token window's first flush, inside 128
+
+    def with_meta(name, window, sinks):
+        cb = kvpq.Codebook.load(str(codebook))
+        cb.set_meta("alloc.window", window)
+        cb.set_meta("alloc.sinks", sinks)
+        out = tmp_path / name
+        cb.save(str(out))
+        return out
+
+    def bits(spec):
+        p = run("generate", "--model", MODEL, "--cache", spec, "--prompt", prompt, "-n", 1, "--temp", 0)
+        assert p.returncode == 0, p.stderr
+        m = re.search(r"stored tokens \d+ bytes \(([0-9.]+) bits per element\); resident (\d+) bytes", p.stderr)
+        assert m, p.stderr
+        return float(m[1]), int(m[2])
+
+    w0 = with_meta("w0.safetensors", 0, 0)
+    coded, res0 = bits(f"vq:{w0}")
+    assert coded < 16, "alloc.window 0: positions past the flush are coded"
+    fp16, _ = bits(f"vq:{w0}:w128")  # the suffix wins: every position in the fp16 window
+    assert fp16 == pytest.approx(16, abs=1e-3)
+    _, res_s3 = bits(f"vq:{with_meta('s3.safetensors', 0, 3)}")
+    assert res_s3 - res0 == 2 * 3 * 30 * 3 * 64 * 2  # 3 fp16 sinks, K and V, 30 layers, 3 KV heads, dim 64
+    _, res_s0 = bits(f"vq:{with_meta('s3b.safetensors', 0, 3)}:s0")
+    assert res_s0 == res0
+    bad = with_meta("bad.safetensors", "abc", 0)
+    p = run("generate", "--model", MODEL, "--cache", f"vq:{bad}", "--prompt", "x", "-n", 1)
+    assert p.returncode == 1 and "alloc.window = 'abc' is not a number" in p.stderr, (p.returncode, p.stderr)
