@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cblas.h>
 #include <omp.h>
 
 #include "internal.h"
@@ -532,7 +533,8 @@ Test(ggml_types, glu_kernels_at_every_level) {
  * across thread counts: OpenBLAS picks its kernel path by matrix size, so a narrower call may sum in
  * another order.) */
 Test(ggml_types, matmul_blas_split_over_threads) {
-    int saved = omp_get_max_threads();
+    int saved = omp_get_max_threads(), saved_blas = openblas_get_num_threads();
+    openblas_set_num_threads(1); /* as the CLI runs it: the sgemm is then split over the OpenMP threads */
     uint32_t types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_K};
     int64_t nt = 40, n = 256, n_rows = 4096 + 6; /* a 4096-row tile (1 Mi floats / 256) and one of 6 rows */
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
@@ -562,4 +564,5 @@ Test(ggml_types, matmul_blas_split_over_threads) {
         free(as);
     }
     omp_set_num_threads(saved);
+    openblas_set_num_threads(saved_blas);
 }

@@ -87,6 +87,9 @@ static int prompt_cache_load(const char *path, const char *line, cli_cache *cc, 
     kvpq_status s = kvpq_cache_load(&lc, &cc->params, path, &ub, &ul);
     if (s != KVPQ_OK) {
         fprintf(stderr, "kvpq generate: --prompt-cache %s is refused (remove it or name another file)\n", path);
+        if (s == KVPQ_ERR_MISMATCH && strstr(kvpq_last_error(), ": sinks "))
+            fprintf(stderr, "kvpq generate: the CLI keeps 1 sink by default for vq, kivi2, kivi4 and q4_0r since "
+                            "cache file v3; a file saved without sinks is read with the SPEC suffix :s0\n");
         return cli_fail("generate: --prompt-cache", s);
     }
     const char *blob = ub;

@@ -291,6 +291,7 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
         if (tile_rows < 16) tile_rows = 16;
         if (tile_rows > n_rows) tile_rows = n_rows;
         float *Wt = malloc((size_t)tile_rows * (size_t)n * sizeof *Wt);
+        const int blas_single = openblas_get_num_threads() <= 1;
         if (Wt) {
             for (int64_t r0 = 0; r0 < n_rows; r0 += tile_rows) {
                 int64_t nr = n_rows - r0 < tile_rows ? n_rows - r0 : tile_rows;
@@ -299,8 +300,11 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
                 /* Y[:, r0:r0+nr] = X (n_tok, n) @ Wt^T (n, nr), the nr output columns split evenly over the
                  * OpenMP threads, one single-threaded sgemm each: the CLI runs OpenBLAS with one thread
                  * (OPENBLAS_NUM_THREADS=1, so its pool does not spin beside OpenMP's), and one sgemm call
-                 * took 63% of Gemma-3-270M's prefill on one thread while the others waited. */
-#pragma omp parallel
+                 * took 63% of Gemma-3-270M's prefill on one thread while the others waited. Where
+                 * OpenBLAS has its own threads (a library or Python caller that did not set
+                 * OPENBLAS_NUM_THREADS=1), one call on one thread uses them instead: splitting then would
+                 * run OpenMP threads x OpenBLAS threads. */
+#pragma omp parallel if (blas_single)
                 {
                     int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
                     int64_t c0 = nr * th / nth, c1 = nr * (th + 1) / nth;

@@ -195,6 +195,24 @@ def test_prompt_cache_reuses_and_refuses(kind, codebook, tmp_path):
 
 
 @need_model
+def test_prompt_cache_without_sinks_names_the_s0_suffix(tmp_path):
+    """A --prompt-cache file saved without sinks (as every file before the CLI's default of 1 sink for
+    kivi2/kivi4/vq/q4_0r) is refused under the default SPEC, the message names the `:s0` suffix that
+    reads it, and the file is left as it was; with `:s0` it is reused."""
+    f = tmp_path / "prompt.kvc"
+    prompt = "It was a bright cold day in April, and the clocks were striking thirteen. " * 2
+    args = ["generate", "--model", MODEL, "-n", 1, "--temp", 0, "--prompt", prompt, "--prompt-cache", f]
+    first = run(*args, "--cache", "kivi2:s0")
+    assert first.returncode == 0 and f.exists(), first.stderr
+    saved = f.read_bytes()
+    p = run(*args, "--cache", "kivi2")
+    assert p.returncode == 1 and "sinks 0, this cache has 1" in p.stderr and ":s0" in p.stderr, p.stderr
+    assert f.read_bytes() == saved
+    p = run(*args, "--cache", "kivi2:s0")
+    assert p.returncode == 0 and "prompt cache load" in p.stderr, p.stderr
+
+
+@need_model
 def test_vq_codebook_brings_its_window_and_sinks(codebook, tmp_path):
     """A codebook from calibrate --bits records alloc.window / alloc.sinks; vq:FILE takes them, a
     :wN / :sN suffix wins, and a value that is not a number is refused naming the key (exit 1)."""
