@@ -24,6 +24,9 @@ kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n) {
     while (pl->n < n) {
         unsigned char *p = aligned_alloc(64, bytes);
         if (!p) return kvpq__err(KVPQ_ERR_NOMEM, "cache: out of memory for a page of %zu bytes", pl->page_bytes);
+        /* zeroed: a saved cache writes whole pages, and the slots past the last position must not
+         * carry whatever the allocator left there (same bytes for the same cache, nothing leaked) */
+        memset(p, 0, bytes);
         pl->page[pl->n - pl->base] = p;
         pl->n++;
     }

@@ -542,7 +542,7 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
             return kvpq__err(KVPQ_ERR_CAPACITY, "VQ cache layer %d: %d positions exceed max_seq", layer, target);
         const int old_pages = L->n_pages;
         for (int pg = L->n_pages; pg < pages_needed; pg++) {
-            L->pages[pg] = malloc(L->page_bytes);
+            L->pages[pg] = calloc(1, L->page_bytes);
             if (!L->pages[pg]) {
                 for (int q = old_pages; q < pg; q++) {
                     free(L->pages[q]);
@@ -966,7 +966,7 @@ static kvpq_status vq_serial(void *state, const int *lens, const int *lo, kvpq__
             L->n_coded = coded;
             L->first_page = first; /* pages a sliding window had freed stay NULL */
             for (; L->n_pages < pages; L->n_pages++)
-                if (L->n_pages >= first && !(L->pages[L->n_pages] = malloc(L->page_bytes)))
+                if (L->n_pages >= first && !(L->pages[L->n_pages] = calloc(1, L->page_bytes)))
                     return kvpq__err(KVPQ_ERR_NOMEM, "saved cache vq: out of memory for a page of %zu bytes",
                                      L->page_bytes);
         }
