@@ -55,6 +55,8 @@ def held_from(cache, layer, n):
 
 
 def fp32_copy(m, cache, n, max_seq):
+    """A float32 cache holding positions [0, n) of `cache` as its attention reads them (positions a
+    sliding-window layer has dropped as zeros: no query reads them)."""
     c = m.new_cache("fp32", max_seq=max_seq)
     nkv, hd = m.info["n_head_kv"], m.info["head_dim"]
     for layer in range(m.info["n_layer"]):

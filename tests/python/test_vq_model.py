@@ -12,6 +12,7 @@ rounding (~1e-8), while the codes themselves perturb the model by orders of magn
 (KL(p_exact || p_vq)). A wrong scale, mean term or rotation in the coded path shows up as the first
 KL being of the size of the second."""
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,24 +24,8 @@ MODELS = {"smollm2": SRC / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
           "gemma3": SRC / "models" / "gemma-3-270m-Q4_K_M.gguf"}
 
 kvpq = pytest.importorskip("kvpq")
-
-
-def kl(p_logits, q_logits):
-    """KL(softmax(p) || softmax(q)) in float64, nats."""
-    a = p_logits.astype(np.float64) - p_logits.max()
-    b = q_logits.astype(np.float64) - q_logits.max()
-    la = a - np.log(np.exp(a).sum())
-    lb = b - np.log(np.exp(b).sum())
-    return float((np.exp(la) * (la - lb)).sum())
-
-
-def fp32_copy(m, cache, n, max_seq):
-    """A float32 cache holding positions [0, n) of `cache` as its attention reads them."""
-    c = m.new_cache("fp32", max_seq=max_seq)
-    for layer in range(m.info["n_layer"]):
-        k, v = cache.read(layer, 0, n)
-        c.append(layer, k, v)
-    return c
+sys.path.insert(0, str(SRC / "bench"))
+from vq_model_consistency import fp32_copy, kl  # noqa: E402  (the bench's measurement, shared)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
