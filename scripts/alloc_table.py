@@ -2,24 +2,15 @@
 allocated codebook's budget, window, sinks and predicted KL (its alloc.* metadata) beside the
 measured KL. Usage: python3 scripts/alloc_table.py RESULT.json [...]  (docs/allocation.md)"""
 import json
-import struct
 import sys
 
-
-def meta(path):
-    """The __metadata__ of a safetensors file (the codebook's free-form keys)."""
-    try:
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            return json.loads(f.read(n)).get("__metadata__", {})
-    except OSError:
-        return {}
+from main_job_models import cb_meta  # the codebook's __metadata__ (None when unreadable)
 
 
 rows = []
 for p in sys.argv[1:]:
     for r in json.load(open(p))["results"]:
-        m = meta(r["cache"][3:]) if r["cache"].startswith("vq:") else {}
+        m = (cb_meta(r["cache"][3:]) or {}) if r["cache"].startswith("vq:") else {}
         rows.append((r, m))
 rows.sort(key=lambda x: x[0]["bits_per_element"])
 print("| cache | window, sinks | eff. bits | ppl | Δppl vs fp16 | KL mean | top-1 | predicted KL | predicted / measured |")
