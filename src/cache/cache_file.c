@@ -19,7 +19,7 @@
  * header is checked field by field first so that a file for another kind, model shape or codebook
  * gets a message naming what differs. A cache without sinks is written as version 2, byte for byte
  * what earlier versions of kvpq wrote. With sinks, the kind holds positions S.. as its own 0.., so
- * its payload is serialized with lens and lo shifted by S (inner_pos). */
+ * its payload is serialized with lens and lo shifted by S (payload_io). */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -127,13 +127,21 @@ static kvpq_status header_io(kvpq__stream *s, file_header *h) {
     return KVPQ_OK;
 }
 
-/* The kind's view of positions with S sinks: it holds positions S.. as its 0.. (cache.c, inner_lens);
- * a layer's first held position lo is 0 or >= S (cache.c sets lo = S + what the kind dropped). */
-static void inner_pos(const int *len, const int *lo, int n_layer, int S, int *ilen, int *ilo) {
-    for (int l = 0; l < n_layer; l++) {
-        ilen[l] = len[l] > S ? len[l] - S : 0;
-        ilo[l] = lo[l] > S ? lo[l] - S : 0;
+/* The kind's payload (ops->serial). With S sinks the kind holds positions S.. as its 0.. (cache.c,
+ * inner_lens), so its lens and lo are shifted by S; a layer's first held position lo is 0 or >= S
+ * (cache.c sets lo = S + what the kind dropped). */
+static kvpq_status payload_io(kvpq__stream *st, kvpq_cache *c, int load) {
+    const int S = c->p.sinks, n = c->p.n_layer;
+    if (S == 0) return c->ops->serial(c->state, c->len, c->lo, st, load);
+    int *ilen = malloc((size_t)n * 2 * sizeof *ilen), *ilo = ilen + n;
+    if (!ilen) return kvpq__err(KVPQ_ERR_NOMEM, "%s: out of memory", load ? "kvpq_cache_load" : "kvpq_cache_save");
+    for (int l = 0; l < n; l++) {
+        ilen[l] = c->len[l] > S ? c->len[l] - S : 0;
+        ilo[l] = c->lo[l] > S ? c->lo[l] - S : 0;
     }
+    kvpq_status s = c->ops->serial(c->state, ilen, ilo, st, load);
+    free(ilen);
+    return s;
 }
 
 /* The sink section (version 3): per layer, K then V of positions [0, min(len, S)), fp16. On load,
@@ -223,17 +231,7 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
         if (s == KVPQ_OK && S > 0) s = kvpq__stream_io(&st, &sinks, sizeof sinks);
         if (s == KVPQ_OK) s = kvpq__stream_io(&st, (void *)user, user_len);
         if (s == KVPQ_OK && S > 0) s = sinks_io(&st, (kvpq_cache *)c, c->len, 0);
-        if (s == KVPQ_OK && S > 0) {
-            int *ilen = malloc((size_t)c->p.n_layer * 2 * sizeof *ilen);
-            if (!ilen) s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
-            if (s == KVPQ_OK) {
-                inner_pos(c->len, c->lo, c->p.n_layer, S, ilen, ilen + c->p.n_layer);
-                s = c->ops->serial(c->state, ilen, ilen + c->p.n_layer, &st, 0);
-            }
-            free(ilen);
-        } else if (s == KVPQ_OK) {
-            s = c->ops->serial(c->state, c->len, c->lo, &st, 0);
-        }
+        if (s == KVPQ_OK) s = payload_io(&st, (kvpq_cache *)c, 0);
         if (s == KVPQ_OK) {
             uint64_t sum = XXH64_digest(h);
             if (fwrite(&sum, sizeof sum, 1, f) != 1)
@@ -288,7 +286,6 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     XXH64_state_t *h = XXH64_createState();
     kvpq_cache *c = NULL;
     int32_t *lens = NULL, *lo = NULL, file_sinks = 0;
-    int *ipos = NULL;
     void *ub = NULL;
     kvpq_status s = h ? KVPQ_OK : kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
     kvpq__stream st = {f, 1, h, path};
@@ -361,17 +358,8 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
         /* lo == S: a file saved before kvpq_cache_append kept lo at 0 while the kind had freed nothing */
         for (int l = 0; l < c->p.n_layer; l++)
             c->len[l] = lens[l], c->lo[l] = file_sinks > 0 && lo[l] == file_sinks ? 0 : lo[l];
-        if (file_sinks > 0) {
-            s = sinks_io(&st, c, c->len, 1);
-            if (s == KVPQ_OK && !(ipos = malloc((size_t)c->p.n_layer * 2 * sizeof *ipos)))
-                s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
-            if (s == KVPQ_OK) {
-                inner_pos(c->len, c->lo, c->p.n_layer, file_sinks, ipos, ipos + c->p.n_layer);
-                s = c->ops->serial(c->state, ipos, ipos + c->p.n_layer, &st, 1);
-            }
-        } else {
-            s = c->ops->serial(c->state, c->len, c->lo, &st, 1);
-        }
+        if (file_sinks > 0) s = sinks_io(&st, c, c->len, 1); /* file_sinks == c->p.sinks: checked above */
+        if (s == KVPQ_OK) s = payload_io(&st, c, 1);
         if (s != KVPQ_OK && !strstr(kvpq_last_error(), path)) kvpq__err_prefix("saved cache '%s'", path);
     }
     if (s == KVPQ_OK) {
@@ -393,7 +381,6 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     if (h) XXH64_freeState(h);
     free(lens);
     free(lo);
-    free(ipos);
     if (s != KVPQ_OK) {
         kvpq_cache_free(c);
         free(ub);
