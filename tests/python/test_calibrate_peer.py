@@ -243,3 +243,44 @@ def test_window_candidates_checked_before_the_model_loads(cands, needle, tmp_pat
     p = run("calibrate", "--model", tmp_path / "none.gguf", "--text", tmp_path / "none.txt", "-o", tmp_path / "o.st",
             "--bits", 2, "--window", 8, "--window-candidates", "0,8", check=False)
     assert p.returncode == 2 and "give one" in p.stderr, p.stderr
+
+
+def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
+    """calibrate --bits with --window-candidates end to end on the real model: the file records every
+    candidate window's predicted KL and takes the least one among those that fit; `vq:FILE` brings
+    that window and the sink, and `kvpq ppl` at the allocation's context measures the effective bits
+    the allocation predicted (<= the budget); a larger budget loses less; `kvpq info` shows the
+    choice. Any window left out of the file, a budget overrun or a ppl run at a different window
+    fails here."""
+    # at ctx 256 the 30 layers' codebooks alone are ~3.7 bits per element: budgets 5.5 and 8
+    lo, hi = tmp_path / "b5.safetensors", tmp_path / "b8.safetensors"
+    run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", 512, "--ctx", 256, "--holdout-ctx", 128,
+        "--iters", 2, "--threads", 2, "--bits", 5.5, "--window-candidates", "0,16,64", "-o", lo,
+        "--bits-also", f"8.0 {hi}")
+    from safetensors import safe_open
+    metas = []
+    for f in (lo, hi):
+        with safe_open(str(f), framework="numpy") as h:
+            metas.append(h.metadata())
+    for meta, budget in zip(metas, (5.5, 8.0)):
+        assert meta["alloc.ctx"] == "256" and meta["alloc.sinks"] == "1", meta
+        pred = {}
+        for item in meta["alloc.window_predicted_kl"].split(","):
+            w, kl = item.split(":")
+            pred[int(w)] = None if kl == "none" else float(kl)
+        assert sorted(pred) == [0, 16, 64], meta["alloc.window_predicted_kl"]
+        fits = {w: kl for w, kl in pred.items() if kl is not None}
+        assert fits, pred
+        assert int(meta["alloc.window"]) == min(fits, key=fits.get), (meta["alloc.window"], pred)
+        assert float(meta["alloc.effective_bits"]) <= budget
+    assert float(metas[1]["alloc.predicted_kl"]) < float(metas[0]["alloc.predicted_kl"])
+    p = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 256, "--chunks", 1, "--threads", 2, "--json",
+            "--cache", f"fp16,vq:{lo},vq:{hi}")
+    base, r_lo, r_hi = json.loads(p.stdout)["results"]
+    for r, meta in ((r_lo, metas[0]), (r_hi, metas[1])):
+        assert abs(r["bits_per_element"] - float(meta["alloc.effective_bits"])) < 1e-3, (r, meta["alloc.effective_bits"])
+    assert r_lo["bits_per_element"] <= 5.5 and r_hi["bits_per_element"] <= 8.0
+    assert base["ppl"] < r_hi["ppl"] < r_lo["ppl"], (base["ppl"], r_hi["ppl"], r_lo["ppl"])
+    info = subprocess.run([BIN, "info", str(lo)], capture_output=True, text=True)
+    assert info.returncode == 0, info.stderr
+    assert f"window {metas[0]['alloc.window']}, sinks 1" in info.stdout and "window chosen among" in info.stdout, info.stdout
