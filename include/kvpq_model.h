@@ -110,6 +110,14 @@ KVPQ_API unsigned kvpq_token_attr(const kvpq_model *m, int32_t token);
  * cache is truncated back to L. One model serves one eval at a time (it owns the scratch). */
 KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
                                      int logits_all, float *logits);
+/* kvpq_model_eval, and for every token evaluated and every layer, q_absmax: (n_layer, n_head_kv,
+ * head_dim) is raised to the largest |q| of that channel among the KV head's query heads (GQA group),
+ * q as attention takes it (after RoPE, the query norm and the model's query scale). A running max:
+ * the caller zeroes it once and may call again for more text. It feeds query-aware smoothing
+ * (kvpq_smooth_compute_qk, kvpq_calibrate_params.query_absmax). Errors: as kvpq_model_eval, and
+ * q_absmax NULL (KVPQ_ERR_INVALID_ARG); on error q_absmax may hold part of the block's maxima. */
+KVPQ_API kvpq_status kvpq_model_eval_query_absmax(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
+                                                  int logits_all, float *logits, float *q_absmax);
 
 /* ---- per-layer sensitivity of the VQ cache (bit allocation, docs/allocation.md) ---------------- */
 

@@ -118,6 +118,45 @@ Test(smooth, compute_is_sqrt_of_max_abs_with_floor) {
     cr_assert_float_eq(lambda[0], 4.0f, 1e-7);
 }
 
+Test(smooth, compute_qk_balances_key_and_query_magnitudes) {
+    /* the keys of compute_is_sqrt_of_max_abs_with_floor: max|k| = {16, 4, 0 | 9, 0.5, 0} */
+    const float k[3 * 2 * 3] = {1, -4, 0, 9, 0.5f, 0,   -16, 2, 0, -1, 0.25f, 0,   3, 1, 0, 2, -0.5f, 0};
+    float plain[6], lambda[6];
+    cr_assert_eq(kvpq_smooth_compute(3, 2, 3, k, 1e-2f, plain), KVPQ_OK);
+    /* equal |q| in every channel of a head, or no query seen: exactly the keys-only factors */
+    const float qeq[6] = {2.5f, 2.5f, 2.5f, 0, 0, 0};
+    cr_assert_eq(kvpq_smooth_compute_qk(3, 2, 3, k, qeq, 1e-2f, lambda), KVPQ_OK, "%s", kvpq_last_error());
+    for (int c = 0; c < 6; c++) cr_assert_eq(lambda[c], plain[c], "channel %d: %g vs %g", c, lambda[c], plain[c]);
+    /* head 0: the queries weigh channel 0 four times channel 1; channel 2 unused (0: clamped to
+     * 1e-3 of the head's largest) */
+    const float qa[6] = {4, 1, 0, 1, 1, 1};
+    cr_assert_eq(kvpq_smooth_compute_qk(3, 2, 3, k, qa, 1e-2f, lambda), KVPQ_OK, "%s", kvpq_last_error());
+    const double qbar = (4.0 + 1.0 + 4e-3) / 3.0;
+    cr_assert_float_eq(lambda[0], sqrt(16.0 * qbar / 4.0), 1e-6);
+    cr_assert_float_eq(lambda[1], sqrt(4.0 * qbar / 1.0), 1e-6);
+    cr_assert_eq(lambda[2], 1e-2f); /* max|k| = 0: the floor */
+    for (int c = 3; c < 6; c++) cr_assert_eq(lambda[c], plain[c]);
+    /* the balance: lambda^2 max|q| / max|k| is the same for every used channel of a head */
+    cr_assert_float_eq(lambda[0] * lambda[0] * 4 / 16, lambda[1] * lambda[1] * 1 / 4, 1e-6);
+    /* bad q_absmax: named, nothing written */
+    float bad[6] = {1, 1, 1, 1, -1, 1};
+    lambda[0] = 123;
+    cr_assert_eq(kvpq_smooth_compute_qk(3, 2, 3, k, bad, 1e-2f, lambda), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "q_absmax[4]=-1"), "%s", kvpq_last_error());
+    cr_assert_eq(lambda[0], 123);
+    bad[4] = NAN;
+    cr_assert_eq(kvpq_smooth_compute_qk(3, 2, 3, k, bad, 1e-2f, lambda), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "q_absmax[4]"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_smooth_compute_qk(3, 2, 3, k, NULL, 1e-2f, lambda), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "q_absmax is NULL"), "%s", kvpq_last_error());
+    float kn[6 * 3];
+    memcpy(kn, k, sizeof kn);
+    kn[7] = INFINITY;
+    cr_assert_eq(kvpq_smooth_compute_qk(3, 2, 3, kn, qa, 1e-2f, lambda), KVPQ_ERR_NONFINITE);
+    cr_assert(strstr(kvpq_last_error(), "kvpq_smooth_compute_qk") && strstr(kvpq_last_error(), "token 1"), "%s",
+              kvpq_last_error());
+}
+
 Test(smooth, rejects_bad_input) {
     float k[2 * 1 * 4] = {1, 2, 3, 4, 5, 6, NAN, 8}, lambda[4];
     cr_assert_eq(kvpq_smooth_compute(2, 1, 4, k, 1e-2f, lambda), KVPQ_ERR_NONFINITE);

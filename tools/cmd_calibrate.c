@@ -23,7 +23,10 @@
 
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *values_layers, *kmeans_init, *keys2;
-    long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm;
+    long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm, smooth_query;
+    /* (n_layer, n_head_kv, head_dim): max |q| per KV head's query group and channel over the
+     * calibration text (kvpq_model_eval_query_absmax); set after the forward pass */
+    const float *q_absmax;
     long seed;
     /* --bits: automatic per-layer allocation (docs/allocation.md) */
     double bits;
@@ -55,6 +58,9 @@ static void calib_usage(FILE *f) {
             "                        one per KV head (default shared)\n"
             "  --value-rotate 0|1    Hadamard-rotate values before encoding (default 0)\n"
             "  --center 0|1          subtract the per-(KV head, channel) key mean before smoothing (default 1)\n"
+            "  --smooth-query 0|1    1: query-aware smoothing factors lambda^2 = max|k| / max|q| per channel\n"
+            "                        (SmoothQuant's balance; kvpq_smooth_compute_qk); 0: lambda^2 = max|k|,\n"
+            "                        as VecInfer (default 1)\n"
             "  --key-norm 0|1        norm-explicit keys: code the direction, keep a float16 scale per vector\n"
             "                        (Dai et al., AAAI 2020; +16 bits per key vector) (default 1)\n"
             "  --value-norm 0|1      likewise for values (default 1)\n"
@@ -86,7 +92,7 @@ static void calib_usage(FILE *f) {
             "                        0: values keep --values in every layer)\n"
             "  --also \"OPTIONS -o OUT\"   also train and write another codebook from the same forward pass\n"
             "                        (repeatable, up to 16): OPTIONS override the codebook options above\n"
-            "                        (--keys, --keys2, --values, --keys-layers, --values-layers, --granularity, --value-rotate, --center,\n"
+            "                        (--keys, --keys2, --values, --keys-layers, --values-layers, --granularity, --value-rotate, --center, --smooth-query,\n"
             "                        --key-norm, --value-norm, --iters, --kmeans-init,\n"
             "                        --max-points-per-centroid, --seed); --keys-layers / --values-layers are not inherited and\n"
             "                        --values defaults to the job's --keys unless given on the main command\n");
@@ -148,6 +154,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--threads", threads, 0, 1024)
         INT_OPT("--value-rotate", value_rotate, 0, 1)
         INT_OPT("--center", center, 0, 1)
+        INT_OPT("--smooth-query", smooth_query, 0, 1)
         INT_OPT("--key-norm", key_norm, 0, 1)
         INT_OPT("--value-norm", value_norm, 0, 1)
         INT_OPT("--max-points-per-centroid", max_ppc, 1, 1L << 20)
@@ -185,7 +192,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
             static const char *const OPTS[] = {"--help", "-h", "--quiet", "-q", "--also", "--model", "--text", "-o", "--out", "--keys",
                                                "--keys-layers", "--values", "--values-layers", "--keys2", "--granularity", "--kmeans-init",
                                                "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
-                                               "--center", "--key-norm", "--value-norm",
+                                               "--center", "--smooth-query", "--key-norm", "--value-norm",
                                                "--max-points-per-centroid", "--seed", "--bits", "--candidates",
                                                "--holdout-ctx", "--holdout-chunks", "--window", "--window-candidates", "--sinks",
                                                "--alloc-values", "--full-sensitivity", "--bits-also", NULL};
@@ -212,7 +219,7 @@ static int finish_job(calib_args *a, const char *what) {
 static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char **split_buf) {
     calib_args *a = &jobs[0];
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
-                      .seed = 1234, .max_ppc = -1, .center = 1, .key_norm = 1, .value_norm = 1,
+                      .seed = 1234, .max_ppc = -1, .center = 1, .smooth_query = 1, .key_norm = 1, .value_norm = 1,
                       .cands = "d8b8,d4b8,d2b8", .holdout_chunks = 1, .window = -1, .alloc_values = -1,
                       .sinks = 1};
     int r = parse_opts(argc, argv, a, 0);
@@ -402,6 +409,7 @@ static int train_layers(const calib_args *a, const kvpq_model_info *mi, kvpq_cod
     for (int l = 0; l < L; l++) {
         /* centering, smoothing, rotation, normalization, k-means: the library's recipe */
         kvpq_kmeans_report rk, rv;
+        clp.query_absmax = a->smooth_query && a->q_absmax ? a->q_absmax + (size_t)l * row : NULL;
         if ((s = kvpq_codebook_calibrate_layer(cb, l, n_use, kall + (size_t)l * n_use * row,
                                                vall + (size_t)l * n_use * row, &clp, &rk, &rv)) != KVPQ_OK)
             return cli_fail("calibrate", s);
@@ -439,6 +447,7 @@ static void set_common_meta(const calib_args *a, const kvpq_model_info *mi, cons
     kvpq_codebook_set_meta(cb, "kmeans_iters", buf);
     kvpq_codebook_set_meta(cb, "kmeans_init", a->kmeans_init);
     kvpq_codebook_set_meta(cb, "key_center", a->center ? "1" : "0");
+    kvpq_codebook_set_meta(cb, "key_smooth", a->smooth_query ? "query" : "keys");
     /* With norm-explicit quantizers these are errors of the unit directions. */
     snprintf(buf, sizeof buf, "%.6g", mse_k / L);
     kvpq_codebook_set_meta(cb, "key_mse_mean", buf);
@@ -813,7 +822,7 @@ int cmd_calibrate(int argc, char **argv) {
     kvpq_cache *cache = NULL;
     char *text = NULL;
     int32_t *tokens = NULL;
-    float *logits = NULL, *kall = NULL, *vall = NULL;
+    float *logits = NULL, *kall = NULL, *vall = NULL, *qabs = NULL;
     double t0 = cli_now();
     int pr = parse_args(argc, argv, jobs, &n_jobs, split_buf);
     if (pr <= 0) {
@@ -894,7 +903,8 @@ int cmd_calibrate(int argc, char **argv) {
     kall = malloc(sizeof(float) * (size_t)L * n_use * row);
     vall = malloc(sizeof(float) * (size_t)L * n_use * row);
     logits = malloc(sizeof(float) * (size_t)mi.n_vocab);
-    if (!kall || !vall || !logits) goto oom;
+    qabs = calloc((size_t)L * row, sizeof(float));
+    if (!kall || !vall || !logits || !qabs) goto oom;
     cli_progress pf;
     cli_progress_begin(&pf, "calibrate: forward", "tokens", (double)n_use);
     for (size_t p0 = 0; p0 < n_use; p0 += (size_t)a->ctx) {
@@ -907,7 +917,7 @@ int cmd_calibrate(int argc, char **argv) {
          * queries no longer see, but never those of the step just appended. */
         for (int q0 = 0; q0 < n; q0 += CALIB_STEP) {
             int nq = n - q0 < CALIB_STEP ? n - q0 : CALIB_STEP;
-            if ((s = kvpq_model_eval(model, cache, tokens + p0 + q0, nq, 0, logits)) != KVPQ_OK) {
+            if ((s = kvpq_model_eval_query_absmax(model, cache, tokens + p0 + q0, nq, 0, logits, qabs)) != KVPQ_OK) {
                 rc = cli_fail("calibrate: forward pass", s);
                 goto done;
             }
@@ -925,6 +935,7 @@ int cmd_calibrate(int argc, char **argv) {
     cli_progress_end(&pf, (double)n_use, NULL);
 
     /* ---- per job and layer: centering, smoothing, rotation, k-means; then the file ---- */
+    for (int j = 0; j < n_jobs; j++) jobs[j].q_absmax = qabs;
     for (int j = 0; j < n_jobs; j++) {
         if (j == 0 && a->bits > 0)
             rc = run_alloc(a, model, &mi, tokens + n_avail, hctx, hchunks, kall, vall, n_use, t0, t_fwd);
@@ -944,6 +955,7 @@ done:
     free(logits);
     free(kall);
     free(vall);
+    free(qabs);
     kvpq_cache_free(cache);
     kvpq_model_free(model);
     return rc;

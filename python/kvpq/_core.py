@@ -538,10 +538,14 @@ class Codebook:
 
 
 def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter=None, seed=None,
-                    max_points_per_centroid=None, init=None, n_threads=None):
+                    max_points_per_centroid=None, init=None, n_threads=None, query_absmax=None):
     """Train one layer of `codebook` from its keys and values (kvpq_codebook_calibrate_layer: key
     mean, smoothing, Hadamard, normalization, k-means; the recipe of `kvpq calibrate`).
-    k, v: (n_tokens, n_head_kv, head_dim) float32, keys post-RoPE. Returns (key report, value report)."""
+    k, v: (n_tokens, n_head_kv, head_dim) float32, keys post-RoPE. query_absmax: None (smoothing
+    from the keys alone, lambda^2 = max|k|) or (n_head_kv, head_dim) float32, the largest |q| per
+    KV head's query group and channel (Model.eval's query_absmax), for query-aware smoothing
+    lambda^2 ~ max|k| / max|q| (kvpq_smooth_compute_qk; `kvpq calibrate`'s default).
+    Returns (key report, value report)."""
     w = "calibrate_layer"
     shape = (None, codebook.n_head_kv, codebook.head_dim)
     _array(k, "k", w, shape=shape)
@@ -552,6 +556,11 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
     cp.center = int(bool(center))
     cp.smooth_floor = float(smooth_floor)
     cp.kmeans = _kmeans_params(w, niter, seed, max_points_per_centroid, init, n_threads, base=cp.kmeans)[0]
+    qa = None
+    if query_absmax is not None:
+        qa = _array(query_absmax, "query_absmax", w, shape=(codebook.n_head_kv, codebook.head_dim))
+        qa = np.ascontiguousarray(qa, dtype=np.float32)
+        cp.query_absmax = _ptr(qa)
     rk, rv = ffi.new("kvpq_kmeans_report *"), ffi.new("kvpq_kmeans_report *")
     _check(lib.kvpq_codebook_calibrate_layer(codebook._h, codebook._layer(layer, w), k.shape[0], _ptr(k), _ptr(v),
                                              cp, rk, rv), w)
@@ -561,7 +570,7 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
 def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2=None, value_rotate=False,
               key_norm=True,
               value_norm=True, keys_layers=None, values_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
-              init=None, n_threads=None, meta=None):
+              init=None, n_threads=None, meta=None, query_absmax=None):
     """Train a Codebook from keys and values a model produced.
 
     keys_values: a sequence over layers of (k, v) pairs, each (n_tokens, n_head_kv, head_dim)
@@ -572,8 +581,12 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
     keys2: preset of a residual second key stage (same nbits), e.g. "d8b8"; None: one stage.
     keys_layers: {layer: preset} giving some layers' keys another M (same nbits).
     values_layers: likewise for values.
+    query_absmax: None (smoothing from the keys alone, as VecInfer) or (n_layer, n_head_kv, head_dim)
+      float32 from Model.eval(..., query_absmax=...) over the same text: query-aware smoothing, as
+      `kvpq calibrate` does by default (its --smooth-query 1).
     The rest as `kvpq calibrate` (same defaults: center, norm-explicit keys and values, k-means 25
-    iterations, random init, seed 1234), so the same activations give the same file bytes.
+    iterations, random init, seed 1234), so the same activations (and query_absmax) give the same
+    file bytes.
     meta: extra string metadata. Returns the Codebook."""
     if isinstance(keys_values, tuple) and len(keys_values) == 2 and isinstance(keys_values[0], np.ndarray) \
             and keys_values[0].ndim == 4:
@@ -606,12 +619,14 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
                 cb.set_layer_value_M(l, _pq_params("calibrate", k.shape[2], preset=preset).M)
         n_tok = k.shape[0]
         calibrate_layer(cb, layer, k, v, center=center, niter=niter, seed=seed,
-                        max_points_per_centroid=max_points_per_centroid, init=init, n_threads=n_threads)
+                        max_points_per_centroid=max_points_per_centroid, init=init, n_threads=n_threads,
+                        query_absmax=None if query_absmax is None else query_absmax[layer])
     if cb is None:
         raise _arg_error("calibrate", "keys_values: no layers")
     cb.set_meta("tokens", n_tok)
     cb.set_meta("keys", keys)
     cb.set_meta("values", values or keys)
+    cb.set_meta("key_smooth", "keys" if query_absmax is None else "query")
     for k, v in (meta or {}).items():
         cb.set_meta(k, v)
     return cb
@@ -861,14 +876,26 @@ class Model:
         return Cache(kind, i["n_layer"], i["n_head"], i["n_head_kv"], i["head_dim"], max_seq or i["n_ctx_train"],
                      codebook=codebook, **kw)
 
-    def eval(self, cache, tokens, logits_all=False):
+    def eval(self, cache, tokens, logits_all=False, query_absmax=None):
         """Run tokens (n,) int32 at the positions after those cache holds, appending their K/V.
-        Returns logits (n, n_vocab) float32 if logits_all, else (n_vocab,) of the last token."""
+        Returns logits (n, n_vocab) float32 if logits_all, else (n_vocab,) of the last token.
+        query_absmax: None, or a float32 array (n_layer, n_head_kv, head_dim) raised in place to the
+        largest |q| per KV head's query group and channel (kvpq_model_eval_query_absmax; zero it
+        once, then pass it to every eval of the calibration text, then to kvpq.calibrate)."""
         tokens = _array(tokens, "tokens", "Model.eval", dtype=np.int32, shape=(None,))
         nv = self.info["n_vocab"]
         out = np.empty((len(tokens), nv) if logits_all else (nv,), np.float32)
-        _check(lib.kvpq_model_eval(self._h, cache._h, _ptr(tokens, "int32_t *"), len(tokens), int(bool(logits_all)),
-                                   _ptr(out)), "Model.eval")
+        if query_absmax is None:
+            _check(lib.kvpq_model_eval(self._h, cache._h, _ptr(tokens, "int32_t *"), len(tokens),
+                                       int(bool(logits_all)), _ptr(out)), "Model.eval")
+            return out
+        inf = self.info
+        if not (isinstance(query_absmax, np.ndarray) and query_absmax.dtype == np.float32
+                and query_absmax.flags.c_contiguous and query_absmax.flags.writeable):
+            raise _arg_error("Model.eval", "query_absmax: expected a writable C-contiguous float32 numpy array")
+        _array(query_absmax, "query_absmax", "Model.eval", shape=(inf["n_layer"], inf["n_head_kv"], inf["head_dim"]))
+        _check(lib.kvpq_model_eval_query_absmax(self._h, cache._h, _ptr(tokens, "int32_t *"), len(tokens),
+                                                int(bool(logits_all)), _ptr(out), _ptr(query_absmax)), "Model.eval")
         return out
 
 

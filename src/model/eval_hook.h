@@ -21,6 +21,9 @@ typedef struct {
     /* If not NULL: every layer's queries as attention takes them (after RoPE and the query scale),
      * (n_layer, save_tokens, n_head * head_dim). */
     float *save_q;
+    /* If not NULL: (n_layer, n_head_kv, head_dim), raised to max |q| over each KV head's query group
+     * (q as save_q gets it) for every token run (kvpq_model_eval_query_absmax). */
+    float *q_absmax;
     /* If attend is not NULL: layer attend_layer's attention is attend(user, layer, n, pos0, q, out)
      * instead of the cache's (the cache still receives the layer's keys and values); q: (n, n_head,
      * head_dim) after RoPE and the model's query scale, out: (n, n_head, head_dim), scale

@@ -569,6 +569,19 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
             for (size_t i = 0; i < (size_t)n * Q; i++) m->q[i] *= m->q_scale;
         if (hook && hook->save_q)
             memcpy(hook->save_q + ((size_t)l * hook->save_tokens + pos0) * Q, m->q, sizeof(float) * (size_t)n * Q);
+        if (hook && hook->q_absmax) {
+            const int g = in->n_head / in->n_head_kv;
+            float *mx = hook->q_absmax + (size_t)l * KV;
+            for (int t = 0; t < n; t++)
+                for (int h = 0; h < in->n_head; h++) {
+                    const float *qh = m->q + (size_t)t * Q + (size_t)h * hd;
+                    float *mh = mx + (size_t)(h / g) * hd;
+                    for (int c = 0; c < hd; c++) {
+                        float a = fabsf(qh[c]);
+                        mh[c] = a > mh[c] ? a : mh[c];
+                    }
+                }
+        }
         if (hook && hook->save_k) {
             memcpy(hook->save_k + ((size_t)l * hook->save_tokens + pos0) * KV, m->k, sizeof(float) * (size_t)n * KV);
             memcpy(hook->save_v + ((size_t)l * hook->save_tokens + pos0) * KV, m->v, sizeof(float) * (size_t)n * KV);
@@ -627,8 +640,8 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
     return KVPQ_OK;
 }
 
-kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int logits_all,
-                            float *logits) {
+static kvpq_status model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int logits_all,
+                              float *logits, float *q_absmax) {
     if (!m || !cache || !tokens || !logits) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: NULL argument");
     const kvpq_model_info *in = &m->info;
     if (n < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: n = %d tokens, expected >= 1", n);
@@ -670,12 +683,14 @@ kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tok
     int saved_threads = omp_get_max_threads();
     if (m->n_threads > 0) omp_set_num_threads(m->n_threads);
     kvpq_status s = KVPQ_OK;
+    kvpq__eval_hook qh = {.q_absmax = q_absmax};
+    const kvpq__eval_hook *hk = q_absmax ? &qh : NULL;
     for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += LLAMA_BLOCK) {
         int nb = n - t0 < LLAMA_BLOCK ? n - t0 : LLAMA_BLOCK;
         if (logits_all)
-            s = eval_block(m, cache, tokens + t0, nb, L + t0, 2, logits + (size_t)t0 * in->n_vocab, NULL);
+            s = eval_block(m, cache, tokens + t0, nb, L + t0, 2, logits + (size_t)t0 * in->n_vocab, hk);
         else
-            s = eval_block(m, cache, tokens + t0, nb, L + t0, t0 + nb == n ? 1 : 0, logits, NULL);
+            s = eval_block(m, cache, tokens + t0, nb, L + t0, t0 + nb == n ? 1 : 0, logits, hk);
     }
     if (m->n_threads > 0) omp_set_num_threads(saved_threads);
     if (s != KVPQ_OK) {
@@ -686,6 +701,17 @@ kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tok
         kvpq__err(s, "%s", msg);
     }
     return s;
+}
+
+kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int logits_all,
+                            float *logits) {
+    return model_eval(m, cache, tokens, n, logits_all, logits, NULL);
+}
+
+kvpq_status kvpq_model_eval_query_absmax(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
+                                         int logits_all, float *logits, float *q_absmax) {
+    if (!q_absmax) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval_query_absmax: q_absmax is NULL");
+    return model_eval(m, cache, tokens, n, logits_all, logits, q_absmax);
 }
 
 kvpq_status kvpq__model_eval_hooked(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0,

@@ -58,7 +58,9 @@ kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n
         for (size_t t = 0; t < n_tokens; t++)
             for (size_t c = 0; c < row; c++) kd[t * row + c] -= mu[c];
     }
-    if ((s = kvpq_smooth_compute(n_tokens, H, D, kd, p->smooth_floor, lam)) != KVPQ_OK) goto fail;
+    if ((s = p->query_absmax ? kvpq_smooth_compute_qk(n_tokens, H, D, kd, p->query_absmax, p->smooth_floor, lam)
+                             : kvpq_smooth_compute(n_tokens, H, D, kd, p->smooth_floor, lam)) != KVPQ_OK)
+        goto fail;
     memcpy(kvpq_codebook_key_smooth(cb, layer), lam, sizeof(float) * row);
     if ((s = kvpq_smooth_apply(kd, n_tokens, H, D, lam, 0)) != KVPQ_OK ||
         (s = kvpq_hadamard(kd, n_tokens * H, D)) != KVPQ_OK ||

@@ -1,6 +1,7 @@
 /* transform.c — outlier suppression for keys (VecInfer, arXiv 2510.06175, sec. 3): per-channel
  * smoothing by lambda = sqrt(max |K|) and the normalized Walsh-Hadamard rotation. */
 #include <float.h>
+#include <stdlib.h>
 #include <math.h>
 #include <omp.h>
 
@@ -100,6 +101,49 @@ kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, co
         float l = sqrtf(lambda[c]);
         lambda[c] = l > floor ? l : floor;
     }
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_smooth_compute_qk(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
+                                   const float *q_absmax, float floor, float *lambda) {
+    const char *fn = "kvpq_smooth_compute_qk";
+    KVPQ_TRY(check_heads(fn, n_head_kv, head_dim));
+    if (!q_absmax) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: q_absmax is NULL", fn);
+    const size_t row = (size_t)n_head_kv * head_dim;
+    for (size_t c = 0; c < row; c++)
+        if (!(q_absmax[c] >= 0.0f) || !isfinite(q_absmax[c]))
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: q_absmax[%zu]=%g: expected a finite value >= 0", fn, c,
+                             (double)q_absmax[c]);
+    /* max |k| per channel, the checks of k and floor: kvpq_smooth_compute's (lambda = sqrt of it) */
+    kvpq_status s = kvpq_smooth_compute(n_tokens, n_head_kv, head_dim, k, floor, lambda);
+    if (s != KVPQ_OK) {
+        kvpq__err_prefix("%s", fn);
+        return s;
+    }
+    double *kmax = calloc(row, sizeof(double));
+    if (!kmax) return kvpq__err(KVPQ_ERR_NOMEM, "%s: out of memory", fn);
+    for (size_t t = 0; t < n_tokens; t++)
+        for (size_t c = 0; c < row; c++) {
+            double a = fabs((double)k[t * row + c]);
+            kmax[c] = a > kmax[c] ? a : kmax[c];
+        }
+    for (int h = 0; h < n_head_kv; h++) {
+        const float *qa = q_absmax + (size_t)h * head_dim;
+        const double *kh = kmax + (size_t)h * head_dim;
+        float *lh = lambda + (size_t)h * head_dim;
+        double qmax = 0, qbar = 0;
+        for (int c = 0; c < head_dim; c++) qmax = qa[c] > qmax ? qa[c] : qmax;
+        if (qmax == 0) continue; /* no query weight seen: keys alone (kvpq_smooth_compute's lambda) */
+        const double qlo = 1e-3 * qmax;
+        for (int c = 0; c < head_dim; c++) qbar += qa[c] > qlo ? qa[c] : qlo;
+        qbar /= head_dim;
+        for (int c = 0; c < head_dim; c++) {
+            double qm = qa[c] > qlo ? qa[c] : qlo;
+            double l = sqrt(kh[c] * qbar / qm);
+            lh[c] = l > floor ? (float)l : floor;
+        }
+    }
+    free(kmax);
     return KVPQ_OK;
 }
 

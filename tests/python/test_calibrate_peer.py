@@ -52,6 +52,7 @@ def test_key_mean_and_smoothing_match_numpy_forward_pass(codebook):
     t = st_numpy.load_file(str(codebook))
     assert meta["kvpq.format_version"] == "3" and meta["tokens"] == str(TOKENS) and meta["key_center"] == "1"
     assert meta["k.norm"] == "1" and meta["v.norm"] == "1"  # norm-explicit by default
+    assert meta["key_smooth"] == "query"  # query-aware smoothing by default
     assert t["layers.0.k.codebook"].shape == (256, 4) and t["layers.29.v.codebook"].shape == (256, 4)
     # Norm-explicit quantizers are trained on unit directions: no centroid (a mean of sub-vectors of
     # unit vectors) is longer than 1, while the smoothed keys' own sub-vectors are (lambda^2 = max|K|).
@@ -62,15 +63,26 @@ def test_key_mean_and_smoothing_match_numpy_forward_pass(codebook):
     toks = kv.tokenize(CALIB.read_text(encoding="utf-8")[:20000], False)[:TOKENS]  # calibrate adds no BOS
     ref = NumpyLlama(str(MODEL))
     keys = [[] for _ in range(ref.n_layer)]
+    queries = [[] for _ in range(ref.n_layer)]
     for c0 in range(0, TOKENS, CTX):
         col = []
         ref.forward(toks[c0:c0 + CTX], collect=col)
-        for layer, (k, _, _) in enumerate(col):
+        for layer, (k, _, q) in enumerate(col):
             keys[layer].append(k)
+            queries[layer].append(q)
     for layer in (0, 13, 29):
         k = np.concatenate(keys[layer]).astype(np.float64)  # (TOKENS, n_head_kv, head_dim)
+        q = np.concatenate(queries[layer]).astype(np.float64)  # (TOKENS, n_head, head_dim)
         mu = k.mean(0)
-        lam = np.maximum(np.sqrt(np.abs(k - mu).max(0)), 1e-2)  # kvpq_smooth_compute floors lambda at 1e-2
+        # query-aware smoothing (the default, kvpq_smooth_compute_qk): lambda^2 = max|k - mu| * qbar / qm,
+        # qm = max |q| over the KV head's query group (GQA: heads h*g .. h*g+g-1), at least 1e-3 of the
+        # head's largest, qbar its mean over channels; floored at 1e-2
+        g = q.shape[1] // k.shape[1]
+        qm = np.abs(q).reshape(q.shape[0], k.shape[1], g, -1).max((0, 2))
+        qm = np.maximum(qm, 1e-3 * qm.max(1, keepdims=True))
+        lam = np.maximum(np.sqrt(np.abs(k - mu).max(0) * qm.mean(1, keepdims=True) / qm), 1e-2)
+        # not the keys-only factors: the queries moved them
+        assert np.abs(lam / np.maximum(np.sqrt(np.abs(k - mu).max(0)), 1e-2) - 1).max() > 0.1
         scale = np.abs(k).max(0)  # per (head, channel)
         # fp32 forward passes in two implementations: keys agree to ~1e-4 of each channel's range.
         err = np.abs(t[f"layers.{layer}.k.mean"] - mu)
@@ -159,6 +171,11 @@ def test_also_writes_the_same_codebooks_as_separate_runs(tmp_path):
         assert not (tmp_path / "m.safetensors").exists()
 
 
+def _save(cb, path):
+    cb.save(path)
+    return path
+
+
 def test_python_calibrate_writes_the_clis_tensors(codebook, tmp_path):
     """kvpq.calibrate over the keys and values the library's own forward pass produced (the same
     tokens and chunks as `kvpq calibrate`) trains, bit for bit, the CLI's tensors: both call
@@ -169,21 +186,28 @@ def test_python_calibrate_writes_the_clis_tensors(codebook, tmp_path):
     toks = m.tokenize(CALIB.read_text(encoding="utf-8")[:20000])[:TOKENS]
     c = m.new_cache("fp32", CTX)
     ks, vs = [[] for _ in range(m.info["n_layer"])], [[] for _ in range(m.info["n_layer"])]
+    qa = np.zeros((m.info["n_layer"], m.info["n_head_kv"], m.info["head_dim"]), np.float32)
     for c0 in range(0, TOKENS, CTX):
         c.truncate(0)
-        m.eval(c, toks[c0:c0 + CTX])
+        m.eval(c, toks[c0:c0 + CTX], query_absmax=qa)
         for layer in range(m.info["n_layer"]):
             k, v = c.read(layer)
             ks[layer].append(k)
             vs[layer].append(v)
     kv = [(np.concatenate(ks[i]), np.concatenate(vs[i])) for i in range(m.info["n_layer"])]
-    cb = kvpq.calibrate(kv, keys="d4b8", niter=2, n_threads=2)
+    cb = kvpq.calibrate(kv, keys="d4b8", niter=2, n_threads=2, query_absmax=qa)
     out = tmp_path / "py.safetensors"
     cb.save(out)
     ours, cli = st_numpy.load_file(str(out)), st_numpy.load_file(str(codebook))
     assert sorted(ours) == sorted(cli)
     for name in cli:
         assert np.array_equal(ours[name].view(np.uint32), cli[name].view(np.uint32)), name
+    # without the queries: the keys-only factors (calibrate --smooth-query 0), not the CLI's default
+    plain = st_numpy.load_file(str(_save(kvpq.calibrate(kv, keys="d4b8", niter=1, n_threads=2), tmp_path / "p.st")))
+    k0 = np.concatenate([kv[0][0]]).astype(np.float64)
+    want = np.maximum(np.sqrt(np.abs(k0 - plain["layers.0.k.mean"]).max(0)), 1e-2)
+    np.testing.assert_allclose(plain["layers.0.k.smooth"], want, rtol=1e-6)
+    assert not np.allclose(plain["layers.0.k.smooth"], cli["layers.0.k.smooth"], rtol=1e-2)
     # a NaN in the activations is refused, naming the layer's argument
     kv[3] = (kv[3][0].copy(), kv[3][1])
     kv[3][0][5, 1, 7] = np.nan
