@@ -100,10 +100,15 @@ Test(alloc, mckp_with_quantized_weights_stays_within_budget) {
 
 /* ---- the byte model ---------------------------------------------------------------------------- */
 
-static kvpq_codebook *make_cb(int n_layer, int H, int D, const char *key, const char *value) {
+/* key2: NULL, or a residual second key stage's preset (key_stages = 2 in every layer) */
+static kvpq_codebook *make_cb2(int n_layer, int H, int D, const char *key, const char *value, const char *key2) {
     kvpq_codebook_params cp = kvpq_codebook_params_default();
     cp.n_layer = n_layer, cp.n_head_kv = H, cp.head_dim = D;
     cr_assert_eq(kvpq_pq_params_preset(&cp.key, key, D), KVPQ_OK);
+    if (key2) {
+        cp.key_stages = 2;
+        cr_assert_eq(kvpq_pq_params_preset(&cp.key2, key2, D), KVPQ_OK);
+    }
     cr_assert_eq(kvpq_pq_params_preset(&cp.value, value, D), KVPQ_OK);
     cp.key_norm = cp.value_norm = 1;
     kvpq_codebook *cb = NULL;
@@ -111,9 +116,15 @@ static kvpq_codebook *make_cb(int n_layer, int H, int D, const char *key, const 
     return cb;
 }
 
-static void check_bytes_sinks(int sliding_window, int window, int page, int len, int step, int sinks) {
+static kvpq_codebook *make_cb(int n_layer, int H, int D, const char *key, const char *value) {
+    return make_cb2(n_layer, H, D, key, value, NULL);
+}
+
+/* stages2: 0, or a residual d8b8 second key stage in layers 0 and 2 (layer 1 keeps one stage) */
+static void check_bytes_stages(int sliding_window, int window, int page, int len, int step, int sinks, int stages2) {
     const int L = 3, H = 2, D = 16;
-    kvpq_codebook *cb = make_cb(L, H, D, "d4b8", "d8b8");
+    kvpq_codebook *cb = make_cb2(L, H, D, "d4b8", "d8b8", stages2 ? "d8b8" : NULL);
+    if (stages2) cr_assert_eq(kvpq_codebook_set_layer_key_stages(cb, 1, 1), KVPQ_OK, "%s", kvpq_last_error());
     cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 1, 8), KVPQ_OK); /* d2b8 keys in layer 1 */
     cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 2, 2), KVPQ_OK); /* d8b8 keys in layer 2 */
     cr_assert_eq(kvpq_codebook_set_layer_value_M(cb, 0, 8), KVPQ_OK); /* d2b8 values in layer 0 */
@@ -143,7 +154,7 @@ static void check_bytes_sinks(int sliding_window, int window, int page, int len,
                  sliding_window, window, page, len, step, sinks, sum + fixed, st.resident_bytes);
     cr_assert_eq(el, st.elements, "elements: model %lld, cache %lld", (long long)el, (long long)st.elements);
     /* a layer's key part grows with its M: d2b8 (layer 1) > d4b8 (layer 0) > d8b8 (layer 2) */
-    if (st.tokens_coded > 0 && !sliding_window && !sinks) { /* codes only (centroids: the other way round) */
+    if (st.tokens_coded > 0 && !sliding_window && !sinks && !stages2) { /* codes only (centroids: the other way round) */
         size_t code[3];
         for (int l = 0; l < 3; l++) code[l] = lb[2 * l] - kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, l, 0)) * 4;
         cr_assert(code[1] > code[0] && code[0] > code[2], "%zu %zu %zu", code[0], code[1], code[2]);
@@ -152,6 +163,10 @@ static void check_bytes_sinks(int sliding_window, int window, int page, int len,
     kvpq_codebook_free(cb);
     free(k);
     free(v);
+}
+
+static void check_bytes_sinks(int sliding_window, int window, int page, int len, int step, int sinks) {
+    check_bytes_stages(sliding_window, window, page, len, step, sinks, 0);
 }
 
 static void check_bytes(int sliding_window, int window, int page, int len, int step) {
@@ -172,6 +187,11 @@ Test(alloc, byte_model_equals_the_cache_resident_bytes) {
     check_bytes(0, 0, 32, 300, 512);
     check_bytes(20, 8, 16, 200, 24); /* sliding-window layers drop pages */
     check_bytes(40, 4, 8, 333, 7);
+    /* residual second key stages (calibrate --candidates P1+P2): their codes and centroids too (the
+     * model counted neither before) */
+    check_bytes_stages(0, 8, 16, 100, 24, 0, 1);
+    check_bytes_stages(0, 0, 32, 300, 512, 1, 1);
+    check_bytes_stages(20, 8, 16, 200, 24, 4, 1);
 }
 
 /* ---- a synthetic model (float32 GGUF, the writer of test_model_arch.c reduced to llama) -------- */

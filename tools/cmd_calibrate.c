@@ -76,7 +76,9 @@ static void calib_usage(FILE *f) {
             "                        text held back from k-means: the END of FILE); docs/allocation.md\n"
             "  --bits-also \"B OUT\"   also write the allocation for budget B to OUT, from the same\n"
             "                        measurements (repeatable, up to 8)\n"
-            "  --candidates P,P,...  presets to choose among, one nbits (default d8b8,d4b8,d2b8)\n"
+            "  --candidates P,P,...  presets to choose among, one nbits (default d8b8,d4b8,d2b8); P1+P2 is a\n"
+            "                        key candidate with a residual second stage P2 (one P2 per run), e.g.\n"
+            "                        d4b8+d8b8 (3 bits); values take only single-stage presets\n"
             "  --holdout-ctx N       tokens per held-out chunk of the measurement (default min(--ctx, 1024))\n"
             "  --holdout-chunks K    held-out chunks (default 1)\n"
             "  --window-candidates W,W,...  full-precision windows (newest positions in fp16) to choose\n"
@@ -503,7 +505,8 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     enum { MAXC = 8 };
     const int L = mi->n_layer;
     const double c0 = cpu_seconds();
-    char names[MAXC][16];
+    /* names[c] as given; a key candidate "P1+P2" is P1 with a residual second stage P2 (k1, k2) */
+    char names[MAXC][32], k1[MAXC][16], k2[MAXC][16];
     int n_cand = 0, rc = 1;
     kvpq_codebook *cc[MAXC] = {0}, *fin = NULL;
     double *kl = NULL, *klc = NULL, *cost = NULL;
@@ -518,7 +521,8 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
         return cli_usage_error("calibrate: --alloc-values 1 needs per-layer value M (not in this build)");
     /* the candidate presets */
     const char *p = a->cands;
-    int nbits = -1, vfix = -1;
+    int nbits = -1, vfix = -1, n_plain = 0;
+    const char *stage2 = NULL; /* the one second-stage preset of the "+" candidates (k2.M is per file) */
     while (*p) {
         size_t n = strcspn(p, ",");
         if (n == 0 || n >= sizeof names[0] || n_cand == MAXC)
@@ -526,19 +530,42 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                                    MAXC);
         memcpy(names[n_cand], p, n);
         names[n_cand][n] = '\0';
-        kvpq_pq_params q;
-        if ((s = kvpq_pq_params_preset(&q, names[n_cand], mi->head_dim)) != KVPQ_OK)
+        const char *plus = strchr(names[n_cand], '+');
+        size_t n1 = plus ? (size_t)(plus - names[n_cand]) : n;
+        if (n1 == 0 || n1 >= sizeof k1[0] || (plus && (strlen(plus + 1) == 0 || strlen(plus + 1) >= sizeof k2[0])))
+            return cli_usage_error("calibrate: --candidates: '%s': expected PRESET or PRESET+PRESET", names[n_cand]);
+        memcpy(k1[n_cand], names[n_cand], n1);
+        k1[n_cand][n1] = '\0';
+        snprintf(k2[n_cand], sizeof k2[0], "%s", plus ? plus + 1 : "");
+        kvpq_pq_params q, q2;
+        if ((s = kvpq_pq_params_preset(&q, k1[n_cand], mi->head_dim)) != KVPQ_OK)
             return cli_fail("calibrate: --candidates", s);
         if (nbits >= 0 && q.nbits != nbits)
             return cli_usage_error("calibrate: --candidates: %s has nbits %d, the others %d (a layer may change only M)",
                                    names[n_cand], q.nbits, nbits);
         nbits = q.nbits;
-        if (!strcmp(names[n_cand], a->values)) vfix = n_cand;
+        if (plus) {
+            if ((s = kvpq_pq_params_preset(&q2, k2[n_cand], mi->head_dim)) != KVPQ_OK)
+                return cli_fail("calibrate: --candidates (second stage)", s);
+            if (q2.nbits != q.nbits)
+                return cli_usage_error("calibrate: --candidates: %s: the second stage has nbits %d, the first %d (the "
+                                       "two stages' tables are added as one)", names[n_cand], q2.nbits, q.nbits);
+            if (stage2 && strcmp(stage2, k2[n_cand]))
+                return cli_usage_error("calibrate: --candidates: second stages %s and %s: one second-stage preset per "
+                                       "file (k2.M); the first stage may differ", stage2, k2[n_cand]);
+            stage2 = k2[n_cand];
+        } else {
+            n_plain++;
+            if (!strcmp(names[n_cand], a->values)) vfix = n_cand;
+        }
         n_cand++;
         p += n;
         if (*p) p++;
     }
     if (n_cand < 1) return cli_usage_error("calibrate: --candidates is empty");
+    if (n_plain < 1)
+        return cli_usage_error("calibrate: --candidates '%s': needs a single-stage preset too (values have one stage)",
+                               a->cands);
     if (!alloc_values && vfix < 0)
         return cli_usage_error("calibrate: --values %s must be one of --candidates %s (values are not allocated)",
                                a->values, a->cands);
@@ -546,7 +573,8 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     double mse_k = 0, mse_v = 0, mk, mv;
     for (int c = 0; c < n_cand; c++) {
         calib_args b = *a;
-        b.keys = b.values = names[c];
+        b.keys = b.values = k1[c];
+        b.keys2 = k2[c][0] ? k2[c] : NULL;
         b.keys_layers = b.values_layers = NULL;
         if ((rc = make_codebook(&b, mi, &cc[c])) != 0) goto done;
         if ((rc = train_layers(&b, mi, cc[c], kall, vall, n_use, &mk, &mv)) != 0) goto done;
@@ -569,6 +597,8 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     sp.kl_windows = klc + nkl;
     sp.n_threads = (int)a->threads;
     sp.ref_cand = a->full_sens ? -1 : (vfix >= 0 ? vfix : n_cand / 2);
+    while (sp.ref_cand > 0 && k2[sp.ref_cand][0]) sp.ref_cand--; /* a single-stage reference */
+    while (sp.ref_cand >= 0 && k2[sp.ref_cand][0]) sp.ref_cand++;
     cli_progress pr;
     cli_progress_begin(&pr, "calibrate: per-layer sensitivity", "measurements", (double)nkl);
     sp.progress = sens_progress;
@@ -625,7 +655,8 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             for (int g = 0; g < G; g++) {
                 const int l = g % L, kind = g / L;
                 for (int c = 0; c < n_cand; c++) {
-                    cost[(size_t)g * n_cand + c] = klw[((size_t)c * 2 + kind) * L + l];
+                    /* values have one stage: a "P1+P2" candidate is P1's values again, never chosen */
+                    cost[(size_t)g * n_cand + c] = kind && k2[c][0] ? 1e30 : klw[((size_t)c * 2 + kind) * L + l];
                     weight[(size_t)g * n_cand + c] = (int64_t)lbw[((size_t)c * L + l) * 2 + kind];
                 }
             }
@@ -686,10 +717,13 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
         for (int l = 0; l < L; l++) vcount[vc_[l]]++;
         for (int c = 1; c < n_cand; c++)
             if (vcount[c] > vcount[base_v]) base_v = c;
+        int any2 = 0;
+        for (int l = 0; l < L; l++) any2 |= k2[kc[l]][0] != '\0';
         {
             calib_args b = *a;
-            b.keys = names[base_k];
-            b.values = names[base_v];
+            b.keys = k1[base_k];
+            b.keys2 = any2 ? stage2 : NULL;
+            b.values = k1[base_v];
             b.keys_layers = NULL;
             b.values_layers = NULL;
             if ((rc = make_codebook(&b, mi, &fin)) != 0) goto done;
@@ -703,7 +737,16 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                 (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 0), kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq))) !=
                     KVPQ_OK ||
                 (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 1), kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq))) !=
-                    KVPQ_OK) {
+                    KVPQ_OK ||
+                (any2 && (s = kvpq_codebook_set_layer_key_stages(fin, l, k2[kc[l]][0] ? 2 : 1)) != KVPQ_OK)) {
+                rc = cli_fail("calibrate: assembling the codebook", s);
+                goto done;
+            }
+            if (k2[kc[l]][0]) { /* the chosen candidate's stage-two centroids */
+                const kvpq_pq *kq2 = kvpq_codebook_key_pq2_const(cc[kc[l]], l);
+                s = kvpq_pq_set_centroids(kvpq_codebook_key_pq2(fin, l), kvpq_pq_centroids(kq2), kvpq_pq_centroids_size(kq2));
+            }
+            if (s != KVPQ_OK) {
                 rc = cli_fail("calibrate: assembling the codebook", s);
                 goto done;
             }

@@ -150,7 +150,13 @@ kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params
             if (need > n_pages) n_pages = need;
         }
         const size_t held = (size_t)(n_pages - first_page) * pt * H; /* coded head vectors held */
-        size_t kb = held * (kvpq_pq_code_size(kq) + (cp.key_norm ? 2 : 0)) + kvpq_pq_centroids_size(kq) * sizeof(float);
+        /* a residual second key stage (kvpq_codebook_key_pq2) adds its M codes to the same bit stream
+         * (as the cache packs them) and its centroids */
+        const kvpq_pq *kq2 = kvpq_codebook_key_pq2_const(cb, l);
+        const kvpq_pq_params kp1 = kvpq_pq_get_params(kq);
+        const size_t kcs = kq2 ? kvpq_codes_size(kp1.M + kvpq_pq_get_params(kq2).M, kp1.nbits) : kvpq_pq_code_size(kq);
+        size_t kb = held * (kcs + (cp.key_norm ? 2 : 0)) + kvpq_pq_centroids_size(kq) * sizeof(float) +
+                    (kq2 ? kvpq_pq_centroids_size(kq2) * sizeof(float) : 0);
         size_t vb = held * (kvpq_pq_code_size(vq) + (cp.value_norm ? 2 : 0)) + kvpq_pq_centroids_size(vq) * sizeof(float);
         if (layer_bytes) layer_bytes[2 * l] = kb, layer_bytes[2 * l + 1] = vb;
         fixed += 2 * (size_t)H * D * sizeof(float);                       /* smoothing factors, key mean */

@@ -275,11 +275,13 @@ def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
     that window and the sink, and `kvpq ppl` at the allocation's context measures the effective bits
     the allocation predicted (<= the budget); a larger budget loses less; `kvpq info` shows the
     choice. Any window left out of the file, a budget overrun or a ppl run at a different window
-    fails here."""
+    fails here. The candidates include a residual key candidate (d4b8+d8b8: two stages, 3 bits):
+    the larger budget takes it in some layers, whose second stage the file holds and the cache
+    counts (the byte model missed stage two's codes and centroids before)."""
     # at ctx 256 the 30 layers' codebooks alone are ~3.7 bits per element: budgets 5.5 and 8
     lo, hi = tmp_path / "b5.safetensors", tmp_path / "b8.safetensors"
     run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", 512, "--ctx", 256, "--holdout-ctx", 128,
-        "--iters", 2, "--threads", 2, "--bits", 5.5, "--window-candidates", "0,16,64", "-o", lo,
+        "--iters", 2, "--threads", 2, "--bits", 5.5, "--window-candidates", "0,16,64", "--candidates", "d8b8,d4b8,d4b8+d8b8", "-o", lo,
         "--bits-also", f"8.0 {hi}")
     from safetensors import safe_open
     metas = []
@@ -298,6 +300,12 @@ def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
         assert int(meta["alloc.window"]) == min(fits, key=fits.get), (meta["alloc.window"], pred)
         assert float(meta["alloc.effective_bits"]) <= budget
     assert float(metas[1]["alloc.predicted_kl"]) < float(metas[0]["alloc.predicted_kl"])
+    k_hi = metas[1]["alloc.k"].split(",")
+    assert "d4b8+d8b8" in k_hi and metas[1]["k.stages"] == "2", metas[1]["alloc.k"]
+    assert "+" not in metas[1]["alloc.v"], metas[1]["alloc.v"]
+    t_hi = st_numpy.load_file(str(hi))
+    for layer, name in enumerate(k_hi):
+        assert (f"layers.{layer}.k.codebook2" in t_hi) == (name == "d4b8+d8b8"), (layer, name)
     p = run("ppl", "--model", MODEL, "--text", EVAL, "--ctx", 256, "--chunks", 1, "--threads", 2, "--json",
             "--cache", f"fp16,vq:{lo},vq:{hi}")
     base, r_lo, r_hi = json.loads(p.stdout)["results"]
