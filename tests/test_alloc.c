@@ -380,6 +380,26 @@ Test(alloc, the_sensitive_layer_gets_the_most_bits_and_the_budget_holds, .timeou
                      KVPQ_ERR_INVALID_ARG);
         sp.windows = NULL, sp.n_windows = 0, sp.kl_windows = NULL;
     }
+    /* Sinks move the VQ cache's flush boundary: its kind holds positions S.., so at 96 positions,
+     * window 64 and one sink it has coded nothing yet (95 < 64 + 32); without the sink, [0, 32).
+     * The measurement must see the same: every KL ~0 with the sink (it coded [1, 32) before 2026-12-02:
+     * KL up to 1.1), some > 1e-3 without; by forward pass and by the scaled path. */
+    {
+        double z[3 * 2 * SL];
+        for (int ref = -1; ref <= 1; ref += 2) {
+            for (int S = 1; S >= 0; S--) {
+                kvpq_sensitivity_params s1 = kvpq_sensitivity_params_default();
+                s1.window = 64, s1.sinks = S, s1.n_threads = 2, s1.ref_cand = ref;
+                cr_assert_eq(kvpq_model_layer_sensitivity(m, tok + NT, 96, (const kvpq_codebook *const *)cc, 3, &s1, z),
+                             KVPQ_OK, "%s", kvpq_last_error());
+                double mx = 0;
+                for (int i = 0; i < 3 * 2 * SL; i++) mx = z[i] > mx ? z[i] : mx;
+                /* (the measuring pass's own attention differs from the cache's in rounding: ~1e-8) */
+                if (S) cr_assert_lt(mx, 1e-6, "ref %d: one sink, nothing coded, yet KL up to %g", ref, mx);
+                else cr_assert_gt(mx, 1e-3, "ref %d: no sink, [0, 32) coded, yet KL only %g", ref, mx);
+            }
+        }
+    }
     /* more bits, less loss, in the sensitive layer */
     cr_assert_gt(kl[(0 * 2 + 0) * SL + SENSITIVE], kl[(2 * 2 + 0) * SL + SENSITIVE]);
     /* the knapsack over keys and values at a budget of 2.2 bits at context CTX */

@@ -23,17 +23,19 @@ typedef struct {
     const float *kr, *vr; /* reconstructions, or NULL where exact */
 } mixed_attn;
 
-/* Positions a VQ cache holding len positions keeps as codes (cache_vq.c vq_target_coded). */
-static int coded_upto(int window, int len) {
-    if (len < window + SENS_FLUSH) return 0;
-    return ((len - window) / SENS_FLUSH) * SENS_FLUSH;
+/* End of the positions a VQ cache holding len positions keeps as codes (cache_vq.c vq_target_coded):
+ * with S sinks its kind holds positions S.. as its own 0.., so the flush boundary counts from S. */
+static int coded_upto(int window, int sinks, int len) {
+    const int S = sinks < len ? sinks : len, in = len - S;
+    if (in < window + SENS_FLUSH) return 0;
+    return S + ((in - window) / SENS_FLUSH) * SENS_FLUSH;
 }
 
 static kvpq_status mixed_attend(void *user, int layer, int n, int pos0, const float *q, float *out) {
     (void)layer;
     const mixed_attn *a = user;
     const int H = a->n_head, hkv = a->n_head_kv, hd = a->hd, g = H / hkv, len = pos0 + n;
-    const int nc = coded_upto(a->window, len);
+    const int nc = coded_upto(a->window, a->sinks, len);
     const size_t row = (size_t)hkv * hd;
     const float scale = 1.0f / sqrtf((float)hd);
     int bad = 0;
@@ -78,7 +80,7 @@ static kvpq_status mixed_attend(void *user, int layer, int n, int pos0, const fl
 
 /* For each window W in wins (n_w of them), the sum over the queries at positions first .. pos0+n-1
  * of this step (n queries from pos0, the cache holding len = pos0 + n positions) and over the query
- * heads of |attn_W - attn_exact|^2, attn_W having the positions [sinks, coded_upto(W, len)) read
+ * heads of |attn_W - attn_exact|^2, attn_W having the positions [sinks, coded_upto(W, sinks, len)) read
  * from the reconstruction (a->kr / a->vr where not NULL). The coded sets of the windows are nested
  * prefixes, so one pass serves them all: with every score exact (a_j) and coded (b_j), and m their
  * maximum, attn_W = (X + D(nc_W)) / (x + d(nc_W)), X, x the exact softmax numerator and
@@ -91,7 +93,7 @@ static kvpq_status window_errors(const mixed_attn *a, int n, int pos0, int first
     const size_t row = (size_t)hkv * hd;
     const double scale = 1.0 / sqrt((double)hd);
     int nc[16];
-    for (int w = 0; w < n_w; w++) nc[w] = coded_upto(wins[w], len);
+    for (int w = 0; w < n_w; w++) nc[w] = coded_upto(wins[w], a->sinks, len);
     const float *kb_ = a->kr ? a->kr : a->k, *vb_ = a->vr ? a->vr : a->v;
     int bad = 0;
     const int i0 = first > pos0 ? first - pos0 : 0;
