@@ -19,7 +19,7 @@ of the KV head's group); whiten_half = Sigma_q^(1/4).
 
 Usage: KVPQ_LIB=build/libkvpq.so python3 bench/smooth_study.py --model-dir models
        --model-file SmolLM2-135M-Instruct.Q4_1.gguf --work out/smooth [--layers 0-29] [--preset d4b8]
-Needs torch, transformers, gguf, scipy (requirements-dev.txt) and the kvpq package (python/).
+Needs torch, transformers and gguf (python/requirements-transformers.txt) and the kvpq package (python/).
 """
 import argparse
 import os
@@ -130,7 +130,6 @@ def main():
     a = ap.parse_args()
     os.environ.setdefault("KVPQ_LIB", str(SRC / "build" / "libkvpq.so"))
     import kvpq
-    from scipy.linalg import hadamard
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "cal_L0.npz").exists():
@@ -143,7 +142,7 @@ def main():
         c, t = np.load(work / f"cal_L{layer}.npz"), np.load(work / f"test_L{layer}.npz")
         qc, kc = c["q"].astype(np.float64), c["k"].astype(np.float64)
         qt, kt, vt = (t[x].astype(np.float64) for x in "qkv")
-        H = hadamard(kc.shape[2]).astype(np.float64) / np.sqrt(kc.shape[2])
+        H = kvpq.hadamard(np.eye(kc.shape[2], dtype=np.float32)).astype(np.float64)  # the cache's rotation
         row = []
         for m in methods:
             f, finv = transforms(m, qc, kc, H)
