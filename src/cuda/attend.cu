@@ -1236,6 +1236,10 @@ kvpq_status launch_lut(kvpq__attend_params &p, const Layout &L, int B, int max_c
 template <int D>
 kvpq_status launch_d(kvpq__attend_params &p, const Layout &L, int gs, int B, int max_coded, int max_splits,
                      cudaStream_t stream) {
+#ifdef KVPQ_ATTEND_DEV_SHAPES
+    if (gs == 4) return launch_lut<D, 4>(p, L, B, max_coded, max_splits, stream);
+    return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: built with KVPQ_ATTEND_DEV_SHAPES (4 heads per CTA only)");
+#else
     switch (gs) {
     case 1: return launch_lut<D, 1>(p, L, B, max_coded, max_splits, stream);
     case 2: return launch_lut<D, 2>(p, L, B, max_coded, max_splits, stream);
@@ -1247,6 +1251,7 @@ kvpq_status launch_d(kvpq__attend_params &p, const Layout &L, int gs, int B, int
     case 8: return launch_lut<D, 8>(p, L, B, max_coded, max_splits, stream);
     }
     return kvpq__err(KVPQ_ERR_INTERNAL, "cuda attend: heads per CTA %d", gs);
+#endif
 }
 
 /* Query heads per CTA of the tensor-core kernel: the largest divisor of the group size up to 8. */
@@ -1328,6 +1333,10 @@ kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_spli
 template <int D>
 kvpq_status launch_tc_d(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
     const int gs = tc_gs(p);
+#ifdef KVPQ_ATTEND_DEV_SHAPES
+    if (gs == 4) return launch_tc<D, 4>(p, B, max_coded, max_splits, stream);
+    return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: built with KVPQ_ATTEND_DEV_SHAPES (4 heads per CTA only)");
+#else
     switch (gs) {
     case 1: return launch_tc<D, 1>(p, B, max_coded, max_splits, stream);
     case 2: return launch_tc<D, 2>(p, B, max_coded, max_splits, stream);
@@ -1339,6 +1348,7 @@ kvpq_status launch_tc_d(kvpq__attend_params &p, int B, int max_coded, int max_sp
     case 8: return launch_tc<D, 8>(p, B, max_coded, max_splits, stream);
     }
     return kvpq__err(KVPQ_ERR_INTERNAL, "cuda attend: heads per CTA %d", gs);
+#endif
 }
 
 } // namespace
@@ -1420,11 +1430,22 @@ kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p) {
 
 kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
                                      cudaStream_t stream) {
+#ifdef KVPQ_ATTEND_DEV_SHAPES
+    /* development builds (-DKVPQ_ATTEND_DEV_SHAPES, compile time): head_dim 128 with 4 query heads
+     * per CTA only (8 attention kernels instead of 192: about 45 s to compile instead of 15 min), for
+     * timing the kernels being tuned; never for checks or releases */
+    if (p->head_dim != 128)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: built with KVPQ_ATTEND_DEV_SHAPES (head_dim 128 only)");
+#endif
     if (p->tc && tc_ok(*p)) {
         switch (p->head_dim) {
+#ifndef KVPQ_ATTEND_DEV_SHAPES
         case 64: return launch_tc_d<64>(*p, B, max_coded, max_splits, stream);
+#endif
         case 128: return launch_tc_d<128>(*p, B, max_coded, max_splits, stream);
+#ifndef KVPQ_ATTEND_DEV_SHAPES
         case 256: return launch_tc_d<256>(*p, B, max_coded, max_splits, stream);
+#endif
         }
     }
     int gs;
@@ -1433,9 +1454,13 @@ kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_code
      * slower at B=1, 4k (the per-CTA LUT build dominates there) */
     KVPQ_TRY(plan(*p, p->lut16, p->vrep, 16, &gs, &L));
     switch (p->head_dim) {
+#ifndef KVPQ_ATTEND_DEV_SHAPES
     case 64: return launch_d<64>(*p, L, gs, B, max_coded, max_splits, stream);
+#endif
     case 128: return launch_d<128>(*p, L, gs, B, max_coded, max_splits, stream);
+#ifndef KVPQ_ATTEND_DEV_SHAPES
     case 256: return launch_d<256>(*p, L, gs, B, max_coded, max_splits, stream);
+#endif
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: head_dim=%d: expected 64, 128 or 256", p->head_dim);
 }
