@@ -655,8 +655,10 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             for (int g = 0; g < G; g++) {
                 const int l = g % L, kind = g / L;
                 for (int c = 0; c < n_cand; c++) {
-                    /* values have one stage: a "P1+P2" candidate is P1's values again, never chosen */
-                    cost[(size_t)g * n_cand + c] = kind && k2[c][0] ? 1e30 : klw[((size_t)c * 2 + kind) * L + l];
+                    /* values have one stage: a "P1+P2" candidate is not a value choice (+inf:
+                     * kvpq_alloc_mckp's "unavailable"; a large finite cost was still picked when
+                     * P1's values were lighter than every single-stage candidate's) */
+                    cost[(size_t)g * n_cand + c] = kind && k2[c][0] ? INFINITY : klw[((size_t)c * 2 + kind) * L + l];
                     weight[(size_t)g * n_cand + c] = (int64_t)lbw[((size_t)c * L + l) * 2 + kind];
                 }
             }
@@ -681,8 +683,9 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                 double light = (double)fixed_w[w];
                 for (int g = 0; g < G; g++) {
                     double m = INFINITY;
-                    for (int c = 0; c < n_cand; c++)
-                        if ((double)weight[(size_t)g * n_cand + c] < m) m = (double)weight[(size_t)g * n_cand + c];
+                    for (int c = 0; c < n_cand; c++) /* not a "P1+P2" candidate for values (above) */
+                        if (!(g >= L && k2[c][0]) && (double)weight[(size_t)g * n_cand + c] < m)
+                            m = (double)weight[(size_t)g * n_cand + c];
                     light += m;
                 }
                 if (!alloc_values)

@@ -316,3 +316,33 @@ def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
     info = subprocess.run([BIN, "info", str(lo)], capture_output=True, text=True)
     assert info.returncode == 0, info.stderr
     assert f"window {metas[0]['alloc.window']}, sinks 1" in info.stdout and "window chosen among" in info.stdout, info.stdout
+
+
+def test_residual_candidate_is_never_a_value_choice(tmp_path):
+    """A "P1+P2" candidate is a key choice only: values have one stage (docs/allocation.md item 7).
+    Its P1 here (d8b8) is lighter than the one single-stage candidate (d4b8), so budgets between the
+    two lightest value allocations could only be met by taking it for values. Before 2026-12-02 its
+    value cost was a finite 1e30, which the knapsack took when nothing else fit: the 6-bit file was
+    written with 'd8b8+d8b8' values in 19 layers and alloc.predicted_kl 1.9e+31, and the "lightest"
+    message counted those values too (5.94 bits). Now such a budget is refused, the message names
+    the lightest allocation of single-stage values, and every file written keeps single-stage values
+    and a sane prediction."""
+    budgets = (0.5, 5.8, 6.0, 6.2, 6.5, 7.0, 8.0)
+    outs = {b: tmp_path / f"b{b}.safetensors" for b in budgets}
+    p = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", 512, "--ctx", 256, "--holdout-ctx", 128,
+            "--iters", 2, "--threads", 2, "--bits", budgets[0], "--window", 16, "--candidates", "d4b8,d8b8+d8b8",
+            "-o", outs[budgets[0]], *[x for b in budgets[1:] for x in ("--bits-also", f"{b} {outs[b]}")], check=False)
+    import re
+    light = [float(x) for x in re.findall(r"the lightest needs ([0-9.]+) effective bits", p.stderr)]
+    assert light and len(set(light)) == 1, p.stderr
+    from safetensors import safe_open
+    written = [b for b in budgets if outs[b].exists()]
+    assert written and len(written) < len(budgets), (written, p.stderr)  # some fit, some do not
+    for b in budgets:
+        assert outs[b].exists() == (b >= light[0]), (b, light[0], p.stderr)
+    for b in written:
+        with safe_open(str(outs[b]), framework="numpy") as h:
+            meta = h.metadata()
+        assert "+" not in meta["alloc.v"], (b, meta["alloc.v"])
+        assert float(meta["alloc.predicted_kl"]) < 10, (b, meta["alloc.predicted_kl"])
+        assert float(meta["alloc.effective_bits"]) <= b
