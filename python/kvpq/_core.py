@@ -610,6 +610,8 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
             n_layer = len(pairs) if hasattr(pairs, "__len__") else None
             if n_layer is None:
                 raise _arg_error("calibrate", "keys_values: needs a length (a list or tuple over layers)")
+            if query_absmax is not None:  # one (n_head_kv, head_dim) row per layer, checked before any training
+                _array(query_absmax, "query_absmax", "calibrate", shape=(n_layer, k.shape[1], k.shape[2]))
             cb = Codebook(n_layer, k.shape[1], k.shape[2], keys=keys, values=values, granularity=granularity,
                           keys2=keys2, value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
             for l, preset in (keys_layers or {}).items():

@@ -104,6 +104,17 @@ def test_calibrated_vq_cache_round_trip():
     kv = [(rand(n, H, D, scale=2.0) + 1.0, rand(n, H, D)) for _ in range(L)]
     cb = kvpq.calibrate(kv, keys="d4b8", niter=4)
     np.testing.assert_allclose(cb.key_mean(0), kv[0][0].mean(0), atol=1e-5)
+    # query_absmax is one (n_head_kv, head_dim) row per layer: another number of layers is refused by
+    # name before any training (fewer raised a bare IndexError after layer 0 was trained, more were
+    # silently ignored)
+    for n_q in (L - 1, L + 1):
+        with pytest.raises(kvpq.Error, match=r"query_absmax: expected shape \(2, 2, 32\)"):
+            kvpq.calibrate(kv, keys="d4b8", niter=1, query_absmax=np.ones((n_q, H, D), np.float32))
+    qa = np.ones((L, H, D), np.float32)
+    qa[:, :, 0] = 4.0  # channel 0 weighted most by the queries: lambda^2 ~ max|k| / max|q| there
+    cq = kvpq.calibrate(kv, keys="d4b8", niter=1, query_absmax=qa)
+    assert cq.get_meta("key_smooth") == "query" and cb.get_meta("key_smooth") == "keys"
+    assert np.all(cq.key_smooth(1)[:, 0] < cb.key_smooth(1)[:, 0])
     c = kvpq.Cache("vq", L, 4, H, D, max_seq=512, codebook=cb, window=16)
     for layer in range(L):
         c.append(layer, *kv[layer])
