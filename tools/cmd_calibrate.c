@@ -73,7 +73,8 @@ static void calib_usage(FILE *f) {
             "  --bits B              choose each layer's key (and value) preset so that the VQ cache's effective\n"
             "                        bits per element at context --ctx stay <= B, minimizing the predicted loss\n"
             "                        (sum over layers of the KL each layer's coding costs alone, measured on\n"
-            "                        text held back from k-means: the END of FILE); docs/allocation.md\n"
+            "                        text held back from k-means: the END of FILE); docs/allocation.md.\n"
+            "                        Presets come from --candidates: not with --keys2, --keys-layers, --values-layers\n"
             "  --bits-also \"B OUT\"   also write the allocation for budget B to OUT, from the same\n"
             "                        measurements (repeatable, up to 8)\n"
             "  --candidates P,P,...  presets to choose among, one nbits (default d8b8,d4b8,d2b8); P1+P2 is a\n"
@@ -232,6 +233,12 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
     if (a->window >= 0 && a->window_cands)
         return cli_usage_error("calibrate: --window and --window-candidates: give one (--window W is "
                                "--window-candidates W)"), -2;
+    /* --bits takes every layer's presets from --candidates (a second key stage: a P1+P2 candidate);
+     * these options were silently dropped, yet written to the file's metadata */
+    if (a->bits > 0 && (a->keys2 || a->keys_layers || a->values_layers))
+        return cli_usage_error("calibrate: --bits chooses every layer's presets from --candidates: %s is not used "
+                               "with it (a residual second key stage: a candidate P1+P2, e.g. d4b8+d8b8)",
+                               a->keys2 ? "--keys2" : a->keys_layers ? "--keys-layers" : "--values-layers"), -2;
     if (a->window >= 0) {
         a->wins[0] = (int)a->window, a->n_wins = 1;
     } else {

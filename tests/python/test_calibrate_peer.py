@@ -267,6 +267,12 @@ def test_window_candidates_checked_before_the_model_loads(cands, needle, tmp_pat
     p = run("calibrate", "--model", tmp_path / "none.gguf", "--text", tmp_path / "none.txt", "-o", tmp_path / "o.st",
             "--bits", 2, "--window", 8, "--window-candidates", "0,8", check=False)
     assert p.returncode == 2 and "give one" in p.stderr, p.stderr
+    # --bits takes every layer's presets from --candidates: --keys2 (and per-layer M) would be
+    # dropped while the file's metadata still named them (before 2026-12-02: no error)
+    for opt, val in (("--keys2", "d8b8"), ("--keys-layers", "d2b8:0-3"), ("--values-layers", "d2b8:0-3")):
+        p = run("calibrate", "--model", tmp_path / "none.gguf", "--text", tmp_path / "none.txt", "-o",
+                tmp_path / "o.st", "--bits", 2, opt, val, check=False)
+        assert p.returncode == 2 and f"{opt} is not used" in p.stderr and "--candidates" in p.stderr, p.stderr
 
 
 def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
