@@ -538,7 +538,8 @@ KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
  * `step` (kvpq_model_eval appends in steps of 512), split as kvpq_cache_resident_bytes counts them:
  * layer_bytes (n_layer, 2) (may be NULL): per layer, the key [.., 0] and value [.., 1] part: codes
  * and norm-explicit scales of the coded positions held (whole pages) plus that quantizer's
- * centroids; *fixed_bytes: what no quantizer choice changes (the fp16 window rings, the attention
+ * centroids (a layer with a residual second key stage: both stages' codes, packed as one bit stream
+ * as the cache stores them, and both stages' centroids); *fixed_bytes: what no quantizer choice changes (the fp16 window rings, the attention
  * sinks of p->sinks, smoothing factors, key means); *elements: K and V elements held (as kvpq_cache_stats.elements; a
  * sliding-window layer holds fewer positions). Effective bits = 8 * (sum + fixed) / elements.
  * Errors: KVPQ_ERR_INVALID_ARG (NULL, shapes that differ, len beyond max_seq). */
