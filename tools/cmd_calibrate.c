@@ -77,9 +77,10 @@ static void calib_usage(FILE *f) {
             "                        Presets come from --candidates: not with --keys2, --keys-layers, --values-layers\n"
             "  --bits-also \"B OUT\"   also write the allocation for budget B to OUT, from the same\n"
             "                        measurements (repeatable, up to 8)\n"
-            "  --candidates P,P,...  presets to choose among, one nbits (default d8b8,d4b8,d2b8); P1+P2 is a\n"
-            "                        key candidate with a residual second stage P2 (one P2 per run), e.g.\n"
-            "                        d4b8+d8b8 (3 bits); values take only single-stage presets\n"
+            "  --candidates P,P,...  presets to choose among, one nbits; P1+P2 is a key candidate with a\n"
+            "                        residual second stage P2 (one P2 per run), e.g. d4b8+d8b8 (3 bits);\n"
+            "                        values take only single-stage presets (default\n"
+            "                        d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8: keys at 1, 2, 4, 2 and 3 bits)\n"
             "  --holdout-ctx N       tokens per held-out chunk of the measurement (default min(--ctx, 1024))\n"
             "  --holdout-chunks K    held-out chunks (default 1)\n"
             "  --window-candidates W,W,...  full-precision windows (newest positions in fp16) to choose\n"
@@ -223,7 +224,7 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
     calib_args *a = &jobs[0];
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
                       .seed = 1234, .max_ppc = -1, .center = 1, .smooth_query = 1, .key_norm = 1, .value_norm = 1,
-                      .cands = "d8b8,d4b8,d2b8", .holdout_chunks = 1, .window = -1, .alloc_values = -1,
+                      .cands = "d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8", .holdout_chunks = 1, .window = -1, .alloc_values = -1,
                       .sinks = 1};
     int r = parse_opts(argc, argv, a, 0);
     if (r <= 0) return r;
