@@ -1,7 +1,6 @@
 /* transform.c — outlier suppression for keys (VecInfer, arXiv 2510.06175, sec. 3): per-channel
  * smoothing by lambda = sqrt(max |K|) and the normalized Walsh-Hadamard rotation. */
 #include <float.h>
-#include <stdlib.h>
 #include <math.h>
 #include <omp.h>
 
@@ -76,11 +75,12 @@ static kvpq_status check_heads(const char *fn, int n_head_kv, int head_dim) {
     return KVPQ_OK;
 }
 
-kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k, float floor,
-                                float *lambda) {
-    const char *fn = "kvpq_smooth_compute";
+/* The checks of the smoothing functions (fn names the caller) and max_t |k_tc| per KV head and
+ * channel into absmax (n_head_kv, head_dim). */
+static kvpq_status key_absmax(const char *fn, size_t n_tokens, int n_head_kv, int head_dim, const float *k,
+                              float floor, float *absmax) {
     KVPQ_TRY(check_heads(fn, n_head_kv, head_dim));
-    if (!lambda || (n_tokens && !k)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: NULL array", fn);
+    if (!absmax || (n_tokens && !k)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: NULL array", fn);
     if (!(floor > 0.0f) || !isfinite(floor))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: floor=%g: expected a finite value > 0", fn, (double)floor);
     const size_t row = (size_t)n_head_kv * head_dim;
@@ -89,15 +89,21 @@ kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, co
             if (!kvpq__all_finite(k + t * row, row))
                 return kvpq__err(KVPQ_ERR_NONFINITE, "%s: keys of token %zu contain NaN or Inf", fn, t);
     }
-    for (size_t c = 0; c < row; c++) lambda[c] = 0.0f;
+    for (size_t c = 0; c < row; c++) absmax[c] = 0.0f;
     for (size_t t = 0; t < n_tokens; t++) {
         const float *kt = k + t * row;
         for (size_t c = 0; c < row; c++) {
             float a = fabsf(kt[c]);
-            lambda[c] = a > lambda[c] ? a : lambda[c];
+            absmax[c] = a > absmax[c] ? a : absmax[c];
         }
     }
-    for (size_t c = 0; c < row; c++) {
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k, float floor,
+                                float *lambda) {
+    KVPQ_TRY(key_absmax("kvpq_smooth_compute", n_tokens, n_head_kv, head_dim, k, floor, lambda));
+    for (size_t c = 0; c < (size_t)n_head_kv * head_dim; c++) {
         float l = sqrtf(lambda[c]);
         lambda[c] = l > floor ? l : floor;
     }
@@ -114,36 +120,22 @@ kvpq_status kvpq_smooth_compute_qk(size_t n_tokens, int n_head_kv, int head_dim,
         if (!(q_absmax[c] >= 0.0f) || !isfinite(q_absmax[c]))
             return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: q_absmax[%zu]=%g: expected a finite value >= 0", fn, c,
                              (double)q_absmax[c]);
-    /* max |k| per channel, the checks of k and floor: kvpq_smooth_compute's (lambda = sqrt of it) */
-    kvpq_status s = kvpq_smooth_compute(n_tokens, n_head_kv, head_dim, k, floor, lambda);
-    if (s != KVPQ_OK) {
-        kvpq__err_prefix("%s", fn);
-        return s;
-    }
-    double *kmax = calloc(row, sizeof(double));
-    if (!kmax) return kvpq__err(KVPQ_ERR_NOMEM, "%s: out of memory", fn);
-    for (size_t t = 0; t < n_tokens; t++)
-        for (size_t c = 0; c < row; c++) {
-            double a = fabs((double)k[t * row + c]);
-            kmax[c] = a > kmax[c] ? a : kmax[c];
-        }
+    KVPQ_TRY(key_absmax(fn, n_tokens, n_head_kv, head_dim, k, floor, lambda)); /* max |k|, then lambda */
     for (int h = 0; h < n_head_kv; h++) {
         const float *qa = q_absmax + (size_t)h * head_dim;
-        const double *kh = kmax + (size_t)h * head_dim;
         float *lh = lambda + (size_t)h * head_dim;
         double qmax = 0, qbar = 0;
         for (int c = 0; c < head_dim; c++) qmax = qa[c] > qmax ? qa[c] : qmax;
-        if (qmax == 0) continue; /* no query weight seen: keys alone (kvpq_smooth_compute's lambda) */
         const double qlo = 1e-3 * qmax;
         for (int c = 0; c < head_dim; c++) qbar += qa[c] > qlo ? qa[c] : qlo;
         qbar /= head_dim;
         for (int c = 0; c < head_dim; c++) {
+            /* no query weight seen in the head (qmax 0): keys alone, as kvpq_smooth_compute */
             double qm = qa[c] > qlo ? qa[c] : qlo;
-            double l = sqrt(kh[c] * qbar / qm);
+            double l = qmax > 0 ? sqrt((double)lh[c] * qbar / qm) : sqrt((double)lh[c]);
             lh[c] = l > floor ? (float)l : floor;
         }
     }
-    free(kmax);
     return KVPQ_OK;
 }
 
