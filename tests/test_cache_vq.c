@@ -293,7 +293,8 @@ Test(cache_vq, head_dims_match_fp64) {
 }
 
 Test(cache_vq, nbits_dsub_granularity_rotation_match_fp64) {
-    const char *presets[][2] = {{"d8b12", "d8b12"}, {"d2b8", "d8b8"}, {"d8b8", "d2b8"}, {"d4b8", "d8b12"}};
+    const char *presets[][2] = {{"d8b12", "d8b12"}, {"d2b8", "d8b8"}, {"d8b8", "d2b8"}, {"d4b8", "d8b12"},
+                                {"d1b8", "d4b12"}, {"d4b12", "d1b8"}};
     int len = quick() ? 200 : 400;
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
         for (int gran = 0; gran < 2; gran++)

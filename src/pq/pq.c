@@ -12,7 +12,7 @@ kvpq_pq_params kvpq_pq_params_default(void) {
 
 kvpq_status kvpq_pq_params_preset(kvpq_pq_params *p, const char *preset, int d) {
     static const struct { const char *name; int dsub, nbits; } presets[] = {
-        {"d8b8", 8, 8}, {"d8b12", 8, 12}, {"d4b8", 4, 8}, {"d2b8", 2, 8},
+        {"d8b8", 8, 8}, {"d8b12", 8, 12}, {"d4b8", 4, 8}, {"d4b12", 4, 12}, {"d2b8", 2, 8}, {"d1b8", 1, 8},
     };
     if (!p || !preset) return kvpq__err(KVPQ_ERR_INVALID_ARG, "pq preset: NULL argument");
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
@@ -25,7 +25,7 @@ kvpq_status kvpq_pq_params_preset(kvpq_pq_params *p, const char *preset, int d) 
         p->nbits = presets[i].nbits;
         return KVPQ_OK;
     }
-    return kvpq__err(KVPQ_ERR_INVALID_ARG, "pq preset '%s': expected d8b8, d8b12, d4b8 or d2b8", preset);
+    return kvpq__err(KVPQ_ERR_INVALID_ARG, "pq preset '%s': expected d8b8, d8b12, d4b8, d4b12, d2b8 or d1b8", preset);
 }
 
 kvpq_status kvpq__pq_params_check(const kvpq_pq_params *p) {
