@@ -184,7 +184,7 @@ class ProductQuantizer:
     dims, each coded by the index of its nearest of ksub = 2**nbits centroids (Jegou et al., TPAMI
     2011). granularity "shared": one (ksub, dsub) codebook for every sub-space (VecInfer);
     "subspace": (M, ksub, dsub), as faiss. ProductQuantizer(d, preset="d4b8") takes M and nbits from
-    a preset ("d8b8" 1 bit/element, "d8b12" 1.5, "d4b8" 2, "d2b8" 4). granularity "head":
+    a preset ("d8b8" 1 bit/element, "d8b12" 1.5, "d4b8" 2, "d4b12" 3, "d2b8" 4, "d1b8" 8). granularity "head":
     (n_head, ksub, dsub), one codebook per head; rows given to encode/decode/train interleave the
     heads (row i is head i % n_head)."""
 
@@ -576,7 +576,8 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
     keys_values: a sequence over layers of (k, v) pairs, each (n_tokens, n_head_kv, head_dim)
       float32 post-RoPE (an iterator is fine: one layer is held at a time), or a pair of arrays
       (K, V) of shape (n_layer, n_tokens, n_head_kv, head_dim).
-    keys, values: presets ("d8b8" 1 bit/element, "d8b12", "d4b8" 2, "d2b8" 4; values default to keys).
+    keys, values: presets ("d8b8" 1 bit/element, "d8b12", "d4b8" 2, "d4b12" 3, "d2b8" 4, "d1b8" 8;
+      values default to keys).
     granularity: "shared", "subspace" or "head" (one codebook per KV head), or a (key, value) pair.
     keys2: preset of a residual second key stage (same nbits), e.g. "d8b8"; None: one stage.
     keys_layers: {layer: preset} giving some layers' keys another M (same nbits).
