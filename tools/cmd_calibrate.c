@@ -35,7 +35,9 @@ typedef struct {
     long holdout_ctx, holdout_chunks, window, alloc_values, sinks, full_sens;
     const char *window_cands; /* --window-candidates; parsed into wins (ascending, distinct) */
     long verify_ctx;          /* --verify-ctx: tokens of the joint check's chunk; -1: --ctx; 0: off */
-    const char *window_select; /* --window-select predicted|measured (NULL: predicted) */
+    const char *window_select; /* --window-select predicted|measured|auto (NULL: auto) */
+    double window_trust;       /* --window-trust: auto trusts a prediction within this fraction of the
+                                * held-out KL (default 0.3: issue #18's target for predicted vs measured) */
     int wins[16], n_wins;
     double more_bits[8];
     const char *more_out[8];
@@ -99,7 +101,11 @@ static void calib_usage(FILE *f) {
             "                        alloc.holdout_top1 (default --ctx; 0: off)\n"
             "  --window-select S     predicted: keep the window whose allocation has the least predicted KL;\n"
             "                        measured: check every window's allocation (--verify-ctx) and keep the least\n"
-            "                        held-out KL (one forward pass per window that fits) (default predicted)\n"
+            "                        held-out KL (one forward pass per window that fits); auto: predicted, and\n"
+            "                        measured when the predicted KL of the chosen window is off its held-out KL\n"
+            "                        by more than --window-trust (default auto; predicted with --verify-ctx 0)\n"
+            "  --window-trust F      auto's tolerance: |predicted / held-out - 1| <= F keeps the predicted\n"
+            "                        choice (default 0.3)\n"
             "  --full-sensitivity 0|1  1: a forward pass per layer, kind and candidate; 0 (default): per layer\n"
             "                        and kind one pass at the --values candidate, the others scaled by the\n"
             "                        layer's attention-output error (3x cheaper with three candidates)\n"
@@ -130,7 +136,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         }
         if (job && (!strcmp(o, "--model") || !strcmp(o, "--text") || !strcmp(o, "--tokens") || !strcmp(o, "--ctx") ||
                     !strcmp(o, "--threads") || !strcmp(o, "--also") || !strcmp(o, "--verify-ctx") ||
-                    !strcmp(o, "--window-select")))
+                    !strcmp(o, "--window-select") || !strcmp(o, "--window-trust")))
             return cli_usage_error("calibrate: --also: %s belongs to the main command (one forward pass serves every "
                                    "codebook)", o), -2;
         if (!job && !strcmp(o, "--also")) {
@@ -185,6 +191,11 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--full-sensitivity", full_sens, 0, 1)
         INT_OPT("--verify-ctx", verify_ctx, 0, 1L << 20)
         STR_OPT("--window-select", window_select)
+        if (!strcmp(o, "--window-trust")) {
+            if (!cli_parse_double("--window-trust", v, 0, 100, &a->window_trust)) return -2;
+            i++;
+            continue;
+        }
         if (!strcmp(o, "--bits-also")) { /* "B OUT": another budget from the same measurements */
             char *end = NULL;
             if (!v || a->n_more_bits == 8) return cli_usage_error("calibrate: --bits-also needs \"B OUT\" (at most 8)"), -2;
@@ -214,7 +225,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
                                                "--max-points-per-centroid", "--seed", "--bits", "--candidates",
                                                "--holdout-ctx", "--holdout-chunks", "--window", "--window-candidates", "--sinks",
                                                "--alloc-values", "--full-sensitivity", "--bits-also", "--verify-ctx",
-                                               "--window-select", NULL};
+                                               "--window-select", "--window-trust", NULL};
             return cli_unknown_option("calibrate", o, OPTS), -2;
         }
     }
@@ -240,7 +251,7 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
                       .seed = 1234, .max_ppc = -1, .center = 1, .smooth_query = 1, .key_norm = 1, .value_norm = 1,
                       .cands = "d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8", .holdout_chunks = 1, .window = -1, .alloc_values = -1,
-                      .sinks = 1, .verify_ctx = -1};
+                      .sinks = 1, .verify_ctx = -1, .window_trust = 0.3};
     int r = parse_opts(argc, argv, a, 0);
     if (r <= 0) return r;
     if (!a->model || !a->text || !a->out)
@@ -260,8 +271,10 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
         return cli_usage_error("calibrate: --verify-ctx %ld: expected 0 (off) or at least 16 tokens", a->verify_ctx), -2;
     if (a->verify_ctx >= 0 && !(a->bits > 0))
         return cli_usage_error("calibrate: --verify-ctx checks the allocation of --bits: not used without it"), -2;
-    if (a->window_select && strcmp(a->window_select, "predicted") && strcmp(a->window_select, "measured"))
-        return cli_usage_error("calibrate: --window-select '%s': expected predicted or measured", a->window_select), -2;
+    if (a->window_select && strcmp(a->window_select, "predicted") && strcmp(a->window_select, "measured") &&
+        strcmp(a->window_select, "auto"))
+        return cli_usage_error("calibrate: --window-select '%s': expected predicted, measured or auto",
+                               a->window_select), -2;
     if (a->window_select && !(a->bits > 0))
         return cli_usage_error("calibrate: --window-select chooses the window of --bits: not used without it"), -2;
     if (a->window_select && !strcmp(a->window_select, "measured") && a->verify_ctx == 0)
@@ -511,6 +524,7 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
 }
 
 /* Per-layer value M (kvpq_codebook_set_layer_value_M): --bits allocates values per layer too. */
+
 #define CALIB_HAVE_VALUE_M 1
 
 static int sens_progress(void *user, const char *stage, double done, double total) {
@@ -651,7 +665,11 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     int n_cand = 0, rc = 1;
     kvpq_codebook *cc[MAXC] = {0}, *fin = NULL, *fin_kept = NULL;
     calib_verify vf = {0};
+    /* --window-select: measured (every window checked), auto (measured when the prediction of the
+     * window chosen is off by more than a->window_trust), or predicted (also whenever there is no check) */
     const int measured = vctx > 0 && a->window_select && !strcmp(a->window_select, "measured");
+    const int auto_sel = vctx > 0 && (!a->window_select || !strcmp(a->window_select, "auto"));
+    const char *sel_name = measured ? "measured" : auto_sel ? "auto" : "predicted";
     double *kl = NULL, *klc = NULL, *cost = NULL;
     int64_t *weight = NULL;
     size_t *lb = NULL;
@@ -842,7 +860,8 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             continue; /* the other budgets still get their files */
         }
         /* the windows whose allocation is written and checked: the predicted best, or (--window-select
-         * measured) every window where an allocation fits, the least measured KL kept */
+         * measured, or auto when the best's prediction is off) every window where an allocation fits, the
+         * least held-out KL kept */
         int tries[16], n_tries = 0, kept = -1;
         double meas_w[16];
         for (int w = 0; w < NW; w++) meas_w[w] = NAN;
@@ -975,7 +994,12 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                     kvpq_codebook_set_meta(fin, key, list);
                 }
             }
-            if (vctx > 0) kvpq_codebook_set_meta(fin, "alloc.window_select", measured ? "measured" : "predicted");
+            if (vctx > 0) kvpq_codebook_set_meta(fin, "alloc.window_select", sel_name);
+            if (auto_sel) {
+                char tb[32];
+                snprintf(tb, sizeof tb, "%g", a->window_trust);
+                kvpq_codebook_set_meta(fin, "alloc.window_trust", tb);
+            }
             if ((s = kvpq_codebook_save(fin, out_i)) != KVPQ_OK) {
                 rc = cli_fail("calibrate: writing the codebook file", s);
                 goto done;
@@ -991,18 +1015,26 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                     rc = cli_fail("calibrate: writing the codebook file", s);
                     goto done;
                 }
-                if (measured)
+                if (measured || n_tries > 1)
                     fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f, held-out KL %.4f (top-1 "
                                     "%.1f%%)\n", bits_i, win, pred, chk.kl, 100.0 * chk.top1);
+                if (auto_sel && t == 0 && n_tries == 1 && fabs(pred / chk.kl - 1) > a->window_trust) {
+                    fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f is %.2f x the held-out "
+                                    "KL %.4f (off by more than %.0f%%): checking every window's allocation\n", bits_i,
+                            win, pred, pred / chk.kl, chk.kl, 100 * a->window_trust);
+                    for (int w = 0; w < NW; w++)
+                        if (w != bw && isfinite(pred_w[w])) tries[n_tries++] = w;
+                }
             }
-            if (kept < 0 || (measured && chk.kl < kept_chk.kl)) { /* ties: the first, smaller window */
+            /* ties: the first checked (measured: the smaller window; auto: the predicted choice) */
+            if (kept < 0 || ((measured || auto_sel) && chk.kl < kept_chk.kl)) {
                 kept = bw, kept_chk = chk;
                 kvpq_codebook_free(fin_kept);
                 fin_kept = fin;
                 fin = NULL;
             }
         }
-        if (measured) { /* the kept window's file, with every window's measured KL */
+        if (n_tries > 1) { /* the kept window's file, with every window's measured KL */
             list[0] = '\0';
             char buf[64];
             for (int w = 0; w < NW; w++) {

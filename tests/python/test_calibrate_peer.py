@@ -303,7 +303,20 @@ def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
         assert sorted(pred) == [0, 16, 64], meta["alloc.window_predicted_kl"]
         fits = {w: kl for w, kl in pred.items() if kl is not None}
         assert fits, pred
-        assert int(meta["alloc.window"]) == min(fits, key=fits.get), (meta["alloc.window"], pred)
+        # --window-select auto (the default): the predicted choice, unless its prediction is off its
+        # held-out KL by more than 30%; then every window is checked and the least held-out KL kept
+        assert meta["alloc.window_select"] == "auto" and meta["alloc.window_trust"] == "0.3", meta
+        best = min(fits, key=fits.get)
+        if "alloc.window_measured_kl" in meta:
+            meas = {int(w): kl for w, kl in (x.split(":") for x in meta["alloc.window_measured_kl"].split(","))}
+            meas = {w: float(kl) for w, kl in meas.items() if kl != "none"}
+            assert sorted(meas) == sorted(fits) and len(fits) > 1, (meas, fits)
+            assert abs(fits[best] / meas[best] - 1) > 0.3, (fits, meas)  # the prediction was off
+            assert int(meta["alloc.window"]) == min(meas, key=meas.get), (meta["alloc.window"], meas)
+            assert float(meta["alloc.holdout_kl"]) == pytest.approx(min(meas.values()), rel=1e-3)
+        else:
+            assert len(fits) == 1 or abs(fits[best] / float(meta["alloc.holdout_kl"]) - 1) <= 0.3, (fits, meta)
+            assert int(meta["alloc.window"]) == min(fits, key=fits.get), (meta["alloc.window"], pred)
         assert float(meta["alloc.effective_bits"]) <= budget
     assert float(metas[1]["alloc.predicted_kl"]) < float(metas[0]["alloc.predicted_kl"])
     k_hi = metas[1]["alloc.k"].split(",")
@@ -374,16 +387,18 @@ def test_joint_check_is_what_ppl_measures_for_the_written_file(tmp_path):
     alloc.holdout_kl / alloc.holdout_top1 are what `kvpq ppl --kl-base fp16 --cache vq:FILE` measures
     on the same tokens (the text's tokens right after the k-means tokens), one code path: any
     difference in the cache it builds (window, sinks, presets), the tokens, the BOS or the scoring
-    fails here. With --window-select measured every window that fits is checked, and the file keeps
+    fails here. With --window-select auto and --window-trust 0 (any difference between predicted and
+    held-out KL is too much) every window that fits is checked, as with measured, and the file keeps
     the least held-out KL. A file without the new keys (before 2026-12-02) still loads and infos."""
     out = tmp_path / "b6.safetensors"
     p = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", 512, "--ctx", 256, "--holdout-ctx", 128,
             "--iters", 2, "--threads", 2, "--bits", 6.0, "--window-candidates", "0,16", "--candidates", "d8b8,d4b8",
-            "--window-select", "measured", "-o", out)
+            "--window-select", "auto", "--window-trust", 0, "-o", out)
     meta = _meta(out)
     assert meta["alloc.verify_ctx"] == "256" and meta["alloc.verify_start"] == "512", meta  # after the k-means tokens
     assert meta["alloc.verify_scored"] == "127" and meta["alloc.verify_base"] == "fp16", meta
-    assert meta["alloc.window_select"] == "measured", meta
+    assert meta["alloc.window_select"] == "auto" and meta["alloc.window_trust"] == "0", meta
+    assert "checking every window's allocation" in p.stderr, p.stderr
     meas = {int(w): float(kl) for w, kl in (x.split(":") for x in meta["alloc.window_measured_kl"].split(","))}
     assert sorted(meas) == [0, 16], meas
     assert int(meta["alloc.window"]) == min(meas, key=meas.get), (meta["alloc.window"], meas)
@@ -404,8 +419,9 @@ def test_joint_check_is_what_ppl_measures_for_the_written_file(tmp_path):
     tensors = st_numpy.load_file(str(out))
     old = {k: v for k, v in meta.items() if not k.startswith(("alloc.holdout_kl", "alloc.holdout_top1",
                                                               "alloc.holdout_ppl", "alloc.verify_",
-                                                              "alloc.window_select", "alloc.window_measured"))}
-    assert len(old) == len(meta) - 10, sorted(set(meta) - set(old))
+                                                              "alloc.window_select", "alloc.window_measured",
+                                                              "alloc.window_trust"))}
+    assert len(old) == len(meta) - 11, sorted(set(meta) - set(old))
     old_f = tmp_path / "old.safetensors"
     st_numpy.save_file(tensors, str(old_f), metadata=old)
     info = run("info", old_f).stdout
@@ -424,9 +440,10 @@ def test_verify_ctx_checked(tmp_path):
                          (("--bits", 2, "--verify-ctx", "x"), "--verify-ctx: expected an integer"),
                          (("--bits", 2, "--verify-ctx", 8), "--verify-ctx 8: expected 0 (off) or at least 16"),
                          (("--verify-ctx", 64), "--verify-ctx checks the allocation of --bits"),
-                         (("--bits", 2, "--window-select", "best"), "--window-select 'best': expected predicted or"),
+                         (("--bits", 2, "--window-select", "best"), "--window-select 'best': expected predicted, measured or auto"),
                          (("--window-select", "measured"), "--window-select chooses the window of --bits"),
                          (("--bits", 2, "--window-select", "measured", "--verify-ctx", 0), "not with --verify-ctx 0"),
+                         (("--bits", 2, "--window-trust", -0.1), "--window-trust: expected a number in [0, 100]"),
                          (("--also", "--verify-ctx 64 -o x.st", "--bits", 2), "--verify-ctx belongs to the main")):
         p = run("calibrate", *none, *args, check=False)
         assert p.returncode == 2 and needle in p.stderr, (args, p.returncode, p.stderr)
