@@ -38,6 +38,7 @@ typedef struct {
     const char *window_select; /* --window-select predicted|measured|auto (NULL: auto) */
     double window_trust;       /* --window-trust: auto trusts a prediction within this fraction of the
                                 * held-out KL (default 0.3: issue #18's target for predicted vs measured) */
+    int window_trust_given;
     int wins[16], n_wins;
     double more_bits[8];
     const char *more_out[8];
@@ -193,6 +194,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         STR_OPT("--window-select", window_select)
         if (!strcmp(o, "--window-trust")) {
             if (!cli_parse_double("--window-trust", v, 0, 100, &a->window_trust)) return -2;
+            a->window_trust_given = 1;
             i++;
             continue;
         }
@@ -277,6 +279,9 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
                                a->window_select), -2;
     if (a->window_select && !(a->bits > 0))
         return cli_usage_error("calibrate: --window-select chooses the window of --bits: not used without it"), -2;
+    if (a->window_trust_given && (!(a->bits > 0) || (a->window_select && strcmp(a->window_select, "auto"))))
+        return cli_usage_error("calibrate: --window-trust is the tolerance of --window-select auto (with --bits): "
+                               "not used with %s", a->bits > 0 ? "--window-select predicted or measured" : "no --bits"), -2;
     if (a->window_select && !strcmp(a->window_select, "measured") && a->verify_ctx == 0)
         return cli_usage_error("calibrate: --window-select measured needs the joint check: not with --verify-ctx 0"), -2;
     if (a->window >= 0) {

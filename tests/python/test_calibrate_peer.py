@@ -444,6 +444,8 @@ def test_verify_ctx_checked(tmp_path):
                          (("--window-select", "measured"), "--window-select chooses the window of --bits"),
                          (("--bits", 2, "--window-select", "measured", "--verify-ctx", 0), "not with --verify-ctx 0"),
                          (("--bits", 2, "--window-trust", -0.1), "--window-trust: expected a number in [0, 100]"),
+                         (("--bits", 2, "--window-select", "measured", "--window-trust", 0.1), "--window-trust is the"),
+                         (("--window-trust", 0.1), "--window-trust is the tolerance"),
                          (("--also", "--verify-ctx 64 -o x.st", "--bits", 2), "--verify-ctx belongs to the main")):
         p = run("calibrate", *none, *args, check=False)
         assert p.returncode == 2 and needle in p.stderr, (args, p.returncode, p.stderr)
