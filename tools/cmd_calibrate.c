@@ -16,6 +16,7 @@
 
 #include "cli.h"
 #include "cli_model.h"
+#include "cli_score.h"
 
 #define CALIB_MAX_ALSO 16
 /* Tokens per forward step of the activation collection (read back after each step). */
@@ -33,6 +34,11 @@ typedef struct {
     const char *cands;
     long holdout_ctx, holdout_chunks, window, alloc_values, sinks, full_sens;
     const char *window_cands; /* --window-candidates; parsed into wins (ascending, distinct) */
+    long verify_ctx;          /* --verify-ctx: tokens of the joint check's chunk; -1: --ctx; 0: off */
+    const char *window_select; /* --window-select predicted|measured|auto (NULL: auto) */
+    double window_trust;       /* --window-trust: auto trusts a prediction within this fraction of the
+                                * held-out KL (default 0.3: issue #18's target for predicted vs measured) */
+    int window_trust_given;
     int wins[16], n_wins;
     double more_bits[8];
     const char *more_out[8];
@@ -90,6 +96,18 @@ static void calib_usage(FILE *f) {
             "  --window W            a fixed window instead (as --window-candidates W)\n"
             "  --sinks S             first positions kept in fp16 by that cache, counted in the budget\n"
             "                        (default 1)\n"
+            "  --verify-ctx N        after each budget's allocation, check the written file as a whole: KL(fp16 ||\n"
+            "                        file) mean and top-1 agreement, scored as kvpq ppl --kl-base fp16 scores, on\n"
+            "                        one chunk of N tokens of FILE never seen by k-means nor the sensitivities\n"
+            "                        (the tokens right after the k-means tokens); recorded as alloc.holdout_kl,\n"
+            "                        alloc.holdout_top1 (default --ctx; 0: off)\n"
+            "  --window-select S     predicted: keep the window whose allocation has the least predicted KL;\n"
+            "                        measured: check every window's allocation (--verify-ctx) and keep the least\n"
+            "                        held-out KL (one forward pass per window that fits); auto: predicted, and\n"
+            "                        measured when the predicted KL of the chosen window is off its held-out KL\n"
+            "                        by more than --window-trust (default auto; predicted with --verify-ctx 0)\n"
+            "  --window-trust F      auto's tolerance: |predicted / held-out - 1| <= F keeps the predicted\n"
+            "                        choice (default 0.3)\n"
             "  --full-sensitivity 0|1  1: a forward pass per layer, kind and candidate; 0 (default): per layer\n"
             "                        and kind one pass at the --values candidate, the others scaled by the\n"
             "                        layer's attention-output error (3x cheaper with three candidates)\n"
@@ -119,7 +137,8 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
             continue;
         }
         if (job && (!strcmp(o, "--model") || !strcmp(o, "--text") || !strcmp(o, "--tokens") || !strcmp(o, "--ctx") ||
-                    !strcmp(o, "--threads") || !strcmp(o, "--also")))
+                    !strcmp(o, "--threads") || !strcmp(o, "--also") || !strcmp(o, "--verify-ctx") ||
+                    !strcmp(o, "--window-select") || !strcmp(o, "--window-trust")))
             return cli_usage_error("calibrate: --also: %s belongs to the main command (one forward pass serves every "
                                    "codebook)", o), -2;
         if (!job && !strcmp(o, "--also")) {
@@ -172,6 +191,14 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--sinks", sinks, 0, 1L << 20)
         INT_OPT("--alloc-values", alloc_values, 0, 1)
         INT_OPT("--full-sensitivity", full_sens, 0, 1)
+        INT_OPT("--verify-ctx", verify_ctx, 0, 1L << 20)
+        STR_OPT("--window-select", window_select)
+        if (!strcmp(o, "--window-trust")) {
+            if (!cli_parse_double("--window-trust", v, 0, 100, &a->window_trust)) return -2;
+            a->window_trust_given = 1;
+            i++;
+            continue;
+        }
         if (!strcmp(o, "--bits-also")) { /* "B OUT": another budget from the same measurements */
             char *end = NULL;
             if (!v || a->n_more_bits == 8) return cli_usage_error("calibrate: --bits-also needs \"B OUT\" (at most 8)"), -2;
@@ -200,7 +227,8 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
                                                "--center", "--smooth-query", "--key-norm", "--value-norm",
                                                "--max-points-per-centroid", "--seed", "--bits", "--candidates",
                                                "--holdout-ctx", "--holdout-chunks", "--window", "--window-candidates", "--sinks",
-                                               "--alloc-values", "--full-sensitivity", "--bits-also", NULL};
+                                               "--alloc-values", "--full-sensitivity", "--bits-also", "--verify-ctx",
+                                               "--window-select", "--window-trust", NULL};
             return cli_unknown_option("calibrate", o, OPTS), -2;
         }
     }
@@ -226,7 +254,7 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
                       .seed = 1234, .max_ppc = -1, .center = 1, .smooth_query = 1, .key_norm = 1, .value_norm = 1,
                       .cands = "d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8", .holdout_chunks = 1, .window = -1, .alloc_values = -1,
-                      .sinks = 1};
+                      .sinks = 1, .verify_ctx = -1, .window_trust = 0.3};
     int r = parse_opts(argc, argv, a, 0);
     if (r <= 0) return r;
     if (!a->model || !a->text || !a->out)
@@ -241,6 +269,22 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
         return cli_usage_error("calibrate: --bits chooses every layer's presets from --candidates: %s is not used "
                                "with it (a residual second key stage: a candidate P1+P2, e.g. d4b8+d8b8)",
                                a->keys2 ? "--keys2" : a->keys_layers ? "--keys-layers" : "--values-layers"), -2;
+    /* the joint check (--verify-ctx, --window-select): checked before the model loads */
+    if (a->verify_ctx > 0 && a->verify_ctx < 16)
+        return cli_usage_error("calibrate: --verify-ctx %ld: expected 0 (off) or at least 16 tokens", a->verify_ctx), -2;
+    if (a->verify_ctx >= 0 && !(a->bits > 0))
+        return cli_usage_error("calibrate: --verify-ctx checks the allocation of --bits: not used without it"), -2;
+    if (a->window_select && strcmp(a->window_select, "predicted") && strcmp(a->window_select, "measured") &&
+        strcmp(a->window_select, "auto"))
+        return cli_usage_error("calibrate: --window-select '%s': expected predicted, measured or auto",
+                               a->window_select), -2;
+    if (a->window_select && !(a->bits > 0))
+        return cli_usage_error("calibrate: --window-select chooses the window of --bits: not used without it"), -2;
+    if (a->window_trust_given && (!(a->bits > 0) || (a->window_select && strcmp(a->window_select, "auto"))))
+        return cli_usage_error("calibrate: --window-trust is the tolerance of --window-select auto (with --bits): "
+                               "not used with %s", a->bits > 0 ? "--window-select predicted or measured" : "no --bits"), -2;
+    if (a->window_select && !strcmp(a->window_select, "measured") && a->verify_ctx == 0)
+        return cli_usage_error("calibrate: --window-select measured needs the joint check: not with --verify-ctx 0"), -2;
     if (a->window >= 0) {
         a->wins[0] = (int)a->window, a->n_wins = 1;
     } else {
@@ -486,6 +530,7 @@ static int train_and_save(const calib_args *a, const kvpq_model_info *mi, const 
 }
 
 /* Per-layer value M (kvpq_codebook_set_layer_value_M): --bits allocates values per layer too. */
+
 #define CALIB_HAVE_VALUE_M 1
 
 static int sens_progress(void *user, const char *stage, double done, double total) {
@@ -503,21 +548,134 @@ static void list_add(char *buf, size_t cap, const char *item) {
     snprintf(buf + n, cap - n, "%s%s", n ? "," : "", item);
 }
 
+/* ---- the joint check of an allocation (docs/allocation.md, "Held-out KL of the whole allocation") ----
+ * The written file is opened as `kvpq ppl --cache vq:FILE` opens it (cli_cache_open: its window,
+ * sinks and per-layer presets) and scored against the fp16 cache on one chunk of held-out text by
+ * ppl's own code (cli_score.h): KL(fp16 || file) mean over the second half of the chunk, top-1
+ * agreement, perplexity. */
+typedef struct {
+    kvpq_model *model;
+    int C, first, n_score, V, threads;
+    size_t start;      /* the chunk's first token in the text, tokenized without BOS */
+    int32_t *tk;       /* (C) the chunk; token 0 replaced by BOS when the model adds one (as ppl does) */
+    float *base_lp;    /* (C - first, V) the fp16 cache's log-probabilities of the scored rows */
+    float *lp;         /* (C - first, V) scratch: the tested cache's logits */
+    float *row;        /* (V) scratch */
+    int *base_top;     /* (n_score) the fp16 cache's argmax per scored row */
+    double base_ppl;   /* the fp16 cache's perplexity on the scored tokens */
+    double cpu;        /* CPU seconds spent in the check so far (the fp16 pass included) */
+} calib_verify;
+
+/* What the check of one written file found, and the allocation it checked. */
+typedef struct {
+    double kl, top1, ppl; /* KL(fp16 || file) mean (nats), top-1 agreement (fraction), perplexity */
+    double eff, pred;     /* the allocation's effective bits and predicted KL */
+    int win;              /* its fp16 window */
+} calib_checked;
+
+static void verify_free(calib_verify *v) {
+    free(v->tk);
+    free(v->base_lp);
+    free(v->lp);
+    free(v->row);
+    free(v->base_top);
+    memset(v, 0, sizeof *v);
+}
+
+/* Set up the check on toks (C tokens at index start of the text) and run the fp16 base once. */
+static int verify_init(calib_verify *v, kvpq_model *model, const kvpq_model_info *mi, const int32_t *toks, int C,
+                       size_t start, int threads) {
+    const double c0 = cpu_seconds();
+    memset(v, 0, sizeof *v);
+    v->model = model, v->C = C, v->first = C / 2, v->n_score = C - 1 - C / 2, v->V = mi->n_vocab;
+    v->threads = threads, v->start = start;
+    const size_t rows = (size_t)(C - v->first) * (size_t)v->V;
+    v->tk = malloc(sizeof *v->tk * (size_t)C);
+    v->base_lp = malloc(sizeof *v->base_lp * rows);
+    v->lp = malloc(sizeof *v->lp * rows);
+    v->row = malloc(sizeof *v->row * (size_t)v->V);
+    v->base_top = malloc(sizeof *v->base_top * (size_t)v->n_score);
+    if (!v->tk || !v->base_lp || !v->lp || !v->row || !v->base_top)
+        return cli_usage_error("calibrate: out of memory for the joint check at --verify-ctx %d (%.0f MiB of logits)",
+                               C, 2.0 * (double)rows * sizeof(float) / 1048576.0), 1;
+    memcpy(v->tk, toks, sizeof *v->tk * (size_t)C);
+    if (mi->add_bos) v->tk[0] = mi->bos_id;
+    cli_cache base;
+    if (cli_cache_open(&base, "fp16", model, C, threads)) return 1;
+    double sec = 0;
+    kvpq_status s = cli_eval_chunk(model, base.cache, v->tk, C, v->first, C, v->V, v->base_lp, v->row, &sec);
+    cli_cache_close(&base);
+    if (s != KVPQ_OK) return cli_fail("calibrate: joint check (fp16 base)", s);
+    cli_score_sums sums = {0};
+    cli_score_base(v->base_lp, v->n_score, v->V, v->tk + v->first + 1, v->base_top, &sums);
+    v->base_ppl = exp(sums.nll / v->n_score);
+    v->cpu += cpu_seconds() - c0;
+    return 0;
+}
+
+/* The check of the file at path: out->kl, out->top1, out->ppl. Returns 0 or an exit code. */
+static int verify_file(calib_verify *v, const char *path, calib_checked *out) {
+    const double c0 = cpu_seconds();
+    char spec[300];
+    /* "vq:PATH:": the empty part after PATH ends the suffixes (cli_spec.h), so any file name works */
+    if (snprintf(spec, sizeof spec, "vq:%s:", path) >= (int)sizeof spec)
+        return cli_usage_error("calibrate: joint check: output path '%s' is too long for a cache SPEC", path);
+    cli_cache c;
+    if (cli_cache_open(&c, spec, v->model, v->C, v->threads)) return 1;
+    double sec = 0;
+    kvpq_status s = cli_eval_chunk(v->model, c.cache, v->tk, v->C, v->first, v->C, v->V, v->lp, v->row, &sec);
+    cli_cache_close(&c);
+    if (s != KVPQ_OK) return cli_fail("calibrate: joint check", s);
+    cli_score_sums sums = {0};
+    cli_score_test(v->lp, v->n_score, v->V, v->tk + v->first + 1, v->base_lp, v->base_top, NULL, &sums);
+    out->kl = sums.kl_sum / (double)v->n_score; /* as kvpq ppl: kl_sum / scored tokens */
+    out->top1 = (double)sums.agree / (double)v->n_score;
+    out->ppl = exp(sums.nll / v->n_score);
+    v->cpu += cpu_seconds() - c0;
+    return 0;
+}
+
+/* The check's result in the file's metadata (docs/allocation.md). */
+static void set_verify_meta(kvpq_codebook *cb, const calib_verify *v, const calib_checked *c) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "%.17g", c->kl);
+    kvpq_codebook_set_meta(cb, "alloc.holdout_kl", buf);
+    snprintf(buf, sizeof buf, "%.17g", c->top1);
+    kvpq_codebook_set_meta(cb, "alloc.holdout_top1", buf);
+    snprintf(buf, sizeof buf, "%.6f", c->ppl);
+    kvpq_codebook_set_meta(cb, "alloc.holdout_ppl", buf);
+    snprintf(buf, sizeof buf, "%.6f", v->base_ppl);
+    kvpq_codebook_set_meta(cb, "alloc.holdout_ppl_base", buf);
+    snprintf(buf, sizeof buf, "%d", v->C);
+    kvpq_codebook_set_meta(cb, "alloc.verify_ctx", buf);
+    snprintf(buf, sizeof buf, "%zu", v->start);
+    kvpq_codebook_set_meta(cb, "alloc.verify_start", buf);
+    snprintf(buf, sizeof buf, "%d", v->n_score);
+    kvpq_codebook_set_meta(cb, "alloc.verify_scored", buf);
+    kvpq_codebook_set_meta(cb, "alloc.verify_base", "fp16");
+}
+
 /* --bits: train a codebook per candidate preset (every layer, keys and values), measure on the
  * held-out chunks hold (n_chunks x hctx tokens) what each layer's keys / values cost at each preset
  * alone (kvpq_model_layer_sensitivity), pick per-layer presets by the multiple-choice knapsack
  * (kvpq_alloc_mckp) under the effective-bits budget at context a->ctx (kvpq_vq_cache_bytes), and
  * write the assembled codebook with the allocation in its metadata. */
 static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_info *mi, const int32_t *hold,
-                     int hctx, int n_chunks, const float *kall, const float *vall, size_t n_use, double t0,
-                     double t_fwd) {
+                     int hctx, int n_chunks, const int32_t *ver, int vctx, size_t ver_start, const float *kall,
+                     const float *vall, size_t n_use, double t0, double t_fwd) {
     enum { MAXC = 8 };
     const int L = mi->n_layer;
     const double c0 = cpu_seconds();
     /* names[c] as given; a key candidate "P1+P2" is P1 with a residual second stage P2 (k1, k2) */
     char names[MAXC][32], k1[MAXC][16], k2[MAXC][16];
     int n_cand = 0, rc = 1;
-    kvpq_codebook *cc[MAXC] = {0}, *fin = NULL;
+    kvpq_codebook *cc[MAXC] = {0}, *fin = NULL, *fin_kept = NULL;
+    calib_verify vf = {0};
+    /* --window-select: measured (every window checked), auto (measured when the prediction of the
+     * window chosen is off by more than a->window_trust), or predicted (also whenever there is no check) */
+    const int measured = vctx > 0 && a->window_select && !strcmp(a->window_select, "measured");
+    const int auto_sel = vctx > 0 && (!a->window_select || !strcmp(a->window_select, "auto"));
+    const char *sel_name = measured ? "measured" : auto_sel ? "auto" : "predicted";
     double *kl = NULL, *klc = NULL, *cost = NULL;
     int64_t *weight = NULL;
     size_t *lb = NULL;
@@ -634,7 +792,7 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
     const int G = alloc_values ? 2 * L : L;
     cost = malloc(sizeof *cost * (size_t)G * n_cand);
     weight = malloc(sizeof *weight * (size_t)G * n_cand);
-    choice = malloc(sizeof *choice * (size_t)G * (NW + 1));
+    choice = malloc(sizeof *choice * (size_t)G * NW); /* each window's knapsack choice */
     if (!lb || !cost || !weight || !choice) goto oom;
     size_t fixed_w[16] = {0};
     int64_t elements = 0;
@@ -647,6 +805,8 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                 goto done;
             }
     }
+    if (vctx > 0 && (rc = verify_init(&vf, model, mi, ver, vctx, ver_start, (int)a->threads)) != 0) goto done;
+    rc = 1;
     int n_failed = 0;
     for (int bi = 0; bi <= a->n_more_bits; bi++) {
         const double bits_i = bi ? a->more_bits[bi - 1] : a->bits;
@@ -654,9 +814,8 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
         kvpq_codebook_free(fin);
         fin = NULL;
         /* every window candidate: its knapsack; the least predicted KL wins (ties: the first, smaller) */
-        double pred_w[16], best_pred = INFINITY, pred_fixed = 0, light_min = INFINITY;
+        double pred_w[16], best_pred = INFINITY, light_min = INFINITY;
         int best_w = -1;
-        int *best_choice = choice + (size_t)G * NW;
         for (int w = 0; w < NW; w++) {
             const double *klw = kl + (size_t)w * nkl;
             const size_t *lbw = lb + (size_t)w * n_cand * 2 * L;
@@ -683,10 +842,7 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                 kvpq_alloc_mckp(G, n_cand, cost, weight, (int64_t)budget, 0, choice + (size_t)G * w, &pr_, &used) ==
                     KVPQ_OK) {
                 pred_w[w] = pr_ + pf;
-                if (pred_w[w] < best_pred) {
-                    best_pred = pred_w[w], best_w = w, pred_fixed = pf;
-                    memcpy(best_choice, choice + (size_t)G * w, sizeof *choice * (size_t)G);
-                }
+                if (pred_w[w] < best_pred) best_pred = pred_w[w], best_w = w;
             } else {
                 /* the lightest allocation's effective bits at this window, so the user knows what fits */
                 double light = (double)fixed_w[w];
@@ -709,144 +865,223 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
             n_failed++;
             continue; /* the other budgets still get their files */
         }
-        const int win = a->wins[best_w];
-        const double *klb = kl + (size_t)best_w * nkl;
-        const size_t *lbb = lb + (size_t)best_w * n_cand * 2 * L;
-        const size_t fixed = fixed_w[best_w];
-        for (int g = 0; g < G; g++) choice[g] = best_choice[g];
-        double pred = best_pred - pred_fixed;
-        pred += pred_fixed;
-        /* 4. the codebook: each layer takes its chosen candidate's trained quantizers */
-        int kc[4096], vc_[4096], count[MAXC] = {0}, base_k = 0;
-        for (int l = 0; l < L; l++) {
-            kc[l] = choice[l];
-            vc_[l] = alloc_values ? choice[L + l] : vfix;
-            count[kc[l]]++;
-        }
-        for (int c = 1; c < n_cand; c++)
-            if (count[c] > count[base_k]) base_k = c;
-        int vcount[MAXC] = {0}, base_v = 0;
-        for (int l = 0; l < L; l++) vcount[vc_[l]]++;
-        for (int c = 1; c < n_cand; c++)
-            if (vcount[c] > vcount[base_v]) base_v = c;
-        int any2 = 0;
-        for (int l = 0; l < L; l++) any2 |= k2[kc[l]][0] != '\0';
-        {
-            calib_args b = *a;
-            b.keys = k1[base_k];
-            b.keys2 = any2 ? stage2 : NULL;
-            b.values = k1[base_v];
-            b.keys_layers = NULL;
-            b.values_layers = NULL;
-            if ((rc = make_codebook(&b, mi, &fin)) != 0) goto done;
-            rc = 1;
-        }
-        int64_t total_bytes = (int64_t)fixed;
-        for (int l = 0; l < L; l++) {
-            const kvpq_pq *kq = kvpq_codebook_pq_const(cc[kc[l]], l, 0), *vq = kvpq_codebook_pq_const(cc[vc_[l]], l, 1);
-            if ((s = kvpq_codebook_set_layer_key_M(fin, l, kvpq_pq_get_params(kq).M)) != KVPQ_OK ||
-                (s = kvpq_codebook_set_layer_value_M(fin, l, kvpq_pq_get_params(vq).M)) != KVPQ_OK ||
-                (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 0), kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq))) !=
-                    KVPQ_OK ||
-                (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 1), kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq))) !=
-                    KVPQ_OK ||
-                (any2 && (s = kvpq_codebook_set_layer_key_stages(fin, l, k2[kc[l]][0] ? 2 : 1)) != KVPQ_OK)) {
-                rc = cli_fail("calibrate: assembling the codebook", s);
-                goto done;
-            }
-            if (k2[kc[l]][0]) { /* the chosen candidate's stage-two centroids */
-                const kvpq_pq *kq2 = kvpq_codebook_key_pq2_const(cc[kc[l]], l);
-                s = kvpq_pq_set_centroids(kvpq_codebook_key_pq2(fin, l), kvpq_pq_centroids(kq2), kvpq_pq_centroids_size(kq2));
-            }
-            if (s != KVPQ_OK) {
-                rc = cli_fail("calibrate: assembling the codebook", s);
-                goto done;
-            }
-            const size_t row = (size_t)mi->n_head_kv * mi->head_dim;
-            memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(cc[0], l), sizeof(float) * row);
-            memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(cc[0], l), sizeof(float) * row);
-            total_bytes += (int64_t)lbb[((size_t)kc[l] * L + l) * 2] + (int64_t)lbb[((size_t)vc_[l] * L + l) * 2 + 1];
-        }
-        const double eff = 8.0 * (double)total_bytes / (double)elements;
-        /* 5. metadata */
-        set_common_meta(a, mi, a->model, fin, n_use, mse_k, mse_v);
-        char buf[128];
-        const size_t lcap = (size_t)L * 24 + 64;
-        free(list);
-        if (!(list = malloc(lcap))) goto oom;
-        snprintf(buf, sizeof buf, "%g", bits_i);
-        kvpq_codebook_set_meta(fin, "alloc.bits", buf);
-        snprintf(buf, sizeof buf, "%ld", a->ctx);
-        kvpq_codebook_set_meta(fin, "alloc.ctx", buf);
-        snprintf(buf, sizeof buf, "%d", win);
-        kvpq_codebook_set_meta(fin, "alloc.window", buf);
-        list[0] = '\0';
-        for (int w = 0; w < NW; w++) {
-            snprintf(buf, sizeof buf, "%d", a->wins[w]);
-            list_add(list, lcap, buf);
-        }
-        kvpq_codebook_set_meta(fin, "alloc.window_candidates", list);
-        list[0] = '\0';
-        for (int w = 0; w < NW; w++) { /* the predicted KL at each window ("none": no allocation fits) */
-            if (isfinite(pred_w[w])) snprintf(buf, sizeof buf, "%d:%.4g", a->wins[w], pred_w[w]);
-            else snprintf(buf, sizeof buf, "%d:none", a->wins[w]);
-            list_add(list, lcap, buf);
-        }
-        kvpq_codebook_set_meta(fin, "alloc.window_predicted_kl", list);
-        snprintf(buf, sizeof buf, "%ld", a->sinks);
-        kvpq_codebook_set_meta(fin, "alloc.sinks", buf);
-        kvpq_codebook_set_meta(fin, "alloc.candidates", a->cands);
-        kvpq_codebook_set_meta(fin, "alloc.method", "mckp-dp");
-        kvpq_codebook_set_meta(fin, "alloc.sensitivity", a->full_sens ? "full" : names[sp.ref_cand]);
-        kvpq_codebook_set_meta(fin, "alloc.values", alloc_values ? "allocated" : "fixed");
-        snprintf(buf, sizeof buf, "%d", n_chunks * hctx);
-        kvpq_codebook_set_meta(fin, "alloc.holdout_tokens", buf);
-        snprintf(buf, sizeof buf, "%d", hctx);
-        kvpq_codebook_set_meta(fin, "alloc.holdout_ctx", buf);
-        snprintf(buf, sizeof buf, "%.6g", pred);
-        kvpq_codebook_set_meta(fin, "alloc.predicted_kl", buf);
-        snprintf(buf, sizeof buf, "%.6g", eff);
-        kvpq_codebook_set_meta(fin, "alloc.effective_bits", buf);
-        for (int kind = 0; kind < 2; kind++) {
-            list[0] = '\0';
-            for (int l = 0; l < L; l++) list_add(list, lcap, names[kind ? vc_[l] : kc[l]]);
-            kvpq_codebook_set_meta(fin, kind ? "alloc.v" : "alloc.k", list);
-            list[0] = '\0';
+        /* the windows whose allocation is written and checked: the predicted best, or (--window-select
+         * measured, or auto when the best's prediction is off) every window where an allocation fits, the
+         * least held-out KL kept */
+        int tries[16], n_tries = 0, kept = -1;
+        double meas_w[16];
+        for (int w = 0; w < NW; w++) meas_w[w] = NAN;
+        if (measured)
+            for (int w = 0; w < NW; w++)
+                if (isfinite(pred_w[w])) tries[n_tries++] = w;
+        if (!measured) tries[n_tries++] = best_w;
+        kvpq_codebook_free(fin_kept);
+        fin_kept = NULL;
+        calib_checked kept_chk = {0};
+        for (int t = 0; t < n_tries; t++) {
+            const int bw = tries[t];
+            const int win = a->wins[bw];
+            const double *klb = kl + (size_t)bw * nkl;
+            const size_t *lbb = lb + (size_t)bw * n_cand * 2 * L;
+            const size_t fixed = fixed_w[bw];
+            const int *chw = choice + (size_t)G * bw; /* that window's knapsack choice */
+            const double pred = pred_w[bw];
+            kvpq_codebook_free(fin);
+            fin = NULL;
+            /* 4. the codebook: each layer takes its chosen candidate's trained quantizers */
+            int kc[4096], vc_[4096], count[MAXC] = {0}, base_k = 0;
             for (int l = 0; l < L; l++) {
-                snprintf(buf, sizeof buf, "%.4g", klb[((size_t)(kind ? vc_[l] : kc[l]) * 2 + kind) * L + l]);
+                kc[l] = chw[l];
+                vc_[l] = alloc_values ? chw[L + l] : vfix;
+                count[kc[l]]++;
+            }
+            for (int c = 1; c < n_cand; c++)
+                if (count[c] > count[base_k]) base_k = c;
+            int vcount[MAXC] = {0}, base_v = 0;
+            for (int l = 0; l < L; l++) vcount[vc_[l]]++;
+            for (int c = 1; c < n_cand; c++)
+                if (vcount[c] > vcount[base_v]) base_v = c;
+            int any2 = 0;
+            for (int l = 0; l < L; l++) any2 |= k2[kc[l]][0] != '\0';
+            {
+                calib_args b = *a;
+                b.keys = k1[base_k];
+                b.keys2 = any2 ? stage2 : NULL;
+                b.values = k1[base_v];
+                b.keys_layers = NULL;
+                b.values_layers = NULL;
+                if ((rc = make_codebook(&b, mi, &fin)) != 0) goto done;
+                rc = 1;
+            }
+            int64_t total_bytes = (int64_t)fixed;
+            for (int l = 0; l < L; l++) {
+                const kvpq_pq *kq = kvpq_codebook_pq_const(cc[kc[l]], l, 0), *vq = kvpq_codebook_pq_const(cc[vc_[l]], l, 1);
+                if ((s = kvpq_codebook_set_layer_key_M(fin, l, kvpq_pq_get_params(kq).M)) != KVPQ_OK ||
+                    (s = kvpq_codebook_set_layer_value_M(fin, l, kvpq_pq_get_params(vq).M)) != KVPQ_OK ||
+                    (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 0), kvpq_pq_centroids(kq), kvpq_pq_centroids_size(kq))) !=
+                        KVPQ_OK ||
+                    (s = kvpq_pq_set_centroids(kvpq_codebook_pq(fin, l, 1), kvpq_pq_centroids(vq), kvpq_pq_centroids_size(vq))) !=
+                        KVPQ_OK ||
+                    (any2 && (s = kvpq_codebook_set_layer_key_stages(fin, l, k2[kc[l]][0] ? 2 : 1)) != KVPQ_OK)) {
+                    rc = cli_fail("calibrate: assembling the codebook", s);
+                    goto done;
+                }
+                if (k2[kc[l]][0]) { /* the chosen candidate's stage-two centroids */
+                    const kvpq_pq *kq2 = kvpq_codebook_key_pq2_const(cc[kc[l]], l);
+                    s = kvpq_pq_set_centroids(kvpq_codebook_key_pq2(fin, l), kvpq_pq_centroids(kq2), kvpq_pq_centroids_size(kq2));
+                }
+                if (s != KVPQ_OK) {
+                    rc = cli_fail("calibrate: assembling the codebook", s);
+                    goto done;
+                }
+                const size_t row = (size_t)mi->n_head_kv * mi->head_dim;
+                memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(cc[0], l), sizeof(float) * row);
+                memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(cc[0], l), sizeof(float) * row);
+                total_bytes += (int64_t)lbb[((size_t)kc[l] * L + l) * 2] + (int64_t)lbb[((size_t)vc_[l] * L + l) * 2 + 1];
+            }
+            const double eff = 8.0 * (double)total_bytes / (double)elements;
+            /* 5. metadata */
+            set_common_meta(a, mi, a->model, fin, n_use, mse_k, mse_v);
+            char buf[128];
+            const size_t lcap = (size_t)L * 24 + 64;
+            free(list);
+            if (!(list = malloc(lcap))) goto oom;
+            snprintf(buf, sizeof buf, "%g", bits_i);
+            kvpq_codebook_set_meta(fin, "alloc.bits", buf);
+            snprintf(buf, sizeof buf, "%ld", a->ctx);
+            kvpq_codebook_set_meta(fin, "alloc.ctx", buf);
+            snprintf(buf, sizeof buf, "%d", win);
+            kvpq_codebook_set_meta(fin, "alloc.window", buf);
+            list[0] = '\0';
+            for (int w = 0; w < NW; w++) {
+                snprintf(buf, sizeof buf, "%d", a->wins[w]);
                 list_add(list, lcap, buf);
             }
-            kvpq_codebook_set_meta(fin, kind ? "alloc.kl.v" : "alloc.kl.k", list);
-            for (int c = 0; c < n_cand; c++) { /* the whole measured table */
+            kvpq_codebook_set_meta(fin, "alloc.window_candidates", list);
+            list[0] = '\0';
+            for (int w = 0; w < NW; w++) { /* the predicted KL at each window ("none": no allocation fits) */
+                if (isfinite(pred_w[w])) snprintf(buf, sizeof buf, "%d:%.4g", a->wins[w], pred_w[w]);
+                else snprintf(buf, sizeof buf, "%d:none", a->wins[w]);
+                list_add(list, lcap, buf);
+            }
+            kvpq_codebook_set_meta(fin, "alloc.window_predicted_kl", list);
+            snprintf(buf, sizeof buf, "%ld", a->sinks);
+            kvpq_codebook_set_meta(fin, "alloc.sinks", buf);
+            kvpq_codebook_set_meta(fin, "alloc.candidates", a->cands);
+            kvpq_codebook_set_meta(fin, "alloc.method", "mckp-dp");
+            kvpq_codebook_set_meta(fin, "alloc.sensitivity", a->full_sens ? "full" : names[sp.ref_cand]);
+            kvpq_codebook_set_meta(fin, "alloc.values", alloc_values ? "allocated" : "fixed");
+            snprintf(buf, sizeof buf, "%d", n_chunks * hctx);
+            kvpq_codebook_set_meta(fin, "alloc.holdout_tokens", buf);
+            snprintf(buf, sizeof buf, "%d", hctx);
+            kvpq_codebook_set_meta(fin, "alloc.holdout_ctx", buf);
+            snprintf(buf, sizeof buf, "%.6g", pred);
+            kvpq_codebook_set_meta(fin, "alloc.predicted_kl", buf);
+            snprintf(buf, sizeof buf, "%.6g", eff);
+            kvpq_codebook_set_meta(fin, "alloc.effective_bits", buf);
+            for (int kind = 0; kind < 2; kind++) {
+                list[0] = '\0';
+                for (int l = 0; l < L; l++) list_add(list, lcap, names[kind ? vc_[l] : kc[l]]);
+                kvpq_codebook_set_meta(fin, kind ? "alloc.v" : "alloc.k", list);
                 list[0] = '\0';
                 for (int l = 0; l < L; l++) {
-                    snprintf(buf, sizeof buf, "%.4g", klb[((size_t)c * 2 + kind) * L + l]);
+                    snprintf(buf, sizeof buf, "%.4g", klb[((size_t)(kind ? vc_[l] : kc[l]) * 2 + kind) * L + l]);
                     list_add(list, lcap, buf);
                 }
-                char key[64];
-                snprintf(key, sizeof key, "alloc.sens.%s.%s", kind ? "v" : "k", names[c]);
-                kvpq_codebook_set_meta(fin, key, list);
+                kvpq_codebook_set_meta(fin, kind ? "alloc.kl.v" : "alloc.kl.k", list);
+                for (int c = 0; c < n_cand; c++) { /* the whole measured table */
+                    list[0] = '\0';
+                    for (int l = 0; l < L; l++) {
+                        snprintf(buf, sizeof buf, "%.4g", klb[((size_t)c * 2 + kind) * L + l]);
+                        list_add(list, lcap, buf);
+                    }
+                    char key[64];
+                    snprintf(key, sizeof key, "alloc.sens.%s.%s", kind ? "v" : "k", names[c]);
+                    kvpq_codebook_set_meta(fin, key, list);
+                }
+            }
+            if (vctx > 0) kvpq_codebook_set_meta(fin, "alloc.window_select", sel_name);
+            if (auto_sel) {
+                char tb[32];
+                snprintf(tb, sizeof tb, "%g", a->window_trust);
+                kvpq_codebook_set_meta(fin, "alloc.window_trust", tb);
+            }
+            if ((s = kvpq_codebook_save(fin, out_i)) != KVPQ_OK) {
+                rc = cli_fail("calibrate: writing the codebook file", s);
+                goto done;
+            }
+            /* 6. the joint check: the file as `kvpq ppl --cache vq:FILE` opens it, on the verification chunk */
+            calib_checked chk = {.eff = eff, .pred = pred, .win = win};
+            if (vctx > 0) {
+                if ((rc = verify_file(&vf, out_i, &chk)) != 0) goto done;
+                rc = 1;
+                meas_w[bw] = chk.kl;
+                set_verify_meta(fin, &vf, &chk);
+                if ((s = kvpq_codebook_save(fin, out_i)) != KVPQ_OK) {
+                    rc = cli_fail("calibrate: writing the codebook file", s);
+                    goto done;
+                }
+                if (measured || n_tries > 1)
+                    fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f, held-out KL %.4f (top-1 "
+                                    "%.1f%%)\n", bits_i, win, pred, chk.kl, 100.0 * chk.top1);
+                if (auto_sel && t == 0 && n_tries == 1 && fabs(pred / chk.kl - 1) > a->window_trust) {
+                    fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f is %.2f x the held-out "
+                                    "KL %.4f (off by more than %.0f%%): checking every window's allocation\n", bits_i,
+                            win, pred, pred / chk.kl, chk.kl, 100 * a->window_trust);
+                    for (int w = 0; w < NW; w++)
+                        if (w != bw && isfinite(pred_w[w])) tries[n_tries++] = w;
+                }
+            }
+            /* ties: the first checked (measured: the smaller window; auto: the predicted choice) */
+            if (kept < 0 || ((measured || auto_sel) && chk.kl < kept_chk.kl)) {
+                kept = bw, kept_chk = chk;
+                kvpq_codebook_free(fin_kept);
+                fin_kept = fin;
+                fin = NULL;
             }
         }
-        if ((s = kvpq_codebook_save(fin, out_i)) != KVPQ_OK) {
-            rc = cli_fail("calibrate: writing the codebook file", s);
-            goto done;
+        if (n_tries > 1) { /* the kept window's file, with every window's measured KL */
+            list[0] = '\0';
+            char buf[64];
+            for (int w = 0; w < NW; w++) {
+                if (isfinite(meas_w[w])) snprintf(buf, sizeof buf, "%d:%.4g", a->wins[w], meas_w[w]);
+                else snprintf(buf, sizeof buf, "%d:none", a->wins[w]);
+                list_add(list, (size_t)L * 24 + 64, buf);
+            }
+            kvpq_codebook_set_meta(fin_kept, "alloc.window_measured_kl", list);
+            if ((s = kvpq_codebook_save(fin_kept, out_i)) != KVPQ_OK) {
+                rc = cli_fail("calibrate: writing the codebook file", s);
+                goto done;
+            }
         }
-        fprintf(stderr, "kvpq calibrate: allocation for %.3g bits at ctx %ld (window %d of", bits_i, a->ctx, win);
-        for (int w = 0; w < NW; w++) {
-            if (isfinite(pred_w[w])) fprintf(stderr, " %d (KL %.4g)", a->wins[w], pred_w[w]);
-            else fprintf(stderr, " %d (none fits)", a->wins[w]);
+        {
+            const int bw = kept, win = kept_chk.win;
+            const double *klb = kl + (size_t)bw * nkl;
+            const double eff = kept_chk.eff, pred = kept_chk.pred;
+            int kc[4096], vc_[4096];
+            for (int l = 0; l < L; l++) {
+                kc[l] = (choice + (size_t)G * bw)[l];
+                vc_[l] = alloc_values ? (choice + (size_t)G * bw)[L + l] : vfix;
+            }
+            fprintf(stderr, "kvpq calibrate: allocation for %.3g bits at ctx %ld (window %d of", bits_i, a->ctx, win);
+            for (int w = 0; w < NW; w++) {
+                if (isfinite(pred_w[w])) fprintf(stderr, " %d (KL %.4g)", a->wins[w], pred_w[w]);
+                else fprintf(stderr, " %d (none fits)", a->wins[w]);
+            }
+            fprintf(stderr, ", sinks %ld): effective %.4f bits, predicted KL %.4f", a->sinks, eff, pred);
+            if (vctx > 0)
+                fprintf(stderr, ", held-out KL %.4f (top-1 %.1f%%, ppl %.4f vs fp16 %.4f, ctx %d; predicted / held-out %.2f)",
+                        kept_chk.kl, 100.0 * kept_chk.top1, kept_chk.ppl, vf.base_ppl, vctx, pred / kept_chk.kl);
+            fprintf(stderr, "\n  layer: key preset (KL) / value preset (KL)\n");
+            for (int l = 0; l < L; l++)
+                fprintf(stderr, "  %3d: %s (%.4f) / %s (%.4f)\n", l, names[kc[l]], klb[((size_t)kc[l] * 2) * L + l],
+                        names[vc_[l]], klb[((size_t)vc_[l] * 2 + 1) * L + l]);
+            fprintf(stderr,
+                    "kvpq calibrate: wrote %s (%d layers, %d candidates, %zu tokens for k-means, %d held out; forward %.1f s, "
+                    "k-means %.1f s, sensitivity %.1f s, total %.1f s wall, %.1f s CPU; joint check %.1f s CPU so far)\n",
+                    out_i, L, n_cand, n_use, n_chunks * hctx, t_fwd, t_km - t0 - t_fwd, t_sens - t_km, cli_now() - t0,
+                    cpu_seconds() - c0, vf.cpu);
         }
-        fprintf(stderr, ", sinks %ld): effective %.4f bits, predicted KL %.4f\n  layer: key preset (KL) / value preset "
-                        "(KL)\n", a->sinks, eff, pred);
-        for (int l = 0; l < L; l++)
-            fprintf(stderr, "  %3d: %s (%.4f) / %s (%.4f)\n", l, names[kc[l]], klb[((size_t)kc[l] * 2) * L + l],
-                    names[vc_[l]], klb[((size_t)vc_[l] * 2 + 1) * L + l]);
-        fprintf(stderr,
-                "kvpq calibrate: wrote %s (%d layers, %d candidates, %zu tokens for k-means, %d held out; forward %.1f s, "
-                "k-means %.1f s, sensitivity %.1f s, total %.1f s wall, %.1f s CPU)\n",
-                out_i, L, n_cand, n_use, n_chunks * hctx, t_fwd, t_km - t0 - t_fwd, t_sens - t_km, cli_now() - t0,
-                cpu_seconds() - c0);
     }
     rc = n_failed ? 1 : 0;
     goto done;
@@ -855,6 +1090,8 @@ oom:
 done:
     for (int c = 0; c < MAXC; c++) kvpq_codebook_free(cc[c]);
     kvpq_codebook_free(fin);
+    kvpq_codebook_free(fin_kept);
+    verify_free(&vf);
     free(kl);
     free(klc);
     free(cost);
@@ -942,6 +1179,38 @@ int cmd_calibrate(int argc, char **argv) {
     }
     if (n_use < (size_t)a->tokens)
         fprintf(stderr, "kvpq calibrate: the text has %zu tokens; using all of them (asked for %ld)\n", n_tok, a->tokens);
+    /* --bits: the joint check's chunk: the tokens right after the k-means tokens (never seen by
+     * k-means, before the sensitivities' hold-out at the end of the text). Asked for by --verify-ctx
+     * and missing: an error; by default (--ctx): a warning, no check. */
+    int vctx = 0;
+    if (a->bits > 0 && a->verify_ctx != 0) {
+        vctx = (int)(a->verify_ctx > 0 ? a->verify_ctx : a->ctx);
+        if (vctx > mi.n_ctx_train) {
+            rc = cli_usage_error("calibrate: --verify-ctx %d exceeds the model's context length %d", vctx,
+                                 mi.n_ctx_train);
+            goto done;
+        }
+        if (n_use + (size_t)vctx > n_avail) {
+            if (a->verify_ctx > 0) {
+                rc = cli_usage_error("calibrate: --verify-ctx %d: the text has %zu tokens: %zu for k-means and %d x %d "
+                                     "held out for the sensitivities leave %zu, fewer than %d (lower --tokens or "
+                                     "--verify-ctx, or --verify-ctx 0)", vctx, n_tok, n_use, hchunks, hctx,
+                                     n_avail - n_use, vctx);
+                goto done;
+            }
+            if (a->window_select && !strcmp(a->window_select, "measured")) {
+                rc = cli_usage_error("calibrate: --window-select measured: the text has %zu tokens: %zu for k-means "
+                                     "and %d x %d held out for the sensitivities leave %zu, fewer than the %d of the "
+                                     "joint check (--verify-ctx)", n_tok, n_use, hchunks, hctx, n_avail - n_use, vctx);
+                goto done;
+            }
+            fprintf(stderr, "kvpq calibrate: warning: no joint check of the allocation: the text has %zu tokens: %zu "
+                            "for k-means and %d x %d held out for the sensitivities leave %zu, fewer than --verify-ctx "
+                            "%d (default: --ctx); alloc.holdout_kl not written\n", n_tok, n_use, hchunks, hctx,
+                    n_avail - n_use, vctx);
+            vctx = 0;
+        }
+    }
 
     /* ---- forward pass: collect post-RoPE keys and values of every layer ---- */
     const int L = mi.n_layer, H = mi.n_head_kv, D = mi.head_dim;
@@ -993,7 +1262,8 @@ int cmd_calibrate(int argc, char **argv) {
     for (int j = 0; j < n_jobs; j++) jobs[j].q_absmax = qabs;
     for (int j = 0; j < n_jobs; j++) {
         if (j == 0 && a->bits > 0)
-            rc = run_alloc(a, model, &mi, tokens + n_avail, hctx, hchunks, kall, vall, n_use, t0, t_fwd);
+            rc = run_alloc(a, model, &mi, tokens + n_avail, hctx, hchunks, tokens + n_use, vctx, n_use, kall, vall, n_use,
+                           t0, t_fwd);
         else
             rc = train_and_save(&jobs[j], &mi, a->model, cbs[j], kall, vall, n_use, t0, t_fwd);
         if (rc != 0) goto done;

@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "cli_model.h"
+#include "cli_score.h"
 #include "cli_spec.h"
 
 #define PPL_MAX_CACHES 32
@@ -50,42 +51,10 @@ static void usage(FILE *f) {
 
 typedef struct {
     cli_cache cc;
-    double nll, nll2;   /* sums over scored tokens */
-    double kl_sum;
-    int64_t agree;
+    cli_score_sums sums; /* over scored tokens (cli_score.h) */
     double seconds;     /* in kvpq_model_eval */
     float *kl;          /* (n_chunks * n_score) KL per scored token */
 } ppl_run;
-
-/* Evaluate one chunk from an empty cache; logits of positions first .. n-1 go to out: (n - first, V). */
-static kvpq_status eval_chunk(kvpq_model *m, kvpq_cache *c, const int32_t *toks, int n, int first, int batch, int V,
-                              float *out, float *scratch_row, double *seconds) {
-    kvpq_status s = kvpq_cache_truncate(c, 0);
-    if (s != KVPQ_OK) return s;
-    double t0 = cli_now();
-    for (int p = 0; p < first && s == KVPQ_OK; p += batch) {
-        int nb = first - p < batch ? first - p : batch;
-        s = kvpq_model_eval(m, c, toks + p, nb, 0, scratch_row);
-    }
-    for (int p = first; p < n && s == KVPQ_OK; p += batch) {
-        int nb = n - p < batch ? n - p : batch;
-        s = kvpq_model_eval(m, c, toks + p, nb, 1, out + (size_t)(p - first) * V);
-    }
-    *seconds += cli_now() - t0;
-    return s;
-}
-
-/* In place: a row of logits -> log-probabilities (log-softmax, sums in double). Returns the argmax. */
-static int log_softmax(float *row, int V) {
-    int best = 0;
-    for (int i = 1; i < V; i++)
-        if (row[i] > row[best]) best = i;
-    double mx = row[best], sum = 0;
-    for (int i = 0; i < V; i++) sum += exp((double)row[i] - mx);
-    double lse = mx + log(sum);
-    for (int i = 0; i < V; i++) row[i] = (float)((double)row[i] - lse);
-    return best;
-}
 
 static int cmp_float(const void *a, const void *b) {
     float x = *(const float *)a, y = *(const float *)b;
@@ -277,61 +246,29 @@ int cmd_ppl(int argc, char **argv) {
         int32_t saved = ct[0];
         if (mi.add_bos) ct[0] = mi.bos_id;
         if (kl_base) {
-            s = eval_chunk(m, base.cc.cache, ct, C, first, (int)batch, V, base_lp, row, &base.seconds);
+            s = cli_eval_chunk(m, base.cc.cache, ct, C, first, (int)batch, V, base_lp, row, &base.seconds);
             if (s != KVPQ_OK) {
                 fprintf(stderr, "kvpq ppl: base cache '%s': ", kl_base);
                 cli_fail("eval", s);
                 goto done;
             }
-            double nll = 0, nll2 = 0;
-#pragma omp parallel for reduction(+ : nll, nll2) schedule(static)
-            for (int j = 0; j < n_score; j++) {
-                float *lp = base_lp + (size_t)j * V;
-                base_top[j] = log_softmax(lp, V);
-                double v = -(double)lp[ct[first + j + 1]];
-                nll += v;
-                nll2 += v * v;
-            }
-            base.nll += nll;
-            base.nll2 += nll2;
+            cli_score_base(base_lp, n_score, V, ct + first + 1, base_top, &base.sums);
         }
         for (int i = 0; i < n_caches; i++) {
             ppl_run *r = &runs[i];
-            s = eval_chunk(m, r->cc.cache, ct, C, first, (int)batch, V, logits, row, &r->seconds);
+            s = cli_eval_chunk(m, r->cc.cache, ct, C, first, (int)batch, V, logits, row, &r->seconds);
             if (s != KVPQ_OK) {
                 fprintf(stderr, "kvpq ppl: cache '%s': ", r->cc.spec);
                 cli_fail("eval", s);
                 goto done;
             }
-            double nll = 0, nll2 = 0, kls = 0;
-            int64_t agree = 0;
-            float *klv = r->kl ? r->kl + (size_t)ch * n_score : NULL;
-#pragma omp parallel for reduction(+ : nll, nll2, kls, agree) schedule(static)
-            for (int j = 0; j < n_score; j++) {
-                float *lp = logits + (size_t)j * V;
-                int top = log_softmax(lp, V);
-                double v = -(double)lp[ct[first + j + 1]];
-                nll += v;
-                nll2 += v * v;
-                if (kl_base) {
-                    const float *lb = base_lp + (size_t)j * V;
-                    double kl = 0;
-                    for (int t = 0; t < V; t++) kl += exp((double)lb[t]) * ((double)lb[t] - (double)lp[t]);
-                    if (kl < 0) kl = 0; /* rounding: KL >= 0 */
-                    klv[j] = (float)kl;
-                    kls += kl;
-                    agree += top == base_top[j];
-                }
-            }
-            r->nll += nll;
-            r->nll2 += nll2;
-            r->kl_sum += kls;
-            r->agree += agree;
+            cli_score_test(logits, n_score, V, ct + first + 1, kl_base ? base_lp : NULL, base_top,
+                           r->kl ? r->kl + (size_t)ch * n_score : NULL, &r->sums);
         }
         ct[0] = saved;
         count += n_score;
         double p0, se0;
-        ppl_stats(runs[0].nll, runs[0].nll2, count, &p0, &se0);
+        ppl_stats(runs[0].sums.nll, runs[0].sums.nll2, count, &p0, &se0);
         snprintf(what, sizeof what, "ppl[%.60s] %.4f", runs[0].cc.spec, p0);
         cli_progress_update(&pr, (double)(ch + 1), what);
     }
@@ -356,7 +293,7 @@ int cmd_ppl(int argc, char **argv) {
     kvpq_cache_stats bst;
     memset(&bst, 0, sizeof bst);
     if (kl_base) {
-        ppl_stats(base.nll, base.nll2, count, &pb, &seb);
+        ppl_stats(base.sums.nll, base.sums.nll2, count, &pb, &seb);
         kvpq_cache_get_stats(base.cc.cache, &bst);
         if (!as_json)
             printf("base %-28s PPL = %.4f +/- %.5f   kv_bytes %zu (%.3f bits/elem)   %.1f tok/s\n", kl_base, pb, seb,
@@ -365,7 +302,7 @@ int cmd_ppl(int argc, char **argv) {
     for (int i = 0; i < n_caches; i++) {
         ppl_run *r = &runs[i];
         double p, se;
-        ppl_stats(r->nll, r->nll2, count, &p, &se);
+        ppl_stats(r->sums.nll, r->sums.nll2, count, &p, &se);
         kvpq_cache_stats st;
         memset(&st, 0, sizeof st);
         kvpq_cache_get_stats(r->cc.cache, &st);
@@ -382,9 +319,9 @@ int cmd_ppl(int argc, char **argv) {
         json_num(o, "tok_per_s", tps);
         double kl_mean = NAN, kl_p99 = NAN, top1 = NAN;
         if (kl_base) {
-            kl_mean = r->kl_sum / (double)count;
+            kl_mean = r->sums.kl_sum / (double)count;
             kl_p99 = percentile(r->kl, (size_t)count, 99.0);
-            top1 = (double)r->agree / (double)count;
+            top1 = (double)r->sums.agree / (double)count;
             cJSON_AddStringToObject(o, "kl_base", kl_base);
             json_num(o, "ppl_base", pb);
             json_num(o, "ppl_base_stderr", seb);

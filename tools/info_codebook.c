@@ -1,5 +1,6 @@
 /* info_codebook.c — `kvpq info FILE.safetensors`: what a kvpq codebook file holds. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -103,8 +104,25 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
                            "alloc.k", "alloc.v", "alloc.kl.k", "alloc.kl.v"};
         const char *v[9];
         for (int i = 0; i < 9; i++) v[i] = kvpq_codebook_get_meta(cb, g[i]);
-        printf("allocation:      --bits %s at ctx %s (window %s, sinks %s): effective bits %s, predicted KL %s\n", ab,
+        printf("allocation:      --bits %s at ctx %s (window %s, sinks %s): effective bits %s, predicted KL %s", ab,
                v[0] ? v[0] : "?", v[1] ? v[1] : "?", v[2] ? v[2] : "0", v[3] ? v[3] : "?", v[4] ? v[4] : "?");
+        /* the joint check of the whole file (calibrate --verify-ctx; absent in files before 2026-12-02) */
+        const char *hk = kvpq_codebook_get_meta(cb, "alloc.holdout_kl");
+        if (hk) printf(", held-out KL %.6g", atof(hk));
+        printf("\n");
+        if (hk) {
+            const char *h[] = {"alloc.holdout_top1", "alloc.verify_ctx", "alloc.verify_scored", "alloc.verify_start",
+                               "alloc.holdout_ppl", "alloc.holdout_ppl_base"};
+            const char *hv[6];
+            for (int i = 0; i < 6; i++) hv[i] = kvpq_codebook_get_meta(cb, h[i]);
+            printf("  joint check: KL(fp16 || file) mean %.6g, top-1 %.2f%%, ppl %s (fp16 %s) on %s scored tokens of a "
+                   "%s-token chunk (text tokens %s..)", atof(hk), hv[0] ? 100.0 * atof(hv[0]) : NAN, hv[4] ? hv[4] : "?",
+                   hv[5] ? hv[5] : "?", hv[2] ? hv[2] : "?", hv[1] ? hv[1] : "?", hv[3] ? hv[3] : "?");
+            if (v[4] && atof(hk) > 0) printf("; predicted / held-out %.2f", atof(v[4]) / atof(hk));
+            printf("\n");
+        }
+        const char *wm = kvpq_codebook_get_meta(cb, "alloc.window_measured_kl");
+        if (wm) printf("  window chosen among (window:held-out KL): %s\n", wm);
         const char *wp = kvpq_codebook_get_meta(cb, "alloc.window_predicted_kl");
         if (wp) printf("  window chosen among (window:predicted KL): %s\n", wp);
         const char *cur[4] = {v[5], v[6], v[7], v[8]};
