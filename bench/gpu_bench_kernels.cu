@@ -343,7 +343,7 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
            "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f, \"tc_nopdl\": %.3f}, "
            "\"tc_warps\": %d, \"default_variant\": \"%s\", \"out_fnv\": [\"%016llx\", \"%016llx\", \"%016llx\", \"%016llx\"]}\n",
            ne ? "attend_ne" : "attend", B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, resident, var_us[0],
-           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[7], var_us[8], k0.attend_tc_warps, k0.attend_tc ? "tc" : k0.attend_lut16 ? "f16_vrep" : "f32_vrep",
+           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], var_us[8], k0.attend_tc_warps, k0.attend_tc ? "tc" : k0.attend_lut16 ? "f16_vrep" : "f32_vrep",
            (unsigned long long)out_fnv[0], (unsigned long long)out_fnv[1], (unsigned long long)out_fnv[2],
            (unsigned long long)out_fnv[3]);
     fflush(stdout);
