@@ -111,6 +111,9 @@ static double time_graph(F f, int iters, int reps, cudaStream_t st) {
     return ts[ts.size() / 2];
 }
 
+/* encode search variants (kvpq_cuda_kernels.encode_search 0..5) */
+static const int kEncVariants = 6;
+
 static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, int knobs = 0) {
     kvpq_pq_params pp = {D, D / dsub, nbits, KVPQ_CODEBOOK_SHARED};
     kvpq_pq *pq;
@@ -128,9 +131,9 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
     /* every search of our kernel (kvpq_cuda_kernels.encode_search, src/cuda/encode.cu): 0 float32 on
      * the CUDA cores, 1 tensor cores with a per-key argmin (the previous kernel), 2 tensor cores with
      * the grouped argmin and exact re-rank (with accumulator input), 3 and 4 the same without (4 / 2
-     * row tiles) */
-    kvpq_cuda_pq *qv[5];
-    for (int v = 0; v < 5; v++) {
+     * row tiles), 5 (the default) 3 with the A registers loaded by index */
+    kvpq_cuda_pq *qv[kEncVariants];
+    for (int v = 0; v < kEncVariants; v++) {
         kvpq_cuda_pq_params qp = kvpq_cuda_pq_params_default();
         qp.n_head_kv = H;
         qp.lambda = lam.data();
@@ -157,8 +160,8 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     int it = 0, iters = quick ? 4 : 20, reps = quick ? 3 : 15;
-    double var_us[5];
-    for (int v = 0; v < 5; v++)
+    double var_us[kEncVariants];
+    for (int v = 0; v < kEncVariants; v++)
         var_us[v] = time_graph(
             [&](cudaStream_t s) {
                 kvpq__code_dst d = {dc[it % NB], NULL, 0, 1, 0, 0};
@@ -168,7 +171,7 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
             iters, reps, st);
     /* knobs: the grouped search with parts left out (kvpq_cuda_pq.dbg, internal), to place its time */
     double knob_us[2][4] = {{0}};
-    const int knob_v[2] = {3, 4}, knob_d[4] = {1, 2, 3, 4};
+    const int knob_v[2] = {3, 5}, knob_d[4] = {1, 2, 3, 4};
     for (int kv = 0; knobs && kv < 2; kv++)
         for (int kd = 0; kd < 4; kd++) {
             kvpq_cuda_pq *qk = qv[knob_v[kv]];
@@ -209,11 +212,11 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
            "\"seed_us\": %.3f, \"api_us\": %.3f, \"ours_GBps\": %.1f, \"ours_extra_bytes\": %zu, "
            "\"ours_extra_bytes_during_encode\": %lld, \"seed_extra_bytes\": 0, \"seed_output_bytes\": %lld, "
            "\"ours_mma_us\": %.3f, \"ours_fp32_us\": %.3f, \"ours_prev_mma_us\": %.3f, "
-           "\"default_search\": \"%s\", \"default_variant\": %d, \"variant_us\": [%.3f, %.3f, %.3f, %.3f, %.3f], "
-           "\"knob_us\": {\"v3\": [%.3f, %.3f, %.3f, %.3f], \"v4\": [%.3f, %.3f, %.3f, %.3f]}}\n",
+           "\"default_search\": \"%s\", \"default_variant\": %d, \"variant_us\": [%.3f, %.3f, %.3f, %.3f, %.3f, %.3f], "
+           "\"knob_us\": {\"v3\": [%.3f, %.3f, %.3f, %.3f], \"v5\": [%.3f, %.3f, %.3f, %.3f]}}\n",
            S, H, D, dsub, nbits, ours, seed, api[api.size() / 2], bytes / ours / 1e3, free0 - free1,
-           (long long)free_a - (long long)free2, n_sub * 2, var_us[mma_0 >= 2 && mma_0 < 5 ? mma_0 : 2], var_us[0], var_us[1],
-           mma_0 ? "mma" : "fp32", mma_0, var_us[0], var_us[1], var_us[2], var_us[3], var_us[4],
+           (long long)free_a - (long long)free2, n_sub * 2, var_us[mma_0 >= 2 && mma_0 < kEncVariants ? mma_0 : 2], var_us[0], var_us[1],
+           mma_0 ? "mma" : "fp32", mma_0, var_us[0], var_us[1], var_us[2], var_us[3], var_us[4], var_us[5],
            knob_us[0][0], knob_us[0][1], knob_us[0][2], knob_us[0][3], knob_us[1][0], knob_us[1][1], knob_us[1][2],
            knob_us[1][3]);
     fflush(stdout);
@@ -225,7 +228,7 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
     cudaFree(dC);
     cudaStreamDestroy(st);
     kvpq_cuda_pq_free(q);
-    for (int v = 0; v < 5; v++) kvpq_cuda_pq_free(qv[v]);
+    for (int v = 0; v < kEncVariants; v++) kvpq_cuda_pq_free(qv[v]);
     kvpq_pq_free(pq);
 }
 

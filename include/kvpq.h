@@ -666,10 +666,13 @@ typedef struct {
                           * shared memory where it fits; 0: one copy */
     int attend_pvec;     /* LUT kernel, whole-byte value codes: 1 (default) vector loads of a
                           * position's probabilities; 0: the previous scalar loop */
-    int encode_search;   /* encode search: 3 (default) tensor cores, grouped argmin and exact
-                          * re-rank; 2 and 4 variants of 3 (other row tiles / CTAs per SM); 1 tensor
-                          * cores with a per-key argmin; 0 float32 on the CUDA cores. Codebooks
-                          * without tensor-core fragments take 0 whatever the value */
+    int encode_search;   /* encode search: 5 (default) tensor cores, grouped argmin and exact
+                          * re-rank, A fragments loaded by index; 3 (the previous default) the same
+                          * with A fragments selected per quad position, 4 that with 2 row tiles and
+                          * 4 CTAs per SM, 2 with accumulator input; 1 tensor cores with a per-key
+                          * argmin; 0 float32 on the CUDA cores. All give the same codes but for
+                          * near-ties. Codebooks without tensor-core fragments take 0 whatever the
+                          * value */
     int attend_pdl;      /* tensor-core kernel launched by kvpq_cuda_cache_attend_async on a stream
                           * other than the legacy default (NULL): 1 (default) as a programmatic
                           * dependent launch (Hopper), so that its prologue (codebook image, page

@@ -535,13 +535,23 @@ __device__ __forceinline__ void search_mma(const EncodeParams &p, const float *x
 constexpr int kMmaGroup = KVPQ_ENCODE_MMA_GROUP;
 /* The grouped variants (kvpq_cuda_pq.search >= 2): row tiles of 16 sub-vectors a warp holds per
  * pass over the codebook (times k-steps), and CTAs per SM the registers are capped for. */
-__host__ __device__ constexpr int mma2_row_tiles(int var) { return var == 3 ? 4 : 2; }
-__host__ __device__ constexpr int mma2_blocks(int var) { return var == 3 ? 3 : 4; }
+__host__ __device__ constexpr int mma2_row_tiles(int var) { return var == 3 || var == 5 ? 4 : 2; }
+__host__ __device__ constexpr int mma2_blocks(int var) { return var == 3 || var == 5 ? 3 : 4; }
 /* Variants 3 and 4: no accumulator input (the mma's C is zero; nu enters as one more k-column, A = a
  * float16 upper bound of nu / 2^15 against B = 2^15, so no registers hold C and none are copied
  * before each mma), the re-rank reads the codebook in a permuted, bank-conflict-free order, and the
  * rows are loaded with PREFETCH (load_rows). */
 __host__ __device__ constexpr bool mma2_noc(int var) { return var >= 3; }
+/* Variants 5 and 6: each lane loads its A registers straight from the record by a per-lane word
+ * index (computed once), instead of loading the record's words and selecting among them by quad
+ * position (SEL): the four words of an A fragment are then fresh values that the register allocator
+ * places as the mma's register quad, where the selected ones were copied into place (IMAD.MOV) before
+ * every mma (variant 3's SASS: 7 instructions per mma in the loop, 4.4 without the copies). The
+ * record gets one more word, 0, for the all-zero k-columns. (The same with 2 row tiles and 4 CTAs per
+ * SM, as 4 is to 3, was slower on an H200: 49.2-49.8 us against 48.1-48.7 at the OOM shape; a
+ * persistent double-buffered kernel around variant 5's search was slower still, 58.7 us;
+ * docs/BENCHMARKS.md, session 11.) */
+__host__ __device__ constexpr bool mma2_idx(int var) { return var == 5; }
 /* exponent floor of the no-C variants: nu < 2^(lt - e) 4 dsub must stay below 2^31 (A <= 65504) */
 __host__ __device__ constexpr int noc_lo(int dsub) { return (dsub >= 8 ? 3 : dsub >= 4 ? 2 : dsub >= 2 ? 1 : 0) - 28; }
 
@@ -549,8 +559,26 @@ __host__ __device__ constexpr int noc_lo(int dsub) { return (dsub >= 8 ? 3 : dsu
  * L pairs (lo parts), ST (float16x2 of 2^kNormShift s/t twice), nu ((t/s)||u||^2, float32 bits; the
  * no-C variants: float16x2 (nu / 2^15 rounded up, 0), the A entries of the k-columns 3 dsub + 2, + 3). */
 template <int DSUB> __host__ __device__ constexpr int rec_words() { return DSUB + 2; }
-
+template <int DSUB, int VAR> __host__ __device__ constexpr int rec_words_v() { return DSUB + 2 + (mma2_idx(VAR) ? 1 : 0); }
+/* Word of the record that holds A columns (k, k + 1) of a sub-vector (k even; the a_cat categories;
+ * the no-C nu pair; the zero word of variants 5 and 6 otherwise). */
 template <int DSUB, bool NOC>
+__host__ __device__ constexpr int rec_word(int k) {
+    return a_cat<DSUB>(k) == 0   ? (k % DSUB) / 2
+           : a_cat<DSUB>(k) == 1 ? DSUB / 2 + (k % DSUB) / 2
+           : a_cat<DSUB>(k) == 2 ? DSUB
+           : NOC && k == 3 * DSUB + 2 ? DSUB + 1
+                                      : DSUB + 2;
+}
+/* The words of columns 16 ks + 8 off + 2q (+1) for the quad positions q = 0..3, a byte each. */
+template <int DSUB, bool NOC>
+__host__ __device__ constexpr uint32_t rec_word_table(int ks, int off) {
+    return (uint32_t)rec_word<DSUB, NOC>(16 * ks + 8 * off) | (uint32_t)rec_word<DSUB, NOC>(16 * ks + 8 * off + 2) << 8 |
+           (uint32_t)rec_word<DSUB, NOC>(16 * ks + 8 * off + 4) << 16 |
+           (uint32_t)rec_word<DSUB, NOC>(16 * ks + 8 * off + 6) << 24;
+}
+
+template <int DSUB, bool NOC, bool ZW = false>
 __device__ __forceinline__ void build_rec(const float *xv, int lt, uint32_t *rec) {
     float v[DSUB];
     load_sub<DSUB>(xv, v);
@@ -570,6 +598,7 @@ __device__ __forceinline__ void build_rec(const float *xv, int lt, uint32_t *rec
         rec[DSUB + 1] = kvpq__h2_bits(__halves2half2(__float2half_ru(nu * (1.f / 32768.f)), __float2half_rn(0.f)));
     else
         rec[DSUB + 1] = __float_as_uint(nu);
+    if constexpr (ZW) rec[DSUB + 2] = 0u;
 }
 
 /* The A registers of one row for quad position q from its record (see build_a_row); the no-C
@@ -604,7 +633,7 @@ template <int D, int DSUB, int VAR>
 struct Mma2Shape {
     static constexpr int KS = mma_ksteps<DSUB>(), NSUB = 4096 / DSUB, R = NSUB / 16 / (kThreads / 32);
     static constexpr int RG = R < mma2_row_tiles(VAR) / KS ? R : mma2_row_tiles(VAR) / KS;
-    static constexpr int STAGE_WORDS = (kThreads / 32) * RG * 16 * rec_words<DSUB>(); /* all warps */
+    static constexpr int STAGE_WORDS = (kThreads / 32) * RG * 16 * rec_words_v<DSUB, VAR>(); /* all warps */
 };
 
 /* stage: (warps, RG * 16, REC) records; cbr: the float32 codebook (ksub, dsub), shared or device. */
@@ -612,23 +641,40 @@ template <int D, int DSUB, int VAR>
 __device__ __forceinline__ void search_mma2(const EncodeParams &p, const float *xs, const uint2 *sB, uint32_t *stage,
                                             const float *cbr, uint16_t *idxs) {
     using S = Mma2Shape<D, DSUB, VAR>;
-    constexpr int KS = S::KS, R = S::R, RG = S::RG, REC = rec_words<DSUB>(), U = kMmaGroup;
-    constexpr bool NOC = mma2_noc(VAR);
+    constexpr int KS = S::KS, R = S::R, RG = S::RG, REC = rec_words_v<DSUB, VAR>(), U = kMmaGroup;
+    constexpr bool NOC = mma2_noc(VAR), IDX = mma2_idx(VAR);
     static_assert(R % RG == 0 && RG % 2 == 0, "row groups");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int ngrp = (p.ksub >> 3) / U, lt = p.frag_lt;
     const int lowmask = 4 * ngrp - 1, mask = ~lowmask; /* low bits: (group, quad position) */
     uint32_t *st = stage + warp * (RG * 16 * REC);
+    int wi[KS][2]; /* IDX: this lane's record words of its A registers */
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+        for (int off = 0; off < 2; off++) wi[ks][off] = (int)(rec_word_table<DSUB, NOC>(ks, off) >> (8 * t)) & 0xff;
     for (int grp = 0; grp < R / RG; grp++) {
         const int base = (warp * R + grp * RG) * 16; /* first sub-vector of this pass */
         __syncwarp();
-        for (int i = lane; i < RG * 16; i += 32) build_rec<DSUB, NOC>(xs + (base + i) * DSUB, lt, st + i * REC);
+        for (int i = lane; i < RG * 16; i += 32) build_rec<DSUB, NOC, IDX>(xs + (base + i) * DSUB, lt, st + i * REC);
         __syncwarp();
         uint32_t a[RG][KS][4];
         float ci[RG][4]; /* accumulator input: (t/s) ||u||^2 of rows g, g, g + 8, g + 8 */
         int key[RG][2];
 #pragma unroll
         for (int r = 0; r < RG; r++) {
+            key[r][0] = key[r][1] = 0x7fffffff;
+            if constexpr (IDX) {
+                const uint32_t *q0 = st + (r * 16 + g) * REC, *q1 = st + (r * 16 + g + 8) * REC;
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) {
+                    a[r][ks][0] = q0[wi[ks][0]];
+                    a[r][ks][1] = q1[wi[ks][0]];
+                    a[r][ks][2] = q0[wi[ks][1]];
+                    a[r][ks][3] = q1[wi[ks][1]];
+                }
+                continue;
+            }
             uint32_t r0[KS][2], r1[KS][2];
             float nu0, nu1;
             load_a_row<DSUB, KS, NOC>(st + (r * 16 + g) * REC, t, r0, nu0);
@@ -644,7 +690,6 @@ __device__ __forceinline__ void search_mma2(const EncodeParams &p, const float *
             ci[r][1] = nu0 + 0.f;
             ci[r][2] = nu1;
             ci[r][3] = nu1 + 0.f;
-            key[r][0] = key[r][1] = 0x7fffffff;
         }
         for (int gi = 0; gi < (p.dbg & 1 ? 0 : ngrp); gi++) {
             int gm[RG][2];
@@ -904,6 +949,7 @@ kvpq_status launch(const EncodeParams &p, int variant, cudaStream_t stream) {
                 case 2: return launch_var<D, DSUB, 2>(p, blocks, stream);
                 case 3: return launch_var<D, DSUB, 3>(p, blocks, stream);
                 case 4: return launch_var<D, DSUB, 4>(p, blocks, stream);
+                case 5: return launch_var<D, DSUB, 5>(p, blocks, stream);
                 }
             }
             return launch_var<D, DSUB, 1>(p, blocks, stream);

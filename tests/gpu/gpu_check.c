@@ -1178,11 +1178,11 @@ int main(void) {
         ref_pq r;
         kvpq_pq *kp = make_pq(128, 4, 8, KVPQ_CODEBOOK_SHARED, &r, NULL);
         kvpq_cuda_pq_params qp = kvpq_cuda_pq_params_default();
-        qp.kernels.encode_search = 5;
+        qp.kernels.encode_search = 6;
         kvpq_cuda_pq *q = (kvpq_cuda_pq *)1;
         kvpq_status s = kvpq_cuda_pq_new_params(&q, kp, &qp);
-        CHECK(s == KVPQ_ERR_INVALID_ARG && q == NULL && strstr(kvpq_last_error(), "kernels.encode_search=5"),
-              "encode_search 5: status %d (%s)", (int)s, kvpq_last_error());
+        CHECK(s == KVPQ_ERR_INVALID_ARG && q == NULL && strstr(kvpq_last_error(), "kernels.encode_search=6"),
+              "encode_search 6: status %d (%s)", (int)s, kvpq_last_error());
         kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
         cp.key = kp;
         cp.value = kp;
@@ -1195,16 +1195,16 @@ int main(void) {
         kvpq_pq_free(kp);
     }
     check_page_clamp();
-    /* every encode kernel variant (kvpq_cuda_kernels.encode_search, src/cuda/encode.cu): 2-4 tensor cores,
+    /* every encode kernel variant (kvpq_cuda_kernels.encode_search, src/cuda/encode.cu): 2-6 tensor cores,
      * grouped argmin + exact re-rank (2: accumulator input; 3, 4: none, other row tiles / CTAs per
-     * SM); 1 tensor cores, per-key argmin (previous); 0 float32. KVPQ_ENCODE_VARIANTS="2 0" checks
-     * a subset. */
-    int variants[8] = {2, 3, 4, 1, 0}, n_variants = 5;
+     * SM; 5 (default): as 3 with the A registers loaded by index); 1 tensor cores, per-key argmin
+     * (previous); 0 float32. KVPQ_ENCODE_VARIANTS="2 0" checks a subset (digits 0-5). */
+    int variants[8] = {5, 2, 3, 4, 1, 0}, n_variants = 6;
     const char *ve = getenv("KVPQ_ENCODE_VARIANTS");
     if (ve) {
         n_variants = 0;
         for (const char *c = ve; *c && n_variants < 8; c++)
-            if (*c >= '0' && *c <= '4') variants[n_variants++] = *c - '0';
+            if (*c >= '0' && *c <= '5') variants[n_variants++] = *c - '0';
     }
     /* KVPQ_ENCODE_SHAPES=few: a few shapes for compute-sanitizer racecheck, which runs the full set
      * for minutes: the 2-bit preset, the OOM shape, dsub 8, dsub 1, 12 bits with dsub 16, the
