@@ -17,6 +17,7 @@
 #include "cli.h"
 #include "cli_model.h"
 #include "cli_score.h"
+#include "cli_spec.h"
 
 #define CALIB_MAX_ALSO 16
 /* Tokens per forward step of the activation collection (read back after each step). */
@@ -285,6 +286,29 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
                                "not used with %s", a->bits > 0 ? "--window-select predicted or measured" : "no --bits"), -2;
     if (a->window_select && !strcmp(a->window_select, "measured") && a->verify_ctx == 0)
         return cli_usage_error("calibrate: --window-select measured needs the joint check: not with --verify-ctx 0"), -2;
+    if (a->window_trust_given && a->verify_ctx == 0)
+        return cli_usage_error("calibrate: --window-trust is the tolerance of the joint check's window choice: not "
+                               "used with --verify-ctx 0"), -2;
+    /* The joint check opens each written file through the cache SPEC "vq:PATH:" (as kvpq ppl would),
+     * whose length cli_cache_spec_parse caps: a longer -o / --bits-also path failed after all the work,
+     * the file written without the check. Asked for (--verify-ctx N, --window-select measured): an
+     * error; by default: a warning, no check (as for a text too short for it). */
+    if (a->bits > 0 && a->verify_ctx != 0) {
+        const size_t max_path = sizeof ((cli_cache_spec *)0)->path - 1 - strlen("vq::");
+        for (int i = 0; i <= a->n_more_bits; i++) {
+            const char *o = i ? a->more_out[i - 1] : a->out;
+            if (strlen(o) <= max_path) continue;
+            if (a->verify_ctx > 0 || (a->window_select && !strcmp(a->window_select, "measured")))
+                return cli_usage_error("calibrate: output path '%.64s...' has %zu bytes: the joint check (--verify-ctx, "
+                                       "--window-select measured) opens it as the cache SPEC vq:PATH, which takes at most "
+                                       "%zu (a shorter path, or --verify-ctx 0)", o, strlen(o), max_path), -2;
+            fprintf(stderr, "kvpq calibrate: warning: no joint check of the allocation: output path '%.64s...' has %zu "
+                            "bytes, more than the %zu a cache SPEC vq:PATH takes; alloc.holdout_kl not written\n", o,
+                    strlen(o), max_path);
+            a->verify_ctx = 0;
+            break;
+        }
+    }
     if (a->window >= 0) {
         a->wins[0] = (int)a->window, a->n_wins = 1;
     } else {
