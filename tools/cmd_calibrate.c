@@ -1048,7 +1048,9 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                 if (measured || n_tries > 1)
                     fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f, held-out KL %.4f (top-1 "
                                     "%.1f%%)\n", bits_i, win, pred, chk.kl, 100.0 * chk.top1);
-                if (auto_sel && t == 0 && n_tries == 1 && fabs(pred / chk.kl - 1) > a->window_trust) {
+                int n_other = 0; /* the other windows where an allocation fits (none: nothing else to check) */
+                for (int w = 0; w < NW; w++) n_other += w != bw && isfinite(pred_w[w]);
+                if (auto_sel && t == 0 && n_tries == 1 && n_other > 0 && fabs(pred / chk.kl - 1) > a->window_trust) {
                     fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f is %.2f x the held-out "
                                     "KL %.4f (off by more than %.0f%%): checking every window's allocation\n", bits_i,
                             win, pred, pred / chk.kl, chk.kl, 100 * a->window_trust);

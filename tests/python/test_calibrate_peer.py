@@ -490,3 +490,22 @@ def test_joint_check_refuses_an_output_path_too_long_for_a_cache_spec(tmp_path):
         assert ("warning: no joint check" in p.stderr) == (out == long_), (len(out), p.stderr)
     p = run("ppl", "--model", MODEL, "--text", EVAL, "--cache", f"vq:{ok}:", check=False)
     assert p.returncode != 0 and "longer than" not in p.stderr and "codebook" in p.stderr, p.stderr
+
+
+def test_auto_with_one_window_checks_nothing_more(tmp_path):
+    """--window-select auto with one window candidate (--window 0) and a prediction off its held-out
+    KL (--window-trust 0): there is no other window to check, so calibrate neither says it checks
+    every window (it did, then checked nothing) nor records alloc.window_measured_kl. The d1b8
+    preset (8 bits, dsub 1) as a candidate: the file loads in kvpq info."""
+    out = tmp_path / "w0.safetensors"
+    p = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", 512, "--ctx", 256, "--holdout-ctx", 128,
+            "--iters", 2, "--threads", 2, "--bits", 9, "--window", 0, "--candidates", "d2b8,d1b8",
+            "--window-trust", 0, "-o", out)
+    meta = _meta(out)
+    kl, pred = float(meta["alloc.holdout_kl"]), float(meta["alloc.predicted_kl"])
+    assert kl > 0 and pred != kl, meta  # the prediction is off: with another window, auto would check it
+    assert meta["alloc.window"] == "0" and "alloc.window_measured_kl" not in meta, meta
+    assert "checking every window" not in p.stderr, p.stderr
+    assert set(meta["alloc.k"].split(",")) <= {"d2b8", "d1b8"}, meta["alloc.k"]
+    info = run("info", out).stdout
+    assert "dsub=" in info and "joint check: " in info, info
