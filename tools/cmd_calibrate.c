@@ -1152,6 +1152,8 @@ int cmd_calibrate(int argc, char **argv) {
     const char *in_opts[2] = {"--model", "--text"}, *inputs[2] = {a->model, a->text};
     for (int j = 0; j < n_jobs; j++)
         if ((rc = cli_check_output("calibrate", jobs[j].out, 2, in_opts, inputs)) != 0) goto done;
+    for (int i = 0; i < a->n_more_bits; i++) /* --bits-also "B OUT": its OUT as well (it was written unchecked) */
+        if ((rc = cli_check_output("calibrate --bits-also", a->more_out[i], 2, in_opts, inputs)) != 0) goto done;
 
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)a->threads;

@@ -509,3 +509,17 @@ def test_auto_with_one_window_checks_nothing_more(tmp_path):
     assert set(meta["alloc.k"].split(",")) <= {"d2b8", "d1b8"}, meta["alloc.k"]
     info = run("info", out).stdout
     assert "dsub=" in info and "joint check: " in info, info
+
+
+def test_bits_also_output_is_checked_before_any_work(tmp_path):
+    """--bits-also "B OUT": OUT is checked as -o is (issue 14), before the model loads: the same file
+    as --text or --model (it was overwritten at the end of the run), or an unwritable place (the run
+    failed at the end, the budgets after it lost), exits 2 naming it."""
+    text = tmp_path / "t.txt"
+    text.write_text("x")
+    none = ("calibrate", "--model", tmp_path / "none.gguf", "--text", text, "--bits", 2, "-o", tmp_path / "o.st")
+    p = run(*none, "--bits-also", f"3 {text}", check=False)
+    assert p.returncode == 2 and "--bits-also" in p.stderr and "is the same file as --text" in p.stderr, p.stderr
+    assert text.read_text() == "x"
+    p = run(*none, "--bits-also", f"3 {tmp_path}/no/such/dir/b.st", check=False)
+    assert p.returncode == 2 and "cannot write there" in p.stderr, p.stderr
