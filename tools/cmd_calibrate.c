@@ -1152,8 +1152,16 @@ int cmd_calibrate(int argc, char **argv) {
     const char *in_opts[2] = {"--model", "--text"}, *inputs[2] = {a->model, a->text};
     for (int j = 0; j < n_jobs; j++)
         if ((rc = cli_check_output("calibrate", jobs[j].out, 2, in_opts, inputs)) != 0) goto done;
-    for (int i = 0; i < a->n_more_bits; i++) /* --bits-also "B OUT": its OUT as well (it was written unchecked) */
+    for (int i = 0; i < a->n_more_bits; i++) { /* --bits-also "B OUT": its OUT as well (it was written unchecked) */
         if ((rc = cli_check_output("calibrate --bits-also", a->more_out[i], 2, in_opts, inputs)) != 0) goto done;
+        /* one file per budget: a repeated name (as given) kept only the last budget's file */
+        for (int j = -1; j < i; j++)
+            if (!strcmp(a->more_out[i], j < 0 ? a->out : a->more_out[j])) {
+                rc = cli_usage_error("calibrate: --bits-also %g %s: the same output as %s (one file per budget)",
+                                     a->more_bits[i], a->more_out[i], j < 0 ? "-o" : "an earlier --bits-also");
+                goto done;
+            }
+    }
 
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)a->threads;

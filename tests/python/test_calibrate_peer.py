@@ -514,7 +514,8 @@ def test_auto_with_one_window_checks_nothing_more(tmp_path):
 def test_bits_also_output_is_checked_before_any_work(tmp_path):
     """--bits-also "B OUT": OUT is checked as -o is (issue 14), before the model loads: the same file
     as --text or --model (it was overwritten at the end of the run), or an unwritable place (the run
-    failed at the end, the budgets after it lost), exits 2 naming it."""
+    failed at the end, the budgets after it lost), exits 2 naming it; so does an OUT named as -o or
+    an earlier --bits-also (the later budget's file replaced the earlier one)."""
     text = tmp_path / "t.txt"
     text.write_text("x")
     none = ("calibrate", "--model", tmp_path / "none.gguf", "--text", text, "--bits", 2, "-o", tmp_path / "o.st")
@@ -523,3 +524,7 @@ def test_bits_also_output_is_checked_before_any_work(tmp_path):
     assert text.read_text() == "x"
     p = run(*none, "--bits-also", f"3 {tmp_path}/no/such/dir/b.st", check=False)
     assert p.returncode == 2 and "cannot write there" in p.stderr, p.stderr
+    for extra in (("--bits-also", f"3 {tmp_path / 'o.st'}"),
+                  ("--bits-also", f"3 {tmp_path / 'b.st'}", "--bits-also", f"4 {tmp_path / 'b.st'}")):
+        p = run(*none, *extra, check=False)  # one file per budget: the last one was kept, silently
+        assert p.returncode == 2 and "the same output as" in p.stderr, (extra, p.stderr)
