@@ -145,7 +145,8 @@ typedef struct {
 KVPQ_API kvpq_pq_params kvpq_pq_params_default(void);
 
 /* Fill M and nbits from a preset name and d: "d8b8" (1 bit/elem), "d8b12" (1.5), "d4b8" (2),
- * "d4b12" (3), "d2b8" (4), "d1b8" (8: a 256-level scalar quantizer per channel). Fails with
+ * "d4b12" (3), "d2b8" (4), "d1b8" (8: each channel coded alone by 256 scalar levels, one set for
+ * every channel with KVPQ_CODEBOOK_SHARED, one per channel with KVPQ_CODEBOOK_SUBSPACE). Fails with
  * KVPQ_ERR_INVALID_ARG naming the preset if unknown or d % dsub != 0. */
 KVPQ_API kvpq_status kvpq_pq_params_preset(kvpq_pq_params *p, const char *preset, int d);
 

@@ -17,6 +17,7 @@
 #include "cli.h"
 #include "cli_model.h"
 #include "cli_score.h"
+#include "cli_spec.h"
 
 #define CALIB_MAX_ALSO 16
 /* Tokens per forward step of the activation collection (read back after each step). */
@@ -285,6 +286,29 @@ static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char
                                "not used with %s", a->bits > 0 ? "--window-select predicted or measured" : "no --bits"), -2;
     if (a->window_select && !strcmp(a->window_select, "measured") && a->verify_ctx == 0)
         return cli_usage_error("calibrate: --window-select measured needs the joint check: not with --verify-ctx 0"), -2;
+    if (a->window_trust_given && a->verify_ctx == 0)
+        return cli_usage_error("calibrate: --window-trust is the tolerance of the joint check's window choice: not "
+                               "used with --verify-ctx 0"), -2;
+    /* The joint check opens each written file through the cache SPEC "vq:PATH:" (as kvpq ppl would),
+     * whose length cli_cache_spec_parse caps: a longer -o / --bits-also path failed after all the work,
+     * the file written without the check. Asked for (--verify-ctx N, --window-select measured): an
+     * error; by default: a warning, no check (as for a text too short for it). */
+    if (a->bits > 0 && a->verify_ctx != 0) {
+        const size_t max_path = sizeof ((cli_cache_spec *)0)->path - 1 - strlen("vq::");
+        for (int i = 0; i <= a->n_more_bits; i++) {
+            const char *o = i ? a->more_out[i - 1] : a->out;
+            if (strlen(o) <= max_path) continue;
+            if (a->verify_ctx > 0 || (a->window_select && !strcmp(a->window_select, "measured")))
+                return cli_usage_error("calibrate: output path '%.64s...' has %zu bytes: the joint check (--verify-ctx, "
+                                       "--window-select measured) opens it as the cache SPEC vq:PATH, which takes at most "
+                                       "%zu (a shorter path, or --verify-ctx 0)", o, strlen(o), max_path), -2;
+            fprintf(stderr, "kvpq calibrate: warning: no joint check of the allocation: output path '%.64s...' has %zu "
+                            "bytes, more than the %zu a cache SPEC vq:PATH takes; alloc.holdout_kl not written\n", o,
+                    strlen(o), max_path);
+            a->verify_ctx = 0;
+            break;
+        }
+    }
     if (a->window >= 0) {
         a->wins[0] = (int)a->window, a->n_wins = 1;
     } else {
@@ -1024,7 +1048,9 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                 if (measured || n_tries > 1)
                     fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f, held-out KL %.4f (top-1 "
                                     "%.1f%%)\n", bits_i, win, pred, chk.kl, 100.0 * chk.top1);
-                if (auto_sel && t == 0 && n_tries == 1 && fabs(pred / chk.kl - 1) > a->window_trust) {
+                int n_other = 0; /* the other windows where an allocation fits (none: nothing else to check) */
+                for (int w = 0; w < NW; w++) n_other += w != bw && isfinite(pred_w[w]);
+                if (auto_sel && t == 0 && n_tries == 1 && n_other > 0 && fabs(pred / chk.kl - 1) > a->window_trust) {
                     fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f is %.2f x the held-out "
                                     "KL %.4f (off by more than %.0f%%): checking every window's allocation\n", bits_i,
                             win, pred, pred / chk.kl, chk.kl, 100 * a->window_trust);
@@ -1126,6 +1152,16 @@ int cmd_calibrate(int argc, char **argv) {
     const char *in_opts[2] = {"--model", "--text"}, *inputs[2] = {a->model, a->text};
     for (int j = 0; j < n_jobs; j++)
         if ((rc = cli_check_output("calibrate", jobs[j].out, 2, in_opts, inputs)) != 0) goto done;
+    for (int i = 0; i < a->n_more_bits; i++) { /* --bits-also "B OUT": its OUT as well (it was written unchecked) */
+        if ((rc = cli_check_output("calibrate --bits-also", a->more_out[i], 2, in_opts, inputs)) != 0) goto done;
+        /* one file per budget: a repeated name (as given) kept only the last budget's file */
+        for (int j = -1; j < i; j++)
+            if (!strcmp(a->more_out[i], j < 0 ? a->out : a->more_out[j])) {
+                rc = cli_usage_error("calibrate: --bits-also %g %s: the same output as %s (one file per budget)",
+                                     a->more_bits[i], a->more_out[i], j < 0 ? "-o" : "an earlier --bits-also");
+                goto done;
+            }
+    }
 
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)a->threads;

@@ -19,6 +19,23 @@ static int is_config_key(const char *k) {
     return 0;
 }
 
+/* A metadata value of the file (dflt when absent), escaped (cli_fput_escaped: issue 14). */
+static void put_meta(const char *s, const char *dflt) {
+    if (!s) fputs(dflt, stdout);
+    else cli_fput_escaped(stdout, s, strlen(s), 200);
+}
+
+/* A cell of the allocation table: " %*s" when s is printable ASCII, else escaped (unaligned). */
+static void put_cell(const char *s, int width) {
+    for (const unsigned char *c = (const unsigned char *)s; *c; c++)
+        if (*c < 0x20 || *c >= 0x7f || *c == '\\') {
+            fputc(' ', stdout);
+            cli_fput_escaped(stdout, s, strlen(s), 64);
+            return;
+        }
+    printf(" %*s", width, s);
+}
+
 static void print_pq(const char *what, const kvpq_pq_params *q) {
     int dsub = q->d / q->M;
     printf("%-6s M=%d dsub=%d nbits=%d ksub=%d granularity=%s  %.3f bits/element\n", what, q->M, dsub, q->nbits,
@@ -97,15 +114,26 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
            ((bits[0] + bits[1]) / p.n_layer + 16.0 * (p.key_norm + p.value_norm)) / (2.0 * p.head_dim));
 
     /* An allocation by `kvpq calibrate --bits` (docs/allocation.md): the budget, the prediction, and
-     * each layer's presets with the KL they were predicted to cost. */
+     * each layer's presets with the KL they were predicted to cost. The values are the file's
+     * strings: printed escaped (issue 14), "?" where absent. */
     const char *ab = kvpq_codebook_get_meta(cb, "alloc.bits");
     if (ab) {
         const char *g[] = {"alloc.ctx", "alloc.window", "alloc.sinks", "alloc.effective_bits", "alloc.predicted_kl",
                            "alloc.k", "alloc.v", "alloc.kl.k", "alloc.kl.v"};
         const char *v[9];
         for (int i = 0; i < 9; i++) v[i] = kvpq_codebook_get_meta(cb, g[i]);
-        printf("allocation:      --bits %s at ctx %s (window %s, sinks %s): effective bits %s, predicted KL %s", ab,
-               v[0] ? v[0] : "?", v[1] ? v[1] : "?", v[2] ? v[2] : "0", v[3] ? v[3] : "?", v[4] ? v[4] : "?");
+        fputs("allocation:      --bits ", stdout);
+        put_meta(ab, "?");
+        fputs(" at ctx ", stdout);
+        put_meta(v[0], "?");
+        fputs(" (window ", stdout);
+        put_meta(v[1], "?");
+        fputs(", sinks ", stdout);
+        put_meta(v[2], "0");
+        fputs("): effective bits ", stdout);
+        put_meta(v[3], "?");
+        fputs(", predicted KL ", stdout);
+        put_meta(v[4], "?");
         /* the joint check of the whole file (calibrate --verify-ctx; absent in files before 2026-12-02) */
         const char *hk = kvpq_codebook_get_meta(cb, "alloc.holdout_kl");
         if (hk) printf(", held-out KL %.6g", atof(hk));
@@ -115,16 +143,33 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
                                "alloc.holdout_ppl", "alloc.holdout_ppl_base"};
             const char *hv[6];
             for (int i = 0; i < 6; i++) hv[i] = kvpq_codebook_get_meta(cb, h[i]);
-            printf("  joint check: KL(fp16 || file) mean %.6g, top-1 %.2f%%, ppl %s (fp16 %s) on %s scored tokens of a "
-                   "%s-token chunk (text tokens %s..)", atof(hk), hv[0] ? 100.0 * atof(hv[0]) : NAN, hv[4] ? hv[4] : "?",
-                   hv[5] ? hv[5] : "?", hv[2] ? hv[2] : "?", hv[1] ? hv[1] : "?", hv[3] ? hv[3] : "?");
+            printf("  joint check: KL(fp16 || file) mean %.6g, top-1 %.2f%%, ppl ", atof(hk),
+                   hv[0] ? 100.0 * atof(hv[0]) : NAN);
+            put_meta(hv[4], "?");
+            fputs(" (fp16 ", stdout);
+            put_meta(hv[5], "?");
+            fputs(") on ", stdout);
+            put_meta(hv[2], "?");
+            fputs(" scored tokens of a ", stdout);
+            put_meta(hv[1], "?");
+            fputs("-token chunk (text tokens ", stdout);
+            put_meta(hv[3], "?");
+            fputs("..)", stdout);
             if (v[4] && atof(hk) > 0) printf("; predicted / held-out %.2f", atof(v[4]) / atof(hk));
             printf("\n");
         }
         const char *wm = kvpq_codebook_get_meta(cb, "alloc.window_measured_kl");
-        if (wm) printf("  window chosen among (window:held-out KL): %s\n", wm);
+        if (wm) {
+            fputs("  window chosen among (window:held-out KL): ", stdout);
+            put_meta(wm, "?");
+            fputc('\n', stdout);
+        }
         const char *wp = kvpq_codebook_get_meta(cb, "alloc.window_predicted_kl");
-        if (wp) printf("  window chosen among (window:predicted KL): %s\n", wp);
+        if (wp) {
+            fputs("  window chosen among (window:predicted KL): ", stdout);
+            put_meta(wp, "?");
+            fputc('\n', stdout);
+        }
         const char *cur[4] = {v[5], v[6], v[7], v[8]};
         if (cur[0] && cur[1] && cur[2] && cur[3]) {
             printf("  %5s %8s %10s %8s %10s\n", "layer", "keys", "key KL", "values", "value KL");
@@ -135,7 +180,12 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
                     snprintf(f[j], sizeof f[j], "%.*s", (int)(n < 31 ? n : 31), cur[j]);
                     cur[j] += n + (cur[j][n] == ',');
                 }
-                printf("  %5d %8s %10s %8s %10s\n", l, f[0], f[2], f[1], f[3]);
+                printf("  %5d", l);
+                put_cell(f[0], 8);
+                put_cell(f[2], 10);
+                put_cell(f[1], 8);
+                put_cell(f[3], 10);
+                fputc('\n', stdout);
             }
         }
     }

@@ -446,6 +446,7 @@ def test_verify_ctx_checked(tmp_path):
                          (("--bits", 2, "--window-trust", -0.1), "--window-trust: expected a number in [0, 100]"),
                          (("--bits", 2, "--window-select", "measured", "--window-trust", 0.1), "--window-trust is the"),
                          (("--window-trust", 0.1), "--window-trust is the tolerance"),
+                         (("--bits", 2, "--verify-ctx", 0, "--window-trust", 0.1), "not used with --verify-ctx 0"),
                          (("--also", "--verify-ctx 64 -o x.st", "--bits", 2), "--verify-ctx belongs to the main")):
         p = run("calibrate", *none, *args, check=False)
         assert p.returncode == 2 and needle in p.stderr, (args, p.returncode, p.stderr)
@@ -463,3 +464,67 @@ def test_verify_ctx_checked(tmp_path):
     assert "warning: no joint check" in p.stderr and "fewer than --verify-ctx 256" in p.stderr, p.stderr
     meta = _meta(tmp_path / "b.st")
     assert "alloc.predicted_kl" in meta and "alloc.holdout_kl" not in meta, meta
+
+
+def test_joint_check_refuses_an_output_path_too_long_for_a_cache_spec(tmp_path):
+    """The joint check opens each written file as the cache SPEC vq:PATH: (cli_spec.h: at most 255
+    bytes, so PATH at most 251). A longer -o or --bits-also path made calibrate fail after all its
+    work (exit 1, "cache spec ... is longer than 255 bytes", the file left without the check). Now
+    decided before the model loads: with --verify-ctx N or --window-select measured, exit 2 naming
+    the path's length and the way out; by default, a warning and no check (as for a text too short
+    for it). A path of 251 bytes is accepted, and kvpq ppl parses its SPEC."""
+    def path_of(n):
+        head = str(tmp_path) + "/"
+        return head + "p" * (n - len(head) - 3) + ".st"
+    long_, ok = path_of(252), path_of(251)
+    assert len(long_) == 252 and len(ok) == 251
+    none = ("--model", tmp_path / "none.gguf", "--text", tmp_path / "none.txt", "--bits", 2)
+    for args in (("-o", long_, "--verify-ctx", 64), ("-o", long_, "--window-select", "measured"),
+                 ("-o", tmp_path / "o.st", "--bits-also", f"3 {long_}", "--verify-ctx", 64)):
+        p = run("calibrate", *none, *args, check=False)
+        assert p.returncode == 2 and "has 252 bytes" in p.stderr and "at most 251" in p.stderr, (args, p.stderr)
+        assert "loading the model" not in p.stderr, p.stderr
+    for out in (long_, ok):  # by default: a warning for the long path only; both reach the model loading
+        p = run("calibrate", *none, "-o", out, check=False)
+        assert p.returncode == 1 and "loading the model" in p.stderr, p.stderr
+        assert ("warning: no joint check" in p.stderr) == (out == long_), (len(out), p.stderr)
+    p = run("ppl", "--model", MODEL, "--text", EVAL, "--cache", f"vq:{ok}:", check=False)
+    assert p.returncode != 0 and "longer than" not in p.stderr and "codebook" in p.stderr, p.stderr
+
+
+def test_auto_with_one_window_checks_nothing_more(tmp_path):
+    """--window-select auto with one window candidate (--window 0) and a prediction off its held-out
+    KL (--window-trust 0): there is no other window to check, so calibrate neither says it checks
+    every window (it did, then checked nothing) nor records alloc.window_measured_kl. The d1b8
+    preset (8 bits, dsub 1) as a candidate: the file loads in kvpq info."""
+    out = tmp_path / "w0.safetensors"
+    p = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", 512, "--ctx", 256, "--holdout-ctx", 128,
+            "--iters", 2, "--threads", 2, "--bits", 9, "--window", 0, "--candidates", "d2b8,d1b8",
+            "--window-trust", 0, "-o", out)
+    meta = _meta(out)
+    kl, pred = float(meta["alloc.holdout_kl"]), float(meta["alloc.predicted_kl"])
+    assert kl > 0 and pred != kl, meta  # the prediction is off: with another window, auto would check it
+    assert meta["alloc.window"] == "0" and "alloc.window_measured_kl" not in meta, meta
+    assert "checking every window" not in p.stderr, p.stderr
+    assert set(meta["alloc.k"].split(",")) <= {"d2b8", "d1b8"}, meta["alloc.k"]
+    info = run("info", out).stdout
+    assert "dsub=" in info and "joint check: " in info, info
+
+
+def test_bits_also_output_is_checked_before_any_work(tmp_path):
+    """--bits-also "B OUT": OUT is checked as -o is (issue 14), before the model loads: the same file
+    as --text or --model (it was overwritten at the end of the run), or an unwritable place (the run
+    failed at the end, the budgets after it lost), exits 2 naming it; so does an OUT named as -o or
+    an earlier --bits-also (the later budget's file replaced the earlier one)."""
+    text = tmp_path / "t.txt"
+    text.write_text("x")
+    none = ("calibrate", "--model", tmp_path / "none.gguf", "--text", text, "--bits", 2, "-o", tmp_path / "o.st")
+    p = run(*none, "--bits-also", f"3 {text}", check=False)
+    assert p.returncode == 2 and "--bits-also" in p.stderr and "is the same file as --text" in p.stderr, p.stderr
+    assert text.read_text() == "x"
+    p = run(*none, "--bits-also", f"3 {tmp_path}/no/such/dir/b.st", check=False)
+    assert p.returncode == 2 and "cannot write there" in p.stderr, p.stderr
+    for extra in (("--bits-also", f"3 {tmp_path / 'o.st'}"),
+                  ("--bits-also", f"3 {tmp_path / 'b.st'}", "--bits-also", f"4 {tmp_path / 'b.st'}")):
+        p = run(*none, *extra, check=False)  # one file per budget: the last one was kept, silently
+        assert p.returncode == 2 and "the same output as" in p.stderr, (extra, p.stderr)

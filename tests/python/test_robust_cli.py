@@ -58,6 +58,31 @@ def test_info_codebook_escapes_metadata(tmp_path):
     assert b"te\\x1b[1mxt" in r.stdout
 
 
+def test_info_codebook_escapes_allocation_metadata(tmp_path):
+    """The allocation block of `kvpq info` (calibrate --bits, docs/allocation.md) prints alloc.* values
+    itself, beside the escaped metadata listing: they went to the terminal raw (alloc.bits, the
+    window, the joint check's keys, the per-layer table). Every key the block reads gets an escape."""
+    h, data = read_st(SEED_CB)
+    m = h["__metadata__"]
+    n_layer = int(m["n_layer"])
+    evil = "\x1b[2J\u009b31m"
+    for k in ("alloc.bits", "alloc.ctx", "alloc.window", "alloc.sinks", "alloc.effective_bits", "alloc.predicted_kl",
+              "alloc.holdout_top1", "alloc.verify_ctx", "alloc.verify_scored", "alloc.verify_start",
+              "alloc.holdout_ppl", "alloc.holdout_ppl_base", "alloc.window_measured_kl", "alloc.window_predicted_kl"):
+        m[k] = "1" + evil
+    m["alloc.holdout_kl"] = "0.5"
+    for k in ("alloc.k", "alloc.v", "alloc.kl.k", "alloc.kl.v"):
+        m[k] = ",".join(["d4b8" + evil] * n_layer)
+    p = tmp_path / "evil_alloc.safetensors"
+    write_st(p, h, data)
+    r = run("info", p)
+    assert r.returncode == 0, r.stderr
+    no_terminal_controls(r.stdout)
+    out = r.stdout.decode()
+    assert "allocation:      --bits 1\\x1b[2J" in out and "joint check: " in out, out
+    assert "d4b8\\x1b[2J" in out.split("allocation:")[1], out
+
+
 def test_error_message_escapes_file_strings(tmp_path):
     h, data = read_st(SEED_CB)
     h["layers.0.\x1b[2Jevil"] = h["layers.0.k.smooth"]
