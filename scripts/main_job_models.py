@@ -8,7 +8,8 @@ Inputs are `kvpq ppl --json --kl-base fp16` outputs (schema kvpq.ppl/1). Usage:
         --panel "SmolLM2-135M ctx 4096=out/mj/smol_ctx4096_kvpq.json,bench/results/main_job_ppl_ctx4096.json" ...
 
 Rows whose cache is `vq:FILE` with an allocation (metadata alloc.*) are kvpq's: the table adds the
-predicted KL (alloc.predicted_kl) and its ratio to the measured mean KL; their points form the
+predicted KL (alloc.predicted_kl) and its ratio to the measured mean KL, and where the file has
+it the KL of the file's joint check on held-out calibration text (alloc.holdout_kl) and its ratio; their points form the
 frontier line in the figure. Other vq rows (uniform presets) are drawn hollow and named from the
 codebook file (`cb_PRESET`) or its `keys` / `values` metadata, plus the window suffix.
 
@@ -102,19 +103,24 @@ def rows_of(paths):
 
 def table(title, rows):
     lines = [f"### {title}", "",
-             "| cache | eff. bits | ppl | Δppl vs fp16 | KL mean | top-1 | predicted KL | predicted / measured |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| cache | eff. bits | ppl | Δppl vs fp16 | KL mean | top-1 | predicted KL | predicted / measured "
+             "| held-out KL | held-out / measured |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(rows, key=lambda r: r["bits_per_element"]):
-        pk, ratio = "", ""
+        pk, ratio, hk, hratio = "", "", "", ""
         klm, top1 = num(r, "kl_mean"), num(r, "top1_agree")
         if r["_alloc"]:
             p = float(r["_alloc"]["alloc.predicted_kl"])
             pk = f"{p:.4f}"
             ratio = f"{p / klm:.2f}" if klm else "n/a"
+            if "alloc.holdout_kl" in r["_alloc"]:  # the joint check of the written file (docs/allocation.md item 8)
+                h = float(r["_alloc"]["alloc.holdout_kl"])
+                hk = f"{h:.4f}"
+                hratio = f"{h / klm:.2f}" if klm else "n/a"
         kls = "n/a" if klm is None else f"{klm:.4f}"
         t1 = "n/a" if top1 is None else f"{100 * top1:.1f}%"
         lines.append(f"| {r['_name']} | {r['bits_per_element']:.3f} | {r['ppl']:.3f} | {r['_dppl']:+.2f}% | "
-                     f"{kls} | {t1} | {pk} | {ratio} |")
+                     f"{kls} | {t1} | {pk} | {ratio} | {hk} | {hratio} |")
     bases = sorted({f"{r['_base']:.3f}" for r in rows if r["_base"]})
     srcs = sorted({r["_src"] for r in rows})
     lines += ["", f"fp16 base ppl {' / '.join(bases)}; sources: " + ", ".join(f"`{s}`" for s in srcs)]
