@@ -10,6 +10,7 @@
  * file (kvpq_codebook_save) with the model, text, token count and configuration as metadata. */
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -503,35 +504,39 @@ static int train_layers(const calib_args *a, const kvpq_model_info *mi, kvpq_cod
     return 0;
 }
 
+/* kvpq_codebook_set_meta with a printf-formatted value (at most 63 characters). */
+__attribute__((format(printf, 3, 4))) static void set_meta_fmt(kvpq_codebook *cb, const char *key, const char *fmt,
+                                                               ...) {
+    char buf[64];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    kvpq_codebook_set_meta(cb, key, buf);
+}
+
 /* The metadata every codebook of calibrate records. */
 static void set_common_meta(const calib_args *a, const kvpq_model_info *mi, const char *model_path, kvpq_codebook *cb,
                             size_t n_use, double mse_k, double mse_v) {
     const int L = mi->n_layer;
-    char buf[64];
     kvpq_codebook_set_meta(cb, "model", mi->name);
     kvpq_codebook_set_meta(cb, "model_file", base_name(model_path));
     kvpq_codebook_set_meta(cb, "text", base_name(a->text));
-    snprintf(buf, sizeof buf, "%zu", n_use);
-    kvpq_codebook_set_meta(cb, "tokens", buf);
-    snprintf(buf, sizeof buf, "%ld", a->ctx);
-    kvpq_codebook_set_meta(cb, "ctx", buf);
+    set_meta_fmt(cb, "tokens", "%zu", n_use);
+    set_meta_fmt(cb, "ctx", "%ld", a->ctx);
     kvpq_codebook_set_meta(cb, "keys", a->keys);
     if (a->keys2) kvpq_codebook_set_meta(cb, "keys2", a->keys2);
     if (a->keys_layers) kvpq_codebook_set_meta(cb, "keys_layers", a->keys_layers);
     if (a->values_layers) kvpq_codebook_set_meta(cb, "values_layers", a->values_layers);
     kvpq_codebook_set_meta(cb, "values", a->values);
-    snprintf(buf, sizeof buf, "%ld", a->seed);
-    kvpq_codebook_set_meta(cb, "seed", buf);
-    snprintf(buf, sizeof buf, "%ld", a->iters);
-    kvpq_codebook_set_meta(cb, "kmeans_iters", buf);
+    set_meta_fmt(cb, "seed", "%ld", a->seed);
+    set_meta_fmt(cb, "kmeans_iters", "%ld", a->iters);
     kvpq_codebook_set_meta(cb, "kmeans_init", a->kmeans_init);
     kvpq_codebook_set_meta(cb, "key_center", a->center ? "1" : "0");
     kvpq_codebook_set_meta(cb, "key_smooth", a->smooth_query ? "query" : "keys");
     /* With norm-explicit quantizers these are errors of the unit directions. */
-    snprintf(buf, sizeof buf, "%.6g", mse_k / L);
-    kvpq_codebook_set_meta(cb, "key_mse_mean", buf);
-    snprintf(buf, sizeof buf, "%.6g", mse_v / L);
-    kvpq_codebook_set_meta(cb, "value_mse_mean", buf);
+    set_meta_fmt(cb, "key_mse_mean", "%.6g", mse_k / L);
+    set_meta_fmt(cb, "value_mse_mean", "%.6g", mse_v / L);
 }
 
 /* Train one job's codebook cb (train_layers) and write it to a->out with its metadata. */
@@ -661,21 +666,13 @@ static int verify_file(calib_verify *v, const char *path, calib_checked *out) {
 
 /* The check's result in the file's metadata (docs/allocation.md). */
 static void set_verify_meta(kvpq_codebook *cb, const calib_verify *v, const calib_checked *c) {
-    char buf[64];
-    snprintf(buf, sizeof buf, "%.17g", c->kl);
-    kvpq_codebook_set_meta(cb, "alloc.holdout_kl", buf);
-    snprintf(buf, sizeof buf, "%.17g", c->top1);
-    kvpq_codebook_set_meta(cb, "alloc.holdout_top1", buf);
-    snprintf(buf, sizeof buf, "%.6f", c->ppl);
-    kvpq_codebook_set_meta(cb, "alloc.holdout_ppl", buf);
-    snprintf(buf, sizeof buf, "%.6f", v->base_ppl);
-    kvpq_codebook_set_meta(cb, "alloc.holdout_ppl_base", buf);
-    snprintf(buf, sizeof buf, "%d", v->C);
-    kvpq_codebook_set_meta(cb, "alloc.verify_ctx", buf);
-    snprintf(buf, sizeof buf, "%zu", v->start);
-    kvpq_codebook_set_meta(cb, "alloc.verify_start", buf);
-    snprintf(buf, sizeof buf, "%d", v->n_score);
-    kvpq_codebook_set_meta(cb, "alloc.verify_scored", buf);
+    set_meta_fmt(cb, "alloc.holdout_kl", "%.17g", c->kl);
+    set_meta_fmt(cb, "alloc.holdout_top1", "%.17g", c->top1);
+    set_meta_fmt(cb, "alloc.holdout_ppl", "%.6f", c->ppl);
+    set_meta_fmt(cb, "alloc.holdout_ppl_base", "%.6f", v->base_ppl);
+    set_meta_fmt(cb, "alloc.verify_ctx", "%d", v->C);
+    set_meta_fmt(cb, "alloc.verify_start", "%zu", v->start);
+    set_meta_fmt(cb, "alloc.verify_scored", "%d", v->n_score);
     kvpq_codebook_set_meta(cb, "alloc.verify_base", "fp16");
 }
 
