@@ -120,12 +120,20 @@ static kvpq_codebook *make_cb(int n_layer, int H, int D, const char *key, const 
     return make_cb2(n_layer, H, D, key, value, NULL);
 }
 
+/* 1: the codebooks of check_bytes_stages have k.norm_bits = v.norm_bits = "8" (8-bit scales, one
+ * float reference per page and KV head) and d1b8 keys in layer 1, which keep float16 scales. */
+static int g_norm8 = 0;
+
 /* stages2: 0, or a residual d8b8 second key stage in layers 0 and 2 (layer 1 keeps one stage) */
 static void check_bytes_stages(int sliding_window, int window, int page, int len, int step, int sinks, int stages2) {
     const int L = 3, H = 2, D = 16;
     kvpq_codebook *cb = make_cb2(L, H, D, "d4b8", "d8b8", stages2 ? "d8b8" : NULL);
     if (stages2) cr_assert_eq(kvpq_codebook_set_layer_key_stages(cb, 1, 1), KVPQ_OK, "%s", kvpq_last_error());
-    cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 1, 8), KVPQ_OK); /* d2b8 keys in layer 1 */
+    if (g_norm8) {
+        cr_assert_eq(kvpq_codebook_set_meta(cb, "k.norm_bits", "8"), KVPQ_OK);
+        cr_assert_eq(kvpq_codebook_set_meta(cb, "v.norm_bits", "8"), KVPQ_OK);
+    }
+    cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 1, g_norm8 ? 16 : 8), KVPQ_OK); /* d2b8 (d1b8) keys in layer 1 */
     cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, 2, 2), KVPQ_OK); /* d8b8 keys in layer 2 */
     cr_assert_eq(kvpq_codebook_set_layer_value_M(cb, 0, 8), KVPQ_OK); /* d2b8 values in layer 0 */
     uint8_t swa[3] = {1, 0, 1};
@@ -192,6 +200,41 @@ Test(alloc, byte_model_equals_the_cache_resident_bytes) {
     check_bytes_stages(0, 8, 16, 100, 24, 0, 1);
     check_bytes_stages(0, 0, 32, 300, 512, 1, 1);
     check_bytes_stages(20, 8, 16, 200, 24, 4, 1);
+    /* 8-bit scales: a byte per vector where the quantizer has <= 4 bits per element, float16 for the
+     * d1b8 keys of layer 1, a float reference per (page, KV head) and kind */
+    g_norm8 = 1;
+    check_bytes_sinks(0, 8, 16, 100, 24, 1);
+    check_bytes_sinks(20, 8, 16, 200, 24, 4);
+    check_bytes(40, 4, 8, 333, 7);
+    check_bytes_stages(0, 0, 32, 300, 512, 1, 1);
+    g_norm8 = 0;
+}
+
+/* The 8-bit scales save what the byte model says: with k.norm_bits / v.norm_bits = "8" the d4b8
+ * keys and d8b8 values of a layer hold one byte less per coded vector and kind (plus a float per
+ * page and KV head) than with float16 scales. */
+Test(alloc, norm8_bytes_per_layer) {
+    const int L = 1, H = 2, D = 16, len = 300, page = 32;
+    size_t lb[2][2], fixed[2];
+    int64_t el[2];
+    for (int e = 0; e < 2; e++) {
+        kvpq_codebook *cb = make_cb(L, H, D, "d4b8", "d8b8");
+        if (e) {
+            cr_assert_eq(kvpq_codebook_set_meta(cb, "k.norm_bits", "8"), KVPQ_OK);
+            cr_assert_eq(kvpq_codebook_set_meta(cb, "v.norm_bits", "8"), KVPQ_OK);
+        }
+        kvpq_cache_params p = kvpq_cache_params_default();
+        p.type = KVPQ_CACHE_VQ, p.n_layer = L, p.n_head = 4, p.n_head_kv = H, p.head_dim = D;
+        p.max_seq = len, p.window = 0, p.page_tokens = page, p.codebook = cb;
+        cr_assert_eq(kvpq_vq_cache_bytes(cb, &p, len, 512, lb[e], &fixed[e], &el[e]), KVPQ_OK, "%s", kvpq_last_error());
+        kvpq_codebook_free(cb);
+    }
+    const size_t coded = (size_t)len / 32 * 32, pages = (coded + page - 1) / page; /* window 0: flushed in 32s */
+    for (int kind = 0; kind < 2; kind++)
+        cr_assert_eq(lb[0][kind] - lb[1][kind], pages * page * H * 1 - pages * H * 4, "kind %d: %zu vs %zu", kind,
+                     lb[0][kind], lb[1][kind]);
+    cr_assert_eq(fixed[0], fixed[1]);
+    cr_assert_eq(el[0], el[1]);
 }
 
 /* ---- a synthetic model (float32 GGUF, the writer of test_model_arch.c reduced to llama) -------- */

@@ -164,6 +164,17 @@ Test(cache_file, round_trip_every_kind_identical_attention) {
         round_trip(KVPQ_CACHE_VQ, cb, 300, 150, 950u + norm);
         kvpq_codebook_free(cb);
     }
+    /* 8-bit norm-explicit scales (k.norm_bits / v.norm_bits = "8"): the codes, bytes and each page's
+     * references come back; a cache saved with them is refused by the same codebook with float16
+     * scales (another page layout: the fingerprint differs) */
+    kvpq_codebook *cb8 = make_codebook(1, 52u);
+    const uint64_t fp16_fp = kvpq_codebook_fingerprint(cb8);
+    cr_assert_eq(kvpq_codebook_set_meta(cb8, "k.norm_bits", "8"), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_set_meta(cb8, "v.norm_bits", "8"), KVPQ_OK);
+    cr_assert_neq(kvpq_codebook_fingerprint(cb8), fp16_fp);
+    for (int i = 0; i < 3; i++) round_trip(KVPQ_CACHE_VQ, cb8, lens[i], -1, 960u + i);
+    round_trip(KVPQ_CACHE_VQ, cb8, 300, 150, 970u);
+    kvpq_codebook_free(cb8);
 }
 
 /* The same cache saves to the same bytes whatever the allocator left in its memory: glibc's M_PERTURB

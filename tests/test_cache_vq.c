@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kvpq.h"
 #include "cpu/vq_kernels.h"
@@ -57,6 +58,8 @@ static kvpq_codebook *make_codebook(int n_layer, const cfg *c) { return make_cod
 
 /* Norm-explicit quantizers of the codebooks make_codebook builds: bit 0 keys, bit 1 values. */
 static int g_norm = 0;
+/* 8: the codebooks make_codebook builds get k.norm_bits / v.norm_bits = "8" (8-bit scales). */
+static int g_norm_bits = 16;
 /* (n_layer) each layer's value M for the codebooks make_codebook builds, or NULL (c->vpreset's). */
 static const int *g_value_M = NULL;
 /* Preset of a residual second key stage for the codebooks make_codebook builds, or NULL (one stage). */
@@ -83,6 +86,10 @@ static kvpq_codebook *make_codebook_m(int n_layer, const cfg *c, const int *key_
     }
     kvpq_codebook *cb = NULL;
     cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
+    if (g_norm_bits == 8) {
+        cr_assert_eq(kvpq_codebook_set_meta(cb, "k.norm_bits", "8"), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_set_meta(cb, "v.norm_bits", "8"), KVPQ_OK, "%s", kvpq_last_error());
+    }
     for (int l = 0; key_M && l < n_layer; l++)
         cr_assert_eq(kvpq_codebook_set_layer_key_M(cb, l, key_M[l]), KVPQ_OK, "%s", kvpq_last_error());
     for (int l = 0; g_key_stages && l < n_layer; l++)
@@ -876,6 +883,176 @@ Test(cache_vq, norm_explicit_read_and_bytes) {
     free(kh);
     free(vh);
     kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
+}
+
+// ---- 8-bit norm-explicit scales (k.norm_bits / v.norm_bits = "8") ------------------------------------
+
+/* Attention from codes with 8-bit key and/or value scales equals exact attention over read() (which
+ * applies the decoded scales): appends in uneven chunks, so a page's later batches use the reference
+ * its first batch set; d1b8 keys (8 bits per element) keep float16 scales beside 8-bit value scales;
+ * per-layer key M; a page size that is not a multiple of 4; every SIMD level for one shape. */
+Test(cache_vq, norm8_matches_fp64) {
+    const cfg cs[] = {
+        {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0},
+        {32, 8, 128, "d1b8", "d2b8", KVPQ_CODEBOOK_SHARED, 1},
+        {4, 4, 256, "d8b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 0},
+        {8, 2, 64, "d8b12", "d8b12", KVPQ_CODEBOOK_SHARED, 1},
+    };
+    const int len = quick() ? 260 : 420;
+    g_norm_bits = 8;
+    for (int f = 1; f < 4; f++) {
+        g_norm = f;
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) run_config(&cs[i], len, 32, 64);
+    }
+    g_norm = 3;
+    for_each_simd(&cs[0], len, 32, 48);
+    const int key_M[3] = {16, 64, 8}; /* d4b8, d1b8 (float16 scales), d8b8 */
+    run_config_layers(&cs[0], len, 32, 33, 3, key_M);
+    run_config(&cs[3], len, 16, 33);
+    g_norm = 0;
+    g_norm_bits = 16;
+}
+
+/* read() of a cache with 8-bit scales equals c(s) * decode(encode(u)) mapped back, recomputed here
+ * from the definition: s the float16 least-squares scale (as in norm_explicit_read_and_bytes), m =
+ * 2^round(mean log2 s) over the coded vectors of each (page, KV head) (one append: each page's first
+ * batch is all of it), code = clamp(round(16 log2(s / m)) + 128, 1, 255), c(s) = float16(m
+ * 2^((code - 128) / 16)) within 2.2% of s; the resident bytes count one byte per vector and kind and
+ * one float reference per (page, KV head, kind); d1b8 keys keep two bytes. */
+Test(cache_vq, norm8_read_scales_and_bytes) {
+    for (int d1 = 0; d1 < 2; d1++) {
+        cfg c = {9, 3, 64, d1 ? "d1b8" : "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+        g_norm = 3;
+        g_norm_bits = 8;
+        kvpq_codebook *cb = make_codebook(1, &c);
+        g_norm = 0;
+        g_norm_bits = 16;
+        const int W = 16, PT = 48, len = 150, d = 64, nkv = 3;
+        kvpq_cache *cache = make_cache(cb, 1, &c, W, PT, 256);
+        float *k, *v;
+        append_random(cache, 0, &c, len, &k, &v);
+        const int nc = expected_coded(len, W);
+        const size_t row = (size_t)nkv * d, tot = (size_t)len * row, nv = (size_t)nc * nkv;
+        float *kh = malloc(tot * sizeof(float)), *vh = malloc(tot * sizeof(float));
+        cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
+        const float *lam = kvpq_codebook_key_smooth_const(cb, 0), *mu = kvpq_codebook_key_mean_const(cb, 0);
+        const kvpq_vq_kernels *K = kvpq__vq_kernels(KVPQ_SIMD_SCALAR);
+        float *x = malloc(tot * sizeof(float)), *r = malloc(tot * sizeof(float)), *sc = malloc(nv * sizeof(float));
+        uint8_t *codes = malloc(nv * 64);
+        uint16_t *h = malloc(tot * sizeof(uint16_t));
+        for (int w = 0; w < 2; w++) {
+            const int eight = !(w == 0 && d1); /* d1b8 keys keep float16 scales */
+            K->f32_to_f16(tot, w ? v : k, h);
+            K->f16_to_f32(tot, h, x);
+            if (!w)
+                for (size_t i = 0; i < tot; i++) x[i] = (x[i] - mu[i % row]) / lam[i % row];
+            kvpq_hadamard(x, (size_t)len * nkv, d);
+            for (size_t i = 0; i < nv; i++) {
+                double ss = 0;
+                for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
+                sc[i] = (float)sqrt(ss);
+                for (int j = 0; j < d; j++) x[i * d + j] *= 1.0f / sc[i];
+            }
+            const kvpq_pq *pq = kvpq_codebook_pq_const(cb, 0, w);
+            cr_assert_eq(kvpq_pq_encode(pq, nv, x, codes), KVPQ_OK);
+            cr_assert_eq(kvpq_pq_decode(pq, nv, codes, r), KVPQ_OK);
+            for (size_t i = 0; i < nv; i++) { /* float16 least-squares scales */
+                double ur = 0, rr = 0;
+                for (int j = 0; j < d; j++) {
+                    ur += (double)x[i * d + j] * r[i * d + j];
+                    rr += (double)r[i * d + j] * r[i * d + j];
+                }
+                cr_assert(rr > 0 && ur > 0);
+                float s = (float)(sc[i] * ur / rr);
+                uint16_t s16;
+                K->f32_to_f16(1, &s, &s16);
+                K->f16_to_f32(1, &s16, &sc[i]);
+            }
+            for (int hh = 0; eight && hh < nkv; hh++)
+                for (int p0 = 0; p0 < nc; p0 += PT) { /* the reference of (page, head), then the codes */
+                    const int p1 = p0 + PT < nc ? p0 + PT : nc;
+                    double ls = 0;
+                    for (int t = p0; t < p1; t++) ls += log2((double)sc[(size_t)t * nkv + hh]);
+                    const double m = ldexp(1.0, (int)lrint(ls / (p1 - p0)));
+                    for (int t = p0; t < p1; t++) {
+                        float *s = &sc[(size_t)t * nkv + hh];
+                        long code = lrint(16.0 * log2(*s / m)) + 128;
+                        code = code < 1 ? 1 : code > 255 ? 255 : code;
+                        float s8 = (float)(m * exp2((double)(code - 128) / 16.0));
+                        uint16_t s16;
+                        K->f32_to_f16(1, &s8, &s16);
+                        K->f16_to_f32(1, &s16, &s8);
+                        cr_assert(fabsf(s8 / *s - 1.0f) < 0.0225f, "8-bit scale %g vs %g", (double)s8, (double)*s);
+                        *s = s8;
+                    }
+                }
+            for (size_t i = 0; i < nv; i++)
+                for (int j = 0; j < d; j++) r[i * d + j] *= sc[i];
+            kvpq_hadamard(r, nv, d);
+            for (size_t i = 0; i < nv * d; i++) {
+                float want = w ? r[i] : r[i] * lam[i % row] + mu[i % row];
+                float got = (w ? vh : kh)[i];
+                cr_assert_float_eq(got, want, 1e-4f * (1.0f + fabsf(want)), "%s coded element %zu: %g vs %g",
+                                   w ? "v" : "k", i, (double)got, (double)want);
+            }
+        }
+        /* Pages: codes, one byte per 8-bit scale (two for d1b8 keys), a float reference per 8-bit kind and head. */
+        const size_t kcs = d1 ? 64 : 16, ksb = d1 ? 2 : 1, n8 = d1 ? 1 : 2;
+        size_t books = (kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 0)) +
+                        kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 1))) * 4 + 2 * row * 4;
+        size_t ring = 2 * (size_t)(W + FLUSH) * row * 2, page = (size_t)nkv * PT * (kcs + 16 + ksb + 1) + n8 * nkv * 4;
+        size_t pages = (size_t)(nc + PT - 1) / PT;
+        cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + pages * page);
+        free(x);
+        free(r);
+        free(sc);
+        free(codes);
+        free(h);
+        free(k);
+        free(v);
+        free(kh);
+        free(vh);
+        kvpq_cache_free(cache);
+        kvpq_codebook_free(cb);
+    }
+}
+
+/* k.norm_bits / v.norm_bits other than "8" or "16" are refused by set_meta, and a file holding one
+ * is refused when it loads (FORMAT, naming the key); "8" round-trips through the file. */
+Test(cache_vq, norm_bits_metadata_checked) {
+    cfg c = {4, 2, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    g_norm = 3;
+    kvpq_codebook *cb = make_codebook(1, &c);
+    g_norm = 0;
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "k.norm_bits", "4"), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "k.norm_bits"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "v.norm_bits", "8"), KVPQ_OK);
+    char path[] = "/tmp/kvpq_norm_bits_XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    close(fd);
+    cr_assert_eq(kvpq_codebook_save(cb, path), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook *back = NULL;
+    cr_assert_eq(kvpq_codebook_load(&back, path), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_str_eq(kvpq_codebook_get_meta(back, "v.norm_bits"), "8");
+    kvpq_codebook_free(back);
+    /* the same file with "8" patched to "9" (same length: the header stays valid JSON) */
+    FILE *f = fopen(path, "r+b");
+    cr_assert(f);
+    char buf[8192];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    buf[n < sizeof buf ? n : sizeof buf - 1] = 0;
+    char *at = NULL;
+    for (size_t i = 0; i + 17 < n && !at; i++)
+        if (!memcmp(buf + i, "\"v.norm_bits\":\"8\"", 17)) at = buf + i + 15;
+    cr_assert(at, "v.norm_bits not found in the header");
+    fseek(f, at - buf, SEEK_SET);
+    fputc('9', f);
+    fclose(f);
+    cr_assert_eq(kvpq_codebook_load(&back, path), KVPQ_ERR_FORMAT);
+    cr_assert(strstr(kvpq_last_error(), "v.norm_bits"), "%s", kvpq_last_error());
+    unlink(path);
     kvpq_codebook_free(cb);
 }
 

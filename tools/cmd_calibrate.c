@@ -26,7 +26,7 @@
 
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *values_layers, *kmeans_init, *keys2;
-    long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm, smooth_query;
+    long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm, smooth_query, norm_bits;
     /* (n_layer, n_head_kv, head_dim): max |q| per KV head's query group and channel over the
      * calibration text (kvpq_model_eval_query_absmax); set after the forward pass */
     const float *q_absmax;
@@ -73,6 +73,9 @@ static void calib_usage(FILE *f) {
             "  --key-norm 0|1        norm-explicit keys: code the direction, keep a float16 scale per vector\n"
             "                        (Dai et al., AAAI 2020; +16 bits per key vector) (default 1)\n"
             "  --value-norm 0|1      likewise for values (default 1)\n"
+            "  --norm-bits 8|16      bits of each norm-explicit scale in the VQ cache: 16 (float16) or 8 (a\n"
+            "                        log-coded byte, 1/16 octave steps; layers of at most 4 bits per element,\n"
+            "                        finer ones keep float16; metadata k.norm_bits / v.norm_bits) (default 16)\n"
             "  --iters N             k-means Lloyd iterations (default 25)\n"
             "  --kmeans-init I       pp: k-means++ seeding; random: k distinct points, as faiss (default random)\n"
             "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
@@ -118,7 +121,7 @@ static void calib_usage(FILE *f) {
             "  --also \"OPTIONS -o OUT\"   also train and write another codebook from the same forward pass\n"
             "                        (repeatable, up to 16): OPTIONS override the codebook options above\n"
             "                        (--keys, --keys2, --values, --keys-layers, --values-layers, --granularity, --value-rotate, --center, --smooth-query,\n"
-            "                        --key-norm, --value-norm, --iters, --kmeans-init,\n"
+            "                        --key-norm, --value-norm, --norm-bits, --iters, --kmeans-init,\n"
             "                        --max-points-per-centroid, --seed); --keys-layers / --values-layers are not inherited and\n"
             "                        --values defaults to the job's --keys unless given on the main command\n");
 }
@@ -183,6 +186,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--smooth-query", smooth_query, 0, 1)
         INT_OPT("--key-norm", key_norm, 0, 1)
         INT_OPT("--value-norm", value_norm, 0, 1)
+        INT_OPT("--norm-bits", norm_bits, 8, 16)
         INT_OPT("--max-points-per-centroid", max_ppc, 1, 1L << 20)
         INT_OPT("--seed", seed, 0, 0x7fffffffL)
         STR_OPT("--candidates", cands)
@@ -226,7 +230,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
             static const char *const OPTS[] = {"--help", "-h", "--quiet", "-q", "--also", "--model", "--text", "-o", "--out", "--keys",
                                                "--keys-layers", "--values", "--values-layers", "--keys2", "--granularity", "--kmeans-init",
                                                "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
-                                               "--center", "--smooth-query", "--key-norm", "--value-norm",
+                                               "--center", "--smooth-query", "--key-norm", "--value-norm", "--norm-bits",
                                                "--max-points-per-centroid", "--seed", "--bits", "--candidates",
                                                "--holdout-ctx", "--holdout-chunks", "--window", "--window-candidates", "--sinks",
                                                "--alloc-values", "--full-sensitivity", "--bits-also", "--verify-ctx",
@@ -246,6 +250,8 @@ static int finish_job(calib_args *a, const char *what) {
         return cli_usage_error("calibrate: --kmeans-init '%s': expected pp or random", a->kmeans_init), -2;
     if (strcmp(a->granularity, "shared") && strcmp(a->granularity, "subspace") && strcmp(a->granularity, "head"))
         return cli_usage_error("calibrate: --granularity '%s': expected shared, subspace or head", a->granularity), -2;
+    if (a->norm_bits != 8 && a->norm_bits != 16)
+        return cli_usage_error("calibrate: --norm-bits %ld: expected 8 or 16", a->norm_bits), -2;
     return 1;
 }
 
@@ -254,7 +260,7 @@ static int finish_job(calib_args *a, const char *what) {
 static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char **split_buf) {
     calib_args *a = &jobs[0];
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
-                      .seed = 1234, .max_ppc = -1, .center = 1, .smooth_query = 1, .key_norm = 1, .value_norm = 1,
+                      .seed = 1234, .max_ppc = -1, .center = 1, .smooth_query = 1, .key_norm = 1, .value_norm = 1, .norm_bits = 16,
                       .cands = "d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8", .holdout_chunks = 1, .window = -1, .alloc_values = -1,
                       .sinks = 1, .verify_ctx = -1, .window_trust = 0.3};
     int r = parse_opts(argc, argv, a, 0);
@@ -459,6 +465,11 @@ static int make_codebook(const calib_args *a, const kvpq_model_info *mi, kvpq_co
     }
     if ((s = kvpq_codebook_new(cb, &cp)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
     if ((s = kvpq_codebook_set_model(*cb, mi)) != KVPQ_OK) return cli_fail("calibrate: codebook", s);
+    /* 8-bit norm-explicit scales (cache_vq.c): every candidate and the written file count and
+     * measure them, since the VQ cache reads this metadata */
+    if (a->norm_bits == 8 && ((cp.key_norm && (s = kvpq_codebook_set_meta(*cb, "k.norm_bits", "8")) != KVPQ_OK) ||
+                              (cp.value_norm && (s = kvpq_codebook_set_meta(*cb, "v.norm_bits", "8")) != KVPQ_OK)))
+        return cli_fail("calibrate: codebook", s);
     if (a->keys_layers && !apply_layers(*cb, a->keys_layers, mi->n_layer, mi->head_dim, cp.key.nbits, 0)) return 2;
     if (a->values_layers && !apply_layers(*cb, a->values_layers, mi->n_layer, mi->head_dim, cp.value.nbits, 1))
         return 2;

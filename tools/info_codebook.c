@@ -109,9 +109,21 @@ int cmd_info_codebook(int argc, char **argv, const char *path) {
             printf(" (%d of %d)\n", n2, p.n_layer);
         }
     }
-    /* Codes, plus one float16 scale per vector of a norm-explicit quantizer. */
+    /* Codes, plus one scale per vector of a norm-explicit quantizer: float16, or 8 bits in the layers
+     * kvpq_codebook_layer_scale_bits names (metadata k.norm_bits / v.norm_bits = "8"). */
+    double sbits = 0;
+    int n8[2] = {0, 0};
+    for (int l = 0; l < p.n_layer; l++)
+        for (int w = 0; w < 2; w++) {
+            const int b = kvpq_codebook_layer_scale_bits(cb, l, w);
+            sbits += b > 0 ? b : 0;
+            n8[w] += b == 8;
+        }
+    if (n8[0] || n8[1])
+        printf("norm scales:     8-bit in %d of %d layers' keys, %d of %d layers' values (float16 elsewhere)\n",
+               n8[0], p.n_layer, n8[1], p.n_layer);
     printf("bits/element (K and V together, codes and per-vector scales): %.3f\n",
-           ((bits[0] + bits[1]) / p.n_layer + 16.0 * (p.key_norm + p.value_norm)) / (2.0 * p.head_dim));
+           ((bits[0] + bits[1]) + sbits) / p.n_layer / (2.0 * p.head_dim));
 
     /* An allocation by `kvpq calibrate --bits` (docs/allocation.md): the budget, the prediction, and
      * each layer's presets with the KL they were predicted to cost. The values are the file's

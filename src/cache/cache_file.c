@@ -92,6 +92,10 @@ uint64_t kvpq_codebook_fingerprint(const kvpq_codebook *cb) {
             XXH64_update(h, shape, sizeof shape);
             XXH64_update(h, kvpq_pq_centroids(pq2), kvpq_pq_centroids_size(pq2) * sizeof(float));
         }
+        /* 8-bit norm-explicit scales (k.norm_bits / v.norm_bits): a different page layout; only when
+         * present, so float16 fingerprints are unchanged */
+        const int32_t sbits[] = {-8, kvpq_codebook_layer_scale_bits(cb, l, 0), kvpq_codebook_layer_scale_bits(cb, l, 1)};
+        if (sbits[1] == 8 || sbits[2] == 8) XXH64_update(h, sbits, sizeof sbits);
         const float *lam = kvpq_codebook_key_smooth_const(cb, l), *mu = kvpq_codebook_key_mean_const(cb, l);
         if (lam) XXH64_update(h, lam, row * sizeof(float));
         if (mu) XXH64_update(h, mu, row * sizeof(float));

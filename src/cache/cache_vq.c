@@ -44,6 +44,15 @@
  * s * sum_m LUT[m][code_m] + q . mu / sqrt(d) (the mean term is added after the scaling, not
  * folded into the LUT), and a coded value's softmax weight p(t) enters the per-centroid sums as
  * p(t) s(t) while the softmax denominator keeps p(t). Fast-scan is not used with norm-explicit keys.
+ * 8-bit scales (codebook metadata k.norm_bits / v.norm_bits = "8", layers whose quantizer has at
+ * most 4 bits per element: kvpq__codebook_scale_bytes): a byte c per (token, KV head) instead of
+ * the float16, s = m 2^((c - 128) / 16) (c = 0: s = 0), m a power of two per (page, KV head, kind)
+ * set by the first batch written into the page (2^round(mean log2 s) of its nonzero scales), kept
+ * as a float after the scales. The code's step is 1/16 octave: relative error <= 2.2%, about 1.6e-4
+ * of the direction's squared error against the 0.09 of d4b8's (docs/vq_cache.md "8-bit scales");
+ * a scale beyond m 2^(+-7.9) is clamped there, and a negative least-squares scale (u . r < 0)
+ * becomes 0. The code is decoded to float16 before the kernels read it, so attention, read and
+ * the saved cache see the same value.
  * Truncation below n_coded keeps the remaining positions as codes (their full precision is gone);
  * the window refills from the next appends. */
 #include <math.h>
@@ -78,6 +87,8 @@ typedef struct {
     uint16_t *wk;     /* (n_head_kv, cap, head_dim) fp16 window keys; NULL until the first append */
     uint16_t *wv;     /* (n_head_kv, cap, head_dim) fp16 window values */
     int n_coded;      /* positions [0, n_coded) are codes */
+    int sb[2];        /* bytes of a key / value scale: 0 (not norm-explicit), 1 (8-bit code) or 2 (float16) */
+    size_t ref_off;   /* byte offset in a page of the 8-bit scales' references m: (kinds with sb 1, n_head_kv) floats */
 } vq_layer;
 
 typedef struct {          /* per-thread scratch, sized at creation: nothing allocated in attend */
@@ -93,6 +104,8 @@ typedef struct {          /* per-thread scratch, sized at creation: nothing allo
     float *ws;            /* (cap) window scores */
     float *o;             /* (gp, head_dim) merged output of one group */
     float *ow;            /* (head_dim) window output of one head */
+    float *s32;           /* (VQ_CHUNK) 8-bit scales decoded, as float */
+    uint16_t *s16;        /* (VQ_CHUNK) the same as float16, as the kernels read them */
 } vq_scratch;
 
 typedef struct {
@@ -101,7 +114,7 @@ typedef struct {
     int gp;               /* group padded to 1, 4, 8 or a multiple of 16 lanes */
     int window, cap, page_tokens, max_pages, n_threads;
     int value_rotate;
-    int k_norm, v_norm;   /* norm-explicit key / value quantizers: a float16 scale per (token, KV head) */
+    int k_norm, v_norm;   /* norm-explicit key / value quantizers: a scale per (token, KV head) (vq_layer.sb) */
     int fast_scan;        /* params.vq_fast_scan and 8-bit key codes (per layer: also M <= 256) */
     float scale;          /* 1 / sqrt(head_dim) */
     int k_ksub, v_ksub;   /* code sizes are per layer (vq_layer.kcs, .vcs) */
@@ -124,6 +137,7 @@ typedef struct {
     uint16_t *h16;        /* (n_head_kv, head_dim) fp16 staging of one token */
     float *part;          /* (part_cap) per attention job: m (gp), d (gp), o (gp, head_dim) */
     size_t part_cap;      /* floats */
+    float s8tab[256];     /* 2^((c - 128) / 16), s8tab[0] = 0: the 8-bit scale code's factor */
 } vq_state;
 
 static int vq_target_coded(const vq_state *st, int len) {
@@ -146,13 +160,38 @@ static uint8_t *vq_vcodes(const vq_state *st, const vq_layer *L, int h, int pos)
            ((size_t)h * st->page_tokens + pos % st->page_tokens) * L->vcs;
 }
 
-/* The float16 scales of KV head h from position pos to the end of its page: is_value 0 for keys,
- * 1 for values (norm-explicit quantizers only). */
-static uint16_t *vq_scales(const vq_state *st, const vq_layer *L, int is_value, int h, int pos) {
-    uint16_t *base = (uint16_t *)(L->pages[pos / st->page_tokens] + L->scale_off);
+/* The scales of KV head h from position pos to the end of its page (L->sb[is_value] bytes each:
+ * float16 or 8-bit codes): is_value 0 for keys, 1 for values (norm-explicit quantizers only). */
+static uint8_t *vq_scales(const vq_state *st, const vq_layer *L, int is_value, int h, int pos) {
+    uint8_t *base = L->pages[pos / st->page_tokens] + L->scale_off;
     const size_t per = (size_t)st->n_head_kv * st->page_tokens; /* scales of one kind in a page */
-    const size_t off = is_value && st->k_norm ? per : 0; /* value scales follow the key scales */
-    return base + off + (size_t)h * st->page_tokens + pos % st->page_tokens;
+    const size_t off = is_value ? per * L->sb[0] : 0;          /* value scales follow the key scales */
+    return base + off + ((size_t)h * st->page_tokens + pos % st->page_tokens) * L->sb[is_value];
+}
+
+/* The reference m of the 8-bit scales of KV head h in page pg (0 until the page's first batch). */
+static float *vq_scale_ref(const vq_state *st, const vq_layer *L, int is_value, int h, int pg) {
+    const int kind = is_value && L->sb[0] == 1; /* key references first when keys have them too */
+    return (float *)(L->pages[pg] + L->ref_off) + (size_t)kind * st->n_head_kv + h;
+}
+
+/* n float16 scales of KV head h from position t (within one page), as the kernels read them: in
+ * the page for float16 scales, else the 8-bit codes decoded (m s8tab[c] rounded to float16) into s16. */
+static const uint16_t *vq_scales16(const vq_state *st, const vq_layer *L, int is_value, int h, int t, int n,
+                                   vq_scratch *s, const kvpq_vq_kernels *K) {
+    const uint8_t *p = vq_scales(st, L, is_value, h, t);
+    if (L->sb[is_value] == 2) return (const uint16_t *)p;
+    const float m = *vq_scale_ref(st, L, is_value, h, t / st->page_tokens);
+    for (int i = 0; i < n; i++) s->s32[i] = m * st->s8tab[p[i]];
+    K->f32_to_f16(n, s->s32, s->s16);
+    return s->s16;
+}
+
+/* 8-bit code of a scale x against the reference m (see the header): 0 for x <= 0 (or m unset). */
+static uint8_t vq_s8_code(float x, float m) {
+    if (!(x > 0.0f) || !(m > 0.0f)) return 0;
+    long c = lrintf(16.0f * log2f(x / m)) + 128;
+    return (uint8_t)(c < 1 ? 1 : c > 255 ? 255 : c);
 }
 
 static void vq_scratch_free(vq_scratch *s) {
@@ -170,6 +209,8 @@ static void vq_scratch_free(vq_scratch *s) {
     free(s->ws);
     free(s->o);
     free(s->ow);
+    free(s->s32);
+    free(s->s16);
 }
 
 static void vq_destroy(void *state) {
@@ -257,6 +298,8 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     if (p->page_tokens <= 0 || p->page_tokens > (1 << 20))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "VQ cache: page_tokens=%d: expected 1..%d", p->page_tokens, 1 << 20);
     KVPQ_TRY(vq_check_codebook(p, cb));
+    int sb_check = 0;
+    for (int kind = 0; kind < 2; kind++) KVPQ_TRY(kvpq__codebook_scale_bytes(cb, 0, kind, &sb_check)); /* metadata */
 
     vq_state *st = calloc(1, sizeof *st);
     if (!st) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory");
@@ -279,6 +322,8 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->v_norm = cp.value_norm != 0;
     st->fast_scan = p->vq_fast_scan && cp.key.nbits == 8 && !st->k_norm;
     st->k_ksub = 1 << cp.key.nbits;
+    st->s8tab[0] = 0.0f;
+    for (int c = 1; c < 256; c++) st->s8tab[c] = exp2f((float)(c - 128) / 16.0f);
     st->v_ksub = 1 << cp.value.nbits;
 
     st->kpq = calloc(p->n_layer, sizeof *st->kpq);
@@ -310,9 +355,13 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         L->vcs = kvpq_codes_size(Mv, st->vpq[l]->p.nbits);
         if (Mv > mv_max) mv_max = Mv;
         const size_t code_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + L->vcs);
-        const int n_scales = st->k_norm + st->v_norm; /* kinds of float16 scales after the codes */
-        L->scale_off = n_scales ? (code_bytes + 3) / 4 * 4 : code_bytes;
-        L->page_bytes = L->scale_off + (size_t)n_scales * p->n_head_kv * p->page_tokens * sizeof(uint16_t);
+        for (int kind = 0; kind < 2; kind++) (void)kvpq__codebook_scale_bytes(cb, l, kind, &L->sb[kind]);
+        /* after the codes: the key then the value scales (float16 or 8-bit), then the 8-bit scales'
+         * references (one float per kind with 8-bit scales and KV head) */
+        const size_t pv = (size_t)p->n_head_kv * p->page_tokens;
+        L->scale_off = L->sb[0] + L->sb[1] ? (code_bytes + 3) / 4 * 4 : code_bytes;
+        L->ref_off = (L->scale_off + pv * (L->sb[0] + L->sb[1]) + 3) / 4 * 4;
+        L->page_bytes = L->ref_off + (size_t)((L->sb[0] == 1) + (L->sb[1] == 1)) * p->n_head_kv * sizeof(float);
         L->fast_scan = st->fast_scan && Mk <= 256;
         if (Mk > mk_max) mk_max = Mk;
         if (L->fast_scan && Mk > mk_fs) mk_fs = Mk;
@@ -338,8 +387,10 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         s->ws = calloc(st->cap, sizeof(float));
         s->o = calloc((size_t)gp * d, sizeof(float));
         s->ow = calloc(d, sizeof(float));
+        s->s32 = calloc(VQ_CHUNK, sizeof(float));
+        s->s16 = calloc(VQ_CHUNK, sizeof(uint16_t));
         if (!s->qr || !s->lut || !s->table || !s->s || !s->idx || !s->rescale || !s->wkf || !s->wvf ||
-            !s->ws || !s->o || !s->ow)
+            !s->ws || !s->o || !s->ow || !s->s32 || !s->s16)
             goto nomem;
     }
     *state = st;
@@ -502,6 +553,38 @@ static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int
     return vq_encode(st, st->vpq[layer], NULL, st->v_norm, layer, "value", t0, nv, st->xv, st->cv, st->sv);
 }
 
+/* Store the float16 scales sc (row (t - first) * n_head_kv + h) of positions [first, target) of one
+ * kind into the pages: as they are, or as 8-bit codes against each (page, KV head) reference m,
+ * which a page's first batch sets (2^round(mean log2 of its nonzero scales in that page)). */
+static void vq_store_scales(vq_state *st, vq_layer *L, int is_value, int first, int target, const uint16_t *sc) {
+    const int nkv = st->n_head_kv, pt = st->page_tokens;
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    for (int h = 0; h < nkv; h++)
+        for (int t = first; t < target;) {
+            const int pg = t / pt, e = (pg + 1) * pt < target ? (pg + 1) * pt : target;
+            if (L->sb[is_value] == 2) {
+                for (int u = t; u < e; u++) memcpy(vq_scales(st, L, is_value, h, u), sc + (size_t)(u - first) * nkv + h, 2);
+            } else {
+                float *m = vq_scale_ref(st, L, is_value, h, pg), x;
+                if (!(*m > 0.0f)) {
+                    double lsum = 0;
+                    int cnt = 0;
+                    for (int u = t; u < e; u++) {
+                        K->f16_to_f32(1, sc + (size_t)(u - first) * nkv + h, &x);
+                        if (x > 0.0f) lsum += log2((double)x), cnt++;
+                    }
+                    if (cnt) *m = ldexpf(1.0f, (int)lrint(lsum / cnt));
+                }
+                uint8_t *dst = vq_scales(st, L, is_value, h, t);
+                for (int u = t; u < e; u++) {
+                    K->f16_to_f32(1, sc + (size_t)(u - first) * nkv + h, &x);
+                    dst[u - t] = vq_s8_code(x, *m);
+                }
+            }
+            t = e;
+        }
+}
+
 static kvpq_status vq_append(void *state, int layer, int len, int n, const float *k, const float *v) {
     vq_state *st = state;
     vq_layer *L = &st->layers[layer];
@@ -560,9 +643,9 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
                 size_t r = (size_t)(t - first) * nkv + h;
                 memcpy(vq_kcodes(st, L, h, t), st->ck + r * L->kcs, L->kcs);
                 memcpy(vq_vcodes(st, L, h, t), st->cv + r * L->vcs, L->vcs);
-                if (st->k_norm) *vq_scales(st, L, 0, h, t) = st->sk[r];
-                if (st->v_norm) *vq_scales(st, L, 1, h, t) = st->sv[r];
             }
+        for (int kind = 0; kind < 2; kind++)
+            if (L->sb[kind]) vq_store_scales(st, L, kind, first, target, kind ? st->sv : st->sk);
     }
     /* New tokens that stay in the window go to their ring slots (after the encode read the ring). */
     for (int t = target > len ? target : len; t < new_len; t++) {
@@ -662,7 +745,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
                 K->score_u16(n, Mk, kpq->ksub, gp, s->idx, s->lut, sc);
             }
             if (st->k_norm) /* score = s(t) * sum_m LUT + q . mu / sqrt(d) */
-                K->scale_tokens(n, gp, sc, vq_scales(st, L, 0, h, t), kb);
+                K->scale_tokens(n, gp, sc, vq_scales16(st, L, 0, h, t, n, s, K), kb);
             t += n;
         }
         float mx[64];
@@ -689,7 +772,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             const uint8_t *vc = vq_vcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
             if (st->v_norm) /* exp_sum put p(t) into the denominator; the value sums take p(t) s(t) */
-                K->scale_tokens(n, gp, sc, vq_scales(st, L, 1, h, t), NULL);
+                K->scale_tokens(n, gp, sc, vq_scales16(st, L, 1, h, t, n, s, K), NULL);
             if (dec) {
                 K->accum_dec_u8(n, Mv, vpq->dsub, vbooks, vcent, gp, G, vc, sc, po);
             } else if (vbits8) {
@@ -875,7 +958,15 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
                 for (int t = pos0; t < c1; t++)
                     for (int h = 0; h < nkv; h++) {
                         float sc;
-                        K->f16_to_f32(1, vq_scales(st, L, which, h, t), &sc);
+                        const uint8_t *sp = vq_scales(st, L, which, h, t);
+                        if (L->sb[which] == 1) { /* as vq_scales16 decodes it */
+                            uint16_t s16;
+                            sc = *vq_scale_ref(st, L, which, h, t / st->page_tokens) * st->s8tab[*sp];
+                            K->f32_to_f16(1, &sc, &s16);
+                            K->f16_to_f32(1, &s16, &sc);
+                        } else {
+                            K->f16_to_f32(1, (const uint16_t *)sp, &sc);
+                        }
                         float *xr = x + ((size_t)(t - pos0) * nkv + h) * d;
                         for (int j = 0; j < d; j++) xr[j] *= sc;
                     }

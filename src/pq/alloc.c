@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "pq/pq_impl.h"
 
 /* cache_vq.c's batch of encoding (VQ_FLUSH): the window overflows into codes in steps of this. */
 #define ALLOC_FLUSH 32
@@ -155,9 +156,16 @@ kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params
         const kvpq_pq *kq2 = kvpq_codebook_key_pq2_const(cb, l);
         const kvpq_pq_params kp1 = kvpq_pq_get_params(kq);
         const size_t kcs = kq2 ? kvpq_codes_size(kp1.M + kvpq_pq_get_params(kq2).M, kp1.nbits) : kvpq_pq_code_size(kq);
-        size_t kb = held * (kcs + (cp.key_norm ? 2 : 0)) + kvpq_pq_centroids_size(kq) * sizeof(float) +
-                    (kq2 ? kvpq_pq_centroids_size(kq2) * sizeof(float) : 0);
-        size_t vb = held * (kvpq_pq_code_size(vq) + (cp.value_norm ? 2 : 0)) + kvpq_pq_centroids_size(vq) * sizeof(float);
+        /* norm-explicit scales: float16 or 8-bit codes (kvpq__codebook_scale_bytes), the 8-bit ones
+         * with one float reference per page and KV head (cache_vq.c) */
+        int sbk = 0, sbv = 0;
+        KVPQ_TRY(kvpq__codebook_scale_bytes(cb, l, 0, &sbk));
+        KVPQ_TRY(kvpq__codebook_scale_bytes(cb, l, 1, &sbv));
+        const size_t pages_held = (size_t)(n_pages - first_page) * H;
+        size_t kb = held * (kcs + (size_t)sbk) + (sbk == 1 ? pages_held * sizeof(float) : 0) +
+                    kvpq_pq_centroids_size(kq) * sizeof(float) + (kq2 ? kvpq_pq_centroids_size(kq2) * sizeof(float) : 0);
+        size_t vb = held * (kvpq_pq_code_size(vq) + (size_t)sbv) + (sbv == 1 ? pages_held * sizeof(float) : 0) +
+                    kvpq_pq_centroids_size(vq) * sizeof(float);
         if (layer_bytes) layer_bytes[2 * l] = kb, layer_bytes[2 * l + 1] = vb;
         fixed += 2 * (size_t)H * D * sizeof(float);                       /* smoothing factors, key mean */
         if (len > S) fixed += 2 * (size_t)cap * H * D * sizeof(uint16_t); /* the fp16 window ring */

@@ -510,6 +510,12 @@ int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer) {
     return cb->layer_M[3 * layer + 2];
 }
 
+int kvpq_codebook_layer_scale_bits(const kvpq_codebook *cb, int layer, int is_value) {
+    if (!cb || layer < 0 || layer >= cb->p.n_layer) return -1;
+    int bytes = 0;
+    return kvpq__codebook_scale_bytes(cb, layer, is_value != 0, &bytes) == KVPQ_OK ? 8 * bytes : -1;
+}
+
 float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer) {
     if (!cb || layer < 0 || layer >= cb->p.n_layer) return NULL;
     return cb->smooth + (size_t)layer * cb->p.n_head_kv * cb->p.head_dim;
@@ -535,6 +541,8 @@ kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const cha
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata '%s' is derived from the codebook params "
                          "and cannot be set", key);
     if (!utf8_valid(key)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata key is not valid UTF-8");
+    if ((!strcmp(key, "k.norm_bits") || !strcmp(key, "v.norm_bits")) && strcmp(value, "8") && strcmp(value, "16"))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata %s = '%s': expected \"8\" or \"16\"", key, value);
     if (!utf8_valid(value))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata '%s': value is not valid UTF-8", key);
     return meta_put(cb, key, value);
@@ -545,6 +553,18 @@ const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char *key) {
     for (size_t i = 0; i < cb->n_meta; i++)
         if (!strcmp(cb->meta_key[i], key)) return cb->meta_val[i];
     return NULL;
+}
+
+kvpq_status kvpq__codebook_scale_bytes(const kvpq_codebook *cb, int layer, int is_value, int *bytes) {
+    const kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+    const char *key = is_value ? "v.norm_bits" : "k.norm_bits", *v = kvpq_codebook_get_meta(cb, key);
+    *bytes = 0;
+    if (v && strcmp(v, "8") && strcmp(v, "16"))
+        return kvpq__err(KVPQ_ERR_FORMAT, "codebook metadata %s = '%s': expected \"8\" or \"16\"", key, v);
+    if (!(is_value ? cp.value_norm : cp.key_norm)) return KVPQ_OK;
+    const kvpq_pq *pq = kvpq_codebook_pq_const(cb, layer, is_value);
+    *bytes = v && !strcmp(v, "8") && pq && pq->p.nbits <= 4 * pq->dsub ? 1 : 2;
+    return KVPQ_OK;
 }
 
 size_t kvpq_codebook_meta_count(const kvpq_codebook *cb) { return cb ? cb->n_meta : 0; }
@@ -861,6 +881,11 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     } else if (cJSON_GetObjectItemCaseSensitive(meta, "k.norm") || cJSON_GetObjectItemCaseSensitive(meta, "v.norm")) {
         return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.norm / v.norm appear in a version %d file (added in version 3)",
                          *version);
+    }
+    for (int kind = 0; kind < 2; kind++) { /* 8-bit norm-explicit scales (kvpq__codebook_scale_bytes) */
+        const cJSON *j = cJSON_GetObjectItemCaseSensitive(meta, kind ? "v.norm_bits" : "k.norm_bits");
+        if (j && strcmp(j->valuestring, "8") && strcmp(j->valuestring, "16"))
+            return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected 8 or 16", j->string, j->valuestring);
     }
     p->key_stages = 1;
     if (*version >= 4) {

@@ -36,6 +36,14 @@ static inline const float *kvpq__pq_norms(const kvpq_pq *pq, int m) {
     return pq->norms + (size_t)(pq->n_books == 1 ? 0 : m) * pq->ksub;
 }
 
+/* Bytes of the norm-explicit scale of one coded vector of `layer`'s keys (is_value 0) or values:
+ * 0 without a norm-explicit quantizer for that kind; 1 (an 8-bit log-coded scale, docs/vq_cache.md
+ * "8-bit scales") when the codebook's metadata k.norm_bits / v.norm_bits is "8" and the layer's
+ * (stage-one) quantizer has at most 4 bits per element (nbits <= 4 dsub: finer quantizers keep
+ * float16, whose error the 8-bit code would exceed); else 2 (float16). KVPQ_ERR_FORMAT when that
+ * metadata holds anything but "8" or "16". */
+kvpq_status kvpq__codebook_scale_bytes(const kvpq_codebook *cb, int layer, int is_value, int *bytes);
+
 /* Validate params; message names the bad field. */
 kvpq_status kvpq__pq_params_check(const kvpq_pq_params *p);
 /* Recompute norms after centroids changed. */
