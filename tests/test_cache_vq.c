@@ -916,8 +916,7 @@ Test(cache_vq, norm8_matches_fp64) {
 
 /* read() of a cache with 8-bit scales equals c(s) * decode(encode(u)) mapped back, recomputed here
  * from the definition: s the float16 least-squares scale (as in norm_explicit_read_and_bytes), m =
- * 2^round(mean log2 s) over the coded vectors of each (page, KV head) (one append: each page's first
- * batch is all of it), code = clamp(round(16 log2(s / m)) + 128, 1, 255), c(s) = float16(m
+ * 2^round(log2 s) of the first coded vector of each (page, KV head), code = clamp(round(16 log2(s / m)) + 128, 1, 255), c(s) = float16(m
  * 2^((code - 128) / 16)) within 2.2% of s; the resident bytes count one byte per vector and kind and
  * one float reference per (page, KV head, kind); d1b8 keys keep two bytes. */
 Test(cache_vq, norm8_read_scales_and_bytes) {
@@ -972,9 +971,7 @@ Test(cache_vq, norm8_read_scales_and_bytes) {
             for (int hh = 0; eight && hh < nkv; hh++)
                 for (int p0 = 0; p0 < nc; p0 += PT) { /* the reference of (page, head), then the codes */
                     const int p1 = p0 + PT < nc ? p0 + PT : nc;
-                    double ls = 0;
-                    for (int t = p0; t < p1; t++) ls += log2((double)sc[(size_t)t * nkv + hh]);
-                    const double m = ldexp(1.0, (int)lrint(ls / (p1 - p0)));
+                    const double m = ldexp(1.0, (int)lrint(log2((double)sc[(size_t)p0 * nkv + hh])));
                     for (int t = p0; t < p1; t++) {
                         float *s = &sc[(size_t)t * nkv + hh];
                         long code = lrint(16.0 * log2(*s / m)) + 128;
@@ -1061,7 +1058,7 @@ Test(cache_vq, norm_bits_metadata_checked) {
 /* Truncate then append equals a fresh cache fed the kept prefix and the same new tokens — bit for
  * bit once the new tokens have pushed the cut past the coded edge (codes depend only on the data,
  * the coded/window split only on the length). Cuts inside the window and inside the codes. */
-Test(cache_vq, truncate_then_append_equals_fresh) {
+static void truncate_equals_fresh(void) {
     cfg c = {8, 2, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SUBSPACE, 1};
     kvpq_codebook *cb = make_codebook(2, &c);
     const int W = 48, PT = 40, L0 = 300, X = W + 2 * FLUSH + 5;
@@ -1117,6 +1114,53 @@ Test(cache_vq, truncate_then_append_equals_fresh) {
     free(v);
     free(k2);
     free(v2);
+    kvpq_codebook_free(cb);
+}
+
+Test(cache_vq, truncate_then_append_equals_fresh) { truncate_equals_fresh(); }
+
+/* The same with norm-explicit keys and values and 8-bit scales: a page's reference comes from its
+ * first nonzero scale, so a cut that keeps it leaves the reference a fresh cache computes, and a cut
+ * that keeps none resets it (vq_truncate). */
+Test(cache_vq, truncate_then_append_equals_fresh_norm8) {
+    g_norm = 3;
+    g_norm_bits = 8;
+    truncate_equals_fresh();
+    g_norm = 0;
+    g_norm_bits = 16;
+}
+
+/* 8-bit scales: zero values (scale 0, code 0) at the start of a page leave its value reference to
+ * the first nonzero scale after them; a cut that keeps only the zeros must reset it, or the new
+ * appends would be coded against the dropped tokens' reference instead of their own (a fresh cache's). */
+Test(cache_vq, truncate_resets_the_8bit_reference) {
+    cfg c = {4, 2, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    g_norm = 3;
+    g_norm_bits = 8;
+    kvpq_codebook *cb = make_codebook(1, &c);
+    g_norm = 0;
+    g_norm_bits = 16;
+    const int PT = 64, n0 = 128, cut = 32, n1 = 96;
+    const size_t row = (size_t)c.n_head_kv * c.head_dim;
+    float *k = randn((size_t)n0 * row, 1.0f), *v = randn((size_t)n0 * row, 1.0f);
+    float *k2 = randn((size_t)n1 * row, 1.0f), *v2 = randn((size_t)n1 * row, 400.0f); /* 8.6 octaves up: beyond the old reference's range */
+    memset(v, 0, (size_t)cut * row * sizeof(float));
+    kvpq_cache *a = make_cache(cb, 1, &c, 0, PT, 512), *b = make_cache(cb, 1, &c, 0, PT, 512);
+    cr_assert_eq(kvpq_cache_append(a, 0, n0, k, v), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_truncate(a, cut), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_append(a, 0, n1, k2, v2), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_append(b, 0, cut, k, v), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_append(b, 0, n1, k2, v2), KVPQ_OK, "%s", kvpq_last_error());
+    const int len = cut + n1;
+    const size_t tot = (size_t)len * row * sizeof(float);
+    float *ka = malloc(tot), *kb = malloc(tot), *va = malloc(tot), *vb = malloc(tot);
+    cr_assert_eq(kvpq_cache_read(a, 0, 0, len, ka, va), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_read(b, 0, 0, len, kb, vb), KVPQ_OK);
+    cr_assert(!memcmp(ka, kb, tot), "keys differ after the cut");
+    cr_assert(!memcmp(va, vb, tot), "values differ after the cut (the page's reference was not reset)");
+    free(k), free(v), free(k2), free(v2), free(ka), free(kb), free(va), free(vb);
+    kvpq_cache_free(a);
+    kvpq_cache_free(b);
     kvpq_codebook_free(cb);
 }
 

@@ -570,7 +570,7 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
 def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2=None, value_rotate=False,
               key_norm=True,
               value_norm=True, keys_layers=None, values_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
-              init=None, n_threads=None, meta=None, query_absmax=None):
+              init=None, n_threads=None, meta=None, query_absmax=None, norm_bits=16):
     """Train a Codebook from keys and values a model produced.
 
     keys_values: a sequence over layers of (k, v) pairs, each (n_tokens, n_head_kv, head_dim)
@@ -585,6 +585,9 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
     query_absmax: None (smoothing from the keys alone, as VecInfer) or (n_layer, n_head_kv, head_dim)
       float32 from Model.eval(..., query_absmax=...) over the same text: query-aware smoothing, as
       `kvpq calibrate` does by default (its --smooth-query 1).
+    norm_bits: 16 (float16) or 8: bits of each norm-explicit scale the VQ cache keeps (metadata
+      k.norm_bits / v.norm_bits; 8 = a log-coded byte in 1/16-octave steps, relative error <= 2.2%,
+      for the layers whose quantizer has at most 4 bits per element; `kvpq calibrate --norm-bits`).
     The rest as `kvpq calibrate` (same defaults: center, norm-explicit keys and values, k-means 25
     iterations, random init, seed 1234), so the same activations (and query_absmax) give the same
     file bytes.
@@ -599,6 +602,8 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
         pairs = keys_values
     if not hasattr(pairs, "__iter__"):
         raise _arg_error("calibrate", f"keys_values: expected a sequence of (k, v) pairs, got {type(pairs).__name__}")
+    if norm_bits not in (8, 16) or isinstance(norm_bits, bool):
+        raise _arg_error("calibrate", f"norm_bits: expected 8 or 16, got {norm_bits!r}")
     cb = None
     n_tok = 0
     for layer, kv in enumerate(pairs):
@@ -626,6 +631,11 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
                         query_absmax=None if query_absmax is None else query_absmax[layer])
     if cb is None:
         raise _arg_error("calibrate", "keys_values: no layers")
+    if norm_bits == 8:
+        if key_norm:
+            cb.set_meta("k.norm_bits", "8")
+        if value_norm:
+            cb.set_meta("v.norm_bits", "8")
     cb.set_meta("tokens", n_tok)
     cb.set_meta("keys", keys)
     cb.set_meta("values", values or keys)

@@ -47,8 +47,7 @@
  * 8-bit scales (codebook metadata k.norm_bits / v.norm_bits = "8", layers whose quantizer has at
  * most 4 bits per element: kvpq__codebook_scale_bytes): a byte c per (token, KV head) instead of
  * the float16, s = m 2^((c - 128) / 16) (c = 0: s = 0), m a power of two per (page, KV head, kind)
- * set by the first batch written into the page (2^round(mean log2 s) of its nonzero scales), kept
- * as a float after the scales. The code's step is 1/16 octave: relative error <= 2.2%, about 1.6e-4
+ * set by the page's first nonzero scale (2^round(log2 s)), kept as a float after the scales. The code's step is 1/16 octave: relative error <= 2.2%, about 1.6e-4
  * of the direction's squared error against the 0.09 of d4b8's (docs/vq_cache.md "8-bit scales");
  * a scale beyond m 2^(+-7.9) is clamped there, and a negative least-squares scale (u . r < 0)
  * becomes 0. The code is decoded to float16 before the kernels read it, so attention, read and
@@ -554,8 +553,10 @@ static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int
 }
 
 /* Store the float16 scales sc (row (t - first) * n_head_kv + h) of positions [first, target) of one
- * kind into the pages: as they are, or as 8-bit codes against each (page, KV head) reference m,
- * which a page's first batch sets (2^round(mean log2 of its nonzero scales in that page)). */
+ * kind into the pages: as they are, or as 8-bit codes against each (page, KV head) reference m, set
+ * by the page's first nonzero scale s (m = 2^round(log2 s)): a function of the data alone, so a
+ * truncated cache that keeps that position has the m a fresh cache computes (vq_truncate resets m
+ * where it keeps no nonzero scale). */
 static void vq_store_scales(vq_state *st, vq_layer *L, int is_value, int first, int target, const uint16_t *sc) {
     const int nkv = st->n_head_kv, pt = st->page_tokens;
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
@@ -566,18 +567,10 @@ static void vq_store_scales(vq_state *st, vq_layer *L, int is_value, int first, 
                 for (int u = t; u < e; u++) memcpy(vq_scales(st, L, is_value, h, u), sc + (size_t)(u - first) * nkv + h, 2);
             } else {
                 float *m = vq_scale_ref(st, L, is_value, h, pg), x;
-                if (!(*m > 0.0f)) {
-                    double lsum = 0;
-                    int cnt = 0;
-                    for (int u = t; u < e; u++) {
-                        K->f16_to_f32(1, sc + (size_t)(u - first) * nkv + h, &x);
-                        if (x > 0.0f) lsum += log2((double)x), cnt++;
-                    }
-                    if (cnt) *m = ldexpf(1.0f, (int)lrint(lsum / cnt));
-                }
                 uint8_t *dst = vq_scales(st, L, is_value, h, t);
                 for (int u = t; u < e; u++) {
                     K->f16_to_f32(1, sc + (size_t)(u - first) * nkv + h, &x);
+                    if (!(*m > 0.0f) && x > 0.0f) *m = ldexpf(1.0f, (int)lrint(log2((double)x))); /* the first nonzero */
                     dst[u - t] = vq_s8_code(x, *m);
                 }
             }
@@ -919,6 +912,16 @@ static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
             L->pages[pg] = NULL;
         }
         if (L->n_pages > need) L->n_pages = need;
+        /* 8-bit scales: the last kept page's reference came from its first nonzero scale; where no
+         * kept position has one, a fresh cache would take it from the next appends: reset it */
+        const int pg = need - 1, p0 = pg * st->page_tokens;
+        for (int kind = 0; kind < 2 && pg >= 0 && L->pages[pg]; kind++)
+            for (int h = 0; L->sb[kind] == 1 && h < st->n_head_kv; h++) {
+                const uint8_t *c = vq_scales(st, L, kind, h, p0);
+                int any = 0;
+                for (int t = p0; t < L->n_coded && !any; t++) any = c[t - p0] != 0;
+                if (!any) *vq_scale_ref(st, L, kind, h, pg) = 0.0f;
+            }
         if (L->first_page > L->n_pages) L->first_page = L->n_pages;
         if (n_pos == 0) L->first_page = 0;
     }

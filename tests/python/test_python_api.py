@@ -143,6 +143,38 @@ def test_calibrated_vq_cache_round_trip():
             np.testing.assert_allclose(out[i, h], ref, rtol=2e-3, atol=2e-4 * np.abs(ref).max())
 
 
+def test_8bit_norm_scales_save_a_byte_per_vector_and_attend_from_codes():
+    """calibrate(norm_bits=8): the VQ cache keeps one byte per (token, KV head) and kind instead of a
+    float16 (plus a float reference per page and KV head), read() stays within the 8-bit code's 2.2%
+    of the float16-scale cache, and attention from codes equals exact attention over read()."""
+    L, H, D, n = 1, 2, 32, 300
+    kv = [(rand(n, H, D, scale=2.0) + 1.0, rand(n, H, D)) for _ in range(L)]
+    with pytest.raises(kvpq.Error, match="norm_bits: expected 8 or 16"):
+        kvpq.calibrate(kv, keys="d4b8", niter=1, norm_bits=12)
+    caches = []
+    for nb in (16, 8):
+        cb = kvpq.calibrate(kv, keys="d4b8", niter=4, norm_bits=nb)
+        assert cb.get_meta("k.norm_bits") == (None if nb == 16 else "8")
+        c = kvpq.Cache("vq", L, 4, H, D, max_seq=512, codebook=cb, window=0, page_tokens=64)
+        c.append(0, *kv[0])
+        caches.append(c)
+    coded = n // 32 * 32
+    pages = -(-coded // 64)
+    assert caches[0].resident_bytes - caches[1].resident_bytes == 2 * (pages * 64 * H - pages * H * 4)
+    (k16, v16), (k8, v8) = caches[0].read(0), caches[1].read(0)
+    for a, b in ((k16, k8), (v16, v8)):  # same codes, scales within 2.2%
+        sa = np.linalg.norm(a[:coded], axis=-1)
+        sb = np.linalg.norm(b[:coded], axis=-1)
+        assert np.all(np.abs(sb / sa - 1) < 0.0225) and np.any(sb != sa)
+    q = rand(1, 4, D)
+    out = caches[1].attend(0, q)
+    for h in range(4):
+        s = k8[:, h // 2].astype(np.float64) @ q[0, h] / np.sqrt(D)
+        w = np.exp(s - s.max())
+        ref = (w / w.sum()) @ v8[:, h // 2]
+        np.testing.assert_allclose(out[0, h], ref, rtol=2e-3, atol=2e-4 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("call,arg,msg", [
     (lambda pq, x: pq.encode(x.astype(np.float64)), "x", "expected dtype float32, got float64"),
     (lambda pq, x: pq.encode(x[:, :16]), "x", "expected shape (*, 32), got (100, 16)"),
