@@ -807,85 +807,6 @@ Test(cache_vq, norm_explicit_scale_beyond_fp16_is_refused_at_append) {
     kvpq_codebook_free(cb);
 }
 
-/* read() of a norm-explicit cache equals s * decode(encode(u)) mapped back, recomputed here through
- * the public quantizer: u = x / |x| of the transformed fp16-rounded input, s = x . r / |r|^2 rounded
- * to float16 (each s is checked to be near |x|, so unscaled directions would fail), and the resident
- * bytes count one float16 per vector and kind. */
-Test(cache_vq, norm_explicit_read_and_bytes) {
-    cfg c = {9, 3, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
-    g_norm = 3;
-    kvpq_codebook *cb = make_codebook(1, &c);
-    g_norm = 0;
-    const int W = 16, PT = 48, len = 150, d = 64, nkv = 3;
-    kvpq_cache *cache = make_cache(cb, 1, &c, W, PT, 256);
-    float *k, *v;
-    append_random(cache, 0, &c, len, &k, &v);
-    const int nc = expected_coded(len, W);
-    const size_t row = (size_t)nkv * d, tot = (size_t)len * row, nv = (size_t)nc * nkv;
-    float *kh = malloc(tot * sizeof(float)), *vh = malloc(tot * sizeof(float));
-    cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
-    const float *lam = kvpq_codebook_key_smooth_const(cb, 0), *mu = kvpq_codebook_key_mean_const(cb, 0);
-    const kvpq_vq_kernels *K = kvpq__vq_kernels(KVPQ_SIMD_SCALAR);
-    float *x = malloc(tot * sizeof(float)), *r = malloc(tot * sizeof(float));
-    uint8_t *codes = malloc(nv * 64);
-    uint16_t *h = malloc(tot * sizeof(uint16_t));
-    for (int w = 0; w < 2; w++) {
-        K->f32_to_f16(tot, w ? v : k, h);
-        K->f16_to_f32(tot, h, x);
-        if (!w)
-            for (size_t i = 0; i < tot; i++) x[i] = (x[i] - mu[i % row]) / lam[i % row];
-        kvpq_hadamard(x, (size_t)len * nkv, d);
-        float *sc = malloc(nv * sizeof(float));
-        for (size_t i = 0; i < nv; i++) {
-            double ss = 0;
-            for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
-            sc[i] = (float)sqrt(ss);
-            for (int j = 0; j < d; j++) x[i * d + j] *= 1.0f / sc[i];
-        }
-        const kvpq_pq *pq = kvpq_codebook_pq_const(cb, 0, w);
-        cr_assert_eq(kvpq_pq_encode(pq, nv, x, codes), KVPQ_OK);
-        cr_assert_eq(kvpq_pq_decode(pq, nv, codes, r), KVPQ_OK);
-        for (size_t i = 0; i < nv; i++) {
-            double ur = 0, rr = 0;
-            for (int j = 0; j < d; j++) {
-                ur += (double)x[i * d + j] * r[i * d + j];
-                rr += (double)r[i * d + j] * r[i * d + j];
-            }
-            cr_assert(rr > 0);
-            float s = (float)(sc[i] * ur / rr);
-            uint16_t s16;
-            K->f32_to_f16(1, &s, &s16);
-            K->f16_to_f32(1, &s16, &s);
-            cr_assert(s > 0.5f * sc[i] && s < 2.0f * sc[i], "scale %g vs norm %g", (double)s, (double)sc[i]);
-            for (int j = 0; j < d; j++) r[i * d + j] *= s;
-        }
-        free(sc);
-        kvpq_hadamard(r, nv, d);
-        for (size_t i = 0; i < nv * d; i++) {
-            float want = w ? r[i] : r[i] * lam[i % row] + mu[i % row];
-            float got = (w ? vh : kh)[i];
-            cr_assert_float_eq(got, want, 1e-4f * (1.0f + fabsf(want)), "%s coded element %zu: %g vs %g",
-                               w ? "v" : "k", i, (double)got, (double)want);
-        }
-    }
-    /* Pages hold codes (16 + 16 bytes) and two float16 scales per (token, KV head). */
-    size_t books = (kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 0)) +
-                    kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 1))) * 4 + 2 * row * 4;
-    size_t ring = 2 * (size_t)(W + FLUSH) * row * 2, page = (size_t)nkv * PT * (16 + 16 + 2 + 2);
-    size_t pages = (size_t)(nc + PT - 1) / PT;
-    cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + pages * page);
-    free(x);
-    free(r);
-    free(codes);
-    free(h);
-    free(k);
-    free(v);
-    free(kh);
-    free(vh);
-    kvpq_cache_free(cache);
-    kvpq_codebook_free(cb);
-}
-
 // ---- 8-bit norm-explicit scales (k.norm_bits / v.norm_bits = "8") ------------------------------------
 
 /* Attention from codes with 8-bit key and/or value scales equals exact attention over read() (which
@@ -914,105 +835,118 @@ Test(cache_vq, norm8_matches_fp64) {
     g_norm_bits = 16;
 }
 
-/* read() of a cache with 8-bit scales equals c(s) * decode(encode(u)) mapped back, recomputed here
- * from the definition: s the float16 least-squares scale (as in norm_explicit_read_and_bytes), m =
- * 2^round(log2 s) of the first coded vector of each (page, KV head), code = clamp(round(16 log2(s / m)) + 128, 1, 255), c(s) = float16(m
- * 2^((code - 128) / 16)) within 2.2% of s; the resident bytes count one byte per vector and kind and
- * one float reference per (page, KV head, kind); d1b8 keys keep two bytes. */
-Test(cache_vq, norm8_read_scales_and_bytes) {
-    for (int d1 = 0; d1 < 2; d1++) {
-        cfg c = {9, 3, 64, d1 ? "d1b8" : "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 1};
-        g_norm = 3;
-        g_norm_bits = 8;
-        kvpq_codebook *cb = make_codebook(1, &c);
-        g_norm = 0;
-        g_norm_bits = 16;
-        const int W = 16, PT = 48, len = 150, d = 64, nkv = 3;
-        kvpq_cache *cache = make_cache(cb, 1, &c, W, PT, 256);
-        float *k, *v;
-        append_random(cache, 0, &c, len, &k, &v);
-        const int nc = expected_coded(len, W);
-        const size_t row = (size_t)nkv * d, tot = (size_t)len * row, nv = (size_t)nc * nkv;
-        float *kh = malloc(tot * sizeof(float)), *vh = malloc(tot * sizeof(float));
-        cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
-        const float *lam = kvpq_codebook_key_smooth_const(cb, 0), *mu = kvpq_codebook_key_mean_const(cb, 0);
-        const kvpq_vq_kernels *K = kvpq__vq_kernels(KVPQ_SIMD_SCALAR);
-        float *x = malloc(tot * sizeof(float)), *r = malloc(tot * sizeof(float)), *sc = malloc(nv * sizeof(float));
-        uint8_t *codes = malloc(nv * 64);
-        uint16_t *h = malloc(tot * sizeof(uint16_t));
-        for (int w = 0; w < 2; w++) {
-            const int eight = !(w == 0 && d1); /* d1b8 keys keep float16 scales */
-            K->f32_to_f16(tot, w ? v : k, h);
-            K->f16_to_f32(tot, h, x);
-            if (!w)
-                for (size_t i = 0; i < tot; i++) x[i] = (x[i] - mu[i % row]) / lam[i % row];
-            kvpq_hadamard(x, (size_t)len * nkv, d);
-            for (size_t i = 0; i < nv; i++) {
-                double ss = 0;
-                for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
-                sc[i] = (float)sqrt(ss);
-                for (int j = 0; j < d; j++) x[i * d + j] *= 1.0f / sc[i];
-            }
-            const kvpq_pq *pq = kvpq_codebook_pq_const(cb, 0, w);
-            cr_assert_eq(kvpq_pq_encode(pq, nv, x, codes), KVPQ_OK);
-            cr_assert_eq(kvpq_pq_decode(pq, nv, codes, r), KVPQ_OK);
-            for (size_t i = 0; i < nv; i++) { /* float16 least-squares scales */
-                double ur = 0, rr = 0;
-                for (int j = 0; j < d; j++) {
-                    ur += (double)x[i * d + j] * r[i * d + j];
-                    rr += (double)r[i * d + j] * r[i * d + j];
-                }
-                cr_assert(rr > 0 && ur > 0);
-                float s = (float)(sc[i] * ur / rr);
-                uint16_t s16;
-                K->f32_to_f16(1, &s, &s16);
-                K->f16_to_f32(1, &s16, &sc[i]);
-            }
-            for (int hh = 0; eight && hh < nkv; hh++)
-                for (int p0 = 0; p0 < nc; p0 += PT) { /* the reference of (page, head), then the codes */
-                    const int p1 = p0 + PT < nc ? p0 + PT : nc;
-                    const double m = ldexp(1.0, (int)lrint(log2((double)sc[(size_t)p0 * nkv + hh])));
-                    for (int t = p0; t < p1; t++) {
-                        float *s = &sc[(size_t)t * nkv + hh];
-                        long code = lrint(16.0 * log2(*s / m)) + 128;
-                        code = code < 1 ? 1 : code > 255 ? 255 : code;
-                        float s8 = (float)(m * exp2((double)(code - 128) / 16.0));
-                        uint16_t s16;
-                        K->f32_to_f16(1, &s8, &s16);
-                        K->f16_to_f32(1, &s16, &s8);
-                        cr_assert(fabsf(s8 / *s - 1.0f) < 0.0225f, "8-bit scale %g vs %g", (double)s8, (double)*s);
-                        *s = s8;
-                    }
-                }
-            for (size_t i = 0; i < nv; i++)
-                for (int j = 0; j < d; j++) r[i * d + j] *= sc[i];
-            kvpq_hadamard(r, nv, d);
-            for (size_t i = 0; i < nv * d; i++) {
-                float want = w ? r[i] : r[i] * lam[i % row] + mu[i % row];
-                float got = (w ? vh : kh)[i];
-                cr_assert_float_eq(got, want, 1e-4f * (1.0f + fabsf(want)), "%s coded element %zu: %g vs %g",
-                                   w ? "v" : "k", i, (double)got, (double)want);
-            }
+/* read() of a norm-explicit cache equals s * decode(encode(u)) mapped back, recomputed here through
+ * the public quantizer: u = x / |x| of the transformed fp16-rounded input, s = x . r / |r|^2 rounded
+ * to float16 (each s is checked to be near |x|, so unscaled directions would fail); with norm8
+ * (k.norm_bits = v.norm_bits = "8") s is then coded as the definition says: m = 2^round(log2 s) of
+ * the first coded vector of each (page, KV head), code = clamp(round(16 log2(s / m)) + 128, 1, 255),
+ * c(s) = float16(m 2^((code - 128) / 16)) within 2.2% of s, except for d1b8 keys (more than 4 bits
+ * per element: float16 kept). The resident bytes count two bytes per float16 scale, one per 8-bit
+ * scale and one float reference per (page, KV head, kind) with 8-bit scales. */
+static void check_norm_read_and_bytes(const char *kpreset, int norm8) {
+    const int d1 = !strcmp(kpreset, "d1b8");
+    cfg c = {9, 3, 64, kpreset, "d4b8", KVPQ_CODEBOOK_SHARED, 1};
+    g_norm = 3;
+    g_norm_bits = norm8 ? 8 : 16;
+    kvpq_codebook *cb = make_codebook(1, &c);
+    g_norm = 0;
+    g_norm_bits = 16;
+    const int W = 16, PT = 48, len = 150, d = 64, nkv = 3;
+    kvpq_cache *cache = make_cache(cb, 1, &c, W, PT, 256);
+    float *k, *v;
+    append_random(cache, 0, &c, len, &k, &v);
+    const int nc = expected_coded(len, W);
+    const size_t row = (size_t)nkv * d, tot = (size_t)len * row, nv = (size_t)nc * nkv;
+    float *kh = malloc(tot * sizeof(float)), *vh = malloc(tot * sizeof(float));
+    cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
+    const float *lam = kvpq_codebook_key_smooth_const(cb, 0), *mu = kvpq_codebook_key_mean_const(cb, 0);
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(KVPQ_SIMD_SCALAR);
+    float *x = malloc(tot * sizeof(float)), *r = malloc(tot * sizeof(float)), *sc = malloc(nv * sizeof(float));
+    uint8_t *codes = malloc(nv * 64);
+    uint16_t *h = malloc(tot * sizeof(uint16_t));
+    for (int w = 0; w < 2; w++) {
+        const int eight = norm8 && !(w == 0 && d1); /* d1b8 keys keep float16 scales */
+        K->f32_to_f16(tot, w ? v : k, h);
+        K->f16_to_f32(tot, h, x);
+        if (!w)
+            for (size_t i = 0; i < tot; i++) x[i] = (x[i] - mu[i % row]) / lam[i % row];
+        kvpq_hadamard(x, (size_t)len * nkv, d);
+        for (size_t i = 0; i < nv; i++) {
+            double ss = 0;
+            for (int j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
+            sc[i] = (float)sqrt(ss);
+            for (int j = 0; j < d; j++) x[i * d + j] *= 1.0f / sc[i];
         }
-        /* Pages: codes, one byte per 8-bit scale (two for d1b8 keys), a float reference per 8-bit kind and head. */
-        const size_t kcs = d1 ? 64 : 16, ksb = d1 ? 2 : 1, n8 = d1 ? 1 : 2;
-        size_t books = (kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 0)) +
-                        kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 1))) * 4 + 2 * row * 4;
-        size_t ring = 2 * (size_t)(W + FLUSH) * row * 2, page = (size_t)nkv * PT * (kcs + 16 + ksb + 1) + n8 * nkv * 4;
-        size_t pages = (size_t)(nc + PT - 1) / PT;
-        cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + pages * page);
-        free(x);
-        free(r);
-        free(sc);
-        free(codes);
-        free(h);
-        free(k);
-        free(v);
-        free(kh);
-        free(vh);
-        kvpq_cache_free(cache);
-        kvpq_codebook_free(cb);
+        const kvpq_pq *pq = kvpq_codebook_pq_const(cb, 0, w);
+        cr_assert_eq(kvpq_pq_encode(pq, nv, x, codes), KVPQ_OK);
+        cr_assert_eq(kvpq_pq_decode(pq, nv, codes, r), KVPQ_OK);
+        for (size_t i = 0; i < nv; i++) { /* float16 least-squares scales */
+            double ur = 0, rr = 0;
+            for (int j = 0; j < d; j++) {
+                ur += (double)x[i * d + j] * r[i * d + j];
+                rr += (double)r[i * d + j] * r[i * d + j];
+            }
+            cr_assert(rr > 0 && ur > 0);
+            float s = (float)(sc[i] * ur / rr);
+            uint16_t s16;
+            K->f32_to_f16(1, &s, &s16);
+            K->f16_to_f32(1, &s16, &s);
+            cr_assert(s > 0.5f * sc[i] && s < 2.0f * sc[i], "scale %g vs norm %g", (double)s, (double)sc[i]);
+            sc[i] = s;
+        }
+        for (int hh = 0; eight && hh < nkv; hh++)
+            for (int p0 = 0; p0 < nc; p0 += PT) { /* the reference of (page, head), then the codes */
+                const int p1 = p0 + PT < nc ? p0 + PT : nc;
+                const double m = ldexp(1.0, (int)lrint(log2((double)sc[(size_t)p0 * nkv + hh])));
+                for (int t = p0; t < p1; t++) {
+                    float *s = &sc[(size_t)t * nkv + hh];
+                    long code = lrint(16.0 * log2(*s / m)) + 128;
+                    code = code < 1 ? 1 : code > 255 ? 255 : code;
+                    float s8 = (float)(m * exp2((double)(code - 128) / 16.0));
+                    uint16_t s16;
+                    K->f32_to_f16(1, &s8, &s16);
+                    K->f16_to_f32(1, &s16, &s8);
+                    cr_assert(fabsf(s8 / *s - 1.0f) < 0.0225f, "8-bit scale %g vs %g", (double)s8, (double)*s);
+                    *s = s8;
+                }
+            }
+        for (size_t i = 0; i < nv; i++)
+            for (int j = 0; j < d; j++) r[i * d + j] *= sc[i];
+        kvpq_hadamard(r, nv, d);
+        for (size_t i = 0; i < nv * d; i++) {
+            float want = w ? r[i] : r[i] * lam[i % row] + mu[i % row];
+            float got = (w ? vh : kh)[i];
+            cr_assert_float_eq(got, want, 1e-4f * (1.0f + fabsf(want)), "%s coded element %zu: %g vs %g",
+                               w ? "v" : "k", i, (double)got, (double)want);
+        }
     }
+    /* Pages: codes, two bytes per float16 scale, one per 8-bit scale, a float per 8-bit kind and head. */
+    const size_t kcs = d1 ? 64 : 16, ksb = norm8 && !d1 ? 1 : 2, vsb = norm8 ? 1 : 2;
+    const size_t n8 = (ksb == 1) + (vsb == 1);
+    size_t books = (kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 0)) +
+                    kvpq_pq_centroids_size(kvpq_codebook_pq_const(cb, 0, 1))) * 4 + 2 * row * 4;
+    size_t ring = 2 * (size_t)(W + FLUSH) * row * 2, page = (size_t)nkv * PT * (kcs + 16 + ksb + vsb) + n8 * nkv * 4;
+    size_t pages = (size_t)(nc + PT - 1) / PT;
+    cr_assert_eq(kvpq_cache_resident_bytes(cache), books + ring + pages * page);
+    free(x);
+    free(r);
+    free(sc);
+    free(codes);
+    free(h);
+    free(k);
+    free(v);
+    free(kh);
+    free(vh);
+    kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
+}
+
+Test(cache_vq, norm_explicit_read_and_bytes) { check_norm_read_and_bytes("d4b8", 0); }
+
+/* 8-bit scales: d4b8 keys and values take the byte; d1b8 keys keep float16 beside 8-bit values. */
+Test(cache_vq, norm8_read_scales_and_bytes) {
+    check_norm_read_and_bytes("d4b8", 1);
+    check_norm_read_and_bytes("d1b8", 1);
 }
 
 /* k.norm_bits / v.norm_bits other than "8" or "16" are refused by set_meta, and a file holding one
