@@ -75,7 +75,8 @@ static void calib_usage(FILE *f) {
             "  --value-norm 0|1      likewise for values (default 1)\n"
             "  --norm-bits 8|16      bits of each norm-explicit scale in the VQ cache: 16 (float16) or 8 (a\n"
             "                        log-coded byte, 1/16 octave steps; layers of at most 4 bits per element,\n"
-            "                        finer ones keep float16; metadata k.norm_bits / v.norm_bits) (default 16)\n"
+            "                        finer ones keep float16; metadata k.norm_bits / v.norm_bits; the CUDA\n"
+            "                        cache keeps float16) (default 8 with --bits, else 16)\n"
             "  --iters N             k-means Lloyd iterations (default 25)\n"
             "  --kmeans-init I       pp: k-means++ seeding; random: k distinct points, as faiss (default random)\n"
             "  --max-points-per-centroid N   k-means subsampling (default 256, as faiss; 32 for nbits>8)\n"
@@ -260,11 +261,14 @@ static int finish_job(calib_args *a, const char *what) {
 static int parse_args(int argc, char **argv, calib_args *jobs, int *n_jobs, char **split_buf) {
     calib_args *a = &jobs[0];
     *a = (calib_args){.keys = "d4b8", .granularity = "shared", .tokens = 32768, .ctx = 2048, .iters = 25,
-                      .seed = 1234, .max_ppc = -1, .center = 1, .smooth_query = 1, .key_norm = 1, .value_norm = 1, .norm_bits = 16,
+                      .seed = 1234, .max_ppc = -1, .center = 1, .smooth_query = 1, .key_norm = 1, .value_norm = 1, .norm_bits = 0,
                       .cands = "d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8", .holdout_chunks = 1, .window = -1, .alloc_values = -1,
                       .sinks = 1, .verify_ctx = -1, .window_trust = 0.3};
     int r = parse_opts(argc, argv, a, 0);
     if (r <= 0) return r;
+    /* --norm-bits: 8 with --bits (the budget is the CPU cache's effective bits, which the byte saves;
+     * docs/vq_cache.md "8-bit scales"), else 16 (uniform files, as before; the CUDA cache keeps float16) */
+    if (!a->norm_bits) a->norm_bits = a->bits > 0 ? 8 : 16;
     if (!a->model || !a->text || !a->out)
         return cli_usage_error("calibrate: --model, --text and -o are required (see kvpq calibrate --help)"), -2;
     /* --window-candidates: checked here, before the model is loaded and any k-means runs */

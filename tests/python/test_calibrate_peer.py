@@ -296,6 +296,8 @@ def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
             metas.append(h.metadata())
     for meta, budget in zip(metas, (5.5, 8.0)):
         assert meta["alloc.ctx"] == "256" and meta["alloc.sinks"] == "1", meta
+        # --bits defaults to 8-bit norm-explicit scales (docs/vq_cache.md); ppl's bits below count them
+        assert meta["k.norm_bits"] == "8" and meta["v.norm_bits"] == "8", meta
         pred = {}
         for item in meta["alloc.window_predicted_kl"].split(","):
             w, kl = item.split(":")
@@ -439,6 +441,7 @@ def test_verify_ctx_checked(tmp_path):
     for args, needle in ((("--bits", 2, "--verify-ctx", -1), "--verify-ctx: expected an integer"),
                          (("--bits", 2, "--verify-ctx", "x"), "--verify-ctx: expected an integer"),
                          (("--bits", 2, "--verify-ctx", 8), "--verify-ctx 8: expected 0 (off) or at least 16"),
+                         (("--bits", 2, "--norm-bits", 12), "--norm-bits 12: expected 8 or 16"),
                          (("--verify-ctx", 64), "--verify-ctx checks the allocation of --bits"),
                          (("--bits", 2, "--window-select", "best"), "--window-select 'best': expected predicted, measured or auto"),
                          (("--window-select", "measured"), "--window-select chooses the window of --bits"),
