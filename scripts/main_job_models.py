@@ -7,7 +7,8 @@ Inputs are `kvpq ppl --json --kl-base fp16` outputs (schema kvpq.ppl/1). Usage:
     scripts/main_job_models.py --md docs/main_job.md --figure docs/main_job_models.png \
         --panel "SmolLM2-135M ctx 4096=out/mj/smol_ctx4096_kvpq.json,bench/results/main_job_ppl_ctx4096.json" ...
 
-Rows whose cache is `vq:FILE` with an allocation (metadata alloc.*) are kvpq's: the table adds the
+Rows whose cache is `vq:FILE` with an allocation (metadata alloc.*) are kvpq's (named "kvpq --bits B",
+with " (f16 scales)" for files made before --bits defaulted to 8-bit norm-explicit scales): the table adds the
 predicted KL (alloc.predicted_kl) and its ratio to the measured mean KL, and where the file has
 it the KL of the file's joint check on held-out calibration text (alloc.holdout_kl) and its ratio; their points form the
 frontier line in the figure. Other vq rows (uniform presets) are drawn hollow and named from the
@@ -80,7 +81,10 @@ def rows_of(paths):
                     meta = cb_meta(os.path.join(os.path.dirname(p), os.path.basename(m.group(1))))
             r["_alloc"] = meta if meta and "alloc.bits" in meta else None
             if r["_alloc"]:
-                r["_name"] = f"kvpq --bits {meta['alloc.bits']}"
+                # files from before --bits took 8-bit norm-explicit scales by default (2026-12-04)
+                f16 = (meta.get("k.norm") == "1" or meta.get("v.norm") == "1") and "8" not in (
+                    meta.get("k.norm_bits"), meta.get("v.norm_bits"))
+                r["_name"] = f"kvpq --bits {meta['alloc.bits']}" + (" (f16 scales)" if f16 else "")
             elif m:
                 r["_name"] = vq_name(spec, m, meta)
             else:
@@ -141,9 +145,15 @@ def figure(panels, path):
             ax.annotate(r["_name"], (r["bits_per_element"], r["_dppl"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
         if kv:
-            ax.plot([r["bits_per_element"] for r in kv], [r["_dppl"] for r in kv], "-o", color="C0",
+            # the frontier: each allocated file that no other one beats at fewer or equal bits (older
+            # files of a budget, e.g. with float16 scales, are drawn apart, hollow)
+            front = [r for i, r in enumerate(kv) if all(q["_dppl"] > r["_dppl"] for q in kv[:i])]
+            ax.plot([r["bits_per_element"] for r in front], [r["_dppl"] for r in front], "-o", color="C0",
                     label="kvpq --bits (allocated)")
             for r in kv:
+                if r not in front:
+                    ax.plot(r["bits_per_element"], r["_dppl"], "o", fillstyle="none", color="C0", ms=4)
+            for r in front:
                 ax.annotate(r["_name"].replace("kvpq ", ""), (r["bits_per_element"], r["_dppl"]), fontsize=7,
                             xytext=(3, -10), textcoords="offset points", color="C0")
         ax.set_yscale("symlog", linthresh=1)
