@@ -369,10 +369,12 @@ KVPQ_API int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer);
 /* Bits of the VQ cache's norm-explicit scale of one coded vector of a layer's keys (is_value 0) or
  * values: 0 without a norm-explicit quantizer for that kind, 16 (float16), or 8 when the codebook's
  * metadata k.norm_bits / v.norm_bits (set with kvpq_codebook_set_meta: "8" or "16", default 16) is
- * "8" and the layer's quantizer has at most 4 bits per element (nbits <= 4 dsub; finer quantizers
- * keep float16, whose error the 8-bit code would exceed). The 8-bit code is s = m 2^((c - 128) / 16)
- * with m a power of two per (page, KV head, kind): 1/16-octave steps, relative error <= 2.2%
- * (docs/vq_cache.md "8-bit scales"). The CUDA cache keeps float16 scales whatever this says. -1 if cb
+ * "8" and the layer's codes have at most 4 bits per element (both key stages counted: nbits (M1 +
+ * M2) <= 4 head_dim; finer quantizers keep float16, whose error the 8-bit code would exceed). The
+ * 8-bit code is s = m 2^((c - 128) / 16) with m a power of two per (page, KV head, kind), set by the
+ * page's first nonzero scale: 1/16-octave steps, relative error <= 2.24% (with the float16 rounding of
+ * the decoded value) for scales within m 2^(+-7.9); others are clamped to that window, and codes never
+ * decode beyond float16's 65504 (docs/vq_cache.md "8-bit scales"). The CUDA cache keeps float16 scales whatever this says. -1 if cb
  * is NULL, the layer is out of range or the metadata holds another value. */
 KVPQ_API int kvpq_codebook_layer_scale_bits(const kvpq_codebook *cb, int layer, int is_value);
 /* Per-layer value bit allocation, the same for a layer's value quantizer: a fresh one (zero

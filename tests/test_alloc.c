@@ -203,6 +203,8 @@ Test(alloc, byte_model_equals_the_cache_resident_bytes) {
     /* 8-bit scales: a byte per vector where the quantizer has <= 4 bits per element, float16 for the
      * d1b8 keys of layer 1, a float reference per (page, KV head) and kind */
     g_norm8 = 1;
+    check_bytes(0, 8, 33, 300, 24); /* odd pages: the layout's alignment padding is counted too */
+    check_bytes_sinks(20, 8, 7, 200, 24, 1);
     check_bytes_sinks(0, 8, 16, 100, 24, 1);
     check_bytes_sinks(20, 8, 16, 200, 24, 4);
     check_bytes(40, 4, 8, 333, 7);

@@ -831,8 +831,56 @@ Test(cache_vq, norm8_matches_fp64) {
     const int key_M[3] = {16, 64, 8}; /* d4b8, d1b8 (float16 scales), d8b8 */
     run_config_layers(&cs[0], len, 32, 33, 3, key_M);
     run_config(&cs[3], len, 16, 33);
+    /* 8-bit key scales beside float16 value scales (d1b8 values) with an odd n_head_kv * page_tokens:
+     * the float16 scales must stay 2-byte aligned (UBSan in the ASan run of this test checks the loads) */
+    const cfg odd = {4, 1, 64, "d4b8", "d1b8", KVPQ_CODEBOOK_SHARED, 0};
+    run_config(&odd, len, 16, 33);
     g_norm = 0;
     g_norm_bits = 16;
+}
+
+/* Scales just under float16's limit (64.1k-65504 is accepted at append) stay finite: the 8-bit code
+ * never takes a value that float16 rounds to infinity (2^16), in read() and in attention. */
+Test(cache_vq, norm8_scales_near_fp16_max_stay_finite) {
+    cfg c = {4, 2, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    g_norm = 3;
+    g_norm_bits = 8;
+    kvpq_codebook *cb = make_codebook(1, &c);
+    g_norm = 0;
+    g_norm_bits = 16;
+    const int len = 64, d = 64, nkv = 2;
+    const size_t row = (size_t)nkv * d, tot = (size_t)len * row;
+    float *k = randn(tot, 1.0f), *v0 = randn(tot, 1.0f), *v = malloc(tot * sizeof(float));
+    float *kh = malloc(tot * sizeof(float)), *vh = malloc(tot * sizeof(float));
+    for (size_t i = 0; i < (size_t)len * nkv; i++) { /* unit value vectors */
+        double n2 = 0;
+        for (int j = 0; j < d; j++) n2 += (double)v0[i * d + j] * v0[i * d + j];
+        for (int j = 0; j < d; j++) v0[i * d + j] /= (float)sqrt(n2);
+    }
+    /* the largest norm whose least-squares scales all fit float16 (the append refuses the others):
+     * after a refusal, the accepted norm's largest scale is within 0.5% of 65504, above 2^15.97 */
+    kvpq_cache *cache = NULL;
+    int refused = 0;
+    for (double norm = 64000.0; !cache && norm > 40000.0; norm *= 0.995) {
+        for (size_t i = 0; i < tot; i++) v[i] = (float)(v0[i] * norm);
+        cache = make_cache(cb, 1, &c, 0, 64, 256);
+        if (kvpq_cache_append(cache, 0, len, k, v) != KVPQ_OK) {
+            kvpq_cache_free(cache);
+            cache = NULL;
+            refused++;
+        }
+    }
+    cr_assert_not_null(cache, "no norm in 40000..64000 was accepted");
+    cr_assert(refused > 0, "64000 was accepted: the scales did not reach float16's edge");
+    cr_assert_eq(kvpq_cache_read(cache, 0, 0, len, kh, vh), KVPQ_OK, "%s", kvpq_last_error());
+    for (size_t i = 0; i < tot; i++)
+        cr_assert(isfinite(vh[i]) && isfinite(kh[i]), "element %zu read back as %g / %g", i, (double)kh[i], (double)vh[i]);
+    float *q = randn((size_t)c.n_head * d, 1.0f), *o = malloc((size_t)c.n_head * d * sizeof(float));
+    cr_assert_eq(kvpq_cache_attend(cache, 0, 1, q, o), KVPQ_OK, "%s", kvpq_last_error());
+    for (int i = 0; i < c.n_head * d; i++) cr_assert(isfinite(o[i]), "attention output %d is %g", i, (double)o[i]);
+    free(q), free(o), free(kh), free(vh), free(k), free(v), free(v0);
+    kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
 }
 
 /* read() of a norm-explicit cache equals s * decode(encode(u)) mapped back, recomputed here through

@@ -77,7 +77,7 @@ typedef struct {
     size_t kcs;       /* bytes of one K code vector: this layer's key M (kvpq_codebook_layer_key_M) */
     size_t vcs;       /* bytes of one V code vector: this layer's value M (kvpq_codebook_layer_value_M) */
     size_t page_bytes;/* n_head_kv * page_tokens * (kcs + vcs), then the scales (see vq_scales) */
-    size_t scale_off; /* byte offset of the K scales in a page (4-byte aligned) */
+    size_t scale_off[2]; /* byte offsets of the K and V scales in a page (kvpq__vq_page_layout) */
     int fast_scan;    /* st->fast_scan and this layer's key M <= 256 */
     int Mk;           /* key codes per vector: stage one's M, plus stage two's M with two key stages */
     int n_pages;      /* pages allocated: [first_page, n_pages) are non-NULL */
@@ -162,10 +162,8 @@ static uint8_t *vq_vcodes(const vq_state *st, const vq_layer *L, int h, int pos)
 /* The scales of KV head h from position pos to the end of its page (L->sb[is_value] bytes each:
  * float16 or 8-bit codes): is_value 0 for keys, 1 for values (norm-explicit quantizers only). */
 static uint8_t *vq_scales(const vq_state *st, const vq_layer *L, int is_value, int h, int pos) {
-    uint8_t *base = L->pages[pos / st->page_tokens] + L->scale_off;
-    const size_t per = (size_t)st->n_head_kv * st->page_tokens; /* scales of one kind in a page */
-    const size_t off = is_value ? per * L->sb[0] : 0;          /* value scales follow the key scales */
-    return base + off + ((size_t)h * st->page_tokens + pos % st->page_tokens) * L->sb[is_value];
+    uint8_t *base = L->pages[pos / st->page_tokens] + L->scale_off[is_value];
+    return base + ((size_t)h * st->page_tokens + pos % st->page_tokens) * L->sb[is_value];
 }
 
 /* The reference m of the 8-bit scales of KV head h in page pg (0 until the page's first batch). */
@@ -174,6 +172,9 @@ static float *vq_scale_ref(const vq_state *st, const vq_layer *L, int is_value, 
     return (float *)(L->pages[pg] + L->ref_off) + (size_t)kind * st->n_head_kv + h;
 }
 
+/* The value of 8-bit scale code c against the reference m (before the float16 rounding). */
+static float vq_s8_decode(const vq_state *st, uint8_t c, float m) { return m * st->s8tab[c]; }
+
 /* n float16 scales of KV head h from position t (within one page), as the kernels read them: in
  * the page for float16 scales, else the 8-bit codes decoded (m s8tab[c] rounded to float16) into s16. */
 static const uint16_t *vq_scales16(const vq_state *st, const vq_layer *L, int is_value, int h, int t, int n,
@@ -181,16 +182,19 @@ static const uint16_t *vq_scales16(const vq_state *st, const vq_layer *L, int is
     const uint8_t *p = vq_scales(st, L, is_value, h, t);
     if (L->sb[is_value] == 2) return (const uint16_t *)p;
     const float m = *vq_scale_ref(st, L, is_value, h, t / st->page_tokens);
-    for (int i = 0; i < n; i++) s->s32[i] = m * st->s8tab[p[i]];
+    for (int i = 0; i < n; i++) s->s32[i] = vq_s8_decode(st, p[i], m);
     K->f32_to_f16(n, s->s32, s->s16);
     return s->s16;
 }
 
-/* 8-bit code of a scale x against the reference m (see the header): 0 for x <= 0 (or m unset). */
-static uint8_t vq_s8_code(float x, float m) {
+/* 8-bit code of a scale x against the reference m (see the header): 0 for x <= 0 (or m unset);
+ * never one whose value exceeds float16's range (x <= 65504 may round up to 2^16 = inf in float16). */
+static uint8_t vq_s8_code(const vq_state *st, float x, float m) {
     if (!(x > 0.0f) || !(m > 0.0f)) return 0;
     long c = lrintf(16.0f * log2f(x / m)) + 128;
-    return (uint8_t)(c < 1 ? 1 : c > 255 ? 255 : c);
+    c = c < 1 ? 1 : c > 255 ? 255 : c;
+    while (c > 1 && m * st->s8tab[c] > VQ_FP16_MAX) c--;
+    return (uint8_t)c;
 }
 
 static void vq_scratch_free(vq_scratch *s) {
@@ -353,14 +357,14 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         const int Mv = st->vpq[l]->p.M; /* this layer's value M */
         L->vcs = kvpq_codes_size(Mv, st->vpq[l]->p.nbits);
         if (Mv > mv_max) mv_max = Mv;
-        const size_t code_bytes = (size_t)p->n_head_kv * p->page_tokens * (L->kcs + L->vcs);
-        for (int kind = 0; kind < 2; kind++) (void)kvpq__codebook_scale_bytes(cb, l, kind, &L->sb[kind]);
         /* after the codes: the key then the value scales (float16 or 8-bit), then the 8-bit scales'
-         * references (one float per kind with 8-bit scales and KV head) */
-        const size_t pv = (size_t)p->n_head_kv * p->page_tokens;
-        L->scale_off = L->sb[0] + L->sb[1] ? (code_bytes + 3) / 4 * 4 : code_bytes;
-        L->ref_off = (L->scale_off + pv * (L->sb[0] + L->sb[1]) + 3) / 4 * 4;
-        L->page_bytes = L->ref_off + (size_t)((L->sb[0] == 1) + (L->sb[1] == 1)) * p->n_head_kv * sizeof(float);
+         * references (one float per kind with 8-bit scales and KV head): kvpq__vq_page_layout */
+        kvpq__vq_page_layout lay;
+        (void)kvpq__vq_page_layout_of(cb, l, p->n_head_kv, p->page_tokens, L->kcs, L->vcs, &lay); /* metadata checked */
+        L->sb[0] = lay.sb[0], L->sb[1] = lay.sb[1];
+        L->scale_off[0] = lay.scale_off[0], L->scale_off[1] = lay.scale_off[1];
+        L->ref_off = lay.ref_off;
+        L->page_bytes = lay.page_bytes;
         L->fast_scan = st->fast_scan && Mk <= 256;
         if (Mk > mk_max) mk_max = Mk;
         if (L->fast_scan && Mk > mk_fs) mk_fs = Mk;
@@ -571,7 +575,7 @@ static void vq_store_scales(vq_state *st, vq_layer *L, int is_value, int first, 
                 for (int u = t; u < e; u++) {
                     K->f16_to_f32(1, sc + (size_t)(u - first) * nkv + h, &x);
                     if (!(*m > 0.0f) && x > 0.0f) *m = ldexpf(1.0f, (int)lrint(log2((double)x))); /* the first nonzero */
-                    dst[u - t] = vq_s8_code(x, *m);
+                    dst[u - t] = vq_s8_code(st, x, *m);
                 }
             }
             t = e;
@@ -964,7 +968,7 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
                         const uint8_t *sp = vq_scales(st, L, which, h, t);
                         if (L->sb[which] == 1) { /* as vq_scales16 decodes it */
                             uint16_t s16;
-                            sc = *vq_scale_ref(st, L, which, h, t / st->page_tokens) * st->s8tab[*sp];
+                            sc = vq_s8_decode(st, *sp, *vq_scale_ref(st, L, which, h, t / st->page_tokens));
                             K->f32_to_f16(1, &sc, &s16);
                             K->f16_to_f32(1, &s16, &sc);
                         } else {

@@ -156,16 +156,17 @@ kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params
         const kvpq_pq *kq2 = kvpq_codebook_key_pq2_const(cb, l);
         const kvpq_pq_params kp1 = kvpq_pq_get_params(kq);
         const size_t kcs = kq2 ? kvpq_codes_size(kp1.M + kvpq_pq_get_params(kq2).M, kp1.nbits) : kvpq_pq_code_size(kq);
-        /* norm-explicit scales: float16 or 8-bit codes (kvpq__codebook_scale_bytes), the 8-bit ones
-         * with one float reference per page and KV head (cache_vq.c) */
-        int sbk = 0, sbv = 0;
-        KVPQ_TRY(kvpq__codebook_scale_bytes(cb, l, 0, &sbk));
-        KVPQ_TRY(kvpq__codebook_scale_bytes(cb, l, 1, &sbv));
-        const size_t pages_held = (size_t)(n_pages - first_page) * H;
-        size_t kb = held * (kcs + (size_t)sbk) + (sbk == 1 ? pages_held * sizeof(float) : 0) +
-                    kvpq_pq_centroids_size(kq) * sizeof(float) + (kq2 ? kvpq_pq_centroids_size(kq2) * sizeof(float) : 0);
-        size_t vb = held * (kvpq_pq_code_size(vq) + (size_t)sbv) + (sbv == 1 ? pages_held * sizeof(float) : 0) +
-                    kvpq_pq_centroids_size(vq) * sizeof(float);
+        /* the pages as the cache lays them out (kvpq__vq_page_layout: codes, norm-explicit scales in
+         * float16 or 8 bits, the 8-bit scales' references, alignment): the value part is its codes,
+         * scales and references, the key part the rest of the pages (alignment padding included) */
+        kvpq__vq_page_layout lay;
+        const size_t vcs = kvpq_pq_code_size(vq);
+        KVPQ_TRY(kvpq__vq_page_layout_of(cb, l, H, pt, kcs, vcs, &lay));
+        const size_t pages = (size_t)(n_pages - first_page);
+        const size_t vpart = held * (vcs + (size_t)lay.sb[1]) + (lay.sb[1] == 1 ? pages * H * sizeof(float) : 0);
+        size_t kb = pages * lay.page_bytes - vpart + kvpq_pq_centroids_size(kq) * sizeof(float) +
+                    (kq2 ? kvpq_pq_centroids_size(kq2) * sizeof(float) : 0);
+        size_t vb = vpart + kvpq_pq_centroids_size(vq) * sizeof(float);
         if (layer_bytes) layer_bytes[2 * l] = kb, layer_bytes[2 * l + 1] = vb;
         fixed += 2 * (size_t)H * D * sizeof(float);                       /* smoothing factors, key mean */
         if (len > S) fixed += 2 * (size_t)cap * H * D * sizeof(uint16_t); /* the fp16 window ring */

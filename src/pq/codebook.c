@@ -563,7 +563,33 @@ kvpq_status kvpq__codebook_scale_bytes(const kvpq_codebook *cb, int layer, int i
         return kvpq__err(KVPQ_ERR_FORMAT, "codebook metadata %s = '%s': expected \"8\" or \"16\"", key, v);
     if (!(is_value ? cp.value_norm : cp.key_norm)) return KVPQ_OK;
     const kvpq_pq *pq = kvpq_codebook_pq_const(cb, layer, is_value);
-    *bytes = v && !strcmp(v, "8") && pq && pq->p.nbits <= 4 * pq->dsub ? 1 : 2;
+    const kvpq_pq *pq2 = is_value ? NULL : kvpq_codebook_key_pq2_const(cb, layer);
+    /* bits per element of both stages' codes: nbits (M1 + M2) / d <= 4 */
+    const long bits = pq ? (long)pq->p.nbits * (pq->p.M + (pq2 ? pq2->p.M : 0)) : 0;
+    *bytes = v && !strcmp(v, "8") && pq && bits <= 4L * pq->p.d ? 1 : 2;
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq__vq_page_layout_of(const kvpq_codebook *cb, int layer, int n_head_kv, int page_tokens, size_t kcs,
+                                    size_t vcs, kvpq__vq_page_layout *out) {
+    memset(out, 0, sizeof *out);
+    for (int kind = 0; kind < 2; kind++) KVPQ_TRY(kvpq__codebook_scale_bytes(cb, layer, kind, &out->sb[kind]));
+    const size_t pv = (size_t)n_head_kv * page_tokens;
+    size_t o = pv * (kcs + vcs);
+    if (out->sb[0] || out->sb[1]) o = (o + 3) / 4 * 4;
+    for (int kind = 0; kind < 2; kind++) {
+        if (!out->sb[kind]) continue;
+        if (out->sb[kind] == 2) o = (o + 1) / 2 * 2; /* float16 scales are read as uint16_t */
+        out->scale_off[kind] = o;
+        o += pv * (size_t)out->sb[kind];
+    }
+    const int n8 = (out->sb[0] == 1) + (out->sb[1] == 1);
+    if (n8) {
+        o = (o + 3) / 4 * 4;
+        out->ref_off = o;
+        o += (size_t)n8 * n_head_kv * sizeof(float);
+    }
+    out->page_bytes = o;
     return KVPQ_OK;
 }
 

@@ -39,10 +39,25 @@ static inline const float *kvpq__pq_norms(const kvpq_pq *pq, int m) {
 /* Bytes of the norm-explicit scale of one coded vector of `layer`'s keys (is_value 0) or values:
  * 0 without a norm-explicit quantizer for that kind; 1 (an 8-bit log-coded scale, docs/vq_cache.md
  * "8-bit scales") when the codebook's metadata k.norm_bits / v.norm_bits is "8" and the layer's
- * (stage-one) quantizer has at most 4 bits per element (nbits <= 4 dsub: finer quantizers keep
- * float16, whose error the 8-bit code would exceed); else 2 (float16). KVPQ_ERR_FORMAT when that
+ * codes have at most 4 bits per element (both key stages counted: nbits (M1 + M2) <= 4 head_dim;
+ * finer quantizers keep float16, whose error the 8-bit code would exceed); else 2 (float16). KVPQ_ERR_FORMAT when that
  * metadata holds anything but "8" or "16". */
 kvpq_status kvpq__codebook_scale_bytes(const kvpq_codebook *cb, int layer, int is_value, int *bytes);
+
+/* The VQ cache's page of one layer (cache_vq.c), shared with the byte model (kvpq_vq_cache_bytes)
+ * so that the two agree to the byte: K codes then V codes (n_head_kv * page_tokens * (kcs + vcs)
+ * bytes), then per norm-explicit kind its scales (n_head_kv * page_tokens * sb bytes; the first
+ * kind with scales at a 4-byte aligned offset, a float16 kind at an even one), then, 4-byte aligned,
+ * the 8-bit kinds' float references (n_head_kv each). Float16-only pages keep the layout they had
+ * before 8-bit scales (saved caches). */
+typedef struct {
+    int sb[2];           /* bytes per scale of keys / values: 0, 1 or 2 (kvpq__codebook_scale_bytes) */
+    size_t scale_off[2]; /* byte offset of the key / value scales (when sb > 0) */
+    size_t ref_off;      /* byte offset of the references (when a kind has sb 1) */
+    size_t page_bytes;
+} kvpq__vq_page_layout;
+kvpq_status kvpq__vq_page_layout_of(const kvpq_codebook *cb, int layer, int n_head_kv, int page_tokens, size_t kcs,
+                                    size_t vcs, kvpq__vq_page_layout *out);
 
 /* Validate params; message names the bad field. */
 kvpq_status kvpq__pq_params_check(const kvpq_pq_params *p);
