@@ -715,7 +715,7 @@ constexpr int kSub = 16, kTcStages = 2;
 __host__ __device__ constexpr int tc_halves(int D) { return D >= 256 ? 1 : 2; }
 
 struct TcLayout {  /* dynamic shared memory, bytes */
-    int qs, qexp, stage, total;  /* codebook image (and later the merge slots) at 0 */
+    int qs, qexp, cmd, stage, total;  /* codebook image (and later the merge slots) at 0 */
 };
 
 /* Bytes of a ring slot: the key then value code rows of a tile, then (sc, norm-explicit
@@ -732,6 +732,8 @@ inline TcLayout tc_layout(int D, int gs, int nw, bool sc) {
     o += gs * D * 4;
     L.qexp = o;
     o += 8 * 4;
+    L.cmd = o;  /* cluster merge: the CTA partial's {m, d} per head (its o goes over q', at qs) */
+    o += 8 * 2 * 4;
     o = (o + 15) & ~15;
     L.stage = o;
     o += nw * kTcStages * tc_slot_bytes(D, sc);
@@ -761,6 +763,34 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+/* Thread-block clusters (sm_90): barrier.cluster with release / acquire orders each CTA's shared
+ * memory writes before the other CTAs' reads of it (distributed shared memory: mapa gives the
+ * address of the same byte in CTA `rank` of the cluster, ld.shared::cluster reads it). */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVPQ_TC_CLUSTER 1
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+__device__ __forceinline__ uint32_t cluster_map(const void *ptr, int rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(r)
+                 : "r"((uint32_t)__cvta_generic_to_shared(ptr)), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float2 ld_cluster2(uint32_t a) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(uint32_t a) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(a));
+    return v;
+}
+#endif
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t r;
@@ -1132,6 +1162,109 @@ __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *m
     __syncwarp();
 }
 
+/* The split merge through a thread-block cluster (p.merge_cluster: the launcher made the n_splits
+ * CTAs of a (sequence, head group) one cluster). Each CTA merges its warps as finish_cta does, but
+ * into its own shared memory (o at cpo (GS, D), {m, d} at cmd (GS, 2)); after a cluster barrier a
+ * warp per query head (head h: CTA h % n_splits, warp h / n_splits) reads every split's partial from
+ * distributed shared memory (all loads in flight at once) and merges them with finish_cta's last-CTA
+ * arithmetic, in the same order, so the output has the same bits. No workspace in device memory,
+ * no fence, no ticket; a second cluster barrier keeps every CTA's shared memory until it was read. */
+#ifdef KVPQ_TC_CLUSTER
+template <int D, int GS>
+__device__ void finish_cluster(const kvpq__attend_params &p, const float *mbuf, int nw, float *cpo, float *cmd, int b,
+                               int head0, int split) {
+    constexpr int EPL = D / 32, U = D <= 128 ? 16 : 8;  /* partials in flight per lane (registers) */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthr = nw * 32;
+    const int nsp = gridDim.x;  /* the cluster: every split of this (sequence, head group), <= 16 */
+    for (int i = tid; i < GS * D; i += nthr) {
+        int h = i / D, e = i - h * D;
+        float mx = -INFINITY;
+        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + 2)]);
+        float dd = 0.f, oo = 0.f;
+        if (mx != -INFINITY) {
+            for (int w = 0; w < nw; w++) {
+                const float *slot = mbuf + ((size_t)w * GS + h) * (D + 2);
+                float sc = exp2f(slot[0] - mx);
+                dd += sc * slot[1];
+                oo += sc * slot[2 + e];
+            }
+        }
+        cpo[h * D + e] = oo;
+        if (e == 0) {
+            cmd[2 * h] = mx;
+            cmd[2 * h + 1] = dd;
+        }
+    }
+    cluster_arrive();
+    cluster_wait();
+    const int head = warp * nsp + split; /* this warp's query head within the group, if < GS */
+    float acc[EPL];
+    float mx = -INFINITY, dd = 0.f;
+    if (head < GS) {
+        /* lane s < nsp: split s's {m, d}; the first U splits' o requested at the same time */
+        const uint32_t md_a = cluster_map(cmd + 2 * head, lane < nsp ? lane : 0);
+        const float2 md = lane < nsp ? ld_cluster2(md_a) : make_float2(-INFINITY, 0.f);
+        float po[U][EPL];
+        auto load_o = [&](int s0) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (s0 + u < nsp) {
+                    const uint32_t a = cluster_map(cpo + head * D + lane * EPL, s0 + u);
+#pragma unroll
+                    for (int j = 0; j < EPL; j += 4) {
+                        if constexpr (EPL >= 4) {
+                            const float4 v = ld_cluster4(a + j * 4);
+                            po[u][j] = v.x, po[u][j + 1] = v.y, po[u][j + 2] = v.z, po[u][j + 3] = v.w;
+                        } else {
+                            const float2 v = ld_cluster2(a);
+                            po[u][0] = v.x, po[u][1] = v.y;
+                        }
+                    }
+                }
+            }
+        };
+        load_o(0);
+        if (md.x != -INFINITY) { /* finish_cta's lane merge, with one split per lane */
+            const float mn = fmaxf(mx, md.x);
+            dd = dd * (mx == -INFINITY ? 0.f : exp2f(mx - mn)) + md.y * exp2f(md.x - mn);
+            mx = mn;
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            const float mo = __shfl_xor_sync(KVPQ_FULL_MASK, mx, o), d_o = __shfl_xor_sync(KVPQ_FULL_MASK, dd, o);
+            const float mn = fmaxf(mx, mo);
+            dd = (mx == -INFINITY ? 0.f : dd * exp2f(mx - mn)) + (mo == -INFINITY ? 0.f : d_o * exp2f(mo - mn));
+            mx = mn;
+        }
+#pragma unroll
+        for (int j = 0; j < EPL; j++) acc[j] = 0.f;
+        for (int s0 = 0; s0 < nsp; s0 += U) {
+            if (s0) load_o(s0);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const float m = __shfl_sync(KVPQ_FULL_MASK, md.x, (s0 + u) & 31);
+                if (s0 + u < nsp) {
+                    const float sc = m == -INFINITY ? 0.f : exp2f(m - mx);
+#pragma unroll
+                    for (int j = 0; j < EPL; j++) acc[j] = fmaf(sc, po[u][j], acc[j]);
+                }
+            }
+        }
+    }
+    cluster_arrive(); /* this CTA's reads are done: the others may exit */
+    if (head < GS) {
+        float inv = 1.f / dd;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) acc[j] *= inv;
+        if (p.v_rotate) kvpq__warp_fwht<EPL>(acc, lane);
+        float *dst = p.out + ((size_t)b * p.n_head + head0 + head) * D + lane * EPL;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) dst[j] = acc[j];
+    }
+    cluster_wait();
+}
+#endif
+
 template <int D, int GS, int NW, bool SC>
 __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__attend_params p, TcLayout L) {
     extern __shared__ __align__(16) char smem_tc[];
@@ -1156,7 +1289,13 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__atten
     tc_codes<D, GS, NW, SC>(p, L, smem_tc, b, kvh, head0, c0, c1);
     tc_window<D, GS, NW>(p, mbuf, b, kvh, head0, w0, w1);
     __syncthreads();
-    finish_cta<D, GS>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
+#ifdef KVPQ_TC_CLUSTER
+    if (p.merge_cluster)
+        finish_cluster<D, GS>(p, mbuf, NW, reinterpret_cast<float *>(smem_tc + L.qs),
+                              reinterpret_cast<float *>(smem_tc + L.cmd), b, head0, split);
+    else
+#endif
+        finish_cta<D, GS>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
 }
 
 /* Heads per CTA: the largest divisor of the group size (<= 8) whose LUTs fit in shared memory. */
@@ -1274,6 +1413,42 @@ bool tc_ok(const kvpq__attend_params &p) {
     return (size_t)tc_layout(p.head_dim, tc_gs(p), 8, p.k_scales || p.v_scales).total <= optin;
 }
 
+constexpr int kTcMaxCluster = 16;
+
+/* Whether clusters of n CTAs (threads, smem bytes) of kernel `kern` can be resident (compute
+ * capability 9.0+: cudaOccupancyMaxActiveClusters >= 1), asked once per kernel and n (the answer
+ * kept in `known`; one device per process, as kvpq__cuda_props assumes); any error answers no, and
+ * is cleared. */
+template <typename K>
+bool tc_cluster_fits(K kern, int n, int threads, int smem, signed char (&known)[kTcMaxCluster + 1]) {
+    if (n < 1 || n > kTcMaxCluster) return false;
+    if (known[n]) return known[n] > 0;
+    bool ok = false;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        major >= 9) {
+        cudaError_t e = cudaSuccess;
+        if (n > 8) e = cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = (unsigned)n;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.gridDim = dim3((unsigned)n, 1, 1);
+        cfg.blockDim = dim3((unsigned)threads);
+        cfg.dynamicSmemBytes = (size_t)smem;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        int nc = 0;
+        if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&nc, kern, &cfg);
+        ok = e == cudaSuccess && nc >= 1;
+        if (e != cudaSuccess) (void)cudaGetLastError();
+    }
+    known[n] = ok ? 1 : -1;
+    return ok;
+}
+
 template <int D, int GS, int NW, bool SC>
 kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
     const TcLayout L = tc_layout(D, GS, NW, SC);
@@ -1289,20 +1464,39 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
     const int wmin = (p.window + 63) / 64;
     if (p.n_splits < wmin) p.n_splits = wmin < max_splits ? wmin : max_splits;
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
+    /* the split merge through a cluster of the n_splits CTAs of a (sequence, head group)
+     * (finish_cluster) where the device can hold such a cluster (Hopper: up to 16 CTAs, more than
+     * 8 non-portable); whether it can is asked once per kernel and cluster size */
+    static signed char cluster_known[kTcMaxCluster + 1]; /* per kernel and size: 0 not asked, 1 fits, -1 not */
+    p.merge_cluster = 0;
+    if (p.cluster && p.n_splits <= kTcMaxCluster &&
+        tc_cluster_fits(kern, p.n_splits, NW * 32, L.total, cluster_known))
+        p.merge_cluster = 1;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[2];
+    int na = 0;
     if (p.pdl && stream) {
         /* programmatic dependent launch: the kernel's prologue may run while the previous kernel of
          * the stream finishes; it waits for it (griddepcontrol.wait) before reading q */
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[na].val.programmaticStreamSerializationAllowed = 1;
+        na++;
+    }
+    if (p.merge_cluster) {
+        attr[na].id = cudaLaunchAttributeClusterDimension;
+        attr[na].val.clusterDim.x = (unsigned)p.n_splits;
+        attr[na].val.clusterDim.y = 1;
+        attr[na].val.clusterDim.z = 1;
+        na++;
+    }
+    if (na) {
         cfg.gridDim = grid;
         cfg.blockDim = dim3(NW * 32);
         cfg.dynamicSmemBytes = (size_t)L.total;
         cfg.stream = stream;
         cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return kvpq__cuda_err(cudaLaunchKernelEx(&cfg, kern, p, L), "cuda attend kernel launch (tensor cores, PDL)");
+        cfg.numAttrs = na;
+        return kvpq__cuda_err(cudaLaunchKernelEx(&cfg, kern, p, L), "cuda attend kernel launch (tensor cores, PDL or cluster)");
     }
     kern<<<grid, NW * 32, L.total, stream>>>(p, L);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");

@@ -127,6 +127,10 @@ typedef struct {
     int tc, tc_warps, lut16, vrep, pvec;
     int pdl;                   /* tensor-core kernel: programmatic dependent launch (kernels.attend_pdl)
                                   when the launcher is given a stream other than NULL */
+    int cluster;               /* tensor-core kernel: split merge through a thread-block cluster where
+                                  it fits (kernels.attend_cluster) */
+    int merge_cluster;         /* filled by the launcher: 1 = this launch's n_splits CTAs of a (sequence,
+                                  head group) are one cluster and merge through distributed shared memory */
 } kvpq__attend_params;
 
 /* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when
