@@ -307,7 +307,11 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
     double var_us[10], us = 0;
     uint64_t out_fnv[5] = {0, 0, 0, 0, 0};
     size_t resident = 0;
+    /* KVPQ_BENCH_ATTEND_VARIANTS (digits) times only those variants (the others print 0), for A/B runs */
+    const char *only = getenv("KVPQ_BENCH_ATTEND_VARIANTS");
     for (int v = 0; v < 10; v++) {
+        var_us[v] = 0;
+        if (only && !strchr(only, '0' + v)) continue;
         cp.kernels = k0;
         cp.kernels.attend_lut16 = v >= 4 ? k0.attend_lut16 : v & 1;
         cp.kernels.attend_vrep = v >= 4 ? k0.attend_vrep : v >> 1;

@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "common.cuh"
@@ -210,6 +211,25 @@ __device__ __forceinline__ void stage_tile(const kvpq__attend_params &p, const L
     __pipeline_commit();
 }
 
+/* A lane's EPL consecutive floats (EPL * 4-byte aligned: rows of head_dim floats, lane * EPL into
+ * them) as 16- or 8-byte loads. */
+template <int EPL>
+__device__ __forceinline__ void load_lane(const float *src, float (&x)[EPL]) {
+    if constexpr (EPL % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < EPL; j += 4) {
+            const float4 v = *reinterpret_cast<const float4 *>(src + j);
+            x[j] = v.x, x[j + 1] = v.y, x[j + 2] = v.z, x[j + 3] = v.w;
+        }
+    } else if constexpr (EPL == 2) {
+        const float2 v = *reinterpret_cast<const float2 *>(src);
+        x[0] = v.x, x[1] = v.y;
+    } else {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) x[j] = src[j];
+    }
+}
+
 /* The float32 window positions [w0, w1): a warp per position, scores by warp dot products; state in
  * the lane = channels layout (lane holds channels [lane*EPL, (lane+1)*EPL) of o), values rotated
  * when the value codes are (so that every partial is in the codes' space). */
@@ -222,18 +242,13 @@ __device__ __forceinline__ void window_part(const kvpq__attend_params &p, int b,
     float qv[GS][EPL];
     if (w0 + warp < w1) {
 #pragma unroll
-        for (int h = 0; h < GS; h++)
-#pragma unroll
-            for (int j = 0; j < EPL; j++) qv[h][j] = p.q[((size_t)b * p.n_head + head0 + h) * D + lane * EPL + j];
+        for (int h = 0; h < GS; h++) load_lane<EPL>(p.q + ((size_t)b * p.n_head + head0 + h) * D + lane * EPL, qv[h]);
     }
     for (int t = w0 + warp; t < w1; t += nw) {
         size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * EPL;
         float kv[EPL], vv[EPL];
-#pragma unroll
-        for (int j = 0; j < EPL; j++) {
-            kv[j] = p.k_win[row + j];
-            vv[j] = p.v_win[row + j];
-        }
+        load_lane<EPL>(p.k_win + row, kv);
+        load_lane<EPL>(p.v_win + row, vv);
 #pragma unroll
         for (int h = 0; h < GS; h++) {
             float s = 0.f;
@@ -275,7 +290,7 @@ __device__ __forceinline__ void write_slots(float *mbuf, const float (&m_run)[GS
 /* After every warp wrote its slots (and a barrier): merge the warps of this CTA and write its
  * partial {m, d, o} for split `split`; the last CTA of this (sequence, head group) to finish merges
  * the partials of all splits. `last` is a shared int. */
-template <int D, int GS>
+template <int D, int GS, int SO = 2>
 __device__ void finish_cta(const kvpq__attend_params &p, const float *mbuf, int nw, int *last, int b, int head0,
                            int split) {
     constexpr int EPL = D / 32;
@@ -284,14 +299,14 @@ __device__ void finish_cta(const kvpq__attend_params &p, const float *mbuf, int 
     for (int i = tid; i < GS * D; i += nthr) {
         int h = i / D, e = i - h * D;
         float mx = -INFINITY;
-        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + 2)]);
+        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + SO)]);
         float dd = 0.f, oo = 0.f;
         if (mx != -INFINITY) {
             for (int w = 0; w < nw; w++) {
-                const float *slot = mbuf + ((size_t)w * GS + h) * (D + 2);
+                const float *slot = mbuf + ((size_t)w * GS + h) * (D + SO);
                 float sc = exp2f(slot[0] - mx);
                 dd += sc * slot[1];
-                oo += sc * slot[2 + e];
+                oo += sc * slot[SO + e];
             }
         }
         size_t base = ((size_t)b * p.n_head + head0 + h) * nsp + split;
@@ -709,6 +724,12 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
  * through a per-warp cp.async ring of kTcStages tiles. The online softmax {m, d, o} is the one of
  * the LUT path (log2 domain); o is rescaled only when a running max moves. */
 constexpr int kSub = 16, kTcStages = 2;
+/* A merge slot of the tensor-core kernel: {m, d}, then o from float kTcSO (4: 16-byte aligned, so a
+ * lane's channels are one vector access) */
+#ifndef KVPQ_TC_SLOT_OFF
+#define KVPQ_TC_SLOT_OFF 4
+#endif
+constexpr int kTcSO = KVPQ_TC_SLOT_OFF;
 
 /* Halves of 16 positions per warp iteration: two (one max reduction, one rescale check per 32
  * positions), one at head_dim 256 (registers). */
@@ -726,7 +747,7 @@ __host__ __device__ constexpr int tc_slot_bytes(int D, bool sc) {
 
 inline TcLayout tc_layout(int D, int gs, int nw, bool sc) {
     TcLayout L;
-    int o = 256 * 256, merge = nw * gs * (D + 2) * 4;
+    int o = 256 * 256, merge = nw * gs * (D + kTcSO) * 4;
     if (o < merge) o = merge;
     L.qs = o;
     o += gs * D * 4;
@@ -1096,7 +1117,7 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
     __pipeline_wait_prior(0);
     __syncthreads();  /* the slots below overwrite the codebook image */
 
-    /* ---- this warp's merge slots (nw, GS, D + 2): heads 2a, 2a + 1 (packed: lanes a < 2) ---- */
+    /* ---- this warp's merge slots (nw, GS, D + kTcSO): heads 2a, 2a + 1 (packed: lanes a < 2) ---- */
 #pragma unroll
     for (int sh = 4; sh < 32; sh <<= 1) {
         dA += __shfl_xor_sync(KVPQ_FULL_MASK, dA, sh);
@@ -1110,7 +1131,7 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
         for (int hh = 0; hh < 2; hh++) {
             const int h = 2 * a + hh;
             if (h >= GS) continue;
-            float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
+            float *slot = mbuf + ((size_t)warp * GS + h) * (D + kTcSO);
             if (r == 0) {
                 slot[0] = hh ? mB : mA;
                 slot[1] = hh ? dB : dA;
@@ -1120,8 +1141,13 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
                 const int e0 = 4 * (r * VT + vt);
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    slot[2 + e0 + 2 * j] = o[vt][j][hh] * vinv;
-                    slot[2 + e0 + 2 * j + 1] = o[vt][j][2 + hh] * vinv;
+                    if constexpr (kTcSO % 2 == 0) {
+                        *reinterpret_cast<float2 *>(slot + kTcSO + e0 + 2 * j) =
+                            make_float2(o[vt][j][hh] * vinv, o[vt][j][2 + hh] * vinv);
+                    } else {
+                        slot[kTcSO + e0 + 2 * j] = o[vt][j][hh] * vinv;
+                        slot[kTcSO + e0 + 2 * j + 1] = o[vt][j][2 + hh] * vinv;
+                    }
                 }
             }
         }
@@ -1148,11 +1174,29 @@ __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *m
     window_part<D, GS>(p, b, kvh, head0, w0, w1, NW, m_run, d_lane, o);
 #pragma unroll
     for (int h = 0; h < GS; h++) {
-        float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
+        float *slot = mbuf + ((size_t)warp * GS + h) * (D + kTcSO);
         const float dw = warp_sum(d_lane[h]), ms = slot[0], mn = fmaxf(ms, m_run[h]);  /* m_run: finite */
         const float fs = ms == -INFINITY ? 0.f : exp2f(ms - mn), fw = exp2f(m_run[h] - mn);
+        float *so = slot + kTcSO + lane * EPL;
+        if constexpr (kTcSO % 4 == 0 && EPL % 4 == 0) {
 #pragma unroll
-        for (int j = 0; j < EPL; j++) slot[2 + lane * EPL + j] = fs * slot[2 + lane * EPL + j] + fw * o[h][j];
+            for (int j = 0; j < EPL; j += 4) {
+                float4 v = *reinterpret_cast<float4 *>(so + j);
+                v.x = fs * v.x + fw * o[h][j];
+                v.y = fs * v.y + fw * o[h][j + 1];
+                v.z = fs * v.z + fw * o[h][j + 2];
+                v.w = fs * v.w + fw * o[h][j + 3];
+                *reinterpret_cast<float4 *>(so + j) = v;
+            }
+        } else if constexpr (kTcSO % 2 == 0 && EPL == 2) {
+            float2 v = *reinterpret_cast<float2 *>(so);
+            v.x = fs * v.x + fw * o[h][0];
+            v.y = fs * v.y + fw * o[h][1];
+            *reinterpret_cast<float2 *>(so) = v;
+        } else {
+#pragma unroll
+            for (int j = 0; j < EPL; j++) so[j] = fs * so[j] + fw * o[h][j];
+        }
         __syncwarp();
         if (lane == 0) {
             slot[0] = mn;
@@ -1179,14 +1223,14 @@ __device__ void finish_cluster(const kvpq__attend_params &p, const float *mbuf, 
     for (int i = tid; i < GS * D; i += nthr) {
         int h = i / D, e = i - h * D;
         float mx = -INFINITY;
-        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + 2)]);
+        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + kTcSO)]);
         float dd = 0.f, oo = 0.f;
         if (mx != -INFINITY) {
             for (int w = 0; w < nw; w++) {
-                const float *slot = mbuf + ((size_t)w * GS + h) * (D + 2);
+                const float *slot = mbuf + ((size_t)w * GS + h) * (D + kTcSO);
                 float sc = exp2f(slot[0] - mx);
                 dd += sc * slot[1];
-                oo += sc * slot[2 + e];
+                oo += sc * slot[kTcSO + e];
             }
         }
         cpo[h * D + e] = oo;
@@ -1295,7 +1339,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__atten
                               reinterpret_cast<float *>(smem_tc + L.cmd), b, head0, split);
     else
 #endif
-        finish_cta<D, GS>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
+        finish_cta<D, GS, kTcSO>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
 }
 
 /* Heads per CTA: the largest divisor of the group size (<= 8) whose LUTs fit in shared memory. */
@@ -1414,6 +1458,10 @@ bool tc_ok(const kvpq__attend_params &p) {
 }
 
 constexpr int kTcMaxCluster = 16;
+#ifndef KVPQ_TC_CLUSTER_WIDE
+#define KVPQ_TC_CLUSTER_WIDE 8
+#endif
+constexpr int kTcClusterWide = KVPQ_TC_CLUSTER_WIDE; /* most splits merged through a cluster */
 
 /* Whether clusters of n CTAs (threads, smem bytes) of kernel `kern` can be resident (compute
  * capability 9.0+: cudaOccupancyMaxActiveClusters >= 1), asked once per kernel and n (the answer
@@ -1451,7 +1499,15 @@ bool tc_cluster_fits(K kern, int n, int threads, int smem, signed char (&known)[
 
 template <int D, int GS, int NW, bool SC>
 kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
+#ifdef KVPQ_ATTEND_DEV_SHAPES
+    /* tuning: KVPQ_DEV_PAD=BYTES asks for that much shared memory (e.g. one CTA per SM) */
+    TcLayout L = tc_layout(D, GS, NW, SC);
+    if (getenv("KVPQ_DEV_PAD") && atoi(getenv("KVPQ_DEV_PAD")) > L.total) L.total = atoi(getenv("KVPQ_DEV_PAD"));
+    const int cluster_wide = getenv("KVPQ_DEV_CLUSTER_WIDE") ? atoi(getenv("KVPQ_DEV_CLUSTER_WIDE")) : kTcClusterWide;
+#else
     const TcLayout L = tc_layout(D, GS, NW, SC);
+    const int cluster_wide = kTcClusterWide;
+#endif
     auto kern = attend_tc_kernel<D, GS, NW, SC>;
     KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total),
                   "cuda attend: shared memory attribute");
@@ -1465,11 +1521,39 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
     if (p.n_splits < wmin) p.n_splits = wmin < max_splits ? wmin : max_splits;
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
     /* the split merge through a cluster of the n_splits CTAs of a (sequence, head group)
-     * (finish_cluster) where the device can hold such a cluster (Hopper: up to 16 CTAs, more than
-     * 8 non-portable); whether it can is asked once per kernel and cluster size */
+     * (finish_cluster) where the device can hold such a cluster (asked once per kernel and cluster
+     * size): one split, or up to 8 splits of CTAs that take a whole SM each. Measured on an H200
+     * (docs/BENCHMARKS.md, session 12): clusters of CTAs that fit two per SM (b1@4k: 16 splits of
+     * 8-warp CTAs, +1.2 us; b8: 4 splits, +40%) and clusters of 16 whole-SM CTAs (b1@32k: 1.8x; fewer
+     * of them fit at once than there are) were slower than the merge through device memory */
+#ifdef KVPQ_ATTEND_DEV_SHAPES
+    if (getenv("KVPQ_DEV_CLUSTER_REPORT")) { /* tuning: co-resident clusters of each size */
+        static int reported;
+        if (!reported++) {
+            KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "report");
+            printf("{\"cluster_report\": {\"D\": %d, \"GS\": %d, \"NW\": %d, \"SC\": %d, \"smem\": %d, \"per_sm\": %d, \"max_active\": [",
+                   D, GS, NW, (int)SC, L.total, per_sm);
+            for (int n = 1; n <= kTcMaxCluster; n++) {
+                cudaLaunchConfig_t c = {};
+                cudaLaunchAttribute a[1];
+                a[0].id = cudaLaunchAttributeClusterDimension;
+                a[0].val.clusterDim.x = (unsigned)n;
+                a[0].val.clusterDim.y = a[0].val.clusterDim.z = 1;
+                c.gridDim = dim3((unsigned)n);
+                c.blockDim = dim3(NW * 32);
+                c.dynamicSmemBytes = (size_t)L.total;
+                c.attrs = a;
+                c.numAttrs = 1;
+                int nc = -1;
+                if (cudaOccupancyMaxActiveClusters(&nc, kern, &c) != cudaSuccess) (void)cudaGetLastError();
+                printf("%d%s", nc, n < kTcMaxCluster ? ", " : "]}}\n");
+            }
+        }
+    }
+#endif
     static signed char cluster_known[kTcMaxCluster + 1]; /* per kernel and size: 0 not asked, 1 fits, -1 not */
     p.merge_cluster = 0;
-    if (p.cluster && p.n_splits <= kTcMaxCluster &&
+    if (p.cluster && (p.n_splits == 1 || (per_sm == 1 && p.n_splits <= cluster_wide)) &&
         tc_cluster_fits(kern, p.n_splits, NW * 32, L.total, cluster_known))
         p.merge_cluster = 1;
     cudaLaunchConfig_t cfg = {};
