@@ -213,9 +213,15 @@ __device__ __forceinline__ void stage_tile(const kvpq__attend_params &p, const L
 
 /* A lane's EPL consecutive floats (EPL * 4-byte aligned: rows of head_dim floats, lane * EPL into
  * them) as 16- or 8-byte loads. */
+#ifndef KVPQ_WIN_VEC
+#define KVPQ_WIN_VEC 1
+#endif
 template <int EPL>
 __device__ __forceinline__ void load_lane(const float *src, float (&x)[EPL]) {
-    if constexpr (EPL % 4 == 0) {
+    if constexpr (KVPQ_WIN_VEC == 0) {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) x[j] = src[j];
+    } else if constexpr (EPL % 4 == 0) {
 #pragma unroll
         for (int j = 0; j < EPL; j += 4) {
             const float4 v = *reinterpret_cast<const float4 *>(src + j);
@@ -230,21 +236,21 @@ __device__ __forceinline__ void load_lane(const float *src, float (&x)[EPL]) {
     }
 }
 
-/* The float32 window positions [w0, w1): a warp per position, scores by warp dot products; state in
+/* The float32 window positions t0, t0 + stride, ... < w1 of this warp, scores by warp dot products; state in
  * the lane = channels layout (lane holds channels [lane*EPL, (lane+1)*EPL) of o), values rotated
  * when the value codes are (so that every partial is in the codes' space). */
 template <int D, int GS>
-__device__ __forceinline__ void window_part(const kvpq__attend_params &p, int b, int kvh, int head0, int w0, int w1, int nw,
+__device__ __forceinline__ void window_part(const kvpq__attend_params &p, int b, int kvh, int head0, int t0, int w1, int stride,
                                             float (&m_run)[GS], float (&d_lane)[GS], float (&o)[GS][D / 32]) {
     constexpr int EPL = D / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const float scale = 1.4426950408889634f * rsqrtf((float)D);
     float qv[GS][EPL];
-    if (w0 + warp < w1) {
+    if (t0 < w1) {
 #pragma unroll
         for (int h = 0; h < GS; h++) load_lane<EPL>(p.q + ((size_t)b * p.n_head + head0 + h) * D + lane * EPL, qv[h]);
     }
-    for (int t = w0 + warp; t < w1; t += nw) {
+    for (int t = t0; t < w1; t += stride) {
         size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * EPL;
         float kv[EPL], vv[EPL];
         load_lane<EPL>(p.k_win + row, kv);
@@ -403,7 +409,7 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
 
     if (split >= p.n_splits) {
         const int w0 = coded + (split - p.n_splits) * kWindowChunk;
-        window_part<D, GS>(p, b, kvh, head0, w0, min(len, w0 + kWindowChunk), nw, m_run, d_lane, o);
+        window_part<D, GS>(p, b, kvh, head0, w0 + warp, min(len, w0 + kWindowChunk), nw, m_run, d_lane, o);
     } else if (split * p.chunk < coded) {
         /* ---- code positions [c0, c1) ---- */
         const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
@@ -849,11 +855,74 @@ __device__ __forceinline__ void load_code_words(const uint8_t *p, uint32_t (&w)[
     }
 }
 
+/* Merge a warp's window state {m_run, d_lane, o} (window_part) into its merge slots (FlashAttention's
+ * rule; a warp reads and writes only its own slots). */
+template <int D, int GS>
+__device__ __forceinline__ void tc_window_merge(float *mbuf, const float (&m_run)[GS], const float (&d_lane)[GS],
+                                                const float (&o)[GS][D / 32]) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int h = 0; h < GS; h++) {
+        float *slot = mbuf + ((size_t)warp * GS + h) * (D + kTcSO);
+        const float dw = warp_sum(d_lane[h]), ms = slot[0], mn = fmaxf(ms, m_run[h]);  /* m_run: finite */
+        const float fs = ms == -INFINITY ? 0.f : exp2f(ms - mn), fw = exp2f(m_run[h] - mn);
+        float *so = slot + kTcSO + lane * EPL;
+        if constexpr (kTcSO % 4 == 0 && EPL % 4 == 0) {
+#pragma unroll
+            for (int j = 0; j < EPL; j += 4) {
+                float4 v = *reinterpret_cast<float4 *>(so + j);
+                v.x = fs * v.x + fw * o[h][j];
+                v.y = fs * v.y + fw * o[h][j + 1];
+                v.z = fs * v.z + fw * o[h][j + 2];
+                v.w = fs * v.w + fw * o[h][j + 3];
+                *reinterpret_cast<float4 *>(so + j) = v;
+            }
+        } else if constexpr (kTcSO % 2 == 0 && EPL == 2) {
+            float2 v = *reinterpret_cast<float2 *>(so);
+            v.x = fs * v.x + fw * o[h][0];
+            v.y = fs * v.y + fw * o[h][1];
+            *reinterpret_cast<float2 *>(so) = v;
+        } else {
+#pragma unroll
+            for (int j = 0; j < EPL; j++) so[j] = fs * so[j] + fw * o[h][j];
+        }
+        __syncwarp();
+        if (lane == 0) {
+            slot[0] = mn;
+            slot[1] = fs * slot[1] + fw * dw;
+        }
+    }
+    __syncwarp();
+}
+
+/* This warp's positions t0, t0 + stride, ... < w1 of the CTA's share of the float32 window, merged
+ * into its slots. */
+template <int D, int GS>
+__device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *mbuf, int b, int kvh, int head0, int t0,
+                                          int w1, int stride) {
+    constexpr int EPL = D / 32;
+    if (t0 >= w1) return;
+    float m_run[GS], d_lane[GS], o[GS][EPL];
+#pragma unroll
+    for (int h = 0; h < GS; h++) {
+        m_run[h] = -INFINITY;
+        d_lane[h] = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) o[h][j] = 0.f;
+    }
+    window_part<D, GS>(p, b, kvh, head0, t0, w1, stride, m_run, d_lane, o);
+    tc_window_merge<D, GS>(mbuf, m_run, d_lane, o);
+}
+
 /* The code positions [c0, c1) of a CTA on the tensor-core path; leaves this warp's {m, d, o} in its
- * merge slots at smem (after a barrier: the slots overwrite the codebook image). */
+ * merge slots at smem (after a barrier: the slots overwrite the codebook image). Warps with no code
+ * tile (when the CTA has fewer tiles than warps) take the CTA's window share [w0, w1) while the others
+ * walk their tiles, and merge it into their slots; returns whether they did (uniform in the CTA: the
+ * caller then has no window left). */
 template <int D, int GS, int NW, bool SC>
-__device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
-                                         int head0, int c0, int c1) {
+__device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
+                                         int head0, int c0, int c1, int w0, int w1) {
     constexpr bool PACKED = GS <= 4;     /* hi and lo q parts in one mma (columns 0..3 and 4..7) */
     constexpr int KT = D / 16;           /* key k-steps = key code bytes per lane per position */
     constexpr int VT = D / 32;           /* value dim-tile pairs = value code bytes per lane per position */
@@ -1114,6 +1183,22 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
             __syncwarp();
         }
     }
+    /* warps without a tile take the window now, while the others walk their tiles (its state stays
+     * in registers over the barrier: the slots overwrite the image only after it) */
+    const int busy = c0 < c1 ? min(ntile, nw) : 0, n_free = nw - busy;
+    constexpr int WEPL = D / 32;
+    float wm[GS], wd[GS], wo[GS][WEPL];
+    const bool early = n_free > 0 && warp >= busy && w0 + (warp - busy) < w1;
+    if (early) {
+#pragma unroll
+        for (int h = 0; h < GS; h++) {
+            wm[h] = -INFINITY;
+            wd[h] = 0.f;
+#pragma unroll
+            for (int j = 0; j < WEPL; j++) wo[h][j] = 0.f;
+        }
+        window_part<D, GS>(p, b, kvh, head0, w0 + (warp - busy), w1, n_free, wm, wd, wo);
+    }
     __pipeline_wait_prior(0);
     __syncthreads();  /* the slots below overwrite the codebook image */
 
@@ -1153,57 +1238,8 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
         }
     }
     __syncwarp();
-}
-
-/* This CTA's share [w0, w1) of the float32 window, merged into each warp's slots (FlashAttention's
- * rule; a warp reads and writes only its own slots). */
-template <int D, int GS, int NW>
-__device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *mbuf, int b, int kvh, int head0, int w0,
-                                          int w1) {
-    constexpr int EPL = D / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (w0 + warp >= w1) return;
-    float m_run[GS], d_lane[GS], o[GS][EPL];
-#pragma unroll
-    for (int h = 0; h < GS; h++) {
-        m_run[h] = -INFINITY;
-        d_lane[h] = 0.f;
-#pragma unroll
-        for (int j = 0; j < EPL; j++) o[h][j] = 0.f;
-    }
-    window_part<D, GS>(p, b, kvh, head0, w0, w1, NW, m_run, d_lane, o);
-#pragma unroll
-    for (int h = 0; h < GS; h++) {
-        float *slot = mbuf + ((size_t)warp * GS + h) * (D + kTcSO);
-        const float dw = warp_sum(d_lane[h]), ms = slot[0], mn = fmaxf(ms, m_run[h]);  /* m_run: finite */
-        const float fs = ms == -INFINITY ? 0.f : exp2f(ms - mn), fw = exp2f(m_run[h] - mn);
-        float *so = slot + kTcSO + lane * EPL;
-        if constexpr (kTcSO % 4 == 0 && EPL % 4 == 0) {
-#pragma unroll
-            for (int j = 0; j < EPL; j += 4) {
-                float4 v = *reinterpret_cast<float4 *>(so + j);
-                v.x = fs * v.x + fw * o[h][j];
-                v.y = fs * v.y + fw * o[h][j + 1];
-                v.z = fs * v.z + fw * o[h][j + 2];
-                v.w = fs * v.w + fw * o[h][j + 3];
-                *reinterpret_cast<float4 *>(so + j) = v;
-            }
-        } else if constexpr (kTcSO % 2 == 0 && EPL == 2) {
-            float2 v = *reinterpret_cast<float2 *>(so);
-            v.x = fs * v.x + fw * o[h][0];
-            v.y = fs * v.y + fw * o[h][1];
-            *reinterpret_cast<float2 *>(so) = v;
-        } else {
-#pragma unroll
-            for (int j = 0; j < EPL; j++) so[j] = fs * so[j] + fw * o[h][j];
-        }
-        __syncwarp();
-        if (lane == 0) {
-            slot[0] = mn;
-            slot[1] = fs * slot[1] + fw * dw;
-        }
-    }
-    __syncwarp();
+    if (early) tc_window_merge<D, GS>(mbuf, wm, wd, wo);
+    return n_free > 0;
 }
 
 /* The split merge through a thread-block cluster (p.merge_cluster: the launcher made the n_splits
@@ -1330,8 +1366,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__atten
             asm volatile("prefetch.global.L2 [%0];" ::"l"(p.v_win + row));
         }
     }
-    tc_codes<D, GS, NW, SC>(p, L, smem_tc, b, kvh, head0, c0, c1);
-    tc_window<D, GS, NW>(p, mbuf, b, kvh, head0, w0, w1);
+    if (!tc_codes<D, GS, NW, SC>(p, L, smem_tc, b, kvh, head0, c0, c1, w0, w1))
+        tc_window<D, GS>(p, mbuf, b, kvh, head0, w0 + (int)(threadIdx.x >> 5), w1, NW);
     __syncthreads();
 #ifdef KVPQ_TC_CLUSTER
     if (p.merge_cluster)
@@ -1463,16 +1499,15 @@ constexpr int kTcMaxCluster = 16;
 #endif
 constexpr int kTcClusterWide = KVPQ_TC_CLUSTER_WIDE; /* most splits merged through a cluster */
 
-/* Whether clusters of n CTAs (threads, smem bytes) of kernel `kern` can be resident (compute
- * capability 9.0+: cudaOccupancyMaxActiveClusters >= 1), asked once per kernel and n (the answer
- * kept in `known`; one device per process, as kvpq__cuda_props assumes); any error answers no, and
- * is cleared. */
+/* How many clusters of n CTAs (threads, smem bytes) of kernel `kern` can be resident at once
+ * (cudaOccupancyMaxActiveClusters; 0 below compute capability 9.0 or on any error, which is
+ * cleared), asked once per kernel and n (the answer kept in `known` as count + 1; one device per
+ * process, as kvpq__cuda_props assumes). */
 template <typename K>
-bool tc_cluster_fits(K kern, int n, int threads, int smem, signed char (&known)[kTcMaxCluster + 1]) {
-    if (n < 1 || n > kTcMaxCluster) return false;
-    if (known[n]) return known[n] > 0;
-    bool ok = false;
-    int dev = 0, major = 0;
+int tc_cluster_max(K kern, int n, int threads, int smem, int (&known)[kTcMaxCluster + 1]) {
+    if (n < 1 || n > kTcMaxCluster) return 0;
+    if (known[n]) return known[n] - 1;
+    int nc = 0, dev = 0, major = 0;
     if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
         major >= 9) {
         cudaError_t e = cudaSuccess;
@@ -1488,17 +1523,19 @@ bool tc_cluster_fits(K kern, int n, int threads, int smem, signed char (&known)[
         cfg.dynamicSmemBytes = (size_t)smem;
         cfg.attrs = attr;
         cfg.numAttrs = 1;
-        int nc = 0;
         if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&nc, kern, &cfg);
-        ok = e == cudaSuccess && nc >= 1;
-        if (e != cudaSuccess) (void)cudaGetLastError();
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            nc = 0;
+        }
     }
-    known[n] = ok ? 1 : -1;
-    return ok;
+    known[n] = nc + 1;
+    return nc;
 }
 
 template <int D, int GS, int NW, bool SC>
-kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
+kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream,
+                         int tile_warps = NW) {
 #ifdef KVPQ_ATTEND_DEV_SHAPES
     /* tuning: KVPQ_DEV_PAD=BYTES asks for that much shared memory (e.g. one CTA per SM) */
     TcLayout L = tc_layout(D, GS, NW, SC);
@@ -1515,17 +1552,18 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
     KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
     KVPQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, NW * 32, L.total),
                   "cuda attend: occupancy");
-    plan_splits(&p, NW * kSub * tc_halves(D), GS, B, max_coded, max_splits, n_sm, per_sm);
+    plan_splits(&p, tile_warps * kSub * tc_halves(D), GS, B, max_coded, max_splits, n_sm, per_sm);
     p.n_wsplits = 0;  /* the code CTAs share the window: at least one CTA per 64 window positions */
     const int wmin = (p.window + 63) / 64;
     if (p.n_splits < wmin) p.n_splits = wmin < max_splits ? wmin : max_splits;
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
     /* the split merge through a cluster of the n_splits CTAs of a (sequence, head group)
-     * (finish_cluster) where the device can hold such a cluster (asked once per kernel and cluster
-     * size): one split, or up to 8 splits of CTAs that take a whole SM each. Measured on an H200
+     * (finish_cluster): one split (a cluster of one CTA), or up to 8 splits of CTAs that take a whole
+     * SM each, when the device holds all the grid's clusters at once (asked once per kernel and
+     * cluster size; a second wave of clusters would double the time). Measured on an H200
      * (docs/BENCHMARKS.md, session 12): clusters of CTAs that fit two per SM (b1@4k: 16 splits of
-     * 8-warp CTAs, +1.2 us; b8: 4 splits, +40%) and clusters of 16 whole-SM CTAs (b1@32k: 1.8x; fewer
-     * of them fit at once than there are) were slower than the merge through device memory */
+     * 8-warp CTAs, +1.2 us; b8: 4 splits, 62 clusters resident for 64, +40%) and clusters of 16
+     * whole-SM CTAs (b1@32k: 7 resident for 8, 1.8x) were slower than the merge through device memory */
 #ifdef KVPQ_ATTEND_DEV_SHAPES
     if (getenv("KVPQ_DEV_CLUSTER_REPORT")) { /* tuning: co-resident clusters of each size */
         static int reported;
@@ -1551,10 +1589,11 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
         }
     }
 #endif
-    static signed char cluster_known[kTcMaxCluster + 1]; /* per kernel and size: 0 not asked, 1 fits, -1 not */
+    static int cluster_known[kTcMaxCluster + 1]; /* per kernel and size: 0 not asked, else max clusters + 1 */
+    const int n_clusters = (int)(grid.y * grid.z);
     p.merge_cluster = 0;
-    if (p.cluster && (p.n_splits == 1 || (per_sm == 1 && p.n_splits <= cluster_wide)) &&
-        tc_cluster_fits(kern, p.n_splits, NW * 32, L.total, cluster_known))
+    if (p.cluster && (p.n_splits == 1 || (per_sm == 1 && p.n_splits <= cluster_wide &&
+                                          tc_cluster_max(kern, p.n_splits, NW * 32, L.total, cluster_known) >= n_clusters)))
         p.merge_cluster = 1;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[2];
@@ -1600,6 +1639,21 @@ kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_spli
     }
     const bool sc = p.k_scales || p.v_scales;  /* norm-explicit: the kernel that reads scales */
     if ((size_t)tc_layout(D, GS, 16, sc).total > optin) nw = 8;  /* tc_ok checked that 8 warps fit */
+#ifndef KVPQ_TC_WINDOW_WARPS
+#define KVPQ_TC_WINDOW_WARPS 1
+#endif
+    if (KVPQ_TC_WINDOW_WARPS && nw == 8 && p.tc_warps != 8 && p.window > 0 &&
+        (size_t)tc_layout(D, GS, 16, sc).total <= optin) {
+        /* a short batch with a window: 16-warp CTAs (one per SM) planned with 8 tile-taking warps,
+         * where that gives every CTA at most 8 tiles, so that 8 warps take the window while the
+         * others walk the tiles (tc_codes) instead of after them */
+        kvpq__attend_params q = p;
+        plan_splits(&q, 8 * kSub * tc_halves(D), GS, B, max_coded, max_splits, n_sm, 1);
+        if (q.chunk <= 8 * kSub * tc_halves(D)) {
+            if (sc) return launch_tc_nw<D, GS, 16, true>(p, B, max_coded, max_splits, stream, 8);
+            return launch_tc_nw<D, GS, 16, false>(p, B, max_coded, max_splits, stream, 8);
+        }
+    }
     if (sc) {
         if (nw == 8) return launch_tc_nw<D, GS, 8, true>(p, B, max_coded, max_splits, stream);
         return launch_tc_nw<D, GS, 16, true>(p, B, max_coded, max_splits, stream);
