@@ -212,13 +212,10 @@ __device__ __forceinline__ void stage_tile(const kvpq__attend_params &p, const L
 }
 
 /* A lane's EPL consecutive floats (EPL * 4-byte aligned: rows of head_dim floats, lane * EPL into
- * them) as 16- or 8-byte loads. */
-#ifndef KVPQ_WIN_VEC
-#define KVPQ_WIN_VEC 1
-#endif
-template <int EPL>
+ * them): VEC as 16- or 8-byte loads, else one float at a time. */
+template <int EPL, bool VEC>
 __device__ __forceinline__ void load_lane(const float *src, float (&x)[EPL]) {
-    if constexpr (KVPQ_WIN_VEC == 0) {
+    if constexpr (!VEC) {
 #pragma unroll
         for (int j = 0; j < EPL; j++) x[j] = src[j];
     } else if constexpr (EPL % 4 == 0) {
@@ -239,7 +236,7 @@ __device__ __forceinline__ void load_lane(const float *src, float (&x)[EPL]) {
 /* The float32 window positions t0, t0 + stride, ... < w1 of this warp, scores by warp dot products; state in
  * the lane = channels layout (lane holds channels [lane*EPL, (lane+1)*EPL) of o), values rotated
  * when the value codes are (so that every partial is in the codes' space). */
-template <int D, int GS>
+template <int D, int GS, bool VEC = false>
 __device__ __forceinline__ void window_part(const kvpq__attend_params &p, int b, int kvh, int head0, int t0, int w1, int stride,
                                             float (&m_run)[GS], float (&d_lane)[GS], float (&o)[GS][D / 32]) {
     constexpr int EPL = D / 32;
@@ -248,13 +245,13 @@ __device__ __forceinline__ void window_part(const kvpq__attend_params &p, int b,
     float qv[GS][EPL];
     if (t0 < w1) {
 #pragma unroll
-        for (int h = 0; h < GS; h++) load_lane<EPL>(p.q + ((size_t)b * p.n_head + head0 + h) * D + lane * EPL, qv[h]);
+        for (int h = 0; h < GS; h++) load_lane<EPL, VEC>(p.q + ((size_t)b * p.n_head + head0 + h) * D + lane * EPL, qv[h]);
     }
     for (int t = t0; t < w1; t += stride) {
         size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * EPL;
         float kv[EPL], vv[EPL];
-        load_lane<EPL>(p.k_win + row, kv);
-        load_lane<EPL>(p.v_win + row, vv);
+        load_lane<EPL, VEC>(p.k_win + row, kv);
+        load_lane<EPL, VEC>(p.v_win + row, vv);
 #pragma unroll
         for (int h = 0; h < GS; h++) {
             float s = 0.f;
@@ -730,19 +727,18 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
  * through a per-warp cp.async ring of kTcStages tiles. The online softmax {m, d, o} is the one of
  * the LUT path (log2 domain); o is rescaled only when a running max moves. */
 constexpr int kSub = 16, kTcStages = 2;
-/* A merge slot of the tensor-core kernel: {m, d}, then o from float kTcSO (4: 16-byte aligned, so a
- * lane's channels are one vector access) */
-#ifndef KVPQ_TC_SLOT_OFF
-#define KVPQ_TC_SLOT_OFF 4
-#endif
-constexpr int kTcSO = KVPQ_TC_SLOT_OFF;
+/* A merge slot of the tensor-core kernel: {m, d}, then o from float tc_so(CL): 2 (as the LUT
+ * kernel's slots), or 4 in the cluster-merge kernel (CL): 16-byte aligned, so that a lane's channels
+ * are one vector access */
+__host__ __device__ constexpr int tc_so(bool cl) { return cl ? 4 : 2; }
 
 /* Halves of 16 positions per warp iteration: two (one max reduction, one rescale check per 32
  * positions), one at head_dim 256 (registers). */
 __host__ __device__ constexpr int tc_halves(int D) { return D >= 256 ? 1 : 2; }
 
 struct TcLayout {  /* dynamic shared memory, bytes */
-    int qs, qexp, cmd, stage, total;  /* codebook image (and later the merge slots) at 0 */
+    int qs, qexp, stage, total;  /* codebook image (and later the merge slots) at 0 */
+    int cmd;                     /* the cluster kernel's CTA partial {m, d} (its o goes over q', at qs) */
 };
 
 /* Bytes of a ring slot: the key then value code rows of a tile, then (sc, norm-explicit
@@ -751,16 +747,16 @@ __host__ __device__ constexpr int tc_slot_bytes(int D, bool sc) {
     return kSub * tc_halves(D) * 2 * (D / 4) + (sc ? kSub * tc_halves(D) * 2 * 2 : 0);
 }
 
-inline TcLayout tc_layout(int D, int gs, int nw, bool sc) {
+inline TcLayout tc_layout(int D, int gs, int nw, bool sc, bool cl = false) {
     TcLayout L;
-    int o = 256 * 256, merge = nw * gs * (D + kTcSO) * 4;
+    int o = 256 * 256, merge = nw * gs * (D + tc_so(cl)) * 4;
     if (o < merge) o = merge;
     L.qs = o;
     o += gs * D * 4;
     L.qexp = o;
     o += 8 * 4;
     L.cmd = o;  /* cluster merge: the CTA partial's {m, d} per head (its o goes over q', at qs) */
-    o += 8 * 2 * 4;
+    if (cl) o += 8 * 2 * 4;
     o = (o + 15) & ~15;
     L.stage = o;
     o += nw * kTcStages * tc_slot_bytes(D, sc);
@@ -857,18 +853,18 @@ __device__ __forceinline__ void load_code_words(const uint8_t *p, uint32_t (&w)[
 
 /* Merge a warp's window state {m_run, d_lane, o} (window_part) into its merge slots (FlashAttention's
  * rule; a warp reads and writes only its own slots). */
-template <int D, int GS>
+template <int D, int GS, int SO>
 __device__ __forceinline__ void tc_window_merge(float *mbuf, const float (&m_run)[GS], const float (&d_lane)[GS],
                                                 const float (&o)[GS][D / 32]) {
     constexpr int EPL = D / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int h = 0; h < GS; h++) {
-        float *slot = mbuf + ((size_t)warp * GS + h) * (D + kTcSO);
+        float *slot = mbuf + ((size_t)warp * GS + h) * (D + SO);
         const float dw = warp_sum(d_lane[h]), ms = slot[0], mn = fmaxf(ms, m_run[h]);  /* m_run: finite */
         const float fs = ms == -INFINITY ? 0.f : exp2f(ms - mn), fw = exp2f(m_run[h] - mn);
-        float *so = slot + kTcSO + lane * EPL;
-        if constexpr (kTcSO % 4 == 0 && EPL % 4 == 0) {
+        float *so = slot + SO + lane * EPL;
+        if constexpr (SO % 4 == 0 && EPL % 4 == 0) {
 #pragma unroll
             for (int j = 0; j < EPL; j += 4) {
                 float4 v = *reinterpret_cast<float4 *>(so + j);
@@ -878,14 +874,14 @@ __device__ __forceinline__ void tc_window_merge(float *mbuf, const float (&m_run
                 v.w = fs * v.w + fw * o[h][j + 3];
                 *reinterpret_cast<float4 *>(so + j) = v;
             }
-        } else if constexpr (kTcSO % 2 == 0 && EPL == 2) {
+        } else if constexpr (SO == 4 && EPL == 2) {
             float2 v = *reinterpret_cast<float2 *>(so);
             v.x = fs * v.x + fw * o[h][0];
             v.y = fs * v.y + fw * o[h][1];
             *reinterpret_cast<float2 *>(so) = v;
         } else {
 #pragma unroll
-            for (int j = 0; j < EPL; j++) so[j] = fs * so[j] + fw * o[h][j];
+            for (int j = 0; j < EPL; j++) slot[SO + lane * EPL + j] = fs * slot[SO + lane * EPL + j] + fw * o[h][j];
         }
         __syncwarp();
         if (lane == 0) {
@@ -898,7 +894,7 @@ __device__ __forceinline__ void tc_window_merge(float *mbuf, const float (&m_run
 
 /* This warp's positions t0, t0 + stride, ... < w1 of the CTA's share of the float32 window, merged
  * into its slots. */
-template <int D, int GS>
+template <int D, int GS, int SO, bool VEC>
 __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *mbuf, int b, int kvh, int head0, int t0,
                                           int w1, int stride) {
     constexpr int EPL = D / 32;
@@ -911,8 +907,8 @@ __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *m
 #pragma unroll
         for (int j = 0; j < EPL; j++) o[h][j] = 0.f;
     }
-    window_part<D, GS>(p, b, kvh, head0, t0, w1, stride, m_run, d_lane, o);
-    tc_window_merge<D, GS>(mbuf, m_run, d_lane, o);
+    window_part<D, GS, VEC>(p, b, kvh, head0, t0, w1, stride, m_run, d_lane, o);
+    tc_window_merge<D, GS, SO>(mbuf, m_run, d_lane, o);
 }
 
 /* The code positions [c0, c1) of a CTA on the tensor-core path; leaves this warp's {m, d, o} in its
@@ -920,7 +916,7 @@ __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *m
  * tile (when the CTA has fewer tiles than warps) take the CTA's window share [w0, w1) while the others
  * walk their tiles, and merge it into their slots; returns whether they did (uniform in the CTA: the
  * caller then has no window left). */
-template <int D, int GS, int NW, bool SC>
+template <int D, int GS, int NW, bool SC, bool CL>
 __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
                                          int head0, int c0, int c1, int w0, int w1) {
     constexpr bool PACKED = GS <= 4;     /* hi and lo q parts in one mma (columns 0..3 and 4..7) */
@@ -1188,7 +1184,7 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
     const int busy = c0 < c1 ? min(ntile, nw) : 0, n_free = nw - busy;
     constexpr int WEPL = D / 32;
     float wm[GS], wd[GS], wo[GS][WEPL];
-    const bool early = n_free > 0 && warp >= busy && w0 + (warp - busy) < w1;
+    const bool early = CL && n_free > 0 && warp >= busy && w0 + (warp - busy) < w1;
     if (early) {
 #pragma unroll
         for (int h = 0; h < GS; h++) {
@@ -1197,12 +1193,12 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
 #pragma unroll
             for (int j = 0; j < WEPL; j++) wo[h][j] = 0.f;
         }
-        window_part<D, GS>(p, b, kvh, head0, w0 + (warp - busy), w1, n_free, wm, wd, wo);
+        window_part<D, GS, CL>(p, b, kvh, head0, w0 + (warp - busy), w1, n_free, wm, wd, wo);
     }
     __pipeline_wait_prior(0);
     __syncthreads();  /* the slots below overwrite the codebook image */
 
-    /* ---- this warp's merge slots (nw, GS, D + kTcSO): heads 2a, 2a + 1 (packed: lanes a < 2) ---- */
+    /* ---- this warp's merge slots (nw, GS, D + tc_so(CL)): heads 2a, 2a + 1 (packed: lanes a < 2) ---- */
 #pragma unroll
     for (int sh = 4; sh < 32; sh <<= 1) {
         dA += __shfl_xor_sync(KVPQ_FULL_MASK, dA, sh);
@@ -1216,7 +1212,7 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
         for (int hh = 0; hh < 2; hh++) {
             const int h = 2 * a + hh;
             if (h >= GS) continue;
-            float *slot = mbuf + ((size_t)warp * GS + h) * (D + kTcSO);
+            float *slot = mbuf + ((size_t)warp * GS + h) * (D + tc_so(CL));
             if (r == 0) {
                 slot[0] = hh ? mB : mA;
                 slot[1] = hh ? dB : dA;
@@ -1226,23 +1222,23 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
                 const int e0 = 4 * (r * VT + vt);
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    if constexpr (kTcSO % 2 == 0) {
-                        *reinterpret_cast<float2 *>(slot + kTcSO + e0 + 2 * j) =
+                    if constexpr (CL) { /* 16-byte-aligned slots: the pair as one 8-byte store */
+                        *reinterpret_cast<float2 *>(slot + tc_so(CL) + e0 + 2 * j) =
                             make_float2(o[vt][j][hh] * vinv, o[vt][j][2 + hh] * vinv);
                     } else {
-                        slot[kTcSO + e0 + 2 * j] = o[vt][j][hh] * vinv;
-                        slot[kTcSO + e0 + 2 * j + 1] = o[vt][j][2 + hh] * vinv;
+                        slot[tc_so(CL) + e0 + 2 * j] = o[vt][j][hh] * vinv;
+                        slot[tc_so(CL) + e0 + 2 * j + 1] = o[vt][j][2 + hh] * vinv;
                     }
                 }
             }
         }
     }
     __syncwarp();
-    if (early) tc_window_merge<D, GS>(mbuf, wm, wd, wo);
-    return n_free > 0;
+    if (early) tc_window_merge<D, GS, tc_so(CL)>(mbuf, wm, wd, wo);
+    return CL && n_free > 0;
 }
 
-/* The split merge through a thread-block cluster (p.merge_cluster: the launcher made the n_splits
+/* The split merge through a thread-block cluster (the CL kernel: the launcher made the n_splits
  * CTAs of a (sequence, head group) one cluster). Each CTA merges its warps as finish_cta does, but
  * into its own shared memory (o at cpo (GS, D), {m, d} at cmd (GS, 2)); after a cluster barrier a
  * warp per query head (head h: CTA h % n_splits, warp h / n_splits) reads every split's partial from
@@ -1259,14 +1255,14 @@ __device__ void finish_cluster(const kvpq__attend_params &p, const float *mbuf, 
     for (int i = tid; i < GS * D; i += nthr) {
         int h = i / D, e = i - h * D;
         float mx = -INFINITY;
-        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + kTcSO)]);
+        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + tc_so(true))]);
         float dd = 0.f, oo = 0.f;
         if (mx != -INFINITY) {
             for (int w = 0; w < nw; w++) {
-                const float *slot = mbuf + ((size_t)w * GS + h) * (D + kTcSO);
+                const float *slot = mbuf + ((size_t)w * GS + h) * (D + tc_so(true));
                 float sc = exp2f(slot[0] - mx);
                 dd += sc * slot[1];
-                oo += sc * slot[kTcSO + e];
+                oo += sc * slot[tc_so(true) + e];
             }
         }
         cpo[h * D + e] = oo;
@@ -1345,7 +1341,11 @@ __device__ void finish_cluster(const kvpq__attend_params &p, const float *mbuf, 
 }
 #endif
 
-template <int D, int GS, int NW, bool SC>
+/* CL: the cluster-merge kernel (launched as clusters of the n_splits CTAs of a (sequence, head
+ * group); finish_cluster), which also has the 16-byte-aligned slots, the window's 16-byte loads and
+ * its warps without a code tile taking the window while the others walk theirs (tc_codes); the
+ * other instantiation is the kernel of sessions 7-11, merging through device memory (finish_cta). */
+template <int D, int GS, int NW, bool SC, bool CL>
 __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__attend_params p, TcLayout L) {
     extern __shared__ __align__(16) char smem_tc[];
     const int split = blockIdx.x, b = blockIdx.z;
@@ -1366,16 +1366,18 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__atten
             asm volatile("prefetch.global.L2 [%0];" ::"l"(p.v_win + row));
         }
     }
-    if (!tc_codes<D, GS, NW, SC>(p, L, smem_tc, b, kvh, head0, c0, c1, w0, w1))
-        tc_window<D, GS>(p, mbuf, b, kvh, head0, w0 + (int)(threadIdx.x >> 5), w1, NW);
+    if (!tc_codes<D, GS, NW, SC, CL>(p, L, smem_tc, b, kvh, head0, c0, c1, w0, w1))
+        tc_window<D, GS, tc_so(CL), CL>(p, mbuf, b, kvh, head0, w0 + (int)(threadIdx.x >> 5), w1, NW);
     __syncthreads();
 #ifdef KVPQ_TC_CLUSTER
-    if (p.merge_cluster)
+    if constexpr (CL) {
         finish_cluster<D, GS>(p, mbuf, NW, reinterpret_cast<float *>(smem_tc + L.qs),
                               reinterpret_cast<float *>(smem_tc + L.cmd), b, head0, split);
-    else
+        return;
+    }
 #endif
-        finish_cta<D, GS, kTcSO>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
+    /* (below sm_90 the CL kernel, never launched as a cluster there, merges this way too) */
+    finish_cta<D, GS, tc_so(CL)>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
 }
 
 /* Heads per CTA: the largest divisor of the group size (<= 8) whose LUTs fit in shared memory. */
@@ -1493,11 +1495,9 @@ bool tc_ok(const kvpq__attend_params &p) {
     return (size_t)tc_layout(p.head_dim, tc_gs(p), 8, p.k_scales || p.v_scales).total <= optin;
 }
 
-constexpr int kTcMaxCluster = 16;
-#ifndef KVPQ_TC_CLUSTER_WIDE
-#define KVPQ_TC_CLUSTER_WIDE 8
-#endif
-constexpr int kTcClusterWide = KVPQ_TC_CLUSTER_WIDE; /* most splits merged through a cluster */
+/* Clusters: at most 16 CTAs (Hopper; more than 8 non-portable); the merge through one is used for
+ * at most kTcClusterWide splits (launch_tc_nw says why). */
+constexpr int kTcMaxCluster = 16, kTcClusterWide = 8;
 
 /* How many clusters of n CTAs (threads, smem bytes) of kernel `kern` can be resident at once
  * (cudaOccupancyMaxActiveClusters; 0 below compute capability 9.0 or on any error, which is
@@ -1533,37 +1533,79 @@ int tc_cluster_max(K kern, int n, int threads, int smem, int (&known)[kTcMaxClus
     return nc;
 }
 
+/* One launch of kernel `kern` (layout L) on grid `grid`: a programmatic dependent launch when asked
+ * and given a stream, a cluster of `cluster` CTAs along x when cluster > 0. */
+template <typename K>
+kvpq_status launch_tc_kernel(K kern, const kvpq__attend_params &p, const TcLayout &L, dim3 grid, int threads, int cluster,
+                             cudaStream_t stream) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[2];
+    int na = 0;
+    if (p.pdl && stream) {
+        /* programmatic dependent launch: the kernel's prologue may run while the previous kernel of
+         * the stream finishes; it waits for it (griddepcontrol.wait) before reading q */
+        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[na].val.programmaticStreamSerializationAllowed = 1;
+        na++;
+    }
+    if (cluster > 0) {
+        attr[na].id = cudaLaunchAttributeClusterDimension;
+        attr[na].val.clusterDim.x = (unsigned)cluster;
+        attr[na].val.clusterDim.y = 1;
+        attr[na].val.clusterDim.z = 1;
+        na++;
+    }
+    if (!na) {
+        kern<<<grid, threads, L.total, stream>>>(p, L);
+        return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");
+    }
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3((unsigned)threads);
+    cfg.dynamicSmemBytes = (size_t)L.total;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = na;
+    return kvpq__cuda_err(cudaLaunchKernelEx(&cfg, kern, p, L),
+                          cluster > 0 ? "cuda attend kernel launch (tensor cores, cluster)" : "cuda attend kernel launch (tensor cores, PDL)");
+}
+
 template <int D, int GS, int NW, bool SC>
-kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream,
-                         int tile_warps = NW) {
-#ifdef KVPQ_ATTEND_DEV_SHAPES
-    /* tuning: KVPQ_DEV_PAD=BYTES asks for that much shared memory (e.g. one CTA per SM) */
-    TcLayout L = tc_layout(D, GS, NW, SC);
-    if (getenv("KVPQ_DEV_PAD") && atoi(getenv("KVPQ_DEV_PAD")) > L.total) L.total = atoi(getenv("KVPQ_DEV_PAD"));
-    const int cluster_wide = getenv("KVPQ_DEV_CLUSTER_WIDE") ? atoi(getenv("KVPQ_DEV_CLUSTER_WIDE")) : kTcClusterWide;
-#else
+kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
     const TcLayout L = tc_layout(D, GS, NW, SC);
-    const int cluster_wide = kTcClusterWide;
-#endif
-    auto kern = attend_tc_kernel<D, GS, NW, SC>;
+    auto kern = attend_tc_kernel<D, GS, NW, SC, false>;
     KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total),
                   "cuda attend: shared memory attribute");
     int n_sm = 0, per_sm = 1;
     KVPQ_TRY(kvpq__cuda_props(&n_sm, NULL));
     KVPQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, NW * 32, L.total),
                   "cuda attend: occupancy");
-    plan_splits(&p, tile_warps * kSub * tc_halves(D), GS, B, max_coded, max_splits, n_sm, per_sm);
+    plan_splits(&p, NW * kSub * tc_halves(D), GS, B, max_coded, max_splits, n_sm, per_sm);
     p.n_wsplits = 0;  /* the code CTAs share the window: at least one CTA per 64 window positions */
     const int wmin = (p.window + 63) / 64;
     if (p.n_splits < wmin) p.n_splits = wmin < max_splits ? wmin : max_splits;
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
-    /* the split merge through a cluster of the n_splits CTAs of a (sequence, head group)
-     * (finish_cluster): one split (a cluster of one CTA), or up to 8 splits of CTAs that take a whole
-     * SM each, when the device holds all the grid's clusters at once (asked once per kernel and
-     * cluster size; a second wave of clusters would double the time). Measured on an H200
-     * (docs/BENCHMARKS.md, session 12): clusters of CTAs that fit two per SM (b1@4k: 16 splits of
-     * 8-warp CTAs, +1.2 us; b8: 4 splits, 62 clusters resident for 64, +40%) and clusters of 16
-     * whole-SM CTAs (b1@32k: 7 resident for 8, 1.8x) were slower than the merge through device memory */
+    /* The split merge through a cluster of the n_splits CTAs of a (sequence, head group)
+     * (kernels.attend_cluster; the CL kernel, finish_cluster): for one split (a cluster of one CTA),
+     * or up to 8 splits of CTAs that take a whole SM each, when the device holds all the grid's
+     * clusters at once (asked once per kernel and cluster size: a second wave of clusters would
+     * double the time). Measured on an H200 (docs/BENCHMARKS.md, session 12): clusters of CTAs that
+     * fit two per SM (b1@4k: 16 splits of 8-warp CTAs, +1.2 us; b8 with 8-warp CTAs: 4 splits, 62
+     * clusters resident for 64, +40%) and clusters of 16 whole-SM CTAs (b1@32k: 7 resident for 8,
+     * 1.8x) were slower than the merge through device memory; 2 splits of 16-warp CTAs (b8) faster */
+    if (p.cluster && (p.n_splits == 1 || (per_sm == 1 && p.n_splits <= kTcClusterWide))) {
+        const TcLayout Lc = tc_layout(D, GS, NW, SC, true);
+        auto kernc = attend_tc_kernel<D, GS, NW, SC, true>;
+        static int cluster_known[kTcMaxCluster + 1]; /* per kernel and size: 0 not asked, else max clusters + 1 */
+        size_t optin = 0;
+        KVPQ_TRY(kvpq__cuda_props(NULL, &optin));
+        if ((size_t)Lc.total <= optin &&
+            cudaFuncSetAttribute(kernc, cudaFuncAttributeMaxDynamicSharedMemorySize, Lc.total) == cudaSuccess) {
+            if (p.n_splits == 1 || tc_cluster_max(kernc, p.n_splits, NW * 32, Lc.total, cluster_known) >= (int)(grid.y * grid.z))
+                return launch_tc_kernel(kernc, p, Lc, grid, NW * 32, p.n_splits, stream);
+        } else {
+            (void)cudaGetLastError();
+        }
+    }
 #ifdef KVPQ_ATTEND_DEV_SHAPES
     if (getenv("KVPQ_DEV_CLUSTER_REPORT")) { /* tuning: co-resident clusters of each size */
         static int reported;
@@ -1589,40 +1631,7 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
         }
     }
 #endif
-    static int cluster_known[kTcMaxCluster + 1]; /* per kernel and size: 0 not asked, else max clusters + 1 */
-    const int n_clusters = (int)(grid.y * grid.z);
-    p.merge_cluster = 0;
-    if (p.cluster && (p.n_splits == 1 || (per_sm == 1 && p.n_splits <= cluster_wide &&
-                                          tc_cluster_max(kern, p.n_splits, NW * 32, L.total, cluster_known) >= n_clusters)))
-        p.merge_cluster = 1;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[2];
-    int na = 0;
-    if (p.pdl && stream) {
-        /* programmatic dependent launch: the kernel's prologue may run while the previous kernel of
-         * the stream finishes; it waits for it (griddepcontrol.wait) before reading q */
-        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[na].val.programmaticStreamSerializationAllowed = 1;
-        na++;
-    }
-    if (p.merge_cluster) {
-        attr[na].id = cudaLaunchAttributeClusterDimension;
-        attr[na].val.clusterDim.x = (unsigned)p.n_splits;
-        attr[na].val.clusterDim.y = 1;
-        attr[na].val.clusterDim.z = 1;
-        na++;
-    }
-    if (na) {
-        cfg.gridDim = grid;
-        cfg.blockDim = dim3(NW * 32);
-        cfg.dynamicSmemBytes = (size_t)L.total;
-        cfg.stream = stream;
-        cfg.attrs = attr;
-        cfg.numAttrs = na;
-        return kvpq__cuda_err(cudaLaunchKernelEx(&cfg, kern, p, L), "cuda attend kernel launch (tensor cores, PDL or cluster)");
-    }
-    kern<<<grid, NW * 32, L.total, stream>>>(p, L);
-    return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");
+    return launch_tc_kernel(kern, p, L, grid, NW * 32, 0, stream);
 }
 
 template <int D, int GS>
@@ -1639,21 +1648,6 @@ kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_spli
     }
     const bool sc = p.k_scales || p.v_scales;  /* norm-explicit: the kernel that reads scales */
     if ((size_t)tc_layout(D, GS, 16, sc).total > optin) nw = 8;  /* tc_ok checked that 8 warps fit */
-#ifndef KVPQ_TC_WINDOW_WARPS
-#define KVPQ_TC_WINDOW_WARPS 1
-#endif
-    if (KVPQ_TC_WINDOW_WARPS && nw == 8 && p.tc_warps != 8 && p.window > 0 &&
-        (size_t)tc_layout(D, GS, 16, sc).total <= optin) {
-        /* a short batch with a window: 16-warp CTAs (one per SM) planned with 8 tile-taking warps,
-         * where that gives every CTA at most 8 tiles, so that 8 warps take the window while the
-         * others walk the tiles (tc_codes) instead of after them */
-        kvpq__attend_params q = p;
-        plan_splits(&q, 8 * kSub * tc_halves(D), GS, B, max_coded, max_splits, n_sm, 1);
-        if (q.chunk <= 8 * kSub * tc_halves(D)) {
-            if (sc) return launch_tc_nw<D, GS, 16, true>(p, B, max_coded, max_splits, stream, 8);
-            return launch_tc_nw<D, GS, 16, false>(p, B, max_coded, max_splits, stream, 8);
-        }
-    }
     if (sc) {
         if (nw == 8) return launch_tc_nw<D, GS, 8, true>(p, B, max_coded, max_splits, stream);
         return launch_tc_nw<D, GS, 16, true>(p, B, max_coded, max_splits, stream);

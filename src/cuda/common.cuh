@@ -128,9 +128,7 @@ typedef struct {
     int pdl;                   /* tensor-core kernel: programmatic dependent launch (kernels.attend_pdl)
                                   when the launcher is given a stream other than NULL */
     int cluster;               /* tensor-core kernel: split merge through a thread-block cluster where
-                                  it fits (kernels.attend_cluster) */
-    int merge_cluster;         /* filled by the launcher: 1 = this launch's n_splits CTAs of a (sequence,
-                                  head group) are one cluster and merge through distributed shared memory */
+                                  it pays (kernels.attend_cluster; launch_tc_nw) */
 } kvpq__attend_params;
 
 /* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when
