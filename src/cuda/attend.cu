@@ -1600,7 +1600,9 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
         KVPQ_TRY(kvpq__cuda_props(NULL, &optin));
         if ((size_t)Lc.total <= optin &&
             cudaFuncSetAttribute(kernc, cudaFuncAttributeMaxDynamicSharedMemorySize, Lc.total) == cudaSuccess) {
-            if (p.n_splits == 1 || tc_cluster_max(kernc, p.n_splits, NW * 32, Lc.total, cluster_known) >= (int)(grid.y * grid.z))
+            /* (also for one split: 0 below compute capability 9.0, where no cluster launches) */
+            const int need = p.n_splits == 1 ? 1 : (int)(grid.y * grid.z);
+            if (tc_cluster_max(kernc, p.n_splits, NW * 32, Lc.total, cluster_known) >= need)
                 return launch_tc_kernel(kernc, p, Lc, grid, NW * 32, p.n_splits, stream);
         } else {
             (void)cudaGetLastError();
