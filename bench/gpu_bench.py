@@ -285,14 +285,15 @@ def main():
               f"ours = {att[0].get('default_variant', '?') if att else '?'}):", "",
               "| B | context | LUT f32, plain | LUT f16, plain | LUT f32, replicas | LUT f16, replicas | "
               "LUT f16, replicas, previous value loop | tensor cores (default) | tensor cores, 8-warp CTAs | "
-              "tensor cores, 16-warp CTAs | tensor cores, plain launch (no PDL) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "tensor cores, 16-warp CTAs | tensor cores, plain launch (no PDL) | "
+              "tensor cores, split merge through device memory (no cluster) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in att:
         v = t.get("variant_us", {})
         lines.append(f"| {t['B']} | {t['L']} | {fmt(v.get('f32_plain'))} | {fmt(v.get('f16_plain'))} | "
                      f"{fmt(v.get('f32_vrep'))} | {fmt(v.get('f16_vrep'))} | {fmt(v.get('default_prev_loop'))} | "
                      f"{fmt(v.get('tc'))} | {fmt(v.get('tc_8warps'))} | {fmt(v.get('tc_16warps'))} | "
-                     f"{fmt(v.get('tc_nopdl'))} |")
+                     f"{fmt(v.get('tc_nopdl'))} | {fmt(v.get('tc_nocluster'))} |")
     if att_ne:
         plain = {(t["B"], t["L"]): t for t in att}
         lines += ["", "Decode attention, norm-explicit K and V codebooks (kvpq calibrate's default: codes of "

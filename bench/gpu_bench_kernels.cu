@@ -300,12 +300,18 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
      * same codes: 0-3 LUT kernel, entries float32/float16 x value codebook plain/replicated; 4 the
      * LUT f16 + replicas kernel with the previous value loop (attend_pvec = 0); 5 the defaults (the
      * tensor-core kernel for this shape): "ours"; 6, 7: 8- and 16-warp CTAs; 8: the defaults launched
-     * plainly (attend_pdl = 0: no programmatic dependent launch, the kernel of session 6) */
+     * plainly (attend_pdl = 0: no programmatic dependent launch, the kernel of session 6); 9: the
+     * defaults with the split merge through the device-memory workspace and a counter
+     * (attend_cluster = 0, the merge of sessions 1-11) */
     const kvpq_cuda_kernels k0 = kvpq_cuda_kernels_default();
-    double var_us[9], us = 0;
-    uint64_t out_fnv[4] = {0, 0, 0, 0};
+    double var_us[10], us = 0;
+    uint64_t out_fnv[5] = {0, 0, 0, 0, 0};
     size_t resident = 0;
-    for (int v = 0; v < 9; v++) {
+    /* KVPQ_BENCH_ATTEND_VARIANTS (digits) times only those variants (the others print 0), for A/B runs */
+    const char *only = getenv("KVPQ_BENCH_ATTEND_VARIANTS");
+    for (int v = 0; v < 10; v++) {
+        var_us[v] = 0;
+        if (only && !strchr(only, '0' + v)) continue;
         cp.kernels = k0;
         cp.kernels.attend_lut16 = v >= 4 ? k0.attend_lut16 : v & 1;
         cp.kernels.attend_vrep = v >= 4 ? k0.attend_vrep : v >> 1;
@@ -313,6 +319,7 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
         cp.kernels.attend_tc = v >= 5 ? k0.attend_tc : 0;
         cp.kernels.attend_tc_warps = v == 6 ? 8 : v == 7 ? 16 : k0.attend_tc_warps;
         cp.kernels.attend_pdl = v == 8 ? 0 : k0.attend_pdl;
+        cp.kernels.attend_cluster = v == 9 ? 0 : k0.attend_cluster;
         kvpq_cuda_cache *c;
         KV(kvpq_cuda_cache_new(&c, &cp));
         for (int b = 0; b < B; b++)
@@ -340,12 +347,12 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
     double win = (double)B * W * row * 4 * 2, bytes = coded + win + nq * 4.0;
     printf("{\"op\": \"%s\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
            "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu, \"variant_us\": {\"f32_plain\": %.3f, "
-           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f, \"tc_nopdl\": %.3f}, "
-           "\"tc_warps\": %d, \"default_variant\": \"%s\", \"out_fnv\": [\"%016llx\", \"%016llx\", \"%016llx\", \"%016llx\"]}\n",
+           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f, \"tc_nopdl\": %.3f, \"tc_nocluster\": %.3f}, "
+           "\"tc_warps\": %d, \"default_variant\": \"%s\", \"out_fnv\": [\"%016llx\", \"%016llx\", \"%016llx\", \"%016llx\", \"%016llx\"]}\n",
            ne ? "attend_ne" : "attend", B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, resident, var_us[0],
-           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], var_us[8], k0.attend_tc_warps, k0.attend_tc ? "tc" : k0.attend_lut16 ? "f16_vrep" : "f32_vrep",
+           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], var_us[8], var_us[9], k0.attend_tc_warps, k0.attend_tc ? "tc" : k0.attend_lut16 ? "f16_vrep" : "f32_vrep",
            (unsigned long long)out_fnv[0], (unsigned long long)out_fnv[1], (unsigned long long)out_fnv[2],
-           (unsigned long long)out_fnv[3]);
+           (unsigned long long)out_fnv[3], (unsigned long long)out_fnv[4]);
     fflush(stdout);
     cudaFree(dq);
     cudaFree(dout);

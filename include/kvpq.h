@@ -692,6 +692,10 @@ typedef struct {
                           * the previous kernel of the stream, and only then waits for that kernel to
                           * finish before reading q or writing anything; 0: a plain launch. The
                           * synchronous kvpq_cuda_cache_attend always launches plainly */
+    int attend_cluster;  /* tensor-core kernel: 1 (default) the CTAs of one (sequence, head group)
+                          * form a thread-block cluster (Hopper, up to 16 splits) and merge their
+                          * partials through distributed shared memory; 0: through a device-memory
+                          * workspace, the last CTA to finish merging (a counter). Same output bits */
 } kvpq_cuda_kernels;
 KVPQ_API kvpq_cuda_kernels kvpq_cuda_kernels_default(void);
 

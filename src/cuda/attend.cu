@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "common.cuh"
@@ -210,30 +211,47 @@ __device__ __forceinline__ void stage_tile(const kvpq__attend_params &p, const L
     __pipeline_commit();
 }
 
-/* The float32 window positions [w0, w1): a warp per position, scores by warp dot products; state in
+/* A lane's EPL consecutive floats (EPL * 4-byte aligned: rows of head_dim floats, lane * EPL into
+ * them): VEC as 16- or 8-byte loads, else one float at a time. */
+template <int EPL, bool VEC>
+__device__ __forceinline__ void load_lane(const float *src, float (&x)[EPL]) {
+    if constexpr (!VEC) {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) x[j] = src[j];
+    } else if constexpr (EPL % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < EPL; j += 4) {
+            const float4 v = *reinterpret_cast<const float4 *>(src + j);
+            x[j] = v.x, x[j + 1] = v.y, x[j + 2] = v.z, x[j + 3] = v.w;
+        }
+    } else if constexpr (EPL == 2) {
+        const float2 v = *reinterpret_cast<const float2 *>(src);
+        x[0] = v.x, x[1] = v.y;
+    } else {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) x[j] = src[j];
+    }
+}
+
+/* The float32 window positions t0, t0 + stride, ... < w1 of this warp, scores by warp dot products; state in
  * the lane = channels layout (lane holds channels [lane*EPL, (lane+1)*EPL) of o), values rotated
  * when the value codes are (so that every partial is in the codes' space). */
-template <int D, int GS>
-__device__ __forceinline__ void window_part(const kvpq__attend_params &p, int b, int kvh, int head0, int w0, int w1, int nw,
+template <int D, int GS, bool VEC = false>
+__device__ __forceinline__ void window_part(const kvpq__attend_params &p, int b, int kvh, int head0, int t0, int w1, int stride,
                                             float (&m_run)[GS], float (&d_lane)[GS], float (&o)[GS][D / 32]) {
     constexpr int EPL = D / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const float scale = 1.4426950408889634f * rsqrtf((float)D);
     float qv[GS][EPL];
-    if (w0 + warp < w1) {
+    if (t0 < w1) {
 #pragma unroll
-        for (int h = 0; h < GS; h++)
-#pragma unroll
-            for (int j = 0; j < EPL; j++) qv[h][j] = p.q[((size_t)b * p.n_head + head0 + h) * D + lane * EPL + j];
+        for (int h = 0; h < GS; h++) load_lane<EPL, VEC>(p.q + ((size_t)b * p.n_head + head0 + h) * D + lane * EPL, qv[h]);
     }
-    for (int t = w0 + warp; t < w1; t += nw) {
+    for (int t = t0; t < w1; t += stride) {
         size_t row = (((size_t)b * p.window + t % p.window) * p.n_head_kv + kvh) * D + lane * EPL;
         float kv[EPL], vv[EPL];
-#pragma unroll
-        for (int j = 0; j < EPL; j++) {
-            kv[j] = p.k_win[row + j];
-            vv[j] = p.v_win[row + j];
-        }
+        load_lane<EPL, VEC>(p.k_win + row, kv);
+        load_lane<EPL, VEC>(p.v_win + row, vv);
 #pragma unroll
         for (int h = 0; h < GS; h++) {
             float s = 0.f;
@@ -275,7 +293,7 @@ __device__ __forceinline__ void write_slots(float *mbuf, const float (&m_run)[GS
 /* After every warp wrote its slots (and a barrier): merge the warps of this CTA and write its
  * partial {m, d, o} for split `split`; the last CTA of this (sequence, head group) to finish merges
  * the partials of all splits. `last` is a shared int. */
-template <int D, int GS>
+template <int D, int GS, int SO = 2>
 __device__ void finish_cta(const kvpq__attend_params &p, const float *mbuf, int nw, int *last, int b, int head0,
                            int split) {
     constexpr int EPL = D / 32;
@@ -284,14 +302,14 @@ __device__ void finish_cta(const kvpq__attend_params &p, const float *mbuf, int 
     for (int i = tid; i < GS * D; i += nthr) {
         int h = i / D, e = i - h * D;
         float mx = -INFINITY;
-        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + 2)]);
+        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + SO)]);
         float dd = 0.f, oo = 0.f;
         if (mx != -INFINITY) {
             for (int w = 0; w < nw; w++) {
-                const float *slot = mbuf + ((size_t)w * GS + h) * (D + 2);
+                const float *slot = mbuf + ((size_t)w * GS + h) * (D + SO);
                 float sc = exp2f(slot[0] - mx);
                 dd += sc * slot[1];
-                oo += sc * slot[2 + e];
+                oo += sc * slot[SO + e];
             }
         }
         size_t base = ((size_t)b * p.n_head + head0 + h) * nsp + split;
@@ -388,7 +406,7 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
 
     if (split >= p.n_splits) {
         const int w0 = coded + (split - p.n_splits) * kWindowChunk;
-        window_part<D, GS>(p, b, kvh, head0, w0, min(len, w0 + kWindowChunk), nw, m_run, d_lane, o);
+        window_part<D, GS>(p, b, kvh, head0, w0 + warp, min(len, w0 + kWindowChunk), nw, m_run, d_lane, o);
     } else if (split * p.chunk < coded) {
         /* ---- code positions [c0, c1) ---- */
         const int c0 = split * p.chunk, c1 = min(c0 + p.chunk, coded);
@@ -709,6 +727,10 @@ __global__ void __launch_bounds__(512, 1) attend_split_kernel(kvpq__attend_param
  * through a per-warp cp.async ring of kTcStages tiles. The online softmax {m, d, o} is the one of
  * the LUT path (log2 domain); o is rescaled only when a running max moves. */
 constexpr int kSub = 16, kTcStages = 2;
+/* A merge slot of the tensor-core kernel: {m, d}, then o from float tc_so(CL): 2 (as the LUT
+ * kernel's slots), or 4 in the cluster-merge kernel (CL): 16-byte aligned, so that a lane's channels
+ * are one vector access */
+__host__ __device__ constexpr int tc_so(bool cl) { return cl ? 4 : 2; }
 
 /* Halves of 16 positions per warp iteration: two (one max reduction, one rescale check per 32
  * positions), one at head_dim 256 (registers). */
@@ -716,6 +738,7 @@ __host__ __device__ constexpr int tc_halves(int D) { return D >= 256 ? 1 : 2; }
 
 struct TcLayout {  /* dynamic shared memory, bytes */
     int qs, qexp, stage, total;  /* codebook image (and later the merge slots) at 0 */
+    int cmd;                     /* the cluster kernel's CTA partial {m, d} (its o goes over q', at qs) */
 };
 
 /* Bytes of a ring slot: the key then value code rows of a tile, then (sc, norm-explicit
@@ -724,14 +747,16 @@ __host__ __device__ constexpr int tc_slot_bytes(int D, bool sc) {
     return kSub * tc_halves(D) * 2 * (D / 4) + (sc ? kSub * tc_halves(D) * 2 * 2 : 0);
 }
 
-inline TcLayout tc_layout(int D, int gs, int nw, bool sc) {
+inline TcLayout tc_layout(int D, int gs, int nw, bool sc, bool cl = false) {
     TcLayout L;
-    int o = 256 * 256, merge = nw * gs * (D + 2) * 4;
+    int o = 256 * 256, merge = nw * gs * (D + tc_so(cl)) * 4;
     if (o < merge) o = merge;
     L.qs = o;
     o += gs * D * 4;
     L.qexp = o;
     o += 8 * 4;
+    L.cmd = o;  /* cluster merge: the CTA partial's {m, d} per head (its o goes over q', at qs) */
+    if (cl) o += 8 * 2 * 4;
     o = (o + 15) & ~15;
     L.stage = o;
     o += nw * kTcStages * tc_slot_bytes(D, sc);
@@ -761,6 +786,34 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+/* Thread-block clusters (sm_90): barrier.cluster with release / acquire orders each CTA's shared
+ * memory writes before the other CTAs' reads of it (distributed shared memory: mapa gives the
+ * address of the same byte in CTA `rank` of the cluster, ld.shared::cluster reads it). */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVPQ_TC_CLUSTER 1
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+__device__ __forceinline__ uint32_t cluster_map(const void *ptr, int rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(r)
+                 : "r"((uint32_t)__cvta_generic_to_shared(ptr)), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float2 ld_cluster2(uint32_t a) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(uint32_t a) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(a));
+    return v;
+}
+#endif
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t r;
@@ -798,11 +851,74 @@ __device__ __forceinline__ void load_code_words(const uint8_t *p, uint32_t (&w)[
     }
 }
 
+/* Merge a warp's window state {m_run, d_lane, o} (window_part) into its merge slots (FlashAttention's
+ * rule; a warp reads and writes only its own slots). */
+template <int D, int GS, int SO>
+__device__ __forceinline__ void tc_window_merge(float *mbuf, const float (&m_run)[GS], const float (&d_lane)[GS],
+                                                const float (&o)[GS][D / 32]) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int h = 0; h < GS; h++) {
+        float *slot = mbuf + ((size_t)warp * GS + h) * (D + SO);
+        const float dw = warp_sum(d_lane[h]), ms = slot[0], mn = fmaxf(ms, m_run[h]);  /* m_run: finite */
+        const float fs = ms == -INFINITY ? 0.f : exp2f(ms - mn), fw = exp2f(m_run[h] - mn);
+        float *so = slot + SO + lane * EPL;
+        if constexpr (SO % 4 == 0 && EPL % 4 == 0) {
+#pragma unroll
+            for (int j = 0; j < EPL; j += 4) {
+                float4 v = *reinterpret_cast<float4 *>(so + j);
+                v.x = fs * v.x + fw * o[h][j];
+                v.y = fs * v.y + fw * o[h][j + 1];
+                v.z = fs * v.z + fw * o[h][j + 2];
+                v.w = fs * v.w + fw * o[h][j + 3];
+                *reinterpret_cast<float4 *>(so + j) = v;
+            }
+        } else if constexpr (SO == 4 && EPL == 2) {
+            float2 v = *reinterpret_cast<float2 *>(so);
+            v.x = fs * v.x + fw * o[h][0];
+            v.y = fs * v.y + fw * o[h][1];
+            *reinterpret_cast<float2 *>(so) = v;
+        } else {
+#pragma unroll
+            for (int j = 0; j < EPL; j++) slot[SO + lane * EPL + j] = fs * slot[SO + lane * EPL + j] + fw * o[h][j];
+        }
+        __syncwarp();
+        if (lane == 0) {
+            slot[0] = mn;
+            slot[1] = fs * slot[1] + fw * dw;
+        }
+    }
+    __syncwarp();
+}
+
+/* This warp's positions t0, t0 + stride, ... < w1 of the CTA's share of the float32 window, merged
+ * into its slots. */
+template <int D, int GS, int SO, bool VEC>
+__device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *mbuf, int b, int kvh, int head0, int t0,
+                                          int w1, int stride) {
+    constexpr int EPL = D / 32;
+    if (t0 >= w1) return;
+    float m_run[GS], d_lane[GS], o[GS][EPL];
+#pragma unroll
+    for (int h = 0; h < GS; h++) {
+        m_run[h] = -INFINITY;
+        d_lane[h] = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) o[h][j] = 0.f;
+    }
+    window_part<D, GS, VEC>(p, b, kvh, head0, t0, w1, stride, m_run, d_lane, o);
+    tc_window_merge<D, GS, SO>(mbuf, m_run, d_lane, o);
+}
+
 /* The code positions [c0, c1) of a CTA on the tensor-core path; leaves this warp's {m, d, o} in its
- * merge slots at smem (after a barrier: the slots overwrite the codebook image). */
-template <int D, int GS, int NW, bool SC>
-__device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
-                                         int head0, int c0, int c1) {
+ * merge slots at smem (after a barrier: the slots overwrite the codebook image). Warps with no code
+ * tile (when the CTA has fewer tiles than warps) take the CTA's window share [w0, w1) while the others
+ * walk their tiles, and merge it into their slots; returns whether they did (uniform in the CTA: the
+ * caller then has no window left). */
+template <int D, int GS, int NW, bool SC, bool CL>
+__device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
+                                         int head0, int c0, int c1, int w0, int w1) {
     constexpr bool PACKED = GS <= 4;     /* hi and lo q parts in one mma (columns 0..3 and 4..7) */
     constexpr int KT = D / 16;           /* key k-steps = key code bytes per lane per position */
     constexpr int VT = D / 32;           /* value dim-tile pairs = value code bytes per lane per position */
@@ -1063,10 +1179,26 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
             __syncwarp();
         }
     }
+    /* warps without a tile take the window now, while the others walk their tiles (its state stays
+     * in registers over the barrier: the slots overwrite the image only after it) */
+    const int busy = c0 < c1 ? min(ntile, nw) : 0, n_free = nw - busy;
+    constexpr int WEPL = D / 32;
+    float wm[GS], wd[GS], wo[GS][WEPL];
+    const bool early = CL && n_free > 0 && warp >= busy && w0 + (warp - busy) < w1;
+    if (early) {
+#pragma unroll
+        for (int h = 0; h < GS; h++) {
+            wm[h] = -INFINITY;
+            wd[h] = 0.f;
+#pragma unroll
+            for (int j = 0; j < WEPL; j++) wo[h][j] = 0.f;
+        }
+        window_part<D, GS, CL>(p, b, kvh, head0, w0 + (warp - busy), w1, n_free, wm, wd, wo);
+    }
     __pipeline_wait_prior(0);
     __syncthreads();  /* the slots below overwrite the codebook image */
 
-    /* ---- this warp's merge slots (nw, GS, D + 2): heads 2a, 2a + 1 (packed: lanes a < 2) ---- */
+    /* ---- this warp's merge slots (nw, GS, D + tc_so(CL)): heads 2a, 2a + 1 (packed: lanes a < 2) ---- */
 #pragma unroll
     for (int sh = 4; sh < 32; sh <<= 1) {
         dA += __shfl_xor_sync(KVPQ_FULL_MASK, dA, sh);
@@ -1080,7 +1212,7 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
         for (int hh = 0; hh < 2; hh++) {
             const int h = 2 * a + hh;
             if (h >= GS) continue;
-            float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
+            float *slot = mbuf + ((size_t)warp * GS + h) * (D + tc_so(CL));
             if (r == 0) {
                 slot[0] = hh ? mB : mA;
                 slot[1] = hh ? dB : dA;
@@ -1090,49 +1222,130 @@ __device__ __forceinline__ void tc_codes(const kvpq__attend_params &p, const TcL
                 const int e0 = 4 * (r * VT + vt);
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    slot[2 + e0 + 2 * j] = o[vt][j][hh] * vinv;
-                    slot[2 + e0 + 2 * j + 1] = o[vt][j][2 + hh] * vinv;
+                    if constexpr (CL) { /* 16-byte-aligned slots: the pair as one 8-byte store */
+                        *reinterpret_cast<float2 *>(slot + tc_so(CL) + e0 + 2 * j) =
+                            make_float2(o[vt][j][hh] * vinv, o[vt][j][2 + hh] * vinv);
+                    } else {
+                        slot[tc_so(CL) + e0 + 2 * j] = o[vt][j][hh] * vinv;
+                        slot[tc_so(CL) + e0 + 2 * j + 1] = o[vt][j][2 + hh] * vinv;
+                    }
                 }
             }
         }
     }
     __syncwarp();
+    if (early) tc_window_merge<D, GS, tc_so(CL)>(mbuf, wm, wd, wo);
+    return CL && n_free > 0;
 }
 
-/* This CTA's share [w0, w1) of the float32 window, merged into each warp's slots (FlashAttention's
- * rule; a warp reads and writes only its own slots). */
-template <int D, int GS, int NW>
-__device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *mbuf, int b, int kvh, int head0, int w0,
-                                          int w1) {
-    constexpr int EPL = D / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (w0 + warp >= w1) return;
-    float m_run[GS], d_lane[GS], o[GS][EPL];
-#pragma unroll
-    for (int h = 0; h < GS; h++) {
-        m_run[h] = -INFINITY;
-        d_lane[h] = 0.f;
-#pragma unroll
-        for (int j = 0; j < EPL; j++) o[h][j] = 0.f;
-    }
-    window_part<D, GS>(p, b, kvh, head0, w0, w1, NW, m_run, d_lane, o);
-#pragma unroll
-    for (int h = 0; h < GS; h++) {
-        float *slot = mbuf + ((size_t)warp * GS + h) * (D + 2);
-        const float dw = warp_sum(d_lane[h]), ms = slot[0], mn = fmaxf(ms, m_run[h]);  /* m_run: finite */
-        const float fs = ms == -INFINITY ? 0.f : exp2f(ms - mn), fw = exp2f(m_run[h] - mn);
-#pragma unroll
-        for (int j = 0; j < EPL; j++) slot[2 + lane * EPL + j] = fs * slot[2 + lane * EPL + j] + fw * o[h][j];
-        __syncwarp();
-        if (lane == 0) {
-            slot[0] = mn;
-            slot[1] = fs * slot[1] + fw * dw;
+/* The split merge through a thread-block cluster (the CL kernel: the launcher made the n_splits
+ * CTAs of a (sequence, head group) one cluster). Each CTA merges its warps as finish_cta does, but
+ * into its own shared memory (o at cpo (GS, D), {m, d} at cmd (GS, 2)); after a cluster barrier a
+ * warp per query head (head h: CTA h % n_splits, warp h / n_splits) reads every split's partial from
+ * distributed shared memory (all loads in flight at once) and merges them with finish_cta's last-CTA
+ * arithmetic, in the same order, so the output has the same bits. No workspace in device memory,
+ * no fence, no ticket; a second cluster barrier keeps every CTA's shared memory until it was read. */
+#ifdef KVPQ_TC_CLUSTER
+template <int D, int GS>
+__device__ void finish_cluster(const kvpq__attend_params &p, const float *mbuf, int nw, float *cpo, float *cmd, int b,
+                               int head0, int split) {
+    constexpr int EPL = D / 32, U = D <= 128 ? 16 : 8;  /* partials in flight per lane (registers) */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthr = nw * 32;
+    const int nsp = gridDim.x;  /* the cluster: every split of this (sequence, head group), <= 16 */
+    for (int i = tid; i < GS * D; i += nthr) {
+        int h = i / D, e = i - h * D;
+        float mx = -INFINITY;
+        for (int w = 0; w < nw; w++) mx = fmaxf(mx, mbuf[((size_t)w * GS + h) * (D + tc_so(true))]);
+        float dd = 0.f, oo = 0.f;
+        if (mx != -INFINITY) {
+            for (int w = 0; w < nw; w++) {
+                const float *slot = mbuf + ((size_t)w * GS + h) * (D + tc_so(true));
+                float sc = exp2f(slot[0] - mx);
+                dd += sc * slot[1];
+                oo += sc * slot[tc_so(true) + e];
+            }
+        }
+        cpo[h * D + e] = oo;
+        if (e == 0) {
+            cmd[2 * h] = mx;
+            cmd[2 * h + 1] = dd;
         }
     }
-    __syncwarp();
+    cluster_arrive();
+    cluster_wait();
+    const int head = warp * nsp + split; /* this warp's query head within the group, if < GS */
+    float acc[EPL];
+    float mx = -INFINITY, dd = 0.f;
+    if (head < GS) {
+        /* lane s < nsp: split s's {m, d}; the first U splits' o requested at the same time */
+        const uint32_t md_a = cluster_map(cmd + 2 * head, lane < nsp ? lane : 0);
+        const float2 md = lane < nsp ? ld_cluster2(md_a) : make_float2(-INFINITY, 0.f);
+        float po[U][EPL];
+        auto load_o = [&](int s0) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (s0 + u < nsp) {
+                    const uint32_t a = cluster_map(cpo + head * D + lane * EPL, s0 + u);
+#pragma unroll
+                    for (int j = 0; j < EPL; j += 4) {
+                        if constexpr (EPL >= 4) {
+                            const float4 v = ld_cluster4(a + j * 4);
+                            po[u][j] = v.x, po[u][j + 1] = v.y, po[u][j + 2] = v.z, po[u][j + 3] = v.w;
+                        } else {
+                            const float2 v = ld_cluster2(a);
+                            po[u][0] = v.x, po[u][1] = v.y;
+                        }
+                    }
+                }
+            }
+        };
+        load_o(0);
+        if (md.x != -INFINITY) { /* finish_cta's lane merge, with one split per lane */
+            const float mn = fmaxf(mx, md.x);
+            dd = dd * (mx == -INFINITY ? 0.f : exp2f(mx - mn)) + md.y * exp2f(md.x - mn);
+            mx = mn;
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            const float mo = __shfl_xor_sync(KVPQ_FULL_MASK, mx, o), d_o = __shfl_xor_sync(KVPQ_FULL_MASK, dd, o);
+            const float mn = fmaxf(mx, mo);
+            dd = (mx == -INFINITY ? 0.f : dd * exp2f(mx - mn)) + (mo == -INFINITY ? 0.f : d_o * exp2f(mo - mn));
+            mx = mn;
+        }
+#pragma unroll
+        for (int j = 0; j < EPL; j++) acc[j] = 0.f;
+        for (int s0 = 0; s0 < nsp; s0 += U) {
+            if (s0) load_o(s0);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const float m = __shfl_sync(KVPQ_FULL_MASK, md.x, (s0 + u) & 31);
+                if (s0 + u < nsp) {
+                    const float sc = m == -INFINITY ? 0.f : exp2f(m - mx);
+#pragma unroll
+                    for (int j = 0; j < EPL; j++) acc[j] = fmaf(sc, po[u][j], acc[j]);
+                }
+            }
+        }
+    }
+    cluster_arrive(); /* this CTA's reads are done: the others may exit */
+    if (head < GS) {
+        float inv = 1.f / dd;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) acc[j] *= inv;
+        if (p.v_rotate) kvpq__warp_fwht<EPL>(acc, lane);
+        float *dst = p.out + ((size_t)b * p.n_head + head0 + head) * D + lane * EPL;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) dst[j] = acc[j];
+    }
+    cluster_wait();
 }
+#endif
 
-template <int D, int GS, int NW, bool SC>
+/* CL: the cluster-merge kernel (launched as clusters of the n_splits CTAs of a (sequence, head
+ * group); finish_cluster), which also has the 16-byte-aligned slots, the window's 16-byte loads and
+ * its warps without a code tile taking the window while the others walk theirs (tc_codes); the
+ * other instantiation is the kernel of sessions 7-11, merging through device memory (finish_cta). */
+template <int D, int GS, int NW, bool SC, bool CL>
 __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__attend_params p, TcLayout L) {
     extern __shared__ __align__(16) char smem_tc[];
     const int split = blockIdx.x, b = blockIdx.z;
@@ -1153,10 +1366,18 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__atten
             asm volatile("prefetch.global.L2 [%0];" ::"l"(p.v_win + row));
         }
     }
-    tc_codes<D, GS, NW, SC>(p, L, smem_tc, b, kvh, head0, c0, c1);
-    tc_window<D, GS, NW>(p, mbuf, b, kvh, head0, w0, w1);
+    if (!tc_codes<D, GS, NW, SC, CL>(p, L, smem_tc, b, kvh, head0, c0, c1, w0, w1))
+        tc_window<D, GS, tc_so(CL), CL>(p, mbuf, b, kvh, head0, w0 + (int)(threadIdx.x >> 5), w1, NW);
     __syncthreads();
-    finish_cta<D, GS>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
+#ifdef KVPQ_TC_CLUSTER
+    if constexpr (CL) {
+        finish_cluster<D, GS>(p, mbuf, NW, reinterpret_cast<float *>(smem_tc + L.qs),
+                              reinterpret_cast<float *>(smem_tc + L.cmd), b, head0, split);
+        return;
+    }
+#endif
+    /* (below sm_90 the CL kernel, never launched as a cluster there, merges this way too) */
+    finish_cta<D, GS, tc_so(CL)>(p, mbuf, NW, reinterpret_cast<int *>(smem_tc + L.total - 4), b, head0, split);
 }
 
 /* Heads per CTA: the largest divisor of the group size (<= 8) whose LUTs fit in shared memory. */
@@ -1274,10 +1495,84 @@ bool tc_ok(const kvpq__attend_params &p) {
     return (size_t)tc_layout(p.head_dim, tc_gs(p), 8, p.k_scales || p.v_scales).total <= optin;
 }
 
+/* Clusters: at most 16 CTAs (Hopper; more than 8 non-portable); the merge through one is used for
+ * at most kTcClusterWide splits (launch_tc_nw says why). */
+constexpr int kTcMaxCluster = 16, kTcClusterWide = 8;
+
+/* How many clusters of n CTAs (threads, smem bytes) of kernel `kern` can be resident at once
+ * (cudaOccupancyMaxActiveClusters; 0 below compute capability 9.0 or on any error, which is
+ * cleared), asked once per kernel and n (the answer kept in `known` as count + 1; one device per
+ * process, as kvpq__cuda_props assumes). */
+template <typename K>
+int tc_cluster_max(K kern, int n, int threads, int smem, int (&known)[kTcMaxCluster + 1]) {
+    if (n < 1 || n > kTcMaxCluster) return 0;
+    if (known[n]) return known[n] - 1;
+    int nc = 0, dev = 0, major = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        major >= 9) {
+        cudaError_t e = cudaSuccess;
+        if (n > 8) e = cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = (unsigned)n;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.gridDim = dim3((unsigned)n, 1, 1);
+        cfg.blockDim = dim3((unsigned)threads);
+        cfg.dynamicSmemBytes = (size_t)smem;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&nc, kern, &cfg);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            nc = 0;
+        }
+    }
+    known[n] = nc + 1;
+    return nc;
+}
+
+/* One launch of kernel `kern` (layout L) on grid `grid`: a programmatic dependent launch when asked
+ * and given a stream, a cluster of `cluster` CTAs along x when cluster > 0. */
+template <typename K>
+kvpq_status launch_tc_kernel(K kern, const kvpq__attend_params &p, const TcLayout &L, dim3 grid, int threads, int cluster,
+                             cudaStream_t stream) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[2];
+    int na = 0;
+    if (p.pdl && stream) {
+        /* programmatic dependent launch: the kernel's prologue may run while the previous kernel of
+         * the stream finishes; it waits for it (griddepcontrol.wait) before reading q */
+        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[na].val.programmaticStreamSerializationAllowed = 1;
+        na++;
+    }
+    if (cluster > 0) {
+        attr[na].id = cudaLaunchAttributeClusterDimension;
+        attr[na].val.clusterDim.x = (unsigned)cluster;
+        attr[na].val.clusterDim.y = 1;
+        attr[na].val.clusterDim.z = 1;
+        na++;
+    }
+    if (!na) {
+        kern<<<grid, threads, L.total, stream>>>(p, L);
+        return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");
+    }
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3((unsigned)threads);
+    cfg.dynamicSmemBytes = (size_t)L.total;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = na;
+    return kvpq__cuda_err(cudaLaunchKernelEx(&cfg, kern, p, L),
+                          cluster > 0 ? "cuda attend kernel launch (tensor cores, cluster)" : "cuda attend kernel launch (tensor cores, PDL)");
+}
+
 template <int D, int GS, int NW, bool SC>
 kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
     const TcLayout L = tc_layout(D, GS, NW, SC);
-    auto kern = attend_tc_kernel<D, GS, NW, SC>;
+    auto kern = attend_tc_kernel<D, GS, NW, SC, false>;
     KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total),
                   "cuda attend: shared memory attribute");
     int n_sm = 0, per_sm = 1;
@@ -1289,23 +1584,56 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
     const int wmin = (p.window + 63) / 64;
     if (p.n_splits < wmin) p.n_splits = wmin < max_splits ? wmin : max_splits;
     dim3 grid(p.n_splits, p.n_head_kv * (p.n_head / p.n_head_kv / GS), B);
-    if (p.pdl && stream) {
-        /* programmatic dependent launch: the kernel's prologue may run while the previous kernel of
-         * the stream finishes; it waits for it (griddepcontrol.wait) before reading q */
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.gridDim = grid;
-        cfg.blockDim = dim3(NW * 32);
-        cfg.dynamicSmemBytes = (size_t)L.total;
-        cfg.stream = stream;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return kvpq__cuda_err(cudaLaunchKernelEx(&cfg, kern, p, L), "cuda attend kernel launch (tensor cores, PDL)");
+    /* The split merge through a cluster of the n_splits CTAs of a (sequence, head group)
+     * (kernels.attend_cluster; the CL kernel, finish_cluster): for one split (a cluster of one CTA),
+     * or up to 8 splits of CTAs that take a whole SM each, when the device holds all the grid's
+     * clusters at once (asked once per kernel and cluster size: a second wave of clusters would
+     * double the time). Measured on an H200 (docs/BENCHMARKS.md, session 12): clusters of CTAs that
+     * fit two per SM (b1@4k: 16 splits of 8-warp CTAs, +1.2 us; b8 with 8-warp CTAs: 4 splits, 62
+     * clusters resident for 64, +40%) and clusters of 16 whole-SM CTAs (b1@32k: 7 resident for 8,
+     * 1.8x) were slower than the merge through device memory; 2 splits of 16-warp CTAs (b8) faster */
+    if (p.cluster && (p.n_splits == 1 || (per_sm == 1 && p.n_splits <= kTcClusterWide))) {
+        const TcLayout Lc = tc_layout(D, GS, NW, SC, true);
+        auto kernc = attend_tc_kernel<D, GS, NW, SC, true>;
+        static int cluster_known[kTcMaxCluster + 1]; /* per kernel and size: 0 not asked, else max clusters + 1 */
+        size_t optin = 0;
+        KVPQ_TRY(kvpq__cuda_props(NULL, &optin));
+        if ((size_t)Lc.total <= optin &&
+            cudaFuncSetAttribute(kernc, cudaFuncAttributeMaxDynamicSharedMemorySize, Lc.total) == cudaSuccess) {
+            /* (also for one split: 0 below compute capability 9.0, where no cluster launches) */
+            const int need = p.n_splits == 1 ? 1 : (int)(grid.y * grid.z);
+            if (tc_cluster_max(kernc, p.n_splits, NW * 32, Lc.total, cluster_known) >= need)
+                return launch_tc_kernel(kernc, p, Lc, grid, NW * 32, p.n_splits, stream);
+        } else {
+            (void)cudaGetLastError();
+        }
     }
-    kern<<<grid, NW * 32, L.total, stream>>>(p, L);
-    return kvpq__cuda_err(cudaGetLastError(), "cuda attend kernel launch (tensor cores)");
+#ifdef KVPQ_ATTEND_DEV_SHAPES
+    if (getenv("KVPQ_DEV_CLUSTER_REPORT")) { /* tuning: co-resident clusters of each size */
+        static int reported;
+        if (!reported++) {
+            KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "report");
+            printf("{\"cluster_report\": {\"D\": %d, \"GS\": %d, \"NW\": %d, \"SC\": %d, \"smem\": %d, \"per_sm\": %d, \"max_active\": [",
+                   D, GS, NW, (int)SC, L.total, per_sm);
+            for (int n = 1; n <= kTcMaxCluster; n++) {
+                cudaLaunchConfig_t c = {};
+                cudaLaunchAttribute a[1];
+                a[0].id = cudaLaunchAttributeClusterDimension;
+                a[0].val.clusterDim.x = (unsigned)n;
+                a[0].val.clusterDim.y = a[0].val.clusterDim.z = 1;
+                c.gridDim = dim3((unsigned)n);
+                c.blockDim = dim3(NW * 32);
+                c.dynamicSmemBytes = (size_t)L.total;
+                c.attrs = a;
+                c.numAttrs = 1;
+                int nc = -1;
+                if (cudaOccupancyMaxActiveClusters(&nc, kern, &c) != cudaSuccess) (void)cudaGetLastError();
+                printf("%d%s", nc, n < kTcMaxCluster ? ", " : "]}}\n");
+            }
+        }
+    }
+#endif
+    return launch_tc_kernel(kern, p, L, grid, NW * 32, 0, stream);
 }
 
 template <int D, int GS>

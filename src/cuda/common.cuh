@@ -127,6 +127,8 @@ typedef struct {
     int tc, tc_warps, lut16, vrep, pvec;
     int pdl;                   /* tensor-core kernel: programmatic dependent launch (kernels.attend_pdl)
                                   when the launcher is given a stream other than NULL */
+    int cluster;               /* tensor-core kernel: split merge through a thread-block cluster where
+                                  it pays (kernels.attend_cluster; launch_tc_nw) */
 } kvpq__attend_params;
 
 /* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when

@@ -1276,30 +1276,33 @@ int main(void) {
      * 2048 with 2 (the quick size exceeds the first only) */
     int Lne64b[] = {g_quick ? 64 + 32 * 34 : 64 + 32 * 155};
     int Lne32[] = {32 + 32 * 8, 32 + 32 * 2, 20};
-    /* KVPQ_ATTEND_VARIANTS="5 6 7" checks a subset (digits 0-7, below; "" none), e.g. to run only the
+    /* KVPQ_ATTEND_VARIANTS="5 6 7" checks a subset (digits 0-8, below; "" none), e.g. to run only the
      * tensor-core kernel under compute-sanitizer racecheck */
-    int att_variants[8] = {0, 1, 2, 3, 4, 5, 6, 7}, n_att = 8;
+    int att_variants[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, n_att = 9;
     const char *va = getenv("KVPQ_ATTEND_VARIANTS");
     if (va) {
         n_att = 0;
-        for (const char *c = va; *c && n_att < 8; c++)
-            if (*c >= '0' && *c <= '7') att_variants[n_att++] = *c - '0';
+        for (const char *c = va; *c && n_att < 9; c++)
+            if (*c >= '0' && *c <= '8') att_variants[n_att++] = *c - '0';
     }
     for (int vi = 0; vi < n_att; vi++) { /* every kernel variant the switches select */
         const int variant = att_variants[vi];
         /* 0-3: LUT kernel, entries float32/float16 x value codebook plain/replicated, with the vector
          * value loop; 4: float16 + replicas with the previous value loop (kernels.attend_pvec = 0);
          * 5: the defaults: shared K and V codebooks with dsub 4, nbits 8 take the tensor-core kernel;
-         * 6, 7: the tensor-core kernel with 8-warp and 16-warp CTAs */
+         * 6, 7: the tensor-core kernel with 8-warp and 16-warp CTAs; 8: the defaults with the split
+         * merge through the device-memory workspace and a counter (kernels.attend_cluster = 0) */
         g_kernels = k0;
         g_kernels.attend_lut16 = variant >= 4 ? 1 : variant & 1;
         g_kernels.attend_vrep = variant >= 4 ? 1 : variant >> 1;
         g_kernels.attend_pvec = variant != 4;
         g_kernels.attend_tc = variant >= 5;
         g_kernels.attend_tc_warps = variant == 6 ? 8 : variant == 7 ? 16 : k0.attend_tc_warps;
+        g_kernels.attend_cluster = variant == 8 ? 0 : k0.attend_cluster;
         if (variant >= 5)
-            printf(" defaults (tensor-core kernel, CTA warps %d (0: chosen per launch), for shared dsub-4 / 8-bit K and V "
-                   "codebooks, else LUT float16):\n", g_kernels.attend_tc_warps);
+            printf(" defaults (tensor-core kernel, CTA warps %d (0: chosen per launch), split merge %s, for shared dsub-4 / "
+                   "8-bit K and V codebooks, else LUT float16):\n", g_kernels.attend_tc_warps,
+                   g_kernels.attend_cluster ? "through a cluster where it fits" : "through device memory");
         else
             printf(" LUT entries %s, %s, %s value loop:\n", g_kernels.attend_lut16 ? "float16" : "float32",
                    g_kernels.attend_vrep ? "replicated value codebook" : "plain value codebook",
