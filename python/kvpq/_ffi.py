@@ -84,7 +84,7 @@ def cdef_from_header(text):
 def _openblas_coretype():
     """OpenBLAS 0.3.21 (Debian 12) does not recognize some recent CPUs and falls back to SSE3 kernels
     (3.6x slower prefill); it reads OPENBLAS_CORETYPE once, when it loads, so set it before loading
-    libkvpq (the CLI does the same, tools/cli_blas.c). A value the user set is kept."""
+    libkvpq (the CLI does the same, tools/cli_env.c). A value the user set is kept."""
     if "OPENBLAS_CORETYPE" in os.environ:
         return
     try:
