@@ -275,6 +275,13 @@ def test_window_candidates_checked_before_the_model_loads(cands, needle, tmp_pat
         assert p.returncode == 2 and f"{opt} is not used" in p.stderr and "--candidates" in p.stderr, p.stderr
 
 
+def _least(kls, w):
+    """Window w has the least KL of kls {window: KL as the metadata prints it, 4 significant digits}:
+    within that rounding of the minimum (calibrate compares the unrounded values, so two windows can
+    print the same KL and the file keep either; seen on a fresh clone: {0: 0.2957, 16: 0.2957}, 16 kept)."""
+    return w in kls and kls[w] <= min(kls.values()) * (1 + 1e-3)
+
+
 def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
     """calibrate --bits with --window-candidates end to end on the real model: the file records every
     candidate window's predicted KL and takes the least one among those that fit; `vq:FILE` brings
@@ -314,11 +321,11 @@ def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
             meas = {w: float(kl) for w, kl in meas.items() if kl != "none"}
             assert sorted(meas) == sorted(fits) and len(fits) > 1, (meas, fits)
             assert abs(fits[best] / meas[best] - 1) > 0.3, (fits, meas)  # the prediction was off
-            assert int(meta["alloc.window"]) == min(meas, key=meas.get), (meta["alloc.window"], meas)
+            assert _least(meas, int(meta["alloc.window"])), (meta["alloc.window"], meas)
             assert float(meta["alloc.holdout_kl"]) == pytest.approx(min(meas.values()), rel=1e-3)
         else:
             assert len(fits) == 1 or abs(fits[best] / float(meta["alloc.holdout_kl"]) - 1) <= 0.3, (fits, meta)
-            assert int(meta["alloc.window"]) == min(fits, key=fits.get), (meta["alloc.window"], pred)
+            assert _least(fits, int(meta["alloc.window"])), (meta["alloc.window"], pred)
         assert float(meta["alloc.effective_bits"]) <= budget
     assert float(metas[1]["alloc.predicted_kl"]) < float(metas[0]["alloc.predicted_kl"])
     k_hi = metas[1]["alloc.k"].split(",")
@@ -403,7 +410,7 @@ def test_joint_check_is_what_ppl_measures_for_the_written_file(tmp_path):
     assert "checking every window's allocation" in p.stderr, p.stderr
     meas = {int(w): float(kl) for w, kl in (x.split(":") for x in meta["alloc.window_measured_kl"].split(","))}
     assert sorted(meas) == [0, 16], meas
-    assert int(meta["alloc.window"]) == min(meas, key=meas.get), (meta["alloc.window"], meas)
+    assert _least(meas, int(meta["alloc.window"])), (meta["alloc.window"], meas)
     assert float(meta["alloc.holdout_kl"]) == pytest.approx(meas[int(meta["alloc.window"])], rel=1e-3)
     import kvpq
     ids = kvpq.Vocab(str(MODEL)).tokenize(CALIB.read_text())[512:512 + 256]
