@@ -539,6 +539,16 @@ Test(cache_vq, resident_bytes_accounting) {
     kvpq_codebook_free(cb);
 }
 
+/* One layer with norm-explicit keys and values and norm_bits-bit scales (8 or 16), as make_codebook builds. */
+static kvpq_codebook *make_norm_codebook(const cfg *c, int norm_bits) {
+    g_norm = 3;
+    g_norm_bits = norm_bits;
+    kvpq_codebook *cb = make_codebook(1, c);
+    g_norm = 0;
+    g_norm_bits = 16;
+    return cb;
+}
+
 // ---- norm-explicit quantizers (a float16 scale per vector) ----------------------------------------
 
 /* Attention from codes with per-vector key and/or value scales equals exact attention over read()
@@ -843,11 +853,7 @@ Test(cache_vq, norm8_matches_fp64) {
  * never takes a value that float16 rounds to infinity (2^16), in read() and in attention. */
 Test(cache_vq, norm8_scales_near_fp16_max_stay_finite) {
     cfg c = {4, 2, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
-    g_norm = 3;
-    g_norm_bits = 8;
-    kvpq_codebook *cb = make_codebook(1, &c);
-    g_norm = 0;
-    g_norm_bits = 16;
+    kvpq_codebook *cb = make_norm_codebook(&c, 8);
     const int len = 64, d = 64, nkv = 2;
     const size_t row = (size_t)nkv * d, tot = (size_t)len * row;
     float *k = randn(tot, 1.0f), *v0 = randn(tot, 1.0f), *v = malloc(tot * sizeof(float));
@@ -894,11 +900,7 @@ Test(cache_vq, norm8_scales_near_fp16_max_stay_finite) {
 static void check_norm_read_and_bytes(const char *kpreset, int norm8) {
     const int d1 = !strcmp(kpreset, "d1b8");
     cfg c = {9, 3, 64, kpreset, "d4b8", KVPQ_CODEBOOK_SHARED, 1};
-    g_norm = 3;
-    g_norm_bits = norm8 ? 8 : 16;
-    kvpq_codebook *cb = make_codebook(1, &c);
-    g_norm = 0;
-    g_norm_bits = 16;
+    kvpq_codebook *cb = make_norm_codebook(&c, norm8 ? 8 : 16);
     const int W = 16, PT = 48, len = 150, d = 64, nkv = 3;
     kvpq_cache *cache = make_cache(cb, 1, &c, W, PT, 256);
     float *k, *v;
@@ -1117,11 +1119,7 @@ Test(cache_vq, truncate_then_append_equals_fresh_norm8) {
  * appends would be coded against the dropped tokens' reference instead of their own (a fresh cache's). */
 Test(cache_vq, truncate_resets_the_8bit_reference) {
     cfg c = {4, 2, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
-    g_norm = 3;
-    g_norm_bits = 8;
-    kvpq_codebook *cb = make_codebook(1, &c);
-    g_norm = 0;
-    g_norm_bits = 16;
+    kvpq_codebook *cb = make_norm_codebook(&c, 8);
     const int PT = 64, n0 = 128, cut = 32, n1 = 96;
     const size_t row = (size_t)c.n_head_kv * c.head_dim;
     float *k = randn((size_t)n0 * row, 1.0f), *v = randn((size_t)n0 * row, 1.0f);

@@ -176,15 +176,16 @@ static float *vq_scale_ref(const vq_state *st, const vq_layer *L, int is_value, 
 static float vq_s8_decode(const vq_state *st, uint8_t c, float m) { return m * st->s8tab[c]; }
 
 /* n float16 scales of KV head h from position t (within one page), as the kernels read them: in
- * the page for float16 scales, else the 8-bit codes decoded (m s8tab[c] rounded to float16) into s16. */
+ * the page for float16 scales, else the 8-bit codes decoded (m s8tab[c] rounded to float16) into
+ * s16 (n elements, through s32): the one decode of attention and read. */
 static const uint16_t *vq_scales16(const vq_state *st, const vq_layer *L, int is_value, int h, int t, int n,
-                                   vq_scratch *s, const kvpq_vq_kernels *K) {
+                                   float *s32, uint16_t *s16, const kvpq_vq_kernels *K) {
     const uint8_t *p = vq_scales(st, L, is_value, h, t);
     if (L->sb[is_value] == 2) return (const uint16_t *)p;
     const float m = *vq_scale_ref(st, L, is_value, h, t / st->page_tokens);
-    for (int i = 0; i < n; i++) s->s32[i] = vq_s8_decode(st, p[i], m);
-    K->f32_to_f16(n, s->s32, s->s16);
-    return s->s16;
+    for (int i = 0; i < n; i++) s32[i] = vq_s8_decode(st, p[i], m);
+    K->f32_to_f16(n, s32, s16);
+    return s16;
 }
 
 /* 8-bit code of a scale x against the reference m (see the header): 0 for x <= 0 (or m unset);
@@ -742,7 +743,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
                 K->score_u16(n, Mk, kpq->ksub, gp, s->idx, s->lut, sc);
             }
             if (st->k_norm) /* score = s(t) * sum_m LUT + q . mu / sqrt(d) */
-                K->scale_tokens(n, gp, sc, vq_scales16(st, L, 0, h, t, n, s, K), kb);
+                K->scale_tokens(n, gp, sc, vq_scales16(st, L, 0, h, t, n, s->s32, s->s16, K), kb);
             t += n;
         }
         float mx[64];
@@ -769,7 +770,7 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             const uint8_t *vc = vq_vcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
             if (st->v_norm) /* exp_sum put p(t) into the denominator; the value sums take p(t) s(t) */
-                K->scale_tokens(n, gp, sc, vq_scales16(st, L, 1, h, t, n, s, K), NULL);
+                K->scale_tokens(n, gp, sc, vq_scales16(st, L, 1, h, t, n, s->s32, s->s16, K), NULL);
             if (dec) {
                 K->accum_dec_u8(n, Mv, vpq->dsub, vbooks, vcent, gp, G, vc, sc, po);
             } else if (vbits8) {
@@ -964,16 +965,9 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
             if (which ? st->v_norm : st->k_norm)
                 for (int t = pos0; t < c1; t++)
                     for (int h = 0; h < nkv; h++) {
-                        float sc;
-                        const uint8_t *sp = vq_scales(st, L, which, h, t);
-                        if (L->sb[which] == 1) { /* as vq_scales16 decodes it */
-                            uint16_t s16;
-                            sc = vq_s8_decode(st, *sp, *vq_scale_ref(st, L, which, h, t / st->page_tokens));
-                            K->f32_to_f16(1, &sc, &s16);
-                            K->f16_to_f32(1, &s16, &sc);
-                        } else {
-                            K->f16_to_f32(1, (const uint16_t *)sp, &sc);
-                        }
+                        float sc, s32;
+                        uint16_t s16;
+                        K->f16_to_f32(1, vq_scales16(st, L, which, h, t, 1, &s32, &s16, K), &sc);
                         float *xr = x + ((size_t)(t - pos0) * nkv + h) * d;
                         for (int j = 0; j < d; j++) xr[j] *= sc;
                     }

@@ -534,6 +534,9 @@ const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer) {
     return kvpq_codebook_key_mean((kvpq_codebook *)cb, layer);
 }
 
+/* A value k.norm_bits / v.norm_bits may hold (kvpq__codebook_scale_bytes): "8" or "16". */
+static int norm_bits_ok(const char *v) { return !strcmp(v, "8") || !strcmp(v, "16"); }
+
 kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const char *value) {
     if (!cb || !key || !value) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_set_meta: NULL argument");
     if (!key[0]) return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata: empty key");
@@ -541,7 +544,7 @@ kvpq_status kvpq_codebook_set_meta(kvpq_codebook *cb, const char *key, const cha
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata '%s' is derived from the codebook params "
                          "and cannot be set", key);
     if (!utf8_valid(key)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata key is not valid UTF-8");
-    if ((!strcmp(key, "k.norm_bits") || !strcmp(key, "v.norm_bits")) && strcmp(value, "8") && strcmp(value, "16"))
+    if ((!strcmp(key, "k.norm_bits") || !strcmp(key, "v.norm_bits")) && !norm_bits_ok(value))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata %s = '%s': expected \"8\" or \"16\"", key, value);
     if (!utf8_valid(value))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook metadata '%s': value is not valid UTF-8", key);
@@ -559,7 +562,7 @@ kvpq_status kvpq__codebook_scale_bytes(const kvpq_codebook *cb, int layer, int i
     const kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
     const char *key = is_value ? "v.norm_bits" : "k.norm_bits", *v = kvpq_codebook_get_meta(cb, key);
     *bytes = 0;
-    if (v && strcmp(v, "8") && strcmp(v, "16"))
+    if (v && !norm_bits_ok(v))
         return kvpq__err(KVPQ_ERR_FORMAT, "codebook metadata %s = '%s': expected \"8\" or \"16\"", key, v);
     if (!(is_value ? cp.value_norm : cp.key_norm)) return KVPQ_OK;
     const kvpq_pq *pq = kvpq_codebook_pq_const(cb, layer, is_value);
@@ -910,7 +913,7 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     }
     for (int kind = 0; kind < 2; kind++) { /* 8-bit norm-explicit scales (kvpq__codebook_scale_bytes) */
         const cJSON *j = cJSON_GetObjectItemCaseSensitive(meta, kind ? "v.norm_bits" : "k.norm_bits");
-        if (j && strcmp(j->valuestring, "8") && strcmp(j->valuestring, "16"))
+        if (j && !norm_bits_ok(j->valuestring))
             return kvpq__err(KVPQ_ERR_FORMAT, "metadata %s='%.64s': expected 8 or 16", j->string, j->valuestring);
     }
     p->key_stages = 1;
