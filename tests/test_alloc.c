@@ -418,6 +418,22 @@ Test(alloc, the_sensitive_layer_gets_the_most_bits_and_the_budget_holds, .timeou
             for (int l = 0; l < SL; l++)
                 if (l != SENSITIVE)
                     cr_assert_gt(klw[3 * 2 * SL + (c * 2 + 0) * SL + SENSITIVE], klw[3 * 2 * SL + (c * 2 + 0) * SL + l]);
+        /* The same bits whatever the threads (calibrate compares these sums to choose the window, and
+         * a tie broken by the order the threads finished made its file differ from run to run): the
+         * scaled path's per-query errors and the KL sums are added in a fixed order. */
+        {
+            double klw1[3 * 3 * 2 * SL], kl1[3 * 2 * SL], klw2[3 * 3 * 2 * SL], kl2[3 * 2 * SL];
+            for (int t = 1; t <= 2; t++) {
+                kvpq_sensitivity_params s1 = kvpq_sensitivity_params_default();
+                s1.window = 16, s1.windows = wins, s1.n_windows = 3, s1.ref_cand = 1, s1.n_threads = t;
+                s1.kl_windows = t == 1 ? klw1 : klw2;
+                cr_assert_eq(kvpq_model_layer_sensitivity(m, tok + NT, NH, (const kvpq_codebook *const *)cc, 3, &s1,
+                                                          t == 1 ? kl1 : kl2),
+                             KVPQ_OK, "%s", kvpq_last_error());
+            }
+            cr_assert(memcmp(kl1, kl2, sizeof kl1) == 0, "KL sums differ between 1 and 2 threads");
+            cr_assert(memcmp(klw1, klw2, sizeof klw1) == 0, "window-scaled KLs differ between 1 and 2 threads");
+        }
         sp.window = 16;
         const int bad[1] = {-1};
         sp.windows = bad, sp.n_windows = 1, sp.kl_windows = klw;

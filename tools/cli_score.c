@@ -33,43 +33,64 @@ static int log_softmax(float *row, int V) {
     return best;
 }
 
-void cli_score_base(float *lp_all, int n_score, int V, const int32_t *next, int *top, cli_score_sums *s) {
-    double nll = 0, nll2 = 0;
-#pragma omp parallel for reduction(+ : nll, nll2) schedule(static)
-    for (int j = 0; j < n_score; j++) {
-        float *lp = lp_all + (size_t)j * V;
-        top[j] = log_softmax(lp, V);
-        double v = -(double)lp[next[j]];
-        nll += v;
-        nll2 += v * v;
+/* The sums of the scores are taken in a fixed order (blocks of SCORE_BLK rows, each summed in row
+ * order by one thread, the blocks added in order), so the totals have the same bits whatever the
+ * number of threads: an OpenMP reduction adds the threads' partials in the order they finish, and
+ * calibrate's window choice compares these sums. */
+enum { SCORE_BLK = 32, SCORE_NB = 256 };
+
+typedef struct {
+    double nll, nll2, kl;
+    int64_t agree;
+} score_part;
+
+/* One row: log-softmax in place, its negative log-likelihood of next, and with base_lp its KL and
+ * agreement; the argmax into *top when top is not NULL. */
+static void score_row(float *lp, int V, int32_t next, const float *lb, int base_top, float *kl_out, int *top,
+                      score_part *p) {
+    const int t = log_softmax(lp, V);
+    if (top) *top = t;
+    const double v = -(double)lp[next];
+    p->nll += v;
+    p->nll2 += v * v;
+    if (lb) {
+        double kl = 0;
+        for (int i = 0; i < V; i++) kl += exp((double)lb[i]) * ((double)lb[i] - (double)lp[i]);
+        if (kl < 0) kl = 0; /* rounding: KL >= 0 */
+        if (kl_out) *kl_out = (float)kl;
+        p->kl += kl;
+        p->agree += t == base_top;
     }
-    s->nll += nll;
-    s->nll2 += nll2;
+}
+
+static void score_rows(float *lp_all, int n_score, int V, const int32_t *next, int *top, const float *base_lp,
+                       const int *base_top, float *kl_out, cli_score_sums *s) {
+    for (int j0 = 0; j0 < n_score; j0 += SCORE_BLK * SCORE_NB) {
+        score_part part[SCORE_NB];
+        const int nb = (n_score - j0 + SCORE_BLK - 1) / SCORE_BLK < SCORE_NB ? (n_score - j0 + SCORE_BLK - 1) / SCORE_BLK
+                                                                               : SCORE_NB;
+#pragma omp parallel for schedule(static)
+        for (int b = 0; b < nb; b++) {
+            score_part p = {0};
+            for (int j = j0 + b * SCORE_BLK; j < j0 + (b + 1) * SCORE_BLK && j < n_score; j++)
+                score_row(lp_all + (size_t)j * V, V, next[j], base_lp ? base_lp + (size_t)j * V : NULL,
+                          base_lp ? base_top[j] : 0, kl_out ? kl_out + j : NULL, top ? top + j : NULL, &p);
+            part[b] = p;
+        }
+        for (int b = 0; b < nb; b++) {
+            s->nll += part[b].nll;
+            s->nll2 += part[b].nll2;
+            s->kl_sum += part[b].kl;
+            s->agree += part[b].agree;
+        }
+    }
+}
+
+void cli_score_base(float *lp_all, int n_score, int V, const int32_t *next, int *top, cli_score_sums *s) {
+    score_rows(lp_all, n_score, V, next, top, NULL, NULL, NULL, s);
 }
 
 void cli_score_test(float *lp_all, int n_score, int V, const int32_t *next, const float *base_lp, const int *base_top,
                     float *kl_out, cli_score_sums *s) {
-    double nll = 0, nll2 = 0, kls = 0;
-    int64_t agree = 0;
-#pragma omp parallel for reduction(+ : nll, nll2, kls, agree) schedule(static)
-    for (int j = 0; j < n_score; j++) {
-        float *lp = lp_all + (size_t)j * V;
-        int top = log_softmax(lp, V);
-        double v = -(double)lp[next[j]];
-        nll += v;
-        nll2 += v * v;
-        if (base_lp) {
-            const float *lb = base_lp + (size_t)j * V;
-            double kl = 0;
-            for (int t = 0; t < V; t++) kl += exp((double)lb[t]) * ((double)lb[t] - (double)lp[t]);
-            if (kl < 0) kl = 0; /* rounding: KL >= 0 */
-            if (kl_out) kl_out[j] = (float)kl;
-            kls += kl;
-            agree += top == base_top[j];
-        }
-    }
-    s->nll += nll;
-    s->nll2 += nll2;
-    s->kl_sum += kls;
-    s->agree += agree;
+    score_rows(lp_all, n_score, V, next, NULL, base_lp, base_top, kl_out, s);
 }

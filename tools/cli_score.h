@@ -32,8 +32,8 @@ void cli_score_base(float *lp, int n_score, int V, const int32_t *next, int *top
  * to *s; with base_lp (n_score, V) log-probabilities and base_top (n_score) from cli_score_base
  * (NULL: no comparison), also KL(base || test) = sum_t p_base(t) (log p_base(t) - log p_test(t)) per
  * row (negative rounding results clamped to 0; written to kl_out[j] when kl_out is not NULL) and the
- * top-1 agreement. Rows are summed by an OpenMP static schedule: the same thread count gives the
- * same bits. */
+ * top-1 agreement. Both functions sum the rows in a fixed order (blocks of 32 rows, each in row
+ * order, the blocks in order): the same bits whatever the number of threads or their timing. */
 void cli_score_test(float *lp, int n_score, int V, const int32_t *next, const float *base_lp, const int *base_top,
                     float *kl_out, cli_score_sums *s);
 

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -849,8 +850,10 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
         const char *out_i = bi ? a->more_out[bi - 1] : a->out;
         kvpq_codebook_free(fin);
         fin = NULL;
-        /* every window candidate: its knapsack; the least predicted KL wins (ties: the first, smaller) */
+        /* every window candidate: its knapsack; the least predicted KL wins (ties: the fewer bytes, then
+         * the first, smaller window) */
         double pred_w[16], best_pred = INFINITY, light_min = INFINITY;
+        int64_t best_bytes = INT64_MAX;
         int best_w = -1;
         for (int w = 0; w < NW; w++) {
             const double *klw = kl + (size_t)w * nkl;
@@ -878,7 +881,9 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                 kvpq_alloc_mckp(G, n_cand, cost, weight, (int64_t)budget, 0, choice + (size_t)G * w, &pr_, &used) ==
                     KVPQ_OK) {
                 pred_w[w] = pr_ + pf;
-                if (pred_w[w] < best_pred) best_pred = pred_w[w], best_w = w;
+                const int64_t bytes_w = (int64_t)fixed_w[w] + used;
+                if (pred_w[w] < best_pred || (pred_w[w] == best_pred && bytes_w < best_bytes))
+                    best_pred = pred_w[w], best_bytes = bytes_w, best_w = w;
             } else {
                 /* the lightest allocation's effective bits at this window, so the user knows what fits */
                 double light = (double)fixed_w[w];
@@ -1070,8 +1075,10 @@ static int run_alloc(const calib_args *a, kvpq_model *model, const kvpq_model_in
                         if (w != bw && isfinite(pred_w[w])) tries[n_tries++] = w;
                 }
             }
-            /* ties: the first checked (measured: the smaller window; auto: the predicted choice) */
-            if (kept < 0 || ((measured || auto_sel) && chk.kl < kept_chk.kl)) {
+            /* ties: the fewer effective bits, then the first checked (measured: the smaller window;
+             * auto: the predicted choice) */
+            if (kept < 0 || ((measured || auto_sel) &&
+                             (chk.kl < kept_chk.kl || (chk.kl == kept_chk.kl && chk.eff < kept_chk.eff)))) {
                 kept = bw, kept_chk = chk;
                 kvpq_codebook_free(fin_kept);
                 fin_kept = fin;

@@ -97,12 +97,15 @@ static kvpq_status window_errors(const mixed_attn *a, int n, int pos0, int first
     const float *kb_ = a->kr ? a->kr : a->k, *vb_ = a->vr ? a->vr : a->v;
     int bad = 0;
     const int i0 = first > pos0 ? first - pos0 : 0;
+    /* each query head's error in its own slot, summed below in query order: the same bits whatever
+     * the threads and the schedule (per-thread partials added in arrival order were not) */
+    double *eq = n > i0 ? calloc((size_t)(n - i0) * H * n_w, sizeof(double)) : NULL;
+    if (n > i0 && !eq) return kvpq__err(KVPQ_ERR_NOMEM, "sensitivity: out of memory");
 #pragma omp parallel reduction(| : bad)
     {
         double *sa = malloc(sizeof(double) * (size_t)len), *sb = malloc(sizeof(double) * (size_t)len);
         double *X = malloc(sizeof(double) * (size_t)hd * (2 + (size_t)n_w)), *Dv = X + hd, *Dw = X + 2 * (size_t)hd;
-        double dw[16], el[16];
-        for (int w = 0; w < n_w; w++) el[w] = 0;
+        double dw[16];
         if (!sa || !sb || !X) bad = 1;
 #pragma omp for schedule(dynamic, 4)
         for (int ih = i0 * H; ih < n * H; ih++) {
@@ -161,15 +164,17 @@ static kvpq_status window_errors(const mixed_attn *a, int n, int pos0, int first
                     const double diff = (X[d] + Dw[(size_t)w * hd + d]) / (x + dw[w]) - X[d] / x;
                     e += diff * diff;
                 }
-                el[w] += e;
+                eq[(size_t)(ih - i0 * H) * n_w + w] = e;
             }
         }
-#pragma omp critical
-        for (int w = 0; w < n_w; w++) err[w] += el[w];
         free(sa);
         free(sb);
         free(X);
     }
+    if (!bad)
+        for (size_t r = 0; r < (size_t)(n - i0) * H; r++)
+            for (int w = 0; w < n_w; w++) err[w] += eq[r * n_w + w];
+    free(eq);
     return bad ? kvpq__err(KVPQ_ERR_NOMEM, "sensitivity: out of memory") : KVPQ_OK;
 }
 
@@ -239,7 +244,8 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
     float *qs = use_err ? malloc(sizeof(float) * (size_t)L * n * qrow) : NULL;
     double *err = use_err ? calloc((size_t)(1 + nw) * n_cand * 2 * L, sizeof(double)) : NULL;
     float *base = malloc(sizeof(float) * (size_t)(n - first) * V), *lp = malloc(sizeof(float) * (size_t)(n - first) * V);
-    if (!xs || !ks || !vs || !kr || !vr || !pad || !base || !lp || (use_err && (!qs || !err))) {
+    double *klj = malloc(sizeof(double) * (size_t)(n - first));
+    if (!xs || !ks || !vs || !kr || !vr || !pad || !base || !lp || !klj || (use_err && (!qs || !err))) {
         s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_model_layer_sensitivity: out of memory (%d layers x %d tokens)", L, n);
         goto done;
     }
@@ -309,16 +315,17 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
                                      .attend = mixed_attend, .user = &a};
                 if ((s = kvpq_cache_truncate(fc, 0)) != KVPQ_OK) break;
                 if ((s = kvpq__model_eval_hooked(m, fc, tokens, n, 0, first, lp, &h)) != KVPQ_OK) break;
-                double sum = 0;
-#pragma omp parallel for reduction(+ : sum) schedule(static)
+#pragma omp parallel for schedule(static)
                 for (int j = 0; j < n_sc; j++) {
                     float *r = lp + (size_t)j * V;
                     const float *b = base + (size_t)j * V;
                     log_softmax(r, V);
                     double d = 0;
                     for (int t = 0; t < V; t++) d += exp((double)b[t]) * ((double)b[t] - (double)r[t]);
-                    sum += d > 0 ? d : 0;
+                    klj[j] = d > 0 ? d : 0;
                 }
+                double sum = 0; /* in position order: the same bits whatever the threads */
+                for (int j = 0; j < n_sc; j++) sum += klj[j];
                 kl[((size_t)c * 2 + kind) * L + l] = sum / n_sc;
                 done += 1;
                 if (p->progress && p->progress(p->progress_user, "sensitivity", done, total)) {
@@ -356,6 +363,7 @@ done:
     free(pad);
     free(base);
     free(lp);
+    free(klj);
     free(qs);
     free(err);
     return s;
