@@ -893,7 +893,8 @@ Test(cache_vq, norm8_scales_near_fp16_max_stay_finite) {
  * the public quantizer: u = x / |x| of the transformed fp16-rounded input, s = x . r / |r|^2 rounded
  * to float16 (each s is checked to be near |x|, so unscaled directions would fail); with norm8
  * (k.norm_bits = v.norm_bits = "8") s is then coded as the definition says: m = 2^round(log2 s) of
- * the first coded vector of each (page, KV head), code = clamp(round(16 log2(s / m)) + 128, 1, 255),
+ * the first coded vector of each (page, KV head) (these random scales never leave its range, so no
+ * re-basing), code = clamp(round(16 log2(s / m)) + 128, 1, 255),
  * c(s) = float16(m 2^((code - 128) / 16)) within 2.2% of s, except for d1b8 keys (more than 4 bits
  * per element: float16 kept). The resident bytes count two bytes per float16 scale, one per 8-bit
  * scale and one float reference per (page, KV head, kind) with 8-bit scales. */
@@ -1035,6 +1036,75 @@ Test(cache_vq, norm_bits_metadata_checked) {
     cr_assert(strstr(kvpq_last_error(), "v.norm_bits"), "%s", kvpq_last_error());
     unlink(path);
     kvpq_codebook_free(cb);
+}
+
+/* 8-bit scales: a page whose scales move far from its first one (vectors x fac[t]; values show the
+ * factor, keys much less: their mean is subtracted first). Each coded vector's scale, read back, is
+ * within 2.25% (the 1/16-octave step and float16) of the same cache's with float16 scales (same
+ * codebook, same codes): the first vector an outlier 2^10 above or below the rest (before re-basing,
+ * the rest were clamped at m 2^(+-7.9)), and a ramp over 15 octaves within one page. Where a page's
+ * value scales span more than 15.9 octaves (an outlier 2^9 above, then one 2^-9 below), the earlier
+ * ones keep their values and only the later extreme is clamped. Appends of one position at a time
+ * give the same bits as one append (the re-basing follows the data in order, not the batches). */
+static void check_norm8_page_range(const float *fac, int len, int clamped_at) {
+    cfg c = {4, 1, 64, "d4b8", "d4b8", KVPQ_CODEBOOK_SHARED, 0};
+    kvpq_codebook *c8 = make_norm_codebook(&c, 8);
+    const int d = 64, PT = 64;
+    float *k = randn((size_t)len * d, 1.0f), *v = randn((size_t)len * d, 1.0f);
+    for (int t = 0; t < len; t++)
+        for (int j = 0; j < d; j++) k[(size_t)t * d + j] *= fac[t], v[(size_t)t * d + j] *= fac[t];
+    kvpq_cache *a = make_cache(c8, 1, &c, 0, PT, 256), *one = make_cache(c8, 1, &c, 0, PT, 256);
+    /* the same books with float16 scales (the caches keep the layout they were made with) */
+    cr_assert_eq(kvpq_codebook_set_meta(c8, "k.norm_bits", "16"), KVPQ_OK);
+    cr_assert_eq(kvpq_codebook_set_meta(c8, "v.norm_bits", "16"), KVPQ_OK);
+    kvpq_cache *b = make_cache(c8, 1, &c, 0, PT, 256);
+    cr_assert_eq(kvpq_cache_append(a, 0, len, k, v), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_append(b, 0, len, k, v), KVPQ_OK, "%s", kvpq_last_error());
+    for (int t = 0; t < len; t++)
+        cr_assert_eq(kvpq_cache_append(one, 0, 1, k + (size_t)t * d, v + (size_t)t * d), KVPQ_OK, "%s", kvpq_last_error());
+    const size_t tot = (size_t)len * d;
+    float *ka = malloc(tot * sizeof(float)), *va = malloc(tot * sizeof(float)), *kb = malloc(tot * sizeof(float)),
+          *vb = malloc(tot * sizeof(float)), *k1 = malloc(tot * sizeof(float)), *v1 = malloc(tot * sizeof(float));
+    cr_assert_eq(kvpq_cache_read(a, 0, 0, len, ka, va), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_read(b, 0, 0, len, kb, vb), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_read(one, 0, 0, len, k1, v1), KVPQ_OK);
+    cr_assert(!memcmp(ka, k1, tot * sizeof(float)) && !memcmp(va, v1, tot * sizeof(float)),
+              "one position per append reads back differently from one append");
+    const float *mu = kvpq_codebook_key_mean_const(c8, 0);
+    for (int t = 0; t < len; t++) {
+        double na = 0, nb = 0, ma = 0, mb = 0; /* values: |s r|; keys: |x - mu| (smoothing: per channel) */
+        for (int j = 0; j < d; j++) {
+            const size_t i = (size_t)t * d + j;
+            na += (double)va[i] * va[i], nb += (double)vb[i] * vb[i];
+            ma += ((double)ka[i] - mu[j]) * ((double)ka[i] - mu[j]), mb += ((double)kb[i] - mu[j]) * ((double)kb[i] - mu[j]);
+        }
+        const double rv = sqrt(na / nb), rk = sqrt(ma / mb);
+        cr_assert(fabs(rk - 1) < 0.0225, "position %d (x%g): 8-bit / float16 key scale %g", t, (double)fac[t], rk);
+        if (t == clamped_at) /* at the bottom of the page's range: read back higher */
+            cr_assert(rv > 2.0, "position %d (x%g): the value scale should be clamped: ratio %g", t, (double)fac[t], rv);
+        else
+            cr_assert(fabs(rv - 1) < 0.0225, "position %d (x%g): 8-bit / float16 value scale %g", t, (double)fac[t], rv);
+    }
+    free(k), free(v), free(ka), free(va), free(kb), free(vb), free(k1), free(v1);
+    kvpq_cache_free(a);
+    kvpq_cache_free(b);
+    kvpq_cache_free(one);
+    kvpq_codebook_free(c8);
+}
+
+Test(cache_vq, norm8_page_rebases_by_octaves) {
+    enum { N = 64 };
+    float fac[N];
+    for (int t = 0; t < N; t++) fac[t] = 1.0f;
+    fac[0] = 1024.0f; /* the first, 10 octaves above */
+    check_norm8_page_range(fac, N, -1);
+    fac[0] = 1.0f / 1024.0f; /* the first, 10 octaves below */
+    check_norm8_page_range(fac, N, -1);
+    for (int t = 0; t < N; t++) fac[t] = exp2f(-7.5f + 15.0f * (float)t / (N - 1)); /* a ramp over 15 octaves */
+    check_norm8_page_range(fac, N, -1);
+    for (int t = 0; t < N; t++) fac[t] = 1.0f;
+    fac[0] = 512.0f, fac[10] = 1.0f / 512.0f; /* 18 octaves within the page: the later extreme clamps */
+    check_norm8_page_range(fac, N, 10);
 }
 
 // ---- truncation ----------------------------------------------------------------------------------

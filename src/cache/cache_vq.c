@@ -49,8 +49,9 @@
  * the float16, s = m 2^((c - 128) / 16) (c = 0: s = 0), m a power of two per (page, KV head, kind)
  * set by the page's first nonzero scale (2^round(log2 s)), kept as a float after the scales. The code's step is 1/16 octave: relative error <= 2.2%, about 1.6e-4
  * of the direction's squared error against the 0.09 of d4b8's (docs/vq_cache.md "8-bit scales");
- * a scale beyond m 2^(+-7.9) is clamped there, and a negative least-squares scale (u . r < 0)
- * becomes 0. The code is decoded to float16 before the kernels read it, so attention, read and
+ * a later scale beyond m 2^(+-7.9) moves m (and the page's earlier codes) by whole octaves, exactly,
+ * as far as the earlier codes allow, and is clamped only where the page's scales span more than
+ * 15.9 octaves; a negative least-squares scale (u . r < 0) becomes 0. The code is decoded to float16 before the kernels read it, so attention, read and
  * the saved cache see the same value.
  * Truncation below n_coded keeps the remaining positions as codes (their full precision is gone);
  * the window refills from the next appends. */
@@ -559,9 +560,37 @@ static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int
 
 /* Store the float16 scales sc (row (t - first) * n_head_kv + h) of positions [first, target) of one
  * kind into the pages: as they are, or as 8-bit codes against each (page, KV head) reference m, set
- * by the page's first nonzero scale s (m = 2^round(log2 s)): a function of the data alone, so a
- * truncated cache that keeps that position has the m a fresh cache computes (vq_truncate resets m
- * where it keeps no nonzero scale). */
+ * by the page's first nonzero scale s (m = 2^round(log2 s)) and moved by whole octaves when a later
+ * scale falls outside m 2^(+-7.9) (vq_s8_rebase: the earlier codes keep their values). A function
+ * of the data in order, so a truncated cache decodes its kept positions as a fresh cache does
+ * (vq_truncate resets m where it keeps no nonzero scale). */
+/* Re-base the 8-bit codes c[0..n) of a page (an earlier part of it) by whole octaves so that a new
+ * scale x fits: m becomes m 2^k and every nonzero code c - 16 k, which is the same value (exact: a
+ * power-of-two factor), with k the least shift that brings x's code into 1..255 without pushing an
+ * earlier code out of it. Where no shift does both (the page's scales span more than 15.9 octaves),
+ * the earlier codes keep their values and vq_s8_code clamps x. */
+static void vq_s8_rebase(uint8_t *c, int n, float *m, float x) {
+    const long cx = lrintf(16.0f * log2f(x / *m)) + 128;
+    if (cx >= 1 && cx <= 255) return;
+    int lo = 255, hi = 1; /* the earlier nonzero codes' range */
+    for (int i = 0; i < n; i++)
+        if (c[i]) lo = c[i] < lo ? c[i] : lo, hi = c[i] > hi ? c[i] : hi;
+    long k;
+    if (cx > 255) {
+        const long kmax = (lo - 1) / 16;
+        k = (cx - 255 + 15) / 16;
+        k = k < kmax ? k : kmax;
+    } else {
+        const long kmin = -((255 - hi) / 16);
+        k = -((1 - cx + 15) / 16);
+        k = k > kmin ? k : kmin;
+    }
+    if (k == 0) return;
+    for (int i = 0; i < n; i++)
+        if (c[i]) c[i] = (uint8_t)(c[i] - 16 * k);
+    *m = ldexpf(*m, (int)k);
+}
+
 static void vq_store_scales(vq_state *st, vq_layer *L, int is_value, int first, int target, const uint16_t *sc) {
     const int nkv = st->n_head_kv, pt = st->page_tokens;
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
@@ -572,11 +601,12 @@ static void vq_store_scales(vq_state *st, vq_layer *L, int is_value, int first, 
                 for (int u = t; u < e; u++) memcpy(vq_scales(st, L, is_value, h, u), sc + (size_t)(u - first) * nkv + h, 2);
             } else {
                 float *m = vq_scale_ref(st, L, is_value, h, pg), x;
-                uint8_t *dst = vq_scales(st, L, is_value, h, t);
+                uint8_t *page = vq_scales(st, L, is_value, h, pg * pt);
                 for (int u = t; u < e; u++) {
                     K->f16_to_f32(1, sc + (size_t)(u - first) * nkv + h, &x);
                     if (!(*m > 0.0f) && x > 0.0f) *m = ldexpf(1.0f, (int)lrint(log2((double)x))); /* the first nonzero */
-                    dst[u - t] = vq_s8_code(st, x, *m);
+                    else if (x > 0.0f) vq_s8_rebase(page, u - pg * pt, m, x);
+                    page[u - pg * pt] = vq_s8_code(st, x, *m);
                 }
             }
             t = e;
