@@ -150,6 +150,8 @@ static void round_trip(kvpq_cache_type t, const kvpq_codebook *cb, int L, int tr
     round_trip_sinks(t, cb, L, truncate_to, seed, 0);
 }
 
+static void expect_load_fails(const kvpq_cache_params *p, const char *path, kvpq_status want, const char *needle);
+
 Test(cache_file, round_trip_every_kind_identical_attention) {
     static const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32,  KVPQ_CACHE_FP16,  KVPQ_CACHE_Q8_0,  KVPQ_CACHE_Q4_0,
                                             KVPQ_CACHE_KIVI2, KVPQ_CACHE_KIVI4, KVPQ_CACHE_Q8_0R, KVPQ_CACHE_Q4_0R};
@@ -174,6 +176,28 @@ Test(cache_file, round_trip_every_kind_identical_attention) {
     cr_assert_neq(kvpq_codebook_fingerprint(cb8), fp16_fp);
     for (int i = 0; i < 3; i++) round_trip(KVPQ_CACHE_VQ, cb8, lens[i], -1, 960u + i);
     round_trip(KVPQ_CACHE_VQ, cb8, 300, 150, 970u);
+    /* the codebook's scale bits changed after the cache was made: the cache keeps its 8-bit pages, so
+     * its file carries the 8-bit fingerprint; the float16 book refuses it (it once carried the
+     * float16 one and loaded under the wrong layout), the 8-bit book loads it */
+    {
+        kvpq_cache_params p = params(KVPQ_CACHE_VQ, cb8);
+        kvpq_cache *a = filled(&p, 300, 980u);
+        const uint64_t fp8 = kvpq_codebook_fingerprint(cb8);
+        cr_assert_eq(kvpq_codebook_set_meta(cb8, "k.norm_bits", "16"), KVPQ_OK);
+        cr_assert_eq(kvpq_codebook_set_meta(cb8, "v.norm_bits", "16"), KVPQ_OK);
+        char path[256];
+        tmp_path(path, sizeof path, "norm_bits_changed.kvc");
+        cr_assert_eq(kvpq_cache_save(a, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+        expect_load_fails(&p, path, KVPQ_ERR_MISMATCH, "another codebook");
+        cr_assert_eq(kvpq_codebook_set_meta(cb8, "k.norm_bits", "8"), KVPQ_OK);
+        cr_assert_eq(kvpq_codebook_set_meta(cb8, "v.norm_bits", "8"), KVPQ_OK);
+        cr_assert_eq(kvpq_codebook_fingerprint(cb8), fp8);
+        kvpq_cache *b = NULL;
+        cr_assert_eq(kvpq_cache_load(&b, &p, path, NULL, NULL), KVPQ_OK, "%s", kvpq_last_error());
+        kvpq_cache_free(b);
+        kvpq_cache_free(a);
+        unlink(path);
+    }
     kvpq_codebook_free(cb8);
 }
 

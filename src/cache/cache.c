@@ -215,6 +215,7 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
         }
     }
     s = ops->create(&c->state, &c->p);
+    if (s == KVPQ_OK && q.type == KVPQ_CACHE_VQ) c->cb_fp = kvpq_codebook_fingerprint(q.codebook);
     if (s != KVPQ_OK) {
         free(c->sk), free(c->sv), free(c->ilen);
         free(c->len), free(c->lo), free(c->swa);

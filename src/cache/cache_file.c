@@ -221,7 +221,7 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
         const int S = c->p.sinks;
         file_header hd = {S > 0 ? 3u : 2u, (uint32_t)c->p.type, c->p.n_layer, c->p.n_head, c->p.n_head_kv,
                           c->p.head_dim, c->p.max_seq, c->p.window, c->p.page_tokens,
-                          c->p.type == KVPQ_CACHE_VQ ? kvpq_codebook_fingerprint(c->p.codebook) : 0, user_len};
+                          c->cb_fp, user_len};
         s = header_io(&st, &hd);
         for (int l = 0; l < c->p.n_layer && s == KVPQ_OK; l++) {
             int32_t len = c->len[l];
@@ -314,10 +314,10 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
         if (s == KVPQ_OK) s = check_field(path, "head_dim", hd.head_dim, q->head_dim);
         if (s == KVPQ_OK) s = check_field(path, "window", hd.window, q->window);
         if (s == KVPQ_OK) s = check_field(path, "page_tokens", hd.page_tokens, q->page_tokens);
-        if (s == KVPQ_OK && q->type == KVPQ_CACHE_VQ && hd.cb_fp != kvpq_codebook_fingerprint(q->codebook))
+        if (s == KVPQ_OK && q->type == KVPQ_CACHE_VQ && hd.cb_fp != c->cb_fp)
             s = kvpq__err(KVPQ_ERR_MISMATCH,
                           "saved cache '%s': made with another codebook (fingerprint %016llx, this one %016llx)", path,
-                          (unsigned long long)hd.cb_fp, (unsigned long long)kvpq_codebook_fingerprint(q->codebook));
+                          (unsigned long long)hd.cb_fp, (unsigned long long)c->cb_fp);
     }
     if (s == KVPQ_OK && (!(lens = malloc((size_t)hd.n_layer * sizeof *lens)) || !(lo = calloc((size_t)hd.n_layer, sizeof *lo))))
         s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");

@@ -69,6 +69,10 @@ struct kvpq_cache {
      * max(0, len - S), kept in ilen). NULL when S == 0. */
     uint16_t *sk, *sv;
     int *ilen;
+    /* VQ kinds: kvpq_codebook_fingerprint of the codebook when the cache was made (its page layout:
+     * a later change of the codebook's metadata, e.g. k.norm_bits, does not change this cache's
+     * pages, so kvpq_cache_save writes and kvpq_cache_load checks this one); 0 otherwise */
+    uint64_t cb_fp;
 };
 
 /* The kinds; a kind not built yet is NULL and kvpq_cache_new reports it as unsupported. */

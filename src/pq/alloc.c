@@ -99,6 +99,16 @@ kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, con
     return s;
 }
 
+/* Layer l's VQ page layout (kvpq__vq_page_layout: codes, norm-explicit scales in float16 or 8 bits,
+ * the 8-bit scales' references, alignment), with page_tokens pt; a residual second key stage
+ * (kvpq_codebook_key_pq2) adds its M codes to the key bit stream, as the cache packs them. */
+static kvpq_status layer_layout(const kvpq_codebook *cb, int l, int H, int pt, kvpq__vq_page_layout *lay) {
+    const kvpq_pq *kq = kvpq_codebook_pq_const(cb, l, 0), *kq2 = kvpq_codebook_key_pq2_const(cb, l);
+    const kvpq_pq_params kp1 = kvpq_pq_get_params(kq);
+    const size_t kcs = kq2 ? kvpq_codes_size(kp1.M + kvpq_pq_get_params(kq2).M, kp1.nbits) : kvpq_pq_code_size(kq);
+    return kvpq__vq_page_layout_of(cb, l, H, pt, kcs, kvpq_pq_code_size(kvpq_codebook_pq_const(cb, l, 1)), lay);
+}
+
 kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params *p, int len, int step,
                                 size_t *layer_bytes, size_t *fixed_bytes, int64_t *elements) {
     if (!cb || !p || len < 0 || step < 1)
@@ -125,6 +135,12 @@ kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params
      * with the cache; the VQ kind holds positions S.. as its own 0.. (cache.c) */
     const int S = p->sinks > 0 ? (p->sinks < p->max_seq ? p->sinks : p->max_seq) : 0;
     const int cap = window + ALLOC_FLUSH;
+    /* every layer's page layout first (it checks the scale metadata), so that an error leaves
+     * layer_bytes untouched */
+    for (int l = 0; l < cp.n_layer; l++) {
+        kvpq__vq_page_layout lay;
+        KVPQ_TRY(layer_layout(cb, l, H, pt, &lay));
+    }
     size_t fixed = 0;
     int64_t el = 0;
     for (int l = 0; l < cp.n_layer; l++) {
@@ -151,17 +167,12 @@ kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params
             if (need > n_pages) n_pages = need;
         }
         const size_t held = (size_t)(n_pages - first_page) * pt * H; /* coded head vectors held */
-        /* a residual second key stage (kvpq_codebook_key_pq2) adds its M codes to the same bit stream
-         * (as the cache packs them) and its centroids */
+        /* the pages as the cache lays them out (layer_layout): the value part is its codes, scales
+         * and references, the key part the rest of the pages (alignment padding included) */
         const kvpq_pq *kq2 = kvpq_codebook_key_pq2_const(cb, l);
-        const kvpq_pq_params kp1 = kvpq_pq_get_params(kq);
-        const size_t kcs = kq2 ? kvpq_codes_size(kp1.M + kvpq_pq_get_params(kq2).M, kp1.nbits) : kvpq_pq_code_size(kq);
-        /* the pages as the cache lays them out (kvpq__vq_page_layout: codes, norm-explicit scales in
-         * float16 or 8 bits, the 8-bit scales' references, alignment): the value part is its codes,
-         * scales and references, the key part the rest of the pages (alignment padding included) */
         kvpq__vq_page_layout lay;
         const size_t vcs = kvpq_pq_code_size(vq);
-        KVPQ_TRY(kvpq__vq_page_layout_of(cb, l, H, pt, kcs, vcs, &lay));
+        KVPQ_TRY(layer_layout(cb, l, H, pt, &lay));
         const size_t pages = (size_t)(n_pages - first_page);
         const size_t vpart = held * (vcs + (size_t)lay.sb[1]) + (lay.sb[1] == 1 ? pages * H * sizeof(float) : 0);
         size_t kb = pages * lay.page_bytes - vpart + kvpq_pq_centroids_size(kq) * sizeof(float) +
