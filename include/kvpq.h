@@ -579,6 +579,27 @@ KVPQ_API kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const fl
  * q: (n_q, n_head, head_dim); out: (n_q, n_head, head_dim). */
 KVPQ_API kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q, float *out);
 
+/* Append n positions to a layer and attend their n queries, query i (at position L + i, L = positions
+ * held before) seeing the cache exactly as it was right after its own position was appended: the
+ * outputs of n one-position append + attend calls, whatever n. So a sequence fed in any split (a
+ * saved prefix continued, a prompt in batches of any size) gives bit-identical outputs. With
+ * kvpq_cache_append of n positions then kvpq_cache_attend of n queries, a windowed kind (kivi2,
+ * kivi4, vq) would show the earlier queries the positions that left its window during the batch
+ * already coded. k, v: (n, n_head_kv, head_dim); q, out: (n, n_head, head_dim); float32.
+ * Errors: as kvpq_cache_append and kvpq_cache_attend (NaN/Inf, capacity: nothing appended); the
+ * layer may hold some of the n positions after a later failure (out of memory): truncate to L. */
+KVPQ_API kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const float *k, const float *v,
+                                              const float *q, float *out);
+
+/* The longest prefix of at most n_pos positions (and of what every layer holds) that
+ * kvpq_cache_truncate keeps exactly as a fresh cache fed those positions would hold it, so that
+ * continuing after the truncation gives bit-identical results (kvpq_cache_append_attend). Row kinds
+ * (fp32, fp16, q8_0, q4_0, q8_0r, q4_0r): every prefix. Windowed kinds: a prefix whose cut leaves as
+ * many positions coded as appends alone would (a cut below the coded positions keeps codes where a
+ * fresh cache would hold the window in fp16, and a KIVI group cut in two returns decoded values);
+ * 0 when none but the empty one is. Returns 0 for a NULL cache. */
+KVPQ_API int kvpq_cache_exact_prefix(const kvpq_cache *c, int n_pos);
+
 /* Keep only positions [0, n_pos) of every layer. */
 KVPQ_API kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos);
 

@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cache_testutil.h"
 #include "kvpq.h"
@@ -564,4 +565,160 @@ Test(cache_property, every_kind_is_driven) {
         head += KINDS[i].head, stages += KINDS[i].stages == 2, norm += KINDS[i].norm;
     }
     cr_assert(sinks && swa_row && swa_windowed && head && stages && norm);
+}
+
+/* ---- Prefix reuse (issue 31): any split of a sequence into a saved prefix and a continued suffix,
+ * fed through kvpq_cache_append_attend in any batches, holds bit-identical keys and values (read
+ * back) and gives the attention outputs of the sequence fed one position at a time; so does a cut
+ * at kvpq_cache_exact_prefix and a continuation. Attention is compared within PFX_TOL: the CPU
+ * driver's order of summation depends on how many queries come together (row blocks, splits of the
+ * token range for one query), so outputs differ in the last bits; a query that saw a position coded
+ * instead of in the window is off by 1e-2 and more. Every kind and variant of KINDS, norm-explicit
+ * VQ also with 8-bit scales. */
+#define PFX_N 220
+#define PFX_TOL 2e-5
+
+typedef struct {
+    const kind *k;
+    const kvpq_codebook *cb;
+    float *kv[2], *q; /* (N_LAYER, PFX_N, ROW) keys / values; (N_LAYER, PFX_N, n_head * hd) queries */
+    float *ref;       /* (N_LAYER, PFX_N, n_head * hd) outputs of one position at a time */
+    kvpq_cache *one;  /* the cache fed one position at a time */
+} pfx;
+
+static size_t pfx_qw(void) { return (size_t)N_HEAD * HD; }
+
+/* Feed positions [from, to) of every layer in batches of `batch` (0: random sizes) into out. */
+static void pfx_feed(const pfx *x, kvpq_cache *c, int from, int to, int batch, uint64_t *rs, float *out) {
+    const size_t kvw = ROW, qw = pfx_qw();
+    for (int pos = from; pos < to;) {
+        int n = batch > 0 ? batch : 1 + (int)(rng_unif(rs) * 70);
+        if (n > to - pos) n = to - pos;
+        for (int l = 0; l < N_LAYER; l++) {
+            const size_t r = (size_t)l * PFX_N + pos;
+            cr_assert_eq(kvpq_cache_append_attend(c, l, n, x->kv[0] + r * kvw, x->kv[1] + r * kvw, x->q + r * qw,
+                                                  out + r * qw),
+                         KVPQ_OK, "%s: %s", x->k->name, kvpq_last_error());
+        }
+        pos += n;
+    }
+}
+
+/* c holds what x->one holds, bit for bit: every position of layer 1 (global) and the newest 20 of
+ * layer 0 (a sliding window may have freed older ones); attention outputs agree within PFX_TOL. */
+static void pfx_expect(const pfx *x, const kvpq_cache *c, const float *out, const char *what) {
+    const size_t qw = pfx_qw(), n = (size_t)PFX_N * ROW * sizeof(float);
+    float *a = malloc(n), *b = malloc(n);
+    for (int l = 0; l < N_LAYER; l++) {
+        const int from = l == 0 ? PFX_N - 20 : 0;
+        for (int kv = 0; kv < 2; kv++) {
+            cr_assert_eq(kvpq_cache_read(c, l, from, PFX_N - from, kv ? NULL : a, kv ? a : NULL), KVPQ_OK, "%s",
+                         kvpq_last_error());
+            cr_assert_eq(kvpq_cache_read(x->one, l, from, PFX_N - from, kv ? NULL : b, kv ? b : NULL), KVPQ_OK);
+            cr_assert(!memcmp(a, b, (size_t)(PFX_N - from) * ROW * sizeof(float)),
+                      "%s (%s): layer %d %s read back differ from one position at a time", x->k->name, what, l,
+                      kv ? "values" : "keys");
+        }
+        for (size_t i = (size_t)l * PFX_N * qw; i < (size_t)(l + 1) * PFX_N * qw; i++)
+            cr_assert(fabs((double)out[i] - x->ref[i]) <= PFX_TOL * (1.0 + fabs((double)x->ref[i])),
+                      "%s (%s): layer %d position %zu: attention %.9g, one position at a time %.9g", x->k->name,
+                      what, l, i / qw % PFX_N, (double)out[i], (double)x->ref[i]);
+    }
+    free(a), free(b);
+}
+
+/* Positions [0, split) fed, saved, loaded into a fresh cache, the rest fed there. */
+static void pfx_split_saved(const pfx *x, int split, uint64_t *rs, float *out) {
+    kvpq_cache *a = make_cache(x->k, x->cb, WINDOW, MAX_SEQ, 1);
+    pfx_feed(x, a, 0, split, 0, rs, out);
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/kvpq_test_prefix_%d.kvc", (int)getpid());
+    cr_assert_eq(kvpq_cache_save(a, path, NULL, 0), KVPQ_OK, "%s: %s", x->k->name, kvpq_last_error());
+    kvpq_cache_params pp;
+    cr_assert_eq(kvpq_cache_get_params(a, &pp), KVPQ_OK);
+    kvpq_cache *b = NULL;
+    cr_assert_eq(kvpq_cache_load(&b, &pp, path, NULL, NULL), KVPQ_OK, "%s: %s", x->k->name, kvpq_last_error());
+    unlink(path);
+    cr_assert_eq(kvpq_cache_exact_prefix(b, split), split, "%s: a loaded cache is exact at its own length",
+                 x->k->name);
+    pfx_feed(x, b, split, PFX_N, 0, rs, out);
+    pfx_expect(x, b, out, "saved prefix continued");
+    kvpq_cache_free(a);
+    kvpq_cache_free(b);
+}
+
+/* All positions fed, cut at the exact prefix of a random length, the rest fed again. */
+static void pfx_cut(const pfx *x, int want, uint64_t *rs, float *out) {
+    kvpq_cache *a = make_cache(x->k, x->cb, WINDOW, MAX_SEQ, 1);
+    float *scratch = malloc((size_t)N_LAYER * PFX_N * pfx_qw() * sizeof *scratch);
+    pfx_feed(x, a, 0, PFX_N, 0, rs, scratch);
+    const int p = kvpq_cache_exact_prefix(a, want);
+    cr_assert(p >= 0 && p <= want, "%s: exact prefix %d of %d", x->k->name, p, want);
+    if (!x->k->windowed) cr_assert_eq(p, want, "%s: a row kind is exact at every prefix", x->k->name);
+    if (kvpq_cache_truncate(a, p) == KVPQ_OK) { /* a sliding window may refuse: nothing to continue */
+        memcpy(out, scratch, (size_t)N_LAYER * PFX_N * pfx_qw() * sizeof *out);
+        pfx_feed(x, a, p, PFX_N, 0, rs, out);
+        pfx_expect(x, a, out, "cut at the exact prefix and continued");
+    }
+    free(scratch);
+    kvpq_cache_free(a);
+}
+
+static void pfx_run(const kind *k, int norm_bits, uint64_t seed) {
+    g_hd = k->hd ? k->hd : 32;
+    kvpq_codebook *cb = k->type == KVPQ_CACHE_VQ ? make_codebook(k, seed) : NULL;
+    if (norm_bits == 8) {
+        cr_assert_eq(kvpq_codebook_set_meta(cb, "k.norm_bits", "8"), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_set_meta(cb, "v.norm_bits", "8"), KVPQ_OK, "%s", kvpq_last_error());
+    }
+    const size_t nkv = (size_t)N_LAYER * PFX_N * ROW, nq = (size_t)N_LAYER * PFX_N * pfx_qw();
+    pfx x = {.k = k, .cb = cb, .kv = {rand_vec(nkv, seed + 1, 1.0f), rand_vec(nkv, seed + 2, 1.0f)},
+             .q = rand_vec(nq, seed + 3, 1.0f), .ref = malloc(nq * sizeof(float))};
+    float *out = malloc(nq * sizeof *out);
+    uint64_t rs = seed;
+    x.one = make_cache(k, cb, WINDOW, MAX_SEQ, 1);
+    pfx_feed(&x, x.one, 0, PFX_N, 1, &rs, x.ref);
+    const int batches[] = {PFX_N, 64, 0};
+    for (int i = 0; i < 3; i++) {
+        kvpq_cache *c = make_cache(k, cb, WINDOW, MAX_SEQ, 1);
+        pfx_feed(&x, c, 0, PFX_N, batches[i], &rs, out);
+        pfx_expect(&x, c, out, batches[i] ? "fed in fixed batches" : "fed in random batches");
+        kvpq_cache_free(c);
+    }
+    for (int t = 0; t < 4; t++) {
+        pfx_split_saved(&x, 1 + (int)(rng_unif(&rs) * (PFX_N - 1)), &rs, out);
+        pfx_cut(&x, 1 + (int)(rng_unif(&rs) * (PFX_N - 1)), &rs, out);
+    }
+    kvpq_cache_free(x.one);
+    free(x.kv[0]), free(x.kv[1]), free(x.q), free(x.ref), free(out);
+    kvpq_codebook_free(cb);
+}
+
+Test(cache_property, any_split_equals_one_pass, .timeout = 600) {
+    for (size_t i = 0; i < N_KINDS; i++) {
+        pfx_run(&KINDS[i], 16, 4000 + 31 * (uint64_t)i);
+        if (KINDS[i].norm) pfx_run(&KINDS[i], 8, 5000 + 31 * (uint64_t)i);
+    }
+}
+
+/* The old way, n positions appended then n queries attended, shows a windowed kind's earlier
+ * queries positions coded during the batch: not what one position at a time gives (why
+ * kvpq_cache_append_attend exists; this keeps the test above able to fail). */
+Test(cache_property, batch_append_then_attend_differs_for_windowed_kinds) {
+    const kind *k = &KINDS[8]; /* vq */
+    cr_assert_str_eq(k->name, "vq");
+    g_hd = 32;
+    kvpq_codebook *cb = make_codebook(k, 77);
+    const size_t nkv = (size_t)PFX_N * ROW, qw = pfx_qw();
+    float *kk = rand_vec(nkv, 1, 1.0f), *vv = rand_vec(nkv, 2, 1.0f), *q = rand_vec((size_t)PFX_N * qw, 3, 1.0f);
+    float *a = malloc((size_t)PFX_N * qw * sizeof *a), *b = malloc((size_t)PFX_N * qw * sizeof *b);
+    kvpq_cache *c1 = make_cache(k, cb, WINDOW, MAX_SEQ, 0), *c2 = make_cache(k, cb, WINDOW, MAX_SEQ, 0);
+    cr_assert_eq(kvpq_cache_append_attend(c1, 0, PFX_N, kk, vv, q, a), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_append(c2, 0, PFX_N, kk, vv), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_attend(c2, 0, PFX_N, q, b), KVPQ_OK);
+    cr_assert(!memcmp(a + (PFX_N - 1) * qw, b + (PFX_N - 1) * qw, qw * sizeof *a), "the last query sees the same");
+    cr_assert(memcmp(a, b, (size_t)(PFX_N - WINDOW - 40) * qw * sizeof *a), "early queries should differ");
+    kvpq_cache_free(c1), kvpq_cache_free(c2);
+    kvpq_codebook_free(cb);
+    free(kk), free(vv), free(q), free(a), free(b);
 }

@@ -99,38 +99,45 @@ static char *utf8_clean(const char *s, size_t n) {
     return o;
 }
 
-/* One message from stdin: a line without its "\n" (and "\r"); a line ending in a backslash goes on
- * with the next line (the backslash becomes a newline of the message), as llama.cpp's interactive
- * mode has it. Returns its length, or -1 at end of input with nothing read (or an error). */
 /* Longest message read from stdin (bytes, continuation lines included): input without a newline
  * (e.g. /dev/zero) would otherwise be read without limit. */
 #define CHAT_MAX_MESSAGE ((size_t)16 << 20)
 
-/* One message: a line, joined with the following ones while a line ends in a backslash. Returns its
- * length, -1 at end of input (or out of memory), -2 when it exceeds CHAT_MAX_MESSAGE (reported). */
+/* Room for n + 2 bytes in *msg (a byte and the terminating NUL): 0, or -1 when out of memory. */
+static int message_room(char **msg, size_t *cap, size_t n) {
+    if (n + 2 <= *cap) return 0;
+    size_t nc = *cap ? 2 * *cap : 256;
+    char *nm = realloc(*msg, nc);
+    if (!nm) return -1;
+    *msg = nm;
+    *cap = nc;
+    return 0;
+}
+
+/* One message from stdin: a line without its "\n" (and "\r"); a line ending in a backslash goes on
+ * with the next line (the backslash becomes a newline of the message), as llama.cpp's interactive
+ * mode has it. An empty line is an empty message. Returns its length, -1 at end of input with
+ * nothing read (or out of memory), -2 when it exceeds CHAT_MAX_MESSAGE or holds a NUL byte
+ * (reported: a C string would end there and drop the rest). */
 static ssize_t read_message(char **msg, size_t *cap, FILE *in) {
     size_t n = 0;
-    int any = 0, c;
+    int any = 0, c, nul = 0;
     for (;;) {
         size_t start = n;
         int eol = 0;
+        if (message_room(msg, cap, n)) return -1; /* the NUL of an empty line too */
         while ((c = getc(in)) != EOF) {
             any = 1;
             if (c == '\n') {
                 eol = 1;
                 break;
             }
-            if (n + 2 > *cap) {
-                if (n + 2 > CHAT_MAX_MESSAGE) {
-                    fprintf(stderr, "kvpq chat: a message longer than %zu bytes on stdin: refused\n", CHAT_MAX_MESSAGE);
-                    return -2;
-                }
-                size_t nc = *cap ? 2 * *cap : 256;
-                char *nm = realloc(*msg, nc);
-                if (!nm) return -1;
-                *msg = nm;
-                *cap = nc;
+            if (n + 2 > CHAT_MAX_MESSAGE) {
+                fprintf(stderr, "kvpq chat: a message longer than %zu bytes on stdin: refused\n", CHAT_MAX_MESSAGE);
+                return -2;
             }
+            if (message_room(msg, cap, n)) return -1;
+            nul |= c == '\0';
             (*msg)[n++] = (char)c;
         }
         if (!any) return -1;
@@ -139,6 +146,10 @@ static ssize_t read_message(char **msg, size_t *cap, FILE *in) {
         if (more) (*msg)[n - 1] = '\n';
         (*msg)[n] = '\0';
         if (!more) break;
+    }
+    if (nul) {
+        fprintf(stderr, "kvpq chat: a message on stdin holds a NUL byte (at byte %zu): refused\n", strlen(*msg));
+        return -2;
     }
     return (ssize_t)n;
 }
@@ -168,7 +179,7 @@ static int render(const kvpq_model *m, const cli_chat_template *t, const char *s
         if (!(lines[n_lines] = strdup(line))) goto done;
         n_lines++;
     }
-    if (got == -2) goto done; /* a message too long: reported */
+    if (got == -2) goto done; /* a message too long or holding a NUL: reported */
     cli_chat_begin(t, &pc, system);
     for (size_t i = 0; i < n_lines; i++) {
         if (i % 2 == 0) {
@@ -331,7 +342,7 @@ int cmd_chat(int argc, char **argv) {
             fflush(stderr);
         }
         ssize_t got = read_message(&line, &lcap, stdin);
-        if (got == -2) goto done; /* too long: reported */
+        if (got == -2) goto done; /* too long or holding a NUL: reported */
         if (got < 0) break;       /* end of input: the chat ends */
         const char *msg = line;
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;

@@ -115,6 +115,9 @@ static int prompt_cache_load(const char *path, const char *line, cli_cache *cc, 
     }
     if ((int)nf != kvpq_cache_seq_len(lc, 0)) p = 0; /* the blob does not describe the cache: use nothing */
     if (p >= n) p = n - 1;
+    /* Only a prefix the cut keeps as a fresh run would have it: the continuation is then the fresh
+     * run's, bit for bit (a windowed kind cut below its coded positions would not be). */
+    p = (size_t)kvpq_cache_exact_prefix(lc, (int)p);
     free(ub);
     if (p < nf && (s = kvpq_cache_truncate(lc, (int)p)) != KVPQ_OK) {
         /* A sliding-window layer has freed positions the shorter prompt would need again: the saved

@@ -729,6 +729,28 @@ class Cache:
         _check(lib.kvpq_cache_attend(self._h, self._layer(layer, w), q.shape[0], _ptr(q), _ptr(out)), w)
         return out
 
+    def append_attend(self, layer, k, v, q):
+        """Append n positions and attend their n queries, each query seeing the cache as it was right
+        after its own position was appended (kvpq_cache_append_attend): the same outputs whatever
+        split the positions come in. k, v (n, n_head_kv, head_dim), q (n, n_head, head_dim) float32
+        -> out (n, n_head, head_dim)."""
+        w = "Cache.append_attend"
+        shape = (None, self.n_head_kv, self.head_dim)
+        _array(k, "k", w, shape=shape)
+        _array(v, "v", w, shape=shape)
+        _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
+        if not k.shape[0] == v.shape[0] == q.shape[0]:
+            raise _arg_error(w, f"k, v, q: {k.shape[0]}, {v.shape[0]}, {q.shape[0]} positions; expected the same")
+        out = np.empty_like(q)
+        _check(lib.kvpq_cache_append_attend(self._h, self._layer(layer, w), k.shape[0], _ptr(k), _ptr(v), _ptr(q),
+                                            _ptr(out)), w)
+        return out
+
+    def exact_prefix(self, n_pos):
+        """The longest prefix of at most n_pos positions that truncate() keeps exactly as a fresh
+        cache fed those positions would hold it (kvpq_cache_exact_prefix)."""
+        return int(lib.kvpq_cache_exact_prefix(self._h, _int(n_pos, "n_pos", "Cache.exact_prefix", 0)))
+
     def truncate(self, n_pos):
         """Keep positions [0, n_pos) of every layer."""
         _check(lib.kvpq_cache_truncate(self._h, _int(n_pos, "n_pos", "Cache.truncate", 0)), "Cache.truncate")

@@ -374,6 +374,63 @@ kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q,
     return c->ops->attend(c->state, layer, len, n_q, q, out, NULL);
 }
 
+/* Positions a windowed kind holds coded once the layer holds len positions by appends (sinks are
+ * not the kind's); 0 for the other kinds. */
+static int coded_at(const kvpq_cache *c, int len) {
+    const int inner = len > c->p.sinks ? len - c->p.sinks : 0;
+    return c->ops->coded_of ? c->ops->coded_of(c->state, inner) : 0;
+}
+
+/* The longest run of the next n positions (at least 1) whose queries all see the same window
+ * state: appending them together shows each query what it would see appended alone. */
+static int same_window_run(const kvpq_cache *c, int layer, int n) {
+    const int len = c->len[layer], first = coded_at(c, len + 1);
+    int run = 1;
+    while (run < n && coded_at(c, len + run + 1) == first) run++;
+    return run;
+}
+
+kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const float *k, const float *v, const float *q,
+                                     float *out) {
+    KVPQ_TRY(check_layer(c, layer, "kvpq_cache_append_attend"));
+    if (n <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append_attend: n %d must be >= 1", n);
+    if (!k || !v || !q || !out)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append_attend: k, v, q or out is NULL");
+    const int len = c->len[layer];
+    if (n > c->p.max_seq - len)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "cache %s layer %d: holds %d positions, appending %d exceeds max_seq %d",
+                         c->ops->name, layer, len, n, c->p.max_seq);
+    KVPQ_TRY(check_finite(c, q, n, c->p.n_head, "Q", layer, len)); /* K and V: by each append */
+    const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim, qw = (size_t)c->p.n_head * c->p.head_dim;
+    for (int done = 0; done < n;) {
+        const int run = same_window_run(c, layer, n - done);
+        KVPQ_TRY(kvpq_cache_append(c, layer, run, k + done * kvw, v + done * kvw));
+        KVPQ_TRY(kvpq_cache_attend(c, layer, run, q + done * qw, out + done * qw));
+        done += run;
+    }
+    return KVPQ_OK;
+}
+
+int kvpq_cache_exact_prefix(const kvpq_cache *c, int n_pos) {
+    if (!c || n_pos <= 0) return 0;
+    int p = n_pos;
+    for (int l = 0; l < c->p.n_layer; l++)
+        if (c->len[l] < p) p = c->len[l];
+    if (!c->ops->n_coded) return p;
+    /* Truncating to p leaves min(n_coded, p) positions coded (a KIVI group cut in two goes back to
+     * the window decoded, so fewer): exact when that is what appends alone give, coded_of(p). */
+    for (; p > c->p.sinks; p--) {
+        const int inner = p - c->p.sinks;
+        int l = 0;
+        for (; l < c->p.n_layer; l++) {
+            const int now = c->ops->n_coded(c->state, l);
+            if ((now < inner ? now : inner) != c->ops->coded_of(c->state, inner)) break;
+        }
+        if (l == c->p.n_layer) return p;
+    }
+    return p;
+}
+
 kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos) {
     if (!c) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_truncate: cache is NULL");
     if (n_pos < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_truncate: n_pos %d must be >= 0", n_pos);

@@ -44,6 +44,14 @@ typedef struct kvpq_cache_ops {
      * storage units before it are neither written nor read, and a load leaves the state starting
      * there (a value lo that the kind's units cannot start at is KVPQ_ERR_FORMAT). */
     kvpq_status (*serial)(void *state, const int *lens, const int *lo, kvpq__stream *s, int load);
+    /* Windowed kinds (a full-precision window, then codes): coded_of(len) is how many positions a
+     * layer fed len positions by appends alone holds coded (the window rule), and n_coded(layer) how
+     * many it holds coded now (a truncation may leave more or fewer than the rule). cache.c uses them
+     * so that each query sees the window state of its own position (kvpq_cache_append_attend) and to
+     * find exact prefixes (kvpq_cache_exact_prefix). NULL for kinds whose positions read the same
+     * from their append on. */
+    int (*coded_of)(const void *state, int len);
+    int (*n_coded)(const void *state, int layer);
 } kvpq_cache_ops;
 
 /* Positions a query of `layer` may see (its sliding window), or 0 for every earlier position. */

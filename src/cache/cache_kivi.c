@@ -382,6 +382,9 @@ static kvpq_status kivi_serial(void *state, const int *lens, const int *lo, kvpq
     return KVPQ_OK;
 }
 
+static int kivi_coded_of(const void *state, int len) { return n_coded_of(state, len); }
+static int kivi_n_coded(const void *state, int layer) { return ((const kivi_state *)state)->coded[layer]; }
+
 const kvpq_cache_ops kvpq_cache_ops_kivi2 = {
     .name = "kivi2",
     .create = kivi2_create,
@@ -394,6 +397,8 @@ const kvpq_cache_ops kvpq_cache_ops_kivi2 = {
     .stats = kivi_stats,
     .drop = kivi_drop,
     .serial = kivi_serial,
+    .coded_of = kivi_coded_of,
+    .n_coded = kivi_n_coded,
 };
 
 const kvpq_cache_ops kvpq_cache_ops_kivi4 = {
@@ -408,4 +413,6 @@ const kvpq_cache_ops kvpq_cache_ops_kivi4 = {
     .stats = kivi_stats,
     .drop = kivi_drop,
     .serial = kivi_serial,
+    .coded_of = kivi_coded_of,
+    .n_coded = kivi_n_coded,
 };

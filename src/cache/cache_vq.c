@@ -1106,6 +1106,9 @@ static kvpq_status vq_serial(void *state, const int *lens, const int *lo, kvpq__
     return KVPQ_OK;
 }
 
+static int vq_coded_of(const void *state, int len) { return vq_target_coded(state, len); }
+static int vq_n_coded(const void *state, int layer) { return ((const vq_state *)state)->layers[layer].n_coded; }
+
 const kvpq_cache_ops kvpq_cache_ops_vq = {
     .name = "vq",
     .create = vq_create,
@@ -1118,4 +1121,6 @@ const kvpq_cache_ops kvpq_cache_ops_vq = {
     .resident_bytes = vq_resident_bytes,
     .stats = vq_stats,
     .drop = vq_drop,
+    .coded_of = vq_coded_of,
+    .n_coded = vq_n_coded,
 };

@@ -586,12 +586,12 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
             memcpy(hook->save_k + ((size_t)l * hook->save_tokens + pos0) * KV, m->k, sizeof(float) * (size_t)n * KV);
             memcpy(hook->save_v + ((size_t)l * hook->save_tokens + pos0) * KV, m->v, sizeof(float) * (size_t)n * KV);
         }
-        kvpq_status s = kvpq_cache_append(cache, l, n, m->k, m->v);
-        if (s == KVPQ_OK) {
-            if (hook && hook->attend && l == hook->attend_layer)
-                s = hook->attend(hook->user, l, n, pos0, m->q, m->att);
-            else
-                s = kvpq_cache_attend(cache, l, n, m->q, m->att);
+        kvpq_status s;
+        if (hook && hook->attend && l == hook->attend_layer) {
+            s = kvpq_cache_append(cache, l, n, m->k, m->v);
+            if (s == KVPQ_OK) s = hook->attend(hook->user, l, n, pos0, m->q, m->att);
+        } else {
+            s = kvpq_cache_append_attend(cache, l, n, m->k, m->v, m->q, m->att);
         }
         if (s != KVPQ_OK) {
             kvpq__err_prefix("layer %d", l);

@@ -287,3 +287,29 @@ def test_message_without_end_refused_at_the_cap(mode):
                        capture_output=True, timeout=120)
     assert p.returncode == 1
     assert b"message longer than 16777216 bytes" in p.stderr
+
+
+@need_smol
+@pytest.mark.parametrize("mode", [[], ["--render"]])
+def test_empty_first_line_is_skipped_not_a_crash(mode):
+    # Issue 31: an empty first line made the line reader write its terminator into a buffer never
+    # allocated (SIGSEGV). It is an empty message now, skipped as the help says.
+    p = subprocess.run([BIN, "chat", "--model", str(SMOL), "--quiet", "--temp", "0", "-n", "4", *mode],
+                       input=b"\n\nHello\n", capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    q = subprocess.run([BIN, "chat", "--model", str(SMOL), "--quiet", "--temp", "0", "-n", "4", *mode],
+                       input=b"Hello\n", capture_output=True, timeout=120)
+    if mode:  # --render: empty lines are messages of the conversation text, rendered in turn
+        assert b"<|im_start|>user\n<|im_end|>" in p.stdout
+    else:
+        assert p.stdout == q.stdout and p.stdout != b""
+
+
+@need_smol
+@pytest.mark.parametrize("mode", [[], ["--render"]])
+def test_message_with_a_nul_byte_refused(mode):
+    # Issue 31: a NUL byte cut the message there and the rest was silently dropped.
+    p = subprocess.run([BIN, "chat", "--model", str(SMOL), "--quiet", "-n", "2", *mode], input=b"ab\0cd\n",
+                       capture_output=True, timeout=120)
+    assert p.returncode == 1
+    assert b"holds a NUL byte (at byte 2): refused" in p.stderr
