@@ -651,7 +651,9 @@ KVPQ_API kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, cons
 /* Load a saved cache into a new cache made from *p (kind, shapes, codebook, max_seq, threads, ...).
  * The file must hold the same kind, n_layer, n_head, n_head_kv, head_dim, window and page_tokens (as
  * kvpq_cache_new clamps them) and, for VQ, a codebook with the same fingerprint as p->codebook;
- * p->max_seq may be larger than the file's (KVPQ_ERR_CAPACITY when the positions held exceed it).
+ * p->max_seq may be larger than the file's (KVPQ_ERR_CAPACITY when the positions held exceed it);
+ * a file whose max_seq was below the window or page size holds them clamped to it, and then the
+ * loaded cache keeps the file's (clamped) window and page size, so it carries on as the saved one.
  * *user (malloc'd, caller frees; NULL when none) and *user_len get the caller blob; either may be
  * NULL. Errors, each naming the file: KVPQ_ERR_IO (cannot open or read), KVPQ_ERR_FORMAT (not a
  * saved cache, another format version, truncated, checksum mismatch: corrupted, a sink that is not a

@@ -676,3 +676,77 @@ Test(cache_file, version_2_fixture_loads_and_is_still_written) {
     kvpq_cache_free(c), kvpq_cache_free(d);
     unlink(path);
 }
+
+/* Issue 31: a cache saved with a max_seq below the window and page size (kvpq_cache_new clamped both
+ * to it) loads under a larger max_seq, as documented, keeping the file's window and page size; it
+ * was refused, blaming "window" or "page_tokens" (fp32 too). */
+Test(cache_file, larger_max_seq_loads_a_cache_saved_below_window_and_page) {
+    kvpq_codebook *cb = make_codebook(0, 61u);
+    const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP32, KVPQ_CACHE_KIVI2, KVPQ_CACHE_VQ};
+    for (int k = 0; k < 3; k++) {
+        kvpq_cache_params p = params(kinds[k], kinds[k] == KVPQ_CACHE_VQ ? cb : NULL);
+        p.max_seq = 40; /* below WINDOW and PAGE (64) */
+        kvpq_cache *a = filled(&p, 40, 610u + k);
+        char path[256];
+        tmp_path(path, sizeof path, "small_max_seq.kvc");
+        cr_assert_eq(kvpq_cache_save(a, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+        kvpq_cache_params big = params(kinds[k], p.codebook);
+        big.max_seq = 1024;
+        kvpq_cache *b = NULL;
+        cr_assert_eq(kvpq_cache_load(&b, &big, path, NULL, NULL), KVPQ_OK, "%s: %s", kvpq_cache_type_name(kinds[k]),
+                     kvpq_last_error());
+        kvpq_cache_params got;
+        cr_assert_eq(kvpq_cache_get_params(b, &got), KVPQ_OK);
+        cr_assert_eq(got.max_seq, 1024);
+        cr_assert_eq(got.window, 40, "the file's clamped window");
+        cr_assert_eq(got.page_tokens, 40, "the file's clamped page size");
+        expect_same(a, b, 3, 620u + k, kvpq_cache_type_name(kinds[k]));
+        /* a window that clamps otherwise (the request's is 16 < 40): still refused, by name */
+        big.window = 16;
+        expect_load_fails(&big, path, KVPQ_ERR_MISMATCH, "window");
+        kvpq_cache_free(a);
+        kvpq_cache_free(b);
+        unlink(path);
+    }
+    kvpq_codebook_free(cb);
+}
+
+/* Issue 31: NaN or Inf in a saved cache's payload, with the checksum recomputed to match (what a
+ * writer with a bug, not a damaged disk, produces), is refused by name at load; it loaded and
+ * attention returned NaN. fp16 rows and KIVI's fp16 window / group scales. */
+#define XXH_INLINE_ALL /* as the library uses it: header only */
+#include <xxhash.h>
+Test(cache_file, non_finite_payload_refused_even_with_a_matching_checksum) {
+    const kvpq_cache_type kinds[] = {KVPQ_CACHE_FP16, KVPQ_CACHE_KIVI2};
+    for (int k = 0; k < 2; k++) {
+        kvpq_cache_params p = params(kinds[k], NULL);
+        kvpq_cache *a = NULL;
+        cr_assert_eq(kvpq_cache_new(&a, &p), KVPQ_OK);
+        const size_t kvw = (size_t)N_HEAD_KV * HD, n = 100;
+        float *x = malloc(n * kvw * sizeof *x);
+        for (size_t i = 0; i < n * kvw; i++) x[i] = 0.375f; /* float16 0x3600: found in the payload below */
+        for (int l = 0; l < N_LAYER; l++) cr_assert_eq(kvpq_cache_append(a, l, (int)n, x, x), KVPQ_OK);
+        free(x);
+        char path[256];
+        tmp_path(path, sizeof path, "nan_payload.kvc");
+        cr_assert_eq(kvpq_cache_save(a, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+        size_t fn;
+        unsigned char *b = slurp(path, &fn);
+        size_t at = fn - 8 - 2; /* the last float16 0x3600 of the payload: a window or row value */
+        while (at > 64 && !(b[at] == 0x00 && b[at + 1] == 0x36)) at--;
+        cr_assert_gt(at, 64u, "%s: no 0x3600 in the payload", kvpq_cache_type_name(kinds[k]));
+        b[at] = 0x00, b[at + 1] = 0x7e; /* NaN */
+        const uint64_t sum = XXH64(b, fn - 8, 0);
+        memcpy(b + fn - 8, &sum, 8);
+        spit(path, b, fn);
+        expect_load_fails(&p, path, KVPQ_ERR_FORMAT, "NaN or Inf");
+        b[at + 1] = 0x7c; /* Inf */
+        const uint64_t sum2 = XXH64(b, fn - 8, 0);
+        memcpy(b + fn - 8, &sum2, 8);
+        spit(path, b, fn);
+        expect_load_fails(&p, path, KVPQ_ERR_FORMAT, "NaN or Inf");
+        free(b);
+        kvpq_cache_free(a);
+        unlink(path);
+    }
+}

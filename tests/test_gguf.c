@@ -448,6 +448,14 @@ Test(gguf, bad_tensor_infos) {
     s = spec_default();
     s.dup_tensor = 1;
     expect_error(&s, "tensor 3 'b.q8_0': duplicate tensor name (first defined by tensor 1)");
+    /* issue 31: data overlapping another tensor's, and a type changed to a smaller one, were accepted
+     * and ran (ggml's loader refuses both: each tensor starts where the previous one ends, padded) */
+    s = spec_default();
+    s.offset = 0; /* aligned, inside the file: tensor 0's data */
+    expect_error(&s, "tensor 2 'c.q4_1': data offset 0, expected");
+    s = spec_default();
+    s.ttype = 2; /* Q4_0: 18 bytes a block instead of Q4_1's 20 */
+    expect_error(&s, "tensor 2 'c.q4_1': the data section holds");
 }
 
 Test(gguf, unknown_tensor_type_opens_but_is_unsupported) {

@@ -370,8 +370,17 @@ kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q,
                          "kvpq_cache_attend: layer %d (sliding window %d) no longer holds positions before %d, which "
                          "the query at position %d would see",
                          layer, c->p.sliding_window, c->lo[layer], len - n_q);
-    if (c->p.sinks > 0) return attend_sinks(c, layer, len, n_q, q, out);
-    return c->ops->attend(c->state, layer, len, n_q, q, out, NULL);
+    KVPQ_TRY(c->p.sinks > 0 ? attend_sinks(c, layer, len, n_q, q, out)
+                            : c->ops->attend(c->state, layer, len, n_q, q, out, NULL));
+    /* finite q, K and V can still overflow float in q . k (|q| |k| beyond 3.4e38): named, not NaN */
+    const size_t qw = (size_t)c->p.n_head * c->p.head_dim;
+    if (!kvpq__all_finite(out, (size_t)n_q * qw))
+        for (int i = 0; i < n_q; i++)
+            if (!kvpq__all_finite(out + (size_t)i * qw, qw))
+                return kvpq__err(KVPQ_ERR_NONFINITE, "cache %s layer %d: attention of the query at position %d is not "
+                                 "finite: q . k or the weighted sum of V overflows float32 (|q| up to %g)",
+                                 c->ops->name, layer, len - n_q + i, (double)kvpq__max_abs(q + (size_t)i * qw, qw));
+    return KVPQ_OK;
 }
 
 /* Positions a windowed kind holds coded once the layer holds len positions by appends (sinks are

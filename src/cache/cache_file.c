@@ -267,6 +267,27 @@ static kvpq_status check_field(const char *path, const char *what, long file, lo
     return kvpq__err(KVPQ_ERR_MISMATCH, "saved cache '%s': %s %ld, this cache has %ld", path, what, file, ours);
 }
 
+/* Every position a loaded cache holds reads back finite (non-finite policy, docs/robustness.md): a
+ * file with NaN or Inf in its payload (fp16 rows, KIVI scales, window rings, norm scales), even with
+ * a recomputed checksum, is refused by name instead of giving NaN attention. */
+static kvpq_status check_payload_finite(const kvpq_cache *c, const char *path) {
+    const size_t row = (size_t)c->p.n_head_kv * c->p.head_dim;
+    enum { BLOCK = 256 };
+    float *k = malloc(BLOCK * row * sizeof *k), *v = malloc(BLOCK * row * sizeof *v);
+    kvpq_status s = k && v ? KVPQ_OK : kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_load: out of memory");
+    for (int l = 0; l < c->p.n_layer && s == KVPQ_OK; l++)
+        for (int p0 = c->lo[l]; p0 < c->len[l] && s == KVPQ_OK; p0 += BLOCK) {
+            const int n = c->len[l] - p0 < BLOCK ? c->len[l] - p0 : BLOCK;
+            s = kvpq_cache_read(c, l, p0, n, k, v);
+            if (s == KVPQ_OK && !(kvpq__all_finite(k, (size_t)n * row) && kvpq__all_finite(v, (size_t)n * row)))
+                s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': layer %d holds NaN or Inf among positions %d..%d",
+                              path, l, p0, p0 + n - 1);
+        }
+    free(k);
+    free(v);
+    return s;
+}
+
 kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const char *path, void **user,
                             size_t *user_len) {
     if (user) *user = NULL;
@@ -305,7 +326,18 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     if (s == KVPQ_OK && hd.type != (uint32_t)p->type)
         s = kvpq__err(KVPQ_ERR_MISMATCH, "saved cache '%s': cache kind %s, this cache is %s", path,
                       kvpq_cache_type_name((kvpq_cache_type)hd.type), kvpq_cache_type_name(p->type));
-    if (s == KVPQ_OK) s = kvpq_cache_new(&c, p);
+    kvpq_cache_params pf = *p;
+    if (s == KVPQ_OK) {
+        /* A file saved with a smaller max_seq holds the window and page size kvpq_cache_new clamped
+         * to it: when the requested ones clamp the same way, the cache takes the file's (its state
+         * is laid out for them), so a larger max_seq loads as documented. */
+        const int fmax = hd.max_seq;
+        if (fmax > 0 && fmax < p->max_seq) {
+            if (p->window > fmax && hd.window == fmax) pf.window = fmax;
+            if (p->page_tokens > fmax && hd.page_tokens == fmax) pf.page_tokens = fmax;
+        }
+        s = kvpq_cache_new(&c, &pf);
+    }
     if (s == KVPQ_OK) {
         const kvpq_cache_params *q = &c->p; /* as kvpq_cache_new clamped window and pages */
         s = check_field(path, "n_layer", hd.n_layer, q->n_layer);
@@ -385,6 +417,7 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     if (h) XXH64_freeState(h);
     free(lens);
     free(lo);
+    if (s == KVPQ_OK) s = check_payload_finite(c, path);
     if (s != KVPQ_OK) {
         kvpq_cache_free(c);
         free(ub);

@@ -30,6 +30,8 @@ KVPQ_INTERNAL_API void kvpq__err_prefix(const char *fmt, ...)
 
 /* 1 if every one of n floats is finite. */
 KVPQ_INTERNAL_API int kvpq__all_finite(const float *x, size_t n);
+/* max_i |x[i]| (0 for n == 0; NaN elements are skipped). */
+KVPQ_INTERNAL_API float kvpq__max_abs(const float *x, size_t n);
 
 /* ---- atomic saves (tempfile.c) ---- */
 /* The file a save to `path` must replace: path itself, or, when it is a symbolic link, the file the

@@ -66,3 +66,9 @@ int kvpq__all_finite(const float *x, size_t n) {
         if (!isfinite(x[i])) return 0;
     return 1;
 }
+
+float kvpq__max_abs(const float *x, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
+    return m;
+}

@@ -418,6 +418,7 @@ static kvpq_status parse(gguf_file *f) {
     f->header_end = r->pos;
     size_t pad = (f->alignment - r->pos % f->alignment) % f->alignment;
     f->data_off = r->pos + pad;
+    uint64_t next = 0; /* where the next tensor's data must start, relative to the data section */
     for (int64_t i = 0; i < f->n_tensors; i++) {
         gguf_tensor *t = &f->tensors[i];
         if (f->data_off > f->size) {
@@ -439,7 +440,30 @@ static kvpq_status parse(gguf_file *f) {
                           t->nbytes, f->data_off, f->size);
             break;
         }
+        /* As ggml's loader: each tensor starts where the previous one ends, padded to the alignment,
+         * so none overlaps another and none was declared with a type smaller than its data. */
+        if (next != UINT64_MAX && offsets[i] != next) {
+            s = kvpq__err(KVPQ_ERR_FORMAT,
+                          "tensor %lld '%.256s': data offset %llu, expected %llu (tensors are stored in order, each "
+                          "after the previous one's %s bytes: overlapping data or a wrong type or shape)",
+                          (long long)i, t->name, (unsigned long long)offsets[i], (unsigned long long)next,
+                          i ? "padded" : "0");
+            break;
+        }
+        /* a type unknown to ggml has no known size (nbytes 0): nothing after it can be placed */
+        next = next == UINT64_MAX || ggml_type_size(t->type) == 0
+                   ? UINT64_MAX
+                   : offsets[i] + (t->nbytes + f->alignment - 1) / f->alignment * f->alignment;
         t->data = f->base + f->data_off + offsets[i];
+    }
+    /* ... and the data section ends with the last one, padded or not */
+    if (s == KVPQ_OK && f->n_tensors > 0 && next != UINT64_MAX) {
+        const gguf_tensor *last = &f->tensors[f->n_tensors - 1];
+        const uint64_t end = offsets[f->n_tensors - 1] + last->nbytes, room = f->size - f->data_off;
+        if (room != end && room != next)
+            s = kvpq__err(KVPQ_ERR_FORMAT, "tensor %lld '%.256s': the data section holds %llu bytes, its tensors %llu "
+                          "(%llu padded): a wrong type or shape, or trailing data", (long long)(f->n_tensors - 1),
+                          last->name, (unsigned long long)room, (unsigned long long)end, (unsigned long long)next);
     }
     free(offsets);
     return s;

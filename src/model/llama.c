@@ -527,6 +527,25 @@ static void project(const gguf_tensor *W, int n, const float *X, float *Y) {
         ggml_matmul(W->type, W->data, W->ne[1], W->ne[0], n, X, Y);
 }
 
+/* Non-finite policy (docs/robustness.md): NaN/Inf are caught where they enter results, and named.
+ * K/V at the cache's append; here the residual stream after each attention and FFN block, so a
+ * NaN or Inf weight (or an overflow) is reported with its layer and block at its first use; and
+ * the logits. x: (n, width) of the step starting at pos0. */
+static kvpq_status check_rows_finite(const float *x, int n, int width, int pos0, const char *what, int layer) {
+    if (kvpq__all_finite(x, (size_t)n * width)) return KVPQ_OK;
+    for (size_t i = 0; i < (size_t)n * width; i++)
+        if (!isfinite(x[i])) {
+            if (layer < 0)
+                return kvpq__err(KVPQ_ERR_NONFINITE, "%s of position %d: %s at index %d (a NaN or Inf weight, or "
+                                 "an overflow, in the model)", what, pos0 + (int)(i / width),
+                                 isnan(x[i]) ? "NaN" : "Inf", (int)(i % width));
+            return kvpq__err(KVPQ_ERR_NONFINITE, "layer %d: %s at position %d is %s at index %d (a NaN or Inf "
+                             "weight of this layer, or an overflow)", layer, what, pos0 + (int)(i / width),
+                             isnan(x[i]) ? "NaN" : "Inf", (int)(i % width));
+        }
+    return KVPQ_OK;
+}
+
 /* One step of at most LLAMA_BLOCK tokens. want: 0 no logits (a prefill step before the last),
  * 1 the last token's (n_vocab), 2 every token's (n, n_vocab), 3 those of tokens hook->logits_from ..
  * n-1 ((n - logits_from, n_vocab)). hook (NULL for a plain eval, see kvpq__eval_hook): start at
@@ -600,6 +619,7 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
         project(L->w[ARCH_T_ATTN_OUT], n, m->att, m->xb2);
         if (V[ARCH_T_ATTN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_ATTN_POST_NORM], eps, m->xb2);
         for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
+        KVPQ_TRY(check_rows_finite(m->x, n, E, pos0, "the residual stream after attention", l));
 
         rmsnorm(n, E, m->x, V[ARCH_T_FFN_NORM], eps, m->xb);
         project(L->w[ARCH_T_FFN_GATE], n, m->xb, m->hb);
@@ -615,6 +635,7 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
         project(L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
         if (V[ARCH_T_FFN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_FFN_POST_NORM], eps, m->xb2);
         for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
+        KVPQ_TRY(check_rows_finite(m->x, n, E, pos0, "the residual stream after the FFN", l));
     }
     int n_out = 0;
     if (want == 3) {
@@ -637,7 +658,7 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
         const float c = m->logit_softcap;
         for (size_t i = 0; i < (size_t)n_out * in->n_vocab; i++) logits[i] = c * tanhf(logits[i] / c);
     }
-    return KVPQ_OK;
+    return check_rows_finite(logits, n_out, in->n_vocab, pos0 + n - n_out, "the logits", -1);
 }
 
 static kvpq_status model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int logits_all,

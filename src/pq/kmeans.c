@@ -12,6 +12,7 @@
  * own no point, so it cannot raise MSE(a_t, .). Floating-point rounding could still add a few ulps;
  * an iteration that would raise the MSE is rolled back and ends the run (a fixed point within
  * rounding), so the reported MSE never rises. */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -240,14 +241,23 @@ static kvpq_status km_run(int d, int k, size_t n, const float *x, size_t x_strid
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: n_threads=%d: expected 0..%d", fn, kp->n_threads, KVPQ_MAX_THREADS);
     const int nt = kp->n_threads > 0 ? kp->n_threads : omp_get_max_threads();
 
+    /* Squared distances are summed in float: |a - b|^2 <= d (2 max|x|)^2 must stay below FLT_MAX, so
+     * points beyond sqrt(FLT_MAX / (4 d)) (about 9e18 / sqrt(d)) are refused by name rather than
+     * giving inf distances and NaN centroids. */
+    const float lim = (float)sqrt(FLT_MAX / (4.0 * d));
     int bad = 0;
 #pragma omp parallel for num_threads(nt) if (n * (size_t)d >= 65536) reduction(| : bad) schedule(static)
     for (size_t i = 0; i < n; i++)
-        if (!kvpq__all_finite(x + i * x_stride, (size_t)d)) bad = 1;
+        if (!kvpq__all_finite(x + i * x_stride, (size_t)d) || kvpq__max_abs(x + i * x_stride, (size_t)d) > lim) bad = 1;
     if (bad) {
-        for (size_t i = 0; i < n; i++)
-            if (!kvpq__all_finite(x + i * x_stride, (size_t)d))
+        for (size_t i = 0; i < n; i++) {
+            const float *xi = x + i * x_stride;
+            if (!kvpq__all_finite(xi, (size_t)d))
                 return kvpq__err(KVPQ_ERR_NONFINITE, "%s: point %zu (of n=%zu) contains NaN or Inf", fn, i, n);
+            if (kvpq__max_abs(xi, (size_t)d) > lim)
+                return kvpq__err(KVPQ_ERR_NONFINITE, "%s: point %zu (of n=%zu) holds %g: beyond %g, its squared "
+                                 "distances overflow float32", fn, i, n, (double)kvpq__max_abs(xi, (size_t)d), (double)lim);
+        }
     }
 
     rng_t rng = {seed ^ 0x6B6D65616E73ull}; /* "kmeans" */

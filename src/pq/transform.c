@@ -31,6 +31,22 @@ kvpq_status kvpq_hadamard(float *x, size_t n, int d) {
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_hadamard: d=%d is not a power of two (Sylvester Hadamard only)", d);
     if (n == 0) return KVPQ_OK;
     if (!x) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_hadamard: x is NULL");
+    /* x is left unchanged on error. The butterflies sum before the 1/sqrt(d) scaling: an element
+     * reaches at most sqrt(d) |x| on the way (Cauchy-Schwarz), so a row within FLT_MAX / sqrt(d)
+     * cannot overflow; a larger one is refused by name instead of coming back inf. */
+    for (size_t i = 0; i < n; i++) {
+        const float *r = x + i * (size_t)d;
+        double ss = 0;
+        for (int j = 0; j < d; j++) ss += (double)r[j] * r[j];
+        if (!isfinite(ss) || sqrt(ss * d) > FLT_MAX) {
+            for (int j = 0; j < d; j++)
+                if (!isfinite(r[j]))
+                    return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_hadamard: row %zu element %d is %s", i, j,
+                                     isnan(r[j]) ? "NaN" : "Inf");
+            return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_hadamard: row %zu has norm %g: its transform could overflow "
+                             "float32 (rows up to FLT_MAX / sqrt(d) = %g are taken)", i, sqrt(ss), FLT_MAX / sqrt(d));
+        }
+    }
     const float scale = (float)(1.0 / sqrt((double)d));
 #pragma omp parallel for if ((double)n * d >= 65536.0) schedule(static)
     for (size_t i = 0; i < n; i++) fwht_row(x + i * (size_t)d, d, scale);
@@ -61,7 +77,12 @@ kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms) {
         double ss = 0;
         for (int j = 0; j < d; j++) ss += (double)r[j] * r[j];
         const float nrm = (float)sqrt(ss), inv = nrm > 0.0f ? 1.0f / nrm : 0.0f;
-        for (int j = 0; j < d; j++) r[j] *= inv;
+        if (isfinite(inv)) {
+            for (int j = 0; j < d; j++) r[j] *= inv;
+        } else { /* a subnormal norm: 1 / |x| overflows float, the quotient does not */
+            const double dn = sqrt(ss);
+            for (int j = 0; j < d; j++) r[j] = (float)(r[j] / dn);
+        }
         if (norms) norms[i] = nrm;
     }
     return KVPQ_OK;
@@ -147,12 +168,28 @@ static kvpq_status check_lambda(const char *fn, size_t nl, const float *lambda) 
     return KVPQ_OK;
 }
 
+/* x (n, row) is finite and x / lambda (inverse 0) or x * lambda (inverse 1) stays within float. */
+static kvpq_status check_scaled_finite(const char *fn, const float *x, size_t n, size_t row, const float *lambda,
+                                       int inverse) {
+    for (size_t t = 0; t < n; t++)
+        for (size_t c = 0; c < row; c++) {
+            const double v = x[t * row + c], y = inverse ? v * lambda[c] : v / lambda[c];
+            if (!isfinite(v))
+                return kvpq__err(KVPQ_ERR_NONFINITE, "%s: row %zu element %zu is %s", fn, t, c, isnan(v) ? "NaN" : "Inf");
+            if (fabs(y) > FLT_MAX)
+                return kvpq__err(KVPQ_ERR_NONFINITE, "%s: row %zu element %zu: %g %s lambda %g = %g overflows float32", fn,
+                                 t, c, v, inverse ? "*" : "/", (double)lambda[c], y);
+        }
+    return KVPQ_OK;
+}
+
 kvpq_status kvpq_smooth_apply(float *x, size_t n, int n_head_kv, int head_dim, const float *lambda, int inverse) {
     const char *fn = "kvpq_smooth_apply";
     KVPQ_TRY(check_heads(fn, n_head_kv, head_dim));
     if (!lambda || (n && !x)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: NULL array", fn);
     const size_t row = (size_t)n_head_kv * head_dim;
     KVPQ_TRY(check_lambda(fn, row, lambda));
+    KVPQ_TRY(check_scaled_finite(fn, x, n, row, lambda, inverse)); /* x unchanged on error */
     for (size_t t = 0; t < n; t++) {
         float *xt = x + t * row;
         if (inverse)
