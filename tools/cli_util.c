@@ -63,11 +63,21 @@ int cli_usage_error(const char *fmt, ...) {
     return 2;
 }
 
+/* Plain decimal text only: strtol / strtod also take leading white space, and strtod hexadecimal
+ * ("0x10"), "inf" and "nan", which no option means. */
+static int plain_decimal(const char *s, int frac) {
+    if (!s || !*s) return 0;
+    for (const char *c = s; *c; c++)
+        if (!((*c >= '0' && *c <= '9') || *c == '+' || *c == '-' || (frac && (*c == '.' || *c == 'e' || *c == 'E'))))
+            return 0;
+    return 1;
+}
+
 int cli_parse_int(const char *opt, const char *s, long lo, long hi, long *out) {
     char *end;
     errno = 0;
-    long v = s ? strtol(s, &end, 10) : 0;
-    if (!s || errno || end == s || *end || v < lo || v > hi) {
+    long v = plain_decimal(s, 0) ? strtol(s, &end, 10) : 0;
+    if (!plain_decimal(s, 0) || errno || end == s || *end || v < lo || v > hi) {
         cli_usage_error("%s: expected an integer in [%ld, %ld], got '%s'", opt, lo, hi, s ? s : "(missing)");
         return 0;
     }
@@ -78,8 +88,8 @@ int cli_parse_int(const char *opt, const char *s, long lo, long hi, long *out) {
 int cli_parse_double(const char *opt, const char *s, double lo, double hi, double *out) {
     char *end;
     errno = 0;
-    double v = s ? strtod(s, &end) : 0;
-    if (!s || errno || end == s || *end || !(v >= lo && v <= hi)) {
+    double v = plain_decimal(s, 1) ? strtod(s, &end) : 0;
+    if (!plain_decimal(s, 1) || errno || end == s || *end || !(v >= lo && v <= hi)) {
         cli_usage_error("%s: expected a number in [%g, %g], got '%s'", opt, lo, hi, s ? s : "(missing)");
         return 0;
     }

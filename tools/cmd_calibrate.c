@@ -211,18 +211,17 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
             char *end = NULL;
             if (!v || a->n_more_bits == 8) return cli_usage_error("calibrate: --bits-also needs \"B OUT\" (at most 8)"), -2;
             double b = strtod(v, &end);
-            if (end == v || *end != ' ' || !(b > 0 && b <= 32) || !end[1])
+            const size_t nb = strspn(v, "0123456789.eE+-"); /* plain decimal (not " 2", "0x10"): see --bits */
+            if (end == v || v + nb != end || *end != ' ' || !(b > 0 && b <= 32) || !end[1])
                 return cli_usage_error("calibrate: --bits-also '%s': expected \"B OUT\", B in (0, 32]", v), -2;
             a->more_bits[a->n_more_bits] = b;
             a->more_out[a->n_more_bits++] = end + 1;
             i++;
             continue;
         }
-        if (!strcmp(o, "--bits")) {
-            char *end = NULL;
-            a->bits = v ? strtod(v, &end) : 0;
-            if (!v || end == v || *end || !(a->bits > 0 && a->bits <= 32))
-                return cli_usage_error("calibrate: --bits '%s': expected a number in (0, 32]", v ? v : ""), -2;
+        if (!strcmp(o, "--bits")) { /* plain decimal (cli_parse_double: not " 2", "0x10", "inf") in (0, 32] */
+            if (!cli_parse_double("calibrate: --bits", v, 0, 32, &a->bits)) return -2;
+            if (!(a->bits > 0)) return cli_usage_error("calibrate: --bits '%s': expected a number in (0, 32]", v), -2;
             i++;
             continue;
         }

@@ -167,8 +167,10 @@ int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--prompt") || !strcmp(a, "-p")) prompt = v;
         else if (!strcmp(a, "--cache")) cache_spec = v;
         else if (!strcmp(a, "--prompt-ids")) prompt_ids = v;
-        else if (!strcmp(a, "--prompt-cache")) prompt_cache = v;
-        else if (!strcmp(a, "--logits-out")) logits_out = v;
+        else if (!strcmp(a, "--prompt-cache")) {
+            if (!*v) return cli_usage_error("generate: --prompt-cache: expected a file name, got ''");
+            prompt_cache = v;
+        } else if (!strcmp(a, "--logits-out")) logits_out = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
             if (!cli_parse_int(a, v, 0, 1 << 20, &n_gen)) return 2;
         } else if (!strcmp(a, "--seed")) {
@@ -291,9 +293,14 @@ int cmd_generate(int argc, char **argv) {
     double t_prompt = cli_now() - t0;
     if (prompt_cache && reused + 1 < n_prompt) { /* new prompt content: keep it for the next run */
         double ts = cli_now();
-        if (prompt_cache_save(prompt_cache, pc_line, cc.cache, toks, n_prompt)) goto done;
-        fprintf(stderr, "kvpq generate: --prompt-cache %s: saved %zu prompt tokens (%.3f s)\n", prompt_cache,
-                n_prompt, cli_now() - ts);
+        /* a failed save (full disk, read-only folder) is reported and the generation goes on: the
+         * prompt is evaluated, and any existing file is left as it was (kvpq_cache_save) */
+        if (prompt_cache_save(prompt_cache, pc_line, cc.cache, toks, n_prompt) == 0)
+            fprintf(stderr, "kvpq generate: --prompt-cache %s: saved %zu prompt tokens (%.3f s)\n", prompt_cache,
+                    n_prompt, cli_now() - ts);
+        else
+            fprintf(stderr, "kvpq generate: --prompt-cache %s: not saved (see above); generating anyway\n",
+                    prompt_cache);
     }
     lf = logits_out ? fopen(logits_out, "wb") : NULL;
     if (logits_out && !lf) {

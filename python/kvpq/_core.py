@@ -507,7 +507,13 @@ class Codebook:
         return _str(lib.kvpq_codebook_get_meta(self._h, key.encode()))
 
     def set_meta(self, key, value):
-        _check(lib.kvpq_codebook_set_meta(self._h, str(key).encode(), str(value).encode()), "Codebook.set_meta")
+        """Set metadata key to value (str; saved with the codebook). A NUL character in either is
+        refused (kvpq.Error): the C string would end there and store another key."""
+        key, value = str(key), str(value)
+        for name, text in (("key", key), ("value", value)):
+            if "\0" in text:
+                raise _arg_error("Codebook.set_meta", f"{name}: holds a NUL character at index {text.index(chr(0))}")
+        _check(lib.kvpq_codebook_set_meta(self._h, key.encode(), value.encode()), "Codebook.set_meta")
 
     def info(self):
         """A summary dict: n_layer, n_head_kv, head_dim, key/value (d, M, nbits, granularity),

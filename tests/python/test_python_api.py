@@ -267,3 +267,14 @@ def test_handles_freed_after_the_library_objects_died_do_not_crash():
         [os.path.dirname(os.path.dirname(kvpq.__file__))] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "freed", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_set_meta_refuses_a_nul_character():
+    # Issue 31: set_meta("a\0b", ...) stored key "a" (the C string ended at the NUL).
+    cb = kvpq.Codebook(n_layer=1, n_head_kv=1, head_dim=64)
+    with pytest.raises(kvpq.Error, match="key: holds a NUL character at index 1"):
+        cb.set_meta("a\0b", "x")
+    with pytest.raises(kvpq.Error, match="value: holds a NUL character at index 2"):
+        cb.set_meta("a", "xy\0z")
+    cb.set_meta("a", "ok")
+    assert cb.info()["meta"].get("a") == "ok" and "a\0b" not in cb.info()["meta"]

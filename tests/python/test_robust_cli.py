@@ -439,3 +439,30 @@ def test_generated_pieces_escaped_on_a_terminal(tmp_path):
     assert b"\\x1b" in got, got
     r = subprocess.run(args, capture_output=True, timeout=60)  # not a terminal: the pieces as they are
     assert r.returncode == 0 and b"\x1b" in r.stdout, r.stdout
+
+
+# ---- issue 31: silent wrong input handling, small things ----
+@need_model
+@pytest.mark.parametrize("bits", ["0x10", " 2", "inf", "nan", "2 "])
+def test_bits_takes_plain_decimals_only(bits, tmp_path):
+    r = run("calibrate", "--model", MODEL, "--text", MODEL, "--bits", bits, "-o", tmp_path / "cb.safetensors")
+    assert r.returncode == 2 and b"--bits" in r.stderr, r.stderr
+    assert not (tmp_path / "cb.safetensors").exists()
+
+
+@need_model
+def test_empty_prompt_cache_name_refused_before_any_work():
+    r = run("generate", "--model", MODEL, "--prompt", "hello", "-n", 1, "--prompt-cache", "")
+    assert r.returncode == 2 and b"--prompt-cache: expected a file name" in r.stderr, r.stderr
+    assert b"prompt eval" not in r.stderr
+
+
+@need_model
+def test_failed_prompt_cache_save_still_generates(tmp_path):
+    # Before: a save that failed (here: its folder does not exist) ended generate before any token.
+    pc = tmp_path / "no_such_folder" / "p.kvc"
+    r = run("generate", "--model", MODEL, "--prompt", "Once upon a time", "-n", 4, "--temp", 0,
+            "--prompt-cache", pc, "--print-ids")
+    assert r.returncode == 0, r.stderr
+    assert b"not saved" in r.stderr and len(r.stdout.split()) == 4, (r.stdout, r.stderr)
+    assert not pc.exists()
