@@ -750,3 +750,28 @@ Test(cache_file, non_finite_payload_refused_even_with_a_matching_checksum) {
         unlink(path);
     }
 }
+
+/* Issue 31: SIGKILL during a save (no handler runs) left a full-size temporary file that nothing
+ * removed. Temporary files are named TARGET.kvpq.tmp.PID.XXXXXX; a save removes those of its own
+ * target whose process no longer runs, and keeps one of a running process (another writer). */
+Test(cache_file, save_removes_stale_temporaries_of_a_dead_process) {
+    char path[256], stale[300], live[300], other[300];
+    tmp_path(path, sizeof path, "stale.kvc");
+    pid_t dead = fork();
+    if (dead == 0) _exit(0);
+    cr_assert_gt(dead, 0);
+    waitpid(dead, NULL, 0); /* a PID that no longer runs (reuse within the test is unlikely) */
+    snprintf(stale, sizeof stale, "%s.kvpq.tmp.%d.AbC123", path, (int)dead);
+    snprintf(live, sizeof live, "%s.kvpq.tmp.%d.XyZ789", path, (int)getpid());
+    snprintf(other, sizeof other, "%s2.kvpq.tmp.%d.AbC123", path, (int)dead); /* another target's */
+    const unsigned char junk[4] = {1, 2, 3, 4};
+    spit(stale, junk, 4), spit(live, junk, 4), spit(other, junk, 4);
+    kvpq_cache_params p = params(KVPQ_CACHE_FP16, NULL);
+    kvpq_cache *c = filled(&p, 10, 5u);
+    cr_assert_eq(kvpq_cache_save(c, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert(access(stale, F_OK) != 0, "the dead process's temporary file is still there");
+    cr_assert(access(live, F_OK) == 0, "a running process's temporary file was removed");
+    cr_assert(access(other, F_OK) == 0, "another target's temporary file was removed");
+    unlink(live), unlink(other), unlink(path);
+    kvpq_cache_free(c);
+}

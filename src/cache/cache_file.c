@@ -194,13 +194,11 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
         free(target);
         return kvpq__err(KVPQ_ERR_IO, "saved cache '%s': not a regular file (any existing file is unchanged)", path);
     }
-    size_t n = strlen(target);
-    char *tmp = malloc(n + 16);
+    char *tmp = kvpq__temp_name(target);
     if (!tmp) {
         free(target);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cache_save: out of memory");
     }
-    snprintf(tmp, n + 16, "%s.tmp.XXXXXX", target);
     int fd = kvpq__temp_create(tmp);
     if (fd < 0 || fchmod(fd, 0644) != 0) {
         kvpq_status s = kvpq__err(KVPQ_ERR_IO, "saved cache '%s': cannot create a temporary file beside it: %s", path,

@@ -40,6 +40,10 @@ char *kvpq__resolve_target(const char *path);
 /* mkstemp(tmpl) (tmpl ends in XXXXXX), the file listed for kvpq_remove_temp_files until
  * kvpq__temp_done. Returns the descriptor, or -1 with errno set. */
 int kvpq__temp_create(char *tmpl);
+/* The temporary file name (malloc'd; NULL when out of memory) of an atomic save of target:
+ * TARGET.kvpq.tmp.PID.XXXXXX, a template for kvpq__temp_create. Temporary files of the same target
+ * left by a process no longer running (killed mid-save) are removed first. */
+char *kvpq__temp_name(const char *target);
 /* Unlist a temp file; remove it too unless keep (it has been renamed into place). */
 void kvpq__temp_done(const char *tmpl, int keep);
 

@@ -1,9 +1,11 @@
-/* tempfile.c — temporary files of atomic saves (write PATH.tmp.XXXXXX, fsync, rename over PATH):
+/* tempfile.c — temporary files of atomic saves (write PATH.kvpq.tmp.PID.XXXXXX, fsync, rename over PATH):
  * created here, listed while they exist, so that a program's signal handler can remove them
  * (kvpq_remove_temp_files, async-signal-safe), and the target path resolved through symlinks so
  * that saving to a link replaces the file it names, not the link. */
+#include <dirent.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdio.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -47,6 +49,41 @@ char *kvpq__resolve_target(const char *path) {
         return strdup(path);
     }
     return NULL;
+}
+
+/* Remove DIR/NAME.kvpq.tmp.PID.* files whose PID no longer runs: a save killed by SIGKILL (no
+ * handler runs) left them, full size. A PID alive (another writer, or reused) keeps its file. */
+static void remove_stale(const char *target) {
+    const char *slash = strrchr(target, '/');
+    char dir[PATH_MAX];
+    if (slash) snprintf(dir, sizeof dir, "%.*s", (int)(slash - target) > 0 ? (int)(slash - target) : 1, target);
+    else snprintf(dir, sizeof dir, ".");
+    const char *base = slash ? slash + 1 : target;
+    char prefix[PATH_MAX];
+    int np = snprintf(prefix, sizeof prefix, "%s.kvpq.tmp.", base);
+    DIR *d = opendir(dir);
+    if (!d || np <= 0 || (size_t)np >= sizeof prefix) {
+        if (d) closedir(d);
+        return;
+    }
+    for (struct dirent *e; (e = readdir(d));) {
+        if (strncmp(e->d_name, prefix, (size_t)np)) continue;
+        char *end;
+        long pid = strtol(e->d_name + np, &end, 10);
+        if (end == e->d_name + np || *end != '.' || pid <= 0) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive, or another user's (EPERM) */
+        char path[PATH_MAX];
+        if (snprintf(path, sizeof path, "%s/%s", dir, e->d_name) < (int)sizeof path) unlink(path);
+    }
+    closedir(d);
+}
+
+char *kvpq__temp_name(const char *target) {
+    remove_stale(target);
+    size_t n = strlen(target) + 48;
+    char *t = malloc(n);
+    if (t) snprintf(t, n, "%s.kvpq.tmp.%ld.XXXXXX", target, (long)getpid());
+    return t;
 }
 
 int kvpq__temp_create(char *tmpl) {

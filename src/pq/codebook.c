@@ -763,15 +763,12 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     /* Saving to a symbolic link replaces the file it names (rename would replace the link), and
      * the temp file goes beside that file, on its file system. */
     char *target = kvpq__resolve_target(path);
-    size_t plen = target ? strlen(target) : 0;
-    char *tmp = target ? malloc(plen + 16) : NULL;
+    char *tmp = target ? kvpq__temp_name(target) : NULL;
     if (!tmp) {
         free(target);
         cJSON_free(json);
         return kvpq__err(KVPQ_ERR_NOMEM, "codebook save: out of memory");
     }
-    memcpy(tmp, target, plen);
-    memcpy(tmp + plen, ".tmp.XXXXXX", 12);
     struct stat st;
     if (lstat(target, &st) == 0 && !S_ISREG(st.st_mode)) { /* never rename over a directory or /dev/null */
         free(tmp);
