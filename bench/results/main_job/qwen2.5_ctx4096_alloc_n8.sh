@@ -1,5 +1,5 @@
 #!/bin/bash
-cd /work/main
+cd "$(dirname "$0")/../../.."  # the repository root (the run was made in the main worktree)
 export OMP_WAIT_POLICY=PASSIVE
 M=models/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf
 O=out/s13
