@@ -81,6 +81,10 @@ Test(cli_spec, refusals_are_named) {
     refused("kivi2:w1048577", "expected :wN");
     refused("q4_0:s65537", "expected :sN");
     refused("vq:cb:s", "expected :sN");
+    /* issue 31: a signed number read as part of the vq path ("missing file F:w-1") */
+    refused("vq:cb:w-1", "window ':w-1': expected :wN with N in 0..1048576 (a file name ending so");
+    refused("vq:cb:s+2:w8", "sinks ':s+2': expected :sN");
+    refused("kivi2:w-1", "window ':w-1': expected :wN");
     refused("q4_0:", "empty suffix");
     refused("q4_0::s1", "empty suffix");
     refused("kivi2:w8:", "empty suffix");

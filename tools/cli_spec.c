@@ -21,10 +21,16 @@ enum { SUF_NONE, SUF_W, SUF_S, SUF_FORCE };
 static int classify(const char *spec, const char *p, size_t n, long *val, char *err, size_t errlen) {
     if (n == 5 && !memcmp(p, "force", 5)) return SUF_FORCE;
     if (n < 1 || (p[0] != 'w' && p[0] != 's')) return SUF_NONE;
-    for (size_t i = 1; i < n; i++)
-        if (p[i] < '0' || p[i] > '9') return SUF_NONE;
     const int w = p[0] == 'w';
     const long max = w ? 1L << 20 : 65536;
+    const size_t signed_from = n > 2 && (p[1] == '-' || p[1] == '+') ? 2 : 1; /* :w-1 reads as a suffix too */
+    for (size_t i = signed_from; i < n; i++)
+        if (p[i] < '0' || p[i] > '9') return SUF_NONE;
+    if (signed_from == 2) {
+        fail(err, errlen, "cache '%s': %s ':%.*s': expected :%cN with N in 0..%ld%s", spec, w ? "window" : "sinks",
+             (int)n, p, p[0], max, strncmp(spec, "vq", 2) ? "" : " (a file name ending so: end the path with ':')");
+        return -1;
+    }
     char num[16] = {0};
     if (n - 1 <= 7) memcpy(num, p + 1, n - 1);
     if (n == 1 || n - 1 > 7 || strtol(num, NULL, 10) > max) {

@@ -128,6 +128,30 @@ static void calib_usage(FILE *f) {
             "                        --values defaults to the job's --keys unless given on the main command\n");
 }
 
+/* Every option of calibrate (cli_unknown_option suggests the nearest). */
+static const char *const CALIB_OPTS[] = {"--help", "-h", "--quiet", "-q", "--also", "--model", "--text", "-o", "--out",
+                                         "--keys", "--keys-layers", "--values", "--values-layers", "--keys2",
+                                         "--granularity", "--kmeans-init", "--tokens", "--ctx", "--iters", "--threads",
+                                         "--value-rotate", "--center", "--smooth-query", "--key-norm", "--value-norm",
+                                         "--norm-bits", "--max-points-per-centroid", "--seed", "--bits", "--candidates",
+                                         "--holdout-ctx", "--holdout-chunks", "--window", "--window-candidates",
+                                         "--sinks", "--alloc-values", "--full-sensitivity", "--bits-also",
+                                         "--verify-ctx", "--window-select", "--window-trust", NULL};
+
+/* The options an --also string may hold: those of one codebook (its help lists them) and its output.
+ * Everything else (the forward pass, the allocation, --also itself) is the main command's: accepted
+ * there, it was ignored here before (issue 31: --also "--bits 3 -o B" wrote a plain d4b8 book). */
+static int is_job_option(const char *o) {
+    static const char *const JOB[] = {"--keys", "--keys2", "--values", "--keys-layers", "--values-layers",
+                                      "--granularity", "--value-rotate", "--center", "--smooth-query", "--key-norm",
+                                      "--value-norm", "--norm-bits", "--iters", "--kmeans-init",
+                                      "--max-points-per-centroid", "--seed", "-o", "--out", "--help", "-h",
+                                      "--quiet", "-q"};
+    for (size_t i = 0; i < sizeof JOB / sizeof JOB[0]; i++)
+        if (!strcmp(o, JOB[i])) return 1;
+    return 0;
+}
+
 /* Parse options into a (defaults already set). job: parsing an --also string, where the options of
  * the forward pass (--model, --text, --tokens, --ctx, --threads) and --also itself are refused.
  * Returns 1, 0 for --help, -2 after printing a usage error. */
@@ -143,11 +167,15 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
             cli_quiet = 1;
             continue;
         }
-        if (job && (!strcmp(o, "--model") || !strcmp(o, "--text") || !strcmp(o, "--tokens") || !strcmp(o, "--ctx") ||
-                    !strcmp(o, "--threads") || !strcmp(o, "--also") || !strcmp(o, "--verify-ctx") ||
-                    !strcmp(o, "--window-select") || !strcmp(o, "--window-trust")))
-            return cli_usage_error("calibrate: --also: %s belongs to the main command (one forward pass serves every "
-                                   "codebook)", o), -2;
+        int known = 0;
+        for (int k = 0; CALIB_OPTS[k]; k++) known |= !strcmp(o, CALIB_OPTS[k]);
+        if (job && known && !is_job_option(o)) {
+            if (!strcmp(o, "--bits"))
+                return cli_usage_error("calibrate: --also: --bits belongs to the main command; another budget from "
+                                       "the same measurements is --bits-also \"B OUT\""), -2;
+            return cli_usage_error("calibrate: --also: %s belongs to the main command (one forward pass and one "
+                                   "allocation serve every codebook; --also takes codebook options, see --help)", o), -2;
+        }
         if (!job && !strcmp(o, "--also")) {
             if (!v) return cli_usage_error("calibrate: --also needs a value"), -2;
             if (a->n_also == CALIB_MAX_ALSO) return cli_usage_error("calibrate: at most %d --also", CALIB_MAX_ALSO), -2;
@@ -227,17 +255,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         }
 #undef STR_OPT
 #undef INT_OPT
-        {
-            static const char *const OPTS[] = {"--help", "-h", "--quiet", "-q", "--also", "--model", "--text", "-o", "--out", "--keys",
-                                               "--keys-layers", "--values", "--values-layers", "--keys2", "--granularity", "--kmeans-init",
-                                               "--tokens", "--ctx", "--iters", "--threads", "--value-rotate",
-                                               "--center", "--smooth-query", "--key-norm", "--value-norm", "--norm-bits",
-                                               "--max-points-per-centroid", "--seed", "--bits", "--candidates",
-                                               "--holdout-ctx", "--holdout-chunks", "--window", "--window-candidates", "--sinks",
-                                               "--alloc-values", "--full-sensitivity", "--bits-also", "--verify-ctx",
-                                               "--window-select", "--window-trust", NULL};
-            return cli_unknown_option("calibrate", o, OPTS), -2;
-        }
+        return cli_unknown_option("calibrate", o, CALIB_OPTS), -2;
     }
     return 1;
 }
@@ -386,7 +404,10 @@ static int progress_cb(void *user, const char *stage, double done, double total)
 /* Apply --keys-layers (is_value 0) or --values-layers (1) "CFG:A-B[,CFG:A-B...]" (A-B inclusive;
  * "CFG:A" is one layer) to cb: each named layer's key (value) quantizer takes CFG's M. Returns 1, or
  * 0 after printing the problem. */
-static int apply_layers(kvpq_codebook *cb, const char *spec, int n_layer, int head_dim, int key_nbits, int is_value) {
+/* seen (n_layer): the layers an earlier item set, so an overlap is named (issue 31: the last item
+ * silently won). */
+static int apply_layer_items(kvpq_codebook *cb, const char *spec, int n_layer, int head_dim, int key_nbits,
+                             int is_value, unsigned char *seen) {
     const char *p = spec;
     const char *opt = is_value ? "--values-layers" : "--keys-layers", *base = is_value ? "--values" : "--keys";
     if (!*p) return cli_usage_error("calibrate: %s is empty", opt), 0;
@@ -428,13 +449,28 @@ static int apply_layers(kvpq_codebook *cb, const char *spec, int n_layer, int he
                                    "change only M)", opt, cfg, q.nbits, base, key_nbits),
                    0;
         for (int l = a; l <= b; l++)
+            if (seen[l])
+                return cli_usage_error("calibrate: %s item '%.*s': layer %d is already set by an earlier item", opt,
+                                       (int)n, p, l),
+                       0;
+        for (int l = a; l <= b; l++) {
+            seen[l] = 1;
             if ((s = is_value ? kvpq_codebook_set_layer_value_M(cb, l, q.M) : kvpq_codebook_set_layer_key_M(cb, l, q.M)) !=
                 KVPQ_OK)
                 return cli_fail(is_value ? "calibrate: --values-layers" : "calibrate: --keys-layers", s), 0;
+        }
         p = end ? end + 1 : p + n;
         if (end && !*p) return cli_usage_error("calibrate: %s ends with ','", opt), 0;
     }
     return 1;
+}
+
+static int apply_layers(kvpq_codebook *cb, const char *spec, int n_layer, int head_dim, int key_nbits, int is_value) {
+    unsigned char *seen = calloc((size_t)n_layer, 1);
+    if (!seen) return cli_usage_error("calibrate: out of memory"), 0;
+    int ok = apply_layer_items(cb, spec, n_layer, head_dim, key_nbits, is_value, seen);
+    free(seen);
+    return ok;
 }
 
 static const char *base_name(const char *p) {

@@ -164,6 +164,10 @@ def test_also_writes_the_same_codebooks_as_separate_runs(tmp_path):
     assert meta["k.norm"] == "0" and meta["v.norm"] == "1" and meta["kmeans_init"] == "pp"
     assert st_numpy.load_file(str(a))["layers.3.k.codebook"].shape == (256, 2)
     for extra, msg in (("--ctx 64 -o x.safetensors", "--ctx belongs to the main command"),
+                       # issue 31: allocation options inside --also were accepted and ignored (a plain d4b8 book)
+                       ("--bits 3 -o x.safetensors", "another budget from the same measurements is --bits-also"),
+                       ("--candidates d2b8 -o x.safetensors", "--candidates belongs to the main command"),
+                       ("--window 0 -o x.safetensors", "--window belongs to the main command"),
                        ("--keys d8b8", "needs -o OUT"),
                        (f"--keys d8b8 -o {tmp_path / 'm.safetensors'}", "another codebook of this command writes too")):
         bad = run(*base, "-o", tmp_path / "m.safetensors", "--also", extra, check=False)

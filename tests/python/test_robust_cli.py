@@ -466,3 +466,23 @@ def test_failed_prompt_cache_save_still_generates(tmp_path):
     assert r.returncode == 0, r.stderr
     assert b"not saved" in r.stderr and len(r.stdout.split()) == 4, (r.stdout, r.stderr)
     assert not pc.exists()
+
+
+@need_model
+@pytest.mark.parametrize("opt", ["--values-layers", "--keys-layers"])
+def test_overlapping_layer_items_refused(opt, tmp_path):
+    # Issue 31: overlapping items silently took the last one.
+    text = SRC / "data" / "text" / "emma.txt"
+    if not text.exists():
+        pytest.skip("data/text/emma.txt missing")
+    r = run("calibrate", "--model", MODEL, "--text", text, "--tokens", 600, "--keys", "d4b8", opt,
+            "d2b8:0-5,d8b8:3-8", "-o", tmp_path / "cb.safetensors")
+    assert r.returncode == 2 and b"item 'd8b8:3-8': layer 3 is already set by an earlier item" in r.stderr, r.stderr
+    assert not (tmp_path / "cb.safetensors").exists()
+
+
+@need_model
+@pytest.mark.parametrize("spec", ["vq:cb.safetensors:w-1", "kivi2:s+2"])
+def test_signed_suffix_is_named_not_a_missing_file(spec):
+    r = run("generate", "--model", MODEL, "--cache", spec, "-n", 1)
+    assert r.returncode == 2 and b"expected :" in r.stderr and b"No such file" not in r.stderr, r.stderr
