@@ -8,6 +8,7 @@
 
 #include "cli.h"
 #include "cli_chat.h"
+#include "cli_line.h"
 #include "cli_json.h"
 #include "cli_model.h"
 #include "cli_spec.h"
@@ -99,61 +100,6 @@ static char *utf8_clean(const char *s, size_t n) {
     return o;
 }
 
-/* Longest message read from stdin (bytes, continuation lines included): input without a newline
- * (e.g. /dev/zero) would otherwise be read without limit. */
-#define CHAT_MAX_MESSAGE ((size_t)16 << 20)
-
-/* Room for n + 2 bytes in *msg (a byte and the terminating NUL): 0, or -1 when out of memory. */
-static int message_room(char **msg, size_t *cap, size_t n) {
-    if (n + 2 <= *cap) return 0;
-    size_t nc = *cap ? 2 * *cap : 256;
-    char *nm = realloc(*msg, nc);
-    if (!nm) return -1;
-    *msg = nm;
-    *cap = nc;
-    return 0;
-}
-
-/* One message from stdin: a line without its "\n" (and "\r"); a line ending in a backslash goes on
- * with the next line (the backslash becomes a newline of the message), as llama.cpp's interactive
- * mode has it. An empty line is an empty message. Returns its length, -1 at end of input with
- * nothing read (or out of memory), -2 when it exceeds CHAT_MAX_MESSAGE or holds a NUL byte
- * (reported: a C string would end there and drop the rest). */
-static ssize_t read_message(char **msg, size_t *cap, FILE *in) {
-    size_t n = 0;
-    int any = 0, c, nul = 0;
-    for (;;) {
-        size_t start = n;
-        int eol = 0;
-        if (message_room(msg, cap, n)) return -1; /* the NUL of an empty line too */
-        while ((c = getc(in)) != EOF) {
-            any = 1;
-            if (c == '\n') {
-                eol = 1;
-                break;
-            }
-            if (n + 2 > CHAT_MAX_MESSAGE) {
-                fprintf(stderr, "kvpq chat: a message longer than %zu bytes on stdin: refused\n", CHAT_MAX_MESSAGE);
-                return -2;
-            }
-            if (message_room(msg, cap, n)) return -1;
-            nul |= c == '\0';
-            (*msg)[n++] = (char)c;
-        }
-        if (!any) return -1;
-        while (n > start && (*msg)[n - 1] == '\r') n--;
-        int more = eol && n > start && (*msg)[n - 1] == '\\';
-        if (more) (*msg)[n - 1] = '\n';
-        (*msg)[n] = '\0';
-        if (!more) break;
-    }
-    if (nul) {
-        fprintf(stderr, "kvpq chat: a message on stdin holds a NUL byte (at byte %zu): refused\n", strlen(*msg));
-        return -2;
-    }
-    return (ssize_t)n;
-}
-
 static cJSON *ids_json(const int32_t *t, size_t n) {
     cJSON *a = cJSON_CreateArray();
     for (size_t i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(t[i]));
@@ -170,7 +116,7 @@ static int render(const kvpq_model *m, const cli_chat_template *t, const char *s
     char *line = NULL;
     ssize_t got;
     int rc = 1;
-    while ((got = read_message(&line, &lcap, stdin)) >= 0) {
+    while ((got = cli_read_message(&line, &lcap, stdin)) >= 0) {
         if (n_lines == cap) {
             char **nl = realloc(lines, (cap = cap ? 2 * cap : 16) * sizeof *nl);
             if (!nl) goto done;
@@ -341,7 +287,7 @@ int cmd_chat(int argc, char **argv) {
             fputs("> ", stderr);
             fflush(stderr);
         }
-        ssize_t got = read_message(&line, &lcap, stdin);
+        ssize_t got = cli_read_message(&line, &lcap, stdin);
         if (got == -2) goto done; /* too long or holding a NUL: reported */
         if (got < 0) break;       /* end of input: the chat ends */
         const char *msg = line;
