@@ -7,12 +7,14 @@ attention function that computes attention from them.
     cb = kvpq.transformers.calibrate(model, tokenizer, text, "d4b8")   # or kvpq.Codebook.load(path)
     out = model.generate(ids, past_key_values=KVPQCache(cb, model), max_new_tokens=64)
 
-How it fits transformers (v5): KVPQCache is a `transformers.Cache` whose layers hand each new token's
-post-RoPE keys and values to a kvpq VQ cache (kvpq_cache_append: codes, plus the newest `window`
-positions in fp16) and return only those new tokens' own tensors, never a float copy of the coded
-ones. The attention function registered under the name "kvpq" (AttentionInterface) recognizes them
-and calls kvpq_cache_attend, which scores the coded keys through per-query lookup tables and sums the
-coded values per centroid (VecInfer, arXiv 2510.06175). `KVPQCache(codebook, model)` switches the
+How it fits transformers (v5): KVPQCache is a `transformers.Cache` whose layers return each new
+token's own post-RoPE keys and values, never a float copy of the coded ones. The attention function
+registered under the name "kvpq" (AttentionInterface) recognizes them and calls
+kvpq_cache_append_attend, which stores them in a kvpq VQ cache (codes, plus the newest `window`
+positions in fp16) and attends each query with the cache as it was at its own position, as `kvpq ppl`
+and `kvpq generate` do: it scores the coded keys through per-query lookup tables and sums the coded
+values per centroid (VecInfer, arXiv 2510.06175). On the CPU an update() whose tensors never reach
+that function (the model's attention implementation is not "kvpq") is an error at the next update. `KVPQCache(codebook, model)` switches the
 model's attention implementation to "kvpq" (for any other cache the "kvpq" function falls back to
 transformers' SDPA, so the model keeps working with DynamicCache).
 
@@ -101,9 +103,14 @@ class KVPQLayer(CacheLayerMixin):
                     v = _to_device_rows(value_states[b])
                     c.append(b, n, k.data_ptr(), v.data_ptr())
         else:
-            for b in range(B):
-                o._cpu[b].append(self.layer_idx, o._key_order(_to_numpy_rows(key_states[b])),
-                                 _to_numpy_rows(value_states[b]))
+            # appended in attend(), together with the queries (kvpq_cache_append_attend: each query sees
+            # the window as it was at its own position, as `kvpq ppl` and `generate` do)
+            if o._awaiting.get(self.layer_idx):
+                raise _error(f"layer {self.layer_idx}: the keys and values of the previous forward pass never reached "
+                             "kvpq attention, so they are not in the cache (is the model's attention implementation "
+                             "'kvpq'? KVPQCache(codebook, model) sets it)", "KVPQCache.update")
+            o._awaiting[self.layer_idx] = True
+            deferred = True
         _pending_map()[id(key_states)] = (o, self.layer_idx, prev, deferred, value_states)
         return key_states, value_states
 
@@ -215,6 +222,7 @@ class KVPQCache(Cache):
         model_type = getattr(cfg, "model_type", None) if cfg is not None else None
         self.interleave = layout == "gguf" and model_type in _GGUF_INTERLEAVED
         self._cpu = []    # one kvpq.Cache per batch row
+        self._awaiting = {}  # CPU: layer -> keys and values handed out by update(), appended by attend()
         self._cuda = []   # one kvpq.CudaCache per layer (every batch row)
         self.on_cuda = False
         self.n_batch = 0
@@ -260,6 +268,7 @@ class KVPQCache(Cache):
                          for _ in range(B)]
 
     def _truncate(self, n_pos):
+        self._awaiting.clear()
         for c in self._cpu:
             c.truncate(n_pos)
         if self._cuda:
@@ -328,7 +337,9 @@ class KVPQCache(Cache):
         if self.on_cuda:
             return self._attend_cuda(layer_idx, query, scaling, key, value, prev, deferred)
         q = self._scaled_query(query, scaling)
-        outs = [self._cpu[b].attend(layer_idx, self._key_order(_to_numpy_rows(q[b]))) for b in range(q.shape[0])]
+        self._awaiting.pop(layer_idx, None)
+        outs = [self._cpu[b].append_attend(layer_idx, self._key_order(_to_numpy_rows(key[b])), _to_numpy_rows(value[b]),
+                                           self._key_order(_to_numpy_rows(q[b]))) for b in range(q.shape[0])]
         return torch.from_numpy(np.stack(outs)).to(query.device, query.dtype)
 
     def _attend_cuda(self, layer_idx, query, scaling, key, value, prev, deferred):

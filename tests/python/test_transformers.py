@@ -50,23 +50,32 @@ def test_attention_from_codes_equals_exact_attention_over_the_dequantized_cache(
     L, hkv, n_head, d, n = 2, 2, 6, 64, 300
     kv = [(rng.standard_normal((n, hkv, d)).astype(np.float32) * 2 + 0.5,
            rng.standard_normal((n, hkv, d)).astype(np.float32)) for _ in range(L)]
+    qs = [rng.standard_normal((n, n_head, d)).astype(np.float32) for _ in range(L)]
     cb = kvpq.calibrate(kv, keys="d4b8", niter=3)
+    # What each query should see: the dequantized cache as it was right after its own position was
+    # appended (kvpq_cache_append_attend), read from a twin cache fed one position at a time.
+    twin = kvpq.Cache("vq", L, n_head, hkv, d, 512, codebook=cb, window=window)
+    ref = [np.zeros((n, n_head, d)) for _ in range(L)]
+    for layer in range(L):
+        for p in range(n):
+            twin.append(layer, kv[layer][0][p:p + 1], kv[layer][1][p:p + 1])
+            kd, vd = twin.read(layer)
+            ref[layer][p] = exact_attention(qs[layer][p:p + 1], kd, vd, scaling or d ** -0.5)[-1]
     cache = KVPQCache(cb, n_head=n_head, window=window, max_seq=512)
     module = type("Attn", (), {})()
     for step, m in ((0, 250), (250, 40), (290, 1)):  # prefill, a second chunk, one decode token
         for layer in range(L):
             k = torch.from_numpy(kv[layer][0][step:step + m]).transpose(0, 1)[None]  # (1, hkv, m, d)
             v = torch.from_numpy(kv[layer][1][step:step + m]).transpose(0, 1)[None]
-            q = torch.from_numpy(rng.standard_normal((1, n_head, m, d)).astype(np.float32))
+            q = torch.from_numpy(qs[layer][step:step + m]).transpose(0, 1)[None]  # (1, n_head, m, d)
             ks, vs = cache.update(k, v, layer)
             assert ks is k and vs is v  # the new tokens only: no float copy of the coded ones
             out, w = kvpq_attention_forward(module, q, ks, vs, None, scaling=scaling)
             assert w is None and out.shape == (1, m, n_head, d)
-            kd, vd = cache.kv_cache().read(layer)  # what attention should see: dequantized
-            ref = exact_attention(q[0].transpose(0, 1).numpy(), kd, vd, scaling or d ** -0.5)
-            np.testing.assert_allclose(out[0].numpy(), ref, rtol=1e-3, atol=2e-4 * np.abs(ref).max())
+            want = ref[layer][step:step + m]
+            np.testing.assert_allclose(out[0].numpy(), want, rtol=1e-3, atol=2e-4 * np.abs(want).max())
             # and it is not the unquantized attention (the codes are really used)
-            exact = exact_attention(q[0].transpose(0, 1).numpy(), kv[layer][0][: step + m], kv[layer][1][: step + m],
+            exact = exact_attention(qs[layer][step:step + m], kv[layer][0][: step + m], kv[layer][1][: step + m],
                                     scaling or d ** -0.5)
             assert np.abs(out[0].numpy() - exact).max() > 1e-3
     st = cache.stats()  # the VQ cache codes whole blocks of positions: up to a block stays beside the window
@@ -157,7 +166,7 @@ def test_batch_of_two_and_sliding_window_equal_dynamic_cache(make):
     coded = KVPQCache(cb, model, window=0, max_seq=64)  # the VQ cache codes blocks of 32 positions
     tok2, logits2 = generate(model, ids, coded)
     for b in range(2):
-        tb, lb = generate(model, ids[b:b + 1], KVPQCache(cb, model, window=4, max_seq=64))
+        tb, lb = generate(model, ids[b:b + 1], KVPQCache(cb, model, window=0, max_seq=64))
         assert torch.equal(tok2[b:b + 1], tb)
         torch.testing.assert_close(logits2[b:b + 1], lb, rtol=1e-4, atol=1e-4)
     assert float((logits2 - ref_logits).abs().max()) > 5 * exact_err  # codes, not floats, at window 0
@@ -292,3 +301,19 @@ def test_cuda_tensors_go_to_kvpq_cuda_cache():
         for i in range(1, 40):
             b = model(x[:, i:i + 1], past_key_values=c2, use_cache=True).logits[:, -1]
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_keys_that_never_reach_kvpq_attention_are_an_error():
+    """On the CPU, update() hands the new keys and values to the "kvpq" attention function, which
+    appends them with the queries (kvpq_cache_append_attend). If they never get there (the model's
+    attention implementation is not "kvpq"), the next update of that layer says so: the positions
+    are not in the cache (before: attention silently fell back to SDPA over the new tokens only)."""
+    rng = np.random.default_rng(1)
+    kv = [(rng.standard_normal((64, 2, 64)).astype(np.float32), rng.standard_normal((64, 2, 64)).astype(np.float32))]
+    cache = KVPQCache(kvpq.calibrate(kv, keys="d4b8", niter=2), n_head=4, max_seq=128)
+    k = torch.randn(1, 2, 3, 64)
+    cache.update(k, k, 0)
+    with pytest.raises(kvpq.Error, match="never reached kvpq attention"):
+        cache.update(k, k, 0)
+    cache.crop(0)  # a reset forgets what was handed out
+    cache.update(k, k, 0)
