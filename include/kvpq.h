@@ -566,6 +566,23 @@ KVPQ_API const char *kvpq_cache_type_name(kvpq_cache_type t);
 
 typedef struct kvpq_cache kvpq_cache;
 
+/* Attention sinks a cache of kind t keeps unless told otherwise (kvpq_cache_params_resolve, the CLI,
+ * kvpq.Model.new_cache and KVPQCache in Python): 1 for vq, kivi2, kivi4 and q4_0r, where one fp16
+ * sink lowered the loss on SmolLM2 (docs/cache.md); 0 for the others (q4_0 lost with it; q8_0 /
+ * q8_0r lose nearly nothing to keep; fp32 / fp16 take none). kvpq_cache_params_default() itself
+ * keeps 0 for every kind: explicit params are taken as given. */
+KVPQ_API int kvpq_cache_default_sinks(kvpq_cache_type t);
+
+/* Window and sinks of a cache as a user of the library expects them: `window` / `sinks` when given
+ * (>= 0); else, for a VQ cache, what its codebook's allocation was made for (metadata alloc.window /
+ * alloc.sinks, written by `kvpq calibrate --bits`); else the defaults (p->window as set, the library's
+ * 128 from kvpq_cache_params_default; sinks kvpq_cache_default_sinks(p->type)). Reads p->type and
+ * p->codebook, sets p->window and p->sinks. The one rule the CLI's --cache SPEC (:wN, :sN) and the
+ * Python package apply, so the same codebook gives the same cache everywhere. Errors:
+ * KVPQ_ERR_INVALID_ARG (p NULL, window or sinks below -1), KVPQ_ERR_FORMAT (the codebook's
+ * alloc.window / alloc.sinks not a number in 0..2^20 / 0..65536; the key is named). */
+KVPQ_API kvpq_status kvpq_cache_params_resolve(kvpq_cache_params *p, int window, int sinks);
+
 KVPQ_API kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p);
 KVPQ_API void kvpq_cache_free(kvpq_cache *c);
 

@@ -100,15 +100,15 @@ Test(cli_spec, refusals_are_named) {
 }
 
 Test(cli_spec, default_sinks_per_kind) {
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_VQ), 1);
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_KIVI2), 1);
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_KIVI4), 1);
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_Q4_0R), 1);
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_Q4_0), 0);
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_Q8_0), 0);
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_Q8_0R), 0);
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_FP16), 0);
-    cr_assert_eq(cli_cache_default_sinks(KVPQ_CACHE_FP32), 0);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_VQ), 1);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_KIVI2), 1);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_KIVI4), 1);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_Q4_0R), 1);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_Q4_0), 0);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_Q8_0), 0);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_Q8_0R), 0);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_FP16), 0);
+    cr_assert_eq(kvpq_cache_default_sinks(KVPQ_CACHE_FP32), 0);
     /* the library's own default stays 0 */
     cr_assert_eq(kvpq_cache_params_default().sinks, 0);
 }

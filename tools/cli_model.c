@@ -52,28 +52,13 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_
                             "before kvpq recorded one): cannot check that it belongs to this model\n", spec);
     }
     /* window and sinks: the SPEC's suffixes; else, for vq, what the codebook's allocation was made
-     * for (alloc.window / alloc.sinks, written by calibrate --bits); else the defaults (window 128,
-     * the CLI's sinks: cli_cache_default_sinks) */
-    int window = sp.window, sinks = sp.sinks;
-    if (c->codebook) {
-        const char *keys[2] = {"alloc.window", "alloc.sinks"};
-        int *dst[2] = {&window, &sinks};
-        for (int i = 0; i < 2; i++) {
-            const char *v = kvpq_codebook_get_meta(c->codebook, keys[i]);
-            char *e = NULL;
-            long x = v ? strtol(v, &e, 10) : -1;
-            if (v && (e == v || *e || x < 0 || x > (i ? 65536L : 1L << 20))) {
-                fprintf(stderr, "kvpq: cache '%s': codebook metadata %s = '%s' is not a number in 0..%ld\n", spec,
-                        keys[i], v, i ? 65536L : 1L << 20);
-                kvpq_codebook_free(c->codebook);
-                c->codebook = NULL;
-                return 1;
-            }
-            if (v && *dst[i] < 0) *dst[i] = (int)x;
-        }
+     * for; else the defaults (kvpq_cache_params_resolve: the rule Python applies too) */
+    if ((s = kvpq_cache_params_resolve(&cp, sp.window, sp.sinks)) != KVPQ_OK) {
+        fprintf(stderr, "kvpq: cache '%s': ", spec);
+        kvpq_codebook_free(c->codebook);
+        c->codebook = NULL;
+        return cli_fail("cache", s);
     }
-    if (window >= 0) cp.window = window;
-    cp.sinks = sinks >= 0 ? sinks : cli_cache_default_sinks(cp.type);
     kvpq_model_cache_params(m, &cp); /* shape and sliding window */
     cp.max_seq = max_seq;
     cp.n_threads = n_threads;

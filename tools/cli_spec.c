@@ -135,6 +135,3 @@ int cli_cache_spec_check(const char *spec) {
     return 2;
 }
 
-int cli_cache_default_sinks(kvpq_cache_type t) {
-    return t == KVPQ_CACHE_VQ || t == KVPQ_CACHE_KIVI2 || t == KVPQ_CACHE_KIVI4 || t == KVPQ_CACHE_Q4_0R;
-}

@@ -33,12 +33,6 @@ typedef struct {
  * without a codebook), N out of range, a vq SPEC without a path, a SPEC longer than 255 bytes. */
 int cli_cache_spec_parse(const char *spec, cli_cache_spec *out, char *err, size_t errlen);
 
-/* The CLI's attention sinks when a SPEC gives none (and, for vq, the codebook records none): 1 for
- * vq, kivi2, kivi4 and q4_0r, where one fp16 sink lowered the loss on SmolLM2 (docs/cache.md); 0 for
- * the others (q4_0 lost with it; q8_0/q8_0r lose nearly nothing to keep; fp32/fp16 take none). The
- * library's and the Python package's default stays 0. */
-int cli_cache_default_sinks(kvpq_cache_type t);
-
 /* Parse spec and print the refusal (kvpq: ...) on stderr: 0, or exit code 2. The commands check
  * every SPEC this way before loading the model. */
 int cli_cache_spec_check(const char *spec);

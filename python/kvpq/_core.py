@@ -658,6 +658,29 @@ _CACHE_KINDS = {"fp32": lib.KVPQ_CACHE_FP32, "fp16": lib.KVPQ_CACHE_FP16, "q8_0"
                 "vq": lib.KVPQ_CACHE_VQ, "q8_0r": lib.KVPQ_CACHE_Q8_0R, "q4_0r": lib.KVPQ_CACHE_Q4_0R}
 
 
+def cache_settings(kind, codebook=None, window=None, sinks=None):
+    """(window, sinks) of a cache of `kind` made as the CLI makes it (kvpq_cache_params_resolve):
+    window / sinks when given; else, for "vq", what the codebook's allocation was made for (its
+    alloc.window / alloc.sinks metadata, from `kvpq calibrate --bits`); else the defaults: window
+    128, sinks 1 for vq, kivi2, kivi4 and q4_0r and 0 for the other kinds (kvpq_cache_default_sinks).
+    Model.new_cache and kvpq.transformers.KVPQCache use it; Cache(...) itself takes its arguments as
+    given (window 128, sinks 0 by default, as kvpq_cache_new). Errors (kvpq.Error): an unknown kind,
+    metadata that is not a number in range (named)."""
+    w = "cache_settings"
+    if kind not in _CACHE_KINDS:
+        raise _arg_error(w, f"kind: '{kind}' is not one of {sorted(_CACHE_KINDS)}")
+    p = ffi.new("kvpq_cache_params *", lib.kvpq_cache_params_default())
+    p.type = _CACHE_KINDS[kind]
+    if codebook is not None:
+        if not isinstance(codebook, Codebook):
+            raise _arg_error(w, f"codebook: expected a kvpq.Codebook, got {type(codebook).__name__}")
+        p.codebook = codebook._h
+    win = -1 if window is None else _int(window, "window", w, 0)
+    sk = -1 if sinks is None else _int(sinks, "sinks", w, 0)
+    _check(lib.kvpq_cache_params_resolve(p, win, sk), w)
+    return int(p.window), int(p.sinks)
+
+
 class Cache:
     """A KV cache of n_layer layers (kvpq_cache). kind: "fp32", "fp16", "q8_0", "q4_0", "q8_0r",
     "q4_0r" (llama.cpp's Hadamard-rotated q8_0 / q4_0), "kivi2", "kivi4", or "vq" (product-quantization
@@ -905,9 +928,12 @@ class Model:
             _check(lib.kvpq_token_to_piece(self._h, token, buf, n[0], n), "Model.token_to_piece")
         return ffi.buffer(buf, n[0])[:]
 
-    def new_cache(self, kind="fp32", max_seq=None, codebook=None, **kw):
-        """A Cache shaped for this model, with its sliding-window layers (kvpq_model_cache_params)."""
+    def new_cache(self, kind="fp32", max_seq=None, codebook=None, window=None, sinks=None, **kw):
+        """A Cache shaped for this model, with its sliding-window layers (kvpq_model_cache_params), its
+        window and sinks as the CLI's `--cache` makes them (cache_settings: given, else the codebook's
+        alloc.window / alloc.sinks, else the kind's defaults), so the same codebook gives the same cache."""
         i = self.info
+        kw["window"], kw["sinks"] = cache_settings(kind, codebook, window, sinks)
         cp = ffi.new("kvpq_cache_params *", lib.kvpq_cache_params_default())
         _check(lib.kvpq_model_cache_params(self._h, cp), "Model.new_cache")
         if cp.sliding_window > 0 and "sliding_window" not in kw:

@@ -23,6 +23,7 @@ cannot be copied); attention logit soft-capping (Gemma 2) and attention sinks ar
 (kvpq_cuda_cache, when libkvpq has CUDA) no sliding-window layers. The codebook's head_dim,
 n_head_kv and n_layer must be the model's.
 """
+import os
 import threading
 
 import numpy as np
@@ -156,12 +157,17 @@ class KVPQCache(Cache):
     """A transformers Cache holding keys and values as kvpq product-quantization codes.
 
     codebook: a kvpq.Codebook for this model (kvpq.transformers.calibrate, `kvpq calibrate`, or
-      Codebook.load); its n_layer, n_head_kv and head_dim must be the model's.
+      Codebook.load), or the path of a codebook file; its n_layer, n_head_kv and head_dim must be the
+      model's.
     model: optional; when given, its attention implementation is set to "kvpq" (else call
       kvpq.transformers.use_kvpq_attention(model) once), and n_head, max_seq and the sliding-window
       layers are read from its config.
-    window: newest positions kept uncoded beside the codes (default 128, the library's): in fp16 in
-      the CPU cache (src/cache/cache_vq.c), in float32 in kvpq_cuda_cache.
+    window: newest positions kept uncoded beside the codes: in fp16 in the CPU cache
+      (src/cache/cache_vq.c), in float32 in kvpq_cuda_cache. sinks: the first positions kept in fp16
+      (attention sinks; CPU only). Both as `kvpq ppl --cache vq:FILE` takes them
+      (kvpq.cache_settings): given, else what the codebook's allocation was made for (alloc.window /
+      alloc.sinks, `kvpq calibrate --bits`), else window 128 and 1 sink (0 on CUDA, which keeps none;
+      a codebook or argument asking for sinks there is refused by name).
     max_seq: positions the cache may hold per sequence (default: the model's max_position_embeddings,
       else 32768; on CUDA the device pages for n_batch * max_seq positions are allocated up front).
     n_head: query heads (needed when model is not given; else from the model's config).
@@ -185,9 +191,11 @@ class KVPQCache(Cache):
     """
 
     def __init__(self, codebook, model=None, window=None, max_seq=None, n_head=None, n_threads=0, fast_scan=False,
-                 key_layout=None, sliding_window=None, swa_layers=None, device="auto"):
+                 key_layout=None, sliding_window=None, swa_layers=None, device="auto", sinks=None):
+        if isinstance(codebook, (str, os.PathLike)):
+            codebook = _core.Codebook.load(os.fspath(codebook))
         if not isinstance(codebook, _core.Codebook):
-            raise _error(f"codebook: expected a kvpq.Codebook, got {type(codebook).__name__}")
+            raise _error(f"codebook: expected a kvpq.Codebook or a codebook file's path, got {type(codebook).__name__}")
         if device not in ("auto", "cpu"):
             raise _error(f"device: '{device}': expected 'auto' or 'cpu'")
         self.codebook = codebook
@@ -212,7 +220,11 @@ class KVPQCache(Cache):
             use_kvpq_attention(model)
         self.n_head = n_head
         self.max_seq = max_seq or 32768
-        self.window, self.n_threads, self.fast_scan, self.device = window, n_threads, fast_scan, device
+        # window and sinks as `kvpq ppl --cache vq:FILE` makes them: given, else the codebook's
+        # alloc.window / alloc.sinks (calibrate --bits), else the defaults (kvpq_cache_params_resolve)
+        self.window, self.sinks = _core.cache_settings("vq", codebook, window, sinks)
+        self._sinks_given = sinks is not None
+        self.n_threads, self.fast_scan, self.device = n_threads, fast_scan, device
         # Channel order of the codebook's keys: "hf" (kvpq.transformers.calibrate writes key_layout=hf)
         # or the GGUF engine's (`kvpq calibrate`), which for the llama architecture interleaves the
         # rotary pairs; key_layout="hf" or "gguf" overrides.
@@ -256,13 +268,17 @@ class KVPQCache(Cache):
             if self.sliding_window:
                 raise _error("sliding-window layers on CUDA: kvpq_cuda_cache has no sliding window; use device='cpu'",
                              status=_core.lib.KVPQ_ERR_UNSUPPORTED)
+            if self.sinks and (self._sinks_given or self.codebook.get_meta("alloc.sinks") not in (None, "0")):
+                raise _error(f"sinks={self.sinks} on CUDA: kvpq_cuda_cache keeps no attention sinks; pass sinks=0 (or "
+                             "device='cpu')", status=_core.lib.KVPQ_ERR_UNSUPPORTED)
+            self.sinks = 0  # the kind's default sink is not kept on CUDA (kvpq_cuda_cache has none)
             with torch.cuda.device(like.device):
                 self._cuda = [_core.CudaCache(cb, l, self.n_head, B, self.max_seq, window=self.window)
                               for l in range(cb.n_layer)]
             self.on_cuda = True
         else:
             self._cpu = [_core.Cache("vq", cb.n_layer, self.n_head, cb.n_head_kv, cb.head_dim, self.max_seq,
-                                     codebook=cb, window=self.window, n_threads=self.n_threads,
+                                     codebook=cb, window=self.window, sinks=self.sinks, n_threads=self.n_threads,
                                      fast_scan=self.fast_scan, sliding_window=self.sliding_window,
                                      swa_layers=self.swa_layers if self.sliding_window else None)
                          for _ in range(B)]

@@ -151,6 +151,37 @@ static kvpq_status check_params(const kvpq_cache_params *p) {
     return KVPQ_OK;
 }
 
+int kvpq_cache_default_sinks(kvpq_cache_type t) {
+    return t == KVPQ_CACHE_VQ || t == KVPQ_CACHE_KIVI2 || t == KVPQ_CACHE_KIVI4 || t == KVPQ_CACHE_Q4_0R;
+}
+
+/* The codebook's alloc.<key> as an int in 0..max into *out (left as it is when the key is absent). */
+static kvpq_status codebook_hint(const kvpq_codebook *cb, const char *key, long max, int *out) {
+    const char *v = kvpq_codebook_get_meta(cb, key);
+    if (!v) return KVPQ_OK;
+    char *e = NULL;
+    long x = strtol(v, &e, 10);
+    if (e == v || *e || x < 0 || x > max || (v[0] < '0' || v[0] > '9'))
+        return kvpq__err(KVPQ_ERR_FORMAT, "codebook metadata %s = '%.64s' is not a number in 0..%ld", key, v, max);
+    *out = (int)x;
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_cache_params_resolve(kvpq_cache_params *p, int window, int sinks) {
+    if (!p) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_params_resolve: params is NULL");
+    if (window < -1 || sinks < -1)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_params_resolve: window %d, sinks %d: expected >= -1 (-1: "
+                         "not given)", window, sinks);
+    int w = p->window, s = kvpq_cache_default_sinks(p->type);
+    if (p->type == KVPQ_CACHE_VQ && p->codebook) {
+        KVPQ_TRY(codebook_hint(p->codebook, "alloc.window", 1L << 20, &w));
+        KVPQ_TRY(codebook_hint(p->codebook, "alloc.sinks", 65536, &s));
+    }
+    p->window = window >= 0 ? window : w;
+    p->sinks = sinks >= 0 ? sinks : s;
+    return KVPQ_OK;
+}
+
 kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_new: out is NULL");
     *out = NULL;

@@ -54,7 +54,7 @@ def test_attention_from_codes_equals_exact_attention_over_the_dequantized_cache(
     cb = kvpq.calibrate(kv, keys="d4b8", niter=3)
     # What each query should see: the dequantized cache as it was right after its own position was
     # appended (kvpq_cache_append_attend), read from a twin cache fed one position at a time.
-    twin = kvpq.Cache("vq", L, n_head, hkv, d, 512, codebook=cb, window=window)
+    twin = kvpq.Cache("vq", L, n_head, hkv, d, 512, codebook=cb, window=window, sinks=1)  # KVPQCache's default
     ref = [np.zeros((n, n_head, d)) for _ in range(L)]
     for layer in range(L):
         for p in range(n):
@@ -62,6 +62,7 @@ def test_attention_from_codes_equals_exact_attention_over_the_dequantized_cache(
             kd, vd = twin.read(layer)
             ref[layer][p] = exact_attention(qs[layer][p:p + 1], kd, vd, scaling or d ** -0.5)[-1]
     cache = KVPQCache(cb, n_head=n_head, window=window, max_seq=512)
+    assert cache.sinks == 1  # the CLI's default (kvpq.cache_settings)
     module = type("Attn", (), {})()
     for step, m in ((0, 250), (250, 40), (290, 1)):  # prefill, a second chunk, one decode token
         for layer in range(L):
@@ -223,9 +224,9 @@ def test_real_model_logits_and_perplexity_parity_with_the_cli(hf_model, codebook
         hf = hf_model(torch.tensor([toks[:16]])).logits[0].numpy()
     ours = eng.eval(eng.new_cache("fp32", 16), np.array(toks[:16], np.int32), logits_all=True)
     assert np.abs(hf - ours).max() < 2e-2 and (hf.argmax(-1) == ours.argmax(-1)).all()
-    # perplexity: KVPQCache (window 128 of a 256-token chunk: half the tokens coded; no attention
-    # sinks, so the CLI's cache gets :s0 instead of its default of one sink) vs kvpq ppl, the
-    # chunk evaluated in the same two calls (ppl_hf). Measured: -0.014% (window 0: -1.0%, where every
+    # perplexity: KVPQCache and kvpq ppl, both with their defaults (window 128 of a 256-token chunk:
+    # half the tokens coded; one attention sink, kvpq.cache_settings = the CLI's rule), the chunk
+    # evaluated in the same two calls (ppl_hf). Earlier measured -0.014% (window 0: -1.0%, where every
     # token is coded and ~1e-6 differences in the keys flip codes; the engine against itself at another
     # SIMD level moves by as much)
     ctx = 256
@@ -233,7 +234,7 @@ def test_real_model_logits_and_perplexity_parity_with_the_cli(hf_model, codebook
     chunks = chunks_of(toks, ctx, 1, eng.info["bos_id"], eng.info["add_bos"])
     ppl, _ = ppl_hf(hf_model, lambda: KVPQCache(cb, hf_model), chunks)
     p = subprocess.run([BIN, "ppl", "--model", MODEL, "--text", text, "--ctx", str(ctx), "--chunks", "1", "--threads",
-                        "2", "--json", "--cache", f"fp16,vq:{codebook}:s0"], capture_output=True, text=True)
+                        "2", "--json", "--cache", f"fp16,vq:{codebook}"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     f16, vq = json.loads(p.stdout)["results"]
     assert ppl == pytest.approx(vq["ppl"], rel=5e-3), (ppl, vq["ppl"])
@@ -317,3 +318,45 @@ def test_keys_that_never_reach_kvpq_attention_are_an_error():
         cache.update(k, k, 0)
     cache.crop(0)  # a reset forgets what was handed out
     cache.update(k, k, 0)
+
+
+def test_one_codebook_is_one_cache_in_the_cli_the_engine_and_transformers(hf_model, codebook, tmp_path):
+    """Issues 32/33: a codebook that records the window and sinks its allocation was made for
+    (alloc.window / alloc.sinks, as `calibrate --bits` writes them) gives the same cache through
+    `kvpq generate` / `kvpq ppl` (defaults), kvpq.Model.new_cache and KVPQCache(path, model):
+    kvpq.cache_settings is the CLI's rule (kvpq_cache_params_resolve). Before, transformers ignored
+    both (window 128 and no sink where the CLI took the codebook's)."""
+    from llama_cpp_peer import chunks_of
+    from transformers_peer import ppl_hf
+    cb = kvpq.Codebook.load(codebook)
+    cb.set_meta("alloc.window", "16")
+    cb.set_meta("alloc.sinks", "2")
+    path = tmp_path / "hinted.safetensors"
+    cb.save(str(path))
+    assert kvpq.cache_settings("vq", cb) == (16, 2) and kvpq.cache_settings("vq", cb, window=0) == (0, 2)
+    assert kvpq.cache_settings("kivi2") == (128, 1) and kvpq.cache_settings("q8_0") == (128, 0)
+    text = SRC / "data" / "text" / "persuasion.txt"
+    eng = kvpq.Model(MODEL, n_threads=2)
+    toks = eng.tokenize(text.read_text(encoding="utf-8")[:4000], add_bos=bool(eng.info["add_bos"]))[:200]
+    # the CLI's logits of the last prompt token == the engine's with Model.new_cache, bit for bit
+    lf = tmp_path / "logits.f32"
+    p = subprocess.run([BIN, "generate", "--model", MODEL, "--cache", f"vq:{path}", "--prompt-ids",
+                        ",".join(map(str, toks.tolist())), "-n", "1", "--temp", "0", "--threads", "2", "--logits-out", lf],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    cli = np.fromfile(lf, np.float32)
+    c = eng.new_cache("vq", max_seq=len(toks) + 2, codebook=kvpq.Codebook.load(str(path)))
+    assert c.window == 16
+    ours = eng.eval(c, toks)
+    assert np.array_equal(cli, ours), float(np.abs(cli - ours).max())
+    # perplexity: KVPQCache(path, model) vs kvpq ppl vq:FILE, both with their defaults
+    ctx = 256
+    every = eng.tokenize(text.read_text(encoding="utf-8")[:20000], add_bos=bool(eng.info["add_bos"])).tolist()
+    chunks = chunks_of(every, ctx, 1, eng.info["bos_id"], eng.info["add_bos"])  # kvpq ppl's first chunk
+    kc = KVPQCache(path, hf_model)
+    assert (kc.window, kc.sinks) == (16, 2)
+    ppl, _ = ppl_hf(hf_model, lambda: KVPQCache(path, hf_model), chunks)
+    q = subprocess.run([BIN, "ppl", "--model", MODEL, "--text", text, "--ctx", str(ctx), "--chunks", "1", "--threads",
+                        "2", "--json", "--cache", f"vq:{path}"], capture_output=True, text=True)
+    assert q.returncode == 0, q.stderr
+    assert ppl == pytest.approx(json.loads(q.stdout)["results"][0]["ppl"], rel=5e-3)
