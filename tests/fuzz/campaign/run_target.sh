@@ -26,7 +26,7 @@ for s in "$root/tests/fuzz/corpus/$name" "$root/tests/fuzz/corpus_$name" "$root/
   [ -d "$s" ] && cp -n "$s"/* "$d/corpus/" 2>/dev/null && seeds+=("$s")
 done
 dict=(); [ -f "$root/tests/fuzz/$t.dict" ] && dict=(-dict="$root/tests/fuzz/$t.dict")
-max_len=4096; [ "$t" = fuzz_cache_file ] && max_len=36864
+max_len=4096; [ "$t" = fuzz_cache_file ] && max_len=65536 # as scripts/fuzz.sh
 start=$(date -u '+%Y-%m-%dT%H:%M:%S')
 t0=$(date +%s.%N)
 (cd "$d" && "$build/$t" -fork="$jobs" -ignore_crashes=1 -ignore_ooms=1 -ignore_timeouts=1 -runs="$runs" \
