@@ -134,6 +134,19 @@ static int prompt_cache_load(const char *path, const char *line, cli_cache *cc, 
     return 0;
 }
 
+/* Evaluate prompt tokens [from, to) in batches of PROMPT_BATCH, the progress counted from base; the
+ * logits of the last one land in logits. 0, or 1 (reported). */
+static int eval_prompt(kvpq_model *m, kvpq_cache *cache, const int32_t *toks, size_t from, size_t to, size_t base,
+                       float *logits, cli_progress *pr) {
+    for (size_t b = from; b < to; b += PROMPT_BATCH) {
+        int nb = (int)(to - b < PROMPT_BATCH ? to - b : PROMPT_BATCH);
+        kvpq_status s = kvpq_model_eval(m, cache, toks + b, nb, 0, logits);
+        if (s != KVPQ_OK) return cli_fail("generate: prompt eval", s), 1;
+        cli_progress_update(pr, (double)(b + (size_t)nb - base), NULL);
+    }
+    return 0;
+}
+
 static const char *const OPTS[] = {"--help",  "-h",     "--chat",      "--quiet", "-q",      "--prompt-cache",
                                    "--model", "-m",     "--prompt",    "-p",      "--cache", "-n",
                                    "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", "--logits-out", NULL};
@@ -276,32 +289,31 @@ int cmd_generate(int argc, char **argv) {
         fputs(prompt, stdout);
         fflush(stdout);
     }
-    /* The prompt in batches of PROMPT_BATCH tokens, so a long prompt shows progress. */
+    /* The prompt in batches of PROMPT_BATCH tokens, so a long prompt shows progress. With
+     * --prompt-cache, all but its last token first, saved, then the last one (for its logits): a
+     * later run of the same prompt, or of a longer one, continues the file without cutting it, so
+     * exactly as this run (kvpq_cache_exact_prefix). */
     cli_progress pr;
     cli_progress_begin(&pr, "generate: prompt", "tokens", (double)(n_prompt - reused));
     t0 = cli_now();
-    for (size_t b = reused; b < n_prompt; b += PROMPT_BATCH) {
-        int nb = (int)(n_prompt - b < PROMPT_BATCH ? n_prompt - b : PROMPT_BATCH);
-        s = kvpq_model_eval(m, cc.cache, toks + b, nb, 0, logits);
-        if (s != KVPQ_OK) {
-            cli_fail("generate: prompt eval", s);
-            goto done;
-        }
-        cli_progress_update(&pr, (double)(b + (size_t)nb - reused), NULL);
-    }
-    cli_progress_end(&pr, (double)(n_prompt - reused), NULL);
-    double t_prompt = cli_now() - t0;
-    if (prompt_cache && reused + 1 < n_prompt) { /* new prompt content: keep it for the next run */
+    const size_t upto = prompt_cache ? n_prompt - 1 : n_prompt;
+    double t_save = 0; /* not counted as prompt time */
+    if (eval_prompt(m, cc.cache, toks, reused, upto, reused, logits, &pr)) goto done;
+    if (prompt_cache && reused < upto) { /* new prompt content: keep it for the next run */
         double ts = cli_now();
         /* a failed save (full disk, read-only folder) is reported and the generation goes on: the
          * prompt is evaluated, and any existing file is left as it was (kvpq_cache_save) */
-        if (prompt_cache_save(prompt_cache, pc_line, cc.cache, toks, n_prompt) == 0)
+        if (prompt_cache_save(prompt_cache, pc_line, cc.cache, toks, upto) == 0)
             fprintf(stderr, "kvpq generate: --prompt-cache %s: saved %zu prompt tokens (%.3f s)\n", prompt_cache,
-                    n_prompt, cli_now() - ts);
+                    upto, cli_now() - ts);
         else
             fprintf(stderr, "kvpq generate: --prompt-cache %s: not saved (see above); generating anyway\n",
                     prompt_cache);
+        t_save = cli_now() - ts;
     }
+    if (eval_prompt(m, cc.cache, toks, upto, n_prompt, reused, logits, &pr)) goto done;
+    cli_progress_end(&pr, (double)(n_prompt - reused), NULL);
+    double t_prompt = cli_now() - t0 - t_save;
     lf = logits_out ? fopen(logits_out, "wb") : NULL;
     if (logits_out && !lf) {
         fprintf(stderr, "kvpq generate: --logits-out '%s': cannot write: ", logits_out);
