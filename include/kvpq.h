@@ -403,7 +403,7 @@ KVPQ_API const char *kvpq_codebook_get_meta(const kvpq_codebook *cb, const char 
 KVPQ_API size_t kvpq_codebook_meta_count(const kvpq_codebook *cb);
 KVPQ_API const char *kvpq_codebook_meta_key(const kvpq_codebook *cb, size_t i);
 
-/* Write atomically (temp file PATH.tmp.XXXXXX, fsync, rename over PATH: an existing file is never
+/* Write atomically (temp file PATH.kvpq.tmp.PID.XXXXXX, fsync, rename over PATH: an existing file is never
  * left half-written; on failure the temp file is removed). A PATH that is a symbolic link has the
  * file it names replaced, not the link. Fails
  * with KVPQ_ERR_NONFINITE / KVPQ_ERR_INVALID_ARG (NaN/Inf, smoothing factor <= 0) rather than write
@@ -413,7 +413,7 @@ KVPQ_API kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *pat
  * inconsistency (KVPQ_ERR_FORMAT naming the tensor and what was expected). */
 KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
 
-/* Remove the temporary files of saves in progress (kvpq_codebook_save's PATH.tmp.XXXXXX).
+/* Remove the temporary files of saves in progress (kvpq_codebook_save's PATH.kvpq.tmp.PID.XXXXXX).
  * Async-signal-safe: call it from a SIGINT/SIGTERM handler before the process dies, so that an
  * interrupted save leaves nothing behind (the kvpq CLI does). The library installs no handlers. */
 KVPQ_API void kvpq_remove_temp_files(void);
@@ -599,18 +599,22 @@ KVPQ_API kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const 
 /* Append n positions to a layer and attend their n queries, query i (at position L + i, L = positions
  * held before) seeing the cache exactly as it was right after its own position was appended: the
  * outputs of n one-position append + attend calls, whatever n. So a sequence fed in any split (a
- * saved prefix continued, a prompt in batches of any size) gives bit-identical outputs. With
- * kvpq_cache_append of n positions then kvpq_cache_attend of n queries, a windowed kind (kivi2,
- * kivi4, vq) would show the earlier queries the positions that left its window during the batch
- * already coded. k, v: (n, n_head_kv, head_dim); q, out: (n, n_head, head_dim); float32.
- * Errors: as kvpq_cache_append and kvpq_cache_attend (NaN/Inf, capacity: nothing appended); the
- * layer may hold some of the n positions after a later failure (out of memory): truncate to L. */
+ * saved prefix continued, a prompt in batches of any size) leaves bit-identical keys and values in
+ * the cache, and attention equal to within float rounding (the CPU kernels' order of summation
+ * depends on how many queries come together). With kvpq_cache_append of n positions then
+ * kvpq_cache_attend of n queries, a windowed kind (kivi2, kivi4, vq) would show the earlier queries
+ * the positions that left its window during the batch already coded. k, v: (n, n_head_kv, head_dim);
+ * q, out: (n, n_head, head_dim); float32. Errors: as kvpq_cache_append and kvpq_cache_attend;
+ * NaN/Inf in k, v, q and capacity are found before anything is appended; a value beyond a kind's
+ * range (fp16 parts: 65504) or out of memory may leave some of the n positions appended: truncate
+ * to L. */
 KVPQ_API kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const float *k, const float *v,
                                               const float *q, float *out);
 
 /* The longest prefix of at most n_pos positions (and of what every layer holds) that
  * kvpq_cache_truncate keeps exactly as a fresh cache fed those positions would hold it, so that
- * continuing after the truncation gives bit-identical results (kvpq_cache_append_attend). Row kinds
+ * continuing after the truncation holds bit-identical keys and values (kvpq_cache_append_attend).
+ * A sliding-window layer may still refuse the truncation (it freed positions the cut needs). Row kinds
  * (fp32, fp16, q8_0, q4_0, q8_0r, q4_0r): every prefix. Windowed kinds: a prefix whose cut leaves as
  * many positions coded as appends alone would (a cut below the coded positions keeps codes where a
  * fresh cache would hold the window in fp16, and a KIVI group cut in two returns decoded values);

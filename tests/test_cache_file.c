@@ -4,6 +4,8 @@
  * with a named error; a failed save leaves an existing file as it was and no temporary behind. */
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <time.h>
 #include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
@@ -753,7 +755,8 @@ Test(cache_file, non_finite_payload_refused_even_with_a_matching_checksum) {
 
 /* Issue 31: SIGKILL during a save (no handler runs) left a full-size temporary file that nothing
  * removed. Temporary files are named TARGET.kvpq.tmp.PID.XXXXXX; a save removes those of its own
- * target whose process no longer runs, and keeps one of a running process (another writer). */
+ * target whose process no longer runs and that are over a minute old, and keeps one of a running
+ * process (another writer) and a recent one. */
 Test(cache_file, save_removes_stale_temporaries_of_a_dead_process) {
     char path[256], stale[300], live[300], other[300];
     tmp_path(path, sizeof path, "stale.kvc");
@@ -766,12 +769,20 @@ Test(cache_file, save_removes_stale_temporaries_of_a_dead_process) {
     snprintf(other, sizeof other, "%s2.kvpq.tmp.%d.AbC123", path, (int)dead); /* another target's */
     const unsigned char junk[4] = {1, 2, 3, 4};
     spit(stale, junk, 4), spit(live, junk, 4), spit(other, junk, 4);
+    char recent[300]; /* a dead PID's, but written a moment ago: maybe a writer in another PID namespace */
+    snprintf(recent, sizeof recent, "%s.kvpq.tmp.%d.ReC456", path, (int)dead);
+    spit(recent, junk, 4);
+    const struct timespec old_times[2] = {{.tv_sec = time(NULL) - 3600}, {.tv_sec = time(NULL) - 3600}};
+    cr_assert_eq(utimensat(AT_FDCWD, stale, old_times, 0), 0);
+    cr_assert_eq(utimensat(AT_FDCWD, live, old_times, 0), 0);
+    cr_assert_eq(utimensat(AT_FDCWD, other, old_times, 0), 0);
     kvpq_cache_params p = params(KVPQ_CACHE_FP16, NULL);
     kvpq_cache *c = filled(&p, 10, 5u);
     cr_assert_eq(kvpq_cache_save(c, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
     cr_assert(access(stale, F_OK) != 0, "the dead process's temporary file is still there");
     cr_assert(access(live, F_OK) == 0, "a running process's temporary file was removed");
     cr_assert(access(other, F_OK) == 0, "another target's temporary file was removed");
-    unlink(live), unlink(other), unlink(path);
+    cr_assert(access(recent, F_OK) == 0, "a temporary file written a moment ago was removed");
+    unlink(live), unlink(other), unlink(recent), unlink(path);
     kvpq_cache_free(c);
 }

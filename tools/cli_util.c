@@ -254,8 +254,8 @@ int cli_check_output(const char *cmd, const char *out, int n_inputs, const char 
         }
     }
     /* Writable? Create (and remove) a file where the save will create its temporary file. */
-    char probe[PATH_MAX + 16];
-    snprintf(probe, sizeof probe, "%s.tmp.XXXXXX", target);
+    char probe[PATH_MAX + 32];
+    snprintf(probe, sizeof probe, "%s.kvpq.tmp.probe.XXXXXX", target);
     int fd = mkstemp(probe);
     if (fd < 0) return cli_usage_error("%s: -o '%s': cannot write there: %s", cmd, out, strerror(errno));
     close(fd);

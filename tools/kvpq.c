@@ -124,7 +124,7 @@ static int cmd_help(int argc, char **argv) {
 }
 
 /* A signal that ends the process first removes the temp files of saves in progress (an interrupted
- * calibrate left OUT.tmp.XXXXXX), then ends it as the default action would. */
+ * calibrate left OUT.kvpq.tmp.PID.XXXXXX), then ends it as the default action would. */
 static void on_fatal_signal(int sig) {
     kvpq_remove_temp_files();
     signal(sig, SIG_DFL);

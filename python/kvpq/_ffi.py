@@ -98,6 +98,14 @@ def _openblas_coretype():
         os.environ["OPENBLAS_CORETYPE"] = "Haswell"
 
 
+def _openblas_threads():
+    """OpenBLAS's own thread pool beside kvpq's OpenMP threads: one thread, as the CLI sets it
+    (tools/cli_env.c), so that the package and the CLI split the prefill's sgemm alike and give the
+    same bits (with OpenBLAS's default of one thread per core the logits differed in the last bits,
+    and a 2-bit cache's codes amplify that). Read when libopenblas loads; a value the user set is kept."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 LIB_PATH, INCLUDE_DIR = _find()
 HEADERS = header_files(INCLUDE_DIR)
 CDEF = "\n".join(cdef_from_header(h.read_text()) for h in HEADERS)
@@ -118,6 +126,7 @@ def _libraries(path):
 
 
 _openblas_coretype()
+_openblas_threads()
 CORE_PATH, MODEL_PATH = _libraries(LIB_PATH)
 # The core first and global: libkvpq_model.so's dependency on it (by SONAME) then resolves to it
 # wherever the files lie. Symbols are looked up through the last library opened, whose handle also

@@ -25,6 +25,7 @@ n_head_kv and n_layer must be the model's.
 """
 import os
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -131,10 +132,12 @@ class KVPQLayer(CacheLayerMixin):
         if self.layer_idx == 0:
             self.owner._truncate(0)
 
-    def crop(self, tokens_to_remove):
+    def crop(self, max_length):
+        """Keep the first max_length positions (a negative max_length removes that many from the end),
+        as transformers' DynamicLayer.crop."""
         n = self.get_seq_length()
-        keep = n + tokens_to_remove if tokens_to_remove < 0 else n - tokens_to_remove
-        if self.layer_idx == 0:  # kvpq_cache_truncate cuts every layer at once
+        keep = n + max_length if max_length < 0 else max_length
+        if self.layer_idx == 0 and keep < n:  # kvpq_cache_truncate cuts every layer at once
             self.owner._truncate(max(keep, 0))
 
     def reorder_cache(self, beam_idx):
@@ -166,8 +169,8 @@ class KVPQCache(Cache):
       (src/cache/cache_vq.c), in float32 in kvpq_cuda_cache. sinks: the first positions kept in fp16
       (attention sinks; CPU only). Both as `kvpq ppl --cache vq:FILE` takes them
       (kvpq.cache_settings): given, else what the codebook's allocation was made for (alloc.window /
-      alloc.sinks, `kvpq calibrate --bits`), else window 128 and 1 sink (0 on CUDA, which keeps none;
-      a codebook or argument asking for sinks there is refused by name).
+      alloc.sinks, `kvpq calibrate --bits`), else window 128 and 1 sink (0 on CUDA, which keeps none:
+      sinks= there is refused by name, a codebook's alloc.sinks gives a warning).
     max_seq: positions the cache may hold per sequence (default: the model's max_position_embeddings,
       else 32768; on CUDA the device pages for n_batch * max_seq positions are allocated up front).
     n_head: query heads (needed when model is not given; else from the model's config).
@@ -201,6 +204,13 @@ class KVPQCache(Cache):
         self.codebook = codebook
         n = codebook.n_layer
         cfg = getattr(model, "config", None)
+        if cfg is None:  # no silent wrong path: what the model would have told must be given (issue 33)
+            if n_head is None:
+                raise _error("n_head: unknown without model=; pass model= (or n_head=)")
+            if key_layout is None and codebook.get_meta("key_layout") != "hf":
+                raise _error("key_layout: without model= the channel order of the codebook's keys cannot be matched "
+                             "to the model's (GGUF files of Llama-family models pair rotary channels otherwise); pass "
+                             "model=, or key_layout='hf' (keys as transformers computes them) or 'gguf'")
         if cfg is not None:
             cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             self._check_config(cfg)
@@ -268,9 +278,13 @@ class KVPQCache(Cache):
             if self.sliding_window:
                 raise _error("sliding-window layers on CUDA: kvpq_cuda_cache has no sliding window; use device='cpu'",
                              status=_core.lib.KVPQ_ERR_UNSUPPORTED)
-            if self.sinks and (self._sinks_given or self.codebook.get_meta("alloc.sinks") not in (None, "0")):
+            if self.sinks and self._sinks_given:
                 raise _error(f"sinks={self.sinks} on CUDA: kvpq_cuda_cache keeps no attention sinks; pass sinks=0 (or "
                              "device='cpu')", status=_core.lib.KVPQ_ERR_UNSUPPORTED)
+            if self.sinks and self.codebook.get_meta("alloc.sinks") is not None:
+                warnings.warn(f"the codebook's allocation was made for {self.sinks} attention sink(s), which "
+                              "kvpq_cuda_cache does not keep: the cache on CUDA holds none (device='cpu' keeps them)",
+                              stacklevel=3)
             self.sinks = 0  # the kind's default sink is not kept on CUDA (kvpq_cuda_cache has none)
             with torch.cuda.device(like.device):
                 self._cuda = [_core.CudaCache(cb, l, self.n_head, B, self.max_seq, window=self.window)
@@ -425,6 +439,7 @@ def kvpq_attention_forward(module, query, key, value, attention_mask, scaling=No
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     cache, layer_idx, prev, deferred, _ = entry
+    cache._awaiting.pop(layer_idx, None)  # a refusal below is the error; the next update need not add one
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise _core.Error(_core.lib.KVPQ_ERR_UNSUPPORTED, f"{name}={kwargs[name]} is not implemented by kvpq "

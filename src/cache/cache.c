@@ -442,7 +442,11 @@ kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const floa
     if (n > c->p.max_seq - len)
         return kvpq__err(KVPQ_ERR_CAPACITY, "cache %s layer %d: holds %d positions, appending %d exceeds max_seq %d",
                          c->ops->name, layer, len, n, c->p.max_seq);
-    KVPQ_TRY(check_finite(c, q, n, c->p.n_head, "Q", layer, len)); /* K and V: by each append */
+    /* every input first, so that NaN/Inf fail before any position is appended (the kind's range
+     * checks, fp16 parts within 65504, run per append: kvpq.h says so) */
+    KVPQ_TRY(check_finite(c, k, n, c->p.n_head_kv, "K", layer, len));
+    KVPQ_TRY(check_finite(c, v, n, c->p.n_head_kv, "V", layer, len));
+    KVPQ_TRY(check_finite(c, q, n, c->p.n_head, "Q", layer, len));
     const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim, qw = (size_t)c->p.n_head * c->p.head_dim;
     for (int done = 0; done < n;) {
         const int run = same_window_run(c, layer, n - done);

@@ -10,6 +10,8 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -51,8 +53,10 @@ char *kvpq__resolve_target(const char *path) {
     return NULL;
 }
 
-/* Remove DIR/NAME.kvpq.tmp.PID.* files whose PID no longer runs: a save killed by SIGKILL (no
- * handler runs) left them, full size. A PID alive (another writer, or reused) keeps its file. */
+/* Remove DIR/NAME.kvpq.tmp.PID.* files whose PID no longer runs and that nothing wrote for a minute:
+ * a save killed by SIGKILL (no handler runs) left them, full size. A PID alive (another writer, or
+ * reused) keeps its file; so does a recent one, which may be a writer's in another PID namespace
+ * (a container sharing the folder), where this process cannot see its PID. */
 static void remove_stale(const char *target) {
     const char *slash = strrchr(target, '/');
     char dir[PATH_MAX];
@@ -73,7 +77,10 @@ static void remove_stale(const char *target) {
         if (end == e->d_name + np || *end != '.' || pid <= 0) continue;
         if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive, or another user's (EPERM) */
         char path[PATH_MAX];
-        if (snprintf(path, sizeof path, "%s/%s", dir, e->d_name) < (int)sizeof path) unlink(path);
+        struct stat st;
+        if (snprintf(path, sizeof path, "%s/%s", dir, e->d_name) < (int)sizeof path && lstat(path, &st) == 0 &&
+            S_ISREG(st.st_mode) && time(NULL) - st.st_mtime > 60)
+            unlink(path);
     }
     closedir(d);
 }

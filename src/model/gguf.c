@@ -419,6 +419,7 @@ static kvpq_status parse(gguf_file *f) {
     size_t pad = (f->alignment - r->pos % f->alignment) % f->alignment;
     f->data_off = r->pos + pad;
     uint64_t next = 0; /* where the next tensor's data must start, relative to the data section */
+    uint64_t unknown_from = 0; /* after a tensor of unknown size: the least start of the next one */
     for (int64_t i = 0; i < f->n_tensors; i++) {
         gguf_tensor *t = &f->tensors[i];
         if (f->data_off > f->size) {
@@ -442,7 +443,9 @@ static kvpq_status parse(gguf_file *f) {
         }
         /* As ggml's loader: each tensor starts where the previous one ends, padded to the alignment,
          * so none overlaps another and none was declared with a type smaller than its data. */
-        if (next != UINT64_MAX && offsets[i] != next) {
+        /* after a tensor of a type unknown to ggml (its size unknown, nbytes 0) a tensor may start
+         * anywhere past it, not before: overlaps stay refused */
+        if (next == UINT64_MAX ? offsets[i] < unknown_from : offsets[i] != next) {
             s = kvpq__err(KVPQ_ERR_FORMAT,
                           "tensor %lld '%.256s': data offset %llu, expected %llu (tensors are stored in order, each "
                           "after the previous one's %s bytes: overlapping data or a wrong type or shape)",
@@ -451,12 +454,16 @@ static kvpq_status parse(gguf_file *f) {
             break;
         }
         /* a type unknown to ggml has no known size (nbytes 0): nothing after it can be placed */
-        next = next == UINT64_MAX || ggml_type_size(t->type) == 0
-                   ? UINT64_MAX
-                   : offsets[i] + (t->nbytes + f->alignment - 1) / f->alignment * f->alignment;
+        if (next == UINT64_MAX || ggml_type_size(t->type) == 0) {
+            next = UINT64_MAX;
+            unknown_from = offsets[i] + (t->nbytes + f->alignment - 1) / f->alignment * f->alignment;
+        } else {
+            next = offsets[i] + (t->nbytes + f->alignment - 1) / f->alignment * f->alignment;
+        }
         t->data = f->base + f->data_off + offsets[i];
     }
-    /* ... and the data section ends with the last one, padded or not */
+    /* ... and the data section ends with the last one, padded or not (stricter than ggml, which
+     * reads past trailing bytes: they are how a last tensor retyped to a smaller type shows) */
     if (s == KVPQ_OK && f->n_tensors > 0 && next != UINT64_MAX) {
         const gguf_tensor *last = &f->tensors[f->n_tensors - 1];
         const uint64_t end = offsets[f->n_tensors - 1] + last->nbytes, room = f->size - f->data_off;

@@ -210,6 +210,10 @@ kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int n_head_k
     if (!lambda || (n && !q)) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: NULL array", fn);
     KVPQ_TRY(check_lambda(fn, (size_t)n_head_kv * head_dim, lambda));
     const int group = n_head / n_head_kv;
+    for (size_t t = 0; t < n; t++) /* x unchanged on error: each query head against its KV head's factors */
+        for (int h = 0; h < n_head; h++)
+            KVPQ_TRY(check_scaled_finite(fn, q + (t * (size_t)n_head + h) * head_dim, 1, (size_t)head_dim,
+                                         lambda + (size_t)(h / group) * head_dim, 1));
     for (size_t t = 0; t < n; t++)
         for (int h = 0; h < n_head; h++) {
             float *qh = q + (t * (size_t)n_head + h) * head_dim;

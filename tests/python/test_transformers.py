@@ -61,7 +61,7 @@ def test_attention_from_codes_equals_exact_attention_over_the_dequantized_cache(
             twin.append(layer, kv[layer][0][p:p + 1], kv[layer][1][p:p + 1])
             kd, vd = twin.read(layer)
             ref[layer][p] = exact_attention(qs[layer][p:p + 1], kd, vd, scaling or d ** -0.5)[-1]
-    cache = KVPQCache(cb, n_head=n_head, window=window, max_seq=512)
+    cache = KVPQCache(cb, n_head=n_head, window=window, max_seq=512, key_layout="hf")
     assert cache.sinks == 1  # the CLI's default (kvpq.cache_settings)
     module = type("Attn", (), {})()
     for step, m in ((0, 250), (250, 40), (290, 1)):  # prefill, a second chunk, one decode token
@@ -94,7 +94,7 @@ def test_attention_from_codes_equals_exact_attention_over_the_dequantized_cache(
 
 def test_a_second_batch_size_is_refused_by_name():
     cb = kvpq.Codebook(1, 1, 64)
-    cache = KVPQCache(cb, n_head=2)
+    cache = KVPQCache(cb, n_head=2, key_layout="hf")
     cache.update(torch.zeros(2, 1, 3, 64), torch.zeros(2, 1, 3, 64), 0)
     with pytest.raises(kvpq.Error, match="batch size 3: this KVPQCache holds 2 sequences"):
         cache.update(torch.zeros(3, 1, 1, 64), torch.zeros(3, 1, 1, 64), 0)
@@ -311,13 +311,47 @@ def test_keys_that_never_reach_kvpq_attention_are_an_error():
     are not in the cache (before: attention silently fell back to SDPA over the new tokens only)."""
     rng = np.random.default_rng(1)
     kv = [(rng.standard_normal((64, 2, 64)).astype(np.float32), rng.standard_normal((64, 2, 64)).astype(np.float32))]
-    cache = KVPQCache(kvpq.calibrate(kv, keys="d4b8", niter=2), n_head=4, max_seq=128)
+    cache = KVPQCache(kvpq.calibrate(kv, keys="d4b8", niter=2), n_head=4, max_seq=128, key_layout="hf")
     k = torch.randn(1, 2, 3, 64)
     cache.update(k, k, 0)
     with pytest.raises(kvpq.Error, match="never reached kvpq attention"):
         cache.update(k, k, 0)
-    cache.crop(0)  # a reset forgets what was handed out
+    cache.reset()  # a reset forgets what was handed out
     cache.update(k, k, 0)
+
+
+def test_crop_keeps_max_length_as_transformers_does():
+    """Cache.crop(max_length) keeps the first max_length positions, a negative one removes that many
+    (transformers' DynamicLayer.crop); crop(250) on 300 positions kept 50 before (issue 33)."""
+    rng = np.random.default_rng(2)
+    kv = [(rng.standard_normal((64, 2, 64)).astype(np.float32), rng.standard_normal((64, 2, 64)).astype(np.float32))]
+    cache = KVPQCache(kvpq.calibrate(kv, keys="d4b8", niter=2), n_head=4, max_seq=512, key_layout="hf")
+    module = type("Attn", (), {})()
+    k = torch.randn(1, 2, 300, 64)
+    ks, vs = cache.update(k, k, 0)
+    kvpq_attention_forward(module, torch.randn(1, 4, 300, 64), ks, vs, None)
+    assert cache.get_seq_length() == 300
+    cache.crop(250)
+    assert cache.get_seq_length() == 250
+    cache.crop(-50)
+    assert cache.get_seq_length() == 200
+    cache.crop(400)  # longer than held: nothing changes
+    assert cache.get_seq_length() == 200
+
+
+def test_construction_without_model_needs_what_the_model_would_tell():
+    """Issue 33: KVPQCache(codebook) without model= failed only at the first forward, and with n_head=
+    but no model it ran with the codebook's keys in another channel order (1 of 16 tokens right)."""
+    rng = np.random.default_rng(3)
+    kv = [(rng.standard_normal((64, 2, 64)).astype(np.float32), rng.standard_normal((64, 2, 64)).astype(np.float32))]
+    cb = kvpq.calibrate(kv, keys="d4b8", niter=2)
+    with pytest.raises(kvpq.Error, match="n_head: unknown without model="):
+        KVPQCache(cb)
+    with pytest.raises(kvpq.Error, match="key_layout: without model="):
+        KVPQCache(cb, n_head=4)
+    KVPQCache(cb, n_head=4, key_layout="gguf")
+    cb.set_meta("key_layout", "hf")  # kvpq.transformers.calibrate writes it
+    KVPQCache(cb, n_head=4)
 
 
 def test_one_codebook_is_one_cache_in_the_cli_the_engine_and_transformers(hf_model, codebook, tmp_path):
@@ -345,7 +379,8 @@ def test_one_codebook_is_one_cache_in_the_cli_the_engine_and_transformers(hf_mod
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     cli = np.fromfile(lf, np.float32)
-    c = eng.new_cache("vq", max_seq=len(toks) + 2, codebook=kvpq.Codebook.load(str(path)))
+    # the same threads as --threads 2 (attention's split of the positions, so its float order, follows them)
+    c = eng.new_cache("vq", max_seq=len(toks) + 2, codebook=kvpq.Codebook.load(str(path)), n_threads=2)
     assert c.window == 16
     ours = eng.eval(c, toks)
     assert np.array_equal(cli, ours), float(np.abs(cli - ours).max())
