@@ -722,3 +722,27 @@ Test(cache_property, batch_append_then_attend_differs_for_windowed_kinds) {
     kvpq_codebook_free(cb);
     free(kk), free(vv), free(q), free(a), free(b);
 }
+
+/* kvpq_cache_append_attend checks every input before appending anything: a NaN in the last key of
+ * a batch that spans window flushes leaves the layer as it was (each run's append would have
+ * appended the earlier runs first). */
+Test(cache_property, append_attend_refuses_non_finite_before_appending) {
+    const kind *k = &KINDS[8]; /* vq */
+    g_hd = 32;
+    kvpq_codebook *cb = make_codebook(k, 78);
+    const size_t nkv = (size_t)PFX_N * ROW, qw = pfx_qw();
+    float *kk = rand_vec(nkv, 4, 1.0f), *vv = rand_vec(nkv, 5, 1.0f), *q = rand_vec((size_t)PFX_N * qw, 6, 1.0f);
+    float *out = malloc((size_t)PFX_N * qw * sizeof *out);
+    kvpq_cache *c = make_cache(k, cb, WINDOW, MAX_SEQ, 0);
+    cr_assert_eq(kvpq_cache_append_attend(c, 0, 10, kk, vv, q, out), KVPQ_OK, "%s", kvpq_last_error());
+    kk[nkv - 1] = NAN;
+    cr_assert_eq(kvpq_cache_append_attend(c, 0, PFX_N - 10, kk + 10 * ROW, vv + 10 * ROW, q + 10 * qw, out),
+                 KVPQ_ERR_NONFINITE);
+    cr_assert_eq(kvpq_cache_seq_len(c, 0), 10, "positions were appended before the NaN was found");
+    q[qw - 1] = INFINITY;
+    cr_assert_eq(kvpq_cache_append_attend(c, 1, 1, vv, vv, q, out), KVPQ_ERR_NONFINITE);
+    cr_assert_eq(kvpq_cache_seq_len(c, 1), 0);
+    kvpq_cache_free(c);
+    kvpq_codebook_free(cb);
+    free(kk), free(vv), free(q), free(out);
+}

@@ -287,17 +287,23 @@ static kvpq_status check_finite(const kvpq_cache *c, const float *x, int n, int 
     return KVPQ_OK;
 }
 
-kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const float *k, const float *v) {
-    KVPQ_TRY(check_layer(c, layer, "kvpq_cache_append"));
-    if (n < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append: n %d must be >= 0", n);
-    if (n == 0) return KVPQ_OK;
-    if (!k || !v) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append: k or v is NULL");
+/* Room for n more positions in layer, and k, v (n, n_head_kv, head_dim) finite. */
+static kvpq_status check_append(const kvpq_cache *c, int layer, int n, const float *k, const float *v) {
     const int len = c->len[layer];
     if (n > c->p.max_seq - len)
         return kvpq__err(KVPQ_ERR_CAPACITY, "cache %s layer %d: holds %d positions, appending %d exceeds max_seq %d",
                          c->ops->name, layer, len, n, c->p.max_seq);
     KVPQ_TRY(check_finite(c, k, n, c->p.n_head_kv, "K", layer, len));
-    KVPQ_TRY(check_finite(c, v, n, c->p.n_head_kv, "V", layer, len));
+    return check_finite(c, v, n, c->p.n_head_kv, "V", layer, len);
+}
+
+kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const float *k, const float *v) {
+    KVPQ_TRY(check_layer(c, layer, "kvpq_cache_append"));
+    if (n < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append: n %d must be >= 0", n);
+    if (n == 0) return KVPQ_OK;
+    if (!k || !v) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append: k or v is NULL");
+    KVPQ_TRY(check_append(c, layer, n, k, v));
+    const int len = c->len[layer];
     const int S = c->p.sinks, ns = len < S ? (n < S - len ? n : S - len) : 0; /* positions going to sinks */
     const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim;
     if (ns > 0) {
@@ -438,15 +444,10 @@ kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const floa
     if (n <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append_attend: n %d must be >= 1", n);
     if (!k || !v || !q || !out)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_append_attend: k, v, q or out is NULL");
-    const int len = c->len[layer];
-    if (n > c->p.max_seq - len)
-        return kvpq__err(KVPQ_ERR_CAPACITY, "cache %s layer %d: holds %d positions, appending %d exceeds max_seq %d",
-                         c->ops->name, layer, len, n, c->p.max_seq);
     /* every input first, so that NaN/Inf fail before any position is appended (the kind's range
      * checks, fp16 parts within 65504, run per append: kvpq.h says so) */
-    KVPQ_TRY(check_finite(c, k, n, c->p.n_head_kv, "K", layer, len));
-    KVPQ_TRY(check_finite(c, v, n, c->p.n_head_kv, "V", layer, len));
-    KVPQ_TRY(check_finite(c, q, n, c->p.n_head, "Q", layer, len));
+    KVPQ_TRY(check_append(c, layer, n, k, v));
+    KVPQ_TRY(check_finite(c, q, n, c->p.n_head, "Q", layer, c->len[layer]));
     const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim, qw = (size_t)c->p.n_head * c->p.head_dim;
     for (int done = 0; done < n;) {
         const int run = same_window_run(c, layer, n - done);
