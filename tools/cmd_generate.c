@@ -16,7 +16,7 @@ static void usage(FILE *f) {
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
             "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]\n"
             "                     [--prompt-cache FILE] [--quiet] [--logits-out FILE]\n"
-            "  --model M      GGUF model (Llama family)\n"
+            "  --model M      GGUF model (architecture llama, qwen2 or gemma3)\n"
             "  --prompt P     prompt text (default empty: starts from BOS when the model adds one)\n"
             "  -n N           tokens to generate (default 64); stops early at the end-of-sequence token\n"
             "  --temp T       sampling temperature (default 0.8); 0 = greedy (argmax)\n"

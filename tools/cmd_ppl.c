@@ -19,7 +19,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq ppl --model M (--text FILE | --tokens FILE) [--ctx N] [--chunks K] [--batch B]\n"
             "                [--cache SPEC[,SPEC...]] [--kl-base SPEC] [--json] [--threads N]\n"
-            "  --model M        GGUF model (Llama family)\n"
+            "  --model M        GGUF model (architecture llama, qwen2 or gemma3)\n"
             "  --text FILE      UTF-8 text (a non-UTF-8 file is refused)\n"
             "  --tokens FILE    token ids instead of text (decimal, any separators, as llama-tokenize\n"
             "                   --ids prints them; BOS, if wanted, must be among them)\n"
