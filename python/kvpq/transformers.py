@@ -18,7 +18,8 @@ that function (the model's attention implementation is not "kvpq") is an error a
 model's attention implementation to "kvpq" (for any other cache the "kvpq" function falls back to
 transformers' SDPA, so the model keeps working with DynamicCache).
 
-Limits (errors say so): batch rows must be unpadded (equal lengths); no beam search (kvpq caches
+Limits (errors say so): batch rows may be left-padded (as `generate` pads them; CPU only), nothing else
+hidden by the attention mask; no beam search (kvpq caches
 cannot be copied); attention logit soft-capping (Gemma 2) and attention sinks are refused; on CUDA
 (kvpq_cuda_cache, when libkvpq has CUDA) no sliding-window layers. The codebook's head_dim,
 n_head_kv and n_layer must be the model's.
@@ -120,7 +121,8 @@ class KVPQLayer(CacheLayerMixin):
         o = self.owner
         if o._cuda:
             return o._cuda[self.layer_idx].seq_len(0)
-        return o._cpu[0].seq_len(self.layer_idx) if o._cpu else 0
+        # positions as transformers counts them: a left-padded row's padding too (every row alike)
+        return o._held[self.layer_idx] if o._cpu else 0
 
     def get_mask_sizes(self, query_length):
         return self.get_seq_length() + query_length, 0
@@ -185,8 +187,10 @@ class KVPQCache(Cache):
       (kvpq.cuda_available()), else they are moved to the CPU cache and back; "cpu" forces the CPU cache.
 
     Batch: each batch row is its own kvpq sequence (one kvpq.Cache per row on the CPU; one
-    kvpq_cuda_cache of n_seq rows per layer on CUDA). Rows must be unpadded (equal lengths): a padded
-    row (an attention mask hiding a past position) raises kvpq.Error.
+    kvpq_cuda_cache of n_seq rows per layer on CUDA). On the CPU a row may be left-padded (an attention
+    mask hiding its first positions, as `generate` pads a batch): its padding is not stored, and the
+    row's tokens give what that row alone gives. Any other mask (right padding, holes; any padding on
+    CUDA) raises kvpq.Error.
     On CUDA: kvpq_cuda_cache_attend serves one query per sequence (decode); a prefill into an empty
     cache attends exactly over the prompt's own float keys and values (SDPA) and then stores them as
     codes; a chunk of several tokens into a non-empty cache is appended and attended one token at a
@@ -244,6 +248,8 @@ class KVPQCache(Cache):
         model_type = getattr(cfg, "model_type", None) if cfg is not None else None
         self.interleave = layout == "gguf" and model_type in _GGUF_INTERLEAVED
         self._cpu = []    # one kvpq.Cache per batch row
+        self._pad = []    # CPU: per batch row, the left padding a prefill's attention mask showed (not stored)
+        self._held = [0] * n  # CPU: per layer, positions attended so far as transformers counts them (padding too)
         self._awaiting = {}  # CPU: layer -> keys and values handed out by update(), appended by attend()
         self._cuda = []   # one kvpq.CudaCache per layer (every batch row)
         self.on_cuda = False
@@ -291,6 +297,7 @@ class KVPQCache(Cache):
                               for l in range(cb.n_layer)]
             self.on_cuda = True
         else:
+            self._pad = [0] * B
             self._cpu = [_core.Cache("vq", cb.n_layer, self.n_head, cb.n_head_kv, cb.head_dim, self.max_seq,
                                      codebook=cb, window=self.window, sinks=self.sinks, n_threads=self.n_threads,
                                      fast_scan=self.fast_scan, sliding_window=self.sliding_window,
@@ -299,8 +306,11 @@ class KVPQCache(Cache):
 
     def _truncate(self, n_pos):
         self._awaiting.clear()
-        for c in self._cpu:
-            c.truncate(n_pos)
+        for b, c in enumerate(self._cpu):
+            c.truncate(max(n_pos - self._pad[b], 0))
+        self._held = [min(h, n_pos) for h in self._held]
+        if n_pos == 0:
+            self._pad = [0] * len(self._pad)
         if self._cuda:
             if n_pos != 0:
                 raise _error(f"crop to {n_pos} positions: kvpq_cuda_cache can only be cleared", "KVPQCache.crop")
@@ -315,6 +325,7 @@ class KVPQCache(Cache):
                 raise _error("batch_select_indices: kvpq_cuda_cache rows cannot be dropped", "KVPQCache")
             return
         self._cpu = [self._cpu[i] for i in idx]
+        self._pad = [self._pad[i] for i in idx]
         self.n_batch = len(idx)
 
     def _key_order(self, x):
@@ -368,9 +379,17 @@ class KVPQCache(Cache):
             return self._attend_cuda(layer_idx, query, scaling, key, value, prev, deferred)
         q = self._scaled_query(query, scaling)
         self._awaiting.pop(layer_idx, None)
-        outs = [self._cpu[b].append_attend(layer_idx, self._key_order(_to_numpy_rows(key[b])), _to_numpy_rows(value[b]),
-                                           self._key_order(_to_numpy_rows(q[b]))) for b in range(q.shape[0])]
-        return torch.from_numpy(np.stack(outs)).to(query.device, query.dtype)
+        B, H, n_q, d = query.shape
+        out = np.zeros((B, n_q, H, d), np.float32)  # a padding position's query attends to nothing: zeros
+        for b in range(B):
+            skip = min(max(self._pad[b] - prev, 0), n_q)  # this call's positions that are row b's padding
+            if skip == n_q:
+                continue
+            out[b, skip:] = self._cpu[b].append_attend(
+                layer_idx, self._key_order(_to_numpy_rows(key[b, :, skip:])), _to_numpy_rows(value[b, :, skip:]),
+                self._key_order(_to_numpy_rows(q[b, :, skip:])))
+        self._held[layer_idx] = prev + n_q
+        return torch.from_numpy(out).to(query.device, query.dtype)
 
     def _attend_cuda(self, layer_idx, query, scaling, key, value, prev, deferred):
         B, H, n_q, d = query.shape
@@ -416,18 +435,40 @@ def lib_mismatch():
     return _core.lib.KVPQ_ERR_MISMATCH
 
 
-def _check_unpadded(mask, layer_window, kv_len):
-    """A padded batch row hides some past positions from its newest query: kvpq attends to every
-    position a row holds (causal, or the newest layer_window ones), so such a mask is refused."""
+def _visible(mask):
+    """A 4D attention mask (B, 1, q, kv) as booleans, True where a query may attend."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _row_pads(mask, layer_window, prev, n_q, known):
+    """Per batch row, its left padding (positions hidden from every query, at the start of the row),
+    or None for no mask. A prefill (prev 0) reads it from the mask's diagonal (a padding key is hidden
+    even from its own query; a real one never is); a later call takes `known` (the prefill's). The
+    newest query must then see exactly [max(pad, kv_len - window), kv_len): any other shape (right
+    padding, holes) is refused by name, since kvpq attends to every position a row holds."""
     if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return
-    last = mask[:, 0, -1, -min(layer_window or kv_len, mask.shape[-1]):]
-    ok = last if last.dtype == torch.bool else last == 0
-    if not bool(ok.all()):
-        rows = [int(r) for r in torch.nonzero(~ok.all(dim=-1)).reshape(-1)]
-        raise _core.Error(_core.ERR_INVALID_ARG, f"batch rows {rows} are padded (the attention mask hides positions "
-                          "from the newest query): a KVPQCache holds unpadded rows of equal length",
-                          "kvpq_attention_forward")
+        return None
+    vis = _visible(mask)
+    B, kv = vis.shape[0], vis.shape[-1]
+    if prev == 0 and n_q == kv:
+        diag = torch.diagonal(vis[:, 0], dim1=-2, dim2=-1)  # (B, kv)
+        pads = [int(diag[b].int().argmax()) if bool(diag[b].any()) else kv for b in range(B)]
+    else:
+        pads = list(known) if known else [0] * B
+    bad = []
+    for b in range(B):
+        start = pads[b]
+        if layer_window and kv - layer_window > start:
+            start = kv - layer_window
+        want = torch.zeros(kv, dtype=torch.bool)
+        want[min(start, kv):] = True
+        if not torch.equal(vis[b, 0, -1, :].cpu(), want):
+            bad.append(b)
+    if bad:
+        raise _core.Error(_core.ERR_INVALID_ARG, f"batch rows {bad}: the attention mask hides positions other than a "
+                          "row's left padding (right padding or holes); a KVPQCache holds each row's positions from "
+                          "its first unpadded one on", "kvpq_attention_forward")
+    return pads
 
 
 def kvpq_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -450,7 +491,13 @@ def kvpq_attention_forward(module, query, key, value, attention_mask, scaling=No
         raise _core.Error(_core.ERR_INVALID_ARG, f"layer {layer_idx}: the model attends with sliding_window={sw}, the "
                           f"KVPQCache layer was made with {layer_window or None} (pass the model to KVPQCache, or "
                           "sliding_window= and swa_layers=)", "kvpq_attention_forward")
-    _check_unpadded(attention_mask, layer_window, prev + query.shape[2])
+    pads = _row_pads(attention_mask, layer_window, prev, query.shape[2], cache._pad)
+    if pads is not None and not cache.on_cuda:
+        if prev == 0:
+            cache._pad = pads  # the prefill fixes each row's padding
+    elif pads is not None and any(pads):
+        raise _core.Error(_core.ERR_INVALID_ARG, f"batch rows {[b for b, p in enumerate(pads) if p]} are padded: "
+                          "kvpq_cuda_cache holds unpadded rows of equal length", "kvpq_attention_forward")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     return cache.attend(layer_idx, query, scaling, key, value, prev, deferred), None

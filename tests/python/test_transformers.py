@@ -173,15 +173,33 @@ def test_batch_of_two_and_sliding_window_equal_dynamic_cache(make):
     assert float((logits2 - ref_logits).abs().max()) > 5 * exact_err  # codes, not floats, at window 0
 
 
-def test_padded_rows_are_refused_by_name():
-    model = tiny_llama()
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_left_padded_batch_gives_each_row_its_batch_1_tokens(make):
+    """Issue 33: a padded batch (left padding with an attention mask, as `generate` makes it) was
+    refused. Now each row's padding is not stored and each row gives what it gives alone: a batch of
+    4 prompts of different lengths, greedy, with a float window (exact attention) and with codes
+    (window 0); the Gemma-3 config adds sliding-window layers. Right padding stays refused."""
+    model = make()
     cb = model_codebook(model)
-    ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # row 1 left-padded
-    with pytest.raises(kvpq.Error, match=r"batch rows \[1\] are padded"):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=g) for n in (21, 30, 35, 40)]
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros((4, L), dtype=torch.long)
+    mask = torch.zeros((4, L), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):], mask[b, L - len(p):] = p, 1
+    for window in (64, 0):
         with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=KVPQCache(cb, model, max_seq=64), use_cache=True)
+            out = model.generate(ids, attention_mask=mask, past_key_values=KVPQCache(cb, model, window=window,
+                                 max_seq=64), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        for b, p in enumerate(prompts):
+            alone, _ = generate(model, p[None], KVPQCache(cb, model, window=window, max_seq=64), n=10)
+            assert torch.equal(out[b, L:], alone[0, len(p):]), (window, b, out[b, L:], alone[0, len(p):])
+    right = torch.ones_like(ids)
+    right[1, -3:] = 0  # row 1 right-padded: positions hidden after the row's start
+    with pytest.raises(kvpq.Error, match=r"batch rows \[1\]: the attention mask hides positions other than"):
+        with torch.no_grad():
+            model(ids, attention_mask=right, past_key_values=KVPQCache(cb, model, max_seq=64), use_cache=True)
 
 
 def test_attention_logit_softcapping_is_refused_by_name():
