@@ -164,9 +164,10 @@ class KVPQCache(Cache):
     codebook: a kvpq.Codebook for this model (kvpq.transformers.calibrate, `kvpq calibrate`, or
       Codebook.load), or the path of a codebook file; its n_layer, n_head_kv and head_dim must be the
       model's.
-    model: optional; when given, its attention implementation is set to "kvpq" (else call
-      kvpq.transformers.use_kvpq_attention(model) once), and n_head, max_seq and the sliding-window
-      layers are read from its config.
+    model: when given, its attention implementation is set to "kvpq" (restore_attention(), or
+      leaving a `with KVPQCache(...) as cache:` block, gives it back), and n_head, max_seq and the
+      sliding-window layers are read from its config. Without it, n_head= and key_layout= are needed
+      and the model's attention must be set with kvpq.transformers.use_kvpq_attention(model).
     window: newest positions kept uncoded beside the codes: in fp16 in the CPU cache
       (src/cache/cache_vq.c), in float32 in kvpq_cuda_cache. sinks: the first positions kept in fp16
       (attention sinks; CPU only). Both as `kvpq ppl --cache vq:FILE` takes them
@@ -230,8 +231,9 @@ class KVPQCache(Cache):
         self.sliding_window = sliding_window
         self.swa_layers = [bool(x) for x in swa_layers] if sliding_window else [False] * n
         super().__init__(layers=[KVPQLayer(self, i, sliding_window if self.swa_layers[i] else 0) for i in range(n)])
+        self._model, self._attn_before = model, None
         if model is not None:
-            use_kvpq_attention(model)
+            self._attn_before = use_kvpq_attention(model)
         self.n_head = n_head
         self.max_seq = max_seq or 32768
         # window and sinks as `kvpq ppl --cache vq:FILE` makes them: given, else the codebook's
@@ -254,6 +256,21 @@ class KVPQCache(Cache):
         self._cuda = []   # one kvpq.CudaCache per layer (every batch row)
         self.on_cuda = False
         self.n_batch = 0
+
+    def restore_attention(self):
+        """Give the model back the attention implementation it had before KVPQCache(codebook, model)
+        set "kvpq" (the "kvpq" function serves other caches as SDPA, but a model shared with other
+        code may expect its own). Idempotent; a no-op without model=."""
+        if self._model is not None and self._attn_before not in (None, ATTN_NAME):
+            self._model.set_attn_implementation(self._attn_before)
+        self._attn_before = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore_attention()
+        return False
 
     def _check_config(self, cfg):
         cb = self.codebook
@@ -517,10 +534,12 @@ def register():
 
 
 def use_kvpq_attention(model):
-    """Set a model's attention implementation to "kvpq"."""
+    """Set a model's attention implementation to "kvpq". Returns the one it had."""
     register()
-    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+    before = getattr(model.config, "_attn_implementation", None)
+    if before != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
+    return before
 
 
 # ---- calibration from a transformers model ------------------------------------------------------------

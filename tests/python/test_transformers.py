@@ -413,3 +413,17 @@ def test_one_codebook_is_one_cache_in_the_cli_the_engine_and_transformers(hf_mod
                         "2", "--json", "--cache", f"vq:{path}"], capture_output=True, text=True)
     assert q.returncode == 0, q.stderr
     assert ppl == pytest.approx(json.loads(q.stdout)["results"][0]["ppl"], rel=5e-3)
+
+
+def test_attention_implementation_given_back():
+    """Issue 33: KVPQCache(cb, model) switched the model's attention implementation for good."""
+    model = tiny_llama()
+    model.set_attn_implementation("eager")
+    cb = model_codebook(model)
+    with KVPQCache(cb, model, max_seq=64) as cache:
+        assert model.config._attn_implementation == "kvpq"
+        ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(6))
+        generate(model, ids, cache, n=2)
+    assert model.config._attn_implementation == "eager"
+    cache.restore_attention()  # again: nothing to do
+    assert model.config._attn_implementation == "eager"
