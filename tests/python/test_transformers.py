@@ -427,3 +427,21 @@ def test_attention_implementation_given_back():
     assert model.config._attn_implementation == "eager"
     cache.restore_attention()  # again: nothing to do
     assert model.config._attn_implementation == "eager"
+
+
+def test_cache_argument_equals_past_key_values():
+    """Issue 33: transformers' non-deprecated `cache=` argument (past_key_values= is deprecated in v5)
+    takes a KVPQCache as well."""
+    import inspect
+    model = tiny_llama()
+    if "cache" not in inspect.signature(model.forward).parameters:
+        pytest.skip("this transformers has no cache= argument")
+    cb = model_codebook(model)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(8))
+    a, la = generate(model, ids, KVPQCache(cb, model, window=0, max_seq=64))
+    with torch.no_grad():
+        out = model.generate(ids, cache=KVPQCache(cb, model, window=0, max_seq=64), max_new_tokens=12, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, attention_mask=torch.ones_like(ids),
+                             pad_token_id=0)
+    assert torch.equal(out.sequences, a)
+    torch.testing.assert_close(torch.stack(out.logits, 1), la)
