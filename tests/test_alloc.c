@@ -398,8 +398,11 @@ Test(alloc, the_sensitive_layer_gets_the_most_bits_and_the_budget_holds, .timeou
         cr_assert_eq(kvpq_model_layer_sensitivity(m, tok + NT, NH, (const kvpq_codebook *const *)cc, 3, &sp, kl64),
                      KVPQ_OK, "%s", kvpq_last_error());
         /* the scaled KL at 64 vs the measured: KL is second order in the logit change, the error ratio
-         * first order in the attention output's; measured here within 10%, asserted within 30% */
-        const double WIN_TOL = 1.3;
+         * first order in the attention output's. With each query seeing the cache at its own position
+         * (kvpq_cache_append_attend, 2026-12-05) fewer positions are coded per query and the ratio
+         * spreads more: measured 0.86-1.54 here (before, with the step's end deciding, within 10%),
+         * asserted within 1.6 */
+        const double WIN_TOL = 1.6;
         double s16 = 0, s64w = 0, s64m = 0;
         for (int i = 0; i < 3 * 2 * SL; i++) {
             cr_assert_float_eq(klw[i], kl16[i], 1e-12 + 1e-9 * kl16[i], "window 16 scaled to itself: %g vs %g", klw[i],
@@ -441,17 +444,19 @@ Test(alloc, the_sensitive_layer_gets_the_most_bits_and_the_budget_holds, .timeou
                      KVPQ_ERR_INVALID_ARG);
         sp.windows = NULL, sp.n_windows = 0, sp.kl_windows = NULL;
     }
-    /* Sinks move the VQ cache's flush boundary: its kind holds positions S.., so at 96 positions,
-     * window 64 and one sink it has coded nothing yet (95 < 64 + 32); without the sink, [0, 32).
-     * The measurement must see the same: every KL ~0 with the sink (it coded [1, 32) before 2026-12-02:
-     * KL up to 1.1), some > 1e-3 without; by forward pass and by the scaled path. */
+    /* Sinks move the VQ cache's flush boundary: its kind holds positions S.., so with window 64 and
+     * one sink a query at pos sees codes only once pos >= 96 (its pos + 1 - 1 >= 64 + 32); without
+     * the sink once pos >= 95 ([0, 32)). Over 97 positions (the last one's logits predict nothing)
+     * only the query at 95, without a sink, sees codes among the scored ones. The measurement must
+     * see the same: every KL ~0 with the sink (it coded [1, 32) before 2026-12-02: KL up to 1.1),
+     * some > 1e-3 without; by forward pass and by the scaled path. */
     {
         double z[3 * 2 * SL];
         for (int ref = -1; ref <= 1; ref += 2) {
             for (int S = 1; S >= 0; S--) {
                 kvpq_sensitivity_params s1 = kvpq_sensitivity_params_default();
                 s1.window = 64, s1.sinks = S, s1.n_threads = 2, s1.ref_cand = ref;
-                cr_assert_eq(kvpq_model_layer_sensitivity(m, tok + NT, 96, (const kvpq_codebook *const *)cc, 3, &s1, z),
+                cr_assert_eq(kvpq_model_layer_sensitivity(m, tok + NT, 97, (const kvpq_codebook *const *)cc, 3, &s1, z),
                              KVPQ_OK, "%s", kvpq_last_error());
                 double mx = 0;
                 for (int i = 0; i < 3 * 2 * SL; i++) mx = z[i] > mx ? z[i] : mx;

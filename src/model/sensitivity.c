@@ -35,7 +35,6 @@ static kvpq_status mixed_attend(void *user, int layer, int n, int pos0, const fl
     (void)layer;
     const mixed_attn *a = user;
     const int H = a->n_head, hkv = a->n_head_kv, hd = a->hd, g = H / hkv, len = pos0 + n;
-    const int nc = coded_upto(a->window, a->sinks, len);
     const size_t row = (size_t)hkv * hd;
     const float scale = 1.0f / sqrtf((float)hd);
     int bad = 0;
@@ -49,6 +48,8 @@ static kvpq_status mixed_attend(void *user, int layer, int n, int pos0, const fl
             if (!sc || !acc) continue;
             const int i = ih / H, h = ih % H, kvh = h / g, pos = pos0 + i;
             const int lo = a->swa > 0 && pos - a->swa + 1 > 0 ? pos - a->swa + 1 : 0;
+            /* the cache as this query sees it: holding pos + 1 positions (kvpq_cache_append_attend) */
+            const int nc = coded_upto(a->window, a->sinks, pos + 1);
             const float *qi = q + ((size_t)i * H + h) * hd;
             float mx = -INFINITY;
             for (int j = lo; j <= pos; j++) {
@@ -79,9 +80,9 @@ static kvpq_status mixed_attend(void *user, int layer, int n, int pos0, const fl
 }
 
 /* For each window W in wins (n_w of them), the sum over the queries at positions first .. pos0+n-1
- * of this step (n queries from pos0, the cache holding len = pos0 + n positions) and over the query
- * heads of |attn_W - attn_exact|^2, attn_W having the positions [sinks, coded_upto(W, sinks, len)) read
- * from the reconstruction (a->kr / a->vr where not NULL). The coded sets of the windows are nested
+ * of this step (n queries from pos0) and over the query heads of |attn_W - attn_exact|^2, attn_W of
+ * the query at pos having the positions [sinks, coded_upto(W, sinks, pos + 1)) (the cache as that
+ * query sees it, kvpq_cache_append_attend) read from the reconstruction (a->kr / a->vr where not NULL). The coded sets of the windows are nested
  * prefixes, so one pass serves them all: with every score exact (a_j) and coded (b_j), and m their
  * maximum, attn_W = (X + D(nc_W)) / (x + d(nc_W)), X, x the exact softmax numerator and
  * denominator and D(t), d(t) the running sums over coded positions j < t of
@@ -92,8 +93,6 @@ static kvpq_status window_errors(const mixed_attn *a, int n, int pos0, int first
     const int H = a->n_head, hkv = a->n_head_kv, hd = a->hd, g = H / hkv, len = pos0 + n;
     const size_t row = (size_t)hkv * hd;
     const double scale = 1.0 / sqrt((double)hd);
-    int nc[16];
-    for (int w = 0; w < n_w; w++) nc[w] = coded_upto(wins[w], a->sinks, len);
     const float *kb_ = a->kr ? a->kr : a->k, *vb_ = a->vr ? a->vr : a->v;
     int bad = 0;
     const int i0 = first > pos0 ? first - pos0 : 0;
@@ -113,6 +112,8 @@ static kvpq_status window_errors(const mixed_attn *a, int n, int pos0, int first
             const int i = ih / H, h = ih % H, kvh = h / g, pos = pos0 + i;
             const int lo = a->swa > 0 && pos - a->swa + 1 > 0 ? pos - a->swa + 1 : 0;
             const int cs = lo > a->sinks ? lo : a->sinks; /* first position that can be coded */
+            int nc[16]; /* per window, the coded end of the cache as this query sees it (pos + 1 held) */
+            for (int w = 0; w < n_w; w++) nc[w] = coded_upto(wins[w], a->sinks, pos + 1);
             const float *qi = q + ((size_t)i * H + h) * hd;
             double mx = -INFINITY;
             int ce = cs; /* coded positions this query sees: [cs, ce) */
@@ -296,8 +297,8 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
                                 .k = ks + (size_t)l * n * row, .v = vs + (size_t)l * n * row,
                                 .kr = kind == 0 ? kr : NULL, .vr = kind == 1 ? vr : NULL};
                 if (use_err) {
-                    /* the layer's attention-output error over the scored queries, at every window,
-                     * in kvpq_model_eval's steps (what the codes cover depends on the step's end) */
+                    /* the layer's attention-output error over the scored queries, at every window
+                     * (each query with the cache as it held pos + 1 positions), in steps of 512 */
                     double e[16] = {0};
                     for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += 512) {
                         int nb = n - t0 < 512 ? n - t0 : 512;
