@@ -1,9 +1,15 @@
 #!/bin/bash
-# device call 2 (GPU engineer, session 15): the full build of branch gpu (nvcc 13.0 on the development machine,
-# -DKVPQ_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DKVPQ_TESTS=OFF -DKVPQ_WERROR=ON -DCMAKE_CUDA_ARCHITECTURES=90-real;
-# defaults unchanged: attend_tc_regs 0, attend_tc_heads 0), carried as .dev-gpu/bins/full.txz.
-# bench/gpu_bench.py (ours = the previous default, SDPA fp16 and the new variants in one process), then
-# gpu_bench_kernels attends twice more (variants 5, a, c, d, e: spread between runs), then the encode shapes.
+# device call 2 (GPU engineer, session 15; the only call that got a machine): the full build of branch gpu
+# (nvcc 13.0 on the development machine, -DKVPQ_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DKVPQ_TESTS=OFF
+# -DKVPQ_WERROR=ON -DCMAKE_CUDA_ARCHITECTURES=90-real; defaults unchanged: attend_tc_regs 0, attend_tc_heads 0),
+# carried as .dev-gpu/bins/full.txz.
+#  1. bench/gpu_bench.py: encode shapes, attention ours (= the previous default) with SDPA fp16 and the new
+#     variants (a: code rows in registers, c: 2 heads per CTA, d: 1 head per CTA, e: a + c; 9: no cluster) in
+#     one process;
+#  2. gpu_bench_kernels attends once more (variants 5, a, c, d, e) for the run-to-run spread;
+#  3. tests/gpu/run_gpu_tests.sh KVPQ_GPU_PARALLEL=1 KVPQ_NO_BENCH=1 (gpu_check: every encode and attention
+#     variant, 9 = attend_tc_regs toggled, a = 2 query heads per CTA; memcheck every variant; racecheck
+#     attention variants 5 and 9: the default and code rows in registers) in what is left of the call.
 set -u
 R=$(pwd); D=$R/.dev-gpu; O=$OUT; F=/tmp/full
 mkdir -p $F && tar xJf $D/bins/full.txz -C $F
@@ -11,12 +17,18 @@ export LD_LIBRARY_PATH=$D/libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONUNBUFF
 date -u | tee $O/env.txt
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader | tee -a $O/env.txt
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a $O/env.txt
-t0=$SECONDS; KVPQ_BENCH_ATTEND_VARIANTS=59abcde timeout 200 python3 bench/gpu_bench.py --bin $F/gpu_bench_kernels --out /tmp/bench > $O/bench.log 2>&1; echo "gpu_bench exit $? $((SECONDS-t0)) s" | tee -a $O/env.txt
+compute-sanitizer --version | tail -1 | tee -a $O/env.txt
+t0=$SECONDS; KVPQ_BENCH_ATTEND_VARIANTS=59acde timeout 170 python3 bench/gpu_bench.py --bin $F/gpu_bench_kernels --out /tmp/bench > $O/bench.log 2>&1; echo "gpu_bench exit $? $((SECONDS-t0)) s" | tee -a $O/env.txt
 cp /tmp/bench/results.json $O/bench_results.json; cp /tmp/bench/table.md $O/bench_table.md
-for i in 1 2; do
-  t0=$SECONDS; KVPQ_BENCH_ATTEND_VARIANTS=5abcde timeout 150 $F/gpu_bench_kernels attends > $O/attends_$i.jsonl 2>&1; echo "attends $i exit $? $((SECONDS-t0)) s" | tee -a $O/env.txt
-done
+t0=$SECONDS; KVPQ_BENCH_ATTEND_VARIANTS=5acde timeout 90 $F/gpu_bench_kernels attends > $O/attends_2.jsonl 2>&1; echo "attends exit $? $((SECONDS-t0)) s" | tee -a $O/env.txt
 date -u | tee -a $O/env.txt
-python3 $D/s15/summarize_ab.py run1=$O/attends_1.jsonl run2=$O/attends_2.jsonl | tee $O/ab.md
 grep -B2 -A10 "session 15" $O/bench_table.md
-grep -A6 "^| S | H" $O/bench_table.md
+grep -A5 "^| S | H" $O/bench_table.md | cut -c1-160
+python3 $D/s15/summarize_ab.py run2=$O/attends_2.jsonl > $O/ab.md
+left=$((${1:-575} - SECONDS)); echo "checks get $left s" | tee -a $O/env.txt
+t0=$SECONDS
+KVPQ_RACECHECK_ATTEND=59 KVPQ_GPU_PARALLEL=1 KVPQ_NO_BENCH=1 timeout $left tests/gpu/run_gpu_tests.sh $F /tmp/checks > /tmp/checks.out 2>&1; echo "run_gpu_tests exit $? in $((SECONDS-t0)) s" | tee -a $O/env.txt
+cat /tmp/checks/*.status 2>/dev/null | tee -a $O/env.txt
+cd /tmp && tar czf $OUT/checks.tgz checks checks.out 2>/dev/null
+grep -E "FAIL|passed|clean|seed" /tmp/checks.out | head -12
+date -u | tee -a $O/env.txt
