@@ -1,4 +1,6 @@
 #!/bin/bash
+# NEVER RUN: planned as the first call of session 15 (dev-build A/B); no machine started for it, and the
+# one call that ran (2_device_script.sh) measured the same variants in the full build instead.
 # device call 1 (GPU engineer, session 15): A/B of the attention levers in -DKVPQ_ATTEND_DEV_SHAPES builds
 # (head_dim 128, 1/2/4 query heads per CTA; nvcc 13.0 on the development machine, -DKVPQ_CUDA=ON
 # -DCMAKE_BUILD_TYPE=Release -DKVPQ_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90-real): base = the branch point
