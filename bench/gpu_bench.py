@@ -294,6 +294,16 @@ def main():
                      f"{fmt(v.get('f32_vrep'))} | {fmt(v.get('f16_vrep'))} | {fmt(v.get('default_prev_loop'))} | "
                      f"{fmt(v.get('tc'))} | {fmt(v.get('tc_8warps'))} | {fmt(v.get('tc_16warps'))} | "
                      f"{fmt(v.get('tc_nopdl'))} | {fmt(v.get('tc_nocluster'))} |")
+    lines += ["", "Tensor-core kernel, code rows and heads per CTA (session 15; us; the defaults but for the "
+              "named field):", "",
+              "| B | context | default | code rows in registers (attend_tc_regs 1) | cp.async ring (attend_tc_regs 0) | "
+              "2 heads per CTA | 1 head per CTA | registers + 2 heads per CTA | SDPA fp16 |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for t in att:
+        v = t.get("variant_us", {})
+        lines.append(f"| {t['B']} | {t['L']} | {fmt(t['ours_us'])} | {fmt(v.get('tc_regs'))} | {fmt(v.get('tc_ring'))} | "
+                     f"{fmt(v.get('tc_heads2'))} | {fmt(v.get('tc_heads1'))} | {fmt(v.get('tc_regs_heads2'))} | "
+                     f"{fmt(t.get('sdpa_us'))} |")
     if att_ne:
         plain = {(t["B"], t["L"]): t for t in att}
         lines += ["", "Decode attention, norm-explicit K and V codebooks (kvpq calibrate's default: codes of "

@@ -302,16 +302,20 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
      * tensor-core kernel for this shape): "ours"; 6, 7: 8- and 16-warp CTAs; 8: the defaults launched
      * plainly (attend_pdl = 0: no programmatic dependent launch, the kernel of session 6); 9: the
      * defaults with the split merge through the device-memory workspace and a counter
-     * (attend_cluster = 0, the merge of sessions 1-11) */
+     * (attend_cluster = 0, the merge of sessions 1-11); a-e (10-14, session 15): the defaults with
+     * attend_tc_regs = 1 (code rows straight into registers), attend_tc_regs = 0 (the cp.async ring),
+     * attend_tc_heads = 2, attend_tc_heads = 1, attend_tc_regs = 1 with attend_tc_heads = 2 */
     const kvpq_cuda_kernels k0 = kvpq_cuda_kernels_default();
-    double var_us[10], us = 0;
-    uint64_t out_fnv[5] = {0, 0, 0, 0, 0};
+    constexpr int NV = 15;
+    double var_us[NV], us = 0;
+    uint64_t out_fnv[NV - 5] = {0};
     size_t resident = 0;
-    /* KVPQ_BENCH_ATTEND_VARIANTS (digits) times only those variants (the others print 0), for A/B runs */
+    /* KVPQ_BENCH_ATTEND_VARIANTS (digits 0-9, letters a-e for 10-14) times only those variants (the
+     * others print 0), for A/B runs */
     const char *only = getenv("KVPQ_BENCH_ATTEND_VARIANTS");
-    for (int v = 0; v < 10; v++) {
+    for (int v = 0; v < NV; v++) {
         var_us[v] = 0;
-        if (only && !strchr(only, '0' + v)) continue;
+        if (only && !strchr(only, v < 10 ? '0' + v : 'a' + v - 10)) continue;
         cp.kernels = k0;
         cp.kernels.attend_lut16 = v >= 4 ? k0.attend_lut16 : v & 1;
         cp.kernels.attend_vrep = v >= 4 ? k0.attend_vrep : v >> 1;
@@ -320,6 +324,10 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
         cp.kernels.attend_tc_warps = v == 6 ? 8 : v == 7 ? 16 : k0.attend_tc_warps;
         cp.kernels.attend_pdl = v == 8 ? 0 : k0.attend_pdl;
         cp.kernels.attend_cluster = v == 9 ? 0 : k0.attend_cluster;
+        if (v == 10 || v == 14) cp.kernels.attend_tc_regs = 1;
+        if (v == 11) cp.kernels.attend_tc_regs = 0;
+        if (v == 12 || v == 14) cp.kernels.attend_tc_heads = 2;
+        if (v == 13) cp.kernels.attend_tc_heads = 1;
         kvpq_cuda_cache *c;
         KV(kvpq_cuda_cache_new(&c, &cp));
         for (int b = 0; b < B; b++)
@@ -347,12 +355,14 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
     double win = (double)B * W * row * 4 * 2, bytes = coded + win + nq * 4.0;
     printf("{\"op\": \"%s\", \"B\": %d, \"L\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"D\": %d, \"ours_us\": %.3f, "
            "\"bytes_read\": %.0f, \"ours_GBps\": %.1f, \"ours_resident_bytes\": %zu, \"variant_us\": {\"f32_plain\": %.3f, "
-           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f, \"tc_nopdl\": %.3f, \"tc_nocluster\": %.3f}, "
-           "\"tc_warps\": %d, \"default_variant\": \"%s\", \"out_fnv\": [\"%016llx\", \"%016llx\", \"%016llx\", \"%016llx\", \"%016llx\"]}\n",
+           "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f, \"tc_nopdl\": %.3f, \"tc_nocluster\": %.3f, "
+           "\"tc_regs\": %.3f, \"tc_ring\": %.3f, \"tc_heads2\": %.3f, \"tc_heads1\": %.3f, \"tc_regs_heads2\": %.3f}, "
+           "\"tc_warps\": %d, \"tc_regs_default\": %d, \"tc_heads_default\": %d, \"default_variant\": \"%s\", \"out_fnv\": [",
            ne ? "attend_ne" : "attend", B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, resident, var_us[0],
-           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], var_us[8], var_us[9], k0.attend_tc_warps, k0.attend_tc ? "tc" : k0.attend_lut16 ? "f16_vrep" : "f32_vrep",
-           (unsigned long long)out_fnv[0], (unsigned long long)out_fnv[1], (unsigned long long)out_fnv[2],
-           (unsigned long long)out_fnv[3], (unsigned long long)out_fnv[4]);
+           var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], var_us[8], var_us[9], var_us[10],
+           var_us[11], var_us[12], var_us[13], var_us[14], k0.attend_tc_warps, k0.attend_tc_regs, k0.attend_tc_heads,
+           k0.attend_tc ? "tc" : k0.attend_lut16 ? "f16_vrep" : "f32_vrep");
+    for (int i = 0; i < NV - 5; i++) printf("\"%016llx\"%s", (unsigned long long)out_fnv[i], i < NV - 6 ? ", " : "]}\n");
     fflush(stdout);
     cudaFree(dq);
     cudaFree(dout);

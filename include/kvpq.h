@@ -740,6 +740,12 @@ typedef struct {
                           * form a thread-block cluster (Hopper, up to 16 splits) and merge their
                           * partials through distributed shared memory; 0: through a device-memory
                           * workspace, the last CTA to finish merging (a counter). Same output bits */
+    int attend_tc_regs;  /* tensor-core kernel: 1 the code rows of a tile loaded straight from device
+                          * memory into registers, software-pipelined one tile ahead; 0 (default)
+                          * staged through a per-warp cp.async ring in shared memory. Same output bits */
+    int attend_tc_heads; /* tensor-core kernel: at most this many query heads per CTA (the largest
+                          * divisor of n_head / n_head_kv up to it; fewer heads per CTA, more CTAs,
+                          * each reading the codes again); 0 (default): up to 8 */
 } kvpq_cuda_kernels;
 KVPQ_API kvpq_cuda_kernels kvpq_cuda_kernels_default(void);
 

@@ -18,6 +18,8 @@ kvpq_cuda_kernels kvpq_cuda_kernels_default(void) {
     k.encode_search = 5;
     k.attend_pdl = 1;
     k.attend_cluster = 1;
+    k.attend_tc_regs = 0;
+    k.attend_tc_heads = 0;
     return k;
 }
 
@@ -28,7 +30,8 @@ kvpq_status kvpq__cuda_kernels_check(const kvpq_cuda_kernels *k, const char *fn)
     } f[] = {{"attend_tc", k->attend_tc, 0, 1},       {"attend_lut16", k->attend_lut16, 0, 1},
              {"attend_vrep", k->attend_vrep, 0, 1},   {"attend_pvec", k->attend_pvec, 0, 1},
              {"encode_search", k->encode_search, 0, 5}, {"attend_pdl", k->attend_pdl, 0, 1},
-             {"attend_cluster", k->attend_cluster, 0, 1}};
+             {"attend_cluster", k->attend_cluster, 0, 1}, {"attend_tc_regs", k->attend_tc_regs, 0, 1},
+             {"attend_tc_heads", k->attend_tc_heads, 0, 8}};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
         if (f[i].v < f[i].lo || f[i].v > f[i].hi)
             return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: kernels.%s=%d: expected %d..%d", fn, f[i].name, f[i].v, f[i].lo,

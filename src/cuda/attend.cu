@@ -851,6 +851,23 @@ __device__ __forceinline__ void load_code_words(const uint8_t *p, uint32_t (&w)[
     }
 }
 
+/* Load `B` bytes (2, 4, 8 or 16) of code row bytes at p in device memory (the code pages, read-only
+ * during an attention call) as 32-bit words, through the non-coherent path (RR kernel). */
+template <int B>
+__device__ __forceinline__ void load_code_words_g(const uint8_t *p, uint32_t (&w)[(B + 3) / 4]) {
+    if constexpr (B == 2) {
+        w[0] = __ldg(reinterpret_cast<const unsigned short *>(p));
+    } else if constexpr (B == 4) {
+        w[0] = __ldg(reinterpret_cast<const unsigned int *>(p));
+    } else if constexpr (B == 8) {
+        const uint2 t = __ldg(reinterpret_cast<const uint2 *>(p));
+        w[0] = t.x; w[1] = t.y;
+    } else {
+        const uint4 t = __ldg(reinterpret_cast<const uint4 *>(p));
+        w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+    }
+}
+
 /* Merge a warp's window state {m_run, d_lane, o} (window_part) into its merge slots (FlashAttention's
  * rule; a warp reads and writes only its own slots). */
 template <int D, int GS, int SO>
@@ -916,7 +933,7 @@ __device__ __forceinline__ void tc_window(const kvpq__attend_params &p, float *m
  * tile (when the CTA has fewer tiles than warps) take the CTA's window share [w0, w1) while the others
  * walk their tiles, and merge it into their slots; returns whether they did (uniform in the CTA: the
  * caller then has no window left). */
-template <int D, int GS, int NW, bool SC, bool CL>
+template <int D, int GS, int NW, bool SC, bool CL, bool RR>
 __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcLayout &L, char *smem, int b, int kvh,
                                          int head0, int c0, int c1, int w0, int w1) {
     constexpr bool PACKED = GS <= 4;     /* hi and lo q parts in one mma (columns 0..3 and 4..7) */
@@ -980,14 +997,66 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
             }
         }
     };
+    /* RR: the code rows straight from device memory into registers, no shared-memory staging. Lane
+     * (r, a) holds, for each half h of the tile, the key words of rows 16h + r and 16h + r + 8 at byte
+     * a*KT (the bytes its A-fragment gathers need) and the value words of rows 16h + a + 4ti at byte
+     * r*VT (and, norm-explicit, the float16 scales of positions 16h + r, 16h + r + 8). Software-
+     * pipelined one tile ahead: the next tile's key words are loaded as soon as this tile's scores
+     * are taken, its value words of half h as soon as this tile's half h is summed. */
+    constexpr int KW = (KT + 3) / 4, VW = (VT + 3) / 4;
+    uint32_t rk[HT][2][KW], rv[HT][4][VW];
+    __half rks[HT][2], rvs[HT][2];
+    size_t rroff = 0, rsoff = 0; /* the tile whose rows are being loaded: code row and scale offsets */
+    auto rr_locate = [&](int k) {
+        const int t0 = c0 + (warp + k * nw) * TILE;
+        const int page = p.page_table[(size_t)b * p.max_pages + (t0 >> p.page_shift)];
+        rroff = (size_t)page * pstride + hoff + (size_t)(t0 & (p.page_tokens - 1)) * CS;
+        rsoff = ((size_t)page * p.n_head_kv + kvh) * p.page_tokens + (t0 & (p.page_tokens - 1));
+    };
+    auto rr_keys = [&]() {
+#pragma unroll
+        for (int h = 0; h < HT; h++) {
+            load_code_words_g<KT>(p.k_pages + rroff + (size_t)(16 * h + r) * CS + a * KT, rk[h][0]);
+            load_code_words_g<KT>(p.k_pages + rroff + (size_t)(16 * h + r + 8) * CS + a * KT, rk[h][1]);
+            if constexpr (SC) {
+                rks[h][0] = rks[h][1] = __ushort_as_half((unsigned short)0);
+                if (p.k_scales) {
+                    rks[h][0] = __ushort_as_half(__ldg(p.k_scales + rsoff + 16 * h + r));
+                    rks[h][1] = __ushort_as_half(__ldg(p.k_scales + rsoff + 16 * h + r + 8));
+                }
+            }
+        }
+    };
+    auto rr_vals = [&](int h) {
+#pragma unroll
+        for (int ti = 0; ti < 4; ti++)
+            load_code_words_g<VT>(p.v_pages + rroff + (size_t)(16 * h + a + 4 * ti) * CS + r * VT, rv[h][ti]);
+        if constexpr (SC) {
+            rvs[h][0] = rvs[h][1] = __ushort_as_half((unsigned short)0);
+            if (p.v_scales) {
+                rvs[h][0] = __ushort_as_half(__ldg(p.v_scales + rsoff + 16 * h + r));
+                rvs[h][1] = __ushort_as_half(__ldg(p.v_scales + rsoff + 16 * h + r + 8));
+            }
+        }
+    };
     if (c0 < c1) {
         /* the codebook image, then the first sub-tiles, in flight while q' is computed */
         for (int i = tid; i < 256 * 256 / 16; i += nw * 32)
             __pipeline_memcpy_async(smem + i * 16, reinterpret_cast<const uint4 *>(p.tc_image) + i, 16);
         __pipeline_commit();
         for (int k = 0; k < NST - 1; k++) {
-            if (k < my_n) issue(k);
+            if constexpr (!RR) {
+                if (k < my_n) issue(k);
+            }
             __pipeline_commit();
+        }
+        if constexpr (RR) {
+            if (my_n > 0) {
+                rr_locate(0);
+                rr_keys();
+#pragma unroll
+                for (int h = 0; h < HT; h++) rr_vals(h);
+            }
         }
     }
     /* everything above reads only the image, the page table, the lengths and the code pages (written
@@ -1052,10 +1121,12 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
         const char *cb = smem;
 
         for (int k = 0; k < my_n; k++) {
-            if (k + NST - 1 < my_n) issue(k + NST - 1);
-            __pipeline_commit();
-            __pipeline_wait_prior(NST - 1);
-            __syncwarp();
+            if constexpr (!RR) {
+                if (k + NST - 1 < my_n) issue(k + NST - 1);
+                __pipeline_commit();
+                __pipeline_wait_prior(NST - 1);
+                __syncwarp();
+            }
             const uint8_t *kb = st + (k % NST) * SB, *vb = kb + TILE * CS;
             const int n = min(TILE, c1 - (c0 + (warp + k * nw) * TILE));
 
@@ -1064,9 +1135,17 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
             float s[HT][4];
 #pragma unroll
             for (int h = 0; h < HT; h++) {
-                uint32_t kw0[(KT + 3) / 4], kw1[(KT + 3) / 4];
-                load_code_words<KT>(kb + (16 * h + r) * CS + a * KT, kw0);
-                load_code_words<KT>(kb + (16 * h + r + 8) * CS + a * KT, kw1);
+                uint32_t kw0[KW], kw1[KW];
+                if constexpr (RR) {
+#pragma unroll
+                    for (int i = 0; i < KW; i++) {
+                        kw0[i] = rk[h][0][i];
+                        kw1[i] = rk[h][1][i];
+                    }
+                } else {
+                    load_code_words<KT>(kb + (16 * h + r) * CS + a * KT, kw0);
+                    load_code_words<KT>(kb + (16 * h + r + 8) * CS + a * KT, kw1);
+                }
                 /* packed: even and odd k-steps in two accumulators (two independent mma chains);
                  * otherwise the hi and lo parts */
                 float c[2][4];
@@ -1093,7 +1172,7 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
                 if constexpr (SC) {
                     if (p.k_scales) { /* norm-explicit keys: score = s_k * (q' . r); rows r, r + 8 */
                         const __half *ksc = reinterpret_cast<const __half *>(kb + 2 * TILE * CS) + 16 * h + r;
-                        const float k0 = __half2float(ksc[0]), k8 = __half2float(ksc[8]);
+                        const float k0 = __half2float(RR ? rks[h][0] : ksc[0]), k8 = __half2float(RR ? rks[h][1] : ksc[8]);
                         s[h][0] *= k0;
                         s[h][1] *= k0;
                         s[h][2] *= k8;
@@ -1102,6 +1181,12 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
                 }
                 if (16 * h + r >= n) s[h][0] = s[h][1] = -INFINITY;
                 if (16 * h + r + 8 >= n) s[h][2] = s[h][3] = -INFINITY;
+            }
+            if constexpr (RR) { /* the next tile's key words (and key scales), in flight from here */
+                if (k + 1 < my_n) {
+                    rr_locate(k + 1);
+                    rr_keys();
+                }
             }
 
             /* ---- online softmax over the tile ---- */
@@ -1148,8 +1233,8 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
                 if constexpr (SC) {
                     if (p.v_scales) { /* norm-explicit values: P = p s_v 2^(14 - sexp) (d keeps p) */
                         const __half *vsc = reinterpret_cast<const __half *>(kb + 2 * TILE * CS) + TILE + 16 * h + r;
-                        ps0 = __half2float(vsc[0]) * p.tc_pscale;
-                        ps8 = __half2float(vsc[8]) * p.tc_pscale;
+                        ps0 = __half2float(RR ? rvs[h][0] : vsc[0]) * p.tc_pscale;
+                        ps8 = __half2float(RR ? rvs[h][1] : vsc[8]) * p.tc_pscale;
                     }
                 }
                 const uint32_t X0 = kvpq__h2_bits(__floats2half2_rn(p0 * ps0, p2 * ps8)),
@@ -1160,10 +1245,16 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
                 const uint32_t pb0 = prmt(ya, yb, 0x5410), pb1 = prmt(ya, yb, 0x7632);
 
                 /* ---- values of the half ---- */
-                uint32_t vw[4][(VT + 3) / 4];
+                uint32_t vw[4][VW];
 #pragma unroll
-                for (int ti = 0; ti < 4; ti++)
-                    load_code_words<VT>(vb + (16 * h + a + 4 * ti) * CS + r * VT, vw[ti]);
+                for (int ti = 0; ti < 4; ti++) {
+                    if constexpr (RR) {
+#pragma unroll
+                        for (int i = 0; i < VW; i++) vw[ti][i] = rv[h][ti][i];
+                    } else {
+                        load_code_words<VT>(vb + (16 * h + a + 4 * ti) * CS + r * VT, vw[ti]);
+                    }
+                }
 #pragma unroll
                 for (int vt = 0; vt < VT; vt++) {
                     const uint32_t sel = 0x5504u | ((uint32_t)(vt & 3) << 4);
@@ -1174,6 +1265,9 @@ __device__ __forceinline__ bool tc_codes(const kvpq__attend_params &p, const TcL
                               prmt(g[2].x, g[3].x, 0x5410), prmt(g[2].x, g[3].x, 0x7632), pb0, pb1);
                     mma_16816(o[vt][1], prmt(g[0].y, g[1].y, 0x5410), prmt(g[0].y, g[1].y, 0x7632),
                               prmt(g[2].y, g[3].y, 0x5410), prmt(g[2].y, g[3].y, 0x7632), pb0, pb1);
+                }
+                if constexpr (RR) { /* the next tile's value words of this half */
+                    if (k + 1 < my_n) rr_vals(h);
                 }
             }
             __syncwarp();
@@ -1345,7 +1439,7 @@ __device__ void finish_cluster(const kvpq__attend_params &p, const float *mbuf, 
  * group); finish_cluster), which also has the 16-byte-aligned slots, the window's 16-byte loads and
  * its warps without a code tile taking the window while the others walk theirs (tc_codes); the
  * other instantiation is the kernel of sessions 7-11, merging through device memory (finish_cta). */
-template <int D, int GS, int NW, bool SC, bool CL>
+template <int D, int GS, int NW, bool SC, bool CL, bool RR>
 __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__attend_params p, TcLayout L) {
     extern __shared__ __align__(16) char smem_tc[];
     const int split = blockIdx.x, b = blockIdx.z;
@@ -1366,7 +1460,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) attend_tc_kernel(kvpq__atten
             asm volatile("prefetch.global.L2 [%0];" ::"l"(p.v_win + row));
         }
     }
-    if (!tc_codes<D, GS, NW, SC, CL>(p, L, smem_tc, b, kvh, head0, c0, c1, w0, w1))
+    if (!tc_codes<D, GS, NW, SC, CL, RR>(p, L, smem_tc, b, kvh, head0, c0, c1, w0, w1))
         tc_window<D, GS, tc_so(CL), CL>(p, mbuf, b, kvh, head0, w0 + (int)(threadIdx.x >> 5), w1, NW);
     __syncthreads();
 #ifdef KVPQ_TC_CLUSTER
@@ -1475,9 +1569,10 @@ kvpq_status launch_d(kvpq__attend_params &p, const Layout &L, int gs, int B, int
 #endif
 }
 
-/* Query heads per CTA of the tensor-core kernel: the largest divisor of the group size up to 8. */
+/* Query heads per CTA of the tensor-core kernel: the largest divisor of the group size up to 8, or
+ * up to kernels.attend_tc_heads where that is set (> 0). */
 int tc_gs(const kvpq__attend_params &p) {
-    int g = p.n_head / p.n_head_kv, gs = g < 8 ? g : 8;
+    int g = p.n_head / p.n_head_kv, cap = p.tc_heads > 0 && p.tc_heads < 8 ? p.tc_heads : 8, gs = g < cap ? g : cap;
     while (g % gs) gs--;
     return gs;
 }
@@ -1569,10 +1664,10 @@ kvpq_status launch_tc_kernel(K kern, const kvpq__attend_params &p, const TcLayou
                           cluster > 0 ? "cuda attend kernel launch (tensor cores, cluster)" : "cuda attend kernel launch (tensor cores, PDL)");
 }
 
-template <int D, int GS, int NW, bool SC>
+template <int D, int GS, int NW, bool SC, bool RR>
 kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_splits, cudaStream_t stream) {
     const TcLayout L = tc_layout(D, GS, NW, SC);
-    auto kern = attend_tc_kernel<D, GS, NW, SC, false>;
+    auto kern = attend_tc_kernel<D, GS, NW, SC, false, RR>;
     KVPQ_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total),
                   "cuda attend: shared memory attribute");
     int n_sm = 0, per_sm = 1;
@@ -1594,7 +1689,7 @@ kvpq_status launch_tc_nw(kvpq__attend_params &p, int B, int max_coded, int max_s
      * 1.8x) were slower than the merge through device memory; 2 splits of 16-warp CTAs (b8) faster */
     if (p.cluster && (p.n_splits == 1 || (per_sm == 1 && p.n_splits <= kTcClusterWide))) {
         const TcLayout Lc = tc_layout(D, GS, NW, SC, true);
-        auto kernc = attend_tc_kernel<D, GS, NW, SC, true>;
+        auto kernc = attend_tc_kernel<D, GS, NW, SC, true, RR>;
         static int cluster_known[kTcMaxCluster + 1]; /* per kernel and size: 0 not asked, else max clusters + 1 */
         size_t optin = 0;
         KVPQ_TRY(kvpq__cuda_props(NULL, &optin));
@@ -1650,12 +1745,20 @@ kvpq_status launch_tc(kvpq__attend_params &p, int B, int max_coded, int max_spli
     }
     const bool sc = p.k_scales || p.v_scales;  /* norm-explicit: the kernel that reads scales */
     if ((size_t)tc_layout(D, GS, 16, sc).total > optin) nw = 8;  /* tc_ok checked that 8 warps fit */
-    if (sc) {
-        if (nw == 8) return launch_tc_nw<D, GS, 8, true>(p, B, max_coded, max_splits, stream);
-        return launch_tc_nw<D, GS, 16, true>(p, B, max_coded, max_splits, stream);
+    if (p.tc_regs) { /* code rows straight into registers (kernels.attend_tc_regs) */
+        if (sc) {
+            if (nw == 8) return launch_tc_nw<D, GS, 8, true, true>(p, B, max_coded, max_splits, stream);
+            return launch_tc_nw<D, GS, 16, true, true>(p, B, max_coded, max_splits, stream);
+        }
+        if (nw == 8) return launch_tc_nw<D, GS, 8, false, true>(p, B, max_coded, max_splits, stream);
+        return launch_tc_nw<D, GS, 16, false, true>(p, B, max_coded, max_splits, stream);
     }
-    if (nw == 8) return launch_tc_nw<D, GS, 8, false>(p, B, max_coded, max_splits, stream);
-    return launch_tc_nw<D, GS, 16, false>(p, B, max_coded, max_splits, stream);
+    if (sc) {
+        if (nw == 8) return launch_tc_nw<D, GS, 8, true, false>(p, B, max_coded, max_splits, stream);
+        return launch_tc_nw<D, GS, 16, true, false>(p, B, max_coded, max_splits, stream);
+    }
+    if (nw == 8) return launch_tc_nw<D, GS, 8, false, false>(p, B, max_coded, max_splits, stream);
+    return launch_tc_nw<D, GS, 16, false, false>(p, B, max_coded, max_splits, stream);
 }
 
 template <int D>
@@ -1663,7 +1766,9 @@ kvpq_status launch_tc_d(kvpq__attend_params &p, int B, int max_coded, int max_sp
     const int gs = tc_gs(p);
 #ifdef KVPQ_ATTEND_DEV_SHAPES
     if (gs == 4) return launch_tc<D, 4>(p, B, max_coded, max_splits, stream);
-    return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: built with KVPQ_ATTEND_DEV_SHAPES (4 heads per CTA only)");
+    if (gs == 2) return launch_tc<D, 2>(p, B, max_coded, max_splits, stream);
+    if (gs == 1) return launch_tc<D, 1>(p, B, max_coded, max_splits, stream);
+    return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda attend: built with KVPQ_ATTEND_DEV_SHAPES (1, 2 or 4 heads per CTA only)");
 #else
     switch (gs) {
     case 1: return launch_tc<D, 1>(p, B, max_coded, max_splits, stream);

@@ -126,6 +126,8 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
     a->pvec = c->p.kernels.attend_pvec;
     a->pdl = c->p.kernels.attend_pdl;
     a->cluster = c->p.kernels.attend_cluster;
+    a->tc_regs = c->p.kernels.attend_tc_regs;
+    a->tc_heads = c->p.kernels.attend_tc_heads;
     a->tc_kexp = c->tc_kexp;
     a->tc_vexp = c->tc_vexp;
     a->k_scales = c->k_scales;

@@ -129,6 +129,10 @@ typedef struct {
                                   when the launcher is given a stream other than NULL */
     int cluster;               /* tensor-core kernel: split merge through a thread-block cluster where
                                   it pays (kernels.attend_cluster; launch_tc_nw) */
+    int tc_regs;               /* tensor-core kernel: code rows straight into registers, one tile ahead
+                                  (kernels.attend_tc_regs) instead of the cp.async ring */
+    int tc_heads;              /* tensor-core kernel: at most this many query heads per CTA (0: up to 8;
+                                  kernels.attend_tc_heads; tc_gs) */
 } kvpq__attend_params;
 
 /* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when

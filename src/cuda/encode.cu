@@ -14,13 +14,16 @@
 
 /* Encode kernel variants (kvpq_cuda_kernels.encode_search, kept in kvpq_cuda_pq.search), all kept
  * so that gpu_check checks and the bench times each side by side (docs/BENCHMARKS.md):
- *   3 (default) tensor cores, grouped argmin + exact re-rank (search_mma2), no accumulator input,
- *     bank-conflict-free re-rank, rows prefetched; 4 row tiles, 3 CTAs per SM;
- *   4 the same with 2 row tiles, 4 CTAs per SM;
+ *   5 (default since session 11) variant 3 with each A-fragment register loaded straight from the
+ *     sub-vector's record by a per-lane word index (rec_word_table) instead of selected per quad
+ *     position: same keys, same codes, fewer instructions per mma;
+ *   3 (the default before session 11) tensor cores, grouped argmin + exact re-rank (search_mma2), no
+ *     accumulator input, bank-conflict-free re-rank, rows prefetched; 4 row tiles, 3 CTAs per SM;
+ *   4 variant 3 with 2 row tiles, 4 CTAs per SM;
  *   2 search_mma2 with the accumulator input, plain re-rank; 2 row tiles, 4 CTAs per SM;
  *   1 tensor cores with a per-key argmin (search_mma, the previous kernel);
  *   0 float32 on the CUDA cores.
- * 2-4 apply to dsub 2 and 4 (dsub 1 and 8 take 1); quantizers without tensor-core fragments take
+ * 2-5 apply to dsub 2 and 4 (dsub 1 and 8 take 1); quantizers without tensor-core fragments take
  * the float32 search whatever the value. kvpq_cuda_pq.dbg, the timing knob of the grouped search
  * (benchmarks only; 0 in use): bits 1 no search loop, 2 no re-rank, 4 no search at all (codes 0). */
 

@@ -1276,14 +1276,16 @@ int main(void) {
      * 2048 with 2 (the quick size exceeds the first only) */
     int Lne64b[] = {g_quick ? 64 + 32 * 34 : 64 + 32 * 155};
     int Lne32[] = {32 + 32 * 8, 32 + 32 * 2, 20};
-    /* KVPQ_ATTEND_VARIANTS="5 6 7" checks a subset (digits 0-8, below; "" none), e.g. to run only the
-     * tensor-core kernel under compute-sanitizer racecheck */
-    int att_variants[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, n_att = 9;
+    /* KVPQ_ATTEND_VARIANTS="5 6 7" checks a subset (digits 0-9 and a for 10, below; "" none), e.g. to
+     * run only the tensor-core kernel under compute-sanitizer racecheck */
+    int att_variants[11] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, n_att = 11;
     const char *va = getenv("KVPQ_ATTEND_VARIANTS");
     if (va) {
         n_att = 0;
-        for (const char *c = va; *c && n_att < 9; c++)
-            if (*c >= '0' && *c <= '8') att_variants[n_att++] = *c - '0';
+        for (const char *c = va; *c && n_att < 11; c++) {
+            if (*c >= '0' && *c <= '9') att_variants[n_att++] = *c - '0';
+            else if (*c == 'a') att_variants[n_att++] = 10;
+        }
     }
     for (int vi = 0; vi < n_att; vi++) { /* every kernel variant the switches select */
         const int variant = att_variants[vi];
@@ -1291,7 +1293,10 @@ int main(void) {
          * value loop; 4: float16 + replicas with the previous value loop (kernels.attend_pvec = 0);
          * 5: the defaults: shared K and V codebooks with dsub 4, nbits 8 take the tensor-core kernel;
          * 6, 7: the tensor-core kernel with 8-warp and 16-warp CTAs; 8: the defaults with the split
-         * merge through the device-memory workspace and a counter (kernels.attend_cluster = 0) */
+         * merge through the device-memory workspace and a counter (kernels.attend_cluster = 0); 9: the
+         * defaults with the other way of bringing the tensor-core kernel's code rows in
+         * (kernels.attend_tc_regs toggled: registers one tile ahead / cp.async ring); 10: the defaults
+         * with 2 query heads per CTA (kernels.attend_tc_heads = 2, or 0 where 2 is the default) */
         g_kernels = k0;
         g_kernels.attend_lut16 = variant >= 4 ? 1 : variant & 1;
         g_kernels.attend_vrep = variant >= 4 ? 1 : variant >> 1;
@@ -1299,10 +1304,14 @@ int main(void) {
         g_kernels.attend_tc = variant >= 5;
         g_kernels.attend_tc_warps = variant == 6 ? 8 : variant == 7 ? 16 : k0.attend_tc_warps;
         g_kernels.attend_cluster = variant == 8 ? 0 : k0.attend_cluster;
+        g_kernels.attend_tc_regs = variant == 9 ? !k0.attend_tc_regs : k0.attend_tc_regs;
+        g_kernels.attend_tc_heads = variant == 10 ? (k0.attend_tc_heads == 2 ? 0 : 2) : k0.attend_tc_heads;
         if (variant >= 5)
-            printf(" defaults (tensor-core kernel, CTA warps %d (0: chosen per launch), split merge %s, for shared dsub-4 / "
-                   "8-bit K and V codebooks, else LUT float16):\n", g_kernels.attend_tc_warps,
-                   g_kernels.attend_cluster ? "through a cluster where it fits" : "through device memory");
+            printf(" defaults (tensor-core kernel, CTA warps %d (0: chosen per launch), split merge %s, code rows %s, "
+                   "query heads per CTA up to %d (0: 8), for shared dsub-4 / 8-bit K and V codebooks, else LUT "
+                   "float16):\n", g_kernels.attend_tc_warps,
+                   g_kernels.attend_cluster ? "through a cluster where it fits" : "through device memory",
+                   g_kernels.attend_tc_regs ? "into registers" : "through the cp.async ring", g_kernels.attend_tc_heads);
         else
             printf(" LUT entries %s, %s, %s value loop:\n", g_kernels.attend_lut16 ? "float16" : "float32",
                    g_kernels.attend_vrep ? "replicated value codebook" : "plain value codebook",
