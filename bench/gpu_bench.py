@@ -223,6 +223,17 @@ def replot(path, out, title):
     return 0
 
 
+
+def variant_table(rows, title, columns):
+    """Markdown lines of a table of kernel times: one row per (B, context) of rows, one column per
+    (header, value-of-row function) in columns."""
+    out = ["", title, "", "| B | context | " + " | ".join(h for h, _ in columns) + " |",
+           "|---|---|" + "---|" * len(columns)]
+    for t in rows:
+        out.append(f"| {t['B']} | {t['L']} | " + " | ".join(fmt(get(t)) for _, get in columns) + " |")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin")
@@ -280,30 +291,24 @@ def main():
             f"| {t['B']} | {t['L']} | {fmt(t['sdpa_us'])} | {fmt(t['sdpa_GBps'], 0)} | {fmt(t['ours_us'])} | "
             f"{fmt(t['ours_GBps'], 0)} | {100 * t['ours_GBps'] / ceil:.0f}% | {t['sdpa_us'] / t['ours_us']:.2f}x | "
             f"{t['sdpa_kv_bytes'] / 2**20:.0f} / {t['ours_resident_bytes'] / 2**20:.0f} |")
-    lines += ["", "Attention kernel variants (us; LUT kernel: entries float32/float16 x value codebook plain/8 "
-              "replicas, previous value loop; tensor-core kernel; "
-              f"ours = {att[0].get('default_variant', '?') if att else '?'}):", "",
-              "| B | context | LUT f32, plain | LUT f16, plain | LUT f32, replicas | LUT f16, replicas | "
-              "LUT f16, replicas, previous value loop | tensor cores (default) | tensor cores, 8-warp CTAs | "
-              "tensor cores, 16-warp CTAs | tensor cores, plain launch (no PDL) | "
-              "tensor cores, split merge through device memory (no cluster) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for t in att:
-        v = t.get("variant_us", {})
-        lines.append(f"| {t['B']} | {t['L']} | {fmt(v.get('f32_plain'))} | {fmt(v.get('f16_plain'))} | "
-                     f"{fmt(v.get('f32_vrep'))} | {fmt(v.get('f16_vrep'))} | {fmt(v.get('default_prev_loop'))} | "
-                     f"{fmt(v.get('tc'))} | {fmt(v.get('tc_8warps'))} | {fmt(v.get('tc_16warps'))} | "
-                     f"{fmt(v.get('tc_nopdl'))} | {fmt(v.get('tc_nocluster'))} |")
-    lines += ["", "Tensor-core kernel, code rows and heads per CTA (session 15; us; the defaults but for the "
-              "named field):", "",
-              "| B | context | default | code rows in registers (attend_tc_regs 1) | cp.async ring (attend_tc_regs 0) | "
-              "2 heads per CTA | 1 head per CTA | registers + 2 heads per CTA | SDPA fp16 |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for t in att:
-        v = t.get("variant_us", {})
-        lines.append(f"| {t['B']} | {t['L']} | {fmt(t['ours_us'])} | {fmt(v.get('tc_regs'))} | {fmt(v.get('tc_ring'))} | "
-                     f"{fmt(v.get('tc_heads2'))} | {fmt(v.get('tc_heads1'))} | {fmt(v.get('tc_regs_heads2'))} | "
-                     f"{fmt(t.get('sdpa_us'))} |")
+    V = lambda key: (lambda t: t.get("variant_us", {}).get(key))  # noqa: E731
+    lines += variant_table(att, "Attention kernel variants (us; LUT kernel: entries float32/float16 x value codebook "
+                           "plain/8 replicas, previous value loop; tensor-core kernel; "
+                           f"ours = {att[0].get('default_variant', '?') if att else '?'}):",
+                           [("LUT f32, plain", V("f32_plain")), ("LUT f16, plain", V("f16_plain")),
+                            ("LUT f32, replicas", V("f32_vrep")), ("LUT f16, replicas", V("f16_vrep")),
+                            ("LUT f16, replicas, previous value loop", V("default_prev_loop")),
+                            ("tensor cores (default)", V("tc")), ("tensor cores, 8-warp CTAs", V("tc_8warps")),
+                            ("tensor cores, 16-warp CTAs", V("tc_16warps")),
+                            ("tensor cores, plain launch (no PDL)", V("tc_nopdl")),
+                            ("tensor cores, split merge through device memory (no cluster)", V("tc_nocluster"))])
+    lines += variant_table(att, "Tensor-core kernel, code rows and heads per CTA (session 15; us; the defaults but "
+                           "for the named field):",
+                           [("default", lambda t: t["ours_us"]),
+                            ("code rows in registers (attend_tc_regs 1)", V("tc_regs")),
+                            ("cp.async ring (attend_tc_regs 0)", V("tc_ring")), ("2 heads per CTA", V("tc_heads2")),
+                            ("1 head per CTA", V("tc_heads1")), ("registers + 2 heads per CTA", V("tc_regs_heads2")),
+                            ("SDPA fp16", lambda t: t.get("sdpa_us"))])
     if att_ne:
         plain = {(t["B"], t["L"]): t for t in att}
         lines += ["", "Decode attention, norm-explicit K and V codebooks (kvpq calibrate's default: codes of "
