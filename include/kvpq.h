@@ -432,6 +432,11 @@ typedef struct {
      * the largest |q| per KV head's query group and channel over the calibration text (post-RoPE, as
      * attention takes them; kvpq_model_eval_query_absmax), and lambda = kvpq_smooth_compute_qk. */
     const float *query_absmax;
+    /* NULL (default), or a codebook this function trained on the same k, v with the same params and
+     * presets but one key stage: the layer's stage-one key and value quantizers are copied from it,
+     * and only the second key stage is trained (k-means is deterministic, so the result is what
+     * training all three gives, at a third of the k-means). Needs a second key stage at the layer. */
+    const kvpq_codebook *stage1_from;
 } kvpq_calibrate_params;
 KVPQ_API kvpq_calibrate_params kvpq_calibrate_params_default(void);
 

@@ -167,6 +167,171 @@ KVPQ_API kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *
                                                   const kvpq_codebook *const *cands, int n_cand,
                                                   const kvpq_sensitivity_params *p, double *kl);
 
+/* ---- calibration: codebooks from a model's own keys and values (docs/allocation.md) ---------- */
+
+/* One codebook's recipe: the options of `kvpq calibrate` that shape one codebook. */
+typedef struct {
+    const char *keys;          /* key preset (kvpq_pq_params_preset): d8b8 d8b12 d4b8 d4b12 d2b8 d1b8; "d4b8" */
+    const char *values;        /* value preset; NULL (default): as keys */
+    const char *keys2;         /* residual second key stage, a preset of keys' nbits; NULL (default): none */
+    const char *keys_layers;   /* "CFG:A-B[,CFG:A-B...]": layers A..B (inclusive) take preset CFG's key M */
+    const char *values_layers; /* likewise for values; NULL (default): none */
+    kvpq_codebook_granularity granularity; /* KVPQ_CODEBOOK_SHARED (default), _SUBSPACE, _HEAD */
+    int value_rotate;          /* 1: Hadamard-rotate values (default 0) */
+    int center;                /* 1 (default): subtract the keys' per-channel mean (exact at attention) */
+    int smooth_query;          /* 1 (default): lambda^2 = max|k| / max|q| per channel; 0: max|k| (VecInfer) */
+    int key_norm, value_norm;  /* 1 (default): norm-explicit (code the direction, keep one scale) */
+    int norm_bits;             /* 8 or 16 bits per scale; 0 (default): 8 for an allocation, else 16 */
+    int iters;                 /* k-means Lloyd iterations (default 25) */
+    int kmeans_init;           /* KVPQ_KMEANS_INIT_RANDOM (default, as faiss) or KVPQ_KMEANS_INIT_PP */
+    int max_points_per_centroid; /* k-means subsampling; 0 (default): 256, 32 for nbits > 8 */
+    uint64_t seed;             /* k-means seed (default 1234) */
+} kvpq_codebook_recipe;
+KVPQ_API kvpq_codebook_recipe kvpq_codebook_recipe_default(void);
+
+/* How an allocation's window is chosen among the window candidates. */
+typedef enum {
+    KVPQ_WINDOW_SELECT_AUTO = 0,  /* predicted; every window checked when the prediction is off by more than window_trust */
+    KVPQ_WINDOW_SELECT_PREDICTED, /* the least predicted KL */
+    KVPQ_WINDOW_SELECT_MEASURED   /* every window's allocation checked; the least held-out KL */
+} kvpq_window_select;
+
+/* A per-layer bit allocation (kvpq_calibration_allocate): for each budget, every layer's key and value
+ * preset chosen among the candidates so that the VQ cache's effective bits per element at context ctx
+ * stay within the budget, minimizing the predicted loss (the sum over layers of the KL each layer's
+ * coding costs alone, kvpq_model_layer_sensitivity, on held-out text). */
+typedef struct {
+    const double *bits;       /* (n_bits) budgets in effective bits per element, each in (0, 32] */
+    int n_bits;               /* budgets: one codebook each (0: no allocation) */
+    const char *candidates;   /* comma-separated presets of one nbits; "P1+P2": a key candidate with a residual
+                               * second stage P2 (one P2 per call); default "d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8" */
+    const int *windows;       /* (n_windows) fp16 windows to choose among (distinct, >= 0; sorted here); NULL:
+                               * 0, 16, 32, 64, 128 */
+    int n_windows;            /* 1..16 (ignored when windows is NULL) */
+    int sinks;                /* first positions kept in fp16, counted in the budget (default 1) */
+    int holdout_ctx;          /* tokens per held-out chunk of the sensitivities; 0 (default): min(ctx, 1024) */
+    int holdout_chunks;       /* held-out chunks, taken from the END of the text (default 1) */
+    int full_sensitivity;     /* 1: a forward pass per layer, kind and candidate; 0 (default): scaled from one */
+    int alloc_values;         /* 1: values allocated per layer too; 0: values keep the recipe's preset; -1 (default): 1 */
+    int verify_ctx;           /* tokens of the joint check of each allocation (KL against fp16 on text right after
+                               * the k-means tokens); -1 (default): ctx, skipped with a note if the text is too
+                               * short; 0: off */
+    kvpq_window_select window_select; /* default AUTO (PREDICTED when there is no joint check) */
+    double window_trust;      /* AUTO's tolerance |predicted / held-out - 1| (default 0.3) */
+} kvpq_alloc_params;
+
+typedef struct {
+    size_t tokens;            /* k-means tokens from the start of the text (default 32768; fewer if the text is short) */
+    int ctx;                  /* tokens per forward chunk, and the context of an allocation's budget (default 2048) */
+    int n_threads;            /* 0 = OpenMP default */
+    kvpq_codebook_recipe recipe;
+    kvpq_alloc_params alloc;
+    const char *model_file;   /* metadata "model_file" (a file name), or NULL */
+    const char *text_name;    /* metadata "text" (a file name), or NULL */
+    /* optional: stages "forward" (tokens), "k-means" (layers), "sensitivity" (measurements), "check"
+     * (allocations checked); a nonzero return cancels (KVPQ_ERR_INVALID_ARG "cancelled") */
+    kvpq_progress_fn progress;
+    void *progress_user;
+} kvpq_calibrate_opts;
+KVPQ_API kvpq_calibrate_opts kvpq_calibrate_opts_default(void);
+
+/* Check o against the model and a text of n_tokens tokens before any work: the recipe (presets,
+ * per-layer items, granularity, k-means settings), the budgets, windows, joint check and the split
+ * of the text. m NULL: only the checks that need no model (n_tokens unused), e.g. before loading one.
+ * Errors: KVPQ_ERR_INVALID_ARG naming the field (as the CLI's option) and the problem. */
+KVPQ_API kvpq_status kvpq_calibrate_opts_check(const kvpq_model *m, const kvpq_calibrate_opts *o, size_t n_tokens);
+
+/* A calibration in progress: the text split, the forward pass done, its keys and values held. */
+typedef struct kvpq_calibration kvpq_calibration;
+
+/* How the text was split (kvpq_calibration_info). */
+typedef struct {
+    size_t n_text;            /* tokens of the text */
+    size_t n_kmeans;          /* the first n_kmeans tokens: the forward pass and k-means */
+    int verify_ctx;           /* the joint check's chunk, right after them; 0: none */
+    int verify_skipped;       /* 1: verify_ctx was -1 and the text too short for it (no check, as asked by default) */
+    int holdout_ctx, holdout_chunks; /* the sensitivities' chunks at the end of the text (0 without budgets) */
+    double forward_seconds;   /* wall time of the forward pass */
+} kvpq_calibration_info;
+
+/* Split tokens (n, the text without BOS) and run the forward pass over the k-means part, collecting
+ * every layer's post-RoPE keys and values (float32, n_layer x n_kmeans x n_head_kv x head_dim x 2
+ * floats) and the queries' per-channel maxima. With budgets (o->alloc.n_bits > 0) the end of the text
+ * is held back (holdout_chunks x holdout_ctx tokens) and the joint check's chunk follows the k-means
+ * tokens. The strings of o must outlive the calibration. Errors: KVPQ_ERR_INVALID_ARG naming the
+ * option (presets, windows, budgets, a text too short, ctx beyond the model's context),
+ * KVPQ_ERR_NOMEM, errors of the forward pass. */
+KVPQ_API kvpq_status kvpq_calibration_new(kvpq_calibration **out, kvpq_model *m, const int32_t *tokens, size_t n,
+                                          const kvpq_calibrate_opts *o);
+KVPQ_API void kvpq_calibration_free(kvpq_calibration *c);
+KVPQ_API kvpq_status kvpq_calibration_info_get(const kvpq_calibration *c, kvpq_calibration_info *info);
+
+/* One codebook trained on the collected activations with recipe r (NULL: the calibration's own):
+ * per layer centering, smoothing, Hadamard rotation, normalization and k-means
+ * (kvpq_codebook_calibrate_layer), with the metadata of `kvpq calibrate` (model, text, tokens, ctx,
+ * presets, k-means settings, mean MSEs). Errors: KVPQ_ERR_INVALID_ARG naming the recipe's field. */
+KVPQ_API kvpq_status kvpq_calibration_train(kvpq_calibration *c, const kvpq_codebook_recipe *r, kvpq_codebook **out);
+
+/* What an allocation found for one budget. */
+typedef struct {
+    double bits;              /* the budget */
+    double effective_bits;    /* the allocation's effective bits per element at ctx (NaN: none fits) */
+    double lightest_bits;     /* when none fits: the lightest allocation's effective bits */
+    double predicted_kl;      /* sum of the chosen layers' sensitivities (nats) */
+    int window;               /* the chosen fp16 window */
+    int predicted_window;     /* the window of the least predicted KL (the first checked, unless MEASURED) */
+    double holdout_kl, holdout_top1, holdout_ppl, base_ppl; /* the joint check (NaN without one) */
+    /* per window candidate: predicted KL (+Inf: none fits), held-out KL and top-1 (NaN: not checked) */
+    double predicted_kl_w[16], measured_kl_w[16], measured_top1_w[16];
+    int windows[16], n_windows;
+    int rechecked;            /* AUTO checked every window (the prediction was off) */
+    double kmeans_seconds, sensitivity_seconds, check_seconds; /* wall time of the stages (shared by the budgets) */
+} kvpq_alloc_report;
+
+/* The allocation of every budget of the calibration's options: trains a codebook per candidate,
+ * measures each layer's sensitivity on the held-out chunks, solves the multiple-choice knapsack per
+ * window candidate (kvpq_alloc_mckp over kvpq_vq_cache_bytes), assembles each budget's codebook and
+ * checks it (joint check). out: (n_bits) codebooks, NULL where no allocation fits that budget (its
+ * report says the lightest); report (n_bits, may be NULL). A codebook carries its window and sinks as
+ * alloc.window / alloc.sinks, which kvpq_cache_params_resolve applies. Returns KVPQ_OK when every
+ * budget got a codebook, KVPQ_ERR_CAPACITY when some did not (the others are in out), other errors
+ * as kvpq_calibration_new. */
+KVPQ_API kvpq_status kvpq_calibration_allocate(kvpq_calibration *c, kvpq_codebook **out, kvpq_alloc_report *report);
+
+/* The whole calibration in one call: kvpq_calibration_new, then kvpq_calibration_allocate (budgets
+ * given) or kvpq_calibration_train (none). out: max(1, o->alloc.n_bits) codebooks. */
+KVPQ_API kvpq_status kvpq_model_calibrate(kvpq_model *m, const int32_t *tokens, size_t n, const kvpq_calibrate_opts *o,
+                                          kvpq_codebook **out, kvpq_alloc_report *report);
+
+/* ---- scoring: what `kvpq ppl`, calibrate's joint check and the sensitivities compare ---------- */
+
+/* Evaluate one chunk toks (n tokens) from an empty cache c (truncated to 0) in calls of at most batch
+ * tokens: positions 0 .. first-1 without logits (scratch_row: (n_vocab) floats), then the logits of
+ * positions first .. n-1 into out: (n - first, n_vocab) floats. Returns kvpq_model_eval's status. */
+KVPQ_API kvpq_status kvpq_eval_chunk(kvpq_model *m, kvpq_cache *c, const int32_t *toks, int n, int first, int batch,
+                                     float *out, float *scratch_row);
+
+/* Sums over scored positions (the caller divides by their count). */
+typedef struct {
+    double nll, nll2; /* sum of -log p(next token), and of its square (nats) */
+    double kl_sum;    /* sum of KL(base || test) (nats); kvpq_score_test with a base only */
+    int64_t agree;    /* positions whose argmax equals the base's; kvpq_score_test with a base only */
+} kvpq_score_sums;
+
+/* The base cache's rows: lp (n_score, V) logits -> log-probabilities in place (log-softmax, sums in
+ * double), top[j] = argmax of row j (top may be NULL), and the NLL of next[j] (the token row j
+ * predicts; next may be NULL: no NLL) added to *s. */
+KVPQ_API void kvpq_score_base(float *lp, int n_score, int V, const int32_t *next, int *top, kvpq_score_sums *s);
+
+/* A test cache's rows: lp (n_score, V) logits -> log-probabilities in place, the NLL of next[j] added
+ * to *s (next may be NULL); with base_lp (n_score, V) log-probabilities and base_top (n_score) from
+ * kvpq_score_base (NULL: no comparison), also KL(base || test) = sum_t p_base(t) (log p_base(t) -
+ * log p_test(t)) per row (rounding below 0 clamped to 0; written to kl_out[j] when kl_out is not NULL)
+ * and the top-1 agreement (base_top NULL: not counted). Rows are summed in a fixed order (blocks of 32
+ * rows, each in row order, the blocks in order): the same bits whatever the number of threads. */
+KVPQ_API void kvpq_score_test(float *lp, int n_score, int V, const int32_t *next, const float *base_lp,
+                              const int *base_top, float *kl_out, kvpq_score_sums *s);
+
 /* ---- GGUF inspection ------------------------------------------------------------------------ */
 
 /* Print what a GGUF (v2/v3) file holds to `out`: format (version, alignment, counts, data offset),

@@ -10,7 +10,6 @@
 
 #include "cli.h"
 #include "cli_model.h"
-#include "cli_score.h"
 #include "cli_spec.h"
 
 #define PPL_MAX_CACHES 32
@@ -51,10 +50,19 @@ static void usage(FILE *f) {
 
 typedef struct {
     cli_cache cc;
-    cli_score_sums sums; /* over scored tokens (cli_score.h) */
+    kvpq_score_sums sums; /* over scored tokens (kvpq_score_test) */
     double seconds;     /* in kvpq_model_eval */
     float *kl;          /* (n_chunks * n_score) KL per scored token */
 } ppl_run;
+
+/* kvpq_eval_chunk, its wall seconds added to *seconds. */
+static kvpq_status timed_eval_chunk(kvpq_model *m, kvpq_cache *c, const int32_t *toks, int n, int first, int batch,
+                                    float *out, float *row, double *seconds) {
+    const double t0 = cli_now();
+    kvpq_status s = kvpq_eval_chunk(m, c, toks, n, first, batch, out, row);
+    *seconds += cli_now() - t0;
+    return s;
+}
 
 static int cmp_float(const void *a, const void *b) {
     float x = *(const float *)a, y = *(const float *)b;
@@ -246,23 +254,23 @@ int cmd_ppl(int argc, char **argv) {
         int32_t saved = ct[0];
         if (mi.add_bos) ct[0] = mi.bos_id;
         if (kl_base) {
-            s = cli_eval_chunk(m, base.cc.cache, ct, C, first, (int)batch, V, base_lp, row, &base.seconds);
+            s = timed_eval_chunk(m, base.cc.cache, ct, C, first, (int)batch, base_lp, row, &base.seconds);
             if (s != KVPQ_OK) {
                 fprintf(stderr, "kvpq ppl: base cache '%s': ", kl_base);
                 cli_fail("eval", s);
                 goto done;
             }
-            cli_score_base(base_lp, n_score, V, ct + first + 1, base_top, &base.sums);
+            kvpq_score_base(base_lp, n_score, V, ct + first + 1, base_top, &base.sums);
         }
         for (int i = 0; i < n_caches; i++) {
             ppl_run *r = &runs[i];
-            s = cli_eval_chunk(m, r->cc.cache, ct, C, first, (int)batch, V, logits, row, &r->seconds);
+            s = timed_eval_chunk(m, r->cc.cache, ct, C, first, (int)batch, logits, row, &r->seconds);
             if (s != KVPQ_OK) {
                 fprintf(stderr, "kvpq ppl: cache '%s': ", r->cc.spec);
                 cli_fail("eval", s);
                 goto done;
             }
-            cli_score_test(logits, n_score, V, ct + first + 1, kl_base ? base_lp : NULL, base_top,
+            kvpq_score_test(logits, n_score, V, ct + first + 1, kl_base ? base_lp : NULL, base_top,
                            r->kl ? r->kl + (size_t)ch * n_score : NULL, &r->sums);
         }
         ct[0] = saved;

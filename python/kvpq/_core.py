@@ -573,7 +573,22 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
     return _report(rk), _report(rv)
 
 
-def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2=None, value_rotate=False,
+def calibrate(source, *args, **kw):
+    """Train a Codebook. Two forms:
+
+    calibrate(model, text, bits=None, **options): a kvpq.Model run over a text by the library's
+      calibration driver, the call `kvpq calibrate` makes (same options, same defaults, the same file
+      bytes); bits: a budget in effective bits per element (a per-layer allocation with its window and
+      sinks recorded in the codebook), a sequence of budgets, or None. See kvpq._calibrate.calibrate_model.
+    calibrate(keys_values, keys="d4b8", ...): from keys and values you collected (calibrate_activations).
+    """
+    if isinstance(source, Model):
+        from ._calibrate import calibrate_model
+        return calibrate_model(source, *args, **kw)
+    return calibrate_activations(source, *args, **kw)
+
+
+def calibrate_activations(keys_values, keys="d4b8", values=None, granularity="shared", keys2=None, value_rotate=False,
               key_norm=True,
               value_norm=True, keys_layers=None, values_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
               init=None, n_threads=None, meta=None, query_absmax=None, norm_bits=16):
@@ -892,13 +907,14 @@ class CudaCache:
 # ---- models (GGUF) -----------------------------------------------------------------------------------
 
 class Model:
-    """A GGUF model run by kvpq's own forward pass (kvpq_model, Llama family)."""
+    """A GGUF model run by kvpq's own forward pass (kvpq_model: the architectures llama, qwen2 and gemma3)."""
 
     def __init__(self, path, n_threads=0):
         mp = ffi.new("kvpq_model_params *", lib.kvpq_model_params_default())
         mp.n_threads = _int(n_threads, "n_threads", "Model", 0)
         h = ffi.new("kvpq_model **")
         _check(lib.kvpq_model_load(h, os.fsencode(path), mp), f"Model('{path}')")
+        self.path = os.fspath(path)
         self._h = ffi.gc(h[0], lib.kvpq_model_free)
         mi = ffi.new("kvpq_model_info *")
         _check(lib.kvpq_model_get_info(self._h, mi), "Model")

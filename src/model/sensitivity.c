@@ -179,17 +179,6 @@ static kvpq_status window_errors(const mixed_attn *a, int n, int pos0, int first
     return bad ? kvpq__err(KVPQ_ERR_NOMEM, "sensitivity: out of memory") : KVPQ_OK;
 }
 
-/* In place: logits -> log-probabilities (sums in double). */
-static void log_softmax(float *row, int V) {
-    float mx = row[0];
-    for (int i = 1; i < V; i++)
-        if (row[i] > mx) mx = row[i];
-    double sum = 0;
-    for (int i = 0; i < V; i++) sum += exp((double)row[i] - mx);
-    double lse = mx + log(sum);
-    for (int i = 0; i < V; i++) row[i] = (float)((double)row[i] - lse);
-}
-
 kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, int n,
                                          const kvpq_codebook *const *cands, int n_cand,
                                          const kvpq_sensitivity_params *p, double *kl) {
@@ -245,8 +234,7 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
     float *qs = use_err ? malloc(sizeof(float) * (size_t)L * n * qrow) : NULL;
     double *err = use_err ? calloc((size_t)(1 + nw) * n_cand * 2 * L, sizeof(double)) : NULL;
     float *base = malloc(sizeof(float) * (size_t)(n - first) * V), *lp = malloc(sizeof(float) * (size_t)(n - first) * V);
-    double *klj = malloc(sizeof(double) * (size_t)(n - first));
-    if (!xs || !ks || !vs || !kr || !vr || !pad || !base || !lp || !klj || (use_err && (!qs || !err))) {
+    if (!xs || !ks || !vs || !kr || !vr || !pad || !base || !lp || (use_err && (!qs || !err))) {
         s = kvpq__err(KVPQ_ERR_NOMEM, "kvpq_model_layer_sensitivity: out of memory (%d layers x %d tokens)", L, n);
         goto done;
     }
@@ -262,8 +250,8 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
     kvpq__eval_hook h0 = {.layer0 = 0, .save_x = xs, .save_k = ks, .save_v = vs, .save_q = qs, .save_tokens = n,
                           .attend_layer = -1};
     if ((s = kvpq__model_eval_hooked(m, fc, tokens, n, 0, first, base, &h0)) != KVPQ_OK) goto restore;
-#pragma omp parallel for schedule(static)
-    for (int j = 0; j < n_sc; j++) log_softmax(base + (size_t)j * V, V);
+    kvpq_score_sums base_sums = {0};
+    kvpq_score_base(base, n_sc, V, NULL, NULL, &base_sums); /* logits -> log-probabilities */
     const int kinds[2] = {p->kinds & 1, (p->kinds >> 1) & 1};
     const double total = (double)n_cand * L * (kinds[0] + kinds[1]);
     double done = 0;
@@ -316,18 +304,9 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
                                      .attend = mixed_attend, .user = &a};
                 if ((s = kvpq_cache_truncate(fc, 0)) != KVPQ_OK) break;
                 if ((s = kvpq__model_eval_hooked(m, fc, tokens, n, 0, first, lp, &h)) != KVPQ_OK) break;
-#pragma omp parallel for schedule(static)
-                for (int j = 0; j < n_sc; j++) {
-                    float *r = lp + (size_t)j * V;
-                    const float *b = base + (size_t)j * V;
-                    log_softmax(r, V);
-                    double d = 0;
-                    for (int t = 0; t < V; t++) d += exp((double)b[t]) * ((double)b[t] - (double)r[t]);
-                    klj[j] = d > 0 ? d : 0;
-                }
-                double sum = 0; /* in position order: the same bits whatever the threads */
-                for (int j = 0; j < n_sc; j++) sum += klj[j];
-                kl[((size_t)c * 2 + kind) * L + l] = sum / n_sc;
+                kvpq_score_sums sums = {0}; /* as kvpq ppl --kl-base scores (fixed order: any threads) */
+                kvpq_score_test(lp, n_sc, V, NULL, base, NULL, NULL, &sums);
+                kl[((size_t)c * 2 + kind) * L + l] = sums.kl_sum / n_sc;
                 done += 1;
                 if (p->progress && p->progress(p->progress_user, "sensitivity", done, total)) {
                     s = kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_layer_sensitivity: cancelled");
@@ -338,6 +317,7 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
         kvpq_cache_free(vc);
         vc = NULL;
     }
+    if (s == KVPQ_OK && p->progress) p->progress(p->progress_user, "sensitivity", total, total); /* scaled ones too */
     if (s == KVPQ_OK && ref >= 0)
         for (int c = 0; c < n_cand; c++)
             for (int kind = 0; kind < 2; kind++)
@@ -364,7 +344,6 @@ done:
     free(pad);
     free(base);
     free(lp);
-    free(klj);
     free(qs);
     free(err);
     return s;

@@ -14,6 +14,22 @@ kvpq_calibrate_params kvpq_calibrate_params_default(void) {
     return p;
 }
 
+/* kvpq_calibrate_params.stage1_from: layer's stage-one key and value centroids copied from `from`
+ * (same presets; cb has a second key stage there). */
+static kvpq_status copy_stage1(kvpq_codebook *cb, const kvpq_codebook *from, int layer) {
+    if (!kvpq_codebook_key_pq2(cb, layer))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "stage1_from: the codebook has no second key stage at layer %d", layer);
+    for (int is_value = 0; is_value < 2; is_value++) {
+        const kvpq_pq *src = kvpq_codebook_pq_const(from, layer, is_value);
+        kvpq_pq *dst = kvpq_codebook_pq(cb, layer, is_value);
+        if (!src || kvpq_pq_centroids_size(src) != kvpq_pq_centroids_size(dst))
+            return kvpq__err(KVPQ_ERR_MISMATCH, "stage1_from: its layer %d %s quantizer has another shape", layer,
+                             is_value ? "value" : "key");
+        KVPQ_TRY(kvpq_pq_set_centroids(dst, kvpq_pq_centroids(src), kvpq_pq_centroids_size(src)));
+    }
+    return KVPQ_OK;
+}
+
 kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n_tokens, const float *k,
                                           const float *v, const kvpq_calibrate_params *p,
                                           kvpq_kmeans_report *key_report, kvpq_kmeans_report *value_report) {
@@ -72,7 +88,9 @@ kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n
     kvpq_kmeans_params km = p->kmeans;
     int ppc = p->kmeans.max_points_per_centroid;
     km.max_points_per_centroid = ppc > 0 ? ppc : (cp.key.nbits > 8 ? 32 : 256);
-    if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, layer, 0), &km, n_tokens * H, kd, key_report)) != KVPQ_OK) {
+    if (p->stage1_from) s = copy_stage1(cb, p->stage1_from, layer);
+    else s = kvpq_pq_train(kvpq_codebook_pq(cb, layer, 0), &km, n_tokens * H, kd, key_report);
+    if (s != KVPQ_OK) {
         kvpq__err_prefix("kvpq_codebook_calibrate_layer: layer %d: key codebook", layer);
         goto done;
     }
@@ -100,6 +118,7 @@ kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n
         }
     }
     km.max_points_per_centroid = ppc > 0 ? ppc : (cp.value.nbits > 8 ? 32 : 256);
+    if (p->stage1_from) goto done; /* the values were copied with stage one */
     if ((s = kvpq_pq_train(kvpq_codebook_pq(cb, layer, 1), &km, n_tokens * H, vd, value_report)) != KVPQ_OK) {
         kvpq__err_prefix("kvpq_codebook_calibrate_layer: layer %d: value codebook", layer);
         goto done;

@@ -93,3 +93,19 @@ def test_chat():
     empty = subprocess.run([BIN, "chat", "--model", str(MODEL), "--json", "--quiet"], input="", capture_output=True,
                            text=True, timeout=600)
     assert empty.returncode == 0 and validate(json.loads(empty.stdout), "chat")["results"] == []
+
+
+@need_model
+def test_calibrate(tmp_path):
+    a, b, plain = tmp_path / "a.st", tmp_path / "b.st", tmp_path / "plain.st"
+    doc = validate(run_json("calibrate", "--model", MODEL, "--text", TEXT, "--tokens", 256, "--ctx", 512, "--iters", 1,
+                            "--bits", 3.5, "--bits-also", f"4.5 {b}", "--candidates", "d8b8,d4b8", "--holdout-ctx", 64,
+                            "--window", 16, "--verify-ctx", 64, "-o", a, "--also", f"--keys d8b8 -o {plain}"),
+                   "calibrate")
+    rows = doc["results"]
+    assert [r["file"] for r in rows] == [str(a), str(b), str(plain)]
+    assert [r.get("bits") for r in rows] == [3.5, 4.5, None]
+    assert all(r["effective_bits"] <= r["bits"] and r["window"] == 16 and r["sinks"] == 1 for r in rows[:2])
+    assert all(0 <= r["holdout_kl"] < 1 and 0 < r["holdout_top1"] <= 1 for r in rows[:2])
+    assert rows[2]["keys"] == "d8b8" and doc["settings"]["tokens"] == 256
+    assert all(p.exists() for p in (a, b, plain))

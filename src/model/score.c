@@ -1,14 +1,21 @@
-/* cli_score.c — chunk evaluation and KL / top-1 scoring shared by ppl and calibrate (cli_score.h). */
+/* score.c — chunk evaluation and the scores of one chunk (NLL, KL against a base, top-1 agreement):
+ * one implementation for `kvpq ppl`, calibrate's joint check and the layer sensitivities, so that
+ * calibrate's holdout_kl is what `kvpq ppl --kl-base` reports for the same tokens (kvpq_model.h). */
 #include <math.h>
 
-#include "cli.h"
-#include "cli_score.h"
+#include "../core/internal.h"
+#include "kvpq_model.h"
 
-kvpq_status cli_eval_chunk(kvpq_model *m, kvpq_cache *c, const int32_t *toks, int n, int first, int batch, int V,
-                           float *out, float *scratch_row, double *seconds) {
+kvpq_status kvpq_eval_chunk(kvpq_model *m, kvpq_cache *c, const int32_t *toks, int n, int first, int batch,
+                            float *out, float *scratch_row) {
+    if (!m || !c || !toks || !out || !scratch_row || batch < 1 || first < 0 || first >= n)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_eval_chunk: NULL argument, batch %d < 1 or first %d not in "
+                         "0..n-1 = %d", batch, first, n - 1);
+    kvpq_model_info mi;
+    KVPQ_TRY(kvpq_model_get_info(m, &mi));
+    const int V = mi.n_vocab;
     kvpq_status s = kvpq_cache_truncate(c, 0);
     if (s != KVPQ_OK) return s;
-    double t0 = cli_now();
     for (int p = 0; p < first && s == KVPQ_OK; p += batch) {
         int nb = first - p < batch ? first - p : batch;
         s = kvpq_model_eval(m, c, toks + p, nb, 0, scratch_row);
@@ -17,7 +24,6 @@ kvpq_status cli_eval_chunk(kvpq_model *m, kvpq_cache *c, const int32_t *toks, in
         int nb = n - p < batch ? n - p : batch;
         s = kvpq_model_eval(m, c, toks + p, nb, 1, out + (size_t)(p - first) * V);
     }
-    *seconds += cli_now() - t0;
     return s;
 }
 
@@ -50,21 +56,23 @@ static void score_row(float *lp, int V, int32_t next, const float *lb, int base_
                       score_part *p) {
     const int t = log_softmax(lp, V);
     if (top) *top = t;
-    const double v = -(double)lp[next];
-    p->nll += v;
-    p->nll2 += v * v;
+    if (next >= 0) {
+        const double v = -(double)lp[next];
+        p->nll += v;
+        p->nll2 += v * v;
+    }
     if (lb) {
         double kl = 0;
         for (int i = 0; i < V; i++) kl += exp((double)lb[i]) * ((double)lb[i] - (double)lp[i]);
         if (kl < 0) kl = 0; /* rounding: KL >= 0 */
         if (kl_out) *kl_out = (float)kl;
         p->kl += kl;
-        p->agree += t == base_top;
+        p->agree += base_top >= 0 && t == base_top;
     }
 }
 
 static void score_rows(float *lp_all, int n_score, int V, const int32_t *next, int *top, const float *base_lp,
-                       const int *base_top, float *kl_out, cli_score_sums *s) {
+                       const int *base_top, float *kl_out, kvpq_score_sums *s) {
     for (int j0 = 0; j0 < n_score; j0 += SCORE_BLK * SCORE_NB) {
         score_part part[SCORE_NB];
         const int nb = (n_score - j0 + SCORE_BLK - 1) / SCORE_BLK < SCORE_NB ? (n_score - j0 + SCORE_BLK - 1) / SCORE_BLK
@@ -73,8 +81,8 @@ static void score_rows(float *lp_all, int n_score, int V, const int32_t *next, i
         for (int b = 0; b < nb; b++) {
             score_part p = {0};
             for (int j = j0 + b * SCORE_BLK; j < j0 + (b + 1) * SCORE_BLK && j < n_score; j++)
-                score_row(lp_all + (size_t)j * V, V, next[j], base_lp ? base_lp + (size_t)j * V : NULL,
-                          base_lp ? base_top[j] : 0, kl_out ? kl_out + j : NULL, top ? top + j : NULL, &p);
+                score_row(lp_all + (size_t)j * V, V, next ? next[j] : -1, base_lp ? base_lp + (size_t)j * V : NULL,
+                          base_lp && base_top ? base_top[j] : -1, kl_out ? kl_out + j : NULL, top ? top + j : NULL, &p);
             part[b] = p;
         }
         for (int b = 0; b < nb; b++) {
@@ -86,11 +94,11 @@ static void score_rows(float *lp_all, int n_score, int V, const int32_t *next, i
     }
 }
 
-void cli_score_base(float *lp_all, int n_score, int V, const int32_t *next, int *top, cli_score_sums *s) {
+void kvpq_score_base(float *lp_all, int n_score, int V, const int32_t *next, int *top, kvpq_score_sums *s) {
     score_rows(lp_all, n_score, V, next, top, NULL, NULL, NULL, s);
 }
 
-void cli_score_test(float *lp_all, int n_score, int V, const int32_t *next, const float *base_lp, const int *base_top,
-                    float *kl_out, cli_score_sums *s) {
+void kvpq_score_test(float *lp_all, int n_score, int V, const int32_t *next, const float *base_lp, const int *base_top,
+                    float *kl_out, kvpq_score_sums *s) {
     score_rows(lp_all, n_score, V, next, NULL, base_lp, base_top, kl_out, s);
 }

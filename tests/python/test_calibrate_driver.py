@@ -1,0 +1,90 @@
+"""The calibration driver lives in the library (issue 32, item 1): `kvpq calibrate` and
+kvpq.calibrate(model, text, bits=...) are thin clients of kvpq_model_calibrate, so the same options
+give the same file, byte for byte; and the files equal those the CLI wrote before the move (a fixture
+of sha256 sums). Bad options raise kvpq.Error naming the option before any forward pass."""
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import kvpq
+
+SRC = Path(os.environ.get("KVPQ_SOURCE_DIR", Path(__file__).resolve().parents[2]))
+BIN = os.path.abspath(os.environ.get("KVPQ_BIN", str(SRC / "build" / "kvpq")))
+MODEL = SRC / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = SRC / "data" / "text" / "emma.txt"
+FIXTURE = SRC / "tests" / "fixtures" / "calibrate_cli_d195030.sha256"
+pytestmark = pytest.mark.skipif(not MODEL.exists(), reason=f"model {MODEL} missing (scripts/fetch_model.sh)")
+
+# Small but every path: two budgets, a second key stage among the candidates, two windows checked by
+# measurement (the joint check), values allocated, and a plain --also codebook from the same pass.
+FIXTURE_ARGS = ["--tokens", 512, "--ctx", 1024, "--bits", 3.3, "--bits-also", "3.6 b36.safetensors",
+                "--candidates", "d8b8,d4b8,d4b8+d8b8", "--holdout-ctx", 128, "--window-candidates", "0,16",
+                "--verify-ctx", 128, "--window-select", "measured", "--iters", 3, "--threads", 2,
+                "-o", "b33.safetensors", "--also", "--keys d8b8 -o plain.safetensors"]
+FILES = ["b33.safetensors", "b36.safetensors", "plain.safetensors"]
+
+
+def sha(p):
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def cli_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    r = subprocess.run([BIN, "calibrate", "--model", MODEL, "--text", TEXT, *map(str, FIXTURE_ARGS)], cwd=d,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+def test_cli_files_equal_those_written_before_the_move(cli_files):
+    if kvpq.simd_get() != "avx512":
+        pytest.skip("the fixture was made with the AVX-512 kernels; this CPU runs " + kvpq.simd_get())
+    want = dict(reversed(line.split()) for line in FIXTURE.read_text().splitlines() if line and line[0] != "#")
+    assert {f: sha(cli_files / f) for f in FILES} == want
+
+
+def test_python_call_writes_the_cli_bytes(cli_files, tmp_path):
+    m = kvpq.Model(MODEL, n_threads=2)
+    text = TEXT.read_text(encoding="utf-8")
+    report = []
+    b33, b36 = kvpq.calibrate(m, text, [3.3, 3.6], tokens=512, ctx=1024, candidates="d8b8,d4b8,d4b8+d8b8",
+                              holdout_ctx=128, windows=[0, 16], verify_ctx=128, window_select="measured", iters=3,
+                              n_threads=2, text_name="emma.txt", report=report)
+    # the plain --also codebook inherits the main command's 8-bit norms (--bits was given)
+    plain = kvpq.calibrate(m, text, tokens=512, ctx=1024, keys="d8b8", iters=3, n_threads=2, text_name="emma.txt",
+                           norm_bits=8)
+    for cb, name in ((b33, "b33"), (b36, "b36"), (plain, "plain")):
+        cb.save(tmp_path / f"{name}.safetensors")
+        assert sha(tmp_path / f"{name}.safetensors") == sha(cli_files / f"{name}.safetensors"), name
+    assert [r["window"] for r in report] == [int(b33.get_meta("alloc.window")), int(b36.get_meta("alloc.window"))]
+    assert report[0]["effective_bits"] <= 3.3 and report[1]["effective_bits"] <= 3.6
+    assert abs(report[0]["holdout_kl"] - float(b33.get_meta("alloc.holdout_kl"))) == 0
+
+
+@pytest.mark.parametrize("kw, named", [
+    (dict(bits=2.5, windows=[16, 16]), "listed twice"),
+    (dict(bits=2.5, candidates="d4b8,d4b12"), "nbits"),
+    (dict(bits=2.5, keys2="d8b8"), "--keys2"),
+    (dict(keys_layers="d2b8:0-5,d8b8:3-8"), "layer 3 is already set"),
+    (dict(bits=2.5, window_select="sometimes"), "window_select"),
+    (dict(ctx=1 << 20), "--ctx"),
+])
+def test_bad_options_raise_naming_the_option(kw, named):
+    m = kvpq.Model(MODEL, n_threads=2)
+    seen = []
+    with pytest.raises(kvpq.Error) as e:
+        kvpq.calibrate(m, TEXT.read_text(encoding="utf-8")[:20000], tokens=256, progress=lambda *a: seen.append(a),
+                       **kw)
+    assert named in str(e.value)
+    assert not seen, "a forward pass ran before the options were checked"
+
+
+def test_progress_can_cancel():
+    m = kvpq.Model(MODEL, n_threads=2)
+    with pytest.raises(kvpq.Error, match="cancelled"):
+        kvpq.calibrate(m, TEXT.read_text(encoding="utf-8")[:20000], tokens=256, ctx=128,
+                       progress=lambda stage, done, total: stage == "forward")

@@ -1,0 +1,193 @@
+/* test_calibrate_model.c — the library's calibration driver (kvpq_model.h: kvpq_model_calibrate,
+ * kvpq_calibration_*) on the real model (SmolLM2-135M-Instruct Q4_1), small settings: option checks
+ * before any work, budgets met with the window and sinks recorded where kvpq_cache_params_resolve
+ * finds them, a budget no allocation fits, cancelling, and kvpq_calibrate_params.stage1_from giving
+ * the same bytes as training every stage. Skips, saying so, when the model file is missing. The file
+ * bytes against the CLI's (before and after the driver moved here): tests/python/test_calibrate_driver.py. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvpq_model.h"
+
+#define MODEL_PATH KVPQ_SOURCE_DIR "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define TEXT_PATH KVPQ_SOURCE_DIR "/data/text/emma.txt"
+#define TEXT_BYTES 12000 /* about 2700 tokens */
+
+static kvpq_model *g_model;
+static int32_t *g_toks;
+static size_t g_n;
+
+static void setup(void) {
+    FILE *f = fopen(MODEL_PATH, "rb");
+    if (!f) return;
+    fclose(f);
+    kvpq_model_params mp = kvpq_model_params_default();
+    mp.n_threads = 2;
+    cr_assert_eq(kvpq_model_load(&g_model, MODEL_PATH, &mp), KVPQ_OK, "%s", kvpq_last_error());
+    char *text = calloc(TEXT_BYTES + 1, 1);
+    f = fopen(TEXT_PATH, "rb");
+    cr_assert(f && text);
+    size_t len = fread(text, 1, TEXT_BYTES, f);
+    fclose(f);
+    while (len > 0 && (text[len - 1] & 0xC0) == 0x80) len--; /* whole UTF-8 sequences */
+    if (len > 0 && (unsigned char)text[len - 1] >= 0xC0) len--;
+    cr_assert_eq(kvpq_tokenize(g_model, text, len, 0, 0, NULL, 0, &g_n), KVPQ_OK);
+    g_toks = malloc(sizeof *g_toks * g_n);
+    cr_assert_eq(kvpq_tokenize(g_model, text, len, 0, 0, g_toks, g_n, &g_n), KVPQ_OK);
+    free(text);
+}
+
+static void teardown(void) {
+    kvpq_model_free(g_model);
+    free(g_toks);
+}
+
+#define REQUIRE_MODEL() \
+    if (!g_model) cr_skip_test("model %s missing (run scripts/fetch_model.sh)", MODEL_PATH)
+
+static int quick(void) {
+    const char *q = getenv("KVPQ_QUICK");
+    return q && *q && strcmp(q, "0") != 0;
+}
+
+/* Small settings: 512 k-means tokens, 3 k-means iterations, a 128-token hold-out and joint check;
+ * KVPQ_QUICK (the sanitizer run): 1 iteration, 64-token hold-out and check, two candidates. */
+static kvpq_calibrate_opts small_opts(const double *bits, int n_bits, const int *wins, int n_wins) {
+    kvpq_calibrate_opts o = kvpq_calibrate_opts_default();
+    o.tokens = 512, o.ctx = 1024, o.n_threads = 2;
+    o.recipe.iters = quick() ? 1 : 3;
+    o.alloc.bits = bits, o.alloc.n_bits = n_bits;
+    o.alloc.candidates = quick() ? "d4b8,d4b8+d8b8" : "d8b8,d4b8,d4b8+d8b8";
+    o.alloc.windows = wins, o.alloc.n_windows = n_wins;
+    o.alloc.holdout_ctx = o.alloc.verify_ctx = quick() ? 64 : 128;
+    return o;
+}
+
+TestSuite(calibrate_model, .init = setup, .fini = teardown, .timeout = 600);
+
+Test(calibrate_model, options_checked_without_a_model) {
+    const double bits[1] = {2.5};
+    const int twice[3] = {0, 16, 16};
+    kvpq_calibrate_opts o = small_opts(bits, 1, twice, 3);
+    cr_assert_eq(kvpq_calibrate_opts_check(NULL, &o, 0), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "window 16 is listed twice"), "%s", kvpq_last_error());
+    const int wins[2] = {0, 16};
+    o = small_opts(bits, 1, wins, 2);
+    o.recipe.keys2 = "d8b8";
+    cr_assert_eq(kvpq_calibrate_opts_check(NULL, &o, 0), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "--keys2 is not used with it"), "%s", kvpq_last_error());
+    o = small_opts(bits, 1, wins, 2);
+    o.alloc.window_select = KVPQ_WINDOW_SELECT_MEASURED, o.alloc.verify_ctx = 0;
+    cr_assert_eq(kvpq_calibrate_opts_check(NULL, &o, 0), KVPQ_ERR_INVALID_ARG);
+    o = small_opts(bits, 1, wins, 2);
+    cr_assert_eq(kvpq_calibrate_opts_check(NULL, &o, 0), KVPQ_OK, "%s", kvpq_last_error());
+}
+
+Test(calibrate_model, options_checked_against_the_model_and_text) {
+    REQUIRE_MODEL();
+    const double bits[1] = {2.5};
+    const int wins[2] = {0, 16};
+    kvpq_calibrate_opts o = small_opts(bits, 1, wins, 2);
+    o.alloc.candidates = "d4b8,d4b12"; /* nbits 8 and 12 */
+    cr_assert_eq(kvpq_calibrate_opts_check(g_model, &o, g_n), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "nbits"), "%s", kvpq_last_error());
+    o = small_opts(bits, 1, wins, 2);
+    cr_assert_eq(kvpq_calibrate_opts_check(g_model, &o, 300), KVPQ_ERR_INVALID_ARG); /* too short a text */
+    o.recipe.keys = "d4b9";
+    kvpq_calibration *c = (kvpq_calibration *)1;
+    cr_assert_eq(kvpq_calibration_new(&c, g_model, g_toks, g_n, &o), KVPQ_ERR_INVALID_ARG);
+    cr_assert_null(c);
+}
+
+Test(calibrate_model, budgets_met_and_window_recorded) {
+    REQUIRE_MODEL();
+    const double bits[2] = {3.3, 1.0}; /* 1.0: below the lightest allocation */
+    const int wins[2] = {0, 16};
+    kvpq_calibrate_opts o = small_opts(bits, 2, wins, 2);
+    kvpq_codebook *out[2] = {0};
+    kvpq_alloc_report rep[2];
+    cr_assert_eq(kvpq_model_calibrate(g_model, g_toks, g_n, &o, out, rep), KVPQ_ERR_CAPACITY, "%s", kvpq_last_error());
+    cr_assert_not_null(out[0]);
+    cr_assert_null(out[1]);
+    cr_assert(rep[0].effective_bits <= 3.3 && rep[0].effective_bits > 2.0, "%g", rep[0].effective_bits);
+    cr_assert(rep[1].lightest_bits > 1.0 && isnan(rep[1].effective_bits), "%g", rep[1].lightest_bits);
+    cr_assert(rep[0].holdout_kl > 0 && rep[0].holdout_kl < 1 && rep[0].holdout_top1 > 0.5);
+    char w[16];
+    snprintf(w, sizeof w, "%d", rep[0].window);
+    cr_assert_str_eq(kvpq_codebook_get_meta(out[0], "alloc.window"), w);
+    kvpq_cache_params cp = kvpq_cache_params_default();
+    cp.type = KVPQ_CACHE_VQ, cp.codebook = out[0];
+    cr_assert_eq(kvpq_cache_params_resolve(&cp, -1, -1), KVPQ_OK);
+    cr_assert_eq(cp.window, rep[0].window);
+    cr_assert_eq(cp.sinks, 1);
+    kvpq_codebook_free(out[0]);
+}
+
+static int cancel_in_kmeans(void *user, const char *stage, double done, double total) {
+    (void)done, (void)total;
+    ++*(int *)user;
+    return !strcmp(stage, "k-means");
+}
+
+Test(calibrate_model, progress_cancels) {
+    REQUIRE_MODEL();
+    kvpq_calibrate_opts o = small_opts(NULL, 0, NULL, 0);
+    int calls = 0;
+    o.progress = cancel_in_kmeans, o.progress_user = &calls;
+    kvpq_codebook *cb = (kvpq_codebook *)1;
+    cr_assert_eq(kvpq_model_calibrate(g_model, g_toks, g_n, &o, &cb, NULL), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "cancelled"), "%s", kvpq_last_error());
+    cr_assert_null(cb);
+    cr_assert_gt(calls, 1); /* the forward pass reported before k-means */
+}
+
+/* Two trainings of the same "d4b8 + second stage d8b8" codebook: all stages, and stage two alone
+ * with stage one and the values copied from a one-stage d4b8 training. */
+Test(calibrate_model, stage1_from_gives_the_same_centroids) {
+    REQUIRE_MODEL();
+    kvpq_calibrate_opts o = small_opts(NULL, 0, NULL, 0);
+    kvpq_calibration *c = NULL;
+    cr_assert_eq(kvpq_calibration_new(&c, g_model, g_toks, g_n, &o), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook_recipe one = o.recipe, two = o.recipe;
+    two.keys2 = "d8b8";
+    kvpq_codebook *cb1 = NULL, *cb2 = NULL;
+    cr_assert_eq(kvpq_calibration_train(c, &one, &cb1), KVPQ_OK);
+    cr_assert_eq(kvpq_calibration_train(c, &two, &cb2), KVPQ_OK);
+    kvpq_calibration_free(c);
+    /* stage two alone on layer 3's activations, collected as calibrate does */
+    kvpq_model_info mi;
+    kvpq_model_get_info(g_model, &mi);
+    const size_t row = (size_t)mi.n_head_kv * mi.head_dim;
+    kvpq_cache_params kp = kvpq_cache_params_default();
+    kp.type = KVPQ_CACHE_FP32;
+    kvpq_model_cache_params(g_model, &kp);
+    kp.max_seq = 512;
+    kvpq_cache *cache = NULL;
+    cr_assert_eq(kvpq_cache_new(&cache, &kp), KVPQ_OK);
+    float *logits = malloc(sizeof(float) * mi.n_vocab), *qabs = calloc((size_t)mi.n_layer * row, sizeof(float));
+    float *k = malloc(sizeof(float) * 512 * row), *v = malloc(sizeof(float) * 512 * row);
+    cr_assert_eq(kvpq_model_eval_query_absmax(g_model, cache, g_toks, 512, 0, logits, qabs), KVPQ_OK);
+    cr_assert_eq(kvpq_cache_read(cache, 3, 0, 512, k, v), KVPQ_OK);
+    kvpq_codebook_params cp = kvpq_codebook_get_params(cb2);
+    kvpq_codebook *cb3 = NULL;
+    cr_assert_eq(kvpq_codebook_new(&cb3, &cp), KVPQ_OK);
+    kvpq_calibrate_params clp = kvpq_calibrate_params_default();
+    clp.kmeans.niter = o.recipe.iters, clp.kmeans.n_threads = 2, clp.query_absmax = qabs + 3 * row;
+    clp.stage1_from = cb1;
+    cr_assert_eq(kvpq_codebook_calibrate_layer(cb3, 3, 512, k, v, &clp, NULL, NULL), KVPQ_OK, "%s", kvpq_last_error());
+    const kvpq_pq *a[3] = {kvpq_codebook_pq_const(cb2, 3, 0), kvpq_codebook_pq_const(cb2, 3, 1),
+                           kvpq_codebook_key_pq2_const(cb2, 3)};
+    const kvpq_pq *b[3] = {kvpq_codebook_pq_const(cb3, 3, 0), kvpq_codebook_pq_const(cb3, 3, 1),
+                           kvpq_codebook_key_pq2_const(cb3, 3)};
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(memcmp(kvpq_pq_centroids(a[i]), kvpq_pq_centroids(b[i]), sizeof(float) * kvpq_pq_centroids_size(a[i])),
+                     0, "quantizer %d differs", i);
+    clp.stage1_from = cb2; /* cb1 has no second stage to train: refused */
+    cr_assert_eq(kvpq_codebook_calibrate_layer(cb1, 3, 512, k, v, &clp, NULL, NULL), KVPQ_ERR_INVALID_ARG);
+    kvpq_cache_free(cache);
+    free(logits), free(qabs), free(k), free(v);
+    kvpq_codebook_free(cb1), kvpq_codebook_free(cb2), kvpq_codebook_free(cb3);
+}
