@@ -418,6 +418,26 @@ KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
  * interrupted save leaves nothing behind (the kvpq CLI does). The library installs no handlers. */
 KVPQ_API void kvpq_remove_temp_files(void);
 
+/* ---- TurboQuant's MSE quantizer as a codebook (a peer in kvpq's own harness) ----------------- */
+
+/* The 2^nbits Lloyd-Max centroids (ascending) for one coordinate of a uniformly random unit vector in
+ * R^d, density ~ (1 - x^2)^((d - 3) / 2) on [-1, 1] (TurboQuant, Zandieh et al., arXiv 2504.19874,
+ * sec. 3.1), by Lloyd iterations on a 65536-point grid. out: (2^nbits). Errors: d < 4, nbits not in
+ * 1..8 (KVPQ_ERR_INVALID_ARG). */
+KVPQ_API kvpq_status kvpq_turboquant_centroids(int d, int nbits, float *out);
+/* A codebook that makes the VQ cache TurboQuant's MSE quantizer (its Algorithm 1) at nbits bits per
+ * coordinate: keys and values Hadamard-rotated (mu 0, lambda 1), norm-explicit, each coordinate of the
+ * direction coded by the kvpq_turboquant_centroids quantizer (a PQ with dsub 1 and that fixed shared
+ * codebook; attention from codes as for any VQ cache). Differs from the paper in the rotation
+ * (kvpq's deterministic normalized Walsh-Hadamard, not a random orthogonal matrix) and the kept scale
+ * (the least-squares x . r / |r|^2, not |x|). Records metadata method "turboquant-mse", tq.bits, and
+ * alloc.window 0 / alloc.sinks 0 (TurboQuant keeps no fp16 positions; kvpq_cache_params_resolve
+ * applies them unless overridden). norm_bits: 16 (float16 scales, as TurboQuant keeps the norm) or 8
+ * (nbits <= 4). Effective bits per element: nbits + norm_bits / head_dim. Errors:
+ * KVPQ_ERR_INVALID_ARG (shapes as kvpq_codebook_new, nbits, norm_bits). */
+KVPQ_API kvpq_status kvpq_codebook_turboquant(kvpq_codebook **out, int n_layer, int n_head_kv, int head_dim, int nbits,
+                                              int norm_bits);
+
 /* ---- calibration: a codebook from collected keys and values --------------------------------- */
 
 /* How kvpq_codebook_calibrate_layer trains a layer. kvpq_calibrate_params_default() gives the

@@ -24,7 +24,7 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_
     char err[512];
     if (cli_cache_spec_parse(spec, &sp, err, sizeof err) != 0) return cli_usage_error("%s", err);
     cp.type = sp.type;
-    const char *vq_path = sp.type == KVPQ_CACHE_VQ ? sp.path : NULL;
+    const char *vq_path = sp.type == KVPQ_CACHE_VQ && !sp.tq_bits ? sp.path : NULL;
     const int force = sp.force;
     kvpq_status s;
     if (vq_path) {
@@ -50,6 +50,14 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_
         if (unchecked)
             fprintf(stderr, "kvpq: cache '%s': warning: the codebook file records no model fingerprint (written "
                             "before kvpq recorded one): cannot check that it belongs to this model\n", spec);
+    }
+    if (sp.tq_bits) { /* TurboQuant's MSE quantizer for this model's shape, float16 norms */
+        s = kvpq_codebook_turboquant(&c->codebook, mi->n_layer, mi->n_head_kv, mi->head_dim, sp.tq_bits, 16);
+        if (s != KVPQ_OK) {
+            fprintf(stderr, "kvpq: cache '%s': ", spec);
+            return cli_fail("codebook", s);
+        }
+        cp.codebook = c->codebook;
     }
     /* window and sinks: the SPEC's suffixes; else, for vq, what the codebook's allocation was made
      * for; else the defaults (kvpq_cache_params_resolve: the rule Python applies too) */

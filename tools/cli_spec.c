@@ -73,9 +73,11 @@ int cli_cache_spec_parse(const char *spec, cli_cache_spec *out, char *err, size_
             memcpy(kind, spec, kl);
             kind[kl] = '\0';
         }
-        if (kl >= sizeof kind || kvpq_cache_type_parse(kind, &out->type, NULL) != KVPQ_OK)
+        if (kl == 3 && !strncmp(kind, "tq", 2) && kind[2] >= '2' && kind[2] <= '4')
+            out->type = KVPQ_CACHE_VQ, out->tq_bits = kind[2] - '0';
+        else if (kl >= sizeof kind || kvpq_cache_type_parse(kind, &out->type, NULL) != KVPQ_OK)
             return fail(err, errlen, "cache '%s': unknown kind '%.*s' (expected fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 "
-                                     "kivi4 vq:FILE)", spec, (int)(kl < 32 ? kl : 32), spec);
+                                     "kivi4 tq2 tq3 tq4 vq:FILE)", spec, (int)(kl < 32 ? kl : 32), spec);
         rest = colon ? colon + 1 : end;
         if (colon && rest == end) return fail(err, errlen, "cache '%s': an empty suffix", spec);
     }
@@ -121,7 +123,7 @@ int cli_cache_spec_parse(const char *spec, cli_cache_spec *out, char *err, size_
         return fail(err, errlen, "cache '%s': a window (:w%d) applies to vq and kivi caches only", spec, out->window);
     if (out->sinks >= 0 && (t == KVPQ_CACHE_FP32 || t == KVPQ_CACHE_FP16))
         return fail(err, errlen, "cache '%s': sinks (:s%d) apply to the quantized caches only", spec, out->sinks);
-    if (out->force && t != KVPQ_CACHE_VQ)
+    if (out->force && (t != KVPQ_CACHE_VQ || out->tq_bits))
         return fail(err, errlen, "cache '%s': :force applies to vq:FILE caches only (it accepts a codebook of another "
                                  "model)", spec);
     return 0;

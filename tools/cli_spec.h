@@ -2,7 +2,9 @@
  * so that it can be tested alone (tests/test_cli_spec.c). Uses kvpq.h only.
  *
  *   SPEC   = KIND { ":" SUFFIX }  |  "vq:" PATH { ":" SUFFIX }  |  "vq:" PATH ":" { ":" SUFFIX }
- *   KIND   = fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4
+ *   KIND   = fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 | tq2 tq3 tq4 (TurboQuant's MSE quantizer at
+ *            2, 3, 4 bits per coordinate: a vq cache of the codebook kvpq_codebook_turboquant builds for
+ *            the model; window and sinks 0 unless :wN / :sN)
  *   SUFFIX = "w" N  (fp16 window of vq / kivi caches, N in 0..2^20)
  *          | "s" N  (attention sinks of a quantized cache, N in 0..65536)
  *          | "force" (vq only: use a codebook calibrated on another model)
@@ -25,6 +27,7 @@ typedef struct {
     int window;     /* :wN, -1 when not given */
     int sinks;      /* :sN, -1 when not given */
     int force;      /* :force given */
+    int tq_bits;    /* tqN: N (type is then KVPQ_CACHE_VQ, path ""); 0 otherwise */
 } cli_cache_spec;
 
 /* Parse spec into *out. Returns 0, or 2 (a usage error: the exit code) with a message naming the

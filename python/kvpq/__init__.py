@@ -13,8 +13,10 @@ from ._core import (Cache, Codebook, cache_settings, CudaCache, Error, Model, Pr
                     codes_pack, codes_unpack, gguf_dequantize, hadamard, kmeans, last_error, normalize_rows,
                     simd_get, simd_set, smooth_apply, smooth_apply_query, smooth_compute, version, cuda_available)
 from ._ffi import ffi, lib
+from ._turboquant import turboquant_centroids, turboquant_codebook
 
 __version__ = version()
 __all__ = ["Cache", "Codebook", "cache_settings", "CudaCache", "Error", "Model", "ProductQuantizer", "Vocab", "calibrate", "calibrate_layer",
            "codes_pack", "codes_unpack", "gguf_dequantize", "hadamard", "kmeans", "last_error", "normalize_rows",
-           "simd_get", "simd_set", "smooth_apply", "smooth_apply_query", "smooth_compute", "version", "cuda_available", "ffi", "lib"]
+           "simd_get", "simd_set", "smooth_apply", "smooth_apply_query", "smooth_compute", "version", "cuda_available", "ffi", "lib",
+           "turboquant_centroids", "turboquant_codebook"]
