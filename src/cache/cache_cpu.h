@@ -110,4 +110,25 @@ void kvpq__rows_stats(const void *state, const int *lens, kvpq_cache_stats *st);
 int kvpq__rows_drop(void *state, int layer, int len, int keep_from);
 kvpq_status kvpq__rows_serial(void *state, const int *lens, const int *lo, kvpq__stream *s, int load);
 
+/* A row kind: its create (CREATE, kvpq__rows_create or kvpq__rows_create_rotated, over CODEC) and
+ * its ops table kvpq_cache_ops_<KIND>, the row engine above for everything else. A rotated kind's
+ * stats are the plain kind's blocks: rotation adds no stored bytes. */
+#define KVPQ__ROWS_KIND(KIND, CODEC, CREATE)                                                            \
+    static kvpq_status KIND##_create(void **state, const kvpq_cache_params *p) {                        \
+        return CREATE(state, p, &CODEC);                                                                \
+    }                                                                                                   \
+    const kvpq_cache_ops kvpq_cache_ops_##KIND = {                                                      \
+        .name = #KIND,                                                                                  \
+        .create = KIND##_create,                                                                        \
+        .destroy = kvpq__rows_destroy,                                                                  \
+        .append = kvpq__rows_append,                                                                    \
+        .attend = kvpq__rows_attend,                                                                    \
+        .truncate = kvpq__rows_truncate,                                                                \
+        .read = kvpq__rows_read,                                                                        \
+        .resident_bytes = kvpq__rows_resident_bytes,                                                    \
+        .drop = kvpq__rows_drop,                                                                        \
+        .stats = kvpq__rows_stats,                                                                      \
+        .serial = kvpq__rows_serial,                                                                    \
+    }
+
 #endif
