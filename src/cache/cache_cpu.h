@@ -131,4 +131,25 @@ kvpq_status kvpq__rows_serial(void *state, const int *lens, const int *lo, kvpq_
         .serial = kvpq__rows_serial,                                                                    \
     }
 
+/* The two row kinds of a ggml block type (q8_0, q4_0: block_<KIND> of QK elements with an fp16 d,
+ * x ~= d * q, |q| <= QMAX): <KIND> and <KIND>r, the same blocks over rotated head vectors (as
+ * llama.cpp stores a quantized KV cache by default since April 2026, ggml-org/llama.cpp PR 21038:
+ * kvpq__rows_create_rotated). The file defines KIND##_encode; rows decode through the kernel
+ * table's dequant_<KIND>; the fp16 d overflows beyond |x| = 65504 * QMAX. */
+#define KVPQ__GGML_ROWS_KINDS(KIND, QK, QMAX)                                                                 \
+    static size_t KIND##_row_bytes(int head_dim) { return (size_t)head_dim / QK * sizeof(block_##KIND); }     \
+    static void KIND##_decode(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr) { \
+        kr->dequant_##KIND(rows, (size_t)n * head_dim / QK, x);                                               \
+    }                                                                                                         \
+    static const kvpq__row_codec KIND##_codec = {                                                             \
+        .name = #KIND, .row_bytes = KIND##_row_bytes, .encode = KIND##_encode, .decode = KIND##_decode,       \
+        .head_dim_multiple = QK, .max_abs = 65504.0f * (QMAX),                                                \
+    };                                                                                                        \
+    static const kvpq__row_codec KIND##r_codec = {                                                            \
+        .name = #KIND "r", .row_bytes = KIND##_row_bytes, .encode = KIND##_encode, .decode = KIND##_decode,   \
+        .head_dim_multiple = QK, .max_abs = 65504.0f * (QMAX),                                                \
+    };                                                                                                        \
+    KVPQ__ROWS_KIND(KIND, KIND##_codec, kvpq__rows_create);                                                   \
+    KVPQ__ROWS_KIND(KIND##r, KIND##r_codec, kvpq__rows_create_rotated)
+
 #endif

@@ -115,12 +115,8 @@ void kvpq__vq_accum_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx
 
 // ---- LUT build and value output for gp = 4 (wider rows: vq_body.h) ---------------------------------
 
-void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
-                             float *lut) {
-    if (gp != 4) {
-        lut_build_lanes(M, ksub, dsub, n_books, cent, gp, qt, lut);
-        return;
-    }
+static void lut_build_g4(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                         float *lut) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub, *q = qt + (size_t)m * dsub * gp;
         float *out = lut + (size_t)m * ksub * gp;
@@ -135,12 +131,8 @@ void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float
     }
 }
 
-void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
-                             float *out) {
-    if (gp != 4) {
-        table_out_lanes(M, ksub, dsub, n_books, cent, gp, table, out);
-        return;
-    }
+static void table_out_g4(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                         float *out) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub;
         const float *tm = table + (size_t)m * ksub * gp;
@@ -164,6 +156,16 @@ void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float
             _mm_storeu_ps(o + j * 4, r);
         }
     }
+}
+
+void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                             float *lut) {
+    (gp == 4 ? lut_build_g4 : lut_build_lanes)(M, ksub, dsub, n_books, cent, gp, qt, lut);
+}
+
+void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                             float *out) {
+    (gp == 4 ? table_out_g4 : table_out_lanes)(M, ksub, dsub, n_books, cent, gp, table, out);
 }
 
 void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {

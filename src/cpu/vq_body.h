@@ -237,12 +237,8 @@ void KVPQ_ISA_FN(kvpq__vq_f32_to_f16)(size_t n, const float *src, uint16_t *dst)
 
 // ---- LUT build and value output: one W-lane FMA per (m, c, j) ----------------------------------
 
-static void lut_build_lanes(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
-                            float *lut) {
-    if (gp % W) {
-        VQ_NEXT(lut_build)(M, ksub, dsub, n_books, cent, gp, qt, lut);
-        return;
-    }
+static void lut_build_w(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                        float *lut) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub, *q = qt + (size_t)m * dsub * gp;
         float *out = lut + (size_t)m * ksub * gp;
@@ -256,12 +252,8 @@ static void lut_build_lanes(int M, int ksub, int dsub, int n_books, const float 
     }
 }
 
-static void table_out_lanes(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
-                            float *out) {
-    if (gp % W) {
-        VQ_NEXT(table_out)(M, ksub, dsub, n_books, cent, gp, table, out);
-        return;
-    }
+static void table_out_w(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                        float *out) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub;
         const float *tm = table + (size_t)m * ksub * gp;
@@ -277,6 +269,17 @@ static void table_out_lanes(int M, int ksub, int dsub, int n_books, const float 
             for (int j = 0; j < dsub; j++) vf_store(o + j * gp + b, acc[j]);
         }
     }
+}
+
+/* gp a multiple of W: the kernels above; other groups: the next level's. */
+static void lut_build_lanes(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                            float *lut) {
+    (gp % W ? VQ_NEXT(lut_build) : lut_build_w)(M, ksub, dsub, n_books, cent, gp, qt, lut);
+}
+
+static void table_out_lanes(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                            float *out) {
+    (gp % W ? VQ_NEXT(table_out) : table_out_w)(M, ksub, dsub, n_books, cent, gp, table, out);
 }
 
 /* The kernels of this body into a table; the including file sets the rest after it. */
