@@ -28,11 +28,7 @@ static inline int period_ok(int gp) { return gp <= GP_MAX && (W % gp == 0 || gp 
 
 /* Two accumulators over the sub-spaces (even, odd) for latency. */
 #define VQ_SCORE_LANES(NAME, T)                                                                     \
-    static void NAME##_lanes(int n, int M, int ksub, int gp, const T *codes, const float *lut, float *s) { \
-        if (gp % W) {                                                                               \
-            VQ_NEXT(NAME)(n, M, ksub, gp, codes, lut, s);                                           \
-            return;                                                                                 \
-        }                                                                                           \
+    static void NAME##_w(int n, int M, int ksub, int gp, const T *codes, const float *lut, float *s) {     \
         const size_t ms = (size_t)ksub * gp; /* stride between sub-spaces */                        \
         for (int t = 0; t < n; t++) {                                                               \
             const T *c = codes + (size_t)t * M;                                                     \
@@ -53,11 +49,7 @@ VQ_SCORE_LANES(score_u16, uint16_t)
 
 /* Exact: every table row gets its weights added in token order, as in the reference. */
 #define VQ_ACCUM_LANES(NAME, T)                                                                     \
-    static void NAME##_lanes(int n, int M, int ksub, int gp, const T *codes, const float *p, float *table) { \
-        if (gp % W) {                                                                               \
-            VQ_NEXT(NAME)(n, M, ksub, gp, codes, p, table);                                         \
-            return;                                                                                 \
-        }                                                                                           \
+    static void NAME##_w(int n, int M, int ksub, int gp, const T *codes, const float *p, float *table) {   \
         const size_t ms = (size_t)ksub * gp;                                                        \
         for (int t = 0; t < n; t++) {                                                               \
             const T *c = codes + (size_t)t * M;                                                     \
@@ -72,6 +64,16 @@ VQ_SCORE_LANES(score_u16, uint16_t)
     }
 VQ_ACCUM_LANES(accum_u8, uint8_t)
 VQ_ACCUM_LANES(accum_u16, uint16_t)
+
+/* gp a multiple of W: the kernels above; other groups: the next level's. */
+#define VQ_LANES(NAME, T)                                                                                \
+    static void NAME##_lanes(int n, int M, int ksub, int gp, const T *codes, const float *in, float *out) { \
+        (gp % W ? VQ_NEXT(NAME) : NAME##_w)(n, M, ksub, gp, codes, in, out);                            \
+    }
+VQ_LANES(score_u8, uint8_t)
+VQ_LANES(score_u16, uint16_t)
+VQ_LANES(accum_u8, uint8_t)
+VQ_LANES(accum_u16, uint16_t)
 
 // ---- online softmax: lane patterns of period vw ----------------------------------------------
 
