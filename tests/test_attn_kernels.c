@@ -18,9 +18,16 @@ static double max_rel(const float *a, const float *b, size_t n) {
     return num / den;
 }
 
-static const kvpq_attn_kernels *level_or_null(kvpq_simd_level lv) {
-    if (kvpq_simd_set(lv) != KVPQ_OK) return NULL; /* this CPU lacks it */
-    return kvpq__attn_kernels();
+/* attn_body.h at W = 1 (tests/body_scalar_attn.c; the library's scalar level is the _ref). */
+extern const kvpq_attn_kernels kvpq__attn_scalar;
+
+/* The tables under test into t: the width-1 body, then every SIMD level this CPU has. */
+static int tables(const kvpq_attn_kernels **t) {
+    int n = 0;
+    t[n++] = &kvpq__attn_scalar;
+    for (int lv = KVPQ_SIMD_AVX2; lv <= KVPQ_SIMD_AVX512; lv++)
+        if (kvpq_simd_set((kvpq_simd_level)lv) == KVPQ_OK) t[n++] = kvpq__attn_kernels(); /* else: the CPU lacks it */
+    return n;
 }
 
 Test(attn_kernels, qk_pv_scale_max_vs_ref) {
@@ -28,9 +35,10 @@ Test(attn_kernels, qk_pv_scale_max_vs_ref) {
     static const int hds[] = {1, 7, 8, 16, 20, 37, 64, 100, 128, 256};
     static const int ns[] = {1, 3, 4, 5, 17, 64};
     uint64_t seed = 1;
-    for (int lv = KVPQ_SIMD_AVX2; lv <= KVPQ_SIMD_AVX512; lv++) {
-        const kvpq_attn_kernels *kr = level_or_null((kvpq_simd_level)lv);
-        if (!kr) continue;
+    const kvpq_attn_kernels *tab[3];
+    const int n_tab = tables(tab);
+    for (int ti = 0; ti < n_tab; ti++) {
+        const kvpq_attn_kernels *kr = tab[ti];
         for (int a = 0; a < 10; a++)
             for (int b = 0; b < 6; b++) {
                 const int hd = hds[a], n = ns[b], R = 1 + (a + b) % 5, ld = 70;
@@ -78,9 +86,10 @@ Test(attn_kernels, qk_pv_scale_max_vs_ref) {
 }
 
 Test(attn_kernels, exp_sum_vs_ref) {
-    for (int lv = KVPQ_SIMD_AVX2; lv <= KVPQ_SIMD_AVX512; lv++) {
-        const kvpq_attn_kernels *kr = level_or_null((kvpq_simd_level)lv);
-        if (!kr) continue;
+    const kvpq_attn_kernels *tab[3];
+    const int n_tab = tables(tab);
+    for (int ti = 0; ti < n_tab; ti++) {
+        const kvpq_attn_kernels *kr = tab[ti];
         for (int n = 1; n <= 70; n += 3) {
             float *x0 = rand_vec((size_t)n, 100 + n, 8.0f), *x1 = malloc((size_t)n * 4);
             x0[0] = -200.0f; /* far below the max: ~0 */
@@ -114,9 +123,10 @@ Test(attn_kernels, conversions_and_dequant_bit_exact) {
     float *d0 = malloc(32 * 32 * 4), *d1 = malloc(32 * 32 * 4);
     float sc[64], mn[64];
     for (int i = 0; i < 64; i++) sc[i] = 0.1f * (float)i - 2.0f, mn[i] = (float)i * 0.01f;
-    for (int lv = KVPQ_SIMD_AVX2; lv <= KVPQ_SIMD_AVX512; lv++) {
-        const kvpq_attn_kernels *kr = level_or_null((kvpq_simd_level)lv);
-        if (!kr) continue;
+    const kvpq_attn_kernels *tab[3];
+    const int n_tab = tables(tab);
+    for (int ti = 0; ti < n_tab; ti++) {
+        const kvpq_attn_kernels *kr = tab[ti];
         kr->f32_to_f16(x, h1, n);
         cr_assert(!memcmp(h0, h1, n * 2), "%s f32_to_f16", kr->name);
         kvpq__attn_ref.f16_to_f32(h0, y0, n);

@@ -38,189 +38,240 @@ static int cmp_double(const void *a, const void *b) {
 static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "--cache", "--ctx",
                                    "--steps", "--threads", "-t", NULL};
 
-int cmd_bench_decode(int argc, char **argv) {
+typedef struct {
+    const char *model_path, *text_path;
+    char model_buf[4096], text_buf[4096]; /* the default files' paths, where found */
+    char specs_buf[2048], *specs[MAX_CACHES]; /* --cache split at ',' */
+    int n_cache, json;
+    long ctx, steps, threads;
+} decode_opts;
+
+/* One option (a, with its value v, or NULL when there is none): 1 when it took v, 0 when it took
+ * none, else -(the exit code). */
+static int parse_one(decode_opts *o, const char *a, const char *v, const char **specs_arg) {
+    if (!strcmp(a, "--json")) {
+        o->json = 1;
+        return 0;
+    } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+        cli_quiet = 1;
+        return 0;
+    }
+    if (!v) return -cli_usage_error("bench decode: option %s needs a value (see --help)", a);
+    if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
+    else if (!strcmp(a, "--text")) o->text_path = v;
+    else if (!strcmp(a, "--cache")) *specs_arg = v;
+    else if (!strcmp(a, "--ctx")) {
+        if (!cli_parse_int(a, v, 1, 1 << 20, &o->ctx)) return -2;
+    } else if (!strcmp(a, "--steps")) {
+        if (!cli_parse_int(a, v, 1, 1 << 16, &o->steps)) return -2;
+    } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
+        if (!cli_parse_int(a, v, 0, 1024, &o->threads)) return -2;
+    } else
+        return -cli_usage_error("bench decode: unknown option '%s' (see --help)", a);
+    return 1;
+}
+
+/* The SPEC list into o->specs: 0, or the exit code. */
+static int split_specs(decode_opts *o, const char *specs_arg) {
+    if (strlen(specs_arg) >= sizeof o->specs_buf) return cli_usage_error("bench decode: --cache list too long");
+    strcpy(o->specs_buf, specs_arg);
+    for (char *tok = strtok(o->specs_buf, ","); tok; tok = strtok(NULL, ",")) {
+        if (o->n_cache == MAX_CACHES) return cli_usage_error("bench decode: at most %d caches", MAX_CACHES);
+        o->specs[o->n_cache++] = tok;
+    }
+    if (!o->n_cache) return cli_usage_error("bench decode: --cache names no cache");
+    return 0;
+}
+
+/* argv into *o: -1 to go on, else the exit code (0 after --help). */
+static int parse_opts(int argc, char **argv, decode_opts *o) {
     static const char DEF_MODEL[] = "models/SmolLM2-135M-Instruct.Q4_1.gguf", DEF_TEXT[] = "data/text/persuasion.txt";
-    const char *model_path = NULL, *text_path = NULL;
-    char model_buf[4096], text_buf[4096];
     const char *specs_arg = NULL;
-    long ctx = 4096, steps = 32, threads = 0;
-    int json = 0;
+    memset(o, 0, sizeof *o);
+    o->ctx = 4096;
+    o->steps = 32;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!cli_option_known(a, OPTS)) return cli_unknown_option("bench decode", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
-        } else if (!strcmp(a, "--json")) {
-            json = 1;
-            continue;
-        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
-            cli_quiet = 1;
-            continue;
         }
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v) return cli_usage_error("bench decode: option %s needs a value (see --help)", a);
-        i++;
-        if (!strcmp(a, "--model") || !strcmp(a, "-m")) model_path = v;
-        else if (!strcmp(a, "--text")) text_path = v;
-        else if (!strcmp(a, "--cache")) specs_arg = v;
-        else if (!strcmp(a, "--ctx")) {
-            if (!cli_parse_int(a, v, 1, 1 << 20, &ctx)) return 2;
-        } else if (!strcmp(a, "--steps")) {
-            if (!cli_parse_int(a, v, 1, 1 << 16, &steps)) return 2;
-        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
-            if (!cli_parse_int(a, v, 0, 1024, &threads)) return 2;
-        } else
-            return cli_usage_error("bench decode: unknown option '%s' (see --help)", a);
+        int took = parse_one(o, a, i + 1 < argc ? argv[i + 1] : NULL, &specs_arg);
+        if (took < 0) return -took;
+        i += took;
     }
     if (!specs_arg) return cli_usage_error("bench decode: --cache SPEC[,SPEC...] is required (see --help)");
     /* The defaults are files of the source tree: found from the current directory or the tree the
      * CLI was built from, whichever has them. */
-    if (!model_path && !(model_path = cli_find_data(DEF_MODEL, model_buf, sizeof model_buf)))
+    if (!o->model_path && !(o->model_path = cli_find_data(DEF_MODEL, o->model_buf, sizeof o->model_buf)))
         return cli_usage_error("bench decode: no --model given and the default %s is not found here or in the source "
                                "tree (scripts/fetch_model.sh fetches it); pass --model FILE.gguf", DEF_MODEL);
-    if (!text_path && !(text_path = cli_find_data(DEF_TEXT, text_buf, sizeof text_buf)))
+    if (!o->text_path && !(o->text_path = cli_find_data(DEF_TEXT, o->text_buf, sizeof o->text_buf)))
         return cli_usage_error("bench decode: no --text given and the default %s is not found here or in the source "
                                "tree; pass --text FILE", DEF_TEXT);
-    /* Split the SPEC list. */
-    char specs_buf[2048], *specs[MAX_CACHES];
-    int n_cache = 0;
-    if (strlen(specs_arg) >= sizeof specs_buf) return cli_usage_error("bench decode: --cache list too long");
-    strcpy(specs_buf, specs_arg);
-    for (char *tok = strtok(specs_buf, ","); tok; tok = strtok(NULL, ",")) {
-        if (n_cache == MAX_CACHES) return cli_usage_error("bench decode: at most %d caches", MAX_CACHES);
-        specs[n_cache++] = tok;
-    }
-    if (!n_cache) return cli_usage_error("bench decode: --cache names no cache");
+    int rc = split_specs(o, specs_arg);
+    return rc ? rc : -1;
+}
 
-    size_t text_len = 0;
-    char *text = cli_read_file(text_path, &text_len);
-    if (!text) {
-        fprintf(stderr, "kvpq bench decode: cannot read --text %s: %s\n", text_path, cli_read_error());
+/* A run: the model, the text's tokens, a cache per SPEC and the times measured. */
+typedef struct {
+    const decode_opts *o;
+    kvpq_model *m;
+    kvpq_model_info mi;
+    int32_t *toks;                 /* (n_tok) the text's tokens */
+    float *logits;                 /* (n_vocab) */
+    double *dt;                    /* (n_cache, steps) seconds of each one-token eval */
+    double t_prompt[MAX_CACHES];   /* seconds of each cache's prompt */
+    double med[MAX_CACHES], mean[MAX_CACHES]; /* seconds per one-token eval */
+    cli_cache cc[MAX_CACHES];
+} decode_run;
+
+/* The text's tokens (at least --ctx + --steps of them) and the buffers: 0, or 1 (message printed). */
+static int run_setup(decode_run *r, const char *text, size_t text_len) {
+    const decode_opts *o = r->o;
+    size_t n_tok = 0;
+    const size_t need = (size_t)o->ctx + (size_t)o->steps;
+    kvpq_status s;
+    if (need > (size_t)r->mi.n_ctx_train) {
+        fprintf(stderr, "kvpq bench decode: --ctx %ld + --steps %ld exceed the model's context of %d\n", o->ctx,
+                o->steps, r->mi.n_ctx_train);
         return 1;
     }
-    kvpq_model_params mp = kvpq_model_params_default();
-    mp.n_threads = (int)threads;
-    kvpq_model *m = NULL;
-    kvpq_status s = kvpq_model_load(&m, model_path, &mp);
-    if (s != KVPQ_OK) {
-        free(text);
-        return cli_fail("bench decode: model", s);
-    }
-    kvpq_model_info mi;
-    kvpq_model_get_info(m, &mi);
-    int rc = 1;
-    int32_t *toks = NULL;
-    float *logits = NULL;
-    double *dt = NULL, t_prompt[MAX_CACHES] = {0};
-    cli_cache cc[MAX_CACHES];
-    memset(cc, 0, sizeof cc);
-    size_t n_tok = 0;
-    const size_t need = (size_t)ctx + (size_t)steps;
-    if (need > (size_t)mi.n_ctx_train) {
-        fprintf(stderr, "kvpq bench decode: --ctx %ld + --steps %ld exceed the model's context of %d\n", ctx, steps,
-                mi.n_ctx_train);
-        goto done;
-    }
-    if ((s = kvpq_tokenize(m, text, text_len, mi.add_bos, 0, NULL, 0, &n_tok)) != KVPQ_OK) {
-        cli_fail("bench decode: tokenize", s);
-        goto done;
-    }
+    if ((s = kvpq_tokenize(r->m, text, text_len, r->mi.add_bos, 0, NULL, 0, &n_tok)) != KVPQ_OK)
+        return cli_fail("bench decode: tokenize", s);
     if (n_tok < need) {
-        fprintf(stderr, "kvpq bench decode: %s has %zu tokens; --ctx + --steps need %zu\n", text_path, n_tok, need);
-        goto done;
+        fprintf(stderr, "kvpq bench decode: %s has %zu tokens; --ctx + --steps need %zu\n", o->text_path, n_tok, need);
+        return 1;
     }
-    toks = malloc(n_tok * sizeof *toks);
-    logits = malloc((size_t)mi.n_vocab * sizeof *logits);
-    dt = malloc((size_t)n_cache * steps * sizeof *dt);
-    if (!toks || !logits || !dt) {
+    r->toks = malloc(n_tok * sizeof *r->toks);
+    r->logits = malloc((size_t)r->mi.n_vocab * sizeof *r->logits);
+    r->dt = malloc((size_t)o->n_cache * o->steps * sizeof *r->dt);
+    if (!r->toks || !r->logits || !r->dt) {
         fprintf(stderr, "kvpq bench decode: out of memory\n");
-        goto done;
+        return 1;
     }
-    if ((s = kvpq_tokenize(m, text, text_len, mi.add_bos, 0, toks, n_tok, &n_tok)) != KVPQ_OK) {
-        cli_fail("bench decode: tokenize", s);
-        goto done;
-    }
+    if ((s = kvpq_tokenize(r->m, text, text_len, r->mi.add_bos, 0, r->toks, n_tok, &n_tok)) != KVPQ_OK)
+        return cli_fail("bench decode: tokenize", s);
+    return 0;
+}
+
+/* Open every cache and give it the prompt: 0, or 1 (message printed). */
+static int run_prompts(decode_run *r) {
+    const decode_opts *o = r->o;
+    const long ctx = o->ctx;
     cli_progress pr;
-    cli_progress_begin(&pr, "bench decode: prompts", "tokens", (double)ctx * n_cache);
-    for (int c = 0; c < n_cache; c++) {
-        if (cli_cache_open(&cc[c], specs[c], m, (int)need, (int)threads)) goto done;
+    cli_progress_begin(&pr, "bench decode: prompts", "tokens", (double)ctx * o->n_cache);
+    for (int c = 0; c < o->n_cache; c++) {
+        if (cli_cache_open(&r->cc[c], o->specs[c], r->m, (int)(ctx + o->steps), (int)o->threads)) return 1;
         /* The prompt in batches of PROMPT_BATCH tokens (as llama.cpp's default micro-batch), so
          * progress shows while it runs; the prompt time is their sum. */
         for (long b = 0; b < ctx; b += PROMPT_BATCH) {
             int nb = (int)(ctx - b < PROMPT_BATCH ? ctx - b : PROMPT_BATCH);
             double t0 = cli_now();
-            if ((s = kvpq_model_eval(m, cc[c].cache, toks + b, nb, 0, logits)) != KVPQ_OK) {
-                cli_fail("bench decode: prompt eval", s);
-                goto done;
-            }
-            t_prompt[c] += cli_now() - t0;
-            cli_progress_update(&pr, (double)c * ctx + b + nb, cc[c].spec);
+            kvpq_status s = kvpq_model_eval(r->m, r->cc[c].cache, r->toks + b, nb, 0, r->logits);
+            if (s != KVPQ_OK) return cli_fail("bench decode: prompt eval", s);
+            r->t_prompt[c] += cli_now() - t0;
+            cli_progress_update(&pr, (double)c * ctx + b + nb, r->cc[c].spec);
         }
     }
-    cli_progress_end(&pr, (double)ctx * n_cache, NULL);
+    cli_progress_end(&pr, (double)ctx * o->n_cache, NULL);
+    return 0;
+}
+
+/* The one-token evals, the caches taking turns each step, then each cache's median and mean: 0,
+ * or 1 (message printed). */
+static int run_steps(decode_run *r) {
+    const decode_opts *o = r->o;
+    const long steps = o->steps;
+    cli_progress pr;
     cli_progress_begin(&pr, "bench decode: steps", "steps", (double)steps);
     for (long i = 0; i < steps; i++) {
         cli_progress_update(&pr, (double)i, NULL);
-        for (int c = 0; c < n_cache; c++) {
+        for (int c = 0; c < o->n_cache; c++) {
             double t0 = cli_now();
-            if ((s = kvpq_model_eval(m, cc[c].cache, toks + ctx + i, 1, 0, logits)) != KVPQ_OK) {
-                cli_fail("bench decode: eval", s);
-                goto done;
-            }
-            dt[(size_t)c * steps + i] = cli_now() - t0;
+            kvpq_status s = kvpq_model_eval(r->m, r->cc[c].cache, r->toks + o->ctx + i, 1, 0, r->logits);
+            if (s != KVPQ_OK) return cli_fail("bench decode: eval", s);
+            r->dt[(size_t)c * steps + i] = cli_now() - t0;
         }
     }
     cli_progress_end(&pr, (double)steps, NULL);
-    double med[MAX_CACHES], mean[MAX_CACHES];
-    for (int c = 0; c < n_cache; c++) {
-        double *d = dt + (size_t)c * steps, sum = 0.0;
+    for (int c = 0; c < o->n_cache; c++) {
+        double *d = r->dt + (size_t)c * steps, sum = 0.0;
         for (long i = 0; i < steps; i++) sum += d[i];
-        mean[c] = sum / steps;
+        r->mean[c] = sum / steps;
         qsort(d, steps, sizeof *d, cmp_double);
-        med[c] = steps % 2 ? d[steps / 2] : 0.5 * (d[steps / 2 - 1] + d[steps / 2]);
+        r->med[c] = steps % 2 ? d[steps / 2] : 0.5 * (d[steps / 2 - 1] + d[steps / 2]);
     }
+    return 0;
+}
+
+/* The table, or the kvpq.bench.decode/1 document with --json: the exit code. */
+static int print_results(const decode_run *r) {
+    const decode_opts *o = r->o;
+    const long ctx = o->ctx;
     cJSON *settings = NULL, *arr = NULL, *root = cli_json_new("bench.decode", &settings, &arr);
     if (!root) {
         fprintf(stderr, "kvpq bench decode: out of memory\n");
-        goto done;
+        return 1;
     }
-    cJSON_AddStringToObject(settings, "model", model_path);
-    cJSON_AddStringToObject(settings, "text", text_path);
+    cJSON_AddStringToObject(settings, "model", o->model_path);
+    cJSON_AddStringToObject(settings, "text", o->text_path);
     cJSON_AddNumberToObject(settings, "ctx", (double)ctx);
-    cJSON_AddNumberToObject(settings, "steps", (double)steps);
-    cJSON_AddNumberToObject(settings, "threads", (double)threads);
+    cJSON_AddNumberToObject(settings, "steps", (double)o->steps);
+    cJSON_AddNumberToObject(settings, "threads", (double)o->threads);
     cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
-    if (!json)
+    if (!o->json)
         printf("kvpq bench decode: %s, prompt %ld tokens of %s, %ld one-token evals per cache (taking turns); "
                "simd %s; threads %ld (0 = default)\n%-40s %12s %14s %14s %13s %9s\n",
-               model_path, ctx, text_path, steps, kvpq_simd_name(kvpq_simd_get()), threads, "cache", "prompt tok/s",
-               "decode ms med", "decode ms mean", "decode tok/s", "vs first");
-    for (int c = 0; c < n_cache; c++) {
+               o->model_path, ctx, o->text_path, o->steps, kvpq_simd_name(kvpq_simd_get()), o->threads, "cache",
+               "prompt tok/s", "decode ms med", "decode ms mean", "decode tok/s", "vs first");
+    const double *med = r->med, *mean = r->mean;
+    for (int c = 0; c < o->n_cache; c++) {
         cJSON *jc = cJSON_CreateObject();
-        cJSON_AddStringToObject(jc, "cache", specs[c]);
-        cJSON_AddNumberToObject(jc, "prompt_tok_per_s", ctx / t_prompt[c]);
+        cJSON_AddStringToObject(jc, "cache", o->specs[c]);
+        cJSON_AddNumberToObject(jc, "prompt_tok_per_s", ctx / r->t_prompt[c]);
         cJSON_AddNumberToObject(jc, "decode_ms_median", med[c] * 1e3);
         cJSON_AddNumberToObject(jc, "decode_ms_mean", mean[c] * 1e3);
         cJSON_AddNumberToObject(jc, "decode_tok_per_s", 1.0 / med[c]);
         cJSON_AddNumberToObject(jc, "decode_speedup_vs_first", med[0] / med[c]);
         cJSON_AddItemToArray(arr, jc);
-        if (!json)
-            printf("%-40s %12.1f %14.3f %14.3f %13.1f %8.2fx\n", specs[c], ctx / t_prompt[c], med[c] * 1e3,
+        if (!o->json)
+            printf("%-40s %12.1f %14.3f %14.3f %13.1f %8.2fx\n", o->specs[c], ctx / r->t_prompt[c], med[c] * 1e3,
                    mean[c] * 1e3, 1.0 / med[c], med[0] / med[c]);
     }
-    if (json) {
-        rc = cli_json_print(root);
-    } else {
-        cJSON_Delete(root);
-        rc = 0;
+    if (o->json) return cli_json_print(root);
+    cJSON_Delete(root);
+    return 0;
+}
+
+int cmd_bench_decode(int argc, char **argv) {
+    decode_opts o;
+    int rc = parse_opts(argc, argv, &o);
+    if (rc >= 0) return rc;
+    size_t text_len = 0;
+    char *text = cli_read_file(o.text_path, &text_len);
+    if (!text) {
+        fprintf(stderr, "kvpq bench decode: cannot read --text %s: %s\n", o.text_path, cli_read_error());
+        return 1;
     }
-done:
-    for (int c = 0; c < n_cache; c++) cli_cache_close(&cc[c]);
+    decode_run r;
+    memset(&r, 0, sizeof r);
+    r.o = &o;
+    kvpq_model_params mp = kvpq_model_params_default();
+    mp.n_threads = (int)o.threads;
+    kvpq_status s = kvpq_model_load(&r.m, o.model_path, &mp);
+    if (s != KVPQ_OK) {
+        free(text);
+        return cli_fail("bench decode: model", s);
+    }
+    kvpq_model_get_info(r.m, &r.mi);
+    rc = run_setup(&r, text, text_len) || run_prompts(&r) || run_steps(&r) ? 1 : print_results(&r);
+    for (int c = 0; c < o.n_cache; c++) cli_cache_close(&r.cc[c]);
     free(text);
-    free(toks);
-    free(logits);
-    free(dt);
-    kvpq_model_free(m);
+    free(r.toks);
+    free(r.logits);
+    free(r.dt);
+    kvpq_model_free(r.m);
     return rc;
 }

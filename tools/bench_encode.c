@@ -137,137 +137,184 @@ typedef struct {
     size_t chunk;
 } opts_t;
 
-static int run_shape(const shape_t *sh, const opts_t *o, cJSON *rows) {
-    const size_t n = (size_t)sh->S * sh->H;
-    const int d = sh->D;
-    kvpq_pq_params pp = {.d = d, .M = d / sh->dsub, .nbits = sh->nbits,
-                         .granularity = (kvpq_codebook_granularity)o->granularity};
-    if (d % sh->dsub) return cli_usage_error("--dsub %d does not divide D=%d", sh->dsub, d);
+/* A shape's data: random vectors, a codebook drawn from them (set into pq), each method's codes. */
+typedef struct {
     kvpq_pq *pq;
-    kvpq_status st = kvpq_pq_new(&pq, &pp);
-    if (st) return cli_fail("bench encode", st);
-    const int M = pp.M, ksub = 1 << pp.nbits;
-    const size_t nsub = n * M, cs = kvpq_pq_code_size(pq);
+    float *x;             /* (n, d) */
+    float *C;             /* (ncent) the centroids */
+    uint8_t *ours, *base; /* (n, cs) codes of kvpq and of the baseline */
+    size_t n, nsub, cs, ncent;
+    int d, M, ksub, nbooks;
+} shape_data;
 
-    float *x = malloc(sizeof(float) * n * d);
-    uint8_t *ours = malloc(cs * n), *base = malloc(cs * n);
-    size_t ncent = kvpq_pq_centroids_size(pq);
-    float *C = malloc(sizeof(float) * ncent);
-    if (!x || !ours || !base || !C) {
-        free(x), free(ours), free(base), free(C);
-        kvpq_pq_free(pq);
+static void shape_free(shape_data *s) {
+    free(s->x), free(s->ours), free(s->base), free(s->C);
+    kvpq_pq_free(s->pq);
+}
+
+/* The quantizer, the inputs (random, not zeros) and a random-from-data codebook: ksub sub-vectors
+ * drawn from the data for each book. 0, or the exit code (message printed). */
+static int shape_setup(const shape_t *sh, const opts_t *o, shape_data *s) {
+    memset(s, 0, sizeof *s);
+    s->n = (size_t)sh->S * sh->H;
+    s->d = sh->D;
+    kvpq_pq_params pp = {.d = s->d, .M = s->d / sh->dsub, .nbits = sh->nbits,
+                         .granularity = (kvpq_codebook_granularity)o->granularity};
+    if (s->d % sh->dsub) return cli_usage_error("--dsub %d does not divide D=%d", sh->dsub, s->d);
+    kvpq_status st = kvpq_pq_new(&s->pq, &pp);
+    if (st) return cli_fail("bench encode", st);
+    s->M = pp.M;
+    s->ksub = 1 << pp.nbits;
+    s->nsub = s->n * s->M;
+    s->cs = kvpq_pq_code_size(s->pq);
+    s->ncent = kvpq_pq_centroids_size(s->pq);
+    s->x = malloc(sizeof(float) * s->n * s->d);
+    s->ours = malloc(s->cs * s->n);
+    s->base = malloc(s->cs * s->n);
+    s->C = malloc(sizeof(float) * s->ncent);
+    if (!s->x || !s->ours || !s->base || !s->C) {
         fprintf(stderr, "kvpq bench encode: out of memory for the inputs\n");
         return 1;
     }
-    uint64_t seed = 0x5EED0000ull + (uint64_t)n * 31 + (uint64_t)d;
-    for (size_t i = 0; i < n * (size_t)d; i++) x[i] = rng_gauss(&seed); /* random, not zeros */
-    /* codebook: random-from-data (ksub sub-vectors drawn from the data for each book) */
-    int nbooks = o->granularity == KVPQ_CODEBOOK_SHARED ? 1 : M;
-    for (int bk = 0; bk < nbooks; bk++)
-        for (int c = 0; c < ksub; c++) {
-            size_t i = rng_next(&seed) % n;
-            int m = nbooks == 1 ? (int)(rng_next(&seed) % (uint64_t)M) : bk;
-            memcpy(C + ((size_t)bk * ksub + c) * sh->dsub, x + i * d + (size_t)m * sh->dsub, sizeof(float) * sh->dsub);
+    uint64_t seed = 0x5EED0000ull + (uint64_t)s->n * 31 + (uint64_t)s->d;
+    for (size_t i = 0; i < s->n * (size_t)s->d; i++) s->x[i] = rng_gauss(&seed);
+    s->nbooks = o->granularity == KVPQ_CODEBOOK_SHARED ? 1 : s->M;
+    for (int bk = 0; bk < s->nbooks; bk++)
+        for (int c = 0; c < s->ksub; c++) {
+            size_t i = rng_next(&seed) % s->n;
+            int m = s->nbooks == 1 ? (int)(rng_next(&seed) % (uint64_t)s->M) : bk;
+            memcpy(s->C + ((size_t)bk * s->ksub + c) * sh->dsub, s->x + i * s->d + (size_t)m * sh->dsub,
+                   sizeof(float) * sh->dsub);
         }
-    st = kvpq_pq_set_centroids(pq, C, ncent);
+    st = kvpq_pq_set_centroids(s->pq, s->C, s->ncent);
     if (st) return cli_fail("bench encode", st);
-    memset(ours, 0, cs * n), memset(base, 0, cs * n); /* outputs resident before measuring */
+    memset(s->ours, 0, s->cs * s->n), memset(s->base, 0, s->cs * s->n); /* outputs resident before measuring */
+    return 0;
+}
 
-    base_t b = {.d = d, .M = M, .dsub = sh->dsub, .ksub = ksub, .nbits = sh->nbits,
-                .shared = nbooks == 1, .C = C, .chunk = o->chunk};
-    result_t res[2];
-    int mem_ok = 1;
-    for (int which = 0; which < 2; which++) {
-        double *t = malloc(sizeof(double) * (o->repeats + 1));
-        double peak = -1, hwm_max = 0;
-        for (int r = -1; r < o->repeats; r++) { /* r = -1: warm-up (thread pool, page faults) */
-            int reset = reset_peak();
-            long rss0 = status_kib("VmRSS:");
-            double t0 = cli_now();
-            if (which == 0) {
-                st = kvpq_pq_encode(pq, n, x, ours);
-                if (st) return cli_fail("bench encode", st);
-            } else if (baseline_encode(&b, n, x, base)) {
-                fprintf(stderr, "kvpq bench encode: baseline ran out of memory\n");
-                return 1;
-            }
-            double t1 = cli_now();
-            long hwm = status_kib("VmHWM:");
-            if (r >= 0) t[r] = t1 - t0;
-            if (!reset || rss0 < 0 || hwm < 0) mem_ok = 0;
-            else if (r >= 0) {
-                if ((hwm - rss0) / 1024.0 > peak) peak = (hwm - rss0) / 1024.0;
-                if (hwm / 1024.0 > hwm_max) hwm_max = hwm / 1024.0;
-            }
+/* Method `which` (0: kvpq, 1: the materializing baseline b): one warm-up (thread pool, page faults)
+ * and o->repeats timed runs, with the memory they add; *mem_ok drops to 0 when memory cannot be
+ * measured (shared by both methods). 0, or the exit code (message printed). */
+static int time_method(shape_data *s, const base_t *b, const opts_t *o, int which, int *mem_ok, result_t *res) {
+    double *t = malloc(sizeof(double) * (o->repeats + 1));
+    double peak = -1, hwm_max = 0;
+    for (int r = -1; r < o->repeats; r++) {
+        int reset = reset_peak();
+        long rss0 = status_kib("VmRSS:");
+        double t0 = cli_now();
+        if (which == 0) {
+            kvpq_status st = kvpq_pq_encode(s->pq, s->n, s->x, s->ours);
+            if (st) return cli_fail("bench encode", st);
+        } else if (baseline_encode(b, s->n, s->x, s->base)) {
+            fprintf(stderr, "kvpq bench encode: baseline ran out of memory\n");
+            return 1;
         }
-        qsort(t, o->repeats, sizeof(double), cmp_double);
-        double med = o->repeats % 2 ? t[o->repeats / 2] : 0.5 * (t[o->repeats / 2 - 1] + t[o->repeats / 2]);
-        res[which].ms = med * 1e3;
-        res[which].subvec_per_s = nsub / med;
-        res[which].peak_mib = mem_ok ? (peak < 0 ? 0 : peak) : -1;
-        res[which].hwm_mib = mem_ok ? hwm_max : -1;
-        free(t);
+        double t1 = cli_now();
+        long hwm = status_kib("VmHWM:");
+        if (r >= 0) t[r] = t1 - t0;
+        if (!reset || rss0 < 0 || hwm < 0) *mem_ok = 0;
+        else if (r >= 0) {
+            if ((hwm - rss0) / 1024.0 > peak) peak = (hwm - rss0) / 1024.0;
+            if (hwm / 1024.0 > hwm_max) hwm_max = hwm / 1024.0;
+        }
     }
-    /* agreement: the baseline's exact (x - c)^2 sums and our ||c||^2 - 2 x.c may differ on near-ties */
-    uint16_t *ia = malloc(sizeof(uint16_t) * nsub), *ib = malloc(sizeof(uint16_t) * nsub);
+    qsort(t, o->repeats, sizeof(double), cmp_double);
+    double med = o->repeats % 2 ? t[o->repeats / 2] : 0.5 * (t[o->repeats / 2 - 1] + t[o->repeats / 2]);
+    res->ms = med * 1e3;
+    res->subvec_per_s = s->nsub / med;
+    res->peak_mib = *mem_ok ? (peak < 0 ? 0 : peak) : -1;
+    res->hwm_mib = *mem_ok ? hwm_max : -1;
+    free(t);
+    return 0;
+}
+
+/* Percent of sub-vectors whose codes agree: the baseline's exact (x - c)^2 sums and our
+ * ||c||^2 - 2 x.c may differ on near-ties. */
+static double codes_agree(const shape_data *s, int nbits) {
+    uint16_t *ia = malloc(sizeof(uint16_t) * s->nsub), *ib = malloc(sizeof(uint16_t) * s->nsub);
     size_t same = 0;
-    if (ia && ib && !kvpq_codes_unpack(M, sh->nbits, n, ours, ia) && !kvpq_codes_unpack(M, sh->nbits, n, base, ib))
-        for (size_t i = 0; i < nsub; i++) same += ia[i] == ib[i];
+    if (ia && ib && !kvpq_codes_unpack(s->M, nbits, s->n, s->ours, ia) && !kvpq_codes_unpack(s->M, nbits, s->n, s->base, ib))
+        for (size_t i = 0; i < s->nsub; i++) same += ia[i] == ib[i];
     free(ia), free(ib);
-    double agree = 100.0 * same / nsub;
-    double full_gib = (double)nsub * ksub * sh->dsub * 4 / (1u << 30);
-    double in_mib = n * (double)d * 4 / (1 << 20), out_mib = cs * (double)n / (1 << 20);
-    double speedup = res[1].ms / res[0].ms;
+    return 100.0 * same / s->nsub;
+}
+
+/* What a shape's rows report beside the times. */
+typedef struct {
+    double agree, in_mib, out_mib;
+    int threads;
+} shape_report;
+
+static void json_rows(const shape_t *sh, const opts_t *o, const shape_data *s, const result_t *res,
+                      const shape_report *rp, cJSON *rows) {
+    for (int w = 0; w < 2; w++) {
+        cJSON *r = cJSON_CreateObject();
+        cJSON_AddNumberToObject(r, "S", sh->S);
+        cJSON_AddNumberToObject(r, "H", sh->H);
+        cJSON_AddNumberToObject(r, "D", s->d);
+        cJSON_AddNumberToObject(r, "dsub", sh->dsub);
+        cJSON_AddNumberToObject(r, "nbits", sh->nbits);
+        cJSON_AddNumberToObject(r, "M", s->M);
+        cJSON_AddStringToObject(r, "granularity", s->nbooks == 1 ? "shared" : "subspace");
+        cJSON_AddStringToObject(r, "method", w ? "materializing" : "kvpq");
+        cJSON_AddNumberToObject(r, "threads", rp->threads);
+        cli_json_num(r, "median_ms", res[w].ms);
+        cli_json_num(r, "subvec_per_s", res[w].subvec_per_s);
+        /* negative: not measurable here (no /proc/self/clear_refs) */
+        if (res[w].peak_mib < 0) cJSON_AddNullToObject(r, "peak_extra_mib"), cJSON_AddNullToObject(r, "peak_rss_mib");
+        else cli_json_num(r, "peak_extra_mib", res[w].peak_mib), cli_json_num(r, "peak_rss_mib", res[w].hwm_mib);
+        cli_json_num(r, "input_mib", rp->in_mib);
+        cli_json_num(r, "output_mib", rp->out_mib);
+        cli_json_num(r, "codes_agree_pct", rp->agree);
+        cJSON_AddNumberToObject(r, "chunk", w ? (double)o->chunk : 0.0);
+        cJSON_AddItemToArray(rows, r);
+    }
+}
+
+static void print_table(const shape_t *sh, const opts_t *o, const shape_data *s, const result_t *res,
+                        const shape_report *rp) {
     const char *names[2] = {"kvpq fused", "materializing"};
-    int threads = omp_get_max_threads();
-    if (o->json) {
-        for (int w = 0; w < 2; w++) {
-            cJSON *r = cJSON_CreateObject();
-            cJSON_AddNumberToObject(r, "S", sh->S);
-            cJSON_AddNumberToObject(r, "H", sh->H);
-            cJSON_AddNumberToObject(r, "D", d);
-            cJSON_AddNumberToObject(r, "dsub", sh->dsub);
-            cJSON_AddNumberToObject(r, "nbits", sh->nbits);
-            cJSON_AddNumberToObject(r, "M", M);
-            cJSON_AddStringToObject(r, "granularity", nbooks == 1 ? "shared" : "subspace");
-            cJSON_AddStringToObject(r, "method", w ? "materializing" : "kvpq");
-            cJSON_AddNumberToObject(r, "threads", threads);
-            cli_json_num(r, "median_ms", res[w].ms);
-            cli_json_num(r, "subvec_per_s", res[w].subvec_per_s);
-            /* negative: not measurable here (no /proc/self/clear_refs) */
-            if (res[w].peak_mib < 0) cJSON_AddNullToObject(r, "peak_extra_mib"), cJSON_AddNullToObject(r, "peak_rss_mib");
-            else cli_json_num(r, "peak_extra_mib", res[w].peak_mib), cli_json_num(r, "peak_rss_mib", res[w].hwm_mib);
-            cli_json_num(r, "input_mib", in_mib);
-            cli_json_num(r, "output_mib", out_mib);
-            cli_json_num(r, "codes_agree_pct", agree);
-            cJSON_AddNumberToObject(r, "chunk", w ? (double)o->chunk : 0.0);
-            cJSON_AddItemToArray(rows, r);
-        }
-    } else {
-        printf("S=%d H=%d D=%d dsub=%d nbits=%d (M=%d, ksub=%d, %s codebook, random-from-data), %zu sub-vectors,"
-               " inputs %.1f MiB, codes %.2f MiB; unchunked diff tensor would be %.2f GiB\n",
-               sh->S, sh->H, d, sh->dsub, sh->nbits, M, ksub, nbooks == 1 ? "shared" : "subspace", nsub, in_mib,
-               out_mib, full_gib);
-        printf("  method          threads     simd   median ms      Msubvec/s   peak extra MiB  peak RSS MiB\n");
-        for (int w = 0; w < 2; w++) {
-            char mem[32], hwm[32];
-            if (res[w].peak_mib < 0) snprintf(mem, sizeof mem, "n/a"), snprintf(hwm, sizeof hwm, "n/a");
-            else snprintf(mem, sizeof mem, "%.2f", res[w].peak_mib), snprintf(hwm, sizeof hwm, "%.1f", res[w].hwm_mib);
-            printf("  %-14s %7d %8s %11.2f %14.1f %16s %13s", names[w], threads, kvpq_simd_name(kvpq_simd_get()), res[w].ms,
-                   res[w].subvec_per_s / 1e6, mem, hwm);
-            if (w) printf("   (chunk %zu sub-vectors)", o->chunk);
-            printf("\n");
-        }
-        printf("  fused is %.1fx faster; codes agree on %.3f%% of sub-vectors (rest: near-ties)\n", speedup, agree);
-        if (res[0].hwm_mib >= 0)
-            printf("  target peak RSS < inputs + outputs + 64 MiB = %.1f MiB: fused peak extra %.2f MiB %s"
-                   " (whole-process peak RSS %.1f MiB: binary, libraries, inputs, both outputs)\n",
-                   in_mib + out_mib + 64, res[0].peak_mib, res[0].peak_mib < 64 ? "(met)" : "(MISSED)", res[0].hwm_mib);
+    double full_gib = (double)s->nsub * s->ksub * sh->dsub * 4 / (1u << 30);
+    printf("S=%d H=%d D=%d dsub=%d nbits=%d (M=%d, ksub=%d, %s codebook, random-from-data), %zu sub-vectors,"
+           " inputs %.1f MiB, codes %.2f MiB; unchunked diff tensor would be %.2f GiB\n",
+           sh->S, sh->H, s->d, sh->dsub, sh->nbits, s->M, s->ksub, s->nbooks == 1 ? "shared" : "subspace", s->nsub,
+           rp->in_mib, rp->out_mib, full_gib);
+    printf("  method          threads     simd   median ms      Msubvec/s   peak extra MiB  peak RSS MiB\n");
+    for (int w = 0; w < 2; w++) {
+        char mem[32], hwm[32];
+        if (res[w].peak_mib < 0) snprintf(mem, sizeof mem, "n/a"), snprintf(hwm, sizeof hwm, "n/a");
+        else snprintf(mem, sizeof mem, "%.2f", res[w].peak_mib), snprintf(hwm, sizeof hwm, "%.1f", res[w].hwm_mib);
+        printf("  %-14s %7d %8s %11.2f %14.1f %16s %13s", names[w], rp->threads, kvpq_simd_name(kvpq_simd_get()),
+               res[w].ms, res[w].subvec_per_s / 1e6, mem, hwm);
+        if (w) printf("   (chunk %zu sub-vectors)", o->chunk);
         printf("\n");
     }
-    free(x), free(ours), free(base), free(C);
-    kvpq_pq_free(pq);
-    return 0;
+    printf("  fused is %.1fx faster; codes agree on %.3f%% of sub-vectors (rest: near-ties)\n", res[1].ms / res[0].ms,
+           rp->agree);
+    if (res[0].hwm_mib >= 0)
+        printf("  target peak RSS < inputs + outputs + 64 MiB = %.1f MiB: fused peak extra %.2f MiB %s"
+               " (whole-process peak RSS %.1f MiB: binary, libraries, inputs, both outputs)\n",
+               rp->in_mib + rp->out_mib + 64, res[0].peak_mib, res[0].peak_mib < 64 ? "(met)" : "(MISSED)",
+               res[0].hwm_mib);
+    printf("\n");
+}
+
+static int run_shape(const shape_t *sh, const opts_t *o, cJSON *rows) {
+    shape_data s;
+    int rc = shape_setup(sh, o, &s);
+    base_t b = {.d = s.d, .M = s.M, .dsub = sh->dsub, .ksub = s.ksub, .nbits = sh->nbits,
+                .shared = s.nbooks == 1, .C = s.C, .chunk = o->chunk};
+    result_t res[2];
+    int mem_ok = 1;
+    for (int which = 0; which < 2 && !rc; which++) rc = time_method(&s, &b, o, which, &mem_ok, &res[which]);
+    if (!rc) {
+        shape_report rp = {.agree = codes_agree(&s, sh->nbits), .in_mib = s.n * (double)s.d * 4 / (1 << 20),
+                           .out_mib = s.cs * (double)s.n / (1 << 20), .threads = omp_get_max_threads()};
+        if (o->json) json_rows(sh, o, &s, res, &rp, rows);
+        else print_table(sh, o, &s, res, &rp);
+    }
+    shape_free(&s);
+    return rc;
 }
 
 static void usage(void) {

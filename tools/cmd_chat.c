@@ -164,11 +164,36 @@ done:
     return rc;
 }
 
-int cmd_chat(int argc, char **argv) {
-    const char *model_path = NULL, *cache_spec = "fp32", *system = NULL, *tmpl_name = NULL, *logits_out = NULL;
-    long n_gen = 256, seed = 42, threads = 0, ctx = 0;
-    double temp = 0.8, top_p = 0.95;
-    int json = 0, render_mode = 0;
+// ---- the command line ---------------------------------------------------------------------------
+
+typedef struct {
+    const char *model_path, *cache_spec, *system, *tmpl_name, *logits_out;
+    long n_gen, seed, threads, ctx; /* ctx 0: the model's context length */
+    double temp, top_p;
+    int json, render_mode; /* render_mode 1: --render, 2: --render-ids */
+} chat_opts;
+
+/* An option that takes a value (a): 0 when parsed, else the exit code (2, message printed). */
+static int parse_value(chat_opts *o, const char *a, const char *v) {
+    if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
+    else if (!strcmp(a, "--cache")) o->cache_spec = v;
+    else if (!strcmp(a, "--system")) o->system = v;
+    else if (!strcmp(a, "--template")) o->tmpl_name = v;
+    else if (!strcmp(a, "--logits-out")) o->logits_out = v;
+    else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) return cli_parse_int(a, v, 1, 1 << 20, &o->n_gen) ? 0 : 2;
+    else if (!strcmp(a, "--seed")) return cli_parse_int(a, v, 0, 0x7fffffffL, &o->seed) ? 0 : 2;
+    else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) return cli_parse_int(a, v, 0, 1024, &o->threads) ? 0 : 2;
+    else if (!strcmp(a, "--ctx")) return cli_parse_int(a, v, 2, 1 << 24, &o->ctx) ? 0 : 2;
+    else if (!strcmp(a, "--temp")) return cli_parse_double(a, v, 0, 100, &o->temp) ? 0 : 2;
+    else if (!strcmp(a, "--top-p")) return cli_parse_double(a, v, 0, 1, &o->top_p) ? 0 : 2;
+    else return cli_usage_error("chat: unknown option '%s' (see --help)", a);
+    return 0;
+}
+
+/* argv into *o, checked as far as it can be without the model: -1 to go on, else the exit code
+ * (0 after --help). */
+static int parse_opts(int argc, char **argv, chat_opts *o) {
+    *o = (chat_opts){.cache_spec = "fp32", .n_gen = 256, .seed = 42, .temp = 0.8, .top_p = 0.95};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -177,309 +202,378 @@ int cmd_chat(int argc, char **argv) {
             usage(stdout);
             return 0;
         } else if (!strcmp(a, "--json")) {
-            json = 1;
+            o->json = 1;
             continue;
         } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
             cli_quiet = 1;
             continue;
         } else if (!strcmp(a, "--render")) {
-            render_mode = 1;
+            o->render_mode = 1;
             continue;
         } else if (!strcmp(a, "--render-ids")) {
-            render_mode = 2;
+            o->render_mode = 2;
             continue;
         }
         if (!v) return cli_usage_error("chat: option %s needs a value (see --help)", a);
         i++;
-        if (!strcmp(a, "--model") || !strcmp(a, "-m")) model_path = v;
-        else if (!strcmp(a, "--cache")) cache_spec = v;
-        else if (!strcmp(a, "--system")) system = v;
-        else if (!strcmp(a, "--template")) tmpl_name = v;
-        else if (!strcmp(a, "--logits-out")) logits_out = v;
-        else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
-            if (!cli_parse_int(a, v, 1, 1 << 20, &n_gen)) return 2;
-        } else if (!strcmp(a, "--seed")) {
-            if (!cli_parse_int(a, v, 0, 0x7fffffffL, &seed)) return 2;
-        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
-            if (!cli_parse_int(a, v, 0, 1024, &threads)) return 2;
-        } else if (!strcmp(a, "--ctx")) {
-            if (!cli_parse_int(a, v, 2, 1 << 24, &ctx)) return 2;
-        } else if (!strcmp(a, "--temp")) {
-            if (!cli_parse_double(a, v, 0, 100, &temp)) return 2;
-        } else if (!strcmp(a, "--top-p")) {
-            if (!cli_parse_double(a, v, 0, 1, &top_p)) return 2;
-        } else
-            return cli_usage_error("chat: unknown option '%s' (see --help)", a);
+        int rc = parse_value(o, a, v);
+        if (rc) return rc;
     }
-    if (!model_path) return cli_usage_error("chat: --model is required (see --help)");
+    if (!o->model_path) return cli_usage_error("chat: --model is required (see --help)");
     size_t bad;
-    if (system && !cli_utf8_valid((const unsigned char *)system, strlen(system), &bad))
+    if (o->system && !cli_utf8_valid((const unsigned char *)o->system, strlen(o->system), &bad))
         return cli_usage_error("chat: --system is not valid UTF-8 (byte %zu)", bad);
-    if (cli_cache_spec_check(cache_spec)) return 2; /* before the model loads */
+    if (cli_cache_spec_check(o->cache_spec)) return 2; /* before the model loads */
+    return -1;
+}
 
-    kvpq_model_params mp = kvpq_model_params_default();
-    mp.n_threads = (int)threads;
-    kvpq_model *m = NULL;
-    kvpq_status s = kvpq_model_load(&m, model_path, &mp);
-    if (s != KVPQ_OK) return cli_fail("chat", s);
+// ---- a chat: the model, its cache and what every turn reuses ------------------------------------
+
+typedef struct {
+    const chat_opts *o;
+    kvpq_model *m;
     kvpq_model_info mi;
-    kvpq_model_get_info(m, &mi);
     cli_chat_template tmpl;
-    const char *note = NULL;
-    int rc = cli_chat_template_init(&tmpl, m, tmpl_name, "chat", &note);
-    if (rc) {
-        kvpq_model_free(m);
-        return rc;
-    }
-    if (note && !cli_quiet) fprintf(stderr, "kvpq chat: %s\n", note);
-    if (render_mode) {
-        rc = render(m, &tmpl, system, render_mode == 2);
-        kvpq_model_free(m);
-        return rc;
-    }
-    rc = 1;
-    if (ctx == 0 || ctx > mi.n_ctx_train) ctx = mi.n_ctx_train;
+    cli_cache cc;
+    float *logits, *work;         /* (n_vocab) */
+    int32_t *idx;                 /* (n_vocab) */
+    int32_t *reply;               /* (reply_cap) this turn's reply token ids */
+    size_t reply_cap;
+    buf_t text;                   /* this turn's reply text */
+    FILE *lf;                     /* --logits-out, or NULL */
+    cJSON *doc, *rows;            /* --json: the document and its results array */
+    cli_chat_pieces pc;           /* this turn's new pieces */
+    cli_rng rng;
+    int first, conversation, turn; /* first: the cache holds no turn yet */
+} chat_state;
 
-    cli_cache cc = {0};
-    float *logits = malloc((size_t)mi.n_vocab * sizeof *logits), *work = malloc((size_t)mi.n_vocab * sizeof *work);
-    int32_t *idx = malloc((size_t)mi.n_vocab * sizeof *idx), *reply = NULL;
-    size_t reply_cap = 0;
+/* One turn: its new tokens, its reply and their times. */
+typedef struct {
+    int32_t *toks; /* (n_new) the prompt's new tokens */
+    size_t n_new;
+    double t_prompt, t_dec;
+    long n_reply, n_sampled;
+    const char *stop; /* why the reply ended */
+} chat_turn;
+
+/* The JSON document's settings: the options as the chat runs them. */
+static int json_open(chat_state *st) {
+    const chat_opts *o = st->o;
+    cJSON *settings = NULL;
+    if (!(st->doc = cli_json_new("chat", &settings, &st->rows))) return 1;
+    cJSON_AddStringToObject(settings, "model", o->model_path);
+    cJSON_AddStringToObject(settings, "cache", o->cache_spec);
+    cJSON_AddStringToObject(settings, "template", st->tmpl.name);
+    const char *sys_used = o->system;
+    if (!sys_used && st->tmpl.form == CLI_CHAT_CHATML && st->tmpl.default_system[0]) sys_used = st->tmpl.default_system;
+    if (sys_used) cJSON_AddStringToObject(settings, "system", sys_used);
+    else cJSON_AddNullToObject(settings, "system");
+    cJSON_AddNumberToObject(settings, "n_predict", (double)o->n_gen);
+    cJSON_AddNumberToObject(settings, "temp", o->temp);
+    cJSON_AddNumberToObject(settings, "top_p", o->top_p);
+    cJSON_AddNumberToObject(settings, "seed", (double)o->seed);
+    cJSON_AddNumberToObject(settings, "ctx", (double)o->ctx);
+    cJSON_AddNumberToObject(settings, "threads", (double)o->threads);
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
+    return 0;
+}
+
+/* Buffers, --logits-out, the cache and the JSON document: 0, or 1 (message printed). */
+static int chat_open(chat_state *st) {
+    const chat_opts *o = st->o;
+    const size_t nv = (size_t)st->mi.n_vocab;
+    st->logits = malloc(nv * sizeof *st->logits);
+    st->work = malloc(nv * sizeof *st->work);
+    st->idx = malloc(nv * sizeof *st->idx);
+    if (!st->logits || !st->work || !st->idx) {
+        fprintf(stderr, "kvpq chat: out of memory\n");
+        return 1;
+    }
+    if (o->logits_out && !(st->lf = fopen(o->logits_out, "wb"))) {
+        fprintf(stderr, "kvpq chat: --logits-out '%s': cannot write: ", o->logits_out);
+        perror(NULL);
+        return 1;
+    }
+    if (cli_cache_open(&st->cc, o->cache_spec, st->m, (int)o->ctx, (int)o->threads)) return 1;
+    if (o->json && json_open(st)) return 1;
+    cli_rng_seed(&st->rng, (uint64_t)o->seed);
+    st->first = 1;
+    st->conversation = 1;
+    return 0;
+}
+
+static void chat_close(chat_state *st) {
+    if (st->lf) fclose(st->lf);
+    cJSON_Delete(st->doc);
+    cli_chat_pieces_free(&st->pc);
+    cli_cache_close(&st->cc);
+    free(st->text.b);
+    free(st->reply);
+    free(st->logits);
+    free(st->work);
+    free(st->idx);
+}
+
+// ---- one turn ------------------------------------------------------------------------------------
+
+enum { LINE_SEND, LINE_SKIP, LINE_END, LINE_FAIL };
+
+/* What a line of stdin asks for: a message to send (*msg), a command done here (/reset), or the end
+ * (/exit, /quit). got: the line's length. */
+static int line_kind(chat_state *st, const char *line, ssize_t got, const char **msg) {
+    *msg = line;
+    if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) return LINE_END;
+    if (!strcmp(line, "/reset")) {
+        kvpq_status s = kvpq_cache_truncate(st->cc.cache, 0);
+        if (s != KVPQ_OK) {
+            cli_fail("chat: /reset", s);
+            return LINE_FAIL;
+        }
+        st->first = 1;
+        st->conversation++;
+        if (!cli_quiet) fprintf(stderr, "kvpq chat: new conversation (cache emptied)\n");
+        return LINE_SKIP;
+    }
+    if (line[0] == '/' && line[1] == '/') *msg = line + 1;
+    else if (line[0] == '/') {
+        fprintf(stderr, "kvpq chat: unknown command '");
+        cli_fput_escaped(stderr, line, (size_t)got, 64);
+        fprintf(stderr, "' (/reset, /exit; start a message with // to send a '/')\n");
+        return LINE_SKIP;
+    }
+    if (!(*msg)[0]) return LINE_SKIP;
+    size_t bad;
+    if (!cli_utf8_valid((const unsigned char *)*msg, strlen(*msg), &bad)) {
+        fprintf(stderr, "kvpq chat: message not sent: not valid UTF-8 (byte %zu)\n", bad);
+        return LINE_SKIP;
+    }
+    return LINE_SEND;
+}
+
+/* This turn's new tokens (the previous reply's close, the user's message, the assistant header)
+ * into tr->toks, checked against --ctx: LINE_SEND, or LINE_SKIP (message printed). */
+static int turn_tokens(chat_state *st, const char *msg, chat_turn *tr) {
+    st->pc.n = 0;
+    if (st->first) cli_chat_begin(&st->tmpl, &st->pc, st->o->system);
+    else cli_chat_assistant_close(&st->tmpl, &st->pc);
+    cli_chat_user(&st->tmpl, &st->pc, msg, st->first, st->o->system);
+    cli_chat_assistant_open(&st->tmpl, &st->pc);
+    kvpq_status s = cli_chat_tokenize(st->m, &st->pc, st->first && st->mi.add_bos, &tr->toks, &tr->n_new);
+    if (s != KVPQ_OK) {
+        cli_fail("chat: message not sent", s);
+        return LINE_SKIP;
+    }
+    const int held = kvpq_cache_seq_len(st->cc.cache, 0);
+    if ((long)held + (long)tr->n_new + 1 > st->o->ctx) {
+        fprintf(stderr,
+                "kvpq chat: message not sent: the conversation holds %d positions and this turn adds %zu; "
+                "the limit is %ld (--ctx; /reset starts a new conversation)\n",
+                held, tr->n_new, st->o->ctx);
+        return LINE_SKIP;
+    }
+    return LINE_SEND;
+}
+
+/* Evaluate the turn's new tokens on top of the cache, in batches: 0, or 1 (message printed). */
+static int turn_prefill(chat_state *st, chat_turn *tr) {
+    cli_progress pr;
+    kvpq_status s = KVPQ_OK;
+    cli_progress_begin(&pr, "chat: prompt", "tokens", (double)tr->n_new);
+    double t0 = cli_now();
+    for (size_t b = 0; b < tr->n_new; b += PROMPT_BATCH) {
+        int nb = (int)(tr->n_new - b < PROMPT_BATCH ? tr->n_new - b : PROMPT_BATCH);
+        s = kvpq_model_eval(st->m, st->cc.cache, tr->toks + b, nb, 0, st->logits);
+        if (s != KVPQ_OK) break;
+        cli_progress_update(&pr, (double)(b + (size_t)nb), NULL);
+    }
+    if (s != KVPQ_OK) return cli_fail("chat: prompt eval", s);
+    cli_progress_end(&pr, (double)tr->n_new, NULL);
+    tr->t_prompt = cli_now() - t0;
+    st->first = 0;
+    return 0;
+}
+
+/* Keep token t of the reply (its id and its text): 0, or 1 (message printed). */
+static int reply_keep(chat_state *st, const chat_turn *tr, int32_t t, cli_utf8_stream *us) {
+    char piece[256];
+    size_t len = 0;
+    kvpq_status s = kvpq_token_to_piece(st->m, t, piece, sizeof piece, &len);
+    if (s != KVPQ_OK) return cli_fail("chat: token_to_piece", s);
+    if (len > sizeof piece) len = sizeof piece;
+    if (!st->o->json) cli_utf8_write(us, stdout, piece, len);
+    buf_add(&st->text, piece, len);
+    if ((size_t)tr->n_reply == st->reply_cap) {
+        int32_t *nr = realloc(st->reply, (st->reply_cap = st->reply_cap ? 2 * st->reply_cap : 256) * sizeof *nr);
+        if (!nr) {
+            fprintf(stderr, "kvpq chat: out of memory\n");
+            return 1;
+        }
+        st->reply = nr;
+    }
+    st->reply[tr->n_reply] = t;
+    return 0;
+}
+
+/* The reply: sample, stream, and append each token to the cache (the next turn builds on it), up
+ * to -n tokens, the context's end or a control token: 0, or 1 (message printed). */
+static int turn_reply(chat_state *st, chat_turn *tr) {
+    const chat_opts *o = st->o;
+    const size_t nv = (size_t)st->mi.n_vocab;
+    cli_utf8_stream us = {{0}, 0};
+    st->text.n = 0;
+    if (st->text.b) st->text.b[0] = '\0';
+    tr->stop = "length";
+    while (tr->n_reply < o->n_gen) {
+        if (kvpq_cache_seq_len(st->cc.cache, 0) >= o->ctx) {
+            tr->stop = "context";
+            break;
+        }
+        if (st->lf && fwrite(st->logits, sizeof *st->logits, nv, st->lf) != nv) {
+            fprintf(stderr, "kvpq chat: --logits-out '%s': write failed\n", o->logits_out);
+            return 1;
+        }
+        int32_t t = cli_sample(st->logits, st->mi.n_vocab, (float)o->temp, (float)o->top_p, &st->rng, st->work, st->idx);
+        tr->n_sampled++;
+        if (t == st->tmpl.end_id || t == st->mi.eos_id || (kvpq_token_attr(st->m, t) & KVPQ_TOKEN_ATTR_CONTROL)) {
+            tr->stop = t == st->tmpl.end_id ? "end_of_turn" : t == st->mi.eos_id ? "eos" : "control";
+            break;
+        }
+        if (reply_keep(st, tr, t, &us)) return 1;
+        tr->n_reply++;
+        double t0 = cli_now();
+        kvpq_status s = kvpq_model_eval(st->m, st->cc.cache, &t, 1, 0, st->logits);
+        tr->t_dec += cli_now() - t0;
+        if (s != KVPQ_OK) return cli_fail("chat: eval", s);
+    }
+    if (!o->json) {
+        cli_utf8_flush(&us, stdout);
+        fputc('\n', stdout);
+        fflush(stdout);
+    }
+    return 0;
+}
+
+/* The turn's row of the JSON document: 0, or 1 (out of memory, message printed). */
+static int turn_json(chat_state *st, const chat_turn *tr, const kvpq_cache_stats *cst) {
+    cJSON *r = cJSON_CreateObject();
+    char *clean = utf8_clean(st->text.b ? st->text.b : "", st->text.n);
+    if (!r || !clean) {
+        free(clean);
+        cJSON_Delete(r);
+        fprintf(stderr, "kvpq chat: out of memory\n");
+        return 1;
+    }
+    cJSON_AddNumberToObject(r, "conversation", st->conversation);
+    cJSON_AddNumberToObject(r, "turn", st->turn);
+    cJSON_AddNumberToObject(r, "prompt_tokens", (double)tr->n_new);
+    cJSON_AddNumberToObject(r, "prompt_s", tr->t_prompt);
+    cli_json_num(r, "prompt_tok_per_s", tr->n_new / tr->t_prompt);
+    cJSON_AddNumberToObject(r, "reply_tokens", (double)tr->n_reply);
+    cJSON_AddNumberToObject(r, "sampled", (double)tr->n_sampled);
+    cJSON_AddNumberToObject(r, "reply_s", tr->t_dec);
+    cli_json_num(r, "reply_tok_per_s", tr->n_reply ? tr->n_reply / tr->t_dec : 0);
+    cJSON_AddStringToObject(r, "stop", tr->stop);
+    cJSON_AddNumberToObject(r, "positions", kvpq_cache_seq_len(st->cc.cache, 0));
+    cJSON_AddNumberToObject(r, "stored_bytes", (double)cst->stored_bytes);
+    cli_json_num(r, "stored_bits_per_element", cst->stored_bits_per_element);
+    cJSON_AddNumberToObject(r, "resident_bytes", (double)cst->resident_bytes);
+    cli_json_num(r, "bits_per_element", cst->bits_per_element);
+    cJSON_AddStringToObject(r, "reply", clean);
+    cJSON_AddItemToObject(r, "prompt_ids", ids_json(tr->toks, tr->n_new));
+    cJSON_AddItemToObject(r, "reply_ids", ids_json(st->reply, (size_t)tr->n_reply));
+    cJSON_AddItemToArray(st->rows, r);
+    free(clean);
+    return 0;
+}
+
+/* A turn that was sent: prefill, reply, then its line on stderr and its JSON row. */
+static int turn_run(chat_state *st, chat_turn *tr) {
+    st->turn++;
+    if (turn_prefill(st, tr) || turn_reply(st, tr)) return 1;
+    kvpq_cache_stats cst;
+    kvpq_cache_get_stats(st->cc.cache, &cst);
+    if (!cli_quiet) {
+        fprintf(stderr,
+                "kvpq chat: turn %d: prompt %zu new tokens in %.3f s (%.1f tok/s); reply %ld tokens in %.3f s "
+                "(%.1f tok/s), ended by %s\n",
+                st->turn, tr->n_new, tr->t_prompt, tr->n_new / (tr->t_prompt > 0 ? tr->t_prompt : 1e-9), tr->n_reply,
+                tr->t_dec, tr->n_reply / (tr->t_dec > 0 ? tr->t_dec : 1e-9), tr->stop);
+        cli_print_cache_memory("chat", st->o->cache_spec, st->cc.cache, &cst);
+    }
+    return st->o->json ? turn_json(st, tr, &cst) : 0;
+}
+
+// ---- the conversation ----------------------------------------------------------------------------
+
+/* Turns until the end of stdin or /exit, then --logits-out closed and the JSON printed: the exit
+ * code. */
+static int chat_run(chat_state *st) {
+    const int tty_in = isatty(fileno(stdin));
     char *line = NULL;
     size_t lcap = 0;
-    FILE *lf = NULL;
-    cJSON *doc = NULL, *settings = NULL, *rows = NULL;
-    buf_t text = {0};
-    cli_chat_pieces pc = {0};
-    if (!logits || !work || !idx) {
-        fprintf(stderr, "kvpq chat: out of memory\n");
-        goto done;
-    }
-    if (logits_out && !(lf = fopen(logits_out, "wb"))) {
-        fprintf(stderr, "kvpq chat: --logits-out '%s': cannot write: ", logits_out);
-        perror(NULL);
-        goto done;
-    }
-    if (cli_cache_open(&cc, cache_spec, m, (int)ctx, (int)threads)) goto done;
-    if (json) {
-        doc = cli_json_new("chat", &settings, &rows);
-        if (!doc) goto done;
-        cJSON_AddStringToObject(settings, "model", model_path);
-        cJSON_AddStringToObject(settings, "cache", cache_spec);
-        cJSON_AddStringToObject(settings, "template", tmpl.name);
-        const char *sys_used = system ? system : tmpl.form == CLI_CHAT_CHATML && tmpl.default_system[0] ? tmpl.default_system : NULL;
-        if (sys_used) cJSON_AddStringToObject(settings, "system", sys_used);
-        else cJSON_AddNullToObject(settings, "system");
-        cJSON_AddNumberToObject(settings, "n_predict", (double)n_gen);
-        cJSON_AddNumberToObject(settings, "temp", temp);
-        cJSON_AddNumberToObject(settings, "top_p", top_p);
-        cJSON_AddNumberToObject(settings, "seed", (double)seed);
-        cJSON_AddNumberToObject(settings, "ctx", (double)ctx);
-        cJSON_AddNumberToObject(settings, "threads", (double)threads);
-        cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
-    }
-    cli_rng rng;
-    cli_rng_seed(&rng, (uint64_t)seed);
-    const int tty_in = isatty(fileno(stdin));
-    int first = 1, conversation = 1, turn = 0;
-    char piece[256];
+    int rc = 1;
     for (;;) {
-        if (tty_in && !json) {
+        if (tty_in && !st->o->json) {
             fputs("> ", stderr);
             fflush(stderr);
         }
         ssize_t got = cli_read_message(&line, &lcap, stdin);
         if (got == -2) goto done; /* too long or holding a NUL: reported */
         if (got < 0) break;       /* end of input: the chat ends */
-        const char *msg = line;
-        if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
-        if (!strcmp(line, "/reset")) {
-            if ((s = kvpq_cache_truncate(cc.cache, 0)) != KVPQ_OK) {
-                cli_fail("chat: /reset", s);
-                goto done;
-            }
-            first = 1;
-            conversation++;
-            if (!cli_quiet) fprintf(stderr, "kvpq chat: new conversation (cache emptied)\n");
-            continue;
-        }
-        if (line[0] == '/' && line[1] == '/') msg = line + 1;
-        else if (line[0] == '/') {
-            fprintf(stderr, "kvpq chat: unknown command '");
-            cli_fput_escaped(stderr, line, (size_t)got, 64);
-            fprintf(stderr, "' (/reset, /exit; start a message with // to send a '/')\n");
-            continue;
-        }
-        if (!msg[0]) continue;
-        if (!cli_utf8_valid((const unsigned char *)msg, strlen(msg), &bad)) {
-            fprintf(stderr, "kvpq chat: message not sent: not valid UTF-8 (byte %zu)\n", bad);
-            continue;
-        }
-        /* This turn's new tokens: the previous reply's close, the user's message, the header. */
-        pc.n = 0;
-        if (first) cli_chat_begin(&tmpl, &pc, system);
-        else cli_chat_assistant_close(&tmpl, &pc);
-        cli_chat_user(&tmpl, &pc, msg, first, system);
-        cli_chat_assistant_open(&tmpl, &pc);
-        int32_t *toks = NULL;
-        size_t n_new = 0;
-        s = cli_chat_tokenize(m, &pc, first && mi.add_bos, &toks, &n_new);
-        if (s != KVPQ_OK) {
-            cli_fail("chat: message not sent", s);
-            continue;
-        }
-        const int held = kvpq_cache_seq_len(cc.cache, 0);
-        if ((long)held + (long)n_new + 1 > ctx) {
-            fprintf(stderr,
-                    "kvpq chat: message not sent: the conversation holds %d positions and this turn adds %zu; "
-                    "the limit is %ld (--ctx; /reset starts a new conversation)\n",
-                    held, n_new, ctx);
-            free(toks);
-            continue;
-        }
-        turn++;
-        cli_progress pr;
-        cli_progress_begin(&pr, "chat: prompt", "tokens", (double)n_new);
-        double t0 = cli_now();
-        for (size_t b = 0; b < n_new; b += PROMPT_BATCH) {
-            int nb = (int)(n_new - b < PROMPT_BATCH ? n_new - b : PROMPT_BATCH);
-            s = kvpq_model_eval(m, cc.cache, toks + b, nb, 0, logits);
-            if (s != KVPQ_OK) break;
-            cli_progress_update(&pr, (double)(b + (size_t)nb), NULL);
-        }
-        if (s != KVPQ_OK) {
-            free(toks);
-            cli_fail("chat: prompt eval", s);
+        const char *msg;
+        const int kind = line_kind(st, line, got, &msg);
+        if (kind == LINE_FAIL) goto done;
+        if (kind == LINE_END) break;
+        if (kind == LINE_SKIP) continue;
+        chat_turn tr = {0};
+        if (turn_tokens(st, msg, &tr) == LINE_SEND && turn_run(st, &tr)) {
+            free(tr.toks);
             goto done;
         }
-        cli_progress_end(&pr, (double)n_new, NULL);
-        const double t_prompt = cli_now() - t0;
-        first = 0;
-        /* The reply: sample, stream, and append each token to the cache (the next turn builds on it). */
-        cli_utf8_stream us = {{0}, 0};
-        text.n = 0;
-        if (text.b) text.b[0] = '\0';
-        long n_reply = 0, n_sampled = 0;
-        double t_dec = 0;
-        const char *stop = "length";
-        for (;;) {
-            if (n_reply == n_gen) break;
-            if (kvpq_cache_seq_len(cc.cache, 0) >= ctx) {
-                stop = "context";
-                break;
-            }
-            if (lf && fwrite(logits, sizeof *logits, (size_t)mi.n_vocab, lf) != (size_t)mi.n_vocab) {
-                fprintf(stderr, "kvpq chat: --logits-out '%s': write failed\n", logits_out);
-                free(toks);
-                goto done;
-            }
-            int32_t t = cli_sample(logits, mi.n_vocab, (float)temp, (float)top_p, &rng, work, idx);
-            n_sampled++;
-            if (t == tmpl.end_id || t == mi.eos_id || (kvpq_token_attr(m, t) & KVPQ_TOKEN_ATTR_CONTROL)) {
-                stop = t == tmpl.end_id ? "end_of_turn" : t == mi.eos_id ? "eos" : "control";
-                break;
-            }
-            size_t len = 0;
-            if ((s = kvpq_token_to_piece(m, t, piece, sizeof piece, &len)) != KVPQ_OK) {
-                free(toks);
-                cli_fail("chat: token_to_piece", s);
-                goto done;
-            }
-            if (len > sizeof piece) len = sizeof piece;
-            if (!json) cli_utf8_write(&us, stdout, piece, len);
-            buf_add(&text, piece, len);
-            if ((size_t)n_reply == reply_cap) {
-                int32_t *nr = realloc(reply, (reply_cap = reply_cap ? 2 * reply_cap : 256) * sizeof *nr);
-                if (!nr) {
-                    free(toks);
-                    fprintf(stderr, "kvpq chat: out of memory\n");
-                    goto done;
-                }
-                reply = nr;
-            }
-            reply[n_reply++] = t;
-            t0 = cli_now();
-            s = kvpq_model_eval(m, cc.cache, &t, 1, 0, logits);
-            t_dec += cli_now() - t0;
-            if (s != KVPQ_OK) {
-                free(toks);
-                cli_fail("chat: eval", s);
-                goto done;
-            }
-        }
-        if (!json) {
-            cli_utf8_flush(&us, stdout);
-            fputc('\n', stdout);
-            fflush(stdout);
-        }
-        kvpq_cache_stats cst;
-        kvpq_cache_get_stats(cc.cache, &cst);
-        if (!cli_quiet) {
-            fprintf(stderr,
-                    "kvpq chat: turn %d: prompt %zu new tokens in %.3f s (%.1f tok/s); reply %ld tokens in %.3f s "
-                    "(%.1f tok/s), ended by %s\n",
-                    turn, n_new, t_prompt, n_new / (t_prompt > 0 ? t_prompt : 1e-9), n_reply, t_dec,
-                    n_reply / (t_dec > 0 ? t_dec : 1e-9), stop);
-            cli_print_cache_memory("chat", cache_spec, cc.cache, &cst);
-        }
-        if (json) {
-            cJSON *r = cJSON_CreateObject();
-            char *clean = utf8_clean(text.b ? text.b : "", text.n);
-            if (!r || !clean) {
-                free(clean);
-                cJSON_Delete(r);
-                free(toks);
-                fprintf(stderr, "kvpq chat: out of memory\n");
-                goto done;
-            }
-            cJSON_AddNumberToObject(r, "conversation", conversation);
-            cJSON_AddNumberToObject(r, "turn", turn);
-            cJSON_AddNumberToObject(r, "prompt_tokens", (double)n_new);
-            cJSON_AddNumberToObject(r, "prompt_s", t_prompt);
-            cli_json_num(r, "prompt_tok_per_s", n_new / t_prompt);
-            cJSON_AddNumberToObject(r, "reply_tokens", (double)n_reply);
-            cJSON_AddNumberToObject(r, "sampled", (double)n_sampled);
-            cJSON_AddNumberToObject(r, "reply_s", t_dec);
-            cli_json_num(r, "reply_tok_per_s", n_reply ? n_reply / t_dec : 0);
-            cJSON_AddStringToObject(r, "stop", stop);
-            cJSON_AddNumberToObject(r, "positions", kvpq_cache_seq_len(cc.cache, 0));
-            cJSON_AddNumberToObject(r, "stored_bytes", (double)cst.stored_bytes);
-            cli_json_num(r, "stored_bits_per_element", cst.stored_bits_per_element);
-            cJSON_AddNumberToObject(r, "resident_bytes", (double)cst.resident_bytes);
-            cli_json_num(r, "bits_per_element", cst.bits_per_element);
-            cJSON_AddStringToObject(r, "reply", clean);
-            cJSON_AddItemToObject(r, "prompt_ids", ids_json(toks, n_new));
-            cJSON_AddItemToObject(r, "reply_ids", ids_json(reply, (size_t)n_reply));
-            cJSON_AddItemToArray(rows, r);
-            free(clean);
-        }
-        free(toks);
+        free(tr.toks);
     }
     if (ferror(stdin)) {
         perror("kvpq chat: reading stdin");
         goto done;
     }
+    FILE *lf = st->lf;
+    st->lf = NULL;
     if (lf && fclose(lf) != 0) {
-        lf = NULL;
-        fprintf(stderr, "kvpq chat: --logits-out '%s': write failed\n", logits_out);
+        fprintf(stderr, "kvpq chat: --logits-out '%s': write failed\n", st->o->logits_out);
         goto done;
     }
-    lf = NULL;
     rc = 0;
-    if (json) {
-        rc = cli_json_print(doc);
-        doc = NULL;
+    if (st->o->json) {
+        rc = cli_json_print(st->doc);
+        st->doc = NULL;
     }
 done:
-    if (lf) fclose(lf);
-    cJSON_Delete(doc);
-    cli_chat_pieces_free(&pc);
-    cli_cache_close(&cc);
-    free(text.b);
-    free(reply);
     free(line);
-    free(logits);
-    free(work);
-    free(idx);
-    kvpq_model_free(m);
+    return rc;
+}
+
+int cmd_chat(int argc, char **argv) {
+    chat_opts o;
+    int rc = parse_opts(argc, argv, &o);
+    if (rc >= 0) return rc;
+    chat_state st = {.o = &o};
+    kvpq_model_params mp = kvpq_model_params_default();
+    mp.n_threads = (int)o.threads;
+    kvpq_status s = kvpq_model_load(&st.m, o.model_path, &mp);
+    if (s != KVPQ_OK) return cli_fail("chat", s);
+    kvpq_model_get_info(st.m, &st.mi);
+    const char *note = NULL;
+    rc = cli_chat_template_init(&st.tmpl, st.m, o.tmpl_name, "chat", &note);
+    if (!rc) {
+        if (note && !cli_quiet) fprintf(stderr, "kvpq chat: %s\n", note);
+        if (o.render_mode) {
+            rc = render(st.m, &st.tmpl, o.system, o.render_mode == 2);
+        } else {
+            if (o.ctx == 0 || o.ctx > st.mi.n_ctx_train) o.ctx = st.mi.n_ctx_train;
+            rc = chat_open(&st) ? 1 : chat_run(&st);
+            chat_close(&st);
+        }
+    }
+    kvpq_model_free(st.m);
     return rc;
 }

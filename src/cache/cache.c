@@ -10,25 +10,6 @@
 #include "core/fp16.h"
 #include "internal.h"
 
-/* The VQ kind (kvpq_cache_ops_vq) lives in cache_vq.c, which CMake compiles into the core
- * library with every other .c file of src/cache. The __has_include test below therefore always
- * finds it (on any compiler with __has_include: GCC >= 5, Clang) and the reference stays strong,
- * so a static link pulls cache_vq.o in. The weak branch is scaffolding from before cache_vq.c
- * existed (it let the library link without the file and reported a VQ cache as not built); it no
- * longer takes effect and can go, with the test, at the next code change here. */
-#if defined(__has_include)
-#if __has_include("cache_vq.c")
-#define KVPQ_CACHE_VQ_PRESENT 1
-#endif
-#endif
-#ifndef KVPQ_CACHE_VQ_PRESENT
-#pragma weak kvpq_cache_ops_vq
-#endif
-/* Also left from before cache_vq.c: this file no longer calls kvpq_codebook_get_params, and the
- * codebook module (src/pq/codebook.c) is in the same library, so this weak declaration changes
- * nothing. */
-#pragma weak kvpq_codebook_get_params
-
 static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
     switch (t) {
     case KVPQ_CACHE_FP32: return &kvpq_cache_ops_fp32;
@@ -37,7 +18,7 @@ static const kvpq_cache_ops *ops_of(kvpq_cache_type t) {
     case KVPQ_CACHE_Q4_0: return &kvpq_cache_ops_q4_0;
     case KVPQ_CACHE_KIVI2: return &kvpq_cache_ops_kivi2;
     case KVPQ_CACHE_KIVI4: return &kvpq_cache_ops_kivi4;
-    case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq; /* cache_vq.c, always linked (above) */
+    case KVPQ_CACHE_VQ: return &kvpq_cache_ops_vq;
     case KVPQ_CACHE_Q8_0R: return &kvpq_cache_ops_q8_0r;
     case KVPQ_CACHE_Q4_0R: return &kvpq_cache_ops_q4_0r;
     }
@@ -135,8 +116,6 @@ static kvpq_status check_params(const kvpq_cache_params *p) {
                          "keep)", tn, p->sinks);
     if (p->type == KVPQ_CACHE_VQ) {
         if (!p->codebook) return kvpq__err(KVPQ_ERR_INVALID_ARG, "cache vq: params.codebook is NULL (vq needs one)");
-        if (!kvpq_codebook_get_params)
-            return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache vq: the codebook module is not built into this library");
         kvpq_codebook_params cp = kvpq_codebook_get_params(p->codebook);
         if (cp.n_layer != p->n_layer)
             return kvpq__err(KVPQ_ERR_MISMATCH, "cache vq: codebook has n_layer %d, cache has n_layer %d", cp.n_layer,

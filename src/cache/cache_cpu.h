@@ -110,4 +110,46 @@ void kvpq__rows_stats(const void *state, const int *lens, kvpq_cache_stats *st);
 int kvpq__rows_drop(void *state, int layer, int len, int keep_from);
 kvpq_status kvpq__rows_serial(void *state, const int *lens, const int *lo, kvpq__stream *s, int load);
 
+/* A row kind: its create (CREATE, kvpq__rows_create or kvpq__rows_create_rotated, over CODEC) and
+ * its ops table kvpq_cache_ops_<KIND>, the row engine above for everything else. A rotated kind's
+ * stats are the plain kind's blocks: rotation adds no stored bytes. */
+#define KVPQ__ROWS_KIND(KIND, CODEC, CREATE)                                                            \
+    static kvpq_status KIND##_create(void **state, const kvpq_cache_params *p) {                        \
+        return CREATE(state, p, &CODEC);                                                                \
+    }                                                                                                   \
+    const kvpq_cache_ops kvpq_cache_ops_##KIND = {                                                      \
+        .name = #KIND,                                                                                  \
+        .create = KIND##_create,                                                                        \
+        .destroy = kvpq__rows_destroy,                                                                  \
+        .append = kvpq__rows_append,                                                                    \
+        .attend = kvpq__rows_attend,                                                                    \
+        .truncate = kvpq__rows_truncate,                                                                \
+        .read = kvpq__rows_read,                                                                        \
+        .resident_bytes = kvpq__rows_resident_bytes,                                                    \
+        .drop = kvpq__rows_drop,                                                                        \
+        .stats = kvpq__rows_stats,                                                                      \
+        .serial = kvpq__rows_serial,                                                                    \
+    }
+
+/* The two row kinds of a ggml block type (q8_0, q4_0: block_<KIND> of QK elements with an fp16 d,
+ * x ~= d * q, |q| <= QMAX): <KIND> and <KIND>r, the same blocks over rotated head vectors (as
+ * llama.cpp stores a quantized KV cache by default since April 2026, ggml-org/llama.cpp PR 21038:
+ * kvpq__rows_create_rotated). The file defines KIND##_encode; rows decode through the kernel
+ * table's dequant_<KIND>; the fp16 d overflows beyond |x| = 65504 * QMAX. */
+#define KVPQ__GGML_ROWS_KINDS(KIND, QK, QMAX)                                                                 \
+    static size_t KIND##_row_bytes(int head_dim) { return (size_t)head_dim / QK * sizeof(block_##KIND); }     \
+    static void KIND##_decode(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr) { \
+        kr->dequant_##KIND(rows, (size_t)n * head_dim / QK, x);                                               \
+    }                                                                                                         \
+    static const kvpq__row_codec KIND##_codec = {                                                             \
+        .name = #KIND, .row_bytes = KIND##_row_bytes, .encode = KIND##_encode, .decode = KIND##_decode,       \
+        .head_dim_multiple = QK, .max_abs = 65504.0f * (QMAX),                                                \
+    };                                                                                                        \
+    static const kvpq__row_codec KIND##r_codec = {                                                            \
+        .name = #KIND "r", .row_bytes = KIND##_row_bytes, .encode = KIND##_encode, .decode = KIND##_decode,   \
+        .head_dim_multiple = QK, .max_abs = 65504.0f * (QMAX),                                                \
+    };                                                                                                        \
+    KVPQ__ROWS_KIND(KIND, KIND##_codec, kvpq__rows_create);                                                   \
+    KVPQ__ROWS_KIND(KIND##r, KIND##r_codec, kvpq__rows_create_rotated)
+
 #endif

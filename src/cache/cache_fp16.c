@@ -17,20 +17,4 @@ static const kvpq__row_codec fp16_codec = {
     .max_abs = 65504.0f, .f16_rows = 1,
 };
 
-static kvpq_status fp16_create(void **state, const kvpq_cache_params *p) {
-    return kvpq__rows_create(state, p, &fp16_codec);
-}
-
-const kvpq_cache_ops kvpq_cache_ops_fp16 = {
-    .name = "fp16",
-    .create = fp16_create,
-    .destroy = kvpq__rows_destroy,
-    .append = kvpq__rows_append,
-    .attend = kvpq__rows_attend,
-    .truncate = kvpq__rows_truncate,
-    .read = kvpq__rows_read,
-    .resident_bytes = kvpq__rows_resident_bytes,
-    .drop = kvpq__rows_drop,
-    .stats = kvpq__rows_stats,
-    .serial = kvpq__rows_serial,
-};
+KVPQ__ROWS_KIND(fp16, fp16_codec, kvpq__rows_create);

@@ -16,20 +16,4 @@ static const kvpq__row_codec fp32_codec = {
     .max_abs = 0.0f,
 };
 
-static kvpq_status fp32_create(void **state, const kvpq_cache_params *p) {
-    return kvpq__rows_create(state, p, &fp32_codec);
-}
-
-const kvpq_cache_ops kvpq_cache_ops_fp32 = {
-    .name = "fp32",
-    .create = fp32_create,
-    .destroy = kvpq__rows_destroy,
-    .append = kvpq__rows_append,
-    .attend = kvpq__rows_attend,
-    .truncate = kvpq__rows_truncate,
-    .read = kvpq__rows_read,
-    .resident_bytes = kvpq__rows_resident_bytes,
-    .drop = kvpq__rows_drop,
-    .stats = kvpq__rows_stats,
-    .serial = kvpq__rows_serial,
-};
+KVPQ__ROWS_KIND(fp32, fp32_codec, kvpq__rows_create);

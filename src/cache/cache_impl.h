@@ -83,7 +83,7 @@ struct kvpq_cache {
     uint64_t cb_fp;
 };
 
-/* The kinds; a kind not built yet is NULL and kvpq_cache_new reports it as unsupported. */
+/* The kinds (cache_fp32.c, cache_fp16.c, cache_q8_0.c, cache_q4_0.c, cache_kivi.c). */
 extern const kvpq_cache_ops kvpq_cache_ops_fp32;
 extern const kvpq_cache_ops kvpq_cache_ops_fp16;
 extern const kvpq_cache_ops kvpq_cache_ops_q8_0;
@@ -92,8 +92,7 @@ extern const kvpq_cache_ops kvpq_cache_ops_q8_0r;
 extern const kvpq_cache_ops kvpq_cache_ops_q4_0r;
 extern const kvpq_cache_ops kvpq_cache_ops_kivi2;
 extern const kvpq_cache_ops kvpq_cache_ops_kivi4;
-/* Defined by src/cache/cache_vq.c. cache.c references it strongly when that file exists at compile
- * time (__has_include) and weakly otherwise, so the library links before the VQ kind is written.
+/* The VQ kind: src/cache/cache_vq.c.
  * create() receives params with backend already resolved (CPU or CUDA; AUTO never reaches it) and
  * a codebook whose n_layer, n_head_kv and head_dim cache.c has checked against the params. */
 extern const kvpq_cache_ops kvpq_cache_ops_vq;

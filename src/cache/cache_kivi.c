@@ -385,34 +385,22 @@ static kvpq_status kivi_serial(void *state, const int *lens, const int *lo, kvpq
 static int kivi_coded_of(const void *state, int len) { return n_coded_of(state, len); }
 static int kivi_n_coded(const void *state, int layer) { return ((const kivi_state *)state)->coded[layer]; }
 
-const kvpq_cache_ops kvpq_cache_ops_kivi2 = {
-    .name = "kivi2",
-    .create = kivi2_create,
-    .destroy = kivi_destroy,
-    .append = kivi_append,
-    .attend = kivi_attend,
-    .truncate = kivi_truncate,
-    .read = kivi_read,
-    .resident_bytes = kivi_resident_bytes,
-    .stats = kivi_stats,
-    .drop = kivi_drop,
-    .serial = kivi_serial,
-    .coded_of = kivi_coded_of,
-    .n_coded = kivi_n_coded,
-};
-
-const kvpq_cache_ops kvpq_cache_ops_kivi4 = {
-    .name = "kivi4",
-    .create = kivi4_create,
-    .destroy = kivi_destroy,
-    .append = kivi_append,
-    .attend = kivi_attend,
-    .truncate = kivi_truncate,
-    .read = kivi_read,
-    .resident_bytes = kivi_resident_bytes,
-    .stats = kivi_stats,
-    .drop = kivi_drop,
-    .serial = kivi_serial,
-    .coded_of = kivi_coded_of,
-    .n_coded = kivi_n_coded,
-};
+/* The two kinds differ only in their create (the bits per code). */
+#define KIVI_OPS(BITS)                         \
+    {                                          \
+        .name = "kivi" #BITS,                  \
+        .create = kivi##BITS##_create,         \
+        .destroy = kivi_destroy,               \
+        .append = kivi_append,                 \
+        .attend = kivi_attend,                 \
+        .truncate = kivi_truncate,             \
+        .read = kivi_read,                     \
+        .resident_bytes = kivi_resident_bytes, \
+        .stats = kivi_stats,                   \
+        .drop = kivi_drop,                     \
+        .serial = kivi_serial,                 \
+        .coded_of = kivi_coded_of,             \
+        .n_coded = kivi_n_coded,               \
+    }
+const kvpq_cache_ops kvpq_cache_ops_kivi2 = KIVI_OPS(2);
+const kvpq_cache_ops kvpq_cache_ops_kivi4 = KIVI_OPS(4);

@@ -9,14 +9,10 @@
 #include "cache/cache_cpu.h"
 #include "core/ggml_common.h" /* QK4_0, block_q4_0 */
 
-#define Q4_0_BLOCK_BYTES sizeof(block_q4_0)
-
-static size_t q4_0_row_bytes(int head_dim) { return (size_t)head_dim / QK4_0 * Q4_0_BLOCK_BYTES; }
-
 static void q4_0_encode(const float *x, int n, int head_dim, void *rows, const kvpq_attn_kernels *kr) {
     (void)kr;
     unsigned char *y = rows;
-    for (size_t b = 0; b < (size_t)n * head_dim / QK4_0; b++, x += QK4_0, y += Q4_0_BLOCK_BYTES) {
+    for (size_t b = 0; b < (size_t)n * head_dim / QK4_0; b++, x += QK4_0, y += sizeof(block_q4_0)) {
         float amax = 0.0f, max = 0.0f;
         for (int j = 0; j < QK4_0; j++)
             if (amax < fabsf(x[j])) {
@@ -35,55 +31,4 @@ static void q4_0_encode(const float *x, int n, int head_dim, void *rows, const k
     }
 }
 
-static void q4_0_decode(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr) {
-    kr->dequant_q4_0(rows, (size_t)n * head_dim / QK4_0, x);
-}
-
-static const kvpq__row_codec q4_0_codec = {
-    .name = "q4_0", .row_bytes = q4_0_row_bytes, .encode = q4_0_encode, .decode = q4_0_decode,
-    .head_dim_multiple = QK4_0, .max_abs = 65504.0f * 8.0f,
-};
-
-static kvpq_status q4_0_create(void **state, const kvpq_cache_params *p) {
-    return kvpq__rows_create(state, p, &q4_0_codec);
-}
-
-/* q4_0r: the same blocks over Walsh-Hadamard-rotated head vectors, as llama.cpp stores a quantized
- * KV cache by default since April 2026 (ggml-org/llama.cpp PR 21038; src/llama-kv-cache.cpp and
- * src/llama-graph.cpp): see kvpq__rows_create_rotated. */
-static const kvpq__row_codec q4_0r_codec = {
-    .name = "q4_0r", .row_bytes = q4_0_row_bytes, .encode = q4_0_encode, .decode = q4_0_decode,
-    .head_dim_multiple = QK4_0, .max_abs = 65504.0f * 8.0f,
-};
-
-static kvpq_status q4_0r_create(void **state, const kvpq_cache_params *p) {
-    return kvpq__rows_create_rotated(state, p, &q4_0r_codec);
-}
-
-const kvpq_cache_ops kvpq_cache_ops_q4_0 = {
-    .name = "q4_0",
-    .create = q4_0_create,
-    .destroy = kvpq__rows_destroy,
-    .append = kvpq__rows_append,
-    .attend = kvpq__rows_attend,
-    .truncate = kvpq__rows_truncate,
-    .read = kvpq__rows_read,
-    .resident_bytes = kvpq__rows_resident_bytes,
-    .drop = kvpq__rows_drop,
-    .stats = kvpq__rows_stats,
-    .serial = kvpq__rows_serial,
-};
-
-const kvpq_cache_ops kvpq_cache_ops_q4_0r = {
-    .name = "q4_0r",
-    .create = q4_0r_create,
-    .destroy = kvpq__rows_destroy,
-    .append = kvpq__rows_append,
-    .attend = kvpq__rows_attend,
-    .truncate = kvpq__rows_truncate,
-    .read = kvpq__rows_read,
-    .resident_bytes = kvpq__rows_resident_bytes,
-    .drop = kvpq__rows_drop,
-    .stats = kvpq__rows_stats, /* the plain kind's blocks: rotation adds no stored bytes */
-    .serial = kvpq__rows_serial,
-};
+KVPQ__GGML_ROWS_KINDS(q4_0, QK4_0, 8.0f);

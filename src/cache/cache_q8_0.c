@@ -8,14 +8,10 @@
 #include "cache/cache_cpu.h"
 #include "core/ggml_common.h" /* QK8_0, block_q8_0 */
 
-#define Q8_0_BLOCK_BYTES sizeof(block_q8_0)
-
-static size_t q8_0_row_bytes(int head_dim) { return (size_t)head_dim / QK8_0 * Q8_0_BLOCK_BYTES; }
-
 static void q8_0_encode(const float *x, int n, int head_dim, void *rows, const kvpq_attn_kernels *kr) {
     (void)kr;
     unsigned char *y = rows;
-    for (size_t b = 0; b < (size_t)n * head_dim / QK8_0; b++, x += QK8_0, y += Q8_0_BLOCK_BYTES) {
+    for (size_t b = 0; b < (size_t)n * head_dim / QK8_0; b++, x += QK8_0, y += sizeof(block_q8_0)) {
         float amax = 0.0f;
         for (int j = 0; j < QK8_0; j++) amax = fmaxf(amax, fabsf(x[j]));
         const float d = amax / 127.0f;
@@ -26,55 +22,4 @@ static void q8_0_encode(const float *x, int n, int head_dim, void *rows, const k
     }
 }
 
-static void q8_0_decode(const void *rows, int n, int head_dim, float *x, const kvpq_attn_kernels *kr) {
-    kr->dequant_q8_0(rows, (size_t)n * head_dim / QK8_0, x);
-}
-
-static const kvpq__row_codec q8_0_codec = {
-    .name = "q8_0", .row_bytes = q8_0_row_bytes, .encode = q8_0_encode, .decode = q8_0_decode,
-    .head_dim_multiple = QK8_0, .max_abs = 65504.0f * 127.0f,
-};
-
-static kvpq_status q8_0_create(void **state, const kvpq_cache_params *p) {
-    return kvpq__rows_create(state, p, &q8_0_codec);
-}
-
-/* q8_0r: the same blocks over Walsh-Hadamard-rotated head vectors, as llama.cpp stores a quantized
- * KV cache by default since April 2026 (ggml-org/llama.cpp PR 21038; src/llama-kv-cache.cpp and
- * src/llama-graph.cpp): see kvpq__rows_create_rotated. */
-static const kvpq__row_codec q8_0r_codec = {
-    .name = "q8_0r", .row_bytes = q8_0_row_bytes, .encode = q8_0_encode, .decode = q8_0_decode,
-    .head_dim_multiple = QK8_0, .max_abs = 65504.0f * 127.0f,
-};
-
-static kvpq_status q8_0r_create(void **state, const kvpq_cache_params *p) {
-    return kvpq__rows_create_rotated(state, p, &q8_0r_codec);
-}
-
-const kvpq_cache_ops kvpq_cache_ops_q8_0 = {
-    .name = "q8_0",
-    .create = q8_0_create,
-    .destroy = kvpq__rows_destroy,
-    .append = kvpq__rows_append,
-    .attend = kvpq__rows_attend,
-    .truncate = kvpq__rows_truncate,
-    .read = kvpq__rows_read,
-    .resident_bytes = kvpq__rows_resident_bytes,
-    .drop = kvpq__rows_drop,
-    .stats = kvpq__rows_stats,
-    .serial = kvpq__rows_serial,
-};
-
-const kvpq_cache_ops kvpq_cache_ops_q8_0r = {
-    .name = "q8_0r",
-    .create = q8_0r_create,
-    .destroy = kvpq__rows_destroy,
-    .append = kvpq__rows_append,
-    .attend = kvpq__rows_attend,
-    .truncate = kvpq__rows_truncate,
-    .read = kvpq__rows_read,
-    .resident_bytes = kvpq__rows_resident_bytes,
-    .drop = kvpq__rows_drop,
-    .stats = kvpq__rows_stats, /* the plain kind's blocks: rotation adds no stored bytes */
-    .serial = kvpq__rows_serial,
-};
+KVPQ__GGML_ROWS_KINDS(q8_0, QK8_0, 127.0f);

@@ -232,38 +232,17 @@ static void vq_destroy(void *state) {
         }
     if (st->scr)
         for (int t = 0; t < st->n_threads; t++) vq_scratch_free(&st->scr[t]);
-    free(st->scr);
-    free(st->layers);
-    free(st->kpq);
-    free(st->kpq2);
-    free(st->vpq);
-    free(st->smooth);
-    free(st->mean);
-    free(st->xk);
-    free(st->xv);
-    free(st->ck);
-    free(st->cv);
-    free(st->xr);
-    free(st->sk);
-    free(st->sv);
-    free(st->h16);
-    free(st->part);
+    void *bufs[] = {st->scr, st->layers, st->kpq, st->kpq2, st->vpq, st->smooth, st->mean, st->xk,
+                    st->xv,  st->ck,     st->cv,  st->xr,   st->sk,  st->sv,     st->h16,  st->part};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(st);
 }
 
 // ---- create ---------------------------------------------------------------------------------
 
 static kvpq_status vq_check_codebook(const kvpq_cache_params *p, const kvpq_codebook *cb) {
+    /* n_layer, n_head_kv and head_dim: checked against p by cache.c (cache_impl.h) */
     kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
-    if (cp.n_layer != p->n_layer)
-        return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook has n_layer=%d, the cache has n_layer=%d",
-                         cp.n_layer, p->n_layer);
-    if (cp.n_head_kv != p->n_head_kv)
-        return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook has n_head_kv=%d, the cache has n_head_kv=%d",
-                         cp.n_head_kv, p->n_head_kv);
-    if (cp.head_dim != p->head_dim)
-        return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook has head_dim=%d, the cache has head_dim=%d",
-                         cp.head_dim, p->head_dim);
     if (cp.key.d != p->head_dim || cp.value.d != p->head_dim)
         return kvpq__err(KVPQ_ERR_MISMATCH, "VQ cache: codebook quantizers have d=%d (key) and %d (value), expected head_dim=%d",
                          cp.key.d, cp.value.d, p->head_dim);

@@ -42,10 +42,7 @@ kvpq_status kvpq_backend_resolve(kvpq_backend want, kvpq_backend *got) {
 }
 
 const char *kvpq_backend_name(kvpq_backend b) {
-    switch (b) {
-    case KVPQ_BACKEND_AUTO: return "auto";
-    case KVPQ_BACKEND_CPU: return "cpu";
-    case KVPQ_BACKEND_CUDA: return "cuda";
-    }
-    return "unknown";
+    static const char *const names[] = {[KVPQ_BACKEND_AUTO] = "auto", [KVPQ_BACKEND_CPU] = "cpu",
+                                        [KVPQ_BACKEND_CUDA] = "cuda"};
+    return (unsigned)b < sizeof names / sizeof names[0] && names[b] ? names[b] : "unknown";
 }

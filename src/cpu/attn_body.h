@@ -150,13 +150,23 @@ static void f32_to_f16(const float *src, uint16_t *dst, size_t n) {
     for (; i < n; i++) dst[i] = vs_f2h(src[i]);
 }
 
-/* ggml blocks: the ISA's row dequantization of ggml_body.h (bit-exact). */
+/* ggml blocks (n elements of a type): the ISA's row dequantization of ggml_body.h (bit-exact); at
+ * W = 1 (plain C, where the library has no ggml_body.h instance) the _ref's. */
+static void dequant_ggml(uint32_t type, const void *blocks, int64_t n, float *x) {
+#if KVPQ_VW == 1
+    if (type == GGML_TYPE_Q8_0) kvpq__attn_ref.dequant_q8_0(blocks, (size_t)n / QK8_0, x);
+    else kvpq__attn_ref.dequant_q4_0(blocks, (size_t)n / QK4_0, x);
+#else
+    KVPQ_ISA_FN(kvpq__ggml_dequant)(type)(blocks, x, n);
+#endif
+}
+
 static void dequant_q8_0(const void *blocks, size_t n_blocks, float *x) {
-    KVPQ_ISA_FN(kvpq__ggml_dequant)(GGML_TYPE_Q8_0)(blocks, x, (int64_t)n_blocks * QK8_0);
+    dequant_ggml(GGML_TYPE_Q8_0, blocks, (int64_t)n_blocks * QK8_0, x);
 }
 
 static void dequant_q4_0(const void *blocks, size_t n_blocks, float *x) {
-    KVPQ_ISA_FN(kvpq__ggml_dequant)(GGML_TYPE_Q4_0)(blocks, x, (int64_t)n_blocks * QK4_0);
+    dequant_ggml(GGML_TYPE_Q4_0, blocks, (int64_t)n_blocks * QK4_0, x);
 }
 
 /* KIVI rows: x = code * scale + min with one FMA (scale, min per element or per 32 codes). */

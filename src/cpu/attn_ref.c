@@ -6,40 +6,44 @@
 #include "cpu/attn_kernels.h"
 #include "cpu/dispatch.h"
 
-static void qk_ref(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
+/* Element i of float32 (f32_at) or half (f16_at) rows: the loops below are written once for both. */
+static inline float f32_at(const void *x, size_t i) { return ((const float *)x)[i]; }
+static inline float f16_at(const void *x, size_t i) { return kvpq__h2f(((const uint16_t *)x)[i]); }
+
+static inline void qk_rows(const float *Q, int R, const void *K, float (*at)(const void *, size_t), int n, int hd,
+                           float *S, int lds) {
     for (int r = 0; r < R; r++)
         for (int t = 0; t < n; t++) {
             float s = 0.0f;
-            for (int c = 0; c < hd; c++) s += Q[(size_t)r * hd + c] * K[(size_t)t * hd + c];
+            for (int c = 0; c < hd; c++) s += Q[(size_t)r * hd + c] * at(K, (size_t)t * hd + c);
             S[(size_t)r * lds + t] = s;
         }
+}
+
+static inline void pv_rows(const float *P, int R, int ldp, const void *V, float (*at)(const void *, size_t), int n,
+                           int hd, float *O) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < n; t++) {
+            float p = P[(size_t)r * ldp + t];
+            if (p == 0.0f) continue;
+            for (int c = 0; c < hd; c++) O[(size_t)r * hd + c] += p * at(V, (size_t)t * hd + c);
+        }
+}
+
+static void qk_ref(const float *Q, int R, const float *K, int n, int hd, float *S, int lds) {
+    qk_rows(Q, R, K, f32_at, n, hd, S, lds);
 }
 
 static void pv_ref(const float *P, int R, int ldp, const float *V, int n, int hd, float *O) {
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < n; t++) {
-            float p = P[(size_t)r * ldp + t];
-            if (p == 0.0f) continue;
-            for (int c = 0; c < hd; c++) O[(size_t)r * hd + c] += p * V[(size_t)t * hd + c];
-        }
+    pv_rows(P, R, ldp, V, f32_at, n, hd, O);
 }
 
 static void qk_f16_ref(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds) {
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < n; t++) {
-            float s = 0.0f;
-            for (int c = 0; c < hd; c++) s += Q[(size_t)r * hd + c] * kvpq__h2f(K[(size_t)t * hd + c]);
-            S[(size_t)r * lds + t] = s;
-        }
+    qk_rows(Q, R, K, f16_at, n, hd, S, lds);
 }
 
 static void pv_f16_ref(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O) {
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < n; t++) {
-            float p = P[(size_t)r * ldp + t];
-            if (p == 0.0f) continue;
-            for (int c = 0; c < hd; c++) O[(size_t)r * hd + c] += p * kvpq__h2f(V[(size_t)t * hd + c]);
-        }
+    pv_rows(P, R, ldp, V, f16_at, n, hd, O);
 }
 
 static float max_ref(const float *x, int n) {

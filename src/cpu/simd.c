@@ -61,10 +61,7 @@ kvpq_status kvpq_simd_set(kvpq_simd_level level) {
 }
 
 const char *kvpq_simd_name(kvpq_simd_level level) {
-    switch (level) {
-    case KVPQ_SIMD_SCALAR: return "scalar";
-    case KVPQ_SIMD_AVX2: return "avx2";
-    case KVPQ_SIMD_AVX512: return "avx512";
-    }
-    return "unknown";
+    static const char *const names[] = {[KVPQ_SIMD_SCALAR] = "scalar", [KVPQ_SIMD_AVX2] = "avx2",
+                                        [KVPQ_SIMD_AVX512] = "avx512"};
+    return (unsigned)level < sizeof names / sizeof names[0] && names[level] ? names[level] : "unknown";
 }

@@ -43,119 +43,13 @@ VQ_SCORE_G4(score_u16, uint16_t)
     }
 VQ_ACCUM_G4(accum_u16, uint16_t)
 
-// ---- nbits = 8, gp = 4 or 8: sub-spaces in groups that stay in L1 -----------------------------------
+// ---- nbits = 8, gp = 4 or 8 (the kernels: vq_u8_avx2.h) ---------------------------------------------
 
 /* A whole LUT or W table is (M, ksub, gp) floats: 64 KiB for M = 16, gp = 4, more than L1. Walking
  * the tokens of a chunk once per group of 4 sub-spaces keeps the group's slices (16 KiB for gp 4,
  * 32 KiB for gp 8) and the chunk's scores in L1; the scores are reloaded once per group. The four
  * codes of a group come in one 32-bit load. */
 #define VQ_MG 4
-
-static void score_u8_g4(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
-    const size_t ms = (size_t)ksub * 4;
-    int m0 = 0;
-    for (; m0 + VQ_MG <= M; m0 += VQ_MG) {
-        const float *L0 = lut + m0 * ms, *L1 = L0 + ms, *L2 = L1 + ms, *L3 = L2 + ms;
-        for (int t = 0; t < n; t++) {
-            uint32_t w;
-            memcpy(&w, codes + (size_t)t * M + m0, 4);
-            __m128 a = _mm_add_ps(_mm_loadu_ps(L0 + (size_t)(w & 0xff) * 4), _mm_loadu_ps(L1 + (size_t)(w >> 8 & 0xff) * 4));
-            __m128 b = _mm_add_ps(_mm_loadu_ps(L2 + (size_t)(w >> 16 & 0xff) * 4), _mm_loadu_ps(L3 + (size_t)(w >> 24) * 4));
-            a = _mm_add_ps(a, b);
-            if (m0) a = _mm_add_ps(a, _mm_loadu_ps(s + (size_t)t * 4));
-            _mm_storeu_ps(s + (size_t)t * 4, a);
-        }
-    }
-    for (; m0 < M; m0++) {
-        const float *L0 = lut + m0 * ms;
-        for (int t = 0; t < n; t++) {
-            __m128 a = _mm_loadu_ps(L0 + (size_t)codes[(size_t)t * M + m0] * 4);
-            if (m0) a = _mm_add_ps(a, _mm_loadu_ps(s + (size_t)t * 4));
-            _mm_storeu_ps(s + (size_t)t * 4, a);
-        }
-    }
-}
-
-static void score_u8_g8(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
-    const size_t ms = (size_t)ksub * 8;
-    int m0 = 0;
-    for (; m0 + VQ_MG <= M; m0 += VQ_MG) {
-        const float *L0 = lut + m0 * ms, *L1 = L0 + ms, *L2 = L1 + ms, *L3 = L2 + ms;
-        for (int t = 0; t < n; t++) {
-            uint32_t w;
-            memcpy(&w, codes + (size_t)t * M + m0, 4);
-            __m256 a = _mm256_add_ps(_mm256_loadu_ps(L0 + (size_t)(w & 0xff) * 8),
-                                     _mm256_loadu_ps(L1 + (size_t)(w >> 8 & 0xff) * 8));
-            __m256 b = _mm256_add_ps(_mm256_loadu_ps(L2 + (size_t)(w >> 16 & 0xff) * 8),
-                                     _mm256_loadu_ps(L3 + (size_t)(w >> 24) * 8));
-            a = _mm256_add_ps(a, b);
-            if (m0) a = _mm256_add_ps(a, _mm256_loadu_ps(s + (size_t)t * 8));
-            _mm256_storeu_ps(s + (size_t)t * 8, a);
-        }
-    }
-    for (; m0 < M; m0++) {
-        const float *L0 = lut + m0 * ms;
-        for (int t = 0; t < n; t++) {
-            __m256 a = _mm256_loadu_ps(L0 + (size_t)codes[(size_t)t * M + m0] * 8);
-            if (m0) a = _mm256_add_ps(a, _mm256_loadu_ps(s + (size_t)t * 8));
-            _mm256_storeu_ps(s + (size_t)t * 8, a);
-        }
-    }
-}
-
-static void accum_u8_g4(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
-    const size_t ms = (size_t)ksub * 4;
-    int m0 = 0;
-    for (; m0 + VQ_MG <= M; m0 += VQ_MG) {
-        float *T0 = table + m0 * ms, *T1 = T0 + ms, *T2 = T1 + ms, *T3 = T2 + ms;
-        for (int t = 0; t < n; t++) {
-            uint32_t w;
-            memcpy(&w, codes + (size_t)t * M + m0, 4);
-            const __m128 pv = _mm_loadu_ps(p + (size_t)t * 4);
-            float *r0 = T0 + (size_t)(w & 0xff) * 4, *r1 = T1 + (size_t)(w >> 8 & 0xff) * 4;
-            float *r2 = T2 + (size_t)(w >> 16 & 0xff) * 4, *r3 = T3 + (size_t)(w >> 24) * 4;
-            _mm_storeu_ps(r0, _mm_add_ps(_mm_loadu_ps(r0), pv));
-            _mm_storeu_ps(r1, _mm_add_ps(_mm_loadu_ps(r1), pv));
-            _mm_storeu_ps(r2, _mm_add_ps(_mm_loadu_ps(r2), pv));
-            _mm_storeu_ps(r3, _mm_add_ps(_mm_loadu_ps(r3), pv));
-        }
-    }
-    for (; m0 < M; m0++) {
-        float *T0 = table + m0 * ms;
-        for (int t = 0; t < n; t++) {
-            float *r0 = T0 + (size_t)codes[(size_t)t * M + m0] * 4;
-            _mm_storeu_ps(r0, _mm_add_ps(_mm_loadu_ps(r0), _mm_loadu_ps(p + (size_t)t * 4)));
-        }
-    }
-}
-
-static void accum_u8_g8(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
-    const size_t ms = (size_t)ksub * 8;
-    int m0 = 0;
-    for (; m0 + VQ_MG <= M; m0 += VQ_MG) {
-        float *T0 = table + m0 * ms, *T1 = T0 + ms, *T2 = T1 + ms, *T3 = T2 + ms;
-        for (int t = 0; t < n; t++) {
-            uint32_t w;
-            memcpy(&w, codes + (size_t)t * M + m0, 4);
-            const __m256 pv = _mm256_loadu_ps(p + (size_t)t * 8);
-            float *r0 = T0 + (size_t)(w & 0xff) * 8, *r1 = T1 + (size_t)(w >> 8 & 0xff) * 8;
-            float *r2 = T2 + (size_t)(w >> 16 & 0xff) * 8, *r3 = T3 + (size_t)(w >> 24) * 8;
-            _mm256_storeu_ps(r0, _mm256_add_ps(_mm256_loadu_ps(r0), pv));
-            _mm256_storeu_ps(r1, _mm256_add_ps(_mm256_loadu_ps(r1), pv));
-            _mm256_storeu_ps(r2, _mm256_add_ps(_mm256_loadu_ps(r2), pv));
-            _mm256_storeu_ps(r3, _mm256_add_ps(_mm256_loadu_ps(r3), pv));
-        }
-    }
-    for (; m0 < M; m0++) {
-        float *T0 = table + m0 * ms;
-        for (int t = 0; t < n; t++) {
-            float *r0 = T0 + (size_t)codes[(size_t)t * M + m0] * 8;
-            _mm256_storeu_ps(r0, _mm256_add_ps(_mm256_loadu_ps(r0), _mm256_loadu_ps(p + (size_t)t * 8)));
-        }
-    }
-}
-
-// ---- nbits = 8 with precomputed row offsets ----------------------------------------------------------
 
 /* Peeling code bytes with shifts costs 2-3 ALU ops per (token, m). Instead, per block of 64 tokens,
  * one SIMD pass turns 16 codes at a time into 16-bit row offsets (m * ksub + c) * gp, and the table
@@ -182,94 +76,30 @@ static void make_offsets(int n, int M, int ksub, int lg, const uint8_t *codes, u
         }
 }
 
-static void score_u8_off_g4(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
-    uint16_t offs[VQ_OB * 64];
-    for (int t0 = 0; t0 < n; t0 += VQ_OB) {
-        const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
-        make_offsets(nb, M, ksub, 2, codes + (size_t)t0 * M, offs);
-        float *sb = s + (size_t)t0 * 4;
-        /* 8 sub-spaces per pass: their LUT slices (32 KiB) still fit L1 with the scores. */
-        for (int m0 = 0; m0 < M; m0 += 8)
-            for (int t = 0; t < nb; t++) {
-                const uint16_t *o = offs + (size_t)t * M + m0;
-                __m128 a = _mm_add_ps(_mm_loadu_ps(lut + o[0]), _mm_loadu_ps(lut + o[1]));
-                __m128 b = _mm_add_ps(_mm_loadu_ps(lut + o[2]), _mm_loadu_ps(lut + o[3]));
-                __m128 c = _mm_add_ps(_mm_loadu_ps(lut + o[4]), _mm_loadu_ps(lut + o[5]));
-                __m128 e = _mm_add_ps(_mm_loadu_ps(lut + o[6]), _mm_loadu_ps(lut + o[7]));
-                a = _mm_add_ps(_mm_add_ps(a, b), _mm_add_ps(c, e));
-                if (m0) a = _mm_add_ps(a, _mm_loadu_ps(sb + (size_t)t * 4));
-                _mm_storeu_ps(sb + (size_t)t * 4, a);
-            }
-    }
-}
+/* The kernels of both widths: one body (vq_u8_avx2.h). */
+#define VQ_GP 4
+#include "cpu/vq_u8_avx2.h"
+#define VQ_GP 8
+#include "cpu/vq_u8_avx2.h"
 
-static void score_u8_off_g8(int n, int M, int ksub, const uint8_t *codes, const float *lut, float *s) {
-    uint16_t offs[VQ_OB * 64];
-    for (int t0 = 0; t0 < n; t0 += VQ_OB) {
-        const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
-        make_offsets(nb, M, ksub, 3, codes + (size_t)t0 * M, offs);
-        float *sb = s + (size_t)t0 * 8;
-        for (int m0 = 0; m0 < M; m0 += 4)
-            for (int t = 0; t < nb; t++) {
-                const uint16_t *o = offs + (size_t)t * M + m0;
-                __m256 a = _mm256_add_ps(_mm256_loadu_ps(lut + o[0]), _mm256_loadu_ps(lut + o[1]));
-                __m256 b = _mm256_add_ps(_mm256_loadu_ps(lut + o[2]), _mm256_loadu_ps(lut + o[3]));
-                a = _mm256_add_ps(a, b);
-                if (m0) a = _mm256_add_ps(a, _mm256_loadu_ps(sb + (size_t)t * 8));
-                _mm256_storeu_ps(sb + (size_t)t * 8, a);
-            }
-    }
-}
-
-static void accum_u8_off_g4(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
-    uint16_t offs[VQ_OB * 64];
-    for (int t0 = 0; t0 < n; t0 += VQ_OB) {
-        const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
-        make_offsets(nb, M, ksub, 2, codes + (size_t)t0 * M, offs);
-        const float *pb = p + (size_t)t0 * 4;
-        for (int m0 = 0; m0 < M; m0 += 8)
-            for (int t = 0; t < nb; t++) {
-                const uint16_t *o = offs + (size_t)t * M + m0;
-                const __m128 pv = _mm_loadu_ps(pb + (size_t)t * 4);
-                for (int u = 0; u < 8; u++) {
-                    float *r = table + o[u];
-                    _mm_storeu_ps(r, _mm_add_ps(_mm_loadu_ps(r), pv));
-                }
-            }
-    }
-}
-
-static void accum_u8_off_g8(int n, int M, int ksub, const uint8_t *codes, const float *p, float *table) {
-    uint16_t offs[VQ_OB * 64];
-    for (int t0 = 0; t0 < n; t0 += VQ_OB) {
-        const int nb = n - t0 < VQ_OB ? n - t0 : VQ_OB;
-        make_offsets(nb, M, ksub, 3, codes + (size_t)t0 * M, offs);
-        const float *pb = p + (size_t)t0 * 8;
-        for (int m0 = 0; m0 < M; m0 += 4)
-            for (int t = 0; t < nb; t++) {
-                const uint16_t *o = offs + (size_t)t * M + m0;
-                const __m256 pv = _mm256_loadu_ps(pb + (size_t)t * 8);
-                for (int u = 0; u < 4; u++) {
-                    float *r = table + o[u];
-                    _mm256_storeu_ps(r, _mm256_add_ps(_mm256_loadu_ps(r), pv));
-                }
-            }
-    }
+/* The nbits = 8 kernel for gp 4 or 8 (score and accum share the type: codes, then what they read
+ * and what they write), or NULL for the lanes kernels of vq_body.h. */
+typedef void (*u8_fn)(int n, int M, int ksub, const uint8_t *codes, const float *in, float *out);
+static u8_fn pick_u8(int M, int ksub, int gp, u8_fn off_g4, u8_fn off_g8, u8_fn g4, u8_fn g8) {
+    if (gp != 4 && gp != 8) return NULL;
+    if (offsets_ok(M, ksub, gp)) return gp == 4 ? off_g4 : off_g8;
+    return gp == 4 ? g4 : g8;
 }
 
 void kvpq__vq_score_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *lut, float *s) {
-    if (gp == 4 && offsets_ok(M, ksub, gp)) score_u8_off_g4(n, M, ksub, codes, lut, s);
-    else if (gp == 8 && offsets_ok(M, ksub, gp)) score_u8_off_g8(n, M, ksub, codes, lut, s);
-    else if (gp == 4) score_u8_g4(n, M, ksub, codes, lut, s);
-    else if (gp == 8) score_u8_g8(n, M, ksub, codes, lut, s);
+    u8_fn f = pick_u8(M, ksub, gp, score_u8_off_g4, score_u8_off_g8, score_u8_g4, score_u8_g8);
+    if (f) f(n, M, ksub, codes, lut, s);
     else score_u8_lanes(n, M, ksub, gp, codes, lut, s);
 }
 
 void kvpq__vq_accum_u8_avx2(int n, int M, int ksub, int gp, const uint8_t *codes, const float *p, float *table) {
-    if (gp == 4 && offsets_ok(M, ksub, gp)) accum_u8_off_g4(n, M, ksub, codes, p, table);
-    else if (gp == 8 && offsets_ok(M, ksub, gp)) accum_u8_off_g8(n, M, ksub, codes, p, table);
-    else if (gp == 4) accum_u8_g4(n, M, ksub, codes, p, table);
-    else if (gp == 8) accum_u8_g8(n, M, ksub, codes, p, table);
+    u8_fn f = pick_u8(M, ksub, gp, accum_u8_off_g4, accum_u8_off_g8, accum_u8_g4, accum_u8_g8);
+    if (f) f(n, M, ksub, codes, p, table);
     else accum_u8_lanes(n, M, ksub, gp, codes, p, table);
 }
 
@@ -285,12 +115,8 @@ void kvpq__vq_accum_u16_avx2(int n, int M, int ksub, int gp, const uint16_t *idx
 
 // ---- LUT build and value output for gp = 4 (wider rows: vq_body.h) ---------------------------------
 
-void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
-                             float *lut) {
-    if (gp != 4) {
-        lut_build_lanes(M, ksub, dsub, n_books, cent, gp, qt, lut);
-        return;
-    }
+static void lut_build_g4(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                         float *lut) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub, *q = qt + (size_t)m * dsub * gp;
         float *out = lut + (size_t)m * ksub * gp;
@@ -305,12 +131,8 @@ void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float
     }
 }
 
-void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
-                             float *out) {
-    if (gp != 4) {
-        table_out_lanes(M, ksub, dsub, n_books, cent, gp, table, out);
-        return;
-    }
+static void table_out_g4(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                         float *out) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub;
         const float *tm = table + (size_t)m * ksub * gp;
@@ -334,6 +156,16 @@ void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float
             _mm_storeu_ps(o + j * 4, r);
         }
     }
+}
+
+void kvpq__vq_lut_build_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                             float *lut) {
+    (gp == 4 ? lut_build_g4 : lut_build_lanes)(M, ksub, dsub, n_books, cent, gp, qt, lut);
+}
+
+void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                             float *out) {
+    (gp == 4 ? table_out_g4 : table_out_lanes)(M, ksub, dsub, n_books, cent, gp, table, out);
 }
 
 void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {

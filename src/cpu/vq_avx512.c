@@ -12,12 +12,8 @@
 
 /* Four centroids (16 floats) fill one zmm; the j-th coordinate of each is broadcast within its
  * 128-bit lane by an in-lane permute, so one FMA serves 4 centroids x 4 heads. */
-static void lut_build_avx512(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
-                             float *lut) {
-    if (gp != 4 || dsub != 4 || ksub % 4) {
-        lut_build_lanes(M, ksub, dsub, n_books, cent, gp, qt, lut);
-        return;
-    }
+static void lut_build_d4g4(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                           float *lut) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * 4, *q = qt + (size_t)m * 16;
         const __m512 q0 = _mm512_broadcast_f32x4(_mm_loadu_ps(q)), q1 = _mm512_broadcast_f32x4(_mm_loadu_ps(q + 4));
@@ -34,12 +30,8 @@ static void lut_build_avx512(int M, int ksub, int dsub, int n_books, const float
     }
 }
 
-static void table_out_avx512(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
-                             float *out) {
-    if (gp != 4 || dsub != 4 || ksub % 4) {
-        table_out_lanes(M, ksub, dsub, n_books, cent, gp, table, out);
-        return;
-    }
+static void table_out_d4g4(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                           float *out) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * 4;
         const float *tm = table + (size_t)m * ksub * 4;
@@ -60,6 +52,19 @@ static void table_out_avx512(int M, int ksub, int dsub, int n_books, const float
             _mm_storeu_ps(out + (size_t)m * 16 + j * 4, r);
         }
     }
+}
+
+/* The d4g4 kernels where they apply (gp 4, dsub 4, ksub a multiple of 4), else the lanes kernels. */
+static int d4g4(int ksub, int dsub, int gp) { return gp == 4 && dsub == 4 && ksub % 4 == 0; }
+
+static void lut_build_avx512(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                             float *lut) {
+    (d4g4(ksub, dsub, gp) ? lut_build_d4g4 : lut_build_lanes)(M, ksub, dsub, n_books, cent, gp, qt, lut);
+}
+
+static void table_out_avx512(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                             float *out) {
+    (d4g4(ksub, dsub, gp) ? table_out_d4g4 : table_out_lanes)(M, ksub, dsub, n_books, cent, gp, table, out);
 }
 
 // ---- fast-scan scores with AVX-512 VBMI (approximate, opt-in: kvpq_cache_params.vq_fast_scan) ----

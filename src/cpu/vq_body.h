@@ -28,11 +28,7 @@ static inline int period_ok(int gp) { return gp <= GP_MAX && (W % gp == 0 || gp 
 
 /* Two accumulators over the sub-spaces (even, odd) for latency. */
 #define VQ_SCORE_LANES(NAME, T)                                                                     \
-    static void NAME##_lanes(int n, int M, int ksub, int gp, const T *codes, const float *lut, float *s) { \
-        if (gp % W) {                                                                               \
-            VQ_NEXT(NAME)(n, M, ksub, gp, codes, lut, s);                                           \
-            return;                                                                                 \
-        }                                                                                           \
+    static void NAME##_w(int n, int M, int ksub, int gp, const T *codes, const float *lut, float *s) {     \
         const size_t ms = (size_t)ksub * gp; /* stride between sub-spaces */                        \
         for (int t = 0; t < n; t++) {                                                               \
             const T *c = codes + (size_t)t * M;                                                     \
@@ -53,11 +49,7 @@ VQ_SCORE_LANES(score_u16, uint16_t)
 
 /* Exact: every table row gets its weights added in token order, as in the reference. */
 #define VQ_ACCUM_LANES(NAME, T)                                                                     \
-    static void NAME##_lanes(int n, int M, int ksub, int gp, const T *codes, const float *p, float *table) { \
-        if (gp % W) {                                                                               \
-            VQ_NEXT(NAME)(n, M, ksub, gp, codes, p, table);                                         \
-            return;                                                                                 \
-        }                                                                                           \
+    static void NAME##_w(int n, int M, int ksub, int gp, const T *codes, const float *p, float *table) {   \
         const size_t ms = (size_t)ksub * gp;                                                        \
         for (int t = 0; t < n; t++) {                                                               \
             const T *c = codes + (size_t)t * M;                                                     \
@@ -72,6 +64,16 @@ VQ_SCORE_LANES(score_u16, uint16_t)
     }
 VQ_ACCUM_LANES(accum_u8, uint8_t)
 VQ_ACCUM_LANES(accum_u16, uint16_t)
+
+/* gp a multiple of W: the kernels above; other groups: the next level's. */
+#define VQ_LANES(NAME, T)                                                                                \
+    static void NAME##_lanes(int n, int M, int ksub, int gp, const T *codes, const float *in, float *out) { \
+        (gp % W ? VQ_NEXT(NAME) : NAME##_w)(n, M, ksub, gp, codes, in, out);                            \
+    }
+VQ_LANES(score_u8, uint8_t)
+VQ_LANES(score_u16, uint16_t)
+VQ_LANES(accum_u8, uint8_t)
+VQ_LANES(accum_u16, uint16_t)
 
 // ---- online softmax: lane patterns of period vw ----------------------------------------------
 
@@ -237,12 +239,8 @@ void KVPQ_ISA_FN(kvpq__vq_f32_to_f16)(size_t n, const float *src, uint16_t *dst)
 
 // ---- LUT build and value output: one W-lane FMA per (m, c, j) ----------------------------------
 
-static void lut_build_lanes(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
-                            float *lut) {
-    if (gp % W) {
-        VQ_NEXT(lut_build)(M, ksub, dsub, n_books, cent, gp, qt, lut);
-        return;
-    }
+static void lut_build_w(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                        float *lut) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub, *q = qt + (size_t)m * dsub * gp;
         float *out = lut + (size_t)m * ksub * gp;
@@ -256,12 +254,8 @@ static void lut_build_lanes(int M, int ksub, int dsub, int n_books, const float 
     }
 }
 
-static void table_out_lanes(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
-                            float *out) {
-    if (gp % W) {
-        VQ_NEXT(table_out)(M, ksub, dsub, n_books, cent, gp, table, out);
-        return;
-    }
+static void table_out_w(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                        float *out) {
     for (int m = 0; m < M; m++) {
         const float *book = cent + (size_t)(n_books == 1 ? 0 : m) * ksub * dsub;
         const float *tm = table + (size_t)m * ksub * gp;
@@ -277,6 +271,17 @@ static void table_out_lanes(int M, int ksub, int dsub, int n_books, const float 
             for (int j = 0; j < dsub; j++) vf_store(o + j * gp + b, acc[j]);
         }
     }
+}
+
+/* gp a multiple of W: the kernels above; other groups: the next level's. */
+static void lut_build_lanes(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *qt,
+                            float *lut) {
+    (gp % W ? VQ_NEXT(lut_build) : lut_build_w)(M, ksub, dsub, n_books, cent, gp, qt, lut);
+}
+
+static void table_out_lanes(int M, int ksub, int dsub, int n_books, const float *cent, int gp, const float *table,
+                            float *out) {
+    (gp % W ? VQ_NEXT(table_out) : table_out_w)(M, ksub, dsub, n_books, cent, gp, table, out);
 }
 
 /* The kernels of this body into a table; the including file sets the rest after it. */

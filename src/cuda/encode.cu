@@ -513,7 +513,7 @@ __device__ __forceinline__ void search_mma(const EncodeParams &p, const float *x
     }
 }
 
-/* ---- phase 2, tensor cores, grouped argmin (kvpq_cuda_pq.search 2-4; 3 is the default) ----
+/* ---- phase 2, tensor cores, grouped argmin (kvpq_cuda_pq.search 2-5; 5 is the default) ----
  *
  * Same keys as search_mma (one mma.m16n8k16 per 16 sub-vectors x 8 centroids and k-step), with two
  * changes that cut the search loop's instructions per mma from ~8.6 to ~5.4-6.6 (SASS) and the

@@ -222,17 +222,32 @@ static kvpq_status skip_array(reader *r, uint32_t et, uint64_t n, int depth, siz
     return KVPQ_OK;
 }
 
+#define WHAT_CAP 320 /* "kv 123 'name'" of the messages, the name cut at 256 bytes */
+
+/* The name of kv i (tensor = 0: its key) or tensor i (tensor = 1) into *name and the file's index
+ * of such names; what (WHAT_CAP bytes) becomes "kv i 'name'" / "tensor i 'name'" for the messages
+ * that follow. A name given twice is KVPQ_ERR_FORMAT (*name is set, and owned by the caller, as soon as
+ * it is read). */
+static kvpq_status read_name(reader *r, gguf_file *f, int tensor, int64_t i, char **name, char *what) {
+    const char *kind = tensor ? "tensor" : "kv";
+    snprintf(what, WHAT_CAP, "%s %lld", kind, (long long)i);
+    size_t off = 0;
+    uint64_t len = 0;
+    KVPQ_TRY(rd_str(r, &off, &len, what));
+    KVPQ_TRY(copy_name(r, off, len, name, what));
+    snprintf(what, WHAT_CAP, "%s %lld '%.256s'", kind, (long long)i, *name);
+    int64_t dup = tensor ? index_insert(f->t_index, f->t_cap, *name, i, tensor_name, f)
+                         : index_insert(f->kv_index, f->kv_cap, *name, i, kv_name, f);
+    if (dup >= 0)
+        return kvpq__err(KVPQ_ERR_FORMAT, "%s: duplicate %s (first defined by %s %lld)", what,
+                         tensor ? "tensor name" : "key", kind, (long long)dup);
+    return KVPQ_OK;
+}
+
 static kvpq_status parse_kv(reader *r, gguf_file *f, int64_t i) {
     gguf_kv *kv = &f->kv[i];
-    char what[320];
-    snprintf(what, sizeof what, "kv %lld", (long long)i);
-    size_t koff;
-    uint64_t klen;
-    KVPQ_TRY(rd_str(r, &koff, &klen, what));
-    KVPQ_TRY(copy_name(r, koff, klen, &kv->key, what));
-    snprintf(what, sizeof what, "kv %lld '%.256s'", (long long)i, kv->key);
-    int64_t dup = index_insert(f->kv_index, f->kv_cap, kv->key, i, kv_name, f);
-    if (dup >= 0) return kvpq__err(KVPQ_ERR_FORMAT, "%s: duplicate key (first defined by kv %lld)", what, (long long)dup);
+    char what[WHAT_CAP];
+    KVPQ_TRY(read_name(r, f, 0, i, &kv->key, what));
     uint32_t t;
     KVPQ_TRY(rd_u32(r, &t, what));
     if (!type_valid(t)) return kvpq__err(KVPQ_ERR_FORMAT, "%s: unknown value type %u at offset %zu", what, t, r->pos - 4);
@@ -267,18 +282,11 @@ static kvpq_status parse_kv(reader *r, gguf_file *f, int64_t i) {
 
 static kvpq_status parse_tensor_info(reader *r, gguf_file *f, int64_t i, uint64_t *offset) {
     gguf_tensor *t = &f->tensors[i];
-    char what[320];
-    snprintf(what, sizeof what, "tensor %lld", (long long)i);
-    size_t noff;
-    uint64_t nlen;
-    KVPQ_TRY(rd_str(r, &noff, &nlen, what));
-    char *name;
-    KVPQ_TRY(copy_name(r, noff, nlen, &name, what));
-    t->name = name;
-    snprintf(what, sizeof what, "tensor %lld '%.256s'", (long long)i, name);
-    int64_t dup = index_insert(f->t_index, f->t_cap, name, i, tensor_name, f);
-    if (dup >= 0)
-        return kvpq__err(KVPQ_ERR_FORMAT, "%s: duplicate tensor name (first defined by tensor %lld)", what, (long long)dup);
+    char what[WHAT_CAP];
+    char *name = NULL;
+    kvpq_status st = read_name(r, f, 1, i, &name, what);
+    t->name = name; /* freed with the file, whatever st is */
+    KVPQ_TRY(st);
     uint32_t n_dims;
     KVPQ_TRY(rd_u32(r, &n_dims, what));
     if (n_dims < 1 || n_dims > 4) return kvpq__err(KVPQ_ERR_FORMAT, "%s: n_dims %u (expected 1..4)", what, n_dims);
@@ -577,8 +585,18 @@ static kvpq_status find_typed(const gguf_file *f, const char *key, const gguf_kv
     return KVPQ_OK;
 }
 
-/* Integer value of a scalar of any integer type: as int64 (*neg set) or as uint64. */
-static int read_int(const gguf_file *f, const gguf_kv *kv, int64_t *sv, uint64_t *uv, int *neg) {
+/* An integer value: as int64 (s, saturated) and as uint64 (u, 0 when negative). */
+typedef struct {
+    int64_t s;
+    uint64_t u;
+    int neg;
+} gguf_int;
+
+/* The value of key, a scalar of any integer type. KVPQ_ERR_FORMAT when the key is missing or not an
+ * integer. */
+static kvpq_status get_int(const gguf_file *f, const char *key, gguf_int *v) {
+    const gguf_kv *kv;
+    KVPQ_TRY(find_typed(f, key, &kv));
     const uint8_t *p = f->base + kv->off;
     int64_t s = 0;
     uint64_t u = 0;
@@ -592,46 +610,37 @@ static int read_int(const gguf_file *f, const gguf_kv *kv, int64_t *sv, uint64_t
     case GGUF_TYPE_INT32: s = (int32_t)le32(p); is_signed = 1; break;
     case GGUF_TYPE_UINT64: u = le64(p); break;
     case GGUF_TYPE_INT64: s = (int64_t)le64(p); is_signed = 1; break;
-    default: return 0;
+    default:
+        return kvpq__err(KVPQ_ERR_FORMAT, "key %s: has type %s, expected an integer", key, gguf_type_name(kv->type));
     }
     if (is_signed) {
-        *neg = s < 0;
-        *sv = s;
-        *uv = s < 0 ? 0 : (uint64_t)s;
+        v->neg = s < 0;
+        v->s = s;
+        v->u = s < 0 ? 0 : (uint64_t)s;
     } else {
-        *neg = 0;
-        *uv = u;
-        *sv = u > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)u;
+        v->neg = 0;
+        v->u = u;
+        v->s = u > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)u;
     }
-    return 1;
+    return KVPQ_OK;
 }
 
 kvpq_status gguf_get_u32(const gguf_file *f, const char *key, uint32_t *out) {
-    const gguf_kv *kv;
-    KVPQ_TRY(find_typed(f, key, &kv));
-    int64_t s;
-    uint64_t u;
-    int neg;
-    if (!read_int(f, kv, &s, &u, &neg))
-        return kvpq__err(KVPQ_ERR_FORMAT, "key %s: has type %s, expected an integer", key, gguf_type_name(kv->type));
-    if (neg || u > UINT32_MAX)
-        return kvpq__err(KVPQ_ERR_FORMAT, "key %s: value %s%llu does not fit uint32", key, neg ? "-" : "",
-                         neg ? (unsigned long long)(-(s + 1)) + 1 : (unsigned long long)u);
-    *out = (uint32_t)u;
+    gguf_int v = {0};
+    KVPQ_TRY(get_int(f, key, &v));
+    if (v.neg || v.u > UINT32_MAX)
+        return kvpq__err(KVPQ_ERR_FORMAT, "key %s: value %s%llu does not fit uint32", key, v.neg ? "-" : "",
+                         v.neg ? (unsigned long long)(-(v.s + 1)) + 1 : (unsigned long long)v.u);
+    *out = (uint32_t)v.u;
     return KVPQ_OK;
 }
 
 kvpq_status gguf_get_i64(const gguf_file *f, const char *key, int64_t *out) {
-    const gguf_kv *kv;
-    KVPQ_TRY(find_typed(f, key, &kv));
-    int64_t s;
-    uint64_t u;
-    int neg;
-    if (!read_int(f, kv, &s, &u, &neg))
-        return kvpq__err(KVPQ_ERR_FORMAT, "key %s: has type %s, expected an integer", key, gguf_type_name(kv->type));
-    if (!neg && u > (uint64_t)INT64_MAX)
-        return kvpq__err(KVPQ_ERR_FORMAT, "key %s: value %llu does not fit int64", key, (unsigned long long)u);
-    *out = s;
+    gguf_int v = {0};
+    KVPQ_TRY(get_int(f, key, &v));
+    if (!v.neg && v.u > (uint64_t)INT64_MAX)
+        return kvpq__err(KVPQ_ERR_FORMAT, "key %s: value %llu does not fit int64", key, (unsigned long long)v.u);
+    *out = v.s;
     return KVPQ_OK;
 }
 

@@ -20,13 +20,13 @@ kvpq_status kvpq_vocab_load(kvpq_vocab **out, const char *gguf_path) {
     /* The tokenizer copies what it needs, so the file is closed right away. */
     if (st == KVPQ_OK) st = kvpq_tokenizer_from_gguf(&v->tok, f);
     gguf_close(f);
-    if (st != KVPQ_OK) {
-        kvpq__err_prefix("'%s'", gguf_path);
-        free(v);
-        return st;
+    if (st == KVPQ_OK) {
+        *out = v;
+        return KVPQ_OK;
     }
-    *out = v;
-    return KVPQ_OK;
+    kvpq__err_prefix("'%s'", gguf_path);
+    free(v);
+    return st;
 }
 
 void kvpq_vocab_free(kvpq_vocab *v) {

@@ -353,30 +353,22 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
         cb->layer_M[3 * l + 1] = p->value.M;
         cb->layer_M[3 * l + 2] = p->key_stages;
     }
+    kvpq_status s = KVPQ_OK;
     for (int i = 0; i < 2 * p->n_layer; i++) {
-        kvpq_status s = kvpq_pq_new(&cb->pq[i], (i & 1) ? &p->value : &p->key);
-        if (s != KVPQ_OK) {
-            kvpq_codebook_free(cb);
-            return s;
-        }
+        if ((s = kvpq_pq_new(&cb->pq[i], (i & 1) ? &p->value : &p->key)) != KVPQ_OK) goto fail;
         cb->pq[i]->norm_explicit = (i & 1) ? p->value_norm : p->key_norm;
         cb->pq[i]->stage2 = !(i & 1) && p->key_stages == 2;
     }
     for (int l = 0; p->key_stages == 2 && l < p->n_layer; l++) {
-        kvpq_status s = kvpq_pq_new(&cb->pq2[l], &p->key2);
-        if (s != KVPQ_OK) {
-            kvpq_codebook_free(cb);
-            return s;
-        }
+        if ((s = kvpq_pq_new(&cb->pq2[l], &p->key2)) != KVPQ_OK) goto fail;
         cb->pq2[l]->norm_explicit = p->key_norm;
     }
-    kvpq_status s = meta_put_config(cb);
-    if (s != KVPQ_OK) {
-        kvpq_codebook_free(cb);
-        return s;
-    }
+    if ((s = meta_put_config(cb)) != KVPQ_OK) goto fail;
     *out = cb;
     return KVPQ_OK;
+fail:
+    kvpq_codebook_free(cb);
+    return s;
 }
 
 void kvpq_codebook_free(kvpq_codebook *cb) {
@@ -425,20 +417,33 @@ static kvpq_status layer_params(const kvpq_codebook_params *p, int layer, int is
     return s;
 }
 
-static kvpq_status set_layer_M(kvpq_codebook *cb, int layer, int is_value, int M, const char *fn) {
+/* cb is not NULL and layer is one of its layers, else KVPQ_ERR_INVALID_ARG (fn: the caller). */
+static kvpq_status check_layer(const kvpq_codebook *cb, int layer, const char *fn) {
     if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: cb is NULL", fn);
     if (layer < 0 || layer >= cb->p.n_layer)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d out of range [0, %d)", fn, layer, cb->p.n_layer);
+    return KVPQ_OK;
+}
+
+/* layer_M[im] = v (a layer's key M, value M or key stages) and the metadata that lists them; on
+ * failure both are left as they were. */
+static kvpq_status set_layer_entry(kvpq_codebook *cb, int im, int v) {
+    const int old = cb->layer_M[im];
+    cb->layer_M[im] = v;
+    kvpq_status s = meta_sync_layer_m(cb);
+    if (s != KVPQ_OK) cb->layer_M[im] = old;
+    return s;
+}
+
+static kvpq_status set_layer_M(kvpq_codebook *cb, int layer, int is_value, int M, const char *fn) {
+    KVPQ_TRY(check_layer(cb, layer, fn));
     kvpq_pq_params q;
     KVPQ_TRY(layer_params(&cb->p, layer, is_value, M, &q));
     kvpq_pq *pq;
     KVPQ_TRY(kvpq_pq_new(&pq, &q));
-    const int i = 2 * layer + is_value, im = 3 * layer + is_value;
-    int old = cb->layer_M[im];
-    cb->layer_M[im] = M;
-    kvpq_status s = meta_sync_layer_m(cb);
+    const int i = 2 * layer + is_value;
+    kvpq_status s = set_layer_entry(cb, 3 * layer + is_value, M);
     if (s != KVPQ_OK) {
-        cb->layer_M[im] = old;
         kvpq_pq_free(pq);
         return s;
     }
@@ -478,24 +483,20 @@ int kvpq_codebook_layer_value_M(const kvpq_codebook *cb, int layer) {
 
 kvpq_status kvpq_codebook_set_layer_key_stages(kvpq_codebook *cb, int layer, int stages) {
     const char *fn = "kvpq_codebook_set_layer_key_stages";
-    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: cb is NULL", fn);
-    if (layer < 0 || layer >= cb->p.n_layer)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d out of range [0, %d)", fn, layer, cb->p.n_layer);
+    KVPQ_TRY(check_layer(cb, layer, fn));
     if (stages != 1 && stages != 2) return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: stages=%d: expected 1 or 2", fn, stages);
     if (stages == 2 && cb->p.key_stages != 2)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: layer %d: stages=2 needs a codebook made with key_stages=2 (its "
                          "key2 params)", fn, layer);
-    const int im = 3 * layer + 2, old = cb->layer_M[im];
-    if (old == stages) return KVPQ_OK;
+    const int im = 3 * layer + 2;
+    if (cb->layer_M[im] == stages) return KVPQ_OK;
     kvpq_pq *pq2 = NULL;
     if (stages == 2) {
         KVPQ_TRY(kvpq_pq_new(&pq2, &cb->p.key2));
         pq2->norm_explicit = cb->p.key_norm;
     }
-    cb->layer_M[im] = stages;
-    kvpq_status s = meta_sync_layer_m(cb);
+    kvpq_status s = set_layer_entry(cb, im, stages);
     if (s != KVPQ_OK) {
-        cb->layer_M[im] = old;
         kvpq_pq_free(pq2);
         return s;
     }

@@ -367,6 +367,29 @@ static int train_progress_fn(void *user, const char *stage, double done, double 
     return tp->kp->progress(tp->kp->progress_user, stage, tp->m * total + done, tp->M * total);
 }
 
+/* Book i of n_books (a head's or a sub-space's centroids): k-means of the n sub-vectors of x (one
+ * every stride floats) into cent, seeded by i, its progress reported as part i of n_books. */
+static kvpq_status train_book(int dsub, int ksub, size_t n, const float *x, size_t stride, const kvpq_kmeans_params *kp,
+                              int i, int n_books, float *cent, kvpq_kmeans_report *r) {
+    uint64_t seed = kp->seed + 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1);
+    train_progress tp = {kp, i, n_books};
+    kvpq_kmeans_params kpi = *kp;
+    if (kp->progress) {
+        kpi.progress = train_progress_fn;
+        kpi.progress_user = &tp;
+    }
+    return km_run(dsub, ksub, n, x, stride, &kpi, seed, "pq_train", cent, r);
+}
+
+/* total += r, its errors times mul / div. */
+static void report_add(kvpq_kmeans_report *total, const kvpq_kmeans_report *r, int mul, int div) {
+    total->mse_init += r->mse_init * mul / div;
+    total->mse_final += r->mse_final * mul / div;
+    total->iterations += r->iterations;
+    total->empty_repaired += r->empty_repaired;
+    total->n_used += r->n_used;
+}
+
 kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, const float *x,
                           kvpq_kmeans_report *report) {
     if (!pq) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_pq_train: pq is NULL");
@@ -396,22 +419,9 @@ kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, c
             for (size_t r = 0; r < nr; r++)
                 memcpy(xh + r * (size_t)d, x + (r * (size_t)nh + (size_t)h) * d, sizeof(float) * (size_t)d);
             kvpq_kmeans_report r;
-            uint64_t seed = kp->seed + 0x9E3779B97F4A7C15ull * (uint64_t)(h + 1);
-            train_progress tp = {kp, h, nh};
-            kvpq_kmeans_params kph = *kp;
-            if (kp->progress) {
-                kph.progress = train_progress_fn;
-                kph.progress_user = &tp;
-            }
-            st = km_run(dsub, ksub, nr * (size_t)M, xh, (size_t)dsub, &kph, seed, "pq_train",
-                        cent + (size_t)h * ksub * dsub, &r);
+            st = train_book(dsub, ksub, nr * (size_t)M, xh, (size_t)dsub, kp, h, nh, cent + (size_t)h * ksub * dsub, &r);
             if (st != KVPQ_OK) kvpq__err_prefix("kvpq_pq_train: head %d", h);
-            /* per d-dim vector, averaged over heads */
-            total.mse_init += r.mse_init * M / nh;
-            total.mse_final += r.mse_final * M / nh;
-            total.iterations += r.iterations;
-            total.empty_repaired += r.empty_repaired;
-            total.n_used += r.n_used;
+            report_add(&total, &r, M, nh); /* per d-dim vector, averaged over heads */
         }
         free(xh);
     } else if (pq->n_books == 1) {
@@ -429,21 +439,9 @@ kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, c
     } else {
         for (int m = 0; m < M && st == KVPQ_OK; m++) {
             kvpq_kmeans_report r;
-            uint64_t seed = kp->seed + 0x9E3779B97F4A7C15ull * (uint64_t)(m + 1);
-            train_progress tp = {kp, m, M};
-            kvpq_kmeans_params kpm = *kp;
-            if (kp->progress) {
-                kpm.progress = train_progress_fn;
-                kpm.progress_user = &tp;
-            }
-            st = km_run(dsub, ksub, n, x + (size_t)m * dsub, (size_t)d, &kpm, seed, "pq_train",
-                        cent + (size_t)m * ksub * dsub, &r);
+            st = train_book(dsub, ksub, n, x + (size_t)m * dsub, (size_t)d, kp, m, M, cent + (size_t)m * ksub * dsub, &r);
             if (st != KVPQ_OK) kvpq__err_prefix("kvpq_pq_train: sub-space %d", m);
-            total.mse_init += r.mse_init;
-            total.mse_final += r.mse_final;
-            total.iterations += r.iterations;
-            total.empty_repaired += r.empty_repaired;
-            total.n_used += r.n_used;
+            report_add(&total, &r, 1, 1);
         }
     }
     if (st == KVPQ_OK) {

@@ -25,6 +25,27 @@ static void fwht_row(float *x, int d, float scale) {
     for (int j = 0; j < d; j++) x[j] *= scale;
 }
 
+/* The first row of x (n, d) whose sum of squares ss (double) is not finite or has sqrt(ss * growth)
+ * > FLT_MAX, with its ss in *ss; n when every row is within range. */
+static size_t first_row_beyond(const float *x, size_t n, int d, double growth, double *ss) {
+    for (size_t i = 0; i < n; i++) {
+        const float *r = x + i * (size_t)d;
+        *ss = 0;
+        for (int j = 0; j < d; j++) *ss += (double)r[j] * r[j];
+        if (!isfinite(*ss) || sqrt(*ss * growth) > FLT_MAX) return i;
+    }
+    return n;
+}
+
+/* KVPQ_ERR_NONFINITE naming row i's first NaN/Inf element, or KVPQ_OK when it has none. */
+static kvpq_status check_row_finite(const char *fn, const float *x, size_t i, int d) {
+    const float *r = x + i * (size_t)d;
+    for (int j = 0; j < d; j++)
+        if (!isfinite(r[j]))
+            return kvpq__err(KVPQ_ERR_NONFINITE, "%s: row %zu element %d is %s", fn, i, j, isnan(r[j]) ? "NaN" : "Inf");
+    return KVPQ_OK;
+}
+
 kvpq_status kvpq_hadamard(float *x, size_t n, int d) {
     if (d <= 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_hadamard: d=%d: expected a positive power of two", d);
     if (d & (d - 1))
@@ -34,18 +55,12 @@ kvpq_status kvpq_hadamard(float *x, size_t n, int d) {
     /* x is left unchanged on error. The butterflies sum before the 1/sqrt(d) scaling: an element
      * reaches at most sqrt(d) |x| on the way (Cauchy-Schwarz), so a row within FLT_MAX / sqrt(d)
      * cannot overflow; a larger one is refused by name instead of coming back inf. */
-    for (size_t i = 0; i < n; i++) {
-        const float *r = x + i * (size_t)d;
-        double ss = 0;
-        for (int j = 0; j < d; j++) ss += (double)r[j] * r[j];
-        if (!isfinite(ss) || sqrt(ss * d) > FLT_MAX) {
-            for (int j = 0; j < d; j++)
-                if (!isfinite(r[j]))
-                    return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_hadamard: row %zu element %d is %s", i, j,
-                                     isnan(r[j]) ? "NaN" : "Inf");
-            return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_hadamard: row %zu has norm %g: its transform could overflow "
-                             "float32 (rows up to FLT_MAX / sqrt(d) = %g are taken)", i, sqrt(ss), FLT_MAX / sqrt(d));
-        }
+    double ss_bad;
+    const size_t bad = first_row_beyond(x, n, d, (double)d, &ss_bad);
+    if (bad < n) {
+        KVPQ_TRY(check_row_finite("kvpq_hadamard", x, bad, d));
+        return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_hadamard: row %zu has norm %g: its transform could overflow "
+                         "float32 (rows up to FLT_MAX / sqrt(d) = %g are taken)", bad, sqrt(ss_bad), FLT_MAX / sqrt(d));
     }
     const float scale = (float)(1.0 / sqrt((double)d));
 #pragma omp parallel for if ((double)n * d >= 65536.0) schedule(static)
@@ -59,18 +74,12 @@ kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms) {
     if (!x) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_normalize_rows: x is NULL");
     /* First every row's norm is checked (x is left unchanged on error): a NaN/Inf element, or finite
      * elements whose norm exceeds float's range, had given a zero row with an infinite norm. */
-    for (size_t i = 0; i < n; i++) {
-        const float *r = x + i * (size_t)d;
-        double ss = 0;
-        for (int j = 0; j < d; j++) ss += (double)r[j] * r[j];
-        if (!isfinite(ss) || sqrt(ss) > FLT_MAX) {
-            for (int j = 0; j < d; j++)
-                if (!isfinite(r[j]))
-                    return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_normalize_rows: row %zu element %d is %s", i, j,
-                                     isnan(r[j]) ? "NaN" : "Inf");
-            return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_normalize_rows: row %zu has norm %g, beyond float's range", i,
-                             sqrt(ss));
-        }
+    double ss_bad;
+    const size_t bad = first_row_beyond(x, n, d, 1.0, &ss_bad);
+    if (bad < n) {
+        KVPQ_TRY(check_row_finite("kvpq_normalize_rows", x, bad, d));
+        return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_normalize_rows: row %zu has norm %g, beyond float's range", bad,
+                         sqrt(ss_bad));
     }
     for (size_t i = 0; i < n; i++) {
         float *r = x + i * (size_t)d;
