@@ -70,7 +70,7 @@ typedef struct serve_job {
 typedef struct serve_conv_store serve_conv_store;
 
 typedef struct {
-    double requests, requests_failed, prompt_tokens, prompt_tokens_cached, completion_tokens;
+    double requests, requests_failed, requests_cancelled, prompt_tokens, prompt_tokens_cached, completion_tokens;
     double decode_seconds, prefill_seconds;
     double active, waiting, conversations, conversations_saved, evictions, restores;
     double kv_resident_bytes, kv_saved_bytes;

@@ -183,6 +183,7 @@ static void finish(engine_t *e, seq_t *q, const char *reason) {
     q->job->n_ready = q->job->n_gen;
     q->job->state = JOB_DONE;
     sv->metrics.completion_tokens += (double)q->n_out;
+    sv->metrics.requests_cancelled += !strcmp(reason, "cancelled");
     serve_job_release_locked(sv, q->job);
     pthread_cond_broadcast(&sv->job_cond);
     pthread_mutex_unlock(&sv->mu);

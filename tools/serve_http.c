@@ -84,6 +84,7 @@ static char *metrics_text(serve_server *sv) {
     pthread_mutex_unlock(&sv->mu);
     metric(b, cap, &at, "kvpq_requests_total", "counter", "Completion requests accepted.", m.requests);
     metric(b, cap, &at, "kvpq_requests_failed_total", "counter", "Accepted requests that ended in an error.", m.requests_failed);
+    metric(b, cap, &at, "kvpq_requests_cancelled_total", "counter", "Sequences dropped because their client went away.", m.requests_cancelled);
     metric(b, cap, &at, "kvpq_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", m.prompt_tokens);
     metric(b, cap, &at, "kvpq_prompt_tokens_cached_total", "counter", "Prompt tokens found in a held conversation's cache (not evaluated).", m.prompt_tokens_cached);
     metric(b, cap, &at, "kvpq_completion_tokens_total", "counter", "Tokens generated.", m.completion_tokens);
