@@ -97,7 +97,13 @@ static int dispatch(int argc, char **argv) {
     if (!strcmp(c, "generate")) return cmd_generate(argc, argv);
     if (!strcmp(c, "chat")) return cmd_chat(argc, argv);
     if (!strcmp(c, "ppl")) return cmd_ppl(argc, argv);
+#ifdef KVPQ_HAVE_SERVE
     if (!strcmp(c, "serve")) return cmd_serve(argc, argv);
+#else
+    if (!strcmp(c, "serve"))
+        return cli_usage_error("serve: this kvpq was built without libmicrohttpd (apt-get install libmicrohttpd-dev, "
+                               "then build again)");
+#endif
     const char *near = cli_nearest(c, COMMANDS);
     if (near) return cli_usage_error("unknown command '%s'; did you mean '%s'? (kvpq help)", c, near);
     usage(stderr);

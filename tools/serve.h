@@ -133,6 +133,7 @@ typedef struct serve_conv {
     int id;
     int32_t *toks;      /* (n) the positions the cache holds, as tokens */
     size_t n, cap;
+    size_t prompt_end;  /* tokens of the last request's prompt (the rest is the reply generated) */
     kvpq_cache *cache;  /* NULL while saved to disk (saved) or empty */
     int saved, busy;
     uint64_t last_used;
@@ -140,8 +141,8 @@ typedef struct serve_conv {
 } serve_conv;
 serve_conv_store *serve_convs_new(serve_server *sv);
 void serve_convs_free(serve_conv_store *cs);
-/* The conversation a prompt continues (the idle one sharing the longest token prefix when that is
- * most of it), else a new one; made resident and truncated to an exact prefix of the prompt
+/* The conversation a prompt continues (the idle one sharing the longest token prefix, when that
+ * holds its whole last prompt), else a new one; made resident and truncated to an exact prefix of the prompt
  * shorter than the prompt (the last prompt token is always evaluated, for its logits). Marked busy.
  * NULL when out of memory or a cache cannot be made (message in err). */
 serve_conv *serve_conv_acquire(serve_conv_store *cs, const int32_t *prompt, size_t n, char *err, size_t errlen);

@@ -11,8 +11,10 @@
 
 #include "serve.h"
 
-#define BLOB_MAGIC "KVPQSRV1" /* the saved cache's caller blob: magic, model fingerprint, tokens */
-#define BLOB_HEAD (8 + 16)
+/* The saved cache's caller blob: magic, model fingerprint (16 hex digits), the last prompt's end
+ * (uint64), the tokens (int32). */
+#define BLOB_MAGIC "KVPQSRV1"
+#define BLOB_HEAD (8 + 16 + 8)
 
 struct serve_conv_store {
     serve_server *sv;
@@ -82,16 +84,22 @@ static unsigned char *blob_make(const serve_conv_store *cs, const serve_conv *c,
     if (!b) return NULL;
     memcpy(b, BLOB_MAGIC, 8);
     memcpy(b + 8, cs->sv->mi.fingerprint, 16);
+    uint64_t pe = c->prompt_end;
+    memcpy(b + 24, &pe, 8);
     if (c->n) memcpy(b + BLOB_HEAD, c->toks, c->n * sizeof(int32_t));
     return b;
 }
 
-/* The tokens of a blob of this model (malloc'd, *n), NULL when it is not one. */
-static int32_t *blob_tokens(const serve_conv_store *cs, const unsigned char *b, size_t len, size_t *n) {
+/* The tokens of a blob of this model (malloc'd, *n; *prompt_end), NULL when it is not one. */
+static int32_t *blob_tokens(const serve_conv_store *cs, const unsigned char *b, size_t len, size_t *n,
+                            size_t *prompt_end) {
     if (!b || len < BLOB_HEAD || (len - BLOB_HEAD) % sizeof(int32_t) || memcmp(b, BLOB_MAGIC, 8) ||
         memcmp(b + 8, cs->sv->mi.fingerprint, 16))
         return NULL;
     *n = (len - BLOB_HEAD) / sizeof(int32_t);
+    uint64_t pe;
+    memcpy(&pe, b + 24, 8);
+    *prompt_end = pe < *n ? (size_t)pe : *n;
     int32_t *t = malloc((*n ? *n : 1) * sizeof *t);
     if (t && *n) memcpy(t, b + BLOB_HEAD, *n * sizeof *t);
     return t;
@@ -122,10 +130,10 @@ static int conv_restore(serve_conv_store *cs, serve_conv *c) {
     char p[4096];
     conv_path(cs, c->id, p, sizeof p);
     void *user = NULL;
-    size_t ulen = 0, n = 0;
+    size_t ulen = 0, n = 0, pe = 0;
     kvpq_cache *cache = NULL;
     kvpq_status s = kvpq_cache_load(&cache, &cs->sv->proto.params, p, &user, &ulen);
-    int32_t *t = s == KVPQ_OK ? blob_tokens(cs, user, ulen, &n) : NULL;
+    int32_t *t = s == KVPQ_OK ? blob_tokens(cs, user, ulen, &n, &pe) : NULL;
     free(user);
     unlink(p);
     c->saved = 0;
@@ -155,10 +163,10 @@ static void convs_scan(serve_conv_store *cs) {
         char p[4096];
         conv_path(cs, id, p, sizeof p);
         void *user = NULL;
-        size_t ulen = 0, n = 0;
+        size_t ulen = 0, n = 0, pe = 0;
         kvpq_cache *cache = NULL;
         kvpq_status s = kvpq_cache_load(&cache, &cs->sv->proto.params, p, &user, &ulen);
-        int32_t *t = s == KVPQ_OK ? blob_tokens(cs, user, ulen, &n) : NULL;
+        int32_t *t = s == KVPQ_OK ? blob_tokens(cs, user, ulen, &n, &pe) : NULL;
         free(user);
         kvpq_cache_free(cache);
         serve_conv *c = t ? conv_add(cs, id) : NULL;
@@ -170,6 +178,7 @@ static void convs_scan(serve_conv_store *cs) {
         struct stat st;
         c->toks = t;
         c->n = c->cap = n;
+        c->prompt_end = pe;
         c->saved = 1;
         c->saved_bytes = stat(p, &st) == 0 ? (size_t)st.st_size : 0;
     }
@@ -199,9 +208,11 @@ static size_t lcp(const int32_t *a, size_t na, const int32_t *b, size_t nb) {
     return i;
 }
 
-/* The idle conversation this prompt continues: the longest shared prefix, taken when it covers the
- * whole conversation or at least half of it (an edited or regenerated last turn); a prompt that
- * shares less (another user with the same system prompt) starts its own, leaving the other intact. */
+/* The idle conversation this prompt continues: the one sharing the longest prefix, taken when the
+ * prompt holds all of that conversation's last prompt (it may differ within the reply the server
+ * generated: a reply cut by a stop sequence, or whose text tokenizes differently). A prompt that
+ * shares less (another user with the same system prompt, an edited message) starts its own
+ * conversation and leaves the other one as it is. */
 static serve_conv *find(serve_conv_store *cs, const int32_t *prompt, size_t n, size_t *shared) {
     serve_conv *best = NULL;
     size_t best_l = 0;
@@ -209,10 +220,9 @@ static serve_conv *find(serve_conv_store *cs, const int32_t *prompt, size_t n, s
         serve_conv *c = cs->c[i];
         if (c->busy) continue;
         size_t l = lcp(c->toks, c->n, prompt, n);
-        if (l > best_l) best = c, best_l = l;
+        if (l > best_l && l >= c->prompt_end) best = c, best_l = l;
     }
-    if (best && best_l < best->n && 2 * best_l < best->n) best = NULL;
-    *shared = best ? best_l : 0;
+    *shared = best_l;
     return best;
 }
 
@@ -234,9 +244,19 @@ serve_conv *serve_conv_acquire(serve_conv_store *cs, const int32_t *prompt, size
     }
     if (shared > n - 1) shared = n - 1; /* the last prompt token is evaluated again: its logits */
     int keep = kvpq_cache_exact_prefix(c->cache, (int)shared);
-    kvpq_status s = kvpq_cache_truncate(c->cache, keep);
-    if (s != KVPQ_OK) keep = 0, kvpq_cache_truncate(c->cache, 0); /* a sliding window freed the cut */
+    if (kvpq_cache_truncate(c->cache, keep) != KVPQ_OK) { /* a sliding window freed the cut: start over */
+        kvpq_cache_free(c->cache);
+        c->cache = NULL;
+        keep = 0;
+        kvpq_status s = kvpq_cache_new(&c->cache, &cs->sv->proto.params);
+        if (s != KVPQ_OK) {
+            snprintf(err, errlen, "cache: %s: %s", kvpq_status_string(s), kvpq_last_error());
+            c->n = 0;
+            return NULL;
+        }
+    }
     c->n = (size_t)keep;
+    c->prompt_end = n;
     c->busy = 1;
     c->last_used = ++cs->clock;
     return c;
