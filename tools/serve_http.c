@@ -1,5 +1,6 @@
 /* serve_http.c — `kvpq serve`'s HTTP side on libmicrohttpd (one thread per connection): request
  * bodies up to --max-body, the API key, the routes, JSON responses and server-sent event streams. */
+#include <errno.h>
 #include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -225,10 +226,31 @@ static enum MHD_Result start_stream(serve_server *sv, struct MHD_Connection *c, 
     return ret;
 }
 
-/* Wait (under sv->mu) until the job leaves the queue, or, with `to_end`, until it is over. */
-static void wait_job_locked(serve_server *sv, serve_job *j, int to_end) {
-    while (j->state == JOB_QUEUED || (to_end && j->state != JOB_DONE && j->state != JOB_FAILED))
-        pthread_cond_wait(&sv->job_cond, &sv->mu);
+/* 1 when the client has closed its end of the connection (a read would see end of file). */
+static int client_gone(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    char b;
+    if (!ci) return 0;
+    ssize_t r = recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+/* Wait (under sv->mu) until the job leaves the queue, or, with `to_end`, until it is over; a client
+ * that goes away meanwhile (checked 4 times a second) has its job cancelled. */
+static void wait_job_locked(serve_server *sv, struct MHD_Connection *c, serve_job *j, int to_end) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    while (j->state == JOB_QUEUED || (to_end && j->state != JOB_DONE && j->state != JOB_FAILED)) {
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        if (now.tv_sec > t.tv_sec || (now.tv_sec == t.tv_sec && now.tv_nsec >= t.tv_nsec)) {
+            if (!j->cancelled && client_gone(c)) j->cancelled = 1;
+            t = now; /* the next check: in 250 ms (the condition is signalled at every token) */
+            t.tv_nsec += 250000000L;
+            if (t.tv_nsec >= 1000000000L) t.tv_sec++, t.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&sv->job_cond, &sv->mu, &t);
+    }
 }
 
 static enum MHD_Result completion(serve_server *sv, struct MHD_Connection *c, serve_kind kind, const req_t *r) {
@@ -245,7 +267,7 @@ static enum MHD_Result completion(serve_server *sv, struct MHD_Connection *c, se
         return send_error_msg(c, 503, "server_error", "shutting_down", "the server is shutting down");
     }
     pthread_mutex_lock(&sv->mu);
-    wait_job_locked(sv, j, !j->stream);
+    wait_job_locked(sv, c, j, !j->stream);
     if (j->state == JOB_FAILED) {
         serve_error fe = {.status = j->http_status, .type = j->err_type, .param = j->err_param, .code = j->err_code};
         snprintf(fe.message, sizeof fe.message, "%s", j->err_msg);

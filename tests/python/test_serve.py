@@ -216,6 +216,26 @@ def test_client_disconnect_mid_stream(server):
     assert chat(server.client(), [{"role": "user", "content": "hi"}]).choices[0].message.content
 
 
+def test_client_disconnect_waiting(server):
+    """A client that goes away while waiting for a non-streamed reply: its sequence is dropped."""
+    import socket
+    before = metrics(server)
+    host, port = server.url.split("//")[1].split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a very long story, please."}],
+                       "max_tokens": 400, "temperature": 0}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.5)
+    for _ in range(200):
+        m = metrics(server)
+        if m["kvpq_requests_cancelled_total"] > before["kvpq_requests_cancelled_total"]:
+            break
+        time.sleep(0.05)
+    assert m["kvpq_requests_cancelled_total"] == before["kvpq_requests_cancelled_total"] + 1
+    assert m["kvpq_completion_tokens_total"] - before["kvpq_completion_tokens_total"] < 300
+
+
 def test_evicted_conversation_continues(tmp_path):
     rows = cli_chat(CONV, cache=EVICT_CACHE)
     s = Server("--kv-budget", "1", "--cache-dir", str(tmp_path), cache=EVICT_CACHE)
@@ -245,6 +265,21 @@ def test_evicted_conversation_continues(tmp_path):
         assert r3.usage.prompt_tokens_details.cached_tokens > len(rows[0]["prompt_ids"])
     finally:
         assert s.stop() == 0
+
+
+def test_sigterm_finishes_streams(tmp_path):
+    """SIGTERM mid-stream: the stream runs to its end, the idle conversation is saved, exit 0."""
+    s = Server("--cache-dir", str(tmp_path))
+    stream = s.client().chat.completions.create(model="kvpq", messages=[{"role": "user", "content": "Tell a story."}],
+                                                max_tokens=40, temperature=0, stream=True, stream_options=None)
+    chunks = [next(stream), next(stream)]
+    s.proc.send_signal(signal.SIGTERM)
+    chunks += list(stream)
+    assert s.proc.wait(timeout=60) == 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop") and text
+    assert len(list(tmp_path.glob("conv-*.kvpq"))) == 1
+    assert any("SIGTERM" in line for line in s.log)
 
 
 LONG = "word " * (CTX + 10)
