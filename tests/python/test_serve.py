@@ -323,6 +323,26 @@ def test_wrong_method(server):
     assert status == 405 and err["error"]["code"] == "method_not_allowed"
 
 
+@pytest.mark.parametrize("args,needle", [
+    ([], "--model is required"),
+    (["--model", str(MODEL), "--kv-budget", "lots"], "--kv-budget: expected a byte count"),
+    (["--model", str(MODEL), "--port", "70000"], "--port"),
+    (["--model", str(MODEL), "--parallel", "0"], "--parallel"),
+    (["--model", str(MODEL), "--cache", "q9_0"], "q9_0"),
+    (["--model", str(MODEL), "--api-key", ""], "--api-key is empty"),
+    (["--model", str(MODEL), "--paralel", "2"], "did you mean '--parallel'"),
+])
+def test_cli_usage_errors(args, needle):
+    r = subprocess.run([BIN, "serve", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_port_in_use(server):
+    port = server.url.rsplit(":", 1)[1]
+    r = subprocess.run([BIN, "serve", "--model", str(MODEL), "--port", port], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "cannot listen" in r.stderr, r.stderr
+
+
 def test_api_key():
     s = Server("--api-key", "s3cret")
     try:
