@@ -41,6 +41,7 @@ typedef struct serve_job {
     /* the request (written by the HTTP thread before submission, then read-only) */
     serve_kind kind;
     int stream;
+    int include_usage; /* stream_options.include_usage: a last chunk with the usage */
     serve_msg *msgs; /* (n_msgs) chat */
     int n_msgs;
     char *prompt;    /* completion */
@@ -118,6 +119,8 @@ char *serve_response_json(const serve_server *sv, const serve_job *job);
  * role_only: the first chat chunk that carries the role. */
 char *serve_chunk_json(const serve_server *sv, const serve_job *job, const char *delta, size_t n_delta,
                        const char *finish, int role_only);
+/* The chunk stream_options.include_usage asks for: no choices, the usage. */
+char *serve_usage_chunk_json(const serve_server *sv, const serve_job *job);
 char *serve_models_json(const serve_server *sv);
 /* s (n bytes) as valid UTF-8, each bad byte U+FFFD; malloc'd, NUL-terminated. */
 char *serve_utf8_clean(const char *s, size_t n);

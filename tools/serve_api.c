@@ -77,7 +77,8 @@ static int dup_text(cJSON *v, const char *param, char **out, serve_error *e) {
     return 0;
 }
 
-/* Fields the server accepts and ignores, checked for their type: a wrong type is still a 400. */
+/* Fields the server accepts and ignores, checked for their type (a wrong type is still a 400), and
+ * n, which must be 1. */
 static int check_ignored(cJSON *body, serve_error *e) {
     static const char *const nums[] = {"presence_penalty", "frequency_penalty", NULL};
     static const char *const strs[] = {"user", NULL};
@@ -90,9 +91,6 @@ static int check_ignored(cJSON *body, serve_error *e) {
         if (v && !cJSON_IsNull(v) && !cJSON_IsString(v))
             return fail(e, 400, strs[i], "invalid_type", "'%s' must be a string", strs[i]);
     }
-    cJSON *so = cJSON_GetObjectItemCaseSensitive(body, "stream_options");
-    if (so && !cJSON_IsNull(so) && !cJSON_IsObject(so))
-        return fail(e, 400, "stream_options", "invalid_type", "'%s' must be an object", "stream_options");
     long n = 1;
     if (get_int(body, "n", 1, 128, &n, e)) return -1;
     if (n != 1) return fail(e, 400, "n", "unsupported_value", "only n = 1 is supported%s", NULL);
@@ -134,6 +132,10 @@ static int get_sampling(cJSON *body, serve_job *j, serve_error *e) {
     if (!isnan(seed) && seed != floor(seed)) return fail(e, 400, "seed", "invalid_type", "'seed' must be an integer%s", NULL);
     if (get_bool(body, "stream", &j->stream, e)) return -1;
     if (get_stop(body, j, e)) return -1;
+    cJSON *so = cJSON_GetObjectItemCaseSensitive(body, "stream_options");
+    if (so && !cJSON_IsNull(so) && !cJSON_IsObject(so))
+        return fail(e, 400, "stream_options", "invalid_type", "'%s' must be an object", "stream_options");
+    if (so && get_bool(so, "include_usage", &j->include_usage, e)) return -1;
     j->max_tokens = max_tokens;
     /* no seed: one from the clock and the job's address (a different draw per request) */
     j->seed = !isnan(seed) ? (uint64_t)(int64_t)seed : (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)j << 16);
@@ -284,6 +286,14 @@ static char *print_free(cJSON *r) {
     return s;
 }
 
+static void add_usage(cJSON *r, const serve_job *j) {
+    cJSON *u = cJSON_AddObjectToObject(r, "usage");
+    cJSON_AddNumberToObject(u, "prompt_tokens", j->prompt_tokens);
+    cJSON_AddNumberToObject(u, "completion_tokens", j->completion_tokens);
+    cJSON_AddNumberToObject(u, "total_tokens", j->prompt_tokens + j->completion_tokens);
+    cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "prompt_tokens_details"), "cached_tokens", j->cached_tokens);
+}
+
 char *serve_response_json(const serve_server *sv, const serve_job *j) {
     const int chat = j->kind == SERVE_CHAT;
     cJSON *r = head(sv, j, chat ? "chat.completion" : "text_completion");
@@ -299,11 +309,7 @@ char *serve_response_json(const serve_server *sv, const serve_job *j) {
     cJSON_AddNullToObject(choice, "logprobs");
     cJSON_AddStringToObject(choice, "finish_reason", j->finish_reason ? j->finish_reason : "stop");
     cJSON_AddItemToArray(cJSON_AddArrayToObject(r, "choices"), choice);
-    cJSON *u = cJSON_AddObjectToObject(r, "usage");
-    cJSON_AddNumberToObject(u, "prompt_tokens", j->prompt_tokens);
-    cJSON_AddNumberToObject(u, "completion_tokens", j->completion_tokens);
-    cJSON_AddNumberToObject(u, "total_tokens", j->prompt_tokens + j->completion_tokens);
-    cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "prompt_tokens_details"), "cached_tokens", j->cached_tokens);
+    add_usage(r, j);
     return print_free(r);
 }
 
@@ -324,6 +330,13 @@ char *serve_chunk_json(const serve_server *sv, const serve_job *j, const char *d
     if (finish) cJSON_AddStringToObject(choice, "finish_reason", finish);
     else cJSON_AddNullToObject(choice, "finish_reason");
     cJSON_AddItemToArray(cJSON_AddArrayToObject(r, "choices"), choice);
+    return print_free(r);
+}
+
+char *serve_usage_chunk_json(const serve_server *sv, const serve_job *j) {
+    cJSON *r = head(sv, j, j->kind == SERVE_CHAT ? "chat.completion.chunk" : "text_completion");
+    cJSON_AddArrayToObject(r, "choices");
+    add_usage(r, j);
     return print_free(r);
 }
 

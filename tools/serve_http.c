@@ -140,13 +140,16 @@ static int set_out(stream_t *s, char *ev) {
     return 0;
 }
 
-/* The last event: the finish reason, then [DONE]. */
+/* The last events: the finish reason, the usage when asked for, then [DONE]. The job is over: its
+ * counts no longer change. */
 static char *final_event(const stream_t *s, const char *finish) {
     const serve_job *j = s->job;
     char *fin = sse(serve_chunk_json(s->sv, j, j->kind == SERVE_CHAT ? NULL : "", 0, finish ? finish : "stop", 0));
-    char *ev = fin ? malloc(strlen(fin) + 16) : NULL;
-    if (ev) sprintf(ev, "%sdata: [DONE]\n\n", fin);
+    char *usage = j->include_usage ? sse(serve_usage_chunk_json(s->sv, j)) : NULL;
+    char *ev = fin ? malloc(strlen(fin) + (usage ? strlen(usage) : 0) + 16) : NULL;
+    if (ev) sprintf(ev, "%s%sdata: [DONE]\n\n", fin, usage ? usage : "");
     free(fin);
+    free(usage);
     return ev;
 }
 

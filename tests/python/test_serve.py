@@ -135,14 +135,17 @@ def test_conversations_kept_apart(server):
 
 def test_stream_equals_nonstream(server):
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
-    full = chat(server.client(), msgs).choices[0]
+    r = chat(server.client(), msgs)
+    full = r.choices[0]
     chunks = list(server.client().chat.completions.create(model="kvpq", messages=msgs, max_tokens=N, temperature=0,
-                                                          stream=True))
+                                                          stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.message.content and len(text) > 0
-    assert chunks[-1].choices[0].finish_reason == full.finish_reason
-    assert len({c.id for c in chunks}) == 1
+    assert chunks[-2].choices[0].finish_reason == full.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
 
 
 def test_completion_equals_generate(server):
@@ -298,6 +301,8 @@ BAD = [  # (endpoint, body, status, param, code)
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": 5}, 400, "stop", "invalid_type"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream", "invalid_type"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n", "unsupported_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": 1}},
+     400, "include_usage", "invalid_type"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": "x"}, 400, "presence_penalty", "invalid_type"),
     ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context_length_exceeded"),
     ("chat/completions", {"messages": [{"role": "user", "content": LONG}], "stream": True}, 400, "messages", "context_length_exceeded"),
