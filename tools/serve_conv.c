@@ -295,6 +295,8 @@ static void evict(serve_conv_store *cs, int i) {
 
 void serve_convs_enforce(serve_conv_store *cs) {
     const size_t budget = cs->sv->o.kv_budget;
+    for (int i = cs->n - 1; i >= 0; i--) /* empty ones (a request that failed before any token) */
+        if (!cs->c[i]->busy && !cs->c[i]->n && !cs->c[i]->saved) conv_remove(cs, i);
     for (size_t total = resident_total(cs); budget && total > budget; total = resident_total(cs)) {
         int i = lru(cs, 1);
         if (i < 0) break; /* only active sequences left: the budget is exceeded until they end */
