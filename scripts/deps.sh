@@ -3,7 +3,7 @@
 # Idempotent: skips what is already there. Run as root or with sudo available.
 set -euo pipefail
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-apt_pkgs=(build-essential cmake pkg-config libcriterion-dev libcjson-dev libpcre2-dev libopenblas-dev libxxhash-dev
+apt_pkgs=(build-essential cmake pkg-config libcriterion-dev libcjson-dev libpcre2-dev libopenblas-dev libxxhash-dev libmicrohttpd-dev
           clang python3 python3-pip python3-venv)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
@@ -24,4 +24,10 @@ if ! python3 -c "import sys; import importlib.util as u; sys.exit(any(u.find_spe
   echo "deps: pip install -r python/requirements-dev.txt -r python/requirements-transformers.txt"
   # A Debian system python refuses installs (PEP 668); then install beside its packages.
   python3 -m pip install -q "${reqs[@]}" || python3 -m pip install -q --break-system-packages "${reqs[@]}"
+fi
+# openai: the client tests/python/test_serve.py drives `kvpq serve` with (not in python/: the package
+# does not need it).
+if ! python3 -c "import openai" 2>/dev/null; then
+  echo "deps: pip install openai"
+  python3 -m pip install -q openai || python3 -m pip install -q --break-system-packages openai
 fi

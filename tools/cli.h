@@ -15,6 +15,7 @@ int cmd_calibrate(int argc, char **argv);                        /* cmd_calibrat
 int cmd_generate(int argc, char **argv);                         /* cmd_generate.c */
 int cmd_chat(int argc, char **argv);                             /* cmd_chat.c */
 int cmd_ppl(int argc, char **argv);                              /* cmd_ppl.c */
+int cmd_serve(int argc, char **argv);                            /* cmd_serve.c */
 
 /* Print "kvpq <what>: <status string>: <kvpq_last_error()>" to stderr; returns exit code 1. */
 int cli_fail(const char *what, kvpq_status s);

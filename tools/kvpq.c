@@ -18,13 +18,14 @@ static void usage(FILE *f) {
             "  generate --model M ...     generate text, with a chosen KV cache\n"
             "  chat --model M ...         multi-turn chat from stdin in the model's chat template, cache kept\n"
             "  ppl --model M --text F ... perplexity, with a chosen KV cache beside a baseline\n"
+            "  serve --model M ...        an OpenAI-compatible HTTP server, conversations kept in compressed caches\n"
             "  bench encode|attend|decode ... benchmarks (ours beside baselines, one table)\n"
             "  version                    version, SIMD level, CUDA (built / device found)\n"
             "  help [COMMAND]             this text, or a command's options\n",
             kvpq_version());
 }
 
-static const char *const COMMANDS[] = {"info", "calibrate", "generate", "chat", "ppl", "bench", "version", "help", NULL};
+static const char *const COMMANDS[] = {"info", "calibrate", "generate", "chat", "ppl", "serve", "bench", "version", "help", NULL};
 static const char *const BENCHES[] = {"encode", "attend", "decode", NULL};
 
 static int cmd_info(int argc, char **argv) {
@@ -96,6 +97,13 @@ static int dispatch(int argc, char **argv) {
     if (!strcmp(c, "generate")) return cmd_generate(argc, argv);
     if (!strcmp(c, "chat")) return cmd_chat(argc, argv);
     if (!strcmp(c, "ppl")) return cmd_ppl(argc, argv);
+#ifdef KVPQ_HAVE_SERVE
+    if (!strcmp(c, "serve")) return cmd_serve(argc, argv);
+#else
+    if (!strcmp(c, "serve"))
+        return cli_usage_error("serve: this kvpq was built without libmicrohttpd (apt-get install libmicrohttpd-dev, "
+                               "then build again)");
+#endif
     const char *near = cli_nearest(c, COMMANDS);
     if (near) return cli_usage_error("unknown command '%s'; did you mean '%s'? (kvpq help)", c, near);
     usage(stderr);
