@@ -4,7 +4,8 @@
 # check_docs). Commands run in a scratch folder that holds only links to the clone's models/ and
 # data/ (paths in the docs are relative to the clone's root; outputs land in the scratch folder),
 # with the kvpq of this build first on PATH, in one bash session per block (so `M=...` carries on).
-# Small settings are appended (later options win): calibrate --tokens 128 --ctx 64 --iters 1,
+# Small settings are appended (later options win): calibrate --tokens 128 --ctx 64 --iters 1 (and
+# budgets of 32 bits with --bits / --bits-also: no allocation fits 2.5 bits at 64 positions),
 # ppl --ctx 64 --chunks 1, generate -n 4, chat -n 4 (a command may read stdin from printf/echo |), bench encode --shape 256,2,64 --repeats 1, bench attend
 # --ctx 256 --layers 1 --repeats 1, bench decode --ctx 32 --steps 2. Not run, by name: the main job
 # and the CI script (hours; they run on their own) and the cmake lines (this build and
@@ -80,6 +81,8 @@ with open(os.path.join(work, "plan.sh"), "w") as out:
             for pat, extra in SMALL:
                 if re.search(pat, run):
                     run += extra
+            if re.search(r"\bkvpq calibrate\b.*--bits\b", run):  # budgets that fit at --ctx 64 (codebooks' bytes)
+                run = re.sub(r"--bits-also ([\"'])[0-9.]+ ", r"--bits-also \g<1>32 ", run) + " --bits 32"
             q = shown.replace("'", "'\\''")
             out.write(f"  echo 'check_docs: {f}:{line}: {q[:100]}'\n")
             out.write(f"  {run} > /dev/null 2> err.txt || {{ echo \"check_docs: FAILED {f}:{line}: {q}\"; "
