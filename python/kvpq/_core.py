@@ -1,9 +1,11 @@
 """numpy API over libkvpq: quantizers, codebooks, caches, key transforms, models, calibration.
 
 Conventions (as the C API, include/kvpq.h):
-  - arrays are C-contiguous numpy arrays of the stated dtype (float32 unless said), shapes
-    (outer, ..., inner); nothing is converted silently: a wrong dtype, shape, layout or a NaN/Inf
-    raises kvpq.Error naming the argument;
+  - arrays are numpy arrays of the stated dtype (float32 unless said), shapes (outer, ..., inner).
+    Input is converted as numpy converts: lists and other array-likes (np.asarray), float64 or
+    float16 to float32, integers to the stated integer type when the values fit, any layout to C order
+    (not a broadcast view: its copy could be of any size); what numpy's 'same_kind' casting refuses (float to integer codes, complex, bool, object),
+    a wrong shape, integers out of range, or a NaN/Inf raises kvpq.Error naming the argument;
   - functions return new arrays; inputs are never modified;
   - every failing library call raises kvpq.Error carrying the kvpq_status, its name and the
     library's kvpq_last_error() text.
@@ -21,10 +23,17 @@ ERR_INVALID_ARG = lib.KVPQ_ERR_INVALID_ARG
 ERR_NONFINITE = lib.KVPQ_ERR_NONFINITE
 
 
-class Error(Exception):
-    """A kvpq failure. status: the kvpq_status (negative int); status_name: its fixed name
-    ("invalid argument", ...); detail: the kvpq_last_error() text, or the binding's own message for
-    a check made before calling the library (argument dtype, shape, NaN)."""
+class Error(RuntimeError):
+    """A kvpq failure (a RuntimeError). status: the kvpq_status (negative int); status_name: its fixed
+    name ("invalid argument", ...); detail: the kvpq_last_error() text, or the binding's own message
+    for a check made before calling the library (argument dtype, shape, NaN); where: the function.
+    A bad argument (status invalid argument, NaN/Inf or mismatch) is raised as ArgumentError, a
+    subclass that is also a ValueError: Error(status, ...) itself picks the class from the status."""
+
+    def __new__(cls, status, *args, **kwargs):
+        if cls is Error and int(status) in _ARGUMENT_STATUSES:
+            cls = ArgumentError
+        return super().__new__(cls, status, *args, **kwargs)
 
     def __init__(self, status, detail, where=""):
         self.status = int(status)
@@ -33,6 +42,14 @@ class Error(Exception):
         self.where = where
         prefix = f"{where}: " if where else ""
         super().__init__(f"{prefix}{detail} [{self.status_name} ({self.status})]")
+
+
+class ArgumentError(Error, ValueError):
+    """A bad argument: KVPQ_ERR_INVALID_ARG, KVPQ_ERR_NONFINITE or KVPQ_ERR_MISMATCH (a kvpq.Error
+    and a ValueError)."""
+
+
+_ARGUMENT_STATUSES = {ERR_INVALID_ARG, ERR_NONFINITE, lib.KVPQ_ERR_MISMATCH}
 
 
 def _check(status, where):
@@ -44,21 +61,48 @@ def _arg_error(where, msg, status=ERR_INVALID_ARG):
     return Error(status, msg, where)
 
 
-def _array(x, name, where, dtype=np.float32, shape=None, finite=True):
-    """Check an argument array: numpy, dtype, C-contiguous, shape (a tuple; None matches any size),
-    and (for floats) finite. Returns it unchanged."""
+def _as_array(x, name, where, want):
+    """x as a numpy array of dtype `want`, converted as numpy users expect: a list, tuple or other
+    array-like through np.asarray; another float or integer dtype that numpy's 'same_kind' casting
+    allows (float64 or float16 to float32, integers to float32), and integers of any width or sign to
+    the stated integer type when every value fits.
+    Everything else (bool, complex, object, float to integer) is refused, naming the argument, and so
+    is a broadcast (zero-stride) view, whose copy could need any amount of memory."""
     if not isinstance(x, np.ndarray):
-        raise _arg_error(where, f"{name}: expected a numpy array of {np.dtype(dtype).name}, got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise _arg_error(where, f"{name}: expected dtype {np.dtype(dtype).name}, got {x.dtype.name} "
-                                f"(convert with np.ascontiguousarray({name}, dtype=np.{np.dtype(dtype).name}))")
+        if isinstance(x, (str, bytes)) or x is None:
+            raise _arg_error(where, f"{name}: expected an array of {want.name}, got {type(x).__name__}")
+        try:
+            x = np.asarray(x)
+        except (ValueError, TypeError) as e:
+            raise _arg_error(where, f"{name}: not convertible to an array ({e})") from None
+    if any(st == 0 and n > 1 for st, n in zip(x.strides, x.shape)):
+        # a broadcast view: its copy may need any amount of memory (numpy's broadcast_to is free)
+        raise _arg_error(where, f"{name}: a broadcast (zero-stride) array of shape {tuple(x.shape)}; pass "
+                                f"np.ascontiguousarray({name}) if that copy is meant")
+    if x.dtype == want:
+        return x
+    ints = x.dtype.kind in "iu" and want.kind in "iu"  # any width or sign, checked below to fit
+    if not ints and (x.dtype.kind not in "iuf" or not np.can_cast(x.dtype, want, "same_kind")):
+        raise _arg_error(where, f"{name}: expected dtype {want.name}, got {x.dtype.name} "
+                                f"(numpy would not cast it: convert it yourself if that is meant)")
+    if want.kind in "iu" and x.size:
+        lo, hi = np.iinfo(want).min, np.iinfo(want).max
+        if x.min() < lo or x.max() > hi:
+            raise _arg_error(where, f"{name}: values {x.min()}..{x.max()} do not fit {want.name} ({lo}..{hi})")
+    return x.astype(want)
+
+
+def _array(x, name, where, dtype=np.float32, shape=None, finite=True):
+    """An argument array, checked and converted (_as_array): dtype, then shape (a tuple; None matches
+    any size), then C order (a copy when not), then (for floats) finite. Returns the array to pass on:
+    x itself when it already was C-contiguous of `dtype`, else a converted copy (x is never modified)."""
+    x = _as_array(x, name, where, np.dtype(dtype))
     if shape is not None:
         ok = x.ndim == len(shape) and all(w is None or w == g for w, g in zip(shape, x.shape))
         if not ok:
             want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
             raise _arg_error(where, f"{name}: expected shape {want}, got {tuple(x.shape)}")
-    if not x.flags.c_contiguous:
-        raise _arg_error(where, f"{name}: not C-contiguous (use np.ascontiguousarray({name}))")
+    x = np.require(x, requirements=["C", "A"])  # a copy only when not C-contiguous and aligned
     if finite and x.dtype.kind == "f" and x.size and not np.isfinite(x).all():
         i = np.unravel_index(int(np.argmin(np.isfinite(x).ravel())), x.shape)
         raise _arg_error(where, f"{name}: holds NaN or Inf (first at index {tuple(int(j) for j in i)})", ERR_NONFINITE)
@@ -229,7 +273,7 @@ class ProductQuantizer:
 
     @centroids.setter
     def centroids(self, c):
-        _array(c, "centroids", "ProductQuantizer.centroids", shape=self._shape())
+        c = _array(c, "centroids", "ProductQuantizer.centroids", shape=self._shape())
         _check(lib.kvpq_pq_set_centroids(self._h, _ptr(c), c.size), "ProductQuantizer.centroids")
 
     def train(self, x, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
@@ -237,7 +281,7 @@ class ProductQuantizer:
         kvpq_kmeans_params_default: 25 iterations, seed 1234, k-means++ init, 256 points per
         centroid). Returns the k-means report as a dict (mse_init, mse_final per d-dim vector,
         iterations, empty_repaired, n_used)."""
-        _array(x, "x", "ProductQuantizer.train", shape=(None, self.d))
+        x = _array(x, "x", "ProductQuantizer.train", shape=(None, self.d))
         kp = _kmeans_params("ProductQuantizer.train", niter, seed, max_points_per_centroid, init, n_threads)
         r = ffi.new("kvpq_kmeans_report *")
         _check(lib.kvpq_pq_train(self._h, kp, x.shape[0], _ptr(x), r), "ProductQuantizer.train")
@@ -246,21 +290,21 @@ class ProductQuantizer:
     def encode(self, x):
         """x: (n, d) float32 -> packed codes (n, code_size) uint8 (code m in bits [m*nbits, (m+1)*nbits)
         of a little-endian bit stream)."""
-        _array(x, "x", "ProductQuantizer.encode", shape=(None, self.d))
+        x = _array(x, "x", "ProductQuantizer.encode", shape=(None, self.d))
         codes = np.empty((x.shape[0], self.code_size), np.uint8)
         _check(lib.kvpq_pq_encode(self._h, x.shape[0], _ptr(x), _ptr(codes, "uint8_t *")), "ProductQuantizer.encode")
         return codes
 
     def assign(self, x):
         """x: (n, d) float32 -> centroid indices (n, M) uint16 (unpacked codes)."""
-        _array(x, "x", "ProductQuantizer.assign", shape=(None, self.d))
+        x = _array(x, "x", "ProductQuantizer.assign", shape=(None, self.d))
         idx = np.empty((x.shape[0], self.M), np.uint16)
         _check(lib.kvpq_pq_assign(self._h, x.shape[0], _ptr(x), _ptr(idx, "uint16_t *")), "ProductQuantizer.assign")
         return idx
 
     def decode(self, codes):
         """codes: (n, code_size) uint8 -> reconstructions (n, d) float32."""
-        _array(codes, "codes", "ProductQuantizer.decode", dtype=np.uint8, shape=(None, self.code_size))
+        codes = _array(codes, "codes", "ProductQuantizer.decode", dtype=np.uint8, shape=(None, self.code_size))
         x = np.empty((codes.shape[0], self.d), np.float32)
         _check(lib.kvpq_pq_decode(self._h, codes.shape[0], _ptr(codes, "uint8_t *"), _ptr(x)),
                "ProductQuantizer.decode")
@@ -270,7 +314,7 @@ class ProductQuantizer:
 def kmeans(x, k, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
     """k-means of x: (n, d) float32 into k centroids (kvpq_kmeans). Returns (centroids (k, d),
     report dict)."""
-    _array(x, "x", "kmeans", shape=(None, None))
+    x = _array(x, "x", "kmeans", shape=(None, None))
     k = _int(k, "k", "kmeans", 1)
     kp = _kmeans_params("kmeans", niter, seed, max_points_per_centroid, init, n_threads)
     d = _dim(x, 1, "x", "kmeans")
@@ -284,7 +328,7 @@ def kmeans(x, k, niter=None, seed=None, max_points_per_centroid=None, init=None,
 
 def codes_pack(idx, nbits):
     """Pack idx (n, M) uint16 (each < 2**nbits) into (n, ceil(M*nbits/8)) uint8."""
-    _array(idx, "idx", "codes_pack", dtype=np.uint16, shape=(None, None))
+    idx = _array(idx, "idx", "codes_pack", dtype=np.uint16, shape=(None, None))
     M = _dim(idx, 1, "idx", "codes_pack")
     nbits = _int(nbits, "nbits", "codes_pack", 1, 16)
     out = np.empty((idx.shape[0], int(lib.kvpq_codes_size(M, nbits))), np.uint8)
@@ -298,7 +342,7 @@ def codes_unpack(packed, M, nbits):
     M = _int(M, "M", "codes_unpack", 1)
     nbits = _int(nbits, "nbits", "codes_unpack", 1, 16)
     size = int(lib.kvpq_codes_size(M, nbits))
-    _array(packed, "packed", "codes_unpack", dtype=np.uint8, shape=(None, size))
+    packed = _array(packed, "packed", "codes_unpack", dtype=np.uint8, shape=(None, size))
     idx = np.empty((packed.shape[0], M), np.uint16)
     _check(lib.kvpq_codes_unpack(M, nbits, packed.shape[0], _ptr(packed, "uint8_t *"), _ptr(idx, "uint16_t *")),
            "codes_unpack")
@@ -311,7 +355,7 @@ def hadamard(x):
     """Normalized Walsh-Hadamard transform (Sylvester order, scaled by 1/sqrt(d); orthonormal and
     self-inverse) of every last-axis vector of x: (..., d) float32, d a power of two. Returns a new
     array."""
-    _array(x, "x", "hadamard")
+    x = _array(x, "x", "hadamard")
     if x.ndim < 1:
         raise _arg_error("hadamard", "x: expected at least 1 dimension")
     y = x.copy()
@@ -323,7 +367,7 @@ def hadamard(x):
 def normalize_rows(x):
     """Unit directions of the last-axis vectors of x: (..., d) float32. Returns (u, norms) with u
     the shape of x (zero rows stay zero) and norms (...) the L2 norms."""
-    _array(x, "x", "normalize_rows")
+    x = _array(x, "x", "normalize_rows")
     if x.ndim < 1:
         raise _arg_error("normalize_rows", "x: expected at least 1 dimension")
     d = _dim(x, -1, "x", "normalize_rows")
@@ -338,7 +382,7 @@ def normalize_rows(x):
 def smooth_compute(k, floor=1e-2):
     """Key smoothing factors lambda = sqrt(max_t |k_t|) per KV head and channel, floored at
     `floor` (VecInfer sec. 3). k: (n_tokens, n_head_kv, head_dim) float32 -> (n_head_kv, head_dim)."""
-    _array(k, "k", "smooth_compute", shape=(None, None, None))
+    k = _array(k, "k", "smooth_compute", shape=(None, None, None))
     h, d = _dim(k, 1, "k", "smooth_compute"), _dim(k, 2, "k", "smooth_compute")
     if not isinstance(floor, (int, float, np.integer, np.floating)) or isinstance(floor, (bool, np.bool_)):
         raise _arg_error("smooth_compute", f"floor: expected a number, got {type(floor).__name__}")
@@ -351,8 +395,8 @@ def smooth_compute(k, floor=1e-2):
 def smooth_apply(x, lam, inverse=False):
     """x / lambda (inverse=False: what keys get before rotation) or x * lambda (inverse=True).
     x: (n, n_head_kv, head_dim), lam: (n_head_kv, head_dim), float32. Returns a new array."""
-    _array(x, "x", "smooth_apply", shape=(None, None, None))
-    _array(lam, "lam", "smooth_apply", shape=x.shape[1:])
+    x = _array(x, "x", "smooth_apply", shape=(None, None, None))
+    lam = _array(lam, "lam", "smooth_apply", shape=x.shape[1:])
     h, d = _dim(x, 1, "x", "smooth_apply"), _dim(x, 2, "x", "smooth_apply")
     y = x.copy()
     _check(lib.kvpq_smooth_apply(_ptr(y), y.shape[0], h, d, _ptr(lam), int(bool(inverse))),
@@ -363,8 +407,8 @@ def smooth_apply(x, lam, inverse=False):
 def smooth_apply_query(q, lam):
     """Queries times the factors of their KV head (GQA: head h uses row h // (n_head // n_head_kv)),
     so (q * lambda) . (k / lambda) = q . k. q: (n, n_head, head_dim), lam: (n_head_kv, head_dim)."""
-    _array(q, "q", "smooth_apply_query", shape=(None, None, None))
-    _array(lam, "lam", "smooth_apply_query", shape=(None, q.shape[2]))
+    q = _array(q, "q", "smooth_apply_query", shape=(None, None, None))
+    lam = _array(lam, "lam", "smooth_apply_query", shape=(None, q.shape[2]))
     h, hkv, d = (_dim(q, 1, "q", "smooth_apply_query"), _dim(lam, 0, "lam", "smooth_apply_query"),
                  _dim(q, 2, "q", "smooth_apply_query"))
     y = q.copy()
@@ -482,7 +526,7 @@ class Codebook:
         return self._rows(lib.kvpq_codebook_key_smooth(self._h, self._layer(layer, "Codebook.key_smooth"))).copy()
 
     def set_key_smooth(self, layer, lam):
-        _array(lam, "lam", "Codebook.set_key_smooth", shape=(self.n_head_kv, self.head_dim))
+        lam = _array(lam, "lam", "Codebook.set_key_smooth", shape=(self.n_head_kv, self.head_dim))
         if not (lam > 0).all():
             raise _arg_error("Codebook.set_key_smooth", "lam: every factor must be > 0")
         self._rows(lib.kvpq_codebook_key_smooth(self._h, self._layer(layer, "Codebook.set_key_smooth")))[:] = lam
@@ -492,7 +536,7 @@ class Codebook:
         return self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.key_mean"))).copy()
 
     def set_key_mean(self, layer, mu):
-        _array(mu, "mu", "Codebook.set_key_mean", shape=(self.n_head_kv, self.head_dim))
+        mu = _array(mu, "mu", "Codebook.set_key_mean", shape=(self.n_head_kv, self.head_dim))
         self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.set_key_mean")))[:] = mu
 
     def meta(self):
@@ -554,8 +598,8 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
     Returns (key report, value report)."""
     w = "calibrate_layer"
     shape = (None, codebook.n_head_kv, codebook.head_dim)
-    _array(k, "k", w, shape=shape)
-    _array(v, "v", w, shape=shape)
+    k = _array(k, "k", w, shape=shape)
+    v = _array(v, "v", w, shape=shape)
     if k.shape != v.shape:
         raise _arg_error(w, f"v: shape {v.shape} differs from k's {k.shape}")
     cp = ffi.new("kvpq_calibrate_params *", lib.kvpq_calibrate_params_default())
@@ -601,8 +645,8 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
     if isinstance(keys_values, tuple) and len(keys_values) == 2 and isinstance(keys_values[0], np.ndarray) \
             and keys_values[0].ndim == 4:
         K, V = keys_values
-        _array(K, "K", "calibrate", shape=(None, None, None, None))
-        _array(V, "V", "calibrate", shape=K.shape)
+        K = _array(K, "K", "calibrate", shape=(None, None, None, None))
+        V = _array(V, "V", "calibrate", shape=K.shape)
         pairs = [(K[i], V[i]) for i in range(K.shape[0])]
     else:
         pairs = keys_values
@@ -617,15 +661,18 @@ def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2
             raise _arg_error("calibrate", f"keys_values: layer {layer}: expected a (k, v) pair of arrays, got "
                                           f"{type(kv).__name__}")
         k, v = kv
-        _array(k, f"k (layer {layer})", "calibrate", shape=(None, None, None))
+        k = _array(k, f"k (layer {layer})", "calibrate", shape=(None, None, None))
         if cb is None:
             n_layer = len(pairs) if hasattr(pairs, "__len__") else None
             if n_layer is None:
                 raise _arg_error("calibrate", "keys_values: needs a length (a list or tuple over layers)")
             if query_absmax is not None:  # one (n_head_kv, head_dim) row per layer, checked before any training
-                _array(query_absmax, "query_absmax", "calibrate", shape=(n_layer, k.shape[1], k.shape[2]))
-            cb = Codebook(n_layer, k.shape[1], k.shape[2], keys=keys, values=values, granularity=granularity,
-                          keys2=keys2, value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
+                query_absmax = _array(query_absmax, "query_absmax", "calibrate", shape=(n_layer, k.shape[1], k.shape[2]))
+            try:
+                cb = Codebook(n_layer, k.shape[1], k.shape[2], keys=keys, values=values, granularity=granularity,
+                              keys2=keys2, value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
+            except ArgumentError as e:  # the shape comes from k: say so
+                raise _arg_error("calibrate", f"k (layer {layer}): shape {tuple(k.shape)}: {e.detail}") from None
             for l, preset in (keys_layers or {}).items():
                 q = _pq_params("calibrate", k.shape[2], preset=preset)
                 cb.set_layer_key_M(l, q.M)
@@ -742,8 +789,8 @@ class Cache:
         """Append positions to a layer: k, v (n, n_head_kv, head_dim) float32, keys post-RoPE."""
         w = "Cache.append"
         shape = (None, self.n_head_kv, self.head_dim)
-        _array(k, "k", w, shape=shape)
-        _array(v, "v", w, shape=shape)
+        k = _array(k, "k", w, shape=shape)
+        v = _array(v, "v", w, shape=shape)
         if k.shape[0] != v.shape[0]:
             raise _arg_error(w, f"v: {v.shape[0]} positions, k has {k.shape[0]}")
         _check(lib.kvpq_cache_append(self._h, self._layer(layer, w), k.shape[0], _ptr(k), _ptr(v)), w)
@@ -753,7 +800,7 @@ class Cache:
         the same shape; query i (position L - n_q + i) attends to positions 0 .. L - n_q + i with
         scale 1/sqrt(head_dim), query head h reading KV head h // (n_head // n_head_kv)."""
         w = "Cache.attend"
-        _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
+        q = _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
         out = np.empty_like(q)
         _check(lib.kvpq_cache_attend(self._h, self._layer(layer, w), q.shape[0], _ptr(q), _ptr(out)), w)
         return out
@@ -765,9 +812,9 @@ class Cache:
         -> out (n, n_head, head_dim)."""
         w = "Cache.append_attend"
         shape = (None, self.n_head_kv, self.head_dim)
-        _array(k, "k", w, shape=shape)
-        _array(v, "v", w, shape=shape)
-        _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
+        k = _array(k, "k", w, shape=shape)
+        v = _array(v, "v", w, shape=shape)
+        q = _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
         if not k.shape[0] == v.shape[0] == q.shape[0]:
             raise _arg_error(w, f"k, v, q: {k.shape[0]}, {v.shape[0]}, {q.shape[0]} positions; expected the same")
         out = np.empty_like(q)
