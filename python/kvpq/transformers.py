@@ -20,11 +20,12 @@ transformers' SDPA, so the model keeps working with DynamicCache).
 
 Limits (errors say so): batch rows may be left-padded (as `generate` pads them; CPU only), nothing else
 hidden by the attention mask; no beam search (kvpq caches
-cannot be copied); attention logit soft-capping (Gemma 2) and attention sinks are refused; on CUDA
+cannot be copied: refused at the first update, before the prefill); attention logit soft-capping (Gemma 2) and attention sinks are refused; on CUDA
 (kvpq_cuda_cache, when libkvpq has CUDA) no sliding-window layers. The codebook's head_dim,
 n_head_kv and n_layer must be the model's.
 """
 import os
+import sys
 import threading
 import warnings
 
@@ -46,6 +47,18 @@ _GGUF_INTERLEAVED = ("llama", "mistral", "granite")
 # lives from update() to the attention call of the same layer (the tensor is alive in between, so its
 # id cannot be reused); thread-local so two models generating in two threads do not mix.
 _pending = threading.local()
+
+
+def _in_beam_search():
+    """Whether transformers' beam search (GenerationMixin._beam_search) is on the call stack. generate
+    gives a user's cache no other sign of num_beams before the first reorder_cache, which comes after
+    the prefill has run; checked at a sequence's first update so the refusal comes before any work."""
+    f = sys._getframe(1)
+    while f is not None:
+        if "beam_search" in f.f_code.co_name and f.f_globals.get("__name__", "").startswith("transformers."):
+            return True
+        f = f.f_back
+    return False
 
 
 def _pending_map():
@@ -92,6 +105,9 @@ class KVPQLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         o = self.owner
+        if self.layer_idx == 0 and self.get_seq_length() == 0 and _in_beam_search():
+            raise _error("beam search (generate(num_beams > 1)) reorders and copies batch rows, which a KVPQCache "
+                         "cannot do (kvpq has no cache copy); use greedy decoding or sampling", "KVPQCache.update")
         o._ensure(key_states)
         B, n = key_states.shape[0], key_states.shape[-2]
         prev = self.get_seq_length()

@@ -445,3 +445,21 @@ def test_cache_argument_equals_past_key_values():
                              pad_token_id=0)
     assert torch.equal(out.sequences, a)
     torch.testing.assert_close(torch.stack(out.logits, 1), la)
+
+
+def test_beam_search_is_refused_before_the_prefill():
+    """Issue 33: generate(num_beams=2) with a KVPQCache was refused only at the first reorder_cache,
+    after the prefill had run and filled the cache; now the first update refuses it, nothing stored."""
+    model = tiny_llama()
+    cb = model_codebook(model)
+    cache = KVPQCache(cb, model, max_seq=64)
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(kvpq.Error, match=r"beam search \(generate\(num_beams > 1\)\)"), torch.no_grad():
+        model.generate(ids, past_key_values=cache, num_beams=2, max_new_tokens=4, do_sample=False,
+                       attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert cache.get_seq_length() == 0
+    with pytest.raises(kvpq.Error, match="no kvpq cache yet"):
+        cache.kv_cache()
+    a, _ = generate(model, ids, cache, n=4)  # the same cache then serves greedy decoding
+    b, _ = generate(model, ids, KVPQCache(cb, model, max_seq=64), n=4)
+    assert torch.equal(a, b)
