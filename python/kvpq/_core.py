@@ -10,11 +10,18 @@ Conventions (as the C API, include/kvpq.h):
   - every failing library call raises kvpq.Error carrying the kvpq_status, its name and the
     library's kvpq_last_error() text.
 """
+from __future__ import annotations
+
 import os
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from ._ffi import ffi, lib
+
+PathLike = Union[str, "os.PathLike[str]"]
+QuantizerSpec = Union[str, Tuple[int, int]]  # a preset name ("d4b8") or (M, nbits)
 
 # ---- errors ------------------------------------------------------------------------------------
 
@@ -35,7 +42,7 @@ class Error(RuntimeError):
             cls = ArgumentError
         return super().__new__(cls, status, *args, **kwargs)
 
-    def __init__(self, status, detail, where=""):
+    def __init__(self, status: int, detail: str, where: str = "") -> None:
         self.status = int(status)
         self.status_name = ffi.string(lib.kvpq_status_string(self.status)).decode()
         self.detail = detail
@@ -149,12 +156,12 @@ def _str(p):
     return None if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
 
 
-def version():
+def version() -> str:
     """Library version "MAJOR.MINOR.PATCH"."""
     return _str(lib.kvpq_version())
 
 
-def last_error():
+def last_error() -> str:
     """kvpq_last_error(): detail of the last failing call on this thread ("" if none)."""
     return _str(lib.kvpq_last_error())
 
@@ -164,12 +171,12 @@ def last_error():
 SIMD_LEVELS = {"scalar": lib.KVPQ_SIMD_SCALAR, "avx2": lib.KVPQ_SIMD_AVX2, "avx512": lib.KVPQ_SIMD_AVX512}
 
 
-def simd_get():
+def simd_get() -> str:
     """Name of the CPU kernels' SIMD level in use ("scalar", "avx2", "avx512")."""
     return _str(lib.kvpq_simd_name(lib.kvpq_simd_get()))
 
 
-def simd_set(level):
+def simd_set(level: str) -> None:
     """Force a SIMD level by name. Raises kvpq.Error (unsupported) if the CPU lacks it."""
     if level not in SIMD_LEVELS:
         raise _arg_error("simd_set", f"level: '{level}' is not one of {sorted(SIMD_LEVELS)}")
@@ -232,7 +239,8 @@ class ProductQuantizer:
     (n_head, ksub, dsub), one codebook per head; rows given to encode/decode/train interleave the
     heads (row i is head i % n_head)."""
 
-    def __init__(self, d=64, M=16, nbits=8, granularity="shared", preset=None, n_head=0, _borrow=None):
+    def __init__(self, d: int = 64, M: int = 16, nbits: int = 8, granularity: str = "shared",
+                 preset: Optional[str] = None, n_head: int = 0, _borrow: Any = None) -> None:
         if _borrow is not None:
             self._h, self._owner = _borrow
             return
@@ -244,16 +252,36 @@ class ProductQuantizer:
         self._owner = None
 
     @property
-    def params(self):
+    def params(self) -> Any:
         return lib.kvpq_pq_get_params(self._h)
 
-    d = property(lambda self: self.params.d)
-    M = property(lambda self: self.params.M)
-    nbits = property(lambda self: self.params.nbits)
-    dsub = property(lambda self: self.params.d // self.params.M)
-    ksub = property(lambda self: 1 << self.params.nbits)
-    granularity = property(lambda self: _GRAN_NAME[self.params.granularity])
-    code_size = property(lambda self: int(lib.kvpq_pq_code_size(self._h)))
+    @property
+    def d(self) -> int:
+        return self.params.d
+
+    @property
+    def M(self) -> int:
+        return self.params.M
+
+    @property
+    def nbits(self) -> int:
+        return self.params.nbits
+
+    @property
+    def dsub(self) -> int:
+        return self.params.d // self.params.M
+
+    @property
+    def ksub(self) -> int:
+        return 1 << self.params.nbits
+
+    @property
+    def granularity(self) -> str:
+        return _GRAN_NAME[self.params.granularity]
+
+    @property
+    def code_size(self) -> int:
+        return int(lib.kvpq_pq_code_size(self._h))
 
     def _shape(self):
         g = self.granularity
@@ -265,18 +293,20 @@ class ProductQuantizer:
                 f"granularity='{self.granularity}')")
 
     @property
-    def centroids(self):
+    def centroids(self) -> NDArray[np.float32]:
         """Copy of the centroids: (ksub, dsub) shared or (M, ksub, dsub) subspace, float32."""
         n = int(lib.kvpq_pq_centroids_size(self._h))
         buf = ffi.buffer(lib.kvpq_pq_centroids(self._h), n * 4)
         return np.frombuffer(buf, dtype=np.float32).reshape(self._shape()).copy()
 
     @centroids.setter
-    def centroids(self, c):
+    def centroids(self, c: ArrayLike) -> None:
         c = _array(c, "centroids", "ProductQuantizer.centroids", shape=self._shape())
         _check(lib.kvpq_pq_set_centroids(self._h, _ptr(c), c.size), "ProductQuantizer.centroids")
 
-    def train(self, x, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
+    def train(self, x: ArrayLike, niter: Optional[int] = None, seed: Optional[int] = None,
+              max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
+              n_threads: Optional[int] = None) -> Dict[str, Any]:
         """Train the codebook(s) by k-means on x: (n, d) float32 (kvpq_pq_train; defaults of
         kvpq_kmeans_params_default: 25 iterations, seed 1234, k-means++ init, 256 points per
         centroid). Returns the k-means report as a dict (mse_init, mse_final per d-dim vector,
@@ -287,7 +317,7 @@ class ProductQuantizer:
         _check(lib.kvpq_pq_train(self._h, kp, x.shape[0], _ptr(x), r), "ProductQuantizer.train")
         return _report(r)
 
-    def encode(self, x):
+    def encode(self, x: ArrayLike) -> NDArray[np.uint8]:
         """x: (n, d) float32 -> packed codes (n, code_size) uint8 (code m in bits [m*nbits, (m+1)*nbits)
         of a little-endian bit stream)."""
         x = _array(x, "x", "ProductQuantizer.encode", shape=(None, self.d))
@@ -295,14 +325,14 @@ class ProductQuantizer:
         _check(lib.kvpq_pq_encode(self._h, x.shape[0], _ptr(x), _ptr(codes, "uint8_t *")), "ProductQuantizer.encode")
         return codes
 
-    def assign(self, x):
+    def assign(self, x: ArrayLike) -> NDArray[np.uint16]:
         """x: (n, d) float32 -> centroid indices (n, M) uint16 (unpacked codes)."""
         x = _array(x, "x", "ProductQuantizer.assign", shape=(None, self.d))
         idx = np.empty((x.shape[0], self.M), np.uint16)
         _check(lib.kvpq_pq_assign(self._h, x.shape[0], _ptr(x), _ptr(idx, "uint16_t *")), "ProductQuantizer.assign")
         return idx
 
-    def decode(self, codes):
+    def decode(self, codes: ArrayLike) -> NDArray[np.float32]:
         """codes: (n, code_size) uint8 -> reconstructions (n, d) float32."""
         codes = _array(codes, "codes", "ProductQuantizer.decode", dtype=np.uint8, shape=(None, self.code_size))
         x = np.empty((codes.shape[0], self.d), np.float32)
@@ -311,7 +341,9 @@ class ProductQuantizer:
         return x
 
 
-def kmeans(x, k, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
+def kmeans(x: ArrayLike, k: int, niter: Optional[int] = None, seed: Optional[int] = None,
+           max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
+           n_threads: Optional[int] = None) -> Tuple[NDArray[np.float32], Dict[str, Any]]:
     """k-means of x: (n, d) float32 into k centroids (kvpq_kmeans). Returns (centroids (k, d),
     report dict)."""
     x = _array(x, "x", "kmeans", shape=(None, None))
@@ -326,7 +358,7 @@ def kmeans(x, k, niter=None, seed=None, max_points_per_centroid=None, init=None,
     return cent, _report(r)
 
 
-def codes_pack(idx, nbits):
+def codes_pack(idx: ArrayLike, nbits: int) -> NDArray[np.uint8]:
     """Pack idx (n, M) uint16 (each < 2**nbits) into (n, ceil(M*nbits/8)) uint8."""
     idx = _array(idx, "idx", "codes_pack", dtype=np.uint16, shape=(None, None))
     M = _dim(idx, 1, "idx", "codes_pack")
@@ -337,7 +369,7 @@ def codes_pack(idx, nbits):
     return out
 
 
-def codes_unpack(packed, M, nbits):
+def codes_unpack(packed: ArrayLike, M: int, nbits: int) -> NDArray[np.uint16]:
     """Unpack (n, ceil(M*nbits/8)) uint8 into idx (n, M) uint16."""
     M = _int(M, "M", "codes_unpack", 1)
     nbits = _int(nbits, "nbits", "codes_unpack", 1, 16)
@@ -351,7 +383,7 @@ def codes_unpack(packed, M, nbits):
 
 # ---- key transforms (VecInfer sec. 3) -------------------------------------------------------------
 
-def hadamard(x):
+def hadamard(x: ArrayLike) -> NDArray[np.float32]:
     """Normalized Walsh-Hadamard transform (Sylvester order, scaled by 1/sqrt(d); orthonormal and
     self-inverse) of every last-axis vector of x: (..., d) float32, d a power of two. Returns a new
     array."""
@@ -364,7 +396,7 @@ def hadamard(x):
     return y
 
 
-def normalize_rows(x):
+def normalize_rows(x: ArrayLike) -> Tuple[NDArray[np.float32], NDArray[np.float32]]:
     """Unit directions of the last-axis vectors of x: (..., d) float32. Returns (u, norms) with u
     the shape of x (zero rows stay zero) and norms (...) the L2 norms."""
     x = _array(x, "x", "normalize_rows")
@@ -379,7 +411,7 @@ def normalize_rows(x):
     return u, norms
 
 
-def smooth_compute(k, floor=1e-2):
+def smooth_compute(k: ArrayLike, floor: float = 1e-2) -> NDArray[np.float32]:
     """Key smoothing factors lambda = sqrt(max_t |k_t|) per KV head and channel, floored at
     `floor` (VecInfer sec. 3). k: (n_tokens, n_head_kv, head_dim) float32 -> (n_head_kv, head_dim)."""
     k = _array(k, "k", "smooth_compute", shape=(None, None, None))
@@ -392,7 +424,7 @@ def smooth_compute(k, floor=1e-2):
     return lam
 
 
-def smooth_apply(x, lam, inverse=False):
+def smooth_apply(x: ArrayLike, lam: ArrayLike, inverse: bool = False) -> NDArray[np.float32]:
     """x / lambda (inverse=False: what keys get before rotation) or x * lambda (inverse=True).
     x: (n, n_head_kv, head_dim), lam: (n_head_kv, head_dim), float32. Returns a new array."""
     x = _array(x, "x", "smooth_apply", shape=(None, None, None))
@@ -404,7 +436,7 @@ def smooth_apply(x, lam, inverse=False):
     return y
 
 
-def smooth_apply_query(q, lam):
+def smooth_apply_query(q: ArrayLike, lam: ArrayLike) -> NDArray[np.float32]:
     """Queries times the factors of their KV head (GQA: head h uses row h // (n_head // n_head_kv)),
     so (q * lambda) . (k / lambda) = q . k. q: (n, n_head, head_dim), lam: (n_head_kv, head_dim)."""
     q = _array(q, "q", "smooth_apply_query", shape=(None, None, None))
@@ -428,8 +460,10 @@ class Codebook:
     Codebook(n_layer, n_head_kv, head_dim, keys="d4b8", values=None, ...) makes an untrained one
     (lambda 1, mu 0, zero centroids); Codebook.load(path) reads a file; kvpq.calibrate() trains one."""
 
-    def __init__(self, n_layer, n_head_kv, head_dim, keys="d4b8", values=None, granularity="shared",
-                 value_rotate=False, key_norm=True, value_norm=True, keys2=None, _handle=None):
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, keys: QuantizerSpec = "d4b8",
+                 values: Optional[QuantizerSpec] = None, granularity: str = "shared", value_rotate: bool = False,
+                 key_norm: bool = True, value_norm: bool = True, keys2: Optional[QuantizerSpec] = None,
+                 _handle: Any = None) -> None:
         if _handle is not None:
             self._h = ffi.gc(_handle, lib.kvpq_codebook_free)
             return
@@ -460,23 +494,31 @@ class Codebook:
         raise _arg_error(where, f"keys/values: {spec!r}: expected a preset name or (M, nbits)")
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: PathLike) -> "Codebook":
         """Read and validate a codebook file (kvpq_codebook_load)."""
         h = ffi.new("kvpq_codebook **")
         _check(lib.kvpq_codebook_load(h, os.fsencode(path)), f"Codebook.load('{path}')")
         return cls(0, 0, 0, _handle=h[0])
 
-    def save(self, path):
+    def save(self, path: PathLike) -> None:
         """Write atomically as safetensors (kvpq_codebook_save)."""
         _check(lib.kvpq_codebook_save(self._h, os.fsencode(path)), f"Codebook.save('{path}')")
 
     @property
-    def params(self):
+    def params(self) -> Any:
         return lib.kvpq_codebook_get_params(self._h)
 
-    n_layer = property(lambda self: self.params.n_layer)
-    n_head_kv = property(lambda self: self.params.n_head_kv)
-    head_dim = property(lambda self: self.params.head_dim)
+    @property
+    def n_layer(self) -> int:
+        return self.params.n_layer
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.params.n_head_kv
+
+    @property
+    def head_dim(self) -> int:
+        return self.params.head_dim
 
     def _layer(self, layer, where):
         layer = _int(layer, "layer", where)
@@ -484,34 +526,34 @@ class Codebook:
             raise _arg_error(where, f"layer: {layer} out of range 0..{self.n_layer - 1}")
         return layer
 
-    def key_pq(self, layer):
+    def key_pq(self, layer: int) -> ProductQuantizer:
         """The key ProductQuantizer of a layer (borrowed: lives as long as this codebook)."""
         return ProductQuantizer(_borrow=(lib.kvpq_codebook_pq(self._h, self._layer(layer, "Codebook.key_pq"), 0),
                                          self))
 
-    def value_pq(self, layer):
+    def value_pq(self, layer: int) -> ProductQuantizer:
         """The value ProductQuantizer of a layer (borrowed)."""
         return ProductQuantizer(_borrow=(lib.kvpq_codebook_pq(self._h, self._layer(layer, "Codebook.value_pq"), 1),
                                          self))
 
-    def key2_pq(self, layer):
+    def key2_pq(self, layer: int) -> Optional[ProductQuantizer]:
         """The stage-two key ProductQuantizer of a layer (borrowed), or None with one key stage."""
         h = lib.kvpq_codebook_key_pq2(self._h, self._layer(layer, "Codebook.key2_pq"))
         return None if h == ffi.NULL else ProductQuantizer(_borrow=(h, self))
 
-    def set_layer_key_stages(self, layer, stages):
+    def set_layer_key_stages(self, layer: int, stages: int) -> None:
         """One or two key stages for a layer of a two-stage codebook (kvpq_codebook_set_layer_key_stages)."""
         _check(lib.kvpq_codebook_set_layer_key_stages(self._h, self._layer(layer, "Codebook.set_layer_key_stages"),
                                                       _int(stages, "stages", "Codebook.set_layer_key_stages", 1)),
                "Codebook.set_layer_key_stages")
 
-    def set_layer_key_M(self, layer, M):
+    def set_layer_key_M(self, layer: int, M: int) -> None:
         """Give one layer's key quantizer M sub-vectors (kvpq_codebook_set_layer_key_M)."""
         _check(lib.kvpq_codebook_set_layer_key_M(self._h, self._layer(layer, "Codebook.set_layer_key_M"),
                                                  _int(M, "M", "Codebook.set_layer_key_M", 1)),
                "Codebook.set_layer_key_M")
 
-    def set_layer_value_M(self, layer, M):
+    def set_layer_value_M(self, layer: int, M: int) -> None:
         """Give one layer's value quantizer M sub-vectors (kvpq_codebook_set_layer_value_M)."""
         _check(lib.kvpq_codebook_set_layer_value_M(self._h, self._layer(layer, "Codebook.set_layer_value_M"),
                                                    _int(M, "M", "Codebook.set_layer_value_M", 1)),
@@ -521,25 +563,25 @@ class Codebook:
         n = self.n_head_kv * self.head_dim
         return np.frombuffer(ffi.buffer(ptr, n * 4), np.float32).reshape(self.n_head_kv, self.head_dim)
 
-    def key_smooth(self, layer):
+    def key_smooth(self, layer: int) -> NDArray[np.float32]:
         """Copy of a layer's key smoothing factors lambda: (n_head_kv, head_dim) float32."""
         return self._rows(lib.kvpq_codebook_key_smooth(self._h, self._layer(layer, "Codebook.key_smooth"))).copy()
 
-    def set_key_smooth(self, layer, lam):
+    def set_key_smooth(self, layer: int, lam: ArrayLike) -> None:
         lam = _array(lam, "lam", "Codebook.set_key_smooth", shape=(self.n_head_kv, self.head_dim))
         if not (lam > 0).all():
             raise _arg_error("Codebook.set_key_smooth", "lam: every factor must be > 0")
         self._rows(lib.kvpq_codebook_key_smooth(self._h, self._layer(layer, "Codebook.set_key_smooth")))[:] = lam
 
-    def key_mean(self, layer):
+    def key_mean(self, layer: int) -> NDArray[np.float32]:
         """Copy of a layer's key mean mu: (n_head_kv, head_dim) float32."""
         return self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.key_mean"))).copy()
 
-    def set_key_mean(self, layer, mu):
+    def set_key_mean(self, layer: int, mu: ArrayLike) -> None:
         mu = _array(mu, "mu", "Codebook.set_key_mean", shape=(self.n_head_kv, self.head_dim))
         self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.set_key_mean")))[:] = mu
 
-    def meta(self):
+    def meta(self) -> Dict[str, str]:
         """Every metadata entry (config keys included) as a dict of strings."""
         out = {}
         for i in range(int(lib.kvpq_codebook_meta_count(self._h))):
@@ -547,10 +589,10 @@ class Codebook:
             out[k] = _str(lib.kvpq_codebook_get_meta(self._h, k.encode()))
         return out
 
-    def get_meta(self, key):
+    def get_meta(self, key: str) -> Optional[str]:
         return _str(lib.kvpq_codebook_get_meta(self._h, key.encode()))
 
-    def set_meta(self, key, value):
+    def set_meta(self, key: str, value: str) -> None:
         """Set metadata key to value (str; saved with the codebook). A NUL character in either is
         refused (kvpq.Error): the C string would end there and store another key."""
         key, value = str(key), str(value)
@@ -559,7 +601,7 @@ class Codebook:
                 raise _arg_error("Codebook.set_meta", f"{name}: holds a NUL character at index {text.index(chr(0))}")
         _check(lib.kvpq_codebook_set_meta(self._h, key.encode(), value.encode()), "Codebook.set_meta")
 
-    def info(self):
+    def info(self) -> Dict[str, Any]:
         """A summary dict: n_layer, n_head_kv, head_dim, key/value (d, M, nbits, granularity),
         value_rotate, key_norm, value_norm, key_M and value_M per layer, bits per element of the codes,
         meta."""
@@ -587,8 +629,11 @@ class Codebook:
                 f"key M={p.key.M} nbits={p.key.nbits}, value M={p.value.M} nbits={p.value.nbits})")
 
 
-def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter=None, seed=None,
-                    max_points_per_centroid=None, init=None, n_threads=None, query_absmax=None):
+def calibrate_layer(codebook: Codebook, layer: int, k: ArrayLike, v: ArrayLike, center: bool = True,
+                    smooth_floor: float = 1e-2, niter: Optional[int] = None, seed: Optional[int] = None,
+                    max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
+                    n_threads: Optional[int] = None, query_absmax: Optional[ArrayLike] = None
+                    ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Train one layer of `codebook` from its keys and values (kvpq_codebook_calibrate_layer: key
     mean, smoothing, Hadamard, normalization, k-means; the recipe of `kvpq calibrate`).
     k, v: (n_tokens, n_head_kv, head_dim) float32, keys post-RoPE. query_absmax: None (smoothing
@@ -617,10 +662,13 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
     return _report(rk), _report(rv)
 
 
-def calibrate(keys_values, keys="d4b8", values=None, granularity="shared", keys2=None, value_rotate=False,
-              key_norm=True,
-              value_norm=True, keys_layers=None, values_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
-              init=None, n_threads=None, meta=None, query_absmax=None, norm_bits=16):
+def calibrate(keys_values: Any, keys: QuantizerSpec = "d4b8", values: Optional[QuantizerSpec] = None,
+              granularity: str = "shared", keys2: Optional[QuantizerSpec] = None, value_rotate: bool = False,
+              key_norm: bool = True, value_norm: bool = True, keys_layers: Optional[Mapping[int, str]] = None,
+              values_layers: Optional[Mapping[int, str]] = None, center: bool = True, niter: Optional[int] = None,
+              seed: Optional[int] = None, max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
+              n_threads: Optional[int] = None, meta: Optional[Mapping[str, str]] = None,
+              query_absmax: Optional[ArrayLike] = None, norm_bits: int = 16) -> Codebook:
     """Train a Codebook from keys and values a model produced.
 
     keys_values: a sequence over layers of (k, v) pairs, each (n_tokens, n_head_kv, head_dim)
@@ -705,7 +753,8 @@ _CACHE_KINDS = {"fp32": lib.KVPQ_CACHE_FP32, "fp16": lib.KVPQ_CACHE_FP16, "q8_0"
                 "vq": lib.KVPQ_CACHE_VQ, "q8_0r": lib.KVPQ_CACHE_Q8_0R, "q4_0r": lib.KVPQ_CACHE_Q4_0R}
 
 
-def cache_settings(kind, codebook=None, window=None, sinks=None):
+def cache_settings(kind: str, codebook: Optional[Codebook] = None, window: Optional[int] = None,
+                   sinks: Optional[int] = None) -> Tuple[int, int]:
     """(window, sinks) of a cache of `kind` made as the CLI makes it (kvpq_cache_params_resolve):
     window / sinks when given; else, for "vq", what the codebook's allocation was made for (its
     alloc.window / alloc.sinks metadata, from `kvpq calibrate --bits`); else the defaults: window
@@ -735,8 +784,10 @@ class Cache:
     positions kept in float32 (vq/kivi). sinks: the first positions kept in fp16 beside a quantized
     kind (attention sinks, kvpq_cache_params.sinks; 0 = none). The codebook is kept alive by the cache."""
 
-    def __init__(self, kind, n_layer, n_head, n_head_kv, head_dim, max_seq, codebook=None, window=None,
-                 page_tokens=None, n_threads=0, fast_scan=False, sliding_window=0, swa_layers=None, sinks=0):
+    def __init__(self, kind: str, n_layer: int, n_head: int, n_head_kv: int, head_dim: int, max_seq: int,
+                 codebook: Optional[Codebook] = None, window: Optional[int] = None, page_tokens: Optional[int] = None,
+                 n_threads: int = 0, fast_scan: bool = False, sliding_window: int = 0,
+                 swa_layers: Optional[Sequence[bool]] = None, sinks: int = 0) -> None:
         w = "Cache"
         if kind not in _CACHE_KINDS:
             raise _arg_error(w, f"kind: '{kind}' is not one of {sorted(_CACHE_KINDS)}")
@@ -785,7 +836,7 @@ class Cache:
             raise _arg_error(where, f"layer: {layer} out of range 0..{self.n_layer - 1}")
         return layer
 
-    def append(self, layer, k, v):
+    def append(self, layer: int, k: ArrayLike, v: ArrayLike) -> None:
         """Append positions to a layer: k, v (n, n_head_kv, head_dim) float32, keys post-RoPE."""
         w = "Cache.append"
         shape = (None, self.n_head_kv, self.head_dim)
@@ -795,7 +846,7 @@ class Cache:
             raise _arg_error(w, f"v: {v.shape[0]} positions, k has {k.shape[0]}")
         _check(lib.kvpq_cache_append(self._h, self._layer(layer, w), k.shape[0], _ptr(k), _ptr(v)), w)
 
-    def attend(self, layer, q):
+    def attend(self, layer: int, q: ArrayLike) -> NDArray[np.float32]:
         """Causal attention of the newest n_q positions: q (n_q, n_head, head_dim) float32 -> out of
         the same shape; query i (position L - n_q + i) attends to positions 0 .. L - n_q + i with
         scale 1/sqrt(head_dim), query head h reading KV head h // (n_head // n_head_kv)."""
@@ -805,7 +856,7 @@ class Cache:
         _check(lib.kvpq_cache_attend(self._h, self._layer(layer, w), q.shape[0], _ptr(q), _ptr(out)), w)
         return out
 
-    def append_attend(self, layer, k, v, q):
+    def append_attend(self, layer: int, k: ArrayLike, v: ArrayLike, q: ArrayLike) -> NDArray[np.float32]:
         """Append n positions and attend their n queries, each query seeing the cache as it was right
         after its own position was appended (kvpq_cache_append_attend): the same outputs whatever
         split the positions come in. k, v (n, n_head_kv, head_dim), q (n, n_head, head_dim) float32
@@ -822,19 +873,19 @@ class Cache:
                                             _ptr(out)), w)
         return out
 
-    def exact_prefix(self, n_pos):
+    def exact_prefix(self, n_pos: int) -> int:
         """The longest prefix of at most n_pos positions that truncate() keeps exactly as a fresh
         cache fed those positions would hold it (kvpq_cache_exact_prefix)."""
         return int(lib.kvpq_cache_exact_prefix(self._h, _int(n_pos, "n_pos", "Cache.exact_prefix", 0)))
 
-    def truncate(self, n_pos):
+    def truncate(self, n_pos: int) -> None:
         """Keep positions [0, n_pos) of every layer."""
         _check(lib.kvpq_cache_truncate(self._h, _int(n_pos, "n_pos", "Cache.truncate", 0)), "Cache.truncate")
 
-    def seq_len(self, layer=0):
+    def seq_len(self, layer: int = 0) -> int:
         return int(lib.kvpq_cache_seq_len(self._h, self._layer(layer, "Cache.seq_len")))
 
-    def read(self, layer, pos0=0, n=None):
+    def read(self, layer: int, pos0: int = 0, n: Optional[int] = None) -> Tuple[NDArray[np.float32], NDArray[np.float32]]:
         """Positions [pos0, pos0 + n) of a layer as attention sees them (dequantized): (k, v), each
         (n, n_head_kv, head_dim) float32. n defaults to the rest of the layer."""
         w = "Cache.read"
@@ -850,11 +901,11 @@ class Cache:
         return k, v
 
     @property
-    def resident_bytes(self):
+    def resident_bytes(self) -> int:
         """Bytes resident for the stored K and V (codes, window, scales, pages, codebooks)."""
         return int(lib.kvpq_cache_resident_bytes(self._h))
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
         st = ffi.new("kvpq_cache_stats *")
         _check(lib.kvpq_cache_get_stats(self._h, st), "Cache.stats")
         return {"resident_bytes": int(st.resident_bytes), "elements": int(st.elements),
@@ -865,7 +916,7 @@ class Cache:
 
 # ---- CUDA cache (device pointers) -------------------------------------------------------------------
 
-def cuda_available():
+def cuda_available() -> Tuple[bool, str]:
     """(available, why): whether libkvpq was built with CUDA and a device is usable (kvpq_cuda_available)."""
     why = ffi.new("char[]", 256)
     ok = bool(lib.kvpq_cuda_available(why, 256))
@@ -883,7 +934,8 @@ class CudaCache:
         cudaStream_t as an int; None: synchronous kvpq_cuda_cache_attend).
     Errors raise kvpq.Error (KVPQ_ERR_NO_DEVICE without a CUDA build or device)."""
 
-    def __init__(self, codebook, layer, n_head, n_seq, max_seq, window=None, page_tokens=None, n_pages=0):
+    def __init__(self, codebook: Codebook, layer: int, n_head: int, n_seq: int, max_seq: int,
+                 window: Optional[int] = None, page_tokens: Optional[int] = None, n_pages: int = 0) -> None:
         w = "CudaCache"
         if not isinstance(codebook, Codebook):
             raise _arg_error(w, "codebook: expected a kvpq.Codebook")
@@ -912,11 +964,11 @@ class CudaCache:
         self.n_head, self.n_head_kv, self.head_dim, self.n_seq, self.max_seq, self.window = (
             p.n_head, p.n_head_kv, p.head_dim, p.n_seq, p.max_seq, p.window)
 
-    def append(self, seq, n, k, v):
+    def append(self, seq: int, n: int, k: int, v: int) -> None:
         _check(lib.kvpq_cuda_cache_append(self._h, int(seq), int(n), ffi.cast("float *", int(k)),
                                           ffi.cast("float *", int(v))), "CudaCache.append")
 
-    def attend(self, n_seq, q, out, stream=None):
+    def attend(self, n_seq: int, q: int, out: int, stream: Optional[int] = None) -> None:
         qp, op = ffi.cast("float *", int(q)), ffi.cast("float *", int(out))
         if stream is None:
             _check(lib.kvpq_cuda_cache_attend(self._h, int(n_seq), qp, op), "CudaCache.attend")
@@ -924,14 +976,14 @@ class CudaCache:
             _check(lib.kvpq_cuda_cache_attend_async(self._h, int(n_seq), qp, op, ffi.cast("void *", int(stream))),
                    "CudaCache.attend")
 
-    def seq_len(self, seq=0):
+    def seq_len(self, seq: int = 0) -> int:
         return int(lib.kvpq_cuda_cache_seq_len(self._h, int(seq)))
 
-    def clear(self, seq):
+    def clear(self, seq: int) -> None:
         _check(lib.kvpq_cuda_cache_clear(self._h, int(seq)), "CudaCache.clear")
 
     @property
-    def resident_bytes(self):
+    def resident_bytes(self) -> int:
         """Device bytes held (code pages in use, window, codebooks, page tables; kvpq.h)."""
         return int(lib.kvpq_cuda_cache_resident_bytes(self._h))
 
@@ -941,7 +993,7 @@ class CudaCache:
 class Model:
     """A GGUF model run by kvpq's own forward pass (kvpq_model, Llama family)."""
 
-    def __init__(self, path, n_threads=0):
+    def __init__(self, path: PathLike, n_threads: int = 0) -> None:
         mp = ffi.new("kvpq_model_params *", lib.kvpq_model_params_default())
         mp.n_threads = _int(n_threads, "n_threads", "Model", 0)
         h = ffi.new("kvpq_model **")
@@ -955,7 +1007,8 @@ class Model:
         self.info["arch"] = ffi.string(mi.arch).decode()
         self.info["name"] = ffi.string(mi.name).decode()
 
-    def tokenize(self, text, add_bos=False, parse_special=False):
+    def tokenize(self, text: Union[str, bytes], add_bos: bool = False, parse_special: bool = False
+                 ) -> NDArray[np.int32]:
         """UTF-8 text -> token ids (n,) int32."""
         b = _text(text, self.__class__.__name__ + ".tokenize")
         n = ffi.new("size_t *")
@@ -965,7 +1018,7 @@ class Model:
                "Model.tokenize")
         return out
 
-    def token_to_piece(self, token):
+    def token_to_piece(self, token: int) -> bytes:
         n = ffi.new("size_t *")
         buf = ffi.new("char[]", 256)
         token = _int(token, "token", "Model.token_to_piece")
@@ -975,7 +1028,8 @@ class Model:
             _check(lib.kvpq_token_to_piece(self._h, token, buf, n[0], n), "Model.token_to_piece")
         return ffi.buffer(buf, n[0])[:]
 
-    def new_cache(self, kind="fp32", max_seq=None, codebook=None, window=None, sinks=None, **kw):
+    def new_cache(self, kind: str = "fp32", max_seq: Optional[int] = None, codebook: Optional[Codebook] = None,
+                  window: Optional[int] = None, sinks: Optional[int] = None, **kw: Any) -> Cache:
         """A Cache shaped for this model, with its sliding-window layers (kvpq_model_cache_params), its
         window and sinks as the CLI's `--cache` makes them (cache_settings: given, else the codebook's
         alloc.window / alloc.sinks, else the kind's defaults), so the same codebook gives the same cache."""
@@ -990,7 +1044,8 @@ class Model:
         return Cache(kind, i["n_layer"], i["n_head"], i["n_head_kv"], i["head_dim"], max_seq or i["n_ctx_train"],
                      codebook=codebook, **kw)
 
-    def eval(self, cache, tokens, logits_all=False, query_absmax=None):
+    def eval(self, cache: Cache, tokens: ArrayLike, logits_all: bool = False,
+             query_absmax: Optional[NDArray[np.float32]] = None) -> NDArray[np.float32]:
         """Run tokens (n,) int32 at the positions after those cache holds, appending their K/V.
         Returns logits (n, n_vocab) float32 if logits_all, else (n_vocab,) of the last token.
         query_absmax: None, or a float32 array (n_layer, n_head_kv, head_dim) raised in place to the
@@ -1016,16 +1071,25 @@ class Model:
 class Vocab:
     """A GGUF file's tokenizer alone (kvpq_vocab: byte-level BPE)."""
 
-    def __init__(self, gguf_path):
+    def __init__(self, gguf_path: PathLike) -> None:
         h = ffi.new("kvpq_vocab **")
         _check(lib.kvpq_vocab_load(h, os.fsencode(gguf_path)), f"Vocab('{gguf_path}')")
         self._h = ffi.gc(h[0], lib.kvpq_vocab_free)
 
-    n_tokens = property(lambda self: int(lib.kvpq_vocab_n_tokens(self._h)))
-    bos = property(lambda self: int(lib.kvpq_vocab_bos(self._h)))
-    eos = property(lambda self: int(lib.kvpq_vocab_eos(self._h)))
+    @property
+    def n_tokens(self) -> int:
+        return int(lib.kvpq_vocab_n_tokens(self._h))
 
-    def tokenize(self, text, add_bos=False, parse_special=False):
+    @property
+    def bos(self) -> int:
+        return int(lib.kvpq_vocab_bos(self._h))
+
+    @property
+    def eos(self) -> int:
+        return int(lib.kvpq_vocab_eos(self._h))
+
+    def tokenize(self, text: Union[str, bytes], add_bos: bool = False, parse_special: bool = False
+                 ) -> NDArray[np.int32]:
         b = _text(text, self.__class__.__name__ + ".tokenize")
         n = ffi.new("size_t *")
         _check(lib.kvpq_vocab_tokenize(self._h, b, len(b), int(add_bos), int(parse_special), ffi.NULL, 0, n),
@@ -1035,7 +1099,7 @@ class Vocab:
                                        n[0], n), "Vocab.tokenize")
         return out
 
-    def piece(self, token):
+    def piece(self, token: int) -> bytes:
         n = ffi.new("size_t *")
         buf = ffi.new("char[]", 256)
         token = _int(token, "token", "Vocab.piece")
@@ -1046,7 +1110,7 @@ class Vocab:
         return ffi.buffer(buf, n[0])[:]
 
 
-def gguf_dequantize(path, name):
+def gguf_dequantize(path: PathLike, name: str) -> NDArray[np.float32]:
     """One tensor of a GGUF file dequantized to float32 (kvpq_gguf_dequantize_tensor), flat
     (ne[0]*ne[1]*...,) with ne[0] fastest; reshape as the caller knows."""
     n = ffi.new("size_t *")
