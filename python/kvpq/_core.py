@@ -3,9 +3,10 @@
 Conventions (as the C API, include/kvpq.h):
   - arrays are numpy arrays of the stated dtype (float32 unless said), shapes (outer, ..., inner).
     Input is converted as numpy converts: lists and other array-likes (np.asarray), float64 or
-    float16 to float32, integers to the stated integer type when the values fit, any layout to C order
-    (not a broadcast view: its copy could be of any size); what numpy's 'same_kind' casting refuses (float to integer codes, complex, bool, object),
-    a wrong shape, integers out of range, or a NaN/Inf raises kvpq.Error naming the argument;
+    float16 to float32, integers to the stated integer type when the values fit, any layout to C
+    order (not a broadcast view: its copy could be of any size). What numpy's 'same_kind' casting
+    refuses (float to integer codes, complex, bool, object), a wrong shape, integers out of range
+    or a NaN/Inf raises kvpq.ArgumentError (a kvpq.Error and a ValueError) naming the argument;
   - functions return new arrays; inputs are never modified;
   - every failing library call raises kvpq.Error carrying the kvpq_status, its name and the
     library's kvpq_last_error() text.
@@ -715,7 +716,8 @@ def calibrate(keys_values: Any, keys: QuantizerSpec = "d4b8", values: Optional[Q
             if n_layer is None:
                 raise _arg_error("calibrate", "keys_values: needs a length (a list or tuple over layers)")
             if query_absmax is not None:  # one (n_head_kv, head_dim) row per layer, checked before any training
-                query_absmax = _array(query_absmax, "query_absmax", "calibrate", shape=(n_layer, k.shape[1], k.shape[2]))
+                query_absmax = _array(query_absmax, "query_absmax", "calibrate",
+                                      shape=(n_layer, k.shape[1], k.shape[2]))
             try:
                 cb = Codebook(n_layer, k.shape[1], k.shape[2], keys=keys, values=values, granularity=granularity,
                               keys2=keys2, value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
@@ -885,7 +887,8 @@ class Cache:
     def seq_len(self, layer: int = 0) -> int:
         return int(lib.kvpq_cache_seq_len(self._h, self._layer(layer, "Cache.seq_len")))
 
-    def read(self, layer: int, pos0: int = 0, n: Optional[int] = None) -> Tuple[NDArray[np.float32], NDArray[np.float32]]:
+    def read(self, layer: int, pos0: int = 0, n: Optional[int] = None
+             ) -> Tuple[NDArray[np.float32], NDArray[np.float32]]:
         """Positions [pos0, pos0 + n) of a layer as attention sees them (dequantized): (k, v), each
         (n, n_head_kv, head_dim) float32. n defaults to the rest of the layer."""
         w = "Cache.read"

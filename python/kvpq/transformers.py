@@ -19,9 +19,9 @@ model's attention implementation to "kvpq" (for any other cache the "kvpq" funct
 transformers' SDPA, so the model keeps working with DynamicCache).
 
 Limits (errors say so): batch rows may be left-padded (as `generate` pads them; CPU only), nothing else
-hidden by the attention mask; no beam search (kvpq caches
-cannot be copied: refused at the first update, before the prefill); attention logit soft-capping (Gemma 2) and attention sinks are refused; on CUDA
-(kvpq_cuda_cache, when libkvpq has CUDA) no sliding-window layers. The codebook's head_dim,
+hidden by the attention mask; no beam search (kvpq caches cannot be copied: refused at the first
+update, before the prefill); attention logit soft-capping (Gemma 2) and attention sinks are refused;
+on CUDA (kvpq_cuda_cache, when libkvpq has CUDA) no sliding-window layers. The codebook's head_dim,
 n_head_kv and n_layer must be the model's.
 """
 from __future__ import annotations

@@ -517,6 +517,8 @@ def test_calibrate_bits_codebook_same_ppl_and_greedy_tokens_in_cli_engine_and_tr
     assert (kc.window, kc.sinks) == (16, 2)
     kc.restore_attention()
     hf, _ = ppl_hf(hf_model, lambda: KVPQCache(path, model=hf_model), chunks)
+    print(f"ppl (fp16 {f16['ppl']:.4f}): kvpq ppl {cli:.4f}, kvpq.Model + kvpq.Cache {engine:.4f} ({engine / cli - 1:+.3%}), "
+          f"transformers + KVPQCache {hf:.4f} ({hf / cli - 1:+.3%})")
     assert engine == pytest.approx(cli, rel=5e-3) and hf == pytest.approx(cli, rel=5e-3), (cli, engine, hf)
     assert abs(cli / f16["ppl"] - 1) > 1e-3  # the codes changed the result: parity is not trivial
 
