@@ -2,7 +2,7 @@
 # The Python package as users install it: scripts/build_wheel.sh on a clean copy of the repository
 # (its committed files, as a fresh clone has them) makes the sdist and the manylinux wheel; then
 #  - the sdist holds the C sources it builds from (and not the tests);
-#  - the wheel is tagged py3-none-manylinux_*, `auditwheel show` finds it consistent with that tag
+#  - the wheel is tagged py3-none-manylinux_*, holds py.typed, `auditwheel show` finds it consistent with that tag
 #    (no library outside the policy but its own copies), and its libraries' run paths are $ORIGIN-relative
 #    (no build folder);
 #  - each artifact is installed into a fresh venv and used from outside the source tree
@@ -44,6 +44,7 @@ for so in "$tmp"/whl/kvpq/lib/*.so; do
     case "$d" in '$ORIGIN'*) ;; *) fail "$(basename "$so") run path $d is not \$ORIGIN-relative";; esac
   done
 done
+[ -f "$tmp/whl/kvpq/py.typed" ] || fail "wheel lacks kvpq/py.typed"
 for l in openblas pcre2-8 cjson gomp; do
   ls "$tmp"/whl/kvpq.libs/lib$l* >/dev/null 2>&1 || fail "wheel lacks its copy of lib$l"
 done
