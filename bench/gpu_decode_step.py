@@ -189,7 +189,7 @@ def sdpa_step(B, L, reps, gib):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", help="the kvpq shared library of a CUDA build (libkvpq.so); default: the installed "
-                    "kvpq package's (KVPQ_CUDA=ON pip install ./python)")
+                    "kvpq package's (KVPQ_CUDA=ON pip install .)")
     ap.add_argument("--out", default="out/gpu")
     ap.add_argument("--quick", action="store_true", help="batch 1 at 4k and 32k, fewer repeats")
     ap.add_argument("--sdpa-gib", type=float, default=40.0, help="device memory for distinct SDPA layers")

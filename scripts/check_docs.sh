@@ -30,7 +30,7 @@ python3 - "$root" "$work" <<'EOF'
 import glob, os, re, sys
 root, work = sys.argv[1], sys.argv[2]
 CMD = re.compile(r"^(?:    |\t)\s*((?:\./)?(?:build/)?kvpq\s|(?:printf|echo)\s.*\|\s*(?:\./)?(?:build/)?kvpq\s|[A-Z_]+=\S*\s*$|[A-Z_]+=\S+\s+(?:\./)?(?:build/)?kvpq\s|\./scripts/|scripts/|cmake\s|bench/)")
-SKIP = re.compile(r"^(\./)?scripts/(main_job|test|deps|fetch_model)\.sh|^cmake\s|^bench/")
+SKIP = re.compile(r"^(\./)?scripts/(main_job|test|deps|fetch_model|build_wheel)\.sh|^cmake\s|^bench/")
 SMALL = [(r"\bkvpq calibrate\b", " --tokens 128 --ctx 64 --iters 1"), (r"\bkvpq ppl\b", " --ctx 64 --chunks 1"),
          (r"\bkvpq generate\b", " -n 4"), (r"\bkvpq chat\b", " -n 4"), (r"\bkvpq bench encode\b", " --shape 256,2,64 --repeats 1"),
          (r"\bkvpq bench attend\b", " --ctx 256 --layers 1 --repeats 1"), (r"\bkvpq bench decode\b", " --ctx 32 --steps 2")]

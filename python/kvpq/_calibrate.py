@@ -2,6 +2,7 @@
 kvpq_model_calibrate), the same call `kvpq calibrate` makes, so the same options give the same file
 bytes as the CLI."""
 import os
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -66,13 +67,19 @@ def _tokens(model, text, where):
     return ids
 
 
-def calibrate_model(model, text, bits=None, *, tokens=32768, ctx=2048, n_threads=0, keys="d4b8", values=None,
-                    keys2=None, keys_layers=None, values_layers=None, granularity="shared", value_rotate=False,
-                    center=True, smooth_query=True, key_norm=True, value_norm=True, norm_bits=None, iters=25,
-                    init="random", max_points_per_centroid=None, seed=1234, candidates=None, windows=None, sinks=1,
-                    holdout_ctx=None, holdout_chunks=1, full_sensitivity=False, alloc_values=None, verify_ctx=None,
-                    window_select="auto", window_trust=0.3, model_file=None, text_name=None, progress=None,
-                    report=None):
+def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32768, ctx: int = 2048,
+                    n_threads: int = 0, keys: str = "d4b8", values: Optional[str] = None, keys2: Optional[str] = None,
+                    keys_layers: Any = None, values_layers: Any = None, granularity: str = "shared",
+                    value_rotate: bool = False, center: bool = True, smooth_query: bool = True, key_norm: bool = True,
+                    value_norm: bool = True, norm_bits: Optional[int] = None, iters: int = 25, init: str = "random",
+                    max_points_per_centroid: Optional[int] = None, seed: int = 1234,
+                    candidates: Optional[Union[str, Sequence[str]]] = None, windows: Optional[Sequence[int]] = None,
+                    sinks: int = 1, holdout_ctx: Optional[int] = None, holdout_chunks: int = 1,
+                    full_sensitivity: bool = False, alloc_values: Optional[bool] = None,
+                    verify_ctx: Optional[int] = None, window_select: str = "auto", window_trust: float = 0.3,
+                    model_file: Optional[str] = None, text_name: Optional[str] = None,
+                    progress: Optional[Callable[[str, float, float], Any]] = None,
+                    report: Optional[List[dict]] = None) -> Any:
     """Train a model's codebook on a text, as `kvpq calibrate` does (the same library call:
     kvpq_model_calibrate; docs/allocation.md).
 

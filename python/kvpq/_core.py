@@ -1,18 +1,28 @@
 """numpy API over libkvpq: quantizers, codebooks, caches, key transforms, models, calibration.
 
 Conventions (as the C API, include/kvpq.h):
-  - arrays are C-contiguous numpy arrays of the stated dtype (float32 unless said), shapes
-    (outer, ..., inner); nothing is converted silently: a wrong dtype, shape, layout or a NaN/Inf
-    raises kvpq.Error naming the argument;
+  - arrays are numpy arrays of the stated dtype (float32 unless said), shapes (outer, ..., inner).
+    Input is converted as numpy converts: lists and other array-likes (np.asarray), float64 or
+    float16 to float32, integers to the stated integer type when the values fit, any layout to C
+    order (not a broadcast view: its copy could be of any size). What numpy's 'same_kind' casting
+    refuses (float to integer codes, complex, bool, object), a wrong shape, integers out of range
+    or a NaN/Inf raises kvpq.ArgumentError (a kvpq.Error and a ValueError) naming the argument;
   - functions return new arrays; inputs are never modified;
   - every failing library call raises kvpq.Error carrying the kvpq_status, its name and the
     library's kvpq_last_error() text.
 """
+from __future__ import annotations
+
 import os
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from ._ffi import ffi, lib
+
+PathLike = Union[str, "os.PathLike[str]"]
+QuantizerSpec = Union[str, Tuple[int, int]]  # a preset name ("d4b8") or (M, nbits)
 
 # ---- errors ------------------------------------------------------------------------------------
 
@@ -21,18 +31,33 @@ ERR_INVALID_ARG = lib.KVPQ_ERR_INVALID_ARG
 ERR_NONFINITE = lib.KVPQ_ERR_NONFINITE
 
 
-class Error(Exception):
-    """A kvpq failure. status: the kvpq_status (negative int); status_name: its fixed name
-    ("invalid argument", ...); detail: the kvpq_last_error() text, or the binding's own message for
-    a check made before calling the library (argument dtype, shape, NaN)."""
+class Error(RuntimeError):
+    """A kvpq failure (a RuntimeError). status: the kvpq_status (negative int); status_name: its fixed
+    name ("invalid argument", ...); detail: the kvpq_last_error() text, or the binding's own message
+    for a check made before calling the library (argument dtype, shape, NaN); where: the function.
+    A bad argument (status invalid argument, NaN/Inf or mismatch) is raised as ArgumentError, a
+    subclass that is also a ValueError: Error(status, ...) itself picks the class from the status."""
 
-    def __init__(self, status, detail, where=""):
+    def __new__(cls, status, *args, **kwargs):
+        if cls is Error and int(status) in _ARGUMENT_STATUSES:
+            cls = ArgumentError
+        return super().__new__(cls, status, *args, **kwargs)
+
+    def __init__(self, status: int, detail: str, where: str = "") -> None:
         self.status = int(status)
         self.status_name = ffi.string(lib.kvpq_status_string(self.status)).decode()
         self.detail = detail
         self.where = where
         prefix = f"{where}: " if where else ""
         super().__init__(f"{prefix}{detail} [{self.status_name} ({self.status})]")
+
+
+class ArgumentError(Error, ValueError):
+    """A bad argument: KVPQ_ERR_INVALID_ARG, KVPQ_ERR_NONFINITE or KVPQ_ERR_MISMATCH (a kvpq.Error
+    and a ValueError)."""
+
+
+_ARGUMENT_STATUSES = {ERR_INVALID_ARG, ERR_NONFINITE, lib.KVPQ_ERR_MISMATCH}
 
 
 def _check(status, where):
@@ -44,21 +69,48 @@ def _arg_error(where, msg, status=ERR_INVALID_ARG):
     return Error(status, msg, where)
 
 
-def _array(x, name, where, dtype=np.float32, shape=None, finite=True):
-    """Check an argument array: numpy, dtype, C-contiguous, shape (a tuple; None matches any size),
-    and (for floats) finite. Returns it unchanged."""
+def _as_array(x, name, where, want):
+    """x as a numpy array of dtype `want`, converted as numpy users expect: a list, tuple or other
+    array-like through np.asarray; another float or integer dtype that numpy's 'same_kind' casting
+    allows (float64 or float16 to float32, integers to float32), and integers of any width or sign to
+    the stated integer type when every value fits.
+    Everything else (bool, complex, object, float to integer) is refused, naming the argument, and so
+    is a broadcast (zero-stride) view, whose copy could need any amount of memory."""
     if not isinstance(x, np.ndarray):
-        raise _arg_error(where, f"{name}: expected a numpy array of {np.dtype(dtype).name}, got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise _arg_error(where, f"{name}: expected dtype {np.dtype(dtype).name}, got {x.dtype.name} "
-                                f"(convert with np.ascontiguousarray({name}, dtype=np.{np.dtype(dtype).name}))")
+        if isinstance(x, (str, bytes)) or x is None:
+            raise _arg_error(where, f"{name}: expected an array of {want.name}, got {type(x).__name__}")
+        try:
+            x = np.asarray(x)
+        except (ValueError, TypeError) as e:
+            raise _arg_error(where, f"{name}: not convertible to an array ({e})") from None
+    if any(st == 0 and n > 1 for st, n in zip(x.strides, x.shape)):
+        # a broadcast view: its copy may need any amount of memory (numpy's broadcast_to is free)
+        raise _arg_error(where, f"{name}: a broadcast (zero-stride) array of shape {tuple(x.shape)}; pass "
+                                f"np.ascontiguousarray({name}) if that copy is meant")
+    if x.dtype == want:
+        return x
+    ints = x.dtype.kind in "iu" and want.kind in "iu"  # any width or sign, checked below to fit
+    if not ints and (x.dtype.kind not in "iuf" or not np.can_cast(x.dtype, want, "same_kind")):
+        raise _arg_error(where, f"{name}: expected dtype {want.name}, got {x.dtype.name} "
+                                f"(numpy would not cast it: convert it yourself if that is meant)")
+    if want.kind in "iu" and x.size:
+        lo, hi = np.iinfo(want).min, np.iinfo(want).max
+        if x.min() < lo or x.max() > hi:
+            raise _arg_error(where, f"{name}: values {x.min()}..{x.max()} do not fit {want.name} ({lo}..{hi})")
+    return x.astype(want)
+
+
+def _array(x, name, where, dtype=np.float32, shape=None, finite=True):
+    """An argument array, checked and converted (_as_array): dtype, then shape (a tuple; None matches
+    any size), then C order (a copy when not), then (for floats) finite. Returns the array to pass on:
+    x itself when it already was C-contiguous of `dtype`, else a converted copy (x is never modified)."""
+    x = _as_array(x, name, where, np.dtype(dtype))
     if shape is not None:
         ok = x.ndim == len(shape) and all(w is None or w == g for w, g in zip(shape, x.shape))
         if not ok:
             want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
             raise _arg_error(where, f"{name}: expected shape {want}, got {tuple(x.shape)}")
-    if not x.flags.c_contiguous:
-        raise _arg_error(where, f"{name}: not C-contiguous (use np.ascontiguousarray({name}))")
+    x = np.require(x, requirements=["C", "A"])  # a copy only when not C-contiguous and aligned
     if finite and x.dtype.kind == "f" and x.size and not np.isfinite(x).all():
         i = np.unravel_index(int(np.argmin(np.isfinite(x).ravel())), x.shape)
         raise _arg_error(where, f"{name}: holds NaN or Inf (first at index {tuple(int(j) for j in i)})", ERR_NONFINITE)
@@ -105,12 +157,12 @@ def _str(p):
     return None if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
 
 
-def version():
+def version() -> str:
     """Library version "MAJOR.MINOR.PATCH"."""
     return _str(lib.kvpq_version())
 
 
-def last_error():
+def last_error() -> str:
     """kvpq_last_error(): detail of the last failing call on this thread ("" if none)."""
     return _str(lib.kvpq_last_error())
 
@@ -120,12 +172,12 @@ def last_error():
 SIMD_LEVELS = {"scalar": lib.KVPQ_SIMD_SCALAR, "avx2": lib.KVPQ_SIMD_AVX2, "avx512": lib.KVPQ_SIMD_AVX512}
 
 
-def simd_get():
+def simd_get() -> str:
     """Name of the CPU kernels' SIMD level in use ("scalar", "avx2", "avx512")."""
     return _str(lib.kvpq_simd_name(lib.kvpq_simd_get()))
 
 
-def simd_set(level):
+def simd_set(level: str) -> None:
     """Force a SIMD level by name. Raises kvpq.Error (unsupported) if the CPU lacks it."""
     if level not in SIMD_LEVELS:
         raise _arg_error("simd_set", f"level: '{level}' is not one of {sorted(SIMD_LEVELS)}")
@@ -188,7 +240,8 @@ class ProductQuantizer:
     (n_head, ksub, dsub), one codebook per head; rows given to encode/decode/train interleave the
     heads (row i is head i % n_head)."""
 
-    def __init__(self, d=64, M=16, nbits=8, granularity="shared", preset=None, n_head=0, _borrow=None):
+    def __init__(self, d: int = 64, M: int = 16, nbits: int = 8, granularity: str = "shared",
+                 preset: Optional[str] = None, n_head: int = 0, _borrow: Any = None) -> None:
         if _borrow is not None:
             self._h, self._owner = _borrow
             return
@@ -200,16 +253,36 @@ class ProductQuantizer:
         self._owner = None
 
     @property
-    def params(self):
+    def params(self) -> Any:
         return lib.kvpq_pq_get_params(self._h)
 
-    d = property(lambda self: self.params.d)
-    M = property(lambda self: self.params.M)
-    nbits = property(lambda self: self.params.nbits)
-    dsub = property(lambda self: self.params.d // self.params.M)
-    ksub = property(lambda self: 1 << self.params.nbits)
-    granularity = property(lambda self: _GRAN_NAME[self.params.granularity])
-    code_size = property(lambda self: int(lib.kvpq_pq_code_size(self._h)))
+    @property
+    def d(self) -> int:
+        return self.params.d
+
+    @property
+    def M(self) -> int:
+        return self.params.M
+
+    @property
+    def nbits(self) -> int:
+        return self.params.nbits
+
+    @property
+    def dsub(self) -> int:
+        return self.params.d // self.params.M
+
+    @property
+    def ksub(self) -> int:
+        return 1 << self.params.nbits
+
+    @property
+    def granularity(self) -> str:
+        return _GRAN_NAME[self.params.granularity]
+
+    @property
+    def code_size(self) -> int:
+        return int(lib.kvpq_pq_code_size(self._h))
 
     def _shape(self):
         g = self.granularity
@@ -221,56 +294,60 @@ class ProductQuantizer:
                 f"granularity='{self.granularity}')")
 
     @property
-    def centroids(self):
+    def centroids(self) -> NDArray[np.float32]:
         """Copy of the centroids: (ksub, dsub) shared or (M, ksub, dsub) subspace, float32."""
         n = int(lib.kvpq_pq_centroids_size(self._h))
         buf = ffi.buffer(lib.kvpq_pq_centroids(self._h), n * 4)
         return np.frombuffer(buf, dtype=np.float32).reshape(self._shape()).copy()
 
     @centroids.setter
-    def centroids(self, c):
-        _array(c, "centroids", "ProductQuantizer.centroids", shape=self._shape())
+    def centroids(self, c: ArrayLike) -> None:
+        c = _array(c, "centroids", "ProductQuantizer.centroids", shape=self._shape())
         _check(lib.kvpq_pq_set_centroids(self._h, _ptr(c), c.size), "ProductQuantizer.centroids")
 
-    def train(self, x, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
+    def train(self, x: ArrayLike, niter: Optional[int] = None, seed: Optional[int] = None,
+              max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
+              n_threads: Optional[int] = None) -> Dict[str, Any]:
         """Train the codebook(s) by k-means on x: (n, d) float32 (kvpq_pq_train; defaults of
         kvpq_kmeans_params_default: 25 iterations, seed 1234, k-means++ init, 256 points per
         centroid). Returns the k-means report as a dict (mse_init, mse_final per d-dim vector,
         iterations, empty_repaired, n_used)."""
-        _array(x, "x", "ProductQuantizer.train", shape=(None, self.d))
+        x = _array(x, "x", "ProductQuantizer.train", shape=(None, self.d))
         kp = _kmeans_params("ProductQuantizer.train", niter, seed, max_points_per_centroid, init, n_threads)
         r = ffi.new("kvpq_kmeans_report *")
         _check(lib.kvpq_pq_train(self._h, kp, x.shape[0], _ptr(x), r), "ProductQuantizer.train")
         return _report(r)
 
-    def encode(self, x):
+    def encode(self, x: ArrayLike) -> NDArray[np.uint8]:
         """x: (n, d) float32 -> packed codes (n, code_size) uint8 (code m in bits [m*nbits, (m+1)*nbits)
         of a little-endian bit stream)."""
-        _array(x, "x", "ProductQuantizer.encode", shape=(None, self.d))
+        x = _array(x, "x", "ProductQuantizer.encode", shape=(None, self.d))
         codes = np.empty((x.shape[0], self.code_size), np.uint8)
         _check(lib.kvpq_pq_encode(self._h, x.shape[0], _ptr(x), _ptr(codes, "uint8_t *")), "ProductQuantizer.encode")
         return codes
 
-    def assign(self, x):
+    def assign(self, x: ArrayLike) -> NDArray[np.uint16]:
         """x: (n, d) float32 -> centroid indices (n, M) uint16 (unpacked codes)."""
-        _array(x, "x", "ProductQuantizer.assign", shape=(None, self.d))
+        x = _array(x, "x", "ProductQuantizer.assign", shape=(None, self.d))
         idx = np.empty((x.shape[0], self.M), np.uint16)
         _check(lib.kvpq_pq_assign(self._h, x.shape[0], _ptr(x), _ptr(idx, "uint16_t *")), "ProductQuantizer.assign")
         return idx
 
-    def decode(self, codes):
+    def decode(self, codes: ArrayLike) -> NDArray[np.float32]:
         """codes: (n, code_size) uint8 -> reconstructions (n, d) float32."""
-        _array(codes, "codes", "ProductQuantizer.decode", dtype=np.uint8, shape=(None, self.code_size))
+        codes = _array(codes, "codes", "ProductQuantizer.decode", dtype=np.uint8, shape=(None, self.code_size))
         x = np.empty((codes.shape[0], self.d), np.float32)
         _check(lib.kvpq_pq_decode(self._h, codes.shape[0], _ptr(codes, "uint8_t *"), _ptr(x)),
                "ProductQuantizer.decode")
         return x
 
 
-def kmeans(x, k, niter=None, seed=None, max_points_per_centroid=None, init=None, n_threads=None):
+def kmeans(x: ArrayLike, k: int, niter: Optional[int] = None, seed: Optional[int] = None,
+           max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
+           n_threads: Optional[int] = None) -> Tuple[NDArray[np.float32], Dict[str, Any]]:
     """k-means of x: (n, d) float32 into k centroids (kvpq_kmeans). Returns (centroids (k, d),
     report dict)."""
-    _array(x, "x", "kmeans", shape=(None, None))
+    x = _array(x, "x", "kmeans", shape=(None, None))
     k = _int(k, "k", "kmeans", 1)
     kp = _kmeans_params("kmeans", niter, seed, max_points_per_centroid, init, n_threads)
     d = _dim(x, 1, "x", "kmeans")
@@ -282,9 +359,9 @@ def kmeans(x, k, niter=None, seed=None, max_points_per_centroid=None, init=None,
     return cent, _report(r)
 
 
-def codes_pack(idx, nbits):
+def codes_pack(idx: ArrayLike, nbits: int) -> NDArray[np.uint8]:
     """Pack idx (n, M) uint16 (each < 2**nbits) into (n, ceil(M*nbits/8)) uint8."""
-    _array(idx, "idx", "codes_pack", dtype=np.uint16, shape=(None, None))
+    idx = _array(idx, "idx", "codes_pack", dtype=np.uint16, shape=(None, None))
     M = _dim(idx, 1, "idx", "codes_pack")
     nbits = _int(nbits, "nbits", "codes_pack", 1, 16)
     out = np.empty((idx.shape[0], int(lib.kvpq_codes_size(M, nbits))), np.uint8)
@@ -293,12 +370,12 @@ def codes_pack(idx, nbits):
     return out
 
 
-def codes_unpack(packed, M, nbits):
+def codes_unpack(packed: ArrayLike, M: int, nbits: int) -> NDArray[np.uint16]:
     """Unpack (n, ceil(M*nbits/8)) uint8 into idx (n, M) uint16."""
     M = _int(M, "M", "codes_unpack", 1)
     nbits = _int(nbits, "nbits", "codes_unpack", 1, 16)
     size = int(lib.kvpq_codes_size(M, nbits))
-    _array(packed, "packed", "codes_unpack", dtype=np.uint8, shape=(None, size))
+    packed = _array(packed, "packed", "codes_unpack", dtype=np.uint8, shape=(None, size))
     idx = np.empty((packed.shape[0], M), np.uint16)
     _check(lib.kvpq_codes_unpack(M, nbits, packed.shape[0], _ptr(packed, "uint8_t *"), _ptr(idx, "uint16_t *")),
            "codes_unpack")
@@ -307,11 +384,11 @@ def codes_unpack(packed, M, nbits):
 
 # ---- key transforms (VecInfer sec. 3) -------------------------------------------------------------
 
-def hadamard(x):
+def hadamard(x: ArrayLike) -> NDArray[np.float32]:
     """Normalized Walsh-Hadamard transform (Sylvester order, scaled by 1/sqrt(d); orthonormal and
     self-inverse) of every last-axis vector of x: (..., d) float32, d a power of two. Returns a new
     array."""
-    _array(x, "x", "hadamard")
+    x = _array(x, "x", "hadamard")
     if x.ndim < 1:
         raise _arg_error("hadamard", "x: expected at least 1 dimension")
     y = x.copy()
@@ -320,10 +397,10 @@ def hadamard(x):
     return y
 
 
-def normalize_rows(x):
+def normalize_rows(x: ArrayLike) -> Tuple[NDArray[np.float32], NDArray[np.float32]]:
     """Unit directions of the last-axis vectors of x: (..., d) float32. Returns (u, norms) with u
     the shape of x (zero rows stay zero) and norms (...) the L2 norms."""
-    _array(x, "x", "normalize_rows")
+    x = _array(x, "x", "normalize_rows")
     if x.ndim < 1:
         raise _arg_error("normalize_rows", "x: expected at least 1 dimension")
     d = _dim(x, -1, "x", "normalize_rows")
@@ -335,10 +412,10 @@ def normalize_rows(x):
     return u, norms
 
 
-def smooth_compute(k, floor=1e-2):
+def smooth_compute(k: ArrayLike, floor: float = 1e-2) -> NDArray[np.float32]:
     """Key smoothing factors lambda = sqrt(max_t |k_t|) per KV head and channel, floored at
     `floor` (VecInfer sec. 3). k: (n_tokens, n_head_kv, head_dim) float32 -> (n_head_kv, head_dim)."""
-    _array(k, "k", "smooth_compute", shape=(None, None, None))
+    k = _array(k, "k", "smooth_compute", shape=(None, None, None))
     h, d = _dim(k, 1, "k", "smooth_compute"), _dim(k, 2, "k", "smooth_compute")
     if not isinstance(floor, (int, float, np.integer, np.floating)) or isinstance(floor, (bool, np.bool_)):
         raise _arg_error("smooth_compute", f"floor: expected a number, got {type(floor).__name__}")
@@ -348,11 +425,11 @@ def smooth_compute(k, floor=1e-2):
     return lam
 
 
-def smooth_apply(x, lam, inverse=False):
+def smooth_apply(x: ArrayLike, lam: ArrayLike, inverse: bool = False) -> NDArray[np.float32]:
     """x / lambda (inverse=False: what keys get before rotation) or x * lambda (inverse=True).
     x: (n, n_head_kv, head_dim), lam: (n_head_kv, head_dim), float32. Returns a new array."""
-    _array(x, "x", "smooth_apply", shape=(None, None, None))
-    _array(lam, "lam", "smooth_apply", shape=x.shape[1:])
+    x = _array(x, "x", "smooth_apply", shape=(None, None, None))
+    lam = _array(lam, "lam", "smooth_apply", shape=x.shape[1:])
     h, d = _dim(x, 1, "x", "smooth_apply"), _dim(x, 2, "x", "smooth_apply")
     y = x.copy()
     _check(lib.kvpq_smooth_apply(_ptr(y), y.shape[0], h, d, _ptr(lam), int(bool(inverse))),
@@ -360,11 +437,11 @@ def smooth_apply(x, lam, inverse=False):
     return y
 
 
-def smooth_apply_query(q, lam):
+def smooth_apply_query(q: ArrayLike, lam: ArrayLike) -> NDArray[np.float32]:
     """Queries times the factors of their KV head (GQA: head h uses row h // (n_head // n_head_kv)),
     so (q * lambda) . (k / lambda) = q . k. q: (n, n_head, head_dim), lam: (n_head_kv, head_dim)."""
-    _array(q, "q", "smooth_apply_query", shape=(None, None, None))
-    _array(lam, "lam", "smooth_apply_query", shape=(None, q.shape[2]))
+    q = _array(q, "q", "smooth_apply_query", shape=(None, None, None))
+    lam = _array(lam, "lam", "smooth_apply_query", shape=(None, q.shape[2]))
     h, hkv, d = (_dim(q, 1, "q", "smooth_apply_query"), _dim(lam, 0, "lam", "smooth_apply_query"),
                  _dim(q, 2, "q", "smooth_apply_query"))
     y = q.copy()
@@ -384,8 +461,10 @@ class Codebook:
     Codebook(n_layer, n_head_kv, head_dim, keys="d4b8", values=None, ...) makes an untrained one
     (lambda 1, mu 0, zero centroids); Codebook.load(path) reads a file; kvpq.calibrate() trains one."""
 
-    def __init__(self, n_layer, n_head_kv, head_dim, keys="d4b8", values=None, granularity="shared",
-                 value_rotate=False, key_norm=True, value_norm=True, keys2=None, _handle=None):
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, keys: QuantizerSpec = "d4b8",
+                 values: Optional[QuantizerSpec] = None, granularity: str = "shared", value_rotate: bool = False,
+                 key_norm: bool = True, value_norm: bool = True, keys2: Optional[QuantizerSpec] = None,
+                 _handle: Any = None) -> None:
         if _handle is not None:
             self._h = ffi.gc(_handle, lib.kvpq_codebook_free)
             return
@@ -416,23 +495,31 @@ class Codebook:
         raise _arg_error(where, f"keys/values: {spec!r}: expected a preset name or (M, nbits)")
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: PathLike) -> "Codebook":
         """Read and validate a codebook file (kvpq_codebook_load)."""
         h = ffi.new("kvpq_codebook **")
         _check(lib.kvpq_codebook_load(h, os.fsencode(path)), f"Codebook.load('{path}')")
         return cls(0, 0, 0, _handle=h[0])
 
-    def save(self, path):
+    def save(self, path: PathLike) -> None:
         """Write atomically as safetensors (kvpq_codebook_save)."""
         _check(lib.kvpq_codebook_save(self._h, os.fsencode(path)), f"Codebook.save('{path}')")
 
     @property
-    def params(self):
+    def params(self) -> Any:
         return lib.kvpq_codebook_get_params(self._h)
 
-    n_layer = property(lambda self: self.params.n_layer)
-    n_head_kv = property(lambda self: self.params.n_head_kv)
-    head_dim = property(lambda self: self.params.head_dim)
+    @property
+    def n_layer(self) -> int:
+        return self.params.n_layer
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.params.n_head_kv
+
+    @property
+    def head_dim(self) -> int:
+        return self.params.head_dim
 
     def _layer(self, layer, where):
         layer = _int(layer, "layer", where)
@@ -440,34 +527,34 @@ class Codebook:
             raise _arg_error(where, f"layer: {layer} out of range 0..{self.n_layer - 1}")
         return layer
 
-    def key_pq(self, layer):
+    def key_pq(self, layer: int) -> ProductQuantizer:
         """The key ProductQuantizer of a layer (borrowed: lives as long as this codebook)."""
         return ProductQuantizer(_borrow=(lib.kvpq_codebook_pq(self._h, self._layer(layer, "Codebook.key_pq"), 0),
                                          self))
 
-    def value_pq(self, layer):
+    def value_pq(self, layer: int) -> ProductQuantizer:
         """The value ProductQuantizer of a layer (borrowed)."""
         return ProductQuantizer(_borrow=(lib.kvpq_codebook_pq(self._h, self._layer(layer, "Codebook.value_pq"), 1),
                                          self))
 
-    def key2_pq(self, layer):
+    def key2_pq(self, layer: int) -> Optional[ProductQuantizer]:
         """The stage-two key ProductQuantizer of a layer (borrowed), or None with one key stage."""
         h = lib.kvpq_codebook_key_pq2(self._h, self._layer(layer, "Codebook.key2_pq"))
         return None if h == ffi.NULL else ProductQuantizer(_borrow=(h, self))
 
-    def set_layer_key_stages(self, layer, stages):
+    def set_layer_key_stages(self, layer: int, stages: int) -> None:
         """One or two key stages for a layer of a two-stage codebook (kvpq_codebook_set_layer_key_stages)."""
         _check(lib.kvpq_codebook_set_layer_key_stages(self._h, self._layer(layer, "Codebook.set_layer_key_stages"),
                                                       _int(stages, "stages", "Codebook.set_layer_key_stages", 1)),
                "Codebook.set_layer_key_stages")
 
-    def set_layer_key_M(self, layer, M):
+    def set_layer_key_M(self, layer: int, M: int) -> None:
         """Give one layer's key quantizer M sub-vectors (kvpq_codebook_set_layer_key_M)."""
         _check(lib.kvpq_codebook_set_layer_key_M(self._h, self._layer(layer, "Codebook.set_layer_key_M"),
                                                  _int(M, "M", "Codebook.set_layer_key_M", 1)),
                "Codebook.set_layer_key_M")
 
-    def set_layer_value_M(self, layer, M):
+    def set_layer_value_M(self, layer: int, M: int) -> None:
         """Give one layer's value quantizer M sub-vectors (kvpq_codebook_set_layer_value_M)."""
         _check(lib.kvpq_codebook_set_layer_value_M(self._h, self._layer(layer, "Codebook.set_layer_value_M"),
                                                    _int(M, "M", "Codebook.set_layer_value_M", 1)),
@@ -477,25 +564,25 @@ class Codebook:
         n = self.n_head_kv * self.head_dim
         return np.frombuffer(ffi.buffer(ptr, n * 4), np.float32).reshape(self.n_head_kv, self.head_dim)
 
-    def key_smooth(self, layer):
+    def key_smooth(self, layer: int) -> NDArray[np.float32]:
         """Copy of a layer's key smoothing factors lambda: (n_head_kv, head_dim) float32."""
         return self._rows(lib.kvpq_codebook_key_smooth(self._h, self._layer(layer, "Codebook.key_smooth"))).copy()
 
-    def set_key_smooth(self, layer, lam):
-        _array(lam, "lam", "Codebook.set_key_smooth", shape=(self.n_head_kv, self.head_dim))
+    def set_key_smooth(self, layer: int, lam: ArrayLike) -> None:
+        lam = _array(lam, "lam", "Codebook.set_key_smooth", shape=(self.n_head_kv, self.head_dim))
         if not (lam > 0).all():
             raise _arg_error("Codebook.set_key_smooth", "lam: every factor must be > 0")
         self._rows(lib.kvpq_codebook_key_smooth(self._h, self._layer(layer, "Codebook.set_key_smooth")))[:] = lam
 
-    def key_mean(self, layer):
+    def key_mean(self, layer: int) -> NDArray[np.float32]:
         """Copy of a layer's key mean mu: (n_head_kv, head_dim) float32."""
         return self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.key_mean"))).copy()
 
-    def set_key_mean(self, layer, mu):
-        _array(mu, "mu", "Codebook.set_key_mean", shape=(self.n_head_kv, self.head_dim))
+    def set_key_mean(self, layer: int, mu: ArrayLike) -> None:
+        mu = _array(mu, "mu", "Codebook.set_key_mean", shape=(self.n_head_kv, self.head_dim))
         self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.set_key_mean")))[:] = mu
 
-    def meta(self):
+    def meta(self) -> Dict[str, str]:
         """Every metadata entry (config keys included) as a dict of strings."""
         out = {}
         for i in range(int(lib.kvpq_codebook_meta_count(self._h))):
@@ -503,10 +590,10 @@ class Codebook:
             out[k] = _str(lib.kvpq_codebook_get_meta(self._h, k.encode()))
         return out
 
-    def get_meta(self, key):
+    def get_meta(self, key: str) -> Optional[str]:
         return _str(lib.kvpq_codebook_get_meta(self._h, key.encode()))
 
-    def set_meta(self, key, value):
+    def set_meta(self, key: str, value: str) -> None:
         """Set metadata key to value (str; saved with the codebook). A NUL character in either is
         refused (kvpq.Error): the C string would end there and store another key."""
         key, value = str(key), str(value)
@@ -515,7 +602,7 @@ class Codebook:
                 raise _arg_error("Codebook.set_meta", f"{name}: holds a NUL character at index {text.index(chr(0))}")
         _check(lib.kvpq_codebook_set_meta(self._h, key.encode(), value.encode()), "Codebook.set_meta")
 
-    def info(self):
+    def info(self) -> Dict[str, Any]:
         """A summary dict: n_layer, n_head_kv, head_dim, key/value (d, M, nbits, granularity),
         value_rotate, key_norm, value_norm, key_M and value_M per layer, bits per element of the codes,
         meta."""
@@ -543,8 +630,11 @@ class Codebook:
                 f"key M={p.key.M} nbits={p.key.nbits}, value M={p.value.M} nbits={p.value.nbits})")
 
 
-def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter=None, seed=None,
-                    max_points_per_centroid=None, init=None, n_threads=None, query_absmax=None):
+def calibrate_layer(codebook: Codebook, layer: int, k: ArrayLike, v: ArrayLike, center: bool = True,
+                    smooth_floor: float = 1e-2, niter: Optional[int] = None, seed: Optional[int] = None,
+                    max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
+                    n_threads: Optional[int] = None, query_absmax: Optional[ArrayLike] = None
+                    ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Train one layer of `codebook` from its keys and values (kvpq_codebook_calibrate_layer: key
     mean, smoothing, Hadamard, normalization, k-means; the recipe of `kvpq calibrate`).
     k, v: (n_tokens, n_head_kv, head_dim) float32, keys post-RoPE. query_absmax: None (smoothing
@@ -554,8 +644,8 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
     Returns (key report, value report)."""
     w = "calibrate_layer"
     shape = (None, codebook.n_head_kv, codebook.head_dim)
-    _array(k, "k", w, shape=shape)
-    _array(v, "v", w, shape=shape)
+    k = _array(k, "k", w, shape=shape)
+    v = _array(v, "v", w, shape=shape)
     if k.shape != v.shape:
         raise _arg_error(w, f"v: shape {v.shape} differs from k's {k.shape}")
     cp = ffi.new("kvpq_calibrate_params *", lib.kvpq_calibrate_params_default())
@@ -573,7 +663,7 @@ def calibrate_layer(codebook, layer, k, v, center=True, smooth_floor=1e-2, niter
     return _report(rk), _report(rv)
 
 
-def calibrate(source, *args, **kw):
+def calibrate(source: Any, *args: Any, **kw: Any) -> Any:
     """Train a Codebook. Two forms:
 
     calibrate(model, text, bits=None, **options): a kvpq.Model run over a text by the library's
@@ -588,10 +678,13 @@ def calibrate(source, *args, **kw):
     return calibrate_activations(source, *args, **kw)
 
 
-def calibrate_activations(keys_values, keys="d4b8", values=None, granularity="shared", keys2=None, value_rotate=False,
-              key_norm=True,
-              value_norm=True, keys_layers=None, values_layers=None, center=True, niter=None, seed=None, max_points_per_centroid=None,
-              init=None, n_threads=None, meta=None, query_absmax=None, norm_bits=16):
+def calibrate_activations(keys_values: Any, keys: QuantizerSpec = "d4b8", values: Optional[QuantizerSpec] = None,
+                          granularity: str = "shared", keys2: Optional[QuantizerSpec] = None, value_rotate: bool = False,
+                          key_norm: bool = True, value_norm: bool = True, keys_layers: Optional[Mapping[int, str]] = None,
+                          values_layers: Optional[Mapping[int, str]] = None, center: bool = True, niter: Optional[int] = None,
+                          seed: Optional[int] = None, max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
+                          n_threads: Optional[int] = None, meta: Optional[Mapping[str, str]] = None,
+                          query_absmax: Optional[ArrayLike] = None, norm_bits: int = 16) -> Codebook:
     """Train a Codebook from keys and values a model produced.
 
     keys_values: a sequence over layers of (k, v) pairs, each (n_tokens, n_head_kv, head_dim)
@@ -616,8 +709,8 @@ def calibrate_activations(keys_values, keys="d4b8", values=None, granularity="sh
     if isinstance(keys_values, tuple) and len(keys_values) == 2 and isinstance(keys_values[0], np.ndarray) \
             and keys_values[0].ndim == 4:
         K, V = keys_values
-        _array(K, "K", "calibrate", shape=(None, None, None, None))
-        _array(V, "V", "calibrate", shape=K.shape)
+        K = _array(K, "K", "calibrate", shape=(None, None, None, None))
+        V = _array(V, "V", "calibrate", shape=K.shape)
         pairs = [(K[i], V[i]) for i in range(K.shape[0])]
     else:
         pairs = keys_values
@@ -632,15 +725,19 @@ def calibrate_activations(keys_values, keys="d4b8", values=None, granularity="sh
             raise _arg_error("calibrate", f"keys_values: layer {layer}: expected a (k, v) pair of arrays, got "
                                           f"{type(kv).__name__}")
         k, v = kv
-        _array(k, f"k (layer {layer})", "calibrate", shape=(None, None, None))
+        k = _array(k, f"k (layer {layer})", "calibrate", shape=(None, None, None))
         if cb is None:
             n_layer = len(pairs) if hasattr(pairs, "__len__") else None
             if n_layer is None:
                 raise _arg_error("calibrate", "keys_values: needs a length (a list or tuple over layers)")
             if query_absmax is not None:  # one (n_head_kv, head_dim) row per layer, checked before any training
-                _array(query_absmax, "query_absmax", "calibrate", shape=(n_layer, k.shape[1], k.shape[2]))
-            cb = Codebook(n_layer, k.shape[1], k.shape[2], keys=keys, values=values, granularity=granularity,
-                          keys2=keys2, value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
+                query_absmax = _array(query_absmax, "query_absmax", "calibrate",
+                                      shape=(n_layer, k.shape[1], k.shape[2]))
+            try:
+                cb = Codebook(n_layer, k.shape[1], k.shape[2], keys=keys, values=values, granularity=granularity,
+                              keys2=keys2, value_rotate=value_rotate, key_norm=key_norm, value_norm=value_norm)
+            except ArgumentError as e:  # the shape comes from k: say so
+                raise _arg_error("calibrate", f"k (layer {layer}): shape {tuple(k.shape)}: {e.detail}") from None
             for l, preset in (keys_layers or {}).items():
                 q = _pq_params("calibrate", k.shape[2], preset=preset)
                 cb.set_layer_key_M(l, q.M)
@@ -673,7 +770,8 @@ _CACHE_KINDS = {"fp32": lib.KVPQ_CACHE_FP32, "fp16": lib.KVPQ_CACHE_FP16, "q8_0"
                 "vq": lib.KVPQ_CACHE_VQ, "q8_0r": lib.KVPQ_CACHE_Q8_0R, "q4_0r": lib.KVPQ_CACHE_Q4_0R}
 
 
-def cache_settings(kind, codebook=None, window=None, sinks=None):
+def cache_settings(kind: str, codebook: Optional[Codebook] = None, window: Optional[int] = None,
+                   sinks: Optional[int] = None) -> Tuple[int, int]:
     """(window, sinks) of a cache of `kind` made as the CLI makes it (kvpq_cache_params_resolve):
     window / sinks when given; else, for "vq", what the codebook's allocation was made for (its
     alloc.window / alloc.sinks metadata, from `kvpq calibrate --bits`); else the defaults: window
@@ -703,8 +801,10 @@ class Cache:
     positions kept in float32 (vq/kivi). sinks: the first positions kept in fp16 beside a quantized
     kind (attention sinks, kvpq_cache_params.sinks; 0 = none). The codebook is kept alive by the cache."""
 
-    def __init__(self, kind, n_layer, n_head, n_head_kv, head_dim, max_seq, codebook=None, window=None,
-                 page_tokens=None, n_threads=0, fast_scan=False, sliding_window=0, swa_layers=None, sinks=0):
+    def __init__(self, kind: str, n_layer: int, n_head: int, n_head_kv: int, head_dim: int, max_seq: int,
+                 codebook: Optional[Codebook] = None, window: Optional[int] = None, page_tokens: Optional[int] = None,
+                 n_threads: int = 0, fast_scan: bool = False, sliding_window: int = 0,
+                 swa_layers: Optional[Sequence[bool]] = None, sinks: int = 0) -> None:
         w = "Cache"
         if kind not in _CACHE_KINDS:
             raise _arg_error(w, f"kind: '{kind}' is not one of {sorted(_CACHE_KINDS)}")
@@ -753,36 +853,36 @@ class Cache:
             raise _arg_error(where, f"layer: {layer} out of range 0..{self.n_layer - 1}")
         return layer
 
-    def append(self, layer, k, v):
+    def append(self, layer: int, k: ArrayLike, v: ArrayLike) -> None:
         """Append positions to a layer: k, v (n, n_head_kv, head_dim) float32, keys post-RoPE."""
         w = "Cache.append"
         shape = (None, self.n_head_kv, self.head_dim)
-        _array(k, "k", w, shape=shape)
-        _array(v, "v", w, shape=shape)
+        k = _array(k, "k", w, shape=shape)
+        v = _array(v, "v", w, shape=shape)
         if k.shape[0] != v.shape[0]:
             raise _arg_error(w, f"v: {v.shape[0]} positions, k has {k.shape[0]}")
         _check(lib.kvpq_cache_append(self._h, self._layer(layer, w), k.shape[0], _ptr(k), _ptr(v)), w)
 
-    def attend(self, layer, q):
+    def attend(self, layer: int, q: ArrayLike) -> NDArray[np.float32]:
         """Causal attention of the newest n_q positions: q (n_q, n_head, head_dim) float32 -> out of
         the same shape; query i (position L - n_q + i) attends to positions 0 .. L - n_q + i with
         scale 1/sqrt(head_dim), query head h reading KV head h // (n_head // n_head_kv)."""
         w = "Cache.attend"
-        _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
+        q = _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
         out = np.empty_like(q)
         _check(lib.kvpq_cache_attend(self._h, self._layer(layer, w), q.shape[0], _ptr(q), _ptr(out)), w)
         return out
 
-    def append_attend(self, layer, k, v, q):
+    def append_attend(self, layer: int, k: ArrayLike, v: ArrayLike, q: ArrayLike) -> NDArray[np.float32]:
         """Append n positions and attend their n queries, each query seeing the cache as it was right
         after its own position was appended (kvpq_cache_append_attend): the same outputs whatever
         split the positions come in. k, v (n, n_head_kv, head_dim), q (n, n_head, head_dim) float32
         -> out (n, n_head, head_dim)."""
         w = "Cache.append_attend"
         shape = (None, self.n_head_kv, self.head_dim)
-        _array(k, "k", w, shape=shape)
-        _array(v, "v", w, shape=shape)
-        _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
+        k = _array(k, "k", w, shape=shape)
+        v = _array(v, "v", w, shape=shape)
+        q = _array(q, "q", w, shape=(None, self.n_head, self.head_dim))
         if not k.shape[0] == v.shape[0] == q.shape[0]:
             raise _arg_error(w, f"k, v, q: {k.shape[0]}, {v.shape[0]}, {q.shape[0]} positions; expected the same")
         out = np.empty_like(q)
@@ -790,19 +890,20 @@ class Cache:
                                             _ptr(out)), w)
         return out
 
-    def exact_prefix(self, n_pos):
+    def exact_prefix(self, n_pos: int) -> int:
         """The longest prefix of at most n_pos positions that truncate() keeps exactly as a fresh
         cache fed those positions would hold it (kvpq_cache_exact_prefix)."""
         return int(lib.kvpq_cache_exact_prefix(self._h, _int(n_pos, "n_pos", "Cache.exact_prefix", 0)))
 
-    def truncate(self, n_pos):
+    def truncate(self, n_pos: int) -> None:
         """Keep positions [0, n_pos) of every layer."""
         _check(lib.kvpq_cache_truncate(self._h, _int(n_pos, "n_pos", "Cache.truncate", 0)), "Cache.truncate")
 
-    def seq_len(self, layer=0):
+    def seq_len(self, layer: int = 0) -> int:
         return int(lib.kvpq_cache_seq_len(self._h, self._layer(layer, "Cache.seq_len")))
 
-    def read(self, layer, pos0=0, n=None):
+    def read(self, layer: int, pos0: int = 0, n: Optional[int] = None
+             ) -> Tuple[NDArray[np.float32], NDArray[np.float32]]:
         """Positions [pos0, pos0 + n) of a layer as attention sees them (dequantized): (k, v), each
         (n, n_head_kv, head_dim) float32. n defaults to the rest of the layer."""
         w = "Cache.read"
@@ -818,11 +919,11 @@ class Cache:
         return k, v
 
     @property
-    def resident_bytes(self):
+    def resident_bytes(self) -> int:
         """Bytes resident for the stored K and V (codes, window, scales, pages, codebooks)."""
         return int(lib.kvpq_cache_resident_bytes(self._h))
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
         st = ffi.new("kvpq_cache_stats *")
         _check(lib.kvpq_cache_get_stats(self._h, st), "Cache.stats")
         return {"resident_bytes": int(st.resident_bytes), "elements": int(st.elements),
@@ -833,7 +934,7 @@ class Cache:
 
 # ---- CUDA cache (device pointers) -------------------------------------------------------------------
 
-def cuda_available():
+def cuda_available() -> Tuple[bool, str]:
     """(available, why): whether libkvpq was built with CUDA and a device is usable (kvpq_cuda_available)."""
     why = ffi.new("char[]", 256)
     ok = bool(lib.kvpq_cuda_available(why, 256))
@@ -851,7 +952,8 @@ class CudaCache:
         cudaStream_t as an int; None: synchronous kvpq_cuda_cache_attend).
     Errors raise kvpq.Error (KVPQ_ERR_NO_DEVICE without a CUDA build or device)."""
 
-    def __init__(self, codebook, layer, n_head, n_seq, max_seq, window=None, page_tokens=None, n_pages=0):
+    def __init__(self, codebook: Codebook, layer: int, n_head: int, n_seq: int, max_seq: int,
+                 window: Optional[int] = None, page_tokens: Optional[int] = None, n_pages: int = 0) -> None:
         w = "CudaCache"
         if not isinstance(codebook, Codebook):
             raise _arg_error(w, "codebook: expected a kvpq.Codebook")
@@ -880,11 +982,11 @@ class CudaCache:
         self.n_head, self.n_head_kv, self.head_dim, self.n_seq, self.max_seq, self.window = (
             p.n_head, p.n_head_kv, p.head_dim, p.n_seq, p.max_seq, p.window)
 
-    def append(self, seq, n, k, v):
+    def append(self, seq: int, n: int, k: int, v: int) -> None:
         _check(lib.kvpq_cuda_cache_append(self._h, int(seq), int(n), ffi.cast("float *", int(k)),
                                           ffi.cast("float *", int(v))), "CudaCache.append")
 
-    def attend(self, n_seq, q, out, stream=None):
+    def attend(self, n_seq: int, q: int, out: int, stream: Optional[int] = None) -> None:
         qp, op = ffi.cast("float *", int(q)), ffi.cast("float *", int(out))
         if stream is None:
             _check(lib.kvpq_cuda_cache_attend(self._h, int(n_seq), qp, op), "CudaCache.attend")
@@ -892,14 +994,14 @@ class CudaCache:
             _check(lib.kvpq_cuda_cache_attend_async(self._h, int(n_seq), qp, op, ffi.cast("void *", int(stream))),
                    "CudaCache.attend")
 
-    def seq_len(self, seq=0):
+    def seq_len(self, seq: int = 0) -> int:
         return int(lib.kvpq_cuda_cache_seq_len(self._h, int(seq)))
 
-    def clear(self, seq):
+    def clear(self, seq: int) -> None:
         _check(lib.kvpq_cuda_cache_clear(self._h, int(seq)), "CudaCache.clear")
 
     @property
-    def resident_bytes(self):
+    def resident_bytes(self) -> int:
         """Device bytes held (code pages in use, window, codebooks, page tables; kvpq.h)."""
         return int(lib.kvpq_cuda_cache_resident_bytes(self._h))
 
@@ -909,7 +1011,7 @@ class CudaCache:
 class Model:
     """A GGUF model run by kvpq's own forward pass (kvpq_model: the architectures llama, qwen2 and gemma3)."""
 
-    def __init__(self, path, n_threads=0):
+    def __init__(self, path: PathLike, n_threads: int = 0) -> None:
         mp = ffi.new("kvpq_model_params *", lib.kvpq_model_params_default())
         mp.n_threads = _int(n_threads, "n_threads", "Model", 0)
         h = ffi.new("kvpq_model **")
@@ -924,7 +1026,8 @@ class Model:
         self.info["arch"] = ffi.string(mi.arch).decode()
         self.info["name"] = ffi.string(mi.name).decode()
 
-    def tokenize(self, text, add_bos=False, parse_special=False):
+    def tokenize(self, text: Union[str, bytes], add_bos: bool = False, parse_special: bool = False
+                 ) -> NDArray[np.int32]:
         """UTF-8 text -> token ids (n,) int32."""
         b = _text(text, self.__class__.__name__ + ".tokenize")
         n = ffi.new("size_t *")
@@ -934,7 +1037,7 @@ class Model:
                "Model.tokenize")
         return out
 
-    def token_to_piece(self, token):
+    def token_to_piece(self, token: int) -> bytes:
         n = ffi.new("size_t *")
         buf = ffi.new("char[]", 256)
         token = _int(token, "token", "Model.token_to_piece")
@@ -944,7 +1047,8 @@ class Model:
             _check(lib.kvpq_token_to_piece(self._h, token, buf, n[0], n), "Model.token_to_piece")
         return ffi.buffer(buf, n[0])[:]
 
-    def new_cache(self, kind="fp32", max_seq=None, codebook=None, window=None, sinks=None, **kw):
+    def new_cache(self, kind: str = "fp32", max_seq: Optional[int] = None, codebook: Optional[Codebook] = None,
+                  window: Optional[int] = None, sinks: Optional[int] = None, **kw: Any) -> Cache:
         """A Cache shaped for this model, with its sliding-window layers (kvpq_model_cache_params), its
         window and sinks as the CLI's `--cache` makes them (cache_settings: given, else the codebook's
         alloc.window / alloc.sinks, else the kind's defaults), so the same codebook gives the same cache."""
@@ -959,7 +1063,8 @@ class Model:
         return Cache(kind, i["n_layer"], i["n_head"], i["n_head_kv"], i["head_dim"], max_seq or i["n_ctx_train"],
                      codebook=codebook, **kw)
 
-    def eval(self, cache, tokens, logits_all=False, query_absmax=None):
+    def eval(self, cache: Cache, tokens: ArrayLike, logits_all: bool = False,
+             query_absmax: Optional[NDArray[np.float32]] = None) -> NDArray[np.float32]:
         """Run tokens (n,) int32 at the positions after those cache holds, appending their K/V.
         Returns logits (n, n_vocab) float32 if logits_all, else (n_vocab,) of the last token.
         query_absmax: None, or a float32 array (n_layer, n_head_kv, head_dim) raised in place to the
@@ -985,16 +1090,25 @@ class Model:
 class Vocab:
     """A GGUF file's tokenizer alone (kvpq_vocab: byte-level BPE)."""
 
-    def __init__(self, gguf_path):
+    def __init__(self, gguf_path: PathLike) -> None:
         h = ffi.new("kvpq_vocab **")
         _check(lib.kvpq_vocab_load(h, os.fsencode(gguf_path)), f"Vocab('{gguf_path}')")
         self._h = ffi.gc(h[0], lib.kvpq_vocab_free)
 
-    n_tokens = property(lambda self: int(lib.kvpq_vocab_n_tokens(self._h)))
-    bos = property(lambda self: int(lib.kvpq_vocab_bos(self._h)))
-    eos = property(lambda self: int(lib.kvpq_vocab_eos(self._h)))
+    @property
+    def n_tokens(self) -> int:
+        return int(lib.kvpq_vocab_n_tokens(self._h))
 
-    def tokenize(self, text, add_bos=False, parse_special=False):
+    @property
+    def bos(self) -> int:
+        return int(lib.kvpq_vocab_bos(self._h))
+
+    @property
+    def eos(self) -> int:
+        return int(lib.kvpq_vocab_eos(self._h))
+
+    def tokenize(self, text: Union[str, bytes], add_bos: bool = False, parse_special: bool = False
+                 ) -> NDArray[np.int32]:
         b = _text(text, self.__class__.__name__ + ".tokenize")
         n = ffi.new("size_t *")
         _check(lib.kvpq_vocab_tokenize(self._h, b, len(b), int(add_bos), int(parse_special), ffi.NULL, 0, n),
@@ -1004,7 +1118,7 @@ class Vocab:
                                        n[0], n), "Vocab.tokenize")
         return out
 
-    def piece(self, token):
+    def piece(self, token: int) -> bytes:
         n = ffi.new("size_t *")
         buf = ffi.new("char[]", 256)
         token = _int(token, "token", "Vocab.piece")
@@ -1015,7 +1129,7 @@ class Vocab:
         return ffi.buffer(buf, n[0])[:]
 
 
-def gguf_dequantize(path, name):
+def gguf_dequantize(path: PathLike, name: str) -> NDArray[np.float32]:
     """One tensor of a GGUF file dequantized to float32 (kvpq_gguf_dequantize_tensor), flat
     (ne[0]*ne[1]*...,) with ne[0] fastest; reshape as the caller knows."""
     n = ffi.new("size_t *")

@@ -39,7 +39,8 @@ def _find():
     cand = _REPO / "build" / "libkvpq.so"
     if cand.exists():
         return str(cand), inc or str(_REPO / "include")
-    raise ImportError("kvpq: libkvpq not found: install the package (pip install ./python) or set KVPQ_LIB to "
+    raise ImportError("kvpq: libkvpq not found: install the package (pip install kvpq, or pip install . in the "
+                      "repository) or set KVPQ_LIB to "
                       "build/libkvpq.so of a CMake build")
 
 

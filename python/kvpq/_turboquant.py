@@ -1,11 +1,16 @@
 """TurboQuant's MSE quantizer as a kvpq codebook (kvpq.h: kvpq_turboquant_centroids,
 kvpq_codebook_turboquant; Zandieh et al., arXiv 2504.19874), a peer in kvpq's own harness."""
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ._ffi import ffi, lib
 
+if TYPE_CHECKING:
+    from ._core import Codebook
 
-def turboquant_centroids(d, bits):
+
+def turboquant_centroids(d: int, bits: int) -> np.ndarray:
     """The 2**bits Lloyd-Max centroids (ascending, float32) for one coordinate of a uniformly random
     unit vector in R^d (density ~ (1 - x^2)^((d - 3) / 2) on [-1, 1]). Raises kvpq.Error for d < 4 or
     bits outside 1..8."""
@@ -16,7 +21,7 @@ def turboquant_centroids(d, bits):
     return out
 
 
-def turboquant_codebook(n_layer, n_head_kv, head_dim, bits, norm_bits=16):
+def turboquant_codebook(n_layer: int, n_head_kv: int, head_dim: int, bits: int, norm_bits: int = 16) -> "Codebook":
     """A Codebook that makes the VQ cache TurboQuant's MSE quantizer at `bits` per coordinate:
     Hadamard-rotated keys and values, norm-explicit, each coordinate of the direction coded by
     turboquant_centroids(head_dim, bits). Its window and sinks are 0 (alloc.window / alloc.sinks) unless

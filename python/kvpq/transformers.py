@@ -19,14 +19,18 @@ model's attention implementation to "kvpq" (for any other cache the "kvpq" funct
 transformers' SDPA, so the model keeps working with DynamicCache).
 
 Limits (errors say so): batch rows may be left-padded (as `generate` pads them; CPU only), nothing else
-hidden by the attention mask; no beam search (kvpq caches
-cannot be copied); attention logit soft-capping (Gemma 2) and attention sinks are refused; on CUDA
-(kvpq_cuda_cache, when libkvpq has CUDA) no sliding-window layers. The codebook's head_dim,
+hidden by the attention mask; no beam search (kvpq caches cannot be copied: refused at the first
+update, before the prefill); attention logit soft-capping (Gemma 2) and attention sinks are refused;
+on CUDA (kvpq_cuda_cache, when libkvpq has CUDA) no sliding-window layers. The codebook's head_dim,
 n_head_kv and n_layer must be the model's.
 """
+from __future__ import annotations
+
 import os
+import sys
 import threading
 import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -37,6 +41,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from . import _core
 
+__all__ = ["ATTN_NAME", "KVPQCache", "KVPQLayer", "calibrate", "collect_kv", "kvpq_attention_forward", "register",
+           "use_kvpq_attention"]
 ATTN_NAME = "kvpq"
 # model_type of transformers models whose GGUF files (convert_hf_to_gguf) permute the Q/K rows so
 # that rotary pairs are adjacent: kvpq's engine sees their keys with channels (2i, 2i+1) paired.
@@ -46,6 +52,18 @@ _GGUF_INTERLEAVED = ("llama", "mistral", "granite")
 # lives from update() to the attention call of the same layer (the tensor is alive in between, so its
 # id cannot be reused); thread-local so two models generating in two threads do not mix.
 _pending = threading.local()
+
+
+def _in_beam_search():
+    """Whether transformers' beam search (GenerationMixin._beam_search) is on the call stack. generate
+    gives a user's cache no other sign of num_beams before the first reorder_cache, which comes after
+    the prefill has run; checked at a sequence's first update so the refusal comes before any work."""
+    f = sys._getframe(1)
+    while f is not None:
+        if "beam_search" in f.f_code.co_name and f.f_globals.get("__name__", "").startswith("transformers."):
+            return True
+        f = f.f_back
+    return False
 
 
 def _pending_map():
@@ -77,21 +95,25 @@ class KVPQLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, owner, layer_idx, sliding_window=0):
+    def __init__(self, owner: "KVPQCache", layer_idx: int, sliding_window: int = 0) -> None:
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window > 0
 
-    def lazy_initialization(self, key_states, value_states):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         o = self.owner
+        if self.layer_idx == 0 and self.get_seq_length() == 0 and _in_beam_search():
+            raise _error("beam search (generate(num_beams > 1)) reorders and copies batch rows, which a KVPQCache "
+                         "cannot do (kvpq has no cache copy); use greedy decoding or sampling", "KVPQCache.update")
         o._ensure(key_states)
         B, n = key_states.shape[0], key_states.shape[-2]
         prev = self.get_seq_length()
@@ -117,24 +139,24 @@ class KVPQLayer(CacheLayerMixin):
         _pending_map()[id(key_states)] = (o, self.layer_idx, prev, deferred, value_states)
         return key_states, value_states
 
-    def get_seq_length(self):
+    def get_seq_length(self) -> int:
         o = self.owner
         if o._cuda:
             return o._cuda[self.layer_idx].seq_len(0)
         # positions as transformers counts them: a left-padded row's padding too (every row alike)
         return o._held[self.layer_idx] if o._cpu else 0
 
-    def get_mask_sizes(self, query_length):
+    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
-    def get_max_length(self):
+    def get_max_length(self) -> int:
         return -1 if not self.owner._cpu and not self.owner._cuda else self.owner.max_seq
 
-    def reset(self):
+    def reset(self) -> None:
         if self.layer_idx == 0:
             self.owner._truncate(0)
 
-    def crop(self, max_length):
+    def crop(self, max_length: int) -> None:
         """Keep the first max_length positions (a negative max_length removes that many from the end),
         as transformers' DynamicLayer.crop."""
         n = self.get_seq_length()
@@ -142,18 +164,18 @@ class KVPQLayer(CacheLayerMixin):
         if self.layer_idx == 0 and keep < n:  # kvpq_cache_truncate cuts every layer at once
             self.owner._truncate(max(keep, 0))
 
-    def reorder_cache(self, beam_idx):
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         idx = [int(i) for i in beam_idx.reshape(-1)]
         if idx != list(range(len(idx))):
             raise _error(f"reorder_cache {idx}: beam search reorders batch rows, which a KVPQCache cannot copy (kvpq "
                          "has no cache copy); use greedy or sampling", "KVPQCache.reorder_cache")
 
-    def batch_repeat_interleave(self, repeats):
+    def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
             raise _error(f"repeat {repeats}: a KVPQCache cannot copy batch rows (kvpq has no cache copy)",
                          "KVPQCache.batch_repeat_interleave")
 
-    def batch_select_indices(self, indices):
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.layer_idx == 0:
             self.owner._select(indices)
 
@@ -198,8 +220,11 @@ class KVPQCache(Cache):
     time. Sliding-window layers are CPU-only (kvpq_cuda_cache has none: refused by name).
     """
 
-    def __init__(self, codebook, model=None, window=None, max_seq=None, n_head=None, n_threads=0, fast_scan=False,
-                 key_layout=None, sliding_window=None, swa_layers=None, device="auto", sinks=None):
+    def __init__(self, codebook: Union[_core.Codebook, str, "os.PathLike[str]"], model: Optional[torch.nn.Module] = None,
+                 window: Optional[int] = None, max_seq: Optional[int] = None, n_head: Optional[int] = None,
+                 n_threads: int = 0, fast_scan: bool = False, key_layout: Optional[str] = None,
+                 sliding_window: Optional[int] = None, swa_layers: Optional[Sequence[bool]] = None,
+                 device: str = "auto", sinks: Optional[int] = None) -> None:
         if isinstance(codebook, (str, os.PathLike)):
             codebook = _core.Codebook.load(os.fspath(codebook))
         if not isinstance(codebook, _core.Codebook):
@@ -257,7 +282,7 @@ class KVPQCache(Cache):
         self.on_cuda = False
         self.n_batch = 0
 
-    def restore_attention(self):
+    def restore_attention(self) -> None:
         """Give the model back the attention implementation it had before KVPQCache(codebook, model)
         set "kvpq" (the "kvpq" function serves other caches as SDPA, but a model shared with other
         code may expect its own). Idempotent; a no-op without model=."""
@@ -265,10 +290,10 @@ class KVPQCache(Cache):
             self._model.set_attn_implementation(self._attn_before)
         self._attn_before = None
 
-    def __enter__(self):
+    def __enter__(self) -> "KVPQCache":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.restore_attention()
         return False
 
@@ -363,7 +388,7 @@ class KVPQCache(Cache):
         d = x.shape[-1]
         return x.reshape(*x.shape[:-1], 2, d // 2).transpose(-1, -2).reshape(x.shape).contiguous()
 
-    def kv_cache(self, like=None, row=0):
+    def kv_cache(self, like: Any = None, row: int = 0) -> _core.Cache:
         """The underlying kvpq.Cache of batch row `row` (CPU; made at the first update)."""
         if not self._cpu:
             if like is None:
@@ -372,12 +397,12 @@ class KVPQCache(Cache):
         return self._cpu[row]
 
     @property
-    def resident_bytes(self):
+    def resident_bytes(self) -> int:
         """Bytes the kvpq caches hold for K and V (codes, float32 window, norms, codebooks; on CUDA,
         device bytes of kvpq_cuda_cache_resident_bytes), every batch row."""
         return sum(c.resident_bytes for c in self._cpu) + sum(c.resident_bytes for c in self._cuda)
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
         if not self._cpu:
             return {}
         st = [c.stats() for c in self._cpu]
@@ -388,7 +413,8 @@ class KVPQCache(Cache):
         scale_fix = float(scaling) * d ** 0.5  # kvpq uses 1/sqrt(head_dim)
         return query * scale_fix if abs(scale_fix - 1.0) > 1e-6 else query  # not in place
 
-    def attend(self, layer_idx, query, scaling, key=None, value=None, prev=0, deferred=False):
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float, key: Optional[torch.Tensor] = None,
+               value: Optional[torch.Tensor] = None, prev: int = 0, deferred: bool = False) -> torch.Tensor:
         """Attention output (B, n_q, n_head, head_dim) for query (B, n_head, n_q, head_dim) over every
         position of layer layer_idx (the newest n_q are the query's own: causal). key/value: the new
         tokens' tensors (CUDA prefill and chunks); prev: positions held before them."""
@@ -448,7 +474,7 @@ def _swa_from_config(cfg, n_layer):
     return (int(w), swa) if any(swa) else (0, None)
 
 
-def lib_mismatch():
+def lib_mismatch() -> int:
     return _core.lib.KVPQ_ERR_MISMATCH
 
 
@@ -488,7 +514,9 @@ def _row_pads(mask, layer_window, prev, n_q, known):
     return pads
 
 
-def kvpq_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def kvpq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                           dropout: float = 0.0, **kwargs: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The attention function registered as "kvpq" (transformers AttentionInterface). For key/value
     tensors a KVPQCache layer just stored, attention comes from the kvpq cache (codes + window);
     for anything else (no cache, another Cache class) it is transformers' SDPA attention."""
@@ -523,7 +551,7 @@ def kvpq_attention_forward(module, query, key, value, attention_mask, scaling=No
 _registered = False
 
 
-def register():
+def register() -> None:
     """Register the "kvpq" attention function (and its mask function: SDPA's, for the fallback) with
     transformers. Idempotent; KVPQCache(model=...) calls it."""
     global _registered
@@ -533,7 +561,7 @@ def register():
         _registered = True
 
 
-def use_kvpq_attention(model):
+def use_kvpq_attention(model: torch.nn.Module) -> Optional[str]:
     """Set a model's attention implementation to "kvpq". Returns the one it had."""
     register()
     before = getattr(model.config, "_attn_implementation", None)
@@ -559,7 +587,7 @@ class _CollectLayer(CacheLayerMixin):
         super().__init__()
         self.k, self.v = [], []
 
-    def lazy_initialization(self, key_states, value_states):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -568,17 +596,18 @@ class _CollectLayer(CacheLayerMixin):
         self.v.append(value_states)
         return torch.cat(self.k, dim=-2), torch.cat(self.v, dim=-2)
 
-    def get_seq_length(self):
+    def get_seq_length(self) -> int:
         return sum(k.shape[-2] for k in self.k)
 
-    def get_mask_sizes(self, query_length):
+    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
-    def get_max_length(self):
+    def get_max_length(self) -> int:
         return -1
 
 
-def collect_kv(model, input_ids, ctx=2048):
+def collect_kv(model: torch.nn.Module, input_ids: torch.Tensor, ctx: int = 2048
+               ) -> List[Tuple[np.ndarray, np.ndarray]]:
     """Post-RoPE keys and values of every layer for input_ids (n,) or (1, n), run in chunks of
     `ctx` tokens each from an empty cache (as `kvpq calibrate --ctx`). Returns a list over layers of
     (k, v), each (n, n_head_kv, head_dim) float32 numpy."""
@@ -596,7 +625,8 @@ def collect_kv(model, input_ids, ctx=2048):
     return [(np.concatenate(ks[i]), np.concatenate(vs[i])) for i in range(n_layer)]
 
 
-def calibrate(model, tokenizer, text, preset="d4b8", tokens=32768, ctx=2048, **kw):
+def calibrate(model: torch.nn.Module, tokenizer: Any, text: str, preset: str = "d4b8", tokens: int = 32768,
+              ctx: int = 2048, **kw: Any) -> _core.Codebook:
     """Train a kvpq.Codebook for a transformers model on its own keys and values over `text`:
     the first `tokens` tokens (tokenizer without special tokens, as `kvpq calibrate`), run in chunks
     of `ctx`, then kvpq.calibrate (centering, smoothing, Hadamard, normalization, k-means per layer)

@@ -1,5 +1,5 @@
 """Every Python test imports the package kvpq: from python/ of this checkout (ctest sets PYTHONPATH
-and KVPQ_LIB to the build's libkvpq.so), or from an installed `pip install ./python`."""
+and KVPQ_LIB to the build's libkvpq.so), or from an installed `pip install .`."""
 import os
 import sys
 from pathlib import Path

@@ -176,14 +176,16 @@ def test_8bit_norm_scales_save_a_byte_per_vector_and_attend_from_codes():
 
 
 @pytest.mark.parametrize("call,arg,msg", [
-    (lambda pq, x: pq.encode(x.astype(np.float64)), "x", "expected dtype float32, got float64"),
+    (lambda pq, x: pq.encode(x.astype(np.complex64)), "x", "expected dtype float32, got complex64"),
+    (lambda pq, x: pq.encode(x > 0), "x", "expected dtype float32, got bool"),
+    (lambda pq, x: pq.encode("x"), "x", "expected an array of float32, got str"),
+    (lambda pq, x: pq.encode([[1.0, 2.0], [3.0]]), "x", "not convertible to an array"),
     (lambda pq, x: pq.encode(x[:, :16]), "x", "expected shape (*, 32), got (100, 16)"),
-    (lambda pq, x: pq.encode(np.asfortranarray(x)), "x", "not C-contiguous"),
-    (lambda pq, x: pq.encode(x.tolist()), "x", "expected a numpy array of float32, got list"),
     (lambda pq, x: pq.decode(np.zeros((3, 5), np.uint8)), "codes", "expected shape (*, 8), got (3, 5)"),
-    (lambda pq, x: pq.decode(np.zeros((3, 8), np.int8)), "codes", "expected dtype uint8, got int8"),
+    (lambda pq, x: pq.decode(np.zeros((3, 8), np.float32)), "codes", "expected dtype uint8, got float32"),
+    (lambda pq, x: pq.decode(np.full((3, 8), 256)), "codes", "values 256..256 do not fit uint8"),
+    (lambda pq, x: pq.decode([[-1] * 8]), "codes", "values -1..-1 do not fit uint8"),
     (lambda pq, x: pq.train(x[:, :4]), "x", "expected shape (*, 32)"),
-    (lambda pq, x: kvpq.hadamard(x.astype(np.float16)), "x", "expected dtype float32, got float16"),
     (lambda pq, x: kvpq.smooth_apply(x.reshape(100, 2, 16), np.ones((3, 16), np.float32)), "lam",
      "expected shape (2, 16), got (3, 16)"),
     (lambda pq, x: kvpq.Cache("fp32", 1, 2, 1, 32, 8).append(0, x[:4].reshape(4, 1, 32), x[:3].reshape(3, 1, 32)),
@@ -202,6 +204,49 @@ def test_bad_arguments_name_the_argument(call, arg, msg):
         call(pq, x)
     assert e.value.status == -1 and e.value.status_name == "invalid argument"
     assert f"{arg}: " in str(e.value) and msg in str(e.value), str(e.value)
+
+
+def test_array_arguments_are_converted_as_numpy_converts():
+    """Issue 33: lists, float64/float16, other integer widths and any memory layout are converted
+    (np.asarray, numpy's 'same_kind' casting, a C-order copy), giving what the float32 / uint8 C-order
+    array gives; the caller's array is not modified."""
+    pq = kvpq.ProductQuantizer(32, M=8, nbits=8)
+    x = rand(300, 32)
+    pq.train(x, niter=2)
+    codes = pq.encode(x)
+    x64 = x.astype(np.float64)
+    for same in (x64, x.tolist(), np.asfortranarray(x), x64[:, ::-1][:, ::-1], np.ascontiguousarray(x[::-1])[::-1]):
+        assert np.array_equal(pq.encode(same), codes)
+    assert x64.dtype == np.float64  # not converted in place
+    h = x.astype(np.float16)
+    assert np.array_equal(pq.encode(h), pq.encode(h.astype(np.float32)))
+    for c in (codes.astype(np.int64), codes.tolist(), codes.astype(np.uint16)):
+        assert np.array_equal(pq.decode(c), pq.decode(codes))
+    k = rand(4, 1, 32)
+    c = kvpq.Cache("fp32", 1, 2, 1, 32, 8)
+    c.append(0, k.astype(np.float64).tolist(), k.astype(np.float64))
+    assert np.array_equal(c.read(0)[0], k)
+    assert np.array_equal(kvpq.hadamard(x.tolist()), kvpq.hadamard(x))
+    with pytest.raises(kvpq.Error, match=r"x: holds NaN or Inf"):  # a float64 beyond float32's range
+        pq.encode(np.full((1, 32), 1e39))
+
+
+def test_errors_are_runtime_and_value_errors():
+    """Issue 33: kvpq.Error is a RuntimeError; a bad argument (invalid argument, NaN/Inf, mismatch)
+    is a kvpq.ArgumentError, also a ValueError, so code catching ValueError catches it."""
+    assert issubclass(kvpq.Error, RuntimeError) and issubclass(kvpq.ArgumentError, kvpq.Error)
+    assert issubclass(kvpq.ArgumentError, ValueError)
+    pq = kvpq.ProductQuantizer(32, M=8, nbits=8)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        pq.encode(rand(3, 16))
+    with pytest.raises(ValueError, match="holds NaN"):
+        pq.encode(np.full((1, 32), np.nan, np.float32))
+    with pytest.raises(kvpq.Error) as e:  # a library error of another kind: RuntimeError, not ValueError
+        kvpq.Codebook.load("/nonexistent/cb.safetensors")
+    assert isinstance(e.value, RuntimeError) and not isinstance(e.value, ValueError), type(e.value).__mro__
+    assert e.value.status == kvpq.lib.KVPQ_ERR_IO
+    e2 = kvpq.Error(kvpq.lib.KVPQ_ERR_INVALID_ARG, "made by hand")  # the constructor picks the class too
+    assert type(e2) is kvpq.ArgumentError and e2.detail == "made by hand"
 
 
 def test_nan_and_library_errors():
@@ -278,3 +323,42 @@ def test_set_meta_refuses_a_nul_character():
         cb.set_meta("a", "xy\0z")
     cb.set_meta("a", "ok")
     assert cb.info()["meta"].get("a") == "ok" and "a\0b" not in cb.info()["meta"]
+
+
+def _public_callables(mod):
+    import inspect
+    for name in getattr(mod, "__all__", [n for n in vars(mod) if not n.startswith("_")]):
+        obj = getattr(mod, name)
+        if inspect.isclass(obj) and obj.__module__.startswith("kvpq"):
+            for m, f in vars(obj).items():
+                f = f.fget if isinstance(f, property) else getattr(f, "__func__", f)
+                if inspect.isfunction(f) and (not m.startswith("_") or m in ("__init__", "__enter__", "__exit__")):
+                    yield f"{name}.{m}", f
+        elif inspect.isfunction(obj) and obj.__module__.startswith("kvpq"):
+            yield name, obj
+
+
+def test_public_api_is_typed():
+    """Issue 33: type hints and py.typed (PEP 561), so type checkers read the package's own hints:
+    every parameter and the return of every public function and method of kvpq (and of
+    kvpq.transformers' public names where torch is installed) is annotated."""
+    import inspect
+    from pathlib import Path
+    assert (Path(kvpq.__file__).parent / "py.typed").is_file()
+    mods = [kvpq]
+    try:
+        import kvpq.transformers as kt
+        mods.append(kt)
+    except ImportError:
+        pass
+    missing, n = [], 0
+    for mod in mods:
+        for name, f in _public_callables(mod):
+            sig = inspect.signature(f)
+            n += 1
+            for p in sig.parameters.values():
+                if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty:
+                    missing.append(f"{name}({p.name})")
+            if sig.return_annotation is inspect.Signature.empty:
+                missing.append(f"{name} -> ?")
+    assert n > 60 and not missing, (n, missing)

@@ -445,3 +445,99 @@ def test_cache_argument_equals_past_key_values():
                              pad_token_id=0)
     assert torch.equal(out.sequences, a)
     torch.testing.assert_close(torch.stack(out.logits, 1), la)
+
+
+def test_beam_search_is_refused_before_the_prefill():
+    """Issue 33: generate(num_beams=2) with a KVPQCache was refused only at the first reorder_cache,
+    after the prefill had run and filled the cache; now the first update refuses it, nothing stored."""
+    model = tiny_llama()
+    cb = model_codebook(model)
+    cache = KVPQCache(cb, model, max_seq=64)
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(kvpq.Error, match=r"beam search \(generate\(num_beams > 1\)\)"), torch.no_grad():
+        model.generate(ids, past_key_values=cache, num_beams=2, max_new_tokens=4, do_sample=False,
+                       attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert cache.get_seq_length() == 0
+    with pytest.raises(kvpq.Error, match="no kvpq cache yet"):
+        cache.kv_cache()
+    a, _ = generate(model, ids, cache, n=4)  # the same cache then serves greedy decoding
+    b, _ = generate(model, ids, KVPQCache(cb, model, max_seq=64), n=4)
+    assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def bits_codebook(tmp_path_factory):
+    """A `kvpq calibrate --bits` codebook whose allocation records a window and sinks (alloc.window 16,
+    alloc.sinks 2), made small: 1024 tokens, 2 k-means iterations (about 30 s here). --bits 6.5:
+    at ctx 256 the codebooks' own bytes count in the budget, and 3 bits fit no allocation there."""
+    out = tmp_path_factory.mktemp("cb") / "bits.safetensors"
+    p = subprocess.run([BIN, "calibrate", "--model", MODEL, "--text", SRC / "data" / "text" / "emma.txt", "--tokens",
+                        "1024", "--ctx", "256", "--iters", "2", "--bits", "6.5", "--window", "16", "--sinks", "2",
+                        "--holdout-ctx", "128", "--verify-ctx", "0", "--threads", "2", "--quiet", "-o", out],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def test_calibrate_bits_codebook_same_ppl_and_greedy_tokens_in_cli_engine_and_transformers(hf_model, bits_codebook):
+    """Issue 33 "Must show": one `calibrate --bits` codebook with a window and sinks gives, each with
+    its defaults, `kvpq ppl` / `kvpq generate` (CLI), kvpq.Model + kvpq.Cache (the engine, in
+    process) and transformers + KVPQCache(path, model=...): perplexity within 0.5% on the same ids,
+    and the same 32 greedy tokens. The CLI and the engine run one forward pass (bit-identical
+    logits); transformers runs its own float32 one over the dequantized GGUF weights."""
+    from llama_cpp_peer import chunks_of, ppl_with_stderr, score_chunk
+    from transformers_peer import ppl_hf
+    path = str(bits_codebook)
+    cb = kvpq.Codebook.load(path)
+    assert (cb.get_meta("alloc.window"), cb.get_meta("alloc.sinks")) == ("16", "2")
+    text = SRC / "data" / "text" / "persuasion.txt"
+    eng = kvpq.Model(MODEL, n_threads=2)
+    every = eng.tokenize(text.read_text(encoding="utf-8")[:20000], add_bos=bool(eng.info["add_bos"])).tolist()
+    ctx = 256
+    chunks = chunks_of(every, ctx, 1, eng.info["bos_id"], eng.info["add_bos"])  # kvpq ppl's first chunk
+    # the CLI, defaults (its cache takes the codebook's window 16 and sinks 2)
+    p = subprocess.run([BIN, "ppl", "--model", MODEL, "--text", text, "--ctx", str(ctx), "--chunks", "1", "--threads",
+                        "2", "--json", "--cache", f"fp16,vq:{path}"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    f16, vq = json.loads(p.stdout)["results"]
+    cli = vq["ppl"]
+    # the engine: kvpq.Model + kvpq.Cache (Model.new_cache: the same settings rule), two calls per chunk as kvpq ppl
+    nll = []
+    for ch in chunks:
+        c = eng.new_cache("vq", max_seq=ctx, codebook=cb, n_threads=2)
+        assert isinstance(c, kvpq.Cache) and (c.window, c.sliding_window) == (16, 0)
+        first = len(ch) // 2
+        eng.eval(c, np.array(ch[:first], np.int32))
+        lg = np.zeros((len(ch), eng.info["n_vocab"]), np.float32)
+        lg[first:] = eng.eval(c, np.array(ch[first:], np.int32), logits_all=True)
+        nll += score_chunk(lg, ch)
+    engine, _ = ppl_with_stderr(nll)
+    # transformers + KVPQCache(path, model=...)
+    kc = KVPQCache(path, model=hf_model)
+    assert (kc.window, kc.sinks) == (16, 2)
+    kc.restore_attention()
+    hf, _ = ppl_hf(hf_model, lambda: KVPQCache(path, model=hf_model), chunks)
+    print(f"ppl (fp16 {f16['ppl']:.4f}): kvpq ppl {cli:.4f}, kvpq.Model + kvpq.Cache {engine:.4f} ({engine / cli - 1:+.3%}), "
+          f"transformers + KVPQCache {hf:.4f} ({hf / cli - 1:+.3%})")
+    assert engine == pytest.approx(cli, rel=5e-3) and hf == pytest.approx(cli, rel=5e-3), (cli, engine, hf)
+    assert abs(cli / f16["ppl"] - 1) > 1e-3  # the codes changed the result: parity is not trivial
+
+    # 32 greedy tokens after a 48-token prompt (past the window of 16: most of it coded)
+    prompt = every[:48]
+    g = subprocess.run([BIN, "generate", "--model", MODEL, "--cache", f"vq:{path}", "--prompt-ids",
+                        ",".join(map(str, prompt)), "-n", "32", "--temp", "0", "--threads", "2", "--print-ids"],
+                       capture_output=True, text=True)
+    assert g.returncode == 0, g.stderr
+    cli_ids = [int(t) for t in g.stdout.split()][-32:]
+    c = eng.new_cache("vq", max_seq=128, codebook=cb, n_threads=2)
+    logits, eng_ids = eng.eval(c, np.array(prompt, np.int32)), []
+    for _ in range(32):
+        eng_ids.append(int(logits.argmax()))
+        logits = eng.eval(c, np.array(eng_ids[-1:], np.int32))
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), past_key_values=KVPQCache(path, model=hf_model), max_new_tokens=32,
+                                min_new_tokens=32, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                pad_token_id=0)
+    hf_ids = out[0, len(prompt):].tolist()
+    assert cli_ids == eng_ids, (cli_ids, eng_ids)
+    assert hf_ids == eng_ids, (hf_ids, eng_ids)
