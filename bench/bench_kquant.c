@@ -6,6 +6,8 @@
  *  2. one decoded token of a real model file (every 2-D weight of every layer plus the output
  *     matrix, once each, the model's own types): ms per token, GB/s, and the fraction of a plain
  *     parallel read of the same bytes (the memory ceiling, measured here).
+ * Each SIMD level's row is followed by "+q8": the integer-activation kernels (ggml_matmul_q8, one
+ * token) on the same weights where the type has them.
  * Table: median of repeats (wall time; CPU time of the process with KVPQ_BENCH_CPU=1). OMP_NUM_THREADS sets the threads (the issue's target: 2).
  * Usage: bench_kquant [repeats] [model.gguf]   (default models/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf) */
 #include <omp.h>
@@ -38,6 +40,13 @@ static void one_token(const gguf_tensor **t, int nt, const float *x, float *y) {
     for (int k = 0; k < nt; k++) ggml_matvec(t[k]->type, t[k]->data, t[k]->ne[1], t[k]->ne[0], x, y);
 }
 
+/* The same with 8-bit activations where the type has integer kernels (as the model's KVPQ_ACT=q8). */
+static void one_token_q8(const gguf_tensor **t, int nt, const float *x, float *y) {
+    for (int k = 0; k < nt; k++)
+        if (!ggml_matmul_q8(t[k]->type, t[k]->data, t[k]->ne[1], t[k]->ne[0], 1, x, y))
+            ggml_matvec(t[k]->type, t[k]->data, t[k]->ne[1], t[k]->ne[0], x, y);
+}
+
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 21;
     if (reps < 1 || reps > MAXREP) reps = 21;
@@ -62,6 +71,10 @@ int main(int argc, char **argv) {
             double t = TIME(l == 0 && reps > 5 ? 5 : reps, ggml_matvec(type, w, rows, n, x, y));
             if (l == 0) t0 = t;
             printf("%-6s %8.2f %-8s %10.1f %8.2f %9.2fx\n", ggml_type_name(type), bytes / 1e6,
+                   kvpq_simd_name((kvpq_simd_level)l), t * 1e6, bytes / t / 1e9, t0 / t);
+            if (l == 0 || !ggml_q8_supported(type)) continue;
+            t = TIME(reps, ggml_matmul_q8(type, w, rows, n, 1, x, y)); /* 8-bit activations */
+            printf("%-6s %8.2f %-4s+q8  %10.1f %8.2f %9.2fx\n", ggml_type_name(type), bytes / 1e6,
                    kvpq_simd_name((kvpq_simd_level)l), t * 1e6, bytes / t / 1e9, t0 / t);
         }
         free(w);
@@ -108,6 +121,10 @@ int main(int argc, char **argv) {
             int rl = l == 0 && r > 3 ? 3 : r;
             double tt = TIME(rl, one_token(t, nt, xm, ym));
             printf("%-10s %10.2f %8.2f %10.2f\n", kvpq_simd_name((kvpq_simd_level)l), tt * 1e3,
+                   (double)total / tt / 1e9, tc / tt);
+            if (l == 0) continue;
+            tt = TIME(rl, one_token_q8(t, nt, xm, ym));
+            printf("%-7s+q8 %10.2f %8.2f %10.2f\n", kvpq_simd_name((kvpq_simd_level)l), tt * 1e3,
                    (double)total / tt / 1e9, tc / tt);
         }
         free(xm);

@@ -458,6 +458,218 @@ static void dequant_q6_K(const uint8_t *p, float *y, int64_t n) {
     }
 }
 
+// ---- integer activations: 8-bit activation blocks, integer dot products ---------------------------
+/* The kernels behind kvpq__qmatmul_fn (ggml_kernels.h). A weight block's quants are unpacked once
+ * into unsigned bytes, one kvpq_vb per 32 elements (Q8_0: signed, folded by vb_sign_fold), and
+ * dotted with the matching 32 bytes of each of up to QT activation rows (a prefill reads each block
+ * once per QT tokens; decode has one). Each dot's 8 int32 lanes are converted and scaled by
+ * (weight scale) * (activation block scale) into a float accumulator; the weights' offsets (Q4_0
+ * -8, Q5_0 -16, Q6_K -32) and mins (Q4_1, Q5_1, Q4_K, Q5_K) are applied once per block through the
+ * activation block sums (xs, or s16 where Q6_K's scales are per 16). Exact integer dots (maddubs
+ * pair sums stay below 2^15: quants <= 128 unsigned, activations in [-127, 127]), so the result is
+ * the _ref's (ggml_matmul_q8_ref) up to float rounding of the weight scales and the sum order. */
+
+/* Activation rows per pass over a weight block. */
+#define QT 4
+
+/* A block of a 32-element type: unsigned quants u (Q8_0: signed), scale d, and m, the coefficient
+ * of the activation block sum xs (the min; -8 d, -16 d for the offsets; 0 for Q8_0). */
+typedef struct {
+    kvpq_vb u;
+    float d, m;
+} qb32;
+
+KVPQ_INLINE qb32 qb_q4_0(const uint8_t *p) {
+    float d = BLK_F16(p, block_q4_0, d);
+    return (qb32){vb_nibbles32(KVPQ_BLK_AT(p, block_q4_0, qs)), d, -8.0f * d};
+}
+KVPQ_INLINE qb32 qb_q4_1(const uint8_t *p) {
+    return (qb32){vb_nibbles32(KVPQ_BLK_AT(p, block_q4_1, qs)), BLK_F16(p, block_q4_1, d), BLK_F16(p, block_q4_1, m)};
+}
+KVPQ_INLINE qb32 qb_q5_0(const uint8_t *p) {
+    float d = BLK_F16(p, block_q5_0, d);
+    return (qb32){vb_q5_32(KVPQ_BLK_AT(p, block_q5_0, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_0, qh))), d, -16.0f * d};
+}
+KVPQ_INLINE qb32 qb_q5_1(const uint8_t *p) {
+    return (qb32){vb_q5_32(KVPQ_BLK_AT(p, block_q5_1, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_1, qh))),
+                  BLK_F16(p, block_q5_1, d), BLK_F16(p, block_q5_1, m)};
+}
+KVPQ_INLINE qb32 qb_q8_0(const uint8_t *p) {
+    return (qb32){vb_load(KVPQ_BLK_AT(p, block_q8_0, qs)), BLK_F16(p, block_q8_0, d), 0.0f};
+}
+typedef qb32 (*qb32_fn)(const uint8_t *p);
+
+/* One block's contribution to token row x: acc += (u . qs_b) * d * d_b; accm += m * xs_b. */
+KVPQ_INLINE void qb32_dot(qb32 q, int is_signed, const kvpq__q8row *x, int64_t b, kvpq_vf8 *acc, float *accm) {
+    kvpq_vb u = q.u, s = vb_load(x->qs + 32 * b);
+    if (is_signed) vb_sign_fold(&u, &s);
+    *acc = v8_fma(v8_from_vi(vb_dot(u, s)), v8_set1(q.d * x->d[b]), *acc);
+    *accm += q.m * x->xs[b];
+}
+
+/* Rows r < n_rows of T (a constant: QT or 1) activation rows X[0 .. T): blocks in pairs into two
+ * accumulators per row (latency), the leftover block into the first. */
+KVPQ_INLINE void qmm_blocks_T(qb32_fn unpack, size_t bs, int is_signed, int T, const uint8_t *W_, size_t rb,
+                              int64_t n_rows, int64_t n, const kvpq__q8row *X, float *Y, int64_t ldy) {
+    const int64_t nb = n / 32;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        kvpq_vf8 acc0[QT], acc1[QT];
+        float accm[QT];
+        for (int t = 0; t < T; t++) acc0[t] = v8_zero(), acc1[t] = v8_zero(), accm[t] = 0;
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2, p += 2 * bs) {
+            __builtin_prefetch(p + BPF_BYTES, 0, 3);
+            qb32 q0 = unpack(p), q1 = unpack(p + bs);
+            for (int t = 0; t < T; t++) {
+                qb32_dot(q0, is_signed, X + t, b, &acc0[t], &accm[t]);
+                qb32_dot(q1, is_signed, X + t, b + 1, &acc1[t], &accm[t]);
+            }
+        }
+        if (b < nb) {
+            qb32 q0 = unpack(p);
+            for (int t = 0; t < T; t++) qb32_dot(q0, is_signed, X + t, b, &acc0[t], &accm[t]);
+        }
+        for (int t = 0; t < T; t++) Y[t * ldy + r] = v8_reduce_add(v8_add(acc0[t], acc1[t])) + accm[t];
+    }
+}
+
+/* Token rows in tiles of QT, then one at a time. */
+#define QMM_TILES(FN, ...)                                                                              \
+    do {                                                                                                \
+        int64_t t0_ = 0;                                                                                \
+        for (; t0_ + QT <= n_tok; t0_ += QT) FN(__VA_ARGS__, QT, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy); \
+        for (; t0_ < n_tok; t0_++) FN(__VA_ARGS__, 1, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy);  \
+    } while (0)
+
+#define QMATMUL_BLOCKS(TYPE, BLOCK, SIGNED)                                                                      \
+    static void qmatmul_##TYPE(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const kvpq__q8row *X,   \
+                               int64_t n_tok, float *Y, int64_t ldy) {                                          \
+        QMM_TILES(qmm_blocks_T, qb_##TYPE, sizeof(BLOCK), SIGNED);                                               \
+    }
+QMATMUL_BLOCKS(q4_0, block_q4_0, 0)
+QMATMUL_BLOCKS(q4_1, block_q4_1, 0)
+QMATMUL_BLOCKS(q5_0, block_q5_0, 0)
+QMATMUL_BLOCKS(q5_1, block_q5_1, 0)
+QMATMUL_BLOCKS(q8_0, block_q8_0, 1)
+
+/* A K-quant super-block (256 elements, 8 sub-blocks of 32): u[k] the unsigned quants of sub-block
+ * k; dw lane k its float scale; Q4_K / Q5_K: mn lane k the coefficient of xs (-dmin * min); Q6_K:
+ * w16[k] its two per-16 integer scales (vw_pair), sc16 all 16, and c = -32 d, the coefficient of
+ * sum_g sc_g s16_g (its quants are q + 32). */
+typedef struct {
+    kvpq_vb u[8];
+    kvpq_vf8 dw, mn;
+    __m256i w16[8], sc16;
+    float c;
+} qbk;
+
+KVPQ_INLINE void qk_q4_K(const uint8_t *p, qbk *q) {
+    uint64_t sc, m;
+    k4_scales(KVPQ_BLK_AT(p, block_q4_K, scales), &sc, &m);
+    q->dw = v8_mul(v8_set1(BLK_F16(p, block_q4_K, d)), v8_from_u8x8(sc));
+    q->mn = v8_mul(v8_set1(-BLK_F16(p, block_q4_K, dmin)), v8_from_u8x8(m));
+    const uint8_t *qs = KVPQ_BLK_AT(p, block_q4_K, qs);
+    for (int c = 0; c < 4; c++) {
+        kvpq_vb v = vb_load(qs + 32 * c);
+        q->u[2 * c] = vb_bits(v, 0, 4);
+        q->u[2 * c + 1] = vb_bits(v, 4, 4);
+    }
+}
+
+/* Q5_K: Q4_K's nibbles plus bit k of qh[l] as bit 4 of sub-block k's element l. */
+KVPQ_INLINE void qk_q5_K(const uint8_t *p, qbk *q) {
+    uint64_t sc, m;
+    k4_scales(KVPQ_BLK_AT(p, block_q5_K, scales), &sc, &m);
+    q->dw = v8_mul(v8_set1(BLK_F16(p, block_q5_K, d)), v8_from_u8x8(sc));
+    q->mn = v8_mul(v8_set1(-BLK_F16(p, block_q5_K, dmin)), v8_from_u8x8(m));
+    const uint8_t *qs = KVPQ_BLK_AT(p, block_q5_K, qs);
+    kvpq_vb qh = vb_load(KVPQ_BLK_AT(p, block_q5_K, qh));
+    for (int c = 0; c < 4; c++) {
+        kvpq_vb v = vb_load(qs + 32 * c);
+        q->u[2 * c] = vb_or(vb_bits(v, 0, 4), vb_shl(vb_bits(qh, 2 * c, 1), 4));
+        q->u[2 * c + 1] = vb_or(vb_bits(v, 4, 4), vb_shl(vb_bits(qh, 2 * c + 1, 1), 4));
+    }
+}
+
+/* Q6_K: q + 32 in 0..63 from 4 bits of ql and 2 of qh (unpack_q6_K's order). */
+KVPQ_INLINE void qk_q6_K(const uint8_t *p, qbk *q) {
+    const uint8_t *ql = KVPQ_BLK_AT(p, block_q6_K, ql), *qhp = KVPQ_BLK_AT(p, block_q6_K, qh);
+    float d = BLK_F16(p, block_q6_K, d);
+    q->dw = v8_set1(d);
+    q->c = -32.0f * d;
+    q->sc16 = vw_from_i8x16((const int8_t *)KVPQ_BLK_AT(p, block_q6_K, scales));
+    for (int h = 0; h < 2; h++) {
+        kvpq_vb l0 = vb_load(ql + 64 * h), l1 = vb_load(ql + 64 * h + 32), qh = vb_load(qhp + 32 * h);
+        q->u[4 * h + 0] = vb_or(vb_bits(l0, 0, 4), vb_shl(vb_bits(qh, 0, 2), 4));
+        q->u[4 * h + 1] = vb_or(vb_bits(l1, 0, 4), vb_shl(vb_bits(qh, 2, 2), 4));
+        q->u[4 * h + 2] = vb_or(vb_bits(l0, 4, 4), vb_shl(vb_bits(qh, 4, 2), 4));
+        q->u[4 * h + 3] = vb_or(vb_bits(l1, 4, 4), vb_shl(vb_bits(qh, 6, 2), 4));
+    }
+    for (int k = 0; k < 8; k++) q->w16[k] = vw_pair(q->sc16, k);
+}
+typedef void (*qk_fn)(const uint8_t *p, qbk *q);
+
+/* Super-block i's contribution to token row x: acc[k % 2] += (u_k . qs) * dw_k * d_{8i+k} for each
+ * sub-block k (Q6_K: the dot weighted per 16 by its integer scales); accm += the offsets / mins. */
+KVPQ_INLINE void qk_dot(const qbk *q, int is_q6, const kvpq__q8row *x, int64_t i, kvpq_vf8 acc[2],
+                        kvpq_vf8 *accm) {
+    const int8_t *qs = x->qs + 256 * i;
+    kvpq_vf8 dx = v8_load(x->d + 8 * i);
+    float s[8];
+    v8_store(s, v8_mul(q->dw, dx));
+    for (int k = 0; k < 8; k++) {
+        kvpq_vb a = vb_load(qs + 32 * k);
+        kvpq_vi8 iv = is_q6 ? vb_dot_w16(q->u[k], a, q->w16[k]) : vb_dot(q->u[k], a);
+        acc[k & 1] = v8_fma(v8_from_vi(iv), v8_set1(s[k]), acc[k & 1]);
+    }
+    if (is_q6)
+        *accm = v8_fma(v8_from_vi(vw_madd(q->sc16, vw_load(x->s16 + 16 * i))), v8_mul(v8_set1(q->c), dx), *accm);
+    else
+        *accm = v8_fma(q->mn, v8_load(x->xs + 8 * i), *accm);
+}
+
+KVPQ_INLINE void qmm_k_T(qk_fn unpack, size_t bs, int is_q6, int T, const uint8_t *W_, size_t rb, int64_t n_rows,
+                         int64_t n, const kvpq__q8row *X, float *Y, int64_t ldy) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        kvpq_vf8 acc[QT][2], accm[QT];
+        for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = accm[t] = v8_zero();
+        for (int64_t i = 0; i < n / QK_K; i++, p += bs) {
+            KPREFETCH(p, bs);
+            qbk q;
+            unpack(p, &q);
+            for (int t = 0; t < T; t++) qk_dot(&q, is_q6, X + t, i, acc[t], &accm[t]);
+        }
+        for (int t = 0; t < T; t++) Y[t * ldy + r] = v8_reduce_add(v8_add(v8_add(acc[t][0], acc[t][1]), accm[t]));
+    }
+}
+
+#define QMATMUL_K(TYPE, BLOCK, IS_Q6)                                                                            \
+    static void qmatmul_##TYPE(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const kvpq__q8row *X,   \
+                               int64_t n_tok, float *Y, int64_t ldy) {                                          \
+        QMM_TILES(qmm_k_T, qk_##TYPE, sizeof(BLOCK), IS_Q6);                                                     \
+    }
+QMATMUL_K(q4_K, block_q4_K, 0)
+QMATMUL_K(q5_K, block_q5_K, 0)
+QMATMUL_K(q6_K, block_q6_K, 1)
+#undef QMM_TILES
+#undef QT
+
+kvpq__qmatmul_fn KVPQ_ISA_FN(kvpq__ggml_qmatmul)(uint32_t type) {
+    switch (type) {
+    case GGML_TYPE_Q4_0: return qmatmul_q4_0;
+    case GGML_TYPE_Q4_1: return qmatmul_q4_1;
+    case GGML_TYPE_Q5_0: return qmatmul_q5_0;
+    case GGML_TYPE_Q5_1: return qmatmul_q5_1;
+    case GGML_TYPE_Q8_0: return qmatmul_q8_0;
+    case GGML_TYPE_Q4_K: return qmatmul_q4_K;
+    case GGML_TYPE_Q5_K: return qmatmul_q5_K;
+    case GGML_TYPE_Q6_K: return qmatmul_q6_K;
+    }
+    return NULL;
+}
+
 #undef MAXW
 #undef KBLK_AT
 

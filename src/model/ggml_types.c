@@ -6,6 +6,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 #include <cblas.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -334,4 +335,130 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
     }
     if (failed) /* last resort without any allocation: one matvec per token */
         for (int64_t t = 0; t < n_tok; t++) ggml_matvec(type, W, n_rows, n, X + t * n, Y + t * n_rows);
+}
+
+/* ---- integer activations (8-bit activation blocks; cpu/ggml_kernels.h kvpq__q8row) ---- */
+
+int ggml_q8_supported(uint32_t type) {
+    switch (type) {
+    case GGML_TYPE_Q4_0:
+    case GGML_TYPE_Q4_1:
+    case GGML_TYPE_Q5_0:
+    case GGML_TYPE_Q5_1:
+    case GGML_TYPE_Q8_0:
+    case GGML_TYPE_Q4_K:
+    case GGML_TYPE_Q5_K:
+    case GGML_TYPE_Q6_K: return 1;
+    }
+    return 0;
+}
+
+size_t ggml_q8_row_bytes(int64_t n) {
+    /* qs (n) int8, d (n/32) float, xs (n/32) float, s16 (n/16) int16 */
+    return (size_t)n + (size_t)(n / 32) * 2 * sizeof(float) + (size_t)(n / 16) * sizeof(int16_t);
+}
+
+kvpq__q8row ggml_q8_row_at(void *buf, int64_t n) {
+    uint8_t *p = buf;
+    float *d = (float *)(void *)p, *xs = d + n / 32;
+    int16_t *s16 = (int16_t *)(void *)(xs + n / 32);
+    return (kvpq__q8row){(const int8_t *)(s16 + n / 16), d, s16, xs};
+}
+
+void ggml_quantize_act_row(const float *x, int64_t n, void *buf) {
+    kvpq__q8row r = ggml_q8_row_at(buf, n);
+    int8_t *qs = (int8_t *)r.qs;
+    float *d = (float *)r.d, *xs = (float *)r.xs;
+    int16_t *s16 = (int16_t *)r.s16;
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0;
+        int bad = 0;
+        for (int j = 0; j < 32; j++) {
+            float a = fabsf(xb[j]);
+            bad |= !(a <= FLT_MAX); /* NaN or Inf */
+            amax = a > amax ? a : amax;
+        }
+        float db = bad ? NAN : amax / 127.0f, id = db > 0 ? 1.0f / db : 0.0f;
+        int s[2] = {0, 0};
+        for (int j = 0; j < 32; j++) {
+            int q = bad ? 0 : (int)nearbyintf(xb[j] * id);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            qs[32 * b + j] = (int8_t)q;
+            s[j / 16] += q;
+        }
+        d[b] = db; /* NaN for a non-finite block: the products are NaN, never silently finite */
+        s16[2 * b] = (int16_t)s[0];
+        s16[2 * b + 1] = (int16_t)s[1];
+        xs[b] = db * (float)(s[0] + s[1]);
+    }
+}
+
+/* The specification: Y[t, r] = sum_b d_b * sum_{j in b} w_j q_j, w dequantized by the _ref, each
+ * block's sum and the sum over blocks in order in float. */
+static void q8_row_ref(kvpq__dequant_fn dq, uint32_t type, const uint8_t *row, int64_t n, const kvpq__q8row *x,
+                       float *y) {
+    float buf[CHUNK], s = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+        int64_t len = n - i0 < CHUNK ? n - i0 : CHUNK;
+        dq(row + ggml_row_size(type, i0), buf, len);
+        for (int64_t b = 0; b < len / 32; b++) {
+            float sb = 0;
+            for (int j = 0; j < 32; j++) sb += buf[32 * b + j] * (float)x->qs[i0 + 32 * b + j];
+            s += x->d[(i0 + 32 * b) / 32] * sb;
+        }
+    }
+    *y = s;
+}
+
+void ggml_matmul_q8_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
+                        float *Y) {
+    kvpq__dequant_fn dq = dequant_ref(type);
+    void *buf = malloc(ggml_q8_row_bytes(n));
+    if (!dq || !buf || n % 32) {
+        free(buf);
+        fill_nan(Y, (size_t)(n_tok * n_rows));
+        return;
+    }
+    size_t rb = ggml_row_size(type, n);
+    for (int64_t t = 0; t < n_tok; t++) {
+        ggml_quantize_act_row(X + t * n, n, buf);
+        kvpq__q8row x = ggml_q8_row_at(buf, n);
+        for (int64_t r = 0; r < n_rows; r++) q8_row_ref(dq, type, (const uint8_t *)W + (size_t)r * rb, n, &x, Y + t * n_rows + r);
+    }
+    free(buf);
+}
+
+static kvpq__qmatmul_fn qmatmul_kernel(uint32_t type) {
+    return type < KVPQ_GGML_TYPE_SLOTS ? kvpq__cpu_kernels()->ggml_qmatmul[type] : NULL;
+}
+
+int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {
+    if (n_tok <= 0 || n_rows <= 0) return 1;
+    kvpq__qmatmul_fn kern = qmatmul_kernel(type);
+    if (!ggml_q8_supported(type) || n % 32) return 0;
+    if (!kern) { /* scalar level: the _ref */
+        ggml_matmul_q8_ref(type, W, n_rows, n, n_tok, X, Y);
+        return 1;
+    }
+    size_t qb = ggml_q8_row_bytes(n), rb = ggml_row_size(type, n);
+    _Alignas(64) uint8_t stack[16384];
+    uint8_t *buf = (size_t)n_tok * (qb + sizeof(kvpq__q8row)) <= sizeof stack
+                       ? stack
+                       : malloc((size_t)n_tok * (qb + sizeof(kvpq__q8row)));
+    if (!buf) return 0;
+    kvpq__q8row *rows = (kvpq__q8row *)(void *)buf;
+    uint8_t *data = buf + (size_t)n_tok * sizeof(kvpq__q8row);
+#pragma omp parallel for schedule(static) if (n_tok > 8)
+    for (int64_t t = 0; t < n_tok; t++) {
+        ggml_quantize_act_row(X + t * n, n, data + (size_t)t * qb);
+        rows[t] = ggml_q8_row_at(data + (size_t)t * qb, n);
+    }
+#pragma omp parallel for schedule(static) if (n_rows * n * n_tok >= 65536)
+    for (int64_t r0 = 0; r0 < n_rows; r0 += ROWS_PER_TASK) {
+        int64_t nr = n_rows - r0 < ROWS_PER_TASK ? n_rows - r0 : ROWS_PER_TASK;
+        kern((const uint8_t *)W + (size_t)r0 * rb, rb, nr, n, rows, n_tok, Y + r0, n_rows);
+    }
+    if (buf != stack) free(buf);
+    return 1;
 }
