@@ -80,6 +80,33 @@ int main(int argc, char **argv) {
         free(w);
     }
 
+    /* Several tokens (prefill): ggml_matmul (float32: row dequantized once and dotted with every
+     * token below 32 tokens, OpenBLAS sgemm on dequantized tiles from 32) beside ggml_matmul_q8. */
+    const int64_t toks[] = {2, 4, 8, 16, 32, 64};
+    float *X = malloc((size_t)64 * n * 4), *Y = malloc((size_t)64 * rows * 4);
+    for (int64_t i = 0; i < 64 * n; i++) X[i] = (float)(i % 11) * 0.05f - 0.25f;
+    printf("\nggml_matmul %lld x %lld, n_tok tokens, %s, threads %d: us per token (f32 / q8)\n", (long long)rows,
+           (long long)n, kvpq_simd_name(best), omp_get_max_threads());
+    const uint32_t gtypes[] = {GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q4_1, GGML_TYPE_Q8_0};
+    printf("%-6s", "n_tok");
+    for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) printf(" %15lld", (long long)toks[k]);
+    printf("\n");
+    for (size_t g = 0; g < sizeof gtypes / sizeof gtypes[0]; g++) {
+        uint8_t *w = random_weights(gtypes[g], rows, n);
+        printf("%-6s", ggml_type_name(gtypes[g]));
+        for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) {
+            int64_t nt = toks[k];
+            int rr = reps > 5 ? 5 : reps;
+            double tf = TIME(rr, ggml_matmul(gtypes[g], w, rows, n, nt, X, Y));
+            double tq = TIME(rr, ggml_matmul_q8(gtypes[g], w, rows, n, nt, X, Y));
+            printf(" %7.0f / %5.0f", tf * 1e6 / (double)nt, tq * 1e6 / (double)nt);
+        }
+        printf("\n");
+        free(w);
+    }
+    free(X);
+    free(Y);
+
     gguf_file *f;
     if (gguf_open(&f, model) != KVPQ_OK) {
         printf("\n(%s: %s; the real-model table needs it: scripts/fetch_model.sh all)\n", model, kvpq_last_error());

@@ -115,6 +115,12 @@ static void tables_init(void) {
     fill_avx2(&tables[KVPQ_SIMD_AVX2]);
     tables[KVPQ_SIMD_AVX512] = tables[KVPQ_SIMD_AVX2];
     fill_avx512(&tables[KVPQ_SIMD_AVX512]);
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni")) /* vpdpbusd for the integer-activation kernels */
+        for (uint32_t ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) {
+            kvpq__qmatmul_fn qm = kvpq__ggml_qmatmul_avx512vnni(ty);
+            if (qm) tables[KVPQ_SIMD_AVX512].ggml_qmatmul[ty] = qm;
+        }
 #endif
 }
 

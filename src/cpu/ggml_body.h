@@ -29,6 +29,16 @@
 #define BLK_F16(p, T, F) vs_h2f_at(KVPQ_BLK_AT(p, T, F))
 #define QV (32 / KVPQ_VW) /* vectors per 32-element block */
 
+/* Software prefetch distance of the 32-element block kernels, in bytes. */
+#define BPF_BYTES 1024
+/* A Q5 block's fifth bits: qh, 4 bytes little-endian (may be unaligned). */
+KVPQ_INLINE uint32_t q5_qh(const uint8_t *p) {
+    uint32_t h;
+    memcpy(&h, p, sizeof h);
+    return h; /* x86: little-endian, as the file */
+}
+
+#if !defined(KVPQ_GGML_Q8_ONLY) /* float32-activation kernels (not in the VNNI build: ggml_avx512vnni.c) */
 // ---- block unpacking ------------------------------------------------------------------------------
 
 /* 16 bytes of nibbles -> the 32 unsigned values of a Q4 block, as QV vectors. */
@@ -58,9 +68,6 @@ KVPQ_INLINE kvpq_vf block_dot(const kvpq_vf f[QV], const float *x) {
  * contribution (offset terms times xs, the block sums of x), to be multiplied by the walker's
  * off_scale. So a block contributes d * dot + off_scale * off. */
 typedef void (*blk_fn)(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off);
-
-/* Software prefetch distance of the 32-element block kernels, in bytes. */
-#define BPF_BYTES 1024
 
 /* Rows of blocks of bs bytes and qk elements: two blocks at a time into two accumulators (latency),
  * then the leftover block; offsets summed in a float beside; one vf_reduce_add per row.
@@ -110,13 +117,6 @@ KVPQ_INLINE void blk_q4_0(const uint8_t *p, const float *x, const float *xs, kvp
     *dot = block_dot(f, x);
     *d = BLK_F16(p, block_q4_0, d);
     *off = *d * xs[0];
-}
-
-/* A Q5 block's fifth bits: qh, 4 bytes little-endian (may be unaligned). */
-KVPQ_INLINE uint32_t q5_qh(const uint8_t *p) {
-    uint32_t h;
-    memcpy(&h, p, sizeof h);
-    return h; /* x86: little-endian, as the file */
 }
 
 /* Q5_0: w = (q - 16)*d, so a block gives d * (q . x) - 16 * d * sum(x). */
@@ -187,6 +187,8 @@ static void matvec_f32(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, 
 MATVEC_16BIT(matvec_f16, vf_load_f16, kvpq__h2f)
 MATVEC_16BIT(matvec_bf16, vf_load_bf16, kvpq__bf2f)
 
+#endif /* !KVPQ_GGML_Q8_ONLY */
+
 // ---- K-quants (Q2_K .. Q6_K: super-blocks of QK_K = 256, layouts in core/ggml_common.h) -----------
 /* A block's quants are unpacked to 256 bytes by plain loops (the compiler vectorizes them at this
  * file's ISA width), its sub-block scales d * sc (exact in float32) converted W at a time; then each
@@ -210,6 +212,7 @@ KVPQ_INLINE void k4_scales(const uint8_t *s, uint64_t *sc, uint64_t *m) {
     *m = (uint64_t)(b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
 }
 
+#if !defined(KVPQ_GGML_Q8_ONLY) /* float32-activation kernels (not in the VNNI build: ggml_avx512vnni.c) */
 /* out[j] = d * p[j] for j < n (n a multiple of 8; p and out hold max(n, W) entries). */
 KVPQ_INLINE void scales_u8(float d, const uint8_t *p, int n, float *out) {
     for (int j = 0; j < n; j += W) vf_store(out + j, vf_mul(vf_set1(d), vf_load_u8(p + j)));
@@ -301,6 +304,8 @@ KVPQ_INLINE kvpq_vf kmins(const float *ml, const float *xs, int n, kvpq_vf acc) 
     return acc;
 }
 
+#endif /* !KVPQ_GGML_Q8_ONLY */
+
 #define MAXW(n) ((n) > W ? (n) : W) /* arrays that a W-lane store may fill */
 
 /* Software prefetch of the block KPF_DIST blocks ahead, every cache line of it, into all cache
@@ -315,6 +320,7 @@ KVPQ_INLINE kvpq_vf kmins(const float *ml, const float *xs, int n, kvpq_vf acc) 
             __builtin_prefetch((const char *)(p) + KPF_DIST * (bs) + pf_, 0, 3); \
     } while (0)
 
+#if !defined(KVPQ_GGML_Q8_ONLY) /* float32-activation kernels (not in the VNNI build: ggml_avx512vnni.c) */
 /* xs: (n / 16) sums of x over 16-element groups, Q2_K's sub-blocks. */
 static void matvec_q2_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x, const float *xs,
                         float *y) {
@@ -457,6 +463,8 @@ static void dequant_q6_K(const uint8_t *p, float *y, int64_t n) {
         kdequant_block(q, 1, 16, dl, NULL, y);
     }
 }
+
+#endif /* !KVPQ_GGML_Q8_ONLY */
 
 // ---- integer activations: 8-bit activation blocks, integer dot products ---------------------------
 /* The kernels behind kvpq__qmatmul_fn (ggml_kernels.h). A weight block's quants are unpacked once
@@ -673,6 +681,7 @@ kvpq__qmatmul_fn KVPQ_ISA_FN(kvpq__ggml_qmatmul)(uint32_t type) {
 #undef MAXW
 #undef KBLK_AT
 
+#if !defined(KVPQ_GGML_Q8_ONLY) /* float32-activation kernels (not in the VNNI build: ggml_avx512vnni.c) */
 kvpq__matvec_fn KVPQ_ISA_FN(kvpq__ggml_matvec)(uint32_t type) {
     switch (type) {
     case GGML_TYPE_F32: return matvec_f32;
@@ -793,6 +802,7 @@ kvpq__glu_fn KVPQ_ISA_FN(kvpq__glu)(kvpq_glu_kind kind) {
     }
 }
 
+#endif /* !KVPQ_GGML_Q8_ONLY */
 #undef GELU_2C
 #undef W
 #undef BLK_F16

@@ -61,6 +61,8 @@ kvpq__matvec_fn kvpq__ggml_matvec_avx512(uint32_t type);
 kvpq__dequant_fn kvpq__ggml_dequant_avx2(uint32_t type);
 kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx2(uint32_t type);
 kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx512(uint32_t type);
+/* The same compiled with AVX512_VNNI (ggml_avx512vnni.c): for CPUs that have it. */
+kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx512vnni(uint32_t type);
 kvpq__dequant_fn kvpq__ggml_dequant_avx512(uint32_t type);
 float kvpq__dot_f32_avx2(const float *a, const float *b, int64_t n);
 float kvpq__dot_f32_avx512(const float *a, const float *b, int64_t n);

@@ -56,7 +56,11 @@
 #endif
 #include <immintrin.h>
 #define KVPQ_VW 16
+#if defined(KVPQ_ISA_SUFFIX) /* a variant of this ISA with more extensions (ggml_avx512vnni.c) */
+#define KVPQ_ISA_FN(name) KVPQ_CAT(name, KVPQ_ISA_SUFFIX)
+#else
 #define KVPQ_ISA_FN(name) KVPQ_CAT(name, avx512)
+#endif
 #define KVPQ_ISA_NAME "avx512"
 typedef __m512 kvpq_vf;
 typedef __m512i kvpq_vi;

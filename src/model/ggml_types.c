@@ -269,9 +269,6 @@ void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const 
     if (xs && xs != xs_stack) free(xs);
 }
 
-/* From this many tokens on, tiles of W are dequantized to float32 and multiplied by OpenBLAS sgemm;
- * below it, each weight row is dequantized once and dotted with every token. */
-#define MATMUL_BLAS_MIN_TOK 32
 /* Floats per dequantized tile of W (4 MiB: fits L2/L3 alongside the sgemm panels). */
 #define MATMUL_TILE_FLOATS (1 << 20)
 
@@ -287,7 +284,7 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
         return;
     }
     size_t rb = ggml_row_size(type, n);
-    if (n_tok >= MATMUL_BLAS_MIN_TOK) {
+    if (n_tok >= GGML_MATMUL_BLAS_MIN_TOK) {
         int64_t tile_rows = MATMUL_TILE_FLOATS / n;
         if (tile_rows < 16) tile_rows = 16;
         if (tile_rows > n_rows) tile_rows = n_rows;
@@ -382,7 +379,8 @@ void ggml_quantize_act_row(const float *x, int64_t n, void *buf) {
         float db = bad ? NAN : amax / 127.0f, id = db > 0 ? 1.0f / db : 0.0f;
         int s[2] = {0, 0};
         for (int j = 0; j < 32; j++) {
-            int q = bad ? 0 : (int)nearbyintf(xb[j] * id);
+            /* round to nearest even by the 1.5 * 2^23 trick (|x id| <= 127 + ulps), no libm call */
+            int q = bad ? 0 : (int)((xb[j] * id + 0x1.8p23f) - 0x1.8p23f);
             q = q > 127 ? 127 : q < -127 ? -127 : q;
             qs[32 * b + j] = (int8_t)q;
             s[j / 16] += q;
@@ -433,32 +431,65 @@ static kvpq__qmatmul_fn qmatmul_kernel(uint32_t type) {
     return type < KVPQ_GGML_TYPE_SLOTS ? kvpq__cpu_kernels()->ggml_qmatmul[type] : NULL;
 }
 
-int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {
-    if (n_tok <= 0 || n_rows <= 0) return 1;
-    kvpq__qmatmul_fn kern = qmatmul_kernel(type);
-    if (!ggml_q8_supported(type) || n % 32) return 0;
-    if (!kern) { /* scalar level: the _ref */
-        ggml_matmul_q8_ref(type, W, n_rows, n, n_tok, X, Y);
+/* Row tasks of ROWS_PER_TASK rows over several matrices: task k is matrix mat[k], rows r0 ... */
+typedef struct {
+    int mat;
+    int64_t r0;
+} q8_task;
+
+/* One OpenMP region over every matrix's row tasks (tasks: their count, at most q8_tasks_max). */
+static void q8_run(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t n_tok, const kvpq__q8row *rows,
+                   const q8_task *tasks, int64_t n_tasks, int64_t work) {
+    const kvpq_cpu_kernels *kt = kvpq__cpu_kernels();
+    (void)n_mat;
+#pragma omp parallel for schedule(static) if (work >= 65536)
+    for (int64_t k = 0; k < n_tasks; k++) {
+        const ggml_q8_mat *m = &mats[tasks[k].mat];
+        int64_t r0 = tasks[k].r0, nr = m->n_rows - r0 < ROWS_PER_TASK ? m->n_rows - r0 : ROWS_PER_TASK;
+        size_t rb = ggml_row_size(m->type, n);
+        kt->ggml_qmatmul[m->type]((const uint8_t *)m->W + (size_t)r0 * rb, rb, nr, n, rows, n_tok, m->Y + r0,
+                                  m->n_rows);
+    }
+}
+
+int ggml_matmul_q8_multi(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X) {
+    if (n_tok <= 0 || n_mat <= 0) return 1;
+    if (n % 32) return 0;
+    int64_t n_tasks = 0, work = 0;
+    int have_kernels = 1;
+    for (int i = 0; i < n_mat; i++) {
+        if (!ggml_q8_supported(mats[i].type) || mats[i].n_rows < 0) return 0;
+        have_kernels &= qmatmul_kernel(mats[i].type) != NULL;
+        n_tasks += (mats[i].n_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+        work += mats[i].n_rows * n * n_tok;
+    }
+    if (!have_kernels) { /* scalar level: the _ref */
+        for (int i = 0; i < n_mat; i++) ggml_matmul_q8_ref(mats[i].type, mats[i].W, mats[i].n_rows, n, n_tok, X, mats[i].Y);
         return 1;
     }
-    size_t qb = ggml_q8_row_bytes(n), rb = ggml_row_size(type, n);
+    size_t qb = ggml_q8_row_bytes(n);
+    size_t need = (size_t)n_tok * (qb + sizeof(kvpq__q8row)) + (size_t)n_tasks * sizeof(q8_task);
     _Alignas(64) uint8_t stack[16384];
-    uint8_t *buf = (size_t)n_tok * (qb + sizeof(kvpq__q8row)) <= sizeof stack
-                       ? stack
-                       : malloc((size_t)n_tok * (qb + sizeof(kvpq__q8row)));
+    uint8_t *buf = need <= sizeof stack ? stack : malloc(need);
     if (!buf) return 0;
     kvpq__q8row *rows = (kvpq__q8row *)(void *)buf;
-    uint8_t *data = buf + (size_t)n_tok * sizeof(kvpq__q8row);
+    q8_task *tasks = (q8_task *)(void *)(rows + n_tok);
+    uint8_t *data = (uint8_t *)(tasks + n_tasks);
+    data += (size_t)(-(uintptr_t)data & 7); /* 8-byte aligned rows (qb is a multiple of 4) */
+    int64_t k = 0;
+    for (int i = 0; i < n_mat; i++)
+        for (int64_t r0 = 0; r0 < mats[i].n_rows; r0 += ROWS_PER_TASK) tasks[k++] = (q8_task){i, r0};
 #pragma omp parallel for schedule(static) if (n_tok > 8)
     for (int64_t t = 0; t < n_tok; t++) {
         ggml_quantize_act_row(X + t * n, n, data + (size_t)t * qb);
         rows[t] = ggml_q8_row_at(data + (size_t)t * qb, n);
     }
-#pragma omp parallel for schedule(static) if (n_rows * n * n_tok >= 65536)
-    for (int64_t r0 = 0; r0 < n_rows; r0 += ROWS_PER_TASK) {
-        int64_t nr = n_rows - r0 < ROWS_PER_TASK ? n_rows - r0 : ROWS_PER_TASK;
-        kern((const uint8_t *)W + (size_t)r0 * rb, rb, nr, n, rows, n_tok, Y + r0, n_rows);
-    }
+    q8_run(mats, n_mat, n, n_tok, rows, tasks, n_tasks, work);
     if (buf != stack) free(buf);
     return 1;
+}
+
+int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {
+    ggml_q8_mat m = {type, W, n_rows, Y};
+    return ggml_matmul_q8_multi(&m, 1, n, n_tok, X);
 }

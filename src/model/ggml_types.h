@@ -34,6 +34,10 @@ void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const 
  * wrong; the model loader rejects such types by name first). */
 void ggml_matvec_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, const float *x, float *y);
 
+/* From this many tokens on, ggml_matmul dequantizes tiles of W to float32 for OpenBLAS sgemm;
+ * below it, each weight row is dequantized once and dotted with every token. */
+#define GGML_MATMUL_BLAS_MIN_TOK 32
+
 /* Y (n_tok, n_rows) = X (n_tok, n) @ W^T, W as above. Batched: each weight row is dequantized once
  * and used for every token (or whole tiles dequantized and handed to OpenBLAS sgemm). OpenMP inside. */
 void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
@@ -61,6 +65,18 @@ kvpq__q8row ggml_q8_row_at(void *buf, int64_t n);
  * Returns 1 when done, 0 when the type has no integer kernel (or n % 32, or no memory for the
  * quantized rows): the caller then uses ggml_matmul. At the scalar SIMD level, the _ref. */
 int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y);
+/* One matrix of ggml_matmul_q8_multi: W (n_rows, n) of type; Y (n_tok, n_rows). */
+typedef struct {
+    uint32_t type;
+    const void *W;
+    int64_t n_rows;
+    float *Y;
+} ggml_q8_mat;
+/* Several matrices on the same input X (n_tok, n), e.g. a layer's Q, K and V: X quantized once,
+ * and one OpenMP region over the row blocks of all of them (one wake-up of the threads instead of
+ * one per matrix). Returns 1 when done, 0 (nothing written) when a type has no integer kernel or
+ * n % 32 or memory fails. */
+int ggml_matmul_q8_multi(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X);
 /* The specification: each x row quantized as above, the weights dequantized by the _ref, and
  * Y[t, r] = sum_b d_b * (sum_{j in b} w_j q_j), summed in order in float. Unsupported: NaN. */
 void ggml_matmul_q8_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
