@@ -689,3 +689,45 @@ Test(ggml_types, q8_matmul_matches_ref_and_f32) {
     float x[32] = {0}, y[1];
     cr_assert(!ggml_matmul_q8(GGML_TYPE_F16, x, 1, 32, 1, x, y), "no integer kernel for F16: 0, the caller's f32");
 }
+
+/* Several matrices in one region (a layer's Q, K, V) give exactly one call each: the same kernels
+ * on the same rows; types mixed as in a Q4_K_M file. The float32 form refuses (0) what it has no
+ * kernel for, and the scalar level. */
+Test(ggml_types, multi_matrix_regions_equal_one_call_each) {
+    const int64_t n = 512, rows[3] = {100, 36, 36};
+    const uint32_t types[3] = {GGML_TYPE_Q4_K, GGML_TYPE_Q4_1, GGML_TYPE_Q6_K};
+    uint8_t *w[3];
+    float *y1[3], *y2[3], x[3 * 512];
+    for (int64_t i = 0; i < 3 * n; i++) x[i] = rndf();
+    ggml_mat mats[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = random_rows(types[i], rows[i], n);
+        y1[i] = malloc((size_t)(3 * rows[i]) * 4);
+        y2[i] = malloc((size_t)(3 * rows[i]) * 4);
+        mats[i] = (ggml_mat){types[i], w[i], rows[i], y2[i]};
+    }
+    for (int64_t nt = 1; nt <= 3; nt += 2) {
+        cr_assert(ggml_matmul_q8_multi(mats, 3, n, nt, x));
+        for (int i = 0; i < 3; i++) {
+            cr_assert(ggml_matmul_q8(types[i], w[i], rows[i], n, nt, x, y1[i]));
+            cr_assert(!memcmp(y1[i], y2[i], (size_t)(nt * rows[i]) * 4), "q8 multi, matrix %d, n_tok %lld", i,
+                      (long long)nt);
+        }
+    }
+    cr_assert(ggml_matvec_multi(mats, 3, n, x));
+    for (int i = 0; i < 3; i++) {
+        ggml_matvec(types[i], w[i], rows[i], n, x, y1[i]);
+        cr_assert(!memcmp(y1[i], y2[i], (size_t)rows[i] * 4), "f32 multi, matrix %d", i);
+    }
+    ggml_mat q2 = {GGML_TYPE_Q2_K, w[0], 1, y2[0]};
+    cr_assert(!ggml_matvec_multi(&q2, 1, n, x), "Q2_K has 16-element sums: refused");
+    kvpq_simd_level best = kvpq_simd_get();
+    kvpq_simd_set(KVPQ_SIMD_SCALAR);
+    cr_assert(!ggml_matvec_multi(mats, 3, n, x), "scalar level: refused");
+    kvpq_simd_set(best);
+    for (int i = 0; i < 3; i++) {
+        free(w[i]);
+        free(y1[i]);
+        free(y2[i]);
+    }
+}

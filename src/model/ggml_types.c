@@ -272,6 +272,54 @@ void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const 
 /* Floats per dequantized tile of W (4 MiB: fits L2/L3 alongside the sgemm panels). */
 #define MATMUL_TILE_FLOATS (1 << 20)
 
+/* The matrices of ggml_matvec_multi: task k is matrix tasks[k].mat, rows r0 .. r0 + ROWS_PER_TASK. */
+typedef struct {
+    int mat;
+    int64_t r0;
+} row_task;
+
+/* Row tasks of every matrix into tasks (room for all); returns their count. */
+static int64_t row_tasks(const ggml_mat *mats, int n_mat, row_task *tasks) {
+    int64_t k = 0;
+    for (int i = 0; i < n_mat; i++)
+        for (int64_t r0 = 0; r0 < mats[i].n_rows; r0 += ROWS_PER_TASK) tasks[k++] = (row_task){i, r0};
+    return k;
+}
+
+int ggml_matvec_multi(const ggml_mat *mats, int n_mat, int64_t n, const float *x) {
+    if (kvpq_simd_get() == KVPQ_SIMD_SCALAR || n_mat <= 0 || n % 32) return 0;
+    int64_t n_tasks = 0, work = 0;
+    for (int i = 0; i < n_mat; i++) {
+        /* the SIMD kernels whose xs are 32-element sums (or unused): not Q2_K (16) */
+        if (!matvec_kernel(mats[i].type) || mats[i].type == GGML_TYPE_Q2_K || mats[i].n_rows < 0) return 0;
+        n_tasks += (mats[i].n_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+        work += mats[i].n_rows * n;
+    }
+    row_task stack[512], *tasks = n_tasks <= 512 ? stack : malloc((size_t)n_tasks * sizeof *tasks);
+    float xs_stack[1024], *xs = n / 32 <= 1024 ? xs_stack : malloc((size_t)(n / 32) * sizeof *xs);
+    if (!tasks || !xs) {
+        if (tasks != stack) free(tasks);
+        if (xs != xs_stack) free(xs);
+        return 0;
+    }
+    for (int64_t b = 0; b < n / 32; b++) {
+        float s = 0;
+        for (int j = 0; j < 32; j++) s += x[b * 32 + j];
+        xs[b] = s;
+    }
+    row_tasks(mats, n_mat, tasks);
+#pragma omp parallel for schedule(static) if (work >= 65536)
+    for (int64_t k = 0; k < n_tasks; k++) {
+        const ggml_mat *m = &mats[tasks[k].mat];
+        int64_t r0 = tasks[k].r0, nr = m->n_rows - r0 < ROWS_PER_TASK ? m->n_rows - r0 : ROWS_PER_TASK;
+        size_t rb = ggml_row_size(m->type, n);
+        matvec_kernel(m->type)((const uint8_t *)m->W + (size_t)r0 * rb, rb, nr, n, x, xs, m->Y + r0);
+    }
+    if (tasks != stack) free(tasks);
+    if (xs != xs_stack) free(xs);
+    return 1;
+}
+
 void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {
     kvpq__dequant_fn dq = dequant_best(type);
     if (n_tok <= 0 || n_rows <= 0) return;
@@ -431,20 +479,14 @@ static kvpq__qmatmul_fn qmatmul_kernel(uint32_t type) {
     return type < KVPQ_GGML_TYPE_SLOTS ? kvpq__cpu_kernels()->ggml_qmatmul[type] : NULL;
 }
 
-/* Row tasks of ROWS_PER_TASK rows over several matrices: task k is matrix mat[k], rows r0 ... */
-typedef struct {
-    int mat;
-    int64_t r0;
-} q8_task;
-
-/* One OpenMP region over every matrix's row tasks (tasks: their count, at most q8_tasks_max). */
-static void q8_run(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t n_tok, const kvpq__q8row *rows,
-                   const q8_task *tasks, int64_t n_tasks, int64_t work) {
+/* One OpenMP region over every matrix's row tasks (tasks: their count, at most row_tasks_max). */
+static void q8_run(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const kvpq__q8row *rows,
+                   const row_task *tasks, int64_t n_tasks, int64_t work) {
     const kvpq_cpu_kernels *kt = kvpq__cpu_kernels();
     (void)n_mat;
 #pragma omp parallel for schedule(static) if (work >= 65536)
     for (int64_t k = 0; k < n_tasks; k++) {
-        const ggml_q8_mat *m = &mats[tasks[k].mat];
+        const ggml_mat *m = &mats[tasks[k].mat];
         int64_t r0 = tasks[k].r0, nr = m->n_rows - r0 < ROWS_PER_TASK ? m->n_rows - r0 : ROWS_PER_TASK;
         size_t rb = ggml_row_size(m->type, n);
         kt->ggml_qmatmul[m->type]((const uint8_t *)m->W + (size_t)r0 * rb, rb, nr, n, rows, n_tok, m->Y + r0,
@@ -452,7 +494,7 @@ static void q8_run(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t n_tok,
     }
 }
 
-int ggml_matmul_q8_multi(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X) {
+int ggml_matmul_q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X) {
     if (n_tok <= 0 || n_mat <= 0) return 1;
     if (n % 32) return 0;
     int64_t n_tasks = 0, work = 0;
@@ -468,17 +510,15 @@ int ggml_matmul_q8_multi(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t 
         return 1;
     }
     size_t qb = ggml_q8_row_bytes(n);
-    size_t need = (size_t)n_tok * (qb + sizeof(kvpq__q8row)) + (size_t)n_tasks * sizeof(q8_task);
+    size_t need = (size_t)n_tok * (qb + sizeof(kvpq__q8row)) + (size_t)n_tasks * sizeof(row_task);
     _Alignas(64) uint8_t stack[16384];
     uint8_t *buf = need <= sizeof stack ? stack : malloc(need);
     if (!buf) return 0;
     kvpq__q8row *rows = (kvpq__q8row *)(void *)buf;
-    q8_task *tasks = (q8_task *)(void *)(rows + n_tok);
+    row_task *tasks = (row_task *)(void *)(rows + n_tok);
     uint8_t *data = (uint8_t *)(tasks + n_tasks);
     data += (size_t)(-(uintptr_t)data & 7); /* 8-byte aligned rows (qb is a multiple of 4) */
-    int64_t k = 0;
-    for (int i = 0; i < n_mat; i++)
-        for (int64_t r0 = 0; r0 < mats[i].n_rows; r0 += ROWS_PER_TASK) tasks[k++] = (q8_task){i, r0};
+    row_tasks(mats, n_mat, tasks);
 #pragma omp parallel for schedule(static) if (n_tok > 8)
     for (int64_t t = 0; t < n_tok; t++) {
         ggml_quantize_act_row(X + t * n, n, data + (size_t)t * qb);
@@ -490,6 +530,6 @@ int ggml_matmul_q8_multi(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t 
 }
 
 int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {
-    ggml_q8_mat m = {type, W, n_rows, Y};
+    ggml_mat m = {type, W, n_rows, Y};
     return ggml_matmul_q8_multi(&m, 1, n, n_tok, X);
 }

@@ -29,6 +29,18 @@ kvpq_status ggml_dequantize_row_ref(uint32_t type, const void *src, float *dst, 
 /* y[r] = dot(row r of W, x) for r in [0, n_rows): W is (n_rows, n) of `type`, rows contiguous
  * (row stride ggml_row_size(type, n)); x: (n) float32. Dequantizes blocks on the fly (SIMD). */
 void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const float *x, float *y);
+/* ggml_matvec of several matrices on the same x (n, a multiple of 32), e.g. a layer's Q, K and V:
+ * one OpenMP region over the row blocks of all of them (one wake-up of the threads instead of one
+ * per matrix), the same kernels and results as one ggml_matvec each. Returns 1 when done, 0
+ * (nothing written) where a type has no SIMD kernel of that form (the scalar level, Q2_K, types
+ * without a kernel) or memory fails: the caller then calls ggml_matvec per matrix. */
+typedef struct {
+    uint32_t type;
+    const void *W;
+    int64_t n_rows;
+    float *Y;
+} ggml_mat;
+int ggml_matvec_multi(const ggml_mat *mats, int n_mat, int64_t n, const float *x);
 /* The specification: every element dequantized by the _ref, products summed in order in float32.
  * SIMD versions differ only by summation order. An unsupported type gives y = NaN (never silently
  * wrong; the model loader rejects such types by name first). */
@@ -65,18 +77,12 @@ kvpq__q8row ggml_q8_row_at(void *buf, int64_t n);
  * Returns 1 when done, 0 when the type has no integer kernel (or n % 32, or no memory for the
  * quantized rows): the caller then uses ggml_matmul. At the scalar SIMD level, the _ref. */
 int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y);
-/* One matrix of ggml_matmul_q8_multi: W (n_rows, n) of type; Y (n_tok, n_rows). */
-typedef struct {
-    uint32_t type;
-    const void *W;
-    int64_t n_rows;
-    float *Y;
-} ggml_q8_mat;
+/* One matrix of ggml_matmul_q8_multi / ggml_matvec_multi: W (n_rows, n) of type; Y (n_tok, n_rows). */
 /* Several matrices on the same input X (n_tok, n), e.g. a layer's Q, K and V: X quantized once,
  * and one OpenMP region over the row blocks of all of them (one wake-up of the threads instead of
  * one per matrix). Returns 1 when done, 0 (nothing written) when a type has no integer kernel or
  * n % 32 or memory fails. */
-int ggml_matmul_q8_multi(const ggml_q8_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X);
+int ggml_matmul_q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X);
 /* The specification: each x row quantized as above, the weights dequantized by the _ref, and
  * Y[t, r] = sum_b d_b * (sum_{j in b} w_j q_j), summed in order in float. Unsupported: NaN. */
 void ggml_matmul_q8_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,

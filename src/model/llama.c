@@ -550,20 +550,21 @@ static void project(const kvpq_model *m, const gguf_tensor *W, int n, const floa
         ggml_matmul(W->type, W->data, W->ne[1], W->ne[0], n, X, Y);
 }
 
-/* Several projections of the same input X (n, cols): Y_i = X @ W_i^T. With 8-bit activations X is
- * quantized once and one OpenMP region covers every matrix's rows (ggml_matmul_q8_multi): fewer,
- * longer regions, so the threads are woken once per group (Q, K, V; gate, up) instead of once per
- * matrix. Else one project() each. */
+/* Several projections of the same input X (n, cols): Y_i = X @ W_i^T. One OpenMP region covers
+ * every matrix's rows, with 8-bit activations (ggml_matmul_q8_multi, X quantized once) or for one
+ * float32 token (ggml_matvec_multi): fewer, longer regions, so the threads are woken once per group
+ * (Q, K, V; gate, up) instead of once per matrix. Else one project() each. */
 static void project_many(const kvpq_model *m, int n, const float *X, int n_mat, const gguf_tensor *const *W,
                          float *const *Y) {
     const int q8 = m->act == ACT_Q8 || (m->act == ACT_AUTO && n < GGML_MATMUL_BLAS_MIN_TOK);
-    ggml_q8_mat mats[4];
-    int ok = q8 && n_mat <= 4;
+    ggml_mat mats[4];
+    int ok = (q8 || n == 1) && n_mat <= 4;
     for (int i = 0; ok && i < n_mat; i++) {
         ok = W[i]->ne[0] == W[0]->ne[0];
-        mats[i] = (ggml_q8_mat){W[i]->type, W[i]->data, W[i]->ne[1], Y[i]};
+        mats[i] = (ggml_mat){W[i]->type, W[i]->data, W[i]->ne[1], Y[i]};
     }
-    if (ok && ggml_matmul_q8_multi(mats, n_mat, W[0]->ne[0], n, X)) return;
+    if (ok && (q8 ? ggml_matmul_q8_multi(mats, n_mat, W[0]->ne[0], n, X) : ggml_matvec_multi(mats, n_mat, W[0]->ne[0], X)))
+        return;
     for (int i = 0; i < n_mat; i++) project(m, W[i], n, X, Y[i]);
 }
 
