@@ -523,22 +523,22 @@ KVPQ_INLINE void qmm_blocks_T(qb32_fn unpack, size_t bs, int is_signed, int T, c
     for (int64_t r = 0; r < n_rows; r++) {
         const uint8_t *p = W_ + (size_t)r * rb;
         kvpq_vf8 acc0[QT], acc1[QT];
-        float accm[QT];
-        for (int t = 0; t < T; t++) acc0[t] = v8_zero(), acc1[t] = v8_zero(), accm[t] = 0;
+        float accm0[QT], accm1[QT]; /* two chains for the scalar terms too (their latency bound the loop) */
+        for (int t = 0; t < T; t++) acc0[t] = v8_zero(), acc1[t] = v8_zero(), accm0[t] = accm1[t] = 0;
         int64_t b = 0;
         for (; b + 1 < nb; b += 2, p += 2 * bs) {
             __builtin_prefetch(p + BPF_BYTES, 0, 3);
             qb32 q0 = unpack(p), q1 = unpack(p + bs);
             for (int t = 0; t < T; t++) {
-                qb32_dot(q0, is_signed, X + t, b, &acc0[t], &accm[t]);
-                qb32_dot(q1, is_signed, X + t, b + 1, &acc1[t], &accm[t]);
+                qb32_dot(q0, is_signed, X + t, b, &acc0[t], &accm0[t]);
+                qb32_dot(q1, is_signed, X + t, b + 1, &acc1[t], &accm1[t]);
             }
         }
         if (b < nb) {
             qb32 q0 = unpack(p);
-            for (int t = 0; t < T; t++) qb32_dot(q0, is_signed, X + t, b, &acc0[t], &accm[t]);
+            for (int t = 0; t < T; t++) qb32_dot(q0, is_signed, X + t, b, &acc0[t], &accm0[t]);
         }
-        for (int t = 0; t < T; t++) Y[t * ldy + r] = v8_reduce_add(v8_add(acc0[t], acc1[t])) + accm[t];
+        for (int t = 0; t < T; t++) Y[t * ldy + r] = v8_reduce_add(v8_add(acc0[t], acc1[t])) + (accm0[t] + accm1[t]);
     }
 }
 
