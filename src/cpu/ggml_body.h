@@ -11,7 +11,10 @@
  *      accumulators, one vf_reduce_add per row); a type whose block does not fit that shape writes
  *      its own `static void matvec_q4_k(W, rb, n_rows, n, x, xs, y)`. If its dequantization can be
  *      bit-exact, also `static void dequant_q4_k(const uint8_t *src, float *y, int64_t n)`;
- *   3. a `case GGML_TYPE_Q4_K:` in the two switches at the bottom (matvec and dequant).
+ *   3. a `case GGML_TYPE_Q4_K:` in the two switches at the bottom (matvec and dequant);
+ *   4. for 8-bit activations, its unpacking into unsigned bytes (`qb_<type>` + QMATMUL_BLOCKS for
+ *      32-element blocks, `qk_<type>` + QMATMUL_K for K-quant super-blocks) and a case in
+ *      kvpq__ggml_qmatmul's switch (section "integer activations" below).
  * Both ISAs pick it up from the one body; tests/test_ggml_types.c runs every level against the
  * _ref (KVPQ_SIMD=scalar|avx2|avx512 forces one). No new file, no CMake change. */
 #if defined(__clang__)
