@@ -685,6 +685,18 @@ Test(ggml_types, q8_matmul_matches_ref_and_f32) {
         }
     }
     kvpq_simd_set(best);
+    /* a NaN or an Inf in the activations: every product of that token is NaN (never finite) */
+    for (size_t ti = 0; ti < sizeof q8_types / sizeof q8_types[0]; ti++) {
+        uint8_t *w = random_rows(q8_types[ti], 3, 512);
+        float X[2 * 512], Y[6];
+        for (int i = 0; i < 2 * 512; i++) X[i] = rndf();
+        X[512 + 300] = ti % 2 ? NAN : INFINITY;
+        cr_assert(ggml_matmul_q8(q8_types[ti], w, 3, 512, 2, X, Y));
+        for (int r = 0; r < 3; r++)
+            cr_assert(isfinite(Y[r]) && isnan(Y[3 + r]), "%s: token 0 row %d = %g, token 1 (non-finite x) = %g",
+                      ggml_type_name(q8_types[ti]), r, Y[r], Y[3 + r]);
+        free(w);
+    }
     cr_assert(!ggml_q8_supported(GGML_TYPE_F16) && !ggml_q8_supported(GGML_TYPE_Q2_K));
     float x[32] = {0}, y[1];
     cr_assert(!ggml_matmul_q8(GGML_TYPE_F16, x, 1, 32, 1, x, y), "no integer kernel for F16: 0, the caller's f32");
