@@ -6,6 +6,8 @@
  *  2. one decoded token of a real model file (every 2-D weight of every layer plus the output
  *     matrix, once each, the model's own types): ms per token, GB/s, and the fraction of a plain
  *     parallel read of the same bytes (the memory ceiling, measured here).
+ * Each SIMD level's row is followed by "+q8": the integer-activation kernels (ggml_matmul_q8, one
+ * token) on the same weights where the type has them.
  * Table: median of repeats (wall time; CPU time of the process with KVPQ_BENCH_CPU=1). OMP_NUM_THREADS sets the threads (the issue's target: 2).
  * Usage: bench_kquant [repeats] [model.gguf]   (default models/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf) */
 #include <omp.h>
@@ -38,6 +40,13 @@ static void one_token(const gguf_tensor **t, int nt, const float *x, float *y) {
     for (int k = 0; k < nt; k++) ggml_matvec(t[k]->type, t[k]->data, t[k]->ne[1], t[k]->ne[0], x, y);
 }
 
+/* The same with 8-bit activations where the type has integer kernels (as the model's KVPQ_ACT=q8). */
+static void one_token_q8(const gguf_tensor **t, int nt, const float *x, float *y) {
+    for (int k = 0; k < nt; k++)
+        if (!ggml_matmul_q8(t[k]->type, t[k]->data, t[k]->ne[1], t[k]->ne[0], 1, x, y))
+            ggml_matvec(t[k]->type, t[k]->data, t[k]->ne[1], t[k]->ne[0], x, y);
+}
+
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 21;
     if (reps < 1 || reps > MAXREP) reps = 21;
@@ -63,9 +72,40 @@ int main(int argc, char **argv) {
             if (l == 0) t0 = t;
             printf("%-6s %8.2f %-8s %10.1f %8.2f %9.2fx\n", ggml_type_name(type), bytes / 1e6,
                    kvpq_simd_name((kvpq_simd_level)l), t * 1e6, bytes / t / 1e9, t0 / t);
+            if (l == 0 || !ggml_q8_supported(type)) continue;
+            t = TIME(reps, ggml_matmul_q8(type, w, rows, n, 1, x, y)); /* 8-bit activations */
+            printf("%-6s %8.2f %-4s+q8  %10.1f %8.2f %9.2fx\n", ggml_type_name(type), bytes / 1e6,
+                   kvpq_simd_name((kvpq_simd_level)l), t * 1e6, bytes / t / 1e9, t0 / t);
         }
         free(w);
     }
+
+    /* Several tokens (prefill): ggml_matmul (float32: row dequantized once and dotted with every
+     * token below 32 tokens, OpenBLAS sgemm on dequantized tiles from 32) beside ggml_matmul_q8. */
+    const int64_t toks[] = {2, 4, 8, 16, 32, 64};
+    float *X = malloc((size_t)64 * n * 4), *Y = malloc((size_t)64 * rows * 4);
+    for (int64_t i = 0; i < 64 * n; i++) X[i] = (float)(i % 11) * 0.05f - 0.25f;
+    printf("\nggml_matmul %lld x %lld, n_tok tokens, %s, threads %d: us per token (f32 / q8)\n", (long long)rows,
+           (long long)n, kvpq_simd_name(best), omp_get_max_threads());
+    const uint32_t gtypes[] = {GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q4_1, GGML_TYPE_Q8_0};
+    printf("%-6s", "n_tok");
+    for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) printf(" %15lld", (long long)toks[k]);
+    printf("\n");
+    for (size_t g = 0; g < sizeof gtypes / sizeof gtypes[0]; g++) {
+        uint8_t *w = random_weights(gtypes[g], rows, n);
+        printf("%-6s", ggml_type_name(gtypes[g]));
+        for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) {
+            int64_t nt = toks[k];
+            int rr = reps > 5 ? 5 : reps;
+            double tf = TIME(rr, ggml_matmul(gtypes[g], w, rows, n, nt, X, Y));
+            double tq = TIME(rr, ggml_matmul_q8(gtypes[g], w, rows, n, nt, X, Y));
+            printf(" %7.0f / %5.0f", tf * 1e6 / (double)nt, tq * 1e6 / (double)nt);
+        }
+        printf("\n");
+        free(w);
+    }
+    free(X);
+    free(Y);
 
     gguf_file *f;
     if (gguf_open(&f, model) != KVPQ_OK) {
@@ -108,6 +148,10 @@ int main(int argc, char **argv) {
             int rl = l == 0 && r > 3 ? 3 : r;
             double tt = TIME(rl, one_token(t, nt, xm, ym));
             printf("%-10s %10.2f %8.2f %10.2f\n", kvpq_simd_name((kvpq_simd_level)l), tt * 1e3,
+                   (double)total / tt / 1e9, tc / tt);
+            if (l == 0) continue;
+            tt = TIME(rl, one_token_q8(t, nt, xm, ym));
+            printf("%-7s+q8 %10.2f %8.2f %10.2f\n", kvpq_simd_name((kvpq_simd_level)l), tt * 1e3,
                    (double)total / tt / 1e9, tc / tt);
         }
         free(xm);

@@ -173,6 +173,27 @@ def kvpq_speed(a, model, prompt_ids, n_gen, which, kvpq=None):
     return float(re.findall(r"\(([0-9.]+) tok/s\)", err)[which])
 
 
+def simd_levels(a):
+    """The instruction set each engine runs: kvpq's SIMD level from `kvpq --version` (and KVPQ_ACT, its
+    activation path: auto = 8-bit activations below 32 tokens); llama.cpp's from its build's
+    CMakeCache.txt as scripts/build_llama_peer.sh reports it (GGML_NATIVE: the compiler's
+    instruction-set macros for -march=native; else the GGML_<ISA> options that are on)."""
+    out, _ = run([a.kvpq, "--version"])
+    m = re.search(r"^simd (\S+)", out, re.M)
+    kv = f"{m.group(1) if m else '?'} (KVPQ_ACT={os.environ.get('KVPQ_ACT', 'auto')})"
+    cache = os.path.join(os.path.dirname(os.path.abspath(a.llama_bin)), "CMakeCache.txt")
+    if not os.path.exists(cache):
+        return kv, f"unknown (no {cache})"
+    text = open(cache).read()
+    if re.search(r"^GGML_NATIVE:BOOL=ON", text, re.M):
+        cc = re.search(r"^CMAKE_C_COMPILER:\w+=(.*)$", text, re.M)
+        p = subprocess.run([cc.group(1) if cc else "cc", "-march=native", "-dM", "-E", "-"], input="",
+                           capture_output=True, text=True)
+        macros = sorted(set(re.findall(r"^#define __(AVX512\w*|AVX2|AVXVNNI|FMA|F16C)__ ", p.stdout, re.M)))
+        return kv, "native: " + " ".join(macros)
+    return kv, "options: " + " ".join(re.findall(r"^GGML_(AVX\w*|FMA|F16C):BOOL=ON$", text, re.M))
+
+
 def median(xs):
     xs = sorted(xs)
     n = len(xs)
@@ -237,6 +258,8 @@ def main():
     a = ap.parse_args()
     skip = set(a.skip.split(",")) if a.skip else set()
     results = {}
+    simd_kvpq, simd_llama = simd_levels(a)
+    print(f"SIMD: kvpq {simd_kvpq}; llama.cpp {simd_llama}", flush=True)
     for name in a.models.split(","):
         model = os.path.join(ROOT, MODELS.get(name, name))
         r = results[name] = {"model": model}
@@ -292,7 +315,8 @@ def main():
         run_info = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                     "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "kvpq_commit": git.stdout.strip(),
                     "llama_bin": a.llama_bin, "kvpq": a.kvpq, "kvpq_base": a.kvpq_base, "llama_client": a.llama_client, "cpus": os.cpu_count(),
-                    "OMP_WAIT_POLICY": "PASSIVE"}
+                    "OMP_WAIT_POLICY": "PASSIVE",
+                    "simd_kvpq": simd_kvpq, "simd_llama": simd_llama}
         with open(a.json, "w") as f:
             json.dump({**results, "_run": run_info}, f, indent=1)
 

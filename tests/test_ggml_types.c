@@ -566,3 +566,180 @@ Test(ggml_types, matmul_blas_split_over_threads) {
     omp_set_num_threads(saved);
     openblas_set_num_threads(saved_blas);
 }
+
+/* ---- integer activations (ggml_matmul_q8) ---- */
+
+static const uint32_t q8_types[] = {GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+                                    GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
+
+/* Every block: d = max |x| / 127, |x - d q| <= d / 2 (+ 1 ulp of x), |q| <= 127, the 16-sums and xs
+ * as stated; an all-zero block is d = 0, q = 0; a block with a NaN or an Inf has d = NaN. */
+Test(ggml_types, quantize_act_row) {
+    const int64_t n = 160;
+    float x[160];
+    for (int64_t i = 0; i < n; i++) x[i] = rndf() * (i < 32 ? 1e-3f : 50.0f);
+    for (int j = 64; j < 96; j++) x[j] = 0.0f;
+    x[100] = NAN;
+    x[130] = INFINITY;
+    _Alignas(8) uint8_t buf[512];
+    cr_assert(ggml_q8_row_bytes(n) <= sizeof buf);
+    ggml_quantize_act_row(x, n, buf);
+    kvpq__q8row r = ggml_q8_row_at(buf, n);
+    for (int64_t b = 0; b < n / 32; b++) {
+        if (b >= 3) {
+            cr_assert(isnan(r.d[b]), "block %lld holds a NaN / Inf: d = %g", (long long)b, r.d[b]);
+            continue;
+        }
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
+        cr_assert_eq(r.d[b], amax / 127.0f, "block %lld: d %g, max/127 %g", (long long)b, r.d[b], amax / 127.0f);
+        int s[2] = {0, 0};
+        for (int j = 0; j < 32; j++) {
+            int q = r.qs[32 * b + j];
+            float v = x[32 * b + j];
+            cr_assert(q >= -127 && q <= 127);
+            cr_assert(fabsf(v - r.d[b] * (float)q) <= r.d[b] * 0.5f * (1 + 1e-6f) + 1e-7f * fabsf(v),
+                      "x[%lld] = %g, d q = %g", (long long)(32 * b + j), v, r.d[b] * (float)q);
+            s[j / 16] += q;
+        }
+        cr_assert_eq(r.s16[2 * b], s[0]);
+        cr_assert_eq(r.s16[2 * b + 1], s[1]);
+        cr_assert_eq(r.xs[b], r.d[b] * (float)(s[0] + s[1]));
+        if (b == 2) cr_assert(r.d[b] == 0 && s[0] == 0 && s[1] == 0, "zero block");
+    }
+}
+
+/* Row sums for the bounds: aq[r] = sum_j |w_j| |d_b q_j| (the scale of the kernel's float rounding)
+ * and rnd[r] = sum_b (d_b / 2) sum_{j in b} |w_j| (the activation rounding: how far the q8 result
+ * may be from the float32 one). */
+static void q8_bounds(uint32_t type, const uint8_t *w, int64_t n_rows, int64_t n, const float *x, float *aq,
+                      float *rnd_) {
+    float *row = malloc((size_t)n * sizeof *row);
+    uint8_t *qb = malloc(ggml_q8_row_bytes(n));
+    ggml_quantize_act_row(x, n, qb);
+    kvpq__q8row q = ggml_q8_row_at(qb, n);
+    size_t rb = ggml_row_size(type, n);
+    for (int64_t r = 0; r < n_rows; r++) {
+        ggml_dequantize_row_ref(type, w + (size_t)r * rb, row, n);
+        double s = 0, e = 0;
+        for (int64_t i = 0; i < n; i++) {
+            s += fabs((double)row[i] * q.d[i / 32] * q.qs[i]);
+            e += fabs((double)row[i]) * q.d[i / 32] * 0.5;
+        }
+        aq[r] = (float)s;
+        rnd_[r] = (float)e;
+    }
+    free(row);
+    free(qb);
+}
+
+/* The integer kernels of every level against the _ref (the same math in float: within 1e-5 of the
+ * absolute sum, from the weight scales' float rounding and the sum order), and against the float32
+ * path within the activation rounding bound; token counts 1 (decode), 2, 5 (a tile of 4 and one
+ * left), 9; lengths of an odd and an even number of blocks. */
+Test(ggml_types, q8_matmul_matches_ref_and_f32) {
+    kvpq_simd_level best = kvpq_simd_get();
+    int64_t shapes[][2] = {{1, 96}, {17, 576}, {33, 1536}};
+    int64_t toks[] = {1, 2, 5, 9};
+    for (int lvl = 0; lvl <= (int)best; lvl++) {
+        cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lvl), KVPQ_OK);
+        for (size_t ti = 0; ti < sizeof q8_types / sizeof q8_types[0]; ti++) {
+            uint32_t type = q8_types[ti];
+            cr_assert(ggml_q8_supported(type));
+            for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+                int64_t n_rows = shapes[si][0], n = shapes[si][1];
+                if (ggml_blck_size(type) == 256) n = (n + 255) / 256 * 256;
+                uint8_t *w = random_rows(type, n_rows, n);
+                for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) {
+                    int64_t nt = toks[k];
+                    size_t ny = (size_t)(nt * n_rows) * 4;
+                    float *X = malloc((size_t)(nt * n) * 4), *Y = malloc(ny), *Yr = malloc(ny), *Yf = malloc(ny),
+                          *aq = malloc((size_t)n_rows * 4), *er = malloc((size_t)n_rows * 4);
+                    for (int64_t i = 0; i < nt * n; i++) X[i] = rndf() * (i % 7 == 0 ? 4.0f : 1.0f);
+                    cr_assert(ggml_matmul_q8(type, w, n_rows, n, nt, X, Y));
+                    ggml_matmul_q8_ref(type, w, n_rows, n, nt, X, Yr);
+                    ggml_matmul_ref(type, w, n_rows, n, nt, X, Yf);
+                    for (int64_t t = 0; t < nt; t++) {
+                        q8_bounds(type, w, n_rows, n, X + t * n, aq, er);
+                        for (int64_t r = 0; r < n_rows; r++) {
+                            float y = Y[t * n_rows + r], yr = Yr[t * n_rows + r], yf = Yf[t * n_rows + r];
+                            cr_assert(fabsf(y - yr) <= 1e-5f * aq[r] + 1e-30f,
+                                      "%s %s q8 (%lld x %lld) n_tok %lld: y[%lld][%lld] = %.9g, ref %.9g (|sum| %g)",
+                                      kvpq_simd_name((kvpq_simd_level)lvl), ggml_type_name(type), (long long)n_rows,
+                                      (long long)n, (long long)nt, (long long)t, (long long)r, y, yr, aq[r]);
+                            cr_assert(fabsf(y - yf) <= er[r] * 1.0001f + 1e-5f * aq[r],
+                                      "%s %s q8 vs f32: y[%lld][%lld] = %.9g, f32 %.9g, rounding bound %g",
+                                      kvpq_simd_name((kvpq_simd_level)lvl), ggml_type_name(type), (long long)t,
+                                      (long long)r, y, yf, er[r]);
+                        }
+                    }
+                    free(X);
+                    free(Y);
+                    free(Yr);
+                    free(Yf);
+                    free(aq);
+                    free(er);
+                }
+                free(w);
+            }
+        }
+    }
+    kvpq_simd_set(best);
+    /* a NaN or an Inf in the activations: every product of that token is NaN (never finite) */
+    for (size_t ti = 0; ti < sizeof q8_types / sizeof q8_types[0]; ti++) {
+        uint8_t *w = random_rows(q8_types[ti], 3, 512);
+        float X[2 * 512], Y[6];
+        for (int i = 0; i < 2 * 512; i++) X[i] = rndf();
+        X[512 + 300] = ti % 2 ? NAN : INFINITY;
+        cr_assert(ggml_matmul_q8(q8_types[ti], w, 3, 512, 2, X, Y));
+        for (int r = 0; r < 3; r++)
+            cr_assert(isfinite(Y[r]) && isnan(Y[3 + r]), "%s: token 0 row %d = %g, token 1 (non-finite x) = %g",
+                      ggml_type_name(q8_types[ti]), r, Y[r], Y[3 + r]);
+        free(w);
+    }
+    cr_assert(!ggml_q8_supported(GGML_TYPE_F16) && !ggml_q8_supported(GGML_TYPE_Q2_K));
+    float x[32] = {0}, y[1];
+    cr_assert(!ggml_matmul_q8(GGML_TYPE_F16, x, 1, 32, 1, x, y), "no integer kernel for F16: 0, the caller's f32");
+}
+
+/* Several matrices in one region (a layer's Q, K, V) give exactly one call each: the same kernels
+ * on the same rows; types mixed as in a Q4_K_M file. The float32 form refuses (0) what it has no
+ * kernel for, and the scalar level. */
+Test(ggml_types, multi_matrix_regions_equal_one_call_each) {
+    const int64_t n = 512, rows[3] = {100, 36, 36};
+    const uint32_t types[3] = {GGML_TYPE_Q4_K, GGML_TYPE_Q4_1, GGML_TYPE_Q6_K};
+    uint8_t *w[3];
+    float *y1[3], *y2[3], x[3 * 512];
+    for (int64_t i = 0; i < 3 * n; i++) x[i] = rndf();
+    ggml_mat mats[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = random_rows(types[i], rows[i], n);
+        y1[i] = malloc((size_t)(3 * rows[i]) * 4);
+        y2[i] = malloc((size_t)(3 * rows[i]) * 4);
+        mats[i] = (ggml_mat){types[i], w[i], rows[i], y2[i]};
+    }
+    for (int64_t nt = 1; nt <= 3; nt += 2) {
+        cr_assert(ggml_matmul_q8_multi(mats, 3, n, nt, x));
+        for (int i = 0; i < 3; i++) {
+            cr_assert(ggml_matmul_q8(types[i], w[i], rows[i], n, nt, x, y1[i]));
+            cr_assert(!memcmp(y1[i], y2[i], (size_t)(nt * rows[i]) * 4), "q8 multi, matrix %d, n_tok %lld", i,
+                      (long long)nt);
+        }
+    }
+    cr_assert(ggml_matvec_multi(mats, 3, n, x));
+    for (int i = 0; i < 3; i++) {
+        ggml_matvec(types[i], w[i], rows[i], n, x, y1[i]);
+        cr_assert(!memcmp(y1[i], y2[i], (size_t)rows[i] * 4), "f32 multi, matrix %d", i);
+    }
+    ggml_mat q2 = {GGML_TYPE_Q2_K, w[0], 1, y2[0]};
+    cr_assert(!ggml_matvec_multi(&q2, 1, n, x), "Q2_K has 16-element sums: refused");
+    kvpq_simd_level best = kvpq_simd_get();
+    kvpq_simd_set(KVPQ_SIMD_SCALAR);
+    cr_assert(!ggml_matvec_multi(mats, 3, n, x), "scalar level: refused");
+    kvpq_simd_set(best);
+    for (int i = 0; i < 3; i++) {
+        free(w[i]);
+        free(y1[i]);
+        free(y2[i]);
+    }
+}

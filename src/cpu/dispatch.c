@@ -80,7 +80,7 @@ static void fill_ref(kvpq_cpu_kernels *t) {
     t->dot_f32 = kvpq__dot_f32_ref;
     t->glu[KVPQ_GLU_SILU] = glu_silu_ref;
     t->glu[KVPQ_GLU_GELU_TANH] = glu_gelu_tanh_ref;
-    for (int ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) t->ggml_matvec[ty] = NULL, t->ggml_dequant[ty] = NULL;
+    for (int ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) t->ggml_matvec[ty] = NULL, t->ggml_dequant[ty] = NULL, t->ggml_qmatmul[ty] = NULL;
 }
 
 #if defined(__x86_64__)
@@ -98,7 +98,9 @@ static void fill_ref(kvpq_cpu_kernels *t) {
             kvpq__matvec_fn mv = kvpq__ggml_matvec_##ISA(ty);                                 \
             kvpq__dequant_fn dq = kvpq__ggml_dequant_##ISA(ty);                               \
             if (mv) t->ggml_matvec[ty] = mv;                                                  \
+            kvpq__qmatmul_fn qm = kvpq__ggml_qmatmul_##ISA(ty);                               \
             if (dq) t->ggml_dequant[ty] = dq;                                                 \
+            if (qm) t->ggml_qmatmul[ty] = qm;                                                 \
         }                                                                                     \
     }
 FILL_ISA(avx2, KVPQ_SIMD_AVX2)
@@ -113,6 +115,12 @@ static void tables_init(void) {
     fill_avx2(&tables[KVPQ_SIMD_AVX2]);
     tables[KVPQ_SIMD_AVX512] = tables[KVPQ_SIMD_AVX2];
     fill_avx512(&tables[KVPQ_SIMD_AVX512]);
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni")) /* vpdpbusd for the integer-activation kernels */
+        for (uint32_t ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) {
+            kvpq__qmatmul_fn qm = kvpq__ggml_qmatmul_avx512vnni(ty);
+            if (qm) tables[KVPQ_SIMD_AVX512].ggml_qmatmul[ty] = qm;
+        }
 #endif
 }
 

@@ -50,6 +50,9 @@ typedef struct {
      * has none; model/ggml_types.c then uses its _ref (the GGUF type specs live there). */
     kvpq__matvec_fn ggml_matvec[KVPQ_GGML_TYPE_SLOTS];
     kvpq__dequant_fn ggml_dequant[KVPQ_GGML_TYPE_SLOTS];
+    /* Integer-activation matvec / GEMM by type number (ggml_kernels.h); NULL where the level has
+     * none (the scalar level: ggml_types.c's _ref). */
+    kvpq__qmatmul_fn ggml_qmatmul[KVPQ_GGML_TYPE_SLOTS];
 } kvpq_cpu_kernels;
 
 /* The table of kvpq_simd_get()'s level. Never NULL. */

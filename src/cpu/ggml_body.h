@@ -11,7 +11,10 @@
  *      accumulators, one vf_reduce_add per row); a type whose block does not fit that shape writes
  *      its own `static void matvec_q4_k(W, rb, n_rows, n, x, xs, y)`. If its dequantization can be
  *      bit-exact, also `static void dequant_q4_k(const uint8_t *src, float *y, int64_t n)`;
- *   3. a `case GGML_TYPE_Q4_K:` in the two switches at the bottom (matvec and dequant).
+ *   3. a `case GGML_TYPE_Q4_K:` in the two switches at the bottom (matvec and dequant);
+ *   4. for 8-bit activations, its unpacking into unsigned bytes (`qb_<type>` + QMATMUL_BLOCKS for
+ *      32-element blocks, `qk_<type>` + QMATMUL_K for K-quant super-blocks) and a case in
+ *      kvpq__ggml_qmatmul's switch (section "integer activations" below).
  * Both ISAs pick it up from the one body; tests/test_ggml_types.c runs every level against the
  * _ref (KVPQ_SIMD=scalar|avx2|avx512 forces one). No new file, no CMake change. */
 #if defined(__clang__)
@@ -29,6 +32,16 @@
 #define BLK_F16(p, T, F) vs_h2f_at(KVPQ_BLK_AT(p, T, F))
 #define QV (32 / KVPQ_VW) /* vectors per 32-element block */
 
+/* Software prefetch distance of the 32-element block kernels, in bytes. */
+#define BPF_BYTES 1024
+/* A Q5 block's fifth bits: qh, 4 bytes little-endian (may be unaligned). */
+KVPQ_INLINE uint32_t q5_qh(const uint8_t *p) {
+    uint32_t h;
+    memcpy(&h, p, sizeof h);
+    return h; /* x86: little-endian, as the file */
+}
+
+#if !defined(KVPQ_GGML_Q8_ONLY) /* float32-activation kernels (not in the VNNI build: ggml_avx512vnni.c) */
 // ---- block unpacking ------------------------------------------------------------------------------
 
 /* 16 bytes of nibbles -> the 32 unsigned values of a Q4 block, as QV vectors. */
@@ -58,9 +71,6 @@ KVPQ_INLINE kvpq_vf block_dot(const kvpq_vf f[QV], const float *x) {
  * contribution (offset terms times xs, the block sums of x), to be multiplied by the walker's
  * off_scale. So a block contributes d * dot + off_scale * off. */
 typedef void (*blk_fn)(const uint8_t *p, const float *x, const float *xs, kvpq_vf *dot, float *d, float *off);
-
-/* Software prefetch distance of the 32-element block kernels, in bytes. */
-#define BPF_BYTES 1024
 
 /* Rows of blocks of bs bytes and qk elements: two blocks at a time into two accumulators (latency),
  * then the leftover block; offsets summed in a float beside; one vf_reduce_add per row.
@@ -110,13 +120,6 @@ KVPQ_INLINE void blk_q4_0(const uint8_t *p, const float *x, const float *xs, kvp
     *dot = block_dot(f, x);
     *d = BLK_F16(p, block_q4_0, d);
     *off = *d * xs[0];
-}
-
-/* A Q5 block's fifth bits: qh, 4 bytes little-endian (may be unaligned). */
-KVPQ_INLINE uint32_t q5_qh(const uint8_t *p) {
-    uint32_t h;
-    memcpy(&h, p, sizeof h);
-    return h; /* x86: little-endian, as the file */
 }
 
 /* Q5_0: w = (q - 16)*d, so a block gives d * (q . x) - 16 * d * sum(x). */
@@ -187,6 +190,8 @@ static void matvec_f32(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, 
 MATVEC_16BIT(matvec_f16, vf_load_f16, kvpq__h2f)
 MATVEC_16BIT(matvec_bf16, vf_load_bf16, kvpq__bf2f)
 
+#endif /* !KVPQ_GGML_Q8_ONLY */
+
 // ---- K-quants (Q2_K .. Q6_K: super-blocks of QK_K = 256, layouts in core/ggml_common.h) -----------
 /* A block's quants are unpacked to 256 bytes by plain loops (the compiler vectorizes them at this
  * file's ISA width), its sub-block scales d * sc (exact in float32) converted W at a time; then each
@@ -210,6 +215,7 @@ KVPQ_INLINE void k4_scales(const uint8_t *s, uint64_t *sc, uint64_t *m) {
     *m = (uint64_t)(b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
 }
 
+#if !defined(KVPQ_GGML_Q8_ONLY) /* float32-activation kernels (not in the VNNI build: ggml_avx512vnni.c) */
 /* out[j] = d * p[j] for j < n (n a multiple of 8; p and out hold max(n, W) entries). */
 KVPQ_INLINE void scales_u8(float d, const uint8_t *p, int n, float *out) {
     for (int j = 0; j < n; j += W) vf_store(out + j, vf_mul(vf_set1(d), vf_load_u8(p + j)));
@@ -301,6 +307,8 @@ KVPQ_INLINE kvpq_vf kmins(const float *ml, const float *xs, int n, kvpq_vf acc) 
     return acc;
 }
 
+#endif /* !KVPQ_GGML_Q8_ONLY */
+
 #define MAXW(n) ((n) > W ? (n) : W) /* arrays that a W-lane store may fill */
 
 /* Software prefetch of the block KPF_DIST blocks ahead, every cache line of it, into all cache
@@ -315,6 +323,7 @@ KVPQ_INLINE kvpq_vf kmins(const float *ml, const float *xs, int n, kvpq_vf acc) 
             __builtin_prefetch((const char *)(p) + KPF_DIST * (bs) + pf_, 0, 3); \
     } while (0)
 
+#if !defined(KVPQ_GGML_Q8_ONLY) /* float32-activation kernels (not in the VNNI build: ggml_avx512vnni.c) */
 /* xs: (n / 16) sums of x over 16-element groups, Q2_K's sub-blocks. */
 static void matvec_q2_K(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const float *x, const float *xs,
                         float *y) {
@@ -458,9 +467,224 @@ static void dequant_q6_K(const uint8_t *p, float *y, int64_t n) {
     }
 }
 
+#endif /* !KVPQ_GGML_Q8_ONLY */
+
+// ---- integer activations: 8-bit activation blocks, integer dot products ---------------------------
+/* The kernels behind kvpq__qmatmul_fn (ggml_kernels.h). A weight block's quants are unpacked once
+ * into unsigned bytes, one kvpq_vb per 32 elements (Q8_0: signed, folded by vb_sign_fold), and
+ * dotted with the matching 32 bytes of each of up to QT activation rows (a prefill reads each block
+ * once per QT tokens; decode has one). Each dot's 8 int32 lanes are converted and scaled by
+ * (weight scale) * (activation block scale) into a float accumulator; the weights' offsets (Q4_0
+ * -8, Q5_0 -16, Q6_K -32) and mins (Q4_1, Q5_1, Q4_K, Q5_K) are applied once per block through the
+ * activation block sums (xs, or s16 where Q6_K's scales are per 16). Exact integer dots (maddubs
+ * pair sums stay below 2^15: quants <= 128 unsigned, activations in [-127, 127]), so the result is
+ * the _ref's (ggml_matmul_q8_ref) up to float rounding of the weight scales and the sum order. */
+
+/* Activation rows per pass over a weight block. */
+#define QT 4
+
+/* A block of a 32-element type: unsigned quants u (Q8_0: signed), scale d, and m, the coefficient
+ * of the activation block sum xs (the min; -8 d, -16 d for the offsets; 0 for Q8_0). */
+typedef struct {
+    kvpq_vb u;
+    float d, m;
+} qb32;
+
+KVPQ_INLINE qb32 qb_q4_0(const uint8_t *p) {
+    float d = BLK_F16(p, block_q4_0, d);
+    return (qb32){vb_nibbles32(KVPQ_BLK_AT(p, block_q4_0, qs)), d, -8.0f * d};
+}
+KVPQ_INLINE qb32 qb_q4_1(const uint8_t *p) {
+    return (qb32){vb_nibbles32(KVPQ_BLK_AT(p, block_q4_1, qs)), BLK_F16(p, block_q4_1, d), BLK_F16(p, block_q4_1, m)};
+}
+KVPQ_INLINE qb32 qb_q5_0(const uint8_t *p) {
+    float d = BLK_F16(p, block_q5_0, d);
+    return (qb32){vb_q5_32(KVPQ_BLK_AT(p, block_q5_0, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_0, qh))), d, -16.0f * d};
+}
+KVPQ_INLINE qb32 qb_q5_1(const uint8_t *p) {
+    return (qb32){vb_q5_32(KVPQ_BLK_AT(p, block_q5_1, qs), q5_qh(KVPQ_BLK_AT(p, block_q5_1, qh))),
+                  BLK_F16(p, block_q5_1, d), BLK_F16(p, block_q5_1, m)};
+}
+KVPQ_INLINE qb32 qb_q8_0(const uint8_t *p) {
+    return (qb32){vb_load(KVPQ_BLK_AT(p, block_q8_0, qs)), BLK_F16(p, block_q8_0, d), 0.0f};
+}
+typedef qb32 (*qb32_fn)(const uint8_t *p);
+
+/* One block's contribution to token row x: acc += (u . qs_b) * d * d_b; accm += m * xs_b. */
+KVPQ_INLINE void qb32_dot(qb32 q, int is_signed, const kvpq__q8row *x, int64_t b, kvpq_vf8 *acc, float *accm) {
+    kvpq_vb u = q.u, s = vb_load(x->qs + 32 * b);
+    if (is_signed) vb_sign_fold(&u, &s);
+    *acc = v8_fma(v8_from_vi(vb_dot(u, s)), v8_set1(q.d * x->d[b]), *acc);
+    *accm += q.m * x->xs[b];
+}
+
+/* Rows r < n_rows of T (a constant: QT or 1) activation rows X[0 .. T): blocks in pairs into two
+ * accumulators per row (latency), the leftover block into the first. */
+KVPQ_INLINE void qmm_blocks_T(qb32_fn unpack, size_t bs, int is_signed, int T, const uint8_t *W_, size_t rb,
+                              int64_t n_rows, int64_t n, const kvpq__q8row *X, float *Y, int64_t ldy) {
+    const int64_t nb = n / 32;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        kvpq_vf8 acc0[QT], acc1[QT];
+        float accm0[QT], accm1[QT]; /* two chains for the scalar terms too (their latency bound the loop) */
+        for (int t = 0; t < T; t++) acc0[t] = v8_zero(), acc1[t] = v8_zero(), accm0[t] = accm1[t] = 0;
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2, p += 2 * bs) {
+            __builtin_prefetch(p + BPF_BYTES, 0, 3);
+            qb32 q0 = unpack(p), q1 = unpack(p + bs);
+            for (int t = 0; t < T; t++) {
+                qb32_dot(q0, is_signed, X + t, b, &acc0[t], &accm0[t]);
+                qb32_dot(q1, is_signed, X + t, b + 1, &acc1[t], &accm1[t]);
+            }
+        }
+        if (b < nb) {
+            qb32 q0 = unpack(p);
+            for (int t = 0; t < T; t++) qb32_dot(q0, is_signed, X + t, b, &acc0[t], &accm0[t]);
+        }
+        for (int t = 0; t < T; t++) Y[t * ldy + r] = v8_reduce_add(v8_add(acc0[t], acc1[t])) + (accm0[t] + accm1[t]);
+    }
+}
+
+/* Token rows in tiles of QT, then one at a time. */
+#define QMM_TILES(FN, ...)                                                                              \
+    do {                                                                                                \
+        int64_t t0_ = 0;                                                                                \
+        for (; t0_ + QT <= n_tok; t0_ += QT) FN(__VA_ARGS__, QT, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy); \
+        for (; t0_ < n_tok; t0_++) FN(__VA_ARGS__, 1, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy);  \
+    } while (0)
+
+#define QMATMUL_BLOCKS(TYPE, BLOCK, SIGNED)                                                                      \
+    static void qmatmul_##TYPE(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const kvpq__q8row *X,   \
+                               int64_t n_tok, float *Y, int64_t ldy) {                                          \
+        QMM_TILES(qmm_blocks_T, qb_##TYPE, sizeof(BLOCK), SIGNED);                                               \
+    }
+QMATMUL_BLOCKS(q4_0, block_q4_0, 0)
+QMATMUL_BLOCKS(q4_1, block_q4_1, 0)
+QMATMUL_BLOCKS(q5_0, block_q5_0, 0)
+QMATMUL_BLOCKS(q5_1, block_q5_1, 0)
+QMATMUL_BLOCKS(q8_0, block_q8_0, 1)
+
+/* A K-quant super-block (256 elements, 8 sub-blocks of 32): u[k] the unsigned quants of sub-block
+ * k; dw lane k its float scale; Q4_K / Q5_K: mn lane k the coefficient of xs (-dmin * min); Q6_K:
+ * w16[k] its two per-16 integer scales (vw_pair), sc16 all 16, and c = -32 d, the coefficient of
+ * sum_g sc_g s16_g (its quants are q + 32). */
+typedef struct {
+    kvpq_vb u[8];
+    kvpq_vf8 dw, mn;
+    __m256i w16[8], sc16;
+    float c;
+} qbk;
+
+KVPQ_INLINE void qk_q4_K(const uint8_t *p, qbk *q) {
+    uint64_t sc, m;
+    k4_scales(KVPQ_BLK_AT(p, block_q4_K, scales), &sc, &m);
+    q->dw = v8_mul(v8_set1(BLK_F16(p, block_q4_K, d)), v8_from_u8x8(sc));
+    q->mn = v8_mul(v8_set1(-BLK_F16(p, block_q4_K, dmin)), v8_from_u8x8(m));
+    const uint8_t *qs = KVPQ_BLK_AT(p, block_q4_K, qs);
+    for (int c = 0; c < 4; c++) {
+        kvpq_vb v = vb_load(qs + 32 * c);
+        q->u[2 * c] = vb_bits(v, 0, 4);
+        q->u[2 * c + 1] = vb_bits(v, 4, 4);
+    }
+}
+
+/* Q5_K: Q4_K's nibbles plus bit k of qh[l] as bit 4 of sub-block k's element l. */
+KVPQ_INLINE void qk_q5_K(const uint8_t *p, qbk *q) {
+    uint64_t sc, m;
+    k4_scales(KVPQ_BLK_AT(p, block_q5_K, scales), &sc, &m);
+    q->dw = v8_mul(v8_set1(BLK_F16(p, block_q5_K, d)), v8_from_u8x8(sc));
+    q->mn = v8_mul(v8_set1(-BLK_F16(p, block_q5_K, dmin)), v8_from_u8x8(m));
+    const uint8_t *qs = KVPQ_BLK_AT(p, block_q5_K, qs);
+    kvpq_vb qh = vb_load(KVPQ_BLK_AT(p, block_q5_K, qh));
+    for (int c = 0; c < 4; c++) {
+        kvpq_vb v = vb_load(qs + 32 * c);
+        q->u[2 * c] = vb_or(vb_bits(v, 0, 4), vb_shl(vb_bits(qh, 2 * c, 1), 4));
+        q->u[2 * c + 1] = vb_or(vb_bits(v, 4, 4), vb_shl(vb_bits(qh, 2 * c + 1, 1), 4));
+    }
+}
+
+/* Q6_K: q + 32 in 0..63 from 4 bits of ql and 2 of qh (unpack_q6_K's order). */
+KVPQ_INLINE void qk_q6_K(const uint8_t *p, qbk *q) {
+    const uint8_t *ql = KVPQ_BLK_AT(p, block_q6_K, ql), *qhp = KVPQ_BLK_AT(p, block_q6_K, qh);
+    float d = BLK_F16(p, block_q6_K, d);
+    q->dw = v8_set1(d);
+    q->c = -32.0f * d;
+    q->sc16 = vw_from_i8x16((const int8_t *)KVPQ_BLK_AT(p, block_q6_K, scales));
+    for (int h = 0; h < 2; h++) {
+        kvpq_vb l0 = vb_load(ql + 64 * h), l1 = vb_load(ql + 64 * h + 32), qh = vb_load(qhp + 32 * h);
+        q->u[4 * h + 0] = vb_or(vb_bits(l0, 0, 4), vb_shl(vb_bits(qh, 0, 2), 4));
+        q->u[4 * h + 1] = vb_or(vb_bits(l1, 0, 4), vb_shl(vb_bits(qh, 2, 2), 4));
+        q->u[4 * h + 2] = vb_or(vb_bits(l0, 4, 4), vb_shl(vb_bits(qh, 4, 2), 4));
+        q->u[4 * h + 3] = vb_or(vb_bits(l1, 4, 4), vb_shl(vb_bits(qh, 6, 2), 4));
+    }
+    for (int k = 0; k < 8; k++) q->w16[k] = vw_pair(q->sc16, k);
+}
+typedef void (*qk_fn)(const uint8_t *p, qbk *q);
+
+/* Super-block i's contribution to token row x: acc[k % 2] += (u_k . qs) * dw_k * d_{8i+k} for each
+ * sub-block k (Q6_K: the dot weighted per 16 by its integer scales); accm += the offsets / mins. */
+KVPQ_INLINE void qk_dot(const qbk *q, int is_q6, const kvpq__q8row *x, int64_t i, kvpq_vf8 acc[2],
+                        kvpq_vf8 *accm) {
+    const int8_t *qs = x->qs + 256 * i;
+    kvpq_vf8 dx = v8_load(x->d + 8 * i);
+    float s[8];
+    v8_store(s, v8_mul(q->dw, dx));
+    for (int k = 0; k < 8; k++) {
+        kvpq_vb a = vb_load(qs + 32 * k);
+        kvpq_vi8 iv = is_q6 ? vb_dot_w16(q->u[k], a, q->w16[k]) : vb_dot(q->u[k], a);
+        acc[k & 1] = v8_fma(v8_from_vi(iv), v8_set1(s[k]), acc[k & 1]);
+    }
+    if (is_q6)
+        *accm = v8_fma(v8_from_vi(vw_madd(q->sc16, vw_load(x->s16 + 16 * i))), v8_mul(v8_set1(q->c), dx), *accm);
+    else
+        *accm = v8_fma(q->mn, v8_load(x->xs + 8 * i), *accm);
+}
+
+KVPQ_INLINE void qmm_k_T(qk_fn unpack, size_t bs, int is_q6, int T, const uint8_t *W_, size_t rb, int64_t n_rows,
+                         int64_t n, const kvpq__q8row *X, float *Y, int64_t ldy) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        kvpq_vf8 acc[QT][2], accm[QT];
+        for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = accm[t] = v8_zero();
+        for (int64_t i = 0; i < n / QK_K; i++, p += bs) {
+            KPREFETCH(p, bs);
+            qbk q;
+            unpack(p, &q);
+            for (int t = 0; t < T; t++) qk_dot(&q, is_q6, X + t, i, acc[t], &accm[t]);
+        }
+        for (int t = 0; t < T; t++) Y[t * ldy + r] = v8_reduce_add(v8_add(v8_add(acc[t][0], acc[t][1]), accm[t]));
+    }
+}
+
+#define QMATMUL_K(TYPE, BLOCK, IS_Q6)                                                                            \
+    static void qmatmul_##TYPE(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const kvpq__q8row *X,   \
+                               int64_t n_tok, float *Y, int64_t ldy) {                                          \
+        QMM_TILES(qmm_k_T, qk_##TYPE, sizeof(BLOCK), IS_Q6);                                                     \
+    }
+QMATMUL_K(q4_K, block_q4_K, 0)
+QMATMUL_K(q5_K, block_q5_K, 0)
+QMATMUL_K(q6_K, block_q6_K, 1)
+#undef QMM_TILES
+#undef QT
+
+kvpq__qmatmul_fn KVPQ_ISA_FN(kvpq__ggml_qmatmul)(uint32_t type) {
+    switch (type) {
+    case GGML_TYPE_Q4_0: return qmatmul_q4_0;
+    case GGML_TYPE_Q4_1: return qmatmul_q4_1;
+    case GGML_TYPE_Q5_0: return qmatmul_q5_0;
+    case GGML_TYPE_Q5_1: return qmatmul_q5_1;
+    case GGML_TYPE_Q8_0: return qmatmul_q8_0;
+    case GGML_TYPE_Q4_K: return qmatmul_q4_K;
+    case GGML_TYPE_Q5_K: return qmatmul_q5_K;
+    case GGML_TYPE_Q6_K: return qmatmul_q6_K;
+    }
+    return NULL;
+}
+
 #undef MAXW
 #undef KBLK_AT
 
+#if !defined(KVPQ_GGML_Q8_ONLY) /* float32-activation kernels (not in the VNNI build: ggml_avx512vnni.c) */
 kvpq__matvec_fn KVPQ_ISA_FN(kvpq__ggml_matvec)(uint32_t type) {
     switch (type) {
     case GGML_TYPE_F32: return matvec_f32;
@@ -581,6 +805,7 @@ kvpq__glu_fn KVPQ_ISA_FN(kvpq__glu)(kvpq_glu_kind kind) {
     }
 }
 
+#endif /* !KVPQ_GGML_Q8_ONLY */
 #undef GELU_2C
 #undef W
 #undef BLK_F16

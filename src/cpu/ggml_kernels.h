@@ -17,6 +17,26 @@
  * other types); y: (n_rows). */
 typedef void (*kvpq__matvec_fn)(const uint8_t *W, size_t row_bytes, int64_t n_rows, int64_t n, const float *x,
                                 const float *xs, float *y);
+/* One row of n activations (n a multiple of 32) quantized to 8 bits in 32-element blocks b:
+ * x[32 b + j] ~ d[b] * qs[32 b + j] with qs in [-127, 127] and d[b] = max_j |x[32 b + j]| / 127;
+ * s16: (n/16) the integer sums of qs over 16-element groups; xs: (n/32) d[b] * (s16[2b] + s16[2b+1]),
+ * the block sums of the quantized x (the offsets and mins of the weights go through them). Written
+ * by ggml_quantize_act_row (model/ggml_types.h). */
+typedef struct {
+    const int8_t *qs;
+    const float *d;
+    const int16_t *s16;
+    const float *xs;
+} kvpq__q8row;
+
+/* Y[t * ldy + r] = dot(row r of W, x_t) for r < n_rows, t < n_tok, x_t the quantized activation
+ * row X[t] (n elements): integer dot products of each 32-element block of quants with qs, scaled by
+ * the block's weight scale times d, plus the weights' offsets and mins times s16 / xs. W as for
+ * kvpq__matvec_fn. The _ref (model/ggml_types.c ggml_matmul_q8_ref) is the same sum over the _ref's
+ * dequantized weights in float. */
+typedef void (*kvpq__qmatmul_fn)(const uint8_t *W, size_t row_bytes, int64_t n_rows, int64_t n,
+                                 const kvpq__q8row *X, int64_t n_tok, float *Y, int64_t ldy);
+
 /* dot(a, b) over n float32. */
 typedef float (*kvpq__dot_fn)(const float *a, const float *b, int64_t n);
 /* Dequantize n elements (a multiple of the block size) of a row; bit-exact with the _ref. */
@@ -39,6 +59,10 @@ kvpq__glu_fn kvpq__glu_avx512(kvpq_glu_kind kind);
 kvpq__matvec_fn kvpq__ggml_matvec_avx2(uint32_t type);
 kvpq__matvec_fn kvpq__ggml_matvec_avx512(uint32_t type);
 kvpq__dequant_fn kvpq__ggml_dequant_avx2(uint32_t type);
+kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx2(uint32_t type);
+kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx512(uint32_t type);
+/* The same compiled with AVX512_VNNI (ggml_avx512vnni.c): for CPUs that have it. */
+kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx512vnni(uint32_t type);
 kvpq__dequant_fn kvpq__ggml_dequant_avx512(uint32_t type);
 float kvpq__dot_f32_avx2(const float *a, const float *b, int64_t n);
 float kvpq__dot_f32_avx512(const float *a, const float *b, int64_t n);

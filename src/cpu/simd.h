@@ -56,7 +56,11 @@
 #endif
 #include <immintrin.h>
 #define KVPQ_VW 16
+#if defined(KVPQ_ISA_SUFFIX) /* a variant of this ISA with more extensions (ggml_avx512vnni.c) */
+#define KVPQ_ISA_FN(name) KVPQ_CAT(name, KVPQ_ISA_SUFFIX)
+#else
 #define KVPQ_ISA_FN(name) KVPQ_CAT(name, avx512)
+#endif
 #define KVPQ_ISA_NAME "avx512"
 typedef __m512 kvpq_vf;
 typedef __m512i kvpq_vi;
@@ -342,8 +346,9 @@ KVPQ_INLINE void vf_load_nibbles32(const uint8_t *p, kvpq_vf f[32 / KVPQ_VW]) {
 /* A Q5 block's 32 unsigned values 0..31 (ggml's Q5_0 / Q5_1 order): element j < 16 is the low nibble
  * of qs[j] plus 16 * bit j of qh, element j + 16 the high nibble of qs[j] plus 16 * bit j + 16. The
  * fifth bits become bytes 0x10 / 0 in registers: a mask register at AVX-512 (BW, VL); at AVX2 byte j
- * takes byte j / 8 of qh (pshufb), keeps bit j % 8 and compares it with that bit. */
-KVPQ_INLINE void vf_load_q5_32(const uint8_t *qs, uint32_t qh, kvpq_vf f[32 / KVPQ_VW]) {
+ * takes byte j / 8 of qh (pshufb), keeps bit j % 8 and compares it with that bit. As bytes, elements
+ * 0..15 in *lo and 16..31 in *hi: */
+KVPQ_INLINE void vq5__bytes(const uint8_t *qs, uint32_t qh, __m128i *lo, __m128i *hi) {
     const __m128i m4 = _mm_set1_epi8(0x0f), x10 = _mm_set1_epi8(0x10);
     __m128i q = _mm_loadu_si128((const __m128i *)qs);
 #if KVPQ_VW == 16
@@ -356,7 +361,95 @@ KVPQ_INLINE void vf_load_q5_32(const uint8_t *qs, uint32_t qh, kvpq_vf f[32 / KV
     __m128i h0 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b0, bit), bit), x10),
             h1 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b1, bit), bit), x10);
 #endif
-    vf__u8x32(_mm_or_si128(_mm_and_si128(q, m4), h0), _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), m4), h1), f);
+    *lo = _mm_or_si128(_mm_and_si128(q, m4), h0);
+    *hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), m4), h1);
+}
+/* ... and as 32 / W float vectors. */
+KVPQ_INLINE void vf_load_q5_32(const uint8_t *qs, uint32_t qh, kvpq_vf f[32 / KVPQ_VW]) {
+    __m128i lo, hi;
+    vq5__bytes(qs, qh, &lo, &hi);
+    vf__u8x32(lo, hi, f);
+}
+
+/* ---- 8-bit integer dot products (the integer-activation kernels of ggml_body.h) ----------------------
+ * kvpq_vb: one 32-element block of 8-bit values, 32 bytes, at both x86 widths (the AVX-512 build
+ * gets the same 256-bit forms, EVEX-encoded with 32 registers: a 64-byte vector would hold two
+ * blocks whose activation scales differ). Their dot products come out as kvpq_vi8 (8 int32 lanes,
+ * lane i the sum over bytes 4i .. 4i+3), converted exactly to kvpq_vf8 (8 float lanes). No scalar
+ * (W = 1) form: the scalar specification of these kernels is model/ggml_types.c's _ref. */
+typedef __m256i kvpq_vb;
+typedef __m256i kvpq_vi8;
+typedef __m256 kvpq_vf8;
+KVPQ_INLINE kvpq_vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+KVPQ_INLINE kvpq_vb vb_set1(int8_t x) { return _mm256_set1_epi8(x); }
+KVPQ_INLINE kvpq_vb vb_and(kvpq_vb a, kvpq_vb b) { return _mm256_and_si256(a, b); }
+KVPQ_INLINE kvpq_vb vb_or(kvpq_vb a, kvpq_vb b) { return _mm256_or_si256(a, b); }
+/* Shifts of 16-bit lanes: bits cross from one byte into the next, so callers mask the result. */
+KVPQ_INLINE kvpq_vb vb_shr(kvpq_vb v, int s) { return _mm256_srli_epi16(v, s); }
+KVPQ_INLINE kvpq_vb vb_shl(kvpq_vb v, int s) { return _mm256_slli_epi16(v, s); }
+/* Bits [s, s + bits) of every byte, as its value (0 .. 2^bits - 1). */
+KVPQ_INLINE kvpq_vb vb_bits(kvpq_vb v, int s, int bits) { return vb_and(vb_shr(v, s), vb_set1((int8_t)((1 << bits) - 1))); }
+/* 16 bytes of nibbles -> 32 values (low nibbles: elements 0..15, high: 16..31; ggml's Q4 order). */
+KVPQ_INLINE kvpq_vb vb_nibbles32(const uint8_t *p) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+/* A Q5 block's 32 values (vq5__bytes). */
+KVPQ_INLINE kvpq_vb vb_q5_32(const uint8_t *qs, uint32_t qh) {
+    __m128i lo, hi;
+    vq5__bytes(qs, qh, &lo, &hi);
+    return _mm256_set_m128i(hi, lo);
+}
+/* sum over each 4 bytes of u_j * s_j: u unsigned <= 128, s signed in [-127, 127], so the pair sums of
+ * maddubs (<= 2 * 128 * 127 = 32512) never saturate and the result is exact (as VNNI's vpdpbusd,
+ * used where the build has it). */
+KVPQ_INLINE kvpq_vi8 vb_dot(kvpq_vb u, kvpq_vb s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+/* The same with each pair sum (bytes 2i, 2i + 1) weighted by int16 lane i of w (exact in int32 for
+ * |w| <= 2^14). */
+KVPQ_INLINE kvpq_vi8 vb_dot_w16(kvpq_vb u, kvpq_vb s, __m256i w) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), w);
+}
+/* A signed w's dot as an unsigned one: *w = |w| (-128 -> 128), *s = s * sign(w). */
+KVPQ_INLINE void vb_sign_fold(kvpq_vb *w, kvpq_vb *s) {
+    *s = _mm256_sign_epi8(*s, *w);
+    *w = _mm256_abs_epi8(*w);
+}
+/* 16 signed bytes as 16 int16 lanes; lanes 2k, 2k + 1 summed in pairs after a product (madd). */
+KVPQ_INLINE __m256i vw_from_i8x16(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+KVPQ_INLINE __m256i vw_load(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+KVPQ_INLINE kvpq_vi8 vw_madd(__m256i a, __m256i b) { return _mm256_madd_epi16(a, b); }
+/* From 16 int16 lanes w: lanes 0..7 = w[2k], lanes 8..15 = w[2k + 1] (the weights of a 32-byte
+ * block's two 16-byte halves in vb_dot_w16). */
+KVPQ_INLINE __m256i vw_pair(__m256i w, int k) {
+    __m256i p = _mm256_permutevar8x32_epi32(w, _mm256_set1_epi32(k));
+    return _mm256_shuffle_epi8(p, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2,
+                                                   3, 2, 3, 2, 3, 2, 3, 2, 3));
+}
+KVPQ_INLINE kvpq_vf8 v8_zero(void) { return _mm256_setzero_ps(); }
+KVPQ_INLINE kvpq_vf8 v8_set1(float x) { return _mm256_set1_ps(x); }
+KVPQ_INLINE kvpq_vf8 v8_load(const float *p) { return _mm256_loadu_ps(p); }
+KVPQ_INLINE void v8_store(float *p, kvpq_vf8 v) { _mm256_storeu_ps(p, v); }
+KVPQ_INLINE kvpq_vf8 v8_add(kvpq_vf8 a, kvpq_vf8 b) { return _mm256_add_ps(a, b); }
+KVPQ_INLINE kvpq_vf8 v8_mul(kvpq_vf8 a, kvpq_vf8 b) { return _mm256_mul_ps(a, b); }
+KVPQ_INLINE kvpq_vf8 v8_fma(kvpq_vf8 a, kvpq_vf8 b, kvpq_vf8 c) { return _mm256_fmadd_ps(a, b, c); }
+KVPQ_INLINE kvpq_vf8 v8_from_vi(kvpq_vi8 v) { return _mm256_cvtepi32_ps(v); }
+/* The 8 bytes of v (byte j in lane j) as floats. */
+KVPQ_INLINE kvpq_vf8 v8_from_u8x8(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
+/* The halving tree of vf_reduce_add. */
+KVPQ_INLINE float v8_reduce_add(kvpq_vf8 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 #else
 KVPQ_INLINE void vf_reduce4(kvpq_vf a0, kvpq_vf a1, kvpq_vf a2, kvpq_vf a3, float *out) {

@@ -6,6 +6,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 #include <cblas.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -268,11 +269,56 @@ void ggml_matvec(uint32_t type, const void *W, int64_t n_rows, int64_t n, const 
     if (xs && xs != xs_stack) free(xs);
 }
 
-/* From this many tokens on, tiles of W are dequantized to float32 and multiplied by OpenBLAS sgemm;
- * below it, each weight row is dequantized once and dotted with every token. */
-#define MATMUL_BLAS_MIN_TOK 32
 /* Floats per dequantized tile of W (4 MiB: fits L2/L3 alongside the sgemm panels). */
 #define MATMUL_TILE_FLOATS (1 << 20)
+
+/* The matrices of ggml_matvec_multi: task k is matrix tasks[k].mat, rows r0 .. r0 + ROWS_PER_TASK. */
+typedef struct {
+    int mat;
+    int64_t r0;
+} row_task;
+
+/* Row tasks of every matrix into tasks (room for all); returns their count. */
+static int64_t row_tasks(const ggml_mat *mats, int n_mat, row_task *tasks) {
+    int64_t k = 0;
+    for (int i = 0; i < n_mat; i++)
+        for (int64_t r0 = 0; r0 < mats[i].n_rows; r0 += ROWS_PER_TASK) tasks[k++] = (row_task){i, r0};
+    return k;
+}
+
+int ggml_matvec_multi(const ggml_mat *mats, int n_mat, int64_t n, const float *x) {
+    if (kvpq_simd_get() == KVPQ_SIMD_SCALAR || n_mat <= 0 || n % 32) return 0;
+    int64_t n_tasks = 0, work = 0;
+    for (int i = 0; i < n_mat; i++) {
+        /* the SIMD kernels whose xs are 32-element sums (or unused): not Q2_K (16) */
+        if (!matvec_kernel(mats[i].type) || mats[i].type == GGML_TYPE_Q2_K || mats[i].n_rows < 0) return 0;
+        n_tasks += (mats[i].n_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+        work += mats[i].n_rows * n;
+    }
+    row_task stack[512], *tasks = n_tasks <= 512 ? stack : malloc((size_t)n_tasks * sizeof *tasks);
+    float xs_stack[1024], *xs = n / 32 <= 1024 ? xs_stack : malloc((size_t)(n / 32) * sizeof *xs);
+    if (!tasks || !xs) {
+        if (tasks != stack) free(tasks);
+        if (xs != xs_stack) free(xs);
+        return 0;
+    }
+    for (int64_t b = 0; b < n / 32; b++) {
+        float s = 0;
+        for (int j = 0; j < 32; j++) s += x[b * 32 + j];
+        xs[b] = s;
+    }
+    row_tasks(mats, n_mat, tasks);
+#pragma omp parallel for schedule(static) if (work >= 65536)
+    for (int64_t k = 0; k < n_tasks; k++) {
+        const ggml_mat *m = &mats[tasks[k].mat];
+        int64_t r0 = tasks[k].r0, nr = m->n_rows - r0 < ROWS_PER_TASK ? m->n_rows - r0 : ROWS_PER_TASK;
+        size_t rb = ggml_row_size(m->type, n);
+        matvec_kernel(m->type)((const uint8_t *)m->W + (size_t)r0 * rb, rb, nr, n, x, xs, m->Y + r0);
+    }
+    if (tasks != stack) free(tasks);
+    if (xs != xs_stack) free(xs);
+    return 1;
+}
 
 void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {
     kvpq__dequant_fn dq = dequant_best(type);
@@ -286,7 +332,7 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
         return;
     }
     size_t rb = ggml_row_size(type, n);
-    if (n_tok >= MATMUL_BLAS_MIN_TOK) {
+    if (n_tok >= GGML_MATMUL_BLAS_MIN_TOK) {
         int64_t tile_rows = MATMUL_TILE_FLOATS / n;
         if (tile_rows < 16) tile_rows = 16;
         if (tile_rows > n_rows) tile_rows = n_rows;
@@ -334,4 +380,156 @@ void ggml_matmul(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_
     }
     if (failed) /* last resort without any allocation: one matvec per token */
         for (int64_t t = 0; t < n_tok; t++) ggml_matvec(type, W, n_rows, n, X + t * n, Y + t * n_rows);
+}
+
+/* ---- integer activations (8-bit activation blocks; cpu/ggml_kernels.h kvpq__q8row) ---- */
+
+int ggml_q8_supported(uint32_t type) {
+    switch (type) {
+    case GGML_TYPE_Q4_0:
+    case GGML_TYPE_Q4_1:
+    case GGML_TYPE_Q5_0:
+    case GGML_TYPE_Q5_1:
+    case GGML_TYPE_Q8_0:
+    case GGML_TYPE_Q4_K:
+    case GGML_TYPE_Q5_K:
+    case GGML_TYPE_Q6_K: return 1;
+    }
+    return 0;
+}
+
+size_t ggml_q8_row_bytes(int64_t n) {
+    /* qs (n) int8, d (n/32) float, xs (n/32) float, s16 (n/16) int16 */
+    return (size_t)n + (size_t)(n / 32) * 2 * sizeof(float) + (size_t)(n / 16) * sizeof(int16_t);
+}
+
+kvpq__q8row ggml_q8_row_at(void *buf, int64_t n) {
+    uint8_t *p = buf;
+    float *d = (float *)(void *)p, *xs = d + n / 32;
+    int16_t *s16 = (int16_t *)(void *)(xs + n / 32);
+    return (kvpq__q8row){(const int8_t *)(s16 + n / 16), d, s16, xs};
+}
+
+void ggml_quantize_act_row(const float *x, int64_t n, void *buf) {
+    kvpq__q8row r = ggml_q8_row_at(buf, n);
+    int8_t *qs = (int8_t *)r.qs;
+    float *d = (float *)r.d, *xs = (float *)r.xs;
+    int16_t *s16 = (int16_t *)r.s16;
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0;
+        int bad = 0;
+        for (int j = 0; j < 32; j++) {
+            float a = fabsf(xb[j]);
+            bad |= !(a <= FLT_MAX); /* NaN or Inf */
+            amax = a > amax ? a : amax;
+        }
+        float db = bad ? NAN : amax / 127.0f, id = db > 0 ? 1.0f / db : 0.0f;
+        int s[2] = {0, 0};
+        for (int j = 0; j < 32; j++) {
+            /* round to nearest even by the 1.5 * 2^23 trick (|x id| <= 127 + ulps), no libm call */
+            int q = bad ? 0 : (int)((xb[j] * id + 0x1.8p23f) - 0x1.8p23f);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            qs[32 * b + j] = (int8_t)q;
+            s[j / 16] += q;
+        }
+        d[b] = db; /* NaN for a non-finite block: the products are NaN, never silently finite */
+        s16[2 * b] = (int16_t)s[0];
+        s16[2 * b + 1] = (int16_t)s[1];
+        xs[b] = db * (float)(s[0] + s[1]);
+    }
+}
+
+/* The specification: Y[t, r] = sum_b d_b * sum_{j in b} w_j q_j, w dequantized by the _ref, each
+ * block's sum and the sum over blocks in order in float. */
+static void q8_row_ref(kvpq__dequant_fn dq, uint32_t type, const uint8_t *row, int64_t n, const kvpq__q8row *x,
+                       float *y) {
+    float buf[CHUNK], s = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+        int64_t len = n - i0 < CHUNK ? n - i0 : CHUNK;
+        dq(row + ggml_row_size(type, i0), buf, len);
+        for (int64_t b = 0; b < len / 32; b++) {
+            float sb = 0;
+            for (int j = 0; j < 32; j++) sb += buf[32 * b + j] * (float)x->qs[i0 + 32 * b + j];
+            s += x->d[(i0 + 32 * b) / 32] * sb;
+        }
+    }
+    *y = s;
+}
+
+void ggml_matmul_q8_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,
+                        float *Y) {
+    kvpq__dequant_fn dq = dequant_ref(type);
+    void *buf = malloc(ggml_q8_row_bytes(n));
+    if (!dq || !buf || n % 32) {
+        free(buf);
+        fill_nan(Y, (size_t)(n_tok * n_rows));
+        return;
+    }
+    size_t rb = ggml_row_size(type, n);
+    for (int64_t t = 0; t < n_tok; t++) {
+        ggml_quantize_act_row(X + t * n, n, buf);
+        kvpq__q8row x = ggml_q8_row_at(buf, n);
+        for (int64_t r = 0; r < n_rows; r++) q8_row_ref(dq, type, (const uint8_t *)W + (size_t)r * rb, n, &x, Y + t * n_rows + r);
+    }
+    free(buf);
+}
+
+static kvpq__qmatmul_fn qmatmul_kernel(uint32_t type) {
+    return type < KVPQ_GGML_TYPE_SLOTS ? kvpq__cpu_kernels()->ggml_qmatmul[type] : NULL;
+}
+
+/* One OpenMP region over every matrix's row tasks (tasks: their count, at most row_tasks_max). */
+static void q8_run(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const kvpq__q8row *rows,
+                   const row_task *tasks, int64_t n_tasks, int64_t work) {
+    const kvpq_cpu_kernels *kt = kvpq__cpu_kernels();
+    (void)n_mat;
+#pragma omp parallel for schedule(static) if (work >= 65536)
+    for (int64_t k = 0; k < n_tasks; k++) {
+        const ggml_mat *m = &mats[tasks[k].mat];
+        int64_t r0 = tasks[k].r0, nr = m->n_rows - r0 < ROWS_PER_TASK ? m->n_rows - r0 : ROWS_PER_TASK;
+        size_t rb = ggml_row_size(m->type, n);
+        kt->ggml_qmatmul[m->type]((const uint8_t *)m->W + (size_t)r0 * rb, rb, nr, n, rows, n_tok, m->Y + r0,
+                                  m->n_rows);
+    }
+}
+
+int ggml_matmul_q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X) {
+    if (n_tok <= 0 || n_mat <= 0) return 1;
+    if (n % 32) return 0;
+    int64_t n_tasks = 0, work = 0;
+    int have_kernels = 1;
+    for (int i = 0; i < n_mat; i++) {
+        if (!ggml_q8_supported(mats[i].type) || mats[i].n_rows < 0) return 0;
+        have_kernels &= qmatmul_kernel(mats[i].type) != NULL;
+        n_tasks += (mats[i].n_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+        work += mats[i].n_rows * n * n_tok;
+    }
+    if (!have_kernels) { /* scalar level: the _ref */
+        for (int i = 0; i < n_mat; i++) ggml_matmul_q8_ref(mats[i].type, mats[i].W, mats[i].n_rows, n, n_tok, X, mats[i].Y);
+        return 1;
+    }
+    size_t qb = ggml_q8_row_bytes(n);
+    size_t need = (size_t)n_tok * (qb + sizeof(kvpq__q8row)) + (size_t)n_tasks * sizeof(row_task);
+    _Alignas(64) uint8_t stack[16384];
+    uint8_t *buf = need <= sizeof stack ? stack : malloc(need);
+    if (!buf) return 0;
+    kvpq__q8row *rows = (kvpq__q8row *)(void *)buf;
+    row_task *tasks = (row_task *)(void *)(rows + n_tok);
+    uint8_t *data = (uint8_t *)(tasks + n_tasks);
+    data += (size_t)(-(uintptr_t)data & 7); /* 8-byte aligned rows (qb is a multiple of 4) */
+    row_tasks(mats, n_mat, tasks);
+#pragma omp parallel for schedule(static) if (n_tok > 8)
+    for (int64_t t = 0; t < n_tok; t++) {
+        ggml_quantize_act_row(X + t * n, n, data + (size_t)t * qb);
+        rows[t] = ggml_q8_row_at(data + (size_t)t * qb, n);
+    }
+    q8_run(mats, n_mat, n, n_tok, rows, tasks, n_tasks, work);
+    if (buf != stack) free(buf);
+    return 1;
+}
+
+int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {
+    ggml_mat m = {type, W, n_rows, Y};
+    return ggml_matmul_q8_multi(&m, 1, n, n_tok, X);
 }

@@ -56,6 +56,7 @@ struct kvpq_model {
     float rope_base_swa; /* rope base of sliding-window layers */
     uint8_t *swa;        /* (n_layer) 1 = sliding-window layer; NULL when the model has none */
     int n_threads;
+    int act;                     /* ACT_*: how the matrices meet the activations (KVPQ_ACT) */
     const gguf_tensor *tok_embd; /* (n_vocab, n_embd) */
     const gguf_tensor *output;   /* (n_vocab, n_embd); token_embd when the file ties them */
     float *output_norm;          /* (n_embd) */
@@ -343,6 +344,24 @@ static kvpq_status alloc_scratch(kvpq_model *m) {
     return KVPQ_OK;
 }
 
+/* KVPQ_ACT: how the matrices meet the activations. "q8": activations quantized to 8-bit blocks and
+ * integer dot products (model/ggml_types.h ggml_matmul_q8) for the types that have kernels, float32
+ * for the others; "f32": float32 activations everywhere (the reference path); "auto" (the
+ * default): q8 below GGML_MATMUL_BLAS_MIN_TOK tokens (decode, short steps), where it is faster, and
+ * float32 with OpenBLAS sgemm from there (long prefill steps, where sgemm is as fast or faster:
+ * docs/cpu_kernels.md). */
+enum { ACT_F32, ACT_AUTO, ACT_Q8 };
+static kvpq_status act_mode(int *act) {
+    const char *e = getenv("KVPQ_ACT");
+    *act = ACT_AUTO;
+    if (!e || !*e || !strcmp(e, "auto")) return KVPQ_OK;
+    if (!strcmp(e, "q8") || !strcmp(e, "f32")) {
+        *act = e[0] == 'q' ? ACT_Q8 : ACT_F32;
+        return KVPQ_OK;
+    }
+    return kvpq__err(KVPQ_ERR_INVALID_ARG, "KVPQ_ACT=%s: expected auto (the default), q8 or f32", e);
+}
+
 kvpq_model_params kvpq_model_params_default(void) {
     kvpq_model_params p = {.n_threads = 0};
     return p;
@@ -356,7 +375,8 @@ kvpq_status kvpq_model_load(kvpq_model **out, const char *path, const kvpq_model
     kvpq_model *m = calloc(1, sizeof *m);
     if (!m) return kvpq__err(KVPQ_ERR_NOMEM, "model: out of memory");
     m->n_threads = p ? p->n_threads : 0;
-    kvpq_status s = gguf_open(&m->gf, path);
+    kvpq_status s = act_mode(&m->act);
+    if (s == KVPQ_OK) s = gguf_open(&m->gf, path);
     if (s == KVPQ_OK)
         snprintf(m->info.fingerprint, sizeof m->info.fingerprint, "%016llx",
                  (unsigned long long)gguf_fingerprint(m->gf));
@@ -519,12 +539,33 @@ static void add_bias(int n, int dim, const float *b, float *x) {
         for (int i = 0; i < dim; i++) x[t * dim + i] += b[i];
 }
 
-/* Y (n, rows) = X (n, cols) @ W^T: matvec for one token, the batched kernel otherwise. */
-static void project(const gguf_tensor *W, int n, const float *X, float *Y) {
+/* Y (n, rows) = X (n, cols) @ W^T: 8-bit activations where m->act asks for them and the type has
+ * kernels, else float32 (matvec for one token, the batched kernel otherwise). */
+static void project(const kvpq_model *m, const gguf_tensor *W, int n, const float *X, float *Y) {
+    const int q8 = m->act == ACT_Q8 || (m->act == ACT_AUTO && n < GGML_MATMUL_BLAS_MIN_TOK);
+    if (q8 && ggml_matmul_q8(W->type, W->data, W->ne[1], W->ne[0], n, X, Y)) return;
     if (n == 1)
         ggml_matvec(W->type, W->data, W->ne[1], W->ne[0], X, Y);
     else
         ggml_matmul(W->type, W->data, W->ne[1], W->ne[0], n, X, Y);
+}
+
+/* Several projections of the same input X (n, cols): Y_i = X @ W_i^T. One OpenMP region covers
+ * every matrix's rows, with 8-bit activations (ggml_matmul_q8_multi, X quantized once) or for one
+ * float32 token (ggml_matvec_multi): fewer, longer regions, so the threads are woken once per group
+ * (Q, K, V; gate, up) instead of once per matrix. Else one project() each. */
+static void project_many(const kvpq_model *m, int n, const float *X, int n_mat, const gguf_tensor *const *W,
+                         float *const *Y) {
+    const int q8 = m->act == ACT_Q8 || (m->act == ACT_AUTO && n < GGML_MATMUL_BLAS_MIN_TOK);
+    ggml_mat mats[4];
+    int ok = (q8 || n == 1) && n_mat <= 4;
+    for (int i = 0; ok && i < n_mat; i++) {
+        ok = W[i]->ne[0] == W[0]->ne[0];
+        mats[i] = (ggml_mat){W[i]->type, W[i]->data, W[i]->ne[1], Y[i]};
+    }
+    if (ok && (q8 ? ggml_matmul_q8_multi(mats, n_mat, W[0]->ne[0], n, X) : ggml_matvec_multi(mats, n_mat, W[0]->ne[0], X)))
+        return;
+    for (int i = 0; i < n_mat; i++) project(m, W[i], n, X, Y[i]);
 }
 
 /* Non-finite policy (docs/robustness.md): NaN/Inf are caught where they enter results, and named.
@@ -574,9 +615,11 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
         const llama_layer *L = &m->layers[l];
         float *const *V = L->vec;
         rmsnorm(n, E, m->x, V[ARCH_T_ATTN_NORM], eps, m->xb);
-        project(L->w[ARCH_T_ATTN_Q], n, m->xb, m->q);
-        project(L->w[ARCH_T_ATTN_K], n, m->xb, m->k);
-        project(L->w[ARCH_T_ATTN_V], n, m->xb, m->v);
+        {
+            const gguf_tensor *W[3] = {L->w[ARCH_T_ATTN_Q], L->w[ARCH_T_ATTN_K], L->w[ARCH_T_ATTN_V]};
+            float *Y[3] = {m->q, m->k, m->v};
+            project_many(m, n, m->xb, 3, W, Y);
+        }
         if (V[ARCH_T_ATTN_Q_BIAS]) add_bias(n, Q, V[ARCH_T_ATTN_Q_BIAS], m->q);
         if (V[ARCH_T_ATTN_K_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_K_BIAS], m->k);
         if (V[ARCH_T_ATTN_V_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_V_BIAS], m->v);
@@ -616,14 +659,17 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
             kvpq__err_prefix("layer %d", l);
             return s;
         }
-        project(L->w[ARCH_T_ATTN_OUT], n, m->att, m->xb2);
+        project(m, L->w[ARCH_T_ATTN_OUT], n, m->att, m->xb2);
         if (V[ARCH_T_ATTN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_ATTN_POST_NORM], eps, m->xb2);
         for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
         KVPQ_TRY(check_rows_finite(m->x, n, E, pos0, "the residual stream after attention", l));
 
         rmsnorm(n, E, m->x, V[ARCH_T_FFN_NORM], eps, m->xb);
-        project(L->w[ARCH_T_FFN_GATE], n, m->xb, m->hb);
-        project(L->w[ARCH_T_FFN_UP], n, m->xb, m->hb2);
+        {
+            const gguf_tensor *W[2] = {L->w[ARCH_T_FFN_GATE], L->w[ARCH_T_FFN_UP]};
+            float *Y[2] = {m->hb, m->hb2};
+            project_many(m, n, m->xb, 2, W, Y);
+        }
         { /* act(gate) * up: GELU (tanh form) or SiLU, the table's SIMD kernel (cpu/ggml_kernels.h) */
             kvpq__glu_fn glu = kvpq__cpu_kernels()->glu[m->arch->ffn == ARCH_FFN_GEGLU_TANH ? KVPQ_GLU_GELU_TANH
                                                                                           : KVPQ_GLU_SILU];
@@ -632,7 +678,7 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
             for (int64_t i0 = 0; i0 < total; i0 += chunk)
                 glu(m->hb + i0, m->hb2 + i0, total - i0 < chunk ? total - i0 : chunk);
         }
-        project(L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
+        project(m, L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
         if (V[ARCH_T_FFN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_FFN_POST_NORM], eps, m->xb2);
         for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
         KVPQ_TRY(check_rows_finite(m->x, n, E, pos0, "the residual stream after the FFN", l));
@@ -642,16 +688,16 @@ static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *t
         const int f = hook->logits_from;
         if (f < n) {
             rmsnorm(n - f, E, m->x + (size_t)f * E, m->output_norm, eps, m->xb);
-            project(m->output, n - f, m->xb, logits);
+            project(m, m->output, n - f, m->xb, logits);
             n_out = n - f;
         }
     } else if (want == 2) {
         rmsnorm(n, E, m->x, m->output_norm, eps, m->xb);
-        project(m->output, n, m->xb, logits);
+        project(m, m->output, n, m->xb, logits);
         n_out = n;
     } else if (want == 1) {
         rmsnorm(1, E, m->x + (size_t)(n - 1) * E, m->output_norm, eps, m->xb);
-        project(m->output, 1, m->xb, logits);
+        project(m, m->output, 1, m->xb, logits);
         n_out = 1;
     }
     if (m->logit_softcap > 0) {
