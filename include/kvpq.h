@@ -515,6 +515,18 @@ typedef struct {
     int page_tokens;    /* tokens per allocated page (default 256); clamped to max_seq likewise */
     const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
     int n_threads;      /* 0 = OpenMP default; at most 1024 */
+    /* CPU (and AUTO, default: the CPU whatever the machine, so results do not depend on it) or CUDA:
+     * a VQ cache on the GPU, the same calls with the same host arrays (copied to and from the device
+     * at each call), its codebook uploaded at creation (docs/CUDA.md "One cache API"). Only VQ has a
+     * GPU form (another kind: KVPQ_ERR_UNSUPPORTED); without CUDA or a device: KVPQ_ERR_NO_DEVICE
+     * naming why. The GPU form codes every position at its append and keeps the newest `window` in
+     * float32 (the CPU: fp16, coded as they leave the window in batches of 32), so the two agree to
+     * the kernels' rounding where their windows cover the same positions; norm-explicit scales are
+     * float16 there whatever k.norm_bits says; vq_fast_scan is ignored; head-granularity and two-stage
+     * key codebooks, sliding windows and head_dim other than 64, 128, 256 are refused
+     * (KVPQ_ERR_UNSUPPORTED naming it). kvpq_cache_attend with n_q > 1 beyond the window is refused
+     * (KVPQ_ERR_UNSUPPORTED): kvpq_cache_append_attend takes any n. Saved files record the backend:
+     * a file loads into a cache of the backend that saved it (else KVPQ_ERR_MISMATCH). */
     kvpq_backend backend;
     /* VQ, 8-bit key codes: 1 = approximate key scores by "fast-scan" (André et al., VLDB 2015;
      * faiss PQ fast-scan): the float LUT of each query head is quantized to 8 bits with one step
@@ -699,8 +711,11 @@ KVPQ_API kvpq_status kvpq_cache_get_params(const kvpq_cache *c, kvpq_cache_param
  * without a usable GPU, they fail with KVPQ_ERR_NO_DEVICE naming why. Pointers documented as
  * "device" are cudaMalloc'd memory of the current device. Calls are synchronous: they return after
  * the GPU work finished, and a CUDA failure comes back as KVPQ_ERR_DEVICE with CUDA's error string.
- * kvpq_cache_new with backend CUDA fails with KVPQ_ERR_UNSUPPORTED (the host-pointer cache runs on
- * the CPU; a GPU cache takes device pointers, below), and AUTO resolves to CPU for kvpq_cache.
+ * The one cache API on the GPU is kvpq_cache with backend KVPQ_BACKEND_CUDA (a VQ cache; host
+ * arrays, the codebook uploaded by the library; kvpq_cache_params.backend). kvpq_cuda_cache_* below
+ * is the layer under it, kept for callers that hold device memory and batches of sequences (the
+ * Python package's CudaCache and KVPQCache, CUDA graphs of a decode step): one layer, device
+ * pointers, several sequences per call. New host-side code should use kvpq_cache.
  */
 
 /* 1 if the library was built with CUDA and a device is usable; else 0 and `why` (n bytes, may be
