@@ -23,6 +23,7 @@
  *          kvpq_cache_append_attend.
  * Fresh random inputs every run (the seed is printed; KVPQ_SEED=... replays one); KVPQ_QUICK=1
  * shortens the sequences. Exit 0 pass, 1 fail, 77 no device. */
+#define _GNU_SOURCE /* mkstemp */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
