@@ -811,7 +811,10 @@ typedef struct {
     int window;          /* newest positions kept in float32 (default 128; 0 = none; clamped to max_seq) */
     int page_tokens;     /* positions per page, a multiple of 32 (default 256); one longer than
                           * max_seq is cut to the smallest power of two >= max_seq (>= 32) */
-    int n_pages;         /* pages in the pool shared by all sequences (0: enough for n_seq * max_seq) */
+    int n_pages;         /* pages in the pool shared by all sequences, allocated at creation; 0 (default):
+                          * a pool that starts with one page per sequence and grows on demand (at least
+                          * doubling, new device arrays, contents copied) up to enough for n_seq * max_seq,
+                          * so a large batch x max_seq holds device memory only for the pages in use */
     const kvpq_pq *key;  /* key quantizer (d = head_dim), copied */
     const kvpq_pq *value;/* value quantizer (d = head_dim), copied */
     const float *key_smooth; /* host (n_head_kv, head_dim) lambda, or NULL for none */
@@ -858,8 +861,8 @@ KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const
 /* kvpq_cuda_cache_attend enqueued on `stream` (a cudaStream_t; NULL: the legacy default stream)
  * without waiting for it: the kernel launch only, so a decode step can capture the attention of
  * every layer into one CUDA graph (bench/gpu_decode_step.py). The launch is planned from the
- * lengths the sequences hold at the call: a captured graph replays that plan, so capture again
- * once sequences grow. Errors: those of kvpq_cuda_cache_attend found before or at the launch;
+ * lengths the sequences hold at the call: a captured graph replays that plan (and the page
+ * pool's device address, which a growing default pool changes), so capture again once sequences grow. Errors: those of kvpq_cuda_cache_attend found before or at the launch;
  * faults inside the kernel surface at the caller's next synchronization. */
 KVPQ_API kvpq_status kvpq_cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q, float *out,
                                                   void *stream);

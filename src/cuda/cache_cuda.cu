@@ -14,12 +14,13 @@ struct kvpq_cuda_cache {
     kvpq_cuda_cache_params p;
     kvpq_cuda_pq *kq, *vq;
     int max_pages;       /* per sequence */
-    int n_pages;         /* pool */
+    int n_pages;         /* pool: pages allocated now (kvpq_cuda_cache_params.n_pages, or grown on demand) */
+    int pool_max;        /* most pages the pool may hold: n_pages given, else n_seq * max_pages */
     uint8_t *k_pages;    /* device (n_pages, n_head_kv, page_tokens, k_code_size) */
     uint8_t *v_pages;    /* device (n_pages, n_head_kv, page_tokens, v_code_size) */
     int *page_table;     /* device (n_seq, max_pages) */
     int *h_page_table;   /* host mirror */
-    int *free_pages;     /* host stack of free page ids */
+    int *free_pages;     /* host stack of free page ids, room for n_pages */
     int n_free;
     int *seq_len;        /* device (n_seq) */
     int *h_len;          /* host (n_seq) */
@@ -249,7 +250,10 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
         kvpq_cuda_cache_free(c);
         return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_new: %lld pages", np);
     }
-    c->n_pages = (int)np;
+    /* an explicit pool is allocated whole; the default one starts with a page per sequence and
+     * grows on demand (grow_pool), so that a large batch x max_seq costs only what is held */
+    c->pool_max = (int)np;
+    c->n_pages = p->n_pages ? (int)np : p->n_seq < np ? p->n_seq : (int)np;
     c->max_splits = 256;
     size_t kpb = (size_t)p->n_head_kv * p->page_tokens * c->kq->code_size;
     size_t vpb = (size_t)p->n_head_kv * p->page_tokens * c->vq->code_size;
@@ -313,6 +317,47 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     return KVPQ_OK;
 }
 
+/* Move device array *p of `old` bytes to a new allocation of `grown` bytes (contents kept, the rest
+ * zeroed: scales past a sequence's end must be finite). */
+static kvpq_status regrow(void **p, size_t old, size_t grown, const char *what) {
+    void *q = NULL;
+    KVPQ_CUDA_TRY(cudaMalloc(&q, grown), what);
+    kvpq_status s = kvpq__cuda_err(cudaMemcpy(q, *p, old, cudaMemcpyDeviceToDevice), what);
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemset((char *)q + old, 0, grown - old), what);
+    if (s != KVPQ_OK) {
+        cudaFree(q);
+        return s;
+    }
+    cudaFree(*p);
+    *p = q;
+    return KVPQ_OK;
+}
+
+/* At least `need` free pages: the default pool grows (at least doubling, up to pool_max) by new
+ * device arrays for the code pages and scales, the old contents copied; page ids stay valid. A
+ * captured attention graph holds the old arrays' addresses: capture again after appends (kvpq.h). */
+static kvpq_status grow_pool(kvpq_cuda_cache *c, int need) {
+    if (need <= c->n_free) return KVPQ_OK;
+    long long want = (long long)c->n_pages + (need - c->n_free), two = 2LL * c->n_pages;
+    if (want > c->pool_max)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_append: %d pages needed, %d free in the pool of %d", need,
+                         c->n_free, c->pool_max);
+    const int n = (int)(two > want ? (two < c->pool_max ? two : c->pool_max) : want);
+    int *fp = (int *)realloc(c->free_pages, (size_t)n * sizeof(int));
+    if (!fp) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cuda_cache_append: out of memory growing the page pool");
+    c->free_pages = fp;
+    const size_t rows = (size_t)c->p.n_head_kv * c->p.page_tokens;
+    const size_t kpb = rows * c->kq->code_size, vpb = rows * c->vq->code_size, spb = rows * sizeof(uint16_t);
+    const char *what = "kvpq_cuda_cache_append: growing the page pool";
+    KVPQ_TRY(regrow((void **)&c->k_pages, kpb * c->n_pages, kpb * n, what));
+    KVPQ_TRY(regrow((void **)&c->v_pages, vpb * c->n_pages, vpb * n, what));
+    if (c->k_scales) KVPQ_TRY(regrow((void **)&c->k_scales, spb * c->n_pages, spb * n, what));
+    if (c->v_scales) KVPQ_TRY(regrow((void **)&c->v_scales, spb * c->n_pages, spb * n, what));
+    for (int i = n - 1; i >= c->n_pages; i--) c->free_pages[c->n_free++] = i; /* lowest id on top */
+    c->n_pages = n;
+    return KVPQ_OK;
+}
+
 extern "C" KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq) {
     if (!c || seq < 0 || seq >= c->p.n_seq) return -1;
     return c->h_len[seq];
@@ -332,9 +377,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int s
                          seq, L, n, c->p.max_seq);
     int *pt = c->h_page_table + (size_t)seq * c->max_pages;
     int first_new = (L + PT - 1) / PT, last = (L + n + PT - 1) / PT, need = last - first_new;
-    if (need > c->n_free)
-        return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_append: %d pages needed, %d free in the pool of %d", need,
-                         c->n_free, c->n_pages);
+    KVPQ_TRY(grow_pool(c, need));
     for (int i = first_new; i < last; i++) pt[i] = c->free_pages[--c->n_free];
     kvpq_status s = KVPQ_OK;
     if (need)
@@ -641,8 +684,7 @@ extern "C" kvpq_status kvpq__cuda_cache_write(kvpq_cuda_cache *c, int len, const
     if (!c || c->h_len[0] != 0 || len < 0 || len > c->p.max_seq)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_write: bad argument");
     const int PT = c->p.page_tokens, H = c->p.n_head_kv, need = (len + PT - 1) / PT, W = c->p.window;
-    if (need > c->n_free)
-        return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq cache (cuda): %d pages needed, %d free", need, c->n_free);
+    KVPQ_TRY(grow_pool(c, need));
     for (int i = 0; i < need; i++) c->h_page_table[i] = c->free_pages[--c->n_free];
     KVPQ_CUDA_TRY(cudaMemcpy(c->page_table, c->h_page_table, (size_t)c->max_pages * sizeof(int), cudaMemcpyHostToDevice),
                   "kvpq cache (cuda): page table");

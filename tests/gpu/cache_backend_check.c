@@ -21,9 +21,14 @@
  *          read check holds and kvpq_cache_exact_prefix does not call the cut exact.
  *   batch: several queries at once beyond the window are refused (KVPQ_ERR_UNSUPPORTED), naming
  *          kvpq_cache_append_attend.
+ *   pool:  (kvpq_cuda_cache, device pointers) the default page pool grows on demand: a cache of 8
+ *          sequences of 2^30 positions (an up-front pool: 2^25 pages, 32 TiB) is made, holds up to
+ *          4 pages per sequence appended in pieces, and attends with the same bits as a cache whose
+ *          explicit pool was allocated whole.
  * Fresh random inputs every run (the seed is printed; KVPQ_SEED=... replays one); KVPQ_QUICK=1
  * shortens the sequences. Exit 0 pass, 1 fail, 77 no device. */
 #define _GNU_SOURCE /* mkstemp */
+#include <cuda_runtime_api.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -308,6 +313,76 @@ static void run_config(const config *c, uint64_t seed, int L) {
     kvpq_codebook_free(cb);
 }
 
+#define CUDA_OK(call)                                                                     \
+    do {                                                                                  \
+        cudaError_t e_ = (call);                                                          \
+        if (e_ != cudaSuccess) {                                                          \
+            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                      \
+        }                                                                                 \
+    } while (0)
+
+static void check_lazy_pool(uint64_t seed) {
+    const int S = 8, H = 2, NH = 8, D = 128, maxn = 1000;
+    test_codebook_spec cs = {.n_layer = 1, .n_head_kv = H, .head_dim = D, .norm = 1, .seed = seed, .seed_step = 1,
+                             .scale = 1.f, .train_points = -1, .smooth = 1};
+    kvpq_codebook *cb = test_codebook(&cs);
+    if (!cb) {
+        printf("FAIL pool: codebook: %s\n", kvpq_last_error());
+        g_fail = 1;
+        return;
+    }
+    kvpq_cuda_cache_params p = kvpq_cuda_cache_params_default();
+    p.n_head = NH, p.n_head_kv = H, p.head_dim = D, p.n_seq = S, p.window = 64, p.page_tokens = 256;
+    p.key = kvpq_codebook_pq_const(cb, 0, 0), p.value = kvpq_codebook_pq_const(cb, 0, 1);
+    p.key_smooth = kvpq_codebook_key_smooth_const(cb, 0), p.key_mean = kvpq_codebook_key_mean_const(cb, 0);
+    kvpq_cuda_cache_params w = p;
+    p.max_seq = 1 << 30;                    /* default pool: grows */
+    w.max_seq = 4096, w.n_pages = S * 16;   /* explicit pool: allocated whole */
+    size_t f0, f1, total;
+    CUDA_OK(cudaMemGetInfo(&f0, &total));
+    kvpq_cuda_cache *lazy = NULL, *whole = NULL;
+    OK(kvpq_cuda_cache_new(&lazy, &p));
+    CUDA_OK(cudaMemGetInfo(&f1, &total));
+    OK(kvpq_cuda_cache_new(&whole, &w));
+    const size_t kvw = (size_t)H * D, qw = (size_t)NH * D;
+    float *k = rand_f16((size_t)maxn * kvw, seed + 1, 1.f), *v = rand_f16((size_t)maxn * kvw, seed + 2, 1.f);
+    float *q = rand_vec((size_t)S * qw, seed + 3, 1.f), *o1 = malloc(S * qw * sizeof *o1), *o2 = malloc(S * qw * sizeof *o2);
+    float *dk, *dv, *dq, *do1, *do2;
+    CUDA_OK(cudaMalloc((void **)&dk, maxn * kvw * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dv, maxn * kvw * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dq, S * qw * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&do1, S * qw * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&do2, S * qw * sizeof(float)));
+    CUDA_OK(cudaMemcpy(dk, k, maxn * kvw * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dv, v, maxn * kvw * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dq, q, S * qw * sizeof(float), cudaMemcpyHostToDevice));
+    for (int b = 0; b < S; b++) { /* 300 .. 979 positions, in two pieces (the second crosses pages) */
+        const int n = 300 + 97 * b, a = n / 3;
+        for (int part = 0; part < 2; part++) {
+            const int t0 = part ? a : 0, m = part ? n - a : a;
+            OK(kvpq_cuda_cache_append(lazy, b, m, dk + t0 * kvw, dv + t0 * kvw));
+            OK(kvpq_cuda_cache_append(whole, b, m, dk + t0 * kvw, dv + t0 * kvw));
+        }
+    }
+    OK(kvpq_cuda_cache_attend(lazy, S, dq, do1));
+    OK(kvpq_cuda_cache_attend(whole, S, dq, do2));
+    CUDA_OK(cudaMemcpy(o1, do1, S * qw * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(o2, do2, S * qw * sizeof(float), cudaMemcpyDeviceToHost));
+    int finite = 1;
+    for (size_t i = 0; i < S * qw; i++) finite &= isfinite(o1[i]) != 0;
+    CHECK(finite && !memcmp(o1, o2, S * qw * sizeof *o1), "pool: a grown pool attends differently from a whole one");
+    CHECK(kvpq_cuda_cache_resident_bytes(lazy) == kvpq_cuda_cache_resident_bytes(whole), "pool: resident %zu vs %zu",
+          kvpq_cuda_cache_resident_bytes(lazy), kvpq_cuda_cache_resident_bytes(whole));
+    printf("pool: 8 sequences of max_seq 2^30 made with %.1f MiB of device memory (page table %.1f MiB of it); "
+           "300..979 positions each attend as with a whole pool (same bits)\n",
+           (double)(f0 - f1) / 1048576.0, (double)S * (p.max_seq / 256) * sizeof(int) / 1048576.0);
+    cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(do1), cudaFree(do2);
+    kvpq_cuda_cache_free(lazy), kvpq_cuda_cache_free(whole);
+    free(k), free(v), free(q), free(o1), free(o2);
+    kvpq_codebook_free(cb);
+}
+
 int main(void) {
     char why[256];
     if (!kvpq_cuda_available(why, sizeof why)) {
@@ -326,6 +401,7 @@ int main(void) {
         {"lut-w0", "d2b8", 0, 64, 4, 2, 0, 1}, /* no window: every position from codes */
     };
     for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++) run_config(&cfgs[i], seed + 1000 * i, L);
+    check_lazy_pool(seed + 99);
     printf("cache_backend_check: %s\n", g_fail ? "FAILED" : "passed");
     return g_fail ? 1 : 0;
 }
