@@ -540,6 +540,18 @@ typedef struct {
     int page_tokens;    /* tokens per allocated page (default 256); clamped to max_seq likewise */
     const kvpq_codebook *codebook; /* VQ: borrowed, must outlive the cache; checked against shapes */
     int n_threads;      /* 0 = OpenMP default; at most 1024 */
+    /* CPU (and AUTO, default: the CPU whatever the machine, so results do not depend on it) or CUDA:
+     * a VQ cache on the GPU, the same calls with the same host arrays (copied to and from the device
+     * at each call), its codebook uploaded at creation (docs/CUDA.md "One cache API"). Only VQ has a
+     * GPU form (another kind: KVPQ_ERR_UNSUPPORTED); without CUDA or a device: KVPQ_ERR_NO_DEVICE
+     * naming why. The GPU form codes every position at its append and keeps the newest `window` in
+     * float32 (the CPU: fp16, coded as they leave the window in batches of 32), so the two agree to
+     * the kernels' rounding where their windows cover the same positions; norm-explicit scales are
+     * float16 there whatever k.norm_bits says; vq_fast_scan is ignored; head-granularity and two-stage
+     * key codebooks, sliding windows and head_dim other than 64, 128, 256 are refused
+     * (KVPQ_ERR_UNSUPPORTED naming it). kvpq_cache_attend with n_q > 1 beyond the window is refused
+     * (KVPQ_ERR_UNSUPPORTED): kvpq_cache_append_attend takes any n. Saved files record the backend:
+     * a file loads into a cache of the backend that saved it (else KVPQ_ERR_MISMATCH). */
     kvpq_backend backend;
     /* VQ, 8-bit key codes: 1 = approximate key scores by "fast-scan" (André et al., VLDB 2015;
      * faiss PQ fast-scan): the float LUT of each query head is quantized to 8 bits with one step
@@ -724,8 +736,11 @@ KVPQ_API kvpq_status kvpq_cache_get_params(const kvpq_cache *c, kvpq_cache_param
  * without a usable GPU, they fail with KVPQ_ERR_NO_DEVICE naming why. Pointers documented as
  * "device" are cudaMalloc'd memory of the current device. Calls are synchronous: they return after
  * the GPU work finished, and a CUDA failure comes back as KVPQ_ERR_DEVICE with CUDA's error string.
- * kvpq_cache_new with backend CUDA fails with KVPQ_ERR_UNSUPPORTED (the host-pointer cache runs on
- * the CPU; a GPU cache takes device pointers, below), and AUTO resolves to CPU for kvpq_cache.
+ * The one cache API on the GPU is kvpq_cache with backend KVPQ_BACKEND_CUDA (a VQ cache; host
+ * arrays, the codebook uploaded by the library; kvpq_cache_params.backend). kvpq_cuda_cache_* below
+ * is the layer under it, kept for callers that hold device memory and batches of sequences (the
+ * Python package's CudaCache and KVPQCache, CUDA graphs of a decode step): one layer, device
+ * pointers, several sequences per call. New host-side code should use kvpq_cache.
  */
 
 /* 1 if the library was built with CUDA and a device is usable; else 0 and `why` (n bytes, may be
@@ -821,7 +836,10 @@ typedef struct {
     int window;          /* newest positions kept in float32 (default 128; 0 = none; clamped to max_seq) */
     int page_tokens;     /* positions per page, a multiple of 32 (default 256); one longer than
                           * max_seq is cut to the smallest power of two >= max_seq (>= 32) */
-    int n_pages;         /* pages in the pool shared by all sequences (0: enough for n_seq * max_seq) */
+    int n_pages;         /* pages in the pool shared by all sequences, allocated at creation; 0 (default):
+                          * a pool that starts with one page per sequence and grows on demand (at least
+                          * doubling, new device arrays, contents copied) up to enough for n_seq * max_seq,
+                          * so a large batch x max_seq holds device memory only for the pages in use */
     const kvpq_pq *key;  /* key quantizer (d = head_dim), copied */
     const kvpq_pq *value;/* value quantizer (d = head_dim), copied */
     const float *key_smooth; /* host (n_head_kv, head_dim) lambda, or NULL for none */
@@ -868,8 +886,8 @@ KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const
 /* kvpq_cuda_cache_attend enqueued on `stream` (a cudaStream_t; NULL: the legacy default stream)
  * without waiting for it: the kernel launch only, so a decode step can capture the attention of
  * every layer into one CUDA graph (bench/gpu_decode_step.py). The launch is planned from the
- * lengths the sequences hold at the call: a captured graph replays that plan, so capture again
- * once sequences grow. Errors: those of kvpq_cuda_cache_attend found before or at the launch;
+ * lengths the sequences hold at the call: a captured graph replays that plan (and the page
+ * pool's device address, which a growing default pool changes), so capture again once sequences grow. Errors: those of kvpq_cuda_cache_attend found before or at the launch;
  * faults inside the kernel surface at the caller's next synchronization. */
 KVPQ_API kvpq_status kvpq_cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q, float *out,
                                                   void *stream);

@@ -1,4 +1,4 @@
-/* test_cli_spec.c — the CLI's --cache SPEC parser (tools/cli_spec.c): kinds, the :wN / :sN / :force
+/* test_cli_spec.c — the CLI's --cache SPEC parser (tools/cli_spec.c): kinds, the :wN / :sN / :force / :cuda
  * suffixes in any order, vq paths with ':' in them, and every refusal (exit code 2, the SPEC and the
  * offending part named); the CLI's default sinks per kind. */
 #include <criterion/criterion.h>
@@ -62,6 +62,12 @@ Test(cli_spec, vq_paths_with_colons) {
     cr_assert(!strcmp(s.path, "s1.safetensors") && s.sinks == 1);
     s = ok("vq:cb:force:w0");
     cr_assert(!strcmp(s.path, "cb") && s.force && s.window == 0);
+    s = ok("vq:d/cb.st:cuda:w64"); /* the cache on the GPU (kvpq_cache's CUDA backend) */
+    cr_assert(!strcmp(s.path, "d/cb.st") && s.cuda && s.window == 64 && !s.force, "%s", s.path);
+    s = ok("vq:cb.st");
+    cr_assert(!s.cuda);
+    s = ok("vq:cuda"); /* the first part is always the path: a file named cuda */
+    cr_assert(!strcmp(s.path, "cuda") && !s.cuda);
 }
 
 Test(cli_spec, refusals_are_named) {
@@ -72,6 +78,8 @@ Test(cli_spec, refusals_are_named) {
     refused("kivi2:w64:bogus", "unknown suffix ':bogus'");
     refused("q4_0:force", ":force applies to vq");
     refused("kivi2:force:w8", ":force applies to vq");
+    refused("q8_0:cuda", ":cuda applies to vq");
+    refused("vq:cb:cuda:cuda", "duplicate suffix ':cuda'");
     refused("fp16:w8", "vq and kivi");
     refused("q4_0:w8", "vq and kivi");
     refused("fp16:s1", "quantized caches only");

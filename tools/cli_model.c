@@ -70,7 +70,7 @@ int cli_cache_open(cli_cache *c, const char *spec, const kvpq_model *m, int max_
     kvpq_model_cache_params(m, &cp); /* shape and sliding window */
     cp.max_seq = max_seq;
     cp.n_threads = n_threads;
-    cp.backend = KVPQ_BACKEND_CPU;
+    cp.backend = sp.cuda ? KVPQ_BACKEND_CUDA : KVPQ_BACKEND_CPU; /* :cuda: the cache alone on the GPU */
     c->params = cp;
     s = kvpq_cache_new(&c->cache, &cp);
     if (s != KVPQ_OK) {

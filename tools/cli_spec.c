@@ -14,12 +14,13 @@ static int fail(char *err, size_t errlen, const char *fmt, ...) {
     return 2;
 }
 
-enum { SUF_NONE, SUF_W, SUF_S, SUF_FORCE };
+enum { SUF_NONE, SUF_W, SUF_S, SUF_FORCE, SUF_CUDA };
 
 /* What the part [p, p + n) is: a suffix (its number in *val), or SUF_NONE. -1 (message in err): it
  * reads as a suffix but its number is missing or out of range. */
 static int classify(const char *spec, const char *p, size_t n, long *val, char *err, size_t errlen) {
     if (n == 5 && !memcmp(p, "force", 5)) return SUF_FORCE;
+    if (n == 4 && !memcmp(p, "cuda", 4)) return SUF_CUDA;
     if (n < 1 || (p[0] != 'w' && p[0] != 's')) return SUF_NONE;
     const int w = p[0] == 'w';
     const long max = w ? 1L << 20 : 65536;
@@ -44,12 +45,14 @@ static int classify(const char *spec, const char *p, size_t n, long *val, char *
 
 static int apply(const char *spec, cli_cache_spec *out, int k, long val, const char *p, size_t n, char *err,
                  size_t errlen) {
-    if ((k == SUF_W && out->window >= 0) || (k == SUF_S && out->sinks >= 0) || (k == SUF_FORCE && out->force))
-        return fail(err, errlen, "cache '%s': duplicate suffix ':%.*s' (each of :wN, :sN, :force at most once)", spec,
-                    (int)n, p);
+    if ((k == SUF_W && out->window >= 0) || (k == SUF_S && out->sinks >= 0) || (k == SUF_FORCE && out->force) ||
+        (k == SUF_CUDA && out->cuda))
+        return fail(err, errlen, "cache '%s': duplicate suffix ':%.*s' (each of :wN, :sN, :force, :cuda at most once)",
+                    spec, (int)n, p);
     if (k == SUF_W) out->window = (int)val;
     if (k == SUF_S) out->sinks = (int)val;
     if (k == SUF_FORCE) out->force = 1;
+    if (k == SUF_CUDA) out->cuda = 1;
     return 0;
 }
 
@@ -90,7 +93,7 @@ int cli_cache_spec_parse(const char *spec, cli_cache_spec *out, char *err, size_
             int k = classify(spec, p, n, &val, err, errlen);
             if (k < 0) return 2;
             if (k == SUF_NONE)
-                return fail(err, errlen, "cache '%s': unknown suffix ':%.*s' (expected :wN, :sN or :force)", spec,
+                return fail(err, errlen, "cache '%s': unknown suffix ':%.*s' (expected :wN, :sN, :force or :cuda)", spec,
                             (int)n, p);
             if (apply(spec, out, k, val, p, n, err, errlen)) return 2;
             p += n + (c ? 1 : 0);
@@ -126,6 +129,9 @@ int cli_cache_spec_parse(const char *spec, cli_cache_spec *out, char *err, size_
     if (out->force && (t != KVPQ_CACHE_VQ || out->tq_bits))
         return fail(err, errlen, "cache '%s': :force applies to vq:FILE caches only (it accepts a codebook of another "
                                  "model)", spec);
+    if (out->cuda && t != KVPQ_CACHE_VQ)
+        return fail(err, errlen, "cache '%s': :cuda applies to vq:FILE caches only (the other kinds run on the CPU)",
+                    spec);
     return 0;
 }
 

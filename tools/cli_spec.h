@@ -8,6 +8,8 @@
  *   SUFFIX = "w" N  (fp16 window of vq / kivi caches, N in 0..2^20)
  *          | "s" N  (attention sinks of a quantized cache, N in 0..65536)
  *          | "force" (vq only: use a codebook calibrated on another model)
+          | "cuda"  (vq only: the cache on the GPU, kvpq_cache's CUDA backend; the model's layers stay
+                     on the CPU)
  * Suffixes come in any order, each at most once. After a kind every ":" part must be a suffix. A vq
  * PATH may contain ':': the suffixes are the trailing ":" parts that read as suffixes, scanning from
  * the end; the first part that does not (or an empty part, "::" or a trailing ":") ends them, and
@@ -28,12 +30,13 @@ typedef struct {
     int sinks;      /* :sN, -1 when not given */
     int force;      /* :force given */
     int tq_bits;    /* tqN: N (type is then KVPQ_CACHE_VQ, path ""); 0 otherwise */
+    int cuda;       /* :cuda given: backend KVPQ_BACKEND_CUDA */
 } cli_cache_spec;
 
 /* Parse spec into *out. Returns 0, or 2 (a usage error: the exit code) with a message naming the
  * SPEC and the offending part in err (errlen bytes): an unknown kind or suffix, a duplicate suffix, a
- * suffix the kind does not take (:wN on a kind without a window, :sN on fp32/fp16, :force on a kind
- * without a codebook), N out of range, a vq SPEC without a path, a SPEC longer than 255 bytes. */
+ * suffix the kind does not take (:wN on a kind without a window, :sN on fp32/fp16, :force or :cuda on
+ * a kind without a codebook), N out of range, a vq SPEC without a path, a SPEC longer than 255 bytes. */
 int cli_cache_spec_parse(const char *spec, cli_cache_spec *out, char *err, size_t errlen);
 
 /* Parse spec and print the refusal (kvpq: ...) on stderr: 0, or exit code 2. The commands check

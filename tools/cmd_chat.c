@@ -29,7 +29,7 @@ static void usage(FILE *f) {
             "Text you type never becomes a control token: \"<|im_end|>\" in a message is plain text.\n"
             "  --model M      GGUF model\n"
             "  --cache SPEC   KV cache: fp32 fp16 q8_0 q4_0 kivi2 kivi4 vq:CODEBOOK.safetensors (default fp32),\n"
-            "                 with :wN, :sN and :force as in kvpq generate\n"
+            "                 with :wN, :sN, :force and :cuda as in kvpq generate\n"
             "  --system TEXT  system message (default: the template's own, if any: SmolLM2 and Qwen2.5 have one;\n"
             "                 Gemma has no system role: the text goes before the first user message)\n"
             "  -n N           most tokens per reply (default 256); a reply also ends at the model's end-of-turn\n"

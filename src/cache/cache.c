@@ -182,14 +182,10 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
                              kvpq_cache_type_name(p->type));
         got = KVPQ_BACKEND_CPU;
     }
-    /* kvpq_cache takes host pointers, so it runs on the CPU; the GPU cache is kvpq_cuda_cache_*
-     * (device pointers, docs/CUDA.md). AUTO therefore resolves to the CPU here. */
-    if (got == KVPQ_BACKEND_CUDA) {
-        if (p->backend == KVPQ_BACKEND_CUDA)
-            return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: kvpq_cache takes host pointers and runs on the CPU; "
-                             "use kvpq_cuda_cache_new (device pointers) for the GPU", type_names[p->type]);
-        got = KVPQ_BACKEND_CPU;
-    }
+    /* VQ runs on the GPU when asked for (backend CUDA: cache_vq_cuda.c, host arrays copied each
+     * call); AUTO stays on the CPU, so that a program's results do not depend on the machine. */
+    if (got == KVPQ_BACKEND_CUDA && p->backend != KVPQ_BACKEND_CUDA) got = KVPQ_BACKEND_CPU;
+    if (got == KVPQ_BACKEND_CUDA) ops = &kvpq_cache_ops_vq_cuda;
     q.backend = got;
     /* A window or page longer than the cache can ever hold means "the whole sequence": clamp them to
      * max_seq, so a short prompt with the default window (128) or pages (256) just works, and a
@@ -199,7 +195,7 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
     if (q.sinks > q.max_seq) q.sinks = q.max_seq;
     if (q.sliding_window > 0 && !ops->drop)
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache %s: sliding-window layers are not supported by this kind",
-                         kvpq_cache_type_name(p->type));
+                         ops->name);
     kvpq_cache *c = calloc(1, sizeof *c);
     if (!c || !(c->len = calloc((size_t)p->n_layer, sizeof *c->len)) ||
         !(c->lo = calloc((size_t)p->n_layer, sizeof *c->lo)) ||

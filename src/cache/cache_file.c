@@ -2,7 +2,8 @@
  *
  * File layout (little-endian, as the machines kvpq runs on; the header says which format version):
  *   "KVPQSAVE"                         8 bytes
- *   u32 format version (3 with sinks, else 2; 1 is read too), u32 cache kind (kvpq_cache_type)
+ *   u32 format version (3 with sinks, else 2; 1 is read too), u32 cache kind (kvpq_cache_type; bit 8
+ *                                      set: saved by the CUDA backend, src/cache/cache_vq_cuda.c)
  *   i32 n_layer, n_head, n_head_kv, head_dim, max_seq, window, page_tokens (as kvpq_cache_new set them)
  *   u64 codebook fingerprint (kvpq_codebook_fingerprint; 0 for kinds without a codebook)
  *   u64 user_len
@@ -106,6 +107,11 @@ uint64_t kvpq_codebook_fingerprint(const kvpq_codebook *cb) {
 }
 
 // ---- header ------------------------------------------------------------------------------------
+
+/* The header's kind field carries the backend of a VQ cache on the GPU (cache_vq_cuda.c: its own
+ * payload) in bit 8, so that neither backend reads the other's payload. */
+#define BACKEND_CUDA 0x100u
+static uint32_t backend_flag(kvpq_backend b) { return b == KVPQ_BACKEND_CUDA ? BACKEND_CUDA : 0u; }
 
 typedef struct {
     uint32_t version, type;
@@ -217,7 +223,7 @@ kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, const void *u
     if (s == KVPQ_OK) {
         XXH64_reset(h, 0);
         const int S = c->p.sinks;
-        file_header hd = {S > 0 ? 3u : 2u, (uint32_t)c->p.type, c->p.n_layer, c->p.n_head, c->p.n_head_kv,
+        file_header hd = {S > 0 ? 3u : 2u, (uint32_t)c->p.type | backend_flag(c->p.backend), c->p.n_layer, c->p.n_head, c->p.n_head_kv,
                           c->p.head_dim, c->p.max_seq, c->p.window, c->p.page_tokens,
                           c->cb_fp, user_len};
         s = header_io(&st, &hd);
@@ -321,9 +327,9 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
     if (s == KVPQ_OK && (hd.n_layer <= 0 || hd.n_layer > MAX_LAYERS || hd.user_len > MAX_USER))
         s = kvpq__err(KVPQ_ERR_FORMAT, "saved cache '%s': header holds n_layer %d, user data %llu bytes", path,
                       (int)hd.n_layer, (unsigned long long)hd.user_len);
-    if (s == KVPQ_OK && hd.type != (uint32_t)p->type)
+    if (s == KVPQ_OK && (hd.type & ~BACKEND_CUDA) != (uint32_t)p->type)
         s = kvpq__err(KVPQ_ERR_MISMATCH, "saved cache '%s': cache kind %s, this cache is %s", path,
-                      kvpq_cache_type_name((kvpq_cache_type)hd.type), kvpq_cache_type_name(p->type));
+                      kvpq_cache_type_name((kvpq_cache_type)(hd.type & ~BACKEND_CUDA)), kvpq_cache_type_name(p->type));
     kvpq_cache_params pf = *p;
     if (s == KVPQ_OK) {
         /* A file saved with a smaller max_seq holds the window and page size kvpq_cache_new clamped
@@ -344,6 +350,10 @@ kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const 
         if (s == KVPQ_OK) s = check_field(path, "head_dim", hd.head_dim, q->head_dim);
         if (s == KVPQ_OK) s = check_field(path, "window", hd.window, q->window);
         if (s == KVPQ_OK) s = check_field(path, "page_tokens", hd.page_tokens, q->page_tokens);
+        if (s == KVPQ_OK && (hd.type & BACKEND_CUDA) != backend_flag(q->backend))
+            s = kvpq__err(KVPQ_ERR_MISMATCH, "saved cache '%s': saved by the %s backend, this cache runs on %s (the two "
+                          "hold a VQ cache's window in different forms)", path, hd.type & BACKEND_CUDA ? "cuda" : "cpu",
+                          kvpq_backend_name(q->backend));
         if (s == KVPQ_OK && q->type == KVPQ_CACHE_VQ && hd.cb_fp != c->cb_fp)
             s = kvpq__err(KVPQ_ERR_MISMATCH,
                           "saved cache '%s': made with another codebook (fingerprint %016llx, this one %016llx)", path,

@@ -96,6 +96,9 @@ extern const kvpq_cache_ops kvpq_cache_ops_kivi4;
  * create() receives params with backend already resolved (CPU or CUDA; AUTO never reaches it) and
  * a codebook whose n_layer, n_head_kv and head_dim cache.c has checked against the params. */
 extern const kvpq_cache_ops kvpq_cache_ops_vq;
+/* The VQ kind on the GPU (backend CUDA): src/cache/cache_vq_cuda.c, in every build (without CUDA
+ * kvpq_backend_resolve refuses the backend before it is reached). */
+extern const kvpq_cache_ops kvpq_cache_ops_vq_cuda;
 
 /* Online-softmax state {m, d, o} (FlashAttention; Milakov & Gimelshein 2018): m running max of
  * scores, d sum of exp(score - m), o (head_dim) sum of exp(score - m) * v. Merging two partial

@@ -108,6 +108,30 @@ int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq) { return -1; }
 kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq) { return KVPQ_NO_CUDA("kvpq_cuda_cache_clear"); }
 size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache *c) { return 0; }
 
+/* internal.h: the host-pointer calls of kvpq_cache's CUDA backend (never reached without CUDA:
+ * kvpq_backend_resolve refuses the backend first) */
+kvpq_status kvpq__cuda_cache_append_host(kvpq_cuda_cache *c, int n, const float *k, const float *v) {
+    return KVPQ_NO_CUDA("kvpq cache (cuda) append");
+}
+kvpq_status kvpq__cuda_cache_attend_host(kvpq_cuda_cache *c, int n_q, const float *q, float *out, float *lse) {
+    return KVPQ_NO_CUDA("kvpq cache (cuda) attend");
+}
+kvpq_status kvpq__cuda_cache_truncate(kvpq_cuda_cache *c, int n) { return KVPQ_NO_CUDA("kvpq cache (cuda) truncate"); }
+kvpq_status kvpq__cuda_cache_read_window(const kvpq_cuda_cache *c, int pos0, int n, float *k, float *v) {
+    return KVPQ_NO_CUDA("kvpq cache (cuda) read");
+}
+kvpq_status kvpq__cuda_cache_write_window(kvpq_cuda_cache *c, int pos0, int n, const float *k, const float *v) {
+    return KVPQ_NO_CUDA("kvpq cache (cuda) truncate");
+}
+kvpq_status kvpq__cuda_cache_read_codes(const kvpq_cuda_cache *c, int seq, uint8_t *kc, uint8_t *vc, uint16_t *ks,
+                                        uint16_t *vs) {
+    return KVPQ_NO_CUDA("kvpq cache (cuda) read");
+}
+kvpq_status kvpq__cuda_cache_write(kvpq_cuda_cache *c, int len, const uint8_t *kc, const uint8_t *vc,
+                                   const uint16_t *ks, const uint16_t *vs, const float *kw, const float *vw) {
+    return KVPQ_NO_CUDA("kvpq cache (cuda) load");
+}
+
 #else
 /* ISO C forbids an empty translation unit. */
 typedef int kvpq__cuda_stub_unused;

@@ -51,6 +51,33 @@ void kvpq__temp_done(const char *tmpl, int keep);
  * KVPQ_ERR_INVALID_ARG naming `fn` and the field (src/core/cuda_stub.c; every build). */
 kvpq_status kvpq__cuda_kernels_check(const kvpq_cuda_kernels *k, const char *fn);
 
+/* ---- host-pointer calls on sequence 0 of a kvpq_cuda_cache (src/cuda/cache_cuda.cu; without CUDA
+ * src/core/cuda_stub.c fails them with KVPQ_ERR_NO_DEVICE): the VQ kind of kvpq_cache on the GPU,
+ * src/cache/cache_vq_cuda.c. Host arrays in and out; each call synchronous. */
+/* Append n positions, k and v host (n, n_head_kv, head_dim), staged through device memory. */
+kvpq_status kvpq__cuda_cache_append_host(kvpq_cuda_cache *c, int n, const float *k, const float *v);
+/* Causal attention of the newest n_q positions, query i seeing [0, L - n_q + i] (L held), one
+ * launch each; q, out host (n_q, n_head, head_dim); lse host (n_q, n_head) or NULL gets each row's
+ * log-sum-exp of its scaled scores without the q . mu of key centering. KVPQ_ERR_UNSUPPORTED for
+ * n_q > 1 when L exceeds the window (the earlier queries' window positions left the ring). */
+kvpq_status kvpq__cuda_cache_attend_host(kvpq_cuda_cache *c, int n_q, const float *q, float *out, float *lse);
+/* Keep positions [0, n) (pages past them go back to the pool; the ring is left as it is). */
+kvpq_status kvpq__cuda_cache_truncate(kvpq_cuda_cache *c, int n);
+/* Ring rows of positions [pos0, pos0 + n), all among the newest `window`: k (minus the key mean) and
+ * v host (n, n_head_kv, head_dim), either may be NULL. */
+kvpq_status kvpq__cuda_cache_read_window(const kvpq_cuda_cache *c, int pos0, int n, float *k, float *v);
+/* Overwrite the ring rows of positions [pos0, pos0 + n), all among the newest `window`, from host
+ * k (minus the key mean) and v (n, n_head_kv, head_dim). */
+kvpq_status kvpq__cuda_cache_write_window(kvpq_cuda_cache *c, int pos0, int n, const float *k, const float *v);
+/* Codes (and float16 scales of norm-explicit quantizers) of positions [0, len) of sequence seq, host
+ * kc (len, n_head_kv, k_code_size), vc, ks / vs (len, n_head_kv); each may be NULL. */
+kvpq_status kvpq__cuda_cache_read_codes(const kvpq_cuda_cache *c, int seq, uint8_t *kc, uint8_t *vc, uint16_t *ks,
+                                        uint16_t *vs);
+/* Fill an empty sequence 0 with len positions: codes and scales as read_codes gives them, the ring
+ * rows kw (minus the key mean) and vw of positions [len - min(len, window), len). */
+kvpq_status kvpq__cuda_cache_write(kvpq_cuda_cache *c, int len, const uint8_t *kc, const uint8_t *vc,
+                                   const uint16_t *ks, const uint16_t *vs, const float *kw, const float *vw);
+
 /* Largest n_threads the library takes (kmeans, cache, model params; the CLI's --threads has the same
  * bound). Above it OpenMP may fail to build the thread team, and libgomp then ends the process
  * ("Out of memory allocating ...") instead of returning. */

@@ -375,6 +375,7 @@ __device__ void finish_cta(const kvpq__attend_params &p, const float *mbuf, int 
         float inv = 1.f / dd;
 #pragma unroll
         for (int j = 0; j < EPL; j++) acc[j] *= inv;
+        if (p.lse && lane == 0) p.lse[(size_t)b * p.n_head + head] = mx * 0.69314718f + logf(dd);
         if (p.v_rotate) kvpq__warp_fwht<EPL>(acc, lane);
         float *dst = p.out + ((size_t)b * p.n_head + head) * D + lane * EPL;
 #pragma unroll
@@ -1426,6 +1427,7 @@ __device__ void finish_cluster(const kvpq__attend_params &p, const float *mbuf, 
         float inv = 1.f / dd;
 #pragma unroll
         for (int j = 0; j < EPL; j++) acc[j] *= inv;
+        if (p.lse && lane == 0) p.lse[(size_t)b * p.n_head + head0 + head] = mx * 0.69314718f + logf(dd);
         if (p.v_rotate) kvpq__warp_fwht<EPL>(acc, lane);
         float *dst = p.out + ((size_t)b * p.n_head + head0 + head) * D + lane * EPL;
 #pragma unroll

@@ -8,17 +8,19 @@
 #include <string.h>
 
 #include "common.cuh"
+#include "fp16.h"
 
 struct kvpq_cuda_cache {
     kvpq_cuda_cache_params p;
     kvpq_cuda_pq *kq, *vq;
     int max_pages;       /* per sequence */
-    int n_pages;         /* pool */
+    int n_pages;         /* pool: pages allocated now (kvpq_cuda_cache_params.n_pages, or grown on demand) */
+    int pool_max;        /* most pages the pool may hold: n_pages given, else n_seq * max_pages */
     uint8_t *k_pages;    /* device (n_pages, n_head_kv, page_tokens, k_code_size) */
     uint8_t *v_pages;    /* device (n_pages, n_head_kv, page_tokens, v_code_size) */
     int *page_table;     /* device (n_seq, max_pages) */
     int *h_page_table;   /* host mirror */
-    int *free_pages;     /* host stack of free page ids */
+    int *free_pages;     /* host stack of free page ids, room for n_pages */
     int n_free;
     int *seq_len;        /* device (n_seq) */
     int *h_len;          /* host (n_seq) */
@@ -39,6 +41,11 @@ struct kvpq_cuda_cache {
     unsigned long long *ne_bad; /* device (2): key, value: first scale beyond float16 (row << 32 | bits) */
     unsigned *ne_smax;   /* device (2): key, value: max float bits of |s| of the append in progress */
     float v_smax;        /* max |s_v| stored so far (the tensor-core kernel's P scale) */
+    /* host-pointer calls (kvpq_cache with backend CUDA, src/cache/cache_vq_cuda.c): device staging */
+    float *stage;        /* device (stage_cap) floats: k, v of an append or q, out, lse of an attention */
+    size_t stage_cap;
+    int *stage_len;      /* device (len_cap) per-query lengths of a causal attention */
+    int len_cap;
 };
 
 namespace {
@@ -80,6 +87,8 @@ extern "C" KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c) {
     cudaFree(c->ne_n);
     cudaFree(c->ne_bad);
     cudaFree(c->ne_smax);
+    cudaFree(c->stage);
+    cudaFree(c->stage_len);
     free(c->h_page_table);
     free(c->free_pages);
     free(c->h_len);
@@ -241,7 +250,10 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
         kvpq_cuda_cache_free(c);
         return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_new: %lld pages", np);
     }
-    c->n_pages = (int)np;
+    /* an explicit pool is allocated whole; the default one starts with a page per sequence and
+     * grows on demand (grow_pool), so that a large batch x max_seq costs only what is held */
+    c->pool_max = (int)np;
+    c->n_pages = p->n_pages ? (int)np : p->n_seq < np ? p->n_seq : (int)np;
     c->max_splits = 256;
     size_t kpb = (size_t)p->n_head_kv * p->page_tokens * c->kq->code_size;
     size_t vpb = (size_t)p->n_head_kv * p->page_tokens * c->vq->code_size;
@@ -305,6 +317,47 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     return KVPQ_OK;
 }
 
+/* Move device array *p of `old` bytes to a new allocation of `grown` bytes (contents kept, the rest
+ * zeroed: scales past a sequence's end must be finite). */
+static kvpq_status regrow(void **p, size_t old, size_t grown, const char *what) {
+    void *q = NULL;
+    KVPQ_CUDA_TRY(cudaMalloc(&q, grown), what);
+    kvpq_status s = kvpq__cuda_err(cudaMemcpy(q, *p, old, cudaMemcpyDeviceToDevice), what);
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemset((char *)q + old, 0, grown - old), what);
+    if (s != KVPQ_OK) {
+        cudaFree(q);
+        return s;
+    }
+    cudaFree(*p);
+    *p = q;
+    return KVPQ_OK;
+}
+
+/* At least `need` free pages: the default pool grows (at least doubling, up to pool_max) by new
+ * device arrays for the code pages and scales, the old contents copied; page ids stay valid. A
+ * captured attention graph holds the old arrays' addresses: capture again after appends (kvpq.h). */
+static kvpq_status grow_pool(kvpq_cuda_cache *c, int need) {
+    if (need <= c->n_free) return KVPQ_OK;
+    long long want = (long long)c->n_pages + (need - c->n_free), two = 2LL * c->n_pages;
+    if (want > c->pool_max)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_append: %d pages needed, %d free in the pool of %d", need,
+                         c->n_free, c->pool_max);
+    const int n = (int)(two > want ? (two < c->pool_max ? two : c->pool_max) : want);
+    int *fp = (int *)realloc(c->free_pages, (size_t)n * sizeof(int));
+    if (!fp) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_cuda_cache_append: out of memory growing the page pool");
+    c->free_pages = fp;
+    const size_t rows = (size_t)c->p.n_head_kv * c->p.page_tokens;
+    const size_t kpb = rows * c->kq->code_size, vpb = rows * c->vq->code_size, spb = rows * sizeof(uint16_t);
+    const char *what = "kvpq_cuda_cache_append: growing the page pool";
+    KVPQ_TRY(regrow((void **)&c->k_pages, kpb * c->n_pages, kpb * n, what));
+    KVPQ_TRY(regrow((void **)&c->v_pages, vpb * c->n_pages, vpb * n, what));
+    if (c->k_scales) KVPQ_TRY(regrow((void **)&c->k_scales, spb * c->n_pages, spb * n, what));
+    if (c->v_scales) KVPQ_TRY(regrow((void **)&c->v_scales, spb * c->n_pages, spb * n, what));
+    for (int i = n - 1; i >= c->n_pages; i--) c->free_pages[c->n_free++] = i; /* lowest id on top */
+    c->n_pages = n;
+    return KVPQ_OK;
+}
+
 extern "C" KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq) {
     if (!c || seq < 0 || seq >= c->p.n_seq) return -1;
     return c->h_len[seq];
@@ -324,9 +377,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int s
                          seq, L, n, c->p.max_seq);
     int *pt = c->h_page_table + (size_t)seq * c->max_pages;
     int first_new = (L + PT - 1) / PT, last = (L + n + PT - 1) / PT, need = last - first_new;
-    if (need > c->n_free)
-        return kvpq__err(KVPQ_ERR_CAPACITY, "kvpq_cuda_cache_append: %d pages needed, %d free in the pool of %d", need,
-                         c->n_free, c->n_pages);
+    KVPQ_TRY(grow_pool(c, need));
     for (int i = first_new; i < last; i++) pt[i] = c->free_pages[--c->n_free];
     kvpq_status s = KVPQ_OK;
     if (need)
@@ -491,4 +542,190 @@ extern "C" kvpq_status kvpq__cuda_cache_read_codes(const kvpq_cuda_cache *c, int
     }
     free(buf);
     return s;
+}
+
+/* ---- host-pointer calls of one sequence (seq 0): kvpq_cache with backend CUDA --------------------
+ * src/cache/cache_vq_cuda.c (the VQ kind of kvpq_cache on the GPU) calls these; declared in
+ * src/core/internal.h, stubbed in src/core/cuda_stub.c for builds without CUDA. */
+
+/* Device staging of at least n floats (grown, never shrunk; its old contents are dropped). */
+static kvpq_status stage_floats(kvpq_cuda_cache *c, size_t n) {
+    if (n <= c->stage_cap) return KVPQ_OK;
+    cudaFree(c->stage);
+    c->stage = NULL;
+    c->stage_cap = 0;
+    KVPQ_CUDA_TRY(cudaMalloc((void **)&c->stage, n * sizeof(float)), "kvpq cache (cuda): staging buffer");
+    c->stage_cap = n;
+    return KVPQ_OK;
+}
+
+extern "C" kvpq_status kvpq__cuda_cache_append_host(kvpq_cuda_cache *c, int n, const float *k, const float *v) {
+    if (!c || n < 0 || !k || !v) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_append_host: bad argument");
+    if (n == 0) return KVPQ_OK;
+    const size_t rows = (size_t)n * c->p.n_head_kv * c->p.head_dim;
+    KVPQ_TRY(stage_floats(c, 2 * rows));
+    KVPQ_CUDA_TRY(cudaMemcpy(c->stage, k, rows * sizeof(float), cudaMemcpyHostToDevice), "kvpq cache (cuda): copy K");
+    KVPQ_CUDA_TRY(cudaMemcpy(c->stage + rows, v, rows * sizeof(float), cudaMemcpyHostToDevice),
+                  "kvpq cache (cuda): copy V");
+    return kvpq_cuda_cache_append(c, 0, n, c->stage, c->stage + rows);
+}
+
+extern "C" kvpq_status kvpq__cuda_cache_attend_host(kvpq_cuda_cache *c, int n_q, const float *q, float *out,
+                                                    float *lse) {
+    if (!c || n_q < 1 || !q || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_attend_host: bad argument");
+    const int len = c->h_len[0], W = c->p.window;
+    if (n_q > len)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq cache (cuda): %d queries, %d positions held", n_q, len);
+    if (n_q > 1 && W > 0 && len > W)
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED,
+                         "kvpq cache (cuda): %d queries at once over %d positions: the float32 window (%d) holds only "
+                         "the newest positions, so the earlier queries' windows are gone; attend one query per "
+                         "append (kvpq_cache_append_attend does)", n_q, len, W);
+    if (n_q > c->len_cap) {
+        cudaFree(c->stage_len);
+        c->stage_len = NULL;
+        c->len_cap = 0;
+        KVPQ_CUDA_TRY(cudaMalloc((void **)&c->stage_len, (size_t)n_q * sizeof(int)), "kvpq cache (cuda): lengths");
+        c->len_cap = n_q;
+    }
+    int *lens = (int *)malloc((size_t)n_q * sizeof(int));
+    if (!lens) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq cache (cuda): out of memory");
+    for (int i = 0; i < n_q; i++) lens[i] = len - n_q + 1 + i; /* query i sees positions [0, lens[i]) */
+    const size_t qw = (size_t)c->p.n_head * c->p.head_dim;
+    kvpq_status s = stage_floats(c, 2 * n_q * qw + (size_t)n_q * c->p.n_head);
+    float *dq = c->stage, *dout = dq + n_q * qw, *dlse = dout + n_q * qw;
+    if (s == KVPQ_OK)
+        s = kvpq__cuda_err(cudaMemcpy(c->stage_len, lens, (size_t)n_q * sizeof(int), cudaMemcpyHostToDevice),
+                           "kvpq cache (cuda): lengths");
+    if (s == KVPQ_OK)
+        s = kvpq__cuda_err(cudaMemcpy(dq, q, n_q * qw * sizeof(float), cudaMemcpyHostToDevice), "kvpq cache (cuda): copy Q");
+    /* one launch per query on the default stream (ordered), each reading its own length; a query's
+     * window [lens[i] - W, lens[i]) is still in the ring (checked above) */
+    for (int i = 0; i < n_q && s == KVPQ_OK; i++) {
+        kvpq__attend_params a;
+        fill_attend_params(c, &a);
+        a.seq_len = c->stage_len + i;
+        a.q = dq + i * qw;
+        a.out = dout + i * qw;
+        a.lse = lse ? dlse + (size_t)i * c->p.n_head : NULL;
+        a.part_o = c->part_o;
+        a.part_md = c->part_md;
+        s = kvpq__cuda_attend_launch(&a, 1, lens[i] - (lens[i] < W ? lens[i] : W), c->max_splits, 0);
+    }
+    free(lens);
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaDeviceSynchronize(), "kvpq cache (cuda): attention kernel");
+    if (s == KVPQ_OK)
+        s = kvpq__cuda_err(cudaMemcpy(out, dout, n_q * qw * sizeof(float), cudaMemcpyDeviceToHost), "kvpq cache (cuda): copy out");
+    if (s == KVPQ_OK && lse)
+        s = kvpq__cuda_err(cudaMemcpy(lse, dlse, (size_t)n_q * c->p.n_head * sizeof(float), cudaMemcpyDeviceToHost),
+                           "kvpq cache (cuda): copy lse");
+    return s;
+}
+
+extern "C" kvpq_status kvpq__cuda_cache_truncate(kvpq_cuda_cache *c, int n) {
+    if (!c || n < 0 || n > c->h_len[0]) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_truncate: bad argument");
+    const int PT = c->p.page_tokens, used = (c->h_len[0] + PT - 1) / PT, keep = (n + PT - 1) / PT;
+    KVPQ_CUDA_TRY(cudaMemcpy(c->seq_len, &n, sizeof(int), cudaMemcpyHostToDevice), "kvpq cache (cuda): truncate");
+    int *pt = c->h_page_table;
+    for (int i = used - 1; i >= keep; i--) {
+        c->free_pages[c->n_free++] = pt[i];
+        pt[i] = -1;
+    }
+    c->h_len[0] = n;
+    if (!c->v_norm) return KVPQ_OK;
+    /* the tensor-core kernel's P scale follows the largest |s_v| held: as a cache fed [0, n) has it */
+    uint16_t *vs = (uint16_t *)malloc(((size_t)n * c->p.n_head_kv + 1) * sizeof *vs);
+    if (!vs) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq cache (cuda): out of memory truncating");
+    kvpq_status s = kvpq__cuda_cache_read_codes(c, 0, NULL, NULL, NULL, vs);
+    c->v_smax = 0.f;
+    for (size_t i = 0; s == KVPQ_OK && i < (size_t)n * c->p.n_head_kv; i++) {
+        const float a = fabsf(kvpq__h2f(vs[i]));
+        if (a > c->v_smax) c->v_smax = a;
+    }
+    free(vs);
+    return s;
+}
+
+/* The float32 ring rows of positions [pos0, pos0 + n) (all within the newest `window`): k (keys
+ * minus the key mean, as stored) and v host (n, n_head_kv, head_dim), either may be NULL. */
+extern "C" kvpq_status kvpq__cuda_cache_read_window(const kvpq_cuda_cache *c, int pos0, int n, float *k, float *v) {
+    const int len = c ? c->h_len[0] : 0, W = c ? c->p.window : 0;
+    if (!c || n < 0 || pos0 < len - W || pos0 < 0 || pos0 + n > len)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_read_window: positions outside the window");
+    const size_t rf = (size_t)c->p.n_head_kv * c->p.head_dim;
+    for (int t = pos0; t < pos0 + n; t++) {
+        const size_t src = (size_t)(t % W) * rf, dst = (size_t)(t - pos0) * rf;
+        if (k) KVPQ_CUDA_TRY(cudaMemcpy(k + dst, c->k_win + src, rf * sizeof(float), cudaMemcpyDeviceToHost), "kvpq cache (cuda): read window");
+        if (v) KVPQ_CUDA_TRY(cudaMemcpy(v + dst, c->v_win + src, rf * sizeof(float), cudaMemcpyDeviceToHost), "kvpq cache (cuda): read window");
+    }
+    return KVPQ_OK;
+}
+
+extern "C" kvpq_status kvpq__cuda_cache_write_window(kvpq_cuda_cache *c, int pos0, int n, const float *k,
+                                                     const float *v) {
+    const int len = c ? c->h_len[0] : 0, W = c ? c->p.window : 0;
+    if (!c || !k || !v || n < 0 || pos0 < 0 || pos0 < len - W || pos0 + n > len)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_write_window: positions outside the window");
+    const size_t rf = (size_t)c->p.n_head_kv * c->p.head_dim;
+    for (int t = pos0; t < pos0 + n; t++) {
+        const size_t dst = (size_t)(t % W) * rf, src = (size_t)(t - pos0) * rf;
+        KVPQ_CUDA_TRY(cudaMemcpy(c->k_win + dst, k + src, rf * sizeof(float), cudaMemcpyHostToDevice), "kvpq cache (cuda): write window");
+        KVPQ_CUDA_TRY(cudaMemcpy(c->v_win + dst, v + src, rf * sizeof(float), cudaMemcpyHostToDevice), "kvpq cache (cuda): write window");
+    }
+    return KVPQ_OK;
+}
+
+/* A loaded state: sequence 0 (empty) gets len positions: codes kc (len, n_head_kv, k_code_size),
+ * vc likewise, float16 scales ks / vs (len, n_head_kv) of norm-explicit quantizers (else ignored),
+ * and the ring rows of positions [len - min(len, window), len), kw (keys minus the mean) and vw
+ * (min(len, window), n_head_kv, head_dim). Host inputs. */
+extern "C" kvpq_status kvpq__cuda_cache_write(kvpq_cuda_cache *c, int len, const uint8_t *kc, const uint8_t *vc,
+                                              const uint16_t *ks, const uint16_t *vs, const float *kw, const float *vw) {
+    if (!c || c->h_len[0] != 0 || len < 0 || len > c->p.max_seq)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_write: bad argument");
+    const int PT = c->p.page_tokens, H = c->p.n_head_kv, need = (len + PT - 1) / PT, W = c->p.window;
+    KVPQ_TRY(grow_pool(c, need));
+    for (int i = 0; i < need; i++) c->h_page_table[i] = c->free_pages[--c->n_free];
+    KVPQ_CUDA_TRY(cudaMemcpy(c->page_table, c->h_page_table, (size_t)c->max_pages * sizeof(int), cudaMemcpyHostToDevice),
+                  "kvpq cache (cuda): page table");
+    const size_t kcs = c->kq->code_size, vcs = c->vq->code_size, cmax = kcs > vcs ? kcs : vcs;
+    uint8_t *buf = (uint8_t *)calloc((size_t)H * PT, cmax);
+    if (!buf) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq cache (cuda): out of memory");
+    kvpq_status s = KVPQ_OK;
+    for (int t0 = 0; t0 < len && s == KVPQ_OK; t0 += PT) { /* a page at a time, (n_head_kv, page_tokens, bytes) */
+        const int n = len - t0 < PT ? len - t0 : PT, page = c->h_page_table[t0 / PT];
+        for (int w = 0; w < 4 && s == KVPQ_OK; w++) {
+            const uint8_t *in = w == 0 ? kc : w == 1 ? vc : w == 2 ? (const uint8_t *)ks : (const uint8_t *)vs;
+            uint8_t *dst = w == 0 ? c->k_pages : w == 1 ? c->v_pages : w == 2 ? (uint8_t *)c->k_scales : (uint8_t *)c->v_scales;
+            const size_t bs = w == 0 ? kcs : w == 1 ? vcs : 2;
+            if (!in || !dst) continue;
+            for (int h = 0; h < H; h++)
+                for (int t = 0; t < n; t++) memcpy(buf + ((size_t)h * PT + t) * bs, in + ((size_t)(t0 + t) * H + h) * bs, bs);
+            s = kvpq__cuda_err(cudaMemcpy(dst + (size_t)page * H * PT * bs, buf, (size_t)H * PT * bs, cudaMemcpyHostToDevice),
+                               "kvpq cache (cuda): write codes");
+        }
+    }
+    free(buf);
+    const size_t rf = (size_t)H * c->p.head_dim;
+    for (int t = len - (len < W ? len : W); t < len && s == KVPQ_OK; t++) {
+        const size_t src = (size_t)(t - (len - (len < W ? len : W))) * rf, dst = (size_t)(t % W) * rf;
+        s = kvpq__cuda_err(cudaMemcpy(c->k_win + dst, kw + src, rf * sizeof(float), cudaMemcpyHostToDevice), "kvpq cache (cuda): write window");
+        if (s == KVPQ_OK)
+            s = kvpq__cuda_err(cudaMemcpy(c->v_win + dst, vw + src, rf * sizeof(float), cudaMemcpyHostToDevice), "kvpq cache (cuda): write window");
+    }
+    if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemcpy(c->seq_len, &len, sizeof(int), cudaMemcpyHostToDevice), "kvpq cache (cuda): length");
+    if (s != KVPQ_OK) {
+        for (int i = need - 1; i >= 0; i--) {
+            c->free_pages[c->n_free++] = c->h_page_table[i];
+            c->h_page_table[i] = -1;
+        }
+        return s;
+    }
+    c->h_len[0] = len;
+    if (c->v_norm && vs) /* the tensor-core kernel's P scale: the largest |s_v| held */
+        for (size_t i = 0; i < (size_t)len * H; i++) {
+            const float a = fabsf(kvpq__h2f(vs[i]));
+            if (a > c->v_smax) c->v_smax = a;
+        }
+    return KVPQ_OK;
 }

@@ -89,6 +89,9 @@ kvpq_status kvpq__cuda_pq_upload(kvpq_cuda_pq **out, const kvpq_pq *pq, const kv
 typedef struct {
     const float *q;            /* (B, n_head, D) */
     float *out;                /* (B, n_head, D) */
+    float *lse;                /* (B, n_head) or NULL: each row's natural log-sum-exp of its scaled
+                                  scores, m ln 2 + ln d of the merged state (the scores omit q . mu
+                                  with key centering: the caller adds it) */
     float *part_o;             /* (B, n_head, n_splits + n_wsplits, D) workspace */
     float *part_md;            /* (B, n_head, n_splits + n_wsplits, 2) workspace: {m (log2 domain), d} */
     const int *seq_len;        /* device (B) positions held */
