@@ -9,7 +9,7 @@
 # Build: every C file of src/core, src/cache, src/backend/cpu and src/engine into one shared library
 # with gcc -O3 -march=native (the repository's CMakeLists.txt needs tool sources that its tree lacks at
 # this commit). -D__fp16=_Float16: one batched-prefill path (tq_forward_batch, unused by tq_forward)
-# spells ARM's __fp16, which x86 gcc >= 12 knows as _Float16. About 1 minute on 2 cores.
+# spells ARM's __fp16, which x86 gcc >= 12 knows as _Float16. 10 s of CPU (6 min wall on the loaded 2-core box).
 # SRC=PATH uses an existing checkout (e.g. a mirror) instead of cloning.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
