@@ -157,17 +157,17 @@ def eval_chunk(runs, model_cfg, toks):
 
 
 def row(r, base, count, chunks, C, lib):
-    """A kvpq.ppl/1 row (docs/json.md) plus key_bits / value_bits / library."""
+    """A kvpq.ppl/1 row (docs/json.md) plus key_bits / value_bits / library; the base's own row has KL 0,
+    top-1 1 (as kvpq ppl's row of its --kl-base cache)."""
     ppl = math.exp(r.nll / count)
     var = max(0.0, r.nll2 / count - (r.nll / count) ** 2)
     o = {"cache": "qcpp:" + r.spec, "ppl": ppl, "ppl_stderr": math.sqrt(var / (count - 1)) * ppl,
          "tokens": count, "chunks": chunks, "ctx": C,
          "bits_per_element": (r.key_bits + r.value_bits) / 2, "key_bits": r.key_bits, "value_bits": r.value_bits,
          "tok_per_s": chunks * (C - 1) / r.seconds, "library": lib}
-    if base is not None:
-        o.update({"kl_base": "qcpp:" + base.spec, "ppl_base": math.exp(base.nll / count),
-                  "kl_mean": r.kl / count, "top1_agree": r.agree / count,
-                  "bits_per_element_base": (base.key_bits + base.value_bits) / 2})
+    o.update({"kl_base": "qcpp:" + base.spec, "ppl_base": math.exp(base.nll / count),
+              "kl_mean": r.kl / count, "top1_agree": r.agree / count,
+              "bits_per_element_base": (base.key_bits + base.value_bits) / 2})
     return o
 
 
@@ -233,7 +233,7 @@ def write(a, ql, runs, n_chunks):
            "settings": {"model": a.model, "text": a.text, "ctx": a.ctx, "chunks": n_chunks, "threads": a.threads,
                         "kl_base": "qcpp:fp32", "peer": "quant.cpp", "library": ql.path,
                         "command": " ".join(sys.argv), "date": datetime.datetime.utcnow().isoformat() + "Z"},
-           "results": [row(r, runs[0] if i else None, count, n_chunks, a.ctx, ql.path) for i, r in enumerate(runs)]}
+           "results": [row(r, runs[0], count, n_chunks, a.ctx, ql.path) for r in runs]}
     text = json.dumps(out, indent=1)
     if a.json:
         open(a.json, "w").write(text + "\n")
