@@ -156,16 +156,16 @@ def eval_chunk(runs, model_cfg, toks):
                 score(r, lp, toks[pos + 1], lps[0])
 
 
-def row(r, base, count, chunks, C, lib):
+def row(r, base, count, chunks, C, lib, label):
     """A kvpq.ppl/1 row (docs/json.md) plus key_bits / value_bits / library; the base's own row has KL 0,
     top-1 1 (as kvpq ppl's row of its --kl-base cache)."""
     ppl = math.exp(r.nll / count)
     var = max(0.0, r.nll2 / count - (r.nll / count) ** 2)
-    o = {"cache": "qcpp:" + r.spec, "ppl": ppl, "ppl_stderr": math.sqrt(var / (count - 1)) * ppl,
+    o = {"cache": f"{label}:{r.spec}", "ppl": ppl, "ppl_stderr": math.sqrt(var / (count - 1)) * ppl,
          "tokens": count, "chunks": chunks, "ctx": C,
          "bits_per_element": (r.key_bits + r.value_bits) / 2, "key_bits": r.key_bits, "value_bits": r.value_bits,
          "tok_per_s": chunks * (C - 1) / r.seconds, "library": lib}
-    o.update({"kl_base": "qcpp:" + base.spec, "ppl_base": math.exp(base.nll / count),
+    o.update({"kl_base": f"{label}:{base.spec}", "ppl_base": math.exp(base.nll / count),
               "kl_mean": r.kl / count, "top1_agree": r.agree / count,
               "bits_per_element_base": (base.key_bits + base.value_bits) / 2})
     return o
@@ -201,6 +201,7 @@ def main():
     ap.add_argument("--cache", default="fp32,uniform_4b,turbo_kv_3b,turbo_kv_4b",
                     help="comma-separated; fp32 (the base) is always run first")
     ap.add_argument("--lib", default=None, help="quant.cpp shared library (default: the PyPI wheel's libquant.so)")
+    ap.add_argument("--label", default="qcpp", help="row name prefix, e.g. qcpp-wheel / qcpp-src (default qcpp)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="write the kvpq.ppl/1 JSON here (else stdout)")
     a = ap.parse_args()
@@ -231,9 +232,9 @@ def write(a, ql, runs, n_chunks):
         f"{r.spec} {math.exp(r.nll / count):.4f}" for r in runs), file=sys.stderr, flush=True)
     out = {"schema": "kvpq.ppl/1",
            "settings": {"model": a.model, "text": a.text, "ctx": a.ctx, "chunks": n_chunks, "threads": a.threads,
-                        "kl_base": "qcpp:fp32", "peer": "quant.cpp", "library": ql.path,
+                        "kl_base": f"{a.label}:fp32", "peer": "quant.cpp", "library": ql.path,
                         "command": " ".join(sys.argv), "date": datetime.datetime.utcnow().isoformat() + "Z"},
-           "results": [row(r, runs[0], count, n_chunks, a.ctx, ql.path) for r in runs]}
+           "results": [row(r, runs[0], count, n_chunks, a.ctx, ql.path, a.label) for r in runs]}
     text = json.dumps(out, indent=1)
     if a.json:
         open(a.json, "w").write(text + "\n")
