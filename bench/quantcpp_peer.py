@@ -198,8 +198,9 @@ def main():
     ap.add_argument("--text", required=True)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--chunks", type=int, default=1)
-    ap.add_argument("--cache", default="fp32,uniform_4b,turbo_kv_3b,turbo_kv_4b",
-                    help="comma-separated; fp32 (the base) is always run first")
+    ap.add_argument("--cache", default="uniform_4b",
+                    help="comma-separated quant.cpp KV type names (uniform_4b, its default; turbo_kv_3b ... with a "
+                         "source build), each optionally +v4 / +v2; fp32, the base, is always run first")
     ap.add_argument("--lib", default=None, help="quant.cpp shared library (default: the PyPI wheel's libquant.so)")
     ap.add_argument("--label", default="qcpp", help="row name prefix, e.g. qcpp-wheel / qcpp-src (default qcpp)")
     ap.add_argument("--threads", type=int, default=1)
