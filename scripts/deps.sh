@@ -18,7 +18,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # (tests/python/test_transformers.py). PyPI's torch wheel for x86_64 Linux depends on its CUDA runtime
 # wheels (nvidia-*; no CPU-only torch is on PyPI, and torch does not import without
 # them): 6.4 minutes and +5.3 GB cold on this VM, once per machine (README "Dependencies").
-mods="['numpy','cffi','safetensors','gguf','faiss','tokenizers','transformers','matplotlib','pytest','jsonschema','hypothesis','torch','accelerate','optimum.quanto','turboquant','scipy']"
+mods="['numpy','cffi','safetensors','gguf','faiss','tokenizers','transformers','matplotlib','pytest','jsonschema','hypothesis','torch','accelerate','optimum.quanto','turboquant','scipy','quantcpp']"
 if ! python3 -c "import sys; import importlib.util as u; sys.exit(any(u.find_spec(m.split('.')[0]) is None or u.find_spec(m) is None for m in $mods))" 2>/dev/null; then
   reqs=(-r "$root/python/requirements-dev.txt" -r "$root/python/requirements-transformers.txt")
   echo "deps: pip install -r python/requirements-dev.txt -r python/requirements-transformers.txt"
