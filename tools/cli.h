@@ -8,6 +8,7 @@
 /* Each subcommand gets argv starting at its own name (argv[0] = "info", ...); returns the exit code. */
 int cmd_info_gguf(int argc, char **argv, const char *path);      /* info_gguf.c */
 int cmd_info_codebook(int argc, char **argv, const char *path);  /* info_codebook.c */
+int info_json(const char *path, int is_gguf);                    /* info_json.c: kvpq info FILE --json */
 int cmd_bench_encode(int argc, char **argv);                     /* bench_encode.c */
 int cmd_bench_attend(int argc, char **argv);                     /* bench_attend.c */
 int cmd_bench_decode(int argc, char **argv);                     /* bench_decode.c */

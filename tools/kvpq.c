@@ -30,9 +30,15 @@ static const char *const BENCHES[] = {"encode", "attend", "decode", NULL};
 
 static int cmd_info(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
-        fprintf(argc < 2 ? stderr : stdout, "usage: kvpq info FILE   (a .gguf model or a .safetensors codebook file)\n");
+        fprintf(argc < 2 ? stderr : stdout, "usage: kvpq info FILE [--json]   (a .gguf model or a .safetensors codebook "
+                                            "file; --json: one row, schema kvpq.info/1, docs/json.md)\n");
         return argc < 2 ? 2 : 0;
     }
+    int json = 0;
+    for (int i = 2; i < argc; i++) json |= !strcmp(argv[i], "--json");
+    for (int i = 2; json && i < argc; i++)
+        if (strcmp(argv[i], "--json") && strcmp(argv[i], "--quiet") && strcmp(argv[i], "-q"))
+            return cli_usage_error("info: --json takes no other option than --quiet (got '%s')", argv[i]);
     const char *path = argv[1];
     /* Non-blocking, and only a regular file: `kvpq info FIFO` waited forever for a writer. */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -45,14 +51,14 @@ static int cmd_info(int argc, char **argv) {
     char magic[8] = {0};
     ssize_t n = read(fd, magic, 8);
     close(fd);
-    if (n >= 4 && !memcmp(magic, "GGUF", 4)) return cmd_info_gguf(argc, argv, path);
+    if (n >= 4 && !memcmp(magic, "GGUF", 4)) return json ? info_json(path, 1) : cmd_info_gguf(argc, argv, path);
     /* A saved cache was read as a codebook ("header length 4996252662716454475 exceeds ..."). */
     if (n == 8 && !memcmp(magic, "KVPQSAVE", 8)) {
         fprintf(stderr, "kvpq info: '%s' is a saved kvpq cache (kvpq_cache_save, generate --prompt-cache), which info "
                         "does not describe: it takes a .gguf model or a .safetensors codebook\n", path);
         return 1;
     }
-    return cmd_info_codebook(argc, argv, path);
+    return json ? info_json(path, 0) : cmd_info_codebook(argc, argv, path);
 }
 
 static void bench_usage(FILE *f) {

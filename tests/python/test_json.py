@@ -109,3 +109,16 @@ def test_calibrate(tmp_path):
     assert all(0 <= r["holdout_kl"] < 1 and 0 < r["holdout_top1"] <= 1 for r in rows[:2])
     assert rows[2]["keys"] == "d8b8" and doc["settings"]["tokens"] == 256
     assert all(p.exists() for p in (a, b, plain))
+
+
+@need_model
+def test_info(tmp_path):
+    doc = validate(run_json("info", MODEL), "info")
+    r, = doc["results"]
+    assert r["runs"] and r["arch"] == "llama" and r["n_layer"] == 30 and r["head_dim"] == 64
+    out = tmp_path / "cb.st"
+    subprocess.run([BIN, "calibrate", "--model", MODEL, "--text", TEXT, "--tokens", "128", "--ctx", "64", "--iters", "1",
+                    "--quiet", "-o", out], check=True, capture_output=True, timeout=600)
+    doc = validate(run_json("info", out), "info")
+    r, = doc["results"]
+    assert r["key_M"] == 16 and r["key_nbits"] == 8 and r["meta.keys"] == "d4b8" and r["meta.tokens"] == "128"
