@@ -601,6 +601,37 @@ KVPQ_API kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cac
 KVPQ_API kvpq_status kvpq_cache_type_parse(const char *spec, kvpq_cache_type *type, const char **vq_path);
 KVPQ_API const char *kvpq_cache_type_name(kvpq_cache_type t);
 
+/* A cache SPEC: the one grammar of the CLI's --cache and of the Python package.
+ *
+ *   SPEC   = KIND { ":" SUFFIX }  |  "vq:" PATH { ":" SUFFIX }  |  "vq:" PATH ":" { ":" SUFFIX }
+ *   KIND   = fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 | tq2 tq3 tq4 (TurboQuant's MSE quantizer at
+ *            2, 3, 4 bits per coordinate: a vq cache of kvpq_codebook_turboquant's codebook for the
+ *            model; window and sinks 0 unless :wN / :sN)
+ *   SUFFIX = "w" N   (fp16 window of vq / kivi caches, N in 0..2^20)
+ *          | "s" N   (attention sinks of a quantized cache, N in 0..65536)
+ *          | "force" (vq:FILE only: use a codebook calibrated on another model)
+ *          | "cuda"  (vq only: the cache on the GPU, kvpq_cache's CUDA backend)
+ * Suffixes come in any order, each at most once. After a kind every ":" part must be a suffix. A vq
+ * PATH may contain ':': the suffixes are the trailing ":" parts that read as suffixes, scanning from
+ * the end; the first part that does not (or an empty part, "::" or a trailing ":") ends them, and
+ * everything before is the path. So `vq:run:2.safetensors:w64` is the file `run:2.safetensors` with a
+ * window of 64, and a file whose own name ends in a suffix-like part (`cb:w5`) is named with an empty
+ * part after it: `vq:cb:w5:` (no suffixes) or `vq:cb:w5::s1`. */
+typedef struct {
+    kvpq_cache_type type;
+    char path[256]; /* vq: the codebook file; "" for the other kinds and tqN */
+    int window;     /* :wN, -1 when not given (kvpq_cache_params_resolve's window argument) */
+    int sinks;      /* :sN, -1 when not given */
+    int force;      /* :force given */
+    int tq_bits;    /* tqN: N (type KVPQ_CACHE_VQ, path ""); 0 otherwise */
+    int cuda;       /* :cuda given: backend KVPQ_BACKEND_CUDA */
+} kvpq_cache_spec;
+/* Parse spec into *out. Errors (KVPQ_ERR_INVALID_ARG, the message naming the SPEC and the offending
+ * part): an unknown kind or suffix, a duplicate suffix, a suffix the kind does not take (:wN on a
+ * kind without a window, :sN on fp32/fp16, :force or :cuda elsewhere than vq), N out of range, a vq
+ * SPEC without a path, a SPEC longer than 255 bytes. */
+KVPQ_API kvpq_status kvpq_cache_spec_parse(const char *spec, kvpq_cache_spec *out);
+
 typedef struct kvpq_cache kvpq_cache;
 
 /* Attention sinks a cache of kind t keeps unless told otherwise (kvpq_cache_params_resolve, the CLI,

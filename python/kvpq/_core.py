@@ -1051,8 +1051,13 @@ class Model:
                   window: Optional[int] = None, sinks: Optional[int] = None, **kw: Any) -> Cache:
         """A Cache shaped for this model, with its sliding-window layers (kvpq_model_cache_params), its
         window and sinks as the CLI's `--cache` makes them (cache_settings: given, else the codebook's
-        alloc.window / alloc.sinks, else the kind's defaults), so the same codebook gives the same cache."""
+        alloc.window / alloc.sinks, else the kind's defaults), so the same codebook gives the same cache.
+        kind: a kind name, or any CLI cache SPEC (kvpq_cache_spec_parse: "vq:cb.safetensors:w64",
+        "kivi2:s0", "tq3"); a SPEC's suffixes count as window= / sinks= (an argument given too must agree).
+        (`:cuda` SPECs are refused here: the Python CUDA path is KVPQCache / CudaCache.)"""
         i = self.info
+        if kind not in _CACHE_KINDS:
+            kind, codebook, window, sinks = self._from_spec(kind, codebook, window, sinks)
         kw["window"], kw["sinks"] = cache_settings(kind, codebook, window, sinks)
         cp = ffi.new("kvpq_cache_params *", lib.kvpq_cache_params_default())
         _check(lib.kvpq_model_cache_params(self._h, cp), "Model.new_cache")
@@ -1062,6 +1067,28 @@ class Model:
                 kw["swa_layers"] = [cp.swa_layers[l] for l in range(i["n_layer"])]
         return Cache(kind, i["n_layer"], i["n_head"], i["n_head_kv"], i["head_dim"], max_seq or i["n_ctx_train"],
                      codebook=codebook, **kw)
+
+    def _from_spec(self, spec: str, codebook: Optional[Codebook], window: Optional[int],
+                   sinks: Optional[int]) -> Tuple[str, Optional[Codebook], Optional[int], Optional[int]]:
+        """(kind, codebook, window, sinks) of a cache SPEC, parsed by the library's one grammar."""
+        w = "Model.new_cache"
+        sp = ffi.new("kvpq_cache_spec *")
+        _check(lib.kvpq_cache_spec_parse(_text(spec, w), sp), w)
+        if sp.cuda:
+            raise _arg_error(w, f"cache '{spec}': :cuda is the CLI's GPU cache; from Python use KVPQCache on CUDA tensors")
+        for name, given, parsed in (("window", window, sp.window), ("sinks", sinks, sp.sinks)):
+            if given is not None and parsed >= 0 and given != parsed:
+                raise _arg_error(w, f"cache '{spec}': {name}={given} and the SPEC's {parsed} disagree")
+        window = window if window is not None else (sp.window if sp.window >= 0 else None)
+        sinks = sinks if sinks is not None else (sp.sinks if sp.sinks >= 0 else None)
+        kind = ffi.string(lib.kvpq_cache_type_name(sp.type)).decode()
+        if sp.tq_bits:
+            i = self.info
+            from ._turboquant import turboquant_codebook
+            codebook = turboquant_codebook(i["n_layer"], i["n_head_kv"], i["head_dim"], sp.tq_bits)
+        elif sp.path[0] != b"\0" and codebook is None:
+            codebook = Codebook.load(ffi.string(sp.path).decode())
+        return kind, codebook, window, sinks
 
     def eval(self, cache: Cache, tokens: ArrayLike, logits_all: bool = False,
              query_absmax: Optional[NDArray[np.float32]] = None) -> NDArray[np.float32]:

@@ -101,3 +101,29 @@ def test_tq_caches_from_the_cli():
     bad = subprocess.run([BIN, "ppl", "--model", MODEL, "--text", SRC / "data" / "text" / "persuasion.txt", "--cache",
                           "tq3:force"], capture_output=True, text=True)
     assert bad.returncode == 2 and ":force applies to vq:FILE" in bad.stderr, bad.stderr
+
+
+@pytest.mark.skipif(not MODEL.exists(), reason="model missing (scripts/fetch_model.sh)")
+def test_python_takes_the_clis_cache_specs(tmp_path):
+    """Model.new_cache parses a SPEC with the library's one grammar (kvpq_cache_spec_parse): the same
+    cache as the explicit arguments; bad SPECs and disagreeing arguments are refused by name."""
+    m = kvpq.Model(MODEL, n_threads=2)
+    ids = m.tokenize("It was a bright morning in the village when the children ran out to play.")
+    def logits(cache):
+        return m.eval(cache, ids)
+    i = m.info
+    tq = kvpq.turboquant_codebook(i["n_layer"], i["n_head_kv"], i["head_dim"], 3)
+    assert np.array_equal(logits(m.new_cache("tq3:w8:s1", max_seq=64)),
+                          logits(m.new_cache("vq", max_seq=64, codebook=tq, window=8, sinks=1)))
+    assert np.array_equal(logits(m.new_cache("kivi2:w4:s0", max_seq=64)),
+                          logits(m.new_cache("kivi2", max_seq=64, window=4, sinks=0)))
+    cb_path = tmp_path / "tq.safetensors"
+    tq.save(cb_path)
+    assert np.array_equal(logits(m.new_cache(f"vq:{cb_path}:w8", max_seq=64)),
+                          logits(m.new_cache("vq", max_seq=64, codebook=tq, window=8)))
+    for spec, needle in (("kivi2:w4:w8", "duplicate suffix"), ("fp16:s1", "sinks"), ("tq5", "unknown kind"),
+                         ("vq:x.st:cuda", ":cuda")):
+        with pytest.raises(kvpq.Error, match=needle):
+            m.new_cache(spec, max_seq=64)
+    with pytest.raises(kvpq.Error, match="disagree"):
+        m.new_cache("kivi2:w4", max_seq=64, window=8)
