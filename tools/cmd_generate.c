@@ -153,142 +153,186 @@ static const char *const OPTS[] = {"--help",  "-h",     "--chat",      "--quiet"
                                    "--model", "-m",     "--prompt",    "-p",      "--cache", "-n",
                                    "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", "--logits-out", NULL};
 
-int cmd_generate(int argc, char **argv) {
-    const char *model_path = NULL, *prompt = "", *cache_spec = "fp32", *prompt_cache = NULL, *logits_out = NULL;
-    long n_gen = 64, seed = 42, threads = 0;
-    double temp = 0.8, top_p = 0.95;
-    int chat = 0, print_ids = 0;
-    const char *prompt_ids = NULL;
+typedef struct {
+    const char *model_path, *prompt, *cache_spec, *prompt_cache, *logits_out, *prompt_ids;
+    long n_gen, seed, threads;
+    double temp, top_p;
+    int chat, print_ids;
+} gen_opts;
+
+/* A flag (an option without a value): 1 when a is one (taken), else 0. */
+static int parse_flag(gen_opts *o, const char *a) {
+    if (!strcmp(a, "--chat")) o->chat = 1;
+    else if (!strcmp(a, "--print-ids")) o->print_ids = 1;
+    else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) cli_quiet = 1;
+    else return 0;
+    return 1;
+}
+
+/* An option a with its value v (a flag is not one): 0, or the exit code. */
+static int parse_value(gen_opts *o, const char *a, const char *v) {
+    if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
+    else if (!strcmp(a, "--prompt") || !strcmp(a, "-p")) o->prompt = v;
+    else if (!strcmp(a, "--cache")) o->cache_spec = v;
+    else if (!strcmp(a, "--prompt-ids")) o->prompt_ids = v;
+    else if (!strcmp(a, "--prompt-cache")) {
+        if (!*v) return cli_usage_error("generate: --prompt-cache: expected a file name, got ''");
+        o->prompt_cache = v;
+    } else if (!strcmp(a, "--logits-out")) o->logits_out = v;
+    else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
+        if (!cli_parse_int(a, v, 0, 1 << 20, &o->n_gen)) return 2;
+    } else if (!strcmp(a, "--seed")) {
+        if (!cli_parse_int(a, v, 0, 0x7fffffffL, &o->seed)) return 2;
+    } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
+        if (!cli_parse_int(a, v, 0, 1024, &o->threads)) return 2;
+    } else if (!strcmp(a, "--temp")) {
+        if (!cli_parse_double(a, v, 0, 100, &o->temp)) return 2;
+    } else if (!strcmp(a, "--top-p")) {
+        if (!cli_parse_double(a, v, 0, 1, &o->top_p)) return 2;
+    } else
+        return cli_usage_error("generate: unknown option '%s' (see --help)", a);
+    return 0;
+}
+
+/* argv into *o, checked: -1 to go on, else the exit code (0 after --help). */
+static int parse_opts(int argc, char **argv, gen_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->prompt = "";
+    o->cache_spec = "fp32";
+    o->n_gen = 64;
+    o->seed = 42;
+    o->temp = 0.8;
+    o->top_p = 0.95;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!cli_option_known(a, OPTS)) return cli_unknown_option("generate", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
-        } else if (!strcmp(a, "--chat")) {
-            chat = 1;
-            continue;
-        } else if (!strcmp(a, "--print-ids")) {
-            print_ids = 1;
-            continue;
-        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
-            cli_quiet = 1;
-            continue;
         }
-        if (!v) return cli_usage_error("generate: option %s needs a value (see --help)", a);
-        i++;
-        if (!strcmp(a, "--model") || !strcmp(a, "-m")) model_path = v;
-        else if (!strcmp(a, "--prompt") || !strcmp(a, "-p")) prompt = v;
-        else if (!strcmp(a, "--cache")) cache_spec = v;
-        else if (!strcmp(a, "--prompt-ids")) prompt_ids = v;
-        else if (!strcmp(a, "--prompt-cache")) {
-            if (!*v) return cli_usage_error("generate: --prompt-cache: expected a file name, got ''");
-            prompt_cache = v;
-        } else if (!strcmp(a, "--logits-out")) logits_out = v;
-        else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
-            if (!cli_parse_int(a, v, 0, 1 << 20, &n_gen)) return 2;
-        } else if (!strcmp(a, "--seed")) {
-            if (!cli_parse_int(a, v, 0, 0x7fffffffL, &seed)) return 2;
-        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
-            if (!cli_parse_int(a, v, 0, 1024, &threads)) return 2;
-        } else if (!strcmp(a, "--temp")) {
-            if (!cli_parse_double(a, v, 0, 100, &temp)) return 2;
-        } else if (!strcmp(a, "--top-p")) {
-            if (!cli_parse_double(a, v, 0, 1, &top_p)) return 2;
-        } else
-            return cli_usage_error("generate: unknown option '%s' (see --help)", a);
+        if (parse_flag(o, a)) continue;
+        if (i + 1 >= argc) return cli_usage_error("generate: option %s needs a value (see --help)", a);
+        int rc = parse_value(o, a, argv[++i]);
+        if (rc) return rc;
     }
-    if (!model_path) return cli_usage_error("generate: --model is required (see --help)");
-    if (prompt_ids && (chat || *prompt))
+    if (!o->model_path) return cli_usage_error("generate: --model is required (see --help)");
+    if (o->prompt_ids && (o->chat || *o->prompt))
         return cli_usage_error("generate: --prompt-ids replaces --prompt and --chat (give one)");
     size_t bad;
-    if (!cli_utf8_valid((const unsigned char *)prompt, strlen(prompt), &bad))
+    if (!cli_utf8_valid((const unsigned char *)o->prompt, strlen(o->prompt), &bad))
         return cli_usage_error("generate: --prompt is not valid UTF-8 (byte %zu)", bad);
+    if (cli_cache_spec_check(o->cache_spec)) return 2; /* before the model loads */
+    return -1;
+}
 
-    if (cli_cache_spec_check(cache_spec)) return 2; /* before the model loads */
-    int rc = 1;
-    kvpq_model_params mp = kvpq_model_params_default();
-    mp.n_threads = (int)threads;
-    kvpq_model *m = NULL;
-    kvpq_status s = kvpq_model_load(&m, model_path, &mp);
-    if (s != KVPQ_OK) return cli_fail("generate", s);
+/* A run: the model, the prompt's tokens, the cache, the sampling buffers and the times. */
+typedef struct {
+    const gen_opts *o;
+    kvpq_model *m;
     kvpq_model_info mi;
-    kvpq_model_get_info(m, &mi);
+    cli_chat_pieces pieces;
+    int32_t *toks, *idx;     /* (n_prompt, at least 1) the prompt; (n_vocab) sampling work */
+    size_t n_prompt, reused; /* prompt tokens; those loaded from --prompt-cache */
+    float *logits, *work;    /* (n_vocab) each */
+    cli_cache cc;
+    char pc_line[512];       /* the --prompt-cache model line */
+    FILE *lf;                /* --logits-out */
+    cli_utf8_stream us;
+    double t_load, t_prompt, t_dec; /* seconds: prompt cache load, prompt eval, one-token evals */
+    long n_done, n_dec;      /* tokens generated; one-token evals */
+} gen_state;
 
-    int32_t *toks = NULL, *idx = NULL;
-    float *logits = NULL, *work = NULL;
-    cli_cache cc = {0};
-    cli_chat_pieces pieces = {0};
-    FILE *lf = NULL;
-    if (chat) {
-        cli_chat_template tmpl;
-        const char *note = NULL;
-        if (cli_chat_template_init(&tmpl, m, NULL, "generate: --chat", &note)) goto done;
-        if (note) fprintf(stderr, "kvpq generate: --chat: %s\n", note);
-        cli_chat_begin(&tmpl, &pieces, NULL);
-        cli_chat_user(&tmpl, &pieces, prompt, 1, NULL);
-        cli_chat_assistant_open(&tmpl, &pieces);
-    } else {
-        cli_chat_user_plain(&pieces, prompt); /* a plain prompt is plain text too */
+/* The prompt as pieces: in the chat template (--chat) or plain text. 0, or 1 (message printed). */
+static int prompt_pieces(gen_state *st) {
+    if (!st->o->chat) {
+        cli_chat_user_plain(&st->pieces, st->o->prompt); /* a plain prompt is plain text too */
+        return 0;
     }
-    size_t n_prompt = 0;
-    if (prompt_ids) { /* ids as given: BOS, if wanted, among them */
-        toks = cli_parse_ids(prompt_ids, strlen(prompt_ids), &n_prompt);
-        s = KVPQ_OK;
-        if (toks && n_prompt == 0) { /* at least one slot, as tokenize_pieces gives */
-            free(toks);
-            toks = malloc(sizeof *toks);
+    cli_chat_template tmpl;
+    const char *note = NULL;
+    if (cli_chat_template_init(&tmpl, st->m, NULL, "generate: --chat", &note)) return 1;
+    if (note) fprintf(stderr, "kvpq generate: --chat: %s\n", note);
+    cli_chat_begin(&tmpl, &st->pieces, NULL);
+    cli_chat_user(&tmpl, &st->pieces, st->o->prompt, 1, NULL);
+    cli_chat_assistant_open(&tmpl, &st->pieces);
+    return 0;
+}
+
+/* The prompt's tokens (--prompt-ids as given, else the pieces tokenized), BOS for an empty one, the
+ * context checked; the sampling buffers. 0, or 1 (message printed). */
+static int prompt_tokens(gen_state *st) {
+    const gen_opts *o = st->o;
+    kvpq_status s = KVPQ_OK;
+    if (o->prompt_ids) { /* ids as given: BOS, if wanted, among them */
+        st->toks = cli_parse_ids(o->prompt_ids, strlen(o->prompt_ids), &st->n_prompt);
+        if (st->toks && st->n_prompt == 0) { /* at least one slot, as tokenize_pieces gives */
+            free(st->toks);
+            st->toks = malloc(sizeof *st->toks);
         }
-        if (!toks) {
-            fprintf(stderr, "kvpq generate: --prompt-ids: out of memory, or a negative number or one beyond int32\n");
-            goto done;
-        }
+        if (!st->toks)
+            return fprintf(stderr, "kvpq generate: --prompt-ids: out of memory, or a negative number or one beyond "
+                                   "int32\n"), 1;
     } else
-        s = cli_chat_tokenize(m, &pieces, mi.add_bos, &toks, &n_prompt);
-    if (s != KVPQ_OK) {
-        cli_fail("generate: prompt", s);
-        goto done;
+        s = cli_chat_tokenize(st->m, &st->pieces, st->mi.add_bos, &st->toks, &st->n_prompt);
+    if (s != KVPQ_OK) return cli_fail("generate: prompt", s);
+    if (st->n_prompt == 0) { /* nothing to condition on: start from BOS */
+        if (st->mi.bos_id < 0) return fprintf(stderr, "kvpq generate: empty prompt and the model has no BOS token\n"), 1;
+        st->toks[0] = st->mi.bos_id; /* tokenize_pieces allocated at least one slot */
+        st->n_prompt = 1;
     }
-    if (n_prompt == 0) { /* nothing to condition on: start from BOS */
-        if (mi.bos_id < 0) {
-            fprintf(stderr, "kvpq generate: empty prompt and the model has no BOS token\n");
-            goto done;
-        }
-        toks[0] = mi.bos_id; /* tokenize_pieces allocated at least one slot */
-        n_prompt = 1;
-    }
-    if ((long)n_prompt + n_gen > mi.n_ctx_train) {
+    if ((long)st->n_prompt + o->n_gen > st->mi.n_ctx_train) {
         fprintf(stderr, "kvpq generate: %zu prompt tokens + %ld to generate exceed the model's context of %d\n",
-                n_prompt, n_gen, mi.n_ctx_train);
-        goto done;
+                st->n_prompt, o->n_gen, st->mi.n_ctx_train);
+        return 1;
     }
-    logits = malloc((size_t)mi.n_vocab * sizeof *logits);
-    work = malloc((size_t)mi.n_vocab * sizeof *work);
-    idx = malloc((size_t)mi.n_vocab * sizeof *idx);
-    if (!toks || !logits || !work || !idx) {
-        fprintf(stderr, "kvpq generate: out of memory\n");
-        goto done;
-    }
+    st->logits = malloc((size_t)st->mi.n_vocab * sizeof *st->logits);
+    st->work = malloc((size_t)st->mi.n_vocab * sizeof *st->work);
+    st->idx = malloc((size_t)st->mi.n_vocab * sizeof *st->idx);
+    if (!st->toks || !st->logits || !st->work || !st->idx)
+        return fprintf(stderr, "kvpq generate: out of memory\n"), 1;
+    return 0;
+}
+
+/* The cache, and with --prompt-cache the saved prompt it shares with this one. 0, or 1 (message printed). */
+static int open_cache(gen_state *st) {
+    const gen_opts *o = st->o;
     /* With --prompt-cache the cache is sized for the model's context, so that its window and pages
      * (clamped to max_seq) are the same in every run and a saved prompt fits the next run. */
-    if (cli_cache_open(&cc, cache_spec, m, prompt_cache ? mi.n_ctx_train : (int)(n_prompt + (size_t)n_gen + 1),
-                       (int)threads))
-        goto done;
-    double t0 = cli_now(), t_load = 0;
-    size_t reused = 0;
-    char pc_line[512];
-    if (prompt_cache && model_line(pc_line, sizeof pc_line, m, &mi)) goto done;
-    if (prompt_cache && (rc = prompt_cache_load(prompt_cache, pc_line, &cc, toks, n_prompt, &reused)) != 0) {
-        rc = 1;
-        goto done;
-    }
-    rc = 1;
-    t_load = cli_now() - t0;
+    if (cli_cache_open(&st->cc, o->cache_spec, st->m,
+                       o->prompt_cache ? st->mi.n_ctx_train : (int)(st->n_prompt + (size_t)o->n_gen + 1),
+                       (int)o->threads))
+        return 1;
+    const double t0 = cli_now();
+    if (o->prompt_cache && model_line(st->pc_line, sizeof st->pc_line, st->m, &st->mi)) return 1;
+    if (o->prompt_cache && prompt_cache_load(o->prompt_cache, st->pc_line, &st->cc, st->toks, st->n_prompt,
+                                             &st->reused) != 0)
+        return 1;
+    st->t_load = cli_now() - t0;
+    return 0;
+}
 
-    cli_utf8_stream us = {{0}, 0};
-    if (!chat && !print_ids) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
-        fputs(prompt, stdout);
+/* The evaluated prompt tokens [0, upto) into --prompt-cache; a failed save is reported and the
+ * generation goes on. Returns the seconds it took. */
+static double save_prompt(gen_state *st, size_t upto) {
+    const char *path = st->o->prompt_cache;
+    const double ts = cli_now();
+    /* a failed save (full disk, read-only folder) is reported and the generation goes on: the
+     * prompt is evaluated, and any existing file is left as it was (kvpq_cache_save) */
+    if (prompt_cache_save(path, st->pc_line, st->cc.cache, st->toks, upto) == 0)
+        fprintf(stderr, "kvpq generate: --prompt-cache %s: saved %zu prompt tokens (%.3f s)\n", path, upto,
+                cli_now() - ts);
+    else
+        fprintf(stderr, "kvpq generate: --prompt-cache %s: not saved (see above); generating anyway\n", path);
+    return cli_now() - ts;
+}
+
+/* The prompt (echoed unless --chat or --print-ids) evaluated past the reused tokens; the logits of
+ * its last token land in st->logits. 0, or 1 (message printed). */
+static int prefill(gen_state *st) {
+    const gen_opts *o = st->o;
+    const size_t n_prompt = st->n_prompt, reused = st->reused;
+    if (!o->chat && !o->print_ids) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
+        fputs(o->prompt, stdout);
         fflush(stdout);
     }
     /* The prompt in batches of PROMPT_BATCH tokens, so a long prompt shows progress. With
@@ -297,106 +341,127 @@ int cmd_generate(int argc, char **argv) {
      * exactly as this run (kvpq_cache_exact_prefix). */
     cli_progress pr;
     cli_progress_begin(&pr, "generate: prompt", "tokens", (double)(n_prompt - reused));
-    t0 = cli_now();
-    const size_t upto = prompt_cache ? n_prompt - 1 : n_prompt;
+    const double t0 = cli_now();
+    const size_t upto = o->prompt_cache ? n_prompt - 1 : n_prompt;
     double t_save = 0; /* not counted as prompt time */
-    if (eval_prompt(m, cc.cache, toks, reused, upto, reused, logits, &pr)) goto done;
-    if (prompt_cache && reused < upto) { /* new prompt content: keep it for the next run */
-        double ts = cli_now();
-        /* a failed save (full disk, read-only folder) is reported and the generation goes on: the
-         * prompt is evaluated, and any existing file is left as it was (kvpq_cache_save) */
-        if (prompt_cache_save(prompt_cache, pc_line, cc.cache, toks, upto) == 0)
-            fprintf(stderr, "kvpq generate: --prompt-cache %s: saved %zu prompt tokens (%.3f s)\n", prompt_cache,
-                    upto, cli_now() - ts);
-        else
-            fprintf(stderr, "kvpq generate: --prompt-cache %s: not saved (see above); generating anyway\n",
-                    prompt_cache);
-        t_save = cli_now() - ts;
-    }
-    if (eval_prompt(m, cc.cache, toks, upto, n_prompt, reused, logits, &pr)) goto done;
+    if (eval_prompt(st->m, st->cc.cache, st->toks, reused, upto, reused, st->logits, &pr)) return 1;
+    if (o->prompt_cache && reused < upto) t_save = save_prompt(st, upto); /* new prompt content: kept */
+    if (eval_prompt(st->m, st->cc.cache, st->toks, upto, n_prompt, reused, st->logits, &pr)) return 1;
     cli_progress_end(&pr, (double)(n_prompt - reused), NULL);
-    double t_prompt = cli_now() - t0 - t_save;
-    lf = logits_out ? fopen(logits_out, "wb") : NULL;
-    if (logits_out && !lf) {
-        fprintf(stderr, "kvpq generate: --logits-out '%s': cannot write: ", logits_out);
-        perror(NULL);
-        goto done;
+    st->t_prompt = cli_now() - t0 - t_save;
+    return 0;
+}
+
+/* Token t to stdout: its id (--print-ids) or its text. 0, or 1 (message printed). */
+static int emit_token(gen_state *st, int32_t t) {
+    if (st->o->print_ids) {
+        printf(st->n_done ? " %d" : "%d", t);
+        fflush(stdout);
+        return 0;
     }
-    cli_rng rng;
-    cli_rng_seed(&rng, (uint64_t)seed);
-    const double t_first_start = cli_now();
-    int first_reported = 0;
-    long n_done = 0, n_dec = 0;
-    double t_dec = 0;
     char piece[256];
-    for (; n_done < n_gen; n_done++) {
-        if (lf && fwrite(logits, sizeof *logits, (size_t)mi.n_vocab, lf) != (size_t)mi.n_vocab) {
-            fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", logits_out);
-            goto done;
-        }
-        int32_t t = cli_sample(logits, mi.n_vocab, (float)temp, (float)top_p, &rng, work, idx);
-        if (!first_reported) { /* time to first token: loading the saved prompt + the rest + sampling */
-            first_reported = 1;
-            fprintf(stderr,
-                    "kvpq generate: first token after %.3f s (prompt cache load %.3f s for %zu tokens, prompt eval "
-                    "%.3f s for %zu tokens)\n",
-                    t_load + t_prompt + (cli_now() - t_first_start), t_load, reused, t_prompt, n_prompt - reused);
-        }
-        if (t == mi.eos_id) break;
-        if (print_ids) {
-            printf(n_done ? " %d" : "%d", t);
-            fflush(stdout);
-        } else {
-            size_t len = 0;
-            s = kvpq_token_to_piece(m, t, piece, sizeof piece, &len);
-            if (s != KVPQ_OK) {
-                cli_fail("generate: token_to_piece", s);
-                goto done;
-            }
-            cli_utf8_write(&us, stdout, piece, len < sizeof piece ? len : sizeof piece);
-        }
-        if (n_done + 1 == n_gen) {
-            n_done++;
+    size_t len = 0;
+    kvpq_status s = kvpq_token_to_piece(st->m, t, piece, sizeof piece, &len);
+    if (s != KVPQ_OK) return cli_fail("generate: token_to_piece", s);
+    cli_utf8_write(&st->us, stdout, piece, len < sizeof piece ? len : sizeof piece);
+    return 0;
+}
+
+/* Time to first token: loading the saved prompt + the rest + sampling (t_start: sampling began). */
+static void report_first(const gen_state *st, double t_start) {
+    fprintf(stderr,
+            "kvpq generate: first token after %.3f s (prompt cache load %.3f s for %zu tokens, prompt eval "
+            "%.3f s for %zu tokens)\n",
+            st->t_load + st->t_prompt + (cli_now() - t_start), st->t_load, st->reused, st->t_prompt,
+            st->n_prompt - st->reused);
+}
+
+/* Sample, print and evaluate up to -n tokens, stopping at end-of-sequence; each sampled-from row of
+ * logits to --logits-out. 0, or 1 (message printed). */
+static int decode(gen_state *st) {
+    const gen_opts *o = st->o;
+    const int V = st->mi.n_vocab;
+    cli_rng rng;
+    cli_rng_seed(&rng, (uint64_t)o->seed);
+    const double t_first_start = cli_now();
+    for (; st->n_done < o->n_gen; st->n_done++) {
+        if (st->lf && fwrite(st->logits, sizeof *st->logits, (size_t)V, st->lf) != (size_t)V)
+            return fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", o->logits_out), 1;
+        int32_t t = cli_sample(st->logits, V, (float)o->temp, (float)o->top_p, &rng, st->work, st->idx);
+        if (st->n_done == 0) report_first(st, t_first_start);
+        if (t == st->mi.eos_id) break;
+        if (emit_token(st, t)) return 1;
+        if (st->n_done + 1 == o->n_gen) {
+            st->n_done++;
             break; /* the last token needs no eval */
         }
-        t0 = cli_now();
-        s = kvpq_model_eval(m, cc.cache, &t, 1, 0, logits);
-        t_dec += cli_now() - t0;
-        n_dec++;
-        if (s != KVPQ_OK) {
-            cli_fail("generate: eval", s);
-            goto done;
-        }
+        const double t0 = cli_now();
+        kvpq_status s = kvpq_model_eval(st->m, st->cc.cache, &t, 1, 0, st->logits);
+        st->t_dec += cli_now() - t0;
+        st->n_dec++;
+        if (s != KVPQ_OK) return cli_fail("generate: eval", s);
     }
-    if (lf) {
-        int close_failed = fclose(lf) != 0;
-        lf = NULL;
-        if (close_failed) {
-            fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", logits_out);
-            goto done;
-        }
+    return 0;
+}
+
+/* --logits-out closed, the text's end and newline, the speeds and the cache's memory to stderr.
+ * 0, or 1 (message printed). */
+static int finish(gen_state *st) {
+    const gen_opts *o = st->o;
+    if (st->lf) {
+        int close_failed = fclose(st->lf) != 0;
+        st->lf = NULL;
+        if (close_failed) return fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", o->logits_out), 1;
     }
-    cli_utf8_flush(&us, stdout);
+    cli_utf8_flush(&st->us, stdout);
     fputc('\n', stdout);
     fflush(stdout);
+    const double tp = st->t_prompt, td = st->t_dec;
     fprintf(stderr,
             "kvpq generate: prompt %zu tokens in %.3f s (%.1f tok/s%s); generated %ld tokens, %ld one-token evals in "
             "%.3f s (%.1f tok/s); cache %s\n",
-            n_prompt, t_prompt, (n_prompt - reused) / (t_prompt > 0 ? t_prompt : 1e-9),
-            reused ? " over the tokens evaluated; the rest came from --prompt-cache" : "", n_done, n_dec, t_dec,
-            n_dec / (t_dec > 0 ? t_dec : 1e-9), cache_spec);
+            st->n_prompt, tp, (st->n_prompt - st->reused) / (tp > 0 ? tp : 1e-9),
+            st->reused ? " over the tokens evaluated; the rest came from --prompt-cache" : "", st->n_done, st->n_dec,
+            td, st->n_dec / (td > 0 ? td : 1e-9), o->cache_spec);
     kvpq_cache_stats cst;
-    if (kvpq_cache_get_stats(cc.cache, &cst) == KVPQ_OK)
-        cli_print_cache_memory("generate", cache_spec, cc.cache, &cst);
-    rc = 0;
-done:
-    if (lf) fclose(lf);
-    cli_chat_pieces_free(&pieces);
-    cli_cache_close(&cc);
-    free(toks);
-    free(logits);
-    free(work);
-    free(idx);
-    kvpq_model_free(m);
+    if (kvpq_cache_get_stats(st->cc.cache, &cst) == KVPQ_OK)
+        cli_print_cache_memory("generate", o->cache_spec, st->cc.cache, &cst);
+    return 0;
+}
+
+/* Everything after the model loads: the exit code. */
+static int gen_run(gen_state *st) {
+    const char *lo = st->o->logits_out;
+    if (prompt_pieces(st) || prompt_tokens(st) || open_cache(st) || prefill(st)) return 1;
+    st->lf = lo ? fopen(lo, "wb") : NULL;
+    if (lo && !st->lf) {
+        fprintf(stderr, "kvpq generate: --logits-out '%s': cannot write: ", lo);
+        perror(NULL);
+        return 1;
+    }
+    return decode(st) || finish(st) ? 1 : 0;
+}
+
+int cmd_generate(int argc, char **argv) {
+    gen_opts o;
+    int rc = parse_opts(argc, argv, &o);
+    if (rc >= 0) return rc;
+    gen_state st;
+    memset(&st, 0, sizeof st);
+    st.o = &o;
+    kvpq_model_params mp = kvpq_model_params_default();
+    mp.n_threads = (int)o.threads;
+    kvpq_status s = kvpq_model_load(&st.m, o.model_path, &mp);
+    if (s != KVPQ_OK) return cli_fail("generate", s);
+    kvpq_model_get_info(st.m, &st.mi);
+    rc = gen_run(&st);
+    if (st.lf) fclose(st.lf);
+    cli_chat_pieces_free(&st.pieces);
+    cli_cache_close(&st.cc);
+    free(st.toks);
+    free(st.logits);
+    free(st.work);
+    free(st.idx);
+    kvpq_model_free(st.m);
     return rc;
 }

@@ -91,285 +91,385 @@ static void ppl_stats(double nll, double nll2, int64_t count, double *ppl, doubl
 static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "-f", "--tokens", "--cache", "--kl-base",
                                    "--ctx", "-c", "--chunks", "--batch", "-b", "--threads", "-t", NULL};
 
-int cmd_ppl(int argc, char **argv) {
-    const char *model_path = NULL, *text_path = NULL, *kl_base = NULL, *ids_path = NULL;
-    char *cache_list = NULL;
-    long ctx = 512, max_chunks = 1L << 30, batch = 0, threads = 0;
-    int as_json = 0;
+typedef struct {
+    const char *model_path, *text_path, *ids_path, *kl_base; /* text_path is ids_path with --tokens */
+    char *specs_buf;                     /* a copy of --cache, split at ',' into specs */
+    const char *specs[PPL_MAX_CACHES];
+    int n_caches, json;
+    long ctx, max_chunks, batch, threads;
+} ppl_opts;
+
+/* One option (a, with its value v, or NULL when there is none): 1 when it took v, 0 when it took
+ * none, else -(the exit code). */
+static int parse_one(ppl_opts *o, const char *a, const char *v, const char **cache_list) {
+    if (!strcmp(a, "--json")) {
+        o->json = 1;
+        return 0;
+    } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+        cli_quiet = 1;
+        return 0;
+    }
+    if (!v) return -cli_usage_error("ppl: option %s needs a value (see --help)", a);
+    if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
+    else if (!strcmp(a, "--text") || !strcmp(a, "-f")) o->text_path = v;
+    else if (!strcmp(a, "--tokens")) o->ids_path = v;
+    else if (!strcmp(a, "--cache")) *cache_list = v;
+    else if (!strcmp(a, "--kl-base")) o->kl_base = v;
+    else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) {
+        if (!cli_parse_int(a, v, 4, 1 << 24, &o->ctx)) return -2;
+    } else if (!strcmp(a, "--chunks")) {
+        if (!cli_parse_int(a, v, 1, 1L << 30, &o->max_chunks)) return -2;
+    } else if (!strcmp(a, "--batch") || !strcmp(a, "-b")) {
+        if (!cli_parse_int(a, v, 1, 1 << 24, &o->batch)) return -2;
+    } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
+        if (!cli_parse_int(a, v, 0, 1024, &o->threads)) return -2;
+    } else
+        return -cli_usage_error("ppl: unknown option '%s' (see --help)", a);
+    return 1;
+}
+
+/* The cache list (default fp32) into o->specs: 0, or the exit code. */
+static int split_specs(ppl_opts *o, const char *cache_list) {
+    o->specs_buf = strdup(cache_list ? cache_list : "fp32");
+    if (!o->specs_buf) return fprintf(stderr, "kvpq ppl: out of memory\n"), 1;
+    for (char *tok = strtok(o->specs_buf, ","); tok; tok = strtok(NULL, ",")) {
+        if (o->n_caches == PPL_MAX_CACHES) return cli_usage_error("ppl: at most %d caches in --cache", PPL_MAX_CACHES);
+        o->specs[o->n_caches++] = tok;
+    }
+    if (o->n_caches == 0) return cli_usage_error("ppl: --cache: empty list");
+    return 0;
+}
+
+/* argv into *o: -1 to go on, else the exit code (0 after --help). o->specs_buf is the caller's to free. */
+static int parse_opts(int argc, char **argv, ppl_opts *o) {
+    const char *cache_list = NULL;
+    memset(o, 0, sizeof *o);
+    o->ctx = 512;
+    o->max_chunks = 1L << 30;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!cli_option_known(a, OPTS)) return cli_unknown_option("ppl", a, OPTS);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
-        } else if (!strcmp(a, "--json")) {
-            as_json = 1;
-            continue;
-        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
-            cli_quiet = 1;
-            continue;
         }
-        if (!v) return cli_usage_error("ppl: option %s needs a value (see --help)", a);
-        i++;
-        if (!strcmp(a, "--model") || !strcmp(a, "-m")) model_path = v;
-        else if (!strcmp(a, "--text") || !strcmp(a, "-f")) text_path = v;
-        else if (!strcmp(a, "--tokens")) ids_path = v;
-        else if (!strcmp(a, "--cache")) cache_list = (char *)v;
-        else if (!strcmp(a, "--kl-base")) kl_base = v;
-        else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) {
-            if (!cli_parse_int(a, v, 4, 1 << 24, &ctx)) return 2;
-        } else if (!strcmp(a, "--chunks")) {
-            if (!cli_parse_int(a, v, 1, 1L << 30, &max_chunks)) return 2;
-        } else if (!strcmp(a, "--batch") || !strcmp(a, "-b")) {
-            if (!cli_parse_int(a, v, 1, 1 << 24, &batch)) return 2;
-        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
-            if (!cli_parse_int(a, v, 0, 1024, &threads)) return 2;
-        } else
-            return cli_usage_error("ppl: unknown option '%s' (see --help)", a);
+        int took = parse_one(o, a, i + 1 < argc ? argv[i + 1] : NULL, &cache_list);
+        if (took < 0) return -took;
+        i += took;
     }
-    if (!model_path || !(text_path || ids_path) || (text_path && ids_path))
+    if (!o->model_path || !(o->text_path || o->ids_path) || (o->text_path && o->ids_path))
         return cli_usage_error("ppl: --model and one of --text, --tokens are required (see --help)");
-    if (ids_path) text_path = ids_path;
-    if (batch == 0 || batch > ctx) batch = ctx;
+    if (o->ids_path) o->text_path = o->ids_path;
+    if (o->batch == 0 || o->batch > o->ctx) o->batch = o->ctx;
+    int rc = split_specs(o, cache_list);
+    return rc ? rc : -1;
+}
 
-    /* the cache list: split a copy on ',' */
-    char *specs_buf = strdup(cache_list ? cache_list : "fp32");
-    const char *specs[PPL_MAX_CACHES];
-    int n_caches = 0;
-    for (char *tok = strtok(specs_buf, ","); tok; tok = strtok(NULL, ",")) {
-        if (n_caches == PPL_MAX_CACHES) {
-            free(specs_buf);
-            return cli_usage_error("ppl: at most %d caches in --cache", PPL_MAX_CACHES);
-        }
-        specs[n_caches++] = tok;
-    }
-    if (n_caches == 0) {
-        free(specs_buf);
-        return cli_usage_error("ppl: --cache: empty list");
-    }
-
-    int rc = 1;
-    kvpq_model *m = NULL;
-    char *text = NULL;
-    int32_t *toks = NULL;
-    float *logits = NULL, *base_lp = NULL, *row = NULL;
-    int *base_top = NULL;
-    ppl_run runs[PPL_MAX_CACHES];
-    memset(runs, 0, sizeof runs);
-    ppl_run base;
-    memset(&base, 0, sizeof base);
-
-    size_t text_len = 0;
-    text = cli_read_file(text_path, &text_len);
-    if (!text) {
-        fprintf(stderr, "kvpq ppl: cannot read text file '%s': %s\n", text_path, cli_read_error());
-        goto done;
-    }
-    size_t bad;
-    if (!ids_path && !cli_utf8_valid((const unsigned char *)text, text_len, &bad)) {
-        fprintf(stderr, "kvpq ppl: text file '%s' is not valid UTF-8 (first bad byte at offset %zu)\n", text_path, bad);
-        goto done;
-    }
-    for (int i = 0; i <= n_caches; i++) /* every SPEC checked before the model loads: exit code 2 */
-        if (i < n_caches ? cli_cache_spec_check(specs[i]) : kl_base ? cli_cache_spec_check(kl_base) : 0) {
-            rc = 2;
-            goto done;
-        }
-    kvpq_model_params mp = kvpq_model_params_default();
-    mp.n_threads = (int)threads;
-    kvpq_status s = kvpq_model_load(&m, model_path, &mp);
-    if (s != KVPQ_OK) {
-        cli_fail("ppl", s);
-        goto done;
-    }
+/* A run: the model, the text's tokens, a cache per SPEC (and the base), the buffers and the sums. */
+typedef struct {
+    const ppl_opts *o;
+    kvpq_model *m;
     kvpq_model_info mi;
-    kvpq_model_get_info(m, &mi);
-    if (ctx > mi.n_ctx_train) {
-        fprintf(stderr, "kvpq ppl: --ctx %ld exceeds the model's training context of %d tokens\n", ctx, mi.n_ctx_train);
-        goto done;
+    char *text;
+    size_t text_len, n_tok;
+    int32_t *toks;                 /* (n_tok) */
+    long n_chunks;
+    int C, first, n_score;         /* chunk tokens; the first logits row kept; scored tokens per chunk */
+    float *logits, *base_lp, *row; /* (C - first, n_vocab), the same for the base, (n_vocab) */
+    int *base_top;                 /* (n_score) the base's top-1 tokens */
+    ppl_run runs[PPL_MAX_CACHES], base;
+    int64_t count;                 /* tokens scored so far */
+} ppl_state;
+
+/* The text (or ids) file, UTF-8 checked for text: 0, or 1 (message printed). */
+static int read_text(ppl_state *st) {
+    const ppl_opts *o = st->o;
+    size_t bad;
+    st->text = cli_read_file(o->text_path, &st->text_len);
+    if (!st->text) {
+        fprintf(stderr, "kvpq ppl: cannot read text file '%s': %s\n", o->text_path, cli_read_error());
+        return 1;
     }
-    size_t n_tok = 0;
-    if (ids_path) {
-        toks = cli_parse_ids(text, text_len, &n_tok);
-        if (!toks) {
-            fprintf(stderr, "kvpq ppl: --tokens '%s': out of memory, or a negative number or one beyond int32\n", ids_path);
-            goto done;
+    if (!o->ids_path && !cli_utf8_valid((const unsigned char *)st->text, st->text_len, &bad)) {
+        fprintf(stderr, "kvpq ppl: text file '%s' is not valid UTF-8 (first bad byte at offset %zu)\n", o->text_path,
+                bad);
+        return 1;
+    }
+    return 0;
+}
+
+/* Every SPEC, the base's last, checked before the model loads: 0, or 2 (message printed). */
+static int check_specs(const ppl_opts *o) {
+    for (int i = 0; i < o->n_caches; i++)
+        if (cli_cache_spec_check(o->specs[i])) return 2;
+    return o->kl_base && cli_cache_spec_check(o->kl_base) ? 2 : 0;
+}
+
+/* The model, its context checked against --ctx: 0, or 1 (message printed). */
+static int load_model(ppl_state *st) {
+    kvpq_model_params mp = kvpq_model_params_default();
+    mp.n_threads = (int)st->o->threads;
+    kvpq_status s = kvpq_model_load(&st->m, st->o->model_path, &mp);
+    if (s != KVPQ_OK) return cli_fail("ppl", s);
+    kvpq_model_get_info(st->m, &st->mi);
+    if (st->o->ctx > st->mi.n_ctx_train) {
+        fprintf(stderr, "kvpq ppl: --ctx %ld exceeds the model's training context of %d tokens\n", st->o->ctx,
+                st->mi.n_ctx_train);
+        return 1;
+    }
+    return 0;
+}
+
+/* --tokens: the ids of the file, each checked against the vocabulary: 0, or 1 (message printed). */
+static int parse_tokens(ppl_state *st) {
+    const char *path = st->o->ids_path;
+    st->toks = cli_parse_ids(st->text, st->text_len, &st->n_tok);
+    if (!st->toks) {
+        fprintf(stderr, "kvpq ppl: --tokens '%s': out of memory, or a negative number or one beyond int32\n", path);
+        return 1;
+    }
+    for (size_t i = 0; i < st->n_tok; i++)
+        if (st->toks[i] >= st->mi.n_vocab) {
+            fprintf(stderr, "kvpq ppl: --tokens '%s': id %d at index %zu is beyond the vocabulary (%d)\n", path,
+                    st->toks[i], i, st->mi.n_vocab);
+            return 1;
         }
-        for (size_t i = 0; i < n_tok; i++)
-            if (toks[i] >= mi.n_vocab) {
-                fprintf(stderr, "kvpq ppl: --tokens '%s': id %d at index %zu is beyond the vocabulary (%d)\n",
-                        ids_path, toks[i], i, mi.n_vocab);
-                goto done;
-            }
-        s = KVPQ_OK;
-    } else
-        s = kvpq_tokenize(m, text, text_len, mi.add_bos, 0, NULL, 0, &n_tok);
-    if (s == KVPQ_OK && !ids_path) {
-        toks = malloc((n_tok ? n_tok : 1) * sizeof *toks);
-        if (!toks) {
-            fprintf(stderr, "kvpq ppl: out of memory\n");
-            goto done;
-        }
-        s = kvpq_tokenize(m, text, text_len, mi.add_bos, 0, toks, n_tok, &n_tok);
+    return 0;
+}
+
+/* --text: the text tokenized (BOS as the model says): 0, or 1 (message printed). */
+static int tokenize_text(ppl_state *st) {
+    kvpq_status s = kvpq_tokenize(st->m, st->text, st->text_len, st->mi.add_bos, 0, NULL, 0, &st->n_tok);
+    if (s == KVPQ_OK) {
+        st->toks = malloc((st->n_tok ? st->n_tok : 1) * sizeof *st->toks);
+        if (!st->toks) return fprintf(stderr, "kvpq ppl: out of memory\n"), 1;
+        s = kvpq_tokenize(st->m, st->text, st->text_len, st->mi.add_bos, 0, st->toks, st->n_tok, &st->n_tok);
     }
     if (s != KVPQ_OK) {
-        fprintf(stderr, "kvpq ppl: text file '%s': ", text_path);
-        cli_fail("tokenize", s);
-        goto done;
+        fprintf(stderr, "kvpq ppl: text file '%s': ", st->o->text_path);
+        return cli_fail("tokenize", s);
     }
-    long n_chunks = (long)(n_tok / (size_t)ctx);
-    if (n_chunks > max_chunks) n_chunks = max_chunks;
-    if (n_chunks < 1) {
-        fprintf(stderr, "kvpq ppl: text file '%s' has %zu tokens, fewer than one chunk of --ctx %ld\n", text_path,
-                n_tok, ctx);
-        goto done;
-    }
-    int C = (int)ctx, V = mi.n_vocab, first = C / 2, n_score = C - 1 - first;
-    for (int i = 0; i < n_caches; i++) {
-        if (cli_cache_open(&runs[i].cc, specs[i], m, C, (int)threads)) goto done;
-        runs[i].kl = kl_base ? malloc((size_t)n_chunks * n_score * sizeof(float)) : NULL;
-        if (kl_base && !runs[i].kl) {
-            fprintf(stderr, "kvpq ppl: out of memory\n");
-            goto done;
-        }
-    }
-    if (kl_base && cli_cache_open(&base.cc, kl_base, m, C, (int)threads)) goto done;
-    logits = malloc((size_t)(C - first) * V * sizeof *logits);
-    row = malloc((size_t)V * sizeof *row);
-    if (kl_base) {
-        base_lp = malloc((size_t)(C - first) * V * sizeof *base_lp);
-        base_top = malloc((size_t)n_score * sizeof *base_top);
-    }
-    if (!logits || !row || (kl_base && (!base_lp || !base_top))) {
-        fprintf(stderr, "kvpq ppl: out of memory\n");
-        goto done;
-    }
+    return 0;
+}
 
-    int64_t count = 0;
+/* The tokens and the chunks they make (at least one): 0, or 1 (message printed). */
+static int read_tokens(ppl_state *st) {
+    const ppl_opts *o = st->o;
+    if (o->ids_path ? parse_tokens(st) : tokenize_text(st)) return 1;
+    st->n_chunks = (long)(st->n_tok / (size_t)o->ctx);
+    if (st->n_chunks > o->max_chunks) st->n_chunks = o->max_chunks;
+    if (st->n_chunks < 1) {
+        fprintf(stderr, "kvpq ppl: text file '%s' has %zu tokens, fewer than one chunk of --ctx %ld\n", o->text_path,
+                st->n_tok, o->ctx);
+        return 1;
+    }
+    st->C = (int)o->ctx;
+    st->first = st->C / 2;
+    st->n_score = st->C - 1 - st->first;
+    return 0;
+}
+
+/* Every cache (and the base) opened, the logits and KL buffers: 0, or 1 (message printed). */
+static int open_caches(ppl_state *st) {
+    const ppl_opts *o = st->o;
+    const int C = st->C, V = st->mi.n_vocab;
+    for (int i = 0; i < o->n_caches; i++) {
+        if (cli_cache_open(&st->runs[i].cc, o->specs[i], st->m, C, (int)o->threads)) return 1;
+        st->runs[i].kl = o->kl_base ? malloc((size_t)st->n_chunks * st->n_score * sizeof(float)) : NULL;
+        if (o->kl_base && !st->runs[i].kl) return fprintf(stderr, "kvpq ppl: out of memory\n"), 1;
+    }
+    if (o->kl_base && cli_cache_open(&st->base.cc, o->kl_base, st->m, C, (int)o->threads)) return 1;
+    st->logits = malloc((size_t)(C - st->first) * V * sizeof *st->logits);
+    st->row = malloc((size_t)V * sizeof *st->row);
+    if (o->kl_base) {
+        st->base_lp = malloc((size_t)(C - st->first) * V * sizeof *st->base_lp);
+        st->base_top = malloc((size_t)st->n_score * sizeof *st->base_top);
+    }
+    if (!st->logits || !st->row || (o->kl_base && (!st->base_lp || !st->base_top)))
+        return fprintf(stderr, "kvpq ppl: out of memory\n"), 1;
+    return 0;
+}
+
+/* Chunk ch (tokens ct) through the base, then every cache, each scored: 0, or 1 (message printed). */
+static int run_chunk(ppl_state *st, long ch, const int32_t *ct) {
+    const ppl_opts *o = st->o;
+    const int C = st->C, V = st->mi.n_vocab, first = st->first, n_score = st->n_score;
+    kvpq_status s;
+    if (o->kl_base) {
+        s = timed_eval_chunk(st->m, st->base.cc.cache, ct, C, first, (int)o->batch, st->base_lp, st->row,
+                             &st->base.seconds);
+        if (s != KVPQ_OK) {
+            fprintf(stderr, "kvpq ppl: base cache '%s': ", o->kl_base);
+            return cli_fail("eval", s);
+        }
+        kvpq_score_base(st->base_lp, n_score, V, ct + first + 1, st->base_top, &st->base.sums);
+    }
+    for (int i = 0; i < o->n_caches; i++) {
+        ppl_run *r = &st->runs[i];
+        s = timed_eval_chunk(st->m, r->cc.cache, ct, C, first, (int)o->batch, st->logits, st->row, &r->seconds);
+        if (s != KVPQ_OK) {
+            fprintf(stderr, "kvpq ppl: cache '%s': ", r->cc.spec);
+            return cli_fail("eval", s);
+        }
+        kvpq_score_test(st->logits, n_score, V, ct + first + 1, o->kl_base ? st->base_lp : NULL, st->base_top,
+                        r->kl ? r->kl + (size_t)ch * n_score : NULL, &r->sums);
+    }
+    return 0;
+}
+
+/* Every chunk, its first token BOS when the model adds one, with progress: 0, or 1 (message printed). */
+static int run_chunks(ppl_state *st) {
     char what[160];
     cli_progress pr;
-    cli_progress_begin(&pr, "ppl", "chunks", (double)n_chunks);
-    for (long ch = 0; ch < n_chunks; ch++) {
-        int32_t *ct = toks + (size_t)ch * C;
+    cli_progress_begin(&pr, "ppl", "chunks", (double)st->n_chunks);
+    for (long ch = 0; ch < st->n_chunks; ch++) {
+        int32_t *ct = st->toks + (size_t)ch * st->C;
         int32_t saved = ct[0];
-        if (mi.add_bos) ct[0] = mi.bos_id;
-        if (kl_base) {
-            s = timed_eval_chunk(m, base.cc.cache, ct, C, first, (int)batch, base_lp, row, &base.seconds);
-            if (s != KVPQ_OK) {
-                fprintf(stderr, "kvpq ppl: base cache '%s': ", kl_base);
-                cli_fail("eval", s);
-                goto done;
-            }
-            kvpq_score_base(base_lp, n_score, V, ct + first + 1, base_top, &base.sums);
-        }
-        for (int i = 0; i < n_caches; i++) {
-            ppl_run *r = &runs[i];
-            s = timed_eval_chunk(m, r->cc.cache, ct, C, first, (int)batch, logits, row, &r->seconds);
-            if (s != KVPQ_OK) {
-                fprintf(stderr, "kvpq ppl: cache '%s': ", r->cc.spec);
-                cli_fail("eval", s);
-                goto done;
-            }
-            kvpq_score_test(logits, n_score, V, ct + first + 1, kl_base ? base_lp : NULL, base_top,
-                           r->kl ? r->kl + (size_t)ch * n_score : NULL, &r->sums);
-        }
+        if (st->mi.add_bos) ct[0] = st->mi.bos_id;
+        if (run_chunk(st, ch, ct)) return 1;
         ct[0] = saved;
-        count += n_score;
+        st->count += st->n_score;
         double p0, se0;
-        ppl_stats(runs[0].sums.nll, runs[0].sums.nll2, count, &p0, &se0);
-        snprintf(what, sizeof what, "ppl[%.60s] %.4f", runs[0].cc.spec, p0);
+        ppl_stats(st->runs[0].sums.nll, st->runs[0].sums.nll2, st->count, &p0, &se0);
+        snprintf(what, sizeof what, "ppl[%.60s] %.4f", st->runs[0].cc.spec, p0);
         cli_progress_update(&pr, (double)(ch + 1), what);
     }
-    cli_progress_end(&pr, (double)n_chunks, what);
+    cli_progress_end(&pr, (double)st->n_chunks, what);
+    return 0;
+}
 
+/* One cache's figures: perplexity, its memory, speed and (with a base) KL and top-1 agreement. */
+typedef struct {
+    double ppl, se, tps, kl_mean, kl_p99, top1;
+    kvpq_cache_stats st;
+} ppl_result;
+
+static void run_result(const ppl_state *st, ppl_run *r, ppl_result *res) {
+    const double count = (double)st->count;
+    ppl_stats(r->sums.nll, r->sums.nll2, st->count, &res->ppl, &res->se);
+    memset(&res->st, 0, sizeof res->st);
+    kvpq_cache_get_stats(r->cc.cache, &res->st);
+    res->tps = (double)st->n_chunks * st->C / r->seconds;
+    res->kl_mean = res->kl_p99 = res->top1 = NAN;
+    if (st->o->kl_base) {
+        res->kl_mean = r->sums.kl_sum / count;
+        res->kl_p99 = percentile(r->kl, (size_t)st->count, 99.0);
+        res->top1 = (double)r->sums.agree / count;
+    }
+}
+
+static void settings_json(const ppl_state *st, cJSON *settings) {
+    const ppl_opts *o = st->o;
+    cJSON_AddStringToObject(settings, "model", o->model_path);
+    cJSON_AddStringToObject(settings, "text", o->text_path);
+    cJSON_AddNumberToObject(settings, "ctx", st->C);
+    cJSON_AddNumberToObject(settings, "chunks", (double)st->n_chunks);
+    cJSON_AddNumberToObject(settings, "batch", (double)o->batch);
+    cJSON_AddNumberToObject(settings, "threads", (double)o->threads);
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
+    if (o->kl_base) cJSON_AddStringToObject(settings, "kl_base", o->kl_base);
+    else cJSON_AddNullToObject(settings, "kl_base");
+}
+
+/* The JSON object of one cache's result (r) beside the base's (b, with --kl-base). */
+static cJSON *result_json(const ppl_state *st, const ppl_run *r, const ppl_result *res, const ppl_result *b) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "cache", r->cc.spec);
+    json_num(o, "ppl", res->ppl);
+    json_num(o, "ppl_stderr", res->se);
+    cJSON_AddNumberToObject(o, "tokens", (double)st->count);
+    cJSON_AddNumberToObject(o, "chunks", (double)st->n_chunks);
+    cJSON_AddNumberToObject(o, "ctx", st->C);
+    cJSON_AddNumberToObject(o, "kv_bytes", (double)res->st.resident_bytes);
+    json_num(o, "bits_per_element", res->st.bits_per_element);
+    json_num(o, "tok_per_s", res->tps);
+    if (st->o->kl_base) {
+        cJSON_AddStringToObject(o, "kl_base", st->o->kl_base);
+        json_num(o, "ppl_base", b->ppl);
+        json_num(o, "ppl_base_stderr", b->se);
+        json_num(o, "kl_mean", res->kl_mean);
+        json_num(o, "kl_p99", res->kl_p99);
+        json_num(o, "top1_agree", res->top1);
+        cJSON_AddNumberToObject(o, "kv_bytes_base", (double)b->st.resident_bytes);
+        json_num(o, "bits_per_element_base", b->st.bits_per_element);
+    }
+    return o;
+}
+
+static void print_result(const ppl_state *st, const ppl_run *r, const ppl_result *res) {
+    printf("cache %-27s PPL = %.4f +/- %.5f   kv_bytes %zu (%.3f bits/elem)   %.1f tok/s", r->cc.spec, res->ppl,
+           res->se, res->st.resident_bytes, res->st.bits_per_element, res->tps);
+    if (st->o->kl_base) printf("   KL mean %.3g p99 %.3g   top-1 %.4f", res->kl_mean, res->kl_p99, res->top1);
+    printf("\n");
+}
+
+/* The base's figures (with --kl-base; its line printed unless --json). */
+static void base_result(ppl_state *st, ppl_result *b) {
+    const ppl_opts *o = st->o;
+    b->ppl = b->se = NAN;
+    memset(&b->st, 0, sizeof b->st);
+    if (!o->kl_base) return;
+    ppl_stats(st->base.sums.nll, st->base.sums.nll2, st->count, &b->ppl, &b->se);
+    kvpq_cache_get_stats(st->base.cc.cache, &b->st);
+    if (!o->json)
+        printf("base %-28s PPL = %.4f +/- %.5f   kv_bytes %zu (%.3f bits/elem)   %.1f tok/s\n", o->kl_base, b->ppl,
+               b->se, b->st.resident_bytes, b->st.bits_per_element, (double)st->n_chunks * st->C / st->base.seconds);
+}
+
+/* The results: a table on stdout, or the JSON (schema kvpq.ppl/1) with --json. Returns the exit code. */
+static int report(ppl_state *st) {
+    const ppl_opts *o = st->o;
     cJSON *settings = NULL, *arr = NULL;
     cJSON *root = cli_json_new("ppl", &settings, &arr);
-    if (!root) {
-        fprintf(stderr, "kvpq ppl: out of memory\n");
-        goto done;
+    if (!root) return fprintf(stderr, "kvpq ppl: out of memory\n"), 1;
+    settings_json(st, settings);
+    ppl_result b, res;
+    base_result(st, &b);
+    for (int i = 0; i < o->n_caches; i++) {
+        run_result(st, &st->runs[i], &res);
+        cJSON_AddItemToArray(arr, result_json(st, &st->runs[i], &res, &b));
+        if (!o->json) print_result(st, &st->runs[i], &res);
     }
-    cJSON_AddStringToObject(settings, "model", model_path);
-    cJSON_AddStringToObject(settings, "text", text_path);
-    cJSON_AddNumberToObject(settings, "ctx", C);
-    cJSON_AddNumberToObject(settings, "chunks", (double)n_chunks);
-    cJSON_AddNumberToObject(settings, "batch", (double)batch);
-    cJSON_AddNumberToObject(settings, "threads", (double)threads);
-    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
-    if (kl_base) cJSON_AddStringToObject(settings, "kl_base", kl_base);
-    else cJSON_AddNullToObject(settings, "kl_base");
-    double pb = NAN, seb = NAN;
-    kvpq_cache_stats bst;
-    memset(&bst, 0, sizeof bst);
-    if (kl_base) {
-        ppl_stats(base.sums.nll, base.sums.nll2, count, &pb, &seb);
-        kvpq_cache_get_stats(base.cc.cache, &bst);
-        if (!as_json)
-            printf("base %-28s PPL = %.4f +/- %.5f   kv_bytes %zu (%.3f bits/elem)   %.1f tok/s\n", kl_base, pb, seb,
-                   bst.resident_bytes, bst.bits_per_element, (double)n_chunks * C / base.seconds);
+    if (o->json) return cli_json_print(root);
+    printf("%ld chunks of %d tokens, %lld scored tokens (second half of each chunk), text %s\n", st->n_chunks, st->C,
+           (long long)st->count, o->text_path);
+    cJSON_Delete(root);
+    return 0;
+}
+
+static void state_free(ppl_state *st) {
+    for (int i = 0; i < st->o->n_caches; i++) {
+        cli_cache_close(&st->runs[i].cc);
+        free(st->runs[i].kl);
     }
-    for (int i = 0; i < n_caches; i++) {
-        ppl_run *r = &runs[i];
-        double p, se;
-        ppl_stats(r->sums.nll, r->sums.nll2, count, &p, &se);
-        kvpq_cache_stats st;
+    cli_cache_close(&st->base.cc);
+    free(st->text);
+    free(st->toks);
+    free(st->logits);
+    free(st->base_lp);
+    free(st->base_top);
+    free(st->row);
+    kvpq_model_free(st->m);
+}
+
+/* Setup, the chunks and the report: the exit code. */
+static int ppl_run_all(ppl_state *st) {
+    if (read_text(st)) return 1;
+    if (check_specs(st->o)) return 2;
+    if (load_model(st) || read_tokens(st) || open_caches(st) || run_chunks(st)) return 1;
+    return report(st);
+}
+
+int cmd_ppl(int argc, char **argv) {
+    ppl_opts o;
+    int rc = parse_opts(argc, argv, &o);
+    if (rc < 0) {
+        ppl_state st;
         memset(&st, 0, sizeof st);
-        kvpq_cache_get_stats(r->cc.cache, &st);
-        double tps = (double)n_chunks * C / r->seconds;
-        cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "cache", r->cc.spec);
-        json_num(o, "ppl", p);
-        json_num(o, "ppl_stderr", se);
-        cJSON_AddNumberToObject(o, "tokens", (double)count);
-        cJSON_AddNumberToObject(o, "chunks", (double)n_chunks);
-        cJSON_AddNumberToObject(o, "ctx", C);
-        cJSON_AddNumberToObject(o, "kv_bytes", (double)st.resident_bytes);
-        json_num(o, "bits_per_element", st.bits_per_element);
-        json_num(o, "tok_per_s", tps);
-        double kl_mean = NAN, kl_p99 = NAN, top1 = NAN;
-        if (kl_base) {
-            kl_mean = r->sums.kl_sum / (double)count;
-            kl_p99 = percentile(r->kl, (size_t)count, 99.0);
-            top1 = (double)r->sums.agree / (double)count;
-            cJSON_AddStringToObject(o, "kl_base", kl_base);
-            json_num(o, "ppl_base", pb);
-            json_num(o, "ppl_base_stderr", seb);
-            json_num(o, "kl_mean", kl_mean);
-            json_num(o, "kl_p99", kl_p99);
-            json_num(o, "top1_agree", top1);
-            cJSON_AddNumberToObject(o, "kv_bytes_base", (double)bst.resident_bytes);
-            json_num(o, "bits_per_element_base", bst.bits_per_element);
-        }
-        cJSON_AddItemToArray(arr, o);
-        if (!as_json) {
-            printf("cache %-27s PPL = %.4f +/- %.5f   kv_bytes %zu (%.3f bits/elem)   %.1f tok/s", r->cc.spec, p, se,
-                   st.resident_bytes, st.bits_per_element, tps);
-            if (kl_base) printf("   KL mean %.3g p99 %.3g   top-1 %.4f", kl_mean, kl_p99, top1);
-            printf("\n");
-        }
+        st.o = &o;
+        rc = ppl_run_all(&st);
+        state_free(&st);
     }
-    if (!as_json)
-        printf("%ld chunks of %d tokens, %lld scored tokens (second half of each chunk), text %s\n", n_chunks, C,
-               (long long)count, text_path);
-    if (as_json) {
-        rc = cli_json_print(root);
-    } else {
-        cJSON_Delete(root);
-        rc = 0;
-    }
-done:
-    for (int i = 0; i < n_caches; i++) {
-        cli_cache_close(&runs[i].cc);
-        free(runs[i].kl);
-    }
-    cli_cache_close(&base.cc);
-    free(specs_buf);
-    free(text);
-    free(toks);
-    free(logits);
-    free(base_lp);
-    free(base_top);
-    free(row);
-    kvpq_model_free(m);
+    free(o.specs_buf);
     return rc;
 }
