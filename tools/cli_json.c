@@ -1,8 +1,11 @@
 /* cli_json.c — the common --json document (cli_json.h, docs/json.md). */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cli_json.h"
+#include "cli_model.h"
 #include "kvpq.h"
 
 cJSON *cli_json_new(const char *command, cJSON **settings, cJSON **results) {
@@ -36,4 +39,34 @@ int cli_json_print(cJSON *root) {
 void cli_json_num(cJSON *o, const char *key, double v) {
     if (isfinite(v)) cJSON_AddNumberToObject(o, key, v);
     else cJSON_AddNullToObject(o, key);
+}
+
+/* s (n bytes) as valid UTF-8: each byte of an invalid or truncated sequence becomes U+FFFD (a reply
+ * cut inside a character, or a token of stray bytes); the JSON row needs valid UTF-8. */
+char *cli_utf8_clean(const char *s, size_t n) {
+    char *o = malloc(3 * n + 1);
+    if (!o) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n;) {
+        size_t bad = 0, l = 1;
+        unsigned char c = (unsigned char)s[i];
+        l = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+        if (l && i + l <= n && cli_utf8_valid((const unsigned char *)s + i, l, &bad)) {
+            memcpy(o + k, s + i, l);
+            k += l;
+            i += l;
+        } else {
+            memcpy(o + k, "\xef\xbf\xbd", 3);
+            k += 3;
+            i++;
+        }
+    }
+    o[k] = '\0';
+    return o;
+}
+
+cJSON *cli_json_ids(const int32_t *t, size_t n) {
+    cJSON *a = cJSON_CreateArray();
+    for (size_t i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(t[i]));
+    return a;
 }

@@ -6,6 +6,8 @@
 #define KVPQ_CLI_JSON_H
 
 #include <cjson/cJSON.h>
+#include <stddef.h>
+#include <stdint.h>
 
 /* A new document for `command` ("ppl", "bench.decode", ...); *settings and *results point into it.
  * NULL when out of memory. */
@@ -14,5 +16,11 @@ cJSON *cli_json_new(const char *command, cJSON **settings, cJSON **results);
 int cli_json_print(cJSON *root);
 /* A number, or null when it is not finite (JSON has no NaN). */
 void cli_json_num(cJSON *o, const char *key, double v);
+
+/* s (n bytes) as valid UTF-8 (malloc'd; NULL when out of memory): each byte of an invalid or
+ * truncated sequence becomes U+FFFD (a reply cut inside a character, a token of stray bytes). */
+char *cli_utf8_clean(const char *s, size_t n);
+/* A JSON array of token ids. */
+cJSON *cli_json_ids(const int32_t *t, size_t n);
 
 #endif

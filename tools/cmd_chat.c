@@ -76,36 +76,6 @@ static void buf_add(buf_t *b, const char *s, size_t n) {
     b->b[b->n] = '\0';
 }
 
-/* s (n bytes) as valid UTF-8: each byte of an invalid or truncated sequence becomes U+FFFD (a reply
- * cut inside a character, or a token of stray bytes); the JSON row needs valid UTF-8. */
-static char *utf8_clean(const char *s, size_t n) {
-    char *o = malloc(3 * n + 1);
-    if (!o) return NULL;
-    size_t k = 0;
-    for (size_t i = 0; i < n;) {
-        size_t bad = 0, l = 1;
-        unsigned char c = (unsigned char)s[i];
-        l = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
-        if (l && i + l <= n && cli_utf8_valid((const unsigned char *)s + i, l, &bad)) {
-            memcpy(o + k, s + i, l);
-            k += l;
-            i += l;
-        } else {
-            memcpy(o + k, "\xef\xbf\xbd", 3);
-            k += 3;
-            i++;
-        }
-    }
-    o[k] = '\0';
-    return o;
-}
-
-static cJSON *ids_json(const int32_t *t, size_t n) {
-    cJSON *a = cJSON_CreateArray();
-    for (size_t i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(t[i]));
-    return a;
-}
-
 /* Read stdin lines: user, assistant, user, ...; print the rendered conversation (text or ids). */
 static int render(const kvpq_model *m, const cli_chat_template *t, const char *system, int ids) {
     kvpq_model_info mi;
@@ -456,7 +426,7 @@ static int turn_reply(chat_state *st, chat_turn *tr) {
 /* The turn's row of the JSON document: 0, or 1 (out of memory, message printed). */
 static int turn_json(chat_state *st, const chat_turn *tr, const kvpq_cache_stats *cst) {
     cJSON *r = cJSON_CreateObject();
-    char *clean = utf8_clean(st->text.b ? st->text.b : "", st->text.n);
+    char *clean = cli_utf8_clean(st->text.b ? st->text.b : "", st->text.n);
     if (!r || !clean) {
         free(clean);
         cJSON_Delete(r);
@@ -479,8 +449,8 @@ static int turn_json(chat_state *st, const chat_turn *tr, const kvpq_cache_stats
     cJSON_AddNumberToObject(r, "resident_bytes", (double)cst->resident_bytes);
     cli_json_num(r, "bits_per_element", cst->bits_per_element);
     cJSON_AddStringToObject(r, "reply", clean);
-    cJSON_AddItemToObject(r, "prompt_ids", ids_json(tr->toks, tr->n_new));
-    cJSON_AddItemToObject(r, "reply_ids", ids_json(st->reply, (size_t)tr->n_reply));
+    cJSON_AddItemToObject(r, "prompt_ids", cli_json_ids(tr->toks, tr->n_new));
+    cJSON_AddItemToObject(r, "reply_ids", cli_json_ids(st->reply, (size_t)tr->n_reply));
     cJSON_AddItemToArray(st->rows, r);
     free(clean);
     return 0;

@@ -4,7 +4,10 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <cjson/cJSON.h>
+
 #include "cli.h"
+#include "cli_json.h"
 #include "cli_chat.h"
 #include "cli_model.h"
 #include "cli_spec.h"
@@ -15,7 +18,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: kvpq generate --model M [--prompt P] [-n N] [--temp T] [--top-p P] [--seed S]\n"
             "                     [--cache SPEC] [--chat] [--threads N] [--prompt-ids IDS] [--print-ids]\n"
-            "                     [--prompt-cache FILE] [--quiet] [--logits-out FILE]\n"
+            "                     [--prompt-cache FILE] [--quiet] [--logits-out FILE] [--json]\n"
             "  --model M      GGUF model (architecture llama, qwen2 or gemma3)\n"
             "  --prompt P     prompt text (default empty: starts from BOS when the model adds one)\n"
             "  -n N           tokens to generate (default 64); stops early at the end-of-sequence token\n"
@@ -36,6 +39,8 @@ static void usage(FILE *f) {
             "  --threads N    CPU threads (default: OpenMP default)\n"
             "  --prompt-ids IDS  the prompt as token ids (\"2,818,5279\"; any separators) instead of text\n"
             "  --print-ids    print the generated token ids (one line, space-separated) instead of text\n"
+            "  --json         print one row as JSON to stdout instead of the text: the text, ids, timings and the\n"
+            "                 cache's bytes (schema kvpq.generate/1, docs/json.md)\n"
             "  --quiet        no progress lines on stderr (a long prompt shows its progress)\n"
             "  --prompt-cache FILE  keep the processed prompt in FILE (a saved cache, kvpq_cache_save):\n"
             "                 when FILE holds a prompt of the same model and cache SPEC, the tokens it\n"
@@ -151,19 +156,20 @@ static int eval_prompt(kvpq_model *m, kvpq_cache *cache, const int32_t *toks, si
 
 static const char *const OPTS[] = {"--help",  "-h",     "--chat",      "--quiet", "-q",      "--prompt-cache",
                                    "--model", "-m",     "--prompt",    "-p",      "--cache", "-n",
-                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", "--logits-out", NULL};
+                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", "--logits-out", "--json", NULL};
 
 typedef struct {
     const char *model_path, *prompt, *cache_spec, *prompt_cache, *logits_out, *prompt_ids;
     long n_gen, seed, threads;
     double temp, top_p;
-    int chat, print_ids;
+    int chat, print_ids, json;
 } gen_opts;
 
 /* A flag (an option without a value): 1 when a is one (taken), else 0. */
 static int parse_flag(gen_opts *o, const char *a) {
     if (!strcmp(a, "--chat")) o->chat = 1;
     else if (!strcmp(a, "--print-ids")) o->print_ids = 1;
+    else if (!strcmp(a, "--json")) o->json = 1;
     else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) cli_quiet = 1;
     else return 0;
     return 1;
@@ -240,6 +246,10 @@ typedef struct {
     cli_utf8_stream us;
     double t_load, t_prompt, t_dec; /* seconds: prompt cache load, prompt eval, one-token evals */
     long n_done, n_dec;      /* tokens generated; one-token evals */
+    const char *stop;        /* why generation ended: "eos" or "length" */
+    char *text;              /* --json: the generated text (text_n bytes) and ids (out_ids, n_done) */
+    size_t text_n, text_cap;
+    int32_t *out_ids;
 } gen_state;
 
 /* The prompt as pieces: in the chat template (--chat) or plain text. 0, or 1 (message printed). */
@@ -331,7 +341,7 @@ static double save_prompt(gen_state *st, size_t upto) {
 static int prefill(gen_state *st) {
     const gen_opts *o = st->o;
     const size_t n_prompt = st->n_prompt, reused = st->reused;
-    if (!o->chat && !o->print_ids) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
+    if (!o->chat && !o->print_ids && !o->json) { /* echo the prompt, as llama.cpp does, so the continuation reads on */
         fputs(o->prompt, stdout);
         fflush(stdout);
     }
@@ -353,7 +363,30 @@ static int prefill(gen_state *st) {
 }
 
 /* Token t to stdout: its id (--print-ids) or its text. 0, or 1 (message printed). */
+/* --json: the token and its text kept for the row. 0, or 1 (message printed). */
+static int keep_token(gen_state *st, int32_t t, const char *piece, size_t len) {
+    if (!st->out_ids && !(st->out_ids = malloc(sizeof *st->out_ids * (size_t)(st->o->n_gen ? st->o->n_gen : 1))))
+        return fprintf(stderr, "kvpq generate: out of memory\n"), 1;
+    if (st->text_n + len + 1 > st->text_cap) {
+        size_t cap = 2 * (st->text_n + len + 1) + 256;
+        char *b = realloc(st->text, cap);
+        if (!b) return fprintf(stderr, "kvpq generate: out of memory\n"), 1;
+        st->text = b, st->text_cap = cap;
+    }
+    memcpy(st->text + st->text_n, piece, len);
+    st->text_n += len;
+    st->out_ids[st->n_done] = t;
+    return 0;
+}
+
 static int emit_token(gen_state *st, int32_t t) {
+    if (st->o->json) {
+        char piece[256];
+        size_t len = 0;
+        kvpq_status s = kvpq_token_to_piece(st->m, t, piece, sizeof piece, &len);
+        if (s != KVPQ_OK) return cli_fail("generate: token_to_piece", s);
+        return keep_token(st, t, piece, len < sizeof piece ? len : sizeof piece);
+    }
     if (st->o->print_ids) {
         printf(st->n_done ? " %d" : "%d", t);
         fflush(stdout);
@@ -384,12 +417,16 @@ static int decode(gen_state *st) {
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)o->seed);
     const double t_first_start = cli_now();
+    st->stop = "length";
     for (; st->n_done < o->n_gen; st->n_done++) {
         if (st->lf && fwrite(st->logits, sizeof *st->logits, (size_t)V, st->lf) != (size_t)V)
             return fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", o->logits_out), 1;
         int32_t t = cli_sample(st->logits, V, (float)o->temp, (float)o->top_p, &rng, st->work, st->idx);
         if (st->n_done == 0) report_first(st, t_first_start);
-        if (t == st->mi.eos_id) break;
+        if (t == st->mi.eos_id) {
+            st->stop = "eos";
+            break;
+        }
         if (emit_token(st, t)) return 1;
         if (st->n_done + 1 == o->n_gen) {
             st->n_done++;
@@ -404,6 +441,42 @@ static int decode(gen_state *st) {
     return 0;
 }
 
+/* --json: the run's settings and its one row (schema kvpq.generate/1, docs/json.md). The exit code. */
+static int print_json(const gen_state *st, const kvpq_cache_stats *cst) {
+    const gen_opts *o = st->o;
+    cJSON *settings = NULL, *rows = NULL, *doc = cli_json_new("generate", &settings, &rows);
+    cJSON *r = cJSON_CreateObject();
+    char *text = cli_utf8_clean(st->text ? st->text : "", st->text_n);
+    if (!doc || !r || !text) {
+        cJSON_Delete(doc), cJSON_Delete(r), free(text);
+        return fprintf(stderr, "kvpq generate: out of memory\n"), 1;
+    }
+    cJSON_AddStringToObject(settings, "model", o->model_path);
+    cJSON_AddStringToObject(settings, "cache", o->cache_spec);
+    cJSON_AddNumberToObject(settings, "n_predict", (double)o->n_gen);
+    cJSON_AddNumberToObject(settings, "temp", o->temp);
+    cJSON_AddNumberToObject(settings, "top_p", o->top_p);
+    cJSON_AddNumberToObject(settings, "seed", (double)o->seed);
+    cJSON_AddNumberToObject(settings, "threads", (double)o->threads);
+    cJSON_AddStringToObject(settings, "simd", kvpq_simd_name(kvpq_simd_get()));
+    cJSON_AddNumberToObject(r, "prompt_tokens", (double)st->n_prompt);
+    cJSON_AddNumberToObject(r, "reused_tokens", (double)st->reused);
+    cJSON_AddNumberToObject(r, "prompt_s", st->t_prompt);
+    cJSON_AddNumberToObject(r, "generated", (double)st->n_done);
+    cJSON_AddNumberToObject(r, "decode_s", st->t_dec);
+    cli_json_num(r, "decode_tok_per_s", st->n_dec ? st->n_dec / st->t_dec : 0);
+    cJSON_AddStringToObject(r, "stop", st->stop ? st->stop : "length");
+    cJSON_AddStringToObject(r, "text", text);
+    cJSON_AddItemToObject(r, "ids", cli_json_ids(st->out_ids, st->out_ids ? (size_t)st->n_done : 0));
+    cJSON_AddNumberToObject(r, "positions", kvpq_cache_seq_len(st->cc.cache, 0));
+    cJSON_AddNumberToObject(r, "stored_bytes", (double)cst->stored_bytes);
+    cli_json_num(r, "stored_bits_per_element", cst->stored_bits_per_element);
+    cJSON_AddNumberToObject(r, "resident_bytes", (double)cst->resident_bytes);
+    cJSON_AddItemToArray(rows, r);
+    free(text);
+    return cli_json_print(doc);
+}
+
 /* --logits-out closed, the text's end and newline, the speeds and the cache's memory to stderr.
  * 0, or 1 (message printed). */
 static int finish(gen_state *st) {
@@ -413,9 +486,11 @@ static int finish(gen_state *st) {
         st->lf = NULL;
         if (close_failed) return fprintf(stderr, "kvpq generate: --logits-out '%s': write failed\n", o->logits_out), 1;
     }
-    cli_utf8_flush(&st->us, stdout);
-    fputc('\n', stdout);
-    fflush(stdout);
+    if (!o->json) {
+        cli_utf8_flush(&st->us, stdout);
+        fputc('\n', stdout);
+        fflush(stdout);
+    }
     const double tp = st->t_prompt, td = st->t_dec;
     fprintf(stderr,
             "kvpq generate: prompt %zu tokens in %.3f s (%.1f tok/s%s); generated %ld tokens, %ld one-token evals in "
@@ -424,9 +499,9 @@ static int finish(gen_state *st) {
             st->reused ? " over the tokens evaluated; the rest came from --prompt-cache" : "", st->n_done, st->n_dec,
             td, st->n_dec / (td > 0 ? td : 1e-9), o->cache_spec);
     kvpq_cache_stats cst;
-    if (kvpq_cache_get_stats(st->cc.cache, &cst) == KVPQ_OK)
-        cli_print_cache_memory("generate", o->cache_spec, st->cc.cache, &cst);
-    return 0;
+    if (kvpq_cache_get_stats(st->cc.cache, &cst) != KVPQ_OK) memset(&cst, 0, sizeof cst);
+    else cli_print_cache_memory("generate", o->cache_spec, st->cc.cache, &cst);
+    return o->json ? print_json(st, &cst) : 0;
 }
 
 /* Everything after the model loads: the exit code. */
@@ -462,6 +537,8 @@ int cmd_generate(int argc, char **argv) {
     free(st.logits);
     free(st.work);
     free(st.idx);
+    free(st.text);
+    free(st.out_ids);
     kvpq_model_free(st.m);
     return rc;
 }

@@ -122,3 +122,15 @@ def test_info(tmp_path):
     doc = validate(run_json("info", out), "info")
     r, = doc["results"]
     assert r["key_M"] == 16 and r["key_nbits"] == 8 and r["meta.keys"] == "d4b8" and r["meta.tokens"] == "128"
+
+
+@need_model
+def test_generate():
+    doc = validate(run_json("generate", "--model", MODEL, "--prompt", "Once upon a time", "-n", 8, "--temp", 0,
+                            "--cache", "kivi2:w4"), "generate")
+    r, = doc["results"]
+    assert r["generated"] == len(r["ids"]) == 8 and r["stop"] == "length" and r["text"]
+    assert r["positions"] == r["prompt_tokens"] + 7 and doc["settings"]["cache"] == "kivi2:w4"
+    p = subprocess.run([BIN, "generate", "--model", str(MODEL), "--prompt", "Once upon a time", "-n", "8", "--temp", "0",
+                        "--cache", "kivi2:w4", "--print-ids", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert [int(t) for t in p.stdout.split()] == r["ids"]  # the same tokens as the plain run
