@@ -122,8 +122,6 @@ char *serve_chunk_json(const serve_server *sv, const serve_job *job, const char 
 /* The chunk stream_options.include_usage asks for: no choices, the usage. */
 char *serve_usage_chunk_json(const serve_server *sv, const serve_job *job);
 char *serve_models_json(const serve_server *sv);
-/* s (n bytes) as valid UTF-8, each bad byte U+FFFD; malloc'd, NUL-terminated. */
-char *serve_utf8_clean(const char *s, size_t n);
 
 /* serve_http.c */
 typedef struct serve_http serve_http;

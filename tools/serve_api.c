@@ -10,6 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "cli_model.h"
+#include "cli_json.h"
 #include "serve.h"
 
 /* ---- errors ---- */
@@ -244,27 +245,6 @@ serve_job *serve_parse_request(serve_kind kind, const char *body, size_t len, se
 
 /* ---- responses ---- */
 
-char *serve_utf8_clean(const char *s, size_t n) {
-    char *o = malloc(3 * n + 1);
-    if (!o) return NULL;
-    size_t k = 0;
-    for (size_t i = 0; i < n;) {
-        unsigned char c = (unsigned char)s[i];
-        size_t l = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0, bad;
-        if (l && i + l <= n && cli_utf8_valid((const unsigned char *)s + i, l, &bad)) {
-            memcpy(o + k, s + i, l);
-            k += l;
-            i += l;
-        } else {
-            memcpy(o + k, "\xef\xbf\xbd", 3);
-            k += 3;
-            i++;
-        }
-    }
-    o[k] = '\0';
-    return o;
-}
-
 static cJSON *head(const serve_server *sv, const serve_job *j, const char *object) {
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "id", j->id);
@@ -275,7 +255,7 @@ static cJSON *head(const serve_server *sv, const serve_job *j, const char *objec
 }
 
 static void add_text(cJSON *o, const char *key, const char *s, size_t n) {
-    char *clean = serve_utf8_clean(s ? s : "", s ? n : 0);
+    char *clean = cli_utf8_clean(s ? s : "", s ? n : 0);
     cJSON_AddStringToObject(o, key, clean ? clean : "");
     free(clean);
 }
