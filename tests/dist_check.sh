@@ -18,6 +18,7 @@ model=${2:-$src/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/kvpq_dist.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "dist_check: $*" >&2; exit 1; }
+trap 'echo "dist_check: line $LINENO: \"$BASH_COMMAND\" failed (exit $?)" >&2' ERR
 mkdir -p "$tmp/src"
 git -C "$src" archive HEAD | tar -x -C "$tmp/src"
 t0=$(date +%s)
@@ -66,7 +67,9 @@ probe() {  # probe KIND ARTIFACT [prefix command...]
 # mount itself loads it). The namespace ends with the command.
 hidden_libs=()
 for n in libopenblas.so.0 libcjson.so.1 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libpcre2-8.so.0; do
-  p=$(ldconfig -p | awk -v n="$n" '$1 == n {print $NF; exit}')
+  # awk reads to the end: an early exit would kill ldconfig with SIGPIPE when its list exceeds the pipe
+  # buffer, and pipefail would then end this script without a word (seen on CI).
+  p=$(ldconfig -p | awk -v n="$n" '$1 == n && !found {print $NF; found = 1}')
   [ -n "$p" ] && hidden_libs+=("$(realpath "$p")")
 done
 cat > "$tmp/hidden.sh" <<'SH'

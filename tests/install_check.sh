@@ -69,7 +69,7 @@ fi
 if ldd "$prefix/prog_shared" | grep -qE 'pcre2|openblas'; then
   echo "install_check: a kvpq.h program loads PCRE2 or OpenBLAS:" >&2; ldd "$prefix/prog_shared" >&2; exit 1
 fi
-if nm "$prefix/prog_static" | grep -qiE 'pcre2_|cblas_'; then
+if nm "$prefix/prog_static" | grep -iE 'pcre2_|cblas_' >/dev/null; then  # no -q: an early grep exit + pipefail would hide a match
   echo "install_check: the static kvpq.h program contains PCRE2 or BLAS symbols" >&2; exit 1
 fi
 
