@@ -8,13 +8,23 @@
  * Before encoding, keys are centered per channel (k - mu; every score of a query then moves by the
  * same q . mu, added back exactly), divided per channel by smoothing factors
  * `lambda = sqrt(max |K - mu|)` and rotated by a normalized Walsh-Hadamard transform; queries are
- * multiplied by the same factors and rotated, so `q . k` is unchanged. Attention is computed directly from the codes through a lookup
- * table `LUT[m][c] = q_m . C[m][c]`.
+ * multiplied by the same factors and rotated, so `q . k` is unchanged. Attention is computed
+ * directly from the codes through a lookup table `LUT[m][c] = q_m . C[m][c]`.
  *
- * Header tiers: this header is the stable API (status, SIMD level, backends, PQ, codebook file, KV
- * cache, CUDA); it needs only libkvpq (pkg-config kvpq, CMake kvpq::kvpq). The model runner
- * (GGUF reader, tokenizer, forward pass: kvpq_model_*, kvpq_vocab_*, kvpq_gguf_*) is kvpq_model.h,
- * in libkvpq_model (kvpq_model / kvpq::kvpq_model), which brings PCRE2 and OpenBLAS.
+ * Header tiers (as zstd's ZSTD_STATIC_LINKING_ONLY):
+ *   - Stable (always declared): status and errors, backends, a codebook file (load, save, read its
+ *     shape and metadata), the KV cache (SPEC grammar, create, append, attend, read, truncate,
+ *     stats, save, load) and whether CUDA is usable. These keep their names and meaning across
+ *     minor versions.
+ *   - Advanced (declared when KVPQ_ADVANCED is defined before the #include): the PQ internals
+ *     (quantizers, k-means, code packing, smoothing, Hadamard), building and editing codebooks layer
+ *     by layer (calibration, bit allocation, TurboQuant's quantizer), SIMD level control, and the
+ *     CUDA device-pointer layer with its kernel variants. The same library exports both; the
+ *     advanced tier may change between minor versions.
+ * The model runner (GGUF reader, tokenizer, forward pass, calibration from a model: kvpq_model_*,
+ * kvpq_vocab_*) is kvpq_model.h, in libkvpq_model (pkg-config kvpq_model, CMake kvpq::kvpq_model),
+ * which brings PCRE2 and OpenBLAS; it is tiered the same way. This header needs only libkvpq
+ * (pkg-config kvpq, CMake kvpq::kvpq).
  *
  * Conventions (every function):
  *   - Fallible calls return kvpq_status: KVPQ_OK (0) or a negative error. kvpq_last_error() gives a
@@ -24,17 +34,21 @@
  *   - The caller owns outputs; size helpers (kvpq_pq_code_size, ...) say how much to allocate.
  *   - Arrays are row-major float32 unless said otherwise; shapes are given as (outer, ..., inner).
  *
- * Usage (encode and decode vectors with a trained quantizer):
+ * Usage (a compressed cache from a codebook file made by `kvpq calibrate`):
  *
- *     kvpq_pq_params pp = kvpq_pq_params_default();      // d=64, M=16 (dsub=4), nbits=8
- *     kvpq_pq *pq;
- *     if (kvpq_pq_new(&pq, &pp) != KVPQ_OK) { fprintf(stderr, "%s\n", kvpq_last_error()); ... }
- *     kvpq_kmeans_params kp = kvpq_kmeans_params_default();
- *     kvpq_pq_train(pq, &kp, n_train, x_train, NULL);    // x_train: (n_train, d)
- *     uint8_t *codes = malloc(n * kvpq_pq_code_size(pq));
- *     kvpq_pq_encode(pq, n, x, codes);                   // x: (n, d) -> codes: (n, code_size)
- *     kvpq_pq_decode(pq, n, codes, x_hat);               // x_hat: (n, d)
- *     kvpq_pq_free(pq);
+ *     kvpq_codebook *cb;
+ *     if (kvpq_codebook_load(&cb, "cb.safetensors") != KVPQ_OK) { fprintf(stderr, "%s\n", kvpq_last_error()); ... }
+ *     kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+ *     kvpq_cache_params p = kvpq_cache_params_default();
+ *     p.type = KVPQ_CACHE_VQ; p.codebook = cb;
+ *     p.n_layer = cp.n_layer; p.n_head = n_head; p.n_head_kv = cp.n_head_kv; p.head_dim = cp.head_dim;
+ *     p.max_seq = 4096;
+ *     kvpq_cache_params_resolve(&p, -1, -1);             // the codebook's window and sinks
+ *     kvpq_cache *c;
+ *     kvpq_cache_new(&c, &p);
+ *     kvpq_cache_append_attend(c, layer, n, k, v, q, out); // k, v: (n, n_head_kv, head_dim); q, out: (n, n_head, head_dim)
+ *     kvpq_cache_free(c);
+ *     kvpq_codebook_free(cb);
  */
 #ifndef KVPQ_H
 #define KVPQ_H
@@ -92,19 +106,6 @@ KVPQ_API const char *kvpq_version(void);
  * cancel the operation (it then fails with KVPQ_ERR_INVALID_ARG and "cancelled"). */
 typedef int (*kvpq_progress_fn)(void *user, const char *stage, double done, double total);
 
-/* ---- CPU SIMD dispatch ---------------------------------------------------------------------- */
-
-/* SIMD levels of the CPU kernels. The best level the CPU supports is chosen at first use; the
- * environment variable KVPQ_SIMD=scalar|avx2|avx512 forces a lower one (tests run every level). */
-typedef enum { KVPQ_SIMD_SCALAR = 0, KVPQ_SIMD_AVX2 = 1, KVPQ_SIMD_AVX512 = 2 } kvpq_simd_level;
-
-/* The level in use now. */
-KVPQ_API kvpq_simd_level kvpq_simd_get(void);
-/* Force a level. Fails with KVPQ_ERR_UNSUPPORTED if the CPU (or build) lacks it. */
-KVPQ_API kvpq_status kvpq_simd_set(kvpq_simd_level level);
-/* "scalar", "avx2", "avx512". */
-KVPQ_API const char *kvpq_simd_name(kvpq_simd_level level);
-
 /* ---- backends ------------------------------------------------------------------------------- */
 
 /* Where a cache or quantizer runs. AUTO picks CUDA when it is built and a device is present, else
@@ -117,7 +118,7 @@ KVPQ_API kvpq_status kvpq_backend_resolve(kvpq_backend want, kvpq_backend *got);
 /* "auto", "cpu", "cuda". */
 KVPQ_API const char *kvpq_backend_name(kvpq_backend b);
 
-/* ---- product quantizer ---------------------------------------------------------------------- */
+/* ---- product quantizer: parameters (the quantizer itself is in the advanced tier) ---------- */
 
 /* Whether one codebook serves every sub-space, (ksub, dsub), as in the VecInfer reference code, or
  * each sub-space has its own, (M, ksub, dsub), as in faiss's ProductQuantizer, or each KV head has
@@ -141,141 +142,7 @@ typedef struct {
                      * sets it to its n_head_kv. */
 } kvpq_pq_params;
 
-/* d=64, M=16 (dsub 4), nbits 8: 2 bits per element; granularity SHARED. */
-KVPQ_API kvpq_pq_params kvpq_pq_params_default(void);
-
-/* Fill M and nbits from a preset name and d: "d8b8" (1 bit/elem), "d8b12" (1.5), "d4b8" (2),
- * "d4b12" (3), "d2b8" (4), "d1b8" (8: each channel coded alone by 256 scalar levels, one set for
- * every channel with KVPQ_CODEBOOK_SHARED, one per channel with KVPQ_CODEBOOK_SUBSPACE). Fails with
- * KVPQ_ERR_INVALID_ARG naming the preset if unknown or d % dsub != 0. */
-KVPQ_API kvpq_status kvpq_pq_params_preset(kvpq_pq_params *p, const char *preset, int d);
-
 typedef struct kvpq_pq kvpq_pq;
-
-/* Create a quantizer with zeroed centroids. Errors: KVPQ_ERR_INVALID_ARG naming the bad field. */
-KVPQ_API kvpq_status kvpq_pq_new(kvpq_pq **out, const kvpq_pq_params *p);
-KVPQ_API void kvpq_pq_free(kvpq_pq *pq);
-KVPQ_API kvpq_pq_params kvpq_pq_get_params(const kvpq_pq *pq);
-
-/* Number of centroid floats: ksub*dsub (SHARED), M*ksub*dsub (SUBSPACE), n_head*ksub*dsub (HEAD). */
-KVPQ_API size_t kvpq_pq_centroids_size(const kvpq_pq *pq);
-/* Borrowed pointer to the centroids: (ksub, dsub), (M, ksub, dsub) or (n_head, ksub, dsub) float32. */
-KVPQ_API const float *kvpq_pq_centroids(const kvpq_pq *pq);
-/* Copy `n` centroid floats in (n must equal kvpq_pq_centroids_size). Rejects NaN/Inf. */
-KVPQ_API kvpq_status kvpq_pq_set_centroids(kvpq_pq *pq, const float *centroids, size_t n);
-
-/* Bytes of one packed code vector: ceil(M * nbits / 8). */
-KVPQ_API size_t kvpq_pq_code_size(const kvpq_pq *pq);
-
-typedef struct {
-    int niter;                    /* Lloyd iterations (default 25, as faiss Kmeans) */
-    int max_points_per_centroid;  /* subsample to at most ksub * this points (default 256, faiss) */
-    uint64_t seed;                /* same seed, same data -> same codebook (any thread count) */
-    int n_threads;                /* 0 = OpenMP default; at most 1024 */
-    kvpq_progress_fn progress;    /* optional */
-    void *progress_user;
-    /* Initial centroids: KVPQ_KMEANS_INIT_PP (default) k-means++ seeding (Arthur & Vassilvitskii
-     * 2007) on a subsample of 16 k points; KVPQ_KMEANS_INIT_RANDOM k distinct points drawn
-     * uniformly, as faiss Clustering does. */
-    int init;
-} kvpq_kmeans_params;
-enum { KVPQ_KMEANS_INIT_PP = 0, KVPQ_KMEANS_INIT_RANDOM = 1 };
-KVPQ_API kvpq_kmeans_params kvpq_kmeans_params_default(void);
-
-typedef struct {
-    double mse_init;     /* mean squared error per vector after k-means++ initialization */
-    double mse_final;    /* after the last iteration */
-    int iterations;      /* Lloyd iterations run */
-    int empty_repaired;  /* clusters that were empty and were re-seeded (total over iterations) */
-    size_t n_used;       /* points used after subsampling */
-} kvpq_kmeans_report;
-
-/* k-means (k-means++ initialization, Lloyd iterations, empty clusters split from the largest).
- * x: (n, d) float32; centroids out: (k, d). Uses at most k * max_points_per_centroid points (a
- * uniform subsample, as faiss); k-means++ seeds from a uniform subsample of at most 16 k of them.
- * MSE (sum of squared distances / n_used) never rises between iterations: an iteration whose MSE
- * would rise (rounding at a fixed point) is rolled back and ends the run early (report->iterations
- * says how many ran). The result depends only on (x, k, params, seed), not on the thread count.
- * d = 1, 2, 4, 8, 16 use the fused nearest-centroid kernels; other d use OpenBLAS sgemm blocks.
- * Progress: stage "kmeans", done = iterations finished of niter. kp may be NULL (defaults).
- * Errors: n < k, bad params (named), NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
-KVPQ_API kvpq_status kvpq_kmeans(int d, int k, size_t n, const float *x, const kvpq_kmeans_params *kp,
-                                 float *centroids, kvpq_kmeans_report *report);
-
-/* Train the quantizer's codebook(s) on x: (n, d). SHARED pools the n*M sub-vectors into one
- * k-means; SUBSPACE runs M k-means; HEAD runs one per head on the (n / n_head) * M sub-vectors of its
- * rows (rows i % n_head == h; n a multiple of n_head, else KVPQ_ERR_INVALID_ARG). report may be NULL; its MSEs are per d-dim vector (SUBSPACE:
- * summed over sub-spaces; SHARED: M x the sub-vector MSE), its counts summed over the k-means runs.
- * Progress: stage "pq_train", done/total over all sub-spaces. On error the codebook is unchanged.
- * Errors: as kvpq_kmeans; n*M < ksub (SHARED) or n < ksub (SUBSPACE). */
-KVPQ_API kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, const float *x,
-                                   kvpq_kmeans_report *report);
-
-/* Encode x: (n, d) float32 into packed codes: (n, code_size) bytes. Fused nearest-centroid search
- * (||c||^2 - 2 x.c with precomputed norms, no (n, ksub, dsub) intermediate); ties go to the lowest
- * index. Packing: the M codes of a vector form a little-endian bit stream, code m in bits
- * [m*nbits, (m+1)*nbits). Errors: NaN/Inf in x (KVPQ_ERR_NONFINITE). */
-KVPQ_API kvpq_status kvpq_pq_encode(const kvpq_pq *pq, size_t n, const float *x, uint8_t *codes);
-
-/* Unpacked variant: idx (n, M) uint16 centroid indices. */
-KVPQ_API kvpq_status kvpq_pq_assign(const kvpq_pq *pq, size_t n, const float *x, uint16_t *idx);
-
-/* Decode (gather): codes (n, code_size) -> x (n, d). */
-KVPQ_API kvpq_status kvpq_pq_decode(const kvpq_pq *pq, size_t n, const uint8_t *codes, float *x);
-
-/* Pack idx (n, M) uint16 (each < 2^nbits) into (n, ceil(M*nbits/8)) bytes, and back. */
-KVPQ_API size_t kvpq_codes_size(int M, int nbits);
-KVPQ_API kvpq_status kvpq_codes_pack(int M, int nbits, size_t n, const uint16_t *idx, uint8_t *packed);
-KVPQ_API kvpq_status kvpq_codes_unpack(int M, int nbits, size_t n, const uint8_t *packed, uint16_t *idx);
-
-/* ---- outlier suppression for keys (VecInfer sec. 3) ----------------------------------------- */
-
-/* In-place normalized fast Walsh-Hadamard transform (Sylvester order, scaled by 1/sqrt(d)) of n
- * vectors x: (n, d). Orthonormal and self-inverse; O(d log d) per vector. d must be a power of
- * two (else KVPQ_ERR_UNSUPPORTED naming d). */
-KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
-
-/* Divide each row of x: (n, d) in place by its L2 norm (the direction u = x / |x| that a
- * norm-explicit quantizer codes, see kvpq_codebook_params.key_norm); a zero row stays zero.
- * norms: (n) gets |x| of each row (float of the double-precision sum), or NULL. Errors: d < 1, x
- * NULL with n > 0 (KVPQ_ERR_INVALID_ARG); a NaN/Inf element or a norm beyond float's range
- * (KVPQ_ERR_NONFINITE, naming the row; x is then unchanged). */
-KVPQ_API kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms);
-
-/* Smoothing factors lambda_c = sqrt(max_t |k_tc|), floored at `floor` (default 1e-2 keeps
- * near-silent channels from blowing up), per KV head and channel.
- * k: (n_tokens, n_head_kv, head_dim); lambda out: (n_head_kv, head_dim). */
-KVPQ_API kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
-                                         float floor, float *lambda);
-
-/* Query-aware smoothing factors: lambda_c = sqrt(max_t |k_tc| * qbar_h / qm_c), floored at `floor`,
- * per KV head h and channel c, where qm_c = max(q_absmax_c, 1e-3 * max_c' q_absmax_c') is the largest
- * |q| that channel c of the head's queries took (over its GQA group's query heads) and qbar_h the mean
- * of qm over the head's channels. As kvpq_smooth_compute (keys divided by lambda, queries multiplied),
- * but the split of each channel's magnitude between k and q follows SmoothQuant's alpha = 0.5 balance,
- * lambda_c^2 ~ max|k_c| / max|q_c| (Xiao et al., ICML 2023, eq. 4), instead of keys alone: channels the
- * queries weigh heavily keep more of the key's resolution, so the PQ error lands where q . k is least
- * sensitive. With equal q_absmax in every channel it equals kvpq_smooth_compute exactly. On SmolLM2-135M
- * (d4b8 keys, exact values, held-out text) it lowered the attention-distribution KL of all 30 layers,
- * by 21% on average (docs/vq_quality.md). k: (n_tokens, n_head_kv, head_dim); q_absmax: (n_head_kv,
- * head_dim), finite and >= 0 (all zero in a head: that head falls back to kvpq_smooth_compute);
- * lambda out: (n_head_kv, head_dim). Errors: as kvpq_smooth_compute, and a q_absmax entry negative or
- * not finite (KVPQ_ERR_INVALID_ARG naming the index). */
-KVPQ_API kvpq_status kvpq_smooth_compute_qk(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
-                                            const float *q_absmax, float floor, float *lambda);
-
-/* Apply smoothing factors in place to x: (n, n_head_kv, head_dim), lambda: (n_head_kv, head_dim).
- * inverse = 0: x /= lambda (what keys get before rotation and encoding, VecInfer sec. 3);
- * inverse = 1: x *= lambda (undoes it: decoded keys back to the model's space).
- * Then (q * lambda) . (k / lambda) = q . k. Errors: lambda not finite and > 0 (names the index). */
-KVPQ_API kvpq_status kvpq_smooth_apply(float *x, size_t n, int n_head_kv, int head_dim, const float *lambda,
-                                       int inverse);
-
-/* Multiply queries q: (n, n_head, head_dim) in place by the factors of their KV head (GQA: query head
- * h uses lambda row h / (n_head / n_head_kv)). lambda: (n_head_kv, head_dim). Errors: n_head not a
- * multiple of n_head_kv, lambda not finite and > 0. */
-KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int n_head_kv, int head_dim,
-                                             const float *lambda);
 
 /* ---- codebook file (safetensors) ------------------------------------------------------------ */
 
@@ -335,65 +202,8 @@ typedef struct {
      * (format version 4). The CUDA cache refuses a two-stage layer (KVPQ_ERR_UNSUPPORTED). */
     kvpq_pq_params key2;
 } kvpq_codebook_params;
-KVPQ_API kvpq_codebook_params kvpq_codebook_params_default(void);
-
-KVPQ_API kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p);
 KVPQ_API void kvpq_codebook_free(kvpq_codebook *cb);
 KVPQ_API kvpq_codebook_params kvpq_codebook_get_params(const kvpq_codebook *cb);
-/* Borrowed: the key (is_value=0) or value (is_value=1) quantizer of a layer. NULL if out of range. */
-KVPQ_API kvpq_pq *kvpq_codebook_pq(kvpq_codebook *cb, int layer, int is_value);
-KVPQ_API const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int layer, int is_value);
-/* Per-layer key bit allocation: replace a layer's key quantizer by a fresh one (zero centroids) of
- * M sub-vectors; nbits and granularity stay those of params.key, dsub = head_dim / M. Saved as
- * metadata k.M.{layer} (only for layers whose M differs from k.M) and a k.codebook tensor of that
- * layer's shape. Errors: cb NULL or layer out of range (KVPQ_ERR_INVALID_ARG), M not a divisor of
- * head_dim (KVPQ_ERR_INVALID_ARG), dsub outside {1, 2, 4, 8, 16} (KVPQ_ERR_UNSUPPORTED); on error
- * the codebook is unchanged. */
-KVPQ_API kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M);
-/* A layer's key M (params.key.M unless set_layer_key_M changed it); 0 if cb is NULL or the layer
- * is out of range. */
-KVPQ_API int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer);
-/* Borrowed: a layer's stage-two key quantizer (params.key_stages = 2), NULL with one stage or a
- * layer out of range. */
-KVPQ_API kvpq_pq *kvpq_codebook_key_pq2(kvpq_codebook *cb, int layer);
-KVPQ_API const kvpq_pq *kvpq_codebook_key_pq2_const(const kvpq_codebook *cb, int layer);
-/* Per-layer residual stages (bit allocation by layer): in a codebook made with key_stages = 2, give
- * layer `layer` one stage (its stage-two quantizer is dropped) or two again (a fresh stage two,
- * zero centroids, params key2). Saved as metadata k.stages.{layer} = "1" for the layers without
- * stage two (their layers.{i}.k.codebook2 is then absent). Errors: cb NULL, layer out of range,
- * stages not 1 or 2, stages 2 in a codebook with key_stages = 1 (KVPQ_ERR_INVALID_ARG); on error the
- * codebook is unchanged. */
-KVPQ_API kvpq_status kvpq_codebook_set_layer_key_stages(kvpq_codebook *cb, int layer, int stages);
-/* A layer's key stages (1 or 2); 0 if cb is NULL or the layer is out of range. */
-KVPQ_API int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer);
-/* Bits of the VQ cache's norm-explicit scale of one coded vector of a layer's keys (is_value 0) or
- * values: 0 without a norm-explicit quantizer for that kind, 16 (float16), or 8 when the codebook's
- * metadata k.norm_bits / v.norm_bits (set with kvpq_codebook_set_meta: "8" or "16", default 16) is
- * "8" and the layer's codes have at most 4 bits per element (both key stages counted: nbits (M1 +
- * M2) <= 4 head_dim; finer quantizers keep float16, whose error the 8-bit code would exceed). The
- * 8-bit code is s = m 2^((c - 128) / 16) with m a power of two per (page, KV head, kind), set by the
- * page's first nonzero scale: 1/16-octave steps, relative error <= 2.24% (with the float16 rounding of
- * the decoded value) for scales within m 2^(+-7.9); others are clamped to that window, and codes never
- * decode beyond float16's 65504 (docs/vq_cache.md "8-bit scales"). The CUDA cache keeps float16 scales whatever this says. -1 if cb
- * is NULL, the layer is out of range or the metadata holds another value. */
-KVPQ_API int kvpq_codebook_layer_scale_bits(const kvpq_codebook *cb, int layer, int is_value);
-/* Per-layer value bit allocation, the same for a layer's value quantizer: a fresh one (zero
- * centroids) of M sub-vectors, nbits and granularity those of params.value, dsub = head_dim / M.
- * Saved as metadata v.M.{layer} (only for layers whose M differs from v.M) and a v.codebook tensor of
- * that layer's shape. Errors as kvpq_codebook_set_layer_key_M; on error the codebook is unchanged. */
-KVPQ_API kvpq_status kvpq_codebook_set_layer_value_M(kvpq_codebook *cb, int layer, int M);
-/* A layer's value M (params.value.M unless set_layer_value_M changed it); 0 if cb is NULL or the
- * layer is out of range. */
-KVPQ_API int kvpq_codebook_layer_value_M(const kvpq_codebook *cb, int layer);
-/* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
-KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
-KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
-/* Borrowed: a layer's per-channel key mean mu, (n_head_kv, head_dim), writable; 0 until set. Keys
- * are stored centered, k - mu, before smoothing and rotation: every score of a query then moves by
- * the same q . mu, which the softmax cancels exactly, while the quantization error of the coded
- * keys shrinks (the mean no longer spends codebook resolution). */
-KVPQ_API float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer);
-KVPQ_API const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer);
 /* Free-form metadata (UTF-8 strings). set copies; get returns NULL when absent. The config keys
  * (kvpq.format_version, n_layer, ... v.rotate, k.M.{i}, v.M.{i}) are listed and readable too, derived from the params;
  * set fails on them with KVPQ_ERR_INVALID_ARG. Values of k.granularity: "shared" or "subspace". */
@@ -417,89 +227,6 @@ KVPQ_API kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path);
  * Async-signal-safe: call it from a SIGINT/SIGTERM handler before the process dies, so that an
  * interrupted save leaves nothing behind (the kvpq CLI does). The library installs no handlers. */
 KVPQ_API void kvpq_remove_temp_files(void);
-
-/* ---- TurboQuant's MSE quantizer as a codebook (a peer in kvpq's own harness) ----------------- */
-
-/* The 2^nbits Lloyd-Max centroids (ascending) for one coordinate of a uniformly random unit vector in
- * R^d, density ~ (1 - x^2)^((d - 3) / 2) on [-1, 1] (TurboQuant, Zandieh et al., arXiv 2504.19874,
- * sec. 3.1), by Lloyd iterations on a 65536-point grid. out: (2^nbits). Errors: d < 4, nbits not in
- * 1..8 (KVPQ_ERR_INVALID_ARG). */
-KVPQ_API kvpq_status kvpq_turboquant_centroids(int d, int nbits, float *out);
-/* A codebook that makes the VQ cache TurboQuant's MSE quantizer (its Algorithm 1) at nbits bits per
- * coordinate: keys and values Hadamard-rotated (mu 0, lambda 1), norm-explicit, each coordinate of the
- * direction coded by the kvpq_turboquant_centroids quantizer (a PQ with dsub 1 and that fixed shared
- * codebook; attention from codes as for any VQ cache). Differs from the paper in the rotation
- * (kvpq's deterministic normalized Walsh-Hadamard, not a random orthogonal matrix) and the kept scale
- * (the least-squares x . r / |r|^2, not |x|). Records metadata method "turboquant-mse", tq.bits, and
- * alloc.window 0 / alloc.sinks 0 (TurboQuant keeps no fp16 positions; kvpq_cache_params_resolve
- * applies them unless overridden). norm_bits: 16 (float16 scales, as TurboQuant keeps the norm) or 8
- * (nbits <= 4). Effective bits per element: nbits + norm_bits / head_dim. Errors:
- * KVPQ_ERR_INVALID_ARG (shapes as kvpq_codebook_new, nbits, norm_bits). */
-KVPQ_API kvpq_status kvpq_codebook_turboquant(kvpq_codebook **out, int n_layer, int n_head_kv, int head_dim, int nbits,
-                                              int norm_bits);
-
-/* ---- calibration: a codebook from collected keys and values --------------------------------- */
-
-/* How kvpq_codebook_calibrate_layer trains a layer. kvpq_calibrate_params_default() gives the
- * defaults of `kvpq calibrate` (which calls this function), so equal inputs give equal files. */
-typedef struct {
-    int center;                /* 1 (default): subtract the per-(KV head, channel) key mean mu first */
-    float smooth_floor;        /* floor of the smoothing factors lambda (default 1e-2, kvpq_smooth_compute) */
-    /* k-means of both quantizers: defaults niter 25, seed 1234, init KVPQ_KMEANS_INIT_RANDOM (as faiss),
-     * max_points_per_centroid 0 = per quantizer 256, or 32 when its nbits > 8. */
-    kvpq_kmeans_params kmeans;
-    /* NULL (default): lambda = kvpq_smooth_compute of the centered keys. Else (n_head_kv, head_dim):
-     * the largest |q| per KV head's query group and channel over the calibration text (post-RoPE, as
-     * attention takes them; kvpq_model_eval_query_absmax), and lambda = kvpq_smooth_compute_qk. */
-    const float *query_absmax;
-    /* NULL (default), or a codebook this function trained on the same k, v with the same params and
-     * presets but one key stage: the layer's stage-one key and value quantizers are copied from it,
-     * and only the second key stage is trained (k-means is deterministic, so the result is what
-     * training all three gives, at a third of the k-means). Needs a second key stage at the layer. */
-    const kvpq_codebook *stage1_from;
-} kvpq_calibrate_params;
-KVPQ_API kvpq_calibrate_params kvpq_calibrate_params_default(void);
-
-/* Train layer `layer` of cb from keys and values a model produced: its key mean mu (when
- * p->center; else mu is left 0), key smoothing factors lambda = sqrt(max_t |k - mu|) per KV head and
- * channel (floored at p->smooth_floor), and its key and value codebooks, by k-means over the
- * transformed vectors of all KV heads pooled. Keys become H((k - mu) / lambda) (VecInfer, arXiv
- * 2510.06175, sec. 3); values H v when the codebook's value_rotate is set, else v; each is divided
- * by its L2 norm when the codebook's key_norm / value_norm is set (norm-explicit quantizers are
- * trained on directions, Dai et al., AAAI 2020). The quantizer shapes (presets, a layer's own key M,
- * granularity) are those cb was created with.
- * k, v: (n_tokens, n_head_kv, head_dim) float32 post-RoPE keys and values of that layer (read only;
- * the work is done in copies). p may be NULL (defaults). key_report, value_report may be NULL; they
- * get the k-means reports (MSE per transformed vector; with two key stages, key_report's mse_final
- * is stage two's, i.e. the error left after both stages). Two key stages (params.key_stages = 2):
- * stage two is trained by k-means on the stage-one residuals x - r1 of the same keys (residual VQ).
- * Head granularity: each KV head's book is trained on that head's vectors only. Progress: p->kmeans.progress, as
- * kvpq_pq_train. Errors: cb NULL, layer out of range, n_tokens too small for a quantizer's ksub
- * (KVPQ_ERR_INVALID_ARG, naming it); NaN/Inf in k or v (KVPQ_ERR_NONFINITE, naming which);
- * KVPQ_ERR_NOMEM. On error the layer may be partly trained. */
-KVPQ_API kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n_tokens, const float *k,
-                                                   const float *v, const kvpq_calibrate_params *p,
-                                                   kvpq_kmeans_report *key_report, kvpq_kmeans_report *value_report);
-
-/* ---- bit allocation (docs/allocation.md) ------------------------------------------------------ */
-
-/* Multiple-choice knapsack: pick one choice per group minimizing the summed cost subject to the
- * summed weight <= budget. Exact dynamic programming over the weight (Kellerer, Pferschy & Pisinger,
- * "Knapsack Problems", Springer 2004, ch. 11; Dudzinski & Walukiewicz, EJOR 1987): when
- * budget <= max_units the weights are used as they are and the optimum is exact; otherwise weights
- * are counted in quanta q = ceil(budget / max_units), each rounded UP, so the result still respects
- * the budget and is optimal for the rounded weights (within one quantum per group of the optimum's
- * weight). O(n_groups * n_choices * min(budget, max_units)) time, n_groups * (units + 1) bytes.
- * cost, weight: (n_groups, n_choices); a choice with weight < 0 or cost +Inf is unavailable.
- * max_units 0: 65536, at most KVPQ_ALLOC_MAX_UNITS. choice: (n_groups) the chosen index per group; total_cost, total_weight (may be
- * NULL) its sums (ties: the lowest total weight is not guaranteed, the lowest-index choice is kept).
- * Errors: KVPQ_ERR_INVALID_ARG (sizes, NaN cost, a group with no usable choice), KVPQ_ERR_CAPACITY
- * (even the lightest choices exceed the budget; the message says their weight), KVPQ_ERR_NOMEM. */
-#define KVPQ_ALLOC_MAX_UNITS ((int64_t)1 << 30) /* largest max_units (tables of n_groups x units bytes) */
-KVPQ_API kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, const int64_t *weight,
-                                     int64_t budget, int64_t max_units, int *choice, double *total_cost,
-                                     int64_t *total_weight);
-
 
 /* ---- KV cache ------------------------------------------------------------------------------- */
 
@@ -582,19 +309,6 @@ typedef struct {
     int sinks;
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
-
-/* Resident bytes of a VQ cache made from p (its window, page_tokens, max_seq and sliding window,
- * clamped as kvpq_cache_new does) with codebook cb, after `len` positions were appended in steps of
- * `step` (kvpq_model_eval appends in steps of 512), split as kvpq_cache_resident_bytes counts them:
- * layer_bytes (n_layer, 2) (may be NULL): per layer, the key [.., 0] and value [.., 1] part: codes
- * and norm-explicit scales of the coded positions held (whole pages) plus that quantizer's
- * centroids (a layer with a residual second key stage: both stages' codes, packed as one bit stream
- * as the cache stores them, and both stages' centroids); *fixed_bytes: what no quantizer choice changes (the fp16 window rings, the attention
- * sinks of p->sinks, smoothing factors, key means); *elements: K and V elements held (as kvpq_cache_stats.elements; a
- * sliding-window layer holds fewer positions). Effective bits = 8 * (sum + fixed) / elements.
- * Errors: KVPQ_ERR_INVALID_ARG (NULL, shapes that differ, len beyond max_seq). */
-KVPQ_API kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params *p, int len, int step,
-                                         size_t *layer_bytes, size_t *fixed_bytes, int64_t *elements);
 
 /* Parse a SPEC string: fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4 vq:FILE. Sets p->type; for vq: returns the
  * FILE part in *vq_path (pointer into spec; NULL otherwise). Errors name the SPEC. */
@@ -762,6 +476,338 @@ KVPQ_API uint64_t kvpq_codebook_fingerprint(const kvpq_codebook *cb);
 KVPQ_API kvpq_status kvpq_cache_get_params(const kvpq_cache *c, kvpq_cache_params *p);
 
 /* ---- CUDA ----------------------------------------------------------------------------------- */
+
+
+/* 1 if the library was built with CUDA and a device is usable; else 0 and `why` (n bytes, may be
+ * NULL) says why ("built without CUDA", "no CUDA device: <cuda error>", ...). */
+KVPQ_API int kvpq_cuda_available(char *why, size_t n);
+
+/* ================================================================================================
+ * Advanced tier: defined only with KVPQ_ADVANCED (see the top of this header). PQ internals, codebooks
+ * built and edited layer by layer, SIMD control and the CUDA device-pointer layer. May change between
+ * minor versions.
+ * ============================================================================================== */
+#if defined(KVPQ_ADVANCED)
+
+/* Usage (encode and decode vectors with a trained quantizer):
+ *
+ *     kvpq_pq_params pp = kvpq_pq_params_default();      // d=64, M=16 (dsub=4), nbits=8
+ *     kvpq_pq *pq;
+ *     if (kvpq_pq_new(&pq, &pp) != KVPQ_OK) { fprintf(stderr, "%s\n", kvpq_last_error()); ... }
+ *     kvpq_kmeans_params kp = kvpq_kmeans_params_default();
+ *     kvpq_pq_train(pq, &kp, n_train, x_train, NULL);    // x_train: (n_train, d)
+ *     uint8_t *codes = malloc(n * kvpq_pq_code_size(pq));
+ *     kvpq_pq_encode(pq, n, x, codes);                   // x: (n, d) -> codes: (n, code_size)
+ *     kvpq_pq_decode(pq, n, codes, x_hat);               // x_hat: (n, d)
+ *     kvpq_pq_free(pq);
+ */
+
+/* ---- CPU SIMD dispatch ---------------------------------------------------------------------- */
+
+/* SIMD levels of the CPU kernels. The best level the CPU supports is chosen at first use; the
+ * environment variable KVPQ_SIMD=scalar|avx2|avx512 forces a lower one (tests run every level). */
+typedef enum { KVPQ_SIMD_SCALAR = 0, KVPQ_SIMD_AVX2 = 1, KVPQ_SIMD_AVX512 = 2 } kvpq_simd_level;
+
+/* The level in use now. */
+KVPQ_API kvpq_simd_level kvpq_simd_get(void);
+/* Force a level. Fails with KVPQ_ERR_UNSUPPORTED if the CPU (or build) lacks it. */
+KVPQ_API kvpq_status kvpq_simd_set(kvpq_simd_level level);
+/* "scalar", "avx2", "avx512". */
+KVPQ_API const char *kvpq_simd_name(kvpq_simd_level level);
+
+/* ---- product quantizer ---------------------------------------------------------------------- */
+
+/* d=64, M=16 (dsub 4), nbits 8: 2 bits per element; granularity SHARED. */
+KVPQ_API kvpq_pq_params kvpq_pq_params_default(void);
+
+/* Fill M and nbits from a preset name and d: "d8b8" (1 bit/elem), "d8b12" (1.5), "d4b8" (2),
+ * "d4b12" (3), "d2b8" (4), "d1b8" (8: each channel coded alone by 256 scalar levels, one set for
+ * every channel with KVPQ_CODEBOOK_SHARED, one per channel with KVPQ_CODEBOOK_SUBSPACE). Fails with
+ * KVPQ_ERR_INVALID_ARG naming the preset if unknown or d % dsub != 0. */
+KVPQ_API kvpq_status kvpq_pq_params_preset(kvpq_pq_params *p, const char *preset, int d);
+
+
+/* Create a quantizer with zeroed centroids. Errors: KVPQ_ERR_INVALID_ARG naming the bad field. */
+KVPQ_API kvpq_status kvpq_pq_new(kvpq_pq **out, const kvpq_pq_params *p);
+KVPQ_API void kvpq_pq_free(kvpq_pq *pq);
+KVPQ_API kvpq_pq_params kvpq_pq_get_params(const kvpq_pq *pq);
+
+/* Number of centroid floats: ksub*dsub (SHARED), M*ksub*dsub (SUBSPACE), n_head*ksub*dsub (HEAD). */
+KVPQ_API size_t kvpq_pq_centroids_size(const kvpq_pq *pq);
+/* Borrowed pointer to the centroids: (ksub, dsub), (M, ksub, dsub) or (n_head, ksub, dsub) float32. */
+KVPQ_API const float *kvpq_pq_centroids(const kvpq_pq *pq);
+/* Copy `n` centroid floats in (n must equal kvpq_pq_centroids_size). Rejects NaN/Inf. */
+KVPQ_API kvpq_status kvpq_pq_set_centroids(kvpq_pq *pq, const float *centroids, size_t n);
+
+/* Bytes of one packed code vector: ceil(M * nbits / 8). */
+KVPQ_API size_t kvpq_pq_code_size(const kvpq_pq *pq);
+
+typedef struct {
+    int niter;                    /* Lloyd iterations (default 25, as faiss Kmeans) */
+    int max_points_per_centroid;  /* subsample to at most ksub * this points (default 256, faiss) */
+    uint64_t seed;                /* same seed, same data -> same codebook (any thread count) */
+    int n_threads;                /* 0 = OpenMP default; at most 1024 */
+    kvpq_progress_fn progress;    /* optional */
+    void *progress_user;
+    /* Initial centroids: KVPQ_KMEANS_INIT_PP (default) k-means++ seeding (Arthur & Vassilvitskii
+     * 2007) on a subsample of 16 k points; KVPQ_KMEANS_INIT_RANDOM k distinct points drawn
+     * uniformly, as faiss Clustering does. */
+    int init;
+} kvpq_kmeans_params;
+enum { KVPQ_KMEANS_INIT_PP = 0, KVPQ_KMEANS_INIT_RANDOM = 1 };
+KVPQ_API kvpq_kmeans_params kvpq_kmeans_params_default(void);
+
+typedef struct {
+    double mse_init;     /* mean squared error per vector after k-means++ initialization */
+    double mse_final;    /* after the last iteration */
+    int iterations;      /* Lloyd iterations run */
+    int empty_repaired;  /* clusters that were empty and were re-seeded (total over iterations) */
+    size_t n_used;       /* points used after subsampling */
+} kvpq_kmeans_report;
+
+/* k-means (k-means++ initialization, Lloyd iterations, empty clusters split from the largest).
+ * x: (n, d) float32; centroids out: (k, d). Uses at most k * max_points_per_centroid points (a
+ * uniform subsample, as faiss); k-means++ seeds from a uniform subsample of at most 16 k of them.
+ * MSE (sum of squared distances / n_used) never rises between iterations: an iteration whose MSE
+ * would rise (rounding at a fixed point) is rolled back and ends the run early (report->iterations
+ * says how many ran). The result depends only on (x, k, params, seed), not on the thread count.
+ * d = 1, 2, 4, 8, 16 use the fused nearest-centroid kernels; other d use OpenBLAS sgemm blocks.
+ * Progress: stage "kmeans", done = iterations finished of niter. kp may be NULL (defaults).
+ * Errors: n < k, bad params (named), NaN/Inf in x (KVPQ_ERR_NONFINITE), cancelled by progress. */
+KVPQ_API kvpq_status kvpq_kmeans(int d, int k, size_t n, const float *x, const kvpq_kmeans_params *kp,
+                                 float *centroids, kvpq_kmeans_report *report);
+
+/* Train the quantizer's codebook(s) on x: (n, d). SHARED pools the n*M sub-vectors into one
+ * k-means; SUBSPACE runs M k-means; HEAD runs one per head on the (n / n_head) * M sub-vectors of its
+ * rows (rows i % n_head == h; n a multiple of n_head, else KVPQ_ERR_INVALID_ARG). report may be NULL; its MSEs are per d-dim vector (SUBSPACE:
+ * summed over sub-spaces; SHARED: M x the sub-vector MSE), its counts summed over the k-means runs.
+ * Progress: stage "pq_train", done/total over all sub-spaces. On error the codebook is unchanged.
+ * Errors: as kvpq_kmeans; n*M < ksub (SHARED) or n < ksub (SUBSPACE). */
+KVPQ_API kvpq_status kvpq_pq_train(kvpq_pq *pq, const kvpq_kmeans_params *kp, size_t n, const float *x,
+                                   kvpq_kmeans_report *report);
+
+/* Encode x: (n, d) float32 into packed codes: (n, code_size) bytes. Fused nearest-centroid search
+ * (||c||^2 - 2 x.c with precomputed norms, no (n, ksub, dsub) intermediate); ties go to the lowest
+ * index. Packing: the M codes of a vector form a little-endian bit stream, code m in bits
+ * [m*nbits, (m+1)*nbits). Errors: NaN/Inf in x (KVPQ_ERR_NONFINITE). */
+KVPQ_API kvpq_status kvpq_pq_encode(const kvpq_pq *pq, size_t n, const float *x, uint8_t *codes);
+
+/* Unpacked variant: idx (n, M) uint16 centroid indices. */
+KVPQ_API kvpq_status kvpq_pq_assign(const kvpq_pq *pq, size_t n, const float *x, uint16_t *idx);
+
+/* Decode (gather): codes (n, code_size) -> x (n, d). */
+KVPQ_API kvpq_status kvpq_pq_decode(const kvpq_pq *pq, size_t n, const uint8_t *codes, float *x);
+
+/* Pack idx (n, M) uint16 (each < 2^nbits) into (n, ceil(M*nbits/8)) bytes, and back. */
+KVPQ_API size_t kvpq_codes_size(int M, int nbits);
+KVPQ_API kvpq_status kvpq_codes_pack(int M, int nbits, size_t n, const uint16_t *idx, uint8_t *packed);
+KVPQ_API kvpq_status kvpq_codes_unpack(int M, int nbits, size_t n, const uint8_t *packed, uint16_t *idx);
+
+/* ---- outlier suppression for keys (VecInfer sec. 3) ----------------------------------------- */
+
+/* In-place normalized fast Walsh-Hadamard transform (Sylvester order, scaled by 1/sqrt(d)) of n
+ * vectors x: (n, d). Orthonormal and self-inverse; O(d log d) per vector. d must be a power of
+ * two (else KVPQ_ERR_UNSUPPORTED naming d). */
+KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
+
+/* Divide each row of x: (n, d) in place by its L2 norm (the direction u = x / |x| that a
+ * norm-explicit quantizer codes, see kvpq_codebook_params.key_norm); a zero row stays zero.
+ * norms: (n) gets |x| of each row (float of the double-precision sum), or NULL. Errors: d < 1, x
+ * NULL with n > 0 (KVPQ_ERR_INVALID_ARG); a NaN/Inf element or a norm beyond float's range
+ * (KVPQ_ERR_NONFINITE, naming the row; x is then unchanged). */
+KVPQ_API kvpq_status kvpq_normalize_rows(float *x, size_t n, int d, float *norms);
+
+/* Smoothing factors lambda_c = sqrt(max_t |k_tc|), floored at `floor` (default 1e-2 keeps
+ * near-silent channels from blowing up), per KV head and channel.
+ * k: (n_tokens, n_head_kv, head_dim); lambda out: (n_head_kv, head_dim). */
+KVPQ_API kvpq_status kvpq_smooth_compute(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
+                                         float floor, float *lambda);
+
+/* Query-aware smoothing factors: lambda_c = sqrt(max_t |k_tc| * qbar_h / qm_c), floored at `floor`,
+ * per KV head h and channel c, where qm_c = max(q_absmax_c, 1e-3 * max_c' q_absmax_c') is the largest
+ * |q| that channel c of the head's queries took (over its GQA group's query heads) and qbar_h the mean
+ * of qm over the head's channels. As kvpq_smooth_compute (keys divided by lambda, queries multiplied),
+ * but the split of each channel's magnitude between k and q follows SmoothQuant's alpha = 0.5 balance,
+ * lambda_c^2 ~ max|k_c| / max|q_c| (Xiao et al., ICML 2023, eq. 4), instead of keys alone: channels the
+ * queries weigh heavily keep more of the key's resolution, so the PQ error lands where q . k is least
+ * sensitive. With equal q_absmax in every channel it equals kvpq_smooth_compute exactly. On SmolLM2-135M
+ * (d4b8 keys, exact values, held-out text) it lowered the attention-distribution KL of all 30 layers,
+ * by 21% on average (docs/vq_quality.md). k: (n_tokens, n_head_kv, head_dim); q_absmax: (n_head_kv,
+ * head_dim), finite and >= 0 (all zero in a head: that head falls back to kvpq_smooth_compute);
+ * lambda out: (n_head_kv, head_dim). Errors: as kvpq_smooth_compute, and a q_absmax entry negative or
+ * not finite (KVPQ_ERR_INVALID_ARG naming the index). */
+KVPQ_API kvpq_status kvpq_smooth_compute_qk(size_t n_tokens, int n_head_kv, int head_dim, const float *k,
+                                            const float *q_absmax, float floor, float *lambda);
+
+/* Apply smoothing factors in place to x: (n, n_head_kv, head_dim), lambda: (n_head_kv, head_dim).
+ * inverse = 0: x /= lambda (what keys get before rotation and encoding, VecInfer sec. 3);
+ * inverse = 1: x *= lambda (undoes it: decoded keys back to the model's space).
+ * Then (q * lambda) . (k / lambda) = q . k. Errors: lambda not finite and > 0 (names the index). */
+KVPQ_API kvpq_status kvpq_smooth_apply(float *x, size_t n, int n_head_kv, int head_dim, const float *lambda,
+                                       int inverse);
+
+/* Multiply queries q: (n, n_head, head_dim) in place by the factors of their KV head (GQA: query head
+ * h uses lambda row h / (n_head / n_head_kv)). lambda: (n_head_kv, head_dim). Errors: n_head not a
+ * multiple of n_head_kv, lambda not finite and > 0. */
+KVPQ_API kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int n_head_kv, int head_dim,
+                                             const float *lambda);
+
+/* ---- codebooks built and edited layer by layer ------------------------------------------------ */
+
+KVPQ_API kvpq_codebook_params kvpq_codebook_params_default(void);
+
+KVPQ_API kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p);
+/* Borrowed: the key (is_value=0) or value (is_value=1) quantizer of a layer. NULL if out of range. */
+KVPQ_API kvpq_pq *kvpq_codebook_pq(kvpq_codebook *cb, int layer, int is_value);
+KVPQ_API const kvpq_pq *kvpq_codebook_pq_const(const kvpq_codebook *cb, int layer, int is_value);
+/* Per-layer key bit allocation: replace a layer's key quantizer by a fresh one (zero centroids) of
+ * M sub-vectors; nbits and granularity stay those of params.key, dsub = head_dim / M. Saved as
+ * metadata k.M.{layer} (only for layers whose M differs from k.M) and a k.codebook tensor of that
+ * layer's shape. Errors: cb NULL or layer out of range (KVPQ_ERR_INVALID_ARG), M not a divisor of
+ * head_dim (KVPQ_ERR_INVALID_ARG), dsub outside {1, 2, 4, 8, 16} (KVPQ_ERR_UNSUPPORTED); on error
+ * the codebook is unchanged. */
+KVPQ_API kvpq_status kvpq_codebook_set_layer_key_M(kvpq_codebook *cb, int layer, int M);
+/* A layer's key M (params.key.M unless set_layer_key_M changed it); 0 if cb is NULL or the layer
+ * is out of range. */
+KVPQ_API int kvpq_codebook_layer_key_M(const kvpq_codebook *cb, int layer);
+/* Borrowed: a layer's stage-two key quantizer (params.key_stages = 2), NULL with one stage or a
+ * layer out of range. */
+KVPQ_API kvpq_pq *kvpq_codebook_key_pq2(kvpq_codebook *cb, int layer);
+KVPQ_API const kvpq_pq *kvpq_codebook_key_pq2_const(const kvpq_codebook *cb, int layer);
+/* Per-layer residual stages (bit allocation by layer): in a codebook made with key_stages = 2, give
+ * layer `layer` one stage (its stage-two quantizer is dropped) or two again (a fresh stage two,
+ * zero centroids, params key2). Saved as metadata k.stages.{layer} = "1" for the layers without
+ * stage two (their layers.{i}.k.codebook2 is then absent). Errors: cb NULL, layer out of range,
+ * stages not 1 or 2, stages 2 in a codebook with key_stages = 1 (KVPQ_ERR_INVALID_ARG); on error the
+ * codebook is unchanged. */
+KVPQ_API kvpq_status kvpq_codebook_set_layer_key_stages(kvpq_codebook *cb, int layer, int stages);
+/* A layer's key stages (1 or 2); 0 if cb is NULL or the layer is out of range. */
+KVPQ_API int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer);
+/* Bits of the VQ cache's norm-explicit scale of one coded vector of a layer's keys (is_value 0) or
+ * values: 0 without a norm-explicit quantizer for that kind, 16 (float16), or 8 when the codebook's
+ * metadata k.norm_bits / v.norm_bits (set with kvpq_codebook_set_meta: "8" or "16", default 16) is
+ * "8" and the layer's codes have at most 4 bits per element (both key stages counted: nbits (M1 +
+ * M2) <= 4 head_dim; finer quantizers keep float16, whose error the 8-bit code would exceed). The
+ * 8-bit code is s = m 2^((c - 128) / 16) with m a power of two per (page, KV head, kind), set by the
+ * page's first nonzero scale: 1/16-octave steps, relative error <= 2.24% (with the float16 rounding of
+ * the decoded value) for scales within m 2^(+-7.9); others are clamped to that window, and codes never
+ * decode beyond float16's 65504 (docs/vq_cache.md "8-bit scales"). The CUDA cache keeps float16 scales whatever this says. -1 if cb
+ * is NULL, the layer is out of range or the metadata holds another value. */
+KVPQ_API int kvpq_codebook_layer_scale_bits(const kvpq_codebook *cb, int layer, int is_value);
+/* Per-layer value bit allocation, the same for a layer's value quantizer: a fresh one (zero
+ * centroids) of M sub-vectors, nbits and granularity those of params.value, dsub = head_dim / M.
+ * Saved as metadata v.M.{layer} (only for layers whose M differs from v.M) and a v.codebook tensor of
+ * that layer's shape. Errors as kvpq_codebook_set_layer_key_M; on error the codebook is unchanged. */
+KVPQ_API kvpq_status kvpq_codebook_set_layer_value_M(kvpq_codebook *cb, int layer, int M);
+/* A layer's value M (params.value.M unless set_layer_value_M changed it); 0 if cb is NULL or the
+ * layer is out of range. */
+KVPQ_API int kvpq_codebook_layer_value_M(const kvpq_codebook *cb, int layer);
+/* Borrowed: a layer's key smoothing factors, (n_head_kv, head_dim), writable. */
+KVPQ_API float *kvpq_codebook_key_smooth(kvpq_codebook *cb, int layer);
+KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, int layer);
+/* Borrowed: a layer's per-channel key mean mu, (n_head_kv, head_dim), writable; 0 until set. Keys
+ * are stored centered, k - mu, before smoothing and rotation: every score of a query then moves by
+ * the same q . mu, which the softmax cancels exactly, while the quantization error of the coded
+ * keys shrinks (the mean no longer spends codebook resolution). */
+KVPQ_API float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer);
+KVPQ_API const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer);
+/* ---- TurboQuant's MSE quantizer as a codebook (a peer in kvpq's own harness) ----------------- */
+
+/* The 2^nbits Lloyd-Max centroids (ascending) for one coordinate of a uniformly random unit vector in
+ * R^d, density ~ (1 - x^2)^((d - 3) / 2) on [-1, 1] (TurboQuant, Zandieh et al., arXiv 2504.19874,
+ * sec. 3.1), by Lloyd iterations on a 65536-point grid. out: (2^nbits). Errors: d < 4, nbits not in
+ * 1..8 (KVPQ_ERR_INVALID_ARG). */
+KVPQ_API kvpq_status kvpq_turboquant_centroids(int d, int nbits, float *out);
+/* A codebook that makes the VQ cache TurboQuant's MSE quantizer (its Algorithm 1) at nbits bits per
+ * coordinate: keys and values Hadamard-rotated (mu 0, lambda 1), norm-explicit, each coordinate of the
+ * direction coded by the kvpq_turboquant_centroids quantizer (a PQ with dsub 1 and that fixed shared
+ * codebook; attention from codes as for any VQ cache). Differs from the paper in the rotation
+ * (kvpq's deterministic normalized Walsh-Hadamard, not a random orthogonal matrix) and the kept scale
+ * (the least-squares x . r / |r|^2, not |x|). Records metadata method "turboquant-mse", tq.bits, and
+ * alloc.window 0 / alloc.sinks 0 (TurboQuant keeps no fp16 positions; kvpq_cache_params_resolve
+ * applies them unless overridden). norm_bits: 16 (float16 scales, as TurboQuant keeps the norm) or 8
+ * (nbits <= 4). Effective bits per element: nbits + norm_bits / head_dim. Errors:
+ * KVPQ_ERR_INVALID_ARG (shapes as kvpq_codebook_new, nbits, norm_bits). */
+KVPQ_API kvpq_status kvpq_codebook_turboquant(kvpq_codebook **out, int n_layer, int n_head_kv, int head_dim, int nbits,
+                                              int norm_bits);
+
+/* ---- calibration: a codebook from collected keys and values --------------------------------- */
+
+/* How kvpq_codebook_calibrate_layer trains a layer. kvpq_calibrate_params_default() gives the
+ * defaults of `kvpq calibrate` (which calls this function), so equal inputs give equal files. */
+typedef struct {
+    int center;                /* 1 (default): subtract the per-(KV head, channel) key mean mu first */
+    float smooth_floor;        /* floor of the smoothing factors lambda (default 1e-2, kvpq_smooth_compute) */
+    /* k-means of both quantizers: defaults niter 25, seed 1234, init KVPQ_KMEANS_INIT_RANDOM (as faiss),
+     * max_points_per_centroid 0 = per quantizer 256, or 32 when its nbits > 8. */
+    kvpq_kmeans_params kmeans;
+    /* NULL (default): lambda = kvpq_smooth_compute of the centered keys. Else (n_head_kv, head_dim):
+     * the largest |q| per KV head's query group and channel over the calibration text (post-RoPE, as
+     * attention takes them; kvpq_model_eval_query_absmax), and lambda = kvpq_smooth_compute_qk. */
+    const float *query_absmax;
+    /* NULL (default), or a codebook this function trained on the same k, v with the same params and
+     * presets but one key stage: the layer's stage-one key and value quantizers are copied from it,
+     * and only the second key stage is trained (k-means is deterministic, so the result is what
+     * training all three gives, at a third of the k-means). Needs a second key stage at the layer. */
+    const kvpq_codebook *stage1_from;
+} kvpq_calibrate_params;
+KVPQ_API kvpq_calibrate_params kvpq_calibrate_params_default(void);
+
+/* Train layer `layer` of cb from keys and values a model produced: its key mean mu (when
+ * p->center; else mu is left 0), key smoothing factors lambda = sqrt(max_t |k - mu|) per KV head and
+ * channel (floored at p->smooth_floor), and its key and value codebooks, by k-means over the
+ * transformed vectors of all KV heads pooled. Keys become H((k - mu) / lambda) (VecInfer, arXiv
+ * 2510.06175, sec. 3); values H v when the codebook's value_rotate is set, else v; each is divided
+ * by its L2 norm when the codebook's key_norm / value_norm is set (norm-explicit quantizers are
+ * trained on directions, Dai et al., AAAI 2020). The quantizer shapes (presets, a layer's own key M,
+ * granularity) are those cb was created with.
+ * k, v: (n_tokens, n_head_kv, head_dim) float32 post-RoPE keys and values of that layer (read only;
+ * the work is done in copies). p may be NULL (defaults). key_report, value_report may be NULL; they
+ * get the k-means reports (MSE per transformed vector; with two key stages, key_report's mse_final
+ * is stage two's, i.e. the error left after both stages). Two key stages (params.key_stages = 2):
+ * stage two is trained by k-means on the stage-one residuals x - r1 of the same keys (residual VQ).
+ * Head granularity: each KV head's book is trained on that head's vectors only. Progress: p->kmeans.progress, as
+ * kvpq_pq_train. Errors: cb NULL, layer out of range, n_tokens too small for a quantizer's ksub
+ * (KVPQ_ERR_INVALID_ARG, naming it); NaN/Inf in k or v (KVPQ_ERR_NONFINITE, naming which);
+ * KVPQ_ERR_NOMEM. On error the layer may be partly trained. */
+KVPQ_API kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n_tokens, const float *k,
+                                                   const float *v, const kvpq_calibrate_params *p,
+                                                   kvpq_kmeans_report *key_report, kvpq_kmeans_report *value_report);
+
+/* ---- bit allocation (docs/allocation.md) ------------------------------------------------------ */
+
+/* Multiple-choice knapsack: pick one choice per group minimizing the summed cost subject to the
+ * summed weight <= budget. Exact dynamic programming over the weight (Kellerer, Pferschy & Pisinger,
+ * "Knapsack Problems", Springer 2004, ch. 11; Dudzinski & Walukiewicz, EJOR 1987): when
+ * budget <= max_units the weights are used as they are and the optimum is exact; otherwise weights
+ * are counted in quanta q = ceil(budget / max_units), each rounded UP, so the result still respects
+ * the budget and is optimal for the rounded weights (within one quantum per group of the optimum's
+ * weight). O(n_groups * n_choices * min(budget, max_units)) time, n_groups * (units + 1) bytes.
+ * cost, weight: (n_groups, n_choices); a choice with weight < 0 or cost +Inf is unavailable.
+ * max_units 0: 65536, at most KVPQ_ALLOC_MAX_UNITS. choice: (n_groups) the chosen index per group; total_cost, total_weight (may be
+ * NULL) its sums (ties: the lowest total weight is not guaranteed, the lowest-index choice is kept).
+ * Errors: KVPQ_ERR_INVALID_ARG (sizes, NaN cost, a group with no usable choice), KVPQ_ERR_CAPACITY
+ * (even the lightest choices exceed the budget; the message says their weight), KVPQ_ERR_NOMEM. */
+#define KVPQ_ALLOC_MAX_UNITS ((int64_t)1 << 30) /* largest max_units (tables of n_groups x units bytes) */
+KVPQ_API kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *cost, const int64_t *weight,
+                                     int64_t budget, int64_t max_units, int *choice, double *total_cost,
+                                     int64_t *total_weight);
+
+
+/* Resident bytes of a VQ cache made from p (its window, page_tokens, max_seq and sliding window,
+ * clamped as kvpq_cache_new does) with codebook cb, after `len` positions were appended in steps of
+ * `step` (kvpq_model_eval appends in steps of 512), split as kvpq_cache_resident_bytes counts them:
+ * layer_bytes (n_layer, 2) (may be NULL): per layer, the key [.., 0] and value [.., 1] part: codes
+ * and norm-explicit scales of the coded positions held (whole pages) plus that quantizer's
+ * centroids (a layer with a residual second key stage: both stages' codes, packed as one bit stream
+ * as the cache stores them, and both stages' centroids); *fixed_bytes: what no quantizer choice changes (the fp16 window rings, the attention
+ * sinks of p->sinks, smoothing factors, key means); *elements: K and V elements held (as kvpq_cache_stats.elements; a
+ * sliding-window layer holds fewer positions). Effective bits = 8 * (sum + fixed) / elements.
+ * Errors: KVPQ_ERR_INVALID_ARG (NULL, shapes that differ, len beyond max_seq). */
+KVPQ_API kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params *p, int len, int step,
+                                         size_t *layer_bytes, size_t *fixed_bytes, int64_t *elements);
+
+/* ---- CUDA ----------------------------------------------------------------------------------- */
 /*
  * Device-pointer API (docs/CUDA.md). Every function below exists in every build; without CUDA, or
  * without a usable GPU, they fail with KVPQ_ERR_NO_DEVICE naming why. Pointers documented as
@@ -773,11 +819,6 @@ KVPQ_API kvpq_status kvpq_cache_get_params(const kvpq_cache *c, kvpq_cache_param
  * Python package's CudaCache and KVPQCache, CUDA graphs of a decode step): one layer, device
  * pointers, several sequences per call. New host-side code should use kvpq_cache.
  */
-
-/* 1 if the library was built with CUDA and a device is usable; else 0 and `why` (n bytes, may be
- * NULL) says why ("built without CUDA", "no CUDA device: <cuda error>", ...). */
-KVPQ_API int kvpq_cuda_available(char *why, size_t n);
-
 /* Kernel variants of the CUDA backend (docs/CUDA.md), chosen per quantizer or cache at creation,
  * so that tests and benchmarks can run each one side by side in one process. The defaults
  * (kvpq_cuda_kernels_default) are the fastest measured on an H200; every variant computes the same
@@ -932,6 +973,8 @@ KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq);
  * counted: workspaces allocated at creation, i.e. the attention's split partials and, with a
  * norm-explicit codebook, the encode workspace (up to 4 MiB of directions plus their norms). */
 KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache *c);
+
+#endif /* KVPQ_ADVANCED */
 
 #ifdef __cplusplus
 }

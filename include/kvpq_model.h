@@ -2,11 +2,14 @@
  * kvpq_model.h — the model runner of kvpq: GGUF files, the byte-level BPE tokenizer, and the forward
  * pass of Llama-family models (llama, qwen2, gemma3) over a kvpq_cache.
  *
- * This is the second tier of kvpq's public API: it includes kvpq.h (the stable PQ / codebook / cache
+ * This is the second library of kvpq's public API: it includes kvpq.h (the codebook and cache
  * API) and lives in its own library, libkvpq_model (pkg-config kvpq_model, CMake kvpq::kvpq_model),
  * which links libkvpq plus PCRE2 (pre-tokenizer regexes) and OpenBLAS (prompt matmuls). A program
  * that only compresses KV caches includes kvpq.h and links libkvpq alone.
  * Conventions as in kvpq.h (kvpq_status, kvpq_last_error, *_default, *_free(NULL)).
+ * Tiers as in kvpq.h: loading a model, tokenizing, evaluating over a cache and calibrating codebooks
+ * in one call (kvpq_model_calibrate) are stable; the calibration in steps, per-layer sensitivities,
+ * the scoring primitives, query maxima and GGUF inspection need KVPQ_ADVANCED.
  *
  * Usage (greedy decoding):
  *
@@ -110,62 +113,6 @@ KVPQ_API unsigned kvpq_token_attr(const kvpq_model *m, int32_t token);
  * cache is truncated back to L. One model serves one eval at a time (it owns the scratch). */
 KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
                                      int logits_all, float *logits);
-/* kvpq_model_eval, and for every token evaluated and every layer, q_absmax: (n_layer, n_head_kv,
- * head_dim) is raised to the largest |q| of that channel among the KV head's query heads (GQA group),
- * q as attention takes it (after RoPE, the query norm and the model's query scale). A running max:
- * the caller zeroes it once and may call again for more text. It feeds query-aware smoothing
- * (kvpq_smooth_compute_qk, kvpq_calibrate_params.query_absmax). Errors: as kvpq_model_eval, and
- * q_absmax NULL (KVPQ_ERR_INVALID_ARG); on error q_absmax may hold part of the block's maxima. */
-KVPQ_API kvpq_status kvpq_model_eval_query_absmax(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
-                                                  int logits_all, float *logits, float *q_absmax);
-
-/* ---- per-layer sensitivity of the VQ cache (bit allocation, docs/allocation.md) ---------------- */
-
-typedef struct {
-    int window;     /* newest positions kept exact, as the VQ cache's window (default 128) */
-    int sinks;      /* first positions of the sequence kept exact (attention sinks; default 0) */
-    int score_from; /* positions score_from .. n-2 are compared (their next-token distributions);
-                     * -1 (default): n/2, as kvpq ppl scores the second half of a chunk */
-    int kinds;      /* bit 0: measure keys, bit 1: values (default 3) */
-    /* -1 (default): every candidate is measured by a forward pass. c >= 0: only candidate c is; the
-     * others are scaled from it by the layer's attention-output error, kl(c') = kl(c) * e(c') / e(c),
-     * e = sum over the scored positions and query heads of |attn(reconstruction) - attn(exact)|^2
-     * (KL is second order in a small perturbation of the logits; the same layer's error propagates
-     * through the same later layers). n_cand times cheaper; an approximation (docs/allocation.md). */
-    int ref_cand;
-    int n_threads;  /* 0 = OpenMP default */
-    kvpq_progress_fn progress; /* optional: stage "sensitivity", done/total over measurements */
-    void *progress_user;
-    /* Other windows (optional, 0..15; `window` is the one measured): for each windows[w] (>= 0),
-     * kl_windows[((w * n_cand + c) * 2 + kind) * n_layer + l] (caller's, n_windows * n_cand * 2 *
-     * n_layer doubles) gets kl(c, window) * e(c, W) / e(c, window), e the attention-output error as
-     * for ref_cand with the coded positions of window W (KL second order in the logit change, as
-     * above); +inf where W codes positions and `window` codes none (measure at the smallest window).
-     * The errors of every window come from one pass over each layer's scores (nested coded
-     * prefixes). Default 0: none. */
-    const int *windows;
-    int n_windows;
-    double *kl_windows;
-} kvpq_sensitivity_params;
-KVPQ_API kvpq_sensitivity_params kvpq_sensitivity_params_default(void);
-
-/* How much coding ONE layer's keys (or values) with a candidate codebook costs the model, every other
- * layer and kind in full precision: for each candidate c, layer l and kind (0 keys, 1 values),
- * kl[(c * 2 + kind) * n_layer + l] = mean over the scored positions of KL(p || p~), p the next-token
- * distribution with the float32 cache, p~ with layer l's keys (values) replaced by candidate c's
- * reconstruction (the VQ cache's: centering, smoothing, rotation, norm-explicit scale, codes) at the
- * positions the VQ cache would hold as codes when it evaluates the chunk in kvpq_model_eval's steps
- * of 512 tokens (all but the newest `window`, in batches of 32, and the first `sinks`), exactly
- * elsewhere. One pass stores every layer's input and keys/values; each measurement then reruns only
- * layers l .. n_layer-1. Kinds not asked for in p->kinds are left as they are in kl.
- * tokens: (n) one chunk, positions 0 .. n-1 (BOS, if the model wants it, already first); 64 <= n <=
- * the model's context. cands: (n_cand) codebooks of this model's shape (kvpq_cache_new's checks).
- * Cost: about n_cand * 2 * n_layer / 2 forward passes of the chunk (with ref_cand: 2 * n_layer / 2).
- * Errors: KVPQ_ERR_INVALID_ARG (named), KVPQ_ERR_MISMATCH (a codebook of another shape),
- * KVPQ_ERR_NOMEM, errors of the forward pass. */
-KVPQ_API kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, int n,
-                                                  const kvpq_codebook *const *cands, int n_cand,
-                                                  const kvpq_sensitivity_params *p, double *kl);
 
 /* ---- calibration: codebooks from a model's own keys and values (docs/allocation.md) ---------- */
 
@@ -241,37 +188,6 @@ KVPQ_API kvpq_calibrate_opts kvpq_calibrate_opts_default(void);
  * Errors: KVPQ_ERR_INVALID_ARG naming the field (as the CLI's option) and the problem. */
 KVPQ_API kvpq_status kvpq_calibrate_opts_check(const kvpq_model *m, const kvpq_calibrate_opts *o, size_t n_tokens);
 
-/* A calibration in progress: the text split, the forward pass done, its keys and values held. */
-typedef struct kvpq_calibration kvpq_calibration;
-
-/* How the text was split (kvpq_calibration_info). */
-typedef struct {
-    size_t n_text;            /* tokens of the text */
-    size_t n_kmeans;          /* the first n_kmeans tokens: the forward pass and k-means */
-    int verify_ctx;           /* the joint check's chunk, right after them; 0: none */
-    int verify_skipped;       /* 1: verify_ctx was -1 and the text too short for it (no check, as asked by default) */
-    int holdout_ctx, holdout_chunks; /* the sensitivities' chunks at the end of the text (0 without budgets) */
-    double forward_seconds;   /* wall time of the forward pass */
-} kvpq_calibration_info;
-
-/* Split tokens (n, the text without BOS) and run the forward pass over the k-means part, collecting
- * every layer's post-RoPE keys and values (float32, n_layer x n_kmeans x n_head_kv x head_dim x 2
- * floats) and the queries' per-channel maxima. With budgets (o->alloc.n_bits > 0) the end of the text
- * is held back (holdout_chunks x holdout_ctx tokens) and the joint check's chunk follows the k-means
- * tokens. The strings of o must outlive the calibration. Errors: KVPQ_ERR_INVALID_ARG naming the
- * option (presets, windows, budgets, a text too short, ctx beyond the model's context),
- * KVPQ_ERR_NOMEM, errors of the forward pass. */
-KVPQ_API kvpq_status kvpq_calibration_new(kvpq_calibration **out, kvpq_model *m, const int32_t *tokens, size_t n,
-                                          const kvpq_calibrate_opts *o);
-KVPQ_API void kvpq_calibration_free(kvpq_calibration *c);
-KVPQ_API kvpq_status kvpq_calibration_info_get(const kvpq_calibration *c, kvpq_calibration_info *info);
-
-/* One codebook trained on the collected activations with recipe r (NULL: the calibration's own):
- * per layer centering, smoothing, Hadamard rotation, normalization and k-means
- * (kvpq_codebook_calibrate_layer), with the metadata of `kvpq calibrate` (model, text, tokens, ctx,
- * presets, k-means settings, mean MSEs). Errors: KVPQ_ERR_INVALID_ARG naming the recipe's field. */
-KVPQ_API kvpq_status kvpq_calibration_train(kvpq_calibration *c, const kvpq_codebook_recipe *r, kvpq_codebook **out);
-
 /* What an allocation found for one budget. */
 typedef struct {
     double bits;              /* the budget */
@@ -288,69 +204,10 @@ typedef struct {
     double kmeans_seconds, sensitivity_seconds, check_seconds; /* wall time of the stages (shared by the budgets) */
 } kvpq_alloc_report;
 
-/* The allocation of every budget of the calibration's options: trains a codebook per candidate,
- * measures each layer's sensitivity on the held-out chunks, solves the multiple-choice knapsack per
- * window candidate (kvpq_alloc_mckp over kvpq_vq_cache_bytes), assembles each budget's codebook and
- * checks it (joint check). out: (n_bits) codebooks, NULL where no allocation fits that budget (its
- * report says the lightest); report (n_bits, may be NULL). A codebook carries its window and sinks as
- * alloc.window / alloc.sinks, which kvpq_cache_params_resolve applies. Returns KVPQ_OK when every
- * budget got a codebook, KVPQ_ERR_CAPACITY when some did not (the others are in out), other errors
- * as kvpq_calibration_new. */
-KVPQ_API kvpq_status kvpq_calibration_allocate(kvpq_calibration *c, kvpq_codebook **out, kvpq_alloc_report *report);
-
 /* The whole calibration in one call: kvpq_calibration_new, then kvpq_calibration_allocate (budgets
  * given) or kvpq_calibration_train (none). out: max(1, o->alloc.n_bits) codebooks. */
 KVPQ_API kvpq_status kvpq_model_calibrate(kvpq_model *m, const int32_t *tokens, size_t n, const kvpq_calibrate_opts *o,
                                           kvpq_codebook **out, kvpq_alloc_report *report);
-
-/* ---- scoring: what `kvpq ppl`, calibrate's joint check and the sensitivities compare ---------- */
-
-/* Evaluate one chunk toks (n tokens) from an empty cache c (truncated to 0) in calls of at most batch
- * tokens: positions 0 .. first-1 without logits (scratch_row: (n_vocab) floats), then the logits of
- * positions first .. n-1 into out: (n - first, n_vocab) floats. Returns kvpq_model_eval's status. */
-KVPQ_API kvpq_status kvpq_eval_chunk(kvpq_model *m, kvpq_cache *c, const int32_t *toks, int n, int first, int batch,
-                                     float *out, float *scratch_row);
-
-/* Sums over scored positions (the caller divides by their count). */
-typedef struct {
-    double nll, nll2; /* sum of -log p(next token), and of its square (nats) */
-    double kl_sum;    /* sum of KL(base || test) (nats); kvpq_score_test with a base only */
-    int64_t agree;    /* positions whose argmax equals the base's; kvpq_score_test with a base only */
-} kvpq_score_sums;
-
-/* The base cache's rows: lp (n_score, V) logits -> log-probabilities in place (log-softmax, sums in
- * double), top[j] = argmax of row j (top may be NULL), and the NLL of next[j] (the token row j
- * predicts; next may be NULL: no NLL) added to *s. */
-KVPQ_API void kvpq_score_base(float *lp, int n_score, int V, const int32_t *next, int *top, kvpq_score_sums *s);
-
-/* A test cache's rows: lp (n_score, V) logits -> log-probabilities in place, the NLL of next[j] added
- * to *s (next may be NULL); with base_lp (n_score, V) log-probabilities and base_top (n_score) from
- * kvpq_score_base (NULL: no comparison), also KL(base || test) = sum_t p_base(t) (log p_base(t) -
- * log p_test(t)) per row (rounding below 0 clamped to 0; written to kl_out[j] when kl_out is not NULL)
- * and the top-1 agreement (base_top NULL: not counted). Rows are summed in a fixed order (blocks of 32
- * rows, each in row order, the blocks in order): the same bits whatever the number of threads. */
-KVPQ_API void kvpq_score_test(float *lp, int n_score, int V, const int32_t *next, const float *base_lp,
-                              const int *base_top, float *kl_out, kvpq_score_sums *s);
-
-/* ---- GGUF inspection ------------------------------------------------------------------------ */
-
-/* Print what a GGUF (v2/v3) file holds to `out`: format (version, alignment, counts, data offset),
- * the general.* keys, the hyperparameters (every `<general.architecture>.*` key), a tokenizer summary
- * (tokenizer.ggml.model, pre, vocab size, merges count, bos/eos/unk/pad ids with their text), other
- * metadata keys (tokenizer.* arrays too when verbose), then one line per tensor: index, name, type,
- * shape as ne[0], ne[1], ... (ne[0] innermost, the order gguf lists) and bytes. The whole file is
- * validated first (as kvpq_model_load does). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT naming what and
- * where ("gguf 'x.gguf': tensor 12 'blk.0.attn_q.weight': data [...] beyond file size N"). */
-KVPQ_API kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose);
-
-/* Dequantize one whole tensor of a GGUF file to float32, bit-exact with ggml's dequantize_row_*
- * (and the PyPI gguf package's gguf.quants.dequantize). out: (ne[3], ne[2], ne[1], ne[0]) float32,
- * ne[0] fastest; cap: floats available at out. *numel (may be NULL) gets ne[0]*ne[1]*ne[2]*ne[3];
- * call with out NULL and cap 0 to query it. Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
- * Errors: KVPQ_ERR_IO / KVPQ_ERR_FORMAT (the file), KVPQ_ERR_INVALID_ARG (no such tensor, or
- * cap < numel), KVPQ_ERR_UNSUPPORTED (tensor type, named). */
-KVPQ_API kvpq_status kvpq_gguf_dequantize_tensor(const char *path, const char *name, float *out, size_t cap,
-                                                 size_t *numel);
 
 /* ---- tokenizer ------------------------------------------------------------------------------ */
 
@@ -409,6 +266,165 @@ KVPQ_API kvpq_status kvpq_vocab_tokenize(const kvpq_vocab *v, const char *text, 
  * the text (SentencePiece: except a literal U+2581, which comes back as ' '). Errors: token out of
  * range. */
 KVPQ_API kvpq_status kvpq_vocab_piece(const kvpq_vocab *v, int32_t token, char *buf, size_t cap, size_t *len);
+
+/* ================================================================================================
+ * Advanced tier (KVPQ_ADVANCED, see kvpq.h): the calibration in steps, sensitivities, scoring
+ * primitives, query maxima, GGUF inspection. May change between minor versions.
+ * ============================================================================================== */
+#if defined(KVPQ_ADVANCED)
+
+/* ---- models: query maxima --------------------------------------------------------------------- */
+
+/* kvpq_model_eval, and for every token evaluated and every layer, q_absmax: (n_layer, n_head_kv,
+ * head_dim) is raised to the largest |q| of that channel among the KV head's query heads (GQA group),
+ * q as attention takes it (after RoPE, the query norm and the model's query scale). A running max:
+ * the caller zeroes it once and may call again for more text. It feeds query-aware smoothing
+ * (kvpq_smooth_compute_qk, kvpq_calibrate_params.query_absmax). Errors: as kvpq_model_eval, and
+ * q_absmax NULL (KVPQ_ERR_INVALID_ARG); on error q_absmax may hold part of the block's maxima. */
+KVPQ_API kvpq_status kvpq_model_eval_query_absmax(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
+                                                  int logits_all, float *logits, float *q_absmax);
+
+/* ---- per-layer sensitivity of the VQ cache (bit allocation, docs/allocation.md) ---------------- */
+
+typedef struct {
+    int window;     /* newest positions kept exact, as the VQ cache's window (default 128) */
+    int sinks;      /* first positions of the sequence kept exact (attention sinks; default 0) */
+    int score_from; /* positions score_from .. n-2 are compared (their next-token distributions);
+                     * -1 (default): n/2, as kvpq ppl scores the second half of a chunk */
+    int kinds;      /* bit 0: measure keys, bit 1: values (default 3) */
+    /* -1 (default): every candidate is measured by a forward pass. c >= 0: only candidate c is; the
+     * others are scaled from it by the layer's attention-output error, kl(c') = kl(c) * e(c') / e(c),
+     * e = sum over the scored positions and query heads of |attn(reconstruction) - attn(exact)|^2
+     * (KL is second order in a small perturbation of the logits; the same layer's error propagates
+     * through the same later layers). n_cand times cheaper; an approximation (docs/allocation.md). */
+    int ref_cand;
+    int n_threads;  /* 0 = OpenMP default */
+    kvpq_progress_fn progress; /* optional: stage "sensitivity", done/total over measurements */
+    void *progress_user;
+    /* Other windows (optional, 0..15; `window` is the one measured): for each windows[w] (>= 0),
+     * kl_windows[((w * n_cand + c) * 2 + kind) * n_layer + l] (caller's, n_windows * n_cand * 2 *
+     * n_layer doubles) gets kl(c, window) * e(c, W) / e(c, window), e the attention-output error as
+     * for ref_cand with the coded positions of window W (KL second order in the logit change, as
+     * above); +inf where W codes positions and `window` codes none (measure at the smallest window).
+     * The errors of every window come from one pass over each layer's scores (nested coded
+     * prefixes). Default 0: none. */
+    const int *windows;
+    int n_windows;
+    double *kl_windows;
+} kvpq_sensitivity_params;
+KVPQ_API kvpq_sensitivity_params kvpq_sensitivity_params_default(void);
+
+/* How much coding ONE layer's keys (or values) with a candidate codebook costs the model, every other
+ * layer and kind in full precision: for each candidate c, layer l and kind (0 keys, 1 values),
+ * kl[(c * 2 + kind) * n_layer + l] = mean over the scored positions of KL(p || p~), p the next-token
+ * distribution with the float32 cache, p~ with layer l's keys (values) replaced by candidate c's
+ * reconstruction (the VQ cache's: centering, smoothing, rotation, norm-explicit scale, codes) at the
+ * positions the VQ cache would hold as codes when it evaluates the chunk in kvpq_model_eval's steps
+ * of 512 tokens (all but the newest `window`, in batches of 32, and the first `sinks`), exactly
+ * elsewhere. One pass stores every layer's input and keys/values; each measurement then reruns only
+ * layers l .. n_layer-1. Kinds not asked for in p->kinds are left as they are in kl.
+ * tokens: (n) one chunk, positions 0 .. n-1 (BOS, if the model wants it, already first); 64 <= n <=
+ * the model's context. cands: (n_cand) codebooks of this model's shape (kvpq_cache_new's checks).
+ * Cost: about n_cand * 2 * n_layer / 2 forward passes of the chunk (with ref_cand: 2 * n_layer / 2).
+ * Errors: KVPQ_ERR_INVALID_ARG (named), KVPQ_ERR_MISMATCH (a codebook of another shape),
+ * KVPQ_ERR_NOMEM, errors of the forward pass. */
+KVPQ_API kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, int n,
+                                                  const kvpq_codebook *const *cands, int n_cand,
+                                                  const kvpq_sensitivity_params *p, double *kl);
+
+/* ---- calibration in steps (kvpq_model_calibrate runs them all) ----------------------------- */
+
+/* A calibration in progress: the text split, the forward pass done, its keys and values held. */
+typedef struct kvpq_calibration kvpq_calibration;
+
+/* How the text was split (kvpq_calibration_info). */
+typedef struct {
+    size_t n_text;            /* tokens of the text */
+    size_t n_kmeans;          /* the first n_kmeans tokens: the forward pass and k-means */
+    int verify_ctx;           /* the joint check's chunk, right after them; 0: none */
+    int verify_skipped;       /* 1: verify_ctx was -1 and the text too short for it (no check, as asked by default) */
+    int holdout_ctx, holdout_chunks; /* the sensitivities' chunks at the end of the text (0 without budgets) */
+    double forward_seconds;   /* wall time of the forward pass */
+} kvpq_calibration_info;
+
+/* Split tokens (n, the text without BOS) and run the forward pass over the k-means part, collecting
+ * every layer's post-RoPE keys and values (float32, n_layer x n_kmeans x n_head_kv x head_dim x 2
+ * floats) and the queries' per-channel maxima. With budgets (o->alloc.n_bits > 0) the end of the text
+ * is held back (holdout_chunks x holdout_ctx tokens) and the joint check's chunk follows the k-means
+ * tokens. The strings of o must outlive the calibration. Errors: KVPQ_ERR_INVALID_ARG naming the
+ * option (presets, windows, budgets, a text too short, ctx beyond the model's context),
+ * KVPQ_ERR_NOMEM, errors of the forward pass. */
+KVPQ_API kvpq_status kvpq_calibration_new(kvpq_calibration **out, kvpq_model *m, const int32_t *tokens, size_t n,
+                                          const kvpq_calibrate_opts *o);
+KVPQ_API void kvpq_calibration_free(kvpq_calibration *c);
+KVPQ_API kvpq_status kvpq_calibration_info_get(const kvpq_calibration *c, kvpq_calibration_info *info);
+
+/* One codebook trained on the collected activations with recipe r (NULL: the calibration's own):
+ * per layer centering, smoothing, Hadamard rotation, normalization and k-means
+ * (kvpq_codebook_calibrate_layer), with the metadata of `kvpq calibrate` (model, text, tokens, ctx,
+ * presets, k-means settings, mean MSEs). Errors: KVPQ_ERR_INVALID_ARG naming the recipe's field. */
+KVPQ_API kvpq_status kvpq_calibration_train(kvpq_calibration *c, const kvpq_codebook_recipe *r, kvpq_codebook **out);
+
+/* The allocation of every budget of the calibration's options: trains a codebook per candidate,
+ * measures each layer's sensitivity on the held-out chunks, solves the multiple-choice knapsack per
+ * window candidate (kvpq_alloc_mckp over kvpq_vq_cache_bytes), assembles each budget's codebook and
+ * checks it (joint check). out: (n_bits) codebooks, NULL where no allocation fits that budget (its
+ * report says the lightest); report (n_bits, may be NULL). A codebook carries its window and sinks as
+ * alloc.window / alloc.sinks, which kvpq_cache_params_resolve applies. Returns KVPQ_OK when every
+ * budget got a codebook, KVPQ_ERR_CAPACITY when some did not (the others are in out), other errors
+ * as kvpq_calibration_new. */
+KVPQ_API kvpq_status kvpq_calibration_allocate(kvpq_calibration *c, kvpq_codebook **out, kvpq_alloc_report *report);
+
+/* ---- scoring: what `kvpq ppl`, calibrate's joint check and the sensitivities compare ---------- */
+
+/* Evaluate one chunk toks (n tokens) from an empty cache c (truncated to 0) in calls of at most batch
+ * tokens: positions 0 .. first-1 without logits (scratch_row: (n_vocab) floats), then the logits of
+ * positions first .. n-1 into out: (n - first, n_vocab) floats. Returns kvpq_model_eval's status. */
+KVPQ_API kvpq_status kvpq_eval_chunk(kvpq_model *m, kvpq_cache *c, const int32_t *toks, int n, int first, int batch,
+                                     float *out, float *scratch_row);
+
+/* Sums over scored positions (the caller divides by their count). */
+typedef struct {
+    double nll, nll2; /* sum of -log p(next token), and of its square (nats) */
+    double kl_sum;    /* sum of KL(base || test) (nats); kvpq_score_test with a base only */
+    int64_t agree;    /* positions whose argmax equals the base's; kvpq_score_test with a base only */
+} kvpq_score_sums;
+
+/* The base cache's rows: lp (n_score, V) logits -> log-probabilities in place (log-softmax, sums in
+ * double), top[j] = argmax of row j (top may be NULL), and the NLL of next[j] (the token row j
+ * predicts; next may be NULL: no NLL) added to *s. */
+KVPQ_API void kvpq_score_base(float *lp, int n_score, int V, const int32_t *next, int *top, kvpq_score_sums *s);
+
+/* A test cache's rows: lp (n_score, V) logits -> log-probabilities in place, the NLL of next[j] added
+ * to *s (next may be NULL); with base_lp (n_score, V) log-probabilities and base_top (n_score) from
+ * kvpq_score_base (NULL: no comparison), also KL(base || test) = sum_t p_base(t) (log p_base(t) -
+ * log p_test(t)) per row (rounding below 0 clamped to 0; written to kl_out[j] when kl_out is not NULL)
+ * and the top-1 agreement (base_top NULL: not counted). Rows are summed in a fixed order (blocks of 32
+ * rows, each in row order, the blocks in order): the same bits whatever the number of threads. */
+KVPQ_API void kvpq_score_test(float *lp, int n_score, int V, const int32_t *next, const float *base_lp,
+                              const int *base_top, float *kl_out, kvpq_score_sums *s);
+
+/* ---- GGUF inspection ------------------------------------------------------------------------ */
+
+/* Print what a GGUF (v2/v3) file holds to `out`: format (version, alignment, counts, data offset),
+ * the general.* keys, the hyperparameters (every `<general.architecture>.*` key), a tokenizer summary
+ * (tokenizer.ggml.model, pre, vocab size, merges count, bos/eos/unk/pad ids with their text), other
+ * metadata keys (tokenizer.* arrays too when verbose), then one line per tensor: index, name, type,
+ * shape as ne[0], ne[1], ... (ne[0] innermost, the order gguf lists) and bytes. The whole file is
+ * validated first (as kvpq_model_load does). Errors: KVPQ_ERR_IO, KVPQ_ERR_FORMAT naming what and
+ * where ("gguf 'x.gguf': tensor 12 'blk.0.attn_q.weight': data [...] beyond file size N"). */
+KVPQ_API kvpq_status kvpq_gguf_describe(const char *path, FILE *out, int verbose);
+
+/* Dequantize one whole tensor of a GGUF file to float32, bit-exact with ggml's dequantize_row_*
+ * (and the PyPI gguf package's gguf.quants.dequantize). out: (ne[3], ne[2], ne[1], ne[0]) float32,
+ * ne[0] fastest; cap: floats available at out. *numel (may be NULL) gets ne[0]*ne[1]*ne[2]*ne[3];
+ * call with out NULL and cap 0 to query it. Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+ * Errors: KVPQ_ERR_IO / KVPQ_ERR_FORMAT (the file), KVPQ_ERR_INVALID_ARG (no such tensor, or
+ * cap < numel), KVPQ_ERR_UNSUPPORTED (tensor type, named). */
+KVPQ_API kvpq_status kvpq_gguf_dequantize_tensor(const char *path, const char *name, float *out, size_t cap,
+                                                 size_t *numel);
+
+#endif /* KVPQ_ADVANCED */
 
 #ifdef __cplusplus
 }

@@ -2,8 +2,10 @@
 # Install the build tree into a temporary prefix (cmake --install --prefix), then check that both
 # tiers are there (kvpq.h + libkvpq, kvpq_model.h + libkvpq_model: static and shared; kvpq.pc,
 # kvpq_model.pc, the CMake package), the CLI, and that:
-#  - a PQ + codebook program (kvpq.h only) builds with `pkg-config --cflags --libs kvpq` (shared)
-#    and against libkvpq.a (static), runs, and neither links PCRE2 nor OpenBLAS (ldd, nm);
+#  - a PQ + codebook program (kvpq.h only, KVPQ_ADVANCED) builds with `pkg-config --cflags --libs kvpq`
+#    (shared) and against libkvpq.a (static), runs, and neither links PCRE2 nor OpenBLAS (ldd, nm);
+#  - a stable-tier cache program (kvpq.h without KVPQ_ADVANCED) builds and runs, and the same header
+#    hides the advanced tier (a call to kvpq_pq_new does not compile without the define);
 #  - a model-tier program builds with `pkg-config kvpq_model` and runs;
 #  - both build through find_package(kvpq) (kvpq::kvpq, kvpq::kvpq_model) and run.
 # usage: install_check.sh BUILD_DIR [CC]     (registered in ctest as install_check)
@@ -35,6 +37,7 @@ readelf -d "$prefix/bin/kvpq" | grep -Eq '(RUNPATH|RPATH).*\$ORIGIN/\.\./' ||
 cat > "$prefix/prog.c" <<'C'
 #include <stdio.h>
 #include <string.h>
+#define KVPQ_ADVANCED /* codebooks built layer by layer: the advanced tier */
 #include "kvpq.h"
 int main(int argc, char **argv) {
     kvpq_codebook_params p = kvpq_codebook_params_default();
@@ -56,6 +59,38 @@ C
 # Shared: exactly what a user types.
 "$cc" -std=c11 -Wall -Werror -o "$prefix/prog_shared" "$prefix/prog.c" $(pkg-config --cflags --libs kvpq)
 LD_LIBRARY_PATH="$libdir" "$prefix/prog_shared" "$prefix/a.safetensors" | grep -q " ok$"
+# The stable tier alone: a q8_0 cache appended, attended, saved and loaded back, attention unchanged.
+cat > "$prefix/prog_stable.c" <<'C'
+#include <stdio.h>
+#include <string.h>
+#include "kvpq.h"
+int main(int argc, char **argv) {
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_Q8_0; p.n_layer = 1; p.n_head = 2; p.n_head_kv = 1; p.head_dim = 32; p.max_seq = 64;
+    float k[4 * 32], v[4 * 32], q[2 * 32], a[2 * 32], b[2 * 32];
+    for (int i = 0; i < 4 * 32; i++) { k[i] = (float)((i * 7) % 13) / 13.0f; v[i] = (float)((i * 5) % 11) / 11.0f; }
+    for (int i = 0; i < 2 * 32; i++) q[i] = (float)((i * 3) % 7) / 7.0f;
+    kvpq_cache *c, *back;
+    if (kvpq_cache_new(&c, &p) != KVPQ_OK || kvpq_cache_append(c, 0, 4, k, v) != KVPQ_OK ||
+        kvpq_cache_attend(c, 0, 1, q, a) != KVPQ_OK || kvpq_cache_save(c, argv[1], NULL, 0) != KVPQ_OK ||
+        kvpq_cache_load(&back, &p, argv[1], NULL, NULL) != KVPQ_OK || kvpq_cache_attend(back, 0, 1, q, b) != KVPQ_OK) {
+        fprintf(stderr, "%s\n", kvpq_last_error());
+        return 1;
+    }
+    int ok = memcmp(a, b, sizeof a) == 0 && kvpq_cache_seq_len(back, 0) == 4;
+    kvpq_cache_free(c);
+    kvpq_cache_free(back);
+    printf("kvpq stable tier %s\n", ok ? "ok" : "MISMATCH");
+    return ok && argc == 2 ? 0 : 1;
+}
+C
+"$cc" -std=c11 -Wall -Werror -o "$prefix/prog_stable" "$prefix/prog_stable.c" $(pkg-config --cflags --libs kvpq)
+LD_LIBRARY_PATH="$libdir" "$prefix/prog_stable" "$prefix/s.kvpq" | grep -q " ok$"
+printf '#include "kvpq.h"\nint main(void) { kvpq_pq *pq; return kvpq_pq_new(&pq, 0); }\n' > "$prefix/prog_hidden.c"
+if "$cc" -std=c11 -Werror=implicit-function-declaration -c -o /dev/null "$prefix/prog_hidden.c" \
+     $(pkg-config --cflags kvpq) 2>/dev/null; then
+  echo "install_check: kvpq.h declares the advanced tier without KVPQ_ADVANCED" >&2; exit 1
+fi
 # Static: the archive plus the private dependencies kvpq.pc lists.
 static_libs=$(pkg-config --static --libs kvpq | sed 's/\(^\| \)-lkvpq\( \|$\)/ /')
 "$cc" -std=c11 -Wall -Werror -o "$prefix/prog_static" "$prefix/prog.c" $(pkg-config --cflags kvpq) \

@@ -50,7 +50,7 @@ def test_struct_sizes_and_offsets_equal_the_compilers(tmp_path):
     src.write_text("#include <stddef.h>\n#include <stdio.h>\n" + includes + "int main(void) {\n" + "\n".join(lines)
                    + "\n    return 0;\n}\n")
     exe = tmp_path / "layout"
-    subprocess.run([CC, "-std=c11", "-I", _ffi.INCLUDE_DIR, str(src), "-o", str(exe)], check=True)
+    subprocess.run([CC, "-std=c11", "-DKVPQ_ADVANCED", "-I", _ffi.INCLUDE_DIR, str(src), "-o", str(exe)], check=True)
     got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     assert len(got) == len(expect)
     bad = [f"{n}.{f or 'sizeof'}: C {g}, cffi {e}" for (n, f, e), g in zip(expect, got) if e != g]
