@@ -132,8 +132,8 @@ static kvpq__dequant_fn dequant_best(uint32_t type) {
     return fn ? fn : dequant_ref(type);
 }
 
-kvpq_status ggml_dequantize_row_ref(uint32_t type, const void *src, float *dst, int64_t n) {
-    kvpq__dequant_fn fn = dequant_ref(type);
+/* Run fn (NULL: a type kvpq cannot dequantize) over one row of n elements, n a multiple of the block. */
+static kvpq_status dequant_checked(kvpq__dequant_fn fn, uint32_t type, const void *src, float *dst, int64_t n) {
     if (!fn) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "tensor type %s: kvpq cannot dequantize it", ggml_type_name(type));
     if (n < 0 || n % ggml_blck_size(type))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "dequantize %s: n = %lld is not a multiple of the block size %lld",
@@ -142,14 +142,12 @@ kvpq_status ggml_dequantize_row_ref(uint32_t type, const void *src, float *dst, 
     return KVPQ_OK;
 }
 
+kvpq_status ggml_dequantize_row_ref(uint32_t type, const void *src, float *dst, int64_t n) {
+    return dequant_checked(dequant_ref(type), type, src, dst, n);
+}
+
 kvpq_status ggml_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n) {
-    kvpq__dequant_fn fn = dequant_best(type);
-    if (!fn) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "tensor type %s: kvpq cannot dequantize it", ggml_type_name(type));
-    if (n < 0 || n % ggml_blck_size(type))
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "dequantize %s: n = %lld is not a multiple of the block size %lld",
-                         ggml_type_name(type), (long long)n, (long long)ggml_blck_size(type));
-    fn(src, dst, n);
-    return KVPQ_OK;
+    return dequant_checked(dequant_best(type), type, src, dst, n);
 }
 
 /* ---- matvec / matmul ---- */
