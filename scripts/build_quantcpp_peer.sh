@@ -10,7 +10,9 @@
 # with gcc -O3 -march=native (the repository's CMakeLists.txt needs tool sources that its tree lacks at
 # this commit). -D__fp16=_Float16: one batched-prefill path (tq_forward_batch, unused by tq_forward)
 # spells ARM's __fp16, which x86 gcc >= 12 knows as _Float16. 10 s of CPU (6 min wall on the loaded 2-core box).
-# SRC=PATH uses an existing checkout (e.g. a mirror) instead of cloning.
+# Sources: quant.cpp's turbo_kv code is on no package registry (the PyPI sdist holds only the stubbed
+# quant.h), so this script downloads nothing itself: SRC=PATH names a checkout of the quant.cpp repository
+# (e.g. a mirror) holding the pinned commit, or QUANTCPP_GIT=URL a git remote to clone it from.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${1:-$root/build-quantcpp}
@@ -23,9 +25,11 @@ src=$dir/quant.cpp
 if [ ! -d "$src/src/engine" ]; then
   if [ -n "${SRC:-}" ]; then
     mkdir -p "$src" && git -C "$SRC" archive "$commit" src include | tar -x -C "$src" || die "cannot export $commit from $SRC"
+  elif [ -n "${QUANTCPP_GIT:-}" ]; then
+    git clone -q "$QUANTCPP_GIT" "$src" || die "git clone $QUANTCPP_GIT failed"
+    git -C "$src" checkout -q "$commit" || die "commit $commit not found in $QUANTCPP_GIT"
   else
-    git clone -q https://github.com/zetta-app/quant.cpp "$src" || die "git clone failed"
-    git -C "$src" checkout -q "$commit" || die "commit $commit not found"
+    die "no quant.cpp sources: set SRC=PATH (a checkout of the quant.cpp repository holding commit $commit) or QUANTCPP_GIT=URL (its git remote)"
   fi
 fi
 command -v gcc >/dev/null || die "gcc not found"
