@@ -807,7 +807,7 @@ KVPQ_API kvpq_status kvpq_alloc_mckp(int n_groups, int n_choices, const double *
 KVPQ_API kvpq_status kvpq_vq_cache_bytes(const kvpq_codebook *cb, const kvpq_cache_params *p, int len, int step,
                                          size_t *layer_bytes, size_t *fixed_bytes, int64_t *elements);
 
-/* ---- CUDA ----------------------------------------------------------------------------------- */
+/* ---- CUDA: the device-pointer layer ------------------------------------------------------------- */
 /*
  * Device-pointer API (docs/CUDA.md). Every function below exists in every build; without CUDA, or
  * without a usable GPU, they fail with KVPQ_ERR_NO_DEVICE naming why. Pointers documented as
