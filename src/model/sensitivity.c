@@ -127,7 +127,9 @@ static kvpq_status window_errors(const mixed_attn *a, int n, int pos0, int first
                 for (int d = 0; d < hd; d++) s += (double)qi[d] * kj[d];
                 sa[j] = s * scale;
                 if (sa[j] > mx) mx = sa[j];
-                if (j >= cs && j < ce) {
+                if (j >= cs && j < ce && !a->kr) {
+                    sb[j] = sa[j]; /* exact keys (the values' measurement): the same sum */
+                } else if (j >= cs && j < ce) {
                     const float *kr = kb_ + (size_t)j * row + (size_t)kvh * hd;
                     double t = 0;
                     for (int d = 0; d < hd; d++) t += (double)qi[d] * kr[d];
