@@ -11,6 +11,7 @@
 #include "kvpq_model.h"
 
 #define MODEL_PATH KVPQ_SOURCE_DIR "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define GEMMA_PATH KVPQ_SOURCE_DIR "/models/gemma-3-270m-Q4_K_M.gguf" /* sliding window, Q4_K / Q6_K */
 #define N_SEQ 3
 #define N_DECODE 16
 
@@ -32,20 +33,18 @@ static const char *prompts[N_SEQ] = {
 static kvpq_model *g_model;
 static kvpq_model_info g_info;
 
-static int model_present(void) {
-    FILE *f = fopen(MODEL_PATH, "rb");
-    if (f) fclose(f);
-    return f != NULL;
-}
-
-static void load(const char *act) {
-    if (!model_present()) cr_skip_test("model %s missing (run scripts/fetch_model.sh)", MODEL_PATH);
+static void load_path(const char *path, const char *act) {
+    FILE *f = fopen(path, "rb");
+    if (!f) cr_skip_test("model %s missing (run scripts/fetch_model.sh)", path);
+    fclose(f);
     setenv("KVPQ_ACT", act, 1);
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = 2;
-    cr_assert_eq(kvpq_model_load(&g_model, MODEL_PATH, &mp), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_model_load(&g_model, path, &mp), KVPQ_OK, "%s", kvpq_last_error());
     kvpq_model_get_info(g_model, &g_info);
 }
+
+static void load(const char *act) { load_path(MODEL_PATH, act); }
 
 static void unload(void) {
     kvpq_model_free(g_model);
@@ -148,6 +147,15 @@ Test(model_batch, equals_each_sequence_alone_compressed_caches) {
 Test(model_batch, close_to_each_sequence_alone_f32_activations) {
     load("f32");
     batch_equals_single(KVPQ_CACHE_FP32, F32_REL_TOL);
+    unload();
+}
+
+/* Gemma 3: sliding-window layers (their own rope base, a windowed cache), query/key norms, Q4_K
+ * and Q6_K weights. */
+Test(model_batch, equals_each_sequence_alone_gemma3) {
+    load_path(GEMMA_PATH, "auto");
+    cr_assert_gt(g_info.n_swa_layers, 0);
+    batch_equals_single(KVPQ_CACHE_FP32, 0);
     unload();
 }
 
