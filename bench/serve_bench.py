@@ -1,14 +1,19 @@
 """`kvpq serve` throughput and memory (a first look; the issue-35 benchmark beside llama-server is not
 done yet): for each cache SPEC, start a server, then
-  - aggregate decode tok/s with --clients concurrent clients (default 1, 4, 8; each asks for --tokens
-    tokens, greedy, its own prompt, --parallel 8): completion tokens (the server's /metrics counter)
-    over the wall time of the round, prompts included (short: ~30 tokens each);
+  - with --clients concurrent clients (default 1, 4, 8; each asks for --tokens tokens, greedy, its
+    own short prompt, --parallel 8), three figures: completion tokens over the wall time of the round
+    (prompts included: ~30-40 tokens each with the template's system message); decode tok/s, the
+    server's own counters (/metrics: completion tokens over kvpq_decode_seconds_total, the engine's
+    time stepping decoding sequences); and the server's CPU milliseconds per completion token (user +
+    system, all threads; robust to other jobs on a shared machine, which change the wall time far
+    more than the work done);
   - the resident KV bytes per conversation after --tokens-long positions (/metrics).
 --bin may name several servers, LABEL=PATH,LABEL=PATH (e.g. before=/tmp/base/kvpq,after=build/kvpq):
-then each is started in turn, --repeats times, alternating (ABAB...), and the table gives the median
-rate of each and the ratio of each to the first, so that a loaded machine's drift hits both alike.
+then each is started in turn, --repeats times, alternating (AB BA AB ...), and the tables give the
+median of each and the ratio of each rate to the first server's, so that a loaded machine's drift
+hits both alike.
 Usage: python3 bench/serve_bench.py [--bin ...] [--model M] [--caches fp32,q8_0,kivi2] [--threads 2]
-Needs the openai package. Prints one markdown table.
+Needs the openai package. Prints markdown tables.
 """
 import argparse
 import os
@@ -43,10 +48,9 @@ def cpu_seconds(pid):
 
 
 def round_tok_s(url, n_clients, tokens, tag, pid=None):
-    """Aggregate tok/s and the server's CPU milliseconds per completion token (robust to other jobs
-    on the machine, which change the wall time far more than the work done)."""
+    """(tok/s with prompts, decode tok/s by /metrics, server CPU-ms per completion token) of a round."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    before = metrics(url)["kvpq_completion_tokens_total"]
+    m0 = metrics(url)
     c0 = cpu_seconds(pid) if pid else 0
 
     def one(i):
@@ -60,8 +64,10 @@ def round_tok_s(url, n_clients, tokens, tag, pid=None):
     for t in ts:
         t.join()
     dt = time.perf_counter() - t0
-    n_tok = metrics(url)["kvpq_completion_tokens_total"] - before
-    return n_tok / dt, ((cpu_seconds(pid) - c0) * 1e3 / n_tok if pid else 0)
+    m1 = metrics(url)
+    n_tok = m1["kvpq_completion_tokens_total"] - m0["kvpq_completion_tokens_total"]
+    dec = m1["kvpq_decode_seconds_total"] - m0["kvpq_decode_seconds_total"]
+    return n_tok / dt, n_tok / dec, ((cpu_seconds(pid) - c0) * 1e3 / n_tok if pid else 0)
 
 
 def resident_per_conversation(url, n_pos):
@@ -103,26 +109,34 @@ def main():
     print(f"model {Path(a.model).name}, threads {a.threads}, --parallel {a.parallel}, {a.tokens} tokens per client, "
           f"greedy, median of {a.repeats} (servers alternating), load average {os.getloadavg()[0]:.1f} at start\n")
     cols = " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in clients)
-    print(f"| server | cache | tok/s (server CPU-ms per token): {cols} | resident KV bytes of one conversation (positions) |")
-    print("|---|---|" + "---|" * len(clients) + "---|")
+    measures = ["tok/s, prompts included", "decode tok/s (/metrics)", "server CPU-ms per token"]
+    print(f"| server | cache | measure | {cols} |")
+    print("|---|---|---|" + "---|" * len(clients))
+    mem = {}
     for cache in a.caches.split(","):
         got = {label: [] for label, _ in bins}
-        mem = {}
         for rep in range(a.repeats):
             order = bins if rep % 2 == 0 else bins[::-1]
             for label, path in order:
                 rates, res, pos = run_server(path, a, cache, clients, rep)
                 got[label].append(rates)
-                mem[label] = (res, pos)
+                mem[(label, cache)] = (res, pos)
+
         def med(label, k, i):
             return statistics.median(r[k][i] for r in got[label])
 
-        base = [med(bins[0][0], k, 0) for k in range(len(clients))]
-        for label, _ in bins:
-            cells = " | ".join(f"{med(label, k, 0):.1f}" + (f" = {med(label, k, 0) / base[k]:.2f}x" if label != bins[0][0] else "")
-                               + f" ({med(label, k, 1):.1f})" for k in range(len(clients)))
-            res, pos = mem[label]
-            print(f"| {label} | {cache} | {cells} | {res:.0f} ({pos:.0f}) |", flush=True)
+        for i, what in enumerate(measures):
+            for label, _ in bins:
+                cells = []
+                for k in range(len(clients)):
+                    v, b = med(label, k, i), med(bins[0][0], k, i)
+                    ratio = f" = {v / b:.2f}x" if label != bins[0][0] and i < 2 else ""
+                    cells.append(f"{v:.1f}{ratio}")
+                print(f"| {label} | {cache} | {what} | " + " | ".join(cells) + " |", flush=True)
+    if a.tokens_long > 0:
+        print("\n| server | cache | resident KV bytes of one conversation (positions) |\n|---|---|---|")
+        for (label, cache), (res, pos) in mem.items():
+            print(f"| {label} | {cache} | {res:.0f} ({pos:.0f}) |")
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 
 
