@@ -122,9 +122,9 @@ KVPQ_API kvpq_status kvpq_model_eval_query_absmax(kvpq_model *m, kvpq_cache *cac
 /* Several sequences in one forward pass: sequence i's n_tokens[i] tokens tokens[i] run at positions
  * L_i .. L_i + n_tokens[i] - 1 of its own cache caches[i] (L_i = kvpq_cache_seq_len(caches[i], 0)),
  * appending their K/V there, and logits row i, (n_seq, n_vocab) floats, gets the logits of sequence
- * i's last token. The weight matrices meet the rows of all sequences together (each matrix is read
- * once per step for all of them: a decode step of n_seq sequences costs about one matrix pass, not
- * n_seq); RoPE, attention and the cache appends are each sequence's own. Each sequence's tokens are
+ * i's last token. The weight matrices meet the rows of all sequences together (the 8-bit kernels
+ * pass over a matrix once per 4 rows: a decode step of 8 sequences reads the weights twice, not 8
+ * times); RoPE, attention and the cache appends are each sequence's own. Each sequence's tokens are
  * cut into steps of 512 as kvpq_model_eval cuts them, and its rows take the path (8-bit or float32
  * activations, KVPQ_ACT) that its own kvpq_model_eval would take: rows of fewer than 32 tokens per
  * sequence (decode) and longer ones are never in one step. So a sequence's logits and cache equal
