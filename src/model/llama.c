@@ -607,6 +607,7 @@ typedef struct {
     int n_seg;
     int n;  /* rows: the segments' sum */
     int q8; /* the layer matrices take 8-bit activations (act_q8 of the rows one segment has) */
+    int cpu; /* every segment's cache runs on the CPU: their attention may run side by side */
 } eval_step;
 
 /* Every segment's rows checked finite (check_rows_finite, named by the segment's positions). */
@@ -654,20 +655,42 @@ static void hook_qk(const kvpq_model *m, const eval_step *st, int l, const kvpq_
     }
 }
 
-/* Each segment's keys and values appended to its cache, and its queries attended (m->att). */
-static kvpq_status attend_step(kvpq_model *m, const eval_step *st, int l, const kvpq__eval_hook *hook) {
+/* Segment i's keys and values appended to its cache, its queries attended (m->att). */
+static kvpq_status attend_segment(kvpq_model *m, const eval_step *st, int i, int l, const kvpq__eval_hook *hook) {
     const int hd = m->info.head_dim, Q = m->info.n_head * hd, KV = m->info.n_head_kv * hd;
+    const eval_seg *g = &st->seg[i];
+    const float *k = m->k + (size_t)g->r0 * KV, *v = m->v + (size_t)g->r0 * KV, *q = m->q + (size_t)g->r0 * Q;
+    float *att = m->att + (size_t)g->r0 * Q;
+    if (!hook || !hook->attend || l != hook->attend_layer) return kvpq_cache_append_attend(g->cache, l, g->n, k, v, q, att);
+    KVPQ_TRY(kvpq_cache_append(g->cache, l, g->n, k, v));
+    return hook->attend(hook->user, l, g->n, g->pos0, q, att);
+}
+
+/* Every segment's attention. Several segments of CPU caches run side by side, one OpenMP region for
+ * all of them (one per sequence and layer cost a thread wake-up each: 240 per step of 8 sequences
+ * of a 30-layer model); each cache's own region then runs on its thread alone. Its work split does
+ * not depend on the threads that run it (cache_attend.c sizes it by the thread count setting), so
+ * the results are those of the segment alone. On errors, the first segment's is reported. */
+static kvpq_status attend_step(kvpq_model *m, const eval_step *st, int l, const kvpq__eval_hook *hook) {
     kvpq_status s = KVPQ_OK;
-    for (int i = 0; i < st->n_seg && s == KVPQ_OK; i++) {
-        const eval_seg *g = &st->seg[i];
-        const float *k = m->k + (size_t)g->r0 * KV, *v = m->v + (size_t)g->r0 * KV, *q = m->q + (size_t)g->r0 * Q;
-        float *att = m->att + (size_t)g->r0 * Q;
-        if (hook && hook->attend && l == hook->attend_layer) {
-            s = kvpq_cache_append(g->cache, l, g->n, k, v);
-            if (s == KVPQ_OK) s = hook->attend(hook->user, l, g->n, g->pos0, q, att);
-        } else {
-            s = kvpq_cache_append_attend(g->cache, l, g->n, k, v, q, att);
+    if (st->n_seg > 1 && st->cpu && !hook) {
+        int first = st->n_seg;
+        char msg[1024] = "";
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int i = 0; i < st->n_seg; i++) {
+            kvpq_status si = attend_segment(m, st, i, l, hook);
+            if (si != KVPQ_OK) {
+#pragma omp critical(kvpq_attend_step)
+                if (i < first) {
+                    first = i;
+                    s = si;
+                    snprintf(msg, sizeof msg, "%s", kvpq_last_error());
+                }
+            }
         }
+        if (s != KVPQ_OK) kvpq__err(s, "%s", msg);
+    } else {
+        for (int i = 0; i < st->n_seg && s == KVPQ_OK; i++) s = attend_segment(m, st, i, l, hook);
     }
     if (s != KVPQ_OK) kvpq__err_prefix("layer %d", l);
     return s;
@@ -801,15 +824,15 @@ static kvpq_status eval_step_run(kvpq_model *m, const eval_step *st, int rows_fr
 static kvpq_status eval_one(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0, int rows_from,
                             float *rows_logits, float *logits, const kvpq__eval_hook *hook) {
     eval_seg g = {cache, tokens, 0, n, pos0, logits};
-    eval_step st = {&g, 1, n, act_q8(m, n)};
+    eval_step st = {&g, 1, n, act_q8(m, n), 0};
     return eval_step_run(m, &st, rows_from, rows_logits, hook);
 }
 
 /* ---- evaluation calls ----------------------------------------------------------------------- */
 
 /* A cache fits the model: n_layer, heads, head_dim, sliding window; its layers hold one length,
- * *len; n more positions fit n_ctx_train and the cache's max_seq. */
-static kvpq_status check_cache(const kvpq_model *m, kvpq_cache *cache, int n, int *len) {
+ * *len; n more positions fit n_ctx_train and the cache's max_seq. *backend (may be NULL): where it runs. */
+static kvpq_status check_cache(const kvpq_model *m, kvpq_cache *cache, int n, int *len, kvpq_backend *backend) {
     const kvpq_model_info *in = &m->info;
     kvpq_cache_params cache_params;
     KVPQ_TRY(kvpq_cache_get_params(cache, &cache_params));
@@ -842,6 +865,7 @@ static kvpq_status check_cache(const kvpq_model *m, kvpq_cache *cache, int n, in
         return kvpq__err(KVPQ_ERR_CAPACITY, "context of %lld tokens exceeds the cache's max_seq %d", (long long)L + n,
                          cp->max_seq);
     *len = L;
+    if (backend) *backend = cp->backend;
     return KVPQ_OK;
 }
 
@@ -877,7 +901,7 @@ static kvpq_status model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *t
     if (!m || !cache || !tokens || !logits) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: NULL argument");
     if (n < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: n = %d tokens, expected >= 1", n);
     int L = 0;
-    KVPQ_TRY(check_cache(m, cache, n, &L));
+    KVPQ_TRY(check_cache(m, cache, n, &L, NULL));
     KVPQ_TRY(check_tokens(m, tokens, n));
     const int V = m->info.n_vocab, saved = threads_enter(m);
     kvpq_status s = KVPQ_OK;
@@ -905,9 +929,11 @@ kvpq_status kvpq_model_eval_query_absmax(kvpq_model *m, kvpq_cache *cache, const
     return model_eval(m, cache, tokens, n, logits_all, logits, q_absmax);
 }
 
-/* kvpq_model_eval_batch's arguments, each sequence's cache length into len. */
+/* kvpq_model_eval_batch's arguments, each sequence's cache length into len; *cpu: every cache runs
+ * on the CPU. */
 static kvpq_status check_batch(const kvpq_model *m, int n_seq, kvpq_cache *const *caches, const int32_t *const *tokens,
-                               const int *n_tokens, int *len) {
+                               const int *n_tokens, int *len, int *cpu) {
+    *cpu = 1;
     for (int i = 0; i < n_seq; i++) {
         if (!caches[i] || !tokens[i])
             return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval_batch: sequence %d: NULL %s", i,
@@ -918,7 +944,9 @@ static kvpq_status check_batch(const kvpq_model *m, int n_seq, kvpq_cache *const
         for (int j = 0; j < i; j++)
             if (caches[j] == caches[i])
                 return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval_batch: sequences %d and %d share one cache", j, i);
-        kvpq_status s = check_cache(m, caches[i], n_tokens[i], &len[i]);
+        kvpq_backend b = KVPQ_BACKEND_CPU;
+        kvpq_status s = check_cache(m, caches[i], n_tokens[i], &len[i], &b);
+        *cpu &= b == KVPQ_BACKEND_CPU;
         if (s == KVPQ_OK) s = check_tokens(m, tokens[i], n_tokens[i]);
         if (s != KVPQ_OK) {
             kvpq__err_prefix("kvpq_model_eval_batch: sequence %d", i);
@@ -933,8 +961,8 @@ static kvpq_status check_batch(const kvpq_model *m, int n_seq, kvpq_cache *const
  * its rows), while the rows fit LLAMA_BLOCK. Chunks of the two classes never share a step, so every
  * row takes the matrices' path its own kvpq_model_eval would take. Returns the segments' count. */
 static int plan_step(const kvpq_model *m, int n_seq, kvpq_cache *const *caches, const int32_t *const *tokens,
-                     const int *n_tokens, float *logits, const int *len, int *done, int small, eval_seg *seg,
-                     eval_step *st) {
+                     const int *n_tokens, float *logits, const int *len, int *done, int small, int cpu,
+                     eval_seg *seg, eval_step *st) {
     int k = 0, rows = 0;
     for (int i = 0; i < n_seq; i++) {
         const int left = n_tokens[i] - done[i], nb = left < LLAMA_BLOCK ? left : LLAMA_BLOCK;
@@ -944,7 +972,7 @@ static int plan_step(const kvpq_model *m, int n_seq, kvpq_cache *const *caches, 
         rows += nb;
         done[i] += nb;
     }
-    *st = (eval_step){seg, k, rows, small};
+    *st = (eval_step){seg, k, rows, small, cpu};
     return k;
 }
 
@@ -962,14 +990,15 @@ kvpq_status kvpq_model_eval_batch(kvpq_model *m, int n_seq, kvpq_cache *const *c
     }
     int *done = len + n_seq;
     memset(done, 0, sizeof(int) * (size_t)n_seq);
-    kvpq_status s = check_batch(m, n_seq, caches, tokens, n_tokens, len);
+    int cpu = 0;
+    kvpq_status s = check_batch(m, n_seq, caches, tokens, n_tokens, len, &cpu);
     if (s == KVPQ_OK) {
         const int saved = threads_enter(m);
         eval_step st;
         for (int more = 1; more && s == KVPQ_OK;) {
             more = 0;
             for (int small = 1; small >= 0 && s == KVPQ_OK; small--)
-                if (plan_step(m, n_seq, caches, tokens, n_tokens, logits, len, done, small, seg, &st)) {
+                if (plan_step(m, n_seq, caches, tokens, n_tokens, logits, len, done, small, cpu, seg, &st)) {
                     s = eval_step_run(m, &st, 0, NULL, NULL);
                     more = 1;
                 }
