@@ -51,17 +51,19 @@ static void unload(void) {
     g_model = NULL;
 }
 
-static kvpq_cache *new_cache(kvpq_cache_type type, int max_seq) {
+static kvpq_cache *new_cache_threads(kvpq_cache_type type, int max_seq, int n_threads) {
     kvpq_cache_params cp = kvpq_cache_params_default();
     cp.type = type;
     cr_assert_eq(kvpq_model_cache_params(g_model, &cp), KVPQ_OK);
     cp.max_seq = max_seq;
-    cp.n_threads = 2;
+    cp.n_threads = n_threads;
     cp.backend = KVPQ_BACKEND_CPU;
     kvpq_cache *c = NULL;
     cr_assert_eq(kvpq_cache_new(&c, &cp), KVPQ_OK, "cache_new %s: %s", kvpq_cache_type_name(type), kvpq_last_error());
     return c;
 }
+
+static kvpq_cache *new_cache(kvpq_cache_type type, int max_seq) { return new_cache_threads(type, max_seq, 2); }
 
 static int32_t *tokenize(const char *text, int *n) {
     size_t nt = 0;
@@ -185,6 +187,46 @@ Test(model_batch, more_rows_than_one_step) {
     }
     free(a);
     free(b);
+    free(lb);
+    free(ls);
+    unload();
+}
+
+/* Long contexts (> 512 positions: the cache's attention splits a decode row's positions among the
+ * threads) and caches with n_threads 0 (OpenMP's count): the segments' attention runs side by side,
+ * each on one thread, and its split must still be the one the sequence gets alone. */
+Test(model_batch, long_contexts_split_attention_as_alone) {
+    load("auto");
+    const int V = g_info.n_vocab, n_long = 600, n_seq = 3;
+    kvpq_cache *cb[3], *cs[3];
+    int32_t *tok[3], last[3];
+    const int32_t *tp[3];
+    int n[3];
+    float *lb = malloc((size_t)n_seq * V * sizeof *lb), *ls = malloc((size_t)V * sizeof *ls);
+    for (int i = 0; i < n_seq; i++) {
+        tok[i] = malloc(n_long * sizeof *tok[i]);
+        for (int t = 0; t < n_long; t++) tok[i][t] = (int32_t)((t * 7919 + 131 * i + 13) % V);
+        cb[i] = new_cache_threads(KVPQ_CACHE_FP32, 1024, 0);
+        cs[i] = new_cache_threads(KVPQ_CACHE_FP32, 1024, 0);
+        cr_assert_eq(kvpq_model_eval(g_model, cb[i], tok[i], n_long - 8 * i, 0, ls), KVPQ_OK);
+        cr_assert_eq(kvpq_model_eval(g_model, cs[i], tok[i], n_long - 8 * i, 0, ls), KVPQ_OK);
+        last[i] = tok[i][0];
+        tp[i] = &last[i];
+        n[i] = 1;
+    }
+    for (int step = 0; step < 4; step++) {
+        cr_assert_eq(kvpq_model_eval_batch(g_model, n_seq, cb, tp, n, lb), KVPQ_OK, "%s", kvpq_last_error());
+        for (int i = 0; i < n_seq; i++) {
+            cr_assert_eq(kvpq_model_eval(g_model, cs[i], tp[i], 1, 0, ls), KVPQ_OK);
+            cr_expect_eq(rel_maxdiff(lb + (size_t)i * V, ls, (size_t)V), 0, "step %d, sequence %d", step, i);
+            last[i] = argmax(ls, V);
+        }
+    }
+    for (int i = 0; i < n_seq; i++) {
+        kvpq_cache_free(cb[i]);
+        kvpq_cache_free(cs[i]);
+        free(tok[i]);
+    }
     free(lb);
     free(ls);
     unload();
