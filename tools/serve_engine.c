@@ -2,9 +2,9 @@
  * is rendered and tokenized (a prompt longer than the context fails here, before any work), then
  * waits for one of --parallel sequence slots. Every round takes each active sequence's next tokens,
  * a prompt chunk of up to PREFILL_CHUNK tokens or the one token it just sampled, and evaluates all of
- * them in one kvpq_model_eval_batch: the weights are read once per round for every decoding
- * sequence, and a long prompt does not stall the others for more than a chunk. The model is used by
- * this thread only. */
+ * them in one kvpq_model_eval_batch: the weight matrices take every sequence's rows together, and a
+ * long prompt does not stall the others for more than a chunk. The model is used by this thread
+ * only. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
