@@ -755,17 +755,22 @@ static kvpq_status layer_ffn(kvpq_model *m, const eval_step *st, int l) {
     return check_step_finite(st, m->x, E, "the residual stream after the FFN", l);
 }
 
-/* logits (n, n_vocab) of the n rows of x: output norm, output matrix (8-bit activations as act_q8
- * of n rows), soft cap; pos0: the first row's position, for the finite check. */
-static kvpq_status logits_rows(kvpq_model *m, const float *x, int n, int pos0, float *logits) {
+/* logits (n, n_vocab) of the n rows of x: output norm, output matrix (8-bit activations if q8), soft cap. */
+static void output_rows(kvpq_model *m, int q8, const float *x, int n, float *logits) {
     const kvpq_model_info *in = &m->info;
     rmsnorm(n, in->n_embd, x, m->output_norm, in->rms_eps, m->xb);
-    project(act_q8(m, n), m->output, n, m->xb, logits);
+    project(q8, m->output, n, m->xb, logits);
     if (m->logit_softcap > 0) {
         const float c = m->logit_softcap;
         for (size_t i = 0; i < (size_t)n * in->n_vocab; i++) logits[i] = c * tanhf(logits[i] / c);
     }
-    return check_rows_finite(logits, n, in->n_vocab, pos0, "the logits", -1);
+}
+
+/* output_rows of n rows of one sequence (8-bit activations as act_q8 of n rows), checked finite;
+ * pos0: the first row's position. */
+static kvpq_status logits_rows(kvpq_model *m, const float *x, int n, int pos0, float *logits) {
+    output_rows(m, act_q8(m, n), x, n, logits);
+    return check_rows_finite(logits, n, m->info.n_vocab, pos0, "the logits", -1);
 }
 
 /* Each segment's last-row logits (seg.logits), one output projection per run of segments whose
@@ -784,12 +789,7 @@ static kvpq_status segment_logits(kvpq_model *m, const eval_step *st) {
         while (j < st->n_seg && st->seg[j].logits == st->seg[j - 1].logits + V) j++;
         for (int k = i; k < j; k++) /* row r0+n-1 >= k - i: moving rows down never overwrites one still to move */
             memmove(m->x + (size_t)(k - i) * E, m->x + (size_t)(st->seg[k].r0 + st->seg[k].n - 1) * E, sizeof(float) * E);
-        rmsnorm(j - i, E, m->x, m->output_norm, in->rms_eps, m->xb);
-        project(act_q8(m, 1), m->output, j - i, m->xb, st->seg[i].logits);
-        if (m->logit_softcap > 0) {
-            const float c = m->logit_softcap;
-            for (size_t r = 0; r < (size_t)(j - i) * V; r++) st->seg[i].logits[r] = c * tanhf(st->seg[i].logits[r] / c);
-        }
+        output_rows(m, act_q8(m, 1), m->x, j - i, st->seg[i].logits);
         for (int k = i; k < j; k++)
             KVPQ_TRY(check_rows_finite(st->seg[k].logits, 1, V, st->seg[k].pos0 + st->seg[k].n - 1, "the logits", -1));
         i = j;
