@@ -114,6 +114,27 @@ KVPQ_API unsigned kvpq_token_attr(const kvpq_model *m, int32_t token);
 KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n,
                                      int logits_all, float *logits);
 
+/* Several sequences in one forward pass: sequence i's n_tokens[i] tokens tokens[i] run at positions
+ * L_i .. L_i + n_tokens[i] - 1 of its own cache caches[i] (L_i = kvpq_cache_seq_len(caches[i], 0)),
+ * appending their K/V there, and logits row i, (n_seq, n_vocab) floats, gets the logits of sequence
+ * i's last token. The weight matrices meet the rows of all sequences together (the 8-bit kernels
+ * pass over a matrix once per 4 rows: a decode step of 8 sequences reads the weights twice, not 8
+ * times); RoPE, attention and the cache appends are each sequence's own. Each sequence's tokens are
+ * cut into steps of 512 as kvpq_model_eval cuts them, and its rows take the path (8-bit or float32
+ * activations, KVPQ_ACT) that its own kvpq_model_eval would take: rows of fewer than 32 tokens per
+ * sequence (decode) and longer ones are never in one step. So a sequence's logits and cache equal
+ * those of kvpq_model_eval(m, caches[i], tokens[i], n_tokens[i], 0, row i) up to the summation
+ * order of the batched float32 kernels (with the default 8-bit activations of decode steps: the same
+ * bits; tests/test_model_batch.c). Each cache must fit the model as kvpq_model_eval asks, and no
+ * two sequences may share a cache. Errors (nothing evaluated; the message names the sequence):
+ * n_seq < 1, a NULL argument, cache or tokens, n_tokens[i] < 1, a token id out of range, two
+ * sequences with one cache (KVPQ_ERR_INVALID_ARG); a cache of another shape or sliding window
+ * (KVPQ_ERR_MISMATCH); L_i + n_tokens[i] beyond n_ctx_train or the cache's max_seq
+ * (KVPQ_ERR_CAPACITY); KVPQ_ERR_NOMEM. An error during the pass (a non-finite value, a cache
+ * append) truncates every cache back to its L_i. One model serves one eval at a time. */
+KVPQ_API kvpq_status kvpq_model_eval_batch(kvpq_model *m, int n_seq, kvpq_cache *const *caches,
+                                           const int32_t *const *tokens, const int *n_tokens, float *logits);
+
 /* ---- calibration: codebooks from a model's own keys and values (docs/allocation.md) ---------- */
 
 /* One codebook's recipe: the options of `kvpq calibrate` that shape one codebook. */

@@ -640,7 +640,7 @@ static void q8_bounds(uint32_t type, const uint8_t *w, int64_t n_rows, int64_t n
 Test(ggml_types, q8_matmul_matches_ref_and_f32) {
     kvpq_simd_level best = kvpq_simd_get();
     int64_t shapes[][2] = {{1, 96}, {17, 576}, {33, 1536}};
-    int64_t toks[] = {1, 2, 5, 9};
+    int64_t toks[] = {1, 2, 3, 5, 7, 9};
     for (int lvl = 0; lvl <= (int)best; lvl++) {
         cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lvl), KVPQ_OK);
         for (size_t ti = 0; ti < sizeof q8_types / sizeof q8_types[0]; ti++) {
@@ -672,6 +672,11 @@ Test(ggml_types, q8_matmul_matches_ref_and_f32) {
                                       kvpq_simd_name((kvpq_simd_level)lvl), ggml_type_name(type), (long long)t,
                                       (long long)r, y, yf, er[r]);
                         }
+                        /* the same bits as the token alone (kvpq_model_eval_batch relies on it) */
+                        cr_assert(ggml_matmul_q8(type, w, n_rows, n, 1, X + t * n, Yr));
+                        cr_assert(!memcmp(Yr, Y + t * n_rows, (size_t)n_rows * 4), "%s %s q8 n_tok %lld: token %lld "
+                                  "differs from the token alone", kvpq_simd_name((kvpq_simd_level)lvl),
+                                  ggml_type_name(type), (long long)nt, (long long)t);
                     }
                     free(X);
                     free(Y);

@@ -2,7 +2,8 @@
  *   cmd_serve.c    options, start, signals, shutdown
  *   serve_http.c   libmicrohttpd glue: bodies, routes, auth, responses, server-sent events
  *   serve_api.c    OpenAI JSON: request bodies -> jobs (checked), jobs -> responses, error objects
- *   serve_engine.c the one thread that runs the model: jobs in, sequences stepped round-robin
+ *   serve_engine.c the one thread that runs the model: jobs in, all sequences stepped in one batched
+ *                  forward pass per round
  *   serve_conv.c   conversations: per-conversation caches keyed by their tokens, LRU eviction to disk
  * Threads: libmicrohttpd runs one thread per connection; they parse, submit a job and wait on it.
  * Only the engine thread touches the model and the caches. One mutex (serve_server.mu) guards the

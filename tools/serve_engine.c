@@ -1,9 +1,10 @@
 /* serve_engine.c — the one thread of `kvpq serve` that runs the model. Jobs arrive on a queue; each
  * is rendered and tokenized (a prompt longer than the context fails here, before any work), then
- * waits for one of --parallel sequence slots. Every round steps each active sequence once: a prompt
- * chunk of up to PREFILL_CHUNK tokens, or one decoded token; so a long prompt does not stall the
- * others for more than a chunk. (One batched forward for all sequences is not done yet: each
- * sequence runs its own kvpq_model_eval.) The model is used by this thread only. */
+ * waits for one of --parallel sequence slots. Every round takes each active sequence's next tokens,
+ * a prompt chunk of up to PREFILL_CHUNK tokens or the one token it just sampled, and evaluates all of
+ * them in one kvpq_model_eval_batch: the weight matrices take every sequence's rows together, and a
+ * long prompt does not stall the others for more than a chunk. The model is used by this thread
+ * only. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,12 @@ typedef struct {
     float *logits;   /* (n_vocab) of the last evaluated token */
     cli_rng rng;
     long n_out, limit;
+    /* this round's tokens (round_tokens): a prompt chunk, or the sampled token */
+    const int32_t *row; /* (n_row) */
+    int n_row;
+    int32_t sampled;
+    int decoding;    /* the row is a sampled token */
+    int stopped;     /* a stop sequence ended the reply with that token */
 } seq_t;
 
 /* A prepared job waiting for a slot, with its prompt tokens. */
@@ -38,6 +45,12 @@ typedef struct {
     wait_item *wait_head, *wait_tail; /* FIFO */
     float *work;     /* (n_vocab) sampling scratch */
     int32_t *idx;    /* (n_vocab) */
+    /* one round's batch (run_round), (parallel) each */
+    int *slot;                 /* the active sequences' slots */
+    kvpq_cache **caches;
+    const int32_t **rows;
+    int *n_rows;
+    float *logits;             /* (parallel, n_vocab) */
 } engine_t;
 
 /* ---- job progress (each under sv->mu) ---- */
@@ -193,19 +206,17 @@ static void finish(engine_t *e, seq_t *q, const char *reason) {
     e->n_active--;
 }
 
-/* Evaluate tokens into the conversation's cache; 0, or -1 after finishing the sequence as failed. */
-static int eval(engine_t *e, seq_t *q, const int32_t *t, int n) {
-    kvpq_status s = kvpq_model_eval(e->sv->model, q->conv->cache, t, n, 0, q->logits);
-    if (s == KVPQ_OK && serve_conv_push(q->conv, t, (size_t)n) == 0) return 0;
+/* An evaluation of q's row failed (why: the reason): the cache back to the tokens it held, the
+ * sequence finished as failed. */
+static void eval_failed(engine_t *e, seq_t *q, const char *why) {
     kvpq_cache_truncate(q->conv->cache, (int)q->conv->n);
     char msg[384];
-    snprintf(msg, sizeof msg, "evaluation failed: %s: %s", kvpq_status_string(s), kvpq_last_error());
+    snprintf(msg, sizeof msg, "evaluation failed: %s", why);
     fprintf(stderr, "kvpq serve: %s\n", msg);
     pthread_mutex_lock(&e->sv->mu);
     snprintf(q->job->err_msg, sizeof q->job->err_msg, "%s", msg);
     pthread_mutex_unlock(&e->sv->mu);
     finish(e, q, "error");
-    return -1;
 }
 
 /* ---- generated text: stop sequences and what may be sent ---- */
@@ -255,30 +266,21 @@ static int gen_append_locked(serve_job *j, const char *p, size_t n) {
     return 0;
 }
 
-/* ---- one step of a sequence ---- */
+/* ---- one round: every active sequence's next tokens in one forward pass ---- */
 
 static int is_end(const serve_server *sv, int32_t t) {
     return t == sv->tmpl.end_id || t == sv->mi.eos_id || (kvpq_token_attr(sv->model, t) & KVPQ_TOKEN_ATTR_CONTROL);
 }
 
-static void step_prefill(engine_t *e, seq_t *q) {
-    size_t left = q->n_prompt - q->conv->n;
-    int nb = (int)(left < PREFILL_CHUNK ? left : PREFILL_CHUNK);
-    double t0 = cli_now();
-    if (eval(e, q, q->prompt + q->conv->n, nb)) return;
-    pthread_mutex_lock(&e->sv->mu);
-    e->sv->metrics.prefill_seconds += cli_now() - t0;
-    pthread_mutex_unlock(&e->sv->mu);
-}
-
-static void step_decode(engine_t *e, seq_t *q) {
+/* A decoding sequence samples its next token from its logits and sends its text; 0 when the token
+ * ends the reply (the sequence is finished, nothing to evaluate). */
+static int sample_next(engine_t *e, seq_t *q) {
     serve_server *sv = e->sv;
     serve_job *j = q->job;
-    double t0 = cli_now();
     int32_t t = cli_sample(q->logits, sv->mi.n_vocab, (float)j->temperature, (float)j->top_p, &q->rng, e->work, e->idx);
     if (is_end(sv, t)) {
         finish(e, q, "stop");
-        return;
+        return 0;
     }
     char piece[256];
     size_t len = 0;
@@ -286,27 +288,93 @@ static void step_decode(engine_t *e, seq_t *q) {
     if (len > sizeof piece) len = sizeof piece;
     q->n_out++;
     pthread_mutex_lock(&sv->mu);
-    int stopped = gen_append_locked(j, piece, len);
+    q->stopped = gen_append_locked(j, piece, len);
     pthread_cond_broadcast(&sv->job_cond);
     pthread_mutex_unlock(&sv->mu);
-    /* The sampled token is evaluated even when it ends the reply, so the cache holds the whole reply
-     * as `kvpq chat` holds it and a continuation evaluates only its own new tokens. */
-    if (eval(e, q, &t, 1)) return;
-    pthread_mutex_lock(&sv->mu);
-    sv->metrics.decode_seconds += cli_now() - t0;
-    pthread_mutex_unlock(&sv->mu);
-    if (stopped) finish(e, q, "stop");
-    else if (q->n_out >= q->limit || (long)q->conv->n >= sv->o.ctx) finish(e, q, "length");
+    q->sampled = t;
+    return 1;
 }
 
-static void step(engine_t *e, seq_t *q) {
+/* The tokens q evaluates this round (q->row, q->n_row): its next prompt chunk, or the token it
+ * samples now. The sampled token is evaluated even when it ends the reply by a stop sequence, so
+ * the cache holds the whole reply as `kvpq chat` holds it and a continuation evaluates only its own
+ * new tokens. 0: nothing to evaluate (cancelled or finished). */
+static int round_tokens(engine_t *e, seq_t *q) {
     int cancelled;
     pthread_mutex_lock(&e->sv->mu);
     cancelled = q->job->cancelled;
     pthread_mutex_unlock(&e->sv->mu);
-    if (cancelled) finish(e, q, "cancelled");
-    else if (q->conv->n < q->n_prompt) step_prefill(e, q);
-    else step_decode(e, q);
+    if (cancelled) {
+        finish(e, q, "cancelled");
+        return 0;
+    }
+    q->decoding = q->conv->n >= q->n_prompt;
+    if (!q->decoding) {
+        size_t left = q->n_prompt - q->conv->n;
+        q->row = q->prompt + q->conv->n;
+        q->n_row = (int)(left < PREFILL_CHUNK ? left : PREFILL_CHUNK);
+        return 1;
+    }
+    if (!sample_next(e, q)) return 0;
+    q->row = &q->sampled;
+    q->n_row = 1;
+    return 1;
+}
+
+/* After q's row was evaluated: the conversation records it; a reply ends at a stop sequence,
+ * max_tokens or the context's end. */
+static void round_done(engine_t *e, seq_t *q) {
+    if (serve_conv_push(q->conv, q->row, (size_t)q->n_row)) {
+        eval_failed(e, q, "out of memory");
+        return;
+    }
+    if (!q->decoding) return;
+    if (q->stopped) finish(e, q, "stop");
+    else if (q->n_out >= q->limit || (long)q->conv->n >= e->sv->o.ctx) finish(e, q, "length");
+}
+
+/* The round's sequences (e->slot, k of them) evaluated: all in one kvpq_model_eval_batch, their
+ * logits copied to each sequence. If the batch fails (it changed no cache), each is evaluated alone,
+ * so only the sequence at fault fails. The round's time is split between decode and prefill by rows. */
+static void eval_round(engine_t *e, int k) {
+    serve_server *sv = e->sv;
+    const size_t V = (size_t)sv->mi.n_vocab;
+    int decode_rows = 0, rows = 0;
+    for (int i = 0; i < k; i++) {
+        seq_t *q = &e->seq[e->slot[i]];
+        e->caches[i] = q->conv->cache;
+        e->rows[i] = q->row;
+        e->n_rows[i] = q->n_row;
+        rows += q->n_row;
+        decode_rows += q->decoding;
+    }
+    double t0 = cli_now();
+    kvpq_status s = kvpq_model_eval_batch(sv->model, k, e->caches, e->rows, e->n_rows, e->logits);
+    for (int i = 0; i < k; i++) {
+        seq_t *q = &e->seq[e->slot[i]];
+        kvpq_status si = s;
+        if (s == KVPQ_OK) memcpy(q->logits, e->logits + i * V, V * sizeof *q->logits);
+        else si = kvpq_model_eval(sv->model, q->conv->cache, q->row, q->n_row, 0, q->logits);
+        if (si != KVPQ_OK) {
+            char why[320];
+            snprintf(why, sizeof why, "%s: %s", kvpq_status_string(si), kvpq_last_error());
+            eval_failed(e, q, why);
+        } else {
+            round_done(e, q);
+        }
+    }
+    double dt = cli_now() - t0;
+    pthread_mutex_lock(&sv->mu);
+    sv->metrics.decode_seconds += dt * decode_rows / rows;
+    sv->metrics.prefill_seconds += dt * (rows - decode_rows) / rows;
+    pthread_mutex_unlock(&sv->mu);
+}
+
+static void run_round(engine_t *e) {
+    int k = 0;
+    for (int i = 0; i < e->sv->o.parallel; i++)
+        if (e->seq[i].job && round_tokens(e, &e->seq[i])) e->slot[k++] = i;
+    if (k > 0) eval_round(e, k);
 }
 
 /* ---- the loop ---- */
@@ -381,8 +449,7 @@ static void *engine_main(void *arg) {
     while (wait_for_work(e)) {
         take_incoming(e);
         admit_waiting(e);
-        for (int i = 0; i < e->sv->o.parallel; i++)
-            if (e->seq[i].job) step(e, &e->seq[i]);
+        run_round(e);
         serve_convs_enforce(e->sv->convs);
         update_metrics(e);
     }
@@ -398,7 +465,13 @@ int serve_engine_start(serve_server *sv) {
     e->seq = calloc((size_t)sv->o.parallel, sizeof *e->seq);
     e->work = malloc((size_t)sv->mi.n_vocab * sizeof *e->work);
     e->idx = malloc((size_t)sv->mi.n_vocab * sizeof *e->idx);
-    if (!e->seq || !e->work || !e->idx || pthread_create(&sv->engine, NULL, engine_main, e)) {
+    e->slot = malloc((size_t)sv->o.parallel * sizeof *e->slot);
+    e->caches = malloc((size_t)sv->o.parallel * sizeof *e->caches);
+    e->rows = malloc((size_t)sv->o.parallel * sizeof *e->rows);
+    e->n_rows = malloc((size_t)sv->o.parallel * sizeof *e->n_rows);
+    e->logits = malloc((size_t)sv->o.parallel * sv->mi.n_vocab * sizeof *e->logits);
+    if (!e->seq || !e->work || !e->idx || !e->slot || !e->caches || !e->rows || !e->n_rows || !e->logits ||
+        pthread_create(&sv->engine, NULL, engine_main, e)) {
         fprintf(stderr, "kvpq serve: cannot start the engine thread (out of memory)\n");
         return -1;
     }
@@ -414,4 +487,9 @@ void serve_engine_stop(serve_server *sv) {
     free(g_engine.seq);
     free(g_engine.work);
     free(g_engine.idx);
+    free(g_engine.slot);
+    free(g_engine.caches);
+    free(g_engine.rows);
+    free(g_engine.n_rows);
+    free(g_engine.logits);
 }

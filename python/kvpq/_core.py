@@ -1113,6 +1113,28 @@ class Model:
                                                 int(bool(logits_all)), _ptr(out), _ptr(query_absmax)), "Model.eval")
         return out
 
+    def eval_batch(self, caches: Sequence[Cache], tokens: Sequence[ArrayLike]) -> NDArray[np.float32]:
+        """Several sequences in one forward pass (kvpq_model_eval_batch): tokens[i] (n_i,) int32 run
+        at the positions after those caches[i] holds, appending their K/V there; the weights are
+        read once for all of them. Returns (n_seq, n_vocab) float32, row i the logits of sequence
+        i's last token, equal to Model.eval(caches[i], tokens[i]) (the same bits with the default
+        activations). Each cache at most once."""
+        where = "Model.eval_batch"
+        if len(caches) != len(tokens) or not caches:
+            raise _arg_error(where, f"caches ({len(caches)}) and tokens ({len(tokens)}): expected one or more of each, "
+                                    "as many caches as token arrays")
+        toks = [_array(t, f"tokens[{i}]", where, dtype=np.int32, shape=(None,)) for i, t in enumerate(tokens)]
+        for i, c in enumerate(caches):
+            if not isinstance(c, Cache):
+                raise _arg_error(where, f"caches[{i}]: expected a kvpq.Cache, got {type(c).__name__}")
+        n = len(caches)
+        out = np.empty((n, self.info["n_vocab"]), np.float32)
+        c_caches = ffi.new("kvpq_cache *[]", [c._h for c in caches])
+        c_toks = ffi.new("int32_t *[]", [_ptr(t, "int32_t *") for t in toks])
+        c_n = ffi.new("int[]", [len(t) for t in toks])
+        _check(lib.kvpq_model_eval_batch(self._h, n, c_caches, c_toks, c_n, _ptr(out)), where)
+        return out
+
 
 class Vocab:
     """A GGUF file's tokenizer alone (kvpq_vocab: byte-level BPE)."""

@@ -545,12 +545,21 @@ KVPQ_INLINE void qmm_blocks_T(qb32_fn unpack, size_t bs, int is_signed, int T, c
     }
 }
 
-/* Token rows in tiles of QT, then one at a time. */
+/* Token rows in tiles of QT, the rest (1 to QT - 1 rows) as one tile: each weight block is unpacked
+ * once per tile, so a batched decode step of 2 or 3 sequences reads the weights once, not 2 or 3
+ * times. A token row's sums do not depend on its tile (each row has its own accumulators, summed in
+ * the same order), so a row's result is the same in any tile. */
+_Static_assert(QT == 4, "QMM_TILES' rest covers 1 .. 3 rows");
 #define QMM_TILES(FN, ...)                                                                              \
     do {                                                                                                \
         int64_t t0_ = 0;                                                                                \
         for (; t0_ + QT <= n_tok; t0_ += QT) FN(__VA_ARGS__, QT, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy); \
-        for (; t0_ < n_tok; t0_++) FN(__VA_ARGS__, 1, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy);  \
+        switch (n_tok - t0_) {                                                                          \
+        case 3: FN(__VA_ARGS__, 3, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy); break;              \
+        case 2: FN(__VA_ARGS__, 2, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy); break;              \
+        case 1: FN(__VA_ARGS__, 1, W_, rb, n_rows, n, X + t0_, Y + t0_ * ldy, ldy); break;              \
+        default: break;                                                                                 \
+        }                                                                                               \
     } while (0)
 
 #define QMATMUL_BLOCKS(TYPE, BLOCK, SIGNED)                                                                      \

@@ -539,10 +539,14 @@ static void add_bias(int n, int dim, const float *b, float *x) {
         for (int i = 0; i < dim; i++) x[t * dim + i] += b[i];
 }
 
-/* Y (n, rows) = X (n, cols) @ W^T: 8-bit activations where m->act asks for them and the type has
- * kernels, else float32 (matvec for one token, the batched kernel otherwise). */
-static void project(const kvpq_model *m, const gguf_tensor *W, int n, const float *X, float *Y) {
-    const int q8 = m->act == ACT_Q8 || (m->act == ACT_AUTO && n < GGML_MATMUL_BLAS_MIN_TOK);
+/* Whether n rows of one sequence meet the matrices as 8-bit activations (KVPQ_ACT; see act_mode). */
+static int act_q8(const kvpq_model *m, int n) {
+    return m->act == ACT_Q8 || (m->act == ACT_AUTO && n < GGML_MATMUL_BLAS_MIN_TOK);
+}
+
+/* Y (n, rows) = X (n, cols) @ W^T: 8-bit activations when q8 (act_q8) and the type has kernels,
+ * else float32 (matvec for one row, the batched kernel otherwise). */
+static void project(int q8, const gguf_tensor *W, int n, const float *X, float *Y) {
     if (q8 && ggml_matmul_q8(W->type, W->data, W->ne[1], W->ne[0], n, X, Y)) return;
     if (n == 1)
         ggml_matvec(W->type, W->data, W->ne[1], W->ne[0], X, Y);
@@ -552,11 +556,9 @@ static void project(const kvpq_model *m, const gguf_tensor *W, int n, const floa
 
 /* Several projections of the same input X (n, cols): Y_i = X @ W_i^T. One OpenMP region covers
  * every matrix's rows, with 8-bit activations (ggml_matmul_q8_multi, X quantized once) or for one
- * float32 token (ggml_matvec_multi): fewer, longer regions, so the threads are woken once per group
+ * float32 row (ggml_matvec_multi): fewer, longer regions, so the threads are woken once per group
  * (Q, K, V; gate, up) instead of once per matrix. Else one project() each. */
-static void project_many(const kvpq_model *m, int n, const float *X, int n_mat, const gguf_tensor *const *W,
-                         float *const *Y) {
-    const int q8 = m->act == ACT_Q8 || (m->act == ACT_AUTO && n < GGML_MATMUL_BLAS_MIN_TOK);
+static void project_many(int q8, int n, const float *X, int n_mat, const gguf_tensor *const *W, float *const *Y) {
     ggml_mat mats[4];
     int ok = (q8 || n == 1) && n_mat <= 4;
     for (int i = 0; ok && i < n_mat; i++) {
@@ -565,13 +567,13 @@ static void project_many(const kvpq_model *m, int n, const float *X, int n_mat, 
     }
     if (ok && (q8 ? ggml_matmul_q8_multi(mats, n_mat, W[0]->ne[0], n, X) : ggml_matvec_multi(mats, n_mat, W[0]->ne[0], X)))
         return;
-    for (int i = 0; i < n_mat; i++) project(m, W[i], n, X, Y[i]);
+    for (int i = 0; i < n_mat; i++) project(q8, W[i], n, X, Y[i]);
 }
 
 /* Non-finite policy (docs/robustness.md): NaN/Inf are caught where they enter results, and named.
  * K/V at the cache's append; here the residual stream after each attention and FFN block, so a
  * NaN or Inf weight (or an overflow) is reported with its layer and block at its first use; and
- * the logits. x: (n, width) of the step starting at pos0. */
+ * the logits. x: (n, width) of the rows at positions pos0 .. pos0+n-1. */
 static kvpq_status check_rows_finite(const float *x, int n, int width, int pos0, const char *what, int layer) {
     if (kvpq__all_finite(x, (size_t)n * width)) return KVPQ_OK;
     for (size_t i = 0; i < (size_t)n * width; i++)
@@ -587,131 +589,251 @@ static kvpq_status check_rows_finite(const float *x, int n, int width, int pos0,
     return KVPQ_OK;
 }
 
-/* One step of at most LLAMA_BLOCK tokens. want: 0 no logits (a prefill step before the last),
- * 1 the last token's (n_vocab), 2 every token's (n, n_vocab), 3 those of tokens hook->logits_from ..
- * n-1 ((n - logits_from, n_vocab)). hook (NULL for a plain eval, see kvpq__eval_hook): start at
- * layer hook->layer0 from the residual stream hook->x0 instead of the embeddings, save each
- * layer's input, and let hook->attend compute one layer's attention. */
-static kvpq_status eval_block(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0, int want,
-                              float *logits, const kvpq__eval_hook *hook) {
-    const kvpq_model_info *in = &m->info;
-    const int E = in->n_embd, F = in->n_ff, hd = in->head_dim;
-    const int Q = in->n_head * hd, KV = in->n_head_kv * hd;
-    const float eps = in->rms_eps;
-    const int l0 = hook ? hook->layer0 : 0;
-    if (l0 > 0) {
-        memcpy(m->x, hook->x0, sizeof(float) * (size_t)n * E);
-    } else {
-        size_t erow = ggml_row_size(m->tok_embd->type, E);
-        for (int t = 0; t < n; t++)
-            KVPQ_TRY(ggml_dequantize_row(m->tok_embd->type, (const char *)m->tok_embd->data + (size_t)tokens[t] * erow,
-                                         m->x + (size_t)t * E, E));
-        if (m->embd_scale != 1.0f)
-            for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] *= m->embd_scale;
-    }
-    for (int l = l0; l < in->n_layer; l++) {
-        if (hook && hook->save_x)
-            memcpy(hook->save_x + ((size_t)l * hook->save_tokens + pos0) * E, m->x, sizeof(float) * (size_t)n * E);
-        const llama_layer *L = &m->layers[l];
-        float *const *V = L->vec;
-        rmsnorm(n, E, m->x, V[ARCH_T_ATTN_NORM], eps, m->xb);
-        {
-            const gguf_tensor *W[3] = {L->w[ARCH_T_ATTN_Q], L->w[ARCH_T_ATTN_K], L->w[ARCH_T_ATTN_V]};
-            float *Y[3] = {m->q, m->k, m->v};
-            project_many(m, n, m->xb, 3, W, Y);
-        }
-        if (V[ARCH_T_ATTN_Q_BIAS]) add_bias(n, Q, V[ARCH_T_ATTN_Q_BIAS], m->q);
-        if (V[ARCH_T_ATTN_K_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_K_BIAS], m->k);
-        if (V[ARCH_T_ATTN_V_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_V_BIAS], m->v);
-        if (V[ARCH_T_ATTN_Q_NORM]) rmsnorm(n * in->n_head, hd, m->q, V[ARCH_T_ATTN_Q_NORM], eps, m->q);
-        if (V[ARCH_T_ATTN_K_NORM]) rmsnorm(n * in->n_head_kv, hd, m->k, V[ARCH_T_ATTN_K_NORM], eps, m->k);
-        rope(m, L->inv_freq, n, in->n_head, pos0, m->q);
-        rope(m, L->inv_freq, n, in->n_head_kv, pos0, m->k);
-        if (m->q_scale != 1.0f)
-            for (size_t i = 0; i < (size_t)n * Q; i++) m->q[i] *= m->q_scale;
-        if (hook && hook->save_q)
-            memcpy(hook->save_q + ((size_t)l * hook->save_tokens + pos0) * Q, m->q, sizeof(float) * (size_t)n * Q);
-        if (hook && hook->q_absmax) {
-            const int g = in->n_head / in->n_head_kv;
-            float *mx = hook->q_absmax + (size_t)l * KV;
-            for (int t = 0; t < n; t++)
-                for (int h = 0; h < in->n_head; h++) {
-                    const float *qh = m->q + (size_t)t * Q + (size_t)h * hd;
-                    float *mh = mx + (size_t)(h / g) * hd;
-                    for (int c = 0; c < hd; c++) {
-                        float a = fabsf(qh[c]);
-                        mh[c] = a > mh[c] ? a : mh[c];
-                    }
-                }
-        }
-        if (hook && hook->save_k) {
-            memcpy(hook->save_k + ((size_t)l * hook->save_tokens + pos0) * KV, m->k, sizeof(float) * (size_t)n * KV);
-            memcpy(hook->save_v + ((size_t)l * hook->save_tokens + pos0) * KV, m->v, sizeof(float) * (size_t)n * KV);
-        }
-        kvpq_status s;
-        if (hook && hook->attend && l == hook->attend_layer) {
-            s = kvpq_cache_append(cache, l, n, m->k, m->v);
-            if (s == KVPQ_OK) s = hook->attend(hook->user, l, n, pos0, m->q, m->att);
-        } else {
-            s = kvpq_cache_append_attend(cache, l, n, m->k, m->v, m->q, m->att);
-        }
-        if (s != KVPQ_OK) {
-            kvpq__err_prefix("layer %d", l);
-            return s;
-        }
-        project(m, L->w[ARCH_T_ATTN_OUT], n, m->att, m->xb2);
-        if (V[ARCH_T_ATTN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_ATTN_POST_NORM], eps, m->xb2);
-        for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
-        KVPQ_TRY(check_rows_finite(m->x, n, E, pos0, "the residual stream after attention", l));
+/* ---- one step: the rows of one or more sequences through every layer ------------------------ */
 
-        rmsnorm(n, E, m->x, V[ARCH_T_FFN_NORM], eps, m->xb);
-        {
-            const gguf_tensor *W[2] = {L->w[ARCH_T_FFN_GATE], L->w[ARCH_T_FFN_UP]};
-            float *Y[2] = {m->hb, m->hb2};
-            project_many(m, n, m->xb, 2, W, Y);
-        }
-        { /* act(gate) * up: GELU (tanh form) or SiLU, the table's SIMD kernel (cpu/ggml_kernels.h) */
-            kvpq__glu_fn glu = kvpq__cpu_kernels()->glu[m->arch->ffn == ARCH_FFN_GEGLU_TANH ? KVPQ_GLU_GELU_TANH
-                                                                                          : KVPQ_GLU_SILU];
-            const int64_t total = (int64_t)n * F, chunk = 4096;
-#pragma omp parallel for schedule(static) if (n > 8)
-            for (int64_t i0 = 0; i0 < total; i0 += chunk)
-                glu(m->hb + i0, m->hb2 + i0, total - i0 < chunk ? total - i0 : chunk);
-        }
-        project(m, L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
-        if (V[ARCH_T_FFN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_FFN_POST_NORM], eps, m->xb2);
-        for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
-        KVPQ_TRY(check_rows_finite(m->x, n, E, pos0, "the residual stream after the FFN", l));
-    }
-    int n_out = 0;
-    if (want == 3) {
-        const int f = hook->logits_from;
-        if (f < n) {
-            rmsnorm(n - f, E, m->x + (size_t)f * E, m->output_norm, eps, m->xb);
-            project(m, m->output, n - f, m->xb, logits);
-            n_out = n - f;
-        }
-    } else if (want == 2) {
-        rmsnorm(n, E, m->x, m->output_norm, eps, m->xb);
-        project(m, m->output, n, m->xb, logits);
-        n_out = n;
-    } else if (want == 1) {
-        rmsnorm(1, E, m->x + (size_t)(n - 1) * E, m->output_norm, eps, m->xb);
-        project(m, m->output, 1, m->xb, logits);
-        n_out = 1;
-    }
-    if (m->logit_softcap > 0) {
-        const float c = m->logit_softcap;
-        for (size_t i = 0; i < (size_t)n_out * in->n_vocab; i++) logits[i] = c * tanhf(logits[i] / c);
-    }
-    return check_rows_finite(logits, n_out, in->n_vocab, pos0 + n - n_out, "the logits", -1);
+/* The rows of one sequence in a step. The matrices see the rows of all segments together; RoPE,
+ * attention and the cache append are per segment. */
+typedef struct {
+    kvpq_cache *cache;
+    const int32_t *tokens; /* (n) */
+    int r0, n;             /* rows r0 .. r0+n-1 of the step */
+    int pos0;              /* position of row r0 in its sequence (the cache holds pos0 positions) */
+    float *logits;         /* (n_vocab): the logits of the segment's last row; NULL: none */
+} eval_seg;
+
+/* At most LLAMA_BLOCK rows (the scratch's size). */
+typedef struct {
+    const eval_seg *seg;
+    int n_seg;
+    int n;  /* rows: the segments' sum */
+    int q8; /* the layer matrices take 8-bit activations (act_q8 of the rows one segment has) */
+    int cpu; /* every segment's cache runs on the CPU: their attention may run side by side */
+} eval_step;
+
+/* Every segment's rows checked finite (check_rows_finite, named by the segment's positions). */
+static kvpq_status check_step_finite(const eval_step *st, const float *x, int width, const char *what, int layer) {
+    for (int i = 0; i < st->n_seg; i++)
+        KVPQ_TRY(check_rows_finite(x + (size_t)st->seg[i].r0 * width, st->seg[i].n, width, st->seg[i].pos0, what, layer));
+    return KVPQ_OK;
 }
 
-static kvpq_status model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int logits_all,
-                              float *logits, float *q_absmax) {
-    if (!m || !cache || !tokens || !logits) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: NULL argument");
+/* m->x = the token embeddings of every row (times the model's embedding scale). */
+static kvpq_status embed(kvpq_model *m, const eval_step *st) {
+    const int E = m->info.n_embd;
+    const size_t erow = ggml_row_size(m->tok_embd->type, E);
+    for (int i = 0; i < st->n_seg; i++)
+        for (int t = 0; t < st->seg[i].n; t++)
+            KVPQ_TRY(ggml_dequantize_row(m->tok_embd->type, (const char *)m->tok_embd->data + (size_t)st->seg[i].tokens[t] * erow,
+                                         m->x + (size_t)(st->seg[i].r0 + t) * E, E));
+    if (m->embd_scale != 1.0f)
+        for (size_t i = 0; i < (size_t)st->n * E; i++) m->x[i] *= m->embd_scale;
+    return KVPQ_OK;
+}
+
+/* The hooks that watch the queries and keys of one layer (one-segment steps; see kvpq__eval_hook). */
+static void hook_qk(const kvpq_model *m, const eval_step *st, int l, const kvpq__eval_hook *hook) {
     const kvpq_model_info *in = &m->info;
-    if (n < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: n = %d tokens, expected >= 1", n);
+    const int hd = in->head_dim, Q = in->n_head * hd, KV = in->n_head_kv * hd, n = st->n, pos0 = st->seg[0].pos0;
+    if (hook->save_q)
+        memcpy(hook->save_q + ((size_t)l * hook->save_tokens + pos0) * Q, m->q, sizeof(float) * (size_t)n * Q);
+    if (hook->q_absmax) {
+        const int g = in->n_head / in->n_head_kv;
+        float *mx = hook->q_absmax + (size_t)l * KV;
+        for (int t = 0; t < n; t++)
+            for (int h = 0; h < in->n_head; h++) {
+                const float *qh = m->q + (size_t)t * Q + (size_t)h * hd;
+                float *mh = mx + (size_t)(h / g) * hd;
+                for (int c = 0; c < hd; c++) {
+                    float a = fabsf(qh[c]);
+                    mh[c] = a > mh[c] ? a : mh[c];
+                }
+            }
+    }
+    if (hook->save_k) {
+        memcpy(hook->save_k + ((size_t)l * hook->save_tokens + pos0) * KV, m->k, sizeof(float) * (size_t)n * KV);
+        memcpy(hook->save_v + ((size_t)l * hook->save_tokens + pos0) * KV, m->v, sizeof(float) * (size_t)n * KV);
+    }
+}
+
+/* Segment i's keys and values appended to its cache, its queries attended (m->att). */
+static kvpq_status attend_segment(kvpq_model *m, const eval_step *st, int i, int l, const kvpq__eval_hook *hook) {
+    const int hd = m->info.head_dim, Q = m->info.n_head * hd, KV = m->info.n_head_kv * hd;
+    const eval_seg *g = &st->seg[i];
+    const float *k = m->k + (size_t)g->r0 * KV, *v = m->v + (size_t)g->r0 * KV, *q = m->q + (size_t)g->r0 * Q;
+    float *att = m->att + (size_t)g->r0 * Q;
+    if (!hook || !hook->attend || l != hook->attend_layer) return kvpq_cache_append_attend(g->cache, l, g->n, k, v, q, att);
+    KVPQ_TRY(kvpq_cache_append(g->cache, l, g->n, k, v));
+    return hook->attend(hook->user, l, g->n, g->pos0, q, att);
+}
+
+/* Every segment's attention. Several segments of CPU caches run side by side, one OpenMP region for
+ * all of them (one per sequence and layer cost a thread wake-up each: 240 per step of 8 sequences
+ * of a 30-layer model); each cache's own region then runs on its thread alone. Its work split does
+ * not depend on the threads that run it (cache_attend.c sizes it by the thread count setting), so
+ * the results are those of the segment alone. On errors, the first segment's is reported. */
+static kvpq_status attend_step(kvpq_model *m, const eval_step *st, int l, const kvpq__eval_hook *hook) {
+    kvpq_status s = KVPQ_OK;
+    if (st->n_seg > 1 && st->cpu && !hook) {
+        int first = st->n_seg;
+        char msg[1024] = "";
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int i = 0; i < st->n_seg; i++) {
+            kvpq_status si = attend_segment(m, st, i, l, hook);
+            if (si != KVPQ_OK) {
+#pragma omp critical(kvpq_attend_step)
+                if (i < first) {
+                    first = i;
+                    s = si;
+                    snprintf(msg, sizeof msg, "%s", kvpq_last_error());
+                }
+            }
+        }
+        if (s != KVPQ_OK) kvpq__err(s, "%s", msg);
+    } else {
+        for (int i = 0; i < st->n_seg && s == KVPQ_OK; i++) s = attend_segment(m, st, i, l, hook);
+    }
+    if (s != KVPQ_OK) kvpq__err_prefix("layer %d", l);
+    return s;
+}
+
+/* h = x + [post_attention_norm](Wo . attend(q, k, v)) for layer l (the header's formula). */
+static kvpq_status layer_attention(kvpq_model *m, const eval_step *st, int l, const kvpq__eval_hook *hook) {
+    const kvpq_model_info *in = &m->info;
+    const int E = in->n_embd, hd = in->head_dim, Q = in->n_head * hd, KV = in->n_head_kv * hd, n = st->n;
+    const float eps = in->rms_eps;
+    const llama_layer *L = &m->layers[l];
+    float *const *V = L->vec;
+    rmsnorm(n, E, m->x, V[ARCH_T_ATTN_NORM], eps, m->xb);
+    {
+        const gguf_tensor *W[3] = {L->w[ARCH_T_ATTN_Q], L->w[ARCH_T_ATTN_K], L->w[ARCH_T_ATTN_V]};
+        float *Y[3] = {m->q, m->k, m->v};
+        project_many(st->q8, n, m->xb, 3, W, Y);
+    }
+    if (V[ARCH_T_ATTN_Q_BIAS]) add_bias(n, Q, V[ARCH_T_ATTN_Q_BIAS], m->q);
+    if (V[ARCH_T_ATTN_K_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_K_BIAS], m->k);
+    if (V[ARCH_T_ATTN_V_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_V_BIAS], m->v);
+    if (V[ARCH_T_ATTN_Q_NORM]) rmsnorm(n * in->n_head, hd, m->q, V[ARCH_T_ATTN_Q_NORM], eps, m->q);
+    if (V[ARCH_T_ATTN_K_NORM]) rmsnorm(n * in->n_head_kv, hd, m->k, V[ARCH_T_ATTN_K_NORM], eps, m->k);
+    for (int i = 0; i < st->n_seg; i++) {
+        const eval_seg *g = &st->seg[i];
+        rope(m, L->inv_freq, g->n, in->n_head, g->pos0, m->q + (size_t)g->r0 * Q);
+        rope(m, L->inv_freq, g->n, in->n_head_kv, g->pos0, m->k + (size_t)g->r0 * KV);
+    }
+    if (m->q_scale != 1.0f)
+        for (size_t i = 0; i < (size_t)n * Q; i++) m->q[i] *= m->q_scale;
+    if (hook) hook_qk(m, st, l, hook);
+    KVPQ_TRY(attend_step(m, st, l, hook));
+    project(st->q8, L->w[ARCH_T_ATTN_OUT], n, m->att, m->xb2);
+    if (V[ARCH_T_ATTN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_ATTN_POST_NORM], eps, m->xb2);
+    for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
+    return check_step_finite(st, m->x, E, "the residual stream after attention", l);
+}
+
+/* out = h + [post_ffw_norm](Wdown . (act(Wgate f) * (Wup f))) for layer l. */
+static kvpq_status layer_ffn(kvpq_model *m, const eval_step *st, int l) {
+    const kvpq_model_info *in = &m->info;
+    const int E = in->n_embd, F = in->n_ff, n = st->n;
+    const llama_layer *L = &m->layers[l];
+    float *const *V = L->vec;
+    rmsnorm(n, E, m->x, V[ARCH_T_FFN_NORM], in->rms_eps, m->xb);
+    {
+        const gguf_tensor *W[2] = {L->w[ARCH_T_FFN_GATE], L->w[ARCH_T_FFN_UP]};
+        float *Y[2] = {m->hb, m->hb2};
+        project_many(st->q8, n, m->xb, 2, W, Y);
+    }
+    { /* act(gate) * up: GELU (tanh form) or SiLU, the table's SIMD kernel (cpu/ggml_kernels.h) */
+        kvpq__glu_fn glu = kvpq__cpu_kernels()->glu[m->arch->ffn == ARCH_FFN_GEGLU_TANH ? KVPQ_GLU_GELU_TANH
+                                                                                      : KVPQ_GLU_SILU];
+        const int64_t total = (int64_t)n * F, chunk = 4096;
+#pragma omp parallel for schedule(static) if (n > 8)
+        for (int64_t i0 = 0; i0 < total; i0 += chunk)
+            glu(m->hb + i0, m->hb2 + i0, total - i0 < chunk ? total - i0 : chunk);
+    }
+    project(st->q8, L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
+    if (V[ARCH_T_FFN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_FFN_POST_NORM], in->rms_eps, m->xb2);
+    for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
+    return check_step_finite(st, m->x, E, "the residual stream after the FFN", l);
+}
+
+/* logits (n, n_vocab) of the n rows of x: output norm, output matrix (8-bit activations if q8), soft cap. */
+static void output_rows(kvpq_model *m, int q8, const float *x, int n, float *logits) {
+    const kvpq_model_info *in = &m->info;
+    rmsnorm(n, in->n_embd, x, m->output_norm, in->rms_eps, m->xb);
+    project(q8, m->output, n, m->xb, logits);
+    if (m->logit_softcap > 0) {
+        const float c = m->logit_softcap;
+        for (size_t i = 0; i < (size_t)n * in->n_vocab; i++) logits[i] = c * tanhf(logits[i] / c);
+    }
+}
+
+/* output_rows of n rows of one sequence (8-bit activations as act_q8 of n rows), checked finite;
+ * pos0: the first row's position. */
+static kvpq_status logits_rows(kvpq_model *m, const float *x, int n, int pos0, float *logits) {
+    output_rows(m, act_q8(m, n), x, n, logits);
+    return check_rows_finite(logits, n, m->info.n_vocab, pos0, "the logits", -1);
+}
+
+/* Each segment's last-row logits (seg.logits), one output projection per run of segments whose
+ * logits rows are adjacent in memory (a batch's decode step is one run). The rows are gathered into
+ * m->x's first rows (the layers are done with it). The output matrix takes 8-bit activations as
+ * one sequence's last row alone would (act_q8 of 1 row), so each row's logits equal its own eval's. */
+static kvpq_status segment_logits(kvpq_model *m, const eval_step *st) {
+    const kvpq_model_info *in = &m->info;
+    const int E = in->n_embd, V = in->n_vocab;
+    for (int i = 0; i < st->n_seg;) {
+        if (!st->seg[i].logits) {
+            i++;
+            continue;
+        }
+        int j = i + 1;
+        while (j < st->n_seg && st->seg[j].logits == st->seg[j - 1].logits + V) j++;
+        for (int k = i; k < j; k++) /* row r0+n-1 >= k - i: moving rows down never overwrites one still to move */
+            memmove(m->x + (size_t)(k - i) * E, m->x + (size_t)(st->seg[k].r0 + st->seg[k].n - 1) * E, sizeof(float) * E);
+        output_rows(m, act_q8(m, 1), m->x, j - i, st->seg[i].logits);
+        for (int k = i; k < j; k++)
+            KVPQ_TRY(check_rows_finite(st->seg[k].logits, 1, V, st->seg[k].pos0 + st->seg[k].n - 1, "the logits", -1));
+        i = j;
+    }
+    return KVPQ_OK;
+}
+
+/* One step of at most LLAMA_BLOCK rows. Logits: rows_logits not NULL (one-segment steps only): those
+ * of rows rows_from .. n-1, ((n - rows_from, n_vocab)); else each segment's last row's into its
+ * seg.logits (where not NULL). hook (NULL for a plain eval, one-segment steps only, see
+ * kvpq__eval_hook): start at layer hook->layer0 from the residual stream hook->x0 instead of the
+ * embeddings, save each layer's input, and let hook->attend compute one layer's attention. */
+static kvpq_status eval_step_run(kvpq_model *m, const eval_step *st, int rows_from, float *rows_logits,
+                                 const kvpq__eval_hook *hook) {
+    const kvpq_model_info *in = &m->info;
+    const int E = in->n_embd, l0 = hook ? hook->layer0 : 0;
+    if (l0 > 0) memcpy(m->x, hook->x0, sizeof(float) * (size_t)st->n * E);
+    else KVPQ_TRY(embed(m, st));
+    for (int l = l0; l < in->n_layer; l++) {
+        if (hook && hook->save_x)
+            memcpy(hook->save_x + ((size_t)l * hook->save_tokens + st->seg[0].pos0) * E, m->x,
+                   sizeof(float) * (size_t)st->n * E);
+        KVPQ_TRY(layer_attention(m, st, l, hook));
+        KVPQ_TRY(layer_ffn(m, st, l));
+    }
+    if (!rows_logits) return segment_logits(m, st);
+    if (rows_from >= st->n) return KVPQ_OK;
+    return logits_rows(m, m->x + (size_t)rows_from * E, st->n - rows_from, st->seg[0].pos0 + rows_from, rows_logits);
+}
+
+/* One sequence's rows as a step: tokens (n) at positions pos0.., last-row logits into logits (may be NULL). */
+static kvpq_status eval_one(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0, int rows_from,
+                            float *rows_logits, float *logits, const kvpq__eval_hook *hook) {
+    eval_seg g = {cache, tokens, 0, n, pos0, logits};
+    eval_step st = {&g, 1, n, act_q8(m, n), 0};
+    return eval_step_run(m, &st, rows_from, rows_logits, hook);
+}
+
+/* ---- evaluation calls ----------------------------------------------------------------------- */
+
+/* A cache fits the model: n_layer, heads, head_dim, sliding window; its layers hold one length,
+ * *len; n more positions fit n_ctx_train and the cache's max_seq. *backend (may be NULL): where it runs. */
+static kvpq_status check_cache(const kvpq_model *m, kvpq_cache *cache, int n, int *len, kvpq_backend *backend) {
+    const kvpq_model_info *in = &m->info;
     kvpq_cache_params cache_params;
     KVPQ_TRY(kvpq_cache_get_params(cache, &cache_params));
     const kvpq_cache_params *cp = &cache_params;
@@ -742,32 +864,58 @@ static kvpq_status model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *t
     if ((int64_t)L + n > cp->max_seq)
         return kvpq__err(KVPQ_ERR_CAPACITY, "context of %lld tokens exceeds the cache's max_seq %d", (long long)L + n,
                          cp->max_seq);
-    for (int t = 0; t < n; t++)
-        if (tokens[t] < 0 || tokens[t] >= in->n_vocab)
-            return kvpq__err(KVPQ_ERR_INVALID_ARG, "token %d at index %d: out of range [0, %d)", tokens[t], t,
-                             in->n_vocab);
+    *len = L;
+    if (backend) *backend = cp->backend;
+    return KVPQ_OK;
+}
 
-    int saved_threads = omp_get_max_threads();
+static kvpq_status check_tokens(const kvpq_model *m, const int32_t *tokens, int n) {
+    for (int t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= m->info.n_vocab)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "token %d at index %d: out of range [0, %d)", tokens[t], t,
+                             m->info.n_vocab);
+    return KVPQ_OK;
+}
+
+/* The model's thread count for a call (m->n_threads, 0: OpenMP's); returns the one to restore. */
+static int threads_enter(const kvpq_model *m) {
+    int saved = omp_get_max_threads();
     if (m->n_threads > 0) omp_set_num_threads(m->n_threads);
+    return saved;
+}
+static void threads_leave(const kvpq_model *m, int saved) {
+    if (m->n_threads > 0) omp_set_num_threads(saved);
+}
+
+/* After a failed evaluation: the caches back to their lengths before it (len (n)), so no cache
+ * keeps some layers longer than others; the error (status s, message) kept. */
+static kvpq_status restore_caches(kvpq_status s, kvpq_cache *const *caches, const int *len, int n) {
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", kvpq_last_error());
+    for (int i = 0; i < n; i++) kvpq_cache_truncate(caches[i], len[i]);
+    return kvpq__err(s, "%s", msg);
+}
+
+static kvpq_status model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int logits_all,
+                              float *logits, float *q_absmax) {
+    if (!m || !cache || !tokens || !logits) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: NULL argument");
+    if (n < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval: n = %d tokens, expected >= 1", n);
+    int L = 0;
+    KVPQ_TRY(check_cache(m, cache, n, &L, NULL));
+    KVPQ_TRY(check_tokens(m, tokens, n));
+    const int V = m->info.n_vocab, saved = threads_enter(m);
     kvpq_status s = KVPQ_OK;
     kvpq__eval_hook qh = {.q_absmax = q_absmax};
     const kvpq__eval_hook *hk = q_absmax ? &qh : NULL;
     for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += LLAMA_BLOCK) {
         int nb = n - t0 < LLAMA_BLOCK ? n - t0 : LLAMA_BLOCK;
         if (logits_all)
-            s = eval_block(m, cache, tokens + t0, nb, L + t0, 2, logits + (size_t)t0 * in->n_vocab, hk);
+            s = eval_one(m, cache, tokens + t0, nb, L + t0, 0, logits + (size_t)t0 * V, NULL, hk);
         else
-            s = eval_block(m, cache, tokens + t0, nb, L + t0, t0 + nb == n ? 1 : 0, logits, hk);
+            s = eval_one(m, cache, tokens + t0, nb, L + t0, 0, NULL, t0 + nb == n ? logits : NULL, hk);
     }
-    if (m->n_threads > 0) omp_set_num_threads(saved_threads);
-    if (s != KVPQ_OK) {
-        /* Leave the cache as it was: a failed eval must not leave some layers longer than others. */
-        char msg[1024];
-        snprintf(msg, sizeof msg, "%s", kvpq_last_error());
-        kvpq_cache_truncate(cache, L);
-        kvpq__err(s, "%s", msg);
-    }
-    return s;
+    threads_leave(m, saved);
+    return s == KVPQ_OK ? s : restore_caches(s, &cache, &L, 1);
 }
 
 kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int logits_all,
@@ -781,6 +929,88 @@ kvpq_status kvpq_model_eval_query_absmax(kvpq_model *m, kvpq_cache *cache, const
     return model_eval(m, cache, tokens, n, logits_all, logits, q_absmax);
 }
 
+/* kvpq_model_eval_batch's arguments, each sequence's cache length into len; *cpu: every cache runs
+ * on the CPU. */
+static kvpq_status check_batch(const kvpq_model *m, int n_seq, kvpq_cache *const *caches, const int32_t *const *tokens,
+                               const int *n_tokens, int *len, int *cpu) {
+    *cpu = 1;
+    for (int i = 0; i < n_seq; i++) {
+        if (!caches[i] || !tokens[i])
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval_batch: sequence %d: NULL %s", i,
+                             caches[i] ? "tokens" : "cache");
+        if (n_tokens[i] < 1)
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval_batch: sequence %d: %d tokens, expected >= 1", i,
+                             n_tokens[i]);
+        for (int j = 0; j < i; j++)
+            if (caches[j] == caches[i])
+                return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval_batch: sequences %d and %d share one cache", j, i);
+        kvpq_backend b = KVPQ_BACKEND_CPU;
+        kvpq_status s = check_cache(m, caches[i], n_tokens[i], &len[i], &b);
+        *cpu &= b == KVPQ_BACKEND_CPU;
+        if (s == KVPQ_OK) s = check_tokens(m, tokens[i], n_tokens[i]);
+        if (s != KVPQ_OK) {
+            kvpq__err_prefix("kvpq_model_eval_batch: sequence %d", i);
+            return s;
+        }
+    }
+    return KVPQ_OK;
+}
+
+/* The next step of a batch: each unfinished sequence's next chunk (its tokens cut every LLAMA_BLOCK
+ * from the call's first, as kvpq_model_eval cuts them) of the activation class `small` (act_q8 of
+ * its rows), while the rows fit LLAMA_BLOCK. Chunks of the two classes never share a step, so every
+ * row takes the matrices' path its own kvpq_model_eval would take. Returns the segments' count. */
+static int plan_step(const kvpq_model *m, int n_seq, kvpq_cache *const *caches, const int32_t *const *tokens,
+                     const int *n_tokens, float *logits, const int *len, int *done, int small, int cpu,
+                     eval_seg *seg, eval_step *st) {
+    int k = 0, rows = 0;
+    for (int i = 0; i < n_seq; i++) {
+        const int left = n_tokens[i] - done[i], nb = left < LLAMA_BLOCK ? left : LLAMA_BLOCK;
+        if (left == 0 || act_q8(m, nb) != small || rows + nb > LLAMA_BLOCK) continue;
+        seg[k++] = (eval_seg){caches[i], tokens[i] + done[i], rows, nb, len[i] + done[i],
+                              nb == left ? logits + (size_t)i * m->info.n_vocab : NULL};
+        rows += nb;
+        done[i] += nb;
+    }
+    *st = (eval_step){seg, k, rows, small, cpu};
+    return k;
+}
+
+kvpq_status kvpq_model_eval_batch(kvpq_model *m, int n_seq, kvpq_cache *const *caches, const int32_t *const *tokens,
+                                  const int *n_tokens, float *logits) {
+    if (!m || !caches || !tokens || !n_tokens || !logits)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval_batch: NULL argument");
+    if (n_seq < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_eval_batch: n_seq = %d, expected >= 1", n_seq);
+    int *len = malloc(sizeof(int) * 2 * (size_t)n_seq);
+    eval_seg *seg = malloc(sizeof *seg * (size_t)n_seq);
+    if (!len || !seg) {
+        free(len);
+        free(seg);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_model_eval_batch: out of memory");
+    }
+    int *done = len + n_seq;
+    memset(done, 0, sizeof(int) * (size_t)n_seq);
+    int cpu = 0;
+    kvpq_status s = check_batch(m, n_seq, caches, tokens, n_tokens, len, &cpu);
+    if (s == KVPQ_OK) {
+        const int saved = threads_enter(m);
+        eval_step st;
+        for (int more = 1; more && s == KVPQ_OK;) {
+            more = 0;
+            for (int small = 1; small >= 0 && s == KVPQ_OK; small--)
+                if (plan_step(m, n_seq, caches, tokens, n_tokens, logits, len, done, small, cpu, seg, &st)) {
+                    s = eval_step_run(m, &st, 0, NULL, NULL);
+                    more = 1;
+                }
+        }
+        threads_leave(m, saved);
+        if (s != KVPQ_OK) s = restore_caches(s, caches, len, n_seq);
+    }
+    free(len);
+    free(seg);
+    return s;
+}
+
 kvpq_status kvpq__model_eval_hooked(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0,
                                     int logits_from, float *logits, const kvpq__eval_hook *hook) {
     if (!m || !cache || !tokens || !hook || n < 1)
@@ -788,8 +1018,7 @@ kvpq_status kvpq__model_eval_hooked(kvpq_model *m, kvpq_cache *cache, const int3
     const kvpq_model_info *in = &m->info;
     if (hook->layer0 < 0 || hook->layer0 >= in->n_layer)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__model_eval_hooked: layer0 %d", hook->layer0);
-    int saved_threads = omp_get_max_threads();
-    if (m->n_threads > 0) omp_set_num_threads(m->n_threads);
+    const int saved = threads_enter(m);
     kvpq_status s = KVPQ_OK;
     for (int t0 = 0; t0 < n && s == KVPQ_OK; t0 += LLAMA_BLOCK) {
         int nb = n - t0 < LLAMA_BLOCK ? n - t0 : LLAMA_BLOCK;
@@ -800,8 +1029,9 @@ kvpq_status kvpq__model_eval_hooked(kvpq_model *m, kvpq_cache *cache, const int3
         float *lg = logits && t0 + nb > logits_from
                         ? logits + (size_t)(t0 + h.logits_from - logits_from) * in->n_vocab
                         : NULL;
-        s = eval_block(m, cache, tokens + t0, nb, pos0 + t0, lg ? 3 : 0, lg, &h);
+        s = lg ? eval_one(m, cache, tokens + t0, nb, pos0 + t0, h.logits_from, lg, NULL, &h)
+               : eval_one(m, cache, tokens + t0, nb, pos0 + t0, 0, NULL, NULL, &h);
     }
-    if (m->n_threads > 0) omp_set_num_threads(saved_threads);
+    threads_leave(m, saved);
     return s;
 }
