@@ -13,11 +13,11 @@ echo "== build (Release, -Werror)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVPQ_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
 echo "== tests"
-(cd build && ctest --output-on-failure -j1)
+(cd build && ctest --output-on-failure -j"$jobs")
 echo "== tests under ASan+UBSan (C tests; Python peers and long model runs are covered above)"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVPQ_SANITIZE=ON -DKVPQ_WERROR=ON -DKVPQ_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 KVPQ_QUICK=1 \
-   ctest --output-on-failure -j1 -E '^py_')
+   ctest --output-on-failure -j"$jobs" -E '^py_')
 echo "== fuzz targets (libFuzzer + ASan/UBSan, ${KVPQ_FUZZ_SECONDS:-10}s each; longer: scripts/fuzz.sh 600)"
 ./scripts/fuzz.sh "${KVPQ_FUZZ_SECONDS:-10}"
