@@ -301,10 +301,12 @@ def bench_model(a, name, runs, ids_file, results):
                 print(f"  round {i + 1}" + fmt_row(lab, r[lab])[3:], flush=True)
             rounds.append({"runs": r, "load_before": load0, "load_after": os.getloadavg()[0],
                            "order": [label(e, c) for e, c in round_order(todo, i)]})
-        med, ratios = summarize([x["runs"] for x in rounds])
-        skipped = [label(e, c) for e, c in runs if (e, c) not in todo]
-        res["contexts"][str(ctx)] = {"ctx": ctx, "steps": a.steps, "rounds": rounds, "median": med, "ratios": ratios,
-                                     "skipped_over_qcpp_max_ctx": skipped}
+            med, ratios = summarize([x["runs"] for x in rounds])
+            skipped = [label(e, c) for e, c in runs if (e, c) not in todo]
+            res["contexts"][str(ctx)] = {"ctx": ctx, "steps": a.steps, "rounds": rounds, "median": med,
+                                         "ratios": ratios, "skipped_over_qcpp_max_ctx": skipped}
+            if a.json:  # after every round: a run cut short keeps its finished rounds
+                write_json(a, results)
         print(f"{name} ctx {ctx}: medians of {reps} round(s)")
         for lab, m in med.items():
             extra = ""
@@ -313,8 +315,6 @@ def bench_model(a, name, runs, ids_file, results):
                 if "kv_bytes" in ratios[lab]:
                     extra += f", KV bytes {ratios[lab]['kv_bytes']:.3f}x"
             print(fmt_row(lab, m) + extra, flush=True)
-        if a.json:
-            write_json(a, results)
 
 
 def write_json(a, results):
@@ -418,7 +418,10 @@ def parse_args(argv):
                     help="quant.cpp runs only up to this context (its prefill is slow on 2 cores)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    parse_caches(a.caches)
+    try:
+        parse_caches(a.caches)
+    except ValueError as ex:
+        ap.error(str(ex))
     if a.steps < 1 or a.threads < 1 or a.rounds < 1:
         ap.error("--steps, --threads and --rounds must be >= 1")
     return a
