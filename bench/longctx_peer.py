@@ -36,7 +36,8 @@ data/text/persuasion.txt of the repository (~110k tokens).
 usage: python3 bench/longctx_peer.py [--models smollm2,qwen2.5-coder-1.5b] [--ctx 512,4096,16384,32768]
           [--steps 64] [--threads 2] [--rounds 3] [--rounds-at 16384:1] [--caches LIST] [--text F]
           [--codebook-dir out] [--llama-bin DIR] [--qcpp-lib SO] [--qcpp-max-ctx 4096] [--json OUT]
-       python3 bench/longctx_peer.py --plot OUT.png RESULT.json [RESULT.json ...]
+       python3 bench/longctx_peer.py --plot OUT.png RESULT.json [RESULT.json ...]   (the figure)
+       python3 bench/longctx_peer.py --table RESULT.json [RESULT.json ...]          (a markdown table)
 """
 import argparse
 import json
@@ -322,18 +323,46 @@ def write_json(a, results):
         json.dump({"schema": "kvpq.longctx_peer/1", **results, "_run": a.run_info}, f, indent=1)
 
 
+def load_results(paths):
+    """{model: {ctx string: context result}} merged over result JSONs, and their _run records."""
+    models, runs = {}, []
+    for p in paths:
+        d = json.load(open(p))
+        runs.append(d.get("_run", {}))
+        for name, r in d.items():
+            if name.startswith("_") or name == "schema":
+                continue
+            models.setdefault(name, {}).update(r["contexts"])
+    return models, runs
+
+
+def table(paths):
+    """The markdown table of result JSONs: per model, context and run, the medians and kvpq:b2.5's ratios."""
+    models, _ = load_results(paths)
+    lines = [f"| model | ctx | run | rounds | decode tok/s | prefill tok/s | peak RSS MiB | KV MiB | {REF} decode / this "
+             f"| {REF} KV / this |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, ctxs in models.items():
+        for c in sorted(ctxs, key=int):
+            med, ratios = ctxs[c]["median"], ctxs[c]["ratios"]
+            for lab, m in med.items():
+                if "error" in m:
+                    lines.append(f"| {name} | {c} | {lab} | - | skipped: {m['error'].splitlines()[0][:60]} | | | | | |")
+                    continue
+                rt = ratios.get(lab, {})
+                lines.append(f"| {name} | {c} | {lab} | {m['n']} | {m['decode_tok_per_s']:.2f} | {m['prompt_tok_per_s']:.1f} | "
+                             f"{m['peak_rss_bytes'] / 2**20:.0f} | "
+                             + (f"{m['kv_bytes'] / 2**20:.2f}" if m.get("kv_bytes") else "-") + " | "
+                             + (f"{rt['decode']:.2f}x" if "decode" in rt else "-") + " | "
+                             + (f"{rt['kv_bytes']:.3f}x" if "kv_bytes" in rt else "-") + " |")
+    return "\n".join(lines)
+
+
 def plot(out, paths):
     """Decode tok/s against context, a line per run, a panel per model, from result JSONs."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    models = {}
-    for p in paths:
-        d = json.load(open(p))
-        for name, r in d.items():
-            if name.startswith("_") or name == "schema":
-                continue
-            models.setdefault(name, {}).update(r["contexts"])
+    models, _ = load_results(paths)
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     style = {"kvpq": "-", "llama": "--", "qcpp": ":"}
     for ax, (name, ctxs) in zip(axes[0], models.items()):
@@ -365,6 +394,9 @@ def main(argv=None):
         return qcpp_child(lib, model, ids_file, int(ctx), int(steps), kv, int(threads))
     if argv[:1] == ["--plot"]:
         return plot(argv[1], argv[2:])
+    if argv[:1] == ["--table"]:
+        print(table(argv[1:]))
+        return 0
     a = parse_args(argv)
     runs = parse_caches(a.caches)
     simd_kvpq, simd_llama = models_peer.simd_levels(a) if os.path.exists(a.kvpq) else ("?", "?")

@@ -106,6 +106,9 @@ def test_result_json_shape(tmp_path, monkeypatch):
     assert c["512"]["ratios"]["llama:f16"]["decode"] == pytest.approx((41 / 22 + 46 / 25) / 2)
     assert c["512"]["ratios"]["llama:f16"]["kv_bytes"] == 0.125
     assert c["8128"]["skipped_over_qcpp_max_ctx"] == ["qcpp:uniform_4b"]
+    t = lp.table([str(out)]).splitlines()
+    assert len(t) == 2 + 3 + 2 and "| smollm2 | 512 | llama:f16 | 2 | 23.50 | 100.0 | 1 | 0.00 |" in t[3]
+    assert t[4].startswith("| smollm2 | 512 | qcpp:uniform_4b | - | skipped: no quant.cpp library")
     pytest.importorskip("matplotlib")
     png = tmp_path / "f.png"
     lp.plot(str(png), [str(out)])
