@@ -300,14 +300,16 @@ def bench_model(a, name, runs, ids_file, results):
                 except (RuntimeError, ValueError, KeyError, json.JSONDecodeError) as ex:
                     r[lab] = {"error": str(ex)}
                 print(f"  round {i + 1}" + fmt_row(lab, r[lab])[3:], flush=True)
-            rounds.append({"runs": r, "load_before": load0, "load_after": os.getloadavg()[0],
-                           "order": [label(e, c) for e, c in round_order(todo, i)]})
-            med, ratios = summarize([x["runs"] for x in rounds])
-            skipped = [label(e, c) for e, c in runs if (e, c) not in todo]
-            res["contexts"][str(ctx)] = {"ctx": ctx, "steps": a.steps, "rounds": rounds, "median": med,
-                                         "ratios": ratios, "skipped_over_qcpp_max_ctx": skipped}
-            if a.json:  # after every round: a run cut short keeps its finished rounds
-                write_json(a, results)
+                # after every run: a bench cut short keeps what it measured (the last round maybe partial)
+                done = rounds + [{"runs": r, "load_before": load0, "load_after": os.getloadavg()[0],
+                                  "order": [label(e, c) for e, c in round_order(todo, i)]}]
+                med, ratios = summarize([x["runs"] for x in done])
+                skipped = [label(e, c) for e, c in runs if (e, c) not in todo]
+                res["contexts"][str(ctx)] = {"ctx": ctx, "steps": a.steps, "rounds": done, "median": med,
+                                             "ratios": ratios, "skipped_over_qcpp_max_ctx": skipped}
+                if a.json:
+                    write_json(a, results)
+            rounds = done
         print(f"{name} ctx {ctx}: medians of {reps} round(s)")
         for lab, m in med.items():
             extra = ""
