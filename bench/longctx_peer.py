@@ -19,8 +19,11 @@ Runs (--caches, ENGINE:CACHE):
                                    ctypes in a child python: its default load (weights converted to its
                                    Q4 at load), tq_forward_batch for the prompt where its engine has it
                                    (else token by token, as its tq_generate), tq_forward per step;
-                                   uniform_4b is quant.cpp's default kv_type. The child's RSS includes
-                                   the python interpreter (~10 MiB). Contexts above --qcpp-max-ctx skip it.
+                                   uniform_4b is quant.cpp's default kv_type. KV bytes: its quantized keys
+                                   (whole blocks per head) and fp16 values, without the fp32 key buffer
+                                   it also allocates (as bench/quantcpp_peer.py counts). The child's RSS
+                                   includes the python interpreter (~10 MiB). Contexts above --qcpp-max-ctx
+                                   skip it.
 Missing peers (no libllama / no quant.cpp library / no codebook) are reported and skipped.
 
 Rounds: --rounds R (per context: --rounds-at CTX:R,...); in each round every run once, the order
@@ -252,8 +255,17 @@ def qcpp_child(lib_path, model, ids_file, ctx, steps, kv_name, threads):
         L.tq_forward(m, st, ids[ctx + i], ctx + i)
         dt.append(time.perf_counter() - t0)
     med = median(dt)
+
+    class Traits(ctypes.Structure):  # tq_type_traits_t, as bench/quantcpp_peer.py reads it (no numpy here)
+        _fields_ = [("name", ctypes.c_char_p), ("block_size", ctypes.c_size_t), ("type_size", ctypes.c_size_t),
+                    ("bpe", ctypes.c_float), ("quantize", ctypes.c_void_p), ("dequantize", ctypes.c_void_p),
+                    ("attention", ctypes.c_void_p), ("residual_type", ctypes.c_int)]
+    t = (Traits * len(names)).in_dll(L, "TQ_TRAITS")[names.index(kv_name)]
+    n_layers, n_kv, hd = cfg[0], cfg[4], cfg[5]
+    key = -(-hd // t.block_size) * t.type_size  # whole blocks per head (bench/quantcpp_peer.py key_bits)
+    kv = n_layers * (ctx + steps) * n_kv * (key + 2 * hd)  # quantized keys, fp16 values
     print(json.dumps({"prompt_tok_per_s": ctx / t_prompt, "decode_tok_per_s": 1 / med, "decode_ms_median": med * 1e3,
-                      "decode_ms_mean": sum(dt) / len(dt) * 1e3, "prefill_batched": batched}))
+                      "decode_ms_mean": sum(dt) / len(dt) * 1e3, "prefill_batched": batched, "kv_bytes": kv}))
 
 
 def simd_qcpp(lib):

@@ -164,3 +164,5 @@ def test_real_qcpp_run(tmp_path):
         pytest.skip(lp.available(a, "qcpp"))
     r = lp.measure(a, "smollm2", "qcpp", "uniform_4b", 32, ids_file(tmp_path))
     assert r["prompt_tok_per_s"] > 0 and r["decode_tok_per_s"] > 0 and isinstance(r["prefill_batched"], bool)
+    # uniform_4b keys: one 68-byte block (4 + 64) per 64-wide head, fp16 values (128 bytes): 34 positions
+    assert r["kv_bytes"] == 30 * 34 * 3 * (68 + 128)
