@@ -377,8 +377,33 @@ def plot(out, paths):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models, _ = load_results(paths)
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8.5), squeeze=False)
     style = {"kvpq": "-", "llama": "--", "qcpp": ":"}
+
+    order = [label(e, c) for e, c in parse_caches(DEFAULT_CACHES)]
+
+    def color(lab):  # one colour per run in every panel
+        return plt.cm.tab10((order.index(lab) if lab in order else len(order) + hash(lab) % 2) % 10)
+
+    def nice(lab):
+        return (lab.replace("llama:", "llama.cpp ").replace("qcpp:", "quant.cpp ").replace("kvpq:b", "kvpq --bits ")
+                .replace("kvpq:", "kvpq "))
+    for ax, (name, ctxs) in zip(axes[1], models.items()):  # the ratios: same-round pairs, robust to load
+        lines = {}
+        for c in sorted(ctxs, key=int):
+            for lab, r in ctxs[c]["ratios"].items():
+                if "decode" in r:
+                    lines.setdefault(lab, []).append((int(c), r["decode"]))
+        for lab, pts in lines.items():
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, style.get(lab.split(":")[0], "-"), marker="o", color=color(lab), label=nice(lab))
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(f"{nice(REF)} decode / this run's (same rounds)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     for ax, (name, ctxs) in zip(axes[0], models.items()):
         lines = {}
         for c in sorted(ctxs, key=int):
@@ -387,8 +412,7 @@ def plot(out, paths):
                     lines.setdefault(lab, []).append((int(c), m["decode_tok_per_s"]))
         for lab, pts in lines.items():
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, style.get(lab.split(":")[0], "-"), marker="o", label=lab.replace("llama:", "llama.cpp ")
-                    .replace("qcpp:", "quant.cpp ").replace("kvpq:b", "kvpq --bits ").replace("kvpq:", "kvpq "))
+            ax.plot(xs, ys, style.get(lab.split(":")[0], "-"), marker="o", color=color(lab), label=nice(lab))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tok/s (median of rounds)")
