@@ -235,6 +235,11 @@ static int print_results(const decode_run *r) {
         cJSON_AddNumberToObject(jc, "decode_ms_mean", mean[c] * 1e3);
         cJSON_AddNumberToObject(jc, "decode_tok_per_s", 1.0 / med[c]);
         cJSON_AddNumberToObject(jc, "decode_speedup_vs_first", med[0] / med[c]);
+        kvpq_cache_stats cst; /* the cache after the prompt and the steps: ctx + steps positions */
+        if (kvpq_cache_get_stats(r->cc[c].cache, &cst) == KVPQ_OK) {
+            cJSON_AddNumberToObject(jc, "stored_bytes", (double)cst.stored_bytes);
+            cJSON_AddNumberToObject(jc, "resident_bytes", (double)cst.resident_bytes);
+        }
         cJSON_AddItemToArray(arr, jc);
         if (!o->json)
             printf("%-40s %12.1f %14.3f %14.3f %13.1f %8.2fx\n", o->specs[c], ctx / r->t_prompt[c], med[c] * 1e3,
