@@ -14,6 +14,12 @@
 #define GEMMA_PATH KVPQ_SOURCE_DIR "/models/gemma-3-270m-Q4_K_M.gguf" /* sliding window, Q4_K / Q6_K */
 #define N_SEQ 3
 #define N_DECODE 16
+/* KVPQ_QUICK (the sanitizer run): 4 greedy steps, and the Gemma-3 and long-context cases left to the
+ * Release run (scripts/test.sh runs both). */
+static int quick(void) {
+    const char *q = getenv("KVPQ_QUICK");
+    return q && *q && strcmp(q, "0") != 0;
+}
 
 /* Under the default activations (KVPQ_ACT=auto) every row takes the path its own eval takes: decode
  * rows the 8-bit kernels, whose per-row quantization and per-(row, token) integer sums do not depend
@@ -106,7 +112,7 @@ static void batch_equals_single(kvpq_cache_type type, double tol) {
     cr_assert(n[0] < 32 && n[1] >= 32, "prompt lengths %d, %d: one of each activation class wanted", n[0], n[1]);
     float *lb = malloc((size_t)N_SEQ * V * sizeof *lb), *ls = malloc((size_t)N_SEQ * V * sizeof *ls);
     const int32_t *tp[N_SEQ] = {tok[0], tok[1], tok[2]};
-    for (int step = 0; step <= N_DECODE; step++) {
+    for (int step = 0; step <= (quick() ? 4 : N_DECODE); step++) {
         cr_assert_eq(kvpq_model_eval_batch(g_model, N_SEQ, cb, tp, n, lb), KVPQ_OK, "step %d: %s", step,
                      kvpq_last_error());
         for (int i = 0; i < N_SEQ; i++)
@@ -155,6 +161,7 @@ Test(model_batch, close_to_each_sequence_alone_f32_activations) {
 /* Gemma 3: sliding-window layers (their own rope base, a windowed cache), query/key norms, Q4_K
  * and Q6_K weights. */
 Test(model_batch, equals_each_sequence_alone_gemma3) {
+    if (quick()) cr_skip_test("KVPQ_QUICK: covered by the Release run");
     load_path(GEMMA_PATH, "auto");
     cr_assert_gt(g_info.n_swa_layers, 0);
     batch_equals_single(KVPQ_CACHE_FP32, 0);
@@ -196,6 +203,7 @@ Test(model_batch, more_rows_than_one_step) {
  * threads) and caches with n_threads 0 (OpenMP's count): the segments' attention runs side by side,
  * each on one thread, and its split must still be the one the sequence gets alone. */
 Test(model_batch, long_contexts_split_attention_as_alone) {
+    if (quick()) cr_skip_test("KVPQ_QUICK: covered by the Release run");
     load("auto");
     const int V = g_info.n_vocab, n_long = 600, n_seq = 3;
     kvpq_cache *cb[3], *cs[3];
