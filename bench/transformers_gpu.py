@@ -14,6 +14,11 @@ peak allocated bytes during the run, and how many greedy tokens equal DynamicCac
 
 usage: python3 bench/transformers_gpu.py --ids IDS.npy --codebook CB [--ctx 4096,32768] [--gen 64]
            [--dtype bfloat16] [--model-dir models] [--out DIR]
+       python3 bench/transformers_gpu.py --random-smollm2 [--ctx ...]
+--random-smollm2: no model file: a Llama with SmolLM2-135M's shape (30 layers, 9 query heads, 3 KV
+heads of 64) and random weights, random token ids, and a d4b8 codebook calibrated on its own keys and
+values (2048 tokens). Speed and memory only (what the cache costs at a model's shape; the tokens mean
+nothing): for a GPU machine that cannot take the model file.
 """
 import argparse
 import json
@@ -70,10 +75,27 @@ def run(model, ids, make_cache, gen, torch):
     return res
 
 
+def random_smollm2(torch, kvpq):
+    """(model, token ids, codebook): SmolLM2-135M's shape with random weights (float32, CPU), random
+    ids, a d4b8 codebook from the model's own keys and values of 2048 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from kvpq.transformers import collect_kv
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 65536)
+    cb = kvpq.calibrate(collect_kv(model, torch.tensor(ids[:2048]), 2048), keys="d4b8", niter=4)
+    cb.set_meta("key_layout", "hf")
+    return model, ids, cb
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ids", required=True, help=".npy of token ids (kvpq's tokenizer, BOS first)")
-    ap.add_argument("--codebook", required=True)
+    ap.add_argument("--ids", help=".npy of token ids (kvpq's tokenizer, BOS first)")
+    ap.add_argument("--codebook")
+    ap.add_argument("--random-smollm2", action="store_true", help="SmolLM2-135M's shape, random weights (above)")
     ap.add_argument("--model-dir", default=os.path.join(ROOT, "models"))
     ap.add_argument("--model-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--ctx", default="4096,32768")
@@ -93,12 +115,19 @@ def main():
         return 77
     dtype = getattr(torch, a.dtype)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, gguf_file=a.model_file, dtype=torch.float32)
+    if a.random_smollm2:
+        model, all_ids, cb = random_smollm2(torch, kvpq)
+        a.model_file = "random weights, SmolLM2-135M's shape"
+        a.codebook = "d4b8 calibrated on the model's own keys and values"
+    elif not (a.ids and a.codebook):
+        ap.error("--ids and --codebook are needed (or --random-smollm2)")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.model_dir, gguf_file=a.model_file, dtype=torch.float32)
+        all_ids = np.load(a.ids).astype(np.int64)
+        cb = kvpq.Codebook.load(a.codebook)
     model = model.to("cuda", dtype).eval()
     t_load = time.perf_counter() - t0
     model.set_attn_implementation("sdpa")
-    all_ids = np.load(a.ids).astype(np.int64)
-    cb = kvpq.Codebook.load(a.codebook)
     rows = []
     for ctx in [int(c) for c in a.ctx.split(",")]:
         ids = np.resize(all_ids, ctx)  # the text repeated if it is shorter than ctx

@@ -968,6 +968,17 @@ KVPQ_API kvpq_status kvpq_cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq,
 KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq);
 /* Drop every position of sequence seq (its pages go back to the pool). */
 KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq);
+/* Positions [pos0, pos0 + n) of sequence seq as the cache holds them, into k and v: device
+ * (n, n_head_kv, head_dim) float32 (either may be NULL), keys with the key mean added back, in the
+ * original space (no smoothing, no rotation). from_codes 1: every position decoded from its codes
+ * (norm-explicit scales applied); 0: positions in the float32 window (the newest `window`) read from
+ * it, earlier ones decoded. Enqueued on `stream` (a cudaStream_t; NULL: the legacy default stream)
+ * without waiting. KVPQCache's prompt attention reads the codes this way (each query attends to its
+ * window exactly and to earlier positions through their codes, as kvpq_cache_append_attend does on
+ * the CPU). Errors: KVPQ_ERR_INVALID_ARG (positions outside [0, seq_len), both outputs NULL),
+ * KVPQ_ERR_DEVICE (launch). */
+KVPQ_API kvpq_status kvpq_cuda_cache_read(const kvpq_cuda_cache *c, int seq, int pos0, int n, int from_codes,
+                                          float *k, float *v, void *stream);
 /* Device bytes held: code pages in use (with their norm-explicit float16 scales), window, codebooks
  * (with the tensor-core attention's 64 KiB codebook image where it applies), page tables. Not
  * counted: workspaces allocated at creation, i.e. the attention's split partials and, with a

@@ -944,17 +944,25 @@ def cuda_available() -> Tuple[bool, str]:
 class CudaCache:
     """One layer of a device-resident VQ cache for a batch of sequences (kvpq_cuda_cache, include/kvpq.h,
     docs/CUDA.md), made from layer `layer` of a Codebook: its key/value quantizers (norm-explicit ones
-    included), key smoothing factors and key mean. Pointers are device addresses (ints, e.g. a torch
-    tensor's data_ptr()) of float32 C-contiguous memory on the current device:
-      append(seq, n, k, v): k, v (n, n_head_kv, head_dim) for sequence seq (synchronous);
-      attend(n_seq, q, out, stream=None): decode attention of one query per sequence 0..n_seq-1,
-        q and out (n_seq, n_head, head_dim), scale 1/sqrt(head_dim); enqueued on `stream` (a
-        cudaStream_t as an int; None: synchronous kvpq_cuda_cache_attend).
+    included), key smoothing factors and key mean. Lives on the CUDA device current at construction.
+    Arguments are torch tensors on that device, float32, C-contiguous, of the shapes below (anything
+    else raises kvpq.ArgumentError naming the argument):
+      append(seq, k, v): k, v (n, n_head_kv, head_dim), post-RoPE keys, for sequence seq (synchronous);
+      attend(q, out=None): decode attention of one query per sequence 0..n_seq-1, q (n_seq, n_head,
+        head_dim), scale 1/sqrt(head_dim); enqueued on torch's current stream; returns out;
+      read(seq, pos0, n, from_codes=False): (k, v) (n, n_head_kv, head_dim) of positions
+        [pos0, pos0 + n) as held (the float32 window, or with from_codes every position decoded from
+        its codes), keys with the key mean added back; enqueued on torch's current stream.
     Errors raise kvpq.Error (KVPQ_ERR_NO_DEVICE without a CUDA build or device)."""
 
     def __init__(self, codebook: Codebook, layer: int, n_head: int, n_seq: int, max_seq: int,
                  window: Optional[int] = None, page_tokens: Optional[int] = None, n_pages: int = 0) -> None:
         w = "CudaCache"
+        try:
+            import torch
+        except ImportError as e:
+            raise _arg_error(w, "needs PyTorch (its CUDA tensors are the cache's inputs and outputs)",
+                             lib.KVPQ_ERR_UNSUPPORTED) from e
         if not isinstance(codebook, Codebook):
             raise _arg_error(w, "codebook: expected a kvpq.Codebook")
         layer = codebook._layer(layer, w)
@@ -981,18 +989,61 @@ class CudaCache:
         self._codebook = codebook
         self.n_head, self.n_head_kv, self.head_dim, self.n_seq, self.max_seq, self.window = (
             p.n_head, p.n_head_kv, p.head_dim, p.n_seq, p.max_seq, p.window)
+        self.device = torch.cuda.current_device()
 
-    def append(self, seq: int, n: int, k: int, v: int) -> None:
-        _check(lib.kvpq_cuda_cache_append(self._h, int(seq), int(n), ffi.cast("float *", int(k)),
-                                          ffi.cast("float *", int(v))), "CudaCache.append")
+    def _tensor(self, t: Any, name: str, shape: Tuple[Optional[int], ...], where: str) -> Any:
+        """t's device address once it is a float32 C-contiguous CUDA tensor of `shape` (None: any
+        size) on this cache's device."""
+        import torch
+        if not isinstance(t, torch.Tensor):
+            raise _arg_error(where, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+            dims = ", ".join("N" if x is None else str(x) for x in shape)
+            raise _arg_error(where, f"{name}: shape {tuple(t.shape)}, expected ({dims})")
+        if not t.is_cuda or t.device.index != self.device:
+            raise _arg_error(where, f"{name}: on {t.device}, the cache is on cuda:{self.device}")
+        if t.dtype != torch.float32:
+            raise _arg_error(where, f"{name}: dtype {t.dtype}, expected torch.float32")
+        if not t.is_contiguous():
+            raise _arg_error(where, f"{name}: not contiguous")
+        return ffi.cast("float *", t.data_ptr())
 
-    def attend(self, n_seq: int, q: int, out: int, stream: Optional[int] = None) -> None:
-        qp, op = ffi.cast("float *", int(q)), ffi.cast("float *", int(out))
-        if stream is None:
-            _check(lib.kvpq_cuda_cache_attend(self._h, int(n_seq), qp, op), "CudaCache.attend")
-        else:
-            _check(lib.kvpq_cuda_cache_attend_async(self._h, int(n_seq), qp, op, ffi.cast("void *", int(stream))),
-                   "CudaCache.attend")
+    def _stream(self) -> Any:
+        import torch
+        return ffi.cast("void *", torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _seq(self, seq: int, where: str) -> int:
+        return _int(seq, "seq", where, 0, self.n_seq - 1)
+
+    def append(self, seq: int, k: Any, v: Any) -> None:
+        w = "CudaCache.append"
+        seq = self._seq(seq, w)
+        kp = self._tensor(k, "k", (None, self.n_head_kv, self.head_dim), w)
+        vp = self._tensor(v, "v", tuple(k.shape), w)
+        _check(lib.kvpq_cuda_cache_append(self._h, seq, int(k.shape[0]), kp, vp), w)
+
+    def attend(self, q: Any, out: Any = None) -> Any:
+        import torch
+        w = "CudaCache.attend"
+        qp = self._tensor(q, "q", (None, self.n_head, self.head_dim), w)
+        shape = tuple(q.shape)
+        n_seq = shape[0]
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32, device=q.device)
+        _check(lib.kvpq_cuda_cache_attend_async(self._h, n_seq, qp, self._tensor(out, "out", shape, w), self._stream()), w)
+        return out
+
+    def read(self, seq: int, pos0: int, n: int, from_codes: bool = False) -> Tuple[Any, Any]:
+        import torch
+        w = "CudaCache.read"
+        seq = self._seq(seq, w)
+        shape = (_int(n, "n", w, 0), self.n_head_kv, self.head_dim)
+        k = torch.empty(shape, dtype=torch.float32, device=f"cuda:{self.device}")
+        v = torch.empty_like(k)
+        _check(lib.kvpq_cuda_cache_read(self._h, seq, _int(pos0, "pos0", w, 0), shape[0], int(bool(from_codes)),
+                                        self._tensor(k, "k", shape, w), self._tensor(v, "v", shape, w),
+                                        self._stream()), w)
+        return k, v
 
     def seq_len(self, seq: int = 0) -> int:
         return int(lib.kvpq_cuda_cache_seq_len(self._h, int(seq)))

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -116,17 +116,17 @@ class KVPQLayer(CacheLayerMixin):
                          "cannot do (kvpq has no cache copy); use greedy decoding or sampling", "KVPQCache.update")
         o._ensure(key_states)
         B, n = key_states.shape[0], key_states.shape[-2]
+        if o.on_cuda and self.is_sliding:  # exact, bounded by the window: transformers' own layer
+            return o._sliding[self.layer_idx].update(key_states, value_states, *args, **kwargs)
         prev = self.get_seq_length()
         deferred = False
         if o.on_cuda:
-            c = o._cuda[self.layer_idx]
-            if n > 1 and prev > 0:
-                deferred = True  # chunked prefill on CUDA: appended token by token in attend()
+            if n > 1:
+                deferred = True  # a prompt or chunk: appended and attended from codes in attend()
             else:
+                c = o._cuda[self.layer_idx]
                 for b in range(B):
-                    k = o._key_order_t(_to_device_rows(key_states[b]))
-                    v = _to_device_rows(value_states[b])
-                    c.append(b, n, k.data_ptr(), v.data_ptr())
+                    c.append(b, o._key_order_t(_to_device_rows(key_states[b])), _to_device_rows(value_states[b]))
         else:
             # appended in attend(), together with the queries (kvpq_cache_append_attend: each query sees
             # the window as it was at its own position, as `kvpq ppl` and `generate` do)
@@ -141,12 +141,16 @@ class KVPQLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         o = self.owner
+        if o.on_cuda and self.is_sliding:
+            return o._sliding[self.layer_idx].get_seq_length()
         if o._cuda:
             return o._cuda[self.layer_idx].seq_len(0)
         # positions as transformers counts them: a left-padded row's padding too (every row alike)
         return o._held[self.layer_idx] if o._cpu else 0
 
-    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
+    def get_mask_sizes(self, query_length: Any) -> Tuple[int, int]:
+        if self.owner.on_cuda and self.is_sliding:
+            return self.owner._sliding[self.layer_idx].get_mask_sizes(query_length)
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
@@ -191,20 +195,23 @@ class KVPQCache(Cache):
       sliding-window layers are read from its config. Without it, n_head= and key_layout= are needed
       and the model's attention must be set with kvpq.transformers.use_kvpq_attention(model).
     window: newest positions kept uncoded beside the codes: in fp16 in the CPU cache
-      (src/cache/cache_vq.c), in float32 in kvpq_cuda_cache. sinks: the first positions kept in fp16
+      (src/cache/cache_vq.c), in float32 in kvpq_cuda_cache; each query attends to the window as it
+      was at its own position and to earlier positions through their codes (prompts too). sinks: the first positions kept in fp16
       (attention sinks; CPU only). Both as `kvpq ppl --cache vq:FILE` takes them
       (kvpq.cache_settings): given, else what the codebook's allocation was made for (alloc.window /
       alloc.sinks, `kvpq calibrate --bits`), else window 128 and 1 sink (0 on CUDA, which keeps none:
       sinks= there is refused by name, a codebook's alloc.sinks gives a warning).
     max_seq: positions the cache may hold per sequence (default: the model's max_position_embeddings,
-      else 32768; on CUDA the device pages for n_batch * max_seq positions are allocated up front).
+      else 32768; on CUDA device pages are taken as positions arrive, from a pool that grows on demand).
     n_head: query heads (needed when model is not given; else from the model's config).
     n_threads: kvpq threads (0 = OpenMP default).
     key_layout: channel order of the codebook's keys, "hf" or "gguf" (default: the codebook's
       key_layout metadata, else "gguf": a codebook from `kvpq calibrate` on the model's GGUF file).
     sliding_window, swa_layers: local attention (Gemma 2/3, Mistral): a layer l with swa_layers[l]
       attends to the newest sliding_window positions only, and the kvpq cache frees older ones
-      (kvpq_cache_params.sliding_window). Default: from the model's config (sliding_window and
+      (kvpq_cache_params.sliding_window). On CUDA such a layer keeps its newest sliding_window
+      positions exactly, in the model's dtype (transformers' DynamicSlidingWindowLayer): bounded by
+      the window, it is not coded. Default: from the model's config (sliding_window and
       layer_types "sliding_attention"; every layer when the config has no layer_types).
     device: "auto" (default): CUDA tensors go to kvpq_cuda_cache when libkvpq has CUDA and a device
       (kvpq.cuda_available()), else they are moved to the CPU cache and back; "cpu" forces the CPU cache.
@@ -214,10 +221,10 @@ class KVPQCache(Cache):
     mask hiding its first positions, as `generate` pads a batch): its padding is not stored, and the
     row's tokens give what that row alone gives. Any other mask (right padding, holes; any padding on
     CUDA) raises kvpq.Error.
-    On CUDA: kvpq_cuda_cache_attend serves one query per sequence (decode); a prefill into an empty
-    cache attends exactly over the prompt's own float keys and values (SDPA) and then stores them as
-    codes; a chunk of several tokens into a non-empty cache is appended and attended one token at a
-    time. Sliding-window layers are CPU-only (kvpq_cuda_cache has none: refused by name).
+    On CUDA: kvpq_cuda_cache_attend serves one query per sequence (decode, from the codes on the
+    device); a prompt or a chunk of several tokens is appended as codes, read back decoded
+    (kvpq_cuda_cache_read) and attended by SDPA in float32 with a mask that gives each query its
+    window exactly and earlier positions through their codes, as the CPU cache does.
     """
 
     def __init__(self, codebook: Union[_core.Codebook, str, "os.PathLike[str]"], model: Optional[torch.nn.Module] = None,
@@ -278,7 +285,8 @@ class KVPQCache(Cache):
         self._pad = []    # CPU: per batch row, the left padding a prefill's attention mask showed (not stored)
         self._held = [0] * n  # CPU: per layer, positions attended so far as transformers counts them (padding too)
         self._awaiting = {}  # CPU: layer -> keys and values handed out by update(), appended by attend()
-        self._cuda = []   # one kvpq.CudaCache per layer (every batch row)
+        self._cuda = []   # one kvpq.CudaCache per layer (every batch row); None for a sliding-window layer
+        self._sliding = {}  # CUDA: layer -> DynamicSlidingWindowLayer (exact newest sliding_window positions)
         self.on_cuda = False
         self.n_batch = 0
 
@@ -323,9 +331,6 @@ class KVPQCache(Cache):
         cb = self.codebook
         self.n_batch = B
         if like.is_cuda and self.device == "auto" and _core.cuda_available()[0]:
-            if self.sliding_window:
-                raise _error("sliding-window layers on CUDA: kvpq_cuda_cache has no sliding window; use device='cpu'",
-                             status=_core.lib.KVPQ_ERR_UNSUPPORTED)
             if self.sinks and self._sinks_given:
                 raise _error(f"sinks={self.sinks} on CUDA: kvpq_cuda_cache keeps no attention sinks; pass sinks=0 (or "
                              "device='cpu')", status=_core.lib.KVPQ_ERR_UNSUPPORTED)
@@ -335,8 +340,11 @@ class KVPQCache(Cache):
                               stacklevel=3)
             self.sinks = 0  # the kind's default sink is not kept on CUDA (kvpq_cuda_cache has none)
             with torch.cuda.device(like.device):
-                self._cuda = [_core.CudaCache(cb, l, self.n_head, B, self.max_seq, window=self.window)
+                self._cuda = [None if self.swa_layers[l] else
+                              _core.CudaCache(cb, l, self.n_head, B, self.max_seq, window=self.window)
                               for l in range(cb.n_layer)]
+            self._sliding = {l: DynamicSlidingWindowLayer(self.sliding_window)
+                             for l in range(cb.n_layer) if self.swa_layers[l]}
             self.on_cuda = True
         else:
             self._pad = [0] * B
@@ -357,8 +365,10 @@ class KVPQCache(Cache):
             if n_pos != 0:
                 raise _error(f"crop to {n_pos} positions: kvpq_cuda_cache can only be cleared", "KVPQCache.crop")
             for c in self._cuda:
-                for b in range(self.n_batch):
+                for b in range(self.n_batch if c is not None else 0):
                     c.clear(b)
+            for layer in self._sliding.values():
+                layer.reset()
 
     def _select(self, indices):
         idx = [int(i) for i in torch.as_tensor(indices).reshape(-1)]
@@ -399,8 +409,12 @@ class KVPQCache(Cache):
     @property
     def resident_bytes(self) -> int:
         """Bytes the kvpq caches hold for K and V (codes, float32 window, norms, codebooks; on CUDA,
-        device bytes of kvpq_cuda_cache_resident_bytes), every batch row."""
-        return sum(c.resident_bytes for c in self._cpu) + sum(c.resident_bytes for c in self._cuda)
+        device bytes of kvpq_cuda_cache_resident_bytes, and the exact sliding-window layers' tensors),
+        every batch row."""
+        exact = sum(t.numel() * t.element_size() for layer in self._sliding.values() if layer.is_initialized
+                    for t in (layer.keys, layer.values))
+        return (sum(c.resident_bytes for c in self._cpu) + sum(c.resident_bytes for c in self._cuda if c is not None)
+                + exact)
 
     def stats(self) -> Dict[str, Any]:
         if not self._cpu:
@@ -435,30 +449,55 @@ class KVPQCache(Cache):
         return torch.from_numpy(out).to(query.device, query.dtype)
 
     def _attend_cuda(self, layer_idx, query, scaling, key, value, prev, deferred):
-        B, H, n_q, d = query.shape
+        if deferred:
+            return self._attend_cuda_chunk(layer_idx, query, scaling, key, value, prev)
+        c = self._cuda[layer_idx]  # decode: one query per sequence, from the codes on the device
+        q = self._key_order_t(self._scaled_query(query, scaling).to(torch.float32)[:, :, 0])  # (B, H, d)
+        with torch.cuda.device(query.device):
+            out = c.attend(q)  # enqueued on the current stream, which reads `out` after it
+        return out.unsqueeze(1).to(query.dtype)
+
+    def _attend_cuda_chunk(self, layer_idx, query, scaling, key, value, prev):
+        """A prompt or chunk of n tokens after `prev` held: appended as codes, then SDPA in the query's
+        dtype over the codes read back decoded and the exact rows, each query attending to its own
+        window exactly and to earlier positions through their codes (kvpq_cache_append_attend's rule).
+        Blocks of queries bound the mask (<= 2^28 entries); within a block SDPA's memory-efficient
+        kernel takes the mask without materializing the scores."""
         c = self._cuda[layer_idx]
-        if prev == 0 and n_q > 1:
-            # prefill into an empty cache: exact causal attention over the prompt's own keys/values
-            # (kvpq_cuda_cache_attend serves one query per sequence); they are already stored as codes
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, key.to(query.dtype), value.to(query.dtype), is_causal=True, scale=float(scaling),
-                enable_gqa=key.shape[1] != H)
-            return out.transpose(1, 2)
-        q = self._key_order_t(self._scaled_query(query, scaling).to(torch.float32).transpose(1, 2))  # (B, n_q, H, d)
-        out = torch.empty((B, n_q, H, d), device=query.device, dtype=torch.float32)
-        stream = torch.cuda.current_stream(query.device).cuda_stream
-        for i in range(n_q):
-            if deferred:  # one token of a chunk: append it, then attend with its query
-                for b in range(B):
-                    k = self._key_order_t(_to_device_rows(key[b, :, i:i + 1]))
-                    v = _to_device_rows(value[b, :, i:i + 1])
-                    c.append(b, 1, k.data_ptr(), v.data_ptr())
-            qi = q[:, i].contiguous()
-            oi = torch.empty_like(qi)
-            c.attend(B, qi.data_ptr(), oi.data_ptr(), stream)
-            out[:, i] = oi
-        # attention is enqueued on the current stream; torch reads `out` after it on the same stream
-        return out.to(query.dtype)
+        B, H, n, d = query.shape
+        W, end = c.window, prev + n
+        n_codes = max(end - W, 0)  # the last query's window starts there (W = 0: everything coded)
+        e0 = max(prev + 1 - W, 0) if W else end  # the first query's window starts there (W = 0: none)
+        ks, vs = [], []
+        with torch.cuda.device(query.device):
+            for b in range(B):
+                kb, vb = self._key_order_t(_to_device_rows(key[b])), _to_device_rows(value[b])
+                if W:  # exact rows [e0, end): the ring's, read before the append overwrites it, and the chunk's
+                    ek, ev = c.read(b, e0, prev - e0)
+                c.append(b, kb, vb)
+                ck, cv = c.read(b, 0, n_codes, from_codes=True)
+                ks.append(torch.cat([ck, ek, kb]) if W else ck)
+                vs.append(torch.cat([cv, ev, vb]) if W else cv)
+        # (B, n_head_kv, keys, d) in the model's dtype, as SDPA over DynamicCache would attend
+        k, v = (torch.stack(x).transpose(1, 2).to(query.dtype) for x in (ks, vs))
+        if H != k.shape[1]:
+            k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
+        q = self._key_order_t(query)
+        out = torch.empty_like(q)
+        step = max(256, (1 << 28) // k.shape[2])  # query rows per block
+        for i in range(0, n, step):
+            p0, p1 = prev + i, min(prev + i + step, end)  # the block's query positions [p0, p1)
+            c1 = min(max(p1 - W, 0), n_codes) if W else p1  # codes any query of the block sees: [0, c1)
+            x0 = max(p0 + 1 - W, e0) if W else end  # exact rows it sees: [x0, end) cut at p1
+            sel = torch.cat([torch.arange(c1), n_codes + torch.arange(x0 - e0, p1 - e0)]).to(query.device)
+            t = torch.cat([torch.arange(c1), torch.arange(x0, p1)]).to(query.device)[None, :]  # key positions
+            pos = torch.arange(p0, p1, device=query.device)[:, None]
+            first = pos + 1 - W if W else pos + 1  # a query's window: [first, pos]
+            coded = (torch.arange(t.shape[1], device=query.device) < c1)[None, :]
+            mask = torch.where(coded, t < first, (t >= first) & (t <= pos))
+            out[:, :, i:i + step] = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, i:i + step], k[:, :, sel], v[:, :, sel], attn_mask=mask, scale=float(scaling))
+        return out.transpose(1, 2).to(query.dtype)
 
 
 def _swa_from_config(cfg, n_layer):

@@ -106,6 +106,10 @@ kvpq_status kvpq_cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const fl
 }
 int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int seq) { return -1; }
 kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int seq) { return KVPQ_NO_CUDA("kvpq_cuda_cache_clear"); }
+kvpq_status kvpq_cuda_cache_read(const kvpq_cuda_cache *c, int seq, int pos0, int n, int from_codes, float *k, float *v,
+                                 void *stream) {
+    return KVPQ_NO_CUDA("kvpq_cuda_cache_read");
+}
 size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache *c) { return 0; }
 
 /* internal.h: the host-pointer calls of kvpq_cache's CUDA backend (never reached without CUDA:

@@ -62,6 +62,18 @@ __global__ void window_copy_kernel(const float *k, const float *v, const float *
     vw[dst] = v[(size_t)t * row_floats + e];
 }
 
+/* Ring rows of positions [pos0, pos0 + n) (all in the ring) into k, v (n, row_floats), the key mean
+ * added back (the ring holds k - mu); either output may be NULL. */
+__global__ void window_read_kernel(const float *kw, const float *vw, const float *k_mean, float *k, float *v,
+                                   int pos0, int n, int window, int row_floats) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * row_floats) return;
+    int t = (int)(i / row_floats), e = (int)(i % row_floats);
+    size_t src = (size_t)((pos0 + t) % window) * row_floats + e;
+    if (k) k[i] = kw[src] + (k_mean ? k_mean[e] : 0.f);
+    if (v) v[i] = vw[src];
+}
+
 } // namespace
 
 /* kvpq_cuda_cache_params_default: src/core/cuda_stub.c (one definition for every build). */
@@ -466,6 +478,45 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_clear(kvpq_cuda_cache *c, int se
         pt[i] = -1;
     }
     c->h_len[seq] = 0;
+    return KVPQ_OK;
+}
+
+/* Decode [pos0, pos0 + n) of sequence seq from its pages into x (keys: kind 0, values: 1). */
+static kvpq_status read_codes_dev(const kvpq_cuda_cache *c, int seq, int kind, int pos0, int n, float *x,
+                                  cudaStream_t stream) {
+    kvpq__code_src src = {c->page_table + (size_t)seq * c->max_pages, c->p.page_tokens, pos0,
+                          kind ? c->v_scales : c->k_scales, kind ? NULL : c->k_mean};
+    return kvpq__cuda_decode_paged_launch(kind ? c->vq : c->kq, (size_t)n, kind ? c->v_pages : c->k_pages, &src, x,
+                                          stream);
+}
+
+extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_read(const kvpq_cuda_cache *c, int seq, int pos0, int n,
+                                                     int from_codes, float *k, float *v, void *stream) {
+    if (!c) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_read: cache is NULL");
+    if (seq < 0 || seq >= c->p.n_seq)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_read: seq=%d: expected 0..%d", seq, c->p.n_seq - 1);
+    const int len = c->h_len[seq], W = c->p.window;
+    if (n < 0 || pos0 < 0 || (long long)pos0 + n > len)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_read: positions [%d, %lld) outside the %d held by sequence %d",
+                         pos0, (long long)pos0 + n, len, seq);
+    if (n == 0) return KVPQ_OK;
+    if (!k && !v) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_read: k and v are both NULL");
+    cudaStream_t st = (cudaStream_t)stream;
+    const int w0 = from_codes || W == 0 ? len : (len > W ? len - W : 0); /* the ring serves [w0, len) */
+    const int c1 = pos0 + n < w0 ? pos0 + n : w0;
+    const size_t rf = (size_t)c->p.n_head_kv * c->p.head_dim;
+    if (c1 > pos0) {
+        if (k) KVPQ_TRY(read_codes_dev(c, seq, 0, pos0, c1 - pos0, k, st));
+        if (v) KVPQ_TRY(read_codes_dev(c, seq, 1, pos0, c1 - pos0, v, st));
+    }
+    const int r0 = c1 > pos0 ? c1 : pos0, nr = pos0 + n - r0;
+    if (nr > 0) {
+        const size_t off = (size_t)seq * W * rf, skip = (size_t)(r0 - pos0) * rf;
+        const long long total = (long long)nr * rf;
+        window_read_kernel<<<(unsigned)((total + 255) / 256), 256, 0, st>>>(
+            c->k_win + off, c->v_win + off, c->k_mean, k ? k + skip : NULL, v ? v + skip : NULL, r0, nr, W, (int)rf);
+        KVPQ_CUDA_TRY(cudaGetLastError(), "kvpq_cuda_cache_read: window read launch");
+    }
     return KVPQ_OK;
 }
 

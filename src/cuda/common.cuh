@@ -65,6 +65,18 @@ kvpq_status kvpq__cuda_encode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
 /* Launch the decode kernel (contiguous codes). */
 kvpq_status kvpq__cuda_decode_launch(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes, float *x,
                                      cudaStream_t stream);
+/* Where decode reads paged codes: one sequence's page table (device), positions from pos0, pages of
+ * (n_head_kv, page_tokens) code rows; float16 scales laid out like the code rows (or NULL); a
+ * (n_head_kv, d) vector added to every decoded row (or NULL). */
+typedef struct {
+    const int *page_table;
+    int page_tokens, pos0;
+    const uint16_t *scales;
+    const float *mean;
+} kvpq__code_src;
+/* Launch the decode kernel on n_tokens positions of a paged cache: x (n_tokens, n_head_kv, d). */
+kvpq_status kvpq__cuda_decode_paged_launch(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *pages,
+                                           const kvpq__code_src *src, float *x, cudaStream_t stream);
 /* Norm-explicit encode of n_tokens rows of x (n_tokens, n_head_kv, d) float32 (Dai et al., AAAI
  * 2020, as the CPU VQ cache, src/cache/cache_vq.c vq_encode): each row is transformed as the fused
  * encode does (x' = H((x - mu) / lambda), the quantizer's transforms), divided by its norm

@@ -1,5 +1,7 @@
 /* decode.cu — PQ decode (gather) on the GPU, back to the original space: centroid lookup, inverse
- * Hadamard rotation (the normalized transform is its own inverse), times lambda. A warp per row. */
+ * Hadamard rotation (the normalized transform is its own inverse), times lambda. A warp per row.
+ * Rows come either contiguous (kvpq_cuda_pq_decode) or from a paged cache's pages (one sequence's
+ * page table; kvpq_cuda_cache_read), where a norm-explicit float16 scale and the key mean apply too. */
 #include "common.cuh"
 
 namespace {
@@ -13,7 +15,23 @@ struct DecodeParams {
     int rotate;
     const float *centroids;/* (n_books, ksub, dsub) */
     int ksub, n_books, nbits, code_size, dsub;
+    /* paged rows (page_table not NULL): row r is position pos0 + r / n_head_kv, KV head r % n_head_kv,
+     * at codes + (page * n_head_kv + head) * page_tokens + position % page_tokens code rows */
+    const int *page_table; /* one sequence's (max_pages) page ids, or NULL: row r at codes + r * code_size */
+    int page_tokens, pos0;
+    const uint16_t *scales;/* paged: (n_pages, n_head_kv, page_tokens) float16 norm-explicit scales, or NULL */
+    const float *mean;     /* (n_head_kv, D) added after decoding (the cache's key mean), or NULL */
 };
+
+/* Index of row gr's code row in p.codes, and its scale (1 without scales). */
+__device__ __forceinline__ long long row_index(const DecodeParams &p, long long gr, float *scale) {
+    *scale = 1.f;
+    if (!p.page_table) return gr;
+    const long long t = p.pos0 + gr / p.n_head_kv, h = gr % p.n_head_kv;
+    const long long i = ((long long)p.page_table[t / p.page_tokens] * p.n_head_kv + h) * p.page_tokens + t % p.page_tokens;
+    if (p.scales) *scale = __half2float(__ushort_as_half(p.scales[i]));
+    return i;
+}
 
 template <int D>
 __global__ void __launch_bounds__(256) decode_kernel(DecodeParams p) {
@@ -21,7 +39,8 @@ __global__ void __launch_bounds__(256) decode_kernel(DecodeParams p) {
     const int lane = threadIdx.x & 31;
     const long long gr = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (gr >= p.n_rows) return;  /* whole warps leave together: the shuffles below stay full */
-    const uint8_t *row = p.codes + gr * p.code_size;
+    float scale;
+    const uint8_t *row = p.codes + row_index(p, gr, &scale) * p.code_size;
     float v[EPL];
 #pragma unroll
     for (int j = 0; j < EPL; j++) {
@@ -31,10 +50,12 @@ __global__ void __launch_bounds__(256) decode_kernel(DecodeParams p) {
         v[j] = p.centroids[((size_t)book * p.ksub + code) * p.dsub + (e - m * p.dsub)];
     }
     if (p.rotate) kvpq__warp_fwht<EPL>(v, lane);
-    if (p.lambda) {
-        const float *l = p.lambda + (size_t)(gr % p.n_head_kv) * D + lane * EPL;
+    const size_t hoff = (size_t)(gr % p.n_head_kv) * D + lane * EPL;
 #pragma unroll
-        for (int j = 0; j < EPL; j++) v[j] *= l[j];
+    for (int j = 0; j < EPL; j++) v[j] *= (p.lambda ? p.lambda[hoff + j] : 1.f) * scale;
+    if (p.mean) {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) v[j] += p.mean[hoff + j];
     }
     float *dst = p.x + gr * D + lane * EPL;
 #pragma unroll
@@ -51,10 +72,18 @@ kvpq_status launch(const DecodeParams &p, cudaStream_t stream) {
 
 } // namespace
 
-kvpq_status kvpq__cuda_decode_launch(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes, float *x,
-                                     cudaStream_t stream) {
+static kvpq_status decode_any(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes, float *x,
+                              const kvpq__code_src *src, cudaStream_t stream) {
     if (n_tokens == 0) return KVPQ_OK;
     DecodeParams p;
+    memset(&p, 0, sizeof p);
+    if (src) {
+        p.page_table = src->page_table;
+        p.page_tokens = src->page_tokens;
+        p.pos0 = src->pos0;
+        p.scales = src->scales;
+        p.mean = src->mean;
+    }
     p.codes = codes;
     p.x = x;
     p.n_rows = (long long)n_tokens * q->n_head_kv;
@@ -73,6 +102,16 @@ kvpq_status kvpq__cuda_decode_launch(const kvpq_cuda_pq *q, size_t n_tokens, con
     case 256: return launch<256>(p, stream);
     }
     return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cuda decode: d=%d: expected 64, 128 or 256", q->p.d);
+}
+
+kvpq_status kvpq__cuda_decode_launch(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes, float *x,
+                                     cudaStream_t stream) {
+    return decode_any(q, n_tokens, codes, x, NULL, stream);
+}
+
+kvpq_status kvpq__cuda_decode_paged_launch(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *pages,
+                                           const kvpq__code_src *src, float *x, cudaStream_t stream) {
+    return decode_any(q, n_tokens, pages, x, src, stream);
 }
 
 extern "C" KVPQ_API kvpq_status kvpq_cuda_pq_decode(const kvpq_cuda_pq *q, size_t n_tokens, const uint8_t *codes,
