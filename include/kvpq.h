@@ -14,7 +14,8 @@
  * Header tiers (as zstd's ZSTD_STATIC_LINKING_ONLY):
  *   - Stable (always declared): status and errors, backends, a codebook file (load, save, read its
  *     shape and metadata), the KV cache (SPEC grammar, create, append, attend, read, truncate,
- *     stats, save, load) and whether CUDA is usable. These keep their names and meaning across
+ *     reserve, stats, save, load), the page pool many caches share under one byte budget, and
+ *     whether CUDA is usable. These keep their names and meaning across
  *     minor versions.
  *   - Advanced (declared when KVPQ_ADVANCED is defined before the #include): the PQ internals
  *     (quantizers, k-means, code packing, smoothing, Hadamard), building and editing codebooks layer
