@@ -57,7 +57,9 @@ static int n_coded_of(const kivi_state *s, int len) {
 }
 
 /* Bytes of one of a layer's two fp16 rings (K or V). */
-static size_t ring_bytes(const kivi_state *s) { return (size_t)s->cap * s->p.n_head_kv * s->p.head_dim * sizeof(uint16_t); }
+static size_t ring_bytes(const kivi_state *s) {
+    return (size_t)s->cap * s->p.n_head_kv * s->p.head_dim * sizeof(uint16_t);
+}
 
 /* The layer's K and V rings from the pool (zeroed); on failure neither. */
 static kvpq_status ring_get(kivi_state *s, int l) {

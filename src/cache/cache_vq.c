@@ -674,9 +674,9 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
     if (new_ring) KVPQ_TRY(vq_ring_get(st, L, layer));
     if (ne > 0) {
         const int pages_needed = (target + st->page_tokens - 1) / st->page_tokens;
-        kvpq_status s = pages_needed > st->max_pages
-                            ? kvpq__err(KVPQ_ERR_CAPACITY, "VQ cache layer %d: %d positions exceed max_seq", layer, target)
-                            : vq_pages_get(st, L, pages_needed);
+        kvpq_status s = pages_needed <= st->max_pages
+                            ? vq_pages_get(st, L, pages_needed)
+                            : kvpq__err(KVPQ_ERR_CAPACITY, "VQ cache layer %d: %d positions exceed max_seq", layer, target);
         if (s != KVPQ_OK) { /* leave the cache as it was */
             if (new_ring) vq_ring_put(st, L);
             return s;

@@ -94,8 +94,9 @@ kvpq_status kvpq__pool_get(kvpq_page_pool *pool, size_t bytes, void **out) {
             const size_t budget = pool->budget, in_use = pool->in_use;
             pool->refused++;
             pthread_mutex_unlock(&pool->mu);
-            return kvpq__err(KVPQ_ERR_BUDGET, "page pool: a page of %zu bytes would exceed the budget of %zu bytes (%zu in use)",
-                             sz, budget, in_use);
+            return kvpq__err(KVPQ_ERR_BUDGET,
+                             "page pool: a page of %zu bytes would exceed the budget of %zu bytes (%zu in use)", sz,
+                             budget, in_use);
         }
     }
     /* counted now, so that threads allocating at once cannot pass the budget together */
