@@ -14,7 +14,8 @@
  * Header tiers (as zstd's ZSTD_STATIC_LINKING_ONLY):
  *   - Stable (always declared): status and errors, backends, a codebook file (load, save, read its
  *     shape and metadata), the KV cache (SPEC grammar, create, append, attend, read, truncate,
- *     stats, save, load) and whether CUDA is usable. These keep their names and meaning across
+ *     reserve, stats, save, load), the page pool many caches share under one byte budget, and
+ *     whether CUDA is usable. These keep their names and meaning across
  *     minor versions.
  *   - Advanced (declared when KVPQ_ADVANCED is defined before the #include): the PQ internals
  *     (quantizers, k-means, code packing, smoothing, Hadamard), building and editing codebooks layer
@@ -90,6 +91,8 @@ typedef enum {
     KVPQ_ERR_DEVICE = -9,        /* a GPU call failed */
     KVPQ_ERR_CAPACITY = -10,     /* a sequence or buffer limit would be exceeded */
     KVPQ_ERR_INTERNAL = -11,     /* a bug in kvpq: please report it */
+    KVPQ_ERR_BUDGET = -12,       /* a page pool's byte budget would be exceeded (kvpq_page_pool): free or
+                                  * truncate another cache of the pool, or raise its budget, and retry */
 } kvpq_status;
 
 /* Short fixed name of a status ("ok", "invalid argument", ...). Never NULL. */
@@ -255,6 +258,10 @@ typedef enum {
     KVPQ_CACHE_Q4_0R = 8,
 } kvpq_cache_type;
 
+/* A page pool (docs/cache.md "Page pool"): the storage of many CPU caches under one byte budget.
+ * Defined with kvpq_cache_params below; its calls follow kvpq_cache_get_params. */
+typedef struct kvpq_page_pool kvpq_page_pool;
+
 typedef struct {
     kvpq_cache_type type;
     int n_layer;        /* 1..KVPQ_CACHE_MAX_LAYERS */
@@ -307,6 +314,14 @@ typedef struct {
      * and fp16 (KVPQ_ERR_INVALID_ARG there), 0..65536; kvpq_cache_save stores them (saved-cache
      * format version 3). In a sliding-window layer a sink is seen only while inside the window. */
     int sinks;
+    /* NULL (default): the cache allocates its own storage. Else a kvpq_page_pool whose pages and
+     * budget it shares with the other caches made with it: every CPU kind takes its pages (fp32,
+     * fp16, q8_0, q4_0, q8_0r, q4_0r rows; kivi groups; vq codes and scales) and its fp16 window
+     * rings (kivi, vq) from the pool and gives them back on truncate and free; an append, reserve or
+     * load the budget does not allow fails with KVPQ_ERR_BUDGET and changes nothing. The cache holds
+     * a reference to the pool (kvpq_page_pool_free may come before kvpq_cache_free). Ignored by the
+     * CUDA backend (its storage is on the device). Not part of a saved cache. */
+    kvpq_page_pool *pool;
 } kvpq_cache_params;
 KVPQ_API kvpq_cache_params kvpq_cache_params_default(void);
 
@@ -369,7 +384,8 @@ KVPQ_API kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p
 KVPQ_API void kvpq_cache_free(kvpq_cache *c);
 
 /* Append n positions to a layer, after the ones it holds. k, v: (n, n_head_kv, head_dim) float32;
- * keys post-RoPE. Errors: NaN/Inf, capacity. On error the cache is unchanged. */
+ * keys post-RoPE. Errors: NaN/Inf, capacity, KVPQ_ERR_BUDGET (the pool of params.pool refused a
+ * page), KVPQ_ERR_NOMEM. On error the cache is unchanged. */
 KVPQ_API kvpq_status kvpq_cache_append(kvpq_cache *c, int layer, int n, const float *k, const float *v);
 
 /* Causal attention for the newest n_q positions of a layer (the queries of the positions just
@@ -388,8 +404,8 @@ KVPQ_API kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const 
  * the positions that left its window during the batch already coded. k, v: (n, n_head_kv, head_dim);
  * q, out: (n, n_head, head_dim); float32. Errors: as kvpq_cache_append and kvpq_cache_attend;
  * NaN/Inf in k, v, q and capacity are found before anything is appended; a value beyond a kind's
- * range (fp16 parts: 65504) or out of memory may leave some of the n positions appended: truncate
- * to L. */
+ * range (fp16 parts: 65504), out of memory or a pool's budget (KVPQ_ERR_BUDGET; kvpq_cache_reserve
+ * first avoids it) may leave some of the n positions appended: truncate to L. */
 KVPQ_API kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const float *k, const float *v,
                                               const float *q, float *out);
 
@@ -403,7 +419,8 @@ KVPQ_API kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, c
  * 0 when none but the empty one is. Returns 0 for a NULL cache. */
 KVPQ_API int kvpq_cache_exact_prefix(const kvpq_cache *c, int n_pos);
 
-/* Keep only positions [0, n_pos) of every layer. */
+/* Keep only positions [0, n_pos) of every layer. Pages no longer needed (and storage
+ * kvpq_cache_reserve took beyond the positions) go back to the system or to the cache's pool. */
 KVPQ_API kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos);
 
 /* Positions held by a layer. */
@@ -461,8 +478,8 @@ KVPQ_API kvpq_status kvpq_cache_save(const kvpq_cache *c, const char *path, cons
  * NULL. Errors, each naming the file: KVPQ_ERR_IO (cannot open or read), KVPQ_ERR_FORMAT (not a
  * saved cache, another format version, truncated, checksum mismatch: corrupted, a sink that is not a
  * finite fp16 value), KVPQ_ERR_MISMATCH (another kind, shape, window, page size, codebook or number
- * of sinks: the field is named; a file from before version 3 holds 0 sinks). On
- * error *out is NULL. */
+ * of sinks: the field is named; a file from before version 3 holds 0 sinks), KVPQ_ERR_BUDGET (p->pool
+ * refused a page: nothing of the file is kept). On error *out is NULL. */
 KVPQ_API kvpq_status kvpq_cache_load(kvpq_cache **out, const kvpq_cache_params *p, const char *path, void **user,
                                      size_t *user_len);
 
@@ -474,6 +491,57 @@ KVPQ_API uint64_t kvpq_codebook_fingerprint(const kvpq_codebook *cb);
  * into *p; pointer fields (the codebook) are borrowed from the cache and live as long as it does.
  * Errors: KVPQ_ERR_INVALID_ARG for NULL. */
 KVPQ_API kvpq_status kvpq_cache_get_params(const kvpq_cache *c, kvpq_cache_params *p);
+
+/* Allocate now the storage that holding n_pos positions in every layer needs (what appends up to
+ * n_pos would allocate: pages, window rings), so that appends up to there take nothing more from the
+ * pool: a server reserves each sequence's next positions before a batched evaluation, and a refusal
+ * then comes before any cache has changed. Layers holding n_pos or more are left as they are; the
+ * storage beyond the positions held goes back at the next truncate (kvpq_cache_truncate to the
+ * current length frees it). Counted in resident_bytes. n_pos: 0..max_seq (KVPQ_ERR_CAPACITY beyond,
+ * KVPQ_ERR_INVALID_ARG below 0). Errors: KVPQ_ERR_BUDGET (the cache's pool refused a page: the cache
+ * then keeps only the storage its positions need; nothing held is lost), KVPQ_ERR_NOMEM. A no-op on
+ * the CUDA backend. */
+KVPQ_API kvpq_status kvpq_cache_reserve(kvpq_cache *c, int n_pos);
+
+/* ---- page pool (docs/cache.md "Page pool") ----
+ * One byte budget over the storage of many CPU caches (a server's conversations), as
+ * kvpq_cuda_cache's pool shares device pages between sequences. A cache made with
+ * kvpq_cache_params.pool takes every page and window ring from the pool and gives it back when it
+ * truncates or is freed; given-back memory is kept on free lists keyed by its size (pages differ in
+ * size between kinds and, with per-layer bit allocation, between a VQ cache's layers) and handed out
+ * again, zeroed, for the next request of that size. All sizes are bytes, each allocation rounded up
+ * to 64 (its alignment). The budget bounds in_use + free bytes (memory the pool holds): a request
+ * beyond it first releases free pages of other sizes to the system, then fails with
+ * KVPQ_ERR_BUDGET ("page pool: a page of N bytes would exceed the budget of B bytes (U in use)").
+ * Thread safety: the pool has a mutex; caches of one pool may be appended, truncated, created and
+ * freed from different threads at once (kvpq_model_eval_batch appends several sequences' caches in
+ * parallel). A single cache is still used by one thread at a time. */
+
+/* Create a pool. budget_bytes: 0 = unbounded. Errors: KVPQ_ERR_INVALID_ARG (out NULL), KVPQ_ERR_NOMEM. */
+KVPQ_API kvpq_status kvpq_page_pool_new(kvpq_page_pool **out, size_t budget_bytes);
+/* Drop the creator's reference: the pool's memory goes when the last cache made with it is freed
+ * too (caches hold references). NULL is a no-op. */
+KVPQ_API void kvpq_page_pool_free(kvpq_page_pool *pool);
+/* Change the budget (0 = unbounded), for the next requests: memory already handed out is not taken
+ * back (a budget below bytes_in_use refuses every new page until caches give enough back); free
+ * pages beyond it are released. Errors: KVPQ_ERR_INVALID_ARG (NULL). */
+KVPQ_API kvpq_status kvpq_page_pool_set_budget(kvpq_page_pool *pool, size_t budget_bytes);
+/* Release every free page to the system (bytes_free becomes 0). NULL is a no-op. */
+KVPQ_API void kvpq_page_pool_trim(kvpq_page_pool *pool);
+
+typedef struct {
+    size_t budget_bytes;  /* 0 = unbounded */
+    size_t bytes_in_use;  /* held by caches (64-byte rounded) */
+    size_t bytes_free;    /* given back, kept for reuse: the pool holds bytes_in_use + bytes_free */
+    int64_t pages_in_use; /* allocations held by caches (pages and window rings) */
+    int64_t pages_free;
+    int64_t allocs;       /* requests served since creation */
+    int64_t reused;       /* of which from a free list */
+    int64_t refused;      /* requests refused by the budget (KVPQ_ERR_BUDGET) */
+    int64_t caches;       /* caches holding a reference now */
+} kvpq_page_pool_stats;
+/* A consistent snapshot (taken under the pool's mutex). Errors: KVPQ_ERR_INVALID_ARG (NULL). */
+KVPQ_API kvpq_status kvpq_page_pool_get_stats(const kvpq_page_pool *pool, kvpq_page_pool_stats *st);
 
 /* ---- CUDA ----------------------------------------------------------------------------------- */
 

@@ -13,10 +13,11 @@ Test(status, values_are_stable) {
     cr_assert_eq(KVPQ_ERR_NONFINITE, -6);
     cr_assert_eq(KVPQ_ERR_NO_DEVICE, -8);
     cr_assert_eq(KVPQ_ERR_INTERNAL, -11);
+    cr_assert_eq(KVPQ_ERR_BUDGET, -12);
 }
 
 Test(status, every_code_has_a_distinct_name) {
-    for (int a = KVPQ_ERR_INTERNAL; a <= 0; a++) {
+    for (int a = KVPQ_ERR_BUDGET; a <= 0; a++) {
         cr_assert_str_neq(kvpq_status_string((kvpq_status)a), "unknown status");
         for (int b = a + 1; b <= 0; b++)
             cr_assert_str_neq(kvpq_status_string((kvpq_status)a), kvpq_status_string((kvpq_status)b));

@@ -76,6 +76,7 @@ typedef struct {
     double decode_seconds, prefill_seconds;
     double active, waiting, conversations, conversations_saved, evictions, restores;
     double kv_resident_bytes, kv_saved_bytes;
+    double kv_pool_bytes_in_use, kv_pool_bytes_free, kv_pool_refused; /* the page pool (--kv-budget) */
 } serve_metrics;
 
 typedef struct {
@@ -151,9 +152,15 @@ serve_conv *serve_conv_acquire(serve_conv_store *cs, const int32_t *prompt, size
 void serve_conv_release(serve_conv_store *cs, serve_conv *c);
 /* Append a token the cache now holds to c->toks; -1 when out of memory. */
 int serve_conv_push(serve_conv *c, const int32_t *t, size_t n);
-/* Evict least recently used idle conversations while the resident caches exceed the budget, and
- * drop the oldest beyond --max-conversations. */
+/* After a round: the budget back if serve_convs_make_room lifted it, least recently used idle
+ * conversations evicted while the pool (without one: the resident caches) holds more than the
+ * budget, and the oldest dropped beyond --max-conversations. */
 void serve_convs_enforce(serve_conv_store *cs);
+/* The page pool refused a page (KVPQ_ERR_BUDGET): evict the least recently used idle resident
+ * conversation (saved to --cache-dir, else dropped) and return 1 to try again; when none is left,
+ * lift the budget until the next serve_convs_enforce (sequences being evaluated are never evicted)
+ * and return 1 once; 0 when nothing more can be done (or there is no pool). */
+int serve_convs_make_room(serve_conv_store *cs);
 /* Save every idle resident conversation to --cache-dir (shutdown). */
 void serve_convs_save_all(serve_conv_store *cs);
 /* Resident and saved bytes, counts (for /metrics). */

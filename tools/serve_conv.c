@@ -1,7 +1,11 @@
 /* serve_conv.c — the conversations `kvpq serve` holds: one KV cache per conversation with the tokens
  * it holds, found again by the longest shared token prefix, evicted least recently used first to
  * --cache-dir as a saved cache (kvpq_cache_save: checksummed, atomic) and loaded back when the
- * conversation continues. Engine thread only. */
+ * conversation continues. With --kv-budget (CPU caches) every cache takes its pages from one
+ * kvpq_page_pool of that budget, and a page the pool refuses (KVPQ_ERR_BUDGET) is what evicts: the
+ * engine reserves each sequence's next positions before a round (kvpq_cache_reserve) and, refused,
+ * evicts the least recently used idle conversation and tries again (serve_convs_make_room).
+ * Engine thread only. */
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +26,8 @@ struct serve_conv_store {
     int n, cap, next_id;
     uint64_t clock;
     double evictions, restores;
+    kvpq_page_pool *pool; /* --kv-budget with CPU caches: every conversation's pages; else NULL */
+    int over;             /* the pool's budget lifted until the round ends (no idle conversation was left) */
 };
 
 static void conv_path(const serve_conv_store *cs, int id, char *out, size_t cap) {
@@ -132,7 +138,10 @@ static int conv_restore(serve_conv_store *cs, serve_conv *c) {
     void *user = NULL;
     size_t ulen = 0, n = 0, pe = 0;
     kvpq_cache *cache = NULL;
-    kvpq_status s = kvpq_cache_load(&cache, &cs->sv->proto.params, p, &user, &ulen);
+    kvpq_status s;
+    while ((s = kvpq_cache_load(&cache, &cs->sv->proto.params, p, &user, &ulen)) == KVPQ_ERR_BUDGET &&
+           serve_convs_make_room(cs))
+        ;
     int32_t *t = s == KVPQ_OK ? blob_tokens(cs, user, ulen, &n, &pe) : NULL;
     free(user);
     unlink(p);
@@ -152,10 +161,13 @@ static int conv_restore(serve_conv_store *cs, serve_conv *c) {
     return 0;
 }
 
-/* Conversations a previous run saved in --cache-dir (files of another model or cache are skipped). */
+/* Conversations a previous run saved in --cache-dir (files of another model or cache are skipped).
+ * Each is loaded to check it, outside the pool (the budget is for the conversations kept). */
 static void convs_scan(serve_conv_store *cs) {
     DIR *d = opendir(cs->sv->o.cache_dir);
     if (!d) return;
+    kvpq_cache_params cp = cs->sv->proto.params;
+    cp.pool = NULL;
     struct dirent *e;
     while ((e = readdir(d))) {
         int id, end = 0;
@@ -165,7 +177,7 @@ static void convs_scan(serve_conv_store *cs) {
         void *user = NULL;
         size_t ulen = 0, n = 0, pe = 0;
         kvpq_cache *cache = NULL;
-        kvpq_status s = kvpq_cache_load(&cache, &cs->sv->proto.params, p, &user, &ulen);
+        kvpq_status s = kvpq_cache_load(&cache, &cp, p, &user, &ulen);
         int32_t *t = s == KVPQ_OK ? blob_tokens(cs, user, ulen, &n, &pe) : NULL;
         free(user);
         kvpq_cache_free(cache);
@@ -190,6 +202,14 @@ serve_conv_store *serve_convs_new(serve_server *sv) {
     if (!cs) return NULL;
     cs->sv = sv;
     if (sv->o.cache_dir) convs_scan(cs);
+    /* the CUDA form keeps its pages on the device: its budget stays the sum of resident bytes */
+    if (sv->o.kv_budget && sv->proto.params.backend != KVPQ_BACKEND_CUDA) {
+        if (kvpq_page_pool_new(&cs->pool, sv->o.kv_budget) != KVPQ_OK) {
+            free(cs);
+            return NULL;
+        }
+        sv->proto.params.pool = cs->pool;
+    }
     return cs;
 }
 
@@ -197,6 +217,8 @@ void serve_convs_free(serve_conv_store *cs) {
     if (!cs) return;
     for (int i = 0; i < cs->n; i++) conv_free(cs->c[i]);
     free(cs->c);
+    if (cs->pool) cs->sv->proto.params.pool = NULL;
+    kvpq_page_pool_free(cs->pool);
     free(cs);
 }
 
@@ -233,11 +255,13 @@ serve_conv *serve_conv_acquire(serve_conv_store *cs, const int32_t *prompt, size
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
+    c->busy = 1; /* not evicted to make room for its own restore */
     if (!c->cache && c->saved && conv_restore(cs, c)) shared = 0;
     if (!c->cache) {
         kvpq_status s = kvpq_cache_new(&c->cache, &cs->sv->proto.params);
         if (s != KVPQ_OK) {
             snprintf(err, errlen, "cache: %s: %s", kvpq_status_string(s), kvpq_last_error());
+            c->busy = 0;
             return NULL;
         }
         c->n = shared = 0;
@@ -252,6 +276,7 @@ serve_conv *serve_conv_acquire(serve_conv_store *cs, const int32_t *prompt, size
         if (s != KVPQ_OK) {
             snprintf(err, errlen, "cache: %s: %s", kvpq_status_string(s), kvpq_last_error());
             c->n = 0;
+            c->busy = 0;
             return NULL;
         }
     }
@@ -293,11 +318,36 @@ static void evict(serve_conv_store *cs, int i) {
     conv_remove(cs, i);
 }
 
+int serve_convs_make_room(serve_conv_store *cs) {
+    if (!cs->pool) return 0;
+    int i = lru(cs, 1);
+    if (i >= 0) {
+        evict(cs, i);
+        return 1;
+    }
+    if (cs->over) return 0;
+    cs->over = 1; /* only active sequences left: they exceed the budget until serve_convs_enforce */
+    kvpq_page_pool_set_budget(cs->pool, 0);
+    return 1;
+}
+
+/* Bytes the budget binds: what the pool has handed out, or without one the caches' resident bytes. */
+static size_t held_total(const serve_conv_store *cs) {
+    if (!cs->pool) return resident_total(cs);
+    kvpq_page_pool_stats st;
+    kvpq_page_pool_get_stats(cs->pool, &st);
+    return st.bytes_in_use;
+}
+
 void serve_convs_enforce(serve_conv_store *cs) {
     const size_t budget = cs->sv->o.kv_budget;
     for (int i = cs->n - 1; i >= 0; i--) /* empty ones (a request that failed before any token) */
         if (!cs->c[i]->busy && !cs->c[i]->n && !cs->c[i]->saved) conv_remove(cs, i);
-    for (size_t total = resident_total(cs); budget && total > budget; total = resident_total(cs)) {
+    if (cs->over) { /* the budget back (its free pages beyond it released) */
+        kvpq_page_pool_set_budget(cs->pool, budget);
+        cs->over = 0;
+    }
+    for (size_t total = held_total(cs); budget && total > budget; total = held_total(cs)) {
         int i = lru(cs, 1);
         if (i < 0) break; /* only active sequences left: the budget is exceeded until they end */
         evict(cs, i);
@@ -326,4 +376,9 @@ void serve_convs_measure(serve_conv_store *cs, serve_metrics *m) {
     }
     m->evictions = cs->evictions;
     m->restores = cs->restores;
+    kvpq_page_pool_stats st = {0};
+    if (cs->pool) kvpq_page_pool_get_stats(cs->pool, &st);
+    m->kv_pool_bytes_in_use = (double)st.bytes_in_use;
+    m->kv_pool_bytes_free = (double)st.bytes_free;
+    m->kv_pool_refused = (double)st.refused;
 }

@@ -333,6 +333,15 @@ static void round_done(engine_t *e, seq_t *q) {
     else if (q->n_out >= q->limit || (long)q->conv->n >= e->sv->o.ctx) finish(e, q, "length");
 }
 
+/* The pages q's row will take, reserved before the round (kvpq_cache_reserve), so that a refusal of
+ * the page pool comes before any cache changed and evicts an idle conversation (serve_convs_make_room)
+ * instead of failing a batch half done. Other errors are left to the evaluation to report. */
+static void reserve_row(engine_t *e, seq_t *q) {
+    const int want = (int)(q->conv->n + (size_t)q->n_row);
+    while (kvpq_cache_reserve(q->conv->cache, want) == KVPQ_ERR_BUDGET && serve_convs_make_room(e->sv->convs))
+        ;
+}
+
 /* The round's sequences (e->slot, k of them) evaluated: all in one kvpq_model_eval_batch, their
  * logits copied to each sequence. If the batch fails (it changed no cache), each is evaluated alone,
  * so only the sequence at fault fails. The round's time is split between decode and prefill by rows. */
@@ -340,6 +349,7 @@ static void eval_round(engine_t *e, int k) {
     serve_server *sv = e->sv;
     const size_t V = (size_t)sv->mi.n_vocab;
     int decode_rows = 0, rows = 0;
+    for (int i = 0; i < k; i++) reserve_row(e, &e->seq[e->slot[i]]);
     for (int i = 0; i < k; i++) {
         seq_t *q = &e->seq[e->slot[i]];
         e->caches[i] = q->conv->cache;
@@ -354,7 +364,10 @@ static void eval_round(engine_t *e, int k) {
         seq_t *q = &e->seq[e->slot[i]];
         kvpq_status si = s;
         if (s == KVPQ_OK) memcpy(q->logits, e->logits + i * V, V * sizeof *q->logits);
-        else si = kvpq_model_eval(sv->model, q->conv->cache, q->row, q->n_row, 0, q->logits);
+        else
+            while ((si = kvpq_model_eval(sv->model, q->conv->cache, q->row, q->n_row, 0, q->logits)) == KVPQ_ERR_BUDGET &&
+                   serve_convs_make_room(sv->convs))
+                ;
         if (si != KVPQ_OK) {
             char why[320];
             snprintf(why, sizeof why, "%s: %s", kvpq_status_string(si), kvpq_last_error());
@@ -427,6 +440,9 @@ static void update_metrics(engine_t *e) {
     sv->metrics.conversations = m.conversations;
     sv->metrics.conversations_saved = m.conversations_saved;
     sv->metrics.evictions = m.evictions;
+    sv->metrics.kv_pool_bytes_in_use = m.kv_pool_bytes_in_use;
+    sv->metrics.kv_pool_bytes_free = m.kv_pool_bytes_free;
+    sv->metrics.kv_pool_refused = m.kv_pool_refused;
     sv->metrics.restores = m.restores;
     sv->metrics.active = e->n_active;
     sv->metrics.waiting = waiting;

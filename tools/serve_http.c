@@ -100,6 +100,12 @@ static char *metrics_text(serve_server *sv) {
     metric(b, cap, &at, "kvpq_kv_resident_bytes", "gauge", "Bytes of the KV caches in memory.", m.kv_resident_bytes);
     metric(b, cap, &at, "kvpq_kv_saved_bytes", "gauge", "Bytes of the saved conversation files.", m.kv_saved_bytes);
     metric(b, cap, &at, "kvpq_kv_budget_bytes", "gauge", "--kv-budget (0: none).", (double)sv->o.kv_budget);
+    metric(b, cap, &at, "kvpq_kv_pool_bytes_in_use", "gauge", "Bytes of the page pool held by caches (--kv-budget).",
+           m.kv_pool_bytes_in_use);
+    metric(b, cap, &at, "kvpq_kv_pool_bytes_free", "gauge", "Bytes of the page pool kept free for reuse.",
+           m.kv_pool_bytes_free);
+    metric(b, cap, &at, "kvpq_kv_pool_refusals_total", "counter", "Pages the pool refused for the budget.",
+           m.kv_pool_refused);
     metric(b, cap, &at, "kvpq_evictions_total", "counter", "Conversations evicted for the budget.", m.evictions);
     metric(b, cap, &at, "kvpq_restores_total", "counter", "Saved conversations loaded back.", m.restores);
     return b;

@@ -794,22 +794,69 @@ def cache_settings(kind: str, codebook: Optional[Codebook] = None, window: Optio
     return int(p.window), int(p.sinks)
 
 
+ERR_BUDGET = lib.KVPQ_ERR_BUDGET
+
+
+class PagePool:
+    """One byte budget over the pages of many caches (kvpq_page_pool, docs/cache.md "Page pool"):
+    pass it as Cache(..., pool=...) (or Model.new_cache(..., pool=...)). budget: bytes, 0 = unbounded.
+    Pages given back by a truncate or a freed cache are kept and handed out again (free lists keyed by
+    size). A page beyond the budget fails the append, reserve or load with kvpq.Error of status
+    ERR_BUDGET (kvpq.ERR_BUDGET) and changes nothing. Thread-safe (a mutex in the pool); the pool
+    lives while a cache made with it does."""
+
+    def __init__(self, budget: int = 0) -> None:
+        h = ffi.new("kvpq_page_pool **")
+        _check(lib.kvpq_page_pool_new(h, _int(budget, "budget", "PagePool", 0, 2**63 - 1)), "PagePool")
+        self._h = ffi.gc(h[0], lib.kvpq_page_pool_free)
+
+    @property
+    def budget(self) -> int:
+        return self.stats()["budget_bytes"]
+
+    @budget.setter
+    def budget(self, budget: int) -> None:
+        _check(lib.kvpq_page_pool_set_budget(self._h, _int(budget, "budget", "PagePool.budget", 0, 2**63 - 1)),
+               "PagePool.budget")
+
+    def trim(self) -> None:
+        """Release the free pages to the system."""
+        lib.kvpq_page_pool_trim(self._h)
+
+    def stats(self) -> Dict[str, int]:
+        """budget_bytes, bytes_in_use, bytes_free, pages_in_use, pages_free, allocs, reused, refused,
+        caches (kvpq_page_pool_stats)."""
+        st = ffi.new("kvpq_page_pool_stats *")
+        _check(lib.kvpq_page_pool_get_stats(self._h, st), "PagePool.stats")
+        return {f: int(getattr(st, f)) for f in ("budget_bytes", "bytes_in_use", "bytes_free", "pages_in_use",
+                                                 "pages_free", "allocs", "reused", "refused", "caches")}
+
+    def __repr__(self):
+        st = self.stats()
+        return (f"PagePool(budget={st['budget_bytes']}, in_use={st['bytes_in_use']}, free={st['bytes_free']}, "
+                f"caches={st['caches']})")
+
+
 class Cache:
     """A KV cache of n_layer layers (kvpq_cache). kind: "fp32", "fp16", "q8_0", "q4_0", "q8_0r",
     "q4_0r" (llama.cpp's Hadamard-rotated q8_0 / q4_0), "kivi2", "kivi4", or "vq" (product-quantization
     codes, attention from codes through per-query lookup tables; needs `codebook`). window: newest
     positions kept in float32 (vq/kivi). sinks: the first positions kept in fp16 beside a quantized
-    kind (attention sinks, kvpq_cache_params.sinks; 0 = none). The codebook is kept alive by the cache."""
+    kind (attention sinks, kvpq_cache_params.sinks; 0 = none). pool: a PagePool whose pages and budget
+    the cache shares with others (None: its own). The codebook is kept alive by the cache."""
 
     def __init__(self, kind: str, n_layer: int, n_head: int, n_head_kv: int, head_dim: int, max_seq: int,
                  codebook: Optional[Codebook] = None, window: Optional[int] = None, page_tokens: Optional[int] = None,
                  n_threads: int = 0, fast_scan: bool = False, sliding_window: int = 0,
-                 swa_layers: Optional[Sequence[bool]] = None, sinks: int = 0) -> None:
+                 swa_layers: Optional[Sequence[bool]] = None, sinks: int = 0,
+                 pool: Optional[PagePool] = None) -> None:
         w = "Cache"
         if kind not in _CACHE_KINDS:
             raise _arg_error(w, f"kind: '{kind}' is not one of {sorted(_CACHE_KINDS)}")
         if kind == "vq" and not isinstance(codebook, Codebook):
             raise _arg_error(w, "codebook: a vq cache needs a kvpq.Codebook")
+        if pool is not None and not isinstance(pool, PagePool):
+            raise _arg_error(w, "pool: expected a kvpq.PagePool or None")
         p = ffi.new("kvpq_cache_params *", lib.kvpq_cache_params_default())
         p.type = _CACHE_KINDS[kind]
         p.n_layer = _int(n_layer, "n_layer", w, 1)
@@ -837,6 +884,9 @@ class Cache:
         self._codebook = codebook
         if codebook is not None:
             p.codebook = codebook._h
+        self.pool = pool
+        if pool is not None:
+            p.pool = pool._h
         h = ffi.new("kvpq_cache **")
         _check(lib.kvpq_cache_new(h, p), w)
         self._h = ffi.gc(h[0], lib.kvpq_cache_free)
@@ -894,6 +944,12 @@ class Cache:
         """The longest prefix of at most n_pos positions that truncate() keeps exactly as a fresh
         cache fed those positions would hold it (kvpq_cache_exact_prefix)."""
         return int(lib.kvpq_cache_exact_prefix(self._h, _int(n_pos, "n_pos", "Cache.exact_prefix", 0)))
+
+    def reserve(self, n_pos: int) -> None:
+        """Allocate now what holding n_pos positions in every layer needs (kvpq_cache_reserve), so that
+        appends up to there take nothing more from the pool; raises kvpq.Error (status ERR_BUDGET)
+        when the pool refuses, the cache unchanged."""
+        _check(lib.kvpq_cache_reserve(self._h, _int(n_pos, "n_pos", "Cache.reserve", 0)), "Cache.reserve")
 
     def truncate(self, n_pos: int) -> None:
         """Keep positions [0, n_pos) of every layer."""

@@ -45,6 +45,7 @@ kvpq_cache_params kvpq_cache_params_default(void) {
         .sliding_window = 0,
         .swa_layers = NULL,
         .sinks = 0,
+        .pool = NULL,
     };
     return p;
 }
@@ -187,6 +188,7 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
     if (got == KVPQ_BACKEND_CUDA && p->backend != KVPQ_BACKEND_CUDA) got = KVPQ_BACKEND_CPU;
     if (got == KVPQ_BACKEND_CUDA) ops = &kvpq_cache_ops_vq_cuda;
     q.backend = got;
+    if (got == KVPQ_BACKEND_CUDA) q.pool = NULL; /* device storage: the host pool has nothing to give */
     /* A window or page longer than the cache can ever hold means "the whole sequence": clamp them to
      * max_seq, so a short prompt with the default window (128) or pages (256) just works, and a
      * short cache does not allocate rings and pages for positions it can never hold. */
@@ -230,13 +232,15 @@ kvpq_status kvpq_cache_new(kvpq_cache **out, const kvpq_cache_params *p) {
         free(c);
         return s;
     }
+    kvpq__pool_ref(c->p.pool);
     *out = c;
     return KVPQ_OK;
 }
 
 void kvpq_cache_free(kvpq_cache *c) {
     if (!c) return;
-    if (c->state) c->ops->destroy(c->state);
+    if (c->state) c->ops->destroy(c->state); /* gives its pages back to the pool */
+    kvpq__pool_unref(c->p.pool);
     free(c->sk), free(c->sv), free(c->ilen);
     free(c->len), free(c->lo), free(c->swa);
     free(c);
@@ -471,6 +475,19 @@ kvpq_status kvpq_cache_truncate(kvpq_cache *c, int n_pos) {
         if (n_pos == 0) c->lo[l] = 0;
     }
     return KVPQ_OK;
+}
+
+kvpq_status kvpq_cache_reserve(kvpq_cache *c, int n_pos) {
+    if (!c) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_reserve: cache is NULL");
+    if (n_pos < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cache_reserve: n_pos %d must be >= 0", n_pos);
+    if (n_pos > c->p.max_seq)
+        return kvpq__err(KVPQ_ERR_CAPACITY, "cache %s: reserving %d positions exceeds max_seq %d", c->ops->name, n_pos,
+                         c->p.max_seq);
+    const int S = c->p.sinks;
+    if (!c->ops->reserve || n_pos <= S) return KVPQ_OK; /* sinks are allocated with the cache */
+    kvpq_status s = c->ops->reserve(c->state, inner_lens(c), n_pos - S);
+    if (s != KVPQ_OK) kvpq__err_prefix("reserving %d positions", n_pos);
+    return s;
 }
 
 int kvpq_cache_seq_len(const kvpq_cache *c, int layer) {

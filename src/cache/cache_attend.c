@@ -20,13 +20,9 @@ kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n) {
         pl->page = pg;
         pl->cap = cap;
     }
-    size_t bytes = (pl->page_bytes + 63) / 64 * 64;
     while (pl->n < n) {
-        unsigned char *p = aligned_alloc(64, bytes);
-        if (!p) return kvpq__err(KVPQ_ERR_NOMEM, "cache: out of memory for a page of %zu bytes", pl->page_bytes);
-        /* zeroed: a saved cache writes whole pages, and the slots past the last position must not
-         * carry whatever the allocator left there (same bytes for the same cache, nothing leaked) */
-        memset(p, 0, bytes);
+        void *p; /* zeroed (kvpq__pool_get): same bytes for the same cache, nothing leaked */
+        KVPQ_TRY(kvpq__pool_get(pl->pool, pl->page_bytes, &p));
         pl->page[pl->n - pl->base] = p;
         pl->n++;
     }
@@ -37,7 +33,7 @@ void kvpq__pages_shrink(kvpq__pages *pl, int n) {
     if (n < 0) n = 0;
     while (pl->n > n && pl->n > pl->base) {
         pl->n--;
-        free(pl->page[pl->n - pl->base]);
+        kvpq__pool_put(pl->pool, pl->page[pl->n - pl->base], pl->page_bytes);
     }
     if (n <= pl->base) { /* an empty list holds nothing, as when new */
         free(pl->page);
@@ -54,7 +50,7 @@ void kvpq__pages_drop_front(kvpq__pages *pl, int k) {
         pl->n = pl->base = k;
         return;
     }
-    for (int i = pl->base; i < k; i++) free(pl->page[i - pl->base]);
+    for (int i = pl->base; i < k; i++) kvpq__pool_put(pl->pool, pl->page[i - pl->base], pl->page_bytes);
     memmove(pl->page, pl->page + (k - pl->base), (size_t)(pl->n - k) * sizeof *pl->page);
     pl->base = k;
 }

@@ -12,20 +12,23 @@
 
 /* ---- pages ---------------------------------------------------------------------------------- */
 
-/* A growable list of equal-size pages, allocated as the sequence grows (64-byte aligned). Page
- * numbers are absolute: pages [base, n) exist; those before base were dropped from the front
- * (sliding-window layers), so a page keeps its number for the life of the list. */
+/* A growable list of equal-size pages, allocated as the sequence grows (64-byte aligned, zeroed,
+ * from `pool`: kvpq__pool_get). Page numbers are absolute: pages [base, n) exist; those before base
+ * were dropped from the front (sliding-window layers), so a page keeps its number for the life of
+ * the list. */
 typedef struct {
     unsigned char **page; /* (cap) page[i] is page number base + i */
     int n;                /* page numbers below n were allocated */
     int cap;
     int base;             /* pages dropped from the front */
     size_t page_bytes;
+    kvpq_page_pool *pool; /* the cache's params.pool, or NULL */
 } kvpq__pages;
 
 /* Page number i (base <= i < n). */
 static inline unsigned char *kvpq__page(const kvpq__pages *pl, int i) { return pl->page[i - pl->base]; }
-/* Make pages up to number n exist. On failure the list keeps the pages it had (KVPQ_ERR_NOMEM). */
+/* Make pages up to number n exist. On failure the list keeps the pages it had (KVPQ_ERR_NOMEM,
+ * KVPQ_ERR_BUDGET). */
 kvpq_status kvpq__pages_reserve(kvpq__pages *pl, int n);
 /* Free the pages numbered n and beyond (and the page table when none is left; n <= base empties
  * the list and numbers it from n again). */
@@ -109,6 +112,7 @@ size_t kvpq__rows_resident_bytes(const void *state, const int *lens);
 void kvpq__rows_stats(const void *state, const int *lens, kvpq_cache_stats *st);
 int kvpq__rows_drop(void *state, int layer, int len, int keep_from);
 kvpq_status kvpq__rows_serial(void *state, const int *lens, const int *lo, kvpq__stream *s, int load);
+kvpq_status kvpq__rows_reserve(void *state, const int *lens, int n_pos);
 
 /* A row kind: its create (CREATE, kvpq__rows_create or kvpq__rows_create_rotated, over CODEC) and
  * its ops table kvpq_cache_ops_<KIND>, the row engine above for everything else. A rotated kind's
@@ -129,6 +133,7 @@ kvpq_status kvpq__rows_serial(void *state, const int *lens, const int *lo, kvpq_
         .drop = kvpq__rows_drop,                                                                        \
         .stats = kvpq__rows_stats,                                                                      \
         .serial = kvpq__rows_serial,                                                                    \
+        .reserve = kvpq__rows_reserve,                                                                  \
     }
 
 /* The two row kinds of a ggml block type (q8_0, q4_0: block_<KIND> of QK elements with an fp16 d,

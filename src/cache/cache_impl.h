@@ -13,6 +13,18 @@
 typedef struct kvpq__stream kvpq__stream;
 kvpq_status kvpq__stream_io(kvpq__stream *s, void *buf, size_t n);
 
+/* ---- page pool (page_pool.c; kvpq_page_pool in kvpq.h) ----
+ * Every page and window ring of a CPU cache comes from here: from its params' pool, or, with pool
+ * NULL, from the system as before (aligned_alloc). Memory is zeroed, 64-byte aligned, of `bytes`
+ * rounded up to 64. */
+/* *out gets the memory; KVPQ_ERR_BUDGET (the pool's budget) or KVPQ_ERR_NOMEM with the message set. */
+kvpq_status kvpq__pool_get(kvpq_page_pool *pool, size_t bytes, void **out);
+/* Give back memory of kvpq__pool_get (same pool and bytes). NULL p is a no-op. */
+void kvpq__pool_put(kvpq_page_pool *pool, void *p, size_t bytes);
+/* A cache's reference (kvpq_cache_new / kvpq_cache_free). NULL is a no-op. */
+void kvpq__pool_ref(kvpq_page_pool *pool);
+void kvpq__pool_unref(kvpq_page_pool *pool);
+
 typedef struct kvpq_cache_ops {
     const char *name;
     /* Create the kind's state from validated params. */
@@ -52,6 +64,11 @@ typedef struct kvpq_cache_ops {
      * from their append on. */
     int (*coded_of)(const void *state, int len);
     int (*n_coded)(const void *state, int layer);
+    /* kvpq_cache_reserve: make the storage exist that appends up to n_pos positions would allocate
+     * in every layer holding lens[l] < n_pos (the kind's positions). On failure, every layer keeps
+     * only the storage its positions need (spare pages and an empty layer's ring go back): nothing
+     * held changes. NULL: nothing to reserve (the CUDA kind). */
+    kvpq_status (*reserve)(void *state, const int *lens, int n_pos);
 } kvpq_cache_ops;
 
 /* Positions a query of `layer` may see (its sliding window), or 0 for every earlier position. */

@@ -56,14 +56,38 @@ static int n_coded_of(const kivi_state *s, int len) {
     return over > 0 ? over / G * G : 0;
 }
 
+/* Bytes of one of a layer's two fp16 rings (K or V). */
+static size_t ring_bytes(const kivi_state *s) {
+    return (size_t)s->cap * s->p.n_head_kv * s->p.head_dim * sizeof(uint16_t);
+}
+
+/* The layer's K and V rings from the pool (zeroed); on failure neither. */
+static kvpq_status ring_get(kivi_state *s, int l) {
+    void *k = NULL, *v = NULL;
+    kvpq_status st = kvpq__pool_get(s->p.pool, ring_bytes(s), &k);
+    if (st == KVPQ_OK) st = kvpq__pool_get(s->p.pool, ring_bytes(s), &v);
+    if (st != KVPQ_OK) {
+        kvpq__pool_put(s->p.pool, k, ring_bytes(s));
+        kvpq__err_prefix("cache kivi%d: the window of layer %d", s->bits, l);
+        return st;
+    }
+    s->wk[l] = k, s->wv[l] = v;
+    return KVPQ_OK;
+}
+
+static void ring_put(kivi_state *s, int l) {
+    kvpq__pool_put(s->p.pool, s->wk[l], ring_bytes(s));
+    kvpq__pool_put(s->p.pool, s->wv[l], ring_bytes(s));
+    s->wk[l] = s->wv[l] = NULL;
+}
+
 static void kivi_destroy(void *state) {
     kivi_state *s = state;
     if (!s) return;
     for (int l = 0; l < s->p.n_layer; l++) {
         if (s->k) kvpq__pages_free(&s->k[l]);
         if (s->v) kvpq__pages_free(&s->v[l]);
-        if (s->wk) free(s->wk[l]);
-        if (s->wv) free(s->wv[l]);
+        if (s->wk && s->wv) ring_put(s, l);
     }
     free(s->k), free(s->v), free(s->wk), free(s->wv), free(s->coded);
     free(s);
@@ -93,7 +117,10 @@ static kvpq_status kivi_create(void **state, const kvpq_cache_params *p, int bit
         return kvpq__err(KVPQ_ERR_NOMEM, "cache kivi%d: out of memory for %d layers", bits, p->n_layer);
     }
     const size_t page_bytes = (size_t)s->gp * p->n_head_kv * s->blk;
-    for (int l = 0; l < p->n_layer; l++) s->k[l].page_bytes = s->v[l].page_bytes = page_bytes;
+    for (int l = 0; l < p->n_layer; l++) {
+        s->k[l].page_bytes = s->v[l].page_bytes = page_bytes;
+        s->k[l].pool = s->v[l].pool = p->pool;
+    }
     *state = s;
     return KVPQ_OK;
 }
@@ -195,15 +222,8 @@ static kvpq_status kivi_append(void *state, int layer, int len, int n, const flo
     const char *name = s->bits == 2 ? "kivi2" : "kivi4";
     KVPQ_TRY(kvpq__check_range(&s->p, name, "K", layer, len, n, k, 65504.0f));
     KVPQ_TRY(kvpq__check_range(&s->p, name, "V", layer, len, n, v, 65504.0f));
-    const size_t ring = (size_t)s->cap * hkv * hd;
-    uint16_t *nk = NULL, *nv = NULL;
-    if (!s->wk[layer]) {
-        nk = calloc(ring, sizeof *nk), nv = calloc(ring, sizeof *nv);
-        if (!nk || !nv) {
-            free(nk), free(nv);
-            return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory for the window of layer %d", name, layer);
-        }
-    }
+    const int new_ring = !s->wk[layer];
+    if (new_ring) KVPQ_TRY(ring_get(s, layer));
     const int groups = n_coded_of(s, len + n) / G;
     const int pages = (groups + s->gp - 1) / s->gp;
     float *tmp = malloc((size_t)G * hd * sizeof *tmp);
@@ -215,10 +235,10 @@ static kvpq_status kivi_append(void *state, int layer, int len, int n, const flo
     if (st != KVPQ_OK) { /* leave the cache as it was */
         kvpq__pages_shrink(pk, had_k);
         kvpq__pages_shrink(pv, had_v);
-        free(nk), free(nv), free(tmp);
+        if (new_ring) ring_put(s, layer);
+        free(tmp);
         return st;
     }
-    if (nk) s->wk[layer] = nk, s->wv[layer] = nv;
     const kvpq_attn_kernels *kr = kvpq__attn_kernels();
     /* Start from the coded count the layer holds: after a truncation it may exceed the rule's
      * n_coded_of(len) (truncate keeps whole groups), and the window slots of those groups have been
@@ -275,7 +295,13 @@ static kvpq_status kivi_truncate(void *state, const int *lens, int n_pos) {
     if (!tmp) return kvpq__err(KVPQ_ERR_NOMEM, "cache kivi%d truncate: out of memory", s->bits);
     const kvpq_attn_kernels *kr = kvpq__attn_kernels();
     for (int l = 0; l < s->p.n_layer; l++) {
-        if (lens[l] <= n_pos) continue;
+        if (lens[l] <= n_pos) { /* nothing cut: storage kvpq_cache_reserve took beyond the positions goes */
+            const int held = (s->coded[l] / G + s->gp - 1) / s->gp;
+            if (s->k[l].n > held) kvpq__pages_shrink(&s->k[l], held);
+            if (s->v[l].n > held) kvpq__pages_shrink(&s->v[l], held);
+            if (lens[l] == 0) ring_put(s, l);
+            continue;
+        }
         const int old = s->coded[l], now = n_pos / G * G < old ? n_pos / G * G : old;
         /* Positions [now, min(n_pos, old)), of a group cut in two, go back to the window,
          * dequantized (none when old <= n_pos). At most 31, so their ring slots are free. */
@@ -295,10 +321,7 @@ static kvpq_status kivi_truncate(void *state, const int *lens, int n_pos) {
         int pages = (now / G + s->gp - 1) / s->gp;
         kvpq__pages_shrink(&s->k[l], pages);
         kvpq__pages_shrink(&s->v[l], pages);
-        if (n_pos == 0) { /* an emptied layer holds nothing, as when new */
-            free(s->wk[l]), free(s->wv[l]);
-            s->wk[l] = s->wv[l] = NULL;
-        }
+        if (n_pos == 0) ring_put(s, l); /* an emptied layer holds nothing, as when new */
     }
     free(tmp);
     return KVPQ_OK;
@@ -370,16 +393,33 @@ static kvpq_status kivi_serial(void *state, const int *lens, const int *lo, kvpq
                 KVPQ_TRY(kvpq__stream_io(st, kvpq__page(pl[w], pg), pl[w]->page_bytes));
         }
         if (!has_ring) continue;
-        if (load) {
-            s->wk[l] = calloc(ring, sizeof(uint16_t));
-            s->wv[l] = calloc(ring, sizeof(uint16_t));
-            if (!s->wk[l] || !s->wv[l])
-                return kvpq__err(KVPQ_ERR_NOMEM, "saved cache kivi: out of memory for the window of layer %d", l);
-        }
+        if (load) KVPQ_TRY(ring_get(s, l));
         KVPQ_TRY(kvpq__stream_io(st, s->wk[l], ring * sizeof(uint16_t)));
         KVPQ_TRY(kvpq__stream_io(st, s->wv[l], ring * sizeof(uint16_t)));
     }
     return KVPQ_OK;
+}
+
+/* Pages for the groups appends up to n_pos would code, and the ring of a layer that has none. */
+static kvpq_status kivi_reserve(void *state, const int *lens, int n_pos) {
+    kivi_state *s = state;
+    kvpq_status st = KVPQ_OK;
+    for (int l = 0; l < s->p.n_layer && st == KVPQ_OK; l++) {
+        if (lens[l] >= n_pos) continue;
+        int coded = n_coded_of(s, n_pos);
+        if (coded < s->coded[l]) coded = s->coded[l];
+        const int pages = (coded / G + s->gp - 1) / s->gp;
+        if (!s->wk[l]) st = ring_get(s, l);
+        if (st == KVPQ_OK) st = kvpq__pages_reserve(&s->k[l], pages);
+        if (st == KVPQ_OK) st = kvpq__pages_reserve(&s->v[l], pages);
+    }
+    for (int l = 0; l < s->p.n_layer && st != KVPQ_OK; l++) { /* back to what the positions need */
+        const int held = (s->coded[l] / G + s->gp - 1) / s->gp;
+        if (s->k[l].n > held) kvpq__pages_shrink(&s->k[l], held);
+        if (s->v[l].n > held) kvpq__pages_shrink(&s->v[l], held);
+        if (lens[l] == 0 && s->wk[l]) ring_put(s, l);
+    }
+    return st;
 }
 
 static int kivi_coded_of(const void *state, int len) { return n_coded_of(state, len); }
@@ -401,6 +441,7 @@ static int kivi_n_coded(const void *state, int layer) { return ((const kivi_stat
         .serial = kivi_serial,                 \
         .coded_of = kivi_coded_of,             \
         .n_coded = kivi_n_coded,               \
+        .reserve = kivi_reserve,               \
     }
 const kvpq_cache_ops kvpq_cache_ops_kivi2 = KIVI_OPS(2);
 const kvpq_cache_ops kvpq_cache_ops_kivi4 = KIVI_OPS(4);

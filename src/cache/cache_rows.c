@@ -31,7 +31,10 @@ kvpq_status kvpq__rows_create(void **state, const kvpq_cache_params *p, const kv
         return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory for %d layers", codec->name, p->n_layer);
     }
     size_t page_bytes = (size_t)p->n_head_kv * p->page_tokens * s->row_bytes;
-    for (int l = 0; l < p->n_layer; l++) s->k[l].page_bytes = s->v[l].page_bytes = page_bytes;
+    for (int l = 0; l < p->n_layer; l++) {
+        s->k[l].page_bytes = s->v[l].page_bytes = page_bytes;
+        s->k[l].pool = s->v[l].pool = p->pool;
+    }
     *state = s;
     return KVPQ_OK;
 }
@@ -187,6 +190,23 @@ kvpq_status kvpq__rows_read(const void *state, int layer, int len, int pos0, int
     if (k) rotate(k, (size_t)n * s->p.n_head_kv, s->p.head_dim, s->rot_k);
     if (v) rotate(v, (size_t)n * s->p.n_head_kv, s->p.head_dim, s->rot_v);
     return KVPQ_OK;
+}
+
+kvpq_status kvpq__rows_reserve(void *state, const int *lens, int n_pos) {
+    rows_state *s = state;
+    const int pt = s->p.page_tokens, need = (n_pos + pt - 1) / pt;
+    kvpq_status st = KVPQ_OK;
+    for (int l = 0; l < s->p.n_layer && st == KVPQ_OK; l++) {
+        if (lens[l] >= n_pos) continue;
+        st = kvpq__pages_reserve(&s->k[l], need);
+        if (st == KVPQ_OK) st = kvpq__pages_reserve(&s->v[l], need);
+    }
+    for (int l = 0; l < s->p.n_layer && st != KVPQ_OK; l++) { /* back to the pages the positions need */
+        const int held = (lens[l] + pt - 1) / pt;
+        if (s->k[l].n > held) kvpq__pages_shrink(&s->k[l], held);
+        if (s->v[l].n > held) kvpq__pages_shrink(&s->v[l], held);
+    }
+    return st;
 }
 
 int kvpq__rows_drop(void *state, int layer, int len, int keep_from) {

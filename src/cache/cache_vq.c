@@ -138,7 +138,62 @@ typedef struct {
     float *part;          /* (part_cap) per attention job: m (gp), d (gp), o (gp, head_dim) */
     size_t part_cap;      /* floats */
     float s8tab[256];     /* 2^((c - 128) / 16), s8tab[0] = 0: the 8-bit scale code's factor */
+    kvpq_page_pool *pool; /* params.pool: pages and window rings come from it (NULL: the system) */
 } vq_state;
+
+/* Bytes of one of a layer's two fp16 window rings (K or V): (n_head_kv, cap, head_dim). */
+static size_t vq_ring_bytes(const vq_state *st) {
+    return (size_t)st->cap * st->n_head_kv * st->head_dim * sizeof(uint16_t);
+}
+
+/* The layer's K and V rings from the pool (zeroed); on failure neither. */
+static kvpq_status vq_ring_get(vq_state *st, vq_layer *L, int layer) {
+    void *k = NULL, *v = NULL;
+    kvpq_status s = kvpq__pool_get(st->pool, vq_ring_bytes(st), &k);
+    if (s == KVPQ_OK) s = kvpq__pool_get(st->pool, vq_ring_bytes(st), &v);
+    if (s != KVPQ_OK) {
+        kvpq__pool_put(st->pool, k, vq_ring_bytes(st));
+        kvpq__err_prefix("VQ cache: the window of layer %d", layer);
+        return s;
+    }
+    L->wk = k, L->wv = v;
+    return KVPQ_OK;
+}
+
+static void vq_ring_put(vq_state *st, vq_layer *L) {
+    kvpq__pool_put(st->pool, L->wk, vq_ring_bytes(st));
+    kvpq__pool_put(st->pool, L->wv, vq_ring_bytes(st));
+    L->wk = L->wv = NULL;
+}
+
+/* Pages [L->n_pages, n) from the pool; on failure the layer keeps the pages it had. */
+static kvpq_status vq_pages_get(vq_state *st, vq_layer *L, int n) {
+    const int old = L->n_pages;
+    for (int pg = L->n_pages; pg < n; pg++) {
+        void *p;
+        kvpq_status s = kvpq__pool_get(st->pool, L->page_bytes, &p);
+        if (s != KVPQ_OK) {
+            for (int q = old; q < pg; q++) {
+                kvpq__pool_put(st->pool, L->pages[q], L->page_bytes);
+                L->pages[q] = NULL;
+            }
+            L->n_pages = old;
+            return s;
+        }
+        L->pages[pg] = p;
+        L->n_pages = pg + 1;
+    }
+    return KVPQ_OK;
+}
+
+/* Give back pages [n, L->n_pages). */
+static void vq_pages_put(vq_state *st, vq_layer *L, int n) {
+    for (int pg = n; pg < L->n_pages; pg++) {
+        kvpq__pool_put(st->pool, L->pages[pg], L->page_bytes);
+        L->pages[pg] = NULL;
+    }
+    if (L->n_pages > n) L->n_pages = n;
+}
 
 static int vq_target_coded(const vq_state *st, int len) {
     if (len < st->window + VQ_FLUSH) return 0;
@@ -224,11 +279,9 @@ static void vq_destroy(void *state) {
     if (st->layers)
         for (int l = 0; l < st->n_layer; l++) {
             vq_layer *L = &st->layers[l];
-            if (L->pages)
-                for (int i = 0; i < L->n_pages; i++) free(L->pages[i]);
+            if (L->pages) vq_pages_put(st, L, 0);
             free(L->pages);
-            free(L->wk);
-            free(L->wv);
+            vq_ring_put(st, L);
         }
     if (st->scr)
         for (int t = 0; t < st->n_threads; t++) vq_scratch_free(&st->scr[t]);
@@ -288,6 +341,7 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     vq_state *st = calloc(1, sizeof *st);
     if (!st) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory");
     kvpq_codebook_params cp = kvpq_codebook_get_params(cb);
+    st->pool = p->pool;
     st->n_layer = p->n_layer;
     st->n_head = p->n_head;
     st->n_head_kv = p->n_head_kv;
@@ -616,32 +670,16 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
     const int w0 = target > len ? target : len;
     if ((st->k_norm || st->v_norm) && new_len > w0) KVPQ_TRY(vq_stage_encode(st, layer, len, w0, new_len, k, v));
 
-    if (!L->wk) {
-        L->wk = calloc((size_t)st->cap * row, sizeof(uint16_t));
-        L->wv = calloc((size_t)st->cap * row, sizeof(uint16_t));
-        if (!L->wk || !L->wv) {
-            free(L->wk);
-            free(L->wv);
-            L->wk = L->wv = NULL;
-            return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for the window of layer %d", layer);
-        }
-    }
+    const int new_ring = !L->wk;
+    if (new_ring) KVPQ_TRY(vq_ring_get(st, L, layer));
     if (ne > 0) {
         const int pages_needed = (target + st->page_tokens - 1) / st->page_tokens;
-        if (pages_needed > st->max_pages)
-            return kvpq__err(KVPQ_ERR_CAPACITY, "VQ cache layer %d: %d positions exceed max_seq", layer, target);
-        const int old_pages = L->n_pages;
-        for (int pg = L->n_pages; pg < pages_needed; pg++) {
-            L->pages[pg] = calloc(1, L->page_bytes);
-            if (!L->pages[pg]) {
-                for (int q = old_pages; q < pg; q++) {
-                    free(L->pages[q]);
-                    L->pages[q] = NULL;
-                }
-                L->n_pages = old_pages;
-                return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for a page of %zu bytes", L->page_bytes);
-            }
-            L->n_pages = pg + 1;
+        kvpq_status s = pages_needed <= st->max_pages
+                            ? vq_pages_get(st, L, pages_needed)
+                            : kvpq__err(KVPQ_ERR_CAPACITY, "VQ cache layer %d: %d positions exceed max_seq", layer, target);
+        if (s != KVPQ_OK) { /* leave the cache as it was */
+            if (new_ring) vq_ring_put(st, L);
+            return s;
         }
         /* The tokens leaving the window (or passing through it). */
         KVPQ_TRY(vq_stage_encode(st, layer, len, first, target, k, v));
@@ -918,14 +956,15 @@ static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
     vq_state *st = state;
     for (int l = 0; l < st->n_layer; l++) {
         vq_layer *L = &st->layers[l];
-        if (n_pos >= lens[l]) continue;
+        if (n_pos >= lens[l]) { /* nothing cut: storage kvpq_cache_reserve took beyond the positions goes */
+            const int held = (L->n_coded + st->page_tokens - 1) / st->page_tokens;
+            if (L->n_pages > held) vq_pages_put(st, L, held > L->first_page ? held : L->first_page);
+            if (lens[l] == 0) vq_ring_put(st, L);
+            continue;
+        }
         if (L->n_coded > n_pos) L->n_coded = n_pos;
         int need = (L->n_coded + st->page_tokens - 1) / st->page_tokens;
-        for (int pg = need; pg < L->n_pages; pg++) {
-            free(L->pages[pg]);
-            L->pages[pg] = NULL;
-        }
-        if (L->n_pages > need) L->n_pages = need;
+        vq_pages_put(st, L, need);
         /* 8-bit scales: the last kept page's reference came from its first nonzero scale; where no
          * kept position has one, a fresh cache would take it from the next appends: reset it */
         const int pg = need - 1, p0 = pg * st->page_tokens;
@@ -1010,7 +1049,7 @@ static int vq_drop(void *state, int layer, int len, int keep_from) {
     int upto = (keep_from < L->n_coded ? keep_from : L->n_coded) / st->page_tokens;
     if (upto > L->n_pages) upto = L->n_pages;
     for (int pg = L->first_page; pg < upto; pg++) {
-        free(L->pages[pg]);
+        kvpq__pool_put(st->pool, L->pages[pg], L->page_bytes);
         L->pages[pg] = NULL;
     }
     if (upto > L->first_page) L->first_page = upto;
@@ -1066,23 +1105,40 @@ static kvpq_status vq_serial(void *state, const int *lens, const int *lo, kvpq__
                                  (int)coded, lens[l]);
             L->n_coded = coded;
             L->first_page = first; /* pages a sliding window had freed stay NULL */
-            for (; L->n_pages < pages; L->n_pages++)
-                if (L->n_pages >= first && !(L->pages[L->n_pages] = calloc(1, L->page_bytes)))
-                    return kvpq__err(KVPQ_ERR_NOMEM, "saved cache vq: out of memory for a page of %zu bytes",
-                                     L->page_bytes);
+            if (L->n_pages < first) L->n_pages = first; /* pages before it stay NULL */
+            KVPQ_TRY(vq_pages_get(st, L, (int)pages));
         }
         for (int pg = first; pg < pages; pg++) KVPQ_TRY(kvpq__stream_io(s, L->pages[pg], L->page_bytes));
         if (!has_ring) continue;
-        if (load) {
-            L->wk = calloc(ring, sizeof(uint16_t));
-            L->wv = calloc(ring, sizeof(uint16_t));
-            if (!L->wk || !L->wv)
-                return kvpq__err(KVPQ_ERR_NOMEM, "saved cache vq: out of memory for the window of layer %d", l);
-        }
+        if (load) KVPQ_TRY(vq_ring_get(st, L, l));
         KVPQ_TRY(kvpq__stream_io(s, L->wk, ring * sizeof(uint16_t)));
         KVPQ_TRY(kvpq__stream_io(s, L->wv, ring * sizeof(uint16_t)));
     }
     return KVPQ_OK;
+}
+
+/* Pages for the positions appends up to n_pos would code, and the ring of a layer that has none. */
+static kvpq_status vq_reserve(void *state, const int *lens, int n_pos) {
+    vq_state *st = state;
+    kvpq_status s = KVPQ_OK;
+    for (int l = 0; l < st->n_layer && s == KVPQ_OK; l++) {
+        vq_layer *L = &st->layers[l];
+        if (lens[l] >= n_pos) continue;
+        int target = vq_target_coded(st, n_pos);
+        if (target < L->n_coded) target = L->n_coded;
+        const int pages = (target + st->page_tokens - 1) / st->page_tokens;
+        if (!L->wk) s = vq_ring_get(st, L, l);
+        if (s == KVPQ_OK && pages > st->max_pages)
+            s = kvpq__err(KVPQ_ERR_CAPACITY, "VQ cache layer %d: %d positions exceed max_seq", l, target);
+        if (s == KVPQ_OK) s = vq_pages_get(st, L, pages);
+    }
+    for (int l = 0; l < st->n_layer && s != KVPQ_OK; l++) { /* back to what the positions need */
+        vq_layer *L = &st->layers[l];
+        const int held = (L->n_coded + st->page_tokens - 1) / st->page_tokens;
+        if (L->n_pages > held) vq_pages_put(st, L, held > L->first_page ? held : L->first_page);
+        if (lens[l] == 0 && L->wk) vq_ring_put(st, L);
+    }
+    return s;
 }
 
 static int vq_coded_of(const void *state, int len) { return vq_target_coded(state, len); }
@@ -1102,4 +1158,5 @@ const kvpq_cache_ops kvpq_cache_ops_vq = {
     .drop = vq_drop,
     .coded_of = vq_coded_of,
     .n_coded = vq_n_coded,
+    .reserve = vq_reserve,
 };

@@ -25,6 +25,7 @@ const char *kvpq_status_string(kvpq_status s) {
     case KVPQ_ERR_DEVICE: return "GPU error";
     case KVPQ_ERR_CAPACITY: return "capacity exceeded";
     case KVPQ_ERR_INTERNAL: return "internal error";
+    case KVPQ_ERR_BUDGET: return "budget exceeded";
     }
     return "unknown status";
 }

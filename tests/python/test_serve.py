@@ -270,6 +270,52 @@ def test_evicted_conversation_continues(tmp_path):
         assert s.stop() == 0
 
 
+def settled_metrics(server):
+    """/metrics once the engine's round after the last reply has been counted (no active sequence)."""
+    for _ in range(200):
+        m = metrics(server)
+        if m["kvpq_active_sequences"] == 0 and m["kvpq_waiting_requests"] == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError("the server never went idle")
+
+
+def test_budget_evicts_on_the_pools_refusal(tmp_path):
+    """--kv-budget is one page pool: a budget of one and a half conversations' pages makes the pool
+    refuse the second conversation's pages, which evicts the first (saved, then loaded back and
+    continued as the CLI would); the pool never holds more than the budget once the round ends."""
+    rows = cli_chat(CONV, cache=EVICT_CACHE)
+    s = Server("--kv-budget", "1G", cache=EVICT_CACHE)
+    try:
+        a1 = chat(s.client(), [{"role": "user", "content": CONV[0]}]).choices[0].message.content
+        one = settled_metrics(s)["kvpq_kv_pool_bytes_in_use"]
+    finally:
+        assert s.stop() == 0
+    assert one > 0 and a1 == rows[0]["reply"]
+    budget = int(one * 1.5)
+    s = Server("--kv-budget", str(budget), "--cache-dir", str(tmp_path), cache=EVICT_CACHE)
+    try:
+        c = s.client()
+        msgs = [{"role": "user", "content": CONV[0]}]
+        assert chat(c, msgs).choices[0].message.content == a1
+        m = settled_metrics(s)
+        assert m["kvpq_kv_pool_refusals_total"] == 0 and m["kvpq_evictions_total"] == 0
+        chat(c, [{"role": "user", "content": "Something else entirely, and a little longer than that."}])
+        m = settled_metrics(s)
+        assert m["kvpq_kv_pool_refusals_total"] >= 1 and m["kvpq_evictions_total"] >= 1, m
+        assert m["kvpq_kv_pool_bytes_in_use"] + m["kvpq_kv_pool_bytes_free"] <= budget
+        assert m["kvpq_kv_budget_bytes"] == budget
+        assert len(list(tmp_path.glob("conv-*.kvpq"))) >= 1
+        msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": CONV[1]}]
+        r = chat(c, msgs)
+        assert r.choices[0].message.content == rows[1]["reply"]
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(rows[0]["prompt_ids"])
+        m = settled_metrics(s)
+        assert m["kvpq_restores_total"] >= 1 and m["kvpq_kv_pool_bytes_in_use"] <= budget
+    finally:
+        assert s.stop() == 0
+
+
 def test_sigterm_finishes_streams(tmp_path):
     """SIGTERM mid-stream: the stream runs to its end, the idle conversation is saved, exit 0."""
     s = Server("--cache-dir", str(tmp_path))
