@@ -751,6 +751,14 @@ KVPQ_API const kvpq_pq *kvpq_codebook_key_pq2_const(const kvpq_codebook *cb, int
 KVPQ_API kvpq_status kvpq_codebook_set_layer_key_stages(kvpq_codebook *cb, int layer, int stages);
 /* A layer's key stages (1 or 2); 0 if cb is NULL or the layer is out of range. */
 KVPQ_API int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer);
+/* A new codebook for KV heads [h0, h0 + n_head_kv) of cb: the same quantizers (every layer's M,
+ * stages and centroids) with those heads' smoothing factors and key means, cb's free metadata, and
+ * "heads" = "h0:h1/N". For tensor parallelism, where each rank holds some of a layer's KV heads
+ * (transformers' column-wise k_proj / v_proj shards give rank r heads [r N / R, (r + 1) N / R)):
+ * codes and attention of those heads equal the whole codebook's. Errors: KVPQ_ERR_INVALID_ARG (NULL,
+ * heads outside [0, n_head_kv)), KVPQ_ERR_UNSUPPORTED (a quantizer with a codebook per KV head,
+ * granularity head), KVPQ_ERR_NOMEM. *out is NULL on error; free with kvpq_codebook_free. */
+KVPQ_API kvpq_status kvpq_codebook_slice_heads(const kvpq_codebook *cb, int h0, int n_head_kv, kvpq_codebook **out);
 /* Bits of the VQ cache's norm-explicit scale of one coded vector of a layer's keys (is_value 0) or
  * values: 0 without a norm-explicit quantizer for that kind, 16 (float16), or 8 when the codebook's
  * metadata k.norm_bits / v.norm_bits (set with kvpq_codebook_set_meta: "8" or "16", default 16) is

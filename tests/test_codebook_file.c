@@ -1295,3 +1295,53 @@ Test(codebook_file, version_3_fixture_still_loads) {
     free(y.buf);
     kvpq_codebook_free(cb);
 }
+
+/* kvpq_codebook_slice_heads: the same quantizers (per-layer M too), the heads' smoothing and key-mean
+ * rows, the free metadata plus "heads"; it saves and loads like any codebook; bad ranges and
+ * per-head quantizers are refused by name. */
+Test(codebook_file, slice_heads_keeps_quantizers_and_takes_head_rows) {
+    kvpq_codebook_params p = small_params(3);
+    p.n_head_kv = 4;
+    const int key_M[3] = {4, 2, 4};
+    kvpq_codebook *cb = random_codebook_m(&p, key_M), *s;
+    cr_assert_eq(kvpq_codebook_slice_heads(cb, 1, 2, &s), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook_params ps = kvpq_codebook_get_params(s);
+    cr_assert_eq(ps.n_head_kv, 2);
+    const size_t row = (size_t)p.head_dim * sizeof(float);
+    for (int l = 0; l < p.n_layer; l++) {
+        cr_assert_eq(kvpq_codebook_layer_key_M(s, l), key_M[l]);
+        cr_assert_eq(memcmp(kvpq_codebook_key_smooth_const(s, l), kvpq_codebook_key_smooth_const(cb, l) + p.head_dim,
+                            2 * row), 0, "layer %d smoothing rows", l);
+        cr_assert_eq(memcmp(kvpq_codebook_key_mean_const(s, l), kvpq_codebook_key_mean_const(cb, l) + p.head_dim,
+                            2 * row), 0, "layer %d key mean rows", l);
+        for (int v = 0; v < 2; v++) {
+            const kvpq_pq *a = kvpq_codebook_pq_const(cb, l, v), *b = kvpq_codebook_pq_const(s, l, v);
+            cr_assert_eq(kvpq_pq_centroids_size(a), kvpq_pq_centroids_size(b));
+            cr_assert_eq(memcmp(kvpq_pq_centroids(a), kvpq_pq_centroids(b), kvpq_pq_centroids_size(a) * sizeof(float)), 0);
+        }
+    }
+    cr_assert_str_eq(kvpq_codebook_get_meta(s, "heads"), "1:3/4");
+    cr_assert_str_eq(kvpq_codebook_get_meta(s, "model"), kvpq_codebook_get_meta(cb, "model"));
+    make_dir();
+    char *path = path_in("slice.safetensors");
+    kvpq_codebook *back;
+    cr_assert_eq(kvpq_codebook_save(s, path), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_load(&back, path), KVPQ_OK, "%s", kvpq_last_error());
+    assert_same(s, back);
+    kvpq_codebook *bad = (kvpq_codebook *)1;
+    cr_assert_eq(kvpq_codebook_slice_heads(cb, 3, 2, &bad), KVPQ_ERR_INVALID_ARG);
+    cr_assert_null(bad);
+    cr_assert(strstr(kvpq_last_error(), "KV heads [3, 5) outside the codebook's 4"), "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_slice_heads(cb, 0, 0, &bad), KVPQ_ERR_INVALID_ARG);
+    kvpq_codebook_params ph = small_params(1);
+    ph.key.granularity = KVPQ_CODEBOOK_HEAD;
+    kvpq_codebook *head;
+    cr_assert_eq(kvpq_codebook_new(&head, &ph), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_slice_heads(head, 0, 1, &bad), KVPQ_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvpq_last_error(), "key quantizer has a codebook per KV head"), "%s", kvpq_last_error());
+    kvpq_codebook_free(head);
+    kvpq_codebook_free(back);
+    kvpq_codebook_free(s);
+    kvpq_codebook_free(cb);
+    remove_dir();
+}

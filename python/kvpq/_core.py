@@ -582,6 +582,15 @@ class Codebook:
         mu = _array(mu, "mu", "Codebook.set_key_mean", shape=(self.n_head_kv, self.head_dim))
         self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.set_key_mean")))[:] = mu
 
+    def slice_heads(self, h0: int, n_head_kv: int) -> "Codebook":
+        """A codebook for KV heads [h0, h0 + n_head_kv) (kvpq_codebook_slice_heads): the same
+        quantizers, those heads' smoothing factors and key means. For a tensor-parallel rank that
+        holds those heads; KVPQCache slices by itself when it sees fewer KV heads than the codebook's."""
+        w = "Codebook.slice_heads"
+        h = ffi.new("kvpq_codebook **")
+        _check(lib.kvpq_codebook_slice_heads(self._h, _int(h0, "h0", w, 0), _int(n_head_kv, "n_head_kv", w, 1), h), w)
+        return Codebook(0, 0, 0, _handle=h[0])
+
     def meta(self) -> Dict[str, str]:
         """Every metadata entry (config keys included) as a dict of strings."""
         out = {}

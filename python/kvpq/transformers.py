@@ -328,7 +328,7 @@ class KVPQCache(Cache):
             return
         if self.n_head is None:
             raise _error("n_head: unknown; pass model= or n_head= to KVPQCache")
-        cb = self.codebook
+        cb, n_head = self._rank_heads(like)
         self.n_batch = B
         if like.is_cuda and self.device == "auto" and _core.cuda_available()[0]:
             if self.sinks and self._sinks_given:
@@ -341,18 +341,32 @@ class KVPQCache(Cache):
             self.sinks = 0  # the kind's default sink is not kept on CUDA (kvpq_cuda_cache has none)
             with torch.cuda.device(like.device):
                 self._cuda = [None if self.swa_layers[l] else
-                              _core.CudaCache(cb, l, self.n_head, B, self.max_seq, window=self.window)
+                              _core.CudaCache(cb, l, n_head, B, self.max_seq, window=self.window)
                               for l in range(cb.n_layer)]
             self._sliding = {l: DynamicSlidingWindowLayer(self.sliding_window)
                              for l in range(cb.n_layer) if self.swa_layers[l]}
             self.on_cuda = True
         else:
             self._pad = [0] * B
-            self._cpu = [_core.Cache("vq", cb.n_layer, self.n_head, cb.n_head_kv, cb.head_dim, self.max_seq,
+            self._cpu = [_core.Cache("vq", cb.n_layer, n_head, cb.n_head_kv, cb.head_dim, self.max_seq,
                                      codebook=cb, window=self.window, sinks=self.sinks, n_threads=self.n_threads,
                                      fast_scan=self.fast_scan, sliding_window=self.sliding_window,
                                      swa_layers=self.swa_layers if self.sliding_window else None)
                          for _ in range(B)]
+
+    def _rank_heads(self, like):
+        """(codebook, query heads) for the KV heads `like` (B, n_head_kv, n, d) holds: the whole codebook,
+        or under tensor parallelism (transformers' tp_plan shards k_proj / v_proj column-wise, so rank r
+        of R holds KV heads [r N / R, (r + 1) N / R) and their query heads) this rank's slice."""
+        cb, n = self.codebook, like.shape[1]
+        if n == cb.n_head_kv:
+            return cb, self.n_head
+        dist = torch.distributed
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if n * ranks != cb.n_head_kv:
+            raise _error(f"keys of {n} KV heads for a codebook of {cb.n_head_kv}: expected all of them, or under "
+                         f"tensor parallelism 1/{ranks} each ({ranks} ranks)", status=lib_mismatch())
+        return cb.slice_heads(dist.get_rank() * n, n), self.n_head * n // cb.n_head_kv
 
     def _truncate(self, n_pos):
         self._awaiting.clear()

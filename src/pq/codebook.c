@@ -1291,3 +1291,70 @@ kvpq_status kvpq_codebook_load(kvpq_codebook **out, const char *path) {
     free(buf);
     return s;
 }
+
+/* ---- a codebook for some of the KV heads (tensor parallelism) ------------------------------------ */
+
+/* dst's quantizers of layer l take src's centroids (same params: the layer's M and stages match). */
+static kvpq_status copy_layer_books(kvpq_codebook *dst, const kvpq_codebook *src, int l) {
+    KVPQ_TRY(kvpq_codebook_set_layer_key_M(dst, l, src->layer_M[3 * l]));
+    KVPQ_TRY(kvpq_codebook_set_layer_value_M(dst, l, src->layer_M[3 * l + 1]));
+    KVPQ_TRY(kvpq_codebook_set_layer_key_stages(dst, l, src->layer_M[3 * l + 2]));
+    for (int w = 0; w < 3; w++) {
+        const kvpq_pq *from = w == 2 ? src->pq2[l] : src->pq[2 * l + w];
+        kvpq_pq *to = w == 2 ? dst->pq2[l] : dst->pq[2 * l + w];
+        if (from) KVPQ_TRY(kvpq_pq_set_centroids(to, kvpq_pq_centroids(from), kvpq_pq_centroids_size(from)));
+    }
+    return KVPQ_OK;
+}
+
+/* dst's smoothing factors and key means: KV heads [h0, h0 + dst's n_head_kv) of src's. */
+static void copy_head_rows(kvpq_codebook *dst, const kvpq_codebook *src, int h0) {
+    const size_t d = (size_t)src->p.head_dim, n = (size_t)dst->p.n_head_kv;
+    for (int l = 0; l < src->p.n_layer; l++) {
+        const size_t from = ((size_t)l * src->p.n_head_kv + h0) * d, to = (size_t)l * n * d;
+        memcpy(dst->smooth + to, src->smooth + from, n * d * sizeof(float));
+        memcpy(dst->mean + to, src->mean + from, n * d * sizeof(float));
+    }
+}
+
+/* Every metadata entry of src that is not derived from the params (those dst has of its own). */
+static kvpq_status copy_free_meta(kvpq_codebook *dst, const kvpq_codebook *src) {
+    for (size_t i = 0; i < src->n_meta; i++)
+        if (!is_config_key(src->meta_key[i])) KVPQ_TRY(meta_put(dst, src->meta_key[i], src->meta_val[i]));
+    return KVPQ_OK;
+}
+
+kvpq_status kvpq_codebook_slice_heads(const kvpq_codebook *cb, int h0, int n_head_kv, kvpq_codebook **out) {
+    if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_slice_heads: out is NULL");
+    *out = NULL;
+    if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_slice_heads: cb is NULL");
+    if (h0 < 0 || n_head_kv < 1 || h0 > cb->p.n_head_kv - n_head_kv)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_slice_heads: KV heads [%d, %d) outside the codebook's %d",
+                         h0, h0 + n_head_kv, cb->p.n_head_kv);
+    const kvpq_pq_params *q[3] = {&cb->p.key, &cb->p.value, &cb->p.key2};
+    for (int w = 0; w < 3; w++)
+        if (q[w]->granularity == KVPQ_CODEBOOK_HEAD)
+            return kvpq__err(KVPQ_ERR_UNSUPPORTED, "kvpq_codebook_slice_heads: the %s quantizer has a codebook per KV "
+                             "head (granularity head); only shared and sub-space codebooks are sliced",
+                             w == 1 ? "value" : w ? "stage-two key" : "key");
+    kvpq_codebook_params p = cb->p;
+    p.n_head_kv = n_head_kv;
+    kvpq_codebook *c;
+    KVPQ_TRY(kvpq_codebook_new(&c, &p));
+    kvpq_status s = KVPQ_OK;
+    for (int l = 0; l < p.n_layer && s == KVPQ_OK; l++) s = copy_layer_books(c, cb, l);
+    if (s == KVPQ_OK) {
+        copy_head_rows(c, cb, h0);
+        s = copy_free_meta(c, cb);
+    }
+    char heads[64];
+    snprintf(heads, sizeof heads, "%d:%d/%d", h0, h0 + n_head_kv, cb->p.n_head_kv);
+    if (s == KVPQ_OK) s = meta_put(c, "heads", heads);
+    if (s != KVPQ_OK) {
+        kvpq__err_prefix("kvpq_codebook_slice_heads");
+        kvpq_codebook_free(c);
+        return s;
+    }
+    *out = c;
+    return KVPQ_OK;
+}

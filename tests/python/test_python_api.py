@@ -99,6 +99,21 @@ def test_codebook_save_load_info(tmp_path):
     assert info["meta"]["note"] == "hello \u2713" and back.get_meta("n_layer") == "2"
 
 
+def test_codebook_slice_heads():
+    """Codebook.slice_heads: KV heads [1, 3) of 3 layers' worth: their smoothing and mean rows, the same
+    centroids, "heads" metadata; bad ranges refused by name."""
+    cb = kvpq.Codebook(2, 3, 32, keys="d4b8")
+    cb.set_key_smooth(1, rand(3, 32) ** 2 + 0.5)
+    cb.set_key_mean(1, rand(3, 32))
+    cb.key_pq(1).centroids = rand(256, 4)
+    s = cb.slice_heads(1, 2)
+    assert s.n_head_kv == 2 and s.get_meta("heads") == "1:3/3"
+    assert np.array_equal(s.key_smooth(1), cb.key_smooth(1)[1:]) and np.array_equal(s.key_mean(1), cb.key_mean(1)[1:])
+    assert np.array_equal(s.key_pq(1).centroids, cb.key_pq(1).centroids)
+    with pytest.raises(kvpq.Error, match=r"KV heads \[2, 4\) outside"):
+        cb.slice_heads(2, 2)
+
+
 def test_calibrated_vq_cache_round_trip():
     L, H, D, n = 2, 2, 32, 400
     kv = [(rand(n, H, D, scale=2.0) + 1.0, rand(n, H, D)) for _ in range(L)]

@@ -9,6 +9,7 @@ Needs torch and transformers (python/requirements-transformers.txt); skipped wit
   and the model's logits agree with kvpq's own engine.
 """
 import json
+import socket
 import os
 import subprocess
 import sys
@@ -651,3 +652,33 @@ def test_calibrate_bits_codebook_same_ppl_and_greedy_tokens_in_cli_engine_and_tr
     hf_ids = out[0, len(prompt):].tolist()
     assert cli_ids == eng_ids, (cli_ids, eng_ids)
     assert hf_ids == eng_ids, (hf_ids, eng_ids)
+
+
+def test_tensor_parallel_ranks_code_their_own_kv_heads(tmp_path):
+    """Under tensor parallelism (torch.distributed.run, 2 ranks, transformers' tp_plan="auto", gloo
+    on the CPU) each rank holds half the KV heads and its KVPQCache codes them with their slice of the
+    codebook (Codebook.slice_heads): greedy tokens equal the one-process run's, logits to the
+    all-reduce's rounding, and each rank stores half the KV bytes."""
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "model")
+    cb = model_codebook(model)
+    cb.save(str(tmp_path / "cb.safetensors"))
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    one = KVPQCache(str(tmp_path / "cb.safetensors"), model, window=0, max_seq=64)
+    tok, logits = generate(model, ids, one)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(port), str(SRC / "tests" / "python" / "tp_worker.py"), str(tmp_path / "model"),
+                          str(tmp_path / "cb.safetensors"), str(tmp_path / "ids.npy"), str(tmp_path / "rank")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [np.load(tmp_path / f"rank_{r}.npz") for r in range(2)]
+    for r, x in enumerate(ranks):
+        assert int(x["n_head_kv"]) == 1 and str(x["heads"]) == f"{r}:{r + 1}/2"
+        assert np.array_equal(x["tokens"], tok.numpy())
+        np.testing.assert_allclose(x["logits"], logits.numpy(), rtol=0, atol=1e-4 * float(logits.abs().max()))
+        assert int(x["stored_bytes"]) * 2 == one.stats()["stored_bytes"]  # half the heads, same positions
