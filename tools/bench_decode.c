@@ -10,6 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "cli_json.h"
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,44 +36,31 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "--cache", "--ctx",
-                                   "--steps", "--threads", "-t", NULL};
-
 typedef struct {
-    const char *model_path, *text_path;
+    const char *model_path, *text_path, *specs_arg;
     char model_buf[4096], text_buf[4096]; /* the default files' paths, where found */
     char specs_buf[2048], *specs[MAX_CACHES]; /* --cache split at ',' */
     int n_cache, json;
     long ctx, steps, threads;
 } decode_opts;
 
-/* One option (a, with its value v, or NULL when there is none): 1 when it took v, 0 when it took
- * none, else -(the exit code). */
-static int parse_one(decode_opts *o, const char *a, const char *v, const char **specs_arg) {
-    if (!strcmp(a, "--json")) {
-        o->json = 1;
-        return 0;
-    } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
-        cli_quiet = 1;
-        return 0;
-    }
-    if (!v) return -cli_usage_error("bench decode: option %s needs a value (see --help)", a);
-    if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
-    else if (!strcmp(a, "--text")) o->text_path = v;
-    else if (!strcmp(a, "--cache")) *specs_arg = v;
-    else if (!strcmp(a, "--ctx")) {
-        if (!cli_parse_int(a, v, 1, 1 << 20, &o->ctx)) return -2;
-    } else if (!strcmp(a, "--steps")) {
-        if (!cli_parse_int(a, v, 1, 1 << 16, &o->steps)) return -2;
-    } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
-        if (!cli_parse_int(a, v, 0, 1024, &o->threads)) return -2;
-    } else
-        return -cli_usage_error("bench decode: unknown option '%s' (see --help)", a);
-    return 1;
-}
+#define F(field) offsetof(decode_opts, field)
+static const cli_opt OPTS[] = {
+    {"--json", NULL, CLI_OPT_FLAG, F(json), 0, 0},
+    {"--quiet", "-q", CLI_OPT_QUIET, 0, 0, 0},
+    {"--model", "-m", CLI_OPT_STR, F(model_path), 0, 0},
+    {"--text", NULL, CLI_OPT_STR, F(text_path), 0, 0},
+    {"--cache", NULL, CLI_OPT_STR, F(specs_arg), 0, 0},
+    {"--ctx", NULL, CLI_OPT_LONG, F(ctx), 1, 1 << 20},
+    {"--steps", NULL, CLI_OPT_LONG, F(steps), 1, 1 << 16},
+    {"--threads", "-t", CLI_OPT_LONG, F(threads), 0, 1024},
+    {NULL, NULL, 0, 0, 0, 0},
+};
+#undef F
 
 /* The SPEC list into o->specs: 0, or the exit code. */
-static int split_specs(decode_opts *o, const char *specs_arg) {
+static int split_specs(decode_opts *o) {
+    const char *specs_arg = o->specs_arg;
     if (strlen(specs_arg) >= sizeof o->specs_buf) return cli_usage_error("bench decode: --cache list too long");
     strcpy(o->specs_buf, specs_arg);
     for (char *tok = strtok(o->specs_buf, ","); tok; tok = strtok(NULL, ",")) {
@@ -86,22 +74,12 @@ static int split_specs(decode_opts *o, const char *specs_arg) {
 /* argv into *o: -1 to go on, else the exit code (0 after --help). */
 static int parse_opts(int argc, char **argv, decode_opts *o) {
     static const char DEF_MODEL[] = "models/SmolLM2-135M-Instruct.Q4_1.gguf", DEF_TEXT[] = "data/text/persuasion.txt";
-    const char *specs_arg = NULL;
     memset(o, 0, sizeof *o);
     o->ctx = 4096;
     o->steps = 32;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!cli_option_known(a, OPTS)) return cli_unknown_option("bench decode", a, OPTS);
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        }
-        int took = parse_one(o, a, i + 1 < argc ? argv[i + 1] : NULL, &specs_arg);
-        if (took < 0) return -took;
-        i += took;
-    }
-    if (!specs_arg) return cli_usage_error("bench decode: --cache SPEC[,SPEC...] is required (see --help)");
+    int rc = cli_parse_options("bench decode", argc, argv, OPTS, o, usage);
+    if (rc >= 0) return rc;
+    if (!o->specs_arg) return cli_usage_error("bench decode: --cache SPEC[,SPEC...] is required (see --help)");
     /* The defaults are files of the source tree: found from the current directory or the tree the
      * CLI was built from, whichever has them. */
     if (!o->model_path && !(o->model_path = cli_find_data(DEF_MODEL, o->model_buf, sizeof o->model_buf)))
@@ -110,7 +88,7 @@ static int parse_opts(int argc, char **argv, decode_opts *o) {
     if (!o->text_path && !(o->text_path = cli_find_data(DEF_TEXT, o->text_buf, sizeof o->text_buf)))
         return cli_usage_error("bench decode: no --text given and the default %s is not found here or in the source "
                                "tree; pass --text FILE", DEF_TEXT);
-    int rc = split_specs(o, specs_arg);
+    rc = split_specs(o);
     return rc ? rc : -1;
 }
 

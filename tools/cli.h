@@ -52,6 +52,31 @@ void cli_env_fixup(char **argv);
 int cli_option_known(const char *opt, const char *const *known);
 const char *cli_nearest(const char *word, const char *const *known);
 int cli_unknown_option(const char *cmd, const char *opt, const char *const *known);
+/* ---- options by table ----
+ * A command lists its options once: name, alias (or NULL), what the value is and the field of the
+ * command's options struct (offsetof) it goes to. --help / -h print the command's usage. */
+typedef enum {
+    CLI_OPT_FLAG,   /* no value: int field set to 1 */
+    CLI_OPT_QUIET,  /* no value: cli_quiet = 1 (no field) */
+    CLI_OPT_STR,    /* const char * field */
+    CLI_OPT_PATH,   /* const char * field, not empty ("expected a file name") */
+    CLI_OPT_LONG,   /* long field, an integer in [lo, hi] */
+    CLI_OPT_DOUBLE, /* double field, a number in [lo, hi] */
+    CLI_OPT_BYTES,  /* size_t field, a byte count with an optional K, M or G (powers of 1024) */
+} cli_opt_kind;
+typedef struct {
+    const char *name, *alias;
+    cli_opt_kind kind;
+    size_t off;
+    double lo, hi;
+} cli_opt;
+/* argv[1..] into the struct at opts by the table (ended by an entry with name NULL): -1 to go on, 0
+ * after --help (usage(stdout) printed), else the exit code (message printed: unknown option with the
+ * nearest name, a missing value, a value out of range, all naming `cmd`). Later options win. */
+int cli_parse_options(const char *cmd, int argc, char **argv, const cli_opt *table, void *opts,
+                      void (*usage)(FILE *));
+/* "123", "64K", "512M", "2G" (powers of 1024) into *out: 1, or 0 with a usage error naming opt. */
+int cli_parse_bytes(const char *opt, const char *s, size_t *out);
 /* A file the CLI uses by default (rel: a path inside the source tree, e.g. data/text/persuasion.txt):
  * rel itself when readable from the current directory, else the copy in the source tree the CLI was
  * built from (written to buf, n bytes); NULL when neither is readable. */

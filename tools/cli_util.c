@@ -150,6 +150,76 @@ int cli_unknown_option(const char *cmd, const char *opt, const char *const *know
     return cli_usage_error("%s: unknown option '%s' (see kvpq %s --help)", cmd, opt, cmd);
 }
 
+/* ---- options by table ---- */
+
+int cli_parse_bytes(const char *opt, const char *s, size_t *out) {
+    char *end;
+    errno = 0;
+    unsigned long long v = (s[0] >= '0' && s[0] <= '9') ? strtoull(s, &end, 10) : 0;
+    if (s[0] < '0' || s[0] > '9' || errno) goto bad;
+    int shift = !*end ? 0 : !strcmp(end, "K") ? 10 : !strcmp(end, "M") ? 20 : !strcmp(end, "G") ? 30 : -1;
+    if (shift < 0 || v > (~0ull >> (shift + 1))) goto bad;
+    *out = (size_t)(v << shift);
+    return 1;
+bad:
+    cli_usage_error("%s: expected a byte count (e.g. 1048576, 512M, 2G), got '%s'", opt, s);
+    return 0;
+}
+
+/* The table's entry named a (by name or alias), or NULL. */
+static const cli_opt *opt_find(const cli_opt *t, const char *a) {
+    for (; t->name; t++)
+        if (!strcmp(a, t->name) || (t->alias && !strcmp(a, t->alias))) return t;
+    return NULL;
+}
+
+/* "unknown option" for a, with the nearest of the table's names; returns 2. */
+static int opt_unknown(const char *cmd, const char *a, const cli_opt *t) {
+    const char *names[256];
+    size_t n = 0;
+    names[n++] = "--help";
+    for (; t->name && n + 3 < sizeof names / sizeof *names; t++) {
+        names[n++] = t->name;
+        if (t->alias) names[n++] = t->alias;
+    }
+    names[n] = NULL;
+    return cli_unknown_option(cmd, a, names);
+}
+
+/* Option o's value v into its field: 1, or 0 (message printed). */
+static int opt_store(const char *cmd, const cli_opt *o, const char *a, const char *v, char *base) {
+    long l;
+    switch (o->kind) {
+    case CLI_OPT_PATH:
+        if (!*v) return cli_usage_error("%s: %s: expected a file name, got ''", cmd, a), 0;
+        /* fallthrough */
+    case CLI_OPT_STR: *(const char **)(base + o->off) = v; return 1;
+    case CLI_OPT_LONG:
+        if (!cli_parse_int(a, v, (long)o->lo, (long)o->hi, &l)) return 0;
+        *(long *)(base + o->off) = l;
+        return 1;
+    case CLI_OPT_DOUBLE: return cli_parse_double(a, v, o->lo, o->hi, (double *)(base + o->off));
+    case CLI_OPT_BYTES: return cli_parse_bytes(a, v, (size_t *)(base + o->off));
+    default: return 1;
+    }
+}
+
+int cli_parse_options(const char *cmd, int argc, char **argv, const cli_opt *table, void *opts,
+                      void (*usage)(FILE *)) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout), 0;
+        const cli_opt *o = opt_find(table, a);
+        if (!o) return opt_unknown(cmd, a, table);
+        if (o->kind == CLI_OPT_FLAG) *(int *)((char *)opts + o->off) = 1;
+        if (o->kind == CLI_OPT_QUIET) cli_quiet = 1;
+        if (o->kind == CLI_OPT_FLAG || o->kind == CLI_OPT_QUIET) continue;
+        if (i + 1 >= argc) return cli_usage_error("%s: option %s needs a value (see --help)", cmd, a);
+        if (!opt_store(cmd, o, a, argv[++i], opts)) return 2;
+    }
+    return -1;
+}
+
 /* ---- files of the source tree ---- */
 
 const char *cli_find_data(const char *rel, char *buf, size_t n) {

@@ -2,6 +2,7 @@
  * with one KV cache kept across turns: each turn prefills only its own new tokens (the previous
  * reply's closing tokens, the user's message, the assistant header) on top of what the cache holds,
  * coded as the cache codes them (a vq or kivi cache holds the conversation as codes). */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -52,10 +53,6 @@ static void usage(FILE *f) {
             "  --logits-out FILE  append the logits every token is sampled from (float32, n_vocab per row) to\n"
             "                 FILE (for tests: kvpq generate has the same option)\n");
 }
-
-static const char *const OPTS[] = {"--help", "-h", "--model", "-m", "--cache", "--system", "-n", "--n-predict",
-                                   "--temp", "--top-p", "--seed", "--ctx", "--template", "--threads", "-t",
-                                   "--json", "--quiet", "-q", "--render", "--render-ids", "--logits-out", NULL};
 
 /* A growable byte buffer (a reply's text). */
 typedef struct {
@@ -140,55 +137,36 @@ typedef struct {
     const char *model_path, *cache_spec, *system, *tmpl_name, *logits_out;
     long n_gen, seed, threads, ctx; /* ctx 0: the model's context length */
     double temp, top_p;
-    int json, render_mode; /* render_mode 1: --render, 2: --render-ids */
+    int json, render, render_ids;   /* --render-ids wins over --render */
 } chat_opts;
 
-/* An option that takes a value (a): 0 when parsed, else the exit code (2, message printed). */
-static int parse_value(chat_opts *o, const char *a, const char *v) {
-    if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
-    else if (!strcmp(a, "--cache")) o->cache_spec = v;
-    else if (!strcmp(a, "--system")) o->system = v;
-    else if (!strcmp(a, "--template")) o->tmpl_name = v;
-    else if (!strcmp(a, "--logits-out")) o->logits_out = v;
-    else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) return cli_parse_int(a, v, 1, 1 << 20, &o->n_gen) ? 0 : 2;
-    else if (!strcmp(a, "--seed")) return cli_parse_int(a, v, 0, 0x7fffffffL, &o->seed) ? 0 : 2;
-    else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) return cli_parse_int(a, v, 0, 1024, &o->threads) ? 0 : 2;
-    else if (!strcmp(a, "--ctx")) return cli_parse_int(a, v, 2, 1 << 24, &o->ctx) ? 0 : 2;
-    else if (!strcmp(a, "--temp")) return cli_parse_double(a, v, 0, 100, &o->temp) ? 0 : 2;
-    else if (!strcmp(a, "--top-p")) return cli_parse_double(a, v, 0, 1, &o->top_p) ? 0 : 2;
-    else return cli_usage_error("chat: unknown option '%s' (see --help)", a);
-    return 0;
-}
+#define F(field) offsetof(chat_opts, field)
+static const cli_opt OPTS[] = {
+    {"--json", NULL, CLI_OPT_FLAG, F(json), 0, 0},
+    {"--quiet", "-q", CLI_OPT_QUIET, 0, 0, 0},
+    {"--render", NULL, CLI_OPT_FLAG, F(render), 0, 0},
+    {"--render-ids", NULL, CLI_OPT_FLAG, F(render_ids), 0, 0},
+    {"--model", "-m", CLI_OPT_STR, F(model_path), 0, 0},
+    {"--cache", NULL, CLI_OPT_STR, F(cache_spec), 0, 0},
+    {"--system", NULL, CLI_OPT_STR, F(system), 0, 0},
+    {"--template", NULL, CLI_OPT_STR, F(tmpl_name), 0, 0},
+    {"--logits-out", NULL, CLI_OPT_STR, F(logits_out), 0, 0},
+    {"--n-predict", "-n", CLI_OPT_LONG, F(n_gen), 1, 1 << 20},
+    {"--seed", NULL, CLI_OPT_LONG, F(seed), 0, 0x7fffffffL},
+    {"--threads", "-t", CLI_OPT_LONG, F(threads), 0, 1024},
+    {"--ctx", NULL, CLI_OPT_LONG, F(ctx), 2, 1 << 24},
+    {"--temp", NULL, CLI_OPT_DOUBLE, F(temp), 0, 100},
+    {"--top-p", NULL, CLI_OPT_DOUBLE, F(top_p), 0, 1},
+    {NULL, NULL, 0, 0, 0, 0},
+};
+#undef F
 
 /* argv into *o, checked as far as it can be without the model: -1 to go on, else the exit code
  * (0 after --help). */
 static int parse_opts(int argc, char **argv, chat_opts *o) {
     *o = (chat_opts){.cache_spec = "fp32", .n_gen = 256, .seed = 42, .temp = 0.8, .top_p = 0.95};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!cli_option_known(a, OPTS)) return cli_unknown_option("chat", a, OPTS);
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--json")) {
-            o->json = 1;
-            continue;
-        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
-            cli_quiet = 1;
-            continue;
-        } else if (!strcmp(a, "--render")) {
-            o->render_mode = 1;
-            continue;
-        } else if (!strcmp(a, "--render-ids")) {
-            o->render_mode = 2;
-            continue;
-        }
-        if (!v) return cli_usage_error("chat: option %s needs a value (see --help)", a);
-        i++;
-        int rc = parse_value(o, a, v);
-        if (rc) return rc;
-    }
+    int rc = cli_parse_options("chat", argc, argv, OPTS, o, usage);
+    if (rc >= 0) return rc;
     if (!o->model_path) return cli_usage_error("chat: --model is required (see --help)");
     size_t bad;
     if (o->system && !cli_utf8_valid((const unsigned char *)o->system, strlen(o->system), &bad))
@@ -536,8 +514,8 @@ int cmd_chat(int argc, char **argv) {
     rc = cli_chat_template_init(&st.tmpl, st.m, o.tmpl_name, "chat", &note);
     if (!rc) {
         if (note && !cli_quiet) fprintf(stderr, "kvpq chat: %s\n", note);
-        if (o.render_mode) {
-            rc = render(st.m, &st.tmpl, o.system, o.render_mode == 2);
+        if (o.render || o.render_ids) {
+            rc = render(st.m, &st.tmpl, o.system, o.render_ids);
         } else {
             if (o.ctx == 0 || o.ctx > st.mi.n_ctx_train) o.ctx = st.mi.n_ctx_train;
             rc = chat_open(&st) ? 1 : chat_run(&st);

@@ -1,5 +1,6 @@
 /* cmd_generate.c — `kvpq generate`: text generation with a chosen KV cache, streamed as produced. */
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -154,10 +155,6 @@ static int eval_prompt(kvpq_model *m, kvpq_cache *cache, const int32_t *toks, si
     return 0;
 }
 
-static const char *const OPTS[] = {"--help",  "-h",     "--chat",      "--quiet", "-q",      "--prompt-cache",
-                                   "--model", "-m",     "--prompt",    "-p",      "--cache", "-n",
-                                   "--n-predict", "--seed", "--threads", "-t",     "--temp",  "--top-p", "--prompt-ids", "--print-ids", "--logits-out", "--json", NULL};
-
 typedef struct {
     const char *model_path, *prompt, *cache_spec, *prompt_cache, *logits_out, *prompt_ids;
     long n_gen, seed, threads;
@@ -165,40 +162,26 @@ typedef struct {
     int chat, print_ids, json;
 } gen_opts;
 
-/* A flag (an option without a value): 1 when a is one (taken), else 0. */
-static int parse_flag(gen_opts *o, const char *a) {
-    if (!strcmp(a, "--chat")) o->chat = 1;
-    else if (!strcmp(a, "--print-ids")) o->print_ids = 1;
-    else if (!strcmp(a, "--json")) o->json = 1;
-    else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) cli_quiet = 1;
-    else return 0;
-    return 1;
-}
-
-/* An option a with its value v (a flag is not one): 0, or the exit code. */
-static int parse_value(gen_opts *o, const char *a, const char *v) {
-    if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
-    else if (!strcmp(a, "--prompt") || !strcmp(a, "-p")) o->prompt = v;
-    else if (!strcmp(a, "--cache")) o->cache_spec = v;
-    else if (!strcmp(a, "--prompt-ids")) o->prompt_ids = v;
-    else if (!strcmp(a, "--prompt-cache")) {
-        if (!*v) return cli_usage_error("generate: --prompt-cache: expected a file name, got ''");
-        o->prompt_cache = v;
-    } else if (!strcmp(a, "--logits-out")) o->logits_out = v;
-    else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
-        if (!cli_parse_int(a, v, 0, 1 << 20, &o->n_gen)) return 2;
-    } else if (!strcmp(a, "--seed")) {
-        if (!cli_parse_int(a, v, 0, 0x7fffffffL, &o->seed)) return 2;
-    } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
-        if (!cli_parse_int(a, v, 0, 1024, &o->threads)) return 2;
-    } else if (!strcmp(a, "--temp")) {
-        if (!cli_parse_double(a, v, 0, 100, &o->temp)) return 2;
-    } else if (!strcmp(a, "--top-p")) {
-        if (!cli_parse_double(a, v, 0, 1, &o->top_p)) return 2;
-    } else
-        return cli_usage_error("generate: unknown option '%s' (see --help)", a);
-    return 0;
-}
+#define F(field) offsetof(gen_opts, field)
+static const cli_opt OPTS[] = {
+    {"--chat", NULL, CLI_OPT_FLAG, F(chat), 0, 0},
+    {"--print-ids", NULL, CLI_OPT_FLAG, F(print_ids), 0, 0},
+    {"--json", NULL, CLI_OPT_FLAG, F(json), 0, 0},
+    {"--quiet", "-q", CLI_OPT_QUIET, 0, 0, 0},
+    {"--model", "-m", CLI_OPT_STR, F(model_path), 0, 0},
+    {"--prompt", "-p", CLI_OPT_STR, F(prompt), 0, 0},
+    {"--cache", NULL, CLI_OPT_STR, F(cache_spec), 0, 0},
+    {"--prompt-ids", NULL, CLI_OPT_STR, F(prompt_ids), 0, 0},
+    {"--prompt-cache", NULL, CLI_OPT_PATH, F(prompt_cache), 0, 0},
+    {"--logits-out", NULL, CLI_OPT_STR, F(logits_out), 0, 0},
+    {"--n-predict", "-n", CLI_OPT_LONG, F(n_gen), 0, 1 << 20},
+    {"--seed", NULL, CLI_OPT_LONG, F(seed), 0, 0x7fffffffL},
+    {"--threads", "-t", CLI_OPT_LONG, F(threads), 0, 1024},
+    {"--temp", NULL, CLI_OPT_DOUBLE, F(temp), 0, 100},
+    {"--top-p", NULL, CLI_OPT_DOUBLE, F(top_p), 0, 1},
+    {NULL, NULL, 0, 0, 0, 0},
+};
+#undef F
 
 /* argv into *o, checked: -1 to go on, else the exit code (0 after --help). */
 static int parse_opts(int argc, char **argv, gen_opts *o) {
@@ -209,18 +192,8 @@ static int parse_opts(int argc, char **argv, gen_opts *o) {
     o->seed = 42;
     o->temp = 0.8;
     o->top_p = 0.95;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!cli_option_known(a, OPTS)) return cli_unknown_option("generate", a, OPTS);
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        }
-        if (parse_flag(o, a)) continue;
-        if (i + 1 >= argc) return cli_usage_error("generate: option %s needs a value (see --help)", a);
-        int rc = parse_value(o, a, argv[++i]);
-        if (rc) return rc;
-    }
+    int rc = cli_parse_options("generate", argc, argv, OPTS, o, usage);
+    if (rc >= 0) return rc;
     if (!o->model_path) return cli_usage_error("generate: --model is required (see --help)");
     if (o->prompt_ids && (o->chat || *o->prompt))
         return cli_usage_error("generate: --prompt-ids replaces --prompt and --chat (give one)");

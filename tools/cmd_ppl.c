@@ -1,6 +1,7 @@
 /* cmd_ppl.c — `kvpq ppl`: perplexity of a text with one or more KV caches, optionally beside a base
  * cache run on the same chunks in the same process (KL divergence, top-1 agreement). */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -88,49 +89,35 @@ static void ppl_stats(double nll, double nll2, int64_t count, double *ppl, doubl
 
 #define json_num cli_json_num
 
-static const char *const OPTS[] = {"--help", "-h", "--json", "--quiet", "-q", "--model", "-m", "--text", "-f", "--tokens", "--cache", "--kl-base",
-                                   "--ctx", "-c", "--chunks", "--batch", "-b", "--threads", "-t", NULL};
-
 typedef struct {
     const char *model_path, *text_path, *ids_path, *kl_base; /* text_path is ids_path with --tokens */
-    char *specs_buf;                     /* a copy of --cache, split at ',' into specs */
+    const char *cache_list;              /* --cache as given */
+    char *specs_buf;                     /* a copy of it, split at ',' into specs */
     const char *specs[PPL_MAX_CACHES];
     int n_caches, json;
     long ctx, max_chunks, batch, threads;
 } ppl_opts;
 
-/* One option (a, with its value v, or NULL when there is none): 1 when it took v, 0 when it took
- * none, else -(the exit code). */
-static int parse_one(ppl_opts *o, const char *a, const char *v, const char **cache_list) {
-    if (!strcmp(a, "--json")) {
-        o->json = 1;
-        return 0;
-    } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
-        cli_quiet = 1;
-        return 0;
-    }
-    if (!v) return -cli_usage_error("ppl: option %s needs a value (see --help)", a);
-    if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
-    else if (!strcmp(a, "--text") || !strcmp(a, "-f")) o->text_path = v;
-    else if (!strcmp(a, "--tokens")) o->ids_path = v;
-    else if (!strcmp(a, "--cache")) *cache_list = v;
-    else if (!strcmp(a, "--kl-base")) o->kl_base = v;
-    else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) {
-        if (!cli_parse_int(a, v, 4, 1 << 24, &o->ctx)) return -2;
-    } else if (!strcmp(a, "--chunks")) {
-        if (!cli_parse_int(a, v, 1, 1L << 30, &o->max_chunks)) return -2;
-    } else if (!strcmp(a, "--batch") || !strcmp(a, "-b")) {
-        if (!cli_parse_int(a, v, 1, 1 << 24, &o->batch)) return -2;
-    } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
-        if (!cli_parse_int(a, v, 0, 1024, &o->threads)) return -2;
-    } else
-        return -cli_usage_error("ppl: unknown option '%s' (see --help)", a);
-    return 1;
-}
+#define F(field) offsetof(ppl_opts, field)
+static const cli_opt OPTS[] = {
+    {"--json", NULL, CLI_OPT_FLAG, F(json), 0, 0},
+    {"--quiet", "-q", CLI_OPT_QUIET, 0, 0, 0},
+    {"--model", "-m", CLI_OPT_STR, F(model_path), 0, 0},
+    {"--text", "-f", CLI_OPT_STR, F(text_path), 0, 0},
+    {"--tokens", NULL, CLI_OPT_STR, F(ids_path), 0, 0},
+    {"--cache", NULL, CLI_OPT_STR, F(cache_list), 0, 0},
+    {"--kl-base", NULL, CLI_OPT_STR, F(kl_base), 0, 0},
+    {"--ctx", "-c", CLI_OPT_LONG, F(ctx), 4, 1 << 24},
+    {"--chunks", NULL, CLI_OPT_LONG, F(max_chunks), 1, 1L << 30},
+    {"--batch", "-b", CLI_OPT_LONG, F(batch), 1, 1 << 24},
+    {"--threads", "-t", CLI_OPT_LONG, F(threads), 0, 1024},
+    {NULL, NULL, 0, 0, 0, 0},
+};
+#undef F
 
 /* The cache list (default fp32) into o->specs: 0, or the exit code. */
-static int split_specs(ppl_opts *o, const char *cache_list) {
-    o->specs_buf = strdup(cache_list ? cache_list : "fp32");
+static int split_specs(ppl_opts *o) {
+    o->specs_buf = strdup(o->cache_list ? o->cache_list : "fp32");
     if (!o->specs_buf) return fprintf(stderr, "kvpq ppl: out of memory\n"), 1;
     for (char *tok = strtok(o->specs_buf, ","); tok; tok = strtok(NULL, ",")) {
         if (o->n_caches == PPL_MAX_CACHES) return cli_usage_error("ppl: at most %d caches in --cache", PPL_MAX_CACHES);
@@ -142,26 +129,16 @@ static int split_specs(ppl_opts *o, const char *cache_list) {
 
 /* argv into *o: -1 to go on, else the exit code (0 after --help). o->specs_buf is the caller's to free. */
 static int parse_opts(int argc, char **argv, ppl_opts *o) {
-    const char *cache_list = NULL;
     memset(o, 0, sizeof *o);
     o->ctx = 512;
     o->max_chunks = 1L << 30;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!cli_option_known(a, OPTS)) return cli_unknown_option("ppl", a, OPTS);
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        }
-        int took = parse_one(o, a, i + 1 < argc ? argv[i + 1] : NULL, &cache_list);
-        if (took < 0) return -took;
-        i += took;
-    }
+    int rc = cli_parse_options("ppl", argc, argv, OPTS, o, usage);
+    if (rc >= 0) return rc;
     if (!o->model_path || !(o->text_path || o->ids_path) || (o->text_path && o->ids_path))
         return cli_usage_error("ppl: --model and one of --text, --tokens are required (see --help)");
     if (o->ids_path) o->text_path = o->ids_path;
     if (o->batch == 0 || o->batch > o->ctx) o->batch = o->ctx;
-    int rc = split_specs(o, cache_list);
+    rc = split_specs(o);
     return rc ? rc : -1;
 }
 

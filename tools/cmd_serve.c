@@ -1,6 +1,7 @@
 /* cmd_serve.c — `kvpq serve`: options, start-up and shutdown of the OpenAI-compatible server
  * (serve.h lists its parts; docs/serve.md its use). */
 #include <errno.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,24 +42,25 @@ static void usage(FILE *f) {
             "SIGINT or SIGTERM: stop accepting, finish the requests in flight, save idle conversations, exit 0.\n");
 }
 
-static const char *const OPTS[] = {"--help", "-h", "--model", "-m", "--cache", "--host", "--port", "--parallel",
-                                   "--kv-budget", "--cache-dir", "--api-key", "--ctx", "--threads", "-t",
-                                   "--max-body", "--max-conversations", "--template", "--alias", NULL};
-
-/* "123", "64K", "512M", "2G" (powers of 1024). */
-static int parse_bytes(const char *opt, const char *s, size_t *out) {
-    char *end;
-    errno = 0;
-    unsigned long long v = (s[0] >= '0' && s[0] <= '9') ? strtoull(s, &end, 10) : 0;
-    if (s[0] < '0' || s[0] > '9' || errno) goto bad;
-    int shift = !*end ? 0 : !strcmp(end, "K") ? 10 : !strcmp(end, "M") ? 20 : !strcmp(end, "G") ? 30 : -1;
-    if (shift < 0 || v > (~0ull >> (shift + 1))) goto bad;
-    *out = (size_t)(v << shift);
-    return 1;
-bad:
-    cli_usage_error("%s: expected a byte count (e.g. 1048576, 512M, 2G), got '%s'", opt, s);
-    return 0;
-}
+#define F(field) offsetof(serve_opts, field)
+static const cli_opt OPTS[] = {
+    {"--model", "-m", CLI_OPT_STR, F(model_path), 0, 0},
+    {"--cache", NULL, CLI_OPT_STR, F(cache_spec), 0, 0},
+    {"--host", NULL, CLI_OPT_STR, F(host), 0, 0},
+    {"--api-key", NULL, CLI_OPT_STR, F(api_key), 0, 0},
+    {"--cache-dir", NULL, CLI_OPT_STR, F(cache_dir), 0, 0},
+    {"--template", NULL, CLI_OPT_STR, F(template_name), 0, 0},
+    {"--alias", NULL, CLI_OPT_STR, F(alias), 0, 0},
+    {"--port", NULL, CLI_OPT_LONG, F(port), 0, 65535},
+    {"--parallel", NULL, CLI_OPT_LONG, F(parallel), 1, 256},
+    {"--ctx", NULL, CLI_OPT_LONG, F(ctx), 2, 1 << 24},
+    {"--threads", "-t", CLI_OPT_LONG, F(threads), 0, 1024},
+    {"--max-conversations", NULL, CLI_OPT_LONG, F(max_conversations), 1, 1 << 20},
+    {"--kv-budget", NULL, CLI_OPT_BYTES, F(kv_budget), 0, 0},
+    {"--max-body", NULL, CLI_OPT_BYTES, F(max_body), 0, 0},
+    {NULL, NULL, 0, 0, 0, 0},
+};
+#undef F
 
 /* Parse argv into o; 0, 1 (--help printed) or an exit code >= 2. */
 static int parse_opts(int argc, char **argv, serve_opts *o) {
@@ -69,29 +71,8 @@ static int parse_opts(int argc, char **argv, serve_opts *o) {
     o->parallel = 4;
     o->max_conversations = 256;
     o->max_body = 8u << 20;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!cli_option_known(a, OPTS)) return cli_unknown_option("serve", a, OPTS);
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout), 1;
-        if (!v) return cli_usage_error("serve: option %s needs a value (see --help)", a);
-        i++;
-        int ok = 1;
-        if (!strcmp(a, "--model") || !strcmp(a, "-m")) o->model_path = v;
-        else if (!strcmp(a, "--cache")) o->cache_spec = v;
-        else if (!strcmp(a, "--host")) o->host = v;
-        else if (!strcmp(a, "--api-key")) o->api_key = v;
-        else if (!strcmp(a, "--cache-dir")) o->cache_dir = v;
-        else if (!strcmp(a, "--template")) o->template_name = v;
-        else if (!strcmp(a, "--alias")) o->alias = v;
-        else if (!strcmp(a, "--port")) ok = cli_parse_int(a, v, 0, 65535, &o->port);
-        else if (!strcmp(a, "--parallel")) ok = cli_parse_int(a, v, 1, 256, &o->parallel);
-        else if (!strcmp(a, "--ctx")) ok = cli_parse_int(a, v, 2, 1 << 24, &o->ctx);
-        else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) ok = cli_parse_int(a, v, 0, 1024, &o->threads);
-        else if (!strcmp(a, "--max-conversations")) ok = cli_parse_int(a, v, 1, 1 << 20, &o->max_conversations);
-        else if (!strcmp(a, "--kv-budget")) ok = parse_bytes(a, v, &o->kv_budget);
-        else if (!strcmp(a, "--max-body")) ok = parse_bytes(a, v, &o->max_body);
-        if (!ok) return 2;
-    }
+    int rc = cli_parse_options("serve", argc, argv, OPTS, o, usage);
+    if (rc >= 0) return rc ? rc : 1;
     if (!o->model_path) return cli_usage_error("serve: --model is required (see --help)");
     if (o->api_key && !o->api_key[0]) return cli_usage_error("serve: --api-key is empty");
     if (o->max_body < 16) return cli_usage_error("serve: --max-body below 16 bytes");
