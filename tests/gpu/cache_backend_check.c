@@ -38,6 +38,7 @@
 
 #include "cache_testutil.h"
 #include "fp16.h"
+#include "gpu_testutil.h"
 
 /* CPU vs GPU: the GPU's float16 centroid images and LUT entries (docs/CUDA.md: a few 1e-4 relative
  * at these lengths) plus float32 summation orders */
@@ -46,24 +47,6 @@
 #define READ_REL 3e-3
 
 static int g_fail;
-
-#define CHECK(cond, ...)                                  \
-    do {                                                  \
-        if (!(cond)) {                                    \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);    \
-            printf(__VA_ARGS__);                          \
-            printf("\n");                                 \
-            g_fail = 1;                                   \
-        }                                                 \
-    } while (0)
-#define OK(call)                                                                          \
-    do {                                                                                  \
-        kvpq_status s_ = (call);                                                          \
-        if (s_ != KVPQ_OK) {                                                              \
-            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, kvpq_last_error()); \
-            exit(1);                                                                      \
-        }                                                                                 \
-    } while (0)
 
 typedef struct {
     const char *name;
@@ -84,16 +67,16 @@ static kvpq_codebook *make_codebook(const config *c, uint64_t seed) {
     p.n_head_kv = c->n_head_kv;
     p.head_dim = c->head_dim;
     p.key_norm = p.value_norm = c->norm;
-    OK(kvpq_pq_params_preset(&p.key, c->preset, c->head_dim));
-    OK(kvpq_pq_params_preset(&p.value, c->preset, c->head_dim));
+    KV_OK(kvpq_pq_params_preset(&p.key, c->preset, c->head_dim));
+    KV_OK(kvpq_pq_params_preset(&p.value, c->preset, c->head_dim));
     kvpq_codebook *cb = NULL;
-    OK(kvpq_codebook_new(&cb, &p));
+    KV_OK(kvpq_codebook_new(&cb, &p));
     for (int l = 0; l < 2; l++) {
         for (int w = 0; w < 2; w++) {
             kvpq_pq *pq = kvpq_codebook_pq(cb, l, w);
             const size_t n = kvpq_pq_centroids_size(pq);
             float *x = rand_vec(n, seed + (uint64_t)(2 * l + w), 1.f);
-            OK(kvpq_pq_set_centroids(pq, x, n));
+            KV_OK(kvpq_pq_set_centroids(pq, x, n));
             free(x);
         }
         float *lam = kvpq_codebook_key_smooth(cb, l), *mu = kvpq_codebook_key_mean(cb, l);
@@ -118,7 +101,7 @@ static kvpq_cache *make_cache(const config *c, const kvpq_codebook *cb, int max_
     p.codebook = cb;
     p.backend = b;
     kvpq_cache *cache = NULL;
-    OK(kvpq_cache_new(&cache, &p));
+    KV_OK(kvpq_cache_new(&cache, &p));
     return cache;
 }
 
@@ -152,8 +135,8 @@ static double read_check(const config *c, kvpq_cache *cache, int layer, const fl
     float *k = malloc((size_t)L * kvw * sizeof *k), *v = malloc((size_t)L * kvw * sizeof *v);
     float *out = malloc(qw * sizeof *out);
     double *ref = malloc(qw * sizeof *ref);
-    OK(kvpq_cache_read(cache, layer, 0, L, k, v));
-    OK(kvpq_cache_attend(cache, layer, 1, q, out));
+    KV_OK(kvpq_cache_read(cache, layer, 0, L, k, v));
+    KV_OK(kvpq_cache_attend(cache, layer, 1, q, out));
     ref_attend(L, 1, c->n_head, c->n_head_kv, hd, k, v, q, ref);
     double e = rel_err_f64(out, ref, qw);
     free(k), free(v), free(out), free(ref);
@@ -170,8 +153,8 @@ static void check_cpu(const config *c, kvpq_cache *cpu, kvpq_cache *gpu, int L, 
         for (int t = 0, i = 0; t < L; i++) {
             int n = steps[i % 8];
             if (n > L - t) n = L - t;
-            OK(kvpq_cache_append_attend(cpu, l, n, k + t * kvw, v + t * kvw, q + t * qw, oc + t * qw));
-            OK(kvpq_cache_append_attend(gpu, l, n, k + t * kvw, v + t * kvw, q + t * qw, og + t * qw));
+            KV_OK(kvpq_cache_append_attend(cpu, l, n, k + t * kvw, v + t * kvw, q + t * qw, oc + t * qw));
+            KV_OK(kvpq_cache_append_attend(gpu, l, n, k + t * kvw, v + t * kvw, q + t * qw, og + t * qw));
             t += n;
         }
         double num = 0.0, den = 1e-300;
@@ -200,14 +183,14 @@ static void check_save(const config *c, const kvpq_codebook *cb, kvpq_cache *gpu
     int fd = mkstemp(path);
     CHECK(fd >= 0, "mkstemp");
     close(fd);
-    OK(kvpq_cache_save(gpu, path, "u", 1));
+    KV_OK(kvpq_cache_save(gpu, path, "u", 1));
     kvpq_cache_params p;
-    OK(kvpq_cache_get_params(gpu, &p));
+    KV_OK(kvpq_cache_get_params(gpu, &p));
     p.codebook = cb;
     kvpq_cache *back = NULL;
     void *user = NULL;
     size_t ul = 0;
-    OK(kvpq_cache_load(&back, &p, path, &user, &ul));
+    KV_OK(kvpq_cache_load(&back, &p, path, &user, &ul));
     CHECK(ul == 1 && user && ((char *)user)[0] == 'u', "%s: user blob", c->name);
     free(user);
     const size_t kvw = (size_t)c->n_head_kv * c->head_dim, qw = (size_t)c->n_head * c->head_dim;
@@ -215,12 +198,12 @@ static void check_save(const config *c, const kvpq_codebook *cb, kvpq_cache *gpu
         const int L = kvpq_cache_seq_len(gpu, l);
         CHECK(kvpq_cache_seq_len(back, l) == L, "%s: loaded length", c->name);
         float *a = malloc(2 * (size_t)L * kvw * sizeof *a), *b = malloc(2 * (size_t)L * kvw * sizeof *b);
-        OK(kvpq_cache_read(gpu, l, 0, L, a, a + L * kvw));
-        OK(kvpq_cache_read(back, l, 0, L, b, b + L * kvw));
+        KV_OK(kvpq_cache_read(gpu, l, 0, L, a, a + L * kvw));
+        KV_OK(kvpq_cache_read(back, l, 0, L, b, b + L * kvw));
         CHECK(!memcmp(a, b, 2 * (size_t)L * kvw * sizeof *a), "%s layer %d: read-back differs after load", c->name, l);
         float *o1 = malloc(qw * sizeof *o1), *o2 = malloc(qw * sizeof *o2);
-        OK(kvpq_cache_attend(gpu, l, 1, q, o1));
-        OK(kvpq_cache_attend(back, l, 1, q, o2));
+        KV_OK(kvpq_cache_attend(gpu, l, 1, q, o1));
+        KV_OK(kvpq_cache_attend(back, l, 1, q, o2));
         CHECK(!memcmp(o1, o2, qw * sizeof *o1), "%s layer %d: attention differs after load", c->name, l);
         free(a), free(b), free(o1), free(o2);
     }
@@ -244,15 +227,15 @@ static void check_truncate(const config *c, const kvpq_codebook *cb, const float
         const int h = W / 2;
         float *o1 = malloc(qw * sizeof *o1), *o2 = malloc(qw * sizeof *o2);
         for (int l = 0; l < 2; l++) {
-            OK(kvpq_cache_append(b, l, W - 2, k, v));
-            OK(kvpq_cache_append(f, l, h, k, v));
-            OK(kvpq_cache_append(f, l, h, k2, v2));
+            KV_OK(kvpq_cache_append(b, l, W - 2, k, v));
+            KV_OK(kvpq_cache_append(f, l, h, k, v));
+            KV_OK(kvpq_cache_append(f, l, h, k2, v2));
         }
-        OK(kvpq_cache_truncate(b, h));
+        KV_OK(kvpq_cache_truncate(b, h));
         for (int l = 0; l < 2; l++) {
-            OK(kvpq_cache_append(b, l, h, k2, v2));
-            OK(kvpq_cache_attend(b, l, 1, q, o1));
-            OK(kvpq_cache_attend(f, l, 1, q, o2));
+            KV_OK(kvpq_cache_append(b, l, h, k2, v2));
+            KV_OK(kvpq_cache_attend(b, l, 1, q, o1));
+            KV_OK(kvpq_cache_attend(f, l, 1, q, o2));
             CHECK(!memcmp(o1, o2, qw * sizeof *o1), "%s layer %d: truncate inside the window is not exact", c->name, l);
         }
         free(o1), free(o2);
@@ -260,12 +243,12 @@ static void check_truncate(const config *c, const kvpq_codebook *cb, const float
     }
     kvpq_cache *a = make_cache(c, cb, L, KVPQ_BACKEND_CUDA);
     const int cut = L - c->window - 20 > W ? L - c->window - 20 : W;
-    for (int l = 0; l < 2; l++) OK(kvpq_cache_append(a, l, L, k, v));
-    OK(kvpq_cache_truncate(a, cut));
+    for (int l = 0; l < 2; l++) KV_OK(kvpq_cache_append(a, l, L, k, v));
+    KV_OK(kvpq_cache_truncate(a, cut));
     CHECK(kvpq_cache_exact_prefix(a, cut) < cut || c->window == 0, "%s: a cut below the window called exact",
           c->name);
     for (int l = 0; l < 2; l++) {
-        OK(kvpq_cache_append(a, l, 10, k2, v2));
+        KV_OK(kvpq_cache_append(a, l, 10, k2, v2));
         const double e = read_check(c, a, l, q);
         printf("  %s layer %d: after truncate %d -> %d (+10): vs float64 over its read-back %.3g\n", c->name, l, L,
                cut, e);
@@ -290,7 +273,7 @@ static void run_config(const config *c, uint64_t seed, int L) {
     float *q = rand_vec((size_t)(L + 1) * qw, seed + 15, 1.f);
     kvpq_cache *cpu = make_cache(c, cb, L + 1, KVPQ_BACKEND_CPU), *gpu = make_cache(c, cb, L + 1, KVPQ_BACKEND_CUDA);
     kvpq_cache_stats st;
-    OK(kvpq_cache_get_stats(gpu, &st));
+    KV_OK(kvpq_cache_get_stats(gpu, &st));
     CHECK(st.backend == KVPQ_BACKEND_CUDA && st.resident_bytes > 0, "%s: stats backend %d, %zu bytes", c->name,
           st.backend, st.resident_bytes);
     check_cpu(c, cpu, gpu, L, k, v, q);
@@ -342,9 +325,9 @@ static void check_lazy_pool(uint64_t seed) {
     size_t f0, f1, total;
     CUDA_OK(cudaMemGetInfo(&f0, &total));
     kvpq_cuda_cache *lazy = NULL, *whole = NULL;
-    OK(kvpq_cuda_cache_new(&lazy, &p));
+    KV_OK(kvpq_cuda_cache_new(&lazy, &p));
     CUDA_OK(cudaMemGetInfo(&f1, &total));
-    OK(kvpq_cuda_cache_new(&whole, &w));
+    KV_OK(kvpq_cuda_cache_new(&whole, &w));
     const size_t kvw = (size_t)H * D, qw = (size_t)NH * D;
     float *k = rand_f16((size_t)maxn * kvw, seed + 1, 1.f), *v = rand_f16((size_t)maxn * kvw, seed + 2, 1.f);
     float *q = rand_vec((size_t)S * qw, seed + 3, 1.f), *o1 = malloc(S * qw * sizeof *o1), *o2 = malloc(S * qw * sizeof *o2);
@@ -361,12 +344,12 @@ static void check_lazy_pool(uint64_t seed) {
         const int n = 300 + 97 * b, a = n / 3;
         for (int part = 0; part < 2; part++) {
             const int t0 = part ? a : 0, m = part ? n - a : a;
-            OK(kvpq_cuda_cache_append(lazy, b, m, dk + t0 * kvw, dv + t0 * kvw));
-            OK(kvpq_cuda_cache_append(whole, b, m, dk + t0 * kvw, dv + t0 * kvw));
+            KV_OK(kvpq_cuda_cache_append(lazy, b, m, dk + t0 * kvw, dv + t0 * kvw));
+            KV_OK(kvpq_cuda_cache_append(whole, b, m, dk + t0 * kvw, dv + t0 * kvw));
         }
     }
-    OK(kvpq_cuda_cache_attend(lazy, S, dq, do1));
-    OK(kvpq_cuda_cache_attend(whole, S, dq, do2));
+    KV_OK(kvpq_cuda_cache_attend(lazy, S, dq, do1));
+    KV_OK(kvpq_cuda_cache_attend(whole, S, dq, do2));
     CUDA_OK(cudaMemcpy(o1, do1, S * qw * sizeof(float), cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(o2, do2, S * qw * sizeof(float), cudaMemcpyDeviceToHost));
     int finite = 1;

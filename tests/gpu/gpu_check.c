@@ -29,6 +29,7 @@
 #include <time.h>
 
 #include "kvpq.h"
+#include "gpu_testutil.h"
 
 /* Near-ties of the encode checks. A code c that differs from the reference's best b counts as a tie
  * when ||x-c||^2 - ||x-b||^2 <= TIE_REL (||x||^2 + ||x-b||^2) + 2 e ||c - b|| (x: the float64
@@ -92,33 +93,6 @@ static kvpq_cuda_kernels g_kernels;
 extern kvpq_status kvpq__cuda_cache_read_codes(const kvpq_cuda_cache *c, int seq, uint8_t *kc, uint8_t *vc,
                                                uint16_t *ks, uint16_t *vs);
 static uint64_t g_rng;
-
-#define CHECK(cond, ...)                                   \
-    do {                                                   \
-        if (!(cond)) {                                     \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);    \
-            printf(__VA_ARGS__);                           \
-            printf("\n");                                  \
-            g_fail++;                                      \
-        }                                                  \
-    } while (0)
-#define CUDA_OK(call)                                                                        \
-    do {                                                                                     \
-        cudaError_t e_ = (call);                                                             \
-        if (e_ != cudaSuccess) {                                                             \
-            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                         \
-        }                                                                                    \
-    } while (0)
-#define KV_OK(call)                                                                                  \
-    do {                                                                                             \
-        kvpq_status s_ = (call);                                                                     \
-        if (s_ != KVPQ_OK) {                                                                         \
-            printf("FAIL %s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, kvpq_status_string(s_),   \
-                   kvpq_last_error());                                                               \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
 
 /* kvpq_cuda_pq_new with the kernel variants under check (g_kernels) */
 static kvpq_cuda_pq *cuda_pq(const kvpq_pq *pq, int n_head_kv, const float *lambda, int rotate) {
