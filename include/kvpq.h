@@ -317,8 +317,9 @@ typedef struct {
     /* NULL (default): the cache allocates its own storage. Else a kvpq_page_pool whose pages and
      * budget it shares with the other caches made with it: every CPU kind takes its pages (fp32,
      * fp16, q8_0, q4_0, q8_0r, q4_0r rows; kivi groups; vq codes and scales) and its fp16 window
-     * rings (kivi, vq) from the pool and gives them back on truncate and free; an append, reserve or
-     * load the budget does not allow fails with KVPQ_ERR_BUDGET and changes nothing. The cache holds
+     * rings (kivi, vq) from the pool and gives them back on truncate and free; an append or load the
+     * budget does not allow fails with KVPQ_ERR_BUDGET and changes nothing (a refused
+     * kvpq_cache_reserve keeps only the storage the positions held need: nothing held is lost). The cache holds
      * a reference to the pool (kvpq_page_pool_free may come before kvpq_cache_free). Ignored by the
      * CUDA backend (its storage is on the device). Not part of a saved cache. */
     kvpq_page_pool *pool;
@@ -758,7 +759,7 @@ KVPQ_API int kvpq_codebook_layer_key_stages(const kvpq_codebook *cb, int layer);
  * codes and attention of those heads equal the whole codebook's. Errors: KVPQ_ERR_INVALID_ARG (NULL,
  * heads outside [0, n_head_kv)), KVPQ_ERR_UNSUPPORTED (a quantizer with a codebook per KV head,
  * granularity head), KVPQ_ERR_NOMEM. *out is NULL on error; free with kvpq_codebook_free. */
-KVPQ_API kvpq_status kvpq_codebook_slice_heads(const kvpq_codebook *cb, int h0, int n_head_kv, kvpq_codebook **out);
+KVPQ_API kvpq_status kvpq_codebook_slice_heads(kvpq_codebook **out, const kvpq_codebook *cb, int h0, int n_head_kv);
 /* Bits of the VQ cache's norm-explicit scale of one coded vector of a layer's keys (is_value 0) or
  * values: 0 without a norm-explicit quantizer for that kind, 16 (float16), or 8 when the codebook's
  * metadata k.norm_bits / v.norm_bits (set with kvpq_codebook_set_meta: "8" or "16", default 16) is
@@ -1015,7 +1016,8 @@ KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const kvpq_cuda_
 KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c);
 
 /* Append n positions to sequence `seq`: k, v device (n, n_head_kv, head_dim) float32, keys
- * post-RoPE. Errors: KVPQ_ERR_NONFINITE, KVPQ_ERR_CAPACITY, KVPQ_ERR_INVALID_ARG (a norm-explicit
+ * post-RoPE. Runs on the legacy default stream and returns when done (work on other streams that
+ * writes k or v, or reads the cache, must be finished first). Errors: KVPQ_ERR_NONFINITE, KVPQ_ERR_CAPACITY, KVPQ_ERR_INVALID_ARG (a norm-explicit
  * scale beyond float16's range, naming the position and KV head, as the CPU cache), KVPQ_ERR_DEVICE;
  * on error the sequence is unchanged. */
 KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int seq, int n, const float *k, const float *v);

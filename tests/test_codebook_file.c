@@ -1304,7 +1304,7 @@ Test(codebook_file, slice_heads_keeps_quantizers_and_takes_head_rows) {
     p.n_head_kv = 4;
     const int key_M[3] = {4, 2, 4};
     kvpq_codebook *cb = random_codebook_m(&p, key_M), *s;
-    cr_assert_eq(kvpq_codebook_slice_heads(cb, 1, 2, &s), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_codebook_slice_heads(&s, cb, 1, 2), KVPQ_OK, "%s", kvpq_last_error());
     kvpq_codebook_params ps = kvpq_codebook_get_params(s);
     cr_assert_eq(ps.n_head_kv, 2);
     const size_t row = (size_t)p.head_dim * sizeof(float);
@@ -1329,15 +1329,15 @@ Test(codebook_file, slice_heads_keeps_quantizers_and_takes_head_rows) {
     cr_assert_eq(kvpq_codebook_load(&back, path), KVPQ_OK, "%s", kvpq_last_error());
     assert_same(s, back);
     kvpq_codebook *bad = (kvpq_codebook *)1;
-    cr_assert_eq(kvpq_codebook_slice_heads(cb, 3, 2, &bad), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_codebook_slice_heads(&bad, cb, 3, 2), KVPQ_ERR_INVALID_ARG);
     cr_assert_null(bad);
     cr_assert(strstr(kvpq_last_error(), "KV heads [3, 5) outside the codebook's 4"), "%s", kvpq_last_error());
-    cr_assert_eq(kvpq_codebook_slice_heads(cb, 0, 0, &bad), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_codebook_slice_heads(&bad, cb, 0, 0), KVPQ_ERR_INVALID_ARG);
     kvpq_codebook_params ph = small_params(1);
     ph.key.granularity = KVPQ_CODEBOOK_HEAD;
     kvpq_codebook *head;
     cr_assert_eq(kvpq_codebook_new(&head, &ph), KVPQ_OK, "%s", kvpq_last_error());
-    cr_assert_eq(kvpq_codebook_slice_heads(head, 0, 1, &bad), KVPQ_ERR_UNSUPPORTED);
+    cr_assert_eq(kvpq_codebook_slice_heads(&bad, head, 0, 1), KVPQ_ERR_UNSUPPORTED);
     cr_assert(strstr(kvpq_last_error(), "key quantizer has a codebook per KV head"), "%s", kvpq_last_error());
     kvpq_codebook_free(head);
     kvpq_codebook_free(back);

@@ -205,7 +205,7 @@ serve_conv_store *serve_convs_new(serve_server *sv) {
     /* the CUDA form keeps its pages on the device: its budget stays the sum of resident bytes */
     if (sv->o.kv_budget && sv->proto.params.backend != KVPQ_BACKEND_CUDA) {
         if (kvpq_page_pool_new(&cs->pool, sv->o.kv_budget) != KVPQ_OK) {
-            free(cs);
+            serve_convs_free(cs); /* with the conversations convs_scan found */
             return NULL;
         }
         sv->proto.params.pool = cs->pool;

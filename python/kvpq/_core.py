@@ -588,7 +588,7 @@ class Codebook:
         holds those heads; KVPQCache slices by itself when it sees fewer KV heads than the codebook's."""
         w = "Codebook.slice_heads"
         h = ffi.new("kvpq_codebook **")
-        _check(lib.kvpq_codebook_slice_heads(self._h, _int(h0, "h0", w, 0), _int(n_head_kv, "n_head_kv", w, 1), h), w)
+        _check(lib.kvpq_codebook_slice_heads(h, self._h, _int(h0, "h0", w, 0), _int(n_head_kv, "n_head_kv", w, 1)), w)
         return Codebook(0, 0, 0, _handle=h[0])
 
     def meta(self) -> Dict[str, str]:
@@ -1012,7 +1012,8 @@ class CudaCache:
     included), key smoothing factors and key mean. Lives on the CUDA device current at construction.
     Arguments are torch tensors on that device, float32, C-contiguous, of the shapes below (anything
     else raises kvpq.ArgumentError naming the argument):
-      append(seq, k, v): k, v (n, n_head_kv, head_dim), post-RoPE keys, for sequence seq (synchronous);
+      append(seq, k, v): k, v (n, n_head_kv, head_dim), post-RoPE keys, for sequence seq (synchronous:
+        on the legacy default stream, after torch's current stream has finished its work);
       attend(q, out=None): decode attention of one query per sequence 0..n_seq-1, q (n_seq, n_head,
         head_dim), scale 1/sqrt(head_dim); enqueued on torch's current stream; returns out;
       read(seq, pos0, n, from_codes=False): (k, v) (n, n_head_kv, head_dim) of positions
@@ -1081,11 +1082,18 @@ class CudaCache:
         return _int(seq, "seq", where, 0, self.n_seq - 1)
 
     def append(self, seq: int, k: Any, v: Any) -> None:
+        import torch
         w = "CudaCache.append"
         seq = self._seq(seq, w)
         kp = self._tensor(k, "k", (None, self.n_head_kv, self.head_dim), w)
         vp = self._tensor(v, "v", tuple(k.shape), w)
-        _check(lib.kvpq_cuda_cache_append(self._h, seq, int(k.shape[0]), kp, vp), w)
+        with torch.cuda.device(self.device):
+            # kvpq_cuda_cache_append runs on the legacy default stream and returns when done; work
+            # queued on another torch stream (k, v made there, a read of the ring) must finish first
+            stream = torch.cuda.current_stream(self.device)
+            if stream.cuda_stream != 0:
+                stream.synchronize()
+            _check(lib.kvpq_cuda_cache_append(self._h, seq, int(k.shape[0]), kp, vp), w)
 
     def attend(self, q: Any, out: Any = None) -> Any:
         import torch
@@ -1095,7 +1103,9 @@ class CudaCache:
         n_seq = shape[0]
         if out is None:
             out = torch.empty(shape, dtype=torch.float32, device=q.device)
-        _check(lib.kvpq_cuda_cache_attend_async(self._h, n_seq, qp, self._tensor(out, "out", shape, w), self._stream()), w)
+        op = self._tensor(out, "out", shape, w)
+        with torch.cuda.device(self.device):
+            _check(lib.kvpq_cuda_cache_attend_async(self._h, n_seq, qp, op, self._stream()), w)
         return out
 
     def read(self, seq: int, pos0: int, n: int, from_codes: bool = False) -> Tuple[Any, Any]:
@@ -1105,9 +1115,10 @@ class CudaCache:
         shape = (_int(n, "n", w, 0), self.n_head_kv, self.head_dim)
         k = torch.empty(shape, dtype=torch.float32, device=f"cuda:{self.device}")
         v = torch.empty_like(k)
-        _check(lib.kvpq_cuda_cache_read(self._h, seq, _int(pos0, "pos0", w, 0), shape[0], int(bool(from_codes)),
-                                        self._tensor(k, "k", shape, w), self._tensor(v, "v", shape, w),
-                                        self._stream()), w)
+        kp, vp = self._tensor(k, "k", shape, w), self._tensor(v, "v", shape, w)
+        with torch.cuda.device(self.device):
+            _check(lib.kvpq_cuda_cache_read(self._h, seq, _int(pos0, "pos0", w, 0), shape[0], int(bool(from_codes)),
+                                            kp, vp, self._stream()), w)
         return k, v
 
     def seq_len(self, seq: int = 0) -> int:

@@ -119,17 +119,18 @@ class KVPQLayer(CacheLayerMixin):
         if o.on_cuda and self.is_sliding:  # exact, bounded by the window: transformers' own layer
             return o._sliding[self.layer_idx].update(key_states, value_states, *args, **kwargs)
         prev = self.get_seq_length()
+        if prev + n > o.max_seq:  # before any batch row takes them: rows stay of one length
+            raise _error(f"layer {self.layer_idx}: {prev} positions held and {n} more exceed max_seq={o.max_seq}",
+                         "KVPQCache.update", status=_core.lib.KVPQ_ERR_CAPACITY)
         deferred = False
-        if o.on_cuda:
-            if n > 1:
-                deferred = True  # a prompt or chunk: appended and attended from codes in attend()
-            else:
-                c = o._cuda[self.layer_idx]
-                for b in range(B):
-                    c.append(b, o._key_order_t(_to_device_rows(key_states[b])), _to_device_rows(value_states[b]))
+        if o.on_cuda and n == 1:  # decode: stored now, attended from the device codes
+            c = o._cuda[self.layer_idx]
+            for b in range(B):
+                c.append(b, o._key_order_t(_to_device_rows(key_states[b])), _to_device_rows(value_states[b]))
         else:
-            # appended in attend(), together with the queries (kvpq_cache_append_attend: each query sees
-            # the window as it was at its own position, as `kvpq ppl` and `generate` do)
+            # appended in attend(), together with the queries (each query sees the window as it was at
+            # its own position, as `kvpq ppl` and `generate` do: kvpq_cache_append_attend on the CPU,
+            # codes read back and a masked SDPA on CUDA)
             if o._awaiting.get(self.layer_idx):
                 raise _error(f"layer {self.layer_idx}: the keys and values of the previous forward pass never reached "
                              "kvpq attention, so they are not in the cache (is the model's attention implementation "
@@ -148,7 +149,7 @@ class KVPQLayer(CacheLayerMixin):
         # positions as transformers counts them: a left-padded row's padding too (every row alike)
         return o._held[self.layer_idx] if o._cpu else 0
 
-    def get_mask_sizes(self, query_length: Any) -> Tuple[int, int]:
+    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
         if self.owner.on_cuda and self.is_sliding:
             return self.owner._sliding[self.layer_idx].get_mask_sizes(query_length)
         return self.get_seq_length() + query_length, 0
@@ -223,8 +224,8 @@ class KVPQCache(Cache):
     CUDA) raises kvpq.Error.
     On CUDA: kvpq_cuda_cache_attend serves one query per sequence (decode, from the codes on the
     device); a prompt or a chunk of several tokens is appended as codes, read back decoded
-    (kvpq_cuda_cache_read) and attended by SDPA in float32 with a mask that gives each query its
-    window exactly and earlier positions through their codes, as the CPU cache does.
+    (kvpq_cuda_cache_read) and attended by SDPA in the model's dtype with a mask that gives each
+    query its window exactly and earlier positions through their codes, as the CPU cache does.
     """
 
     def __init__(self, codebook: Union[_core.Codebook, str, "os.PathLike[str]"], model: Optional[torch.nn.Module] = None,
@@ -345,6 +346,9 @@ class KVPQCache(Cache):
                               for l in range(cb.n_layer)]
             self._sliding = {l: DynamicSlidingWindowLayer(self.sliding_window)
                              for l in range(cb.n_layer) if self.swa_layers[l]}
+            if all(self.swa_layers):
+                warnings.warn(f"every layer attends to a sliding window of {self.sliding_window}: on CUDA such layers "
+                              "are kept exact (DynamicSlidingWindowLayer), so nothing is coded", stacklevel=3)
             self.on_cuda = True
         else:
             self._pad = [0] * B
@@ -361,12 +365,23 @@ class KVPQCache(Cache):
         cb, n = self.codebook, like.shape[1]
         if n == cb.n_head_kv:
             return cb, self.n_head
-        dist = torch.distributed
-        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank, ranks = self._tp_rank()
         if n * ranks != cb.n_head_kv:
             raise _error(f"keys of {n} KV heads for a codebook of {cb.n_head_kv}: expected all of them, or under "
                          f"tensor parallelism 1/{ranks} each ({ranks} ranks)", status=lib_mismatch())
-        return cb.slice_heads(dist.get_rank() * n, n), self.n_head * n // cb.n_head_kv
+        return cb.slice_heads(rank * n, n), self.n_head * n // cb.n_head_kv
+
+    def _tp_rank(self):
+        """(rank, ranks) of this process in the tensor-parallel group: the model's device mesh's "tp"
+        dimension (transformers' tp_plan, also when combined with other dimensions), else the world."""
+        mesh = getattr(self._model, "_device_mesh", None)
+        if mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
+            tp = mesh["tp"]
+            return tp.get_local_rank(), tp.size()
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
 
     def _truncate(self, n_pos):
         self._awaiting.clear()
@@ -471,47 +486,64 @@ class KVPQCache(Cache):
             out = c.attend(q)  # enqueued on the current stream, which reads `out` after it
         return out.unsqueeze(1).to(query.dtype)
 
+    # query rows per SDPA call of a prompt or chunk on CUDA: the mask of a block has at most
+    # max(CHUNK_MASK_ENTRIES, CHUNK_MIN_ROWS x keys) entries (tests make blocks small)
+    CHUNK_MASK_ENTRIES = 1 << 28
+    CHUNK_MIN_ROWS = 256
+
     def _attend_cuda_chunk(self, layer_idx, query, scaling, key, value, prev):
         """A prompt or chunk of n tokens after `prev` held: appended as codes, then SDPA in the query's
         dtype over the codes read back decoded and the exact rows, each query attending to its own
-        window exactly and to earlier positions through their codes (kvpq_cache_append_attend's rule).
-        Blocks of queries bound the mask (<= 2^28 entries); within a block SDPA's memory-efficient
-        kernel takes the mask without materializing the scores."""
+        window exactly and to earlier positions through their codes (kvpq_cache_append_attend's rule),
+        a block of queries per call."""
         c = self._cuda[layer_idx]
-        B, H, n, d = query.shape
-        W, end = c.window, prev + n
-        n_codes = max(end - W, 0)  # the last query's window starts there (W = 0: everything coded)
-        e0 = max(prev + 1 - W, 0) if W else end  # the first query's window starts there (W = 0: none)
+        W, n = c.window, query.shape[2]
+        k, v = self._chunk_kv(c, key, value, prev)
+        n_codes = max(prev + n - W, 0)  # the last query's window starts there (W = 0: everything coded)
+        e0 = max(prev + 1 - W, 0) if W else prev + n  # the first query's window starts there (W = 0: none)
+        q = self._key_order_t(query)
+        out = torch.empty_like(q)
+        step = max(self.CHUNK_MIN_ROWS, self.CHUNK_MASK_ENTRIES // k.shape[2])
+        for i in range(0, n, step):
+            p0, p1 = prev + i, min(prev + i + step, prev + n)  # the block's query positions [p0, p1)
+            out[:, :, i:i + step] = _masked_block(q[:, :, i:i + step], k, v, p0, p1, W, n_codes, e0, float(scaling))
+        return out.transpose(1, 2).to(query.dtype)
+
+    def _chunk_kv(self, c, key, value, prev):
+        """(k, v) of every batch row, (B, n_head_kv, n_codes + n_exact, d) in the key's dtype: the codes
+        of positions [0, n_codes) read back decoded after the chunk is appended, then the exact rows of
+        positions [e0, prev + n) (the ring's, read before the append overwrites them, then the chunk's);
+        see _attend_cuda_chunk for n_codes and e0."""
+        B, n, W = key.shape[0], key.shape[2], c.window
+        n_codes, e0 = max(prev + n - W, 0), max(prev + 1 - W, 0)
         ks, vs = [], []
-        with torch.cuda.device(query.device):
+        with torch.cuda.device(key.device):
             for b in range(B):
                 kb, vb = self._key_order_t(_to_device_rows(key[b])), _to_device_rows(value[b])
-                if W:  # exact rows [e0, end): the ring's, read before the append overwrites it, and the chunk's
-                    ek, ev = c.read(b, e0, prev - e0)
+                ek, ev = c.read(b, e0, prev - e0) if W else (kb[:0], vb[:0])
                 c.append(b, kb, vb)
                 ck, cv = c.read(b, 0, n_codes, from_codes=True)
                 ks.append(torch.cat([ck, ek, kb]) if W else ck)
                 vs.append(torch.cat([cv, ev, vb]) if W else cv)
-        # (B, n_head_kv, keys, d) in the model's dtype, as SDPA over DynamicCache would attend
-        k, v = (torch.stack(x).transpose(1, 2).to(query.dtype) for x in (ks, vs))
-        if H != k.shape[1]:
-            k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
-        q = self._key_order_t(query)
-        out = torch.empty_like(q)
-        step = max(256, (1 << 28) // k.shape[2])  # query rows per block
-        for i in range(0, n, step):
-            p0, p1 = prev + i, min(prev + i + step, end)  # the block's query positions [p0, p1)
-            c1 = min(max(p1 - W, 0), n_codes) if W else p1  # codes any query of the block sees: [0, c1)
-            x0 = max(p0 + 1 - W, e0) if W else end  # exact rows it sees: [x0, end) cut at p1
-            sel = torch.cat([torch.arange(c1), n_codes + torch.arange(x0 - e0, p1 - e0)]).to(query.device)
-            t = torch.cat([torch.arange(c1), torch.arange(x0, p1)]).to(query.device)[None, :]  # key positions
-            pos = torch.arange(p0, p1, device=query.device)[:, None]
-            first = pos + 1 - W if W else pos + 1  # a query's window: [first, pos]
-            coded = (torch.arange(t.shape[1], device=query.device) < c1)[None, :]
-            mask = torch.where(coded, t < first, (t >= first) & (t <= pos))
-            out[:, :, i:i + step] = torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, i:i + step], k[:, :, sel], v[:, :, sel], attn_mask=mask, scale=float(scaling))
-        return out.transpose(1, 2).to(query.dtype)
+        return tuple(torch.stack(x).transpose(1, 2).to(key.dtype) for x in (ks, vs))
+
+
+def _masked_block(q, k, v, p0, p1, W, n_codes, e0, scale):
+    """SDPA of the queries at positions [p0, p1), q (B, H, p1 - p0, d), over the keys they may see: the
+    codes [0, c1) and the exact rows [x0, p1) of k, v (B, n_head_kv, n_codes + exact rows from e0, d),
+    the mask giving a query at p the exact rows [p + 1 - W, p] and the codes before them."""
+    c1 = min(max(p1 - W, 0), n_codes) if W else p1
+    x0 = max(p0 + 1 - W, e0) if W else e0
+    g = q.shape[1] // k.shape[1]
+    kk, vv = (torch.cat([x[:, :, :c1], x[:, :, n_codes + x0 - e0:n_codes + p1 - e0]], 2).repeat_interleave(g, 1)
+              for x in (k, v))
+    dev = q.device
+    t = torch.cat([torch.arange(c1, device=dev), torch.arange(x0, p1, device=dev)])[None, :]  # key positions
+    pos = torch.arange(p0, p1, device=dev)[:, None]
+    first = pos + 1 - W if W else pos + 1  # a query's window: [first, pos]
+    coded = (torch.arange(t.shape[1], device=dev) < c1)[None, :]
+    mask = torch.where(coded, t < first, (t >= first) & (t <= pos))
+    return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale)
 
 
 def _swa_from_config(cfg, n_layer):

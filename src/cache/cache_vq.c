@@ -976,7 +976,10 @@ static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
                 if (!any) *vq_scale_ref(st, L, kind, h, pg) = 0.0f;
             }
         if (L->first_page > L->n_pages) L->first_page = L->n_pages;
-        if (n_pos == 0) L->first_page = 0;
+        if (n_pos == 0) { /* emptied: its rings go back too, as kivi's (taken again at the next append) */
+            L->first_page = 0;
+            vq_ring_put(st, L);
+        }
     }
     return KVPQ_OK;
 }

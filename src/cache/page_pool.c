@@ -43,19 +43,32 @@ static size_class *find_class(kvpq_page_pool *pool, size_t bytes) {
     return NULL;
 }
 
-static void class_pop_free(kvpq_page_pool *pool, size_class *c) {
+/* Move c's first free block onto *dead (to be given to the system after the mutex is released). */
+static void class_pop_free(kvpq_page_pool *pool, size_class *c, free_block **dead) {
     free_block *b = c->head;
     c->head = b->next;
     c->n--;
     pool->free_bytes -= c->bytes;
-    free(b);
+    b->next = *dead;
+    *dead = b;
 }
 
 /* Release free blocks (of any size) while the pool would hold more than `limit` bytes after taking
- * `more`. Under the mutex. */
-static void release_free(kvpq_page_pool *pool, size_t more, size_t limit) {
+ * `more`: unlinked onto the returned list under the mutex, for free_blocks once it is released. */
+static free_block *release_free(kvpq_page_pool *pool, size_t more, size_t limit) {
+    free_block *dead = NULL;
     for (int i = 0; i < pool->n_cls; i++)
-        while (pool->cls[i].head && pool->in_use + pool->free_bytes + more > limit) class_pop_free(pool, &pool->cls[i]);
+        while (pool->cls[i].head && pool->in_use + pool->free_bytes + more > limit)
+            class_pop_free(pool, &pool->cls[i], &dead);
+    return dead;
+}
+
+static void free_blocks(free_block *b) {
+    while (b) {
+        free_block *next = b->next;
+        free(b);
+        b = next;
+    }
 }
 
 static kvpq_status system_get(size_t sz, void **out) {
@@ -88,12 +101,14 @@ kvpq_status kvpq__pool_get(kvpq_page_pool *pool, size_t bytes, void **out) {
         *out = b;
         return KVPQ_OK;
     }
+    free_block *dead = NULL;
     if (pool->budget && pool->in_use + pool->free_bytes + sz > pool->budget) {
-        release_free(pool, sz, pool->budget);
+        dead = release_free(pool, sz, pool->budget);
         if (pool->in_use + sz > pool->budget) {
             const size_t budget = pool->budget, in_use = pool->in_use;
             pool->refused++;
             pthread_mutex_unlock(&pool->mu);
+            free_blocks(dead);
             return kvpq__err(KVPQ_ERR_BUDGET,
                              "page pool: a page of %zu bytes would exceed the budget of %zu bytes (%zu in use)", sz,
                              budget, in_use);
@@ -104,6 +119,7 @@ kvpq_status kvpq__pool_get(kvpq_page_pool *pool, size_t bytes, void **out) {
     pool->pages_in_use++;
     pool->allocs++;
     pthread_mutex_unlock(&pool->mu);
+    free_blocks(dead);
     kvpq_status s = system_get(sz, out);
     if (s != KVPQ_OK) {
         pthread_mutex_lock(&pool->mu);
@@ -149,8 +165,7 @@ void kvpq__pool_put(kvpq_page_pool *pool, void *p, size_t bytes) {
 }
 
 static void pool_destroy(kvpq_page_pool *pool) {
-    for (int i = 0; i < pool->n_cls; i++)
-        while (pool->cls[i].head) class_pop_free(pool, &pool->cls[i]);
+    free_blocks(release_free(pool, 0, 0)); /* the last reference: no other thread holds the pool */
     free(pool->cls);
     pthread_mutex_destroy(&pool->mu);
     free(pool);
@@ -201,16 +216,18 @@ kvpq_status kvpq_page_pool_set_budget(kvpq_page_pool *pool, size_t budget_bytes)
     if (!pool) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_page_pool_set_budget: pool is NULL");
     pthread_mutex_lock(&pool->mu);
     pool->budget = budget_bytes;
-    if (budget_bytes) release_free(pool, 0, budget_bytes);
+    free_block *dead = budget_bytes ? release_free(pool, 0, budget_bytes) : NULL;
     pthread_mutex_unlock(&pool->mu);
+    free_blocks(dead);
     return KVPQ_OK;
 }
 
 void kvpq_page_pool_trim(kvpq_page_pool *pool) {
     if (!pool) return;
     pthread_mutex_lock(&pool->mu);
-    release_free(pool, 0, 0);
+    free_block *dead = release_free(pool, 0, 0);
     pthread_mutex_unlock(&pool->mu);
+    free_blocks(dead);
 }
 
 kvpq_status kvpq_page_pool_get_stats(const kvpq_page_pool *cpool, kvpq_page_pool_stats *st) {

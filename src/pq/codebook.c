@@ -1324,7 +1324,7 @@ static kvpq_status copy_free_meta(kvpq_codebook *dst, const kvpq_codebook *src) 
     return KVPQ_OK;
 }
 
-kvpq_status kvpq_codebook_slice_heads(const kvpq_codebook *cb, int h0, int n_head_kv, kvpq_codebook **out) {
+kvpq_status kvpq_codebook_slice_heads(kvpq_codebook **out, const kvpq_codebook *cb, int h0, int n_head_kv) {
     if (!out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_slice_heads: out is NULL");
     *out = NULL;
     if (!cb) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_slice_heads: cb is NULL");

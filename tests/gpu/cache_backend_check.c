@@ -296,15 +296,6 @@ static void run_config(const config *c, uint64_t seed, int L) {
     kvpq_codebook_free(cb);
 }
 
-#define CUDA_OK(call)                                                                     \
-    do {                                                                                  \
-        cudaError_t e_ = (call);                                                          \
-        if (e_ != cudaSuccess) {                                                          \
-            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                      \
-        }                                                                                 \
-    } while (0)
-
 static void check_lazy_pool(uint64_t seed) {
     const int S = 8, H = 2, NH = 8, D = 128, maxn = 1000;
     test_codebook_spec cs = {.n_layer = 1, .n_head_kv = H, .head_dim = D, .norm = 1, .seed = seed, .seed_step = 1,

@@ -365,14 +365,18 @@ def test_cuda_prompts_and_chunks_attend_as_each_query_saw_the_cache(window):
     v = kv[0][1].reshape(B, n, hkv, d).transpose(1, 2).cuda()
     q = torch.randn(B, H, n, d, generator=g).cuda()
     make = lambda: KVPQCache(cb, n_head=H, key_layout="hf", window=window, max_seq=64, sinks=0)  # noqa: E731
-    twin, cache = make(), make()
+    twin, cache, small = make(), make(), make()
+    small.CHUNK_MIN_ROWS, small.CHUNK_MASK_ENTRIES = 3, 1  # blocks of 3 queries: every block edge case
     one = feed_layer(twin, k, v, q, list(range(n + 1)))
     chunked = feed_layer(cache, k, v, q, [0, 17, 18, 40, n])
+    blocks = feed_layer(small, k, v, q, [0, 17, 18, 40, n])
     ref, ref_twin = reference_attention(cache, k, v, q, window), reference_attention(twin, k, v, q, window)
     scale = float(ref.abs().max())
-    err, err_twin = (float((x.double() - r).abs().max()) / scale for x, r in ((chunked, ref), (one, ref_twin)))
-    print(f"window {window}: chunks {err:.1e}, one at a time (decode kernel) {err_twin:.1e} of max |out|")
-    assert err < 1e-3 and err_twin < 3e-3
+    err, err_twin, err_blocks = (float((x.double() - r).abs().max()) / scale for x, r in
+                                 ((chunked, ref), (one, ref_twin), (blocks, reference_attention(small, k, v, q, window))))
+    print(f"window {window}: chunks {err:.1e}, blocks of 3 {err_blocks:.1e}, one at a time (decode kernel) "
+          f"{err_twin:.1e} of max |out|")
+    assert err < 1e-3 and err_blocks < 1e-3 and err_twin < 3e-3
     rows = [c._cuda[0].read(b, 0, n, from_codes=True)[0] for c in (twin, cache) for b in range(B)]
     same = torch.cat([(rows[b] == rows[B + b]).all(-1) for b in range(B)])
     assert same.float().mean() >= 0.95
@@ -431,6 +435,21 @@ def test_cuda_cache_checks_its_tensors_and_reads_back_what_the_cpu_cache_holds()
     assert float((ck - k).abs().max()) > 1e-2  # codes, not the floats
     with pytest.raises(kvpq.Error, match="empty"):
         c.attend(torch.randn(2, 4, 64, device="cuda"))  # sequence 1 holds nothing
+
+
+@needs_cuda
+def test_cuda_prompt_that_never_reaches_kvpq_attention_is_an_error():
+    """On CUDA a prompt (several tokens) is stored when the "kvpq" attention function takes it with
+    its queries; if the model's attention never hands it over, the layer's next update says so (as
+    on the CPU) instead of decoding over a cache without the prompt."""
+    rng = np.random.default_rng(1)
+    kv = [(rng.standard_normal((64, 2, 64)).astype(np.float32), rng.standard_normal((64, 2, 64)).astype(np.float32))]
+    cache = KVPQCache(kvpq.calibrate(kv, keys="d4b8", niter=2), n_head=4, max_seq=128, key_layout="hf", sinks=0)
+    k = torch.randn(1, 2, 3, 64, device="cuda")
+    cache.update(k, k, 0)
+    assert cache.on_cuda
+    with pytest.raises(kvpq.Error, match="never reached kvpq attention"):
+        cache.update(k, k, 0)
 
 
 def test_keys_that_never_reach_kvpq_attention_are_an_error():
