@@ -461,10 +461,10 @@ class KVPQCache(Cache):
         """Attention output (B, n_q, n_head, head_dim) for query (B, n_head, n_q, head_dim) over every
         position of layer layer_idx (the newest n_q are the query's own: causal). key/value: the new
         tokens' tensors (CUDA prefill and chunks); prev: positions held before them."""
+        self._awaiting.pop(layer_idx, None)  # what update() handed out arrives here
         if self.on_cuda:
             return self._attend_cuda(layer_idx, query, scaling, key, value, prev, deferred)
         q = self._scaled_query(query, scaling)
-        self._awaiting.pop(layer_idx, None)
         B, H, n_q, d = query.shape
         out = np.zeros((B, n_q, H, d), np.float32)  # a padding position's query attends to nothing: zeros
         for b in range(B):
@@ -534,11 +534,12 @@ def _masked_block(q, k, v, p0, p1, W, n_codes, e0, scale):
     the mask giving a query at p the exact rows [p + 1 - W, p] and the codes before them."""
     c1 = min(max(p1 - W, 0), n_codes) if W else p1
     x0 = max(p0 + 1 - W, e0) if W else e0
+    x1 = max(x0, p1)  # exact rows [x0, x1): none with W = 0 (e0 is then past every query)
     g = q.shape[1] // k.shape[1]
-    kk, vv = (torch.cat([x[:, :, :c1], x[:, :, n_codes + x0 - e0:n_codes + p1 - e0]], 2).repeat_interleave(g, 1)
+    kk, vv = (torch.cat([x[:, :, :c1], x[:, :, n_codes + x0 - e0:n_codes + x1 - e0]], 2).repeat_interleave(g, 1)
               for x in (k, v))
     dev = q.device
-    t = torch.cat([torch.arange(c1, device=dev), torch.arange(x0, p1, device=dev)])[None, :]  # key positions
+    t = torch.cat([torch.arange(c1, device=dev), torch.arange(x0, x1, device=dev)])[None, :]  # key positions
     pos = torch.arange(p0, p1, device=dev)[:, None]
     first = pos + 1 - W if W else pos + 1  # a query's window: [first, pos]
     coded = (torch.arange(t.shape[1], device=dev) < c1)[None, :]
