@@ -31,7 +31,6 @@
 #include <string.h>
 
 #include "cache/cache_impl.h"
-#include "core/fp16.h"
 #include "internal.h"
 
 typedef struct {
@@ -133,59 +132,17 @@ static kvpq_status vqc_attend(void *state, int layer, int len, int n_q, const fl
     return KVPQ_OK;
 }
 
-/* Positions [pos0, pos0 + n) decoded from their codes, as the cache attends over them: k (minus the
- * key mean, as the ring holds keys), v host (n, n_head_kv, head_dim), either may be NULL. len:
- * positions held. */
-static kvpq_status vqc_decode(const vqc_state *st, int layer, int len, int pos0, int n, float *k, float *v) {
-    const int H = st->n_head_kv, d = st->head_dim;
-    const kvpq_pq *pq[2] = {kvpq_codebook_pq_const(st->cb, layer, 0), kvpq_codebook_pq_const(st->cb, layer, 1)};
-    const size_t kcs = kvpq_pq_code_size(pq[0]), vcs = kvpq_pq_code_size(pq[1]), rows = (size_t)len * H;
-    const kvpq_codebook_params cp = kvpq_codebook_get_params(st->cb);
-    uint8_t *kc = malloc(rows * kcs), *vc = malloc(rows * vcs);
-    uint16_t *ks = cp.key_norm ? malloc(rows * 2) : NULL, *vs = cp.value_norm ? malloc(rows * 2) : NULL;
-    float *x = malloc((size_t)n * H * d * sizeof *x);
-    kvpq_status s = KVPQ_OK;
-    if (!kc || !vc || !x || (cp.key_norm && !ks) || (cp.value_norm && !vs))
-        s = kvpq__err(KVPQ_ERR_NOMEM, "cache vq (cuda): out of memory reading %d positions", n);
-    if (s == KVPQ_OK) s = kvpq__cuda_cache_read_codes(st->layer[layer], 0, kc, vc, ks, vs);
-    for (int w = 0; w < 2 && s == KVPQ_OK; w++) {
-        float *dst = w ? v : k;
-        const uint16_t *sc = w ? vs : ks;
-        if (!dst) continue;
-        const size_t nv = (size_t)n * H;
-        s = kvpq_pq_decode(pq[w], nv, (w ? vc : kc) + (size_t)pos0 * H * (w ? vcs : kcs), x);
-        for (size_t r = 0; r < nv && s == KVPQ_OK && sc; r++) {
-            const float f = kvpq__h2f(sc[(size_t)pos0 * H + r]);
-            for (int j = 0; j < d; j++) x[r * d + j] *= f;
-        }
-        if (s == KVPQ_OK && (!w || st->value_rotate)) s = kvpq_hadamard(x, nv, d);
-        if (s == KVPQ_OK && !w) s = kvpq_smooth_apply(x, (size_t)n, H, d, kvpq_codebook_key_smooth_const(st->cb, layer), 1);
-        if (s == KVPQ_OK) memcpy(dst, x, nv * d * sizeof *x);
-    }
-    free(kc), free(vc), free(ks), free(vs), free(x);
-    return s;
-}
-
-/* Add the layer's key mean to n key rows (k may be NULL). */
-static void vqc_add_mean(const vqc_state *st, int layer, float *k, int n) {
-    const float *mu = kvpq_codebook_key_mean_const(st->cb, layer);
-    const size_t row = (size_t)st->n_head_kv * st->head_dim;
-    for (size_t i = 0; mu && k && i < (size_t)n * row; i++) k[i] += mu[i % row];
-}
-
 static kvpq_status vqc_read(const void *state, int layer, int len, int pos0, int n, float *k, float *v) {
     const vqc_state *st = state;
-    const int w0 = len > st->window ? len - st->window : 0; /* the float32 ring holds [w0, len) */
+    (void)len; /* the codes before the float32 ring, the ring after: as the GPU reads them */
+    return kvpq__cuda_cache_read_host(st->layer[layer], pos0, n, 0, k, v);
+}
+
+/* Subtract the layer's key mean from n key rows (as the ring holds keys). */
+static void vqc_sub_mean(const vqc_state *st, int layer, float *k, int n) {
+    const float *mu = kvpq_codebook_key_mean_const(st->cb, layer);
     const size_t row = (size_t)st->n_head_kv * st->head_dim;
-    const int c1 = pos0 + n < w0 ? pos0 + n : w0;
-    if (c1 > pos0) KVPQ_TRY(vqc_decode(st, layer, len, pos0, c1 - pos0, k, v));
-    const int r0 = c1 > pos0 ? c1 : pos0;
-    if (r0 < pos0 + n) {
-        float *kr = k ? k + (size_t)(r0 - pos0) * row : NULL, *vr = v ? v + (size_t)(r0 - pos0) * row : NULL;
-        KVPQ_TRY(kvpq__cuda_cache_read_window(st->layer[layer], r0, pos0 + n - r0, kr, vr));
-    }
-    vqc_add_mean(st, layer, k, n); /* codes and ring both hold k - mu */
-    return KVPQ_OK;
+    for (size_t i = 0; mu && i < (size_t)n * row; i++) k[i] -= mu[i % row];
 }
 
 /* Truncate one layer from len to n < len: positions [max(0, n - window), min(n, len - window)) left
@@ -199,7 +156,8 @@ static kvpq_status vqc_truncate_layer(vqc_state *st, int l, int len, int n) {
         k = malloc((size_t)(b - a) * row * sizeof *k);
         v = malloc((size_t)(b - a) * row * sizeof *v);
         if (!k || !v) s = kvpq__err(KVPQ_ERR_NOMEM, "cache vq (cuda): out of memory truncating layer %d", l);
-        if (s == KVPQ_OK) s = vqc_decode(st, l, len, a, b - a, k, v); /* keys as the ring holds them: k - mu */
+        if (s == KVPQ_OK) s = kvpq__cuda_cache_read_host(st->layer[l], a, b - a, 1, k, v); /* from their codes */
+        if (s == KVPQ_OK) vqc_sub_mean(st, l, k, b - a); /* keys as the ring holds them: k - mu */
     }
     if (s == KVPQ_OK) s = kvpq__cuda_cache_truncate(st->layer[l], n);
     if (s == KVPQ_OK && b > a) s = kvpq__cuda_cache_write_window(st->layer[l], a, b - a, k, v);

@@ -124,6 +124,9 @@ kvpq_status kvpq__cuda_cache_truncate(kvpq_cuda_cache *c, int n) { return KVPQ_N
 kvpq_status kvpq__cuda_cache_read_window(const kvpq_cuda_cache *c, int pos0, int n, float *k, float *v) {
     return KVPQ_NO_CUDA("kvpq cache (cuda) read");
 }
+kvpq_status kvpq__cuda_cache_read_host(kvpq_cuda_cache *c, int pos0, int n, int from_codes, float *k, float *v) {
+    return KVPQ_NO_CUDA("kvpq cache (cuda) read");
+}
 kvpq_status kvpq__cuda_cache_write_window(kvpq_cuda_cache *c, int pos0, int n, const float *k, const float *v) {
     return KVPQ_NO_CUDA("kvpq cache (cuda) truncate");
 }

@@ -63,6 +63,10 @@ kvpq_status kvpq__cuda_cache_append_host(kvpq_cuda_cache *c, int n, const float 
 kvpq_status kvpq__cuda_cache_attend_host(kvpq_cuda_cache *c, int n_q, const float *q, float *out, float *lse);
 /* Keep positions [0, n) (pages past them go back to the pool; the ring is left as it is). */
 kvpq_status kvpq__cuda_cache_truncate(kvpq_cuda_cache *c, int n);
+/* Positions [pos0, pos0 + n) of sequence 0 as kvpq_cuda_cache_read gives them (keys with the key mean;
+ * from_codes 1: every one decoded from its codes), into host k, v (n, n_head_kv, head_dim), either
+ * may be NULL. */
+kvpq_status kvpq__cuda_cache_read_host(kvpq_cuda_cache *c, int pos0, int n, int from_codes, float *k, float *v);
 /* Ring rows of positions [pos0, pos0 + n), all among the newest `window`: k (minus the key mean) and
  * v host (n, n_head_kv, head_dim), either may be NULL. */
 kvpq_status kvpq__cuda_cache_read_window(const kvpq_cuda_cache *c, int pos0, int n, float *k, float *v);

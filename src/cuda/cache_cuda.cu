@@ -673,6 +673,19 @@ extern "C" kvpq_status kvpq__cuda_cache_attend_host(kvpq_cuda_cache *c, int n_q,
     return s;
 }
 
+extern "C" kvpq_status kvpq__cuda_cache_read_host(kvpq_cuda_cache *c, int pos0, int n, int from_codes, float *k,
+                                                  float *v) {
+    if (!c || n < 0) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_read_host: bad argument");
+    if (n == 0 || (!k && !v)) return KVPQ_OK;
+    const size_t rows = (size_t)n * c->p.n_head_kv * c->p.head_dim;
+    KVPQ_TRY(stage_floats(c, 2 * rows));
+    KVPQ_TRY(kvpq_cuda_cache_read(c, 0, pos0, n, from_codes, k ? c->stage : NULL, v ? c->stage + rows : NULL, NULL));
+    /* on the legacy default stream, after the read */
+    if (k) KVPQ_CUDA_TRY(cudaMemcpy(k, c->stage, rows * sizeof(float), cudaMemcpyDeviceToHost), "kvpq cache (cuda): read K");
+    if (v) KVPQ_CUDA_TRY(cudaMemcpy(v, c->stage + rows, rows * sizeof(float), cudaMemcpyDeviceToHost), "kvpq cache (cuda): read V");
+    return KVPQ_OK;
+}
+
 extern "C" kvpq_status kvpq__cuda_cache_truncate(kvpq_cuda_cache *c, int n) {
     if (!c || n < 0 || n > c->h_len[0]) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq__cuda_cache_truncate: bad argument");
     const int PT = c->p.page_tokens, used = (c->h_len[0] + PT - 1) / PT, keep = (n + PT - 1) / PT;

@@ -273,7 +273,9 @@ def test_calibrate_from_the_transformers_model(hf_model):
     assert cb.get_meta("key_layout") == "hf" and cb.get_meta("tokens") == "256"
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0][:256]
     kv = collect_kv(hf_model, ids, 128)
-    np.testing.assert_allclose(cb.key_mean(7), kv[7][0].astype(np.float64).mean(0), atol=1e-5)
+    # a second forward pass may round differently (torch's CPU threads under load; failed once at 1e-5
+    # on the loaded 2-core VM): the channel order under test would be off by O(1)
+    np.testing.assert_allclose(cb.key_mean(7), kv[7][0].astype(np.float64).mean(0), atol=1e-4)
     assert not KVPQCache(cb, hf_model).interleave
 
 
