@@ -36,6 +36,10 @@ prerope (keys coded before RoPE: un-rotated by -position, coded, rotated back at
   fitted on the calibration text's reconstructions, layer by layer), delta ("k", "v" or "kv": code
   x_t - m - a (xhat_{t-1} - m), a per-(KV head, channel) AR(1) on the previous token's reconstruction,
   closed loop as DPCM; after ilp when both are on). Centering is implied by ilp (the intercept).
+  ilpanchor N: layers l with l % N == 0 are coded without prediction (chains at most N - 1 deep);
+  ilphead: head h predicted from head h of the previous layer only (block-diagonal W);
+  ropealign: prerope without the Hadamard, lambda tied over each RoPE pair and the pairs' channels
+  made adjacent, so each sub-space holds whole RoPE pairs (implies prerope, rot false).
 Environment: KVPQ_LIB (default build/libkvpq.so) for tokenization, MODEL (GGUF, default SmolLM2;
 Llama-family or Qwen2), NCAL (calibration chunks, default 2) of CAL_CTX tokens (default 2048), NCH
 (evaluation chunks of CTX tokens, default 2), SIM_CACHE (directory caching tokens and calibration
@@ -108,6 +112,7 @@ def key_transform(cfg, l, k):  # k (N, Hk, hd) centred -> A (Hk, hd, hd), k' = A
     if not cfg.get('smooth', True): lam = np.ones(k.shape[1:], np.float32)
     elif cfg.get('lamq'): lam = np.maximum(np.sqrt(np.quantile(np.abs(k), cfg['lamq'], axis=0)), 1e-2).astype(np.float32)  # (Hk, hd)
     else: lam = np.maximum(np.sqrt(np.abs(k).max(0)), 1e-2)  # (Hk, hd)
+    if cfg.get('ropealign'): return rope_pair_transform(lam)
     q = Q[l]  # (N, H, hd)
     A = np.empty((k.shape[1], HDIM, HDIM), np.float32)
     for h in range(k.shape[1]):
@@ -121,6 +126,18 @@ def key_transform(cfg, l, k):  # k (N, Hk, hd) centred -> A (Hk, hd, hd), k' = A
         else: raise ValueError(kt)
         if kt != 'lam' and cfg.get('klam', 0): A[h] = A[h] * (lam[h] ** -cfg['klam'])[None, :]
     return A
+
+def rope_pair_transform(lam):
+    """`ropealign` (keys before RoPE, no Hadamard): A = P diag(1/lambda') with lambda' tied over each
+    RoPE pair (the larger of the two) and P putting each pair's two channels next to each other, so
+    that every PQ sub-space (even dsub) holds whole pairs and a 2-D rotation by the key's position
+    commutes with A: the layout attention from codes needs to apply RoPE per sub-space."""
+    half = L.n_rot // 2
+    pair = (np.arange(half), np.arange(half) + half) if L.neox else (np.arange(0, L.n_rot, 2), np.arange(1, L.n_rot, 2))
+    lam = lam.copy(); m = np.maximum(lam[:, pair[0]], lam[:, pair[1]]); lam[:, pair[0]] = m; lam[:, pair[1]] = m
+    order = np.stack(pair, 1).reshape(-1)  # channel order: pair 0's two channels, pair 1's, ...
+    P = np.eye(HDIM, dtype=np.float32)[order]
+    return np.stack([P @ np.diag(1 / lam[h]) for h in range(len(lam))]).astype(np.float32)
 
 def value_transform(cfg, l):  # -> B (Hk, hd, hd)
     B = np.empty((L.n_head_kv, HDIM, HDIM), np.float32)
@@ -217,16 +234,26 @@ KPRE = {}  # layer -> calibration keys before RoPE, (N, Hk, hd)
 def key_domain(cfg, l):
     """Calibration keys in the domain they are coded in: post-RoPE, or before RoPE (`prerope`,
     KVQuant, arXiv 2401.18079, sec. 3.2): RoPE undone exactly by rotating back by -position."""
-    if not cfg.get('prerope'): return K[l]
+    if not (cfg.get('prerope') or cfg.get('ropealign')): return K[l]
     if l not in KPRE: KPRE[l] = L.rope(K[l], -POS_CAL.astype(np.float64))
     return KPRE[l]
 
-def fit_ilp(prev, x, ridge=1e-3):
-    """Least-squares linear prediction (with intercept) of x (N, Hk, hd) from the previous layer's
-    reconstruction prev (N, Hk, hd), all of its KV heads: W (Hk*hd + 1, Hk*hd), ridge-regularized."""
-    X = np.concatenate([prev.reshape(len(prev), -1), np.ones((len(prev), 1), np.float32)], 1).astype(np.float64)
+def lstsq(X, Y, ridge=1e-3):  # argmin_W |[X 1] W - Y|^2 + ridge-regularization, W (dx + 1, dy)
+    X = np.concatenate([X, np.ones((len(X), 1))], 1).astype(np.float64)
     G_ = X.T @ X; G_ += ridge * np.trace(G_) / len(G_) * np.eye(len(G_))
-    return np.linalg.solve(G_, X.T @ x.reshape(len(x), -1).astype(np.float64)).astype(np.float32)
+    return np.linalg.solve(G_, X.T @ Y.astype(np.float64)).astype(np.float32)
+
+def fit_ilp(prev, x, head=False):
+    """Least-squares linear prediction (with intercept) of x (N, Hk, hd) from the previous layer's
+    reconstruction prev (N, Hk, hd): W (Hk*hd + 1, Hk*hd), from all of its KV heads, or (`ilphead`)
+    block-diagonal, head h from head h only."""
+    n = len(x)
+    if not head: return lstsq(prev.reshape(n, -1), x.reshape(n, -1))
+    W = np.zeros((HK * HDIM + 1, HK * HDIM), np.float32)
+    for h in range(HK):
+        Wh = lstsq(prev[:, h], x[:, h]); s = slice(h * HDIM, (h + 1) * HDIM)
+        W[s, s] = Wh[:-1]; W[-1, s] = Wh[-1]
+    return W
 
 def ilp_pred(W, prev):  # prev (n, Hk, hd) -> prediction (n, Hk, hd)
     n = len(prev)
@@ -287,7 +314,8 @@ def calib_rec(cd, x, prev):
 def train_coder(cfg, kind, l, x, prev, T_of, rot, dsub, nbits, perhead, w=None):
     """Fit the predictors (ilp, delta) of one layer's keys (kind 'k') or values ('v') on calibration
     rows x, then the transform T_of(residual) and the PQ on the innovations."""
-    W = fit_ilp(prev, x) if kind in cfg.get('ilp', '') and prev is not None else None
+    anchor = l % cfg.get('ilpanchor', NL) == 0  # anchors: coded without prediction (bounds the chain)
+    W = fit_ilp(prev, x, cfg.get('ilphead')) if kind in cfg.get('ilp', '') and prev is not None and not anchor else None
     e = x - ilp_pred(W, prev) if W is not None else x
     ar = None
     if kind in cfg.get('delta', ''): m, a, e = fit_ar(e); ar = (m, a)
@@ -302,7 +330,9 @@ def train_coder(cfg, kind, l, x, prev, T_of, rot, dsub, nbits, perhead, w=None):
     if kind == 'k' and cfg.get('kout') and not perhead:  # error threshold: keys above it stay exact (dense-and-sparse)
         xs = y.reshape(-1, HDIM)[::4]
         thr = np.quantile(((xs - pq.rec(xs))**2).sum(1), 1 - cfg['kout'])
-    return Coder(mu, T, rot, pq, perhead, thr, W, ar)
+    cd = Coder(mu, T, rot, pq, perhead, thr, W, ar)
+    cd.gain = float(((e - e.mean(0))**2).sum() / ((x - x.mean(0))**2).sum())  # innovation / centered variance
+    return cd
 
 def cbfile_coders(cfg, l):
     """Key and value coders from a kvpq codebook file's lambda, key means and shared codebooks."""
@@ -319,6 +349,7 @@ def cbfile_coders(cfg, l):
 
 def build(cfg):
     """Per layer: (key coder, value coder), or None for a layer left exact."""
+    if cfg.get('ropealign'): cfg = dict(cfg, prerope=True, rot=False)
     dsub, nbits, perhead = cfg['dsub'], cfg['nbits'], cfg.get('perhead', False)
     S = []; prev = {'k': None, 'v': None}
     KITER[0] = cfg.get('kiter', 25)
@@ -344,7 +375,7 @@ def make_hook(S, cfg):
     """hook(l, k, v) for NumpyLlama.forward: every position in [sink, n - window) replaced by its
     reconstruction; keeps what the decoder has of the previous layer for inter-layer prediction."""
     sink = cfg.get('sink', 0); W = cfg.get('window', 128)
-    qk = cfg.get('qk', True); qv = cfg.get('qv', True); pre = cfg.get('prerope', False)
+    qk = cfg.get('qk', True); qv = cfg.get('qv', True); pre = cfg.get('prerope') or cfg.get('ropealign')
     prev = {}
     def hook(l, k, v):
         if S[l] is None: prev.clear(); return k, v
@@ -407,7 +438,9 @@ if os.environ.get('PROXY'):
     ev = [[] for _ in range(NL)]; fwd(ET[:CTX], collect=ev); ev = [e[0] for e in ev]
     for cfg in configs:
         t0 = time.time(); S = build(cfg); se, kl, oe = proxy(S, cfg, ev)
-        print('%-70s score err %.4f  attn KL %.4f  out err %.4f  (%.0fs)' % (json.dumps(cfg), se, kl, oe, time.time()-t0), flush=True)
+        gk, gv = (np.mean([getattr(s[i], 'gain', 1.0) for s in S if s]) for i in (0, 1))
+        print('%-70s score err %.4f  attn KL %.4f  out err %.4f  innov/var K %.3f V %.3f  (%.0fs)'
+              % (json.dumps(cfg), se, kl, oe, gk, gv, time.time()-t0), flush=True)
     sys.exit(0)
 base = nll_chunks(None)
 bp = score(base, base)[0]
