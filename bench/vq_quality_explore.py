@@ -2,7 +2,8 @@
 """Explore what limits VQ cache quality, with an independent numpy simulation of the pipeline.
 
 Runs the numpy Llama forward pass of bench/llama_cpp_peer.py (weights dequantized by the PyPI
-`gguf` package) on SmolLM2, collects post-RoPE keys and values on the calibration novel, trains
+`gguf` package) on SmolLM2 (or MODEL: Llama-family, Qwen2), collects post-RoPE keys, values and
+queries on the calibration novel, trains
 codebooks with faiss k-means, and re-runs the held-out novel with the keys and values replaced by
 their PQ reconstructions (all positions except the newest `window`), as the VQ cache attends them.
 Prints perplexity, change against the unquantized run, KL and top-1 agreement per configuration.
