@@ -116,6 +116,9 @@ class NumpyLlama:
         self.n_rot = int(field(f"{arch}.rope.dimension_count", self.head_dim))
         self.base = float(field(f"{arch}.rope.freq_base", 10000.0))
         self.eps = float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
+        # llama.cpp's LLAMA_ROPE_TYPE_NEOX architectures rotate (i, i + n_rot/2) pairs; Llama's GGUF
+        # files permute Q/K rows so that adjacent pairs (i, i + 1) rotate
+        self.neox = arch in ("qwen2",)
         self.w = {}
         for t in r.tensors:
             # dequantize gives numpy shape (rows, cols) = reversed ggml ne
@@ -128,18 +131,26 @@ class NumpyLlama:
         return (x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + self.eps)).astype(np.float32) * w
 
     def rope(self, x, pos):
-        # x: (n, heads, head_dim); adjacent pairs (GGUF-permuted Q/K rows), angle pos * base^(-2i/n_rot)
+        # x: (n, heads, head_dim); pair i rotates by angle pos * base^(-2i/n_rot); pairs are adjacent
+        # (2i, 2i + 1) (GGUF-permuted Q/K rows) or, for NEOX, (i, i + n_rot/2). rope(x, -pos) undoes it.
         half = self.n_rot // 2
         inv = self.base ** (-2.0 * np.arange(half) / self.n_rot)
         ang = pos[:, None] * inv[None, :]  # (n, half)
         c = np.cos(ang)[:, None, :].astype(np.float32)
         s = np.sin(ang)[:, None, :].astype(np.float32)
         x = x.copy()
-        x0 = x[..., 0:self.n_rot:2].copy()
-        x1 = x[..., 1:self.n_rot:2].copy()
-        x[..., 0:self.n_rot:2] = x0 * c - x1 * s
-        x[..., 1:self.n_rot:2] = x0 * s + x1 * c
+        i0, i1 = (slice(0, half), slice(half, self.n_rot)) if self.neox else (slice(0, self.n_rot, 2), slice(1, self.n_rot, 2))
+        x0 = x[..., i0].copy()
+        x1 = x[..., i1].copy()
+        x[..., i0] = x0 * c - x1 * s
+        x[..., i1] = x0 * s + x1 * c
         return x
+
+    def proj(self, h, p, name):
+        """h @ W^T (+ bias where the GGUF has one: Qwen2's q, k, v)."""
+        y = h @ self.w[p + name + ".weight"].T
+        b = self.w.get(p + name + ".bias")
+        return y if b is None else y + b
 
     def forward(self, tokens, collect=None, hook=None):
         """Logits (n, n_vocab) of tokens at positions 0..n-1. collect: a list that gets one (k, v, q)
@@ -154,9 +165,9 @@ class NumpyLlama:
         for l in range(self.n_layer):
             p = f"blk.{l}."
             h = self.rmsnorm(x, w[p + "attn_norm.weight"])
-            q = self.rope((h @ w[p + "attn_q.weight"].T).reshape(n, H, hd), pos)
-            k = self.rope((h @ w[p + "attn_k.weight"].T).reshape(n, Hk, hd), pos)
-            v = (h @ w[p + "attn_v.weight"].T).reshape(n, Hk, hd)
+            q = self.rope(self.proj(h, p, "attn_q").reshape(n, H, hd), pos)
+            k = self.rope(self.proj(h, p, "attn_k").reshape(n, Hk, hd), pos)
+            v = self.proj(h, p, "attn_v").reshape(n, Hk, hd)
             if collect is not None:
                 collect.append((k, v, q))
             if hook is not None:
