@@ -72,7 +72,8 @@ def kv_elements_per_token(model):
     arch = bytes(r.fields["general.architecture"].parts[r.fields["general.architecture"].data[0]]).decode()
     n_layer = field(f"{arch}.block_count")
     n_head_kv = field(f"{arch}.attention.head_count_kv")
-    head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.embedding_length") // field(f"{arch}.attention.head_count")
+    head_dim = (field(f"{arch}.attention.key_length")
+                or field(f"{arch}.embedding_length") // field(f"{arch}.attention.head_count"))
     return 2 * n_layer * n_head_kv * head_dim
 
 
@@ -251,7 +252,8 @@ def metrics(server):
 
 def llama_kv_log(server):
     """(MiB, cells per sequence, sequences) of llama-server's KV cache, from its log (-lv 4)."""
-    m = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +\d+ layers, +\d+/(\d+) seqs", "\n".join(server.log))
+    m = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +\d+ layers, +\d+/(\d+) seqs",
+                  "\n".join(server.log))
     return (float(m.group(1)), int(m.group(2)), int(m.group(3))) if m else (None, None, None)
 
 
@@ -302,7 +304,8 @@ def hold_prompts(a, engine, prompts):
     prompts[:] = [p + g[3] for p, g in zip(prompts, got)]
     held = {"engine": engine, "prompt_tokens": statistics.mean(g[1] for g in got), "prefill_s": wall}
     if m0:
-        held["pool_bytes_per_conversation"] = (metrics(s)["kvpq_kv_pool_bytes_in_use"] - m0["kvpq_kv_pool_bytes_in_use"]) / len(prompts)
+        pool = metrics(s)["kvpq_kv_pool_bytes_in_use"] - m0["kvpq_kv_pool_bytes_in_use"]
+        held["pool_bytes_per_conversation"] = pool / len(prompts)
     else:
         held["kv_mib"], held["n_ctx_seq"], n_seq = llama_kv_log(s)
         held["cells"] = held["n_ctx_seq"] * n_seq if n_seq else None
@@ -324,7 +327,8 @@ def decode_round(server, convs, n, max_tokens):
     cpu = cpu_seconds(server.pid) - cpu0
     convs[:n] = [c + g[3] for c, g in zip(convs, got)]
     n_tok = sum(g[0] for g in got)
-    return {"clients": n, "tok_s": n_tok / wall, "cpu_ms_per_token": cpu * 1e3 / n_tok, "completion_tokens": n_tok, "wall_s": wall,
+    return {"clients": n, "tok_s": n_tok / wall, "cpu_ms_per_token": cpu * 1e3 / n_tok,
+            "completion_tokens": n_tok, "wall_s": wall,
             "prompt_tokens": statistics.mean(g[1] for g in got), "cached": statistics.mean(g[2] for g in got),
             "load": os.getloadavg()[0]}
 
@@ -346,7 +350,8 @@ def decode_all(a, tok, engines, clients):
                 continue
             held.append(h)
             simd[e] = kvpq_version(a) if e.startswith("kvpq") else llama_system_info(servers[e])
-            print(f"  {e}: held {len(prompts)} prompts of {h['prompt_tokens']:.0f} tokens in {h['prefill_s']:.0f} s", flush=True)
+            print(f"  {e}: held {len(prompts)} prompts of {h['prompt_tokens']:.0f} tokens in {h['prefill_s']:.0f} s",
+                  flush=True)
         for rep in range(a.repeats):
             for e in (list(servers) if rep % 2 == 0 else list(servers)[::-1]):
                 rounds = [decode_round(servers[e], convs[e], n, a.tokens) for n in clients]
@@ -398,7 +403,8 @@ def print_decode(a, got, clients):
     print(f"\nAggregate decode tok/s (completion tokens over the round's wall time), prompts of {a.prompt_tokens} "
           f"tokens held, {a.tokens} tokens per client, median of {a.repeats} (min-max, ratio to llama:f16's median):\n")
     print("| engine | " + " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in clients)
-          + " | server CPU-ms per token: " + " / ".join(str(n) for n in clients) + " | prompt tokens reused per client (of) |")
+          + " | server CPU-ms per token: " + " / ".join(str(n) for n in clients)
+          + " | prompt tokens reused per client (of) |")
     print("|---|" + "---|" * (len(clients) + 2))
     med = {e: [statistics.median(rep[k]["tok_s"] for rep in reps) for k in range(len(clients))] for e, reps in got.items()}
     base = med.get("llama:f16")
@@ -418,8 +424,8 @@ def main():
     ap.add_argument("--kvpq", default=os.environ.get("KVPQ_BIN", str(SRC / "build" / "kvpq")))
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(LLAMA_BIN)))
     ap.add_argument("--model", default=str(SRC / "models" / "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"))
-    ap.add_argument("--engines", default="kvpq:fp16,kvpq:q8_0,kvpq:vq:" + str(SRC / "out" / "mj" / "qwen2.5_pq_b2.5.safetensors")
-                    + ",llama:f16,llama:q8_0,llama:q4_0")
+    codebook = SRC / "out" / "mj" / "qwen2.5_pq_b2.5.safetensors"
+    ap.add_argument("--engines", default=f"kvpq:fp16,kvpq:q8_0,kvpq:vq:{codebook},llama:f16,llama:q8_0,llama:q4_0")
     ap.add_argument("--what", default="resident,decode")
     ap.add_argument("--budget", default="1G", help="KV bytes (K, M, G: powers of 1024)")
     ap.add_argument("--threads", type=int, default=2)
