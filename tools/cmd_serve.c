@@ -62,7 +62,7 @@ static const cli_opt OPTS[] = {
 };
 #undef F
 
-/* Parse argv into o; 0, 1 (--help printed) or an exit code >= 2. */
+/* argv into *o: -1 to go on, else the exit code (0 after --help). */
 static int parse_opts(int argc, char **argv, serve_opts *o) {
     memset(o, 0, sizeof *o);
     o->cache_spec = "fp32";
@@ -72,11 +72,11 @@ static int parse_opts(int argc, char **argv, serve_opts *o) {
     o->max_conversations = 256;
     o->max_body = 8u << 20;
     int rc = cli_parse_options("serve", argc, argv, OPTS, o, usage);
-    if (rc >= 0) return rc ? rc : 1;
+    if (rc >= 0) return rc;
     if (!o->model_path) return cli_usage_error("serve: --model is required (see --help)");
     if (o->api_key && !o->api_key[0]) return cli_usage_error("serve: --api-key is empty");
     if (o->max_body < 16) return cli_usage_error("serve: --max-body below 16 bytes");
-    return cli_cache_spec_check(o->cache_spec);
+    return cli_cache_spec_check(o->cache_spec) ? 2 : -1;
 }
 
 /* --cache-dir: made when missing; must be a writable directory. */
@@ -154,7 +154,7 @@ int cmd_serve(int argc, char **argv) {
     serve_server sv;
     memset(&sv, 0, sizeof sv);
     int rc = parse_opts(argc, argv, &sv.o);
-    if (rc) return rc == 1 ? 0 : rc;
+    if (rc >= 0) return rc;
     if ((rc = check_cache_dir(sv.o.cache_dir))) return rc;
     pthread_mutex_init(&sv.mu, NULL);
     pthread_cond_init(&sv.engine_cond, NULL);

@@ -498,9 +498,9 @@ class KVPQCache(Cache):
         a block of queries per call."""
         c = self._cuda[layer_idx]
         W, n = c.window, query.shape[2]
-        k, v = self._chunk_kv(c, key, value, prev)
         n_codes = max(prev + n - W, 0)  # the last query's window starts there (W = 0: everything coded)
         e0 = max(prev + 1 - W, 0) if W else prev + n  # the first query's window starts there (W = 0: none)
+        k, v = self._chunk_kv(c, key, value, prev, n_codes, e0)
         q = self._key_order_t(query)
         out = torch.empty_like(q)
         step = max(self.CHUNK_MIN_ROWS, self.CHUNK_MASK_ENTRIES // k.shape[2])
@@ -509,13 +509,12 @@ class KVPQCache(Cache):
             out[:, :, i:i + step] = _masked_block(q[:, :, i:i + step], k, v, p0, p1, W, n_codes, e0, float(scaling))
         return out.transpose(1, 2).to(query.dtype)
 
-    def _chunk_kv(self, c, key, value, prev):
+    def _chunk_kv(self, c, key, value, prev, n_codes, e0):
         """(k, v) of every batch row, (B, n_head_kv, n_codes + n_exact, d) in the key's dtype: the codes
         of positions [0, n_codes) read back decoded after the chunk is appended, then the exact rows of
         positions [e0, prev + n) (the ring's, read before the append overwrites them, then the chunk's);
         see _attend_cuda_chunk for n_codes and e0."""
-        B, n, W = key.shape[0], key.shape[2], c.window
-        n_codes, e0 = max(prev + n - W, 0), max(prev + 1 - W, 0)
+        B, W = key.shape[0], c.window
         ks, vs = [], []
         with torch.cuda.device(key.device):
             for b in range(B):
