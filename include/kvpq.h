@@ -204,6 +204,20 @@ typedef struct {
      * (set to key) with one stage. File: metadata k.stages, k2.M and tensors layers.{i}.k.codebook2
      * (format version 4). The CUDA cache refuses a two-stage layer (KVPQ_ERR_UNSUPPORTED). */
     kvpq_pq_params key2;
+    /* Keys coded before RoPE (KVQuant, Hooper et al., arXiv 2401.18079, sec. 3.2: pre-RoPE keys keep
+     * their per-channel structure, which RoPE smears across each rotated pair). key_rope_dims = n_rot
+     * > 0 (even, <= head_dim): the first n_rot channels of a key were rotated by RoPE, in pairs
+     * (x[2i], x[2i+1]) (key_rope_neox 0, llama.cpp's rope mode 0) or (x[i], x[i + n_rot/2])
+     * (key_rope_neox 1, GPT-NeoX / transformers' rotate_half), by the angle pos * inv_freq[i], with
+     * each layer's inv_freq (n_rot/2) in kvpq_codebook_key_rope_freq. The VQ cache still takes
+     * post-RoPE keys: it turns each back by -pos before centering (exact up to float rounding),
+     * codes it, and turns the decoded key forward by +pos again before its scores, so attention is
+     * that of the reconstruction with RoPE applied (kvpq_rope_rotate, the one rotation both use).
+     * A layer whose inv_freq are all 0 codes keys as given (the rotation by 0 is the identity).
+     * Default 0 (off). File: metadata k.rope_dims, k.rope ("norm" or "neox") and tensors
+     * layers.{i}.k.rope_freq (format version 5). The CUDA cache refuses it (KVPQ_ERR_UNSUPPORTED). */
+    int key_rope_dims;
+    int key_rope_neox;
 } kvpq_codebook_params;
 KVPQ_API void kvpq_codebook_free(kvpq_codebook *cb);
 KVPQ_API kvpq_codebook_params kvpq_codebook_get_params(const kvpq_codebook *cb);
@@ -679,6 +693,16 @@ KVPQ_API kvpq_status kvpq_codes_unpack(int M, int nbits, size_t n, const uint8_t
  * two (else KVPQ_ERR_UNSUPPORTED naming d). */
 KVPQ_API kvpq_status kvpq_hadamard(float *x, size_t n, int d);
 
+/* Rotary position embedding (RoPE; Su et al., RoFormer, arXiv 2104.09864) of n vectors x: (n,
+ * n_head, head_dim) in place, vector t at position pos[t] (pos NULL: pos0 + t), by the angle
+ * sign * pos * inv_freq[i] (computed in double) on pair i of the first n_rot channels: (x[2i],
+ * x[2i+1]) (neox 0) or (x[i], x[i + n_rot/2]) (neox 1). sign -1 undoes sign +1 up to float rounding.
+ * The rotation the VQ cache applies to keys coded before RoPE (kvpq_codebook_params.key_rope_dims).
+ * Errors: x or inv_freq NULL with n > 0, n_rot odd, < 0 or > head_dim, sign not +-1
+ * (KVPQ_ERR_INVALID_ARG). */
+KVPQ_API kvpq_status kvpq_rope_rotate(float *x, size_t n, int n_head, int head_dim, int n_rot, int neox,
+                                      const float *inv_freq, const int32_t *pos, int pos0, int sign);
+
 /* Divide each row of x: (n, d) in place by its L2 norm (the direction u = x / |x| that a
  * norm-explicit quantizer codes, see kvpq_codebook_params.key_norm); a zero row stays zero.
  * norms: (n) gets |x| of each row (float of the double-precision sum), or NULL. Errors: d < 1, x
@@ -788,6 +812,11 @@ KVPQ_API const float *kvpq_codebook_key_smooth_const(const kvpq_codebook *cb, in
  * keys shrinks (the mean no longer spends codebook resolution). */
 KVPQ_API float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer);
+/* Borrowed: a layer's RoPE frequencies inv_freq, (key_rope_dims / 2), writable; 0 (no rotation)
+ * until set (kvpq_codebook_params.key_rope_dims). NULL when key_rope_dims is 0, cb is NULL or the
+ * layer is out of range. Saving refuses a negative or non-finite one. */
+KVPQ_API float *kvpq_codebook_key_rope_freq(kvpq_codebook *cb, int layer);
+KVPQ_API const float *kvpq_codebook_key_rope_freq_const(const kvpq_codebook *cb, int layer);
 /* ---- TurboQuant's MSE quantizer as a codebook (a peer in kvpq's own harness) ----------------- */
 
 /* The 2^nbits Lloyd-Max centroids (ascending) for one coordinate of a uniformly random unit vector in
@@ -827,6 +856,10 @@ typedef struct {
      * and only the second key stage is trained (k-means is deterministic, so the result is what
      * training all three gives, at a third of the k-means). Needs a second key stage at the layer. */
     const kvpq_codebook *stage1_from;
+    /* NULL (default), or (n_tokens) the position of each token (its index in the sequence the model
+     * ran): needed when the layer codes keys before RoPE (its kvpq_codebook_key_rope_freq not all 0),
+     * whose post-RoPE k are turned back by -position before centering. */
+    const int32_t *positions;
 } kvpq_calibrate_params;
 KVPQ_API kvpq_calibrate_params kvpq_calibrate_params_default(void);
 

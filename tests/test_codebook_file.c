@@ -960,7 +960,9 @@ Test(codebook_file, nan_inf_and_non_positive_smoothing_are_rejected) {
 Test(codebook_file, format_version_and_config_metadata_are_checked) {
     const char *good = save_small(), *bad = path_in("bad.safetensors");
     struct { const char *key, *value; kvpq_status s; const char *msg; } cases[] = {
-        {"kvpq.format_version", "5", KVPQ_ERR_UNSUPPORTED, "format version '5'"},
+        {"kvpq.format_version", "6", KVPQ_ERR_UNSUPPORTED, "format version '6'"},
+        /* version 5 features in a version 3 file */
+        {"k.rope_dims", "8", KVPQ_ERR_FORMAT, "k.rope_dims / k.rope appear in a version 3 file"},
         /* version 4 features in a version 3 file */
         {"k.granularity", "head", KVPQ_ERR_FORMAT, "'head' in a version 3 file"},
         {"k.stages", "2", KVPQ_ERR_FORMAT, "k.stages / k2.M appear in a version 3 file"},
@@ -1344,4 +1346,69 @@ Test(codebook_file, slice_heads_keeps_quantizers_and_takes_head_rows) {
     kvpq_codebook_free(s);
     kvpq_codebook_free(cb);
     remove_dir();
+}
+
+/* Keys coded before RoPE (format version 5): the params, the per-layer frequencies and the
+ * metadata round-trip bit for bit; a layer left at 0 stays 0; the fingerprint sees the frequencies;
+ * bad params, bad frequencies and inconsistent metadata are refused by name. */
+Test(codebook_file, key_rope_round_trip_and_rejects) {
+    kvpq_codebook_params p = small_params(2);
+    p.key_rope_dims = 6;
+    p.key_rope_neox = 1;
+    kvpq_codebook *cb = random_codebook(&p);
+    float *f0 = kvpq_codebook_key_rope_freq(cb, 0);
+    cr_assert_not_null(f0);
+    for (int i = 0; i < 3; i++) cr_assert_eq(f0[i], 0.0f, "new codebooks hold inv_freq 0");
+    for (int i = 0; i < 3; i++) f0[i] = powf(10000.0f, -2.0f * i / 6);
+    cr_assert_null(kvpq_codebook_key_rope_freq(cb, 2));
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "kvpq.format_version"), "5");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "k.rope"), "neox");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb, "k.rope_dims"), "6");
+    cr_assert_eq(kvpq_codebook_set_meta(cb, "k.rope", "norm"), KVPQ_ERR_INVALID_ARG, "a config key");
+    const char *path = path_in("rope.safetensors"), *bad = path_in("bad.safetensors");
+    cr_assert_eq(kvpq_codebook_save(cb, path), KVPQ_OK, "%s", kvpq_last_error());
+    kvpq_codebook *back;
+    cr_assert_eq(kvpq_codebook_load(&back, path), KVPQ_OK, "%s", kvpq_last_error());
+    assert_same(cb, back);
+    cr_assert_eq(memcmp(kvpq_codebook_key_rope_freq_const(back, 0), f0, 3 * sizeof(float)), 0);
+    const float *f1 = kvpq_codebook_key_rope_freq_const(back, 1);
+    cr_assert(f1[0] == 0.0f && f1[1] == 0.0f && f1[2] == 0.0f, "layer 1 keeps inv_freq 0");
+    const uint64_t fp = kvpq_codebook_fingerprint(back);
+    kvpq_codebook_key_rope_freq(back, 1)[2] = 1e-3f;
+    cr_assert_neq(kvpq_codebook_fingerprint(back), fp, "the fingerprint covers the frequencies");
+    kvpq_codebook_key_rope_freq(back, 1)[2] = -1.0f;
+    cr_assert_eq(kvpq_codebook_save(back, bad), KVPQ_ERR_INVALID_ARG, "a negative frequency is not saved");
+    cr_assert(strstr(kvpq_last_error(), "layers.1.k.rope_freq"), "%s", kvpq_last_error());
+    kvpq_codebook_free(back);
+    /* the params' checks */
+    kvpq_codebook *x = NULL;
+    kvpq_codebook_params q = p;
+    q.key_rope_dims = 5;
+    cr_assert_eq(kvpq_codebook_new(&x, &q), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "key_rope_dims=5"), "%s", kvpq_last_error());
+    q.key_rope_dims = 10;
+    cr_assert_eq(kvpq_codebook_new(&x, &q), KVPQ_ERR_INVALID_ARG);
+    q.key_rope_dims = 6, q.key_rope_neox = 2;
+    cr_assert_eq(kvpq_codebook_new(&x, &q), KVPQ_ERR_INVALID_ARG);
+    /* the file's checks */
+    struct { const char *key, *value; const char *msg; } cases[] = {
+        {"k.rope", "both", "k.rope='both'"},
+        {"k.rope", NULL, "appear only together"},
+        {"k.rope_dims", "7", "key_rope_dims=7"},
+        {"k.rope_dims", "4", "tensor layers.0.k.rope_freq has shape [3], expected [2]"},
+        {"kvpq.format_version", "4", "k.rope_dims / k.rope appear in a version 4 file"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        parsed pp = parse_file(path);
+        set_meta_str(&pp, cases[i].key, cases[i].value);
+        write_parsed(bad, &pp);
+        expect_fail(bad, KVPQ_ERR_FORMAT, cases[i].msg, NULL);
+        free_parsed(&pp);
+    }
+    parsed pp = parse_file(path);
+    poke(&pp, "layers.0.k.rope_freq", 1, NAN);
+    write_parsed(bad, &pp);
+    expect_fail(bad, KVPQ_ERR_NONFINITE, "layers.0.k.rope_freq", NULL);
+    free_parsed(&pp);
+    kvpq_codebook_free(cb);
 }

@@ -100,6 +100,12 @@ uint64_t kvpq_codebook_fingerprint(const kvpq_codebook *cb) {
         const float *lam = kvpq_codebook_key_smooth_const(cb, l), *mu = kvpq_codebook_key_mean_const(cb, l);
         if (lam) XXH64_update(h, lam, row * sizeof(float));
         if (mu) XXH64_update(h, mu, row * sizeof(float));
+        const float *rf = kvpq_codebook_key_rope_freq_const(cb, l); /* keys before RoPE: only when present */
+        const int32_t rope[] = {-5, cp.key_rope_dims, cp.key_rope_neox};
+        if (rf) {
+            XXH64_update(h, rope, sizeof rope);
+            XXH64_update(h, rf, (size_t)(cp.key_rope_dims / 2) * sizeof(float));
+        }
     }
     uint64_t v = XXH64_digest(h);
     XXH64_freeState(h);

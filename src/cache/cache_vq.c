@@ -106,6 +106,8 @@ typedef struct {          /* per-thread scratch, sized at creation: nothing allo
     float *ow;            /* (head_dim) window output of one head */
     float *s32;           /* (VQ_CHUNK) 8-bit scales decoded, as float */
     uint16_t *s16;        /* (VQ_CHUNK) the same as float16, as the kernels read them */
+    uint8_t *dcodes;      /* (VQ_CHUNK * n_head_kv, key code size) keys before RoPE: a chunk's codes to decode */
+    float *dx;            /* (VQ_CHUNK * n_head_kv, head_dim) their decoded keys */
 } vq_scratch;
 
 typedef struct {
@@ -139,6 +141,13 @@ typedef struct {
     size_t part_cap;      /* floats */
     float s8tab[256];     /* 2^((c - 128) / 16), s8tab[0] = 0: the 8-bit scale code's factor */
     kvpq_page_pool *pool; /* params.pool: pages and window rings come from it (NULL: the system) */
+    /* Keys coded before RoPE (kvpq_codebook_params.key_rope_dims): */
+    int rope_dims, rope_neox;
+    const float **rope;   /* (n_layer) inv_freq of a layer coding keys before RoPE, else NULL */
+    int pos0;             /* sequence position of the kind's position 0: params.sinks (cache.c holds the sinks) */
+    float *kdec;          /* (n_head_kv, kdec_n, head_dim) one attend call's coded keys, decoded, RoPE applied */
+    size_t kdec_cap;      /* floats */
+    int kdec_t0, kdec_n;  /* position of kdec's first row, rows per KV head */
 } vq_state;
 
 /* Bytes of one of a layer's two fp16 window rings (K or V): (n_head_kv, cap, head_dim). */
@@ -271,6 +280,8 @@ static void vq_scratch_free(vq_scratch *s) {
     free(s->ow);
     free(s->s32);
     free(s->s16);
+    free(s->dcodes);
+    free(s->dx);
 }
 
 static void vq_destroy(void *state) {
@@ -286,7 +297,8 @@ static void vq_destroy(void *state) {
     if (st->scr)
         for (int t = 0; t < st->n_threads; t++) vq_scratch_free(&st->scr[t]);
     void *bufs[] = {st->scr, st->layers, st->kpq, st->kpq2, st->vpq, st->smooth, st->mean, st->xk,
-                    st->xv,  st->ck,     st->cv,  st->xr,   st->sk,  st->sv,     st->h16,  st->part};
+                    st->xv,  st->ck,     st->cv,  st->xr,   st->sk,  st->sv,     st->h16,  st->part,
+                    st->rope, st->kdec};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(st);
 }
@@ -372,7 +384,14 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->layers = calloc(p->n_layer, sizeof *st->layers);
     st->scr = calloc(st->n_threads, sizeof *st->scr);
     st->h16 = calloc((size_t)p->n_head_kv * p->head_dim, sizeof(uint16_t));
-    if (!st->kpq || !st->kpq2 || !st->vpq || !st->smooth || !st->mean || !st->layers || !st->scr || !st->h16) goto nomem;
+    st->rope = calloc(p->n_layer, sizeof *st->rope);
+    if (!st->kpq || !st->kpq2 || !st->vpq || !st->smooth || !st->mean || !st->layers || !st->scr || !st->h16 ||
+        !st->rope)
+        goto nomem;
+    st->rope_dims = cp.key_rope_dims;
+    st->rope_neox = cp.key_rope_neox;
+    st->pos0 = p->sinks;
+    size_t kcs_max = 0; /* largest key code of a layer coding keys before RoPE (0: none) */
     int mk_max = 0, mk_fs = 0, mv_max = 0; /* largest key M of any layer, of any fast-scan layer, value M */
     for (int l = 0; l < p->n_layer; l++) {
         st->kpq[l] = kvpq_codebook_pq_const(cb, l, 0);
@@ -381,6 +400,8 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         st->vpq[l] = kvpq_codebook_pq_const(cb, l, 1);
         st->smooth[l] = kvpq_codebook_key_smooth_const(cb, l);
         st->mean[l] = kvpq_codebook_key_mean_const(cb, l);
+        st->rope[l] = kvpq__codebook_layer_rope(cb, l);
+        if (st->rope[l]) st->codebook_bytes += (size_t)(cp.key_rope_dims / 2) * sizeof(float);
         st->codebook_bytes += (kvpq_pq_centroids_size(st->kpq[l]) + kvpq_pq_centroids_size(st->vpq[l])) * sizeof(float);
         st->codebook_bytes += 2 * (size_t)p->n_head_kv * p->head_dim * sizeof(float);
         vq_layer *L = &st->layers[l];
@@ -400,7 +421,8 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         L->scale_off[0] = lay.scale_off[0], L->scale_off[1] = lay.scale_off[1];
         L->ref_off = lay.ref_off;
         L->page_bytes = lay.page_bytes;
-        L->fast_scan = st->fast_scan && Mk <= 256;
+        L->fast_scan = st->fast_scan && Mk <= 256 && !st->rope[l]; /* keys before RoPE: decoded, not tables */
+        if (st->rope[l] && L->kcs > kcs_max) kcs_max = L->kcs;
         if (Mk > mk_max) mk_max = Mk;
         if (L->fast_scan && Mk > mk_fs) mk_fs = Mk;
         L->pages = calloc(st->max_pages, sizeof(uint8_t *));
@@ -427,6 +449,11 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         s->ow = calloc(d, sizeof(float));
         s->s32 = calloc(VQ_CHUNK, sizeof(float));
         s->s16 = calloc(VQ_CHUNK, sizeof(uint16_t));
+        if (kcs_max) {
+            s->dcodes = malloc((size_t)VQ_CHUNK * p->n_head_kv * kcs_max);
+            s->dx = malloc(sizeof(float) * VQ_CHUNK * p->n_head_kv * d);
+            if (!s->dcodes || !s->dx) goto nomem;
+        }
         if (!s->qr || !s->lut || !s->table || !s->s || !s->idx || !s->rescale || !s->wkf || !s->wvf ||
             !s->ws || !s->o || !s->ow || !s->s32 || !s->s16)
             goto nomem;
@@ -552,8 +579,9 @@ static kvpq_status vq_encode(vq_state *st, const kvpq_pq *pq, const kvpq_pq *pq2
 
 /* Stage positions [t0, t1) of a layer holding len positions, as they are encoded, into st->xk and
  * st->xv ((t1 - t0) * n_head_kv rows): each token rounded to fp16 as the window stores it (from the
- * ring for t < len, else from the appended k, v (n, n_head_kv, head_dim)), keys centered, smoothed
- * and rotated, values rotated when value_rotate; then encoded into st->ck / st->cv and the scales
+ * ring for t < len, else from the appended k, v (n, n_head_kv, head_dim)), keys turned back by
+ * -position when the layer codes them before RoPE, centered, smoothed and rotated, values rotated
+ * when value_rotate; then encoded into st->ck / st->cv and the scales
  * st->sk / st->sv. Codes therefore depend only on the data, never on how appends were chunked. */
 static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int t1, const float *k, const float *v) {
     const vq_layer *L = &st->layers[layer];
@@ -580,10 +608,13 @@ static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int
             K->f32_to_f16(row, v + (size_t)(t - len) * row, st->h16);
             K->f16_to_f32(row, st->h16, xv);
         }
-        for (int h = 0; h < nkv; h++) {
-            const float *lam = st->smooth[layer] + (size_t)h * d, *mu = st->mean[layer] + (size_t)h * d;
-            for (int j = 0; j < d; j++) xk[(size_t)h * d + j] = (xk[(size_t)h * d + j] - mu[j]) / lam[j];
-        }
+    }
+    if (st->rope[layer]) /* keys before RoPE: turned back by -position */
+        KVPQ_TRY(kvpq_rope_rotate(st->xk, (size_t)(t1 - t0), nkv, d, st->rope_dims, st->rope_neox, st->rope[layer], NULL,
+                                  st->pos0 + t0, -1));
+    for (size_t r = 0; r < nv; r++) {
+        const float *lam = st->smooth[layer] + (r % nkv) * d, *mu = st->mean[layer] + (r % nkv) * d;
+        for (int j = 0; j < d; j++) st->xk[r * d + j] = (st->xk[r * d + j] - mu[j]) / lam[j];
     }
     KVPQ_TRY(kvpq_hadamard(st->xk, nv, d));
     if (st->value_rotate) KVPQ_TRY(kvpq_hadamard(st->xv, nv, d));
@@ -705,6 +736,83 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
     return KVPQ_OK;
 }
 
+// ---- decoding ---------------------------------------------------------------------------------
+
+/* Decode coded positions [t0, t1) of a layer's keys (which 0) or values (1) into dst (t1 - t0,
+ * n_head_kv, head_dim) in the original space: centroids (both key stages summed), times the
+ * norm-explicit scale, the inverse Hadamard (keys; values when value_rotate), times lambda plus mu
+ * (keys), then RoPE at each position for a layer coding keys before RoPE. codes ((t1 - t0) n_head_kv
+ * rows of the kind's code size) and x ((t1 - t0) n_head_kv rows of head_dim) are scratch; dst may be x. */
+static kvpq_status vq_decode_rows(const vq_state *st, const vq_layer *L, int layer, int which, int t0, int t1,
+                                  uint8_t *codes, float *x, float *dst) {
+    const int nkv = st->n_head_kv, d = st->head_dim;
+    const size_t nv = (size_t)(t1 - t0) * nkv, sz = which ? L->vcs : L->kcs;
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    for (int t = t0; t < t1; t++)
+        for (int h = 0; h < nkv; h++)
+            memcpy(codes + ((size_t)(t - t0) * nkv + h) * sz, which ? vq_vcodes(st, L, h, t) : vq_kcodes(st, L, h, t),
+                   sz);
+    if (!which && st->kpq2[layer]) KVPQ_TRY(vq_decode_two(st->kpq[layer], st->kpq2[layer], nv, codes, x));
+    else KVPQ_TRY(kvpq_pq_decode(which ? st->vpq[layer] : st->kpq[layer], nv, codes, x));
+    if (which ? st->v_norm : st->k_norm)
+        for (int t = t0; t < t1; t++)
+            for (int h = 0; h < nkv; h++) {
+                float sc, s32;
+                uint16_t s16;
+                K->f16_to_f32(1, vq_scales16(st, L, which, h, t, 1, &s32, &s16, K), &sc);
+                float *xr = x + ((size_t)(t - t0) * nkv + h) * d;
+                for (int j = 0; j < d; j++) xr[j] *= sc;
+            }
+    if (!which || st->value_rotate) KVPQ_TRY(kvpq_hadamard(x, nv, d));
+    for (size_t r = 0; r < nv; r++) {
+        const float *lam = st->smooth[layer] + (r % nkv) * d, *mu = st->mean[layer] + (r % nkv) * d;
+        for (int j = 0; j < d; j++) dst[r * d + j] = which ? x[r * d + j] : x[r * d + j] * lam[j] + mu[j];
+    }
+    if (!which && st->rope[layer])
+        KVPQ_TRY(kvpq_rope_rotate(dst, (size_t)(t1 - t0), nkv, d, st->rope_dims, st->rope_neox, st->rope[layer], NULL,
+                                  st->pos0 + t0, 1));
+    return KVPQ_OK;
+}
+
+/* Keys before RoPE: decode the coded keys of positions [t0, t1) of a layer once per attend call into
+ * st->kdec, (n_head_kv, t1 - t0, head_dim), RoPE applied (dequantize-then-rotate: the score q . R_t k_t
+ * needs each position's own rotation, which one lookup table per query cannot give), in chunks of
+ * VQ_CHUNK positions over the threads. */
+static kvpq_status vq_decode_keys(vq_state *st, const vq_layer *L, int layer, int t0, int t1) {
+    const int nkv = st->n_head_kv, d = st->head_dim, n = t1 - t0, nt = st->n_threads;
+    KVPQ_TRY(vq_grow((void **)&st->kdec, &st->kdec_cap, (size_t)nkv * (n > 0 ? n : 1) * d, sizeof(float)));
+    st->kdec_t0 = t0;
+    st->kdec_n = n;
+    int failed = 0;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n > VQ_CHUNK) reduction(| : failed)
+    for (int a = t0; a < t1; a += VQ_CHUNK) {
+        vq_scratch *s = &st->scr[omp_get_thread_num()];
+        const int b = t1 - a < VQ_CHUNK ? t1 : a + VQ_CHUNK;
+        if (vq_decode_rows(st, L, layer, 0, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {
+            failed = 1;
+            continue;
+        }
+        for (int t = a; t < b; t++)
+            for (int h = 0; h < nkv; h++)
+                memcpy(st->kdec + ((size_t)h * n + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
+                       sizeof(float) * d);
+    }
+    return failed ? kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory decoding keys coded before RoPE", layer)
+                  : KVPQ_OK;
+}
+
+/* Scores of the group's G query heads q (G, head_dim) against the decoded keys of positions [t, t + n)
+ * of KV head h (st->kdec): sc (n, gp) = q . k / sqrt(head_dim), padded lanes 0. n <= VQ_CHUNK. */
+static void vq_score_decoded(const vq_state *st, int h, const float *q, int t, int n, vq_scratch *s,
+                             const kvpq_vq_kernels *K, float *sc) {
+    const int gp = st->gp, G = st->group, d = st->head_dim;
+    const float *kh = st->kdec + ((size_t)h * st->kdec_n + (t - st->kdec_t0)) * d;
+    for (int g = 0; g < gp; g++) {
+        if (g < G) K->dot_rows(n, d, q + (size_t)g * d, kh, s->s32);
+        for (int i = 0; i < n; i++) sc[(size_t)i * gp + g] = g < G ? s->s32[i] * st->scale : 0.0f;
+    }
+}
+
 // ---- attention --------------------------------------------------------------------------------
 
 /* Tokens from t to the end of its page, at most VQ_CHUNK and at most t1 - t. */
@@ -714,19 +822,13 @@ static int vq_seg(const vq_state *st, int t, int t1) {
     return n < t1 - t ? n : t1 - t;
 }
 
-/* Softmax state of one group's queries over coded positions [t0, t1) of KV head h. part gets
- * m (gp), d (gp), o (gp, head_dim) with o in the value codebook's space (rotated if value_rotate). */
-static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int h, const float *q, int t0, int t1,
-                          vq_scratch *s, const kvpq_vq_kernels *K, float *part) {
+/* The key lookup tables of one group's queries q (G, head_dim) against KV head h's codes: s->lut
+ * (and s->lut8 for fast-scan), and kb (gp) the mean term q . mu / sqrt(d) of norm-explicit keys
+ * (folded into the LUT otherwise). */
+static void vq_key_tables(const vq_state *st, const vq_layer *L, int layer, int h, const float *q, vq_scratch *s,
+                          const kvpq_vq_kernels *K, float *kb) {
     const int gp = st->gp, G = st->group, d = st->head_dim;
-    float *pm = part, *pd = part + gp, *po = part + 2 * gp;
-    for (int g = 0; g < gp; g++) {
-        pm[g] = -INFINITY;
-        pd[g] = 0.0f;
-    }
-    memset(po, 0, (size_t)gp * d * sizeof(float));
-    if (t1 <= t0) return;
-    const kvpq_pq *kpq = st->kpq[layer], *vpq = st->vpq[layer];
+    const kvpq_pq *kpq = st->kpq[layer];
     /* q' = H (q * lambda_h) / sqrt(d), for the G heads of the group (padded rows stay zero). */
     const float *lam = st->smooth[layer] + (size_t)h * d;
     for (int g = 0; g < G; g++)
@@ -750,7 +852,6 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
     /* Coded keys are centered: add q . mu_h / sqrt(d) once per score, through LUT row m = 0 (after
      * the per-token scaling instead, for norm-explicit keys). */
     const float *mu = st->mean[layer] + (size_t)h * d;
-    float kb[64] = {0}; /* (gp) the mean term of norm-explicit keys */
     for (int g = 0; g < G; g++) {
         float b = 0.0f;
         for (int j = 0; j < d; j++) b += q[(size_t)g * d + j] * mu[j];
@@ -760,6 +861,23 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             for (int c = 0; c < kpq->ksub; c++) s->lut[(size_t)c * gp + g] += b;
     }
     if (L->fast_scan) kvpq__vq_lut_quantize(L->Mk, kpq->ksub, gp, G, s->lut, s->lut8, s->fs_scale, s->fs_bias);
+}
+
+/* Softmax state of one group's queries over coded positions [t0, t1) of KV head h. part gets
+ * m (gp), d (gp), o (gp, head_dim) with o in the value codebook's space (rotated if value_rotate). */
+static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int h, const float *q, int t0, int t1,
+                          vq_scratch *s, const kvpq_vq_kernels *K, float *part) {
+    const int gp = st->gp, G = st->group, d = st->head_dim;
+    float *pm = part, *pd = part + gp, *po = part + 2 * gp;
+    for (int g = 0; g < gp; g++) {
+        pm[g] = -INFINITY;
+        pd[g] = 0.0f;
+    }
+    memset(po, 0, (size_t)gp * d * sizeof(float));
+    if (t1 <= t0) return;
+    const kvpq_pq *kpq = st->kpq[layer], *vpq = st->vpq[layer];
+    float kb[64] = {0}; /* (gp) the mean term of norm-explicit keys */
+    if (!st->rope[layer]) vq_key_tables(st, L, layer, h, q, s, K, kb);
     const size_t table_rows = (size_t)vpq->p.M * vpq->ksub;
     /* Values: decoded per token straight into po where the SIMD level has that kernel for this
      * shape (small groups, see accum_dec_u8), else summed per (m, c) in the W table. */
@@ -781,6 +899,11 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
             int n = vq_seg(st, t, b1);
             const uint8_t *kc = vq_kcodes(st, L, h, t);
             float *sc = s->s + (size_t)(t - b0) * gp;
+            if (st->rope[layer]) {
+                vq_score_decoded(st, h, q, t, n, s, K, sc);
+                t += n;
+                continue;
+            }
             if (L->fast_scan) {
                 K->score_fs_u8(n, Mk, G, gp, kc, s->lut8, s->fs_scale, s->fs_bias, sc);
             } else if (kbits8) {
@@ -922,6 +1045,10 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
     }
     const int n_jobs = base_jobs * n_split;
     const size_t psz = (size_t)gp * (2 + d);
+    if (st->rope[layer]) { /* every coded position a query of this call sees, decoded once */
+        const int hi = P + n_q < nc ? P + n_q : nc, lo = L->swa > 0 && P + 1 - L->swa > 0 ? P + 1 - L->swa : 0;
+        KVPQ_TRY(vq_decode_keys(st, L, layer, lo < hi ? lo : hi, hi));
+    }
     KVPQ_TRY(vq_grow((void **)&st->part, &st->part_cap, (size_t)n_jobs * psz, sizeof(float)));
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
     float *parts = st->part;
@@ -996,39 +1123,9 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
         size_t cs = L->kcs > L->vcs ? L->kcs : L->vcs;
         uint8_t *codes = malloc(nv * cs);
         float *x = malloc(nv * d * sizeof(float));
-        if (!codes || !x) {
-            free(codes);
-            free(x);
-            return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache read: out of memory");
-        }
-        kvpq_status rc = KVPQ_OK;
-        for (int which = 0; which < 2 && rc == KVPQ_OK; which++) {
-            float *dst = which ? v : k;
-            if (!dst) continue;
-            size_t sz = which ? L->vcs : L->kcs;
-            for (int t = pos0; t < c1; t++)
-                for (int h = 0; h < nkv; h++)
-                    memcpy(codes + ((size_t)(t - pos0) * nkv + h) * sz,
-                           which ? vq_vcodes(st, L, h, t) : vq_kcodes(st, L, h, t), sz);
-            if (!which && st->kpq2[layer]) rc = vq_decode_two(st->kpq[layer], st->kpq2[layer], nv, codes, x);
-            else rc = kvpq_pq_decode(which ? st->vpq[layer] : st->kpq[layer], nv, codes, x);
-            if (rc != KVPQ_OK) break;
-            if (which ? st->v_norm : st->k_norm)
-                for (int t = pos0; t < c1; t++)
-                    for (int h = 0; h < nkv; h++) {
-                        float sc, s32;
-                        uint16_t s16;
-                        K->f16_to_f32(1, vq_scales16(st, L, which, h, t, 1, &s32, &s16, K), &sc);
-                        float *xr = x + ((size_t)(t - pos0) * nkv + h) * d;
-                        for (int j = 0; j < d; j++) xr[j] *= sc;
-                    }
-            if (!which || st->value_rotate) rc = kvpq_hadamard(x, nv, d);
-            if (rc != KVPQ_OK) break;
-            for (size_t r = 0; r < nv; r++) {
-                const float *lam = st->smooth[layer] + (r % nkv) * d, *mu = st->mean[layer] + (r % nkv) * d;
-                for (int j = 0; j < d; j++) dst[r * d + j] = which ? x[r * d + j] : x[r * d + j] * lam[j] + mu[j];
-            }
-        }
+        kvpq_status rc = codes && x ? KVPQ_OK : kvpq__err(KVPQ_ERR_NOMEM, "VQ cache read: out of memory");
+        for (int which = 0; which < 2 && rc == KVPQ_OK; which++)
+            if (which ? v : k) rc = vq_decode_rows(st, L, layer, which, pos0, c1, codes, x, which ? v : k);
         free(codes);
         free(x);
         KVPQ_TRY(rc);

@@ -32,6 +32,7 @@
 
 #include "cache/cache_impl.h"
 #include "internal.h"
+#include "pq/pq_impl.h"
 
 typedef struct {
     int n_layer, n_head, n_head_kv, head_dim, window, value_rotate;
@@ -54,6 +55,9 @@ static kvpq_status vqc_layer_new(vqc_state *st, const kvpq_cache_params *p, int 
     if (kvpq_codebook_key_pq2_const(st->cb, l))
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache vq (cuda) layer %d: two key stages (residual VQ) run on the CPU "
                          "backend only", l);
+    if (kvpq__codebook_layer_rope(st->cb, l))
+        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache vq (cuda) layer %d: keys coded before RoPE (codebook key_rope_dims) "
+                         "run on the CPU backend only", l);
     kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
     cp.n_head = p->n_head;
     cp.n_head_kv = p->n_head_kv;

@@ -43,32 +43,36 @@
 #define CB_MAX_ABS 0x1p21
 
 /* Metadata keys derived from the params (read-only through set_meta), in the order written. */
-enum { CB_N_CONFIG = 13, CB_N_CONFIG_MAX = 15 };
+enum { CB_N_CONFIG_MAX = 17, CB_CONFIG_STAGES = 13, CB_CONFIG_ROPE = 15 };
 static const char *const cb_config_keys[CB_N_CONFIG_MAX] = {
     "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
     "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate", "k.norm", "v.norm",
     /* version 4, written only with key_stages = 2: */
     "k.stages",            "k2.M",
+    /* version 5, written only with key_rope_dims > 0: */
+    "k.rope_dims",         "k.rope",
 };
 
 /* Tensor kinds of one layer, in file order. */
-enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_K_MEAN = 3, CB_K_BOOK2 = 4, CB_N_KIND = 5 };
+enum { CB_K_SMOOTH = 0, CB_K_BOOK = 1, CB_V_BOOK = 2, CB_K_MEAN = 3, CB_K_BOOK2 = 4, CB_K_ROPE = 5, CB_N_KIND = 6 };
 static const char *const cb_kind_names[CB_N_KIND] = {"k.smooth", "k.codebook", "v.codebook", "k.mean",
-                                                     "k.codebook2"};
+                                                     "k.codebook2", "k.rope_freq"};
 /* Format version 1 files hold the first three kinds (no key mean: mu = 0); versions 2-3 the first
- * four; version 4 adds k.codebook2 in a codebook with two key stages. */
+ * four; version 4 adds k.codebook2 in a codebook with two key stages; version 5 k.rope_freq in a
+ * codebook with key_rope_dims > 0. */
 #define CB_N_KIND_V1 3
 
 struct kvpq_codebook {
     kvpq_codebook_params p;
     kvpq_pq **pq;       /* (n_layer, 2): [2*i] key quantizer, [2*i + 1] value quantizer */
     kvpq_pq **pq2;      /* (n_layer) key stage-two quantizers (key_stages = 2), else NULL */
-    int n_config;       /* config metadata entries: CB_N_CONFIG, or CB_N_CONFIG_MAX with two key stages */
+    int n_config;       /* config metadata entries: the cb_config_keys the params use (meta_put_config) */
     int *layer_M;       /* (n_layer, 3) each layer's key [3*i] and value [3*i + 1] M (p.key.M / p.value.M
                          * unless set_layer_key_M / set_layer_value_M changed it) and key stages
                          * [3*i + 2] (p.key_stages unless set_layer_key_stages changed it) */
     float *smooth;      /* (n_layer, n_head_kv, head_dim) key smoothing factors lambda */
     float *mean;        /* (n_layer, n_head_kv, head_dim) per-channel key mean mu */
+    float *rope_freq;   /* (n_layer, key_rope_dims / 2) RoPE inv_freq of keys coded before RoPE; NULL without */
     size_t n_meta, cap_meta;
     char **meta_key;    /* (n_meta); the first CB_N_CONFIG entries are cb_config_keys, then the
                          * k.M.{i} of the layers whose key M differs from k.M, in layer order, then
@@ -104,10 +108,20 @@ static kvpq_codebook_params params_normalize(const kvpq_codebook_params *in) {
     return p;
 }
 
-/* Version 4 features in use: head granularity or two key stages. */
-static int params_v4(const kvpq_codebook_params *p) {
-    return p->key.granularity == KVPQ_CODEBOOK_HEAD || p->value.granularity == KVPQ_CODEBOOK_HEAD ||
-           p->key_stages == 2;
+/* The format version a codebook of these params is written as: the oldest that holds its features
+ * (5: keys before RoPE; 4: head granularity or two key stages; else 3). */
+static const char *params_version(const kvpq_codebook_params *p) {
+    if (p->key_rope_dims > 0) return KVPQ_CODEBOOK_FORMAT_VERSION;
+    if (p->key.granularity == KVPQ_CODEBOOK_HEAD || p->value.granularity == KVPQ_CODEBOOK_HEAD || p->key_stages == 2)
+        return KVPQ_CODEBOOK_FORMAT_VERSION_V4;
+    return KVPQ_CODEBOOK_FORMAT_VERSION_PLAIN;
+}
+
+/* Whether config key i (cb_config_keys) is written for these params. */
+static int config_key_used(const kvpq_codebook_params *p, int i) {
+    if (i >= CB_CONFIG_ROPE) return p->key_rope_dims > 0;
+    if (i >= CB_CONFIG_STAGES) return p->key_stages == 2;
+    return 1;
 }
 
 static kvpq_status params_check(const kvpq_codebook_params *p) {
@@ -141,6 +155,11 @@ static kvpq_status params_check(const kvpq_codebook_params *p) {
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook value_norm=%d: expected 0 or 1", p->value_norm);
     if (p->key_stages < 0 || p->key_stages > 2)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key_stages=%d: expected 1 or 2", p->key_stages);
+    if (p->key_rope_dims < 0 || p->key_rope_dims % 2 || p->key_rope_dims > p->head_dim)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key_rope_dims=%d: expected an even number in [0, head_dim=%d]",
+                         p->key_rope_dims, p->head_dim);
+    if (p->key_rope_neox != 0 && p->key_rope_neox != 1)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key_rope_neox=%d: expected 0 or 1", p->key_rope_neox);
     if (p->key_stages == 2) {
         if (p->key2.d != p->head_dim)
             return kvpq__err(KVPQ_ERR_INVALID_ARG, "codebook key2.d=%d: expected head_dim=%d", p->key2.d, p->head_dim);
@@ -306,7 +325,7 @@ static kvpq_status meta_sync_layer_m(kvpq_codebook *cb) {
 static kvpq_status meta_put_config(kvpq_codebook *cb) {
     const kvpq_codebook_params *p = &cb->p;
     char v[CB_N_CONFIG_MAX][32];
-    snprintf(v[0], sizeof v[0], "%s", params_v4(p) ? KVPQ_CODEBOOK_FORMAT_VERSION : KVPQ_CODEBOOK_FORMAT_VERSION_PLAIN);
+    snprintf(v[0], sizeof v[0], "%s", params_version(p));
     snprintf(v[1], sizeof v[1], "%d", p->n_layer);
     snprintf(v[2], sizeof v[2], "%d", p->n_head_kv);
     snprintf(v[3], sizeof v[3], "%d", p->head_dim);
@@ -321,7 +340,14 @@ static kvpq_status meta_put_config(kvpq_codebook *cb) {
     snprintf(v[12], sizeof v[12], "%d", p->value_norm);
     snprintf(v[13], sizeof v[13], "%d", p->key_stages);
     snprintf(v[14], sizeof v[14], "%d", p->key2.M);
-    for (int i = 0; i < cb->n_config; i++) KVPQ_TRY(meta_put(cb, cb_config_keys[i], v[i]));
+    snprintf(v[15], sizeof v[15], "%d", p->key_rope_dims);
+    snprintf(v[16], sizeof v[16], "%s", p->key_rope_neox ? "neox" : "norm");
+    cb->n_config = 0;
+    for (int i = 0; i < CB_N_CONFIG_MAX; i++)
+        if (config_key_used(p, i)) {
+            KVPQ_TRY(meta_put(cb, cb_config_keys[i], v[i]));
+            cb->n_config++;
+        }
     return KVPQ_OK;
 }
 
@@ -335,14 +361,15 @@ kvpq_status kvpq_codebook_new(kvpq_codebook **out, const kvpq_codebook_params *p
     kvpq_codebook *cb = calloc(1, sizeof *cb);
     if (!cb) return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory");
     cb->p = *p;
-    cb->n_config = p->key_stages == 2 ? CB_N_CONFIG_MAX : CB_N_CONFIG;
     size_t n_smooth = (size_t)p->n_layer * p->n_head_kv * p->head_dim;
     cb->pq = calloc((size_t)2 * p->n_layer, sizeof *cb->pq);
     cb->pq2 = calloc((size_t)p->n_layer, sizeof *cb->pq2);
     cb->layer_M = malloc((size_t)3 * p->n_layer * sizeof *cb->layer_M);
     cb->smooth = malloc(n_smooth * sizeof(float));
     cb->mean = calloc(n_smooth, sizeof(float)); /* mu = 0: no centering until trained */
-    if (!cb->pq || !cb->pq2 || !cb->layer_M || !cb->smooth || !cb->mean) {
+    if (p->key_rope_dims > 0) /* inv_freq 0: no rotation until set */
+        cb->rope_freq = calloc((size_t)p->n_layer * (p->key_rope_dims / 2), sizeof(float));
+    if (!cb->pq || !cb->pq2 || !cb->layer_M || !cb->smooth || !cb->mean || (p->key_rope_dims > 0 && !cb->rope_freq)) {
         kvpq_codebook_free(cb);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_codebook_new: out of memory for %d layers", p->n_layer);
     }
@@ -382,6 +409,7 @@ void kvpq_codebook_free(kvpq_codebook *cb) {
     free(cb->layer_M);
     free(cb->smooth);
     free(cb->mean);
+    free(cb->rope_freq);
     for (size_t i = 0; i < cb->n_meta; i++) {
         free(cb->meta_key[i]);
         free(cb->meta_val[i]);
@@ -535,6 +563,22 @@ const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer) {
     return kvpq_codebook_key_mean((kvpq_codebook *)cb, layer);
 }
 
+float *kvpq_codebook_key_rope_freq(kvpq_codebook *cb, int layer) {
+    if (!cb || !cb->rope_freq || layer < 0 || layer >= cb->p.n_layer) return NULL;
+    return cb->rope_freq + (size_t)layer * (cb->p.key_rope_dims / 2);
+}
+
+const float *kvpq_codebook_key_rope_freq_const(const kvpq_codebook *cb, int layer) {
+    return kvpq_codebook_key_rope_freq((kvpq_codebook *)cb, layer);
+}
+
+const float *kvpq__codebook_layer_rope(const kvpq_codebook *cb, int layer) {
+    const float *f = kvpq_codebook_key_rope_freq_const(cb, layer);
+    for (int i = 0; f && i < cb->p.key_rope_dims / 2; i++)
+        if (f[i] != 0.0f) return f;
+    return NULL;
+}
+
 /* A value k.norm_bits / v.norm_bits may hold (kvpq__codebook_scale_bytes): "8" or "16". */
 static int norm_bits_ok(const char *v) { return !strcmp(v, "8") || !strcmp(v, "16"); }
 
@@ -616,6 +660,11 @@ typedef struct {
  * v.M.{i}). */
 static cb_shape tensor_shape(const kvpq_codebook_params *p, int kind, const int *lm) {
     cb_shape s = {0};
+    if (kind == CB_K_ROPE) {
+        s.ndim = 1;
+        s.dim[0] = (uint64_t)(p->key_rope_dims / 2);
+        return s;
+    }
     if (kind == CB_K_SMOOTH || kind == CB_K_MEAN) {
         s.ndim = 2;
         s.dim[0] = (uint64_t)p->n_head_kv;
@@ -647,6 +696,10 @@ static void shape_str(const cb_shape *s, char *buf, size_t cap) {
 
 /* Tensor data of (layer, kind): the borrowed floats and their count. */
 static float *tensor_data(const kvpq_codebook *cb, int layer, int kind, size_t *n) {
+    if (kind == CB_K_ROPE) {
+        *n = (size_t)cb->p.key_rope_dims / 2;
+        return cb->rope_freq + (size_t)layer * *n;
+    }
     if (kind == CB_K_SMOOTH || kind == CB_K_MEAN) {
         *n = (size_t)cb->p.n_head_kv * cb->p.head_dim;
         return (kind == CB_K_SMOOTH ? cb->smooth : cb->mean) + (size_t)layer * *n;
@@ -669,11 +722,22 @@ static kvpq_status check_values(const float *x, size_t n, int kind, const char *
         if (kind == CB_K_SMOOTH && !(x[i] >= CB_SMOOTH_MIN && x[i] <= CB_SMOOTH_MAX))
             return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: smoothing factors must lie in [%g, %g]",
                              name, i, (double)x[i], CB_SMOOTH_MIN, CB_SMOOTH_MAX);
+        if (kind == CB_K_ROPE && !(x[i] >= 0))
+            return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: RoPE frequencies must be >= 0", name, i,
+                             (double)x[i]);
         if (kind != CB_K_SMOOTH && !(fabsf(x[i]) <= CB_MAX_ABS))
             return kvpq__err(KVPQ_ERR_FORMAT, "tensor %s element %zu is %g: expected |x| <= %g", name, i, (double)x[i],
                              CB_MAX_ABS);
     }
     return KVPQ_OK;
+}
+
+/* Whether layer l holds a tensor of `kind` in the file: stage two only where the layer has it, the
+ * RoPE frequencies only with key_rope_dims > 0. */
+static int tensor_present(const kvpq_codebook *cb, int l, int kind) {
+    if (kind == CB_K_BOOK2) return cb->pq2[l] != NULL;
+    if (kind == CB_K_ROPE) return cb->p.key_rope_dims > 0;
+    return 1;
 }
 
 /* ---- save ------------------------------------------------------------------------------------- */
@@ -700,7 +764,7 @@ static char *build_header(const kvpq_codebook *cb) {
     uint64_t off = 0;
     for (int l = 0; l < cb->p.n_layer; l++) {
         for (int k = 0; k < CB_N_KIND; k++) {
-            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
+            if (!tensor_present(cb, l, k)) continue;
             char name[64];
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
             cb_shape sh = tensor_shape(&cb->p, k, cb->layer_M + 3 * l);
@@ -742,7 +806,7 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     /* Never write a file that load would reject. */
     for (int l = 0; l < cb->p.n_layer; l++)
         for (int k = 0; k < CB_N_KIND; k++) {
-            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
+            if (!tensor_present(cb, l, k)) continue;
             char name[64];
             size_t n;
             snprintf(name, sizeof name, "layers.%d.%s", l, cb_kind_names[k]);
@@ -792,7 +856,7 @@ kvpq_status kvpq_codebook_save(const kvpq_codebook *cb, const char *path) {
     cJSON_free(json);
     for (int l = 0; ok && l < cb->p.n_layer; l++)
         for (int k = 0; ok && k < CB_N_KIND; k++) {
-            if (k == CB_K_BOOK2 && !cb->pq2[l]) continue;
+            if (!tensor_present(cb, l, k)) continue;
             size_t n;
             const float *x = tensor_data(cb, l, k, &n);
             ok = write_all(fd, x, n * sizeof(float)) == 0;
@@ -857,6 +921,23 @@ static int cmp_str_ptr(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
+/* Version 5's k.rope_dims and k.rope (keys coded before RoPE) into p; absent: 0 (keys as given). */
+static kvpq_status read_rope_config(const cJSON *meta, int version, kvpq_codebook_params *p) {
+    const cJSON *dims = cJSON_GetObjectItemCaseSensitive(meta, "k.rope_dims");
+    const cJSON *mode = cJSON_GetObjectItemCaseSensitive(meta, "k.rope");
+    if (!dims && !mode) return KVPQ_OK;
+    if (version < 5)
+        return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.rope_dims / k.rope appear in a version %d file (added in version 5)",
+                         version);
+    if (!dims || !mode) return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.rope_dims and k.rope appear only together");
+    KVPQ_TRY(meta_int(meta, "k.rope_dims", 2, CB_MAX_HEAD_DIM, &p->key_rope_dims));
+    if (!strcmp(mode->valuestring, "norm") || !strcmp(mode->valuestring, "neox"))
+        p->key_rope_neox = mode->valuestring[0] == 'n' && mode->valuestring[1] == 'e';
+    else
+        return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.rope='%.64s': expected norm or neox", mode->valuestring);
+    return KVPQ_OK;
+}
+
 /* Validate __metadata__ (an object of strings, no duplicate keys) and read the params from it. */
 static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *version) {
     if (!cJSON_IsObject(meta))
@@ -886,10 +967,11 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
     if (!strcmp(ver->valuestring, "1")) *version = 1;
     else if (!strcmp(ver->valuestring, "2")) *version = 2;
     else if (!strcmp(ver->valuestring, "3")) *version = 3;
-    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 4;
+    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION_V4)) *version = 4;
+    else if (!strcmp(ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION)) *version = 5;
     else
         return kvpq__err(KVPQ_ERR_UNSUPPORTED,
-                         "format version '%.32s' is not supported: this build reads versions 1, 2, 3 and %s",
+                         "format version '%.32s' is not supported: this build reads versions 1 to %s",
                          ver->valuestring, KVPQ_CODEBOOK_FORMAT_VERSION);
     memset(p, 0, sizeof *p);
     KVPQ_TRY(meta_int(meta, "n_layer", 1, CB_MAX_LAYER, &p->n_layer));
@@ -934,6 +1016,7 @@ static kvpq_status read_config(const cJSON *meta, kvpq_codebook_params *p, int *
             return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.granularity / v.granularity 'head' in a version %d file "
                              "(added in version 4)", *version);
     }
+    KVPQ_TRY(read_rope_config(meta, *version, p));
     p->key.d = p->value.d = p->head_dim;
     *p = params_normalize(p);
     if (params_check(p) != KVPQ_OK) {
@@ -1068,7 +1151,8 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
     KVPQ_TRY(read_config(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, &version));
     /* kinds the file must hold per layer: the first n_kind, plus k.codebook2 with two key stages */
     const int n_kind = version == 1 ? CB_N_KIND_V1 : CB_K_MEAN + 1;
-#define CB_KIND_EXPECTED(k, l) ((k) < n_kind || ((k) == CB_K_BOOK2 && key_M[3 * (l) + 2] == 2))
+#define CB_KIND_EXPECTED(k, l) \
+    ((k) < n_kind || ((k) == CB_K_BOOK2 && key_M[3 * (l) + 2] == 2) || ((k) == CB_K_ROPE && p.key_rope_dims > 0))
     int *key_M = malloc((size_t)3 * p.n_layer * sizeof *key_M); /* (n_layer, 3) key M, value M, key stages */
     if (!key_M) return kvpq__err(KVPQ_ERR_NOMEM, "out of memory");
     kvpq_status s = read_layer_m(cJSON_GetObjectItemCaseSensitive(root, "__metadata__"), &p, key_M);
@@ -1092,11 +1176,12 @@ static kvpq_status load_header(kvpq_codebook **out, const cJSON *root, const uin
         }
         int layer, kind;
         if (!parse_tensor_name(t->string, &layer, &kind) || layer >= p.n_layer || !CB_KIND_EXPECTED(kind, layer)) {
-            s = kvpq__err(KVPQ_ERR_FORMAT, "unexpected tensor '%.64s' (a version %d file holds layers.{0..%d}.{%s})",
+            s = kvpq__err(KVPQ_ERR_FORMAT, "unexpected tensor '%.64s' (a version %d file holds layers.{0..%d}.{%s%s})",
                           t->string, version, p.n_layer - 1,
-                          version == 1            ? "k.smooth, k.codebook, v.codebook"
-                          : p.key_stages == 2     ? "k.smooth, k.mean, k.codebook, k.codebook2, v.codebook"
-                                                  : "k.smooth, k.mean, k.codebook, v.codebook");
+                          version == 1 ? "k.smooth, k.codebook, v.codebook"
+                                       : p.key_stages == 2 ? "k.smooth, k.mean, k.codebook, k.codebook2, v.codebook"
+                                                           : "k.smooth, k.mean, k.codebook, v.codebook",
+                          p.key_rope_dims > 0 ? ", k.rope_freq" : "");
             break;
         }
         cb_range *r = &seen[(size_t)layer * CB_N_KIND + kind];
@@ -1304,6 +1389,9 @@ static kvpq_status copy_layer_books(kvpq_codebook *dst, const kvpq_codebook *src
         kvpq_pq *to = w == 2 ? dst->pq2[l] : dst->pq[2 * l + w];
         if (from) KVPQ_TRY(kvpq_pq_set_centroids(to, kvpq_pq_centroids(from), kvpq_pq_centroids_size(from)));
     }
+    if (src->rope_freq) /* the same params: the same key_rope_dims */
+        memcpy(kvpq_codebook_key_rope_freq(dst, l), kvpq_codebook_key_rope_freq_const(src, l),
+               sizeof(float) * (size_t)(src->p.key_rope_dims / 2));
     return KVPQ_OK;
 }
 

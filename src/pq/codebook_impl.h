@@ -8,8 +8,9 @@
 #include "kvpq.h"
 
 /* The safetensors format version this build writes and reads (metadata kvpq.format_version). */
-#define KVPQ_CODEBOOK_FORMAT_VERSION "4" /* written when a codebook uses head granularity or two key
-                                           * stages; else "3", so older builds still read it */
+#define KVPQ_CODEBOOK_FORMAT_VERSION "5" /* written when a codebook codes keys before RoPE */
+#define KVPQ_CODEBOOK_FORMAT_VERSION_V4 "4" /* written when a codebook uses head granularity or two key
+                                             * stages; else "3", so older builds still read it */
 #define KVPQ_CODEBOOK_FORMAT_VERSION_PLAIN "3" /* versions 1 (no k.mean), 2 (no k.norm, v.norm) read too */
 
 /* Largest JSON header accepted (the safetensors reference reader's limit is 100 MB as well). */

@@ -43,6 +43,9 @@ static inline const float *kvpq__pq_norms(const kvpq_pq *pq, int m) {
  * finer quantizers keep float16, whose error the 8-bit code would exceed); else 2 (float16). KVPQ_ERR_FORMAT when that
  * metadata holds anything but "8" or "16". */
 kvpq_status kvpq__codebook_scale_bytes(const kvpq_codebook *cb, int layer, int is_value, int *bytes);
+/* A layer's RoPE frequencies when it codes keys before RoPE (key_rope_dims > 0 and some inv_freq
+ * nonzero), else NULL: the one test of the cache, its CUDA kind and calibration. */
+const float *kvpq__codebook_layer_rope(const kvpq_codebook *cb, int layer);
 
 /* The VQ cache's page of one layer (cache_vq.c), shared with the byte model (kvpq_vq_cache_bytes)
  * so that the two agree to the byte: K codes then V codes (n_head_kv * page_tokens * (kcs + vcs)

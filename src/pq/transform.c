@@ -231,3 +231,58 @@ kvpq_status kvpq_smooth_apply_query(float *q, size_t n, int n_head, int n_head_k
         }
     return KVPQ_OK;
 }
+
+// ---- RoPE ----------------------------------------------------------------------------------------
+
+/* Rotate pair i of each head of vector x (n_head, head_dim) by (c, s). */
+static void rope_pair(float *x, int n_head, int head_dim, int i, int other, int stride, float c, float s) {
+    for (int h = 0; h < n_head; h++) {
+        float *p = x + (size_t)h * head_dim + (size_t)i * stride;
+        const float x0 = p[0], x1 = p[other];
+        p[0] = x0 * c - x1 * s;
+        p[other] = x0 * s + x1 * c;
+    }
+}
+
+/* Positions given one by one: the angle of each (t, i) from cos / sin in double, as llama.c's rope. */
+static void rope_at(float *x, size_t n, int n_head, int head_dim, int half, int neox, const float *inv_freq,
+                    const int32_t *pos, int sign) {
+    const int stride = neox ? 1 : 2, other = neox ? half : 1;
+    for (size_t t = 0; t < n; t++)
+        for (int i = 0; i < half; i++) {
+            const double th = sign * (double)pos[t] * inv_freq[i];
+            rope_pair(x + t * (size_t)n_head * head_dim, n_head, head_dim, i, other, stride, (float)cos(th),
+                      (float)sin(th));
+        }
+}
+
+/* Consecutive positions pos0, pos0 + 1, ...: per pair, cos / sin at pos0 and then one complex
+ * multiplication by e^(i sign inv_freq) per step, in double (n steps drift by ~n 1e-16), instead of
+ * n cos / sin calls: the form the VQ cache's attention uses on every coded key. */
+static void rope_run(float *x, size_t n, int n_head, int head_dim, int half, int neox, const float *inv_freq, int pos0,
+                     int sign) {
+    const int stride = neox ? 1 : 2, other = neox ? half : 1;
+    const size_t row = (size_t)n_head * head_dim;
+    for (int i = 0; i < half; i++) {
+        const double w = sign * (double)inv_freq[i], cw = cos(w), sw = sin(w);
+        double c = cos(pos0 * w), s = sin(pos0 * w);
+        for (size_t t = 0; t < n; t++) {
+            rope_pair(x + t * row, n_head, head_dim, i, other, stride, (float)c, (float)s);
+            const double c1 = c * cw - s * sw;
+            s = s * cw + c * sw;
+            c = c1;
+        }
+    }
+}
+
+kvpq_status kvpq_rope_rotate(float *x, size_t n, int n_head, int head_dim, int n_rot, int neox, const float *inv_freq,
+                             const int32_t *pos, int pos0, int sign) {
+    if (n_head < 1 || head_dim < 1 || n_rot < 0 || n_rot % 2 || n_rot > head_dim || (sign != 1 && sign != -1))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_rope_rotate: n_head %d, head_dim %d, n_rot %d, sign %d (expected "
+                         "n_head, head_dim >= 1, n_rot even in [0, head_dim], sign +-1)", n_head, head_dim, n_rot, sign);
+    if (n > 0 && (!x || (n_rot > 0 && !inv_freq)))
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_rope_rotate: %s is NULL", x ? "inv_freq" : "x");
+    if (pos) rope_at(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos, sign);
+    else rope_run(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos0, sign);
+    return KVPQ_OK;
+}
