@@ -1,0 +1,278 @@
+/* test_cache_rope.c — keys coded before RoPE (kvpq_codebook_params.key_rope_dims): kvpq_rope_rotate
+ * against the closed form and its inverse; attention from codes against exact fp64 attention over
+ * the cache's own reconstruction (kvpq_cache_read, which applies RoPE) for every head_dim the VQ
+ * cache takes, both pair layouts, a partial rotation, sinks (position offset), a window, a sliding
+ * window, norm-explicit and two-stage keys; with keys that the codebook holds exactly (lossless
+ * codes), reading back gives the appended post-RoPE keys and attention equals exact attention over
+ * them; save and load keep it. KVPQ_QUICK=1 shrinks sizes. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cache_testutil.h"
+
+/* Attention from decoded keys vs fp64 over read(): float32 dot products and the online softmax. */
+#define ATTEND_TOL 2e-4
+
+typedef struct {
+    int head_dim, n_rot, neox;
+    int n_head, n_head_kv;
+    int norm;        /* norm-explicit keys and values */
+    int sinks, window, sliding;
+    const char *key2; /* a second key stage's preset, or NULL */
+} rope_cfg;
+
+/* inv_freq[i] = base^(-2i / n_rot) (RoPE's frequencies, as llama.c computes them). */
+static void set_freqs(kvpq_codebook *cb, int layer, int n_rot, double base) {
+    float *f = kvpq_codebook_key_rope_freq(cb, layer);
+    cr_assert_not_null(f);
+    for (int i = 0; i < n_rot / 2; i++) f[i] = (float)pow(base, -2.0 * i / n_rot);
+}
+
+/* A d4b8 codebook (random centroids, lambda, mu) of n_layer layers coding keys before RoPE with the
+ * config's layout; layer 1 (if any) keeps inv_freq 0 (keys as given). */
+static kvpq_codebook *rope_codebook(const rope_cfg *c, int n_layer, uint64_t seed) {
+    kvpq_codebook_params p = kvpq_codebook_params_default();
+    p.n_layer = n_layer;
+    p.n_head_kv = c->n_head_kv;
+    p.head_dim = c->head_dim;
+    cr_assert_eq(kvpq_pq_params_preset(&p.key, "d4b8", c->head_dim), KVPQ_OK);
+    cr_assert_eq(kvpq_pq_params_preset(&p.value, "d4b8", c->head_dim), KVPQ_OK);
+    p.key_norm = p.value_norm = c->norm;
+    p.key_rope_dims = c->n_rot;
+    p.key_rope_neox = c->neox;
+    if (c->key2) {
+        p.key_stages = 2;
+        cr_assert_eq(kvpq_pq_params_preset(&p.key2, c->key2, c->head_dim), KVPQ_OK);
+    }
+    kvpq_codebook *cb;
+    cr_assert_eq(kvpq_codebook_new(&cb, &p), KVPQ_OK, "%s", kvpq_last_error());
+    for (int l = 0; l < n_layer; l++) {
+        for (int w = 0; w < 3; w++) {
+            kvpq_pq *pq = w == 2 ? kvpq_codebook_key_pq2(cb, l) : kvpq_codebook_pq(cb, l, w);
+            if (!pq) continue;
+            const size_t n = kvpq_pq_centroids_size(pq);
+            float *x = rand_vec(n, seed++, w == 2 ? 0.2f : c->norm ? 0.25f : 1.0f);
+            cr_assert_eq(kvpq_pq_set_centroids(pq, x, n), KVPQ_OK);
+            free(x);
+        }
+        float *lam = kvpq_codebook_key_smooth(cb, l), *mu = kvpq_codebook_key_mean(cb, l);
+        for (int i = 0; i < c->n_head_kv * c->head_dim; i++) {
+            lam[i] = (float)(0.5 + 1.5 * rng_unif(&seed));
+            mu[i] = (float)(2.0 * rng_unif(&seed) - 1.0);
+        }
+        if (l != 1) set_freqs(cb, l, c->n_rot, 10000.0);
+    }
+    return cb;
+}
+
+static kvpq_cache_params rope_params(const kvpq_codebook *cb, const rope_cfg *c, int n_layer, int max_seq) {
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ;
+    p.n_layer = n_layer;
+    p.n_head = c->n_head;
+    p.n_head_kv = c->n_head_kv;
+    p.head_dim = c->head_dim;
+    p.max_seq = max_seq;
+    p.window = c->window;
+    p.sinks = c->sinks;
+    p.sliding_window = c->sliding;
+    p.page_tokens = 64;
+    p.codebook = cb;
+    p.n_threads = 2;
+    p.backend = KVPQ_BACKEND_CPU;
+    return p;
+}
+
+static kvpq_cache *rope_cache(const kvpq_codebook *cb, const rope_cfg *c, int n_layer, int max_seq) {
+    const kvpq_cache_params p = rope_params(cb, c, n_layer, max_seq);
+    kvpq_cache *cache;
+    cr_assert_eq(kvpq_cache_new(&cache, &p), KVPQ_OK, "%s", kvpq_last_error());
+    return cache;
+}
+
+/* Attend the newest n_q positions of a layer and compare with fp64 over read() (the reconstruction,
+ * RoPE applied); returns the error relative to max |ref|. */
+static double attend_vs_read(kvpq_cache *cache, const rope_cfg *c, int layer, int n_q, uint64_t seed) {
+    const int len = kvpq_cache_seq_len(cache, layer), d = c->head_dim;
+    const size_t kvn = (size_t)len * c->n_head_kv * d, qn = (size_t)n_q * c->n_head * d;
+    float *k = malloc(kvn * sizeof *k), *v = malloc(kvn * sizeof *v), *out = malloc(qn * sizeof *out);
+    float *q = rand_vec(qn, seed, 1.5f);
+    double *ref = malloc(qn * sizeof *ref);
+    /* a sliding window's layer holds only what its queries still see: the rows before stay 0 */
+    const int lo = c->sliding && len - n_q + 1 - c->sliding > 0 ? len - n_q + 1 - c->sliding : 0;
+    memset(k, 0, kvn * sizeof *k), memset(v, 0, kvn * sizeof *v);
+    const size_t off = (size_t)lo * c->n_head_kv * d;
+    cr_assert_eq(kvpq_cache_read(cache, layer, lo, len - lo, k + off, v + off), KVPQ_OK, "%s", kvpq_last_error());
+    cr_assert_eq(kvpq_cache_attend(cache, layer, n_q, q, out), KVPQ_OK, "%s", kvpq_last_error());
+    ref_attend_window(len, n_q, c->n_head, c->n_head_kv, d, c->sliding, k, v, q, ref);
+    const double e = rel_err_f64(out, ref, qn);
+    free(k), free(v), free(out), free(q), free(ref);
+    return e;
+}
+
+/* Prefill in uneven chunks, then decode steps, attending every layer after each append. */
+static void run_rope(const rope_cfg *c, int len) {
+    const int L = 2; /* layer 0 before RoPE, layer 1 as given */
+    kvpq_codebook *cb = rope_codebook(c, L, 7);
+    kvpq_cache *cache = rope_cache(cb, c, L, len + 8);
+    uint64_t seed = 99;
+    for (int done = 0, step = 0; done < len; step++) {
+        int n = done < len - 4 ? 29 + 41 * (step % 3) : 1;
+        if (n > len - done) n = len - done;
+        const size_t sz = (size_t)n * c->n_head_kv * c->head_dim;
+        for (int l = 0; l < L; l++) {
+            float *k = rand_vec(sz, seed++, 1.0f), *v = rand_vec(sz, seed++, 1.0f);
+            cr_assert_eq(kvpq_cache_append(cache, l, n, k, v), KVPQ_OK, "%s", kvpq_last_error());
+            free(k), free(v);
+        }
+        done += n;
+        for (int l = 0; l < L; l++) {
+            const double e = attend_vs_read(cache, c, l, n < 6 ? n : 6, seed++);
+            cr_assert(e <= ATTEND_TOL, "layer %d len %d (d %d n_rot %d neox %d heads %d/%d norm %d sinks %d window %d "
+                      "sliding %d key2 %s): error %g", l, done, c->head_dim, c->n_rot, c->neox, c->n_head, c->n_head_kv,
+                      c->norm, c->sinks, c->window, c->sliding, c->key2 ? c->key2 : "-", e);
+        }
+    }
+    kvpq_cache_free(cache);
+    kvpq_codebook_free(cb);
+}
+
+Test(cache_rope, rotate_matches_closed_form_and_inverts) {
+    const int n = 40, H = 2, d = 16, n_rot = 12;
+    float f[6];
+    for (int i = 0; i < 6; i++) f[i] = powf(500.0f, -2.0f * i / n_rot);
+    for (int neox = 0; neox < 2; neox++) {
+        float *x = rand_vec((size_t)n * H * d, 5, 1.0f), *y = malloc(sizeof(float) * n * H * d);
+        int32_t pos[40];
+        for (int t = 0; t < n; t++) pos[t] = 1000 + t;
+        memcpy(y, x, sizeof(float) * n * H * d);
+        cr_assert_eq(kvpq_rope_rotate(y, n, H, d, n_rot, neox, f, NULL, 1000, 1), KVPQ_OK);
+        for (int t = 0; t < n; t++)
+            for (int h = 0; h < H; h++)
+                for (int j = 0; j < d; j++) {
+                    const float *xr = x + ((size_t)t * H + h) * d;
+                    const int i = neox ? j % (n_rot / 2) : j / 2, first = neox ? j < n_rot / 2 : j % 2 == 0;
+                    const int a = neox ? i : 2 * i, b = neox ? i + n_rot / 2 : 2 * i + 1;
+                    const double th = (1000.0 + t) * f[i], c = cos(th), s = sin(th);
+                    const double want = j >= n_rot ? xr[j] : first ? xr[a] * c - xr[b] * s : xr[a] * s + xr[b] * c;
+                    cr_assert(fabs(y[((size_t)t * H + h) * d + j] - want) < 1e-5, "neox %d t %d h %d j %d: %g vs %g",
+                              neox, t, h, j, (double)y[((size_t)t * H + h) * d + j], want);
+                }
+        float *z = malloc(sizeof(float) * n * H * d);
+        memcpy(z, y, sizeof(float) * n * H * d);
+        cr_assert_eq(kvpq_rope_rotate(z, n, H, d, n_rot, neox, f, pos, 0, -1), KVPQ_OK); /* explicit positions */
+        for (size_t i = 0; i < (size_t)n * H * d; i++) cr_assert(fabsf(z[i] - x[i]) < 1e-5f, "inverse at %zu", i);
+        free(x), free(y), free(z);
+    }
+    float x1[4] = {0};
+    cr_assert_eq(kvpq_rope_rotate(x1, 1, 1, 4, 3, 0, f, NULL, 0, 1), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_rope_rotate(x1, 1, 1, 4, 6, 0, f, NULL, 0, 1), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_rope_rotate(x1, 1, 1, 4, 4, 0, f, NULL, 0, 2), KVPQ_ERR_INVALID_ARG);
+    cr_assert_eq(kvpq_rope_rotate(x1, 1, 1, 4, 4, 0, NULL, NULL, 0, 1), KVPQ_ERR_INVALID_ARG);
+}
+
+Test(cache_rope, every_head_dim_and_layout_matches_fp64) {
+    const int len = quick() ? 200 : 330;
+    const int dims[] = {16, 64, 128, 256};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        for (int neox = 0; neox < 2; neox++) {
+            rope_cfg c = {.head_dim = dims[i], .n_rot = dims[i], .neox = neox, .n_head = 6, .n_head_kv = 2,
+                          .window = 32};
+            run_rope(&c, len);
+        }
+}
+
+Test(cache_rope, partial_rotation_sinks_windows_norm_and_stages_match_fp64) {
+    const int len = quick() ? 200 : 330;
+    const rope_cfg cs[] = {
+        {.head_dim = 64, .n_rot = 32, .neox = 1, .n_head = 4, .n_head_kv = 4, .window = 16},
+        {.head_dim = 64, .n_rot = 64, .neox = 0, .n_head = 9, .n_head_kv = 3, .window = 0, .sinks = 3},
+        {.head_dim = 128, .n_rot = 128, .neox = 1, .n_head = 8, .n_head_kv = 2, .window = 16, .sliding = 100},
+        {.head_dim = 64, .n_rot = 64, .neox = 1, .n_head = 6, .n_head_kv = 2, .window = 16, .norm = 1, .sinks = 2},
+        {.head_dim = 64, .n_rot = 64, .neox = 0, .n_head = 6, .n_head_kv = 2, .window = 16, .key2 = "d8b8"},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) run_rope(&cs[i], len);
+}
+
+/* Keys the codebook holds exactly: k_pre = lambda H x + mu with x made of centroids, appended after
+ * RoPE at their sequence positions (sinks included). The cache turns them back, finds the same
+ * centroids, and turns the reconstruction forward: read() returns the appended keys to fp16
+ * precision, and attention equals exact fp64 attention over them; save and load give the same. */
+Test(cache_rope, lossless_codes_give_the_appended_keys_and_exact_attention) {
+    const int n = quick() ? 300 : 600;
+    for (int neox = 0; neox < 2; neox++) {
+        rope_cfg c = {.head_dim = 64, .n_rot = 64, .neox = neox, .n_head = 6, .n_head_kv = 2, .window = 16, .sinks = 4};
+        kvpq_codebook *cb = rope_codebook(&c, 1, 11);
+        const int d = c.head_dim, H = c.n_head_kv, M = 16;
+        const float *C = kvpq_pq_centroids(kvpq_codebook_pq_const(cb, 0, 0)); /* shared (256, 4) */
+        const float *lam = kvpq_codebook_key_smooth_const(cb, 0), *mu = kvpq_codebook_key_mean_const(cb, 0);
+        float *k = malloc(sizeof(float) * n * H * d), *v = rand_vec((size_t)n * H * d, 3, 1.0f);
+        uint64_t seed = 21;
+        for (int r = 0; r < n * H; r++) {
+            float *x = k + (size_t)r * d;
+            for (int m = 0; m < M; m++) memcpy(x + 4 * m, C + 4 * (rng_next(&seed) % 256), 4 * sizeof(float));
+            cr_assert_eq(kvpq_hadamard(x, 1, d), KVPQ_OK);
+            for (int j = 0; j < d; j++) x[j] = x[j] * lam[(r % H) * d + j] + mu[(r % H) * d + j];
+        }
+        cr_assert_eq(kvpq_rope_rotate(k, n, H, d, c.n_rot, neox, kvpq_codebook_key_rope_freq_const(cb, 0), NULL, 0, 1),
+                     KVPQ_OK);
+        kvpq_cache *cache = rope_cache(cb, &c, 1, n);
+        for (int t = 0; t < n; t += 97) {
+            const int m = n - t < 97 ? n - t : 97;
+            cr_assert_eq(kvpq_cache_append(cache, 0, m, k + (size_t)t * H * d, v + (size_t)t * H * d), KVPQ_OK);
+        }
+        kvpq_cache_stats st;
+        cr_assert_eq(kvpq_cache_get_stats(cache, &st), KVPQ_OK);
+        cr_assert_gt(st.tokens_coded, n / 2, "most positions coded");
+        for (int round = 0; round < 2; round++) {
+            float *kr = malloc(sizeof(float) * n * H * d), *vr = malloc(sizeof(float) * n * H * d);
+            cr_assert_eq(kvpq_cache_read(cache, 0, 0, n, kr, vr), KVPQ_OK);
+            double kmax = 0, kerr = 0;
+            for (size_t i = 0; i < (size_t)n * H * d; i++) {
+                kmax = fmax(kmax, fabs(k[i]));
+                kerr = fmax(kerr, fabs(kr[i] - k[i]));
+            }
+            cr_assert(kerr <= 2e-3 * kmax, "neox %d round %d: keys read back off by %g (max |k| %g)", neox, round, kerr,
+                      kmax);
+            const int nq = 5;
+            float *q = rand_vec((size_t)nq * c.n_head * d, 8, 1.0f), *out = malloc(sizeof(float) * nq * c.n_head * d);
+            double *ref = malloc(sizeof(double) * nq * c.n_head * d);
+            cr_assert_eq(kvpq_cache_attend(cache, 0, nq, q, out), KVPQ_OK);
+            ref_attend(n, nq, c.n_head, H, d, k, vr, q, ref); /* exact keys; the values as coded */
+            const double e = rel_err_f64(out, ref, (size_t)nq * c.n_head * d);
+            cr_assert(e <= 2e-3, "neox %d round %d: attention vs exact over the appended keys: %g", neox, round, e);
+            free(kr), free(vr), free(q), free(out), free(ref);
+            if (round) break;
+            /* save, load into a fresh cache, and check again */
+            char path[64];
+            snprintf(path, sizeof path, "/tmp/kvpq_rope_%d.kvpq", (int)getpid());
+            cr_assert_eq(kvpq_cache_save(cache, path, NULL, 0), KVPQ_OK, "%s", kvpq_last_error());
+            kvpq_cache_free(cache);
+            const kvpq_cache_params lp = rope_params(cb, &c, 1, n);
+            cr_assert_eq(kvpq_cache_load(&cache, &lp, path, NULL, NULL), KVPQ_OK, "%s", kvpq_last_error());
+            unlink(path);
+        }
+        kvpq_cache_free(cache);
+        kvpq_codebook_free(cb);
+        free(k), free(v);
+    }
+}
+
+/* The CUDA kind refuses keys coded before RoPE by name (a build without CUDA refuses the backend). */
+Test(cache_rope, cuda_backend_refuses_or_is_absent) {
+    rope_cfg c = {.head_dim = 64, .n_rot = 64, .n_head = 2, .n_head_kv = 2, .window = 8};
+    kvpq_codebook *cb = rope_codebook(&c, 1, 3);
+    kvpq_cache_params p = kvpq_cache_params_default();
+    p.type = KVPQ_CACHE_VQ;
+    p.n_layer = 1, p.n_head = 2, p.n_head_kv = 2, p.head_dim = 64, p.max_seq = 64;
+    p.codebook = cb;
+    p.backend = KVPQ_BACKEND_CUDA;
+    kvpq_cache *cache = NULL;
+    const kvpq_status s = kvpq_cache_new(&cache, &p);
+    cr_assert_neq(s, KVPQ_OK);
+    cr_assert_null(cache);
+    kvpq_codebook_free(cb);
+}
