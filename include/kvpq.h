@@ -872,7 +872,9 @@ KVPQ_API kvpq_calibrate_params kvpq_calibrate_params_default(void);
  * trained on directions, Dai et al., AAAI 2020). The quantizer shapes (presets, a layer's own key M,
  * granularity) are those cb was created with.
  * k, v: (n_tokens, n_head_kv, head_dim) float32 post-RoPE keys and values of that layer (read only;
- * the work is done in copies). p may be NULL (defaults). key_report, value_report may be NULL; they
+ * the work is done in copies). A layer coding keys before RoPE (its kvpq_codebook_key_rope_freq not
+ * all 0) turns each key back by -p->positions[t] first, so mu, lambda and the codebooks are those of
+ * pre-RoPE keys (KVPQ_ERR_INVALID_ARG without positions). p may be NULL (defaults). key_report, value_report may be NULL; they
  * get the k-means reports (MSE per transformed vector; with two key stages, key_report's mse_final
  * is stage two's, i.e. the error left after both stages). Two key stages (params.key_stages = 2):
  * stage two is trained by k-means on the stage-one residuals x - r1 of the same keys (residual VQ).

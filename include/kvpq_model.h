@@ -81,6 +81,14 @@ KVPQ_API kvpq_status kvpq_model_data_fingerprint(const kvpq_model *m, char out[1
  * differs from the model's (KVPQ_ERR_MISMATCH). Errors: KVPQ_ERR_INVALID_ARG (NULL). */
 KVPQ_API kvpq_status kvpq_model_cache_params(const kvpq_model *m, kvpq_cache_params *p);
 
+/* The model's RoPE, in the terms of a codebook that codes keys before it
+ * (kvpq_codebook_params.key_rope_dims, key_rope_neox; kvpq_codebook_key_rope_freq): n_rot, the
+ * dims rotated (<arch>.rope.dimension_count); neox, 1 when pairs are (x[i], x[i + n_rot/2]) (qwen2,
+ * gemma3), 0 for (x[2i], x[2i+1]) (llama); and, when inv_freq is not NULL, layer's (n_rot / 2)
+ * frequencies (its rope base: local layers have their own). n_rot or neox may be NULL. Errors:
+ * KVPQ_ERR_INVALID_ARG (m NULL, layer out of range). */
+KVPQ_API kvpq_status kvpq_model_rope(const kvpq_model *m, int layer, int *n_rot, int *neox, float *inv_freq);
+
 /* The model a codebook was calibrated on, recorded as metadata: model (general.name), model.arch
  * (general.architecture) and model.fingerprint (kvpq_model_info.fingerprint). Errors: NULL
  * argument (KVPQ_ERR_INVALID_ARG). */
@@ -149,6 +157,8 @@ typedef struct {
     int center;                /* 1 (default): subtract the keys' per-channel mean (exact at attention) */
     int smooth_query;          /* 1 (default): lambda^2 = max|k| / max|q| per channel; 0: max|k| (VecInfer) */
     int key_norm, value_norm;  /* 1 (default): norm-explicit (code the direction, keep one scale) */
+    int key_rope;              /* 1: keys coded before RoPE (kvpq_codebook_params.key_rope_dims, every layer,
+                                * the model's frequencies); 0 (default): after */
     int norm_bits;             /* 8 or 16 bits per scale; 0 (default): 8 for an allocation, else 16 */
     int iters;                 /* k-means Lloyd iterations (default 25) */
     int kmeans_init;           /* KVPQ_KMEANS_INIT_RANDOM (default, as faiss) or KVPQ_KMEANS_INIT_PP */

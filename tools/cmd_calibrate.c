@@ -19,6 +19,7 @@
 typedef struct {
     const char *model, *text, *out, *keys, *values, *granularity, *keys_layers, *values_layers, *kmeans_init, *keys2;
     long tokens, ctx, iters, threads, value_rotate, max_ppc, center, key_norm, value_norm, smooth_query, norm_bits;
+    long key_rope;
     long seed;
     /* --bits: automatic per-layer allocation (docs/allocation.md) */
     double bits;
@@ -64,6 +65,9 @@ static void calib_usage(FILE *f) {
             "  --key-norm 0|1        norm-explicit keys: code the direction, keep a float16 scale per vector\n"
             "                        (Dai et al., AAAI 2020; +16 bits per key vector) (default 1)\n"
             "  --value-norm 0|1      likewise for values (default 1)\n"
+            "  --key-rope 0|1        1: code keys before RoPE (KVQuant): the cache turns each key back by its\n"
+            "                        position before coding and forward again at attention (CPU cache only;\n"
+            "                        codebook format version 5) (default 0)\n"
             "  --norm-bits 8|16      bits of each norm-explicit scale in the VQ cache: 16 (float16) or 8 (a\n"
             "                        log-coded byte, 1/16 octave steps; layers of at most 4 bits per element,\n"
             "                        finer ones keep float16; metadata k.norm_bits / v.norm_bits; the CUDA\n"
@@ -115,7 +119,7 @@ static void calib_usage(FILE *f) {
             "  --also \"OPTIONS -o OUT\"   also train and write another codebook from the same forward pass\n"
             "                        (repeatable, up to 16): OPTIONS override the codebook options above\n"
             "                        (--keys, --keys2, --values, --keys-layers, --values-layers, --granularity, --value-rotate, --center, --smooth-query,\n"
-            "                        --key-norm, --value-norm, --norm-bits, --iters, --kmeans-init,\n"
+            "                        --key-norm, --value-norm, --key-rope, --norm-bits, --iters, --kmeans-init,\n"
             "                        --max-points-per-centroid, --seed); --keys-layers / --values-layers are not inherited and\n"
             "                        --values defaults to the job's --keys unless given on the main command\n");
 }
@@ -125,7 +129,7 @@ static const char *const CALIB_OPTS[] = {"--help", "-h", "--quiet", "-q", "--jso
                                          "--keys", "--keys-layers", "--values", "--values-layers", "--keys2",
                                          "--granularity", "--kmeans-init", "--tokens", "--ctx", "--iters", "--threads",
                                          "--value-rotate", "--center", "--smooth-query", "--key-norm", "--value-norm",
-                                         "--norm-bits", "--max-points-per-centroid", "--seed", "--bits", "--candidates",
+                                         "--key-rope", "--norm-bits", "--max-points-per-centroid", "--seed", "--bits", "--candidates",
                                          "--holdout-ctx", "--holdout-chunks", "--window", "--window-candidates",
                                          "--sinks", "--alloc-values", "--full-sensitivity", "--bits-also",
                                          "--verify-ctx", "--window-select", "--window-trust", NULL};
@@ -136,7 +140,7 @@ static const char *const CALIB_OPTS[] = {"--help", "-h", "--quiet", "-q", "--jso
 static int is_job_option(const char *o) {
     static const char *const JOB[] = {"--keys", "--keys2", "--values", "--keys-layers", "--values-layers",
                                       "--granularity", "--value-rotate", "--center", "--smooth-query", "--key-norm",
-                                      "--value-norm", "--norm-bits", "--iters", "--kmeans-init",
+                                      "--value-norm", "--key-rope", "--norm-bits", "--iters", "--kmeans-init",
                                       "--max-points-per-centroid", "--seed", "-o", "--out", "--help", "-h",
                                       "--quiet", "-q"};
     for (size_t i = 0; i < sizeof JOB / sizeof JOB[0]; i++)
@@ -212,6 +216,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--smooth-query", smooth_query, 0, 1)
         INT_OPT("--key-norm", key_norm, 0, 1)
         INT_OPT("--value-norm", value_norm, 0, 1)
+        INT_OPT("--key-rope", key_rope, 0, 1)
         INT_OPT("--norm-bits", norm_bits, 8, 16)
         INT_OPT("--max-points-per-centroid", max_ppc, 1, 1L << 20)
         INT_OPT("--seed", seed, 0, 0x7fffffffL)
@@ -376,6 +381,7 @@ static kvpq_codebook_recipe to_recipe(const calib_args *a) {
                                                            : KVPQ_CODEBOOK_HEAD;
     r.value_rotate = (int)a->value_rotate, r.center = (int)a->center, r.smooth_query = (int)a->smooth_query;
     r.key_norm = (int)a->key_norm, r.value_norm = (int)a->value_norm, r.norm_bits = (int)a->norm_bits;
+    r.key_rope = (int)a->key_rope;
     r.iters = (int)a->iters, r.seed = (uint64_t)a->seed;
     r.kmeans_init = strcmp(a->kmeans_init, "pp") ? KVPQ_KMEANS_INIT_RANDOM : KVPQ_KMEANS_INIT_PP;
     r.max_points_per_centroid = a->max_ppc > 0 ? (int)a->max_ppc : 0;
@@ -588,9 +594,9 @@ static int run_job(const calib_args *a, kvpq_calibration *cal, stage_progress *s
     int rc = save(cb, a->out);
     if (!rc && rows) json_row(rows, a->out, cb, NULL);
     if (!rc)
-        fprintf(stderr, "kvpq calibrate: wrote %s (keys %s%s%s%s, values %s%s%s, %s tokens; k-means %.1f s, total "
+        fprintf(stderr, "kvpq calibrate: wrote %s (keys %s%s%s%s%s, values %s%s%s, %s tokens; k-means %.1f s, total "
                         "%.1f s)\n", a->out, a->keys, a->keys_layers ? " with " : "", a->keys_layers ? a->keys_layers : "",
-                a->key_norm ? " norm-explicit" : "", a->values, a->value_rotate ? " rotated" : "",
+                a->key_norm ? " norm-explicit" : "", a->key_rope ? " before RoPE" : "", a->values, a->value_rotate ? " rotated" : "",
                 a->value_norm ? " norm-explicit" : "", kvpq_codebook_get_meta(cb, "tokens"), cli_now() - t1, cli_now() - t0);
     kvpq_codebook_free(cb);
     return rc;

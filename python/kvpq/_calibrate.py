@@ -36,7 +36,7 @@ def _choice(table, value, name, where):
 
 
 def _recipe(r, keep, where, keys, values, keys2, keys_layers, values_layers, granularity, value_rotate, center,
-            smooth_query, key_norm, value_norm, norm_bits, iters, init, max_points_per_centroid, seed):
+            smooth_query, key_norm, value_norm, key_rope, norm_bits, iters, init, max_points_per_centroid, seed):
     """Fill the C recipe r; keep collects the C strings (they must outlive the call)."""
     def cstr(s):
         if s is None:
@@ -51,6 +51,7 @@ def _recipe(r, keep, where, keys, values, keys2, keys_layers, values_layers, gra
     r.granularity = _choice(_GRANULARITY, granularity, "granularity", where)
     r.value_rotate, r.center, r.smooth_query = int(bool(value_rotate)), int(bool(center)), int(bool(smooth_query))
     r.key_norm, r.value_norm = int(bool(key_norm)), int(bool(value_norm))
+    r.key_rope = int(bool(key_rope))
     r.norm_bits = 0 if norm_bits is None else c._int(norm_bits, "norm_bits", where, 8, 16)
     r.iters = c._int(iters, "iters", where, 1)
     r.kmeans_init = _choice(_INIT, init, "init", where)
@@ -71,7 +72,8 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
                     n_threads: int = 0, keys: str = "d4b8", values: Optional[str] = None, keys2: Optional[str] = None,
                     keys_layers: Any = None, values_layers: Any = None, granularity: str = "shared",
                     value_rotate: bool = False, center: bool = True, smooth_query: bool = True, key_norm: bool = True,
-                    value_norm: bool = True, norm_bits: Optional[int] = None, iters: int = 25, init: str = "random",
+                    value_norm: bool = True, key_rope: bool = False, norm_bits: Optional[int] = None, iters: int = 25,
+                    init: str = "random",
                     max_points_per_centroid: Optional[int] = None, seed: int = 1234,
                     candidates: Optional[Union[str, Sequence[str]]] = None, windows: Optional[Sequence[int]] = None,
                     sinks: int = 1, holdout_ctx: Optional[int] = None, holdout_chunks: int = 1,
@@ -90,7 +92,7 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
       sequence of budgets (one codebook each, from the same measurements).
     The other options are the CLI's (`kvpq calibrate --help`), with the same defaults: tokens
       (--tokens), ctx (--ctx), keys_layers / values_layers ("CFG:A-B,..." or {layer: preset}),
-      iters, init ("random" or "pp"), holdout_ctx (None: min(ctx, 1024)), verify_ctx (None: ctx,
+      key_rope (--key-rope: keys coded before RoPE), iters, init ("random" or "pp"), holdout_ctx (None: min(ctx, 1024)), verify_ctx (None: ctx,
       skipped when the text is too short; 0: off), window_select ("auto", "predicted", "measured").
     model_file, text_name: the file names recorded as metadata (model_file defaults to the Model's).
     progress: None or a callable(stage, done, total) (stages "forward", "k-means", "sensitivity",
@@ -111,7 +113,7 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
     o.ctx = c._int(ctx, "ctx", where, 16)
     o.n_threads = c._int(n_threads, "n_threads", where, 0, 1024)
     _recipe(o.recipe, keep, where, keys, values, keys2, keys_layers, values_layers, granularity, value_rotate, center,
-            smooth_query, key_norm, value_norm, norm_bits, iters, init, max_points_per_centroid, seed)
+            smooth_query, key_norm, value_norm, key_rope, norm_bits, iters, init, max_points_per_centroid, seed)
     _alloc(o.alloc, keep, where, budgets, candidates, windows, sinks, holdout_ctx, holdout_chunks, full_sensitivity,
            alloc_values, verify_ctx, window_select, window_trust)
     mf = model_file if model_file is not None else os.path.basename(getattr(model, "path", "") or "") or None

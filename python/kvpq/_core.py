@@ -582,6 +582,16 @@ class Codebook:
         mu = _array(mu, "mu", "Codebook.set_key_mean", shape=(self.n_head_kv, self.head_dim))
         self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.set_key_mean")))[:] = mu
 
+    def key_rope_freq(self, layer: int) -> NDArray[np.float32]:
+        """Copy of a layer's RoPE frequencies inv_freq, (key_rope_dims // 2,) float32: keys coded before
+        RoPE where any is nonzero (kvpq_codebook_params.key_rope_dims); empty when the codebook codes
+        keys as given."""
+        n = self.params.key_rope_dims // 2
+        f = lib.kvpq_codebook_key_rope_freq(self._h, self._layer(layer, "Codebook.key_rope_freq"))
+        if n == 0 or f == ffi.NULL:
+            return np.zeros(0, np.float32)
+        return np.frombuffer(ffi.buffer(f, 4 * n), np.float32).copy()
+
     def slice_heads(self, h0: int, n_head_kv: int) -> "Codebook":
         """A codebook for KV heads [h0, h0 + n_head_kv) (kvpq_codebook_slice_heads): the same
         quantizers, those heads' smoothing factors and key means. For a tensor-parallel rank that
@@ -631,6 +641,8 @@ class Codebook:
                 "key_stages_per_layer": stages,
                 "bits_per_element": {"key": bits_k + sum(s == 2 for s in stages) * p.key2.M * p.key2.nbits
                                      / (p.n_layer * p.head_dim), "value": bits_v},
+                "key_rope": ({"dims": p.key_rope_dims, "layout": "neox" if p.key_rope_neox else "norm"}
+                             if p.key_rope_dims else None),
                 "meta": self.meta()}
 
     def __repr__(self):
@@ -642,14 +654,16 @@ class Codebook:
 def calibrate_layer(codebook: Codebook, layer: int, k: ArrayLike, v: ArrayLike, center: bool = True,
                     smooth_floor: float = 1e-2, niter: Optional[int] = None, seed: Optional[int] = None,
                     max_points_per_centroid: Optional[int] = None, init: Optional[str] = None,
-                    n_threads: Optional[int] = None, query_absmax: Optional[ArrayLike] = None
-                    ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+                    n_threads: Optional[int] = None, query_absmax: Optional[ArrayLike] = None,
+                    positions: Optional[ArrayLike] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Train one layer of `codebook` from its keys and values (kvpq_codebook_calibrate_layer: key
     mean, smoothing, Hadamard, normalization, k-means; the recipe of `kvpq calibrate`).
     k, v: (n_tokens, n_head_kv, head_dim) float32, keys post-RoPE. query_absmax: None (smoothing
     from the keys alone, lambda^2 = max|k|) or (n_head_kv, head_dim) float32, the largest |q| per
     KV head's query group and channel (Model.eval's query_absmax), for query-aware smoothing
     lambda^2 ~ max|k| / max|q| (kvpq_smooth_compute_qk; `kvpq calibrate`'s default).
+    positions: (n_tokens,) int, each token's position in its sequence: needed when the layer codes keys
+    before RoPE (Codebook.key_rope_freq not all 0), which turns each key back by -position first.
     Returns (key report, value report)."""
     w = "calibrate_layer"
     shape = (None, codebook.n_head_kv, codebook.head_dim)
@@ -666,6 +680,13 @@ def calibrate_layer(codebook: Codebook, layer: int, k: ArrayLike, v: ArrayLike, 
         qa = _array(query_absmax, "query_absmax", w, shape=(codebook.n_head_kv, codebook.head_dim))
         qa = np.ascontiguousarray(qa, dtype=np.float32)
         cp.query_absmax = _ptr(qa)
+    pos = None
+    if positions is not None:
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if pos.shape != (k.shape[0],) or (pos < 0).any() or (pos >= 2**31).any():
+            raise _arg_error(w, f"positions: expected ({k.shape[0]},) integers in [0, 2^31), got shape {pos.shape}")
+        pos = pos.astype(np.int32)
+        cp.positions = ffi.cast("int32_t *", pos.ctypes.data)
     rk, rv = ffi.new("kvpq_kmeans_report *"), ffi.new("kvpq_kmeans_report *")
     _check(lib.kvpq_codebook_calibrate_layer(codebook._h, codebook._layer(layer, w), k.shape[0], _ptr(k), _ptr(v),
                                              cp, rk, rv), w)
@@ -1032,6 +1053,9 @@ class CudaCache:
         if not isinstance(codebook, Codebook):
             raise _arg_error(w, "codebook: expected a kvpq.Codebook")
         layer = codebook._layer(layer, w)
+        if codebook.key_rope_freq(layer).any():
+            raise _arg_error(w, f"codebook layer {layer} codes keys before RoPE (key_rope_dims), which "
+                             "kvpq_cuda_cache does not: use the CPU cache", lib.KVPQ_ERR_UNSUPPORTED)
         cbp = codebook.params
         p = ffi.new("kvpq_cuda_cache_params *", lib.kvpq_cuda_cache_params_default())
         p.n_head = _int(n_head, "n_head", w, 1)

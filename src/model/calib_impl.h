@@ -18,6 +18,7 @@ struct kvpq_calibration {
     int vctx;               /* the joint check's chunk toks[n_use .. n_use + vctx); 0: none */
     int verify_skipped;
     float *k, *v;           /* (n_layer, n_use, n_head_kv, head_dim) post-RoPE keys and values */
+    int32_t *pos;           /* (n_use) each k-means token's position in its forward chunk */
     float *qabs;            /* (n_layer, n_head_kv, head_dim) max |q| per KV head's group and channel */
     double t_forward;
 };

@@ -126,7 +126,8 @@ static kvpq_status apply_layers(kvpq_codebook *cb, const char *spec, int n_layer
 
 /* ---- one codebook from a recipe ---- */
 
-static kvpq_status recipe_params(const kvpq_codebook_recipe *r, const kvpq_model_info *mi, kvpq_codebook_params *cp) {
+static kvpq_status recipe_params(const kvpq_model *m, const kvpq_codebook_recipe *r, const kvpq_model_info *mi,
+                                 kvpq_codebook_params *cp) {
     *cp = kvpq_codebook_params_default();
     cp->n_layer = mi->n_layer;
     cp->n_head_kv = mi->n_head_kv;
@@ -138,6 +139,7 @@ static kvpq_status recipe_params(const kvpq_codebook_recipe *r, const kvpq_model
         kvpq_pq_params_preset(&cp->value, r->values, mi->head_dim) != KVPQ_OK)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: %s", kvpq_last_error());
     cp->key.granularity = cp->value.granularity = r->granularity;
+    if (r->key_rope) KVPQ_TRY(kvpq_model_rope(m, 0, &cp->key_rope_dims, &cp->key_rope_neox, NULL));
     if (!r->keys2) return KVPQ_OK;
     if (kvpq_pq_params_preset(&cp->key2, r->keys2, mi->head_dim) != KVPQ_OK)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: --keys2: %s", kvpq_last_error());
@@ -149,12 +151,15 @@ static kvpq_status recipe_params(const kvpq_codebook_recipe *r, const kvpq_model
     return KVPQ_OK;
 }
 
-static kvpq_status make_codebook(const kvpq_model_info *mi, const kvpq_codebook_recipe *r, kvpq_codebook **out) {
+static kvpq_status make_codebook(const kvpq_model *m, const kvpq_model_info *mi, const kvpq_codebook_recipe *r,
+                                 kvpq_codebook **out) {
     kvpq_codebook_params cp;
-    KVPQ_TRY(recipe_params(r, mi, &cp));
+    KVPQ_TRY(recipe_params(m, r, mi, &cp));
     kvpq_codebook *cb = NULL;
     kvpq_status s = kvpq_codebook_new(&cb, &cp);
     if (s == KVPQ_OK) s = kvpq_codebook_set_model(cb, mi);
+    for (int l = 0; l < mi->n_layer && s == KVPQ_OK && cp.key_rope_dims > 0; l++) /* keys before RoPE: every layer */
+        s = kvpq_model_rope(m, l, NULL, NULL, kvpq_codebook_key_rope_freq(cb, l));
     /* 8-bit norm-explicit scales (cache_vq.c): every candidate and the written file count and
      * measure them, since the VQ cache reads this metadata */
     if (s == KVPQ_OK && r->norm_bits == 8 && cp.key_norm) s = kvpq_codebook_set_meta(cb, "k.norm_bits", "8");
@@ -169,7 +174,7 @@ static kvpq_status make_codebook(const kvpq_model_info *mi, const kvpq_codebook_
 }
 
 kvpq_status kvpq__calib_make_codebook(const kvpq_calibration *c, const kvpq_codebook_recipe *r, kvpq_codebook **out) {
-    return make_codebook(&c->mi, r, out);
+    return make_codebook(c->m, &c->mi, r, out);
 }
 
 typedef struct {
@@ -194,6 +199,7 @@ kvpq_status kvpq__calib_train_layers(const kvpq_calibration *c, const kvpq_codeb
         /* centering, smoothing, rotation, normalization, k-means: the library's recipe */
         kvpq_kmeans_report rk = {0}, rv = {0};
         clp.query_absmax = r->smooth_query ? c->qabs + (size_t)l * row : NULL;
+        clp.positions = c->pos;
         KVPQ_TRY(kvpq_codebook_calibrate_layer(cb, l, c->n_use, c->k + (size_t)l * c->n_use * row,
                                                c->v + (size_t)l * c->n_use * row, &clp, &rk, &rv));
         *mse_k += rk.mse_final;
@@ -232,7 +238,7 @@ kvpq_status kvpq_calibration_train(kvpq_calibration *c, const kvpq_codebook_reci
     const kvpq_codebook_recipe x = kvpq__calib_recipe(c, r);
     kvpq_codebook *cb = NULL;
     double mse_k = 0, mse_v = 0;
-    kvpq_status s = make_codebook(&c->mi, &x, &cb);
+    kvpq_status s = make_codebook(c->m, &c->mi, &x, &cb);
     if (s == KVPQ_OK) s = kvpq__calib_train_layers(c, &x, cb, NULL, &mse_k, &mse_v);
     if (s != KVPQ_OK) {
         kvpq_codebook_free(cb);
@@ -268,11 +274,11 @@ static kvpq_status check_recipe_fields(const kvpq_codebook_recipe *r, int n_bits
 }
 
 /* The recipe against the model: its presets, second stage and per-layer items make a codebook. */
-static kvpq_status check_recipe(const kvpq_model_info *mi, const kvpq_codebook_recipe *r0) {
+static kvpq_status check_recipe(const kvpq_model *m, const kvpq_model_info *mi, const kvpq_codebook_recipe *r0) {
     kvpq_codebook_recipe r = *r0;
     if (!r.values) r.values = r.keys;
     kvpq_codebook *cb = NULL;
-    kvpq_status s = make_codebook(mi, &r, &cb);
+    kvpq_status s = make_codebook(m, mi, &r, &cb);
     kvpq_codebook_free(cb);
     return s;
 }
@@ -382,7 +388,7 @@ kvpq_status kvpq_calibrate_opts_check(const kvpq_model *m, const kvpq_calibrate_
     if (o->ctx > mi.n_ctx_train)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: --ctx %d exceeds the model's context length %d", o->ctx,
                          mi.n_ctx_train);
-    KVPQ_TRY(check_recipe(&mi, &o->recipe));
+    KVPQ_TRY(check_recipe(m, &mi, &o->recipe));
     KVPQ_TRY(check_alloc(&mi, &o->alloc, o->recipe.values ? o->recipe.values : o->recipe.keys));
     kvpq_calibration probe;
     return split_text(&probe, &mi, o, n_tokens);
@@ -445,12 +451,14 @@ kvpq_status kvpq_calibration_new(kvpq_calibration **out, kvpq_model *m, const in
     c->k = malloc(sizeof(float) * L * c->n_use * row);
     c->v = malloc(sizeof(float) * L * c->n_use * row);
     c->qabs = calloc(L * row, sizeof(float));
+    c->pos = malloc(sizeof *c->pos * (c->n_use ? c->n_use : 1));
     kvpq_status s = KVPQ_OK;
-    if (!c->toks || !c->k || !c->v || !c->qabs)
+    if (!c->toks || !c->k || !c->v || !c->qabs || !c->pos)
         s = kvpq__err(KVPQ_ERR_NOMEM, "calibrate: out of memory for %zu tokens' keys and values (%.0f MiB)", c->n_use,
                       2.0 * (double)(L * c->n_use * row) * sizeof(float) / 1048576.0);
     if (s == KVPQ_OK) {
         memcpy(c->toks, tokens, sizeof *c->toks * n);
+        for (size_t i = 0; i < c->n_use; i++) c->pos[i] = (int32_t)(i % (size_t)o->ctx); /* collect's chunks */
         const double t0 = wall_seconds();
         s = collect(c);
         c->t_forward = wall_seconds() - t0;
@@ -466,6 +474,7 @@ kvpq_status kvpq_calibration_new(kvpq_calibration **out, kvpq_model *m, const in
 void kvpq_calibration_free(kvpq_calibration *c) {
     if (!c) return;
     free(c->toks);
+    free(c->pos);
     free(c->k);
     free(c->v);
     free(c->qabs);

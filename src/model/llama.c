@@ -480,6 +480,15 @@ kvpq_status kvpq_model_cache_params(const kvpq_model *m, kvpq_cache_params *p) {
     return KVPQ_OK;
 }
 
+kvpq_status kvpq_model_rope(const kvpq_model *m, int layer, int *n_rot, int *neox, float *inv_freq) {
+    if (!m || layer < 0 || layer >= m->info.n_layer)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_model_rope: %s", m ? "layer out of range" : "NULL model");
+    if (n_rot) *n_rot = m->n_rot;
+    if (neox) *neox = m->arch->rope == ARCH_ROPE_NEOX;
+    if (inv_freq) memcpy(inv_freq, m->layers[layer].inv_freq, sizeof(float) * (size_t)(m->n_rot / 2));
+    return KVPQ_OK;
+}
+
 kvpq_status kvpq_tokenize(const kvpq_model *m, const char *text, size_t len, int add_bos, int parse_special,
                           int32_t *tokens, size_t cap, size_t *n_tokens) {
     if (!m) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_tokenize: NULL model");

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "pq/pq_impl.h"
 
 kvpq_calibrate_params kvpq_calibrate_params_default(void) {
     kvpq_calibrate_params p = {.center = 1, .smooth_floor = 1e-2f, .kmeans = kvpq_kmeans_params_default()};
@@ -63,6 +64,15 @@ kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n
     }
     memcpy(kd, k, sizeof(float) * n_tokens * row);
     memcpy(vd, v, sizeof(float) * n_tokens * row);
+    const float *rope = kvpq__codebook_layer_rope(cb, layer);
+    if (rope && !p->positions) {
+        s = kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_calibrate_layer: layer %d codes keys before RoPE: "
+                      "params.positions (each token's position) is NULL", layer);
+        goto done;
+    }
+    if (rope && (s = kvpq_rope_rotate(kd, n_tokens, H, D, cp.key_rope_dims, cp.key_rope_neox, rope, p->positions, 0,
+                                      -1)) != KVPQ_OK) /* keys before RoPE: turned back by -position */
+        goto fail;
     if (p->center) {
         /* mu in double over tokens (the order `kvpq calibrate` always used: its files stay identical) */
         float *mu = kvpq_codebook_key_mean(cb, layer); /* (H, D) */

@@ -547,6 +547,35 @@ def test_one_codebook_is_one_cache_in_the_cli_the_engine_and_transformers(hf_mod
     assert ppl == pytest.approx(json.loads(q.stdout)["results"][0]["ppl"], rel=5e-3)
 
 
+def test_keys_before_rope_are_one_cache_in_the_cli_and_transformers(hf_model, tmp_path):
+    """Issue 30 item 3: a codebook coding keys before RoPE (`calibrate --key-rope 1`) records the
+    model's rotation (GGUF llama: adjacent pairs) and serves transformers' keys too, which it turns back
+    by its own angles after KVPQCache put them in the GGUF channel order: KVPQCache's perplexity
+    equals `kvpq ppl`'s. The CUDA cache refuses such a codebook by name."""
+    from llama_cpp_peer import chunks_of
+    from transformers_peer import ppl_hf
+    out = tmp_path / "rope.safetensors"
+    p = subprocess.run([BIN, "calibrate", "--model", MODEL, "--text", SRC / "data" / "text" / "emma.txt", "--tokens",
+                        "512", "--ctx", "256", "--keys", "d2b8", "--iters", "2", "--threads", "2", "--key-rope", "1",
+                        "-o", out], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    cb = kvpq.Codebook.load(str(out))
+    assert cb.info()["key_rope"] == {"dims": 64, "layout": "norm"}
+    eng = kvpq.Model(MODEL, n_threads=2)
+    f = cb.key_rope_freq(0)
+    assert f.shape == (32,) and f[0] == 1.0 and f[1] == pytest.approx(eng.info["rope_freq_base"] ** (-2 / 64), rel=1e-6)
+    text = SRC / "data" / "text" / "persuasion.txt"
+    every = eng.tokenize(text.read_text(encoding="utf-8")[:20000], add_bos=bool(eng.info["add_bos"])).tolist()
+    chunks = chunks_of(every, 256, 1, eng.info["bos_id"], eng.info["add_bos"])
+    ppl, _ = ppl_hf(hf_model, lambda: KVPQCache(out, hf_model, window=16), chunks)
+    q = subprocess.run([BIN, "ppl", "--model", MODEL, "--text", text, "--ctx", "256", "--chunks", "1", "--threads",
+                        "2", "--json", "--cache", f"vq:{out}:w16"], capture_output=True, text=True)
+    assert q.returncode == 0, q.stderr
+    assert ppl == pytest.approx(json.loads(q.stdout)["results"][0]["ppl"], rel=5e-3)
+    with pytest.raises(kvpq.Error, match="before RoPE"):  # refused before any device work
+        kvpq.CudaCache(cb, 0, 9, 1, 64)
+
+
 def test_attention_implementation_given_back():
     """Issue 33: KVPQCache(cb, model) switched the model's attention implementation for good."""
     model = tiny_llama()
