@@ -145,9 +145,12 @@ typedef struct {
     int rope_dims, rope_neox;
     const float **rope;   /* (n_layer) inv_freq of a layer coding keys before RoPE, else NULL */
     int pos0;             /* sequence position of the kind's position 0: params.sinks (cache.c holds the sinks) */
-    float *kdec;          /* (n_head_kv, kdec_n, head_dim) one attend call's coded keys, decoded, RoPE applied */
-    size_t kdec_cap;      /* floats */
-    int kdec_t0, kdec_n;  /* position of kdec's first row, rows per KV head */
+    /* Keys before RoPE: coded keys of one layer decoded, RoPE applied, (n_head_kv, kdec_rows, head_dim),
+     * rows [0, kdec_n) for positions kdec_t0.. of layer kdec_layer (-1: none). Kept between attend
+     * calls, so the runs of one prefill (kvpq_cache_append_attend) decode each position once; codes
+     * never change under it (8-bit scale re-basing keeps values), and truncate drops it. */
+    float *kdec;
+    int kdec_rows, kdec_layer, kdec_t0, kdec_n;
 } vq_state;
 
 /* Bytes of one of a layer's two fp16 window rings (K or V): (n_head_kv, cap, head_dim). */
@@ -391,6 +394,7 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->rope_dims = cp.key_rope_dims;
     st->rope_neox = cp.key_rope_neox;
     st->pos0 = p->sinks;
+    st->kdec_layer = -1;
     size_t kcs_max = 0; /* largest key code of a layer coding keys before RoPE (0: none) */
     int mk_max = 0, mk_fs = 0, mv_max = 0; /* largest key M of any layer, of any fast-scan layer, value M */
     for (int l = 0; l < p->n_layer; l++) {
@@ -774,31 +778,58 @@ static kvpq_status vq_decode_rows(const vq_state *st, const vq_layer *L, int lay
     return KVPQ_OK;
 }
 
-/* Keys before RoPE: decode the coded keys of positions [t0, t1) of a layer once per attend call into
- * st->kdec, (n_head_kv, t1 - t0, head_dim), RoPE applied (dequantize-then-rotate: the score q . R_t k_t
- * needs each position's own rotation, which one lookup table per query cannot give), in chunks of
- * VQ_CHUNK positions over the threads. */
-static kvpq_status vq_decode_keys(vq_state *st, const vq_layer *L, int layer, int t0, int t1) {
-    const int nkv = st->n_head_kv, d = st->head_dim, n = t1 - t0, nt = st->n_threads;
-    KVPQ_TRY(vq_grow((void **)&st->kdec, &st->kdec_cap, (size_t)nkv * (n > 0 ? n : 1) * d, sizeof(float)));
-    st->kdec_t0 = t0;
-    st->kdec_n = n;
+/* st->kdec with room for `rows` rows per KV head, its kdec_n rows kept. */
+static kvpq_status vq_kdec_reserve(vq_state *st, int rows) {
+    if (rows <= st->kdec_rows) return KVPQ_OK;
+    const int nkv = st->n_head_kv, d = st->head_dim, cap = rows > 2 * st->kdec_rows ? rows : 2 * st->kdec_rows;
+    float *nb = malloc(sizeof(float) * nkv * (size_t)cap * d);
+    if (!nb) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for %d decoded keys", cap);
+    for (int h = 0; h < nkv && st->kdec; h++)
+        memcpy(nb + (size_t)h * cap * d, st->kdec + (size_t)h * st->kdec_rows * d, sizeof(float) * st->kdec_n * d);
+    free(st->kdec);
+    st->kdec = nb;
+    st->kdec_rows = cap;
+    return KVPQ_OK;
+}
+
+/* Keys before RoPE: make st->kdec hold the coded keys of positions [lo, hi) of a layer, decoded with
+ * RoPE applied (dequantize-then-rotate: the score q . R_t k_t needs each position's own rotation,
+ * which one lookup table per query cannot give). What it holds of the same layer is kept (a
+ * prefill's next run decodes only its new positions; rows below a sliding window's start go once
+ * they outnumber the live ones); the rest is decoded in chunks of VQ_CHUNK positions over the threads. */
+static kvpq_status vq_decode_keys(vq_state *st, const vq_layer *L, int layer, int lo, int hi) {
+    const int nkv = st->n_head_kv, d = st->head_dim, nt = st->n_threads;
+    const int end = st->kdec_t0 + st->kdec_n;
+    if (st->kdec_layer != layer || st->kdec_t0 > lo || end < lo || end > hi) st->kdec_t0 = lo, st->kdec_n = 0;
+    if (lo - st->kdec_t0 > hi - lo) { /* drop the rows before a sliding window's start */
+        const int cut = lo - st->kdec_t0;
+        for (int h = 0; h < nkv; h++)
+            memmove(st->kdec + (size_t)h * st->kdec_rows * d, st->kdec + ((size_t)h * st->kdec_rows + cut) * d,
+                    sizeof(float) * (st->kdec_n - cut) * d);
+        st->kdec_t0 = lo, st->kdec_n -= cut;
+    }
+    st->kdec_layer = -1; /* until complete */
+    KVPQ_TRY(vq_kdec_reserve(st, hi - st->kdec_t0 > 1 ? hi - st->kdec_t0 : 1));
+    const int t0 = st->kdec_t0, from = t0 + st->kdec_n, rows = st->kdec_rows;
     int failed = 0;
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n > VQ_CHUNK) reduction(| : failed)
-    for (int a = t0; a < t1; a += VQ_CHUNK) {
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && hi - from > VQ_CHUNK) reduction(| : failed)
+    for (int a = from; a < hi; a += VQ_CHUNK) {
         vq_scratch *s = &st->scr[omp_get_thread_num()];
-        const int b = t1 - a < VQ_CHUNK ? t1 : a + VQ_CHUNK;
+        const int b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
         if (vq_decode_rows(st, L, layer, 0, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {
             failed = 1;
             continue;
         }
         for (int t = a; t < b; t++)
             for (int h = 0; h < nkv; h++)
-                memcpy(st->kdec + ((size_t)h * n + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
+                memcpy(st->kdec + ((size_t)h * rows + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
                        sizeof(float) * d);
     }
-    return failed ? kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory decoding keys coded before RoPE", layer)
-                  : KVPQ_OK;
+    if (failed)
+        return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory decoding keys coded before RoPE", layer);
+    st->kdec_n = hi - t0;
+    st->kdec_layer = layer;
+    return KVPQ_OK;
 }
 
 /* Scores of the group's G query heads q (G, head_dim) against the decoded keys of positions [t, t + n)
@@ -806,7 +837,7 @@ static kvpq_status vq_decode_keys(vq_state *st, const vq_layer *L, int layer, in
 static void vq_score_decoded(const vq_state *st, int h, const float *q, int t, int n, vq_scratch *s,
                              const kvpq_vq_kernels *K, float *sc) {
     const int gp = st->gp, G = st->group, d = st->head_dim;
-    const float *kh = st->kdec + ((size_t)h * st->kdec_n + (t - st->kdec_t0)) * d;
+    const float *kh = st->kdec + ((size_t)h * st->kdec_rows + (t - st->kdec_t0)) * d;
     for (int g = 0; g < gp; g++) {
         if (g < G) K->dot_rows(n, d, q + (size_t)g * d, kh, s->s32);
         for (int i = 0; i < n; i++) sc[(size_t)i * gp + g] = g < G ? s->s32[i] * st->scale : 0.0f;
@@ -1081,6 +1112,7 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
 
 static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
     vq_state *st = state;
+    st->kdec_layer = -1; /* decoded keys of positions that may go */
     for (int l = 0; l < st->n_layer; l++) {
         vq_layer *L = &st->layers[l];
         if (n_pos >= lens[l]) { /* nothing cut: storage kvpq_cache_reserve took beyond the positions goes */
