@@ -7,6 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvpq
@@ -88,3 +89,22 @@ def test_progress_can_cancel():
     with pytest.raises(kvpq.Error, match="cancelled"):
         kvpq.calibrate(m, TEXT.read_text(encoding="utf-8")[:20000], tokens=256, ctx=128,
                        progress=lambda stage, done, total: stage == "forward")
+
+
+def test_keys_before_rope_python_call_writes_the_cli_bytes(tmp_path):
+    """Issue 30 item 3: `--key-rope 1` and kvpq.calibrate(..., key_rope=True) write the same file: the
+    model's rotation (format version 5) and codebooks trained on keys turned back by their positions."""
+    out = tmp_path / "cli.safetensors"
+    r = subprocess.run([BIN, "calibrate", "--model", MODEL, "--text", TEXT, "--tokens", "512", "--ctx", "256",
+                        "--keys", "d4b8", "--iters", "3", "--threads", "2", "--key-rope", "1", "--norm-bits", "8",
+                        "-o", out], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    cb = kvpq.calibrate(kvpq.Model(MODEL, n_threads=2), TEXT.read_text(encoding="utf-8"), tokens=512, ctx=256,
+                        keys="d4b8", iters=3, n_threads=2, key_rope=True, norm_bits=8, text_name="emma.txt")
+    cb.save(tmp_path / "py.safetensors")
+    assert sha(tmp_path / "py.safetensors") == sha(out)
+    assert cb.get_meta("kvpq.format_version") == "5" and cb.info()["key_rope"] == {"dims": 64, "layout": "norm"}
+    plain = kvpq.calibrate(kvpq.Model(MODEL, n_threads=2), TEXT.read_text(encoding="utf-8"), tokens=512, ctx=256,
+                           keys="d4b8", iters=3, n_threads=2, norm_bits=8)
+    assert plain.info()["key_rope"] is None
+    assert not np.allclose(plain.key_mean(3), cb.key_mean(3)), "the key means of pre-RoPE keys differ"
