@@ -1322,6 +1322,23 @@ Test(cache_vq, out_of_fp16_range_is_refused_and_nothing_lost) {
 
 // ---- SIMD kernels vs reference ---------------------------------------------------------------------
 
+/* The Walsh-Hadamard rows kernel of every SIMD level does the reference's additions in its order:
+ * equal bit for bit, for every power-of-two d (kvpq_hadamard and the codebooks depend on it). */
+Test(cache_vq, fwht_rows_bit_identical_to_reference) {
+    for (int lv = KVPQ_SIMD_AVX2; lv <= (int)kvpq_simd_get(); lv++) {
+        const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
+        for (int d = 1; d <= 512; d *= 2) {
+            const size_t n = 5;
+            float *a = randn(n * d, 3.0f), *b = malloc(n * d * sizeof(float));
+            memcpy(b, a, n * d * sizeof(float));
+            kvpq__vq_fwht_rows_ref(n, d, 0.125f, a);
+            K->fwht_rows(n, d, 0.125f, b);
+            cr_assert_eq(memcmp(a, b, n * d * sizeof(float)), 0, "level %d d %d", lv, d);
+            free(a), free(b);
+        }
+    }
+}
+
 Test(cache_vq, kernels_match_reference) {
     kvpq_simd_level best = kvpq_simd_get();
     const int gps[] = {1, 4, 8, 16, 32};

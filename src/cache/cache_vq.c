@@ -218,6 +218,13 @@ static int vq_block_tokens(int gp) {
     return n < VQ_CHUNK ? VQ_CHUNK : n;
 }
 
+/* Tokens from t to the end of its page, at most VQ_CHUNK and at most t1 - t. */
+static int vq_seg(const vq_state *st, int t, int t1) {
+    int n = st->page_tokens - t % st->page_tokens;
+    if (n > VQ_CHUNK) n = VQ_CHUNK;
+    return n < t1 - t ? n : t1 - t;
+}
+
 static uint8_t *vq_kcodes(const vq_state *st, const vq_layer *L, int h, int pos) {
     return L->pages[pos / st->page_tokens] + ((size_t)h * st->page_tokens + pos % st->page_tokens) * L->kcs;
 }
@@ -778,6 +785,43 @@ static kvpq_status vq_decode_rows(const vq_state *st, const vq_layer *L, int lay
     return KVPQ_OK;
 }
 
+/* Keys before RoPE with 8-bit codes: positions [a, b) of KV head h decoded straight from the pages
+ * into out (b - a, head_dim): vq_decode_rows' arithmetic in its order (the same bits), without its
+ * copies and bit-stream repacking. */
+static kvpq_status vq_decode_key_head_u8(const vq_state *st, const vq_layer *L, int layer, int h, int a, int b,
+                                         vq_scratch *s, const kvpq_vq_kernels *K, float *out) {
+    const int d = st->head_dim;
+    const kvpq_pq *pq[2] = {st->kpq[layer], st->kpq2[layer]};
+    for (int t = a; t < b; t++) {
+        const uint8_t *c = vq_kcodes(st, L, h, t);
+        float *x = out + (size_t)(t - a) * d;
+        for (int stage = 0, off = 0; stage < 2 && pq[stage]; off += pq[stage]->p.M, stage++) {
+            const int M = pq[stage]->p.M, ds = pq[stage]->dsub, nb = kvpq__pq_view_books(pq[stage]);
+            const float *book = kvpq__pq_head_book(pq[stage], h);
+            for (int m = 0; m < M; m++) {
+                const float *cent = book + ((size_t)(nb == 1 ? 0 : m) * 256 + c[off + m]) * ds;
+                if (stage == 0)
+                    for (int j = 0; j < ds; j++) x[m * ds + j] = cent[j];
+                else
+                    for (int j = 0; j < ds; j++) x[m * ds + j] += cent[j];
+            }
+        }
+    }
+    for (int t = a; st->k_norm && t < b;) { /* the scales, a page at a time */
+        const int n = vq_seg(st, t, b);
+        K->f16_to_f32(n, vq_scales16(st, L, 0, h, t, n, s->s32, s->s16, K), s->s32);
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < d; j++) out[(size_t)(t - a + i) * d + j] *= s->s32[i];
+        t += n;
+    }
+    K->fwht_rows((size_t)(b - a), d, (float)(1.0 / sqrt((double)d)), out);
+    const float *lam = st->smooth[layer] + (size_t)h * d, *mu = st->mean[layer] + (size_t)h * d;
+    for (size_t r = 0; r < (size_t)(b - a); r++)
+        for (int j = 0; j < d; j++) out[r * d + j] = out[r * d + j] * lam[j] + mu[j];
+    return kvpq_rope_rotate(out, (size_t)(b - a), 1, d, st->rope_dims, st->rope_neox, st->rope[layer], NULL,
+                            st->pos0 + a, 1);
+}
+
 /* st->kdec with room for `rows` rows per KV head, its kdec_n rows kept. */
 static kvpq_status vq_kdec_reserve(vq_state *st, int rows) {
     if (rows <= st->kdec_rows) return KVPQ_OK;
@@ -812,18 +856,29 @@ static kvpq_status vq_decode_keys(vq_state *st, const vq_layer *L, int layer, in
     KVPQ_TRY(vq_kdec_reserve(st, hi - st->kdec_t0 > 1 ? hi - st->kdec_t0 : 1));
     const int t0 = st->kdec_t0, from = t0 + st->kdec_n, rows = st->kdec_rows;
     int failed = 0;
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && hi - from > VQ_CHUNK) reduction(| : failed)
-    for (int a = from; a < hi; a += VQ_CHUNK) {
-        vq_scratch *s = &st->scr[omp_get_thread_num()];
-        const int b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
-        if (vq_decode_rows(st, L, layer, 0, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {
-            failed = 1;
-            continue;
+    if (st->kpq[layer]->p.nbits == 8) { /* straight from the pages, a (chunk, KV head) per job */
+        const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+        const int n_chunk = (hi - from + VQ_CHUNK - 1) / VQ_CHUNK;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n_chunk * nkv > 1) reduction(| : failed)
+        for (int j = 0; j < n_chunk * nkv; j++) {
+            const int a = from + (j / nkv) * VQ_CHUNK, h = j % nkv, b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
+            failed |= vq_decode_key_head_u8(st, L, layer, h, a, b, &st->scr[omp_get_thread_num()], K,
+                                            st->kdec + ((size_t)h * rows + (a - t0)) * d) != KVPQ_OK;
         }
-        for (int t = a; t < b; t++)
-            for (int h = 0; h < nkv; h++)
-                memcpy(st->kdec + ((size_t)h * rows + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
-                       sizeof(float) * d);
+    } else {
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && hi - from > VQ_CHUNK) reduction(| : failed)
+        for (int a = from; a < hi; a += VQ_CHUNK) {
+            vq_scratch *s = &st->scr[omp_get_thread_num()];
+            const int b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
+            if (vq_decode_rows(st, L, layer, 0, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {
+                failed = 1;
+                continue;
+            }
+            for (int t = a; t < b; t++)
+                for (int h = 0; h < nkv; h++)
+                    memcpy(st->kdec + ((size_t)h * rows + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
+                           sizeof(float) * d);
+        }
     }
     if (failed)
         return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory decoding keys coded before RoPE", layer);
@@ -845,13 +900,6 @@ static void vq_score_decoded(const vq_state *st, int h, const float *q, int t, i
 }
 
 // ---- attention --------------------------------------------------------------------------------
-
-/* Tokens from t to the end of its page, at most VQ_CHUNK and at most t1 - t. */
-static int vq_seg(const vq_state *st, int t, int t1) {
-    int n = st->page_tokens - t % st->page_tokens;
-    if (n > VQ_CHUNK) n = VQ_CHUNK;
-    return n < t1 - t ? n : t1 - t;
-}
 
 /* The key lookup tables of one group's queries q (G, head_dim) against KV head h's codes: s->lut
  * (and s->lut8 for fast-scan), and kb (gp) the mean term q . mu / sqrt(d) of norm-explicit keys

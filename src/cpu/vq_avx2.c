@@ -168,6 +168,45 @@ void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float
     (gp == 4 ? table_out_g4 : table_out_lanes)(M, ksub, dsub, n_books, cent, gp, table, out);
 }
 
+// ---- Walsh-Hadamard rows (d a multiple of 8) --------------------------------------------------------
+
+/* Strides 1, 2, 4 within each 8-float block (lane j meets lane j ^ h: sum where bit h is clear, the
+ * butterfly's a - b where it is set), then whole registers: the scalar's operations, bit for bit. */
+static void fwht_rows_avx2(size_t n, int d, float scale, float *x) {
+    if (d % 8) {
+        kvpq__vq_fwht_rows_ref(n, d, scale, x);
+        return;
+    }
+    __m256i perm[3];
+    __m256 hi[3]; /* all-ones where bit h is set */
+    for (int s = 0; s < 3; s++) {
+        int32_t idx[8], m[8];
+        for (int j = 0; j < 8; j++) idx[j] = j ^ (1 << s), m[j] = (j >> s) & 1 ? -1 : 0;
+        perm[s] = _mm256_loadu_si256((const __m256i *)idx);
+        hi[s] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)m));
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (size_t i = 0; i < n; i++) {
+        float *r = x + i * (size_t)d;
+        for (int b = 0; b < d; b += 8) {
+            __m256 v = _mm256_loadu_ps(r + b);
+            for (int s = 0; s < 3; s++) {
+                const __m256 u = _mm256_permutevar8x32_ps(v, perm[s]);
+                v = _mm256_blendv_ps(_mm256_add_ps(v, u), _mm256_sub_ps(u, v), hi[s]);
+            }
+            _mm256_storeu_ps(r + b, v);
+        }
+        for (int h = 8; h < d; h <<= 1)
+            for (int b = 0; b < d; b += h << 1)
+                for (int j = b; j < b + h; j += 8) {
+                    const __m256 u = _mm256_loadu_ps(r + j), v = _mm256_loadu_ps(r + j + h);
+                    _mm256_storeu_ps(r + j, _mm256_add_ps(u, v));
+                    _mm256_storeu_ps(r + j + h, _mm256_sub_ps(u, v));
+                }
+        for (int j = 0; j < d; j += 8) _mm256_storeu_ps(r + j, _mm256_mul_ps(_mm256_loadu_ps(r + j), sc));
+    }
+}
+
 void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {
     vq_body_fill(k);
     k->lut_build = kvpq__vq_lut_build_avx2;
@@ -176,5 +215,6 @@ void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {
     k->score_u16 = kvpq__vq_score_u16_avx2;
     k->accum_u8 = kvpq__vq_accum_u8_avx2;
     k->accum_u16 = kvpq__vq_accum_u16_avx2;
+    k->fwht_rows = fwht_rows_avx2;
 }
 #endif

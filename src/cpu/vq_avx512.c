@@ -241,6 +241,44 @@ static void scale_tokens_avx512(int n, int gp, float *s, const uint16_t *scale, 
     if (t < n) kvpq__vq_scale_tokens_ref(n - t, gp, s + (size_t)t * 4, scale + t, bias);
 }
 
+// ---- Walsh-Hadamard rows (d a multiple of 16) ------------------------------------------------------
+
+/* Strides 1, 2, 4, 8 within each 16-float block: lane j meets lane j ^ h; lanes with bit h clear
+ * take x_j + x_(j^h), the others x_(j^h) - x_j (the butterfly's a - b): the scalar's operations. */
+static void fwht_rows_avx512(size_t n, int d, float scale, float *x) {
+    if (d % 16) {
+        kvpq__vq_fwht_rows_ref(n, d, scale, x);
+        return;
+    }
+    static const __mmask16 mask[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+    __m512i perm[4];
+    for (int s = 0; s < 4; s++) {
+        int32_t idx[16];
+        for (int j = 0; j < 16; j++) idx[j] = j ^ (1 << s);
+        perm[s] = _mm512_loadu_si512(idx);
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (size_t i = 0; i < n; i++) {
+        float *r = x + i * (size_t)d;
+        for (int b = 0; b < d; b += 16) {
+            __m512 v = _mm512_loadu_ps(r + b);
+            for (int s = 0; s < 4; s++) {
+                const __m512 u = _mm512_permutexvar_ps(perm[s], v);
+                v = _mm512_mask_sub_ps(_mm512_add_ps(v, u), mask[s], u, v);
+            }
+            _mm512_storeu_ps(r + b, v);
+        }
+        for (int h = 16; h < d; h <<= 1)
+            for (int b = 0; b < d; b += h << 1)
+                for (int j = b; j < b + h; j += 16) {
+                    const __m512 u = _mm512_loadu_ps(r + j), v = _mm512_loadu_ps(r + j + h);
+                    _mm512_storeu_ps(r + j, _mm512_add_ps(u, v));
+                    _mm512_storeu_ps(r + j + h, _mm512_sub_ps(u, v));
+                }
+        for (int j = 0; j < d; j += 16) _mm512_storeu_ps(r + j, _mm512_mul_ps(_mm512_loadu_ps(r + j), sc));
+    }
+}
+
 void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k) {
     vq_body_fill(k);
     k->scale_tokens = scale_tokens_avx512;
@@ -249,5 +287,6 @@ void kvpq__vq_kernels_avx512(kvpq_vq_kernels *k) {
     if (__builtin_cpu_supports("avx512vbmi")) k->score_fs_u8 = score_fs_u8_vbmi;
     k->lut_build = lut_build_avx512;
     k->table_out = table_out_avx512;
+    k->fwht_rows = fwht_rows_avx512;
 }
 #endif

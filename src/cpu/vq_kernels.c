@@ -209,6 +209,20 @@ void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *
     }
 }
 
+void kvpq__vq_fwht_rows_ref(size_t n, int d, float scale, float *x) {
+    for (size_t i = 0; i < n; i++) {
+        float *r = x + i * (size_t)d;
+        for (int h = 1; h < d; h <<= 1)
+            for (int b = 0; b < d; b += h << 1)
+                for (int j = b; j < b + h; j++) {
+                    const float u = r[j], v = r[j + h];
+                    r[j] = u + v;
+                    r[j + h] = u - v;
+                }
+        for (int j = 0; j < d; j++) r[j] *= scale;
+    }
+}
+
 void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst) {
     for (size_t i = 0; i < n; i++) dst[i] = kvpq__h2f(src[i]);
 }
@@ -237,6 +251,7 @@ void kvpq__vq_kernels_ref(kvpq_vq_kernels *k) {
         .dot_rows = kvpq__vq_dot_rows_ref,
         .f16_to_f32 = kvpq__vq_f16_to_f32_ref,
         .f32_to_f16 = kvpq__vq_f32_to_f16_ref,
+        .fwht_rows = kvpq__vq_fwht_rows_ref,
     };
     *k = ref;
 }

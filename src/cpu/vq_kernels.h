@@ -68,6 +68,10 @@ typedef struct {
     /* IEEE half <-> float, round to nearest even (the window's storage). */
     void (*f16_to_f32)(size_t n, const uint16_t *src, float *dst);
     void (*f32_to_f16)(size_t n, const float *src, uint16_t *dst);
+    /* In place, each row of x (n, d), d a power of two: the Walsh-Hadamard butterflies (a, b) ->
+     * (a + b, a - b) with strides 1, 2, 4, ... < d (Sylvester order), then times scale (kvpq_hadamard).
+     * Every level does the same additions in the same order: results are bit-identical. */
+    void (*fwht_rows)(size_t n, int d, float scale, float *x);
 } kvpq_vq_kernels;
 
 /* The kernels of a SIMD level (the best this build and CPU have at or below `level`): the vq part of
@@ -104,6 +108,7 @@ void kvpq__vq_weighted_sum_ref(int n, int d, const float *p, const float *v, flo
 void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *out);
 void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst);
 void kvpq__vq_f32_to_f16_ref(size_t n, const float *src, uint16_t *dst);
+void kvpq__vq_fwht_rows_ref(size_t n, int d, float scale, float *x);
 
 #if defined(__x86_64__)
 /* Variants (vq_body.h compiled per ISA by vq_avx2.c and vq_avx512.c, plus their own kernels) fill

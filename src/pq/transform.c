@@ -3,27 +3,12 @@
 #include <float.h>
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #include "internal.h"
+#include "cpu/vq_kernels.h"
 
 // ---- Walsh-Hadamard ----------------------------------------------------------------------------
-
-/* One vector, in place: log2(d) butterfly stages (a, b) -> (a + b, a - b) with stride h = 1, 2, 4...
- * give H_d x in Sylvester order (H_2d = [[H_d, H_d], [H_d, -H_d]]); scaling by 1/sqrt(d) makes it
- * orthonormal, and since H_d is symmetric it is then its own inverse. */
-static void fwht_row(float *x, int d, float scale) {
-    for (int h = 1; h < d; h <<= 1) {
-        for (int i = 0; i < d; i += h << 1) {
-            float *a = x + i, *b = x + i + h;
-            for (int j = 0; j < h; j++) {
-                float u = a[j], v = b[j];
-                a[j] = u + v;
-                b[j] = u - v;
-            }
-        }
-    }
-    for (int j = 0; j < d; j++) x[j] *= scale;
-}
 
 /* The first row of x (n, d) whose sum of squares ss (double) is not finite or has sqrt(ss * growth)
  * > FLT_MAX, with its ss in *ss; n when every row is within range. */
@@ -63,8 +48,13 @@ kvpq_status kvpq_hadamard(float *x, size_t n, int d) {
                          "float32 (rows up to FLT_MAX / sqrt(d) = %g are taken)", bad, sqrt(ss_bad), FLT_MAX / sqrt(d));
     }
     const float scale = (float)(1.0 / sqrt((double)d));
+    /* H_2d = [[H_d, H_d], [H_d, -H_d]] by log2(d) butterfly stages; scaled by 1/sqrt(d) it is
+     * orthonormal and, being symmetric, its own inverse. The SIMD level's rows kernel (the same sums
+     * at every level), over blocks of rows on the threads. */
+    void (*rows)(size_t, int, float, float *) = kvpq__vq_kernels(kvpq_simd_get())->fwht_rows;
+    const size_t blk = 64;
 #pragma omp parallel for if ((double)n * d >= 65536.0) schedule(static)
-    for (size_t i = 0; i < n; i++) fwht_row(x + i * (size_t)d, d, scale);
+    for (size_t i = 0; i < n; i += blk) rows(n - i < blk ? n - i : blk, d, scale, x + i * (size_t)d);
     return KVPQ_OK;
 }
 
@@ -256,23 +246,49 @@ static void rope_at(float *x, size_t n, int n_head, int head_dim, int half, int 
         }
 }
 
-/* Consecutive positions pos0, pos0 + 1, ...: per pair, cos / sin at pos0 and then one complex
+/* Consecutive positions pos0, pos0 + 1, ...: cos / sin of every pair at pos0, then one complex
  * multiplication by e^(i sign inv_freq) per step, in double (n steps drift by ~n 1e-16), instead of
- * n cos / sin calls: the form the VQ cache's attention uses on every coded key. */
-static void rope_run(float *x, size_t n, int n_head, int head_dim, int half, int neox, const float *inv_freq, int pos0,
-                     int sign) {
-    const int stride = neox ? 1 : 2, other = neox ? half : 1;
-    const size_t row = (size_t)n_head * head_dim;
+ * n cos / sin calls: the form the VQ cache's attention uses on every coded key. Position by
+ * position, the pairs in the inner loops (vectorizable). */
+static kvpq_status rope_run(float *x, size_t n, int n_head, int head_dim, int half, int neox, const float *inv_freq,
+                            int pos0, int sign) {
+    double *c = malloc(sizeof(double) * 4 * (size_t)half);
+    float *cf = malloc(sizeof(float) * 2 * (size_t)half);
+    if (!c || !cf) {
+        free(c), free(cf);
+        return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_rope_rotate: out of memory");
+    }
+    double *s = c + half, *cw = s + half, *sw = cw + half;
+    float *sf = cf + half;
     for (int i = 0; i < half; i++) {
-        const double w = sign * (double)inv_freq[i], cw = cos(w), sw = sin(w);
-        double c = cos(pos0 * w), s = sin(pos0 * w);
-        for (size_t t = 0; t < n; t++) {
-            rope_pair(x + t * row, n_head, head_dim, i, other, stride, (float)c, (float)s);
-            const double c1 = c * cw - s * sw;
-            s = s * cw + c * sw;
-            c = c1;
+        const double w = sign * (double)inv_freq[i];
+        cw[i] = cos(w), sw[i] = sin(w), c[i] = cos(pos0 * w), s[i] = sin(pos0 * w);
+    }
+    for (size_t t = 0; t < n; t++) {
+        for (int i = 0; i < half; i++) cf[i] = (float)c[i], sf[i] = (float)s[i];
+        for (int h = 0; h < n_head; h++) {
+            float *r = x + (t * (size_t)n_head + h) * head_dim;
+            if (neox)
+                for (int i = 0; i < half; i++) {
+                    const float x0 = r[i], x1 = r[i + half];
+                    r[i] = x0 * cf[i] - x1 * sf[i];
+                    r[i + half] = x0 * sf[i] + x1 * cf[i];
+                }
+            else
+                for (int i = 0; i < half; i++) {
+                    const float x0 = r[2 * i], x1 = r[2 * i + 1];
+                    r[2 * i] = x0 * cf[i] - x1 * sf[i];
+                    r[2 * i + 1] = x0 * sf[i] + x1 * cf[i];
+                }
+        }
+        for (int i = 0; i < half; i++) {
+            const double c1 = c[i] * cw[i] - s[i] * sw[i];
+            s[i] = s[i] * cw[i] + c[i] * sw[i];
+            c[i] = c1;
         }
     }
+    free(c), free(cf);
+    return KVPQ_OK;
 }
 
 kvpq_status kvpq_rope_rotate(float *x, size_t n, int n_head, int head_dim, int n_rot, int neox, const float *inv_freq,
@@ -283,6 +299,6 @@ kvpq_status kvpq_rope_rotate(float *x, size_t n, int n_head, int head_dim, int n
     if (n > 0 && (!x || (n_rot > 0 && !inv_freq)))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_rope_rotate: %s is NULL", x ? "inv_freq" : "x");
     if (pos) rope_at(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos, sign);
-    else rope_run(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos0, sign);
+    else if (n_rot > 0) return rope_run(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos0, sign);
     return KVPQ_OK;
 }
