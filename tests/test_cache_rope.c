@@ -22,6 +22,7 @@ typedef struct {
     int norm;        /* norm-explicit keys and values */
     int sinks, window, sliding;
     const char *key2; /* a second key stage's preset, or NULL */
+    const char *keys; /* the key preset; NULL: d4b8 (8-bit codes: the decoder's direct path) */
 } rope_cfg;
 
 /* inv_freq[i] = base^(-2i / n_rot) (RoPE's frequencies, as llama.c computes them). */
@@ -38,7 +39,7 @@ static kvpq_codebook *rope_codebook(const rope_cfg *c, int n_layer, uint64_t see
     p.n_layer = n_layer;
     p.n_head_kv = c->n_head_kv;
     p.head_dim = c->head_dim;
-    cr_assert_eq(kvpq_pq_params_preset(&p.key, "d4b8", c->head_dim), KVPQ_OK);
+    cr_assert_eq(kvpq_pq_params_preset(&p.key, c->keys ? c->keys : "d4b8", c->head_dim), KVPQ_OK);
     cr_assert_eq(kvpq_pq_params_preset(&p.value, "d4b8", c->head_dim), KVPQ_OK);
     p.key_norm = p.value_norm = c->norm;
     p.key_rope_dims = c->n_rot;
@@ -204,6 +205,7 @@ Test(cache_rope, partial_rotation_sinks_windows_norm_and_stages_match_fp64) {
         {.head_dim = 128, .n_rot = 128, .neox = 1, .n_head = 8, .n_head_kv = 2, .window = 16, .sliding = 100},
         {.head_dim = 64, .n_rot = 64, .neox = 1, .n_head = 6, .n_head_kv = 2, .window = 16, .norm = 1, .sinks = 2},
         {.head_dim = 64, .n_rot = 64, .neox = 0, .n_head = 6, .n_head_kv = 2, .window = 16, .key2 = "d8b8"},
+        {.head_dim = 64, .n_rot = 64, .neox = 1, .n_head = 6, .n_head_kv = 2, .window = 16, .keys = "d8b12"},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) run_rope(&cs[i], len);
 }

@@ -836,53 +836,63 @@ static kvpq_status vq_kdec_reserve(vq_state *st, int rows) {
     return KVPQ_OK;
 }
 
-/* Keys before RoPE: make st->kdec hold the coded keys of positions [lo, hi) of a layer, decoded with
- * RoPE applied (dequantize-then-rotate: the score q . R_t k_t needs each position's own rotation,
- * which one lookup table per query cannot give). What it holds of the same layer is kept (a
- * prefill's next run decodes only its new positions; rows below a sliding window's start go once
- * they outnumber the live ones); the rest is decoded in chunks of VQ_CHUNK positions over the threads. */
-static kvpq_status vq_decode_keys(vq_state *st, const vq_layer *L, int layer, int lo, int hi) {
-    const int nkv = st->n_head_kv, d = st->head_dim, nt = st->n_threads;
-    const int end = st->kdec_t0 + st->kdec_n;
+/* What st->kdec keeps for positions [lo, hi) of a layer: its rows of the same layer when they start
+ * at or before lo and end within [lo, hi) (a prefill's next run), less the rows before a sliding
+ * window's start once they outnumber the live ones; else nothing. */
+static void vq_kdec_keep(vq_state *st, int layer, int lo, int hi) {
+    const int nkv = st->n_head_kv, d = st->head_dim, end = st->kdec_t0 + st->kdec_n;
     if (st->kdec_layer != layer || st->kdec_t0 > lo || end < lo || end > hi) st->kdec_t0 = lo, st->kdec_n = 0;
-    if (lo - st->kdec_t0 > hi - lo) { /* drop the rows before a sliding window's start */
+    if (lo - st->kdec_t0 > hi - lo) {
         const int cut = lo - st->kdec_t0;
         for (int h = 0; h < nkv; h++)
             memmove(st->kdec + (size_t)h * st->kdec_rows * d, st->kdec + ((size_t)h * st->kdec_rows + cut) * d,
                     sizeof(float) * (st->kdec_n - cut) * d);
         st->kdec_t0 = lo, st->kdec_n -= cut;
     }
+}
+
+/* Decode positions [from, hi) of a layer's keys into st->kdec (rows from kdec_t0), over the threads:
+ * 8-bit codes a (chunk, KV head) per job straight from the pages, others a chunk per job through
+ * vq_decode_rows. Returns 0, or 1 when a job failed (out of memory). */
+static int vq_kdec_fill(vq_state *st, const vq_layer *L, int layer, int from, int hi) {
+    const int nkv = st->n_head_kv, d = st->head_dim, nt = st->n_threads, t0 = st->kdec_t0, rows = st->kdec_rows;
+    const int n_chunk = (hi - from + VQ_CHUNK - 1) / VQ_CHUNK, u8 = st->kpq[layer]->p.nbits == 8;
+    const int n_jobs = u8 ? n_chunk * nkv : n_chunk;
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    int failed = 0;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n_jobs > 1) reduction(| : failed)
+    for (int j = 0; j < n_jobs; j++) {
+        vq_scratch *s = &st->scr[omp_get_thread_num()];
+        const int a = from + (u8 ? j / nkv : j) * VQ_CHUNK, b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
+        if (u8) {
+            const int h = j % nkv;
+            failed |= vq_decode_key_head_u8(st, L, layer, h, a, b, s, K, st->kdec + ((size_t)h * rows + (a - t0)) * d) !=
+                      KVPQ_OK;
+            continue;
+        }
+        if (vq_decode_rows(st, L, layer, 0, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {
+            failed = 1;
+            continue;
+        }
+        for (int t = a; t < b; t++)
+            for (int h = 0; h < nkv; h++)
+                memcpy(st->kdec + ((size_t)h * rows + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
+                       sizeof(float) * d);
+    }
+    return failed;
+}
+
+/* Keys before RoPE: make st->kdec hold the coded keys of positions [lo, hi) of a layer, decoded with
+ * RoPE applied (dequantize-then-rotate: the score q . R_t k_t needs each position's own rotation,
+ * which one lookup table per query cannot give). What it holds of the same layer is kept
+ * (vq_kdec_keep): a prefill's runs decode each position once. */
+static kvpq_status vq_decode_keys(vq_state *st, const vq_layer *L, int layer, int lo, int hi) {
+    vq_kdec_keep(st, layer, lo, hi);
     st->kdec_layer = -1; /* until complete */
     KVPQ_TRY(vq_kdec_reserve(st, hi - st->kdec_t0 > 1 ? hi - st->kdec_t0 : 1));
-    const int t0 = st->kdec_t0, from = t0 + st->kdec_n, rows = st->kdec_rows;
-    int failed = 0;
-    if (st->kpq[layer]->p.nbits == 8) { /* straight from the pages, a (chunk, KV head) per job */
-        const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
-        const int n_chunk = (hi - from + VQ_CHUNK - 1) / VQ_CHUNK;
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n_chunk * nkv > 1) reduction(| : failed)
-        for (int j = 0; j < n_chunk * nkv; j++) {
-            const int a = from + (j / nkv) * VQ_CHUNK, h = j % nkv, b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
-            failed |= vq_decode_key_head_u8(st, L, layer, h, a, b, &st->scr[omp_get_thread_num()], K,
-                                            st->kdec + ((size_t)h * rows + (a - t0)) * d) != KVPQ_OK;
-        }
-    } else {
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && hi - from > VQ_CHUNK) reduction(| : failed)
-        for (int a = from; a < hi; a += VQ_CHUNK) {
-            vq_scratch *s = &st->scr[omp_get_thread_num()];
-            const int b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
-            if (vq_decode_rows(st, L, layer, 0, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {
-                failed = 1;
-                continue;
-            }
-            for (int t = a; t < b; t++)
-                for (int h = 0; h < nkv; h++)
-                    memcpy(st->kdec + ((size_t)h * rows + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
-                           sizeof(float) * d);
-        }
-    }
-    if (failed)
+    if (vq_kdec_fill(st, L, layer, st->kdec_t0 + st->kdec_n, hi))
         return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory decoding keys coded before RoPE", layer);
-    st->kdec_n = hi - t0;
+    st->kdec_n = hi - st->kdec_t0;
     st->kdec_layer = layer;
     return KVPQ_OK;
 }
