@@ -8,7 +8,7 @@
 static const char *const config_keys[] = {
     "kvpq.format_version", "n_layer", "n_head_kv", "head_dim", "k.M", "k.nbits",
     "k.granularity",       "v.M",     "v.nbits",   "v.granularity", "v.rotate", "k.norm", "v.norm",
-    "k.stages",            "k2.M",
+    "k.stages",            "k2.M",        "k.rope_dims", "k.rope",
 };
 
 static int is_config_key(const char *k) {
@@ -106,6 +106,20 @@ static double print_key2(const kvpq_codebook *cb, const kvpq_codebook_params *p)
 /* The quantizers and the bits per element: codes, plus one scale per vector of a norm-explicit
  * quantizer: float16, or 8 bits in the layers kvpq_codebook_layer_scale_bits names (metadata
  * k.norm_bits / v.norm_bits = "8"). */
+/* Keys coded before RoPE (format version 5): the rotation and the layers that use it. */
+static void print_key_rope(const kvpq_codebook *cb, const kvpq_codebook_params *p) {
+    if (!p->key_rope_dims) return;
+    int on = 0;
+    for (int l = 0; l < p->n_layer; l++) {
+        const float *f = kvpq_codebook_key_rope_freq_const(cb, l);
+        int any = 0;
+        for (int i = 0; i < p->key_rope_dims / 2; i++) any |= f[i] != 0.0f;
+        on += any;
+    }
+    printf("keys before RoPE: %d rotated dims, pairs %s, in %d of %d layers (the others code keys as given)\n",
+           p->key_rope_dims, p->key_rope_neox ? "(x[i], x[i + n/2]) (neox)" : "(x[2i], x[2i+1]) (norm)", on, p->n_layer);
+}
+
 static void print_quantizers(const kvpq_codebook *cb, const kvpq_codebook_params *p) {
     double bits = print_kind(cb, p, 0) + print_kind(cb, p, 1);
     if (p->key_stages == 2) bits += print_key2(cb, p);
@@ -122,6 +136,7 @@ static void print_quantizers(const kvpq_codebook *cb, const kvpq_codebook_params
                n8[0], p->n_layer, n8[1], p->n_layer);
     printf("bits/element (K and V together, codes and per-vector scales): %.3f\n",
            (bits + sbits) / p->n_layer / (2.0 * p->head_dim));
+    print_key_rope(cb, p);
 }
 
 /* The joint check of the whole file (calibrate --verify-ctx), whose held-out KL is hk; pred: the
@@ -239,7 +254,10 @@ static void print_tensors(const kvpq_codebook *cb, const kvpq_codebook_params *p
         book_shape(&p->key2, b2, sizeof b2);
         snprintf(k2s, sizeof k2s, "  k.codebook2 %s", b2);
     }
-    printf("tensors per layer: k.smooth %s  k.mean %s  k.codebook %s%s  v.codebook %s  (F32)\n", ss, ss, ks, k2s, vs);
+    char rs[48] = "";
+    if (p->key_rope_dims) snprintf(rs, sizeof rs, "  k.rope_freq [%d]", p->key_rope_dims / 2);
+    printf("tensors per layer: k.smooth %s  k.mean %s  k.codebook %s%s  v.codebook %s%s  (F32)\n", ss, ss, ks, k2s, vs,
+           rs);
     printf("%5s %12s %12s %12s %12s %14s %14s\n", "layer", "smooth.min", "smooth.max", "smooth.mean", "k.mean.rms",
            "k.centroid.rms", "v.centroid.rms");
     const size_t n = (size_t)p->n_head_kv * p->head_dim;

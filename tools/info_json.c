@@ -57,6 +57,8 @@ static int codebook_row(cJSON *o, const char *path) {
     cJSON_AddBoolToObject(o, "value_rotate", p.value_rotate);
     cJSON_AddBoolToObject(o, "key_norm", p.key_norm);
     cJSON_AddBoolToObject(o, "value_norm", p.value_norm);
+    cJSON_AddNumberToObject(o, "key_rope_dims", p.key_rope_dims); /* 0: keys coded after RoPE */
+    if (p.key_rope_dims) cJSON_AddStringToObject(o, "key_rope", p.key_rope_neox ? "neox" : "norm");
     char key[300];
     for (size_t i = 0; i < kvpq_codebook_meta_count(cb); i++) {
         const char *k = kvpq_codebook_meta_key(cb, i);
