@@ -215,7 +215,9 @@ typedef struct {
      * that of the reconstruction with RoPE applied (kvpq_rope_rotate, the one rotation both use).
      * A layer whose inv_freq are all 0 codes keys as given (the rotation by 0 is the identity).
      * Default 0 (off). File: metadata k.rope_dims, k.rope ("norm" or "neox") and tensors
-     * layers.{i}.k.rope_freq (format version 5). The CUDA cache refuses it (KVPQ_ERR_UNSUPPORTED). */
+     * layers.{i}.k.rope_freq (format version 5). kvpq_cache's CUDA backend and the Python CudaCache
+     * refuse it (KVPQ_ERR_UNSUPPORTED); kvpq_cuda_cache_new, which takes bare quantizers, cannot tell:
+     * do not give it the quantizers of such a layer. */
     int key_rope_dims;
     int key_rope_neox;
 } kvpq_codebook_params;
@@ -814,7 +816,8 @@ KVPQ_API float *kvpq_codebook_key_mean(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_mean_const(const kvpq_codebook *cb, int layer);
 /* Borrowed: a layer's RoPE frequencies inv_freq, (key_rope_dims / 2), writable; 0 (no rotation)
  * until set (kvpq_codebook_params.key_rope_dims). NULL when key_rope_dims is 0, cb is NULL or the
- * layer is out of range. Saving refuses a negative or non-finite one. */
+ * layer is out of range. A VQ cache and calibration refuse a negative or non-finite one
+ * (KVPQ_ERR_INVALID_ARG), saving also one above 2^21, as for the other tensors. */
 KVPQ_API float *kvpq_codebook_key_rope_freq(kvpq_codebook *cb, int layer);
 KVPQ_API const float *kvpq_codebook_key_rope_freq_const(const kvpq_codebook *cb, int layer);
 /* ---- TurboQuant's MSE quantizer as a codebook (a peer in kvpq's own harness) ----------------- */

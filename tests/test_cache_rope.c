@@ -289,3 +289,29 @@ Test(cache_rope, cuda_backend_refuses_or_is_absent) {
     cr_assert_null(cache);
     kvpq_codebook_free(cb);
 }
+
+/* A frequency set in memory that is NaN, Inf or negative is refused by the cache and by calibration
+ * by name, before anything is stored (the key mean stays as it was); n = 0 rotates nothing. */
+Test(cache_rope, bad_frequencies_are_refused_by_name) {
+    rope_cfg c = {.head_dim = 64, .n_rot = 64, .n_head = 2, .n_head_kv = 2, .window = 8};
+    const float bad[] = {NAN, INFINITY, -1.0f};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvpq_codebook *cb = rope_codebook(&c, 1, 3);
+        kvpq_codebook_key_rope_freq(cb, 0)[5] = bad[i];
+        const kvpq_cache_params p = rope_params(cb, &c, 1, 64);
+        kvpq_cache *cache = NULL;
+        cr_assert_eq(kvpq_cache_new(&cache, &p), KVPQ_ERR_INVALID_ARG);
+        cr_assert(strstr(kvpq_last_error(), "RoPE frequency 5"), "%s", kvpq_last_error());
+        float *k = rand_vec(64 * 2 * 64, 4, 1.0f), mu0 = kvpq_codebook_key_mean_const(cb, 0)[0];
+        kvpq_calibrate_params cp = kvpq_calibrate_params_default();
+        int32_t pos[64];
+        for (int t = 0; t < 64; t++) pos[t] = t;
+        cp.positions = pos;
+        cr_assert_eq(kvpq_codebook_calibrate_layer(cb, 0, 64, k, k, &cp, NULL, NULL), KVPQ_ERR_INVALID_ARG);
+        cr_assert(strstr(kvpq_last_error(), "RoPE frequency 5"), "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_codebook_key_mean_const(cb, 0)[0], mu0, "nothing stored");
+        free(k);
+        kvpq_codebook_free(cb);
+    }
+    cr_assert_eq(kvpq_rope_rotate(NULL, 0, 1, 8, 8, 0, NULL, NULL, 0, 1), KVPQ_OK);
+}

@@ -103,9 +103,6 @@ static double print_key2(const kvpq_codebook *cb, const kvpq_codebook_params *p)
     return (double)n2 * p->key2.M * p->key2.nbits;
 }
 
-/* The quantizers and the bits per element: codes, plus one scale per vector of a norm-explicit
- * quantizer: float16, or 8 bits in the layers kvpq_codebook_layer_scale_bits names (metadata
- * k.norm_bits / v.norm_bits = "8"). */
 /* Keys coded before RoPE (format version 5): the rotation and the layers that use it. */
 static void print_key_rope(const kvpq_codebook *cb, const kvpq_codebook_params *p) {
     if (!p->key_rope_dims) return;
@@ -120,6 +117,9 @@ static void print_key_rope(const kvpq_codebook *cb, const kvpq_codebook_params *
            p->key_rope_dims, p->key_rope_neox ? "(x[i], x[i + n/2]) (neox)" : "(x[2i], x[2i+1]) (norm)", on, p->n_layer);
 }
 
+/* The quantizers and the bits per element: codes, plus one scale per vector of a norm-explicit
+ * quantizer: float16, or 8 bits in the layers kvpq_codebook_layer_scale_bits names (metadata
+ * k.norm_bits / v.norm_bits = "8"). */
 static void print_quantizers(const kvpq_codebook *cb, const kvpq_codebook_params *p) {
     double bits = print_kind(cb, p, 0) + print_kind(cb, p, 1);
     if (p->key_stages == 2) bits += print_key2(cb, p);

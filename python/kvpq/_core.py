@@ -583,9 +583,9 @@ class Codebook:
         self._rows(lib.kvpq_codebook_key_mean(self._h, self._layer(layer, "Codebook.set_key_mean")))[:] = mu
 
     def key_rope_freq(self, layer: int) -> NDArray[np.float32]:
-        """Copy of a layer's RoPE frequencies inv_freq, (key_rope_dims // 2,) float32: keys coded before
-        RoPE where any is nonzero (kvpq_codebook_params.key_rope_dims); empty when the codebook codes
-        keys as given."""
+        """Copy of a layer's RoPE frequencies inv_freq, (key_rope_dims // 2,) float32: the layer codes keys
+        before RoPE where any is nonzero (kvpq_codebook_params.key_rope_dims; all 0: as given); empty
+        when the codebook has no rotation (key_rope_dims 0)."""
         n = self.params.key_rope_dims // 2
         f = lib.kvpq_codebook_key_rope_freq(self._h, self._layer(layer, "Codebook.key_rope_freq"))
         if n == 0 or f == ffi.NULL:

@@ -148,7 +148,8 @@ typedef struct {
     /* Keys before RoPE: coded keys of one layer decoded, RoPE applied, (n_head_kv, kdec_rows, head_dim),
      * rows [0, kdec_n) for positions kdec_t0.. of layer kdec_layer (-1: none). Kept between attend
      * calls, so the runs of one prefill (kvpq_cache_append_attend) decode each position once; codes
-     * never change under it (8-bit scale re-basing keeps values), and truncate drops it. */
+     * never change under it (8-bit scale re-basing keeps values), and truncate frees it. Working
+     * memory like the other scratch: not in resident_bytes (one layer's keys in float32). */
     float *kdec;
     int kdec_rows, kdec_layer, kdec_t0, kdec_n;
 } vq_state;
@@ -333,6 +334,11 @@ static kvpq_status vq_check_codebook(const kvpq_cache_params *p, const kvpq_code
             if (!isfinite(mu[i]))
                 return kvpq__err(KVPQ_ERR_NONFINITE, "VQ cache: codebook layer %d key mean [head %zu][channel %zu] is %g",
                                  l, i / (size_t)p->head_dim, i % (size_t)p->head_dim, (double)mu[i]);
+        const float *rf = kvpq_codebook_key_rope_freq_const(cb, l);
+        for (int i = 0; rf && i < kvpq_codebook_get_params(cb).key_rope_dims / 2; i++)
+            if (!(rf[i] >= 0.0f) || !isfinite(rf[i]))
+                return kvpq__err(KVPQ_ERR_INVALID_ARG, "VQ cache: codebook layer %d RoPE frequency %d = %g: must be "
+                                 "finite and >= 0", l, i, (double)rf[i]);
         for (size_t i = 0; i < (size_t)p->n_head_kv * p->head_dim; i++)
             if (!(lam[i] > 0.0f) || !isfinite(lam[i]))
                 return kvpq__err(KVPQ_ERR_INVALID_ARG,
@@ -1170,7 +1176,10 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
 
 static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
     vq_state *st = state;
-    st->kdec_layer = -1; /* decoded keys of positions that may go */
+    st->kdec_layer = -1; /* decoded keys of positions that may go: the buffer too (working memory) */
+    free(st->kdec);
+    st->kdec = NULL;
+    st->kdec_rows = st->kdec_n = 0;
     for (int l = 0; l < st->n_layer; l++) {
         vq_layer *L = &st->layers[l];
         if (n_pos >= lens[l]) { /* nothing cut: storage kvpq_cache_reserve took beyond the positions goes */

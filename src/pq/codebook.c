@@ -932,7 +932,7 @@ static kvpq_status read_rope_config(const cJSON *meta, int version, kvpq_codeboo
     if (!dims || !mode) return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.rope_dims and k.rope appear only together");
     KVPQ_TRY(meta_int(meta, "k.rope_dims", 2, CB_MAX_HEAD_DIM, &p->key_rope_dims));
     if (!strcmp(mode->valuestring, "norm") || !strcmp(mode->valuestring, "neox"))
-        p->key_rope_neox = mode->valuestring[0] == 'n' && mode->valuestring[1] == 'e';
+        p->key_rope_neox = !strcmp(mode->valuestring, "neox");
     else
         return kvpq__err(KVPQ_ERR_FORMAT, "metadata k.rope='%.64s': expected norm or neox", mode->valuestring);
     return KVPQ_OK;

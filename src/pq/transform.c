@@ -296,7 +296,8 @@ kvpq_status kvpq_rope_rotate(float *x, size_t n, int n_head, int head_dim, int n
     if (n_head < 1 || head_dim < 1 || n_rot < 0 || n_rot % 2 || n_rot > head_dim || (sign != 1 && sign != -1))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_rope_rotate: n_head %d, head_dim %d, n_rot %d, sign %d (expected "
                          "n_head, head_dim >= 1, n_rot even in [0, head_dim], sign +-1)", n_head, head_dim, n_rot, sign);
-    if (n > 0 && (!x || (n_rot > 0 && !inv_freq)))
+    if (n == 0) return KVPQ_OK;
+    if (!x || (n_rot > 0 && !inv_freq))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_rope_rotate: %s is NULL", x ? "inv_freq" : "x");
     if (pos) rope_at(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos, sign);
     else if (n_rot > 0) return rope_run(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos0, sign);
