@@ -168,7 +168,7 @@ Test(cache_rope, rotate_matches_closed_form_and_inverts) {
                     const float *xr = x + ((size_t)t * H + h) * d;
                     const int i = neox ? j % (n_rot / 2) : j / 2, first = neox ? j < n_rot / 2 : j % 2 == 0;
                     const int a = neox ? i : 2 * i, b = neox ? i + n_rot / 2 : 2 * i + 1;
-                    const double th = (1000.0 + t) * f[i], c = cos(th), s = sin(th);
+                    const double th = j < n_rot ? (1000.0 + t) * f[i] : 0.0, c = cos(th), s = sin(th);
                     const double want = j >= n_rot ? xr[j] : first ? xr[a] * c - xr[b] * s : xr[a] * s + xr[b] * c;
                     cr_assert(fabs(y[((size_t)t * H + h) * d + j] - want) < 1e-5, "neox %d t %d h %d j %d: %g vs %g",
                               neox, t, h, j, (double)y[((size_t)t * H + h) * d + j], want);
