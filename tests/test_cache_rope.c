@@ -152,32 +152,38 @@ static void run_rope(const rope_cfg *c, int len) {
     kvpq_codebook_free(cb);
 }
 
+/* kvpq_rope_rotate of 40 positions from 1000 against the closed form per channel, then its inverse at
+ * explicit positions back to the input. */
+static void check_rotation(int d, int n_rot, int neox, const float *f) {
+    const int n = 40, H = 2;
+    float *x = rand_vec((size_t)n * H * d, 5, 1.0f), *y = malloc(sizeof(float) * n * H * d);
+    int32_t pos[40];
+    for (int t = 0; t < n; t++) pos[t] = 1000 + t;
+    memcpy(y, x, sizeof(float) * n * H * d);
+    cr_assert_eq(kvpq_rope_rotate(y, n, H, d, n_rot, neox, f, NULL, 1000, 1), KVPQ_OK);
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < d; j++) {
+                const float *xr = x + ((size_t)t * H + h) * d;
+                const int i = neox ? j % (n_rot / 2) : j / 2, first = neox ? j < n_rot / 2 : j % 2 == 0;
+                const int a = neox ? i : 2 * i, b = neox ? i + n_rot / 2 : 2 * i + 1;
+                const double th = j < n_rot ? (1000.0 + t) * f[i] : 0.0, c = cos(th), s = sin(th);
+                const double want = j >= n_rot ? xr[j] : first ? xr[a] * c - xr[b] * s : xr[a] * s + xr[b] * c;
+                cr_assert(fabs(y[((size_t)t * H + h) * d + j] - want) < 1e-5, "d %d neox %d t %d h %d j %d: %g vs %g",
+                          d, neox, t, h, j, (double)y[((size_t)t * H + h) * d + j], want);
+            }
+    cr_assert_eq(kvpq_rope_rotate(y, n, H, d, n_rot, neox, f, pos, 0, -1), KVPQ_OK); /* explicit positions */
+    for (size_t i = 0; i < (size_t)n * H * d; i++) cr_assert(fabsf(y[i] - x[i]) < 1e-5f, "inverse at %zu", i);
+    free(x), free(y);
+}
+
 Test(cache_rope, rotate_matches_closed_form_and_inverts) {
-    const int n = 40, H = 2, d = 16, n_rot = 12;
-    float f[6];
-    for (int i = 0; i < 6; i++) f[i] = powf(500.0f, -2.0f * i / n_rot);
-    for (int neox = 0; neox < 2; neox++) {
-        float *x = rand_vec((size_t)n * H * d, 5, 1.0f), *y = malloc(sizeof(float) * n * H * d);
-        int32_t pos[40];
-        for (int t = 0; t < n; t++) pos[t] = 1000 + t;
-        memcpy(y, x, sizeof(float) * n * H * d);
-        cr_assert_eq(kvpq_rope_rotate(y, n, H, d, n_rot, neox, f, NULL, 1000, 1), KVPQ_OK);
-        for (int t = 0; t < n; t++)
-            for (int h = 0; h < H; h++)
-                for (int j = 0; j < d; j++) {
-                    const float *xr = x + ((size_t)t * H + h) * d;
-                    const int i = neox ? j % (n_rot / 2) : j / 2, first = neox ? j < n_rot / 2 : j % 2 == 0;
-                    const int a = neox ? i : 2 * i, b = neox ? i + n_rot / 2 : 2 * i + 1;
-                    const double th = j < n_rot ? (1000.0 + t) * f[i] : 0.0, c = cos(th), s = sin(th);
-                    const double want = j >= n_rot ? xr[j] : first ? xr[a] * c - xr[b] * s : xr[a] * s + xr[b] * c;
-                    cr_assert(fabs(y[((size_t)t * H + h) * d + j] - want) < 1e-5, "neox %d t %d h %d j %d: %g vs %g",
-                              neox, t, h, j, (double)y[((size_t)t * H + h) * d + j], want);
-                }
-        float *z = malloc(sizeof(float) * n * H * d);
-        memcpy(z, y, sizeof(float) * n * H * d);
-        cr_assert_eq(kvpq_rope_rotate(z, n, H, d, n_rot, neox, f, pos, 0, -1), KVPQ_OK); /* explicit positions */
-        for (size_t i = 0; i < (size_t)n * H * d; i++) cr_assert(fabsf(z[i] - x[i]) < 1e-5f, "inverse at %zu", i);
-        free(x), free(y), free(z);
+    const int dims[2][2] = {{16, 12}, {512, 512}}; /* (head_dim, n_rot); 512: the rotation's buffers on the heap */
+    float f[256];
+    for (int cfg = 0; cfg < 4; cfg++) {
+        const int d = dims[cfg / 2][0], n_rot = dims[cfg / 2][1];
+        for (int i = 0; i < n_rot / 2; i++) f[i] = powf(500.0f, -2.0f * i / n_rot);
+        check_rotation(d, n_rot, cfg % 2, f);
     }
     float x1[4] = {0};
     cr_assert_eq(kvpq_rope_rotate(x1, 1, 1, 4, 3, 0, f, NULL, 0, 1), KVPQ_ERR_INVALID_ARG);

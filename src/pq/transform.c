@@ -252,10 +252,12 @@ static void rope_at(float *x, size_t n, int n_head, int head_dim, int half, int 
  * position, the pairs in the inner loops (vectorizable). */
 static kvpq_status rope_run(float *x, size_t n, int n_head, int head_dim, int half, int neox, const float *inv_freq,
                             int pos0, int sign) {
-    double *c = malloc(sizeof(double) * 4 * (size_t)half);
-    float *cf = malloc(sizeof(float) * 2 * (size_t)half);
+    double cbuf[4 * 128];
+    float fbuf[2 * 128]; /* head_dim up to 256 on the stack; larger ones on the heap */
+    double *c = half <= 128 ? cbuf : malloc(sizeof(double) * 4 * (size_t)half);
+    float *cf = half <= 128 ? fbuf : malloc(sizeof(float) * 2 * (size_t)half);
     if (!c || !cf) {
-        free(c), free(cf);
+        if (half > 128) free(c), free(cf);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_rope_rotate: out of memory");
     }
     double *s = c + half, *cw = s + half, *sw = cw + half;
@@ -287,7 +289,7 @@ static kvpq_status rope_run(float *x, size_t n, int n_head, int head_dim, int ha
             c[i] = c1;
         }
     }
-    free(c), free(cf);
+    if (half > 128) free(c), free(cf);
     return KVPQ_OK;
 }
 
