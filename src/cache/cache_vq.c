@@ -334,11 +334,7 @@ static kvpq_status vq_check_codebook(const kvpq_cache_params *p, const kvpq_code
             if (!isfinite(mu[i]))
                 return kvpq__err(KVPQ_ERR_NONFINITE, "VQ cache: codebook layer %d key mean [head %zu][channel %zu] is %g",
                                  l, i / (size_t)p->head_dim, i % (size_t)p->head_dim, (double)mu[i]);
-        const float *rf = kvpq_codebook_key_rope_freq_const(cb, l);
-        for (int i = 0; rf && i < kvpq_codebook_get_params(cb).key_rope_dims / 2; i++)
-            if (!(rf[i] >= 0.0f) || !isfinite(rf[i]))
-                return kvpq__err(KVPQ_ERR_INVALID_ARG, "VQ cache: codebook layer %d RoPE frequency %d = %g: must be "
-                                 "finite and >= 0", l, i, (double)rf[i]);
+        KVPQ_TRY(kvpq__codebook_check_rope(cb, l, "VQ cache"));
         for (size_t i = 0; i < (size_t)p->n_head_kv * p->head_dim; i++)
             if (!(lam[i] > 0.0f) || !isfinite(lam[i]))
                 return kvpq__err(KVPQ_ERR_INVALID_ARG,

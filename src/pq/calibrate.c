@@ -1,7 +1,6 @@
 /* calibrate.c — one layer of a codebook from collected keys and values: the recipe of
  * `kvpq calibrate` (centering, smoothing, Hadamard rotation, normalization, k-means), shared by the
  * CLI and the Python binding so both train the same codebook from the same activations. */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,11 +53,7 @@ kvpq_status kvpq_codebook_calibrate_layer(kvpq_codebook *cb, int layer, size_t n
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_calibrate_layer: n_tokens %zu too large", n_tokens);
     if (!kvpq__all_finite(k, n_tokens * row))
         return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_codebook_calibrate_layer: layer %d: k holds NaN or Inf", layer);
-    const float *rf = kvpq_codebook_key_rope_freq_const(cb, layer);
-    for (int i = 0; rf && i < cp.key_rope_dims / 2; i++)
-        if (!(rf[i] >= 0.0f) || !isfinite(rf[i]))
-            return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_codebook_calibrate_layer: layer %d RoPE frequency %d = %g: must "
-                             "be finite and >= 0", layer, i, (double)rf[i]);
+    KVPQ_TRY(kvpq__codebook_check_rope(cb, layer, "kvpq_codebook_calibrate_layer"));
     if (!kvpq__all_finite(v, n_tokens * row))
         return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_codebook_calibrate_layer: layer %d: v holds NaN or Inf", layer);
     float *kd = malloc(sizeof(float) * n_tokens * row), *vd = malloc(sizeof(float) * n_tokens * row);

@@ -572,6 +572,15 @@ const float *kvpq_codebook_key_rope_freq_const(const kvpq_codebook *cb, int laye
     return kvpq_codebook_key_rope_freq((kvpq_codebook *)cb, layer);
 }
 
+kvpq_status kvpq__codebook_check_rope(const kvpq_codebook *cb, int layer, const char *who) {
+    const float *f = kvpq_codebook_key_rope_freq_const(cb, layer);
+    for (int i = 0; f && i < cb->p.key_rope_dims / 2; i++)
+        if (!(f[i] >= 0.0f) || !isfinite(f[i]))
+            return kvpq__err(KVPQ_ERR_INVALID_ARG, "%s: codebook layer %d RoPE frequency %d = %g: must be finite and >= 0",
+                             who, layer, i, (double)f[i]);
+    return KVPQ_OK;
+}
+
 const float *kvpq__codebook_layer_rope(const kvpq_codebook *cb, int layer) {
     const float *f = kvpq_codebook_key_rope_freq_const(cb, layer);
     for (int i = 0; f && i < cb->p.key_rope_dims / 2; i++)

@@ -46,6 +46,10 @@ kvpq_status kvpq__codebook_scale_bytes(const kvpq_codebook *cb, int layer, int i
 /* A layer's RoPE frequencies when it codes keys before RoPE (key_rope_dims > 0 and some inv_freq
  * nonzero), else NULL: the one test of the cache, its CUDA kind and calibration. */
 const float *kvpq__codebook_layer_rope(const kvpq_codebook *cb, int layer);
+/* KVPQ_ERR_INVALID_ARG, "WHO: codebook layer L RoPE frequency I = X: must be finite and >= 0", when
+ * one of a layer's frequencies is NaN, Inf or negative (set in memory: files are checked at load);
+ * else KVPQ_OK. The check of the cache and calibration before they use them. */
+kvpq_status kvpq__codebook_check_rope(const kvpq_codebook *cb, int layer, const char *who);
 
 /* The VQ cache's page of one layer (cache_vq.c), shared with the byte model (kvpq_vq_cache_bytes)
  * so that the two agree to the byte: K codes then V codes (n_head_kv * page_tokens * (kcs + vcs)
