@@ -8,10 +8,12 @@
  *           from device memory, no smoothing/rotation/packing (so the baseline does less work).
  *   attend: kvpq_cuda_cache attention from 2-bit codes (K and V dsub 4, nbits 8, window 128),
  *           plain and norm-explicit ("attend_ne": + float16 scales) quantizers,
- *           kernel time of the split + combine launches replayed from a CUDA graph.
+ *           kernel time of the split + combine launches replayed from a CUDA graph;
+ *           "attend B L rope": keys coded before RoPE (src/cuda/rope.cu: every variant runs that
+ *           kernel; KVPQ_BENCH_ATTEND_VARIANTS=5 times it once).
  * Times: CUDA events; median over repeats of the mean over a graph of launches; inputs rotate over
  * several buffers so that they are not served from L2.
- * Usage: gpu_bench_kernels [quick] | attend B L [ne] | encode | encodes   (attend, encode: one shape, for
+ * Usage: gpu_bench_kernels [quick] | attend B L [ne|rope] | encode | encodes   (attend, encode: one shape, for
  * ncu; encodes: the encode shapes only) */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -234,7 +236,7 @@ static void bench_encode(int S, int H, int D, int dsub, int nbits, int quick, in
 
 /* ne: norm-explicit K and V quantizers (a codebook with k.norm = v.norm = 1: codes of directions
  * plus a float16 scale per position, KV head and kind) */
-static void bench_attend(int B, int L, int quick, int ne = 0) {
+static void bench_attend(int B, int L, int quick, int ne = 0, int rope = 0) {
     const int n_head = 32, n_head_kv = 8, D = 128;
     const int W = getenv("KVPQ_BENCH_WINDOW") ? atoi(getenv("KVPQ_BENCH_WINDOW")) : 128; /* for profiling */
     kvpq_pq_params pp = {D, D / 4, 8, KVPQ_CODEBOOK_SHARED};
@@ -277,6 +279,9 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
     cp.value = vp;
     cp.key_smooth = lam.data();
     cp.value_rotate = 1;
+    std::vector<float> freq(D / 2); /* rope: keys coded before RoPE over every channel, base 10^4 */
+    for (int i = 0; i < D / 2; i++) freq[i] = powf(1e4f, -2.f * i / D);
+    if (rope) cp.key_rope_dims = D, cp.key_rope_freq = freq.data();
     const int piece = L < 32768 ? L : 32768;
     size_t row = (size_t)n_head_kv * D;
     std::vector<float> hk((size_t)piece * row);
@@ -358,7 +363,7 @@ static void bench_attend(int B, int L, int quick, int ne = 0) {
            "\"f16_plain\": %.3f, \"f32_vrep\": %.3f, \"f16_vrep\": %.3f, \"default_prev_loop\": %.3f, \"tc\": %.3f, \"tc_8warps\": %.3f, \"tc_16warps\": %.3f, \"tc_nopdl\": %.3f, \"tc_nocluster\": %.3f, "
            "\"tc_regs\": %.3f, \"tc_ring\": %.3f, \"tc_heads2\": %.3f, \"tc_heads1\": %.3f, \"tc_regs_heads2\": %.3f}, "
            "\"tc_warps\": %d, \"tc_regs_default\": %d, \"tc_heads_default\": %d, \"default_variant\": \"%s\", \"out_fnv\": [",
-           ne ? "attend_ne" : "attend", B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, resident, var_us[0],
+           rope ? "attend_rope" : ne ? "attend_ne" : "attend", B, L, n_head, n_head_kv, D, us, bytes, bytes / us / 1e3, resident, var_us[0],
            var_us[1], var_us[2], var_us[3], var_us[4], var_us[5], var_us[6], var_us[7], var_us[8], var_us[9], var_us[10],
            var_us[11], var_us[12], var_us[13], var_us[14], k0.attend_tc_warps, k0.attend_tc_regs, k0.attend_tc_heads,
            k0.attend_tc ? "tc" : k0.attend_lut16 ? "f16_vrep" : "f32_vrep");
@@ -385,8 +390,10 @@ int main(int argc, char **argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("{\"device\": \"%s\", \"sms\": %d, \"l2_bytes\": %d}\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize);
-    if (argc > 3 && !strcmp(argv[1], "attend")) { /* one shape, for profilers; "attend B L ne": norm-explicit */
-        bench_attend(atoi(argv[2]), atoi(argv[3]), 1, argc > 4 && !strcmp(argv[4], "ne"));
+    if (argc > 3 && !strcmp(argv[1], "attend")) { /* one shape, for profilers; "attend B L ne": norm-explicit;
+                                                   * "attend B L rope": keys coded before RoPE (rope.cu) */
+        bench_attend(atoi(argv[2]), atoi(argv[3]), 1, argc > 4 && !strcmp(argv[4], "ne"),
+                     argc > 4 && !strcmp(argv[4], "rope"));
         return 0;
     }
     const int Ls[] = {4096, 32768, 131072};

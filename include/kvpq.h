@@ -216,8 +216,8 @@ typedef struct {
      * A layer whose inv_freq are all 0 codes keys as given (the rotation by 0 is the identity).
      * Default 0 (off). File: metadata k.rope_dims, k.rope ("norm" or "neox") and tensors
      * layers.{i}.k.rope_freq (format version 5). kvpq_cache's CUDA backend and the Python CudaCache
-     * refuse it (KVPQ_ERR_UNSUPPORTED); kvpq_cuda_cache_new, which takes bare quantizers, cannot tell:
-     * do not give it the quantizers of such a layer. */
+     * serve it too (kvpq_cuda_cache_params.key_rope_*, which a caller of kvpq_cuda_cache_new with the
+     * quantizers of such a layer must set). */
     int key_rope_dims;
     int key_rope_neox;
 } kvpq_codebook_params;
@@ -1037,6 +1037,17 @@ typedef struct {
                             * (exact) while the codes quantize centered keys. Finite values; copied. */
     kvpq_cuda_kernels kernels; /* kernel variants of the cache's encode and attention (default
                                 * kvpq_cuda_kernels_default) */
+    /* Keys coded before RoPE (kvpq_codebook_params.key_rope_dims; KVQuant): key_rope_dims = n_rot > 0
+     * (even, <= head_dim) with key_rope_freq host (key_rope_dims / 2) inv_freq (finite, copied; all 0
+     * or NULL: keys coded as given) and key_rope_neox the pair layout. Keys still come in after RoPE:
+     * each is turned back by -(key_rope_pos0 + position) before it is coded, and decoded keys are
+     * turned forward again (kvpq_cuda_cache_read; attention decodes each coded key, adds the key
+     * mean and rotates it, then scores it: a kernel of its own, src/cuda/rope.cu). key_rope_pos0:
+     * the RoPE position of the cache's position 0 (kvpq_cache's sinks). Default 0 (off). */
+    int key_rope_dims;
+    int key_rope_neox;
+    const float *key_rope_freq;
+    int key_rope_pos0;
 } kvpq_cuda_cache_params;
 KVPQ_API kvpq_cuda_cache_params kvpq_cuda_cache_params_default(void);
 

@@ -280,8 +280,10 @@ Test(cache_rope, lossless_codes_give_the_appended_keys_and_exact_attention) {
     }
 }
 
-/* The CUDA kind refuses keys coded before RoPE by name (a build without CUDA refuses the backend). */
-Test(cache_rope, cuda_backend_refuses_or_is_absent) {
+/* Without a usable device (a build without CUDA, or no GPU) the CUDA kind is refused for such a
+ * codebook as for any; with one it serves it (tests/gpu/cache_backend_check.c, the rope configs). */
+Test(cache_rope, cuda_backend_needs_a_device) {
+    if (kvpq_cuda_available(NULL, 0)) cr_skip_test("a device is present: tests/gpu/cache_backend_check.c covers it");
     rope_cfg c = {.head_dim = 64, .n_rot = 64, .n_head = 2, .n_head_kv = 2, .window = 8};
     kvpq_codebook *cb = rope_codebook(&c, 1, 3);
     kvpq_cache_params p = kvpq_cache_params_default();

@@ -1030,7 +1030,10 @@ def cuda_available() -> Tuple[bool, str]:
 class CudaCache:
     """One layer of a device-resident VQ cache for a batch of sequences (kvpq_cuda_cache, include/kvpq.h,
     docs/CUDA.md), made from layer `layer` of a Codebook: its key/value quantizers (norm-explicit ones
-    included), key smoothing factors and key mean. Lives on the CUDA device current at construction.
+    included), key smoothing factors, key mean and, where the layer codes keys before RoPE
+    (Codebook.key_rope_freq), its RoPE frequencies: the key at position t of a sequence is turned
+    back by -t before coding and forward again when decoded. Lives on the CUDA device current at
+    construction.
     Arguments are torch tensors on that device, float32, C-contiguous, of the shapes below (anything
     else raises kvpq.ArgumentError naming the argument):
       append(seq, k, v): k, v (n, n_head_kv, head_dim), post-RoPE keys, for sequence seq (synchronous:
@@ -1053,9 +1056,6 @@ class CudaCache:
         if not isinstance(codebook, Codebook):
             raise _arg_error(w, "codebook: expected a kvpq.Codebook")
         layer = codebook._layer(layer, w)
-        if codebook.key_rope_freq(layer).any():
-            raise _arg_error(w, f"codebook layer {layer} codes keys before RoPE (key_rope_dims), which "
-                             "kvpq_cuda_cache does not: use the CPU cache", lib.KVPQ_ERR_UNSUPPORTED)
         cbp = codebook.params
         p = ffi.new("kvpq_cuda_cache_params *", lib.kvpq_cuda_cache_params_default())
         p.n_head = _int(n_head, "n_head", w, 1)
@@ -1073,6 +1073,10 @@ class CudaCache:
         p.key_smooth = lib.kvpq_codebook_key_smooth(codebook._h, layer)
         p.key_mean = lib.kvpq_codebook_key_mean(codebook._h, layer)
         p.value_rotate = cbp.value_rotate
+        if cbp.key_rope_dims:  # keys coded before RoPE: position t of the cache turns by t
+            p.key_rope_dims = cbp.key_rope_dims
+            p.key_rope_neox = cbp.key_rope_neox
+            p.key_rope_freq = lib.kvpq_codebook_key_rope_freq(codebook._h, layer)
         h = ffi.new("kvpq_cuda_cache **")
         _check(lib.kvpq_cuda_cache_new(h, p), w)
         self._h = ffi.gc(h[0], lib.kvpq_cuda_cache_free)

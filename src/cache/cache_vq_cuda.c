@@ -55,9 +55,7 @@ static kvpq_status vqc_layer_new(vqc_state *st, const kvpq_cache_params *p, int 
     if (kvpq_codebook_key_pq2_const(st->cb, l))
         return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache vq (cuda) layer %d: two key stages (residual VQ) run on the CPU "
                          "backend only", l);
-    if (kvpq__codebook_layer_rope(st->cb, l))
-        return kvpq__err(KVPQ_ERR_UNSUPPORTED, "cache vq (cuda) layer %d: keys coded before RoPE (codebook key_rope_dims) "
-                         "run on the CPU backend only", l);
+    KVPQ_TRY(kvpq__codebook_check_rope(st->cb, l, "cache vq (cuda)"));
     kvpq_cuda_cache_params cp = kvpq_cuda_cache_params_default();
     cp.n_head = p->n_head;
     cp.n_head_kv = p->n_head_kv;
@@ -73,6 +71,11 @@ static kvpq_status vqc_layer_new(vqc_state *st, const kvpq_cache_params *p, int 
     cp.key_smooth = kvpq_codebook_key_smooth_const(st->cb, l);
     cp.key_mean = kvpq_codebook_key_mean_const(st->cb, l);
     cp.value_rotate = st->value_rotate;
+    const kvpq_codebook_params cbp = kvpq_codebook_get_params(st->cb);
+    cp.key_rope_freq = kvpq__codebook_layer_rope(st->cb, l); /* NULL: this layer codes keys as given */
+    cp.key_rope_dims = cp.key_rope_freq ? cbp.key_rope_dims : 0;
+    cp.key_rope_neox = cbp.key_rope_neox;
+    cp.key_rope_pos0 = p->sinks; /* the kind's position 0 follows the sinks (as cache_vq.c's) */
     kvpq_status s = kvpq_cuda_cache_new(&st->layer[l], &cp);
     if (s != KVPQ_OK) kvpq__err_prefix("cache vq (cuda) layer %d", l);
     return s;
@@ -123,8 +126,9 @@ static kvpq_status vqc_attend(void *state, int layer, int len, int n_q, const fl
     (void)len;
     KVPQ_TRY(kvpq__cuda_cache_attend_host(st->layer[layer], n_q, q, out, lse));
     const float *mu = kvpq_codebook_key_mean_const(st->cb, layer);
-    if (!lse || !mu) return KVPQ_OK;
-    /* the kernel scored k - mu: the true log-sum-exp adds q . mu / sqrt(head_dim) */
+    if (!lse || !mu || kvpq__codebook_layer_rope(st->cb, layer)) return KVPQ_OK;
+    /* the kernel scored k - mu (but for keys before RoPE, scored whole): the true log-sum-exp adds
+     * q . mu / sqrt(head_dim) */
     const int hd = st->head_dim, g = st->n_head / st->n_head_kv;
     const double scale = 1.0 / sqrt((double)hd);
     for (int r = 0; r < n_q * st->n_head; r++) {

@@ -46,6 +46,10 @@ struct kvpq_cuda_cache {
     size_t stage_cap;
     int *stage_len;      /* device (len_cap) per-query lengths of a causal attention */
     int len_cap;
+    /* keys coded before RoPE (p.key_rope_dims > 0; rope.cu) */
+    float *rope_freq;    /* device (key_rope_dims / 2) inv_freq, or NULL: keys coded as given */
+    float *rope_x;       /* device (rope_cap) floats: the keys of an append turned back by -position */
+    size_t rope_cap;
 };
 
 namespace {
@@ -78,6 +82,36 @@ __global__ void window_read_kernel(const float *kw, const float *vw, const float
 
 /* kvpq_cuda_cache_params_default: src/core/cuda_stub.c (one definition for every build). */
 
+/* Whether p asks for keys coded before RoPE (some frequency nonzero), after checking the fields. */
+static kvpq_status rope_check(const kvpq_cuda_cache_params *p, int *on) {
+    *on = 0;
+    if (p->key_rope_dims == 0) return KVPQ_OK;
+    if (p->key_rope_dims < 0 || p->key_rope_dims % 2 || p->key_rope_dims > p->head_dim)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key_rope_dims=%d: expected even, 0..head_dim=%d",
+                         p->key_rope_dims, p->head_dim);
+    if (p->key_rope_pos0 < 0)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key_rope_pos0=%d < 0", p->key_rope_pos0);
+    for (int i = 0; p->key_rope_freq && i < p->key_rope_dims / 2; i++) {
+        if (!isfinite(p->key_rope_freq[i]))
+            return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_cuda_cache_new: key_rope_freq[%d]=%g is not finite", i,
+                             (double)p->key_rope_freq[i]);
+        if (p->key_rope_freq[i] != 0.f) *on = 1;
+    }
+    return KVPQ_OK;
+}
+
+/* The RoPE frequencies on the device (rope_check said on), or key_rope_dims set to 0 (off). */
+static kvpq_status rope_upload(kvpq_cuda_cache *c, const kvpq_cuda_cache_params *p, int on) {
+    if (!on) {
+        c->p.key_rope_dims = 0;
+        return KVPQ_OK;
+    }
+    const size_t nb = (size_t)(p->key_rope_dims / 2) * sizeof(float);
+    KVPQ_CUDA_TRY(cudaMalloc((void **)&c->rope_freq, nb), "kvpq_cuda_cache_new: cudaMalloc key_rope_freq");
+    return kvpq__cuda_err(cudaMemcpy(c->rope_freq, p->key_rope_freq, nb, cudaMemcpyHostToDevice),
+                          "kvpq_cuda_cache_new: copy key_rope_freq");
+}
+
 extern "C" KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c) {
     if (!c) return;
     kvpq_cuda_pq_free(c->kq);
@@ -101,6 +135,8 @@ extern "C" KVPQ_API void kvpq_cuda_cache_free(kvpq_cuda_cache *c) {
     cudaFree(c->ne_smax);
     cudaFree(c->stage);
     cudaFree(c->stage_len);
+    cudaFree(c->rope_freq);
+    cudaFree(c->rope_x);
     free(c->h_page_table);
     free(c->free_pages);
     free(c->h_len);
@@ -149,6 +185,11 @@ static void fill_attend_params(const kvpq_cuda_cache *c, kvpq__attend_params *a)
     a->cluster = c->p.kernels.attend_cluster;
     a->tc_regs = c->p.kernels.attend_tc_regs;
     a->tc_heads = c->p.kernels.attend_tc_heads;
+    a->rope_freq = c->rope_freq;
+    a->rope_dims = c->p.key_rope_dims;
+    a->rope_neox = c->p.key_rope_neox;
+    a->rope_pos0 = c->p.key_rope_pos0;
+    a->k_mean = c->k_mean;
     a->tc_kexp = c->tc_kexp;
     a->tc_vexp = c->tc_vexp;
     a->k_scales = c->k_scales;
@@ -202,6 +243,8 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     if (p->key->p.d != p->head_dim || p->value->p.d != p->head_dim)
         return kvpq__err(KVPQ_ERR_MISMATCH, "kvpq_cuda_cache_new: quantizer d (key %d, value %d) != head_dim %d",
                          p->key->p.d, p->value->p.d, p->head_dim);
+    int rope = 0;
+    KVPQ_TRY(rope_check(p, &rope));
     KVPQ_TRY(kvpq__cuda_require("kvpq_cuda_cache_new"));
 
     kvpq_cuda_cache *c = (kvpq_cuda_cache *)calloc(1, sizeof *c);
@@ -211,6 +254,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     c->p.value = NULL;
     c->p.key_smooth = NULL;
     c->p.key_mean = NULL;
+    c->p.key_rope_freq = NULL;
     c->k_norm = p->key->norm_explicit != 0;
     c->v_norm = p->value->norm_explicit != 0;
     if (p->key_mean) {
@@ -231,7 +275,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     kvpq_status s = kvpq__cuda_pq_upload(&c->kq, p->key, &kp);
     if (s == KVPQ_OK) s = kvpq__cuda_pq_upload(&c->vq, p->value, &vp);
     /* the image only where the tensor-core kernel may run (kernels.attend_tc) */
-    if (s == KVPQ_OK && p->kernels.attend_tc &&
+    if (s == KVPQ_OK && p->kernels.attend_tc && !rope &&
         kvpq__cuda_tc_image(p->key, p->value, &c->tc_image, &c->tc_kexp, &c->tc_vexp) != KVPQ_OK) {
         c->tc_image = NULL;      /* no image (out of memory): the LUT kernel serves every attention call */
         (void)cudaGetLastError();
@@ -244,6 +288,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
                                "kvpq_cuda_cache_new: copy key_mean");
         if (s == KVPQ_OK) c->kq->mean = c->k_mean;
     }
+    if (s == KVPQ_OK) s = rope_upload(c, p, rope);
     if (s != KVPQ_OK) {
         kvpq__err_prefix("kvpq_cuda_cache_new");
         kvpq_cuda_cache_free(c);
@@ -251,7 +296,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_new(kvpq_cuda_cache **out, const
     }
     kvpq__attend_params a;
     fill_attend_params(c, &a);
-    s = kvpq__cuda_attend_check(&a);
+    s = rope ? KVPQ_OK : kvpq__cuda_attend_check(&a); /* keys before RoPE: no tables (rope.cu) */
     if (s != KVPQ_OK) {
         kvpq_cuda_cache_free(c);
         return s;
@@ -375,6 +420,20 @@ extern "C" KVPQ_API int kvpq_cuda_cache_seq_len(const kvpq_cuda_cache *c, int se
     return c->h_len[seq];
 }
 
+/* c->rope_x = the n key rows k of positions [L, L + n) turned back by -(key_rope_pos0 + position). */
+static kvpq_status rope_back(kvpq_cuda_cache *c, int n, const float *k, int L) {
+    const size_t need = (size_t)n * c->p.n_head_kv * c->p.head_dim;
+    if (need > c->rope_cap) {
+        cudaFree(c->rope_x);
+        c->rope_x = NULL;
+        c->rope_cap = 0;
+        KVPQ_CUDA_TRY(cudaMalloc((void **)&c->rope_x, need * sizeof(float)), "kvpq_cuda_cache_append: cudaMalloc RoPE workspace");
+        c->rope_cap = need;
+    }
+    return kvpq__cuda_rope_launch(k, c->rope_x, n, c->p.n_head_kv, c->p.head_dim, c->p.key_rope_dims, c->p.key_rope_neox,
+                                  c->rope_freq, c->p.key_rope_pos0 + L, -1, 0);
+}
+
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int seq, int n, const float *k,
                                                        const float *v) {
     if (!c) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_append: cache is NULL");
@@ -408,11 +467,17 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_append(kvpq_cuda_cache *c, int s
         s = kvpq__cuda_err(cudaMemsetAsync(c->ne_bad, 0xff, 2 * sizeof(unsigned long long), 0), "kvpq_cuda_cache_append: flag");
         if (s == KVPQ_OK) s = kvpq__cuda_err(cudaMemsetAsync(c->ne_smax, 0, 2 * sizeof(unsigned), 0), "kvpq_cuda_cache_append: flag");
     }
+    /* keys before RoPE: the coded keys are turned back by -position (the window keeps them as given) */
+    const float *kx = k;
+    if (s == KVPQ_OK && c->rope_freq) {
+        s = rope_back(c, n, k, L);
+        kx = c->rope_x;
+    }
     /* norm-explicit quantizers code directions and store a float16 scale per (position, KV head) */
     if (s == KVPQ_OK)
-        s = c->k_norm ? kvpq__cuda_encode_ne_launch(c->kq, (size_t)n, k, kd, c->k_scales, c->ne_x, c->ne_n, c->ne_rows,
+        s = c->k_norm ? kvpq__cuda_encode_ne_launch(c->kq, (size_t)n, kx, kd, c->k_scales, c->ne_x, c->ne_n, c->ne_rows,
                                                     c->ne_bad, c->ne_smax, 0)
-                      : kvpq__cuda_encode_launch(c->kq, (size_t)n, k, kd, 0);
+                      : kvpq__cuda_encode_launch(c->kq, (size_t)n, kx, kd, 0);
     if (s == KVPQ_OK)
         s = c->v_norm ? kvpq__cuda_encode_ne_launch(c->vq, (size_t)n, v, vd, c->v_scales, c->ne_x, c->ne_n, c->ne_rows,
                                                     c->ne_bad + 1, c->ne_smax + 1, 0)
@@ -507,6 +572,9 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_read(const kvpq_cuda_cache *c, i
     const size_t rf = (size_t)c->p.n_head_kv * c->p.head_dim;
     if (c1 > pos0) {
         if (k) KVPQ_TRY(read_codes_dev(c, seq, 0, pos0, c1 - pos0, k, st));
+        if (k && c->rope_freq) /* decoded before RoPE: turned forward */
+            KVPQ_TRY(kvpq__cuda_rope_launch(k, k, c1 - pos0, c->p.n_head_kv, c->p.head_dim, c->p.key_rope_dims,
+                                            c->p.key_rope_neox, c->rope_freq, c->p.key_rope_pos0 + pos0, 1, st));
         if (v) KVPQ_TRY(read_codes_dev(c, seq, 1, pos0, c1 - pos0, v, st));
     }
     const int r0 = c1 > pos0 ? c1 : pos0, nr = pos0 + n - r0;
@@ -520,17 +588,24 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_read(const kvpq_cuda_cache *c, i
     return KVPQ_OK;
 }
 
+/* The attention kernel of this cache over B sequences, the longest max_len positions long. */
+static kvpq_status attend_launch(const kvpq_cuda_cache *c, kvpq__attend_params *a, int B, int max_len,
+                                 cudaStream_t stream) {
+    if (c->rope_freq) return kvpq__cuda_attend_rope_launch(a, B, max_len, c->max_splits, stream);
+    const int max_coded = max_len - (max_len < c->p.window ? max_len : c->p.window);
+    return kvpq__cuda_attend_launch(a, B, max_coded, c->max_splits, stream);
+}
+
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_attend_async(kvpq_cuda_cache *c, int n_seq, const float *q,
                                                              float *out, void *stream) {
     if (!c || !q || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: NULL argument");
     if (n_seq < 1 || n_seq > c->p.n_seq)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: n_seq=%d: expected 1..%d", n_seq, c->p.n_seq);
-    int max_coded = 0;
+    int max_len = 0;
     for (int b = 0; b < n_seq; b++) {
         int L = c->h_len[b];
         if (L < 1) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_attend: sequence %d is empty", b);
-        int cd = L - (L < c->p.window ? L : c->p.window);
-        if (cd > max_coded) max_coded = cd;
+        if (L > max_len) max_len = L;
     }
     kvpq__attend_params a;
     fill_attend_params(c, &a);
@@ -538,7 +613,7 @@ extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_attend_async(kvpq_cuda_cache *c,
     a.out = out;
     a.part_o = c->part_o;
     a.part_md = c->part_md;
-    return kvpq__cuda_attend_launch(&a, n_seq, max_coded, c->max_splits, (cudaStream_t)stream);
+    return attend_launch(c, &a, n_seq, max_len, (cudaStream_t)stream);
 }
 
 extern "C" KVPQ_API kvpq_status kvpq_cuda_cache_attend(kvpq_cuda_cache *c, int n_seq, const float *q, float *out) {
@@ -556,6 +631,7 @@ extern "C" KVPQ_API size_t kvpq_cuda_cache_resident_bytes(const kvpq_cuda_cache 
                     (size_t)c->vq->n_books * c->vq->ksub * (c->vq->dsub + 1)) * sizeof(float);
     size_t tables = (size_t)c->p.n_seq * (c->max_pages + 1) * sizeof(int);
     size_t image = c->tc_image ? 256 * 256 : 0; /* the tensor-core attention's codebook image */
+    if (c->rope_freq) books += (size_t)(c->p.key_rope_dims / 2) * sizeof(float);
     /* norm-explicit: a float16 scale per (position, KV head) of the pages in use, per kind (the
      * encode workspace, like the attention workspace, is not counted) */
     size_t scales = (size_t)(c->n_pages - c->n_free) * c->p.n_head_kv * c->p.page_tokens * sizeof(uint16_t) *
@@ -661,7 +737,7 @@ extern "C" kvpq_status kvpq__cuda_cache_attend_host(kvpq_cuda_cache *c, int n_q,
         a.lse = lse ? dlse + (size_t)i * c->p.n_head : NULL;
         a.part_o = c->part_o;
         a.part_md = c->part_md;
-        s = kvpq__cuda_attend_launch(&a, 1, lens[i] - (lens[i] < W ? lens[i] : W), c->max_splits, 0);
+        s = attend_launch(c, &a, 1, lens[i], 0);
     }
     free(lens);
     if (s == KVPQ_OK) s = kvpq__cuda_err(cudaDeviceSynchronize(), "kvpq cache (cuda): attention kernel");

@@ -148,6 +148,13 @@ typedef struct {
                                   (kernels.attend_tc_regs) instead of the cp.async ring */
     int tc_heads;              /* tensor-core kernel: at most this many query heads per CTA (0: up to 8;
                                   kernels.attend_tc_heads; tc_gs) */
+    /* Keys coded before RoPE (rope.cu; kvpq_cuda_cache_params.key_rope_*): rope_freq device
+     * (rope_dims / 2) inv_freq, or NULL for the other kernels; position t of the cache turns by
+     * rope_pos0 + t. That kernel scores whole keys: k_mean device (n_head_kv, D) or NULL is added to
+     * each decoded key and window row, so its lse needs no q . mu. */
+    const float *rope_freq;
+    int rope_dims, rope_neox, rope_pos0;
+    const float *k_mean;
 } kvpq__attend_params;
 
 /* The tensor-core attention's codebook image of a key and a value quantizer, or *image = NULL when
@@ -159,6 +166,15 @@ kvpq_status kvpq__cuda_tc_image(const kvpq_pq *key, const kvpq_pq *value, void *
  * kernel (splits merged in the same launch) on `stream`. max_splits bounds n_splits (workspace size). */
 kvpq_status kvpq__cuda_attend_launch(kvpq__attend_params *p, int B, int max_coded, int max_splits,
                                      cudaStream_t stream);
+/* The attention of a layer coding keys before RoPE (rope.cu): every position [0, seq_len) scored
+ * from its decoded, rotated key (or the float32 window), splits merged by a second kernel; max_len
+ * the longest sequence, max_splits bounds the splits (workspace). */
+kvpq_status kvpq__cuda_attend_rope_launch(kvpq__attend_params *p, int B, int max_len, int max_splits,
+                                          cudaStream_t stream);
+/* out = x (n_tokens, n_head_kv, head_dim) with the first n_rot channels of row (t, h) rotated by
+ * sign * (pos0 + t) * freq (device, n_rot / 2), pairs as kvpq_rope_rotate's; in place allowed. */
+kvpq_status kvpq__cuda_rope_launch(const float *x, float *out, long long n_tokens, int n_head_kv, int head_dim,
+                                   int n_rot, int neox, const float *freq, int pos0, int sign, cudaStream_t stream);
 /* Whether the configuration fits the device (shared memory); message names the shape if not. */
 kvpq_status kvpq__cuda_attend_check(const kvpq__attend_params *p);
 

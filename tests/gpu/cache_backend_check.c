@@ -3,7 +3,8 @@
  * a device) and run by tests/gpu/run_gpu_tests.sh, also under compute-sanitizer memcheck.
  *
  * For each configuration (tensor-core and LUT attention kernels, plain and norm-explicit codebooks,
- * GQA and MHA, windows 0 / 32 / 64, 0 to 2 attention sinks), one layer pair of caches, CPU and CUDA,
+ * GQA and MHA, windows 0 / 32 / 64, 0 to 2 attention sinks, keys coded before RoPE in both layouts,
+ * whole and partial), one layer pair of caches, CPU and CUDA,
  * made from the same params and codebook, gets the same K/V/q in chunks of 1 to 80 positions through
  * kvpq_cache_append_attend. Checks:
  *   cpu:   the two outputs agree to CPU_REL (relative L2 over every query whose cache view is the
@@ -26,7 +27,7 @@
  *          4 pages per sequence appended in pieces, and attends with the same bits as a cache whose
  *          explicit pool was allocated whole.
  * Fresh random inputs every run (the seed is printed; KVPQ_SEED=... replays one); KVPQ_QUICK=1
- * shortens the sequences. Exit 0 pass, 1 fail, 77 no device. */
+ * shortens the sequences; KVPQ_CONFIGS=PREFIX runs only the configs whose name starts with it. Exit 0 pass, 1 fail, 77 no device. */
 #define _GNU_SOURCE /* mkstemp */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -52,7 +53,18 @@ typedef struct {
     const char *name;
     const char *preset; /* key and value quantizer preset */
     int norm, head_dim, n_head, n_head_kv, window, sinks;
+    int n_rot, neox;    /* keys coded before RoPE (key_rope_dims, key_rope_neox); 0: as given */
 } config;
+
+/* RoPE frequencies of a layer: base^(-2i / n_rot), layer 0 base 10^4; layer 1 base 10^6 with the
+ * NeoX layout and none (keys as given) without, so both kinds of layer meet in one cache. */
+static void set_rope(const config *c, kvpq_codebook *cb) {
+    for (int l = 0; l < 2; l++) {
+        float *f = kvpq_codebook_key_rope_freq(cb, l);
+        const double base = l == 0 ? 1e4 : c->neox ? 1e6 : 0.0;
+        for (int i = 0; i < c->n_rot / 2; i++) f[i] = base > 0 ? (float)pow(base, -2.0 * i / c->n_rot) : 0.f;
+    }
+}
 
 /* A 2-layer codebook: d4b8 from tests/cache_testutil.h (trained on N(0, 1), directions with
  * norm), other presets with random N(0, 1) centroids; lambda in [0.5, 2), mu in [-0.5, 0.5). */
@@ -67,6 +79,8 @@ static kvpq_codebook *make_codebook(const config *c, uint64_t seed) {
     p.n_head_kv = c->n_head_kv;
     p.head_dim = c->head_dim;
     p.key_norm = p.value_norm = c->norm;
+    p.key_rope_dims = c->n_rot;
+    p.key_rope_neox = c->neox;
     KV_OK(kvpq_pq_params_preset(&p.key, c->preset, c->head_dim));
     KV_OK(kvpq_pq_params_preset(&p.value, c->preset, c->head_dim));
     kvpq_codebook *cb = NULL;
@@ -85,6 +99,7 @@ static kvpq_codebook *make_codebook(const config *c, uint64_t seed) {
             mu[i] = (float)(rng_unif(&seed) - 0.5);
         }
     }
+    if (c->n_rot) set_rope(c, cb);
     return cb;
 }
 
@@ -259,8 +274,10 @@ static void check_truncate(const config *c, const kvpq_codebook *cb, const float
 }
 
 static void run_config(const config *c, uint64_t seed, int L) {
-    printf("%s: head_dim %d, heads %d/%d, %s%s, window %d, sinks %d, %d positions\n", c->name, c->head_dim, c->n_head,
+    printf("%s: head_dim %d, heads %d/%d, %s%s, window %d, sinks %d, %d positions", c->name, c->head_dim, c->n_head,
            c->n_head_kv, c->preset, c->norm ? " norm-explicit" : "", c->window, c->sinks, L);
+    if (c->n_rot) printf(", keys before RoPE (%d channels, %s)", c->n_rot, c->neox ? "neox" : "norm");
+    printf("\n");
     kvpq_codebook *cb = make_codebook(c, seed);
     if (!cb) {
         printf("FAIL %s: codebook: %s\n", c->name, kvpq_last_error());
@@ -372,13 +389,21 @@ int main(void) {
     printf("cache_backend_check: seed %llu (KVPQ_SEED replays it)\n", (unsigned long long)seed);
     const int L = quick() ? 200 : 420;
     const config cfgs[] = {
-        {"tc", "d4b8", 0, 128, 8, 2, 64, 0},   /* tensor-core kernel, GQA */
-        {"tc-ne", "d4b8", 1, 64, 9, 3, 64, 1}, /* norm-explicit scales, one sink */
-        {"lut", "d8b8", 0, 128, 4, 4, 32, 2},  /* LUT kernel, MHA, two sinks */
-        {"lut-w0", "d2b8", 0, 64, 4, 2, 0, 1}, /* no window: every position from codes */
+        {"tc", "d4b8", 0, 128, 8, 2, 64, 0, 0, 0},   /* tensor-core kernel, GQA */
+        {"tc-ne", "d4b8", 1, 64, 9, 3, 64, 1, 0, 0}, /* norm-explicit scales, one sink */
+        {"lut", "d8b8", 0, 128, 4, 4, 32, 2, 0, 0},  /* LUT kernel, MHA, two sinks */
+        {"lut-w0", "d2b8", 0, 64, 4, 2, 0, 1, 0, 0}, /* no window: every position from codes */
+        /* keys coded before RoPE (src/cuda/rope.cu): GQA 4, norm layout, layer 1 as given */
+        {"rope", "d8b8", 0, 128, 8, 2, 32, 1, 128, 0},
+        /* partial rotation, NeoX layout (layer 1 another base), norm-explicit, 3 heads per KV head */
+        {"rope-ne", "d2b8", 1, 64, 9, 3, 64, 2, 48, 1},
+        /* head_dim 256, no window, MQA 4 */
+        {"rope-w0", "d4b12", 0, 256, 4, 1, 0, 0, 256, 1},
     };
-    for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++) run_config(&cfgs[i], seed + 1000 * i, L);
-    check_lazy_pool(seed + 99);
+    const char *only = getenv("KVPQ_CONFIGS"); /* a name prefix: only those configs, no pool check (sanitizers) */
+    for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++)
+        if (!only || !strncmp(cfgs[i].name, only, strlen(only))) run_config(&cfgs[i], seed + 1000 * i, L);
+    if (!only) check_lazy_pool(seed + 99);
     printf("cache_backend_check: %s\n", g_fail ? "FAILED" : "passed");
     return g_fail ? 1 : 0;
 }
