@@ -14,6 +14,8 @@
  * reduced to [-pi, pi], then the hardware sin / cos (the CPU's kvpq_rope_rotate takes cos / sin in
  * double: the two agree to about 1e-6). */
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "common.cuh"
 
@@ -214,6 +216,126 @@ __global__ void __launch_bounds__(kNW * 32, 4) attend_rope_kernel(const kvpq__at
     }
 }
 
+constexpr int kT = 32; /* positions per tile of the tile kernel */
+
+/* Shared memory of the tile kernel, in floats: keys (kT, D + 4: float4 rows on distinct banks),
+ * values (kT, D), queries (GS, D), probabilities (GS, kT). */
+template <int D, int GS>
+constexpr int tile_floats() { return kT * (D + 4) + kT * D + GS * D + GS * kT; }
+
+/* Positions [tb, tb + kT) of (b, h) into the tile: keys after RoPE, values in the value codebook's
+ * space; positions at or past t1 as zeros. Warp w takes rows w, w + kNW, ... (codes one row ahead). */
+template <int D>
+__device__ __forceinline__ void decode_tile(const kvpq__attend_params &p, float *sK, float *sV, int b, int h, int tb,
+                                            int t1, int coded, int warp, int lane) {
+    constexpr int EPL = D / 32, KS = D + 4;
+    const int cend = t1 < coded ? t1 : coded;
+    Pre<EPL> cur{}, nxt{};
+    if (tb + warp < cend) fetch<EPL>(p, b, h, tb + warp, lane, cur);
+    for (int i = warp; i < kT; i += kNW) {
+        const int t = tb + i;
+        if (i + kNW < kT && t + kNW < cend) fetch<EPL>(p, b, h, t + kNW, lane, nxt);
+        float *kr = sK + i * KS, *vr = sV + i * D, k[EPL], v[EPL];
+        if (t < t1) {
+            load_kv<EPL>(p, kr, b, h, t, coded, cur, lane, k, v);
+        } else {
+#pragma unroll
+            for (int j = 0; j < EPL; j++) k[j] = v[j] = 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < EPL; j++) kr[lane * EPL + j] = k[j], vr[lane * EPL + j] = v[j];
+        cur = nxt;
+    }
+}
+
+/* One query head (q: D floats in shared memory, pre-scaled) over the tile: lane = position for the
+ * scores (float4 rows, no shuffles), an online-softmax step (m, l), then lane = element for the
+ * value sum: o[j] holds element j * 32 + lane. pr: the head's kT probabilities (shared). */
+template <int D>
+__device__ __forceinline__ void score_pv(const float *sK, const float *sV, const float *q, float *pr, bool valid,
+                                         int lane, float (&o)[D / 32], float &m, float &l) {
+    constexpr int EPL = D / 32, KS = D + 4;
+    const float4 *k4 = reinterpret_cast<const float4 *>(sK + lane * KS), *q4 = reinterpret_cast<const float4 *>(q);
+    float s = 0.f;
+#pragma unroll 8
+    for (int d = 0; d < D / 4; d++) {
+        const float4 a = q4[d], c = k4[d];
+        s += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
+    }
+    s = valid ? s : -INFINITY;
+    float mx = s;
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(KVPQ_FULL_MASK, mx, x));
+    const float mn = fmaxf(m, mx), corr = exp2f(m - mn), pp = valid ? exp2f(s - mn) : 0.f;
+    float sum = pp;
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) sum += __shfl_xor_sync(KVPQ_FULL_MASK, sum, x);
+    l = l * corr + sum;
+    m = mn;
+    pr[lane] = pp;
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < EPL; j++) o[j] *= corr;
+    for (int t = 0; t < kT; t++) {
+        const float w = pr[t];
+#pragma unroll
+        for (int j = 0; j < EPL; j++) o[j] += w * sV[t * D + j * 32 + lane];
+    }
+    __syncwarp();
+}
+
+/* attend_rope_kernel's work by tiles of kT positions: the CTA's warps decode a tile into shared
+ * memory (each position once for all GS heads), then each warp scores and sums it for its heads
+ * (warp w: heads w, w + kNW, ...), so the only shuffles per position are the key's Hadamard
+ * rotation. Partials as attend_rope_kernel's (a head's whole split in one warp). */
+template <int D, int GS>
+__global__ void __launch_bounds__(kNW * 32) attend_rope_tile_kernel(const kvpq__attend_params p) {
+    constexpr int EPL = D / 32, KS = D + 4, HW = (GS + kNW - 1) / kNW;
+    extern __shared__ float4 smem_rope[];
+    float *sK = reinterpret_cast<float *>(smem_rope), *sV = sK + kT * KS, *sQ = sV + kT * D, *sP = sQ + GS * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.z, split = blockIdx.x;
+    const int G = p.n_head / p.n_head_kv, groups = G / GS;
+    const int kvh = blockIdx.y / groups, head0 = kvh * G + (int)(blockIdx.y % groups) * GS;
+    const int L = p.seq_len[b], coded = L - (p.window < L ? p.window : L);
+    const int t0 = split * p.chunk, t1 = L < t0 + p.chunk ? L : t0 + p.chunk;
+    const float qs = 1.4426950408889634f * rsqrtf((float)D);
+    for (int i = threadIdx.x; i < GS * D; i += kNW * 32) sQ[i] = p.q[((size_t)b * p.n_head + head0) * D + i] * qs;
+    float o[HW][EPL], m[HW], l[HW];
+#pragma unroll
+    for (int r = 0; r < HW; r++) {
+        m[r] = -INFINITY, l[r] = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) o[r][j] = 0.f;
+    }
+    for (int tb = t0; tb < t1; tb += kT) {
+        decode_tile<D>(p, sK, sV, b, kvh, tb, t1, coded, warp, lane);
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < HW; r++)
+            if (warp + kNW * r < GS)
+                score_pv<D>(sK, sV, sQ + (warp + kNW * r) * D, sP + (warp + kNW * r) * kT, tb + lane < t1, lane, o[r],
+                            m[r], l[r]);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < HW; r++) {
+        const int h = warp + kNW * r;
+        if (h >= GS) continue;
+        float *row = sK + warp * KS, x[EPL]; /* the tile is free after the last __syncthreads */
+#pragma unroll
+        for (int j = 0; j < EPL; j++) row[j * 32 + lane] = o[r][j];
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < EPL; j++) x[j] = row[lane * EPL + j];
+        __syncwarp();
+        if (p.v_rotate) kvpq__warp_fwht<EPL>(x, lane); /* back from the value codebook's space */
+        const size_t part = ((size_t)b * p.n_head + head0 + h) * p.n_splits + split;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) p.part_o[part * D + lane * EPL + j] = x[j];
+        if (lane == 0) p.part_md[2 * part] = m[r], p.part_md[2 * part + 1] = l[r];
+    }
+}
+
 /* Merge the splits of row (sequence blockIdx.y, head blockIdx.x): out = sum o 2^(m - M) / sum d
  * 2^(m - M); lse = M ln 2 + ln(sum d 2^(m - M)). A thread per element. */
 __global__ void merge_kernel(const kvpq__attend_params p) {
@@ -243,10 +365,19 @@ kvpq_status launch_gs(kvpq__attend_params &p, int B, int max_len, int max_splits
     if (splits > by_len) splits = by_len;
     if (splits > max_splits) splits = max_splits;
     if (splits < 1) splits = 1;
-    p.chunk = (max_len + splits - 1) / splits;
+    p.chunk = ((max_len + splits - 1) / splits + kT - 1) / kT * kT; /* whole tiles */
     p.n_splits = (max_len + p.chunk - 1) / p.chunk;
     p.n_wsplits = 0;
-    attend_rope_kernel<D, GS><<<dim3(p.n_splits, p.n_head / GS, B), kNW * 32, 0, stream>>>(p);
+    const dim3 grid(p.n_splits, p.n_head / GS, B);
+    const char *kv = getenv("KVPQ_ROPE_KERNEL"); /* A/B of this session: "warp" = attend_rope_kernel */
+    if (kv && !strcmp(kv, "warp")) {
+        attend_rope_kernel<D, GS><<<grid, kNW * 32, 0, stream>>>(p);
+    } else {
+        const int bytes = tile_floats<D, GS>() * (int)sizeof(float);
+        KVPQ_CUDA_TRY(cudaFuncSetAttribute(attend_rope_tile_kernel<D, GS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           bytes), "cuda attend (keys before RoPE): shared memory attribute");
+        attend_rope_tile_kernel<D, GS><<<grid, kNW * 32, bytes, stream>>>(p);
+    }
     KVPQ_CUDA_TRY(cudaGetLastError(), "cuda attend (keys before RoPE): kernel launch");
     merge_kernel<<<dim3(p.n_head, B), D, 0, stream>>>(p);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend (keys before RoPE): merge launch");
