@@ -1339,6 +1339,52 @@ Test(cache_vq, fwht_rows_bit_identical_to_reference) {
     }
 }
 
+/* The row kernels of keys coded before RoPE (vq_rows.h) give the reference's bits at every level:
+ * gather (dsub 1 / 2 / 4 / 8 / 16, shared and per-sub-space books, copy and add), affine rows, and
+ * RoPE steps in both pair layouts with head-major strides. */
+Test(cache_vq, row_kernels_bit_identical_to_reference) {
+    for (int lv = KVPQ_SIMD_AVX2; lv <= (int)kvpq_simd_get(); lv++) {
+        const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
+        const size_t n = 7;
+        for (int ds = 1; ds <= 16; ds *= 2)
+            for (int nb = 0; nb < 2; nb++)
+                for (int add = 0; add < 2; add++) {
+                    const int M = 64 / ds, books = nb ? M : 1;
+                    float *cent = randn((size_t)books * 256 * ds, 1.0f), *a = randn(n * 64, 1.0f);
+                    float *b = malloc(n * 64 * sizeof(float));
+                    uint8_t *codes = malloc(n * (M + 3));
+                    for (size_t i = 0; i < n * (M + 3); i++) codes[i] = (uint8_t)(urand() * 256);
+                    memcpy(b, a, n * 64 * sizeof(float));
+                    kvpq__vq_gather_u8_ref(n, M, ds, books, 256, cent, codes, M + 3, add, a);
+                    K->gather_u8(n, M, ds, books, 256, cent, codes, M + 3, add, b);
+                    cr_assert_eq(memcmp(a, b, n * 64 * sizeof(float)), 0, "gather level %d dsub %d books %d add %d", lv,
+                                 ds, books, add);
+                    free(cent), free(a), free(b), free(codes);
+                }
+        float *x = randn(n * 128, 2.0f), *y = malloc(n * 128 * sizeof(float)), *ab = randn(256, 1.0f);
+        memcpy(y, x, n * 128 * sizeof(float));
+        kvpq__vq_affine_rows_ref(n, 128, ab, ab + 128, x);
+        K->affine_rows(n, 128, ab, ab + 128, y);
+        cr_assert_eq(memcmp(x, y, n * 128 * sizeof(float)), 0, "affine level %d", lv);
+        for (int neox = 0; neox < 2; neox++) { /* 3 heads of 128, head-major (pos stride 128, head stride n * 128) */
+            float *r = randn(3 * n * 128, 1.0f), *q = malloc(3 * n * 128 * sizeof(float)), cf[2 * 48];
+            double cs[2][4 * 48];
+            for (int i = 0; i < 48; i++) {
+                const double w = pow(1e4, -2.0 * i / 96);
+                cs[0][i] = cos(37 * w), cs[0][48 + i] = sin(37 * w), cs[0][96 + i] = cos(w), cs[0][144 + i] = sin(w);
+            }
+            memcpy(cs[1], cs[0], sizeof cs[0]);
+            memcpy(q, r, 3 * n * 128 * sizeof(float));
+            kvpq__vq_rope_steps_ref(n, 3, 48, neox, 128, n * 128, cs[0], cf, r);
+            K->rope_steps(n, 3, 48, neox, 128, n * 128, cs[1], cf, q);
+            cr_assert_eq(memcmp(r, q, 3 * n * 128 * sizeof(float)), 0, "rope level %d neox %d", lv, neox);
+            cr_assert_eq(memcmp(cs[0], cs[1], sizeof cs[0]), 0, "rope state level %d", lv);
+            free(r), free(q);
+        }
+        free(x), free(y), free(ab);
+    }
+}
+
 Test(cache_vq, kernels_match_reference) {
     kvpq_simd_level best = kvpq_simd_get();
     const int gps[] = {1, 4, 8, 16, 32};

@@ -787,27 +787,18 @@ static kvpq_status vq_decode_rows(const vq_state *st, const vq_layer *L, int lay
     return KVPQ_OK;
 }
 
-/* Keys before RoPE with 8-bit codes: positions [a, b) of KV head h decoded straight from the pages
- * into out (b - a, head_dim): vq_decode_rows' arithmetic in its order (the same bits), without its
- * copies and bit-stream repacking. */
-static kvpq_status vq_decode_key_head_u8(const vq_state *st, const vq_layer *L, int layer, int h, int a, int b,
-                                         vq_scratch *s, const kvpq_vq_kernels *K, float *out) {
+/* vq_decode_keys_u8's rows of KV head h before RoPE, into out (b - a, head_dim). */
+static void vq_decode_key_head_u8(const vq_state *st, const vq_layer *L, int layer, int h, int a, int b, vq_scratch *s,
+                                  const kvpq_vq_kernels *K, float *out) {
     const int d = st->head_dim;
     const kvpq_pq *pq[2] = {st->kpq[layer], st->kpq2[layer]};
-    for (int t = a; t < b; t++) {
+    for (int t = a; t < b;) { /* a page's run of code rows at a time, kcs bytes apart */
+        const int n = vq_seg(st, t, b);
         const uint8_t *c = vq_kcodes(st, L, h, t);
-        float *x = out + (size_t)(t - a) * d;
-        for (int stage = 0, off = 0; stage < 2 && pq[stage]; off += pq[stage]->p.M, stage++) {
-            const int M = pq[stage]->p.M, ds = pq[stage]->dsub, nb = kvpq__pq_view_books(pq[stage]);
-            const float *book = kvpq__pq_head_book(pq[stage], h);
-            for (int m = 0; m < M; m++) {
-                const float *cent = book + ((size_t)(nb == 1 ? 0 : m) * 256 + c[off + m]) * ds;
-                if (stage == 0)
-                    for (int j = 0; j < ds; j++) x[m * ds + j] = cent[j];
-                else
-                    for (int j = 0; j < ds; j++) x[m * ds + j] += cent[j];
-            }
-        }
+        for (int stage = 0, off = 0; stage < 2 && pq[stage]; off += pq[stage]->p.M, stage++)
+            K->gather_u8((size_t)n, pq[stage]->p.M, pq[stage]->dsub, kvpq__pq_view_books(pq[stage]), 256,
+                         kvpq__pq_head_book(pq[stage], h), c + off, L->kcs, stage, out + (size_t)(t - a) * d);
+        t += n;
     }
     for (int t = a; st->k_norm && t < b;) { /* the scales, a page at a time */
         const int n = vq_seg(st, t, b);
@@ -817,11 +808,20 @@ static kvpq_status vq_decode_key_head_u8(const vq_state *st, const vq_layer *L, 
         t += n;
     }
     K->fwht_rows((size_t)(b - a), d, (float)(1.0 / sqrt((double)d)), out);
-    const float *lam = st->smooth[layer] + (size_t)h * d, *mu = st->mean[layer] + (size_t)h * d;
-    for (size_t r = 0; r < (size_t)(b - a); r++)
-        for (int j = 0; j < d; j++) out[r * d + j] = out[r * d + j] * lam[j] + mu[j];
-    return kvpq_rope_rotate(out, (size_t)(b - a), 1, d, st->rope_dims, st->rope_neox, st->rope[layer], NULL,
-                            st->pos0 + a, 1);
+    K->affine_rows((size_t)(b - a), d, st->smooth[layer] + (size_t)h * d, st->mean[layer] + (size_t)h * d, out);
+}
+
+/* Keys before RoPE with 8-bit codes: positions [a, b) of every KV head decoded straight from the
+ * pages into out (head h's rows at out + h * rows * head_dim): vq_decode_rows' arithmetic in its order
+ * (the same bits), without its copies and bit-stream repacking; one RoPE pass over all heads (the
+ * angles' recurrence once per position). */
+static kvpq_status vq_decode_keys_u8(const vq_state *st, const vq_layer *L, int layer, int a, int b, vq_scratch *s,
+                                     const kvpq_vq_kernels *K, float *out, int rows) {
+    const int d = st->head_dim;
+    for (int h = 0; h < st->n_head_kv; h++)
+        vq_decode_key_head_u8(st, L, layer, h, a, b, s, K, out + (size_t)h * rows * d);
+    return kvpq__rope_run(out, (size_t)(b - a), st->n_head_kv, (size_t)d, (size_t)rows * d, st->rope_dims / 2,
+                          st->rope_neox, st->rope[layer], st->pos0 + a, 1);
 }
 
 /* st->kdec with room for `rows` rows per KV head, its kdec_n rows kept. */
@@ -853,23 +853,20 @@ static void vq_kdec_keep(vq_state *st, int layer, int lo, int hi) {
     }
 }
 
-/* Decode positions [from, hi) of a layer's keys into st->kdec (rows from kdec_t0), over the threads:
- * 8-bit codes a (chunk, KV head) per job straight from the pages, others a chunk per job through
- * vq_decode_rows. Returns 0, or 1 when a job failed (out of memory). */
+/* Decode positions [from, hi) of a layer's keys into st->kdec (rows from kdec_t0), a chunk per job
+ * over the threads: 8-bit codes straight from the pages, others through vq_decode_rows. Returns 0,
+ * or 1 when a job failed (out of memory). */
 static int vq_kdec_fill(vq_state *st, const vq_layer *L, int layer, int from, int hi) {
     const int nkv = st->n_head_kv, d = st->head_dim, nt = st->n_threads, t0 = st->kdec_t0, rows = st->kdec_rows;
-    const int n_chunk = (hi - from + VQ_CHUNK - 1) / VQ_CHUNK, u8 = st->kpq[layer]->p.nbits == 8;
-    const int n_jobs = u8 ? n_chunk * nkv : n_chunk;
+    const int n_jobs = (hi - from + VQ_CHUNK - 1) / VQ_CHUNK, u8 = st->kpq[layer]->p.nbits == 8;
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
     int failed = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n_jobs > 1) reduction(| : failed)
     for (int j = 0; j < n_jobs; j++) {
         vq_scratch *s = &st->scr[omp_get_thread_num()];
-        const int a = from + (u8 ? j / nkv : j) * VQ_CHUNK, b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
+        const int a = from + j * VQ_CHUNK, b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
         if (u8) {
-            const int h = j % nkv;
-            failed |= vq_decode_key_head_u8(st, L, layer, h, a, b, s, K, st->kdec + ((size_t)h * rows + (a - t0)) * d) !=
-                      KVPQ_OK;
+            failed |= vq_decode_keys_u8(st, L, layer, a, b, s, K, st->kdec + (size_t)(a - t0) * d, rows) != KVPQ_OK;
             continue;
         }
         if (vq_decode_rows(st, L, layer, 0, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {

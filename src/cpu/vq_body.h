@@ -13,6 +13,7 @@
 
 #include "cpu/simd.h"
 #include "cpu/vq_kernels.h"
+#include "cpu/vq_rows.h"
 
 #ifndef VQ_NEXT
 #error "define VQ_NEXT(name) (the next narrower level's kernel) before including vq_body.h"
@@ -295,6 +296,9 @@ static void vq_body_fill(kvpq_vq_kernels *k) {
     k->lane_max = KVPQ_ISA_FN(kvpq__vq_lane_max);
     k->scale_rows = KVPQ_ISA_FN(kvpq__vq_scale_rows);
     k->dot_rows = KVPQ_ISA_FN(kvpq__vq_dot_rows);
+    k->gather_u8 = vq_rows_gather_u8; /* vq_rows.h, vectorized for this ISA */
+    k->affine_rows = vq_rows_affine;
+    k->rope_steps = vq_rows_rope_steps;
     k->weighted_sum = KVPQ_ISA_FN(kvpq__vq_weighted_sum);
     k->f16_to_f32 = KVPQ_ISA_FN(kvpq__vq_f16_to_f32);
     k->f32_to_f16 = KVPQ_ISA_FN(kvpq__vq_f32_to_f16);

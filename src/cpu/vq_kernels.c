@@ -4,6 +4,7 @@
 
 #include "cpu/dispatch.h"
 #include "cpu/vq_kernels.h"
+#include "cpu/vq_rows.h"
 #include "core/fp16.h"
 
 // ---- reference kernels ----------------------------------------------------------------------
@@ -223,6 +224,18 @@ void kvpq__vq_fwht_rows_ref(size_t n, int d, float scale, float *x) {
     }
 }
 
+void kvpq__vq_gather_u8_ref(size_t n, int M, int dsub, int n_books, int ksub, const float *cent, const uint8_t *codes,
+                            size_t stride, int add, float *x) {
+    vq_rows_gather_u8(n, M, dsub, n_books, ksub, cent, codes, stride, add, x);
+}
+
+void kvpq__vq_affine_rows_ref(size_t n, int d, const float *a, const float *b, float *x) { vq_rows_affine(n, d, a, b, x); }
+
+void kvpq__vq_rope_steps_ref(size_t n, int n_head, int half, int neox, size_t pos_stride, size_t head_stride,
+                             double *cs, float *cf, float *x) {
+    vq_rows_rope_steps(n, n_head, half, neox, pos_stride, head_stride, cs, cf, x);
+}
+
 void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst) {
     for (size_t i = 0; i < n; i++) dst[i] = kvpq__h2f(src[i]);
 }
@@ -252,6 +265,9 @@ void kvpq__vq_kernels_ref(kvpq_vq_kernels *k) {
         .f16_to_f32 = kvpq__vq_f16_to_f32_ref,
         .f32_to_f16 = kvpq__vq_f32_to_f16_ref,
         .fwht_rows = kvpq__vq_fwht_rows_ref,
+        .gather_u8 = kvpq__vq_gather_u8_ref,
+        .affine_rows = kvpq__vq_affine_rows_ref,
+        .rope_steps = kvpq__vq_rope_steps_ref,
     };
     *k = ref;
 }

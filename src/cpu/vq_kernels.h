@@ -72,6 +72,20 @@ typedef struct {
      * (a + b, a - b) with strides 1, 2, 4, ... < d (Sylvester order), then times scale (kvpq_hadamard).
      * Every level does the same additions in the same order: results are bit-identical. */
     void (*fwht_rows)(size_t n, int d, float scale, float *x);
+    /* Rows of 8-bit codes (keys coded before RoPE): x (n, M * dsub) = the centroids of codes (n rows
+     * of M bytes, `stride` bytes apart), cent (n_books, ksub, dsub) with n_books 1 (shared) or M;
+     * add: x += them (a second stage). */
+    void (*gather_u8)(size_t n, int M, int dsub, int n_books, int ksub, const float *cent, const uint8_t *codes,
+                      size_t stride, int add, float *x);
+    /* x[r][j] = x[r][j] * a[j] + b[j] for the rows of x (n, d): a multiplication, then an addition. */
+    void (*affine_rows)(size_t n, int d, const float *a, const float *b, float *x);
+    /* RoPE of n consecutive positions (kvpq_rope_rotate): pair i of each of the n_head rows of
+     * position t (row h at x + t pos_stride + h head_stride) turned by ((float)c[i], (float)s[i]),
+     * pairs (2i, 2i + 1) or, neox, (i, i + half); then (c, s) advance one step in double,
+     * c' = c cw - s sw, s' = s cw + c sw. cs (4 half) doubles: c, s (updated), cw, sw; cf (2 half)
+     * floats of scratch. */
+    void (*rope_steps)(size_t n, int n_head, int half, int neox, size_t pos_stride, size_t head_stride, double *cs,
+                       float *cf, float *x);
 } kvpq_vq_kernels;
 
 /* The kernels of a SIMD level (the best this build and CPU have at or below `level`): the vq part of
@@ -109,6 +123,11 @@ void kvpq__vq_dot_rows_ref(int n, int d, const float *q, const float *k, float *
 void kvpq__vq_f16_to_f32_ref(size_t n, const uint16_t *src, float *dst);
 void kvpq__vq_f32_to_f16_ref(size_t n, const float *src, uint16_t *dst);
 void kvpq__vq_fwht_rows_ref(size_t n, int d, float scale, float *x);
+void kvpq__vq_gather_u8_ref(size_t n, int M, int dsub, int n_books, int ksub, const float *cent, const uint8_t *codes,
+                            size_t stride, int add, float *x);
+void kvpq__vq_affine_rows_ref(size_t n, int d, const float *a, const float *b, float *x);
+void kvpq__vq_rope_steps_ref(size_t n, int n_head, int half, int neox, size_t pos_stride, size_t head_stride,
+                             double *cs, float *cf, float *x);
 
 #if defined(__x86_64__)
 /* Variants (vq_body.h compiled per ISA by vq_avx2.c and vq_avx512.c, plus their own kernels) fill

@@ -50,6 +50,11 @@ const float *kvpq__codebook_layer_rope(const kvpq_codebook *cb, int layer);
  * one of a layer's frequencies is NaN, Inf or negative (set in memory: files are checked at load);
  * else KVPQ_OK. The check of the cache and calibration before they use them. */
 kvpq_status kvpq__codebook_check_rope(const kvpq_codebook *cb, int layer, const char *who);
+/* kvpq_rope_rotate's consecutive-position form (pos0, pos0 + 1, ... over n positions; half = n_rot / 2
+ * >= 1) on rows anywhere: row h of position t at x + t pos_stride + h head_stride (the VQ cache's
+ * decoded keys are head-major). Arguments as checked by kvpq_rope_rotate; KVPQ_ERR_NOMEM only. */
+kvpq_status kvpq__rope_run(float *x, size_t n, int n_head, size_t pos_stride, size_t head_stride, int half, int neox,
+                           const float *inv_freq, int pos0, int sign);
 
 /* The VQ cache's page of one layer (cache_vq.c), shared with the byte model (kvpq_vq_cache_bytes)
  * so that the two agree to the byte: K codes then V codes (n_head_kv * page_tokens * (kcs + vcs)

@@ -7,6 +7,7 @@
 
 #include "internal.h"
 #include "cpu/vq_kernels.h"
+#include "pq/pq_impl.h"
 
 // ---- Walsh-Hadamard ----------------------------------------------------------------------------
 
@@ -248,10 +249,10 @@ static void rope_at(float *x, size_t n, int n_head, int head_dim, int half, int 
 
 /* Consecutive positions pos0, pos0 + 1, ...: cos / sin of every pair at pos0, then one complex
  * multiplication by e^(i sign inv_freq) per step, in double (n steps drift by ~n 1e-16), instead of
- * n cos / sin calls: the form the VQ cache's attention uses on every coded key. Position by
- * position, the pairs in the inner loops (vectorizable). */
-static kvpq_status rope_run(float *x, size_t n, int n_head, int head_dim, int half, int neox, const float *inv_freq,
-                            int pos0, int sign) {
+ * n cos / sin calls: the form the VQ cache's attention uses on every coded key (the kernel
+ * rope_steps of the CPU level in use, vq_kernels.h; bit-identical at every level). */
+kvpq_status kvpq__rope_run(float *x, size_t n, int n_head, size_t pos_stride, size_t head_stride, int half, int neox,
+                           const float *inv_freq, int pos0, int sign) {
     double cbuf[4 * 128];
     float fbuf[2 * 128]; /* head_dim up to 256 on the stack; larger ones on the heap */
     double *c = half <= 128 ? cbuf : malloc(sizeof(double) * 4 * (size_t)half);
@@ -260,35 +261,11 @@ static kvpq_status rope_run(float *x, size_t n, int n_head, int head_dim, int ha
         if (half > 128) free(c), free(cf);
         return kvpq__err(KVPQ_ERR_NOMEM, "kvpq_rope_rotate: out of memory");
     }
-    double *s = c + half, *cw = s + half, *sw = cw + half;
-    float *sf = cf + half;
     for (int i = 0; i < half; i++) {
         const double w = sign * (double)inv_freq[i];
-        cw[i] = cos(w), sw[i] = sin(w), c[i] = cos(pos0 * w), s[i] = sin(pos0 * w);
+        c[2 * half + i] = cos(w), c[3 * half + i] = sin(w), c[i] = cos(pos0 * w), c[half + i] = sin(pos0 * w);
     }
-    for (size_t t = 0; t < n; t++) {
-        for (int i = 0; i < half; i++) cf[i] = (float)c[i], sf[i] = (float)s[i];
-        for (int h = 0; h < n_head; h++) {
-            float *r = x + (t * (size_t)n_head + h) * head_dim;
-            if (neox)
-                for (int i = 0; i < half; i++) {
-                    const float x0 = r[i], x1 = r[i + half];
-                    r[i] = x0 * cf[i] - x1 * sf[i];
-                    r[i + half] = x0 * sf[i] + x1 * cf[i];
-                }
-            else
-                for (int i = 0; i < half; i++) {
-                    const float x0 = r[2 * i], x1 = r[2 * i + 1];
-                    r[2 * i] = x0 * cf[i] - x1 * sf[i];
-                    r[2 * i + 1] = x0 * sf[i] + x1 * cf[i];
-                }
-        }
-        for (int i = 0; i < half; i++) {
-            const double c1 = c[i] * cw[i] - s[i] * sw[i];
-            s[i] = s[i] * cw[i] + c[i] * sw[i];
-            c[i] = c1;
-        }
-    }
+    kvpq__vq_kernels(kvpq_simd_get())->rope_steps(n, n_head, half, neox, pos_stride, head_stride, c, cf, x);
     if (half > 128) free(c), free(cf);
     return KVPQ_OK;
 }
@@ -302,6 +279,8 @@ kvpq_status kvpq_rope_rotate(float *x, size_t n, int n_head, int head_dim, int n
     if (!x || (n_rot > 0 && !inv_freq))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_rope_rotate: %s is NULL", x ? "inv_freq" : "x");
     if (pos) rope_at(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos, sign);
-    else if (n_rot > 0) return rope_run(x, n, n_head, head_dim, n_rot / 2, neox, inv_freq, pos0, sign);
+    else if (n_rot > 0)
+        return kvpq__rope_run(x, n, n_head, (size_t)n_head * head_dim, (size_t)head_dim, n_rot / 2, neox, inv_freq, pos0,
+                              sign);
     return KVPQ_OK;
 }
