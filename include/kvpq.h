@@ -1043,7 +1043,8 @@ typedef struct {
      * each is turned back by -(key_rope_pos0 + position) before it is coded, and decoded keys are
      * turned forward again (kvpq_cuda_cache_read; attention decodes each coded key, adds the key
      * mean and rotates it, then scores it: a kernel of its own, src/cuda/rope.cu). key_rope_pos0:
-     * the RoPE position of the cache's position 0 (kvpq_cache's sinks). Default 0 (off). */
+     * the RoPE position of the cache's position 0 (kvpq_cache's sinks; 0 .. INT_MAX - max_seq, else
+     * KVPQ_ERR_INVALID_ARG). Default 0 (off). */
     int key_rope_dims;
     int key_rope_neox;
     const float *key_rope_freq;

@@ -1,8 +1,9 @@
 /* vq_rows.h — the row kernels of decoding keys coded before RoPE (vq_kernels.h: gather_u8,
  * affine_rows, rope_steps), plain C included by vq_kernels.c (the _ref level, baseline ISA) and by
- * vq_avx2.c / vq_avx512.c (compiled for their ISA, where the compiler vectorizes the loops). The C
- * standard mode keeps floating-point contraction off, so every level does the same operations in
- * the same order: the results are bit-identical (tests/test_cache_vq.c). */
+ * vq_avx2.c / vq_avx512.c (compiled for their ISA, where the compiler vectorizes the loops). Those
+ * files are compiled with -ffp-contract=off (CMakeLists.txt; clang would otherwise fuse a * b + c
+ * into an FMA even in ISO C mode), so every level does the same operations in the same order: the
+ * results are bit-identical (tests/test_cache_vq.c). */
 #ifndef KVPQ_VQ_ROWS_H
 #define KVPQ_VQ_ROWS_H
 
@@ -24,9 +25,12 @@ static inline void vq_rows_gather_fixed(size_t n, int M, int dsub, size_t bstrid
 static inline void vq_rows_gather_u8(size_t n, int M, int dsub, int n_books, int ksub, const float *cent,
                                      const uint8_t *codes, size_t stride, int add, float *x) {
     const size_t bstride = n_books == 1 ? 0 : (size_t)ksub * dsub; /* between sub-spaces' books */
-    if (!add && dsub == 4) return vq_rows_gather_fixed(n, M, 4, bstride, cent, codes, stride, x);
-    if (!add && dsub == 2) return vq_rows_gather_fixed(n, M, 2, bstride, cent, codes, stride, x);
-    if (!add && dsub == 8) return vq_rows_gather_fixed(n, M, 8, bstride, cent, codes, stride, x);
+    if (!add && (dsub == 2 || dsub == 4 || dsub == 8)) {
+        if (dsub == 4) vq_rows_gather_fixed(n, M, 4, bstride, cent, codes, stride, x);
+        else if (dsub == 2) vq_rows_gather_fixed(n, M, 2, bstride, cent, codes, stride, x);
+        else vq_rows_gather_fixed(n, M, 8, bstride, cent, codes, stride, x);
+        return;
+    }
     for (size_t t = 0; t < n; t++) {
         const uint8_t *c = codes + t * stride;
         float *xr = x + t * (size_t)M * dsub;

@@ -3,6 +3,7 @@
  * the newest `window` positions, and decode attention from the codes (attend.cu). Every position is
  * encoded when appended; attention reads codes for positions older than the window and the float32
  * ring for the window, which equals encoding positions as they leave the window. */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,8 +90,9 @@ static kvpq_status rope_check(const kvpq_cuda_cache_params *p, int *on) {
     if (p->key_rope_dims < 0 || p->key_rope_dims % 2 || p->key_rope_dims > p->head_dim)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key_rope_dims=%d: expected even, 0..head_dim=%d",
                          p->key_rope_dims, p->head_dim);
-    if (p->key_rope_pos0 < 0)
-        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key_rope_pos0=%d < 0", p->key_rope_pos0);
+    if (p->key_rope_pos0 < 0 || p->key_rope_pos0 > INT_MAX - p->max_seq)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_cuda_cache_new: key_rope_pos0=%d: expected 0..INT_MAX - max_seq",
+                         p->key_rope_pos0);
     for (int i = 0; p->key_rope_freq && i < p->key_rope_dims / 2; i++) {
         if (!isfinite(p->key_rope_freq[i]))
             return kvpq__err(KVPQ_ERR_NONFINITE, "kvpq_cuda_cache_new: key_rope_freq[%d]=%g is not finite", i,

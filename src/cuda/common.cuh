@@ -103,7 +103,8 @@ typedef struct {
     float *out;                /* (B, n_head, D) */
     float *lse;                /* (B, n_head) or NULL: each row's natural log-sum-exp of its scaled
                                   scores, m ln 2 + ln d of the merged state (the scores omit q . mu
-                                  with key centering: the caller adds it) */
+                                  with key centering: the caller adds it; not so for keys before
+                                  RoPE, rope.cu, whose scores are whole) */
     float *part_o;             /* (B, n_head, n_splits + n_wsplits, D) workspace */
     float *part_md;            /* (B, n_head, n_splits + n_wsplits, 2) workspace: {m (log2 domain), d} */
     const int *seq_len;        /* device (B) positions held */
