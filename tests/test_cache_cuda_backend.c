@@ -4,6 +4,7 @@
  * the backend by name, and a saved cache records the backend it was made on. The GPU side (the same
  * calls on a device, against the CPU cache) is tests/gpu/cache_backend_check.c. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -44,6 +45,39 @@ Test(cache_cuda_backend, refused_with_the_reason_without_a_device) {
     const char *msg = kvpq_last_error();
     cr_assert(strstr(msg, "cache vq") && strstr(msg, "backend cuda") && strstr(msg, why), "message '%s' (why: '%s')",
               msg, why);
+    kvpq_codebook_free(cb);
+}
+
+/* kvpq_cuda_cache_new checks the keys-before-RoPE fields (key_rope_*) before it looks for a device:
+ * each bad value is refused by name in any CUDA build, device or not. (A build without CUDA has only
+ * the stub, which refuses everything with KVPQ_ERR_NO_DEVICE.) */
+Test(cache_cuda_backend, rope_fields_refused_by_name_before_device_work) {
+    char why[256];
+    kvpq_cuda_available(why, sizeof why);
+    if (strstr(why, "built without CUDA")) cr_skip_test("built without CUDA: kvpq_cuda_cache_new is the stub");
+    kvpq_codebook *cb = small_codebook();
+    const float freq[40] = {1.0f, 0.5f, NAN}; /* freq + 3: 32 zeros */
+    const struct {
+        int dims, pos0, nan;
+        kvpq_status want;
+        const char *field;
+    } cases[] = {{3, 0, 0, KVPQ_ERR_INVALID_ARG, "key_rope_dims=3"},
+                 {66, 0, 0, KVPQ_ERR_INVALID_ARG, "key_rope_dims=66"},
+                 {64, -1, 0, KVPQ_ERR_INVALID_ARG, "key_rope_pos0=-1"},
+                 {64, 2147483647 - 100, 0, KVPQ_ERR_INVALID_ARG, "key_rope_pos0=2147483547"},
+                 {64, 0, 1, KVPQ_ERR_NONFINITE, "key_rope_freq[2]"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kvpq_cuda_cache_params p = kvpq_cuda_cache_params_default();
+        p.n_head = 4, p.n_head_kv = 2, p.head_dim = 64, p.max_seq = 256;
+        p.key = kvpq_codebook_pq_const(cb, 0, 0), p.value = kvpq_codebook_pq_const(cb, 0, 1);
+        p.key_rope_dims = cases[i].dims, p.key_rope_pos0 = cases[i].pos0;
+        p.key_rope_freq = cases[i].nan ? freq : freq + 3;
+        kvpq_cuda_cache *c = NULL;
+        const kvpq_status s = kvpq_cuda_cache_new(&c, &p);
+        cr_assert_eq(s, cases[i].want, "case %zu: status %d (%s)", i, s, kvpq_last_error());
+        cr_assert(strstr(kvpq_last_error(), cases[i].field), "case %zu: '%s'", i, kvpq_last_error());
+        cr_assert_null(c);
+    }
     kvpq_codebook_free(cb);
 }
 
