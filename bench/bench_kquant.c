@@ -82,11 +82,11 @@ int main(int argc, char **argv) {
 
     /* Several tokens (prefill): ggml_matmul (float32: row dequantized once and dotted with every
      * token below 32 tokens, OpenBLAS sgemm on dequantized tiles from 32) beside ggml_matmul_q8. */
-    const int64_t toks[] = {2, 4, 8, 16, 32, 64};
-    float *X = malloc((size_t)64 * n * 4), *Y = malloc((size_t)64 * rows * 4);
-    for (int64_t i = 0; i < 64 * n; i++) X[i] = (float)(i % 11) * 0.05f - 0.25f;
-    printf("\nggml_matmul %lld x %lld, n_tok tokens, %s, threads %d: us per token (f32 / q8)\n", (long long)rows,
-           (long long)n, kvpq_simd_name(best), omp_get_max_threads());
+    const int64_t toks[] = {2, 4, 8, 16, 32, 64, 256};
+    float *X = malloc((size_t)256 * n * 4), *Y = malloc((size_t)256 * rows * 4);
+    for (int64_t i = 0; i < 256 * n; i++) X[i] = (float)(i % 11) * 0.05f - 0.25f;
+    printf("\nggml_matmul %lld x %lld, n_tok tokens, %s, threads %d: us per token (f32 / q8 / q8 GEMM)\n",
+           (long long)rows, (long long)n, kvpq_simd_name(best), omp_get_max_threads());
     const uint32_t gtypes[] = {GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q4_1, GGML_TYPE_Q8_0};
     printf("%-6s", "n_tok");
     for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) printf(" %15lld", (long long)toks[k]);
@@ -99,7 +99,9 @@ int main(int argc, char **argv) {
             int rr = reps > 5 ? 5 : reps;
             double tf = TIME(rr, ggml_matmul(gtypes[g], w, rows, n, nt, X, Y));
             double tq = TIME(rr, ggml_matmul_q8(gtypes[g], w, rows, n, nt, X, Y));
-            printf(" %7.0f / %5.0f", tf * 1e6 / (double)nt, tq * 1e6 / (double)nt);
+            ggml_mat gm = {gtypes[g], w, rows, Y};
+            double tg = ggml_qgemm_multi(&gm, 1, n, nt, X) ? TIME(rr, ggml_qgemm_multi(&gm, 1, n, nt, X)) : 0.0;
+            printf(" %5.0f/%4.0f/%4.0f", tf * 1e6 / (double)nt, tq * 1e6 / (double)nt, tg * 1e6 / (double)nt);
         }
         printf("\n");
         free(w);

@@ -707,6 +707,71 @@ Test(ggml_types, q8_matmul_matches_ref_and_f32) {
     cr_assert(!ggml_matmul_q8(GGML_TYPE_F16, x, 1, 32, 1, x, y), "no integer kernel for F16: 0, the caller's f32");
 }
 
+/* The GEMM kernels (ggml_qgemm_multi) of every level that has them: against the _ref within 1e-5 of
+ * the absolute sum and against float32 within the activation rounding bound (as the tile-of-4
+ * kernels above); a token's result the same bits wherever it sits in a call (another token count,
+ * another offset in the tiles of 12); rows not a multiple of 16 and the scalar level refused (0). */
+static void qgemm_check(kvpq_simd_level lvl, uint32_t type, int64_t n_rows, int64_t n, int64_t nt) {
+    uint8_t *w = random_rows(type, n_rows, n);
+    size_t ny = (size_t)(nt * n_rows) * 4;
+    float *X = malloc((size_t)(nt * n) * 4), *Y = malloc(ny), *Yr = malloc(ny), *Yf = malloc(ny),
+          *aq = malloc((size_t)n_rows * 4), *er = malloc((size_t)n_rows * 4);
+    for (int64_t i = 0; i < nt * n; i++) X[i] = rndf() * (i % 7 == 0 ? 4.0f : 1.0f);
+    ggml_mat m = {type, w, n_rows, Y};
+    cr_assert(ggml_qgemm_multi(&m, 1, n, nt, X), "%s %s: GEMM refused", kvpq_simd_name(lvl), ggml_type_name(type));
+    ggml_matmul_q8_ref(type, w, n_rows, n, nt, X, Yr);
+    ggml_matmul_ref(type, w, n_rows, n, nt, X, Yf);
+    for (int64_t t = 0; t < nt; t++) {
+        q8_bounds(type, w, n_rows, n, X + t * n, aq, er);
+        for (int64_t r = 0; r < n_rows; r++) {
+            float y = Y[t * n_rows + r], yr = Yr[t * n_rows + r], yf = Yf[t * n_rows + r];
+            cr_assert(fabsf(y - yr) <= 1e-5f * aq[r] + 1e-30f, "%s %s GEMM (%lld x %lld) n_tok %lld: y[%lld][%lld] = %.9g, "
+                      "ref %.9g (|sum| %g)", kvpq_simd_name(lvl), ggml_type_name(type), (long long)n_rows, (long long)n,
+                      (long long)nt, (long long)t, (long long)r, y, yr, aq[r]);
+            cr_assert(fabsf(y - yf) <= er[r] * 1.0001f + 1e-5f * aq[r], "%s %s GEMM vs f32: y[%lld][%lld] = %.9g, f32 %.9g, "
+                      "bound %g", kvpq_simd_name(lvl), ggml_type_name(type), (long long)t, (long long)r, y, yf, er[r]);
+        }
+    }
+    const int64_t off = nt / 3; /* tokens off .. nt-1 alone: the same bits */
+    m.Y = Yr;
+    cr_assert(ggml_qgemm_multi(&m, 1, n, nt - off, X + off * n));
+    cr_assert(!memcmp(Yr, Y + off * n_rows, (size_t)((nt - off) * n_rows) * 4), "%s %s GEMM: tokens %lld.. at another "
+              "place in the tiles differ", kvpq_simd_name(lvl), ggml_type_name(type), (long long)off);
+    free(w), free(X), free(Y), free(Yr), free(Yf), free(aq), free(er);
+}
+
+Test(ggml_types, qgemm_matches_ref_and_f32_and_is_placement_free) {
+    const kvpq_simd_level best = kvpq_simd_get();
+    const int64_t shapes[][2] = {{16, 96}, {48, 1536}}, toks[] = {1, 13, 30};
+    for (int lvl = 1; lvl <= (int)best; lvl++) {
+        cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lvl), KVPQ_OK);
+        for (size_t ti = 0; ti < sizeof q8_types / sizeof q8_types[0]; ti++) {
+            const uint32_t type = q8_types[ti];
+            static const uint8_t zw[16 * 256]; /* 16 zero rows of one block (<= 210 bytes each) */
+            float x[256] = {0}, y[16];
+            ggml_mat m = {type, zw, 16, y};
+            if (!ggml_qgemm_multi(&m, 1, ggml_blck_size(type), 1, x)) { /* only Q8_0 where maddubs would saturate */
+                cr_assert(type == GGML_TYPE_Q8_0, "%s %s: no GEMM kernel", kvpq_simd_name((kvpq_simd_level)lvl),
+                          ggml_type_name(type));
+                continue;
+            }
+            for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+                for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) {
+                    int64_t n = shapes[si][1];
+                    if (ggml_blck_size(type) == 256) n = (n + 255) / 256 * 256;
+                    qgemm_check((kvpq_simd_level)lvl, type, shapes[si][0], n, toks[k]);
+                }
+        }
+    }
+    float x[64] = {0}, y[64];
+    ggml_mat odd = {GGML_TYPE_Q4_1, x, 17, y};
+    cr_assert(!ggml_qgemm_multi(&odd, 1, 32, 2, x), "17 rows: refused");
+    cr_assert_eq(kvpq_simd_set(KVPQ_SIMD_SCALAR), KVPQ_OK);
+    ggml_mat sc = {GGML_TYPE_Q4_1, x, 16, y};
+    cr_assert(!ggml_qgemm_multi(&sc, 1, 32, 2, x), "scalar level: refused");
+    kvpq_simd_set(best);
+}
+
 /* Several matrices in one region (a layer's Q, K, V) give exactly one call each: the same kernels
  * on the same rows; types mixed as in a Q4_K_M file. The float32 form refuses (0) what it has no
  * kernel for, and the scalar level. */

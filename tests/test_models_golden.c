@@ -53,6 +53,7 @@ static kvpq_model *load_or_skip(const golden *g, kvpq_model_info *mi) {
     FILE *f = fopen(model_path(g), "rb");
     if (!f) cr_skip_test("model %s missing (run scripts/fetch_model.sh)", model_path(g));
     fclose(f);
+    setenv("KVPQ_ACT", "f32", 1); /* the goldens are the float32 path's (beside llama.cpp's in docs/model.md) */
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = 2;
     kvpq_model *m = NULL;

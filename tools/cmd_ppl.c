@@ -47,7 +47,10 @@ static void usage(FILE *f) {
             "each chunk starts from an empty cache, its first token replaced by BOS when the model adds\n"
             "BOS; only the second half of each chunk is scored (the logits at positions N/2 .. N-2\n"
             "predict tokens N/2+1 .. N-1). PPL = exp(mean NLL); its standard error is\n"
-            "sqrt(var(NLL) / (count - 1)) * PPL, as llama.cpp prints it.\n");
+            "sqrt(var(NLL) / (count - 1)) * PPL, as llama.cpp prints it.\n"
+            "The matrices meet float32 activations (the reference path, so a cache's effect is measured\n"
+            "alone) unless KVPQ_ACT is set: KVPQ_ACT=auto scores with the 8-bit activations that generate,\n"
+            "chat and serve use (docs/cpu_kernels.md).\n");
 }
 
 typedef struct {
@@ -184,6 +187,7 @@ static int check_specs(const ppl_opts *o) {
 
 /* The model, its context checked against --ctx: 0, or 1 (message printed). */
 static int load_model(ppl_state *st) {
+    setenv("KVPQ_ACT", "f32", 0); /* the reference path unless the user asks otherwise (usage) */
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = (int)st->o->threads;
     kvpq_status s = kvpq_model_load(&st->m, st->o->model_path, &mp);

@@ -80,7 +80,7 @@ static void fill_ref(kvpq_cpu_kernels *t) {
     t->dot_f32 = kvpq__dot_f32_ref;
     t->glu[KVPQ_GLU_SILU] = glu_silu_ref;
     t->glu[KVPQ_GLU_GELU_TANH] = glu_gelu_tanh_ref;
-    for (int ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) t->ggml_matvec[ty] = NULL, t->ggml_dequant[ty] = NULL, t->ggml_qmatmul[ty] = NULL;
+    for (int ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) t->ggml_matvec[ty] = NULL, t->ggml_dequant[ty] = NULL, t->ggml_qmatmul[ty] = NULL, t->ggml_qgemm[ty] = NULL;
 }
 
 #if defined(__x86_64__)
@@ -101,6 +101,7 @@ static void fill_ref(kvpq_cpu_kernels *t) {
             kvpq__qmatmul_fn qm = kvpq__ggml_qmatmul_##ISA(ty);                               \
             if (dq) t->ggml_dequant[ty] = dq;                                                 \
             if (qm) t->ggml_qmatmul[ty] = qm;                                                 \
+            if (kvpq__ggml_qgemm_##ISA(ty)) t->ggml_qgemm[ty] = kvpq__ggml_qgemm_##ISA(ty);   \
         }                                                                                     \
     }
 FILL_ISA(avx2, KVPQ_SIMD_AVX2)
@@ -120,6 +121,8 @@ static void tables_init(void) {
         for (uint32_t ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) {
             kvpq__qmatmul_fn qm = kvpq__ggml_qmatmul_avx512vnni(ty);
             if (qm) tables[KVPQ_SIMD_AVX512].ggml_qmatmul[ty] = qm;
+            kvpq__qgemm_fn qg = kvpq__ggml_qgemm_avx512vnni(ty);
+            if (qg) tables[KVPQ_SIMD_AVX512].ggml_qgemm[ty] = qg;
         }
 #endif
 }

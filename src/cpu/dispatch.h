@@ -53,6 +53,8 @@ typedef struct {
     /* Integer-activation matvec / GEMM by type number (ggml_kernels.h); NULL where the level has
      * none (the scalar level: ggml_types.c's _ref). */
     kvpq__qmatmul_fn ggml_qmatmul[KVPQ_GGML_TYPE_SLOTS];
+    /* Integer-activation GEMM for prefill steps (ggml_kernels.h kvpq__qgemm_fn); NULL likewise. */
+    kvpq__qgemm_fn ggml_qgemm[KVPQ_GGML_TYPE_SLOTS];
 } kvpq_cpu_kernels;
 
 /* The table of kvpq_simd_get()'s level. Never NULL. */

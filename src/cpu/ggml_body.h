@@ -673,6 +673,154 @@ KVPQ_INLINE void qmm_k_T(qk_fn unpack, size_t bs, int is_q6, int T, const uint8_
 QMATMUL_K(q4_K, block_q4_K, 0)
 QMATMUL_K(q5_K, block_q5_K, 0)
 QMATMUL_K(q6_K, block_q6_K, 1)
+
+// ---- integer GEMM: weight rows unpacked once per call, one row per vector lane --------------------
+/* The kernels behind kvpq__qgemm_fn (ggml_kernels.h), for prefill steps: a panel of NR = W weight
+ * rows is unpacked once into unsigned bytes laid out so that lane r of a kvpq_vi holds 4 bytes of
+ * row r (element group k of row r at u[k NR + r]), with each sub-block's float scale and the
+ * coefficient of its activation sum (the min or offset) per lane; then every pass of QG_T token rows
+ * runs over it: per element group one vector load and QG_T vi_dot4_add with the token's 4 quants
+ * broadcast, per sub-block (32 elements; Q6_K 16) one conversion and two FMAs per token. No
+ * horizontal sums: a lane is a weight row. Integer dots exact (u <= 128 where vi_dot4_add is
+ * maddubs + madd; Q8_0, whose u = q + 128 is larger, only where it is vpdpbusd). */
+#define NR W
+#define QG_T (W == 16 ? 12 : 4) /* token rows per pass: 2 QG_T accumulators + 5 in 32 / 16 registers */
+_Static_assert(KVPQ_QG_TILE % QG_T == 0, "a pass covers a part of one tile");
+
+typedef struct {
+    uint32_t *u;      /* (n / 4, NR): element group k of row r at u[k * NR + r] */
+    float *dw, *mn;   /* (n / G, NR): sub-block g's scale and activation-sum coefficient of row r */
+} qpanel;
+
+KVPQ_INLINE qpanel qpanel_at(void *buf, int64_t n, int G) {
+    uint32_t *u = buf;
+    float *dw = (float *)(void *)(u + n / 4 * NR);
+    return (qpanel){u, dw, dw + n / G * NR};
+}
+
+/* Element groups k0 .. k0+7 of row r from a 32-byte block, each XORed with flip. */
+KVPQ_INLINE void qpanel_put(uint32_t *u, int64_t k0, int r, kvpq_vb v, uint32_t flip) {
+    uint32_t g[8];
+    vb_store(g, v);
+    for (int j = 0; j < 8; j++) u[(k0 + j) * NR + r] = g[j] ^ flip;
+}
+
+/* 32-element block types: w = d u + m per block. Q8_0 (signed q): u = q + 128 (q XOR 0x80), m = -128 d. */
+KVPQ_INLINE void qpanel_blocks(qb32_fn unpack, size_t bs, int is_signed, const uint8_t *W_, size_t rb, int64_t n,
+                               qpanel P) {
+    for (int r = 0; r < NR; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        for (int64_t b = 0; b < n / 32; b++, p += bs) {
+            qb32 q = unpack(p);
+            qpanel_put(P.u, 8 * b, r, q.u, is_signed ? 0x80808080u : 0u);
+            P.dw[b * NR + r] = q.d;
+            P.mn[b * NR + r] = is_signed ? -128.0f * q.d : q.m;
+        }
+    }
+}
+
+/* K-quant super-blocks: Q4_K / Q5_K per 32 (dw_k, mn_k); Q6_K per 16: w = d sc_g (u - 32). */
+KVPQ_INLINE void qpanel_k(qk_fn unpack, size_t bs, int is_q6, const uint8_t *W_, size_t rb, int64_t n, qpanel P) {
+    for (int r = 0; r < NR; r++) {
+        const uint8_t *p = W_ + (size_t)r * rb;
+        for (int64_t i = 0; i < n / QK_K; i++, p += bs) {
+            qbk q;
+            unpack(p, &q);
+            for (int k = 0; k < 8; k++) qpanel_put(P.u, 64 * i + 8 * k, r, q.u[k], 0u);
+            float dw[8], mn[8];
+            v8_store(dw, q.dw);
+            if (is_q6) {
+                int16_t sc[16];
+                vb_store(sc, q.sc16);
+                for (int g = 0; g < 16; g++) {
+                    P.dw[(16 * i + g) * NR + r] = dw[0] * (float)sc[g];
+                    P.mn[(16 * i + g) * NR + r] = q.c * (float)sc[g];
+                }
+            } else {
+                v8_store(mn, q.mn);
+                for (int k = 0; k < 8; k++) P.dw[(8 * i + k) * NR + r] = dw[k], P.mn[(8 * i + k) * NR + r] = mn[k];
+            }
+        }
+    }
+}
+
+/* Y[t * ldy + lane] for the panel's rows and token rows t0 .. t0 + nt - 1 (nt <= QG_T) of tile `tile`:
+ * per sub-block g of G elements, acc += (integer dot) * (dw_g d_t) + mn_g xs_t. */
+KVPQ_INLINE void qgemm_pass(qpanel P, int G, int64_t n, const kvpq__q8tiles *X, int64_t tile, int t0, int nt,
+                            float *Y, int64_t ldy) {
+    const int64_t T = KVPQ_QG_TILE;
+    const int32_t *xq = X->q + tile * (n / 4) * T + t0;
+    const float *xd = X->d + tile * (n / 32) * T + t0;
+    const float *xs = (G == 32 ? X->xs + tile * (n / 32) * T : X->x16 + tile * (n / 16) * T) + t0;
+    kvpq_vf acc[QG_T];
+    for (int t = 0; t < QG_T; t++) acc[t] = vf_zero();
+    for (int64_t g = 0; g < n / G; g++) {
+        kvpq_vi s[QG_T];
+        for (int t = 0; t < QG_T; t++) s[t] = vi_zero();
+        for (int64_t k = g * (G / 4); k < (g + 1) * (G / 4); k++) {
+            kvpq_vi u = vi_load(P.u + k * NR);
+            for (int t = 0; t < QG_T; t++) s[t] = vi_dot4_add(s[t], u, xq[k * T + t]);
+        }
+        kvpq_vf dw = vf_load(P.dw + g * NR), mn = vf_load(P.mn + g * NR);
+        const float *d = xd + g * G / 32 * T, *c = xs + g * T;
+        for (int t = 0; t < QG_T; t++)
+            acc[t] = vf_fma(vf_from_vi(s[t]), vf_mul(dw, vf_set1(d[t])), vf_fma(mn, vf_set1(c[t]), acc[t]));
+    }
+    for (int t = 0; t < QG_T; t++)
+        if (t < nt) vf_store(Y + t * ldy, acc[t]);
+}
+
+/* qgemm_<type>: each panel of NR rows unpacked by FILL(W, rb, n, P) and run over every token row. */
+#define QGEMM(TYPE, G, FILL)                                                                                     \
+    static void qgemm_##TYPE(const uint8_t *W_, size_t rb, int64_t n_rows, int64_t n, const kvpq__q8tiles *X,   \
+                             int64_t n_tok, float *Y, int64_t ldy, void *buf) {                                 \
+        qpanel P = qpanel_at(buf, n, G);                                                                         \
+        for (int64_t r0 = 0; r0 < n_rows; r0 += NR) {                                                            \
+            FILL(W_ + (size_t)r0 * rb, rb, n, P);                                                                \
+            for (int64_t t0 = 0; t0 < n_tok; t0 += QG_T)                                                         \
+                qgemm_pass(P, G, n, X, t0 / KVPQ_QG_TILE, (int)(t0 % KVPQ_QG_TILE),                              \
+                           (int)(n_tok - t0 < QG_T ? n_tok - t0 : QG_T), Y + t0 * ldy + r0, ldy);               \
+        }                                                                                                        \
+    }
+#define FILL_B(TYPE, BLOCK, SIGNED) \
+    static void fill_##TYPE(const uint8_t *W_, size_t rb, int64_t n, qpanel P) { qpanel_blocks(qb_##TYPE, sizeof(BLOCK), SIGNED, W_, rb, n, P); }
+#define FILL_K(TYPE, BLOCK, IS_Q6) \
+    static void fill_##TYPE(const uint8_t *W_, size_t rb, int64_t n, qpanel P) { qpanel_k(qk_##TYPE, sizeof(BLOCK), IS_Q6, W_, rb, n, P); }
+FILL_B(q4_0, block_q4_0, 0)
+FILL_B(q4_1, block_q4_1, 0)
+FILL_B(q5_0, block_q5_0, 0)
+FILL_B(q5_1, block_q5_1, 0)
+FILL_B(q8_0, block_q8_0, 1)
+FILL_K(q4_K, block_q4_K, 0)
+FILL_K(q5_K, block_q5_K, 0)
+FILL_K(q6_K, block_q6_K, 1)
+QGEMM(q4_0, 32, fill_q4_0)
+QGEMM(q4_1, 32, fill_q4_1)
+QGEMM(q5_0, 32, fill_q5_0)
+QGEMM(q5_1, 32, fill_q5_1)
+QGEMM(q8_0, 32, fill_q8_0)
+QGEMM(q4_K, 32, fill_q4_K)
+QGEMM(q5_K, 32, fill_q5_K)
+QGEMM(q6_K, 16, fill_q6_K)
+#undef FILL_B
+#undef FILL_K
+#undef QGEMM
+
+kvpq__qgemm_fn KVPQ_ISA_FN(kvpq__ggml_qgemm)(uint32_t type) {
+    switch (type) {
+    case GGML_TYPE_Q4_0: return qgemm_q4_0;
+    case GGML_TYPE_Q4_1: return qgemm_q4_1;
+    case GGML_TYPE_Q5_0: return qgemm_q5_0;
+    case GGML_TYPE_Q5_1: return qgemm_q5_1;
+    case GGML_TYPE_Q8_0: return KVPQ_VI_DPBUSD ? qgemm_q8_0 : NULL; /* u = q + 128: maddubs would saturate */
+    case GGML_TYPE_Q4_K: return qgemm_q4_K;
+    case GGML_TYPE_Q5_K: return qgemm_q5_K;
+    case GGML_TYPE_Q6_K: return qgemm_q6_K;
+    }
+    return NULL;
+}
+#undef QG_T
+#undef NR
 #undef QMM_TILES
 #undef QT
 

@@ -37,6 +37,29 @@ typedef struct {
 typedef void (*kvpq__qmatmul_fn)(const uint8_t *W, size_t row_bytes, int64_t n_rows, int64_t n,
                                  const kvpq__q8row *X, int64_t n_tok, float *Y, int64_t ldy);
 
+/* Activation rows packed for the integer GEMM (kvpq__qgemm_fn): the rows of kvpq__q8row (same
+ * quants, scales and sums) in tiles of KVPQ_QG_TILE token rows, so a kernel reads one element group
+ * of a whole tile from one place. Tile i, element group k (elements 4k .. 4k+3, as one int32 of 4
+ * int8): q[(i n/4 + k) KVPQ_QG_TILE + t]; 32-element block b: d[(i n/32 + b) KVPQ_QG_TILE + t] and
+ * xs (d times the block's sum of quants) at the same index; 16-element group g: x16[(i n/16 + g)
+ * KVPQ_QG_TILE + t] (d times the group's sum). Rows past n_tok in the last tile are 0. Written by
+ * ggml_types.c (q8_tiles_fill). */
+#define KVPQ_QG_TILE 12
+typedef struct {
+    const int32_t *q;
+    const float *d, *xs, *x16;
+} kvpq__q8tiles;
+
+/* Y[t * ldy + r] for r < n_rows (a multiple of the level's vector width), t < n_tok: what
+ * kvpq__qmatmul_fn gives for the same rows (the same integer dots, scaled per 32-element block; Q6_K
+ * per 16), with weight rows unpacked once into `panel` (kvpq__qgemm_panel_bytes(n) bytes, 64-byte
+ * aligned, the caller's) and each panel of rows run over every tile of X: a GEMM's weights are
+ * unpacked once per call instead of once per 4 tokens. */
+typedef void (*kvpq__qgemm_fn)(const uint8_t *W, size_t rb, int64_t n_rows, int64_t n, const kvpq__q8tiles *X,
+                               int64_t n_tok, float *Y, int64_t ldy, void *panel);
+/* Bytes of a GEMM panel for rows of n elements (the widest level's: 16 rows). */
+static inline size_t kvpq__qgemm_panel_bytes(int64_t n) { return (size_t)n * 16 + (size_t)(n / 16) * 16 * 2 * sizeof(float); }
+
 /* dot(a, b) over n float32. */
 typedef float (*kvpq__dot_fn)(const float *a, const float *b, int64_t n);
 /* Dequantize n elements (a multiple of the block size) of a row; bit-exact with the _ref. */
@@ -63,6 +86,9 @@ kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx2(uint32_t type);
 kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx512(uint32_t type);
 /* The same compiled with AVX512_VNNI (ggml_avx512vnni.c): for CPUs that have it. */
 kvpq__qmatmul_fn kvpq__ggml_qmatmul_avx512vnni(uint32_t type);
+kvpq__qgemm_fn kvpq__ggml_qgemm_avx2(uint32_t type);
+kvpq__qgemm_fn kvpq__ggml_qgemm_avx512(uint32_t type);
+kvpq__qgemm_fn kvpq__ggml_qgemm_avx512vnni(uint32_t type);
 kvpq__dequant_fn kvpq__ggml_dequant_avx512(uint32_t type);
 float kvpq__dot_f32_avx2(const float *a, const float *b, int64_t n);
 float kvpq__dot_f32_avx512(const float *a, const float *b, int64_t n);

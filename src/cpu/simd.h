@@ -434,6 +434,39 @@ KVPQ_INLINE __m256i vw_pair(__m256i w, int k) {
     return _mm256_shuffle_epi8(p, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2,
                                                    3, 2, 3, 2, 3, 2, 3, 2, 3));
 }
+KVPQ_INLINE void vb_store(void *p, kvpq_vb v) { _mm256_storeu_si256((__m256i *)p, v); }
+/* The integer GEMM's W-lane forms (ggml_body.h "integer GEMM"): lane r of a kvpq_vi holds 4 bytes
+ * of weight row r. vi_dot4_add: s + (sum over each lane's 4 bytes of u (unsigned) times the 4 bytes
+ * of x (signed), the same x in every lane): vpdpbusd where the build has it at this width
+ * (KVPQ_VI_DPBUSD 1, exact for any u); else maddubs + madd, exact for u <= 128 (the pair sums stay
+ * below 2^15). */
+KVPQ_INLINE kvpq_vi vi_zero(void) { return vi_set1(0); }
+#if KVPQ_VW == 16
+KVPQ_INLINE kvpq_vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+#if defined(__AVX512VNNI__)
+#define KVPQ_VI_DPBUSD 1
+KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) { return _mm512_dpbusd_epi32(s, u, _mm512_set1_epi32(x)); }
+#else
+#define KVPQ_VI_DPBUSD 0
+KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) {
+    return _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u, _mm512_set1_epi32(x)), _mm512_set1_epi16(1)));
+}
+#endif
+#else
+KVPQ_INLINE kvpq_vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVPQ_VI_DPBUSD 1
+KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) { return _mm256_dpbusd_epi32(s, u, _mm256_set1_epi32(x)); }
+#elif defined(__AVXVNNI__)
+#define KVPQ_VI_DPBUSD 1
+KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) { return _mm256_dpbusd_avx_epi32(s, u, _mm256_set1_epi32(x)); }
+#else
+#define KVPQ_VI_DPBUSD 0
+KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) {
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
+}
+#endif
+#endif
 KVPQ_INLINE kvpq_vf8 v8_zero(void) { return _mm256_setzero_ps(); }
 KVPQ_INLINE kvpq_vf8 v8_set1(float x) { return _mm256_set1_ps(x); }
 KVPQ_INLINE kvpq_vf8 v8_load(const float *p) { return _mm256_loadu_ps(p); }

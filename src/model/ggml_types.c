@@ -492,7 +492,77 @@ static void q8_run(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, co
     }
 }
 
-int ggml_matmul_q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X) {
+/* ---- the integer GEMM (kvpq__qgemm_fn, ggml_qgemm_multi) for prefill steps ---- */
+
+/* 1 when every matrix has a GEMM kernel at this level and rows in whole 16-row tasks. */
+static int qgemm_ok(const ggml_mat *mats, int n_mat) {
+    const kvpq_cpu_kernels *kt = kvpq__cpu_kernels();
+    for (int i = 0; i < n_mat; i++)
+        if (mats[i].type >= KVPQ_GGML_TYPE_SLOTS || !kt->ggml_qgemm[mats[i].type] || mats[i].n_rows % ROWS_PER_TASK)
+            return 0;
+    return 1;
+}
+
+/* Token row t's quantized row r into its tile (kvpq__q8tiles' layout). */
+static void q8_tile_put(kvpq__q8tiles *x, int64_t n, int64_t t, const kvpq__q8row *r) {
+    const int64_t T = KVPQ_QG_TILE, i = t / T, tt = t % T;
+    int32_t *q = (int32_t *)x->q + i * (n / 4) * T + tt;
+    float *d = (float *)x->d + i * (n / 32) * T + tt, *xs = (float *)x->xs + i * (n / 32) * T + tt;
+    float *x16 = (float *)x->x16 + i * (n / 16) * T + tt;
+    for (int64_t k = 0; k < n / 4; k++) memcpy(&q[k * T], r->qs + 4 * k, 4);
+    for (int64_t b = 0; b < n / 32; b++) d[b * T] = r->d[b], xs[b * T] = r->xs[b];
+    for (int64_t g = 0; g < n / 16; g++) x16[g * T] = r->d[g / 2] * (float)r->s16[g];
+}
+
+/* The tiles of n_tok quantized rows in buf (q8_tiles_bytes), padding rows 0. */
+static size_t q8_tiles_bytes(int64_t n, int64_t n_tok) {
+    const int64_t tiles = (n_tok + KVPQ_QG_TILE - 1) / KVPQ_QG_TILE;
+    return (size_t)tiles * KVPQ_QG_TILE * ((size_t)n + (size_t)(n / 32) * 2 * sizeof(float) + (size_t)(n / 16) * sizeof(float));
+}
+static kvpq__q8tiles q8_tiles_fill(void *buf, int64_t n, int64_t n_tok, const kvpq__q8row *rows) {
+    const int64_t tiles = (n_tok + KVPQ_QG_TILE - 1) / KVPQ_QG_TILE, rows_p = tiles * KVPQ_QG_TILE;
+    int32_t *q = buf;
+    float *d = (float *)(void *)(q + rows_p * (n / 4)), *xs = d + rows_p * (n / 32), *x16 = xs + rows_p * (n / 32);
+    kvpq__q8tiles x = {q, d, xs, x16};
+    if (rows_p > n_tok) { /* the last tile's padding rows: zeros */
+        const int64_t i = tiles - 1, T = KVPQ_QG_TILE;
+        memset(q + i * (n / 4) * T, 0, (size_t)(n / 4) * T * sizeof *q);
+        memset(d + i * (n / 32) * T, 0, (size_t)(n / 32) * T * sizeof *d);
+        memset(xs + i * (n / 32) * T, 0, (size_t)(n / 32) * T * sizeof *xs);
+        memset(x16 + i * (n / 16) * T, 0, (size_t)(n / 16) * T * sizeof *x16);
+    }
+#pragma omp parallel for schedule(static) if (n_tok > 8)
+    for (int64_t t = 0; t < n_tok; t++) q8_tile_put(&x, n, t, &rows[t]);
+    return x;
+}
+
+/* The row tasks through the GEMM kernels: one panel buffer per thread. Returns 0 (nothing written)
+ * when memory fails. */
+static int q8_gemm_run(const ggml_mat *mats, int64_t n, int64_t n_tok, const kvpq__q8row *rows, const row_task *tasks,
+                       int64_t n_tasks) {
+    const kvpq_cpu_kernels *kt = kvpq__cpu_kernels();
+    const int nth = omp_get_max_threads();
+    const size_t pb = (kvpq__qgemm_panel_bytes(n) + 63) / 64 * 64;
+    void *tb = malloc(q8_tiles_bytes(n, n_tok)), *panels = aligned_alloc(64, pb * (size_t)nth);
+    if (!tb || !panels) {
+        free(tb), free(panels);
+        return 0;
+    }
+    const kvpq__q8tiles x = q8_tiles_fill(tb, n, n_tok, rows);
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < n_tasks; k++) {
+        const ggml_mat *m = &mats[tasks[k].mat];
+        const size_t rb = ggml_row_size(m->type, n);
+        kt->ggml_qgemm[m->type]((const uint8_t *)m->W + (size_t)tasks[k].r0 * rb, rb, ROWS_PER_TASK, n, &x, n_tok,
+                                m->Y + tasks[k].r0, m->n_rows, (char *)panels + pb * (size_t)omp_get_thread_num());
+    }
+    free(tb), free(panels);
+    return 1;
+}
+
+/* ggml_matmul_q8_multi and ggml_qgemm_multi: X's rows quantized once (kvpq__q8row, in parallel), then
+ * the row tasks of every matrix through the GEMM kernels (gemm) or the tile-of-4 ones. */
+static int q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X, int gemm) {
     if (n_tok <= 0 || n_mat <= 0) return 1;
     if (n % 32) return 0;
     int64_t n_tasks = 0, work = 0;
@@ -503,6 +573,7 @@ int ggml_matmul_q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_t
         n_tasks += (mats[i].n_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
         work += mats[i].n_rows * n * n_tok;
     }
+    if (gemm && !qgemm_ok(mats, n_mat)) return 0;
     if (!have_kernels) { /* scalar level: the _ref */
         for (int i = 0; i < n_mat; i++) ggml_matmul_q8_ref(mats[i].type, mats[i].W, mats[i].n_rows, n, n_tok, X, mats[i].Y);
         return 1;
@@ -522,9 +593,21 @@ int ggml_matmul_q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_t
         ggml_quantize_act_row(X + t * n, n, data + (size_t)t * qb);
         rows[t] = ggml_q8_row_at(data + (size_t)t * qb, n);
     }
-    q8_run(mats, n_mat, n, n_tok, rows, tasks, n_tasks, work);
+    int done = 1;
+    if (gemm)
+        done = q8_gemm_run(mats, n, n_tok, rows, tasks, n_tasks);
+    else
+        q8_run(mats, n_mat, n, n_tok, rows, tasks, n_tasks, work);
     if (buf != stack) free(buf);
-    return 1;
+    return done;
+}
+
+int ggml_matmul_q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X) {
+    return q8_multi(mats, n_mat, n, n_tok, X, 0);
+}
+
+int ggml_qgemm_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X) {
+    return q8_multi(mats, n_mat, n, n_tok, X, 1);
 }
 
 int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X, float *Y) {

@@ -83,6 +83,14 @@ int ggml_matmul_q8(uint32_t type, const void *W, int64_t n_rows, int64_t n, int6
  * one per matrix). Returns 1 when done, 0 (nothing written) when a type has no integer kernel or
  * n % 32 or memory fails. */
 int ggml_matmul_q8_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X);
+/* ggml_matmul_q8_multi through the GEMM kernels (cpu/ggml_kernels.h kvpq__qgemm_fn: each panel of
+ * weight rows unpacked once per call and run over every token row), for prefill steps: the same
+ * integer dots, each 32-element block's (Q6_K: 16) summed exactly in int32 before its scales, so a
+ * token's result differs from ggml_matmul_q8's in float rounding only, and does not depend on the
+ * other rows of the call. Returns 0 (nothing written) where the level has no GEMM kernel for a
+ * matrix's type (the scalar level; Q8_0 without VNNI), a matrix's rows are not a multiple of 16,
+ * n % 32, or memory fails: the caller then uses ggml_matmul_q8_multi or float32. */
+int ggml_qgemm_multi(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, const float *X);
 /* The specification: each x row quantized as above, the weights dequantized by the _ref, and
  * Y[t, r] = sum_b d_b * (sum_{j in b} w_j q_j), summed in order in float. Unsupported: NaN. */
 void ggml_matmul_q8_ref(uint32_t type, const void *W, int64_t n_rows, int64_t n, int64_t n_tok, const float *X,

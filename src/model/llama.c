@@ -344,12 +344,12 @@ static kvpq_status alloc_scratch(kvpq_model *m) {
     return KVPQ_OK;
 }
 
-/* KVPQ_ACT: how the matrices meet the activations. "q8": activations quantized to 8-bit blocks and
- * integer dot products (model/ggml_types.h ggml_matmul_q8) for the types that have kernels, float32
- * for the others; "f32": float32 activations everywhere (the reference path); "auto" (the
- * default): q8 below GGML_MATMUL_BLAS_MIN_TOK tokens (decode, short steps), where it is faster, and
- * float32 with OpenBLAS sgemm from there (long prefill steps, where sgemm is as fast or faster:
- * docs/cpu_kernels.md). */
+/* KVPQ_ACT: how the matrices meet the activations. "auto" (the default): activations quantized to
+ * 8-bit blocks and integer dot products (model/ggml_types.h) for the types that have kernels, the
+ * tile-of-4 kernels below GGML_MATMUL_BLAS_MIN_TOK tokens per step (decode) and the GEMM kernels from
+ * there (prefill), float32 for the rest (OpenBLAS sgemm on long steps); "q8": the same, but a matrix
+ * without a GEMM kernel takes the tile-of-4 kernels in prefill too; "f32": float32 activations
+ * everywhere (the reference path). docs/cpu_kernels.md. */
 enum { ACT_F32, ACT_AUTO, ACT_Q8 };
 static kvpq_status act_mode(int *act) {
     const char *e = getenv("KVPQ_ACT");
@@ -548,15 +548,28 @@ static void add_bias(int n, int dim, const float *b, float *x) {
         for (int i = 0; i < dim; i++) x[t * dim + i] += b[i];
 }
 
-/* Whether n rows of one sequence meet the matrices as 8-bit activations (KVPQ_ACT; see act_mode). */
-static int act_q8(const kvpq_model *m, int n) {
-    return m->act == ACT_Q8 || (m->act == ACT_AUTO && n < GGML_MATMUL_BLAS_MIN_TOK);
+/* How the rows of a step meet the matrices (their activation class): float32; 8-bit activations
+ * through the tile-of-4 kernels (ggml_matmul_q8); or through the GEMM kernels (ggml_qgemm_multi), a
+ * matrix without one taking float32 (ROWS_GEMM, KVPQ_ACT=auto) or the tile-of-4 kernels
+ * (ROWS_GEMM_Q8, KVPQ_ACT=q8). */
+enum { ROWS_F32, ROWS_Q8, ROWS_GEMM, ROWS_GEMM_Q8, ROWS_CLASSES };
+
+/* The class of n rows of one sequence (KVPQ_ACT; see act_mode): below GGML_MATMUL_BLAS_MIN_TOK
+ * (decode, short steps) the tile-of-4 kernels, from there (prefill) the GEMM. */
+static int act_class(const kvpq_model *m, int n) {
+    if (m->act == ACT_F32) return ROWS_F32;
+    if (n < GGML_MATMUL_BLAS_MIN_TOK) return ROWS_Q8;
+    return m->act == ACT_Q8 ? ROWS_GEMM_Q8 : ROWS_GEMM;
 }
 
-/* Y (n, rows) = X (n, cols) @ W^T: 8-bit activations when q8 (act_q8) and the type has kernels,
+static int rows_q8(int act) { return act == ROWS_Q8 || act == ROWS_GEMM_Q8; }
+
+/* Y (n, rows) = X (n, cols) @ W^T as the rows' class asks (act_class) where the type has kernels,
  * else float32 (matvec for one row, the batched kernel otherwise). */
-static void project(int q8, const gguf_tensor *W, int n, const float *X, float *Y) {
-    if (q8 && ggml_matmul_q8(W->type, W->data, W->ne[1], W->ne[0], n, X, Y)) return;
+static void project(int act, const gguf_tensor *W, int n, const float *X, float *Y) {
+    ggml_mat g = {W->type, W->data, W->ne[1], Y};
+    if (act >= ROWS_GEMM && ggml_qgemm_multi(&g, 1, W->ne[0], n, X)) return;
+    if (rows_q8(act) && ggml_matmul_q8(W->type, W->data, W->ne[1], W->ne[0], n, X, Y)) return;
     if (n == 1)
         ggml_matvec(W->type, W->data, W->ne[1], W->ne[0], X, Y);
     else
@@ -564,19 +577,21 @@ static void project(int q8, const gguf_tensor *W, int n, const float *X, float *
 }
 
 /* Several projections of the same input X (n, cols): Y_i = X @ W_i^T. One OpenMP region covers
- * every matrix's rows, with 8-bit activations (ggml_matmul_q8_multi, X quantized once) or for one
- * float32 row (ggml_matvec_multi): fewer, longer regions, so the threads are woken once per group
- * (Q, K, V; gate, up) instead of once per matrix. Else one project() each. */
-static void project_many(int q8, int n, const float *X, int n_mat, const gguf_tensor *const *W, float *const *Y) {
+ * every matrix's rows, with 8-bit activations (ggml_qgemm_multi or ggml_matmul_q8_multi, X quantized
+ * once) or for one float32 row (ggml_matvec_multi): fewer, longer regions, so the threads are woken
+ * once per group (Q, K, V; gate, up) instead of once per matrix. Else one project() each. */
+static void project_many(int act, int n, const float *X, int n_mat, const gguf_tensor *const *W, float *const *Y) {
     ggml_mat mats[4];
-    int ok = (q8 || n == 1) && n_mat <= 4;
+    int ok = n_mat <= 4;
+    const int64_t cols = W[0]->ne[0];
     for (int i = 0; ok && i < n_mat; i++) {
-        ok = W[i]->ne[0] == W[0]->ne[0];
+        ok = W[i]->ne[0] == cols;
         mats[i] = (ggml_mat){W[i]->type, W[i]->data, W[i]->ne[1], Y[i]};
     }
-    if (ok && (q8 ? ggml_matmul_q8_multi(mats, n_mat, W[0]->ne[0], n, X) : ggml_matvec_multi(mats, n_mat, W[0]->ne[0], X)))
-        return;
-    for (int i = 0; i < n_mat; i++) project(q8, W[i], n, X, Y[i]);
+    if (ok && act >= ROWS_GEMM && ggml_qgemm_multi(mats, n_mat, cols, n, X)) return;
+    if (ok && rows_q8(act) && ggml_matmul_q8_multi(mats, n_mat, cols, n, X)) return;
+    if (ok && act == ROWS_F32 && n == 1 && ggml_matvec_multi(mats, n_mat, cols, X)) return;
+    for (int i = 0; i < n_mat; i++) project(act, W[i], n, X, Y[i]);
 }
 
 /* Non-finite policy (docs/robustness.md): NaN/Inf are caught where they enter results, and named.
@@ -615,7 +630,7 @@ typedef struct {
     const eval_seg *seg;
     int n_seg;
     int n;  /* rows: the segments' sum */
-    int q8; /* the layer matrices take 8-bit activations (act_q8 of the rows one segment has) */
+    int act; /* how the layer matrices meet the rows (act_class of the rows one segment has) */
     int cpu; /* every segment's cache runs on the CPU: their attention may run side by side */
 } eval_step;
 
@@ -716,7 +731,7 @@ static kvpq_status layer_attention(kvpq_model *m, const eval_step *st, int l, co
     {
         const gguf_tensor *W[3] = {L->w[ARCH_T_ATTN_Q], L->w[ARCH_T_ATTN_K], L->w[ARCH_T_ATTN_V]};
         float *Y[3] = {m->q, m->k, m->v};
-        project_many(st->q8, n, m->xb, 3, W, Y);
+        project_many(st->act, n, m->xb, 3, W, Y);
     }
     if (V[ARCH_T_ATTN_Q_BIAS]) add_bias(n, Q, V[ARCH_T_ATTN_Q_BIAS], m->q);
     if (V[ARCH_T_ATTN_K_BIAS]) add_bias(n, KV, V[ARCH_T_ATTN_K_BIAS], m->k);
@@ -732,7 +747,7 @@ static kvpq_status layer_attention(kvpq_model *m, const eval_step *st, int l, co
         for (size_t i = 0; i < (size_t)n * Q; i++) m->q[i] *= m->q_scale;
     if (hook) hook_qk(m, st, l, hook);
     KVPQ_TRY(attend_step(m, st, l, hook));
-    project(st->q8, L->w[ARCH_T_ATTN_OUT], n, m->att, m->xb2);
+    project(st->act, L->w[ARCH_T_ATTN_OUT], n, m->att, m->xb2);
     if (V[ARCH_T_ATTN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_ATTN_POST_NORM], eps, m->xb2);
     for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
     return check_step_finite(st, m->x, E, "the residual stream after attention", l);
@@ -748,7 +763,7 @@ static kvpq_status layer_ffn(kvpq_model *m, const eval_step *st, int l) {
     {
         const gguf_tensor *W[2] = {L->w[ARCH_T_FFN_GATE], L->w[ARCH_T_FFN_UP]};
         float *Y[2] = {m->hb, m->hb2};
-        project_many(st->q8, n, m->xb, 2, W, Y);
+        project_many(st->act, n, m->xb, 2, W, Y);
     }
     { /* act(gate) * up: GELU (tanh form) or SiLU, the table's SIMD kernel (cpu/ggml_kernels.h) */
         kvpq__glu_fn glu = kvpq__cpu_kernels()->glu[m->arch->ffn == ARCH_FFN_GEGLU_TANH ? KVPQ_GLU_GELU_TANH
@@ -758,34 +773,34 @@ static kvpq_status layer_ffn(kvpq_model *m, const eval_step *st, int l) {
         for (int64_t i0 = 0; i0 < total; i0 += chunk)
             glu(m->hb + i0, m->hb2 + i0, total - i0 < chunk ? total - i0 : chunk);
     }
-    project(st->q8, L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
+    project(st->act, L->w[ARCH_T_FFN_DOWN], n, m->hb, m->xb2);
     if (V[ARCH_T_FFN_POST_NORM]) rmsnorm(n, E, m->xb2, V[ARCH_T_FFN_POST_NORM], in->rms_eps, m->xb2);
     for (size_t i = 0; i < (size_t)n * E; i++) m->x[i] += m->xb2[i];
     return check_step_finite(st, m->x, E, "the residual stream after the FFN", l);
 }
 
-/* logits (n, n_vocab) of the n rows of x: output norm, output matrix (8-bit activations if q8), soft cap. */
-static void output_rows(kvpq_model *m, int q8, const float *x, int n, float *logits) {
+/* logits (n, n_vocab) of the n rows of x: output norm, output matrix (as act_class says), soft cap. */
+static void output_rows(kvpq_model *m, int act, const float *x, int n, float *logits) {
     const kvpq_model_info *in = &m->info;
     rmsnorm(n, in->n_embd, x, m->output_norm, in->rms_eps, m->xb);
-    project(q8, m->output, n, m->xb, logits);
+    project(act, m->output, n, m->xb, logits);
     if (m->logit_softcap > 0) {
         const float c = m->logit_softcap;
         for (size_t i = 0; i < (size_t)n * in->n_vocab; i++) logits[i] = c * tanhf(logits[i] / c);
     }
 }
 
-/* output_rows of n rows of one sequence (8-bit activations as act_q8 of n rows), checked finite;
+/* output_rows of n rows of one sequence (as act_class of n rows), checked finite;
  * pos0: the first row's position. */
 static kvpq_status logits_rows(kvpq_model *m, const float *x, int n, int pos0, float *logits) {
-    output_rows(m, act_q8(m, n), x, n, logits);
+    output_rows(m, act_class(m, n), x, n, logits);
     return check_rows_finite(logits, n, m->info.n_vocab, pos0, "the logits", -1);
 }
 
 /* Each segment's last-row logits (seg.logits), one output projection per run of segments whose
  * logits rows are adjacent in memory (a batch's decode step is one run). The rows are gathered into
  * m->x's first rows (the layers are done with it). The output matrix takes 8-bit activations as
- * one sequence's last row alone would (act_q8 of 1 row), so each row's logits equal its own eval's. */
+ * one sequence's last row alone would (act_class of 1 row), so each row's logits equal its own eval's. */
 static kvpq_status segment_logits(kvpq_model *m, const eval_step *st) {
     const kvpq_model_info *in = &m->info;
     const int E = in->n_embd, V = in->n_vocab;
@@ -798,7 +813,7 @@ static kvpq_status segment_logits(kvpq_model *m, const eval_step *st) {
         while (j < st->n_seg && st->seg[j].logits == st->seg[j - 1].logits + V) j++;
         for (int k = i; k < j; k++) /* row r0+n-1 >= k - i: moving rows down never overwrites one still to move */
             memmove(m->x + (size_t)(k - i) * E, m->x + (size_t)(st->seg[k].r0 + st->seg[k].n - 1) * E, sizeof(float) * E);
-        output_rows(m, act_q8(m, 1), m->x, j - i, st->seg[i].logits);
+        output_rows(m, act_class(m, 1), m->x, j - i, st->seg[i].logits);
         for (int k = i; k < j; k++)
             KVPQ_TRY(check_rows_finite(st->seg[k].logits, 1, V, st->seg[k].pos0 + st->seg[k].n - 1, "the logits", -1));
         i = j;
@@ -833,7 +848,7 @@ static kvpq_status eval_step_run(kvpq_model *m, const eval_step *st, int rows_fr
 static kvpq_status eval_one(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0, int rows_from,
                             float *rows_logits, float *logits, const kvpq__eval_hook *hook) {
     eval_seg g = {cache, tokens, 0, n, pos0, logits};
-    eval_step st = {&g, 1, n, act_q8(m, n), 0};
+    eval_step st = {&g, 1, n, act_class(m, n), 0};
     return eval_step_run(m, &st, rows_from, rows_logits, hook);
 }
 
@@ -966,22 +981,22 @@ static kvpq_status check_batch(const kvpq_model *m, int n_seq, kvpq_cache *const
 }
 
 /* The next step of a batch: each unfinished sequence's next chunk (its tokens cut every LLAMA_BLOCK
- * from the call's first, as kvpq_model_eval cuts them) of the activation class `small` (act_q8 of
- * its rows), while the rows fit LLAMA_BLOCK. Chunks of the two classes never share a step, so every
+ * from the call's first, as kvpq_model_eval cuts them) of the activation class `act` (act_class of
+ * its rows), while the rows fit LLAMA_BLOCK. Chunks of two classes never share a step, so every
  * row takes the matrices' path its own kvpq_model_eval would take. Returns the segments' count. */
 static int plan_step(const kvpq_model *m, int n_seq, kvpq_cache *const *caches, const int32_t *const *tokens,
-                     const int *n_tokens, float *logits, const int *len, int *done, int small, int cpu,
+                     const int *n_tokens, float *logits, const int *len, int *done, int act, int cpu,
                      eval_seg *seg, eval_step *st) {
     int k = 0, rows = 0;
     for (int i = 0; i < n_seq; i++) {
         const int left = n_tokens[i] - done[i], nb = left < LLAMA_BLOCK ? left : LLAMA_BLOCK;
-        if (left == 0 || act_q8(m, nb) != small || rows + nb > LLAMA_BLOCK) continue;
+        if (left == 0 || act_class(m, nb) != act || rows + nb > LLAMA_BLOCK) continue;
         seg[k++] = (eval_seg){caches[i], tokens[i] + done[i], rows, nb, len[i] + done[i],
                               nb == left ? logits + (size_t)i * m->info.n_vocab : NULL};
         rows += nb;
         done[i] += nb;
     }
-    *st = (eval_step){seg, k, rows, small, cpu};
+    *st = (eval_step){seg, k, rows, act, cpu};
     return k;
 }
 
@@ -1006,8 +1021,8 @@ kvpq_status kvpq_model_eval_batch(kvpq_model *m, int n_seq, kvpq_cache *const *c
         eval_step st;
         for (int more = 1; more && s == KVPQ_OK;) {
             more = 0;
-            for (int small = 1; small >= 0 && s == KVPQ_OK; small--)
-                if (plan_step(m, n_seq, caches, tokens, n_tokens, logits, len, done, small, cpu, seg, &st)) {
+            for (int act = 0; act < ROWS_CLASSES && s == KVPQ_OK; act++)
+                if (plan_step(m, n_seq, caches, tokens, n_tokens, logits, len, done, act, cpu, seg, &st)) {
                     s = eval_step_run(m, &st, 0, NULL, NULL);
                     more = 1;
                 }

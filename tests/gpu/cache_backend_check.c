@@ -66,10 +66,10 @@ static void set_rope(const config *c, kvpq_codebook *cb) {
     }
 }
 
-/* A 2-layer codebook: d4b8 from tests/cache_testutil.h (trained on N(0, 1), directions with
- * norm), other presets with random N(0, 1) centroids; lambda in [0.5, 2), mu in [-0.5, 0.5). */
+/* A 2-layer codebook: d4b8 keys as given from tests/cache_testutil.h (trained on N(0, 1), directions
+ * with norm), other presets with random N(0, 1) centroids; lambda in [0.5, 2), mu in [-0.5, 0.5). */
 static kvpq_codebook *make_codebook(const config *c, uint64_t seed) {
-    if (!strcmp(c->preset, "d4b8")) {
+    if (!strcmp(c->preset, "d4b8") && !c->n_rot) {
         test_codebook_spec s = {.n_layer = 2, .n_head_kv = c->n_head_kv, .head_dim = c->head_dim, .norm = c->norm,
                                 .seed = seed, .seed_step = 1, .scale = 1.f, .train_points = -1, .smooth = 1};
         return test_codebook(&s);
@@ -313,6 +313,61 @@ static void run_config(const config *c, uint64_t seed, int L) {
     kvpq_codebook_free(cb);
 }
 
+/* kvpq_cuda_cache with keys before RoPE, several sequences of unequal lengths (one inside the
+ * window, one of a single position: splits with no coded position) at group sizes 5..8 and 12:
+ * each sequence's output against float64 attention over its read-back. */
+static void check_rope_batch(uint64_t seed) {
+    const struct { int n_head, n_head_kv, head_dim, neox; const char *preset; } shapes[] = {
+        {5, 1, 128, 0, "d4b8"}, {14, 2, 64, 1, "d8b8"}, {16, 2, 128, 0, "d2b8"}, {12, 1, 256, 1, "d4b12"}};
+    const int S = 5, lens[5] = {1, 37, 700, quick() ? 900 : 2500, 130}, max_seq = 2600, W = 64;
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const int NH = shapes[i].n_head, H = shapes[i].n_head_kv, D = shapes[i].head_dim;
+        const config c = {"rope-batch", shapes[i].preset, 0, D, NH, H, W, 0, D, shapes[i].neox};
+        kvpq_codebook *cb = make_codebook(&c, seed + i);
+        CHECK(cb != NULL, "rope-batch: codebook: %s", kvpq_last_error());
+        if (!cb) return;
+        kvpq_cuda_cache_params p = kvpq_cuda_cache_params_default();
+        p.n_head = NH, p.n_head_kv = H, p.head_dim = D, p.n_seq = S, p.max_seq = max_seq, p.window = W;
+        p.key = kvpq_codebook_pq_const(cb, 0, 0), p.value = kvpq_codebook_pq_const(cb, 0, 1);
+        p.key_smooth = kvpq_codebook_key_smooth_const(cb, 0), p.key_mean = kvpq_codebook_key_mean_const(cb, 0);
+        p.key_rope_dims = D, p.key_rope_neox = shapes[i].neox, p.key_rope_pos0 = 3;
+        p.key_rope_freq = kvpq_codebook_key_rope_freq_const(cb, 0);
+        kvpq_cuda_cache *cc = NULL;
+        KV_OK(kvpq_cuda_cache_new(&cc, &p));
+        const size_t kvw = (size_t)H * D, qw = (size_t)NH * D, nkv = (size_t)max_seq * kvw;
+        float *k = rand_f16(nkv, seed + 10 * i + 1, 1.f), *v = rand_f16(nkv, seed + 10 * i + 2, 1.f);
+        float *q = rand_vec(S * qw, seed + 10 * i + 3, 1.f), *o = malloc(S * qw * sizeof *o);
+        double *ref = malloc(qw * sizeof *ref);
+        float *dk, *dv, *dq, *dout;
+        CUDA_OK(cudaMalloc((void **)&dk, nkv * sizeof(float)));
+        CUDA_OK(cudaMalloc((void **)&dv, nkv * sizeof(float)));
+        CUDA_OK(cudaMalloc((void **)&dq, S * qw * sizeof(float)));
+        CUDA_OK(cudaMalloc((void **)&dout, S * qw * sizeof(float)));
+        CUDA_OK(cudaMemcpy(dk, k, nkv * sizeof(float), cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(dv, v, nkv * sizeof(float), cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(dq, q, S * qw * sizeof(float), cudaMemcpyHostToDevice));
+        for (int b = 0; b < S; b++) KV_OK(kvpq_cuda_cache_append(cc, b, lens[b], dk, dv));
+        KV_OK(kvpq_cuda_cache_attend(cc, S, dq, dout));
+        CUDA_OK(cudaMemcpy(o, dout, S * qw * sizeof(float), cudaMemcpyDeviceToHost));
+        double worst = 0.0;
+        for (int b = 0; b < S; b++) {
+            KV_OK(kvpq_cuda_cache_read(cc, b, 0, lens[b], 0, dk, dv, NULL));
+            CUDA_OK(cudaMemcpy(k, dk, lens[b] * kvw * sizeof(float), cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(v, dv, lens[b] * kvw * sizeof(float), cudaMemcpyDeviceToHost));
+            ref_attend(lens[b], 1, NH, H, D, k, v, q + b * qw, ref);
+            const double e = rel_err_f64(o + b * qw, ref, qw);
+            CHECK(e <= READ_REL, "rope-batch G %d D %d seq %d (%d positions): vs read-back %.3g", NH / H, D, b, lens[b], e);
+            if (e > worst) worst = e;
+        }
+        printf("  rope-batch: %s, heads %d/%d (group %d), head_dim %d, %s, lengths 1..%d: vs float64 over the "
+               "read-back <= %.3g\n", shapes[i].preset, NH, H, NH / H, D, shapes[i].neox ? "neox" : "norm", lens[3], worst);
+        cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout);
+        kvpq_cuda_cache_free(cc);
+        free(k), free(v), free(q), free(o), free(ref);
+        kvpq_codebook_free(cb);
+    }
+}
+
 static void check_lazy_pool(uint64_t seed) {
     const int S = 8, H = 2, NH = 8, D = 128, maxn = 1000;
     test_codebook_spec cs = {.n_layer = 1, .n_head_kv = H, .head_dim = D, .norm = 1, .seed = seed, .seed_step = 1,
@@ -403,6 +458,7 @@ int main(void) {
     const char *only = getenv("KVPQ_CONFIGS"); /* a name prefix: only those configs, no pool check (sanitizers) */
     for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++)
         if (!only || !strncmp(cfgs[i].name, only, strlen(only))) run_config(&cfgs[i], seed + 1000 * i, L);
+    if (!only || !strncmp("rope-batch", only, strlen(only))) check_rope_batch(seed + 77);
     if (!only) check_lazy_pool(seed + 99);
     printf("cache_backend_check: %s\n", g_fail ? "FAILED" : "passed");
     return g_fail ? 1 : 0;
