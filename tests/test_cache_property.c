@@ -716,7 +716,14 @@ Test(cache_property, batch_append_then_attend_differs_for_windowed_kinds) {
     cr_assert_eq(kvpq_cache_append_attend(c1, 0, PFX_N, kk, vv, q, a), KVPQ_OK, "%s", kvpq_last_error());
     cr_assert_eq(kvpq_cache_append(c2, 0, PFX_N, kk, vv), KVPQ_OK);
     cr_assert_eq(kvpq_cache_attend(c2, 0, PFX_N, q, b), KVPQ_OK);
-    cr_assert(!memcmp(a + (PFX_N - 1) * qw, b + (PFX_N - 1) * qw, qw * sizeof *a), "the last query sees the same");
+    /* the same positions, through another kernel (a batch of queries attends densely to decoded
+     * rows, a lone query through lookup tables): equal up to float rounding */
+    double e = 0, mx = 0;
+    for (size_t j = 0; j < qw; j++) {
+        e = fmax(e, fabs((double)a[(PFX_N - 1) * qw + j] - b[(PFX_N - 1) * qw + j]));
+        mx = fmax(mx, fabs((double)b[(PFX_N - 1) * qw + j]));
+    }
+    cr_assert(e <= 1e-5 * mx, "the last query sees the same: max difference %g of max %g", e, mx);
     cr_assert(memcmp(a, b, (size_t)(PFX_N - WINDOW - 40) * qw * sizeof *a), "early queries should differ");
     kvpq_cache_free(c1), kvpq_cache_free(c2);
     kvpq_codebook_free(cb);

@@ -245,7 +245,9 @@ static void run_config_layers(const cfg *c, int len, int window, int page_tokens
         if (n > len - 3 - done) n = len - 3 - done;
         for (int l = 0; l < n_layer; l++) append_random(cache, l, c, n, NULL, NULL);
         done += n;
-        for (int l = 0; l < n_layer; l++) check_attend_layer(cache, c, l, n < 8 ? n : 8, "prefill");
+        /* 8 queries attend through lookup tables, 24 (every other chunk) densely to decoded rows */
+        const int nq = chunk % 2 ? (n < 24 ? n : 24) : (n < 8 ? n : 8);
+        for (int l = 0; l < n_layer; l++) check_attend_layer(cache, c, l, nq, nq >= 16 ? "dense prefill" : "prefill");
     }
     for (; done < len; done++)
         for (int l = 0; l < n_layer; l++) {

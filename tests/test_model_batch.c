@@ -21,10 +21,10 @@ static int quick(void) {
     return q && *q && strcmp(q, "0") != 0;
 }
 
-/* Under the default activations (KVPQ_ACT=auto) every row takes the path its own eval takes: decode
- * rows the 8-bit kernels, whose per-row quantization and per-(row, token) integer sums do not depend
- * on the other rows, and the prompts' float32 rows (>= 32 tokens) the same sgemm on the same rows.
- * So the logits are equal bit for bit (measured: max difference 0). Under KVPQ_ACT=f32, one decode row
+/* Under the 8-bit activations (KVPQ_ACT=auto, the default, and q8) every row takes the path its own
+ * eval takes: decode rows the tile-of-4 kernels and the prompts' rows (>= 32 tokens) the GEMM, whose
+ * per-row quantization and per-(row, token) integer sums do not depend on the other rows. So the
+ * logits are equal bit for bit (measured: max difference 0). Under KVPQ_ACT=f32, one decode row
  * alone takes the matvec kernels and a batch of rows the blocked matmul, which sum in another order:
  * rounding, relative 1e-6 .. 1e-5 after 30 layers, as test_model's decode-vs-prefill tolerance. */
 #define F32_REL_TOL 2e-3
@@ -149,6 +149,12 @@ Test(model_batch, equals_each_sequence_alone_compressed_caches) {
     load("auto");
     batch_equals_single(KVPQ_CACHE_Q8_0, 0);
     batch_equals_single(KVPQ_CACHE_KIVI2, 0);
+    unload();
+}
+
+Test(model_batch, equals_each_sequence_alone_q8) {
+    load("q8");
+    batch_equals_single(KVPQ_CACHE_FP32, 0);
     unload();
 }
 

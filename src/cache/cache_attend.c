@@ -79,7 +79,7 @@ kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, cons
 
 /* ---- attention driver ----------------------------------------------------------------------- */
 
-#define RB 16 /* query rows per block: S (RB, CHUNK) and o (RB, head_dim) stay in L1/L2 */
+#define RB 64 /* query rows per block: S (RB, CHUNK) and o (RB, head_dim) stay in L1/L2 */
 #define CH KVPQ_ATTN_CHUNK
 
 static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvpq__load_fn load,

@@ -61,6 +61,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "cache/cache_cpu.h"
 #include "cache/cache_impl.h"
 #include "cpu/vq_kernels.h"
 #include "pq/pq_impl.h"
@@ -69,6 +70,7 @@
 #define VQ_CHUNK 256        /* most coded tokens per kernel call (bounds the unpacked-index scratch) */
 #define VQ_BLOCK_FLOATS 4096  /* scores of one two-pass block: (block tokens, gp) floats, 16 KiB (L1) */
 #define VQ_MIN_SPLIT 512    /* fewest coded tokens per split of one head's context (decode) */
+#define VQ_DENSE_MIN_Q 16   /* queries per attend call from which they attend densely to decoded rows */
 #define VQ_FP16_MAX 65504.0f
 
 // ---- state ----------------------------------------------------------------------------------
@@ -106,11 +108,12 @@ typedef struct {          /* per-thread scratch, sized at creation: nothing allo
     float *ow;            /* (head_dim) window output of one head */
     float *s32;           /* (VQ_CHUNK) 8-bit scales decoded, as float */
     uint16_t *s16;        /* (VQ_CHUNK) the same as float16, as the kernels read them */
-    uint8_t *dcodes;      /* (VQ_CHUNK * n_head_kv, key code size) keys before RoPE: a chunk's codes to decode */
-    float *dx;            /* (VQ_CHUNK * n_head_kv, head_dim) their decoded keys */
+    uint8_t *dcodes;      /* (VQ_CHUNK * n_head_kv, largest code size) a chunk's codes to decode (vq_dec_fill) */
+    float *dx;            /* (VQ_CHUNK * n_head_kv, head_dim) their decoded rows */
 } vq_scratch;
 
 typedef struct {
+    kvpq_cache_params params; /* as created (the dense attention's driver reads its shapes and windows) */
     int n_layer, n_head, n_head_kv, head_dim;
     int group;            /* n_head / n_head_kv query heads per KV head */
     int gp;               /* group padded to 1, 4, 8 or a multiple of 16 lanes */
@@ -145,13 +148,15 @@ typedef struct {
     int rope_dims, rope_neox;
     const float **rope;   /* (n_layer) inv_freq of a layer coding keys before RoPE, else NULL */
     int pos0;             /* sequence position of the kind's position 0: params.sinks (cache.c holds the sinks) */
-    /* Keys before RoPE: coded keys of one layer decoded, RoPE applied, (n_head_kv, kdec_rows, head_dim),
-     * rows [0, kdec_n) for positions kdec_t0.. of layer kdec_layer (-1: none). Kept between attend
-     * calls, so the runs of one prefill (kvpq_cache_append_attend) decode each position once; codes
-     * never change under it (8-bit scale re-basing keeps values), and truncate frees it. Working
-     * memory like the other scratch: not in resident_bytes (one layer's keys in float32). */
-    float *kdec;
-    int kdec_rows, kdec_layer, kdec_t0, kdec_n;
+    /* Coded keys (dec[0], RoPE applied for keys before RoPE) and values (dec[1]) of one layer decoded
+     * into the original space (vq_read's values), (n_head_kv, dec_rows[w], head_dim), rows [0, dec_n[w])
+     * for positions dec_t0.. of layer dec_layer (-1: none): the keys of a layer coding keys before
+     * RoPE, and both for prefill attention (vq_dense_attend). Kept between attend calls, so the runs
+     * of one prefill (kvpq_cache_append_attend) decode each position once; codes never change under
+     * it (8-bit scale re-basing keeps values), and truncate frees it. Working memory like the other
+     * scratch: not in resident_bytes (one layer's keys and values in float32). */
+    float *dec[2];
+    int dec_rows[2], dec_n[2], dec_layer, dec_t0;
 } vq_state;
 
 /* Bytes of one of a layer's two fp16 window rings (K or V): (n_head_kv, cap, head_dim). */
@@ -309,7 +314,7 @@ static void vq_destroy(void *state) {
         for (int t = 0; t < st->n_threads; t++) vq_scratch_free(&st->scr[t]);
     void *bufs[] = {st->scr, st->layers, st->kpq, st->kpq2, st->vpq, st->smooth, st->mean, st->xk,
                     st->xv,  st->ck,     st->cv,  st->xr,   st->sk,  st->sv,     st->h16,  st->part,
-                    st->rope, st->kdec};
+                    st->rope, st->dec[0], st->dec[1]};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(st);
 }
@@ -403,8 +408,9 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->rope_dims = cp.key_rope_dims;
     st->rope_neox = cp.key_rope_neox;
     st->pos0 = p->sinks;
-    st->kdec_layer = -1;
-    size_t kcs_max = 0; /* largest key code of a layer coding keys before RoPE (0: none) */
+    st->params = *p;
+    st->dec_layer = -1;
+    size_t cs_max = 0; /* largest key or value code of any layer (the decode scratch) */
     int mk_max = 0, mk_fs = 0, mv_max = 0; /* largest key M of any layer, of any fast-scan layer, value M */
     for (int l = 0; l < p->n_layer; l++) {
         st->kpq[l] = kvpq_codebook_pq_const(cb, l, 0);
@@ -435,7 +441,8 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         L->ref_off = lay.ref_off;
         L->page_bytes = lay.page_bytes;
         L->fast_scan = st->fast_scan && Mk <= 256 && !st->rope[l]; /* keys before RoPE: decoded, not tables */
-        if (st->rope[l] && L->kcs > kcs_max) kcs_max = L->kcs;
+        if (L->kcs > cs_max) cs_max = L->kcs;
+        if (L->vcs > cs_max) cs_max = L->vcs;
         if (Mk > mk_max) mk_max = Mk;
         if (L->fast_scan && Mk > mk_fs) mk_fs = Mk;
         L->pages = calloc(st->max_pages, sizeof(uint8_t *));
@@ -462,11 +469,9 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
         s->ow = calloc(d, sizeof(float));
         s->s32 = calloc(VQ_CHUNK, sizeof(float));
         s->s16 = calloc(VQ_CHUNK, sizeof(uint16_t));
-        if (kcs_max) {
-            s->dcodes = malloc((size_t)VQ_CHUNK * p->n_head_kv * kcs_max);
-            s->dx = malloc(sizeof(float) * VQ_CHUNK * p->n_head_kv * d);
-            if (!s->dcodes || !s->dx) goto nomem;
-        }
+        s->dcodes = malloc((size_t)VQ_CHUNK * p->n_head_kv * cs_max);
+        s->dx = malloc(sizeof(float) * VQ_CHUNK * p->n_head_kv * d);
+        if (!s->dcodes || !s->dx) goto nomem;
         if (!s->qr || !s->lut || !s->table || !s->s || !s->idx || !s->rescale || !s->wkf || !s->wvf ||
             !s->ws || !s->o || !s->ow || !s->s32 || !s->s16)
             goto nomem;
@@ -820,88 +825,100 @@ static kvpq_status vq_decode_keys_u8(const vq_state *st, const vq_layer *L, int 
     const int d = st->head_dim;
     for (int h = 0; h < st->n_head_kv; h++)
         vq_decode_key_head_u8(st, L, layer, h, a, b, s, K, out + (size_t)h * rows * d);
+    if (!st->rope[layer]) return KVPQ_OK;
     return kvpq__rope_run(out, (size_t)(b - a), st->n_head_kv, (size_t)d, (size_t)rows * d, st->rope_dims / 2,
                           st->rope_neox, st->rope[layer], st->pos0 + a, 1);
 }
 
-/* st->kdec with room for `rows` rows per KV head, its kdec_n rows kept. */
-static kvpq_status vq_kdec_reserve(vq_state *st, int rows) {
-    if (rows <= st->kdec_rows) return KVPQ_OK;
-    const int nkv = st->n_head_kv, d = st->head_dim, cap = rows > 2 * st->kdec_rows ? rows : 2 * st->kdec_rows;
+/* st->dec[w] with room for `rows` rows per KV head, its dec_n[w] rows kept. */
+static kvpq_status vq_dec_reserve(vq_state *st, int w, int rows) {
+    if (rows <= st->dec_rows[w]) return KVPQ_OK;
+    const int nkv = st->n_head_kv, d = st->head_dim, old = st->dec_rows[w], cap = rows > 2 * old ? rows : 2 * old;
     float *nb = malloc(sizeof(float) * nkv * (size_t)cap * d);
-    if (!nb) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for %d decoded keys", cap);
-    for (int h = 0; h < nkv && st->kdec; h++)
-        memcpy(nb + (size_t)h * cap * d, st->kdec + (size_t)h * st->kdec_rows * d, sizeof(float) * st->kdec_n * d);
-    free(st->kdec);
-    st->kdec = nb;
-    st->kdec_rows = cap;
+    if (!nb) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for %d decoded %s", cap, w ? "values" : "keys");
+    for (int h = 0; h < nkv && st->dec[w]; h++)
+        memcpy(nb + (size_t)h * cap * d, st->dec[w] + (size_t)h * old * d, sizeof(float) * st->dec_n[w] * d);
+    free(st->dec[w]);
+    st->dec[w] = nb;
+    st->dec_rows[w] = cap;
     return KVPQ_OK;
 }
 
-/* What st->kdec keeps for positions [lo, hi) of a layer: its rows of the same layer when they start
+/* What st->dec keeps for positions [lo, hi) of a layer: its rows of the same layer when they start
  * at or before lo and end within [lo, hi) (a prefill's next run), less the rows before a sliding
  * window's start once they outnumber the live ones; else nothing. */
-static void vq_kdec_keep(vq_state *st, int layer, int lo, int hi) {
-    const int nkv = st->n_head_kv, d = st->head_dim, end = st->kdec_t0 + st->kdec_n;
-    if (st->kdec_layer != layer || st->kdec_t0 > lo || end < lo || end > hi) st->kdec_t0 = lo, st->kdec_n = 0;
-    if (lo - st->kdec_t0 > hi - lo) {
-        const int cut = lo - st->kdec_t0;
-        for (int h = 0; h < nkv; h++)
-            memmove(st->kdec + (size_t)h * st->kdec_rows * d, st->kdec + ((size_t)h * st->kdec_rows + cut) * d,
-                    sizeof(float) * (st->kdec_n - cut) * d);
-        st->kdec_t0 = lo, st->kdec_n -= cut;
+static void vq_dec_keep(vq_state *st, int layer, int lo, int hi) {
+    const int nkv = st->n_head_kv, d = st->head_dim;
+    if (st->dec_layer != layer || st->dec_t0 > lo) st->dec_t0 = lo, st->dec_n[0] = st->dec_n[1] = 0;
+    for (int w = 0; w < 2; w++) {
+        const int end = st->dec_t0 + st->dec_n[w];
+        if (end < lo || end > hi) st->dec_n[w] = 0;
     }
+    const int cut = lo - st->dec_t0;
+    if (cut <= hi - lo) return;
+    for (int w = 0; w < 2; w++) {
+        const int keep = st->dec_n[w] > cut ? st->dec_n[w] - cut : 0;
+        for (int h = 0; h < nkv && keep; h++)
+            memmove(st->dec[w] + (size_t)h * st->dec_rows[w] * d, st->dec[w] + ((size_t)h * st->dec_rows[w] + cut) * d,
+                    sizeof(float) * keep * d);
+        st->dec_n[w] = keep;
+    }
+    st->dec_t0 = lo;
 }
 
-/* Decode positions [from, hi) of a layer's keys into st->kdec (rows from kdec_t0), a chunk per job
- * over the threads: 8-bit codes straight from the pages, others through vq_decode_rows. Returns 0,
- * or 1 when a job failed (out of memory). */
-static int vq_kdec_fill(vq_state *st, const vq_layer *L, int layer, int from, int hi) {
-    const int nkv = st->n_head_kv, d = st->head_dim, nt = st->n_threads, t0 = st->kdec_t0, rows = st->kdec_rows;
-    const int n_jobs = (hi - from + VQ_CHUNK - 1) / VQ_CHUNK, u8 = st->kpq[layer]->p.nbits == 8;
+/* Decode positions [from, hi) of a layer's keys (w 0) or values (w 1) into st->dec[w] (rows from
+ * dec_t0), a chunk per job over the threads: 8-bit key codes straight from the pages, others through
+ * vq_decode_rows. Returns 0, or 1 when a job failed (out of memory). */
+static int vq_dec_fill(vq_state *st, const vq_layer *L, int layer, int w, int from, int hi) {
+    const int nkv = st->n_head_kv, d = st->head_dim, nt = st->n_threads, t0 = st->dec_t0, rows = st->dec_rows[w];
+    const int n_jobs = (hi - from + VQ_CHUNK - 1) / VQ_CHUNK, u8 = !w && st->kpq[layer]->p.nbits == 8;
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    float *out = st->dec[w];
     int failed = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n_jobs > 1) reduction(| : failed)
     for (int j = 0; j < n_jobs; j++) {
         vq_scratch *s = &st->scr[omp_get_thread_num()];
         const int a = from + j * VQ_CHUNK, b = hi - a < VQ_CHUNK ? hi : a + VQ_CHUNK;
         if (u8) {
-            failed |= vq_decode_keys_u8(st, L, layer, a, b, s, K, st->kdec + (size_t)(a - t0) * d, rows) != KVPQ_OK;
+            failed |= vq_decode_keys_u8(st, L, layer, a, b, s, K, out + (size_t)(a - t0) * d, rows) != KVPQ_OK;
             continue;
         }
-        if (vq_decode_rows(st, L, layer, 0, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {
+        if (vq_decode_rows(st, L, layer, w, a, b, s->dcodes, s->dx, s->dx) != KVPQ_OK) {
             failed = 1;
             continue;
         }
         for (int t = a; t < b; t++)
             for (int h = 0; h < nkv; h++)
-                memcpy(st->kdec + ((size_t)h * rows + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
+                memcpy(out + ((size_t)h * rows + (t - t0)) * d, s->dx + ((size_t)(t - a) * nkv + h) * d,
                        sizeof(float) * d);
     }
     return failed;
 }
 
-/* Keys before RoPE: make st->kdec hold the coded keys of positions [lo, hi) of a layer, decoded with
- * RoPE applied (dequantize-then-rotate: the score q . R_t k_t needs each position's own rotation,
- * which one lookup table per query cannot give). What it holds of the same layer is kept
- * (vq_kdec_keep): a prefill's runs decode each position once. */
-static kvpq_status vq_decode_keys(vq_state *st, const vq_layer *L, int layer, int lo, int hi) {
-    vq_kdec_keep(st, layer, lo, hi);
-    st->kdec_layer = -1; /* until complete */
-    KVPQ_TRY(vq_kdec_reserve(st, hi - st->kdec_t0 > 1 ? hi - st->kdec_t0 : 1));
-    if (vq_kdec_fill(st, L, layer, st->kdec_t0 + st->kdec_n, hi))
-        return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory decoding keys coded before RoPE", layer);
-    st->kdec_n = hi - st->kdec_t0;
-    st->kdec_layer = layer;
+/* Make st->dec hold the coded keys (and values when `values`) of positions [lo, hi) of a layer,
+ * decoded into the original space (keys before RoPE rotated to their positions: dequantize-then-
+ * rotate, since the score q . R_t k_t needs each position's own rotation, which one lookup table per
+ * query cannot give). What it holds of the same layer is kept (vq_dec_keep): a prefill's runs decode
+ * each position once. */
+static kvpq_status vq_decode_range(vq_state *st, const vq_layer *L, int layer, int lo, int hi, int values) {
+    vq_dec_keep(st, layer, lo, hi);
+    st->dec_layer = -1; /* until complete */
+    for (int w = 0; w <= values; w++) {
+        KVPQ_TRY(vq_dec_reserve(st, w, hi - st->dec_t0 > 1 ? hi - st->dec_t0 : 1));
+        if (vq_dec_fill(st, L, layer, w, st->dec_t0 + st->dec_n[w], hi))
+            return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory decoding %s", layer, w ? "values" : "keys");
+        st->dec_n[w] = hi - st->dec_t0;
+    }
+    st->dec_layer = layer;
     return KVPQ_OK;
 }
 
 /* Scores of the group's G query heads q (G, head_dim) against the decoded keys of positions [t, t + n)
- * of KV head h (st->kdec): sc (n, gp) = q . k / sqrt(head_dim), padded lanes 0. n <= VQ_CHUNK. */
+ * of KV head h (st->dec[0]): sc (n, gp) = q . k / sqrt(head_dim), padded lanes 0. n <= VQ_CHUNK. */
 static void vq_score_decoded(const vq_state *st, int h, const float *q, int t, int n, vq_scratch *s,
                              const kvpq_vq_kernels *K, float *sc) {
     const int gp = st->gp, G = st->group, d = st->head_dim;
-    const float *kh = st->kdec + ((size_t)h * st->kdec_rows + (t - st->kdec_t0)) * d;
+    const float *kh = st->dec[0] + ((size_t)h * st->dec_rows[0] + (t - st->dec_t0)) * d;
     for (int g = 0; g < gp; g++) {
         if (g < G) K->dot_rows(n, d, q + (size_t)g * d, kh, s->s32);
         for (int i = 0; i < n; i++) sc[(size_t)i * gp + g] = g < G ? s->s32[i] * st->scale : 0.0f;
@@ -1107,11 +1124,55 @@ static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, con
     }
 }
 
+/* kvpq__load_fn of vq_dense_attend: coded positions from st->dec (pointers when the whole range is
+ * coded), window positions from the fp16 ring converted into kbuf / vbuf. */
+static void vq_dense_load(const void *state, int layer, int kvh, int t0, int n, float *kbuf, float *vbuf,
+                          const float **k, const float **v) {
+    const vq_state *st = state;
+    const vq_layer *L = &st->layers[layer];
+    const int d = st->head_dim, nc = L->n_coded;
+#define DEC_ROW(w, t) (st->dec[w] + ((size_t)kvh * st->dec_rows[w] + (size_t)((t) - st->dec_t0)) * d)
+    if (t0 + n <= nc) {
+        *k = DEC_ROW(0, t0), *v = DEC_ROW(1, t0);
+        return;
+    }
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    for (int t = t0; t < t0 + n; t++) {
+        float *kr = kbuf + (size_t)(t - t0) * d, *vr = vbuf + (size_t)(t - t0) * d;
+        if (t < nc) {
+            memcpy(kr, DEC_ROW(0, t), sizeof(float) * d);
+            memcpy(vr, DEC_ROW(1, t), sizeof(float) * d);
+            continue;
+        }
+        const size_t slot = (size_t)kvh * st->cap + (size_t)(t % st->cap);
+        K->f16_to_f32(d, L->wk + slot * d, kr);
+        K->f16_to_f32(d, L->wv + slot * d, vr);
+    }
+    *k = kbuf, *v = vbuf;
+#undef DEC_ROW
+}
+
+/* Prefill attention (n_q >= VQ_DENSE_MIN_Q queries): the coded positions any query of the call sees
+ * decoded once into float rows (vq_decode_range: kept across the runs of one prefill, so each
+ * position is decoded once per layer and prefill step), then the shared dense driver
+ * (kvpq__attend_cpu: Q K^T and P V over chunks, online softmax), the window from the fp16 ring. The
+ * same attention as the per-query lookup tables (the tables' float16 / 8-bit rounding aside): those
+ * cost each query a pass over every code, these a pass of dense products that the queries of a
+ * block share. */
+static kvpq_status vq_dense_attend(vq_state *st, int layer, int len, int n_q, const float *q, float *out, float *lse) {
+    const vq_layer *L = &st->layers[layer];
+    const int P = len - n_q, hi = L->n_coded < len ? L->n_coded : len;
+    const int lo = L->swa > 0 && P + 1 - L->swa > 0 ? P + 1 - L->swa : 0;
+    if (lo < hi) KVPQ_TRY(vq_decode_range(st, L, layer, lo, hi, 1));
+    return kvpq__attend_cpu(&st->params, st, vq_dense_load, 1 << 30, layer, len, n_q, q, out, lse);
+}
+
 static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse) {
     vq_state *st = state;
     const vq_layer *L = &st->layers[layer];
     const int nkv = st->n_head_kv, d = st->head_dim, G = st->group, gp = st->gp, nt = st->n_threads;
     if (G > 64) return kvpq__err(KVPQ_ERR_UNSUPPORTED, "VQ cache: %d query heads per KV head (at most 64)", G);
+    if (n_q >= VQ_DENSE_MIN_Q) return vq_dense_attend(st, layer, len, n_q, q, out, lse);
     const int P = len - n_q, nc = L->n_coded;
     /* Split one head's coded context when there are too few (query, head) jobs for the threads:
      * pick the split count minimizing rounds x (work per job + a fixed per-job cost of about 1/32
@@ -1135,7 +1196,7 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
     const size_t psz = (size_t)gp * (2 + d);
     if (st->rope[layer]) { /* every coded position a query of this call sees, decoded once */
         const int hi = P + n_q < nc ? P + n_q : nc, lo = L->swa > 0 && P + 1 - L->swa > 0 ? P + 1 - L->swa : 0;
-        KVPQ_TRY(vq_decode_keys(st, L, layer, lo < hi ? lo : hi, hi));
+        KVPQ_TRY(vq_decode_range(st, L, layer, lo < hi ? lo : hi, hi, 0));
     }
     KVPQ_TRY(vq_grow((void **)&st->part, &st->part_cap, (size_t)n_jobs * psz, sizeof(float)));
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
@@ -1169,10 +1230,12 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
 
 static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
     vq_state *st = state;
-    st->kdec_layer = -1; /* decoded keys of positions that may go: the buffer too (working memory) */
-    free(st->kdec);
-    st->kdec = NULL;
-    st->kdec_rows = st->kdec_n = 0;
+    st->dec_layer = -1; /* decoded rows of positions that may go: the buffers too (working memory) */
+    for (int w = 0; w < 2; w++) {
+        free(st->dec[w]);
+        st->dec[w] = NULL;
+        st->dec_rows[w] = st->dec_n[w] = 0;
+    }
     for (int l = 0; l < st->n_layer; l++) {
         vq_layer *L = &st->layers[l];
         if (n_pos >= lens[l]) { /* nothing cut: storage kvpq_cache_reserve took beyond the positions goes */

@@ -1,6 +1,8 @@
 /* dispatch.c — the CPU kernel table and the scalar reference kernels (the specification). */
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 #include "cpu/dispatch.h"
@@ -108,6 +110,15 @@ FILL_ISA(avx2, KVPQ_SIMD_AVX2)
 FILL_ISA(avx512, KVPQ_SIMD_AVX512)
 #endif
 
+int kvpq__vnni_on(void) {
+#if defined(__x86_64__)
+    const char *e = getenv("KVPQ_VNNI");
+    return __builtin_cpu_supports("avx512vnni") && !(e && !strcmp(e, "0"));
+#else
+    return 0;
+#endif
+}
+
 static void tables_init(void) {
     fill_ref(&tables[KVPQ_SIMD_SCALAR]);
     tables[KVPQ_SIMD_AVX2] = tables[KVPQ_SIMD_SCALAR];
@@ -117,7 +128,7 @@ static void tables_init(void) {
     tables[KVPQ_SIMD_AVX512] = tables[KVPQ_SIMD_AVX2];
     fill_avx512(&tables[KVPQ_SIMD_AVX512]);
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni")) /* vpdpbusd for the integer-activation kernels */
+    if (kvpq__vnni_on()) /* vpdpbusd for the integer-activation kernels */
         for (uint32_t ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) {
             kvpq__qmatmul_fn qm = kvpq__ggml_qmatmul_avx512vnni(ty);
             if (qm) tables[KVPQ_SIMD_AVX512].ggml_qmatmul[ty] = qm;

@@ -63,6 +63,9 @@ KVPQ_INTERNAL_API const kvpq_cpu_kernels *kvpq__cpu_kernels(void);
 const kvpq_cpu_kernels *kvpq__cpu_kernels_for(kvpq_simd_level level);
 /* The best level this CPU supports (detected once). */
 kvpq_simd_level kvpq__simd_best(void);
+/* 1 when the AVX-512 level takes the VNNI builds of the integer kernels: the CPU has AVX512_VNNI and
+ * KVPQ_VNNI is not "0" (read once, with the tables; "0" tests the maddubs + madd forms on a VNNI CPU). */
+int kvpq__vnni_on(void);
 
 /* Build a padded, transposed codebook from C: (ksub, dsub), C row-major. ct: (dsub, kpad) and
  * norms: (kpad) are caller-provided (kpad = kvpq__nn_kpad(ksub)). */

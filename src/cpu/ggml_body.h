@@ -686,6 +686,7 @@ QMATMUL_K(q6_K, block_q6_K, 1)
 #define NR W
 #define QG_T (W == 16 ? 12 : 4) /* token rows per pass: 2 QG_T accumulators + 5 in 32 / 16 registers */
 _Static_assert(KVPQ_QG_TILE % QG_T == 0, "a pass covers a part of one tile");
+_Static_assert(KVPQ_QG_ROWS % NR == 0, "a call's rows are whole panels");
 
 typedef struct {
     uint32_t *u;      /* (n / 4, NR): element group k of row r at u[k * NR + r] */

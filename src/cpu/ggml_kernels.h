@@ -46,19 +46,23 @@ typedef void (*kvpq__qmatmul_fn)(const uint8_t *W, size_t row_bytes, int64_t n_r
  * ggml_types.c (q8_tiles_fill). */
 #define KVPQ_QG_TILE 12
 typedef struct {
-    const int32_t *q;
-    const float *d, *xs, *x16;
+    const int32_t *q;        /* (tiles, n / 4, KVPQ_QG_TILE) 4 int8 quants as one int32 */
+    const float *d, *xs, *x16; /* (tiles, n / 32, KVPQ_QG_TILE) twice, (tiles, n / 16, KVPQ_QG_TILE) */
 } kvpq__q8tiles;
+/* Weight rows of one kvpq__qgemm_fn call: a multiple of every level's panel (its vector width). */
+#define KVPQ_QG_ROWS 16
 
-/* Y[t * ldy + r] for r < n_rows (a multiple of the level's vector width), t < n_tok: what
+/* Y[t * ldy + r] for r < n_rows (a multiple of KVPQ_QG_ROWS), t < n_tok: what
  * kvpq__qmatmul_fn gives for the same rows (the same integer dots, scaled per 32-element block; Q6_K
  * per 16), with weight rows unpacked once into `panel` (kvpq__qgemm_panel_bytes(n) bytes, 64-byte
  * aligned, the caller's) and each panel of rows run over every tile of X: a GEMM's weights are
  * unpacked once per call instead of once per 4 tokens. */
 typedef void (*kvpq__qgemm_fn)(const uint8_t *W, size_t rb, int64_t n_rows, int64_t n, const kvpq__q8tiles *X,
                                int64_t n_tok, float *Y, int64_t ldy, void *panel);
-/* Bytes of a GEMM panel for rows of n elements (the widest level's: 16 rows). */
-static inline size_t kvpq__qgemm_panel_bytes(int64_t n) { return (size_t)n * 16 + (size_t)(n / 16) * 16 * 2 * sizeof(float); }
+/* Bytes of a GEMM panel for rows of n elements (KVPQ_QG_ROWS rows: the widest level's panel). */
+static inline size_t kvpq__qgemm_panel_bytes(int64_t n) {
+    return (size_t)n * KVPQ_QG_ROWS + (size_t)(n / 16) * KVPQ_QG_ROWS * 2 * sizeof(float);
+}
 
 /* dot(a, b) over n float32. */
 typedef float (*kvpq__dot_fn)(const float *a, const float *b, int64_t n);

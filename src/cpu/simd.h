@@ -452,20 +452,12 @@ KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) {
     return _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u, _mm512_set1_epi32(x)), _mm512_set1_epi16(1)));
 }
 #endif
-#else
+#else /* the AVX2 level (built without VNNI) */
 KVPQ_INLINE kvpq_vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define KVPQ_VI_DPBUSD 1
-KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) { return _mm256_dpbusd_epi32(s, u, _mm256_set1_epi32(x)); }
-#elif defined(__AVXVNNI__)
-#define KVPQ_VI_DPBUSD 1
-KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) { return _mm256_dpbusd_avx_epi32(s, u, _mm256_set1_epi32(x)); }
-#else
 #define KVPQ_VI_DPBUSD 0
 KVPQ_INLINE kvpq_vi vi_dot4_add(kvpq_vi s, kvpq_vi u, int32_t x) {
     return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
 }
-#endif
 #endif
 KVPQ_INLINE kvpq_vf8 v8_zero(void) { return _mm256_setzero_ps(); }
 KVPQ_INLINE kvpq_vf8 v8_set1(float x) { return _mm256_set1_ps(x); }

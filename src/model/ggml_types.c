@@ -495,6 +495,7 @@ static void q8_run(const ggml_mat *mats, int n_mat, int64_t n, int64_t n_tok, co
 /* ---- the integer GEMM (kvpq__qgemm_fn, ggml_qgemm_multi) for prefill steps ---- */
 
 /* 1 when every matrix has a GEMM kernel at this level and rows in whole 16-row tasks. */
+_Static_assert(ROWS_PER_TASK == KVPQ_QG_ROWS, "a row task is one GEMM call");
 static int qgemm_ok(const ggml_mat *mats, int n_mat) {
     const kvpq_cpu_kernels *kt = kvpq__cpu_kernels();
     for (int i = 0; i < n_mat; i++)

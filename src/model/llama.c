@@ -563,12 +563,13 @@ static int act_class(const kvpq_model *m, int n) {
 }
 
 static int rows_q8(int act) { return act == ROWS_Q8 || act == ROWS_GEMM_Q8; }
+static int rows_gemm(int act) { return act == ROWS_GEMM || act == ROWS_GEMM_Q8; }
 
 /* Y (n, rows) = X (n, cols) @ W^T as the rows' class asks (act_class) where the type has kernels,
  * else float32 (matvec for one row, the batched kernel otherwise). */
 static void project(int act, const gguf_tensor *W, int n, const float *X, float *Y) {
     ggml_mat g = {W->type, W->data, W->ne[1], Y};
-    if (act >= ROWS_GEMM && ggml_qgemm_multi(&g, 1, W->ne[0], n, X)) return;
+    if (rows_gemm(act) && ggml_qgemm_multi(&g, 1, W->ne[0], n, X)) return;
     if (rows_q8(act) && ggml_matmul_q8(W->type, W->data, W->ne[1], W->ne[0], n, X, Y)) return;
     if (n == 1)
         ggml_matvec(W->type, W->data, W->ne[1], W->ne[0], X, Y);
@@ -588,7 +589,7 @@ static void project_many(int act, int n, const float *X, int n_mat, const gguf_t
         ok = W[i]->ne[0] == cols;
         mats[i] = (ggml_mat){W[i]->type, W[i]->data, W[i]->ne[1], Y[i]};
     }
-    if (ok && act >= ROWS_GEMM && ggml_qgemm_multi(mats, n_mat, cols, n, X)) return;
+    if (ok && rows_gemm(act) && ggml_qgemm_multi(mats, n_mat, cols, n, X)) return;
     if (ok && rows_q8(act) && ggml_matmul_q8_multi(mats, n_mat, cols, n, X)) return;
     if (ok && act == ROWS_F32 && n == 1 && ggml_matvec_multi(mats, n_mat, cols, X)) return;
     for (int i = 0; i < n_mat; i++) project(act, W[i], n, X, Y[i]);
