@@ -369,7 +369,9 @@ kvpq_status launch_gs(kvpq__attend_params &p, int B, int max_len, int max_splits
     p.n_splits = (max_len + p.chunk - 1) / p.chunk;
     p.n_wsplits = 0;
     const dim3 grid(p.n_splits, p.n_head / GS, B);
-    const char *kv = getenv("KVPQ_ROPE_KERNEL"); /* A/B of this session: "warp" = attend_rope_kernel */
+    /* KVPQ_ROPE_KERNEL=warp: the warp-per-position kernel, kept for A/B (docs/CUDA.md: the tile
+     * kernel is the default, 1.6x at batch 8, as fast at b8@32k as the warp form) */
+    const char *kv = getenv("KVPQ_ROPE_KERNEL");
     if (kv && !strcmp(kv, "warp")) {
         attend_rope_kernel<D, GS><<<grid, kNW * 32, 0, stream>>>(p);
     } else {
