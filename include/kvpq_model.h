@@ -130,10 +130,11 @@ KVPQ_API kvpq_status kvpq_model_eval(kvpq_model *m, kvpq_cache *cache, const int
  * times); RoPE, attention and the cache appends are each sequence's own. Each sequence's tokens are
  * cut into steps of 512 as kvpq_model_eval cuts them, and its rows take the path (8-bit or float32
  * activations, KVPQ_ACT) that its own kvpq_model_eval would take: rows of fewer than 32 tokens per
- * sequence (decode) and longer ones are never in one step. So a sequence's logits and cache equal
- * those of kvpq_model_eval(m, caches[i], tokens[i], n_tokens[i], 0, row i) up to the summation
- * order of the batched float32 kernels (with the default 8-bit activations of decode steps: the same
- * bits; tests/test_model_batch.c). Each cache must fit the model as kvpq_model_eval asks, and no
+ * sequence (decode: the tile-of-4 integer kernels) and longer ones (prefill: the integer GEMM) are
+ * never in one step. So a sequence's logits and cache equal those of kvpq_model_eval(m, caches[i],
+ * tokens[i], n_tokens[i], 0, row i): the same bits with the default 8-bit activations (and with
+ * KVPQ_ACT=q8), up to the summation order of the batched float32 kernels under KVPQ_ACT=f32
+ * (tests/test_model_batch.c). Each cache must fit the model as kvpq_model_eval asks, and no
  * two sequences may share a cache. Errors (nothing evaluated; the message names the sequence):
  * n_seq < 1, a NULL argument, cache or tokens, n_tokens[i] < 1, a token id out of range, two
  * sequences with one cache (KVPQ_ERR_INVALID_ARG); a cache of another shape or sliding window
