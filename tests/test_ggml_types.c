@@ -633,6 +633,30 @@ static void q8_bounds(uint32_t type, const uint8_t *w, int64_t n_rows, int64_t n
     free(qb);
 }
 
+/* Y (nt, n_rows), an integer-activation product of X (nt, n) and w, against the _ref (the same math
+ * in float: within 1e-5 of the absolute sum, from the weight scales' float rounding and the sum
+ * order) and against the float32 path within the activation rounding bound. `what` names the kernel. */
+static void q8_expect_bounds(const char *what, kvpq_simd_level lvl, uint32_t type, const uint8_t *w, int64_t n_rows,
+                             int64_t n, int64_t nt, const float *X, const float *Y) {
+    size_t ny = (size_t)(nt * n_rows) * 4;
+    float *Yr = malloc(ny), *Yf = malloc(ny), *aq = malloc((size_t)n_rows * 4), *er = malloc((size_t)n_rows * 4);
+    ggml_matmul_q8_ref(type, w, n_rows, n, nt, X, Yr);
+    ggml_matmul_ref(type, w, n_rows, n, nt, X, Yf);
+    for (int64_t t = 0; t < nt; t++) {
+        q8_bounds(type, w, n_rows, n, X + t * n, aq, er);
+        for (int64_t r = 0; r < n_rows; r++) {
+            float y = Y[t * n_rows + r], yr = Yr[t * n_rows + r], yf = Yf[t * n_rows + r];
+            cr_assert(fabsf(y - yr) <= 1e-5f * aq[r] + 1e-30f, "%s %s %s (%lld x %lld) n_tok %lld: y[%lld][%lld] = %.9g, "
+                      "ref %.9g (|sum| %g)", kvpq_simd_name(lvl), ggml_type_name(type), what, (long long)n_rows,
+                      (long long)n, (long long)nt, (long long)t, (long long)r, y, yr, aq[r]);
+            cr_assert(fabsf(y - yf) <= er[r] * 1.0001f + 1e-5f * aq[r], "%s %s %s vs f32: y[%lld][%lld] = %.9g, f32 %.9g, "
+                      "rounding bound %g", kvpq_simd_name(lvl), ggml_type_name(type), what, (long long)t, (long long)r, y,
+                      yf, er[r]);
+        }
+    }
+    free(Yr), free(Yf), free(aq), free(er);
+}
+
 /* The integer kernels of every level against the _ref (the same math in float: within 1e-5 of the
  * absolute sum, from the weight scales' float rounding and the sum order), and against the float32
  * path within the activation rounding bound; token counts 1 (decode), 2, 5 (a tile of 4 and one
@@ -653,37 +677,18 @@ Test(ggml_types, q8_matmul_matches_ref_and_f32) {
                 for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) {
                     int64_t nt = toks[k];
                     size_t ny = (size_t)(nt * n_rows) * 4;
-                    float *X = malloc((size_t)(nt * n) * 4), *Y = malloc(ny), *Yr = malloc(ny), *Yf = malloc(ny),
-                          *aq = malloc((size_t)n_rows * 4), *er = malloc((size_t)n_rows * 4);
+                    float *X = malloc((size_t)(nt * n) * 4), *Y = malloc(ny), *Y1 = malloc((size_t)n_rows * 4);
                     for (int64_t i = 0; i < nt * n; i++) X[i] = rndf() * (i % 7 == 0 ? 4.0f : 1.0f);
                     cr_assert(ggml_matmul_q8(type, w, n_rows, n, nt, X, Y));
-                    ggml_matmul_q8_ref(type, w, n_rows, n, nt, X, Yr);
-                    ggml_matmul_ref(type, w, n_rows, n, nt, X, Yf);
+                    q8_expect_bounds("q8", (kvpq_simd_level)lvl, type, w, n_rows, n, nt, X, Y);
                     for (int64_t t = 0; t < nt; t++) {
-                        q8_bounds(type, w, n_rows, n, X + t * n, aq, er);
-                        for (int64_t r = 0; r < n_rows; r++) {
-                            float y = Y[t * n_rows + r], yr = Yr[t * n_rows + r], yf = Yf[t * n_rows + r];
-                            cr_assert(fabsf(y - yr) <= 1e-5f * aq[r] + 1e-30f,
-                                      "%s %s q8 (%lld x %lld) n_tok %lld: y[%lld][%lld] = %.9g, ref %.9g (|sum| %g)",
-                                      kvpq_simd_name((kvpq_simd_level)lvl), ggml_type_name(type), (long long)n_rows,
-                                      (long long)n, (long long)nt, (long long)t, (long long)r, y, yr, aq[r]);
-                            cr_assert(fabsf(y - yf) <= er[r] * 1.0001f + 1e-5f * aq[r],
-                                      "%s %s q8 vs f32: y[%lld][%lld] = %.9g, f32 %.9g, rounding bound %g",
-                                      kvpq_simd_name((kvpq_simd_level)lvl), ggml_type_name(type), (long long)t,
-                                      (long long)r, y, yf, er[r]);
-                        }
                         /* the same bits as the token alone (kvpq_model_eval_batch relies on it) */
-                        cr_assert(ggml_matmul_q8(type, w, n_rows, n, 1, X + t * n, Yr));
-                        cr_assert(!memcmp(Yr, Y + t * n_rows, (size_t)n_rows * 4), "%s %s q8 n_tok %lld: token %lld "
+                        cr_assert(ggml_matmul_q8(type, w, n_rows, n, 1, X + t * n, Y1));
+                        cr_assert(!memcmp(Y1, Y + t * n_rows, (size_t)n_rows * 4), "%s %s q8 n_tok %lld: token %lld "
                                   "differs from the token alone", kvpq_simd_name((kvpq_simd_level)lvl),
                                   ggml_type_name(type), (long long)nt, (long long)t);
                     }
-                    free(X);
-                    free(Y);
-                    free(Yr);
-                    free(Yf);
-                    free(aq);
-                    free(er);
+                    free(X), free(Y), free(Y1);
                 }
                 free(w);
             }
@@ -714,30 +719,17 @@ Test(ggml_types, q8_matmul_matches_ref_and_f32) {
 static void qgemm_check(kvpq_simd_level lvl, uint32_t type, int64_t n_rows, int64_t n, int64_t nt) {
     uint8_t *w = random_rows(type, n_rows, n);
     size_t ny = (size_t)(nt * n_rows) * 4;
-    float *X = malloc((size_t)(nt * n) * 4), *Y = malloc(ny), *Yr = malloc(ny), *Yf = malloc(ny),
-          *aq = malloc((size_t)n_rows * 4), *er = malloc((size_t)n_rows * 4);
+    float *X = malloc((size_t)(nt * n) * 4), *Y = malloc(ny), *Y2 = malloc(ny);
     for (int64_t i = 0; i < nt * n; i++) X[i] = rndf() * (i % 7 == 0 ? 4.0f : 1.0f);
     ggml_mat m = {type, w, n_rows, Y};
     cr_assert(ggml_qgemm_multi(&m, 1, n, nt, X), "%s %s: GEMM refused", kvpq_simd_name(lvl), ggml_type_name(type));
-    ggml_matmul_q8_ref(type, w, n_rows, n, nt, X, Yr);
-    ggml_matmul_ref(type, w, n_rows, n, nt, X, Yf);
-    for (int64_t t = 0; t < nt; t++) {
-        q8_bounds(type, w, n_rows, n, X + t * n, aq, er);
-        for (int64_t r = 0; r < n_rows; r++) {
-            float y = Y[t * n_rows + r], yr = Yr[t * n_rows + r], yf = Yf[t * n_rows + r];
-            cr_assert(fabsf(y - yr) <= 1e-5f * aq[r] + 1e-30f, "%s %s GEMM (%lld x %lld) n_tok %lld: y[%lld][%lld] = %.9g, "
-                      "ref %.9g (|sum| %g)", kvpq_simd_name(lvl), ggml_type_name(type), (long long)n_rows, (long long)n,
-                      (long long)nt, (long long)t, (long long)r, y, yr, aq[r]);
-            cr_assert(fabsf(y - yf) <= er[r] * 1.0001f + 1e-5f * aq[r], "%s %s GEMM vs f32: y[%lld][%lld] = %.9g, f32 %.9g, "
-                      "bound %g", kvpq_simd_name(lvl), ggml_type_name(type), (long long)t, (long long)r, y, yf, er[r]);
-        }
-    }
+    q8_expect_bounds("GEMM", lvl, type, w, n_rows, n, nt, X, Y);
     const int64_t off = nt / 3; /* tokens off .. nt-1 alone: the same bits */
-    m.Y = Yr;
+    m.Y = Y2;
     cr_assert(ggml_qgemm_multi(&m, 1, n, nt - off, X + off * n));
-    cr_assert(!memcmp(Yr, Y + off * n_rows, (size_t)((nt - off) * n_rows) * 4), "%s %s GEMM: tokens %lld.. at another "
+    cr_assert(!memcmp(Y2, Y + off * n_rows, (size_t)((nt - off) * n_rows) * 4), "%s %s GEMM: tokens %lld.. at another "
               "place in the tiles differ", kvpq_simd_name(lvl), ggml_type_name(type), (long long)off);
-    free(w), free(X), free(Y), free(Yr), free(Yf), free(aq), free(er);
+    free(w), free(X), free(Y), free(Y2);
 }
 
 Test(ggml_types, qgemm_matches_ref_and_f32_and_is_placement_free) {

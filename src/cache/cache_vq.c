@@ -1065,6 +1065,11 @@ static void vq_coded_part(const vq_state *st, const vq_layer *L, int layer, int 
         for (int i = 0; i < d; i++) po[(size_t)g * d + i] = s->o[(size_t)i * gp + g];
 }
 
+/* The first position a query at position pos sees: its sliding window's start, else 0. */
+static int vq_view_start(const vq_layer *L, int pos) {
+    return L->swa > 0 && pos + 1 - L->swa > 0 ? pos + 1 - L->swa : 0;
+}
+
 /* Merge b into a, treating d == 0 as the empty state (m = -inf). */
 static void vq_merge(kvpq_softmax_state *a, float *oa, const kvpq_softmax_state *b, const float *ob, int d) {
     if (b->d == 0.0f) return;
@@ -1098,7 +1103,7 @@ static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, con
     if (st->value_rotate) kvpq_hadamard(s->o, G, d);
     /* Window: positions [n_coded, pos] in fp16, original space (from the sliding window's start
      * when that lies later). */
-    const int lo = L->swa > 0 && pos + 1 - L->swa > 0 ? pos + 1 - L->swa : 0;
+    const int lo = vq_view_start(L, pos);
     const int w0 = L->n_coded > lo ? L->n_coded : lo, w1 = pos + 1;
     const int nw = w1 > w0 ? w1 - w0 : 0;
     for (int t = 0; t < nw; t++) {
@@ -1162,7 +1167,7 @@ static void vq_dense_load(const void *state, int layer, int kvh, int t0, int n, 
 static kvpq_status vq_dense_attend(vq_state *st, int layer, int len, int n_q, const float *q, float *out, float *lse) {
     const vq_layer *L = &st->layers[layer];
     const int P = len - n_q, hi = L->n_coded < len ? L->n_coded : len;
-    const int lo = L->swa > 0 && P + 1 - L->swa > 0 ? P + 1 - L->swa : 0;
+    const int lo = vq_view_start(L, P);
     if (lo < hi) KVPQ_TRY(vq_decode_range(st, L, layer, lo, hi, 1));
     return kvpq__attend_cpu(&st->params, st, vq_dense_load, 1 << 30, layer, len, n_q, q, out, lse);
 }
@@ -1195,7 +1200,7 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
     const int n_jobs = base_jobs * n_split;
     const size_t psz = (size_t)gp * (2 + d);
     if (st->rope[layer]) { /* every coded position a query of this call sees, decoded once */
-        const int hi = P + n_q < nc ? P + n_q : nc, lo = L->swa > 0 && P + 1 - L->swa > 0 ? P + 1 - L->swa : 0;
+        const int hi = P + n_q < nc ? P + n_q : nc, lo = vq_view_start(L, P);
         KVPQ_TRY(vq_decode_range(st, L, layer, lo < hi ? lo : hi, hi, 0));
     }
     KVPQ_TRY(vq_grow((void **)&st->part, &st->part_cap, (size_t)n_jobs * psz, sizeof(float)));
@@ -1208,7 +1213,7 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
         for (int j = 0; j < n_jobs; j++) {
             int i = j / (nkv * n_split), h = (j / n_split) % nkv, sp = j % n_split;
             int limit = P + i + 1 < nc ? P + i + 1 : nc;
-            int lo = L->swa > 0 && P + i + 1 - L->swa > 0 ? P + i + 1 - L->swa : 0; /* sliding window */
+            int lo = vq_view_start(L, P + i);
             if (lo > limit) lo = limit;
             int t0 = lo + (int)((int64_t)(limit - lo) * sp / n_split);
             int t1 = lo + (int)((int64_t)(limit - lo) * (sp + 1) / n_split);

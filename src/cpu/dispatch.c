@@ -103,7 +103,8 @@ static void fill_ref(kvpq_cpu_kernels *t) {
             kvpq__qmatmul_fn qm = kvpq__ggml_qmatmul_##ISA(ty);                               \
             if (dq) t->ggml_dequant[ty] = dq;                                                 \
             if (qm) t->ggml_qmatmul[ty] = qm;                                                 \
-            if (kvpq__ggml_qgemm_##ISA(ty)) t->ggml_qgemm[ty] = kvpq__ggml_qgemm_##ISA(ty);   \
+            kvpq__qgemm_fn qg = kvpq__ggml_qgemm_##ISA(ty);                                   \
+            if (qg) t->ggml_qgemm[ty] = qg;                                                   \
         }                                                                                     \
     }
 FILL_ISA(avx2, KVPQ_SIMD_AVX2)

@@ -515,15 +515,25 @@ static void q8_tile_put(kvpq__q8tiles *x, int64_t n, int64_t t, const kvpq__q8ro
     for (int64_t g = 0; g < n / 16; g++) x16[g * T] = r->d[g / 2] * (float)r->s16[g];
 }
 
-/* The tiles of n_tok quantized rows in buf (q8_tiles_bytes), padding rows 0. */
-static size_t q8_tiles_bytes(int64_t n, int64_t n_tok) {
-    const int64_t tiles = (n_tok + KVPQ_QG_TILE - 1) / KVPQ_QG_TILE;
-    return (size_t)tiles * KVPQ_QG_TILE * ((size_t)n + (size_t)(n / 32) * 2 * sizeof(float) + (size_t)(n / 16) * sizeof(float));
+/* The tiles of n_tok rows of n activations: the byte offsets of q, d, xs and x16 in one buffer
+ * (off, 4 entries); returns its size. */
+static size_t q8_tiles_layout(int64_t n, int64_t n_tok, size_t off[4]) {
+    const size_t rows_p = (size_t)((n_tok + KVPQ_QG_TILE - 1) / KVPQ_QG_TILE * KVPQ_QG_TILE);
+    off[0] = 0;
+    off[1] = off[0] + rows_p * (size_t)(n / 4) * sizeof(int32_t);
+    off[2] = off[1] + rows_p * (size_t)(n / 32) * sizeof(float);
+    off[3] = off[2] + rows_p * (size_t)(n / 32) * sizeof(float);
+    return off[3] + rows_p * (size_t)(n / 16) * sizeof(float);
 }
+
+/* The tiles of n_tok quantized rows in buf (q8_tiles_layout's bytes), padding rows 0. */
 static kvpq__q8tiles q8_tiles_fill(void *buf, int64_t n, int64_t n_tok, const kvpq__q8row *rows) {
     const int64_t tiles = (n_tok + KVPQ_QG_TILE - 1) / KVPQ_QG_TILE, rows_p = tiles * KVPQ_QG_TILE;
-    int32_t *q = buf;
-    float *d = (float *)(void *)(q + rows_p * (n / 4)), *xs = d + rows_p * (n / 32), *x16 = xs + rows_p * (n / 32);
+    size_t off[4];
+    q8_tiles_layout(n, n_tok, off);
+    char *b = buf;
+    int32_t *q = (int32_t *)(void *)b;
+    float *d = (float *)(void *)(b + off[1]), *xs = (float *)(void *)(b + off[2]), *x16 = (float *)(void *)(b + off[3]);
     kvpq__q8tiles x = {q, d, xs, x16};
     if (rows_p > n_tok) { /* the last tile's padding rows: zeros */
         const int64_t i = tiles - 1, T = KVPQ_QG_TILE;
@@ -544,7 +554,8 @@ static int q8_gemm_run(const ggml_mat *mats, int64_t n, int64_t n_tok, const kvp
     const kvpq_cpu_kernels *kt = kvpq__cpu_kernels();
     const int nth = omp_get_max_threads();
     const size_t pb = (kvpq__qgemm_panel_bytes(n) + 63) / 64 * 64;
-    void *tb = malloc(q8_tiles_bytes(n, n_tok)), *panels = aligned_alloc(64, pb * (size_t)nth);
+    size_t off[4];
+    void *tb = malloc(q8_tiles_layout(n, n_tok, off)), *panels = aligned_alloc(64, pb * (size_t)nth);
     if (!tb || !panels) {
         free(tb), free(panels);
         return 0;
