@@ -315,14 +315,17 @@ static const int *inner_lens(const kvpq_cache *c) {
     return c->ilen;
 }
 
+static void merge_sinks(const kvpq_cache *c, int layer, int len, int n_q, const float *q, float *out,
+                        const float *lse);
+
 /* Attention with sinks: the kind attends its positions (S..) for the queries at positions >= S and
  * returns each row's log-sum-exp; the sinks a query sees (positions [max(0, window start), min(S,
  * pos + 1))) are scored here in double, and the two parts are merged as two online-softmax states:
  * with (m_s, d_s, o_s) over the sinks and (lse, out) from the kind, M = max(m_s, lse),
  * out = (e^(m_s - M) o_s + e^(lse - M) out) / (e^(m_s - M) d_s + e^(lse - M)). */
 static kvpq_status attend_sinks(kvpq_cache *c, int layer, int len, int n_q, const float *q, float *out) {
-    const int S = c->p.sinks, hd = c->p.head_dim, nh = c->p.n_head, g = nh / c->p.n_head_kv;
-    const size_t qw = (size_t)nh * hd, kvw = (size_t)c->p.n_head_kv * hd;
+    const int S = c->p.sinks, nh = c->p.n_head;
+    const size_t qw = (size_t)nh * c->p.head_dim;
     int n_in = len - S < n_q ? len - S : n_q; /* queries at positions >= S */
     if (n_in < 0) n_in = 0;
     float *lse = NULL;
@@ -336,6 +339,19 @@ static kvpq_status attend_sinks(kvpq_cache *c, int layer, int len, int n_q, cons
             return s;
         }
     }
+    merge_sinks(c, layer, len, n_q, q, out, lse);
+    free(lse);
+    return KVPQ_OK;
+}
+
+/* The sinks' part of attention merged into out: the kind's rows (the last min(n_q, len - S)
+ * queries) with their lse, the others (queries among the sinks) the sinks' attention alone. */
+static void merge_sinks(const kvpq_cache *c, int layer, int len, int n_q, const float *q, float *out,
+                        const float *lse) {
+    const int S = c->p.sinks, hd = c->p.head_dim, nh = c->p.n_head, g = nh / c->p.n_head_kv;
+    const size_t qw = (size_t)nh * hd, kvw = (size_t)c->p.n_head_kv * hd;
+    int n_in = len - S < n_q ? len - S : n_q;
+    if (n_in < 0) n_in = 0;
     const int nt = c->p.n_threads > 0 ? c->p.n_threads : omp_get_max_threads();
     const double scale = 1.0 / sqrt((double)hd);
     const uint16_t *sk = c->sk + (size_t)layer * S * kvw, *sv = c->sv + (size_t)layer * S * kvw;
@@ -371,9 +387,9 @@ static kvpq_status attend_sinks(kvpq_cache *c, int layer, int len, int n_q, cons
         const double inv = 1.0 / (a * d + b);
         for (int j = 0; j < hd; j++) dst[j] = (float)((a * o[j] + b * dst[j]) * inv);
     }
-    free(lse);
-    return KVPQ_OK;
 }
+
+static kvpq_status check_out(const kvpq_cache *c, int layer, int len, int n_q, const float *q, const float *out);
 
 kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q, float *out) {
     KVPQ_TRY(check_layer(c, layer, "kvpq_cache_attend"));
@@ -390,7 +406,11 @@ kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q,
                          layer, c->p.sliding_window, c->lo[layer], len - n_q);
     KVPQ_TRY(c->p.sinks > 0 ? attend_sinks(c, layer, len, n_q, q, out)
                             : c->ops->attend(c->state, layer, len, n_q, q, out, NULL));
-    /* finite q, K and V can still overflow float in q . k (|q| |k| beyond 3.4e38): named, not NaN */
+    return check_out(c, layer, len, n_q, q, out);
+}
+
+/* Finite q, K and V can still overflow float in q . k (|q| |k| beyond 3.4e38): named, not NaN. */
+static kvpq_status check_out(const kvpq_cache *c, int layer, int len, int n_q, const float *q, const float *out) {
     const size_t qw = (size_t)c->p.n_head * c->p.head_dim;
     if (!kvpq__all_finite(out, (size_t)n_q * qw))
         for (int i = 0; i < n_q; i++)
@@ -417,6 +437,26 @@ static int same_window_run(const kvpq_cache *c, int layer, int n) {
     return run;
 }
 
+/* kvpq_cache_append_attend in one pass, for a kind with stage_exact / attend_staged: n positions
+ * past the sinks staged, appended, and their queries attended together, each query still seeing
+ * its own position's window state. */
+static kvpq_status fused_append_attend(kvpq_cache *c, int layer, int n, const float *k, const float *v,
+                                       const float *q, float *out) {
+    const int S = c->p.sinks, len = c->len[layer] + n;
+    KVPQ_TRY(c->ops->stage_exact(c->state, layer, len - n - S, n, k, v));
+    KVPQ_TRY(kvpq_cache_append(c, layer, n, k, v));
+    float *lse = NULL;
+    if (S > 0 && !(lse = malloc((size_t)n * c->p.n_head * sizeof *lse)))
+        return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory for %d queries", c->ops->name, n);
+    kvpq_status s = c->ops->attend_staged(c->state, layer, len - S, n, q, out, lse);
+    if (s == KVPQ_OK) {
+        if (S > 0) merge_sinks(c, layer, len, n, q, out, lse);
+        s = check_out(c, layer, len, n, q, out);
+    }
+    free(lse);
+    return s;
+}
+
 kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const float *k, const float *v, const float *q,
                                      float *out) {
     KVPQ_TRY(check_layer(c, layer, "kvpq_cache_append_attend"));
@@ -430,6 +470,9 @@ kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const floa
     const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim, qw = (size_t)c->p.n_head * c->p.head_dim;
     for (int done = 0; done < n;) {
         const int run = same_window_run(c, layer, n - done);
+        if (run < n - done && c->ops->attend_staged && c->len[layer] >= c->p.sinks)
+            return fused_append_attend(c, layer, n - done, k + done * kvw, v + done * kvw, q + done * qw,
+                                       out + done * qw);
         KVPQ_TRY(kvpq_cache_append(c, layer, run, k + done * kvw, v + done * kvw));
         KVPQ_TRY(kvpq_cache_attend(c, layer, run, q + done * qw, out + done * qw));
         done += run;

@@ -82,9 +82,43 @@ kvpq_status kvpq__check_range(const kvpq_cache_params *p, const char *kind, cons
 #define RB 64 /* query rows per block: S (RB, CHUNK) and o (RB, head_dim) stay in L1/L2 */
 #define CH KVPQ_ATTN_CHUNK
 
-static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvpq__load_fn load,
-                              kvpq__load16_fn load16, int align, int layer, int len, int n_q, const float *q,
-                              float *out, float *lse) {
+/* Where attend_any reads K and V: float rows (load) or halves (load16), chunks never crossing a
+ * multiple of align; with exact, query i reads positions >= bound[i] from exact instead (a fused
+ * append-attend's window states, kvpq__attend_cpu_split). */
+typedef struct {
+    kvpq__load_fn load;
+    kvpq__load16_fn load16;
+    kvpq__load_fn exact;
+    const int *bound;
+    int align;
+} attn_src;
+
+/* Rows [0, nx) of a chunk [t0, t0 + n) whose bounds fall inside or before it: the scores S2 from the
+ * exact rows replace S from each row's bound on. */
+static void split_scores(float *S, const float *S2, int nx, const int *bnd, int t0, int n) {
+    for (int rr = 0; rr < nx; rr++) {
+        const int a = bnd[rr] > t0 ? bnd[rr] - t0 : 0;
+        memcpy(S + (size_t)rr * CH + a, S2 + (size_t)rr * CH + a, (size_t)(n - a) * sizeof *S);
+    }
+}
+
+/* The weights of those rows split by source: before the bound stay in P (the rows of load), from
+ * it on move to P2 (the rows of exact), zeros elsewhere. */
+static void split_weights(float *P, float *P2, int nx, const int *bnd, int t0, int n) {
+    for (int rr = 0; rr < nx; rr++) {
+        const int a = bnd[rr] > t0 ? bnd[rr] - t0 : 0;
+        float *p = P + (size_t)rr * CH, *p2 = P2 + (size_t)rr * CH;
+        memset(p2, 0, (size_t)a * sizeof *p2);
+        memcpy(p2 + a, p + a, (size_t)(n - a) * sizeof *p2);
+        memset(p + a, 0, (size_t)(n - a) * sizeof *p);
+    }
+}
+
+static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, const attn_src *src, int layer, int len,
+                              int n_q, const float *q, float *out, float *lse) {
+    const kvpq__load_fn load = src->load;
+    const kvpq__load16_fn load16 = src->load16;
+    const int align = src->align;
     const int hd = p->head_dim, hkv = p->n_head_kv, g = p->n_head / p->n_head_kv;
     const int rows = n_q * g; /* query rows of one KV head: row r = (query r / g, head kvh*g + r % g) */
     const int nb = (rows + RB - 1) / RB;
@@ -118,7 +152,8 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
     if (!part) return kvpq__err(KVPQ_ERR_NOMEM, "cache attend: out of memory for %zu partial states", n_part);
     float *part_m = part, *part_d = part + n_part, *part_o = part + 2 * n_part; /* (n_split, hkv, rows[, hd]) */
 
-    const size_t ws_floats = (size_t)RB * hd * 2 + (size_t)RB * CH + (size_t)2 * CH * hd + 2 * RB;
+    const size_t ws_one = (size_t)RB * CH + (size_t)2 * CH * hd; /* S, kbuf, vbuf; twice with exact */
+    const size_t ws_floats = (size_t)RB * hd * 2 + ws_one * (src->exact ? 2 : 1) + 2 * RB;
     const int n_tasks = hkv * nb * n_split;
     int nomem = 0;
     if (T > n_tasks) T = n_tasks;
@@ -136,7 +171,8 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
             const int s = task % n_split, b = (task / n_split) % nb, kvh = task / n_split / nb;
             float *Q = ws, *O = Q + (size_t)RB * hd, *S = O + (size_t)RB * hd, *kbuf = S + (size_t)RB * CH;
             float *vbuf = kbuf + (size_t)CH * hd, *m = vbuf + (size_t)CH * hd, *d = m + RB;
-            int lim[RB], lo[RB]; /* row rr sees positions [lo, lim) */
+            float *S2 = d + RB, *kbuf2 = S2 + (size_t)RB * CH, *vbuf2 = kbuf2 + (size_t)CH * hd; /* with exact */
+            int lim[RB], lo[RB], bnd[RB]; /* row rr sees positions [lo, lim), from bnd on through exact */
             const int r0 = b * RB, nr = rows - r0 < RB ? rows - r0 : RB;
             for (int rr = 0; rr < nr; rr++) {
                 int i = (r0 + rr) / g, head = kvh * g + (r0 + rr) % g;
@@ -144,6 +180,7 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
                 for (int c = 0; c < hd; c++) Q[(size_t)rr * hd + c] = qi[c] * qscale;
                 lim[rr] = len - n_q + i + 1;
                 lo[rr] = W > 0 && lim[rr] - W > 0 ? lim[rr] - W : 0;
+                bnd[rr] = src->exact ? src->bound[i] : len;
                 m[rr] = -INFINITY;
                 d[rr] = 0.0f;
             }
@@ -173,6 +210,14 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
                     load(state, layer, kvh, t0, n, kbuf, vbuf, &K, &V);
                     kr->qk(Q, nr, K, n, hd, S, CH);
                 }
+                int nx = 0; /* rows [0, nx) read part of this chunk through exact (bounds rise with rows) */
+                while (nx < nr && bnd[nx] < t0 + n) nx++;
+                const float *KE = NULL, *VE = NULL;
+                if (nx) {
+                    src->exact(state, layer, kvh, t0, n, kbuf2, vbuf2, &KE, &VE);
+                    kr->qk(Q, nx, KE, n, hd, S2, CH);
+                    split_scores(S, S2, nx, bnd, t0, n);
+                }
                 for (int rr = 0; rr < nr; rr++) {
                     float *srow = S + (size_t)rr * CH;
                     int nv = lim[rr] - t0 < n ? lim[rr] - t0 : n;
@@ -199,6 +244,10 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
                         memset(srow, 0, (size_t)a * sizeof *srow);
                     }
                     if (nv < n) memset(srow + nv, 0, (size_t)(n - nv) * sizeof *srow);
+                }
+                if (nx) {
+                    split_weights(S, S2, nx, bnd, t0, n);
+                    kr->pv(S2, nx, CH, VE, n, hd, O);
                 }
                 if (V16)
                     kr->pv_f16(S, nr, CH, V16, n, hd, O);
@@ -241,12 +290,21 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, kvp
 
 kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
                              int layer, int len, int n_q, const float *q, float *out, float *lse) {
-    return attend_any(p, state, load, NULL, align, layer, len, n_q, q, out, lse);
+    const attn_src src = {.load = load, .align = align};
+    return attend_any(p, state, &src, layer, len, n_q, q, out, lse);
+}
+
+kvpq_status kvpq__attend_cpu_split(const kvpq_cache_params *p, const void *state, kvpq__load_fn load,
+                                   kvpq__load_fn exact, const int *bound, int layer, int len, int n_q, const float *q,
+                                   float *out, float *lse) {
+    const attn_src src = {.load = load, .exact = exact, .bound = bound, .align = 1 << 30};
+    return attend_any(p, state, &src, layer, len, n_q, q, out, lse);
 }
 
 kvpq_status kvpq__attend_cpu_f16(const kvpq_cache_params *p, const void *state, kvpq__load16_fn load16, int align,
                                  int layer, int len, int n_q, const float *q, float *out, float *lse) {
-    return attend_any(p, state, NULL, load16, align, layer, len, n_q, q, out, lse);
+    const attn_src src = {.load16 = load16, .align = align};
+    return attend_any(p, state, &src, layer, len, n_q, q, out, lse);
 }
 
 kvpq_status kvpq__read_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,

@@ -63,6 +63,13 @@ typedef void (*kvpq__load16_fn)(const void *state, int layer, int kvh, int t0, i
  * (split-KV decoding, "Flash-Decoding"). */
 kvpq_status kvpq__attend_cpu(const kvpq_cache_params *p, const void *state, kvpq__load_fn load, int align,
                              int layer, int len, int n_q, const float *q, float *out, float *lse);
+/* The same with two sources, for a windowed kind attending the queries of several window states at
+ * once (cache_impl.h attend_staged): query i (position len - n_q + i) reads positions < bound[i]
+ * through load and positions >= bound[i] through exact; bound (n_q) must not decrease with i. A
+ * chunk that some rows read from both is scored and weighed twice, each part from its own rows. */
+kvpq_status kvpq__attend_cpu_split(const kvpq_cache_params *p, const void *state, kvpq__load_fn load,
+                                   kvpq__load_fn exact, const int *bound, int layer, int len, int n_q, const float *q,
+                                   float *out, float *lse);
 /* The same for fp16 rows: blocks of at most KVPQ_ATTN_F16_ROWS query rows use the fused fp16
  * kernels (qk_f16, pv_f16: conversion in registers, no fp32 copy); larger blocks (prefill)
  * convert each chunk once into fp32 and use the fp32 kernels. */

@@ -69,6 +69,15 @@ typedef struct kvpq_cache_ops {
      * only the storage its positions need (spare pages and an empty layer's ring go back): nothing
      * held changes. NULL: nothing to reserve (the CUDA kind). */
     kvpq_status (*reserve)(void *state, const int *lens, int n_pos);
+    /* Optional (windowed kinds): kvpq_cache_append_attend in one pass instead of runs of one window
+     * state. stage_exact(len, n, k, v), before the append of n positions (k, v) to a layer holding
+     * len, keeps what their queries will need that the append takes away (the window's rows of
+     * positions it codes); it changes nothing held. attend_staged(len, n_q, ...) after that append
+     * (len now includes it, n_q = n): query i sees the positions that appending up to its own would
+     * have coded as codes and the rest exact, as a run of its own would; lse as attend's. Both or
+     * neither; NULL: the runs. */
+    kvpq_status (*stage_exact)(void *state, int layer, int len, int n, const float *k, const float *v);
+    kvpq_status (*attend_staged)(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse);
 } kvpq_cache_ops;
 
 /* Positions a query of `layer` may see (its sliding window), or 0 for every earlier position. */

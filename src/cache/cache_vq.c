@@ -157,6 +157,14 @@ typedef struct {
      * scratch: not in resident_bytes (one layer's keys and values in float32). */
     float *dec[2];
     int dec_rows[2], dec_n[2], dec_layer, dec_t0;
+    /* A fused append-attend (vq_stage_exact, vq_attend_staged): the exact keys (ex[0]) and values
+     * (ex[1]) of positions [ex_t0, ex_t0 + ex_n) of layer ex_layer (-1: none staged) as the window
+     * holds them, (n_head_kv, ex_n, head_dim) floats, 64-byte aligned; the layer held ex_len
+     * positions, ex_nc coded, before the append; bound (ex_cap) the queries' first exact positions. */
+    float *ex[2];
+    int *bound;
+    size_t ex_cap;
+    int ex_layer, ex_t0, ex_n, ex_len, ex_nc;
 } vq_state;
 
 /* Bytes of one of a layer's two fp16 window rings (K or V): (n_head_kv, cap, head_dim). */
@@ -314,7 +322,7 @@ static void vq_destroy(void *state) {
         for (int t = 0; t < st->n_threads; t++) vq_scratch_free(&st->scr[t]);
     void *bufs[] = {st->scr, st->layers, st->kpq, st->kpq2, st->vpq, st->smooth, st->mean, st->xk,
                     st->xv,  st->ck,     st->cv,  st->xr,   st->sk,  st->sv,     st->h16,  st->part,
-                    st->rope, st->dec[0], st->dec[1]};
+                    st->rope, st->dec[0], st->dec[1], st->ex[0], st->ex[1], st->bound};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(st);
 }
@@ -409,7 +417,7 @@ static kvpq_status vq_create(void **state, const kvpq_cache_params *p) {
     st->rope_neox = cp.key_rope_neox;
     st->pos0 = p->sinks;
     st->params = *p;
-    st->dec_layer = -1;
+    st->dec_layer = st->ex_layer = -1;
     size_t cs_max = 0; /* largest key or value code of any layer (the decode scratch) */
     int mk_max = 0, mk_fs = 0, mv_max = 0; /* largest key M of any layer, of any fast-scan layer, value M */
     for (int l = 0; l < p->n_layer; l++) {
@@ -834,7 +842,8 @@ static kvpq_status vq_decode_keys_u8(const vq_state *st, const vq_layer *L, int 
 static kvpq_status vq_dec_reserve(vq_state *st, int w, int rows) {
     if (rows <= st->dec_rows[w]) return KVPQ_OK;
     const int nkv = st->n_head_kv, d = st->head_dim, old = st->dec_rows[w], cap = rows > 2 * old ? rows : 2 * old;
-    float *nb = malloc(sizeof(float) * nkv * (size_t)cap * d);
+    /* 64-byte aligned: rows of whole cache lines for the attention kernels' vector loads */
+    float *nb = aligned_alloc(64, (sizeof(float) * nkv * (size_t)cap * d + 63) / 64 * 64);
     if (!nb) return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache: out of memory for %d decoded %s", cap, w ? "values" : "keys");
     for (int h = 0; h < nkv && st->dec[w]; h++)
         memcpy(nb + (size_t)h * cap * d, st->dec[w] + (size_t)h * old * d, sizeof(float) * st->dec_n[w] * d);
@@ -1172,6 +1181,99 @@ static kvpq_status vq_dense_attend(vq_state *st, int layer, int len, int n_q, co
     return kvpq__attend_cpu(&st->params, st, vq_dense_load, 1 << 30, layer, len, n_q, q, out, lse);
 }
 
+static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse);
+
+/* First position query i of a fused append-attend reads exact: what the layer holds coded once
+ * positions up to the query's own are appended (vq_append's rule: never fewer than before). */
+static int vq_query_bound(const vq_state *st, int i) {
+    const int t = vq_target_coded(st, st->ex_len + i + 1);
+    return t > st->ex_nc ? t : st->ex_nc;
+}
+
+/* cache_impl.h stage_exact: before n positions (k, v) are appended to a layer holding len, keep the
+ * exact rows their queries will read and the append may code or overwrite in the ring: positions
+ * [first query's bound, len + n), from the ring (t < len) or k, v rounded to fp16 as the ring
+ * stores them. Changes nothing held. */
+static kvpq_status vq_stage_exact(void *state, int layer, int len, int n, const float *k, const float *v) {
+    vq_state *st = state;
+    const vq_layer *L = &st->layers[layer];
+    const int nkv = st->n_head_kv, d = st->head_dim;
+    st->ex_layer = -1;
+    st->ex_len = len, st->ex_nc = L->n_coded;
+    const int t0 = vq_query_bound(st, 0), rows = len + n - t0;
+    const size_t need = (size_t)nkv * rows * d > (size_t)n ? (size_t)nkv * rows * d : (size_t)n;
+    if (need > st->ex_cap) {
+        for (int w = 0; w < 2; w++) free(st->ex[w]);
+        free(st->bound);
+        st->ex[0] = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+        st->ex[1] = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+        st->bound = malloc(need * sizeof(int));
+        st->ex_cap = need;
+        if (!st->ex[0] || !st->ex[1] || !st->bound) {
+            for (int w = 0; w < 2; w++) free(st->ex[w]), st->ex[w] = NULL;
+            free(st->bound), st->bound = NULL;
+            st->ex_cap = 0;
+            return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory for %d exact rows", layer, rows);
+        }
+    }
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    const size_t row = (size_t)nkv * d;
+    for (int t = t0; t < len + n; t++)
+        for (int h = 0; h < nkv; h++) {
+            float *xk = st->ex[0] + ((size_t)h * rows + (t - t0)) * d, *xv = st->ex[1] + ((size_t)h * rows + (t - t0)) * d;
+            if (t < len) {
+                const size_t slot = (size_t)h * st->cap + (size_t)(t % st->cap);
+                K->f16_to_f32(d, L->wk + slot * d, xk);
+                K->f16_to_f32(d, L->wv + slot * d, xv);
+                continue;
+            }
+            K->f32_to_f16(d, k + (size_t)(t - len) * row + (size_t)h * d, st->h16);
+            K->f16_to_f32(d, st->h16, xk);
+            K->f32_to_f16(d, v + (size_t)(t - len) * row + (size_t)h * d, st->h16);
+            K->f16_to_f32(d, st->h16, xv);
+        }
+    for (int i = 0; i < n; i++) st->bound[i] = vq_query_bound(st, i);
+    st->ex_layer = layer, st->ex_t0 = t0, st->ex_n = rows;
+    return KVPQ_OK;
+}
+
+/* kvpq__load_fn of the staged exact rows; positions before ex_t0 (which no query reads exact) as 0. */
+static void vq_exact_load(const void *state, int layer, int kvh, int t0, int n, float *kbuf, float *vbuf,
+                          const float **k, const float **v) {
+    const vq_state *st = state;
+    (void)layer;
+    const int d = st->head_dim, skip = st->ex_t0 > t0 ? st->ex_t0 - t0 : 0;
+    const float *xk = st->ex[0] + ((size_t)kvh * st->ex_n + (size_t)(t0 + skip - st->ex_t0)) * d;
+    const float *xv = st->ex[1] + ((size_t)kvh * st->ex_n + (size_t)(t0 + skip - st->ex_t0)) * d;
+    if (!skip) {
+        *k = xk, *v = xv;
+        return;
+    }
+    memset(kbuf, 0, sizeof(float) * skip * d);
+    memset(vbuf, 0, sizeof(float) * skip * d);
+    memcpy(kbuf + (size_t)skip * d, xk, sizeof(float) * (n - skip) * d);
+    memcpy(vbuf + (size_t)skip * d, xv, sizeof(float) * (n - skip) * d);
+    *k = kbuf, *v = vbuf;
+}
+
+/* cache_impl.h attend_staged: the n_q queries of the positions just appended after vq_stage_exact,
+ * each with its own window state. One state for all: vq_attend. Else dense over decoded rows up to
+ * the last query's bound, each query reading from its own bound on the staged exact rows
+ * (kvpq__attend_cpu_split): the attention runs of one window state each would give, in one pass. */
+static kvpq_status vq_attend_staged(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse) {
+    vq_state *st = state;
+    const vq_layer *L = &st->layers[layer];
+    if (st->ex_layer != layer || st->ex_len + n_q != len)
+        return kvpq__err(KVPQ_ERR_INTERNAL, "VQ cache layer %d: attention of %d appended queries without their staging",
+                         layer, n_q);
+    st->ex_layer = -1;
+    if (st->bound[0] == st->bound[n_q - 1]) return vq_attend(st, layer, len, n_q, q, out, lse);
+    const int lo = vq_view_start(L, len - n_q), hi = L->n_coded;
+    if (lo < hi) KVPQ_TRY(vq_decode_range(st, L, layer, lo, hi, 1));
+    return kvpq__attend_cpu_split(&st->params, st, vq_dense_load, vq_exact_load, st->bound, layer, len, n_q, q, out,
+                                  lse);
+}
+
 static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse) {
     vq_state *st = state;
     const vq_layer *L = &st->layers[layer];
@@ -1235,7 +1337,7 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
 
 static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
     vq_state *st = state;
-    st->dec_layer = -1; /* decoded rows of positions that may go: the buffers too (working memory) */
+    st->dec_layer = st->ex_layer = -1; /* decoded rows of positions that may go: the buffers too (working memory) */
     for (int w = 0; w < 2; w++) {
         free(st->dec[w]);
         st->dec[w] = NULL;
@@ -1419,4 +1521,6 @@ const kvpq_cache_ops kvpq_cache_ops_vq = {
     .coded_of = vq_coded_of,
     .n_coded = vq_n_coded,
     .reserve = vq_reserve,
+    .stage_exact = vq_stage_exact,
+    .attend_staged = vq_attend_staged,
 };
