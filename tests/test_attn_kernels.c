@@ -85,6 +85,69 @@ Test(attn_kernels, qk_pv_scale_max_vs_ref) {
     }
 }
 
+/* Rows in lanes: qk_t and pv_t against the reference within the dot-product bound, softmax_t's
+ * weights, sums and rescaled outputs within the exp's, with masked scores (-inf), rows masked so far
+ * (m = -inf) and rows masked in the whole chunk; R at every multiple of 16 up to 64 and not. */
+Test(attn_kernels, rows_in_lanes_vs_ref) {
+    const kvpq_attn_kernels *ref = &kvpq__attn_ref;
+    static const int hds[] = {1, 5, 16, 64, 128};
+    static const int ns[] = {1, 3, 4, 17, 64};
+    static const int Rs[] = {16, 32, 48, 64, 8, 5};
+    uint64_t seed = 900;
+    const kvpq_attn_kernels *tab[3];
+    const int n_tab = tables(tab);
+    for (int ti = 0; ti < n_tab; ti++)
+        for (int a = 0; a < 5; a++)
+            for (int b = 0; b < 5; b++)
+                for (int c6 = 0; c6 < 6; c6++) {
+                    const kvpq_attn_kernels *kr = tab[ti];
+                    const int hd = hds[a], n = ns[b], R = Rs[c6], ld = 80;
+                    float *QT = rand_vec((size_t)hd * ld, seed++, 1.0f), *K = rand_vec((size_t)n * hd, seed++, 1.0f);
+                    float *S0 = calloc((size_t)n * ld, 4), *S1 = calloc((size_t)n * ld, 4);
+                    ref->qk_t(QT, ld, R, K, n, hd, S0, ld);
+                    kr->qk_t(QT, ld, R, K, n, hd, S1, ld);
+                    for (int t = 0; t < n; t++)
+                        for (int r = 0; r < R; r++) {
+                            double mag = 0;
+                            for (int c = 0; c < hd; c++) mag += fabs((double)QT[c * ld + r] * K[t * hd + c]);
+                            cr_assert(fabs(S0[t * ld + r] - S1[t * ld + r]) <= DOT_RTOL * mag + 1e-30,
+                                      "%s qk_t hd %d n %d R %d", kr->name, hd, n, R);
+                        }
+                    memcpy(S1, S0, (size_t)n * ld * sizeof *S1); /* the same scores into both softmaxes */
+                    /* masks: row 1 masked so far and in the whole chunk, row 2 from t = 1 on; row 0 masked so far */
+                    for (int t = 0; t < n; t++) {
+                        S0[t * ld + 1] = S1[t * ld + 1] = -INFINITY;
+                        if (t >= 1) S0[t * ld + 2] = S1[t * ld + 2] = -INFINITY;
+                    }
+                    float m0[80], m1[80], d0[80], d1[80];
+                    for (int r = 0; r < R; r++) {
+                        m0[r] = m1[r] = r <= 1 ? -INFINITY : 0.5f * (float)(r % 7) - 1.0f;
+                        d0[r] = d1[r] = r <= 1 ? 0.0f : 1.0f + 0.1f * (float)r;
+                    }
+                    float *O0 = rand_vec((size_t)hd * ld, seed, 1.0f), *O1 = rand_vec((size_t)hd * ld, seed++, 1.0f);
+                    for (int c = 0; c < hd; c++) /* rows masked so far hold 0 */
+                        O0[c * ld] = O1[c * ld] = O0[c * ld + 1] = O1[c * ld + 1] = 0.0f;
+                    ref->softmax_t(S0, ld, n, R, m0, d0, O0, ld, hd);
+                    kr->softmax_t(S1, ld, n, R, m1, d1, O1, ld, hd);
+                    for (int r = 0; r < R; r++) {
+                        cr_assert(m0[r] == m1[r] || (isinf(m0[r]) && isinf(m1[r])), "%s softmax_t m", kr->name);
+                        cr_assert(fabs(d0[r] - d1[r]) <= EXP_RTOL * 4 * (n + d0[r]), "%s softmax_t d row %d: %g vs %g",
+                                  kr->name, r, (double)d1[r], (double)d0[r]);
+                        for (int t = 0; t < n; t++)
+                            cr_assert(fabs(S0[t * ld + r] - S1[t * ld + r]) <= EXP_RTOL * 4, "%s softmax_t weight", kr->name);
+                    }
+                    cr_assert(m1[1] == -INFINITY && d1[1] == 0.0f, "%s: a row masked everywhere stays empty", kr->name);
+                    cr_assert(max_rel(O1, O0, (size_t)hd * ld) < EXP_RTOL * 8, "%s softmax_t rescale", kr->name);
+                    /* pv_t on the weights */
+                    float *V = rand_vec((size_t)n * hd, seed++, 1.0f);
+                    ref->pv_t(S0, ld, R, V, n, hd, O0, ld);
+                    kr->pv_t(S0, ld, R, V, n, hd, O1, ld);
+                    cr_assert(max_rel(O1, O0, (size_t)hd * ld) < DOT_RTOL * 8, "%s pv_t hd %d n %d R %d", kr->name, hd,
+                              n, R);
+                    free(QT), free(K), free(S0), free(S1), free(O0), free(O1), free(V);
+                }
+}
+
 Test(attn_kernels, exp_sum_vs_ref) {
     const kvpq_attn_kernels *tab[3];
     const int n_tab = tables(tab);

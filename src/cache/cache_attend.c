@@ -93,32 +93,188 @@ typedef struct {
     int align;
 } attn_src;
 
-/* Rows [0, nx) of a chunk [t0, t0 + n) whose bounds fall inside or before it: the scores S2 from the
- * exact rows replace S from each row's bound on. */
-static void split_scores(float *S, const float *S2, int nx, const int *bnd, int t0, int n) {
-    for (int rr = 0; rr < nx; rr++) {
-        const int a = bnd[rr] > t0 ? bnd[rr] - t0 : 0;
-        memcpy(S + (size_t)rr * CH + a, S2 + (size_t)rr * CH + a, (size_t)(n - a) * sizeof *S);
+/* One task of attend_any: a block of nr query rows of KV head kvh over positions [ts, te) (its
+ * split). Row rr sees positions [lo[rr], lim[rr]), those from bnd[rr] on through src->exact
+ * (bounds rise with the rows). The softmax state (m, d) and output end in the task's partial. */
+typedef struct {
+    const void *state;
+    const attn_src *src;
+    const kvpq_attn_kernels *kr;
+    int layer, kvh, hd, nr, ts, te;
+    int lim[RB], lo[RB], bnd[RB];
+    float *m, *d;
+} attn_task;
+
+/* Per-thread workspace: Q and O (RB, head_dim) in either layout, S (RB, CH), kbuf and vbuf (CH,
+ * head_dim), m and d (RB); with an exact source S2, kbuf2, vbuf2 again. */
+typedef struct {
+    float *Q, *O, *S, *kbuf, *vbuf, *m, *d, *S2, *kbuf2, *vbuf2;
+} attn_ws;
+
+static size_t ws_floats(int hd, int exact) {
+    const size_t one = (size_t)RB * CH + (size_t)2 * CH * hd;
+    return (size_t)RB * hd * 2 + one * (exact ? 2 : 1) + 2 * RB;
+}
+
+static attn_ws ws_carve(float *ws, int hd) {
+    attn_ws w;
+    w.Q = ws, w.O = w.Q + (size_t)RB * hd, w.S = w.O + (size_t)RB * hd, w.kbuf = w.S + (size_t)RB * CH;
+    w.vbuf = w.kbuf + (size_t)CH * hd, w.m = w.vbuf + (size_t)CH * hd, w.d = w.m + RB;
+    w.S2 = w.d + RB, w.kbuf2 = w.S2 + (size_t)RB * CH, w.vbuf2 = w.kbuf2 + (size_t)CH * hd;
+    return w;
+}
+
+/* Length of the chunk at t0: at most CH, never crossing a multiple of align or te. */
+static int chunk_len(const attn_task *a, int t0) {
+    int n = a->te - t0 < CH ? a->te - t0 : CH;
+    const int to_edge = a->src->align - t0 % a->src->align;
+    return n > to_edge ? to_edge : n;
+}
+
+/* K and V of the chunk as float rows: the kind's, or its halves converted into kbuf / vbuf. */
+static void chunk_load(const attn_task *a, int t0, int n, float *kbuf, float *vbuf, const float **K, const float **V) {
+    if (!a->src->load16) {
+        a->src->load(a->state, a->layer, a->kvh, t0, n, kbuf, vbuf, K, V);
+        return;
+    }
+    const uint16_t *K16, *V16;
+    a->src->load16(a->state, a->layer, a->kvh, t0, n, &K16, &V16);
+    a->kr->f16_to_f32(K16, kbuf, (size_t)n * a->hd);
+    a->kr->f16_to_f32(V16, vbuf, (size_t)n * a->hd);
+    *K = kbuf, *V = vbuf;
+}
+
+/* Rows [0, nx) that read part of the chunk [t0, t0 + n) through the exact source. */
+static int exact_rows(const attn_task *a, int t0, int n) {
+    int nx = 0;
+    while (nx < a->nr && a->bnd[nx] < t0 + n) nx++;
+    return nx;
+}
+
+/* First position of the chunk that row rr reads through exact. */
+static int exact_from(const attn_task *a, int rr, int t0) { return a->bnd[rr] > t0 ? a->bnd[rr] - t0 : 0; }
+
+/* ---- rows in rows (few rows: decoding) ---- */
+
+/* The chunk's online-softmax step of row-major S (rows, CH): window-masked positions weigh 0. */
+static void rows_softmax(const attn_task *a, float *S, float *O, int t0, int n) {
+    const kvpq_attn_kernels *kr = a->kr;
+    for (int rr = 0; rr < a->nr; rr++) {
+        float *srow = S + (size_t)rr * CH;
+        int nv = a->lim[rr] - t0 < n ? a->lim[rr] - t0 : n;
+        const int lo = a->lo[rr] > t0 ? a->lo[rr] - t0 : 0; /* positions before the row's window */
+        if (nv <= lo) {
+            memset(srow, 0, (size_t)n * sizeof *srow);
+            continue;
+        }
+        const float mx = kr->max(srow + lo, nv - lo);
+        if (mx > a->m[rr]) {
+            const float sc = expf(a->m[rr] - mx);
+            a->d[rr] *= sc;
+            kr->scale(O + (size_t)rr * a->hd, a->hd, sc);
+            a->m[rr] = mx;
+        }
+        a->d[rr] += kr->exp_sum(srow + lo, nv - lo, a->m[rr]);
+        memset(srow, 0, (size_t)lo * sizeof *srow);
+        if (nv < n) memset(srow + nv, 0, (size_t)(n - nv) * sizeof *srow);
     }
 }
 
-/* The weights of those rows split by source: before the bound stay in P (the rows of load), from
- * it on move to P2 (the rows of exact), zeros elsewhere. */
-static void split_weights(float *P, float *P2, int nx, const int *bnd, int t0, int n) {
-    for (int rr = 0; rr < nx; rr++) {
-        const int a = bnd[rr] > t0 ? bnd[rr] - t0 : 0;
-        float *p = P + (size_t)rr * CH, *p2 = P2 + (size_t)rr * CH;
-        memset(p2, 0, (size_t)a * sizeof *p2);
-        memcpy(p2 + a, p + a, (size_t)(n - a) * sizeof *p2);
-        memset(p + a, 0, (size_t)(n - a) * sizeof *p);
+static void task_rows(const attn_task *a, const attn_ws *w) {
+    const kvpq_attn_kernels *kr = a->kr;
+    const int hd = a->hd, nr = a->nr;
+    for (int t0 = a->ts; t0 < a->te;) {
+        const int n = chunk_len(a, t0);
+        const float *K = NULL, *V = NULL, *KE = NULL, *VE = NULL;
+        const uint16_t *K16 = NULL, *V16 = NULL;
+        if (a->src->load16 && nr <= KVPQ_ATTN_F16_ROWS) { /* few rows: halves converted in registers */
+            a->src->load16(a->state, a->layer, a->kvh, t0, n, &K16, &V16);
+            kr->qk_f16(w->Q, nr, K16, n, hd, w->S, CH);
+        } else {
+            chunk_load(a, t0, n, w->kbuf, w->vbuf, &K, &V);
+            kr->qk(w->Q, nr, K, n, hd, w->S, CH);
+        }
+        const int nx = exact_rows(a, t0, n);
+        if (nx) { /* those rows' scores from the exact rows, from each row's bound on */
+            a->src->exact(a->state, a->layer, a->kvh, t0, n, w->kbuf2, w->vbuf2, &KE, &VE);
+            kr->qk(w->Q, nx, KE, n, hd, w->S2, CH);
+            for (int rr = 0; rr < nx; rr++) {
+                const int e = exact_from(a, rr, t0);
+                memcpy(w->S + (size_t)rr * CH + e, w->S2 + (size_t)rr * CH + e, (size_t)(n - e) * sizeof(float));
+            }
+        }
+        rows_softmax(a, w->S, w->O, t0, n);
+        if (nx) { /* their weights split by source: from the bound on into S2 */
+            for (int rr = 0; rr < nx; rr++) {
+                const int e = exact_from(a, rr, t0);
+                float *p = w->S + (size_t)rr * CH, *p2 = w->S2 + (size_t)rr * CH;
+                memset(p2, 0, (size_t)e * sizeof *p2);
+                memcpy(p2 + e, p + e, (size_t)(n - e) * sizeof *p2);
+                memset(p + e, 0, (size_t)(n - e) * sizeof *p);
+            }
+            kr->pv(w->S2, nx, CH, VE, n, hd, w->O);
+        }
+        if (V16)
+            kr->pv_f16(w->S, nr, CH, V16, n, hd, w->O);
+        else
+            kr->pv(w->S, nr, CH, V, n, hd, w->O);
+        t0 += n;
     }
 }
+
+/* ---- rows in lanes (many rows: prefill) ---- */
+
+/* Rows padded to whole vectors of the widest level (their scores all masked). */
+static int lanes_rows(int nr) { return (nr + 15) / 16 * 16; }
+
+/* Scores ST (CH, RB) of positions a row does not see set to -inf (softmax_t weighs them 0). */
+static void lanes_mask(const attn_task *a, float *ST, int t0, int n) {
+    const int R = lanes_rows(a->nr);
+    for (int rr = 0; rr < R; rr++) {
+        const int lo = rr < a->nr ? a->lo[rr] - t0 : n, lim = rr < a->nr ? a->lim[rr] - t0 : 0;
+        if (lo <= 0 && lim >= n) continue;
+        for (int t = 0; t < n; t++)
+            if (t < lo || t >= lim) ST[(size_t)t * RB + rr] = -INFINITY;
+    }
+}
+
+static void task_lanes(const attn_task *a, const attn_ws *w) {
+    const kvpq_attn_kernels *kr = a->kr;
+    const int hd = a->hd, R = lanes_rows(a->nr);
+    for (int t0 = a->ts; t0 < a->te;) {
+        const int n = chunk_len(a, t0);
+        const float *K, *V, *KE = NULL, *VE = NULL;
+        chunk_load(a, t0, n, w->kbuf, w->vbuf, &K, &V);
+        kr->qk_t(w->Q, RB, R, K, n, hd, w->S, RB);
+        const int nx = exact_rows(a, t0, n), RX = lanes_rows(nx);
+        if (nx) { /* those rows' scores from the exact rows, from each row's bound on */
+            a->src->exact(a->state, a->layer, a->kvh, t0, n, w->kbuf2, w->vbuf2, &KE, &VE);
+            kr->qk_t(w->Q, RB, RX, KE, n, hd, w->S2, RB);
+            for (int rr = 0; rr < nx; rr++)
+                for (int t = exact_from(a, rr, t0); t < n; t++) w->S[(size_t)t * RB + rr] = w->S2[(size_t)t * RB + rr];
+        }
+        lanes_mask(a, w->S, t0, n);
+        kr->softmax_t(w->S, RB, n, R, w->m, w->d, w->O, RB, hd);
+        if (nx) { /* their weights split by source: from the bound on into S2, the rest of S2 zero */
+            for (int t = 0; t < n; t++)
+                for (int rr = 0; rr < RX; rr++) {
+                    float *p = w->S + (size_t)t * RB + rr, *p2 = w->S2 + (size_t)t * RB + rr;
+                    const int from_exact = rr < nx && t >= exact_from(a, rr, t0);
+                    *p2 = from_exact ? *p : 0.0f;
+                    if (from_exact) *p = 0.0f;
+                }
+            kr->pv_t(w->S2, RB, RX, VE, n, hd, w->O, RB);
+        }
+        kr->pv_t(w->S, RB, R, V, n, hd, w->O, RB);
+        t0 += n;
+    }
+}
+
+/* Blocks of at least this many rows run with the rows in lanes (prefill), fewer row by row. */
+#define LANES_MIN_ROWS 16
 
 static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, const attn_src *src, int layer, int len,
                               int n_q, const float *q, float *out, float *lse) {
-    const kvpq__load_fn load = src->load;
-    const kvpq__load16_fn load16 = src->load16;
-    const int align = src->align;
     const int hd = p->head_dim, hkv = p->n_head_kv, g = p->n_head / p->n_head_kv;
     const int rows = n_q * g; /* query rows of one KV head: row r = (query r / g, head kvh*g + r % g) */
     const int nb = (rows + RB - 1) / RB;
@@ -152,15 +308,14 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, con
     if (!part) return kvpq__err(KVPQ_ERR_NOMEM, "cache attend: out of memory for %zu partial states", n_part);
     float *part_m = part, *part_d = part + n_part, *part_o = part + 2 * n_part; /* (n_split, hkv, rows[, hd]) */
 
-    const size_t ws_one = (size_t)RB * CH + (size_t)2 * CH * hd; /* S, kbuf, vbuf; twice with exact */
-    const size_t ws_floats = (size_t)RB * hd * 2 + ws_one * (src->exact ? 2 : 1) + 2 * RB;
+    const size_t wsf = ws_floats(hd, src->exact != NULL);
     const int n_tasks = hkv * nb * n_split;
     int nomem = 0;
     if (T > n_tasks) T = n_tasks;
 
 #pragma omp parallel num_threads(T)
     {
-        float *ws = aligned_alloc(64, (ws_floats * sizeof(float) + 63) / 64 * 64);
+        float *ws = aligned_alloc(64, (wsf * sizeof(float) + 63) / 64 * 64);
         if (!ws) {
 #pragma omp atomic write
             nomem = 1;
@@ -169,97 +324,33 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, con
         for (int task = 0; task < n_tasks; task++) {
             if (!ws) continue;
             const int s = task % n_split, b = (task / n_split) % nb, kvh = task / n_split / nb;
-            float *Q = ws, *O = Q + (size_t)RB * hd, *S = O + (size_t)RB * hd, *kbuf = S + (size_t)RB * CH;
-            float *vbuf = kbuf + (size_t)CH * hd, *m = vbuf + (size_t)CH * hd, *d = m + RB;
-            float *S2 = d + RB, *kbuf2 = S2 + (size_t)RB * CH, *vbuf2 = kbuf2 + (size_t)CH * hd; /* with exact */
-            int lim[RB], lo[RB], bnd[RB]; /* row rr sees positions [lo, lim), from bnd on through exact */
-            const int r0 = b * RB, nr = rows - r0 < RB ? rows - r0 : RB;
+            const attn_ws w = ws_carve(ws, hd);
+            const int r0 = b * RB, nr = rows - r0 < RB ? rows - r0 : RB, lanes = nr >= LANES_MIN_ROWS;
+            attn_task a = {.state = state, .src = src, .kr = kr, .layer = layer, .kvh = kvh, .hd = hd, .nr = nr,
+                           .m = w.m, .d = w.d};
+            if (lanes) memset(w.Q, 0, (size_t)RB * hd * sizeof(float)); /* padded rows score 0, then masked */
+            for (int rr = 0; rr < RB; rr++) a.m[rr] = -INFINITY, a.d[rr] = 0.0f;
             for (int rr = 0; rr < nr; rr++) {
                 int i = (r0 + rr) / g, head = kvh * g + (r0 + rr) % g;
                 const float *qi = q + ((size_t)i * p->n_head + head) * hd;
-                for (int c = 0; c < hd; c++) Q[(size_t)rr * hd + c] = qi[c] * qscale;
-                lim[rr] = len - n_q + i + 1;
-                lo[rr] = W > 0 && lim[rr] - W > 0 ? lim[rr] - W : 0;
-                bnd[rr] = src->exact ? src->bound[i] : len;
-                m[rr] = -INFINITY;
-                d[rr] = 0.0f;
+                for (int c = 0; c < hd; c++) w.Q[lanes ? (size_t)c * RB + rr : (size_t)rr * hd + c] = qi[c] * qscale;
+                a.lim[rr] = len - n_q + i + 1;
+                a.lo[rr] = W > 0 && a.lim[rr] - W > 0 ? a.lim[rr] - W : 0;
+                a.bnd[rr] = src->exact ? src->bound[i] : len;
             }
-            memset(O, 0, (size_t)nr * hd * sizeof *O);
+            memset(w.O, 0, (size_t)RB * hd * sizeof(float));
             /* This split's token range of [lo[0], lim[nr-1]), in whole chunks. */
-            const int tbeg = lo[0], tend = lim[nr - 1];
+            const int tbeg = a.lo[0], tend = a.lim[nr - 1];
             int per = (tend - tbeg + n_split - 1) / n_split;
             per = (per + CH - 1) / CH * CH;
-            int ts = tbeg + s * per, te = ts + per < tend ? ts + per : tend;
-            for (int t0 = ts; t0 < te;) {
-                int n = te - t0 < CH ? te - t0 : CH;
-                int to_edge = align - t0 % align;
-                if (n > to_edge) n = to_edge;
-                const float *K = NULL, *V = NULL;
-                const uint16_t *K16 = NULL, *V16 = NULL;
-                if (load16) {
-                    load16(state, layer, kvh, t0, n, &K16, &V16);
-                    if (nr <= KVPQ_ATTN_F16_ROWS) {
-                        kr->qk_f16(Q, nr, K16, n, hd, S, CH);
-                    } else { /* many rows: convert once, then the fp32 kernels */
-                        kr->f16_to_f32(K16, kbuf, (size_t)n * hd);
-                        kr->f16_to_f32(V16, vbuf, (size_t)n * hd);
-                        K = kbuf, V = vbuf, K16 = V16 = NULL;
-                        kr->qk(Q, nr, K, n, hd, S, CH);
-                    }
-                } else {
-                    load(state, layer, kvh, t0, n, kbuf, vbuf, &K, &V);
-                    kr->qk(Q, nr, K, n, hd, S, CH);
-                }
-                int nx = 0; /* rows [0, nx) read part of this chunk through exact (bounds rise with rows) */
-                while (nx < nr && bnd[nx] < t0 + n) nx++;
-                const float *KE = NULL, *VE = NULL;
-                if (nx) {
-                    src->exact(state, layer, kvh, t0, n, kbuf2, vbuf2, &KE, &VE);
-                    kr->qk(Q, nx, KE, n, hd, S2, CH);
-                    split_scores(S, S2, nx, bnd, t0, n);
-                }
-                for (int rr = 0; rr < nr; rr++) {
-                    float *srow = S + (size_t)rr * CH;
-                    int nv = lim[rr] - t0 < n ? lim[rr] - t0 : n;
-                    int a = lo[rr] > t0 ? lo[rr] - t0 : 0; /* positions before the row's window */
-                    if (nv <= a) {
-                        memset(srow, 0, (size_t)n * sizeof *srow);
-                        continue;
-                    }
-                    if (a > 0) { /* scores of the window only... */
-                        srow += a;
-                        nv -= a;
-                    }
-                    float mx = kr->max(srow, nv);
-                    if (mx > m[rr]) {
-                        float sc = expf(m[rr] - mx);
-                        d[rr] *= sc;
-                        kr->scale(O + (size_t)rr * hd, hd, sc);
-                        m[rr] = mx;
-                    }
-                    d[rr] += kr->exp_sum(srow, nv, m[rr]);
-                    if (a > 0) { /* ...and the positions before it weigh nothing */
-                        srow -= a;
-                        nv += a;
-                        memset(srow, 0, (size_t)a * sizeof *srow);
-                    }
-                    if (nv < n) memset(srow + nv, 0, (size_t)(n - nv) * sizeof *srow);
-                }
-                if (nx) {
-                    split_weights(S, S2, nx, bnd, t0, n);
-                    kr->pv(S2, nx, CH, VE, n, hd, O);
-                }
-                if (V16)
-                    kr->pv_f16(S, nr, CH, V16, n, hd, O);
-                else
-                    kr->pv(S, nr, CH, V, n, hd, O);
-                t0 += n;
-            }
+            a.ts = tbeg + s * per, a.te = a.ts + per < tend ? a.ts + per : tend;
+            if (lanes) task_lanes(&a, &w);
+            else task_rows(&a, &w);
             for (int rr = 0; rr < nr; rr++) {
                 size_t idx = ((size_t)s * hkv + kvh) * rows + r0 + rr;
-                part_m[idx] = m[rr];
-                part_d[idx] = d[rr];
-                memcpy(part_o + idx * hd, O + (size_t)rr * hd, (size_t)hd * sizeof(float));
+                part_m[idx] = a.m[rr];
+                part_d[idx] = a.d[rr];
+                for (int c = 0; c < hd; c++) part_o[idx * hd + c] = w.O[lanes ? (size_t)c * RB + rr : (size_t)rr * hd + c];
             }
         }
         free(ws);

@@ -2,6 +2,7 @@
  * simd.h and compiled per ISA by attn_avx2.c and attn_avx512.c. attn_ref.c is the specification.
  * Every kernel takes any size: vector loops, then a masked tail (vf_load_n / vf_store_n) or the
  * scalar reference where a shape does not fit the width. */
+#include <float.h>
 #include <math.h>
 
 #include "core/ggml_common.h"
@@ -106,6 +107,106 @@ static void pv_f16(const float *P, int R, int ldp, const uint16_t *V, int n, int
 #undef PV_TAIL
 }
 
+/* Rows in lanes (attn_kernels.h qk_t, pv_t, softmax_t). Tiles of 4 keys (qk_t) or 4 value columns
+ * (pv_t) by RV vectors of rows held in registers: per step RV loads and 4 broadcasts feed 4 RV
+ * FMAs, and no sum crosses lanes. RV = 4 with 32 registers, 2 with 16. R % W != 0: the reference. */
+#define RV (W >= 16 ? 4 : 2)
+
+KVPQ_INLINE void qk_t_tile(const float *QT, int ldq, const float *K, int nk, int hd, float *ST, int lds, int rv) {
+    kvpq_vf acc[4][4];
+    for (int i = 0; i < nk; i++)
+        for (int v = 0; v < rv; v++) acc[i][v] = vf_zero();
+    for (int c = 0; c < hd; c++) {
+        kvpq_vf q[4];
+        for (int v = 0; v < rv; v++) q[v] = vf_load(QT + (size_t)c * ldq + v * W);
+        for (int i = 0; i < nk; i++) {
+            const kvpq_vf k = vf_set1(K[(size_t)i * hd + c]);
+            for (int v = 0; v < rv; v++) acc[i][v] = vf_fma(k, q[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < nk; i++)
+        for (int v = 0; v < rv; v++) vf_store(ST + (size_t)i * lds + v * W, acc[i][v]);
+}
+
+static void qk_t(const float *QT, int ldq, int R, const float *K, int n, int hd, float *ST, int lds) {
+    if (R % W) {
+        kvpq__attn_ref.qk_t(QT, ldq, R, K, n, hd, ST, lds);
+        return;
+    }
+    for (int r = 0; r < R;) {
+        const int rv = R - r >= RV * W ? RV : 1;
+        int t = 0;
+        for (; t + 4 <= n; t += 4)
+            if (rv == RV) qk_t_tile(QT + r, ldq, K + (size_t)t * hd, 4, hd, ST + (size_t)t * lds + r, lds, RV);
+            else qk_t_tile(QT + r, ldq, K + (size_t)t * hd, 4, hd, ST + (size_t)t * lds + r, lds, 1);
+        for (; t < n; t++)
+            if (rv == RV) qk_t_tile(QT + r, ldq, K + (size_t)t * hd, 1, hd, ST + (size_t)t * lds + r, lds, RV);
+            else qk_t_tile(QT + r, ldq, K + (size_t)t * hd, 1, hd, ST + (size_t)t * lds + r, lds, 1);
+        r += rv * W;
+    }
+}
+
+KVPQ_INLINE void pv_t_tile(const float *PT, int ldp, const float *V, int n, int hd, int nc, float *OT, int ldo, int rv) {
+    kvpq_vf acc[4][4];
+    for (int i = 0; i < nc; i++)
+        for (int v = 0; v < rv; v++) acc[i][v] = vf_load(OT + (size_t)i * ldo + v * W);
+    for (int t = 0; t < n; t++) {
+        kvpq_vf p[4];
+        for (int v = 0; v < rv; v++) p[v] = vf_load(PT + (size_t)t * ldp + v * W);
+        for (int i = 0; i < nc; i++) {
+            const kvpq_vf x = vf_set1(V[(size_t)t * hd + i]);
+            for (int v = 0; v < rv; v++) acc[i][v] = vf_fma(x, p[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < nc; i++)
+        for (int v = 0; v < rv; v++) vf_store(OT + (size_t)i * ldo + v * W, acc[i][v]);
+}
+
+static void pv_t(const float *PT, int ldp, int R, const float *V, int n, int hd, float *OT, int ldo) {
+    if (R % W) {
+        kvpq__attn_ref.pv_t(PT, ldp, R, V, n, hd, OT, ldo);
+        return;
+    }
+    for (int r = 0; r < R;) {
+        const int rv = R - r >= RV * W ? RV : 1;
+        int c = 0;
+        for (; c + 4 <= hd; c += 4)
+            if (rv == RV) pv_t_tile(PT + r, ldp, V + c, n, hd, 4, OT + (size_t)c * ldo + r, ldo, RV);
+            else pv_t_tile(PT + r, ldp, V + c, n, hd, 4, OT + (size_t)c * ldo + r, ldo, 1);
+        for (; c < hd; c++)
+            if (rv == RV) pv_t_tile(PT + r, ldp, V + c, n, hd, 1, OT + (size_t)c * ldo + r, ldo, RV);
+            else pv_t_tile(PT + r, ldp, V + c, n, hd, 1, OT + (size_t)c * ldo + r, ldo, 1);
+        r += rv * W;
+    }
+}
+
+static void softmax_t(float *ST, int lds, int n, int R, float *m, float *d, float *OT, int ldo, int hd) {
+    if (R % W) {
+        kvpq__attn_ref.softmax_t(ST, lds, n, R, m, d, OT, ldo, hd);
+        return;
+    }
+    const kvpq_vf lowest = vf_set1(-FLT_MAX);
+    for (int r = 0; r < R; r += W) {
+        const kvpq_vf mo = vf_load(m + r);
+        kvpq_vf mx = mo;
+        for (int t = 0; t < n; t++) mx = vf_max(mx, vf_load(ST + (size_t)t * lds + r));
+        /* rows masked so far everywhere: exponents against 0, the weights blended to 0 */
+        const kvpq_vf ms = vf_blend(mx, vf_zero(), vf_lt(mx, lowest));
+        const kvpq_vf e = vf_blend(vf_exp(vf_sub(mo, ms)), vf_zero(), vf_lt(mo, lowest));
+        kvpq_vf sum = vf_zero();
+        for (int t = 0; t < n; t++) {
+            float *x = ST + (size_t)t * lds + r;
+            const kvpq_vf s = vf_load(x), w = vf_blend(vf_exp(vf_sub(s, ms)), vf_zero(), vf_lt(s, lowest));
+            vf_store(x, w);
+            sum = vf_add(sum, w);
+        }
+        vf_store(d + r, vf_fma(vf_load(d + r), e, sum));
+        vf_store(m + r, mx);
+        for (int c = 0; c < hd; c++) vf_store(OT + (size_t)c * ldo + r, vf_mul(vf_load(OT + (size_t)c * ldo + r), e));
+    }
+}
+#undef RV
+
 static float max_(const float *x, int n) {
     kvpq_vf vm = vf_set1(x[0]);
     int i = 0;
@@ -197,6 +298,9 @@ const kvpq_attn_kernels KVPQ_ISA_FN(kvpq__attn) = {
     .pv = pv,
     .qk_f16 = qk_f16,
     .pv_f16 = pv_f16,
+    .qk_t = qk_t,
+    .pv_t = pv_t,
+    .softmax_t = softmax_t,
     .max = max_,
     .exp_sum = exp_sum,
     .scale = scale,

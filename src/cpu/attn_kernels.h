@@ -21,6 +21,17 @@ typedef struct {
     /* qk and pv with K, V as IEEE halves (n, hd), converted in registers. */
     void (*qk_f16)(const float *Q, int R, const uint16_t *K, int n, int hd, float *S, int lds);
     void (*pv_f16)(const float *P, int R, int ldp, const uint16_t *V, int n, int hd, float *O);
+    /* Rows in lanes (blocks of many query rows, prefill): the same products with the rows as the
+     * fast index, so that a vector holds one score of W rows and no sum runs across lanes.
+     * ST[t*lds + r] = sum_c K[t*hd + c] QT[c*ldq + r] for r < R, t < n.  QT: (hd, ldq), K: (n, hd). */
+    void (*qk_t)(const float *QT, int ldq, int R, const float *K, int n, int hd, float *ST, int lds);
+    /* OT[c*ldo + r] += sum_t V[t*hd + c] PT[t*ldp + r] for r < R, c < hd.  PT: (n, ldp), V: (n, hd). */
+    void (*pv_t)(const float *PT, int ldp, int R, const float *V, int n, int hd, float *OT, int ldo);
+    /* One chunk's online-softmax step of rows in lanes, over ST[t*lds + r] for t < n, r < R (-inf:
+     * masked): m' = max(m[r], max_t ST), ST = exp(ST - m') (0 where masked), d[r] = d[r] e + sum_t ST
+     * and OT[c*ldo + r] *= e for c < hd with e = exp(m[r] - m'), then m[r] = m'. A row masked so far
+     * everywhere keeps m = -inf, d = 0 (FlashAttention-2's update, Dao 2023, alg. 1). */
+    void (*softmax_t)(float *ST, int lds, int n, int R, float *m, float *d, float *OT, int ldo, int hd);
     /* max of x[0..n), n >= 1. */
     float (*max)(const float *x, int n);
     /* x[i] = exp(x[i] - m) in place; returns the sum. SIMD levels use a polynomial exp accurate to

@@ -46,6 +46,38 @@ static void pv_f16_ref(const float *P, int R, int ldp, const uint16_t *V, int n,
     pv_rows(P, R, ldp, V, f16_at, n, hd, O);
 }
 
+static void qk_t_ref(const float *QT, int ldq, int R, const float *K, int n, int hd, float *ST, int lds) {
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < R; r++) {
+            float s = 0.0f;
+            for (int c = 0; c < hd; c++) s += K[(size_t)t * hd + c] * QT[(size_t)c * ldq + r];
+            ST[(size_t)t * lds + r] = s;
+        }
+}
+
+static void pv_t_ref(const float *PT, int ldp, int R, const float *V, int n, int hd, float *OT, int ldo) {
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < hd; c++)
+            for (int r = 0; r < R; r++) OT[(size_t)c * ldo + r] += V[(size_t)t * hd + c] * PT[(size_t)t * ldp + r];
+}
+
+static void softmax_t_ref(float *ST, int lds, int n, int R, float *m, float *d, float *OT, int ldo, int hd) {
+    for (int r = 0; r < R; r++) {
+        float mx = m[r];
+        for (int t = 0; t < n; t++) mx = ST[(size_t)t * lds + r] > mx ? ST[(size_t)t * lds + r] : mx;
+        const float ms = mx == -INFINITY ? 0.0f : mx, e = m[r] == -INFINITY ? 0.0f : expf(m[r] - ms);
+        float sum = 0.0f;
+        for (int t = 0; t < n; t++) {
+            float *x = &ST[(size_t)t * lds + r];
+            *x = *x == -INFINITY ? 0.0f : expf(*x - ms);
+            sum += *x;
+        }
+        d[r] = d[r] * e + sum;
+        for (int c = 0; c < hd; c++) OT[(size_t)c * ldo + r] *= e;
+        m[r] = mx;
+    }
+}
+
 static float max_ref(const float *x, int n) {
     float m = x[0];
     for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
@@ -108,6 +140,9 @@ const kvpq_attn_kernels kvpq__attn_ref = {
     .pv = pv_ref,
     .qk_f16 = qk_f16_ref,
     .pv_f16 = pv_f16_ref,
+    .qk_t = qk_t_ref,
+    .pv_t = pv_t_ref,
+    .softmax_t = softmax_t_ref,
     .max = max_ref,
     .exp_sum = exp_sum_ref,
     .scale = scale_ref,
