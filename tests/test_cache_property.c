@@ -90,6 +90,7 @@ static const kind KINDS[] = {
     {.name = "vq-ne:swa", .type = KVPQ_CACHE_VQ, .windowed = 1, .norm = 1, .swa = SWA},
     {.name = "q4_0:s5:swa", .type = KVPQ_CACHE_Q4_0, .windowed = 0, .norm = 0, .sinks = 5, .swa = 40},
     {.name = "kivi2:s3:swa", .type = KVPQ_CACHE_KIVI2, .windowed = 1, .norm = 0, .sinks = 3, .swa = SWA},
+    {.name = "vq-ne:s2:swa", .type = KVPQ_CACHE_VQ, .windowed = 1, .norm = 1, .sinks = 2, .swa = SWA},
 };
 #define N_KINDS (sizeof KINDS / sizeof KINDS[0])
 static int is_rot(const kind *k) { return k->type == KVPQ_CACHE_Q8_0R || k->type == KVPQ_CACHE_Q4_0R; }
@@ -156,7 +157,7 @@ static kvpq_cache *make_cache(const kind *k, const kvpq_codebook *cb, int window
     p.window = window;
     p.page_tokens = PAGE;
     p.codebook = cb;
-    p.n_threads = 1;
+    p.n_threads = with_variant ? 2 : 1; /* the variants also split attention over threads */
     p.backend = KVPQ_BACKEND_CPU;
     if (with_variant) {
         p.sinks = k->sinks;

@@ -443,12 +443,12 @@ static int same_window_run(const kvpq_cache *c, int layer, int n) {
 static kvpq_status fused_append_attend(kvpq_cache *c, int layer, int n, const float *k, const float *v,
                                        const float *q, float *out) {
     const int S = c->p.sinks, len = c->len[layer] + n;
-    KVPQ_TRY(c->ops->stage_exact(c->state, layer, len - n - S, n, k, v));
-    KVPQ_TRY(kvpq_cache_append(c, layer, n, k, v));
-    float *lse = NULL;
+    float *lse = NULL; /* before the append: running out of memory then leaves the layer as it was */
     if (S > 0 && !(lse = malloc((size_t)n * c->p.n_head * sizeof *lse)))
         return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory for %d queries", c->ops->name, n);
-    kvpq_status s = c->ops->attend_staged(c->state, layer, len - S, n, q, out, lse);
+    kvpq_status s = c->ops->stage_exact(c->state, layer, len - n - S, n, k, v);
+    if (s == KVPQ_OK) s = kvpq_cache_append(c, layer, n, k, v);
+    if (s == KVPQ_OK) s = c->ops->attend_staged(c->state, layer, len - S, n, q, out, lse);
     if (s == KVPQ_OK) {
         if (S > 0) merge_sinks(c, layer, len, n, q, out, lse);
         s = check_out(c, layer, len, n, q, out);
@@ -470,7 +470,8 @@ kvpq_status kvpq_cache_append_attend(kvpq_cache *c, int layer, int n, const floa
     const size_t kvw = (size_t)c->p.n_head_kv * c->p.head_dim, qw = (size_t)c->p.n_head * c->p.head_dim;
     for (int done = 0; done < n;) {
         const int run = same_window_run(c, layer, n - done);
-        if (run < n - done && c->ops->attend_staged && c->len[layer] >= c->p.sinks)
+        if (run < n - done && c->ops->stage_exact && c->ops->attend_staged && n - done >= c->ops->staged_min_n &&
+            c->len[layer] >= c->p.sinks)
             return fused_append_attend(c, layer, n - done, k + done * kvw, v + done * kvw, q + done * qw,
                                        out + done * qw);
         KVPQ_TRY(kvpq_cache_append(c, layer, run, k + done * kvw, v + done * kvw));

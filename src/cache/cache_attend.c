@@ -116,11 +116,12 @@ static size_t ws_floats(int hd, int exact) {
     return (size_t)RB * hd * 2 + one * (exact ? 2 : 1) + 2 * RB;
 }
 
-static attn_ws ws_carve(float *ws, int hd) {
+static attn_ws ws_carve(float *ws, int hd, int exact) {
     attn_ws w;
     w.Q = ws, w.O = w.Q + (size_t)RB * hd, w.S = w.O + (size_t)RB * hd, w.kbuf = w.S + (size_t)RB * CH;
     w.vbuf = w.kbuf + (size_t)CH * hd, w.m = w.vbuf + (size_t)CH * hd, w.d = w.m + RB;
-    w.S2 = w.d + RB, w.kbuf2 = w.S2 + (size_t)RB * CH, w.vbuf2 = w.kbuf2 + (size_t)CH * hd;
+    w.S2 = w.kbuf2 = w.vbuf2 = NULL;
+    if (exact) w.S2 = w.d + RB, w.kbuf2 = w.S2 + (size_t)RB * CH, w.vbuf2 = w.kbuf2 + (size_t)CH * hd;
     return w;
 }
 
@@ -324,7 +325,7 @@ static kvpq_status attend_any(const kvpq_cache_params *p, const void *state, con
         for (int task = 0; task < n_tasks; task++) {
             if (!ws) continue;
             const int s = task % n_split, b = (task / n_split) % nb, kvh = task / n_split / nb;
-            const attn_ws w = ws_carve(ws, hd);
+            const attn_ws w = ws_carve(ws, hd, src->exact != NULL);
             const int r0 = b * RB, nr = rows - r0 < RB ? rows - r0 : RB, lanes = nr >= LANES_MIN_ROWS;
             attn_task a = {.state = state, .src = src, .kr = kr, .layer = layer, .kvh = kvh, .hd = hd, .nr = nr,
                            .m = w.m, .d = w.d};

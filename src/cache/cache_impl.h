@@ -75,9 +75,11 @@ typedef struct kvpq_cache_ops {
      * positions it codes); it changes nothing held. attend_staged(len, n_q, ...) after that append
      * (len now includes it, n_q = n): query i sees the positions that appending up to its own would
      * have coded as codes and the rest exact, as a run of its own would; lse as attend's. Both or
-     * neither; NULL: the runs. */
+     * neither; NULL: the runs. Used for batches of at least staged_min_n positions (smaller ones
+     * are cheaper in runs: the kind's per-query path). */
     kvpq_status (*stage_exact)(void *state, int layer, int len, int n, const float *k, const float *v);
     kvpq_status (*attend_staged)(void *state, int layer, int len, int n_q, const float *q, float *out, float *lse);
+    int staged_min_n;
 } kvpq_cache_ops;
 
 /* Positions a query of `layer` may see (its sliding window), or 0 for every earlier position. */

@@ -163,7 +163,7 @@ typedef struct {
      * positions, ex_nc coded, before the append; bound (ex_cap) the queries' first exact positions. */
     float *ex[2];
     int *bound;
-    size_t ex_cap;
+    size_t ex_cap, bound_cap; /* floats of each ex[w]; ints of bound */
     int ex_layer, ex_t0, ex_n, ex_len, ex_nc;
 } vq_state;
 
@@ -1190,6 +1190,19 @@ static int vq_query_bound(const vq_state *st, int i) {
     return t > st->ex_nc ? t : st->ex_nc;
 }
 
+/* Room for `floats` in each of st->ex[0..1] (64-byte aligned; what they held is not kept). */
+static kvpq_status vq_ex_reserve(vq_state *st, int layer, size_t floats) {
+    if (floats <= st->ex_cap) return KVPQ_OK;
+    for (int w = 0; w < 2; w++) {
+        free(st->ex[w]);
+        st->ex[w] = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    }
+    st->ex_cap = st->ex[0] && st->ex[1] ? floats : 0;
+    if (st->ex_cap) return KVPQ_OK;
+    for (int w = 0; w < 2; w++) free(st->ex[w]), st->ex[w] = NULL;
+    return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory for %zu staged exact floats", layer, floats);
+}
+
 /* cache_impl.h stage_exact: before n positions (k, v) are appended to a layer holding len, keep the
  * exact rows their queries will read and the append may code or overwrite in the ring: positions
  * [first query's bound, len + n), from the ring (t < len) or k, v rounded to fp16 as the ring
@@ -1201,21 +1214,8 @@ static kvpq_status vq_stage_exact(void *state, int layer, int len, int n, const 
     st->ex_layer = -1;
     st->ex_len = len, st->ex_nc = L->n_coded;
     const int t0 = vq_query_bound(st, 0), rows = len + n - t0;
-    const size_t need = (size_t)nkv * rows * d > (size_t)n ? (size_t)nkv * rows * d : (size_t)n;
-    if (need > st->ex_cap) {
-        for (int w = 0; w < 2; w++) free(st->ex[w]);
-        free(st->bound);
-        st->ex[0] = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
-        st->ex[1] = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
-        st->bound = malloc(need * sizeof(int));
-        st->ex_cap = need;
-        if (!st->ex[0] || !st->ex[1] || !st->bound) {
-            for (int w = 0; w < 2; w++) free(st->ex[w]), st->ex[w] = NULL;
-            free(st->bound), st->bound = NULL;
-            st->ex_cap = 0;
-            return kvpq__err(KVPQ_ERR_NOMEM, "VQ cache layer %d: out of memory for %d exact rows", layer, rows);
-        }
-    }
+    KVPQ_TRY(vq_ex_reserve(st, layer, (size_t)nkv * rows * d));
+    KVPQ_TRY(vq_grow((void **)&st->bound, &st->bound_cap, (size_t)n, sizeof(int)));
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
     const size_t row = (size_t)nkv * d;
     for (int t = t0; t < len + n; t++)
@@ -1340,9 +1340,11 @@ static kvpq_status vq_truncate(void *state, const int *lens, int n_pos) {
     st->dec_layer = st->ex_layer = -1; /* decoded rows of positions that may go: the buffers too (working memory) */
     for (int w = 0; w < 2; w++) {
         free(st->dec[w]);
-        st->dec[w] = NULL;
+        free(st->ex[w]);
+        st->dec[w] = st->ex[w] = NULL;
         st->dec_rows[w] = st->dec_n[w] = 0;
     }
+    st->ex_cap = 0;
     for (int l = 0; l < st->n_layer; l++) {
         vq_layer *L = &st->layers[l];
         if (n_pos >= lens[l]) { /* nothing cut: storage kvpq_cache_reserve took beyond the positions goes */
@@ -1523,4 +1525,5 @@ const kvpq_cache_ops kvpq_cache_ops_vq = {
     .reserve = vq_reserve,
     .stage_exact = vq_stage_exact,
     .attend_staged = vq_attend_staged,
+    .staged_min_n = VQ_DENSE_MIN_Q,
 };
