@@ -315,33 +315,10 @@ static const int *inner_lens(const kvpq_cache *c) {
     return c->ilen;
 }
 
-static void merge_sinks(const kvpq_cache *c, int layer, int len, int n_q, const float *q, float *out,
-                        const float *lse);
-
-/* Attention with sinks: the kind attends its positions (S..) for the queries at positions >= S and
- * returns each row's log-sum-exp; the sinks a query sees (positions [max(0, window start), min(S,
- * pos + 1))) are scored here in double, and the two parts are merged as two online-softmax states:
- * with (m_s, d_s, o_s) over the sinks and (lse, out) from the kind, M = max(m_s, lse),
- * out = (e^(m_s - M) o_s + e^(lse - M) out) / (e^(m_s - M) d_s + e^(lse - M)). */
-static kvpq_status attend_sinks(kvpq_cache *c, int layer, int len, int n_q, const float *q, float *out) {
-    const int S = c->p.sinks, nh = c->p.n_head;
-    const size_t qw = (size_t)nh * c->p.head_dim;
-    int n_in = len - S < n_q ? len - S : n_q; /* queries at positions >= S */
-    if (n_in < 0) n_in = 0;
-    float *lse = NULL;
-    if (n_in > 0) {
-        if (!(lse = malloc((size_t)n_in * nh * sizeof *lse)))
-            return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory for %d queries", c->ops->name, n_q);
-        kvpq_status s = c->ops->attend(c->state, layer, len - S, n_in, q + (size_t)(n_q - n_in) * qw,
-                                       out + (size_t)(n_q - n_in) * qw, lse);
-        if (s != KVPQ_OK) {
-            free(lse);
-            return s;
-        }
-    }
-    merge_sinks(c, layer, len, n_q, q, out, lse);
-    free(lse);
-    return KVPQ_OK;
+/* Queries of the last n_q (of len positions) that the kind attends: those past the sinks. */
+static int kind_queries(const kvpq_cache *c, int len, int n_q) {
+    const int n_in = len - c->p.sinks < n_q ? len - c->p.sinks : n_q;
+    return n_in > 0 ? n_in : 0;
 }
 
 /* The sinks' part of attention merged into out: the kind's rows (the last min(n_q, len - S)
@@ -350,8 +327,7 @@ static void merge_sinks(const kvpq_cache *c, int layer, int len, int n_q, const 
                         const float *lse) {
     const int S = c->p.sinks, hd = c->p.head_dim, nh = c->p.n_head, g = nh / c->p.n_head_kv;
     const size_t qw = (size_t)nh * hd, kvw = (size_t)c->p.n_head_kv * hd;
-    int n_in = len - S < n_q ? len - S : n_q;
-    if (n_in < 0) n_in = 0;
+    const int n_in = kind_queries(c, len, n_q);
     const int nt = c->p.n_threads > 0 ? c->p.n_threads : omp_get_max_threads();
     const double scale = 1.0 / sqrt((double)hd);
     const uint16_t *sk = c->sk + (size_t)layer * S * kvw, *sv = c->sv + (size_t)layer * S * kvw;
@@ -389,7 +365,41 @@ static void merge_sinks(const kvpq_cache *c, int layer, int len, int n_q, const 
     }
 }
 
-static kvpq_status check_out(const kvpq_cache *c, int layer, int len, int n_q, const float *q, const float *out);
+/* Attention with sinks: the kind attends its positions (S..) for the queries at positions >= S and
+ * returns each row's log-sum-exp; the sinks a query sees (positions [max(0, window start), min(S,
+ * pos + 1))) are scored here in double, and the two parts are merged as two online-softmax states:
+ * with (m_s, d_s, o_s) over the sinks and (lse, out) from the kind, M = max(m_s, lse),
+ * out = (e^(m_s - M) o_s + e^(lse - M) out) / (e^(m_s - M) d_s + e^(lse - M)). */
+static kvpq_status attend_sinks(kvpq_cache *c, int layer, int len, int n_q, const float *q, float *out) {
+    const int S = c->p.sinks, nh = c->p.n_head, n_in = kind_queries(c, len, n_q);
+    const size_t qw = (size_t)nh * c->p.head_dim;
+    float *lse = NULL;
+    if (n_in > 0) {
+        if (!(lse = malloc((size_t)n_in * nh * sizeof *lse)))
+            return kvpq__err(KVPQ_ERR_NOMEM, "cache %s: out of memory for %d queries", c->ops->name, n_q);
+        kvpq_status s = c->ops->attend(c->state, layer, len - S, n_in, q + (size_t)(n_q - n_in) * qw,
+                                       out + (size_t)(n_q - n_in) * qw, lse);
+        if (s != KVPQ_OK) {
+            free(lse);
+            return s;
+        }
+    }
+    merge_sinks(c, layer, len, n_q, q, out, lse);
+    free(lse);
+    return KVPQ_OK;
+}
+
+/* Finite q, K and V can still overflow float in q . k (|q| |k| beyond 3.4e38): named, not NaN. */
+static kvpq_status check_out(const kvpq_cache *c, int layer, int len, int n_q, const float *q, const float *out) {
+    const size_t qw = (size_t)c->p.n_head * c->p.head_dim;
+    if (!kvpq__all_finite(out, (size_t)n_q * qw))
+        for (int i = 0; i < n_q; i++)
+            if (!kvpq__all_finite(out + (size_t)i * qw, qw))
+                return kvpq__err(KVPQ_ERR_NONFINITE, "cache %s layer %d: attention of the query at position %d is not "
+                                 "finite: q . k or the weighted sum of V overflows float32 (|q| up to %g)",
+                                 c->ops->name, layer, len - n_q + i, (double)kvpq__max_abs(q + (size_t)i * qw, qw));
+    return KVPQ_OK;
+}
 
 kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q, float *out) {
     KVPQ_TRY(check_layer(c, layer, "kvpq_cache_attend"));
@@ -407,18 +417,6 @@ kvpq_status kvpq_cache_attend(kvpq_cache *c, int layer, int n_q, const float *q,
     KVPQ_TRY(c->p.sinks > 0 ? attend_sinks(c, layer, len, n_q, q, out)
                             : c->ops->attend(c->state, layer, len, n_q, q, out, NULL));
     return check_out(c, layer, len, n_q, q, out);
-}
-
-/* Finite q, K and V can still overflow float in q . k (|q| |k| beyond 3.4e38): named, not NaN. */
-static kvpq_status check_out(const kvpq_cache *c, int layer, int len, int n_q, const float *q, const float *out) {
-    const size_t qw = (size_t)c->p.n_head * c->p.head_dim;
-    if (!kvpq__all_finite(out, (size_t)n_q * qw))
-        for (int i = 0; i < n_q; i++)
-            if (!kvpq__all_finite(out + (size_t)i * qw, qw))
-                return kvpq__err(KVPQ_ERR_NONFINITE, "cache %s layer %d: attention of the query at position %d is not "
-                                 "finite: q . k or the weighted sum of V overflows float32 (|q| up to %g)",
-                                 c->ops->name, layer, len - n_q + i, (double)kvpq__max_abs(q + (size_t)i * qw, qw));
-    return KVPQ_OK;
 }
 
 /* Positions a windowed kind holds coded once the layer holds len positions by appends (sinks are

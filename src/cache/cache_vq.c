@@ -172,6 +172,34 @@ static size_t vq_ring_bytes(const vq_state *st) {
     return (size_t)st->cap * st->n_head_kv * st->head_dim * sizeof(uint16_t);
 }
 
+/* The fp16 ring row of position t, KV head h, of a layer's keys (w 0) or values (w 1). */
+static uint16_t *vq_ring_row(const vq_state *st, const vq_layer *L, int w, int h, int t) {
+    return (w ? L->wv : L->wk) + ((size_t)h * st->cap + (size_t)(t % st->cap)) * st->head_dim;
+}
+
+/* The exact keys and values of positions [t0, t1) of a layer holding len, as the window holds them
+ * (fp16): from the ring for t < len, else from k, v (n, n_head_kv, head_dim) appended at len,
+ * rounded to fp16. Position t, KV head h goes to xk / xv + (t - t0) ts + h hs. */
+static void vq_exact_rows(vq_state *st, const vq_layer *L, int len, int t0, int t1, const float *k, const float *v,
+                          float *xk, float *xv, size_t ts, size_t hs) {
+    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
+    const int nkv = st->n_head_kv, d = st->head_dim;
+    for (int t = t0; t < t1; t++)
+        for (int h = 0; h < nkv; h++) {
+            float *ok = xk + (size_t)(t - t0) * ts + (size_t)h * hs, *ov = xv + (size_t)(t - t0) * ts + (size_t)h * hs;
+            if (t < len) {
+                K->f16_to_f32(d, vq_ring_row(st, L, 0, h, t), ok);
+                K->f16_to_f32(d, vq_ring_row(st, L, 1, h, t), ov);
+                continue;
+            }
+            const size_t at = ((size_t)(t - len) * nkv + h) * d;
+            K->f32_to_f16(d, k + at, st->h16);
+            K->f16_to_f32(d, st->h16, ok);
+            K->f32_to_f16(d, v + at, st->h16);
+            K->f16_to_f32(d, st->h16, ov);
+        }
+}
+
 /* The layer's K and V rings from the pool (zeroed); on failure neither. */
 static kvpq_status vq_ring_get(vq_state *st, vq_layer *L, int layer) {
     void *k = NULL, *v = NULL;
@@ -613,28 +641,13 @@ static kvpq_status vq_stage_encode(vq_state *st, int layer, int len, int t0, int
     const vq_layer *L = &st->layers[layer];
     const int nkv = st->n_head_kv, d = st->head_dim;
     const size_t row = (size_t)nkv * d, nv = (size_t)(t1 - t0) * nkv;
-    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
     KVPQ_TRY(vq_grow((void **)&st->xk, &st->xk_cap, nv * d, sizeof(float)));
     KVPQ_TRY(vq_grow((void **)&st->xv, &st->xv_cap, nv * d, sizeof(float)));
     KVPQ_TRY(vq_grow((void **)&st->ck, &st->ck_cap, nv * L->kcs, 1));
     KVPQ_TRY(vq_grow((void **)&st->cv, &st->cv_cap, nv * L->vcs, 1));
     if (st->k_norm) KVPQ_TRY(vq_grow((void **)&st->sk, &st->sk_cap, nv, sizeof(uint16_t)));
     if (st->v_norm) KVPQ_TRY(vq_grow((void **)&st->sv, &st->sv_cap, nv, sizeof(uint16_t)));
-    for (int t = t0; t < t1; t++) {
-        float *xk = st->xk + (size_t)(t - t0) * row, *xv = st->xv + (size_t)(t - t0) * row;
-        if (t < len) {
-            int slot = t % st->cap;
-            for (int h = 0; h < nkv; h++) {
-                K->f16_to_f32(d, L->wk + ((size_t)h * st->cap + slot) * d, xk + (size_t)h * d);
-                K->f16_to_f32(d, L->wv + ((size_t)h * st->cap + slot) * d, xv + (size_t)h * d);
-            }
-        } else {
-            K->f32_to_f16(row, k + (size_t)(t - len) * row, st->h16);
-            K->f16_to_f32(row, st->h16, xk);
-            K->f32_to_f16(row, v + (size_t)(t - len) * row, st->h16);
-            K->f16_to_f32(row, st->h16, xv);
-        }
-    }
+    vq_exact_rows(st, L, len, t0, t1, k, v, st->xk, st->xv, row, (size_t)d);
     if (st->rope[layer]) /* keys before RoPE: turned back by -position */
         KVPQ_TRY(kvpq_rope_rotate(st->xk, (size_t)(t1 - t0), nkv, d, st->rope_dims, st->rope_neox, st->rope[layer], NULL,
                                   st->pos0 + t0, -1));
@@ -751,11 +764,10 @@ static kvpq_status vq_append(void *state, int layer, int len, int n, const float
     }
     /* New tokens that stay in the window go to their ring slots (after the encode read the ring). */
     for (int t = target > len ? target : len; t < new_len; t++) {
-        int slot = t % st->cap;
         const float *kt = k + (size_t)(t - len) * row, *vt = v + (size_t)(t - len) * row;
         for (int h = 0; h < nkv; h++) {
-            K->f32_to_f16(d, kt + (size_t)h * d, L->wk + ((size_t)h * st->cap + slot) * d);
-            K->f32_to_f16(d, vt + (size_t)h * d, L->wv + ((size_t)h * st->cap + slot) * d);
+            K->f32_to_f16(d, kt + (size_t)h * d, vq_ring_row(st, L, 0, h, t));
+            K->f32_to_f16(d, vt + (size_t)h * d, vq_ring_row(st, L, 1, h, t));
         }
     }
     L->n_coded = target;
@@ -1116,9 +1128,8 @@ static void vq_finish(const vq_state *st, const vq_layer *L, int h, int pos, con
     const int w0 = L->n_coded > lo ? L->n_coded : lo, w1 = pos + 1;
     const int nw = w1 > w0 ? w1 - w0 : 0;
     for (int t = 0; t < nw; t++) {
-        int slot = (w0 + t) % st->cap;
-        K->f16_to_f32(d, L->wk + ((size_t)h * st->cap + slot) * d, s->wkf + (size_t)t * d);
-        K->f16_to_f32(d, L->wv + ((size_t)h * st->cap + slot) * d, s->wvf + (size_t)t * d);
+        K->f16_to_f32(d, vq_ring_row(st, L, 0, h, w0 + t), s->wkf + (size_t)t * d);
+        K->f16_to_f32(d, vq_ring_row(st, L, 1, h, w0 + t), s->wvf + (size_t)t * d);
     }
     for (int g = 0; g < G; g++) {
         kvpq_softmax_state acc = a[g];
@@ -1158,9 +1169,8 @@ static void vq_dense_load(const void *state, int layer, int kvh, int t0, int n, 
             memcpy(vr, DEC_ROW(1, t), sizeof(float) * d);
             continue;
         }
-        const size_t slot = (size_t)kvh * st->cap + (size_t)(t % st->cap);
-        K->f16_to_f32(d, L->wk + slot * d, kr);
-        K->f16_to_f32(d, L->wv + slot * d, vr);
+        K->f16_to_f32(d, vq_ring_row(st, L, 0, kvh, t), kr);
+        K->f16_to_f32(d, vq_ring_row(st, L, 1, kvh, t), vr);
     }
     *k = kbuf, *v = vbuf;
 #undef DEC_ROW
@@ -1216,22 +1226,7 @@ static kvpq_status vq_stage_exact(void *state, int layer, int len, int n, const 
     const int t0 = vq_query_bound(st, 0), rows = len + n - t0;
     KVPQ_TRY(vq_ex_reserve(st, layer, (size_t)nkv * rows * d));
     KVPQ_TRY(vq_grow((void **)&st->bound, &st->bound_cap, (size_t)n, sizeof(int)));
-    const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
-    const size_t row = (size_t)nkv * d;
-    for (int t = t0; t < len + n; t++)
-        for (int h = 0; h < nkv; h++) {
-            float *xk = st->ex[0] + ((size_t)h * rows + (t - t0)) * d, *xv = st->ex[1] + ((size_t)h * rows + (t - t0)) * d;
-            if (t < len) {
-                const size_t slot = (size_t)h * st->cap + (size_t)(t % st->cap);
-                K->f16_to_f32(d, L->wk + slot * d, xk);
-                K->f16_to_f32(d, L->wv + slot * d, xv);
-                continue;
-            }
-            K->f32_to_f16(d, k + (size_t)(t - len) * row + (size_t)h * d, st->h16);
-            K->f16_to_f32(d, st->h16, xk);
-            K->f32_to_f16(d, v + (size_t)(t - len) * row + (size_t)h * d, st->h16);
-            K->f16_to_f32(d, st->h16, xv);
-        }
+    vq_exact_rows(st, L, len, t0, len + n, k, v, st->ex[0], st->ex[1], (size_t)d, (size_t)rows * d);
     for (int i = 0; i < n; i++) st->bound[i] = vq_query_bound(st, i);
     st->ex_layer = layer, st->ex_t0 = t0, st->ex_n = rows;
     return KVPQ_OK;
@@ -1395,11 +1390,10 @@ static kvpq_status vq_read(const void *state, int layer, int len, int pos0, int 
         KVPQ_TRY(rc);
     }
     for (int t = c1 > pos0 ? c1 : pos0; t < pos0 + n; t++) {
-        int slot = t % st->cap;
         for (int h = 0; h < nkv; h++) {
             size_t o = (size_t)(t - pos0) * row + (size_t)h * d;
-            if (k) K->f16_to_f32(d, L->wk + ((size_t)h * st->cap + slot) * d, k + o);
-            if (v) K->f16_to_f32(d, L->wv + ((size_t)h * st->cap + slot) * d, v + o);
+            if (k) K->f16_to_f32(d, vq_ring_row(st, L, 0, h, t), k + o);
+            if (v) K->f16_to_f32(d, vq_ring_row(st, L, 1, h, t), v + o);
         }
     }
     return KVPQ_OK;

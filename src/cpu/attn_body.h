@@ -128,22 +128,21 @@ KVPQ_INLINE void qk_t_tile(const float *QT, int ldq, const float *K, int nk, int
         for (int v = 0; v < rv; v++) vf_store(ST + (size_t)i * lds + v * W, acc[i][v]);
 }
 
+/* Scores of rv vectors of rows (rv a constant where inlined) against all n keys. */
+KVPQ_INLINE void qk_t_rows(const float *QT, int ldq, const float *K, int n, int hd, float *ST, int lds, int rv) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) qk_t_tile(QT, ldq, K + (size_t)t * hd, 4, hd, ST + (size_t)t * lds, lds, rv);
+    for (; t < n; t++) qk_t_tile(QT, ldq, K + (size_t)t * hd, 1, hd, ST + (size_t)t * lds, lds, rv);
+}
+
 static void qk_t(const float *QT, int ldq, int R, const float *K, int n, int hd, float *ST, int lds) {
     if (R % W) {
         kvpq__attn_ref.qk_t(QT, ldq, R, K, n, hd, ST, lds);
         return;
     }
-    for (int r = 0; r < R;) {
-        const int rv = R - r >= RV * W ? RV : 1;
-        int t = 0;
-        for (; t + 4 <= n; t += 4)
-            if (rv == RV) qk_t_tile(QT + r, ldq, K + (size_t)t * hd, 4, hd, ST + (size_t)t * lds + r, lds, RV);
-            else qk_t_tile(QT + r, ldq, K + (size_t)t * hd, 4, hd, ST + (size_t)t * lds + r, lds, 1);
-        for (; t < n; t++)
-            if (rv == RV) qk_t_tile(QT + r, ldq, K + (size_t)t * hd, 1, hd, ST + (size_t)t * lds + r, lds, RV);
-            else qk_t_tile(QT + r, ldq, K + (size_t)t * hd, 1, hd, ST + (size_t)t * lds + r, lds, 1);
-        r += rv * W;
-    }
+    int r = 0;
+    for (; r + RV * W <= R; r += RV * W) qk_t_rows(QT + r, ldq, K, n, hd, ST + r, lds, RV);
+    for (; r < R; r += W) qk_t_rows(QT + r, ldq, K, n, hd, ST + r, lds, 1);
 }
 
 KVPQ_INLINE void pv_t_tile(const float *PT, int ldp, const float *V, int n, int hd, int nc, float *OT, int ldo, int rv) {
@@ -162,22 +161,21 @@ KVPQ_INLINE void pv_t_tile(const float *PT, int ldp, const float *V, int n, int 
         for (int v = 0; v < rv; v++) vf_store(OT + (size_t)i * ldo + v * W, acc[i][v]);
 }
 
+/* Outputs of rv vectors of rows (rv a constant where inlined), every value column. */
+KVPQ_INLINE void pv_t_rows(const float *PT, int ldp, const float *V, int n, int hd, float *OT, int ldo, int rv) {
+    int c = 0;
+    for (; c + 4 <= hd; c += 4) pv_t_tile(PT, ldp, V + c, n, hd, 4, OT + (size_t)c * ldo, ldo, rv);
+    for (; c < hd; c++) pv_t_tile(PT, ldp, V + c, n, hd, 1, OT + (size_t)c * ldo, ldo, rv);
+}
+
 static void pv_t(const float *PT, int ldp, int R, const float *V, int n, int hd, float *OT, int ldo) {
     if (R % W) {
         kvpq__attn_ref.pv_t(PT, ldp, R, V, n, hd, OT, ldo);
         return;
     }
-    for (int r = 0; r < R;) {
-        const int rv = R - r >= RV * W ? RV : 1;
-        int c = 0;
-        for (; c + 4 <= hd; c += 4)
-            if (rv == RV) pv_t_tile(PT + r, ldp, V + c, n, hd, 4, OT + (size_t)c * ldo + r, ldo, RV);
-            else pv_t_tile(PT + r, ldp, V + c, n, hd, 4, OT + (size_t)c * ldo + r, ldo, 1);
-        for (; c < hd; c++)
-            if (rv == RV) pv_t_tile(PT + r, ldp, V + c, n, hd, 1, OT + (size_t)c * ldo + r, ldo, RV);
-            else pv_t_tile(PT + r, ldp, V + c, n, hd, 1, OT + (size_t)c * ldo + r, ldo, 1);
-        r += rv * W;
-    }
+    int r = 0;
+    for (; r + RV * W <= R; r += RV * W) pv_t_rows(PT + r, ldp, V, n, hd, OT + r, ldo, RV);
+    for (; r < R; r += W) pv_t_rows(PT + r, ldp, V, n, hd, OT + r, ldo, 1);
 }
 
 static void softmax_t(float *ST, int lds, int n, int R, float *m, float *d, float *OT, int ldo, int hd) {
