@@ -1619,12 +1619,13 @@ Test(cache_vq, fast_scan_scores) {
  * mapping or head lane would differ by O(1). */
 Test(cache_vq, accum_dec_matches_reference) {
     kvpq_simd_level best = kvpq_simd_get();
-    const int n = 70, dsub = 4;
-    for (int M = 16; M <= 32; M += 16)
+    const int n = 71; /* odd: the tail after token pairs */
+    for (int dsub = 4; dsub <= 8; dsub += 4) /* 4: every level's shape; 8: where a level takes it */
+    for (int M = 16 / (dsub / 4); M <= 32; M += 16 / (dsub / 4))
     for (int lv = KVPQ_SIMD_SCALAR; lv <= (int)best; lv++) {
         const int d = M * dsub;
         const kvpq_vq_kernels *K = kvpq__vq_kernels((kvpq_simd_level)lv);
-        if (!K->accum_dec_u8) continue;
+        if (!K->accum_dec_u8 || (dsub == 8 && !K->accum_dec_ok(M, dsub, 1))) continue;
         for (int G = 1; G <= 4; G++)
             for (int nb = 1; nb <= M; nb += M - 1) {
                 const int gp = G == 1 ? 1 : 4; /* nb: shared book, or one per sub-space */
@@ -1637,7 +1638,8 @@ Test(cache_vq, accum_dec_matches_reference) {
                 kvpq__vq_accum_dec_u8_ref(n, M, dsub, nb, cent, gp, G, c8, p, o1);
                 K->accum_dec_u8(n, M, dsub, nb, cent, gp, G, c8, p, o2);
                 for (int i = 0; i < G * d; i++)
-                    cr_assert_float_eq(o1[i], o2[i], 1e-4f * (1 + fabsf(o1[i])), "dec G %d books %d [%d]", G, nb, i);
+                    cr_assert_float_eq(o1[i], o2[i], 1e-4f * (1 + fabsf(o1[i])), "dec dsub %d M %d G %d books %d [%d]", dsub,
+                                       M, G, nb, i);
                 free(cent);
                 free(p);
                 free(o1);

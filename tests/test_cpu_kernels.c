@@ -62,7 +62,8 @@ Test(cpu_kernels, levels_override_from_ref_upward) {
     cr_assert_eq(a->ggml_matvec[GGML_TYPE_Q4_1], kvpq__ggml_matvec_avx2(GGML_TYPE_Q4_1));
     cr_assert_eq(a->ggml_dequant[GGML_TYPE_Q8_0], kvpq__ggml_dequant_avx2(GGML_TYPE_Q8_0));
     cr_assert_eq(a->vq.score_fs_u8, s->vq.score_fs_u8, "AVX2 has no fast-scan kernel: the _ref stays");
-    cr_assert_eq(a->vq.scale_tokens, s->vq.scale_tokens);
+    cr_assert_neq(a->vq.scale_tokens, s->vq.scale_tokens);
+    cr_assert(a->vq.accum_dec_u8 && a->vq.accum_dec_ok(16, 4, 3), "AVX2 decodes values per token for GQA groups of 3");
     if (best < KVPQ_SIMD_AVX512) return;
     const kvpq_cpu_kernels *z = kvpq__cpu_kernels_for(KVPQ_SIMD_AVX512);
     cr_assert_eq(z->nn, kvpq__nn_avx512);

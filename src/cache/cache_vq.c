@@ -142,6 +142,8 @@ typedef struct {
     uint16_t *h16;        /* (n_head_kv, head_dim) fp16 staging of one token */
     float *part;          /* (part_cap) per attention job: m (gp), d (gp), o (gp, head_dim) */
     size_t part_cap;      /* floats */
+    int *left;            /* (left_cap) per (query, KV head) of an attention call: splits not yet done */
+    size_t left_cap;
     float s8tab[256];     /* 2^((c - 128) / 16), s8tab[0] = 0: the 8-bit scale code's factor */
     kvpq_page_pool *pool; /* params.pool: pages and window rings come from it (NULL: the system) */
     /* Keys coded before RoPE (kvpq_codebook_params.key_rope_dims): */
@@ -350,7 +352,7 @@ static void vq_destroy(void *state) {
         for (int t = 0; t < st->n_threads; t++) vq_scratch_free(&st->scr[t]);
     void *bufs[] = {st->scr, st->layers, st->kpq, st->kpq2, st->vpq, st->smooth, st->mean, st->xk,
                     st->xv,  st->ck,     st->cv,  st->xr,   st->sk,  st->sv,     st->h16,  st->part,
-                    st->rope, st->dec[0], st->dec[1], st->ex[0], st->ex[1], st->bound};
+                    st->rope, st->dec[0], st->dec[1], st->ex[0], st->ex[1], st->bound, st->left};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(st);
 }
@@ -1301,29 +1303,27 @@ static kvpq_status vq_attend(void *state, int layer, int len, int n_q, const flo
         KVPQ_TRY(vq_decode_range(st, L, layer, lo < hi ? lo : hi, hi, 0));
     }
     KVPQ_TRY(vq_grow((void **)&st->part, &st->part_cap, (size_t)n_jobs * psz, sizeof(float)));
+    KVPQ_TRY(vq_grow((void **)&st->left, &st->left_cap, (size_t)base_jobs, sizeof(int)));
+    for (int j = 0; j < base_jobs; j++) st->left[j] = n_split;
     const kvpq_vq_kernels *K = kvpq__vq_kernels(kvpq_simd_get());
     float *parts = st->part;
-#pragma omp parallel num_threads(nt) if (nt > 1 && n_jobs > 1)
-    {
+    int *left = st->left;
+    /* The thread that completes a (query, head)'s last split merges its splits: no barrier between
+     * the parts and the finish (a barrier is a sleep and a wake-up per call under passive waiting). */
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n_jobs > 1)
+    for (int j = 0; j < n_jobs; j++) {
         vq_scratch *s = &st->scr[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 1)
-        for (int j = 0; j < n_jobs; j++) {
-            int i = j / (nkv * n_split), h = (j / n_split) % nkv, sp = j % n_split;
-            int limit = P + i + 1 < nc ? P + i + 1 : nc;
-            int lo = vq_view_start(L, P + i);
-            if (lo > limit) lo = limit;
-            int t0 = lo + (int)((int64_t)(limit - lo) * sp / n_split);
-            int t1 = lo + (int)((int64_t)(limit - lo) * (sp + 1) / n_split);
-            vq_coded_part(st, L, layer, h, q + ((size_t)i * st->n_head + (size_t)h * G) * d, t0, t1, s, K,
-                          parts + (size_t)j * psz);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int j = 0; j < base_jobs; j++) {
-            int i = j / nkv, h = j % nkv;
-            size_t off = ((size_t)i * st->n_head + (size_t)h * G) * d;
-            vq_finish(st, L, h, P + i, q + off, parts + (size_t)j * n_split * psz, n_split, s, K, out + off,
+        const int bj = j / n_split, i = bj / nkv, h = bj % nkv, sp = j % n_split;
+        int limit = P + i + 1 < nc ? P + i + 1 : nc;
+        int lo = vq_view_start(L, P + i);
+        if (lo > limit) lo = limit;
+        int t0 = lo + (int)((int64_t)(limit - lo) * sp / n_split);
+        int t1 = lo + (int)((int64_t)(limit - lo) * (sp + 1) / n_split);
+        const size_t off = ((size_t)i * st->n_head + (size_t)h * G) * d;
+        vq_coded_part(st, L, layer, h, q + off, t0, t1, s, K, parts + (size_t)j * psz);
+        if (__atomic_sub_fetch(&left[bj], 1, __ATOMIC_ACQ_REL) == 0)
+            vq_finish(st, L, h, P + i, q + off, parts + (size_t)bj * n_split * psz, n_split, s, K, out + off,
                       lse ? lse + (size_t)i * st->n_head + (size_t)h * G : NULL);
-        }
     }
     return KVPQ_OK;
 }

@@ -168,6 +168,121 @@ void kvpq__vq_table_out_avx2(int M, int ksub, int dsub, int n_books, const float
     (gp == 4 ? table_out_g4 : table_out_lanes)(M, ksub, dsub, n_books, cent, gp, table, out);
 }
 
+// ---- norm-explicit scales and values decoded per token ---------------------------------------------
+
+/* scale_tokens for gp = 4 (GQA groups of 2..4): 8 tokens' half scales -> one ymm, then per 2 tokens
+ * (one ymm of scores) each scale spread over its token's 4 lanes by a permute, one FMA. The FMA
+ * rounds once where the reference multiplies then adds (results within 1 ulp). */
+static void scale_tokens_avx2(int n, int gp, float *s, const uint16_t *scale, const float *bias) {
+    if (gp != 4) {
+        kvpq__vq_scale_tokens_ref(n, gp, s, scale, bias);
+        return;
+    }
+    const __m256 b = bias ? _mm256_broadcast_ps((const __m128 *)bias) : _mm256_setzero_ps();
+    __m256i idx[4];
+    for (int j = 0; j < 4; j++)
+        idx[j] = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + t)));
+        for (int j = 0; j < 4; j++) {
+            float *p = s + (size_t)(t + 2 * j) * 4;
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(_mm256_loadu_ps(p), _mm256_permutevar8x32_ps(f, idx[j]), b));
+        }
+    }
+    if (t < n) kvpq__vq_scale_tokens_ref(n - t, gp, s + (size_t)t * 4, scale + t, bias);
+}
+
+/* Values decoded per token, dsub 4 or 8, one pass over the tokens per 16 output floats per head (4
+ * or 2 sub-spaces): a token's slice is two ymm (two centroids each, a 128-bit load and an insert
+ * per pair, or one centroid each) and each head adds p * them with 2 FMAs, the accumulators in
+ * registers. Per (token, 16 floats) 2-4 centroid loads and 2 G FMAs, where the W table takes a load,
+ * an add and a store per sub-space and then needs clearing, rescaling and applying to the codebook.
+ * Groups of up to 3 heads keep two accumulator sets (even and odd tokens) against FMA latency. */
+static inline __attribute__((always_inline)) __m256 dec_pair(const float *b0, size_t bs, const uint8_t *c) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(b0 + (size_t)c[0] * 4)),
+                                _mm_loadu_ps(b0 + bs + (size_t)c[1] * 4), 1);
+}
+
+/* One token's 16 floats from sub-space books b0, b0 + bs, ... and its codes c. */
+static inline __attribute__((always_inline)) void dec_slice(const float *b0, size_t bs, const int dsub,
+                                                             const uint8_t *c, __m256 *v) {
+    if (dsub == 8) {
+        v[0] = _mm256_loadu_ps(b0 + (size_t)c[0] * 8);
+        v[1] = _mm256_loadu_ps(b0 + bs + (size_t)c[1] * 8);
+    } else {
+        v[0] = dec_pair(b0, bs, c);
+        v[1] = dec_pair(b0 + 2 * bs, bs, c + 2);
+    }
+}
+
+static inline __attribute__((always_inline)) void dec_fma(const __m256 *v, const float *pt, const int G,
+                                                           __m256 (*acc)[2]) {
+    for (int g = 0; g < G; g++) {
+        const __m256 pg = _mm256_broadcast_ss(pt + g);
+        acc[g][0] = _mm256_fmadd_ps(pg, v[0], acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(pg, v[1], acc[g][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void dec16_g(int n, int M, const int dsub, const float *b0, size_t bs,
+                                                           int gp, const int G, const uint8_t *codes,
+                                                           const float *p, float *o) {
+    const int d = M * dsub, ph = G <= 3 ? 2 : 1;
+    __m256 acc[2][4][2], v[2];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < 2; r++) {
+            acc[0][g][r] = _mm256_loadu_ps(o + g * d + 8 * r);
+            acc[1][g][r] = _mm256_setzero_ps();
+        }
+    int t = 0;
+    for (; t + ph <= n; t += ph)
+        for (int u = 0; u < ph; u++) {
+            dec_slice(b0, bs, dsub, codes + (size_t)(t + u) * M, v);
+            dec_fma(v, p + (size_t)(t + u) * gp, G, acc[u]);
+        }
+    for (; t < n; t++) {
+        dec_slice(b0, bs, dsub, codes + (size_t)t * M, v);
+        dec_fma(v, p + (size_t)t * gp, G, acc[0]);
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < 2; r++) _mm256_storeu_ps(o + g * d + 8 * r, _mm256_add_ps(acc[0][g][r], acc[1][g][r]));
+}
+
+static int accum_dec_ok_avx2(int M, int dsub, int G) {
+    return (dsub == 4 || dsub == 8) && M * dsub % 16 == 0 && G >= 1 && G <= 4;
+}
+
+#define DEC16(DSUB, G) dec16_g(n, M, DSUB, b0, bs, gp, G, codes + m0, p, o + m0 * (DSUB))
+
+static void accum_dec_u8_avx2(int n, int M, int dsub, int n_books, const float *cent, int gp, int G,
+                              const uint8_t *codes, const float *p, float *o) {
+    if (!accum_dec_ok_avx2(M, dsub, G)) {
+        kvpq__vq_accum_dec_u8_ref(n, M, dsub, n_books, cent, gp, G, codes, p, o);
+        return;
+    }
+    const size_t bs = n_books == 1 ? 0 : (size_t)256 * dsub; /* stride between sub-spaces' books */
+    for (int m0 = 0; m0 < M; m0 += 16 / dsub) {
+        const float *b0 = cent + m0 * bs;
+        if (dsub == 4) {
+            switch (G) {
+            case 1: DEC16(4, 1); break;
+            case 2: DEC16(4, 2); break;
+            case 3: DEC16(4, 3); break;
+            default: DEC16(4, 4); break;
+            }
+        } else {
+            switch (G) {
+            case 1: DEC16(8, 1); break;
+            case 2: DEC16(8, 2); break;
+            case 3: DEC16(8, 3); break;
+            default: DEC16(8, 4); break;
+            }
+        }
+    }
+}
+#undef DEC16
+
 // ---- Walsh-Hadamard rows (d a multiple of 8) --------------------------------------------------------
 
 /* Strides 1, 2, 4 within each 8-float block (lane j meets lane j ^ h: sum where bit h is clear, the
@@ -216,5 +331,8 @@ void kvpq__vq_kernels_avx2(kvpq_vq_kernels *k) {
     k->accum_u8 = kvpq__vq_accum_u8_avx2;
     k->accum_u16 = kvpq__vq_accum_u16_avx2;
     k->fwht_rows = fwht_rows_avx2;
+    k->scale_tokens = scale_tokens_avx2;
+    k->accum_dec_u8 = accum_dec_u8_avx2;
+    k->accum_dec_ok = accum_dec_ok_avx2;
 }
 #endif
