@@ -609,6 +609,40 @@ Test(ggml_types, quantize_act_row) {
     }
 }
 
+/* Every SIMD level's quantizer gives the scalar specification's bytes: scales from 1e-38 to 1e30,
+ * rounding ties (max 127 makes d = 1 and x = k + 0.5 a tie, to even), zero and -0 blocks, NaN and
+ * Inf blocks, a block whose largest |x| is negative. */
+Test(ggml_types, quantize_act_row_levels_match_ref) {
+    const int64_t n = 32 * 12;
+    float x[32 * 12];
+    const float scale[12] = {1e-38f, 1e-3f, 1.0f, 50.0f, 1e30f, 0.0f, -0.0f, 1.0f, 1.0f, 1.0f, 1.0f, 3.0f};
+    for (int64_t i = 0; i < n; i++) x[i] = rndf() * scale[i / 32];
+    for (int j = 0; j < 32; j++) x[7 * 32 + j] = (float)(j - 16) + 0.5f; /* ties */
+    x[7 * 32] = 127.0f;
+    x[8 * 32 + 5] = NAN;
+    x[9 * 32 + 31] = INFINITY;
+    x[10 * 32] = -INFINITY;
+    x[11 * 32 + 3] = -400.0f;
+    const size_t nb = ggml_q8_row_bytes(n);
+    _Alignas(8) uint8_t want[2048], got[2048];
+    cr_assert(nb <= sizeof want);
+    memset(want, 0xAB, sizeof want);
+    ggml_quantize_act_row_ref(x, n, want);
+    const kvpq_simd_level best = kvpq_simd_get();
+    for (int lvl = KVPQ_SIMD_SCALAR; lvl <= (int)best; lvl++) {
+        cr_assert_eq(kvpq_simd_set((kvpq_simd_level)lvl), KVPQ_OK);
+        memset(got, 0xAB, sizeof got);
+        ggml_quantize_act_row(x, n, got);
+        for (size_t i = 0; i < nb; i++)
+            cr_assert_eq(got[i], want[i], "level %d: byte %zu of the quantized row: %d vs %d", lvl, i, got[i], want[i]);
+    }
+    kvpq_simd_set(best);
+    kvpq__q8row r = ggml_q8_row_at(want, n);
+    cr_assert(r.qs[7 * 32 + 1] == -14 && r.qs[7 * 32 + 2] == -14 && r.qs[7 * 32 + 3] == -12, "ties to even: %d %d %d",
+              r.qs[7 * 32 + 1], r.qs[7 * 32 + 2], r.qs[7 * 32 + 3]);
+    cr_assert(isnan(r.d[8]) && isnan(r.d[9]) && isnan(r.d[10]) && r.d[5] == 0 && !signbit(r.d[6]));
+}
+
 /* Row sums for the bounds: aq[r] = sum_j |w_j| |d_b q_j| (the scale of the kernel's float rounding)
  * and rnd[r] = sum_b (d_b / 2) sum_{j in b} |w_j| (the activation rounding: how far the q8 result
  * may be from the float32 one). */

@@ -82,6 +82,7 @@ static void fill_ref(kvpq_cpu_kernels *t) {
     t->dot_f32 = kvpq__dot_f32_ref;
     t->glu[KVPQ_GLU_SILU] = glu_silu_ref;
     t->glu[KVPQ_GLU_GELU_TANH] = glu_gelu_tanh_ref;
+    t->q8_act = NULL;
     for (int ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) t->ggml_matvec[ty] = NULL, t->ggml_dequant[ty] = NULL, t->ggml_qmatmul[ty] = NULL, t->ggml_qgemm[ty] = NULL;
 }
 
@@ -94,6 +95,7 @@ static void fill_ref(kvpq_cpu_kernels *t) {
         t->attn = &kvpq__attn_##ISA;                                                          \
         kvpq__vq_kernels_##ISA(&t->vq);                                                       \
         t->dot_f32 = kvpq__dot_f32_##ISA;                                                     \
+        t->q8_act = kvpq__q8act_##ISA();                                                      \
         for (int k = 0; k < KVPQ_GLU_COUNT; k++)                                              \
             if (kvpq__glu_##ISA((kvpq_glu_kind)k)) t->glu[k] = kvpq__glu_##ISA((kvpq_glu_kind)k); \
         for (uint32_t ty = 0; ty < KVPQ_GGML_TYPE_SLOTS; ty++) {                              \

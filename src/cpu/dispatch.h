@@ -46,6 +46,7 @@ typedef struct {
     kvpq_vq_kernels vq;            /* attention from PQ codes (vq_kernels.h) */
     kvpq__dot_fn dot_f32;          /* dot(a, b) over n float32 */
     kvpq__glu_fn glu[KVPQ_GLU_COUNT]; /* gated FFN activations by kvpq_glu_kind (ggml_kernels.h) */
+    kvpq__q8act_fn q8_act;         /* activation rows to 8 bits (ggml_kernels.h); NULL: the _ref */
     /* GGML tensor types by type number: SIMD row kernels (ggml_kernels.h). NULL where the level
      * has none; model/ggml_types.c then uses its _ref (the GGUF type specs live there). */
     kvpq__matvec_fn ggml_matvec[KVPQ_GGML_TYPE_SLOTS];

@@ -21,6 +21,7 @@
 /* Dequantization rounds the product and the sum separately (bit-exact with ggml / numpy). */
 #pragma STDC FP_CONTRACT OFF
 #endif
+#include <float.h>
 #include <string.h>
 
 #include "core/ggml_common.h"
@@ -962,6 +963,47 @@ kvpq__glu_fn KVPQ_ISA_FN(kvpq__glu)(kvpq_glu_kind kind) {
     default: return NULL;
     }
 }
+
+// ---- activation rows to 8 bits (ggml_kernels.h: kvpq__q8act_fn) ----------------------------------
+
+/* The _ref's arithmetic lane by lane: per 32-element block the largest |x|, d = max / 127, q = x
+ * times 1 / d (x / d where 1 / d overflows) rounded to nearest even (the _ref's 1.5 * 2^23 trick does the same) and clamped to
+ * +-127; sums of 16 integers are exact in float. A block holding a NaN or an infinity (x * 0 is then
+ * NaN) gets d = NaN and q = 0, as in the _ref. */
+static void q8_act_row(const float *x, int64_t n, int8_t *qs, float *d, int16_t *s16, float *xs) {
+    const kvpq_vf lim = vf_set1(127.0f), nlim = vf_set1(-127.0f);
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        kvpq_vf mx = vf_zero(), nf = vf_zero();
+        for (int j = 0; j < 32; j += W) {
+            const kvpq_vf v = vf_load(xb + j);
+            mx = vf_max(mx, vf_max(v, vf_sub(vf_zero(), v)));
+            nf = vf_add(nf, vf_mul(v, vf_zero()));
+        }
+        const float amax = vf_reduce_max(mx) + 0.0f, nfs = vf_reduce_add(nf); /* + 0: never -0 */
+        float s[2] = {0.0f, 0.0f};
+        if (nfs != nfs) {
+            memset(qs + 32 * b, 0, 32);
+            d[b] = NAN;
+        } else {
+            const float db = amax / 127.0f, idf = db > 0 ? 1.0f / db : 0.0f;
+            const int div = idf > FLT_MAX; /* d below 2^-128: x / d, as the _ref */
+            const kvpq_vf id = vf_set1(idf), dv = vf_set1(db);
+            for (int j = 0; j < 32; j += W) {
+                const kvpq_vf xq = div ? vf_div(vf_load(xb + j), dv) : vf_mul(vf_load(xb + j), id);
+                const kvpq_vf q = vf_min(vf_max(vf_round(xq), nlim), lim);
+                vi_store_i8(qs + 32 * b + j, vi_from_vf(q));
+                s[j / 16] += vf_reduce_add(q);
+            }
+            d[b] = db;
+        }
+        s16[2 * b] = (int16_t)s[0];
+        s16[2 * b + 1] = (int16_t)s[1];
+        xs[b] = d[b] * (s[0] + s[1]);
+    }
+}
+
+kvpq__q8act_fn KVPQ_ISA_FN(kvpq__q8act)(void) { return q8_act_row; }
 
 #endif /* !KVPQ_GGML_Q8_ONLY */
 #undef GELU_2C

@@ -64,6 +64,13 @@ static inline size_t kvpq__qgemm_panel_bytes(int64_t n) {
     return (size_t)n * KVPQ_QG_ROWS + (size_t)(n / 16) * KVPQ_QG_ROWS * 2 * sizeof(float);
 }
 
+/* One activation row to 8 bits (the kvpq__q8row above): x (n), n a multiple of 32, into qs (n),
+ * d (n/32), s16 (n/16), xs (n/32). The specification is model/ggml_types.c's _ref (ggml_quantize_act_row
+ * uses it where the level has no kernel); a kernel gives its bits exactly. */
+typedef void (*kvpq__q8act_fn)(const float *x, int64_t n, int8_t *qs, float *d, int16_t *s16, float *xs);
+kvpq__q8act_fn kvpq__q8act_avx2(void);
+kvpq__q8act_fn kvpq__q8act_avx512(void);
+
 /* dot(a, b) over n float32. */
 typedef float (*kvpq__dot_fn)(const float *a, const float *b, int64_t n);
 /* Dequantize n elements (a multiple of the block size) of a row; bit-exact with the _ref. */

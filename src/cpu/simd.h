@@ -109,6 +109,8 @@ KVPQ_INLINE kvpq_vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
 KVPQ_INLINE kvpq_vi vi_iota(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 KVPQ_INLINE kvpq_vi vi_add(kvpq_vi a, kvpq_vi b) { return _mm512_add_epi32(a, b); }
 KVPQ_INLINE void vi_store(int32_t *p, kvpq_vi v) { _mm512_storeu_si512((void *)p, v); }
+/* Lanes in [-128, 127] to W bytes (saturating). */
+KVPQ_INLINE void vi_store_i8(int8_t *p, kvpq_vi v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(v)); }
 KVPQ_INLINE kvpq_vf vf_from_vi(kvpq_vi v) { return _mm512_cvtepi32_ps(v); }
 KVPQ_INLINE kvpq_vi vi_from_vf(kvpq_vf v) { return _mm512_cvtps_epi32(v); }
 KVPQ_INLINE kvpq_vi vi_shl(kvpq_vi v, int s) { return _mm512_slli_epi32(v, (unsigned)s); }
@@ -172,6 +174,10 @@ KVPQ_INLINE kvpq_vi vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
 KVPQ_INLINE kvpq_vi vi_iota(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 KVPQ_INLINE kvpq_vi vi_add(kvpq_vi a, kvpq_vi b) { return _mm256_add_epi32(a, b); }
 KVPQ_INLINE void vi_store(int32_t *p, kvpq_vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+KVPQ_INLINE void vi_store_i8(int8_t *p, kvpq_vi v) {
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w, w));
+}
 KVPQ_INLINE kvpq_vf vf_from_vi(kvpq_vi v) { return _mm256_cvtepi32_ps(v); }
 KVPQ_INLINE kvpq_vi vi_from_vf(kvpq_vf v) { return _mm256_cvtps_epi32(v); }
 KVPQ_INLINE kvpq_vi vi_shl(kvpq_vi v, int s) { return _mm256_slli_epi32(v, s); }
@@ -233,6 +239,7 @@ KVPQ_INLINE kvpq_vi vi_set1(int32_t x) { return x; }
 KVPQ_INLINE kvpq_vi vi_iota(void) { return 0; }
 KVPQ_INLINE kvpq_vi vi_add(kvpq_vi a, kvpq_vi b) { return (int32_t)((uint32_t)a + (uint32_t)b); }
 KVPQ_INLINE void vi_store(int32_t *p, kvpq_vi v) { *p = v; }
+KVPQ_INLINE void vi_store_i8(int8_t *p, kvpq_vi v) { *p = (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v); }
 KVPQ_INLINE kvpq_vf vf_from_vi(kvpq_vi v) { return (float)v; }
 KVPQ_INLINE kvpq_vi vi_from_vf(kvpq_vf v) { return (int32_t)nearbyintf(v); }
 KVPQ_INLINE kvpq_vi vi_shl(kvpq_vi v, int s) { return (int32_t)((uint32_t)v << s); }

@@ -408,11 +408,8 @@ kvpq__q8row ggml_q8_row_at(void *buf, int64_t n) {
     return (kvpq__q8row){(const int8_t *)(s16 + n / 16), d, s16, xs};
 }
 
-void ggml_quantize_act_row(const float *x, int64_t n, void *buf) {
-    kvpq__q8row r = ggml_q8_row_at(buf, n);
-    int8_t *qs = (int8_t *)r.qs;
-    float *d = (float *)r.d, *xs = (float *)r.xs;
-    int16_t *s16 = (int16_t *)r.s16;
+/* The specification of kvpq__q8act_fn (ggml_kernels.h). */
+static void q8_act_ref(const float *x, int64_t n, int8_t *qs, float *d, int16_t *s16, float *xs) {
     for (int64_t b = 0; b < n / 32; b++) {
         const float *xb = x + 32 * b;
         float amax = 0;
@@ -423,10 +420,11 @@ void ggml_quantize_act_row(const float *x, int64_t n, void *buf) {
             amax = a > amax ? a : amax;
         }
         float db = bad ? NAN : amax / 127.0f, id = db > 0 ? 1.0f / db : 0.0f;
+        const int div = id > FLT_MAX; /* d below 2^-128: 1 / d overflows, so x / d instead */
         int s[2] = {0, 0};
         for (int j = 0; j < 32; j++) {
             /* round to nearest even by the 1.5 * 2^23 trick (|x id| <= 127 + ulps), no libm call */
-            int q = bad ? 0 : (int)((xb[j] * id + 0x1.8p23f) - 0x1.8p23f);
+            int q = bad ? 0 : (int)(((div ? xb[j] / db : xb[j] * id) + 0x1.8p23f) - 0x1.8p23f);
             q = q > 127 ? 127 : q < -127 ? -127 : q;
             qs[32 * b + j] = (int8_t)q;
             s[j / 16] += q;
@@ -436,6 +434,17 @@ void ggml_quantize_act_row(const float *x, int64_t n, void *buf) {
         s16[2 * b + 1] = (int16_t)s[1];
         xs[b] = db * (float)(s[0] + s[1]);
     }
+}
+
+void ggml_quantize_act_row(const float *x, int64_t n, void *buf) {
+    kvpq__q8row r = ggml_q8_row_at(buf, n);
+    kvpq__q8act_fn fn = kvpq__cpu_kernels()->q8_act;
+    (fn ? fn : q8_act_ref)(x, n, (int8_t *)r.qs, (float *)r.d, (int16_t *)r.s16, (float *)r.xs);
+}
+
+void ggml_quantize_act_row_ref(const float *x, int64_t n, void *buf) {
+    kvpq__q8row r = ggml_q8_row_at(buf, n);
+    q8_act_ref(x, n, (int8_t *)r.qs, (float *)r.d, (int16_t *)r.s16, (float *)r.xs);
 }
 
 /* The specification: Y[t, r] = sum_b d_b * sum_{j in b} w_j q_j, w dequantized by the _ref, each

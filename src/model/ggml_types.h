@@ -71,6 +71,8 @@ size_t ggml_q8_row_bytes(int64_t n);
 /* Quantize x (n, a multiple of 32) into buf (ggml_q8_row_bytes(n) bytes, 4-byte aligned). A block
  * holding NaN or Inf gets d = NaN (its products are NaN). */
 void ggml_quantize_act_row(const float *x, int64_t n, void *buf);
+/* The same through the scalar specification whatever the SIMD level (tests compare the two). */
+void ggml_quantize_act_row_ref(const float *x, int64_t n, void *buf);
 /* The row view of a buffer written by ggml_quantize_act_row. */
 kvpq__q8row ggml_q8_row_at(void *buf, int64_t n);
 /* Y (n_tok, n_rows) = X (n_tok, n) @ W^T with X quantized row by row as above, OpenMP over rows.
