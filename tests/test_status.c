@@ -1,5 +1,6 @@
 /* test_status.c — status codes, error messages and version. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -45,4 +46,27 @@ Test(simd, set_rejects_levels_beyond_the_cpu) {
     cr_assert_eq(kvpq_simd_get(), KVPQ_SIMD_SCALAR);
     cr_assert_eq(kvpq_simd_set((kvpq_simd_level)7), KVPQ_ERR_INVALID_ARG);
     cr_assert_eq(kvpq_simd_set(best), KVPQ_OK);
+}
+
+/* kvpq__all_finite (the input guard of the caches, the encoder and the model) over blocks: a NaN,
+ * +-Inf anywhere (the first element, the last, past a block of 256) is found; FLT_MAX, subnormals,
+ * -0 and n = 0 are finite. */
+Test(status, all_finite_finds_every_non_finite) {
+    static float x[1000];
+    for (int i = 0; i < 1000; i++) x[i] = (float)(i - 500) * 0.25f;
+    x[3] = 3.4028235e38f;
+    x[4] = 1e-45f;
+    x[5] = -0.0f;
+    cr_assert(kvpq__all_finite(x, 1000));
+    cr_assert(kvpq__all_finite(x, 0));
+    const float bad[3] = {NAN, INFINITY, -INFINITY};
+    const int at[4] = {0, 255, 256, 999};
+    for (int b = 0; b < 3; b++)
+        for (int k = 0; k < 4; k++) {
+            const float keep = x[at[k]];
+            x[at[k]] = bad[b];
+            cr_assert(!kvpq__all_finite(x, 1000), "%g at %d", (double)bad[b], at[k]);
+            cr_assert(kvpq__all_finite(x, (size_t)at[k]), "only the elements before %d", at[k]);
+            x[at[k]] = keep;
+        }
 }

@@ -62,9 +62,19 @@ void kvpq__err_prefix(const char *fmt, ...) {
     tl_error[np + 2 + no] = '\0';
 }
 
+/* Exponent bits all ones (NaN or Inf), OR-ed over blocks of 256 without a branch per element so the
+ * compiler vectorizes it (the early-exit loop was 1-2% of a prefill). */
 int kvpq__all_finite(const float *x, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(x[i])) return 0;
+    for (size_t i0 = 0; i0 < n; i0 += 256) {
+        const size_t m = n - i0 < 256 ? n - i0 : 256;
+        uint32_t bad = 0;
+        for (size_t i = 0; i < m; i++) {
+            uint32_t u;
+            memcpy(&u, x + i0 + i, sizeof u);
+            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+        if (bad) return 0;
+    }
     return 1;
 }
 
