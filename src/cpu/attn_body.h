@@ -112,20 +112,28 @@ static void pv_f16(const float *P, int R, int ldp, const uint16_t *V, int n, int
  * FMAs, and no sum crosses lanes. RV = 4 with 32 registers, 2 with 16. R % W != 0: the reference. */
 #define RV (W >= 16 ? 4 : 2)
 
-KVPQ_INLINE void qk_t_tile(const float *QT, int ldq, const float *K, int nk, int hd, float *ST, int lds, int rv) {
+/* The one tile both use: C[i][v] (+)= sum_s B[i bi + s bs] * A[s][v] for i < ni (ni <= 4), v < rv,
+ * s < steps, A's rows lda floats apart, C's rows ldc apart; C starts at 0 or, load, at its contents. */
+KVPQ_INLINE void lanes_tile(const float *A, int lda, const float *B, size_t bi, size_t bs, int steps, int ni,
+                            float *C, int ldc, int rv, int load) {
     kvpq_vf acc[4][4];
-    for (int i = 0; i < nk; i++)
-        for (int v = 0; v < rv; v++) acc[i][v] = vf_zero();
-    for (int c = 0; c < hd; c++) {
-        kvpq_vf q[4];
-        for (int v = 0; v < rv; v++) q[v] = vf_load(QT + (size_t)c * ldq + v * W);
-        for (int i = 0; i < nk; i++) {
-            const kvpq_vf k = vf_set1(K[(size_t)i * hd + c]);
-            for (int v = 0; v < rv; v++) acc[i][v] = vf_fma(k, q[v], acc[i][v]);
+    for (int i = 0; i < ni; i++)
+        for (int v = 0; v < rv; v++) acc[i][v] = load ? vf_load(C + (size_t)i * ldc + v * W) : vf_zero();
+    for (int s = 0; s < steps; s++) {
+        kvpq_vf a[4];
+        for (int v = 0; v < rv; v++) a[v] = vf_load(A + (size_t)s * lda + v * W);
+        for (int i = 0; i < ni; i++) {
+            const kvpq_vf x = vf_set1(B[i * bi + s * bs]);
+            for (int v = 0; v < rv; v++) acc[i][v] = vf_fma(x, a[v], acc[i][v]);
         }
     }
-    for (int i = 0; i < nk; i++)
-        for (int v = 0; v < rv; v++) vf_store(ST + (size_t)i * lds + v * W, acc[i][v]);
+    for (int i = 0; i < ni; i++)
+        for (int v = 0; v < rv; v++) vf_store(C + (size_t)i * ldc + v * W, acc[i][v]);
+}
+
+/* Scores of a tile of nk keys: ST[i] = sum_c K[i][c] QT[c] (keys' rows hd apart). */
+KVPQ_INLINE void qk_t_tile(const float *QT, int ldq, const float *K, int nk, int hd, float *ST, int lds, int rv) {
+    lanes_tile(QT, ldq, K, (size_t)hd, 1, hd, nk, ST, lds, rv, 0);
 }
 
 /* Scores of rv vectors of rows (rv a constant where inlined) against all n keys. */
@@ -145,20 +153,9 @@ static void qk_t(const float *QT, int ldq, int R, const float *K, int n, int hd,
     for (; r < R; r += W) qk_t_rows(QT + r, ldq, K, n, hd, ST + r, lds, 1);
 }
 
+/* Outputs of a tile of nc value columns: OT[i] += sum_t V[t][i] PT[t] (values' rows hd apart). */
 KVPQ_INLINE void pv_t_tile(const float *PT, int ldp, const float *V, int n, int hd, int nc, float *OT, int ldo, int rv) {
-    kvpq_vf acc[4][4];
-    for (int i = 0; i < nc; i++)
-        for (int v = 0; v < rv; v++) acc[i][v] = vf_load(OT + (size_t)i * ldo + v * W);
-    for (int t = 0; t < n; t++) {
-        kvpq_vf p[4];
-        for (int v = 0; v < rv; v++) p[v] = vf_load(PT + (size_t)t * ldp + v * W);
-        for (int i = 0; i < nc; i++) {
-            const kvpq_vf x = vf_set1(V[(size_t)t * hd + i]);
-            for (int v = 0; v < rv; v++) acc[i][v] = vf_fma(x, p[v], acc[i][v]);
-        }
-    }
-    for (int i = 0; i < nc; i++)
-        for (int v = 0; v < rv; v++) vf_store(OT + (size_t)i * ldo + v * W, acc[i][v]);
+    lanes_tile(PT, ldp, V, 1, (size_t)hd, n, nc, OT, ldo, rv, 1);
 }
 
 /* Outputs of rv vectors of rows (rv a constant where inlined), every value column. */
