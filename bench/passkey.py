@@ -8,12 +8,12 @@ the end, the greedy answer an exact match or not. Every cache in the same run, t
 Prints one row per (ctx, depth, cache): hits / trials; --json FILE writes them. The haystack is
 data/text/persuasion.txt (held out from calibration, which reads emma.txt), repeated when shorter
 than the context; each trial takes its own passkey and its own slice of the text (seeded). Caches:
-any kind of `kvpq.Model.new_cache` (fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4), vq:FILE (a codebook,
-with its window and sinks), tq2/tq3/tq4 (TurboQuant's MSE quantizer, kvpq.turboquant_codebook).
+any SPEC of the CLI's --cache (`kvpq.Model.new_cache` parses it with the library's grammar): a kind
+(fp32 fp16 q8_0 q4_0 q8_0r q4_0r kivi2 kivi4), vq:FILE (a codebook, with its window and sinks),
+tq2/tq3/tq4 (TurboQuant's MSE quantizer), each with :wN / :sN suffixes.
 Uses the kvpq Python package over this build (KVPQ_LIB)."""
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -28,18 +28,6 @@ INTRO = ("There is an important piece of information hidden inside a lot of irre
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 PREFILL = 512  # tokens per eval call (the forward pass's scratch grows with the call's tokens)
-
-
-def open_cache(model, spec, max_seq):
-    """A cache of the model from a SPEC: a kind, vq:FILE or tqN."""
-    i = model.info
-    if spec.startswith("vq:"):
-        return model.new_cache("vq", max_seq=max_seq, codebook=kvpq.Codebook.load(spec[3:]))
-    m = re.fullmatch(r"tq([2-4])", spec)
-    if m:
-        cb = kvpq.turboquant_codebook(i["n_layer"], i["n_head_kv"], i["head_dim"], int(m.group(1)))
-        return model.new_cache("vq", max_seq=max_seq, codebook=cb)
-    return model.new_cache(spec, max_seq=max_seq)
 
 
 def build_prompt(model, hay_ids, ctx, depth, key, rng):
@@ -84,7 +72,7 @@ def run(args):
             for spec in args.cache:
                 t0, hits = time.time(), 0
                 for key, ids in trials:
-                    cache = open_cache(model, spec, ctx + 16)
+                    cache = model.new_cache(spec, max_seq=ctx + 16)  # the CLI's --cache grammar
                     hits += str(key) in answer(model, cache, ids)
                 rows.append({"ctx": ctx, "depth": depth, "cache": spec, "hits": hits, "trials": len(trials),
                              "seconds": round(time.time() - t0, 1)})

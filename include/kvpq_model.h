@@ -146,6 +146,9 @@ KVPQ_API kvpq_status kvpq_model_eval_batch(kvpq_model *m, int n_seq, kvpq_cache 
 
 /* ---- calibration: codebooks from a model's own keys and values (docs/allocation.md) ---------- */
 
+/* kvpq_codebook_recipe.key_rope: before or after RoPE chosen per layer by the allocation. */
+#define KVPQ_KEY_ROPE_CHOOSE 2
+
 /* One codebook's recipe: the options of `kvpq calibrate` that shape one codebook. */
 typedef struct {
     const char *keys;          /* key preset (kvpq_pq_params_preset): d8b8 d8b12 d4b8 d4b12 d2b8 d1b8; "d4b8" */
@@ -159,7 +162,9 @@ typedef struct {
     int smooth_query;          /* 1 (default): lambda^2 = max|k| / max|q| per channel; 0: max|k| (VecInfer) */
     int key_norm, value_norm;  /* 1 (default): norm-explicit (code the direction, keep one scale) */
     int key_rope;              /* 1: keys coded before RoPE (kvpq_codebook_params.key_rope_dims, every layer,
-                                * the model's frequencies); 0 (default): after */
+                                * the model's frequencies); 0 (default): after; KVPQ_KEY_ROPE_CHOOSE: each
+                                * layer's keys as the allocation chooses (kvpq_calibration_allocate: every key
+                                * candidate trained and measured both ways; needs budgets) */
     int norm_bits;             /* 8 or 16 bits per scale; 0 (default): 8 for an allocation, else 16 */
     int iters;                 /* k-means Lloyd iterations (default 25) */
     int kmeans_init;           /* KVPQ_KMEANS_INIT_RANDOM (default, as faiss) or KVPQ_KMEANS_INIT_PP */

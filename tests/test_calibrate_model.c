@@ -193,3 +193,44 @@ Test(calibrate_model, stage1_from_gives_the_same_centroids) {
     free(logits), free(qabs), free(k), free(v);
     kvpq_codebook_free(cb1), kvpq_codebook_free(cb2), kvpq_codebook_free(cb3);
 }
+
+/* One budget at one window with keys after RoPE (0), before (1), and chosen per layer
+ * (KVPQ_KEY_ROPE_CHOOSE): the choice has both sides' candidates, measured as each side alone measures
+ * them, so its predicted KL is at most either's; a layer rotates its keys exactly when the allocation
+ * chose a "@prerope" candidate for it, and takes that side's key mean. */
+Test(calibrate_model, key_rope_chosen_per_layer) {
+    REQUIRE_MODEL();
+    const double bits[1] = {3.3};
+    const int wins[1] = {16};
+    kvpq_codebook *cb[3] = {0};
+    kvpq_alloc_report rep[3];
+    for (int mode = 0; mode < 3; mode++) {
+        kvpq_calibrate_opts o = small_opts(bits, 1, wins, 1);
+        o.recipe.key_rope = mode;
+        cr_assert_eq(kvpq_model_calibrate(g_model, g_toks, g_n, &o, &cb[mode], &rep[mode]), KVPQ_OK, "%s",
+                     kvpq_last_error());
+    }
+    cr_assert_leq(rep[2].predicted_kl, fmin(rep[0].predicted_kl, rep[1].predicted_kl), "%g vs %g, %g",
+                  rep[2].predicted_kl, rep[0].predicted_kl, rep[1].predicted_kl);
+    cr_assert(rep[2].holdout_kl > 0 && rep[2].holdout_kl < 1, "%g", rep[2].holdout_kl);
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb[2], "alloc.key_rope"), "per-layer");
+    const kvpq_codebook_params p = kvpq_codebook_get_params(cb[2]);
+    const char *names = kvpq_codebook_get_meta(cb[2], "alloc.k");
+    cr_assert_not_null(names);
+    const size_t row = (size_t)p.n_head_kv * p.head_dim;
+    int n_pre = 0;
+    for (int l = 0; l < p.n_layer; l++, names = strchr(names, ',') + 1) {
+        const size_t len = strcspn(names, ",");
+        const int pre = len > 8 && !strncmp(names + len - 8, "@prerope", 8);
+        const float *f = kvpq_codebook_key_rope_freq_const(cb[2], l);
+        int rotated = 0;
+        for (int i = 0; f && i < p.key_rope_dims / 2; i++) rotated |= f[i] != 0.0f;
+        cr_assert_eq(rotated, pre, "layer %d: chosen %.*s, rotation %s", l, (int)len, names, rotated ? "on" : "off");
+        cr_assert_eq(memcmp(kvpq_codebook_key_mean_const(cb[2], l), kvpq_codebook_key_mean_const(cb[pre], l),
+                            sizeof(float) * row), 0, "layer %d: the key mean is not its side's", l);
+        n_pre += pre;
+        if (l + 1 < p.n_layer) cr_assert_not_null(strchr(names, ','));
+    }
+    cr_assert(n_pre > 0 && n_pre < p.n_layer, "%d of %d layers before RoPE: no choice was made", n_pre, p.n_layer);
+    for (int mode = 0; mode < 3; mode++) kvpq_codebook_free(cb[mode]);
+}

@@ -65,9 +65,10 @@ static void calib_usage(FILE *f) {
             "  --key-norm 0|1        norm-explicit keys: code the direction, keep a float16 scale per vector\n"
             "                        (Dai et al., AAAI 2020; +16 bits per key vector) (default 1)\n"
             "  --value-norm 0|1      likewise for values (default 1)\n"
-            "  --key-rope 0|1        1: code keys before RoPE (KVQuant): the cache turns each key back by its\n"
-            "                        position before coding and forward again at attention (CPU cache only;\n"
-            "                        codebook format version 5) (default 0)\n"
+            "  --key-rope 0|1|auto   1: code keys before RoPE (KVQuant): the cache turns each key back by its\n"
+            "                        position before coding and forward again at attention (codebook format\n"
+            "                        version 5); auto (with --bits): every key candidate trained and measured\n"
+            "                        both ways, the allocation chooses per layer (default 0)\n"
             "  --norm-bits 8|16      bits of each norm-explicit scale in the VQ cache: 16 (float16) or 8 (a\n"
             "                        log-coded byte, 1/16 octave steps; layers of at most 4 bits per element,\n"
             "                        finer ones keep float16; metadata k.norm_bits / v.norm_bits; the CUDA\n"
@@ -216,7 +217,13 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         INT_OPT("--smooth-query", smooth_query, 0, 1)
         INT_OPT("--key-norm", key_norm, 0, 1)
         INT_OPT("--value-norm", value_norm, 0, 1)
-        INT_OPT("--key-rope", key_rope, 0, 1)
+        if (!strcmp(o, "--key-rope")) { /* 0, 1 or auto */
+            if (!v || (strcmp(v, "0") && strcmp(v, "1") && strcmp(v, "auto")))
+                return cli_usage_error("calibrate: --key-rope: expected 0, 1 or auto, got '%s'", v ? v : "(missing)"), -2;
+            a->key_rope = !strcmp(v, "auto") ? KVPQ_KEY_ROPE_CHOOSE : v[0] - '0';
+            i++;
+            continue;
+        }
         INT_OPT("--norm-bits", norm_bits, 8, 16)
         INT_OPT("--max-points-per-centroid", max_ppc, 1, 1L << 20)
         INT_OPT("--seed", seed, 0, 0x7fffffffL)

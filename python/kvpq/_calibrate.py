@@ -51,7 +51,9 @@ def _recipe(r, keep, where, keys, values, keys2, keys_layers, values_layers, gra
     r.granularity = _choice(_GRANULARITY, granularity, "granularity", where)
     r.value_rotate, r.center, r.smooth_query = int(bool(value_rotate)), int(bool(center)), int(bool(smooth_query))
     r.key_norm, r.value_norm = int(bool(key_norm)), int(bool(value_norm))
-    r.key_rope = int(bool(key_rope))
+    if isinstance(key_rope, str) and key_rope != "auto":
+        raise c._arg_error(where, f"key_rope: {key_rope!r}: expected False, True or 'auto'")
+    r.key_rope = lib.KVPQ_KEY_ROPE_CHOOSE if key_rope == "auto" else int(bool(key_rope))
     r.norm_bits = 0 if norm_bits is None else c._int(norm_bits, "norm_bits", where, 8, 16)
     r.iters = c._int(iters, "iters", where, 1)
     r.kmeans_init = _choice(_INIT, init, "init", where)
@@ -72,7 +74,7 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
                     n_threads: int = 0, keys: str = "d4b8", values: Optional[str] = None, keys2: Optional[str] = None,
                     keys_layers: Any = None, values_layers: Any = None, granularity: str = "shared",
                     value_rotate: bool = False, center: bool = True, smooth_query: bool = True, key_norm: bool = True,
-                    value_norm: bool = True, key_rope: bool = False, norm_bits: Optional[int] = None, iters: int = 25,
+                    value_norm: bool = True, key_rope: Union[bool, str] = False, norm_bits: Optional[int] = None, iters: int = 25,
                     init: str = "random",
                     max_points_per_centroid: Optional[int] = None, seed: int = 1234,
                     candidates: Optional[Union[str, Sequence[str]]] = None, windows: Optional[Sequence[int]] = None,
@@ -92,7 +94,7 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
       sequence of budgets (one codebook each, from the same measurements).
     The other options are the CLI's (`kvpq calibrate --help`), with the same defaults: tokens
       (--tokens), ctx (--ctx), keys_layers / values_layers ("CFG:A-B,..." or {layer: preset}),
-      key_rope (--key-rope: keys coded before RoPE), iters, init ("random" or "pp"), holdout_ctx (None: min(ctx, 1024)), verify_ctx (None: ctx,
+      key_rope (--key-rope: True keys coded before RoPE; "auto" with budgets: chosen per layer), iters, init ("random" or "pp"), holdout_ctx (None: min(ctx, 1024)), verify_ctx (None: ctx,
       skipped when the text is too short; 0: off), window_select ("auto", "predicted", "measured").
     model_file, text_name: the file names recorded as metadata (model_file defaults to the Model's).
     progress: None or a callable(stage, done, total) (stages "forward", "k-means", "sensitivity",

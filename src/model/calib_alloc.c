@@ -15,14 +15,17 @@
 #include "../core/internal.h"
 #include "calib_impl.h"
 
-enum { MAXC = 8 };
+enum { MAXU = 8, MAXC = 2 * MAXU };
 
 /* The candidate presets: names[c] as given; a key candidate "P1+P2" is P1 (k1) with a residual
- * second stage P2 (k2, "" for single-stage candidates). */
+ * second stage P2 (k2, "" for single-stage candidates). With key_rope KVPQ_KEY_ROPE_CHOOSE the n_user
+ * candidates of the list are followed by their twins coding keys before RoPE (rope[c] 1, named
+ * "P@prerope"), key choices only: their values are the listed candidate's. */
 typedef struct {
-    char names[MAXC][32], k1[MAXC][16], k2[MAXC][16];
-    int n, vfix;        /* vfix: the candidate equal to the recipe's values preset, or -1 */
-    const char *stage2; /* the one second-stage preset of the "+" candidates, or NULL */
+    char names[MAXC][48], k1[MAXC][16], k2[MAXC][16];
+    unsigned char rope[MAXC];
+    int n, n_user, vfix; /* vfix: the candidate equal to the recipe's values preset, or -1 */
+    const char *stage2;  /* the one second-stage preset of the "+" candidates, or NULL */
 } cand_set;
 
 /* The joint check's state: the chunk and the fp16 cache's scores of it. */
@@ -106,9 +109,9 @@ static kvpq_status parse_candidates(const char *list, const char *values, int he
     int nbits = -1, n_plain = 0;
     for (const char *p = list; *p;) {
         const size_t n = strcspn(p, ",");
-        if (n == 0 || n >= sizeof cs->names[0] || cs->n == MAXC)
+        if (n == 0 || n >= 32 || cs->n == MAXU)
             return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: --candidates '%s': expected up to %d comma-separated "
-                             "presets", list, MAXC);
+                             "presets", list, MAXU);
         KVPQ_TRY(add_candidate(cs, p, n, head_dim, values, &nbits));
         n_plain += !cs->k2[cs->n - 1][0];
         p += n;
@@ -121,18 +124,35 @@ static kvpq_status parse_candidates(const char *list, const char *values, int he
     if (!alloc_values && cs->vfix < 0)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: --values %s must be one of --candidates %s (values are not "
                          "allocated)", values, list);
+    cs->n_user = cs->n;
     return KVPQ_OK;
 }
+
+/* KVPQ_KEY_ROPE_CHOOSE: each listed candidate's twin coding keys before RoPE. */
+static void add_rope_twins(cand_set *cs) {
+    for (int k = 0; k < cs->n_user; k++) {
+        const int t = cs->n_user + k;
+        snprintf(cs->names[t], sizeof cs->names[t], "%s@prerope", cs->names[k]);
+        memcpy(cs->k1[t], cs->k1[k], sizeof cs->k1[k]);
+        memcpy(cs->k2[t], cs->k2[k], sizeof cs->k2[k]);
+        cs->rope[t] = 1;
+    }
+    cs->n = 2 * cs->n_user;
+}
+
+/* Candidate k is a key choice only: a second key stage or keys before RoPE (values have one stage
+ * and no rotation). */
+static int key_only(const cand_set *cs, int k) { return cs->k2[k][0] != '\0' || cs->rope[k]; }
 
 kvpq_status kvpq__calib_check_candidates(const char *list, const char *values, int head_dim, int alloc_values) {
     cand_set cs;
     return parse_candidates(list, values, head_dim, alloc_values, &cs);
 }
 
-/* The single-stage candidate named like candidate k's first stage, or -1. */
+/* The single-stage candidate of candidate k's first stage and RoPE side, or -1. */
 static int plain_twin(const cand_set *cs, int k) {
     for (int j = 0; j < cs->n; j++)
-        if (!cs->k2[j][0] && !strcmp(cs->names[j], cs->k1[k])) return j;
+        if (!cs->k2[j][0] && cs->rope[j] == cs->rope[k] && !strcmp(cs->k1[j], cs->k1[k])) return j;
     return -1;
 }
 
@@ -149,6 +169,7 @@ static kvpq_status train_candidates(alloc_state *st) {
             b.keys = b.values = cs->k1[k];
             b.keys2 = cs->k2[k][0] ? cs->k2[k] : NULL;
             b.keys_layers = b.values_layers = NULL;
+            if (st->r.key_rope == KVPQ_KEY_ROPE_CHOOSE) b.key_rope = cs->rope[k];
             const int twin = pass ? plain_twin(cs, k) : -1;
             KVPQ_TRY(kvpq__calib_make_codebook(st->c, &b, &st->cc[k]));
             KVPQ_TRY(kvpq__calib_train_layers(st->c, &b, st->cc[k], twin >= 0 ? st->cc[twin] : NULL, &mk[k], &mv[k]));
@@ -173,12 +194,13 @@ static int sens_progress(void *user, const char *stage, double done, double tota
     return kvpq__calib_progress(p->c, "sensitivity", p->offset + done, p->total) != KVPQ_OK;
 }
 
-/* st->kl: the sensitivities averaged over the held-out chunks; the smallest window is measured,
- * the others scaled (kvpq_sensitivity_params.windows). */
-static kvpq_status measure(alloc_state *st) {
+/* st->kl of candidates c0 .. c0 + n - 1: the sensitivities of kinds (1 keys, 3 keys and values)
+ * averaged over the held-out chunks, ref (among them; -1: all measured) the reference of the scaled
+ * ones; the smallest window is measured, the others scaled (kvpq_sensitivity_params.windows). */
+static kvpq_status measure_cands(alloc_state *st, int c0, int n, int kinds, int ref, sens_progress_ctx *pc) {
     const kvpq_calibration *c = st->c;
-    const cand_set *cs = &st->cs;
-    double *klc = calloc(st->nkl * st->NW, sizeof *klc);
+    const size_t per = (size_t)n * 2 * st->L; /* one window's (n, 2, L) table */
+    double *klc = calloc(per * st->NW, sizeof *klc);
     int32_t *tk = malloc(sizeof *tk * (size_t)c->hctx);
     if (!klc || !tk) {
         free(klc), free(tk);
@@ -189,22 +211,40 @@ static kvpq_status measure(alloc_state *st) {
     sp.sinks = c->o.alloc.sinks;
     sp.windows = c->wins + 1;
     sp.n_windows = st->NW - 1;
-    sp.kl_windows = klc + st->nkl;
+    sp.kl_windows = klc + per;
     sp.n_threads = c->o.n_threads;
-    sp.ref_cand = st->ref_cand;
-    sens_progress_ctx pc = {c, 0, (double)st->nkl * c->hchunks};
+    sp.kinds = kinds;
+    sp.ref_cand = ref;
     sp.progress = sens_progress;
-    sp.progress_user = &pc;
+    sp.progress_user = pc;
     kvpq_status s = KVPQ_OK;
-    for (int ch = 0; ch < c->hchunks && s == KVPQ_OK; ch++, pc.offset += (double)st->nkl) {
+    for (int ch = 0; ch < c->hchunks && s == KVPQ_OK; ch++, pc->offset += (double)n * st->L * (kinds == 3 ? 2 : 1)) {
         memcpy(tk, c->toks + c->n_avail + (size_t)ch * c->hctx, sizeof *tk * (size_t)c->hctx);
         if (c->mi.add_bos) tk[0] = c->mi.bos_id; /* as kvpq ppl scores a chunk */
-        s = kvpq_model_layer_sensitivity(c->m, tk, c->hctx, (const kvpq_codebook *const *)st->cc, cs->n, &sp, klc);
-        for (size_t i = 0; s == KVPQ_OK && i < st->nkl * st->NW; i++) st->kl[i] += klc[i] / c->hchunks;
+        s = kvpq_model_layer_sensitivity(c->m, tk, c->hctx, (const kvpq_codebook *const *)st->cc + c0, n, &sp, klc);
+        for (int w = 0; s == KVPQ_OK && w < st->NW; w++)
+            for (size_t i = 0; i < per; i++)
+                st->kl[(size_t)w * st->nkl + (size_t)c0 * 2 * st->L + i] += klc[(size_t)w * per + i] / c->hchunks;
     }
     free(klc);
     free(tk);
     return s;
+}
+
+/* st->kl: the listed candidates' keys and values; with KVPQ_KEY_ROPE_CHOOSE their twins' keys too,
+ * each side scaled from its own reference, and the twins' values copied (they are the listed ones'). */
+static kvpq_status measure(alloc_state *st) {
+    const cand_set *cs = &st->cs;
+    const int nu = cs->n_user, twins = cs->n > nu, L = st->L;
+    sens_progress_ctx pc = {st->c, 0, (double)nu * L * (twins ? 3 : 2) * st->c->hchunks};
+    KVPQ_TRY(measure_cands(st, 0, nu, 3, st->ref_cand, &pc));
+    if (!twins) return KVPQ_OK;
+    KVPQ_TRY(measure_cands(st, nu, nu, 1, st->ref_cand, &pc));
+    for (int w = 0; w < st->NW; w++)
+        for (int k = 0; k < nu; k++)
+            memcpy(st->kl + (size_t)w * st->nkl + ((size_t)(nu + k) * 2 + 1) * L,
+                   st->kl + (size_t)w * st->nkl + ((size_t)k * 2 + 1) * L, sizeof(double) * L);
+    return KVPQ_OK;
 }
 
 /* st->lb, fixed_w, elements: each choice's bytes at context ctx, per window candidate. */
@@ -303,9 +343,9 @@ static void knapsack_inputs(alloc_state *st, int w, double bits, double *budget,
     for (int g = 0; g < st->G; g++) {
         const int l = g % L, kind = g / L;
         for (int k = 0; k < n; k++) {
-            /* values have one stage: a "P1+P2" candidate is not a value choice (+inf: kvpq_alloc_mckp's
-             * "unavailable"; a large finite cost was still picked when P1's values were lighter) */
-            st->cost[(size_t)g * n + k] = kind && cs->k2[k][0] ? INFINITY : klw[((size_t)k * 2 + kind) * L + l];
+            /* a key-only candidate is not a value choice (+inf: kvpq_alloc_mckp's "unavailable"; a
+             * large finite cost was still picked when P1's values were lighter) */
+            st->cost[(size_t)g * n + k] = kind && key_only(cs, k) ? INFINITY : klw[((size_t)k * 2 + kind) * L + l];
             st->weight[(size_t)g * n + k] = (int64_t)lbw[((size_t)k * L + l) * 2 + kind];
         }
     }
@@ -324,8 +364,8 @@ static double lightest_bytes(const alloc_state *st, int w) {
     double light = (double)st->fixed_w[w];
     for (int g = 0; g < st->G; g++) {
         double m = INFINITY;
-        for (int k = 0; k < n; k++) /* not a "P1+P2" candidate for values */
-            if (!(g >= L && cs->k2[k][0]) && (double)st->weight[(size_t)g * n + k] < m)
+        for (int k = 0; k < n; k++) /* not a key-only candidate for values */
+            if (!(g >= L && key_only(cs, k)) && (double)st->weight[(size_t)g * n + k] < m)
                 m = (double)st->weight[(size_t)g * n + k];
         light += m;
     }
@@ -390,9 +430,15 @@ static kvpq_status copy_layer(alloc_state *st, kvpq_codebook *fin, int l, int kc
         const kvpq_pq *kq2 = kvpq_codebook_key_pq2_const(st->cc[kc], l);
         KVPQ_TRY(kvpq_pq_set_centroids(kvpq_codebook_key_pq2(fin, l), kvpq_pq_centroids(kq2), kvpq_pq_centroids_size(kq2)));
     }
+    /* the smoothing and mean of the keys' side of RoPE (every candidate of a side has the same);
+     * a layer coding keys after RoPE in a file that codes some before has no rotation */
+    const kvpq_codebook *side = st->cc[st->cs.rope[kc] ? st->cs.n_user : 0];
     const size_t row = (size_t)st->c->mi.n_head_kv * st->c->mi.head_dim;
-    memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(st->cc[0], l), sizeof(float) * row);
-    memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(st->cc[0], l), sizeof(float) * row);
+    memcpy(kvpq_codebook_key_smooth(fin, l), kvpq_codebook_key_smooth_const(side, l), sizeof(float) * row);
+    memcpy(kvpq_codebook_key_mean(fin, l), kvpq_codebook_key_mean_const(side, l), sizeof(float) * row);
+    float *freq = kvpq_codebook_key_rope_freq(fin, l);
+    if (freq && !st->cs.rope[kc] && st->r.key_rope == KVPQ_KEY_ROPE_CHOOSE)
+        memset(freq, 0, sizeof(float) * (size_t)(kvpq_codebook_get_params(fin).key_rope_dims / 2));
     return KVPQ_OK;
 }
 
@@ -401,9 +447,10 @@ static kvpq_status copy_layer(alloc_state *st, kvpq_codebook *fin, int l, int kc
 static kvpq_status assemble(alloc_state *st, int w, const int *kc, const int *vc, kvpq_codebook **out, double *eff) {
     const cand_set *cs = &st->cs;
     const int L = st->L;
-    int any2 = 0;
-    for (int l = 0; l < L; l++) any2 |= cs->k2[kc[l]][0] != '\0';
+    int any2 = 0, any_rope = 0;
+    for (int l = 0; l < L; l++) any2 |= cs->k2[kc[l]][0] != '\0', any_rope |= cs->rope[kc[l]];
     kvpq_codebook_recipe b = st->r;
+    if (b.key_rope == KVPQ_KEY_ROPE_CHOOSE) b.key_rope = any_rope;
     b.keys = cs->k1[most_chosen(kc, L, cs->n)];
     b.keys2 = any2 ? cs->stage2 : NULL;
     b.values = cs->k1[most_chosen(vc, L, cs->n)];
@@ -465,6 +512,7 @@ static void choice_meta(const alloc_state *st, kvpq_codebook *fin, int w, const 
         }
         kvpq_codebook_set_meta(fin, kind ? "alloc.kl.v" : "alloc.kl.k", m->buf);
         for (int k = 0; k < st->cs.n; k++) {
+            if (kind && st->cs.rope[k]) continue; /* a RoPE twin's values are its listed candidate's */
             m->buf[0] = '\0';
             for (int l = 0; l < L; l++) {
                 snprintf(buf, sizeof buf, "%.4g", klb[((size_t)k * 2 + kind) * L + l]);
@@ -488,7 +536,7 @@ static int auto_select(const kvpq_calibration *c) {
 static kvpq_status alloc_meta(const alloc_state *st, kvpq_codebook *fin, const kvpq_alloc_report *rep, int w,
                               const int *kc, const int *vc, double pred, double eff) {
     const kvpq_calibration *c = st->c;
-    meta_list m = {malloc((size_t)st->L * 24 + 64), (size_t)st->L * 24 + 64};
+    meta_list m = {malloc((size_t)st->L * 48 + 64), (size_t)st->L * 48 + 64};
     if (!m.buf) return kvpq__err(KVPQ_ERR_NOMEM, "calibrate: out of memory");
     kvpq__calib_common_meta(c, &st->r, fin, st->mse_k, st->mse_v);
     kvpq__calib_meta_fmt(fin, "alloc.bits", "%g", rep->bits);
@@ -505,6 +553,7 @@ static kvpq_status alloc_meta(const alloc_state *st, kvpq_codebook *fin, const k
     kvpq_codebook_set_meta(fin, "alloc.method", "mckp-dp");
     kvpq_codebook_set_meta(fin, "alloc.sensitivity", st->ref_cand < 0 ? "full" : st->cs.names[st->ref_cand]);
     kvpq_codebook_set_meta(fin, "alloc.values", st->alloc_values ? "allocated" : "fixed");
+    if (st->r.key_rope == KVPQ_KEY_ROPE_CHOOSE) kvpq_codebook_set_meta(fin, "alloc.key_rope", "per-layer");
     kvpq__calib_meta_fmt(fin, "alloc.holdout_tokens", "%d", c->hchunks * c->hctx);
     kvpq__calib_meta_fmt(fin, "alloc.holdout_ctx", "%d", c->hctx);
     kvpq__calib_meta_fmt(fin, "alloc.predicted_kl", "%.6g", pred);
@@ -615,7 +664,7 @@ static kvpq_status allocate_budget(alloc_state *st, double bits, kvpq_codebook *
         }
     }
     if (n_tries > 1) { /* the kept window's file, with every window's measured KL */
-        meta_list m = {malloc((size_t)st->L * 24 + 64), (size_t)st->L * 24 + 64};
+        meta_list m = {malloc((size_t)st->L * 48 + 64), (size_t)st->L * 48 + 64};
         if (!m.buf) {
             kvpq_codebook_free(kept.cb);
             return kvpq__err(KVPQ_ERR_NOMEM, "calibrate: out of memory");
@@ -652,12 +701,13 @@ static kvpq_status state_init(alloc_state *st, kvpq_calibration *c) {
     st->alloc_values = c->o.alloc.alloc_values != 0;
     KVPQ_TRY(parse_candidates(c->o.alloc.candidates, st->r.values, c->mi.head_dim, st->alloc_values, &st->cs));
     const cand_set *cs = &st->cs;
-    st->G = st->alloc_values ? 2 * st->L : st->L;
-    st->nkl = (size_t)cs->n * 2 * st->L;
     int ref = c->o.alloc.full_sensitivity ? -1 : (cs->vfix >= 0 ? cs->vfix : cs->n / 2);
     while (ref > 0 && cs->k2[ref][0]) ref--; /* a single-stage reference */
     while (ref >= 0 && cs->k2[ref][0]) ref++;
-    st->ref_cand = ref;
+    st->ref_cand = ref; /* of the listed candidates; the RoPE twins' is its twin */
+    if (st->r.key_rope == KVPQ_KEY_ROPE_CHOOSE) add_rope_twins(&st->cs);
+    st->G = st->alloc_values ? 2 * st->L : st->L;
+    st->nkl = (size_t)cs->n * 2 * st->L;
     st->kl = calloc(st->nkl * st->NW, sizeof *st->kl);
     st->lb = malloc(sizeof *st->lb * st->nkl * st->NW);
     st->cost = malloc(sizeof *st->cost * (size_t)st->G * cs->n);

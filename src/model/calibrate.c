@@ -236,6 +236,9 @@ kvpq_status kvpq_calibration_train(kvpq_calibration *c, const kvpq_codebook_reci
     if (!c || !out) return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_calibration_train: NULL argument");
     *out = NULL;
     const kvpq_codebook_recipe x = kvpq__calib_recipe(c, r);
+    if (x.key_rope == KVPQ_KEY_ROPE_CHOOSE)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_calibration_train: key_rope KVPQ_KEY_ROPE_CHOOSE (--key-rope "
+                         "auto) is a choice of the allocation (kvpq_calibration_allocate); one codebook takes 0 or 1");
     kvpq_codebook *cb = NULL;
     double mse_k = 0, mse_v = 0;
     kvpq_status s = make_codebook(c->m, &c->mi, &x, &cb);
@@ -261,6 +264,12 @@ static kvpq_status check_recipe_fields(const kvpq_codebook_recipe *r, int n_bits
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: --norm-bits %d: expected 8 or 16", r->norm_bits);
     if (r->kmeans_init != KVPQ_KMEANS_INIT_PP && r->kmeans_init != KVPQ_KMEANS_INIT_RANDOM)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: kmeans_init %d: expected pp or random", r->kmeans_init);
+    if (r->key_rope < 0 || r->key_rope > KVPQ_KEY_ROPE_CHOOSE)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: key_rope %d: expected 0 (after RoPE), 1 (before) or %d "
+                         "(chosen per layer by the allocation)", r->key_rope, KVPQ_KEY_ROPE_CHOOSE);
+    if (r->key_rope == KVPQ_KEY_ROPE_CHOOSE && n_bits < 1)
+        return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: --key-rope auto lets the allocation choose each layer's "
+                         "keys before or after RoPE: it needs budgets (--bits)");
     if (r->iters < 1 || r->max_points_per_centroid < 0)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: iters %d (expected >= 1), max_points_per_centroid %d", r->iters,
                          r->max_points_per_centroid);

@@ -85,6 +85,8 @@ def test_python_call_writes_the_cli_bytes(cli_files, tmp_path):
     (dict(keys_layers="d2b8:0-5,d8b8:3-8"), "layer 3 is already set"),
     (dict(bits=2.5, window_select="sometimes"), "window_select"),
     (dict(ctx=1 << 20), "--ctx"),
+    (dict(key_rope="auto"), "needs budgets"),
+    (dict(bits=2.5, key_rope="sometimes"), "key_rope"),
 ])
 def test_bad_options_raise_naming_the_option(kw, named):
     m = kvpq.Model(MODEL, n_threads=2)
