@@ -14,6 +14,7 @@
 
 #include "../core/internal.h"
 #include "calib_impl.h"
+#include "eval_hook.h"
 
 enum { MAXU = 8, MAXC = 2 * MAXU };
 
@@ -742,6 +743,7 @@ kvpq_status kvpq_calibration_allocate(kvpq_calibration *c, kvpq_codebook **out, 
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "kvpq_calibration_allocate: no budgets (the options' alloc.n_bits is 0)");
     for (int i = 0; i < a->n_bits; i++) out[i] = NULL;
     alloc_state st;
+    const int act = kvpq__model_act_reference(c->m); /* eval_hook.h: float32 activations */
     kvpq_status s = state_init(&st, c);
     if (s == KVPQ_OK) s = state_measure(&st);
     int n_failed = 0;
@@ -753,6 +755,7 @@ kvpq_status kvpq_calibration_allocate(kvpq_calibration *c, kvpq_codebook **out, 
         n_failed += s == KVPQ_OK && !out[i];
     }
     state_free(&st);
+    kvpq__model_act_restore(c->m, act);
     if (s != KVPQ_OK) {
         for (int i = 0; i < a->n_bits; i++) kvpq_codebook_free(out[i]), out[i] = NULL;
         return s;

@@ -16,6 +16,7 @@
 
 #include "../core/internal.h"
 #include "calib_impl.h"
+#include "eval_hook.h"
 
 /* Tokens per forward step of the activation collection (each step read back at once). */
 #define CALIB_STEP 512
@@ -469,7 +470,9 @@ kvpq_status kvpq_calibration_new(kvpq_calibration **out, kvpq_model *m, const in
         memcpy(c->toks, tokens, sizeof *c->toks * n);
         for (size_t i = 0; i < c->n_use; i++) c->pos[i] = (int32_t)(i % (size_t)o->ctx); /* collect's chunks */
         const double t0 = wall_seconds();
+        const int act = kvpq__model_act_reference(m); /* eval_hook.h: float32 activations */
         s = collect(c);
+        kvpq__model_act_restore(m, act);
         c->t_forward = wall_seconds() - t0;
     }
     if (s != KVPQ_OK) {

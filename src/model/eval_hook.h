@@ -40,4 +40,14 @@ typedef struct {
 kvpq_status kvpq__model_eval_hooked(kvpq_model *m, kvpq_cache *cache, const int32_t *tokens, int n, int pos0,
                                     int logits_from, float *logits, const kvpq__eval_hook *hook);
 
+/* Measurements (calibration, layer sensitivities, their joint check) run the float32 activation
+ * path, the reference `kvpq ppl` scores with: 8-bit activations (KVPQ_ACT=auto, the default of
+ * generation) round every row after the layer a measurement perturbs differently from the
+ * reference pass, a KL floor of their own that buried the small differences between candidates
+ * (SmolLM2 `calibrate --bits 2.5` at ctx 4096: predicted KL 0.062 vs 0.026, held-out 0.048 vs
+ * 0.032). Returns the mode to give back to kvpq__model_act_restore; one model serves one call at a
+ * time (as kvpq_model_eval). */
+int kvpq__model_act_reference(kvpq_model *m);
+void kvpq__model_act_restore(kvpq_model *m, int act);
+
 #endif

@@ -362,6 +362,14 @@ static kvpq_status act_mode(int *act) {
     return kvpq__err(KVPQ_ERR_INVALID_ARG, "KVPQ_ACT=%s: expected auto (the default), q8 or f32", e);
 }
 
+int kvpq__model_act_reference(kvpq_model *m) {
+    const int act = m->act;
+    m->act = ACT_F32;
+    return act;
+}
+
+void kvpq__model_act_restore(kvpq_model *m, int act) { m->act = act; }
+
 kvpq_model_params kvpq_model_params_default(void) {
     kvpq_model_params p = {.n_threads = 0};
     return p;

@@ -224,6 +224,7 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
     const int n_pad = (n + SENS_FLUSH - 1) / SENS_FLUSH * SENS_FLUSH;
     kvpq_status s = KVPQ_OK;
     kvpq_cache *fc = NULL, *vc = NULL;
+    const int act = kvpq__model_act_reference(m); /* eval_hook.h: float32 activations */
     float *xs = malloc(sizeof(float) * (size_t)L * n * E);
     float *ks = malloc(sizeof(float) * (size_t)L * n * row), *vs = malloc(sizeof(float) * (size_t)L * n * row);
     float *kr = malloc(sizeof(float) * (size_t)n_pad * row), *vr = malloc(sizeof(float) * (size_t)n_pad * row);
@@ -336,6 +337,7 @@ kvpq_status kvpq_model_layer_sensitivity(kvpq_model *m, const int32_t *tokens, i
 restore:
     if (p->n_threads > 0) omp_set_num_threads(saved_threads);
 done:
+    kvpq__model_act_restore(m, act);
     kvpq_cache_free(fc);
     kvpq_cache_free(vc);
     free(xs);

@@ -17,6 +17,7 @@ BIN = os.path.abspath(os.environ.get("KVPQ_BIN", str(SRC / "build" / "kvpq")))
 MODEL = SRC / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = SRC / "data" / "text" / "emma.txt"
 FIXTURE = SRC / "tests" / "fixtures" / "calibrate_cli_d195030.sha256"
+FIXTURE_AVX2 = SRC / "tests" / "fixtures" / "calibrate_cli_d195030_avx2_l1d32k.sha256"
 pytestmark = pytest.mark.skipif(not MODEL.exists(), reason=f"model {MODEL} missing (scripts/fetch_model.sh)")
 
 # Small but every path: two budgets, a second key stage among the candidates, two windows checked by
@@ -50,13 +51,22 @@ def cli_files(tmp_path_factory):
     return d
 
 
+def fixture_for_this_cpu():
+    """The fixture made with this CPU's kernels: AVX-512 with a 48 KiB L1D, or AVX2 with a 32 KiB one
+    (src/cpu/vq_avx2.c: a 32 KiB L1D takes other table kernels, another sum order); None otherwise."""
+    simd, l1d = kvpq.simd_get(), l1d_bytes()
+    if simd == "avx512" and l1d > 32768:
+        return FIXTURE
+    if simd == "avx2" and 0 < l1d <= 32768:
+        return FIXTURE_AVX2
+    return None
+
+
 def test_cli_files_equal_those_written_before_the_move(cli_files):
-    if kvpq.simd_get() != "avx512":
-        pytest.skip("the fixture was made with the AVX-512 kernels; this CPU runs " + kvpq.simd_get())
-    l1d = l1d_bytes()
-    if l1d <= 32768:  # src/cpu/vq_avx2.c: a 32 KiB L1D takes other table kernels (another sum order)
-        pytest.skip(f"the fixture was made on a 48 KiB L1D; this CPU's is {l1d} bytes")
-    want = dict(reversed(line.split()) for line in FIXTURE.read_text().splitlines() if line and line[0] != "#")
+    fx = fixture_for_this_cpu()
+    if fx is None:
+        pytest.skip(f"no fixture made with this CPU's kernels ({kvpq.simd_get()}, L1D {l1d_bytes()} bytes)")
+    want = dict(reversed(line.split()) for line in fx.read_text().splitlines() if line and line[0] != "#")
     assert {f: sha(cli_files / f) for f in FILES} == want
 
 
@@ -122,3 +132,19 @@ def test_keys_before_rope_python_call_writes_the_cli_bytes(tmp_path):
                            keys="d4b8", iters=3, n_threads=2, norm_bits=8)
     assert plain.info()["key_rope"] is None
     assert not np.allclose(plain.key_mean(3), cb.key_mean(3)), "the key means of pre-RoPE keys differ"
+
+
+def test_calibration_runs_the_float32_activations(tmp_path):
+    """Calibration is a measurement: its forward pass (and sensitivities, joint check) run the float32
+    activation path whatever KVPQ_ACT says. With 8-bit activations (the default of generation until
+    2026-12-06 here too) the collected keys differed, and the sensitivities' rounding floor buried the
+    differences between candidates (SmolLM2 `--bits 2.5` at ctx 4096: held-out KL 0.048 vs 0.032)."""
+    files = []
+    for act in ("auto", "f32"):
+        out = tmp_path / f"{act}.safetensors"
+        r = subprocess.run([BIN, "calibrate", "--model", MODEL, "--text", TEXT, "--tokens", "512", "--ctx", "1024",
+                            "--keys", "d8b8", "--iters", "1", "--threads", "2", "-o", out],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "KVPQ_ACT": act})
+        assert r.returncode == 0, r.stderr
+        files.append(sha(out))
+    assert files[0] == files[1]
