@@ -3,19 +3,18 @@
  * before coding; read: turned forward after decoding) and the attention of such a layer.
  *
  * The attention cannot score keys from per-query tables: a coded key's rotation depends on its
- * position. Each warp of a CTA takes positions of one (sequence, KV head, split) in turn (their codes
- * loaded an iteration ahead), decodes the key into registers as decode.cu does (centroids, inverse
- * Hadamard rotation, times lambda and the norm-explicit scale, plus the key mean), rotates it by its
- * position, scores it against the CTA's query heads, and adds the value's centroids times its scale
- * (positions of the float32 window are read from it: k + mu, v rotated into the value codebook's
- * space), with an online softmax in the log2 domain (FlashAttention-2, Dao 2023); each head's sum is
- * turned back by the value rotation once. The CTA's warps merge in shared memory; a second kernel
- * merges the splits and writes the output and the log-sum-exp. Angles: pos * inv_freq in double,
+ * position. A CTA takes one (sequence, KV head, split) by tiles of kT positions: its warps decode the
+ * tile's rows into shared memory (codes loaded a row ahead; centroids, inverse Hadamard rotation,
+ * times lambda and the norm-explicit scale, plus the key mean, as decode.cu; then the key rotated by
+ * its position; positions of the float32 window are read from it: k + mu, v rotated into the value
+ * codebook's space), once for all the group's query heads; then each warp scores the tile for its
+ * heads, a position per lane, and adds the values, with an online softmax in the log2 domain
+ * (FlashAttention-2, Dao 2023); each head's sum is turned back by the value rotation once. A second
+ * kernel merges the splits and writes the output and the log-sum-exp. (A warp-per-position form ran
+ * until 2026-12-06: 1.6x slower at batch 8, bench/results/gpu_rope/tile_h100.) Angles: pos * inv_freq in double,
  * reduced to [-pi, pi], then the hardware sin / cos (the CPU's kvpq_rope_rotate takes cos / sin in
  * double: the two agree to about 1e-6). */
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "common.cuh"
 
@@ -146,76 +145,6 @@ __device__ __forceinline__ void load_kv(const kvpq__attend_params &p, float *row
     gather<EPL>(f.vc, p.v_centroids, p.v_books, p.v_ksub, p.v_dsub, f.sv, lane, v);
 }
 
-/* Split blockIdx.x of (sequence blockIdx.z, head group blockIdx.y): GS query heads of one KV head,
- * positions [split * chunk, min(L, (split + 1) * chunk)). Partials: part_o (B, n_head, n_splits, D)
- * unnormalized, part_md {m (log2 domain, -inf when empty), d}. */
-template <int D, int GS>
-__global__ void __launch_bounds__(kNW * 32, 4) attend_rope_kernel(const kvpq__attend_params p) {
-    constexpr int EPL = D / 32;
-    __shared__ float s_row[kNW][D];
-    __shared__ float s_o[kNW][GS][D];
-    __shared__ float s_md[kNW][GS][2];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.z, split = blockIdx.x;
-    const int G = p.n_head / p.n_head_kv, groups = G / GS;
-    const int kvh = blockIdx.y / groups, head0 = kvh * G + (int)(blockIdx.y % groups) * GS;
-    const int L = p.seq_len[b], coded = L - (p.window < L ? p.window : L);
-    const int t0 = split * p.chunk, t1 = L < t0 + p.chunk ? L : t0 + p.chunk;
-    const float qs = 1.4426950408889634f * rsqrtf((float)D);
-    float q[GS][EPL], o[GS][EPL], m[GS], l[GS];
-#pragma unroll
-    for (int h = 0; h < GS; h++) {
-        m[h] = -INFINITY, l[h] = 0.f;
-#pragma unroll
-        for (int j = 0; j < EPL; j++) {
-            q[h][j] = p.q[((size_t)b * p.n_head + head0 + h) * D + lane * EPL + j] * qs;
-            o[h][j] = 0.f;
-        }
-    }
-    Pre<EPL> cur{}, nxt{};
-    if (t0 + warp < (t1 < coded ? t1 : coded)) fetch<EPL>(p, b, kvh, t0 + warp, lane, cur);
-    for (int t = t0 + warp; t < t1; t += kNW) {
-        if (t + kNW < (t1 < coded ? t1 : coded)) fetch<EPL>(p, b, kvh, t + kNW, lane, nxt); /* one ahead */
-        float k[EPL], v[EPL];
-        load_kv<EPL>(p, s_row[warp], b, kvh, t, coded, cur, lane, k, v);
-        cur = nxt;
-#pragma unroll
-        for (int h = 0; h < GS; h++) {
-            float sc = 0.f;
-#pragma unroll
-            for (int j = 0; j < EPL; j++) sc += q[h][j] * k[j];
-#pragma unroll
-            for (int x = 16; x > 0; x >>= 1) sc += __shfl_xor_sync(KVPQ_FULL_MASK, sc, x);
-            const float mn = fmaxf(m[h], sc), corr = exp2f(m[h] - mn), pr = exp2f(sc - mn);
-            l[h] = l[h] * corr + pr;
-#pragma unroll
-            for (int j = 0; j < EPL; j++) o[h][j] = o[h][j] * corr + pr * v[j];
-            m[h] = mn;
-        }
-    }
-#pragma unroll
-    for (int h = 0; h < GS; h++) {
-        if (p.v_rotate) kvpq__warp_fwht<EPL>(o[h], lane); /* back from the value codebook's space */
-#pragma unroll
-        for (int j = 0; j < EPL; j++) s_o[warp][h][lane * EPL + j] = o[h][j];
-        if (lane == 0) s_md[warp][h][0] = m[h], s_md[warp][h][1] = l[h];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < GS * D; i += kNW * 32) {
-        const int h = i / D, e = i % D;
-        float M = -INFINITY;
-        for (int w = 0; w < kNW; w++) M = fmaxf(M, s_md[w][h][0]);
-        float acc = 0.f, den = 0.f;
-        for (int w = 0; w < kNW; w++) {
-            const float f = s_md[w][h][0] == -INFINITY ? 0.f : exp2f(s_md[w][h][0] - M);
-            acc += s_o[w][h][e] * f;
-            den += s_md[w][h][1] * f;
-        }
-        const size_t part = ((size_t)b * p.n_head + head0 + h) * p.n_splits + split;
-        p.part_o[part * D + e] = acc;
-        if (e == 0) p.part_md[2 * part] = M, p.part_md[2 * part + 1] = den;
-    }
-}
-
 constexpr int kT = 32; /* positions per tile of the tile kernel */
 
 /* Shared memory of the tile kernel, in floats: keys (kT, D + 4: float4 rows on distinct banks),
@@ -284,10 +213,12 @@ __device__ __forceinline__ void score_pv(const float *sK, const float *sV, const
     __syncwarp();
 }
 
-/* attend_rope_kernel's work by tiles of kT positions: the CTA's warps decode a tile into shared
- * memory (each position once for all GS heads), then each warp scores and sums it for its heads
- * (warp w: heads w, w + kNW, ...), so the only shuffles per position are the key's Hadamard
- * rotation. Partials as attend_rope_kernel's (a head's whole split in one warp). */
+/* Split blockIdx.x of (sequence blockIdx.z, head group blockIdx.y): GS query heads of one KV head,
+ * positions [split * chunk, min(L, (split + 1) * chunk)), by tiles of kT: the CTA's warps decode a
+ * tile into shared memory (each position once for all GS heads), then each warp scores and sums it
+ * for its heads (warp w: heads w, w + kNW, ...), so the only shuffles per position are the key's
+ * Hadamard rotation. Partials: part_o (B, n_head, n_splits, D) unnormalized, part_md {m (log2
+ * domain, -inf when empty), d} (a head's whole split in one warp). */
 template <int D, int GS>
 __global__ void __launch_bounds__(kNW * 32) attend_rope_tile_kernel(const kvpq__attend_params p) {
     constexpr int EPL = D / 32, KS = D + 4, HW = (GS + kNW - 1) / kNW;
@@ -369,17 +300,10 @@ kvpq_status launch_gs(kvpq__attend_params &p, int B, int max_len, int max_splits
     p.n_splits = (max_len + p.chunk - 1) / p.chunk;
     p.n_wsplits = 0;
     const dim3 grid(p.n_splits, p.n_head / GS, B);
-    /* KVPQ_ROPE_KERNEL=warp: the warp-per-position kernel, kept for A/B (docs/CUDA.md: the tile
-     * kernel is the default, 1.6x at batch 8, as fast at b8@32k as the warp form) */
-    const char *kv = getenv("KVPQ_ROPE_KERNEL");
-    if (kv && !strcmp(kv, "warp")) {
-        attend_rope_kernel<D, GS><<<grid, kNW * 32, 0, stream>>>(p);
-    } else {
-        const int bytes = tile_floats<D, GS>() * (int)sizeof(float);
-        KVPQ_CUDA_TRY(cudaFuncSetAttribute(attend_rope_tile_kernel<D, GS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           bytes), "cuda attend (keys before RoPE): shared memory attribute");
-        attend_rope_tile_kernel<D, GS><<<grid, kNW * 32, bytes, stream>>>(p);
-    }
+    const int bytes = tile_floats<D, GS>() * (int)sizeof(float);
+    KVPQ_CUDA_TRY(cudaFuncSetAttribute(attend_rope_tile_kernel<D, GS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       bytes), "cuda attend (keys before RoPE): shared memory attribute");
+    attend_rope_tile_kernel<D, GS><<<grid, kNW * 32, bytes, stream>>>(p);
     KVPQ_CUDA_TRY(cudaGetLastError(), "cuda attend (keys before RoPE): kernel launch");
     merge_kernel<<<dim3(p.n_head, B), D, 0, stream>>>(p);
     return kvpq__cuda_err(cudaGetLastError(), "cuda attend (keys before RoPE): merge launch");
