@@ -234,3 +234,26 @@ Test(calibrate_model, key_rope_chosen_per_layer) {
     cr_assert(n_pre > 0 && n_pre < p.n_layer, "%d of %d layers before RoPE: no choice was made", n_pre, p.n_layer);
     for (int mode = 0; mode < 3; mode++) kvpq_codebook_free(cb[mode]);
 }
+
+/* holdout_repeat: one more sensitivity chunk, the first one's first half twice; it is measured (the
+ * tables move), recorded in the metadata, and a value other than 0 or 1 is refused before any work. */
+Test(calibrate_model, holdout_repeat_measures_a_copied_chunk) {
+    REQUIRE_MODEL();
+    const double bits[1] = {3.3};
+    const int wins[1] = {16};
+    kvpq_calibrate_opts o = small_opts(bits, 1, wins, 1);
+    o.alloc.holdout_repeat = 2;
+    cr_assert_eq(kvpq_calibrate_opts_check(g_model, &o, g_n), KVPQ_ERR_INVALID_ARG);
+    cr_assert(strstr(kvpq_last_error(), "holdout_repeat 2"), "%s", kvpq_last_error());
+    kvpq_codebook *cb[2] = {0};
+    for (int rep = 0; rep < 2; rep++) {
+        o = small_opts(bits, 1, wins, 1);
+        o.alloc.holdout_repeat = rep;
+        cr_assert_eq(kvpq_model_calibrate(g_model, g_toks, g_n, &o, &cb[rep], NULL), KVPQ_OK, "%s", kvpq_last_error());
+    }
+    cr_assert_null(kvpq_codebook_get_meta(cb[0], "alloc.holdout_repeat"));
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb[1], "alloc.holdout_repeat"), "1");
+    const char *key = "alloc.sens.k.d4b8";
+    cr_assert_str_neq(kvpq_codebook_get_meta(cb[0], key), kvpq_codebook_get_meta(cb[1], key));
+    kvpq_codebook_free(cb[0]), kvpq_codebook_free(cb[1]);
+}

@@ -24,7 +24,7 @@ typedef struct {
     /* --bits: automatic per-layer allocation (docs/allocation.md) */
     double bits;
     const char *cands;
-    long holdout_ctx, holdout_chunks, window, alloc_values, sinks, full_sens;
+    long holdout_ctx, holdout_chunks, holdout_repeat, window, alloc_values, sinks, full_sens;
     const char *window_cands; /* --window-candidates; parsed into wins */
     long verify_ctx;          /* --verify-ctx: tokens of the joint check's chunk; -1: --ctx; 0: off */
     const char *window_select; /* --window-select predicted|measured|auto (NULL: auto) */
@@ -94,6 +94,9 @@ static void calib_usage(FILE *f) {
             "                        d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8: keys at 1, 2, 4, 2 and 3 bits)\n"
             "  --holdout-ctx N       tokens per held-out chunk of the measurement (default min(--ctx, 1024))\n"
             "  --holdout-chunks K    held-out chunks (default 1)\n"
+            "  --holdout-repeat 0|1  1: one more held-out chunk, the first one's first half twice, so the\n"
+            "                        sensitivities also score copying from --holdout-ctx/2 positions back\n"
+            "                        (long-range retrieval, as a passkey needs) (default 0)\n"
             "  --window-candidates W,W,...  full-precision windows (newest positions in fp16) to choose\n"
             "                        among with the presets; the window's bytes count in the budget (default\n"
             "                        0,16,32,64,128; at most 16)\n"
@@ -230,6 +233,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         STR_OPT("--candidates", cands)
         INT_OPT("--holdout-ctx", holdout_ctx, 64, 1L << 20)
         INT_OPT("--holdout-chunks", holdout_chunks, 1, 1024)
+        INT_OPT("--holdout-repeat", holdout_repeat, 0, 1)
         INT_OPT("--window", window, 0, 1L << 20)
         STR_OPT("--window-candidates", window_cands)
         INT_OPT("--sinks", sinks, 0, 1L << 20)
@@ -414,6 +418,7 @@ static kvpq_calibrate_opts to_opts(const calib_args *a, double *budgets) {
     }
     p->candidates = a->cands, p->windows = a->wins, p->n_windows = a->n_wins, p->sinks = (int)a->sinks;
     p->holdout_ctx = (int)a->holdout_ctx, p->holdout_chunks = (int)a->holdout_chunks;
+    p->holdout_repeat = (int)a->holdout_repeat;
     p->full_sensitivity = (int)a->full_sens, p->alloc_values = (int)a->alloc_values, p->verify_ctx = (int)a->verify_ctx;
     p->window_select = !a->window_select || !strcmp(a->window_select, "auto") ? KVPQ_WINDOW_SELECT_AUTO
                        : !strcmp(a->window_select, "measured")                ? KVPQ_WINDOW_SELECT_MEASURED

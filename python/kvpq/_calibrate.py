@@ -79,6 +79,7 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
                     max_points_per_centroid: Optional[int] = None, seed: int = 1234,
                     candidates: Optional[Union[str, Sequence[str]]] = None, windows: Optional[Sequence[int]] = None,
                     sinks: int = 1, holdout_ctx: Optional[int] = None, holdout_chunks: int = 1,
+                    holdout_repeat: bool = False,
                     full_sensitivity: bool = False, alloc_values: Optional[bool] = None,
                     verify_ctx: Optional[int] = None, window_select: str = "auto", window_trust: float = 0.3,
                     model_file: Optional[str] = None, text_name: Optional[str] = None,
@@ -94,7 +95,7 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
       sequence of budgets (one codebook each, from the same measurements).
     The other options are the CLI's (`kvpq calibrate --help`), with the same defaults: tokens
       (--tokens), ctx (--ctx), keys_layers / values_layers ("CFG:A-B,..." or {layer: preset}),
-      key_rope (--key-rope: True keys coded before RoPE; "auto" with budgets: chosen per layer), iters, init ("random" or "pp"), holdout_ctx (None: min(ctx, 1024)), verify_ctx (None: ctx,
+      key_rope (--key-rope: True keys coded before RoPE; "auto" with budgets: chosen per layer), iters, init ("random" or "pp"), holdout_ctx (None: min(ctx, 1024)), holdout_repeat (--holdout-repeat), verify_ctx (None: ctx,
       skipped when the text is too short; 0: off), window_select ("auto", "predicted", "measured").
     model_file, text_name: the file names recorded as metadata (model_file defaults to the Model's).
     progress: None or a callable(stage, done, total) (stages "forward", "k-means", "sensitivity",
@@ -116,6 +117,7 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
     o.n_threads = c._int(n_threads, "n_threads", where, 0, 1024)
     _recipe(o.recipe, keep, where, keys, values, keys2, keys_layers, values_layers, granularity, value_rotate, center,
             smooth_query, key_norm, value_norm, key_rope, norm_bits, iters, init, max_points_per_centroid, seed)
+    o.alloc.holdout_repeat = int(bool(holdout_repeat))
     _alloc(o.alloc, keep, where, budgets, candidates, windows, sinks, holdout_ctx, holdout_chunks, full_sensitivity,
            alloc_values, verify_ctx, window_select, window_trust)
     mf = model_file if model_file is not None else os.path.basename(getattr(model, "path", "") or "") or None

@@ -195,6 +195,19 @@ static int sens_progress(void *user, const char *stage, double done, double tota
     return kvpq__calib_progress(p->c, "sensitivity", p->offset + done, p->total) != KVPQ_OK;
 }
 
+/* The sensitivities' chunks: the hold-out's, and with holdout_repeat one more. */
+static int n_holdout(const kvpq_calibration *c) { return c->hchunks + (c->o.alloc.holdout_repeat != 0); }
+
+/* Hold-out chunk ch into tk (hctx tokens, token 0 the BOS when the model adds one, as kvpq ppl
+ * scores a chunk); ch == hchunks (holdout_repeat): the first chunk's first half, twice. */
+static void holdout_chunk(const kvpq_calibration *c, int ch, int32_t *tk) {
+    const int32_t *src = c->toks + c->n_avail + (size_t)(ch < c->hchunks ? ch : 0) * c->hctx;
+    const int half = c->hctx / 2;
+    memcpy(tk, src, sizeof *tk * (size_t)c->hctx);
+    if (ch == c->hchunks) memcpy(tk + half, src, sizeof *tk * (size_t)(c->hctx - half));
+    if (c->mi.add_bos) tk[0] = c->mi.bos_id;
+}
+
 /* st->kl of candidates c0 .. c0 + n - 1: the sensitivities of kinds (1 keys, 3 keys and values)
  * averaged over the held-out chunks, ref (among them; -1: all measured) the reference of the scaled
  * ones; the smallest window is measured, the others scaled (kvpq_sensitivity_params.windows). */
@@ -219,13 +232,13 @@ static kvpq_status measure_cands(alloc_state *st, int c0, int n, int kinds, int 
     sp.progress = sens_progress;
     sp.progress_user = pc;
     kvpq_status s = KVPQ_OK;
-    for (int ch = 0; ch < c->hchunks && s == KVPQ_OK; ch++, pc->offset += (double)n * st->L * (kinds == 3 ? 2 : 1)) {
-        memcpy(tk, c->toks + c->n_avail + (size_t)ch * c->hctx, sizeof *tk * (size_t)c->hctx);
-        if (c->mi.add_bos) tk[0] = c->mi.bos_id; /* as kvpq ppl scores a chunk */
+    const int nch = n_holdout(c);
+    for (int ch = 0; ch < nch && s == KVPQ_OK; ch++, pc->offset += (double)n * st->L * (kinds == 3 ? 2 : 1)) {
+        holdout_chunk(c, ch, tk);
         s = kvpq_model_layer_sensitivity(c->m, tk, c->hctx, (const kvpq_codebook *const *)st->cc + c0, n, &sp, klc);
         for (int w = 0; s == KVPQ_OK && w < st->NW; w++)
             for (size_t i = 0; i < per; i++)
-                st->kl[(size_t)w * st->nkl + (size_t)c0 * 2 * st->L + i] += klc[(size_t)w * per + i] / c->hchunks;
+                st->kl[(size_t)w * st->nkl + (size_t)c0 * 2 * st->L + i] += klc[(size_t)w * per + i] / nch;
     }
     free(klc);
     free(tk);
@@ -237,7 +250,7 @@ static kvpq_status measure_cands(alloc_state *st, int c0, int n, int kinds, int 
 static kvpq_status measure(alloc_state *st) {
     const cand_set *cs = &st->cs;
     const int nu = cs->n_user, twins = cs->n > nu, L = st->L;
-    sens_progress_ctx pc = {st->c, 0, (double)nu * L * (twins ? 3 : 2) * st->c->hchunks};
+    sens_progress_ctx pc = {st->c, 0, (double)nu * L * (twins ? 3 : 2) * n_holdout(st->c)};
     KVPQ_TRY(measure_cands(st, 0, nu, 3, st->ref_cand, &pc));
     if (!twins) return KVPQ_OK;
     KVPQ_TRY(measure_cands(st, nu, nu, 1, st->ref_cand, &pc));
@@ -556,6 +569,7 @@ static kvpq_status alloc_meta(const alloc_state *st, kvpq_codebook *fin, const k
     kvpq_codebook_set_meta(fin, "alloc.values", st->alloc_values ? "allocated" : "fixed");
     if (st->r.key_rope == KVPQ_KEY_ROPE_CHOOSE) kvpq_codebook_set_meta(fin, "alloc.key_rope", "per-layer");
     kvpq__calib_meta_fmt(fin, "alloc.holdout_tokens", "%d", c->hchunks * c->hctx);
+    if (c->o.alloc.holdout_repeat) kvpq_codebook_set_meta(fin, "alloc.holdout_repeat", "1");
     kvpq__calib_meta_fmt(fin, "alloc.holdout_ctx", "%d", c->hctx);
     kvpq__calib_meta_fmt(fin, "alloc.predicted_kl", "%.6g", pred);
     kvpq__calib_meta_fmt(fin, "alloc.effective_bits", "%.6g", eff);
