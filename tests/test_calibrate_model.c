@@ -26,6 +26,9 @@ static void setup(void) {
     fclose(f);
     kvpq_model_params mp = kvpq_model_params_default();
     mp.n_threads = 2;
+    /* float32 activations (read at load): the calibration runs them whatever the model's mode
+     * (eval_hook.h), and stage1_from_gives_the_same_centroids collects activations by hand */
+    setenv("KVPQ_ACT", "f32", 1);
     cr_assert_eq(kvpq_model_load(&g_model, MODEL_PATH, &mp), KVPQ_OK, "%s", kvpq_last_error());
     char *text = calloc(TEXT_BYTES + 1, 1);
     f = fopen(TEXT_PATH, "rb");
