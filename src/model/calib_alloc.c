@@ -246,19 +246,13 @@ static kvpq_status measure_cands(alloc_state *st, int c0, int n, int kinds, int 
 }
 
 /* st->kl: the listed candidates' keys and values; with KVPQ_KEY_ROPE_CHOOSE their twins' keys too,
- * each side scaled from its own reference, and the twins' values copied (they are the listed ones'). */
+ * each side scaled from its own reference (the twins' value entries stay 0: key_only, never read). */
 static kvpq_status measure(alloc_state *st) {
     const cand_set *cs = &st->cs;
-    const int nu = cs->n_user, twins = cs->n > nu, L = st->L;
-    sens_progress_ctx pc = {st->c, 0, (double)nu * L * (twins ? 3 : 2) * n_holdout(st->c)};
+    const int nu = cs->n_user, twins = cs->n > nu;
+    sens_progress_ctx pc = {st->c, 0, (double)nu * st->L * (twins ? 3 : 2) * n_holdout(st->c)};
     KVPQ_TRY(measure_cands(st, 0, nu, 3, st->ref_cand, &pc));
-    if (!twins) return KVPQ_OK;
-    KVPQ_TRY(measure_cands(st, nu, nu, 1, st->ref_cand, &pc));
-    for (int w = 0; w < st->NW; w++)
-        for (int k = 0; k < nu; k++)
-            memcpy(st->kl + (size_t)w * st->nkl + ((size_t)(nu + k) * 2 + 1) * L,
-                   st->kl + (size_t)w * st->nkl + ((size_t)k * 2 + 1) * L, sizeof(double) * L);
-    return KVPQ_OK;
+    return twins ? measure_cands(st, nu, nu, 1, st->ref_cand, &pc) : KVPQ_OK;
 }
 
 /* st->lb, fixed_w, elements: each choice's bytes at context ctx, per window candidate. */
