@@ -133,7 +133,9 @@ static kvpq_status parse_candidates(const char *list, const char *values, int he
 static void add_rope_twins(cand_set *cs) {
     for (int k = 0; k < cs->n_user; k++) {
         const int t = cs->n_user + k;
-        snprintf(cs->names[t], sizeof cs->names[t], "%s@prerope", cs->names[k]);
+        char base[sizeof cs->names[k]];
+        memcpy(base, cs->names[k], sizeof base); /* a name is < 32 characters (parse_candidates) */
+        snprintf(cs->names[t], sizeof cs->names[t], "%.39s@prerope", base);
         memcpy(cs->k1[t], cs->k1[k], sizeof cs->k1[k]);
         memcpy(cs->k2[t], cs->k2[k], sizeof cs->k2[k]);
         cs->rope[t] = 1;
