@@ -117,9 +117,8 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
     o.n_threads = c._int(n_threads, "n_threads", where, 0, 1024)
     _recipe(o.recipe, keep, where, keys, values, keys2, keys_layers, values_layers, granularity, value_rotate, center,
             smooth_query, key_norm, value_norm, key_rope, norm_bits, iters, init, max_points_per_centroid, seed)
-    o.alloc.holdout_repeat = int(bool(holdout_repeat))
-    _alloc(o.alloc, keep, where, budgets, candidates, windows, sinks, holdout_ctx, holdout_chunks, full_sensitivity,
-           alloc_values, verify_ctx, window_select, window_trust)
+    _alloc(o.alloc, keep, where, budgets, candidates, windows, sinks, holdout_ctx, holdout_chunks, holdout_repeat,
+           full_sensitivity, alloc_values, verify_ctx, window_select, window_trust)
     mf = model_file if model_file is not None else os.path.basename(getattr(model, "path", "") or "") or None
     for field, value in (("model_file", mf), ("text_name", text_name)):
         if value is not None:
@@ -139,8 +138,8 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
     return books if bits is not None and hasattr(bits, "__len__") else books[0]
 
 
-def _alloc(a, keep, where, budgets, candidates, windows, sinks, holdout_ctx, holdout_chunks, full_sensitivity,
-           alloc_values, verify_ctx, window_select, window_trust):
+def _alloc(a, keep, where, budgets, candidates, windows, sinks, holdout_ctx, holdout_chunks, holdout_repeat,
+           full_sensitivity, alloc_values, verify_ctx, window_select, window_trust):
     c = _core()
     if len(budgets) > 9:
         raise c._arg_error(where, f"bits: at most 9 budgets, got {len(budgets)}")
@@ -160,6 +159,7 @@ def _alloc(a, keep, where, budgets, candidates, windows, sinks, holdout_ctx, hol
     a.sinks = c._int(sinks, "sinks", where, 0)
     a.holdout_ctx = c._int(holdout_ctx or 0, "holdout_ctx", where, 0)
     a.holdout_chunks = c._int(holdout_chunks, "holdout_chunks", where, 1)
+    a.holdout_repeat = int(bool(holdout_repeat))
     a.full_sensitivity = int(bool(full_sensitivity))
     a.alloc_values = -1 if alloc_values is None else int(bool(alloc_values))
     a.verify_ctx = -1 if verify_ctx is None else c._int(verify_ctx, "verify_ctx", where, 0)
