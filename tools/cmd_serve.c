@@ -117,7 +117,7 @@ static void drain(serve_server *sv, serve_http *h) {
     pthread_mutex_unlock(&sv->mu);
     serve_http_quiesce(h);
     pthread_mutex_lock(&sv->mu);
-    while (sv->live_jobs > 0) pthread_cond_wait(&sv->job_cond, &sv->mu);
+    while (sv->live_requests > 0) pthread_cond_wait(&sv->job_cond, &sv->mu);
     pthread_mutex_unlock(&sv->mu);
     serve_engine_stop(sv);
     serve_http_stop(h);

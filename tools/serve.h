@@ -92,7 +92,7 @@ typedef struct {
     serve_job *incoming;        /* submitted, not yet seen by the engine (FIFO) */
     int draining;               /* SIGTERM: no new jobs */
     int stop_engine;
-    int live_jobs;
+    int live_requests;          /* HTTP requests from their headers to their response's last byte */
     serve_metrics metrics;
     serve_conv_store *convs;    /* engine thread only */
     pthread_t engine;

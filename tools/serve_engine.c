@@ -67,7 +67,6 @@ void serve_job_free(serve_job *j) {
 
 void serve_job_release_locked(serve_server *sv, serve_job *j) {
     if (--j->refs > 0) return;
-    sv->live_jobs--;
     serve_job_free(j);
     pthread_cond_broadcast(&sv->job_cond);
 }

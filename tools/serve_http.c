@@ -349,6 +349,14 @@ static void body_add(req_t *r, const char *data, size_t n, size_t limit) {
     r->body[r->n] = '\0';
 }
 
+/* Requests in flight, counted from their headers to their completion; a drain waits for none. */
+static void live_requests_add(serve_server *sv, int d) {
+    pthread_mutex_lock(&sv->mu);
+    sv->live_requests += d;
+    pthread_cond_broadcast(&sv->job_cond);
+    pthread_mutex_unlock(&sv->mu);
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                   const char *version, const char *data, size_t *data_size, void **con_cls) {
     serve_http *h = cls;
@@ -357,6 +365,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (!r) { /* the headers are in: a declared body over the limit is refused before it is read */
         if (!(r = calloc(1, sizeof *r))) return MHD_NO;
         *con_cls = r;
+        live_requests_add(h->sv, 1);
         const char *len = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (len && strtoull(len, NULL, 10) > h->sv->o.max_body) {
             r->too_big = 1;
@@ -373,10 +382,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     return route(h->sv, c, url, method, r);
 }
 
+/* The response's last byte is sent (or the connection is gone): the request no longer keeps a drain waiting. */
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    serve_http *h = cls;
     req_t *r = *con_cls;
-    (void)cls, (void)c, (void)toe;
-    if (r) free(r->body);
+    (void)c, (void)toe;
+    if (!r) return;
+    live_requests_add(h->sv, -1);
+    free(r->body);
     free(r);
     *con_cls = NULL;
 }
