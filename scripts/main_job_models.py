@@ -148,6 +148,39 @@ def table(title, rows):
     return "\n".join(lines)
 
 
+def cache_name(spec, base_dir):
+    """A passkey row's cache as the ppl tables name it: "kvpq --bits B" for an allocated codebook."""
+    m = re.match(r"vq:(.*?)(:w\d+)?(:force)?$", spec)
+    if not m:
+        return spec
+    meta = cb_meta(m.group(1)) or cb_meta(os.path.join(base_dir, os.path.basename(m.group(1))))
+    if meta and "alloc.bits" in meta:
+        return f"kvpq --bits {meta['alloc.bits']}"
+    return vq_name(spec, m, meta)
+
+
+def passkey_table(paths):
+    """bench/passkey.py results as one table: a row per cache, a column per (ctx, depth), hits / trials."""
+    cells, cols, names, settings = {}, [], [], []
+    for p in paths:
+        d = json.load(open(p))
+        settings.append(d["settings"])
+        for r in d["results"]:
+            name, col = cache_name(r["cache"], os.path.dirname(p)), (r["ctx"], r["depth"])
+            names += [name] if name not in names else []
+            cols += [col] if col not in cols else []
+            cells[name, col] = f"{r['hits']}/{r['trials']}"
+    cols.sort()
+    model = os.path.basename(settings[0]["model"])
+    lines = [f"### Passkey retrieval ({model})", "",
+             "| cache | " + " | ".join(f"ctx {c} depth {dp:g}" for c, dp in cols) + " |",
+             "| --- |" + " ---: |" * len(cols)]
+    lines += [f"| {n} | " + " | ".join(cells.get((n, c), "") for c in cols) + " |" for n in names]
+    lines += ["", "hits / trials: the greedy answer holds the passkey (bench/passkey.py, seed "
+              f"{settings[0]['seed']}); sources: " + ", ".join(f"`{p}`" for p in paths)]
+    return "\n".join(lines)
+
+
 def figure(panels, path):
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.6), squeeze=False)
@@ -192,6 +225,7 @@ def main():
     ap.add_argument("--md", required=True)
     ap.add_argument("--figure", required=True)
     ap.add_argument("--preamble", default="", help="a file whose text goes before the tables")
+    ap.add_argument("--passkey", action="append", default=[], help="a bench/passkey.py --json file (repeatable)")
     a = ap.parse_args()
     panels = []
     for p in a.panel:
@@ -202,6 +236,8 @@ def main():
         gen.append(open(a.preamble).read())
     for title, rows in panels:
         gen += [table(title, rows), ""]
+    if a.passkey:
+        gen += [passkey_table(a.passkey), ""]
     gen.append(f"![delta perplexity against effective bits]({os.path.basename(a.figure)})")
     old = open(a.md).read() if os.path.exists(a.md) else ""
     if BEGIN in old and END in old:
