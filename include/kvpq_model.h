@@ -175,7 +175,7 @@ KVPQ_API kvpq_codebook_recipe kvpq_codebook_recipe_default(void);
 
 /* How an allocation's window is chosen among the window candidates. */
 typedef enum {
-    KVPQ_WINDOW_SELECT_AUTO = 0,  /* predicted; every window checked when the prediction is off by more than window_trust */
+    KVPQ_WINDOW_SELECT_AUTO = 0,  /* predicted; when off its held-out KL by more than window_trust, the 2 next windows by prediction checked too */
     KVPQ_WINDOW_SELECT_PREDICTED, /* the least predicted KL */
     KVPQ_WINDOW_SELECT_MEASURED   /* every window's allocation checked; the least held-out KL */
 } kvpq_window_select;
@@ -241,7 +241,7 @@ typedef struct {
     /* per window candidate: predicted KL (+Inf: none fits), held-out KL and top-1 (NaN: not checked) */
     double predicted_kl_w[16], measured_kl_w[16], measured_top1_w[16];
     int windows[16], n_windows;
-    int rechecked;            /* AUTO checked every window (the prediction was off) */
+    int rechecked;            /* AUTO checked more windows (the prediction was off) */
     double kmeans_seconds, sensitivity_seconds, check_seconds; /* wall time of the stages (shared by the budgets) */
 } kvpq_alloc_report;
 

@@ -111,8 +111,9 @@ static void calib_usage(FILE *f) {
             "  --window-select S     predicted: keep the window whose allocation has the least predicted KL;\n"
             "                        measured: check every window's allocation (--verify-ctx) and keep the least\n"
             "                        held-out KL (one forward pass per window that fits); auto: predicted, and\n"
-            "                        measured when the predicted KL of the chosen window is off its held-out KL\n"
-            "                        by more than --window-trust (default auto; predicted with --verify-ctx 0)\n"
+            "                        when the predicted KL of the chosen window is off its held-out KL by more\n"
+            "                        than --window-trust, the next 2 windows by predicted KL checked too and\n"
+            "                        the least held-out KL kept (default auto; predicted with --verify-ctx 0)\n"
             "  --window-trust F      auto's tolerance: |predicted / held-out - 1| <= F keeps the predicted\n"
             "                        choice (default 0.3)\n"
             "  --full-sensitivity 0|1  1: a forward pass per layer, kind and candidate; 0 (default): per layer\n"
@@ -479,8 +480,9 @@ static void print_windows(const kvpq_alloc_report *r, double trust) {
                 r->bits, r->windows[w], r->predicted_kl_w[w], r->measured_kl_w[w], 100.0 * r->measured_top1_w[w]);
         if (r->rechecked && r->windows[w] == r->predicted_window)
             fprintf(stderr, "kvpq calibrate: --bits %.3g, window %d: predicted KL %.4f is %.2f x the held-out KL %.4f (off "
-                            "by more than %.0f%%): checking every window's allocation\n", r->bits, r->windows[w],
-                    r->predicted_kl_w[w], r->predicted_kl_w[w] / r->measured_kl_w[w], r->measured_kl_w[w], 100 * trust);
+                            "by more than %.0f%%): checking the next %d window%s by predicted KL\n", r->bits, r->windows[w],
+                    r->predicted_kl_w[w], r->predicted_kl_w[w] / r->measured_kl_w[w], r->measured_kl_w[w], 100 * trust,
+                    n_checked - 1, n_checked > 2 ? "s" : "");
     }
 }
 

@@ -70,7 +70,8 @@ def test_bits_chooses_the_window_and_ppl_holds_the_budget(tmp_path):
         fits = {w: kl for w, kl in pred.items() if kl is not None}
         assert fits, pred
         # --window-select auto (the default): the predicted choice, unless its prediction is off its
-        # held-out KL by more than 30%; then every window is checked and the least held-out KL kept
+        # held-out KL by more than 30%; then the 2 next windows by prediction (here: all 3) are checked
+        # and the least held-out KL kept
         assert meta["alloc.window_select"] == "auto" and meta["alloc.window_trust"] == "0.3", meta
         best = min(fits, key=fits.get)
         if "alloc.window_measured_kl" in meta:

@@ -19,8 +19,8 @@ def test_joint_check_is_what_ppl_measures_for_the_written_file(tmp_path):
     on the same tokens (the text's tokens right after the k-means tokens), one code path: any
     difference in the cache it builds (window, sinks, presets), the tokens, the BOS or the scoring
     fails here. With --window-select auto and --window-trust 0 (any difference between predicted and
-    held-out KL is too much) every window that fits is checked, as with measured, and the file keeps
-    the least held-out KL. A file without the new keys (before 2026-12-02) still loads and infos."""
+    held-out KL is too much) the next windows by predicted KL are checked (up to 2 more; here the one
+    other), and the file keeps the least held-out KL. A file without the new keys (before 2026-12-02) still loads and infos."""
     out = tmp_path / "b6.safetensors"
     p = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", 512, "--ctx", 256, "--holdout-ctx", 128,
             "--iters", 2, "--threads", 2, "--bits", 6.0, "--window-candidates", "0,16", "--candidates", "d8b8,d4b8",
@@ -29,7 +29,7 @@ def test_joint_check_is_what_ppl_measures_for_the_written_file(tmp_path):
     assert meta["alloc.verify_ctx"] == "256" and meta["alloc.verify_start"] == "512", meta  # after the k-means tokens
     assert meta["alloc.verify_scored"] == "127" and meta["alloc.verify_base"] == "fp16", meta
     assert meta["alloc.window_select"] == "auto" and meta["alloc.window_trust"] == "0", meta
-    assert "checking every window's allocation" in p.stderr, p.stderr
+    assert "checking the next 1 window by predicted KL" in p.stderr, p.stderr
     meas = {int(w): float(kl) for w, kl in (x.split(":") for x in meta["alloc.window_measured_kl"].split(","))}
     assert sorted(meas) == [0, 16], meas
     assert _least(meas, int(meta["alloc.window"])), (meta["alloc.window"], meas)
@@ -128,7 +128,25 @@ def test_auto_with_one_window_checks_nothing_more(tmp_path):
     kl, pred = float(meta["alloc.holdout_kl"]), float(meta["alloc.predicted_kl"])
     assert kl > 0 and pred != kl, meta  # the prediction is off: with another window, auto would check it
     assert meta["alloc.window"] == "0" and "alloc.window_measured_kl" not in meta, meta
-    assert "checking every window" not in p.stderr, p.stderr
+    assert "checking the next" not in p.stderr, p.stderr
     assert set(meta["alloc.k"].split(",")) <= {"d2b8", "d1b8"}, meta["alloc.k"]
     info = run("info", out).stdout
     assert "dsub=" in info and "joint check: " in info, info
+
+
+def test_auto_rechecks_the_next_two_windows_by_prediction(tmp_path):
+    """--window-select auto with a prediction off its held-out KL (--window-trust 0) and four windows
+    that fit: the predicted choice and the 2 windows of next-least predicted KL are checked (3 forward
+    passes, not 4), and the file keeps the least held-out KL of those."""
+    out = tmp_path / "b7.safetensors"
+    p = run("calibrate", "--model", MODEL, "--text", CALIB, "--tokens", 512, "--ctx", 256, "--holdout-ctx", 128,
+            "--iters", 2, "--threads", 2, "--bits", 7.0, "--window-candidates", "0,8,16,32", "--candidates",
+            "d8b8,d4b8", "--window-trust", 0, "-o", out)
+    meta = _meta(out)
+    pred = {int(w): float(kl) for w, kl in (x.split(":") for x in meta["alloc.window_predicted_kl"].split(","))}
+    meas = {int(w): kl for w, kl in (x.split(":") for x in meta["alloc.window_measured_kl"].split(","))}
+    meas = {w: float(kl) for w, kl in meas.items() if kl != "none"}
+    assert sorted(pred) == [0, 8, 16, 32], pred  # all four fit
+    assert sorted(meas) == sorted(sorted(pred, key=pred.get)[:3]), (pred, meas)
+    assert "checking the next 2 windows by predicted KL" in p.stderr, p.stderr
+    assert _least(meas, int(meta["alloc.window"])), (meta["alloc.window"], meas)
