@@ -49,7 +49,7 @@ stage "dependencies, build, models"
 # shellcheck disable=SC2086
 ./scripts/fetch_model.sh $models
 # Its own build folder: the CLI and the library the Python benchmarks load, without tests, and without
-# the CUDA backend unless an NVIDIA GPU is visible (nvcc alone made the build 12 min instead of ~2).
+# the CUDA backend unless an NVIDIA GPU is visible (on the 2-core VM: 43 s; with the CUDA objects 12 min).
 cuda=OFF
 nvidia-smi -L >/dev/null 2>&1 && cuda=AUTO
 cmake -S . -B build-main-job -DCMAKE_BUILD_TYPE=Release -DKVPQ_TESTS=OFF -DKVPQ_CUDA=$cuda >/dev/null
