@@ -629,17 +629,21 @@ static kvpq_status try_window(alloc_state *st, kvpq_alloc_report *rep, int w, tr
  * 2026-12-06 main job (docs/allocation.md) at 3/5 of the checks' cost. */
 enum { AUTO_RECHECK = 2 };
 
+static int listed(const int *a, int n, int v) {
+    for (int i = 0; i < n; i++)
+        if (a[i] == v) return 1;
+    return 0;
+}
+
+/* tries[0] is x's window, the one checked first. */
 static void auto_recheck(const alloc_state *st, kvpq_alloc_report *rep, const tried *x, int *tries, int *n_tries) {
     if (!(fabs(x->pred / x->kl - 1) > st->c->o.alloc.window_trust)) return;
     for (int k = 0; k < AUTO_RECHECK; k++) {
         int next = -1;
-        for (int w = 0; w < st->NW; w++) {
-            int seen = w == x->w;
-            for (int t = 1; t < *n_tries; t++) seen |= tries[t] == w;
-            if (!seen && isfinite(rep->predicted_kl_w[w]) &&
+        for (int w = 0; w < st->NW; w++)
+            if (!listed(tries, *n_tries, w) && isfinite(rep->predicted_kl_w[w]) &&
                 (next < 0 || rep->predicted_kl_w[w] < rep->predicted_kl_w[next]))
                 next = w;
-        }
         if (next < 0) break;
         tries[(*n_tries)++] = next;
         rep->rechecked = 1;
