@@ -78,6 +78,18 @@ def vq_name(spec, m, meta):
     return "vq-" + base + (m.group(2) or "")
 
 
+def codebook_meta(path, json_path):
+    """A codebook's metadata: from the path a run recorded, else (a codebook not at its recorded
+    path, e.g. out/ of the run) from a file of that name beside the JSON, else from the
+    codebooks_meta.json beside it (the committed results keep the metadata only); None if none."""
+    meta = cb_meta(path)
+    if meta is None:
+        meta = cb_meta(os.path.join(os.path.dirname(json_path), os.path.basename(path)))
+    if meta is None:
+        meta = sidecar_meta(os.path.dirname(json_path)).get(os.path.basename(path))
+    return meta
+
+
 def rows_of(paths):
     out, seen = [], set()
     for p in paths:
@@ -88,14 +100,7 @@ def rows_of(paths):
         for r in d["results"]:
             spec = r["cache"]
             m = re.match(r"vq:(.*?)(:w\d+)?(:force)?$", spec)
-            meta = None
-            if m:  # a codebook not at its recorded path (out/ of the run) is looked for beside the JSON,
-                # then in the codebooks_meta.json beside it (the committed results keep the metadata only)
-                meta = cb_meta(m.group(1))
-                if meta is None:
-                    meta = cb_meta(os.path.join(os.path.dirname(p), os.path.basename(m.group(1))))
-                if meta is None:
-                    meta = sidecar_meta(os.path.dirname(p)).get(os.path.basename(m.group(1)))
+            meta = codebook_meta(m.group(1), p) if m else None
             r["_alloc"] = meta if meta and "alloc.bits" in meta else None
             if r["_alloc"]:
                 # files from before --bits took 8-bit norm-explicit scales by default (2026-12-04)
@@ -148,12 +153,12 @@ def table(title, rows):
     return "\n".join(lines)
 
 
-def cache_name(spec, base_dir):
+def cache_name(spec, json_path):
     """A passkey row's cache as the ppl tables name it: "kvpq --bits B" for an allocated codebook."""
     m = re.match(r"vq:(.*?)(:w\d+)?(:force)?$", spec)
     if not m:
         return spec
-    meta = cb_meta(m.group(1)) or cb_meta(os.path.join(base_dir, os.path.basename(m.group(1))))
+    meta = codebook_meta(m.group(1), json_path)
     if meta and "alloc.bits" in meta:
         return f"kvpq --bits {meta['alloc.bits']}"
     return vq_name(spec, m, meta)
@@ -166,7 +171,7 @@ def passkey_table(paths):
         d = json.load(open(p))
         settings.append(d["settings"])
         for r in d["results"]:
-            name, col = cache_name(r["cache"], os.path.dirname(p)), (r["ctx"], r["depth"])
+            name, col = cache_name(r["cache"], p), (r["ctx"], r["depth"])
             names += [name] if name not in names else []
             cols += [col] if col not in cols else []
             cells[name, col] = f"{r['hits']}/{r['trials']}"
