@@ -13,6 +13,7 @@
 # between the markers of docs/main_job.md and docs/main_job_models.png).
 #
 #   scripts/main_job.sh [--models "smollm2-135m gemma3-270m qwen2.5-coder-1.5b"] [--update-docs] [--quick]
+#                       [--passkey-trials N]
 #
 # --quick: SmolLM2 only, context 1024, 2048 calibration tokens, 2 passkey trials (a check that the
 # pipeline runs, in minutes; not the published figures). Environment: KVPQ_THREADS (default: all cores).
@@ -21,25 +22,29 @@
 # scored on one chunk of context 1024 beside kvpq's rows of the same chunk; QUANTCPP_LIB=PATH adds
 # turbo_kv_3b/4b from a library built by scripts/build_quantcpp_peer.sh) and passkey retrieval
 # (bench/passkey.py: Gemma-3-270M when listed, else the first model; context 4096, depths 0.1 / 0.5 /
-# 0.9, 20 trials each, for fp16, kvpq --bits 2.5 / 3.0 and TurboQuant tq4; ~7.5 s a trial on 2 cores).
+# 0.9, 10 trials each (--passkey-trials N; bench/passkey.py's default and docs/retrieval.md's figures are 20),
+# for fp16, kvpq --bits 2.5 / 3.0 and TurboQuant tq4; ~8-10 s a trial on 2 cores, 20 min at 10 trials).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 models="smollm2-135m gemma3-270m qwen2.5-coder-1.5b"
 update_docs=0
 quick=0
+trials=10
 while [ $# -gt 0 ]; do
   case "$1" in
     --models) models=$2; shift 2;;
     --update-docs) update_docs=1; shift;;
     --quick) quick=1; models=smollm2-135m; shift;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0;;
+    --passkey-trials) trials=$2; shift 2;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0;;
     *) echo "main_job: unknown option '$1' (see --help)" >&2; exit 2;;
   esac
 done
 threads=${KVPQ_THREADS:-$(nproc)}
-ctx=4096; tokens=8192; holdout=512; trials=20
+ctx=4096; tokens=8192; holdout=512
 [ "$quick" = 1 ] && ctx=1024 && tokens=2048 && holdout=256 && trials=2
+case "$trials" in ''|*[!0-9]*|0) echo "main_job: --passkey-trials '$trials': expected a positive whole number" >&2; exit 2;; esac
 out=out/main_job
 t_start=$(date +%s)
 stage() { echo "== [$(( $(date +%s) - t_start )) s] $*"; }
