@@ -180,6 +180,9 @@ typedef enum {
     KVPQ_WINDOW_SELECT_MEASURED   /* every window's allocation checked; the least held-out KL */
 } kvpq_window_select;
 
+/* The largest weight of the repeated held-out chunk (kvpq_alloc_params.holdout_repeat). */
+#define KVPQ_HOLDOUT_REPEAT_MAX 16
+
 /* A per-layer bit allocation (kvpq_calibration_allocate): for each budget, every layer's key and value
  * preset chosen among the candidates so that the VQ cache's effective bits per element at context ctx
  * stay within the budget, minimizing the predicted loss (the sum over layers of the KL each layer's
@@ -195,10 +198,11 @@ typedef struct {
     int sinks;                /* first positions kept in fp16, counted in the budget (default 1) */
     int holdout_ctx;          /* tokens per held-out chunk of the sensitivities; 0 (default): min(ctx, 1024) */
     int holdout_chunks;       /* held-out chunks, taken from the END of the text (default 1) */
-    int holdout_repeat;       /* 1: one more held-out chunk, the first one's first half twice ([A; A]): its scored
-                               * second half is predictable by copying from holdout_ctx / 2 positions back, so
-                               * the sensitivities see what a layer's codes cost long-range retrieval (passkey);
-                               * averaged with the others. 0 (default): off */
+    int holdout_repeat;       /* W >= 1: one more held-out chunk, the first one's first half twice ([A; A]): its
+                               * scored second half is predictable by copying from holdout_ctx / 2 positions back,
+                               * so the sensitivities see what a layer's codes cost long-range retrieval
+                               * (passkey); it weighs W in their mean, each other chunk 1 (1: one chunk among the
+                               * others). 0 (default): off. At most KVPQ_HOLDOUT_REPEAT_MAX */
     int full_sensitivity;     /* 1: a forward pass per layer, kind and candidate; 0 (default): scaled from one */
     int alloc_values;         /* 1: values allocated per layer too; 0: values keep the recipe's preset; -1 (default): 1 */
     int verify_ctx;           /* tokens of the joint check of each allocation (KL against fp16 on text right after

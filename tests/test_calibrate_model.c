@@ -243,29 +243,56 @@ Test(calibrate_model, key_rope_chosen_per_layer) {
     for (int mode = 0; mode < 3; mode++) kvpq_codebook_free(cb[mode]);
 }
 
-/* holdout_repeat: one more sensitivity chunk, the first one's first half twice; it is measured (the
- * tables move), recorded in the metadata, and a value other than 0 or 1 is refused before any work.
+/* Per-layer values of a codebook's comma-separated metadata list (at most 64). */
+static int meta_list(const kvpq_codebook *cb, const char *key, double *v) {
+    const char *p = kvpq_codebook_get_meta(cb, key);
+    cr_assert_not_null(p, "no %s", key);
+    int n = 0;
+    for (char *end; n < 64 && *p; p = *end == ',' ? end + 1 : end, n++) {
+        v[n] = strtod(p, &end);
+        cr_assert(end != p, "%s: not a number at '%s'", key, p);
+    }
+    return n;
+}
+
+/* holdout_repeat W: one more sensitivity chunk, the first one's first half twice, weighing W in the
+ * sensitivities' mean; it is measured (the tables move), recorded in the metadata, and a weight
+ * outside 0 .. KVPQ_HOLDOUT_REPEAT_MAX is refused before any work. The weight is a weight: with
+ * s_W = (s_0 + W r) / (1 + W) (r the repeated chunk's KL), s_3 = 1.5 s_1 - 0.5 s_0 per layer.
  * KVPQ_QUICK (the sanitizer run): the repeated chunk's calibration alone, one candidate. */
 Test(calibrate_model, holdout_repeat_measures_a_copied_chunk) {
     REQUIRE_MODEL();
     const double bits[1] = {3.3};
     const int wins[1] = {16};
     kvpq_calibrate_opts o = small_opts(bits, 1, wins, 1);
-    o.alloc.holdout_repeat = 2;
+    o.alloc.holdout_repeat = KVPQ_HOLDOUT_REPEAT_MAX + 1;
     cr_assert_eq(kvpq_calibrate_opts_check(g_model, &o, g_n), KVPQ_ERR_INVALID_ARG);
-    cr_assert(strstr(kvpq_last_error(), "holdout_repeat 2"), "%s", kvpq_last_error());
-    kvpq_codebook *cb[2] = {0};
-    for (int rep = quick() ? 1 : 0; rep < 2; rep++) {
+    cr_assert(strstr(kvpq_last_error(), "holdout_repeat 17"), "%s", kvpq_last_error());
+    o.alloc.holdout_repeat = -1;
+    cr_assert_eq(kvpq_calibrate_opts_check(g_model, &o, g_n), KVPQ_ERR_INVALID_ARG);
+    const int reps[3] = {1, 0, 3}; /* one plain chunk (small_opts), so s_W = (s_0 + W r) / (1 + W) */
+    kvpq_codebook *cb[3] = {0};
+    for (int i = 0; i < (quick() ? 1 : 3); i++) {
         o = small_opts(bits, 1, wins, 1);
-        o.alloc.holdout_repeat = rep;
+        o.alloc.holdout_repeat = reps[i];
+        cr_assert_eq(o.alloc.holdout_chunks, 1);
         if (quick()) o.alloc.candidates = "d4b8";
-        cr_assert_eq(kvpq_model_calibrate(g_model, g_toks, g_n, &o, &cb[rep], NULL), KVPQ_OK, "%s", kvpq_last_error());
+        cr_assert_eq(kvpq_model_calibrate(g_model, g_toks, g_n, &o, &cb[i], NULL), KVPQ_OK, "%s", kvpq_last_error());
     }
-    cr_assert_str_eq(kvpq_codebook_get_meta(cb[1], "alloc.holdout_repeat"), "1");
+    cr_assert_str_eq(kvpq_codebook_get_meta(cb[0], "alloc.holdout_repeat"), "1");
     if (!quick()) {
-        cr_assert_null(kvpq_codebook_get_meta(cb[0], "alloc.holdout_repeat"));
+        cr_assert_null(kvpq_codebook_get_meta(cb[1], "alloc.holdout_repeat"));
+        cr_assert_str_eq(kvpq_codebook_get_meta(cb[2], "alloc.holdout_repeat"), "3");
         const char *key = "alloc.sens.k.d4b8";
         cr_assert_str_neq(kvpq_codebook_get_meta(cb[0], key), kvpq_codebook_get_meta(cb[1], key));
+        double s1[64], s0[64], s3[64];
+        const int L = meta_list(cb[0], key, s1);
+        cr_assert(L > 0 && meta_list(cb[1], key, s0) == L && meta_list(cb[2], key, s3) == L);
+        for (int l = 0; l < L; l++) {
+            const double want = 1.5 * s1[l] - 0.5 * s0[l]; /* the metadata keep 4 digits */
+            cr_assert(fabs(s3[l] - want) <= 2e-3 * fmax(fabs(s0[l]), fabs(s1[l])) + 1e-7,
+                      "layer %d: s_3 %g, expected 1.5 s_1 - 0.5 s_0 = %g (s_0 %g, s_1 %g)", l, s3[l], want, s0[l], s1[l]);
+        }
     }
-    kvpq_codebook_free(cb[0]), kvpq_codebook_free(cb[1]);
+    for (int i = 0; i < 3; i++) kvpq_codebook_free(cb[i]);
 }

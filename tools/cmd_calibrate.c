@@ -94,9 +94,10 @@ static void calib_usage(FILE *f) {
             "                        d8b8,d4b8,d2b8,d8b8+d8b8,d4b8+d8b8: keys at 1, 2, 4, 2 and 3 bits)\n"
             "  --holdout-ctx N       tokens per held-out chunk of the measurement (default min(--ctx, 1024))\n"
             "  --holdout-chunks K    held-out chunks (default 1)\n"
-            "  --holdout-repeat 0|1  1: one more held-out chunk, the first one's first half twice, so the\n"
-            "                        sensitivities also score copying from --holdout-ctx/2 positions back\n"
-            "                        (long-range retrieval, as a passkey needs) (default 0)\n"
+            "  --holdout-repeat W    W >= 1: one more held-out chunk, the first one's first half twice,\n"
+            "                        so the sensitivities also score copying from --holdout-ctx/2\n"
+            "                        positions back (long-range retrieval, as a passkey needs), weighing W\n"
+            "                        in their mean (each other chunk 1); 0: off (default 0, at most 16)\n"
             "  --window-candidates W,W,...  full-precision windows (newest positions in fp16) to choose\n"
             "                        among with the presets; the window's bytes count in the budget (default\n"
             "                        0,16,32,64,128; at most 16)\n"
@@ -234,7 +235,7 @@ static int parse_opts(int argc, char **argv, calib_args *a, int job) {
         STR_OPT("--candidates", cands)
         INT_OPT("--holdout-ctx", holdout_ctx, 64, 1L << 20)
         INT_OPT("--holdout-chunks", holdout_chunks, 1, 1024)
-        INT_OPT("--holdout-repeat", holdout_repeat, 0, 1)
+        INT_OPT("--holdout-repeat", holdout_repeat, 0, KVPQ_HOLDOUT_REPEAT_MAX)
         INT_OPT("--window", window, 0, 1L << 20)
         STR_OPT("--window-candidates", window_cands)
         INT_OPT("--sinks", sinks, 0, 1L << 20)

@@ -79,7 +79,7 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
                     max_points_per_centroid: Optional[int] = None, seed: int = 1234,
                     candidates: Optional[Union[str, Sequence[str]]] = None, windows: Optional[Sequence[int]] = None,
                     sinks: int = 1, holdout_ctx: Optional[int] = None, holdout_chunks: int = 1,
-                    holdout_repeat: bool = False,
+                    holdout_repeat: Union[bool, int] = False,
                     full_sensitivity: bool = False, alloc_values: Optional[bool] = None,
                     verify_ctx: Optional[int] = None, window_select: str = "auto", window_trust: float = 0.3,
                     model_file: Optional[str] = None, text_name: Optional[str] = None,
@@ -95,7 +95,8 @@ def calibrate_model(model: Any, text: Any, bits: Any = None, *, tokens: int = 32
       sequence of budgets (one codebook each, from the same measurements).
     The other options are the CLI's (`kvpq calibrate --help`), with the same defaults: tokens
       (--tokens), ctx (--ctx), keys_layers / values_layers ("CFG:A-B,..." or {layer: preset}),
-      key_rope (--key-rope: True keys coded before RoPE; "auto" with budgets: chosen per layer), iters, init ("random" or "pp"), holdout_ctx (None: min(ctx, 1024)), holdout_repeat (--holdout-repeat), verify_ctx (None: ctx,
+      key_rope (--key-rope: True keys coded before RoPE; "auto" with budgets: chosen per layer), iters, init ("random" or "pp"), holdout_ctx (None: min(ctx, 1024)), holdout_repeat (--holdout-repeat: True is 1, an int
+      0..16 the repeated chunk's weight), verify_ctx (None: ctx,
       skipped when the text is too short; 0: off), window_select ("auto", "predicted", "measured").
     model_file, text_name: the file names recorded as metadata (model_file defaults to the Model's).
     progress: None or a callable(stage, done, total) (stages "forward", "k-means", "sensitivity",
@@ -159,7 +160,10 @@ def _alloc(a, keep, where, budgets, candidates, windows, sinks, holdout_ctx, hol
     a.sinks = c._int(sinks, "sinks", where, 0)
     a.holdout_ctx = c._int(holdout_ctx or 0, "holdout_ctx", where, 0)
     a.holdout_chunks = c._int(holdout_chunks, "holdout_chunks", where, 1)
-    a.holdout_repeat = int(bool(holdout_repeat))
+    if holdout_repeat is None or isinstance(holdout_repeat, (bool, np.bool_)):
+        a.holdout_repeat = int(bool(holdout_repeat))  # the flag's form: True is weight 1
+    else:
+        a.holdout_repeat = c._int(holdout_repeat, "holdout_repeat", where, 0, lib.KVPQ_HOLDOUT_REPEAT_MAX)
     a.full_sensitivity = int(bool(full_sensitivity))
     a.alloc_values = -1 if alloc_values is None else int(bool(alloc_values))
     a.verify_ctx = -1 if verify_ctx is None else c._int(verify_ctx, "verify_ctx", where, 0)

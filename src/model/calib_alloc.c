@@ -200,6 +200,11 @@ static int sens_progress(void *user, const char *stage, double done, double tota
 /* The sensitivities' chunks: the hold-out's, and with holdout_repeat one more. */
 static int n_holdout(const kvpq_calibration *c) { return c->hchunks + (c->o.alloc.holdout_repeat != 0); }
 
+/* Chunk ch's weight in the sensitivities' mean: 1, the repeated chunk's holdout_repeat. */
+static double chunk_weight(const kvpq_calibration *c, int ch) {
+    return ch < c->hchunks ? 1.0 : (double)c->o.alloc.holdout_repeat;
+}
+
 /* Hold-out chunk ch into tk (hctx tokens, token 0 the BOS when the model adds one, as kvpq ppl
  * scores a chunk); ch == hchunks (holdout_repeat): the first chunk's first half, twice. */
 static void holdout_chunk(const kvpq_calibration *c, int ch, int32_t *tk) {
@@ -235,12 +240,14 @@ static kvpq_status measure_cands(alloc_state *st, int c0, int n, int kinds, int 
     sp.progress_user = pc;
     kvpq_status s = KVPQ_OK;
     const int nch = n_holdout(c);
+    const double wsum = c->hchunks + (double)c->o.alloc.holdout_repeat;
     for (int ch = 0; ch < nch && s == KVPQ_OK; ch++, pc->offset += (double)n * st->L * (kinds == 3 ? 2 : 1)) {
         holdout_chunk(c, ch, tk);
         s = kvpq_model_layer_sensitivity(c->m, tk, c->hctx, (const kvpq_codebook *const *)st->cc + c0, n, &sp, klc);
+        const double wt = chunk_weight(c, ch); /* (klc * wt) / wsum, not klc * (wt / wsum): W 0 and 1 keep klc / nch bit for bit */
         for (int w = 0; s == KVPQ_OK && w < st->NW; w++)
             for (size_t i = 0; i < per; i++)
-                st->kl[(size_t)w * st->nkl + (size_t)c0 * 2 * st->L + i] += klc[(size_t)w * per + i] / nch;
+                st->kl[(size_t)w * st->nkl + (size_t)c0 * 2 * st->L + i] += klc[(size_t)w * per + i] * wt / wsum;
     }
     free(klc);
     free(tk);
@@ -565,7 +572,7 @@ static kvpq_status alloc_meta(const alloc_state *st, kvpq_codebook *fin, const k
     kvpq_codebook_set_meta(fin, "alloc.values", st->alloc_values ? "allocated" : "fixed");
     if (st->r.key_rope == KVPQ_KEY_ROPE_CHOOSE) kvpq_codebook_set_meta(fin, "alloc.key_rope", "per-layer");
     kvpq__calib_meta_fmt(fin, "alloc.holdout_tokens", "%d", c->hchunks * c->hctx);
-    if (c->o.alloc.holdout_repeat) kvpq_codebook_set_meta(fin, "alloc.holdout_repeat", "1");
+    if (c->o.alloc.holdout_repeat) kvpq__calib_meta_fmt(fin, "alloc.holdout_repeat", "%d", c->o.alloc.holdout_repeat);
     kvpq__calib_meta_fmt(fin, "alloc.holdout_ctx", "%d", c->hctx);
     kvpq__calib_meta_fmt(fin, "alloc.predicted_kl", "%.6g", pred);
     kvpq__calib_meta_fmt(fin, "alloc.effective_bits", "%.6g", eff);

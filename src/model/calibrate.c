@@ -325,10 +325,10 @@ static kvpq_status check_alloc_fields(const kvpq_alloc_params *a) {
     KVPQ_TRY(sorted_windows(a, wins, &nw));
     if (!a->candidates || !*a->candidates) return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: --candidates is empty");
     if (a->sinks < 0 || a->holdout_chunks < 1 || (a->holdout_ctx != 0 && a->holdout_ctx < 64) ||
-        a->holdout_repeat < 0 || a->holdout_repeat > 1)
+        a->holdout_repeat < 0 || a->holdout_repeat > KVPQ_HOLDOUT_REPEAT_MAX)
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: sinks %d (>= 0), holdout_chunks %d (>= 1), holdout_ctx %d "
-                         "(0 or >= 64), holdout_repeat %d (0 or 1)", a->sinks, a->holdout_chunks, a->holdout_ctx,
-                         a->holdout_repeat);
+                         "(0 or >= 64), holdout_repeat %d (0 .. %d)", a->sinks, a->holdout_chunks, a->holdout_ctx,
+                         a->holdout_repeat, KVPQ_HOLDOUT_REPEAT_MAX);
     if (a->verify_ctx < -1 || (a->verify_ctx > 0 && a->verify_ctx < 16))
         return kvpq__err(KVPQ_ERR_INVALID_ARG, "calibrate: --verify-ctx %d: expected 0 (off) or at least 16 tokens",
                          a->verify_ctx);

@@ -151,19 +151,23 @@ def test_calibration_runs_the_float32_activations(tmp_path):
 
 
 def test_holdout_repeat_python_call_writes_the_cli_bytes(tmp_path):
-    """`--holdout-repeat 1` and kvpq.calibrate(..., holdout_repeat=True) write the same file, and the
-    file says the repeated chunk was scored (metadata `alloc.holdout_repeat`); without it, no such key."""
+    """`--holdout-repeat 3` and kvpq.calibrate(..., holdout_repeat=3) write the same file, and the
+    file records the repeated chunk's weight (metadata `alloc.holdout_repeat`); without it, no such key;
+    a weight outside 0..16 or not a whole number is a kvpq.Error naming holdout_repeat."""
     args = dict(tokens=512, ctx=1024, candidates="d8b8,d4b8", holdout_ctx=128, windows=[16], iters=2, n_threads=2)
     out = tmp_path / "cli.safetensors"
     r = subprocess.run([BIN, "calibrate", "--model", MODEL, "--text", TEXT, "--tokens", "512", "--ctx", "1024",
                         "--bits", "3.6", "--candidates", "d8b8,d4b8", "--holdout-ctx", "128", "--window-candidates",
-                        "16", "--iters", "2", "--threads", "2", "--holdout-repeat", "1", "-o", out],
+                        "16", "--iters", "2", "--threads", "2", "--holdout-repeat", "3", "-o", out],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     m, text = kvpq.Model(MODEL, n_threads=2), TEXT.read_text(encoding="utf-8")
-    cb = kvpq.calibrate(m, text, 3.6, holdout_repeat=True, text_name="emma.txt", **args)
+    cb = kvpq.calibrate(m, text, 3.6, holdout_repeat=3, text_name="emma.txt", **args)
     cb.save(tmp_path / "py.safetensors")
     assert sha(tmp_path / "py.safetensors") == sha(out)
-    assert cb.get_meta("alloc.holdout_repeat") == "1"
+    assert cb.get_meta("alloc.holdout_repeat") == "3"
     plain = kvpq.calibrate(m, text, 3.6, text_name="emma.txt", **args)
     assert plain.get_meta("alloc.holdout_repeat") is None
+    for bad in (17, -1, 2.5):
+        with pytest.raises(kvpq.Error, match="holdout_repeat"):
+            kvpq.calibrate(m, text, 3.6, holdout_repeat=bad, **args)
