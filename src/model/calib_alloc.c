@@ -240,11 +240,13 @@ static kvpq_status measure_cands(alloc_state *st, int c0, int n, int kinds, int 
     sp.progress_user = pc;
     kvpq_status s = KVPQ_OK;
     const int nch = n_holdout(c);
-    const double wsum = c->hchunks + (double)c->o.alloc.holdout_repeat;
+    double wsum = 0; /* the weights' sum, whole numbers: exact */
+    for (int ch = 0; ch < nch; ch++) wsum += chunk_weight(c, ch);
     for (int ch = 0; ch < nch && s == KVPQ_OK; ch++, pc->offset += (double)n * st->L * (kinds == 3 ? 2 : 1)) {
         holdout_chunk(c, ch, tk);
         s = kvpq_model_layer_sensitivity(c->m, tk, c->hctx, (const kvpq_codebook *const *)st->cc + c0, n, &sp, klc);
-        const double wt = chunk_weight(c, ch); /* (klc * wt) / wsum, not klc * (wt / wsum): W 0 and 1 keep klc / nch bit for bit */
+        /* (klc * wt) / wsum, not klc * (wt / wsum): weights 0 and 1 keep the old klc / nch bit for bit */
+        const double wt = chunk_weight(c, ch);
         for (int w = 0; s == KVPQ_OK && w < st->NW; w++)
             for (size_t i = 0; i < per; i++)
                 st->kl[(size_t)w * st->nkl + (size_t)c0 * 2 * st->L + i] += klc[(size_t)w * per + i] * wt / wsum;
