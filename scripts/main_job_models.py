@@ -149,7 +149,9 @@ def table(title, rows):
                      f"{kls} | {t1} | {pk} | {ratio} | {hk} | {hratio} |")
     bases = sorted({f"{r['_base']:.3f}" for r in rows if r["_base"]})
     srcs = sorted({r["_src"] for r in rows})
-    lines += ["", f"fp16 base ppl {' / '.join(bases)}; sources: " + ", ".join(f"`{s}`" for s in srcs)]
+    vctx = sorted({r["_alloc"]["alloc.verify_ctx"] for r in rows if r["_alloc"] and "alloc.verify_ctx" in r["_alloc"]})
+    checked = f"; held-out KL: the joint check on {' / '.join(vctx)} tokens of the calibration text" if vctx else ""
+    lines += ["", f"fp16 base ppl {' / '.join(bases)}{checked}; sources: " + ", ".join(f"`{s}`" for s in srcs)]
     return "\n".join(lines)
 
 
