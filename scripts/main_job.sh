@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job, end to end on a fresh machine, as the product runs today (issue 30 item 5): install
 # dependencies, build, fetch the models; per model, calibrate the allocated codebooks
-# (`kvpq calibrate --bits 2.5`, and 3.0 from the same measurements) on one novel
+# (`kvpq calibrate --bits 2.5`, and 3.0 from the same measurements; its window check on 2048 tokens) on one novel
 # (data/text/emma.txt); measure perplexity, KL and top-1 agreement against the fp16 cache on the
 # held-out novel (data/text/persuasion.txt) at context 4096 for kvpq's codebooks beside every peer
 # cache (TurboQuant tq3/tq4 in kvpq's harness, KIVI 2/4-bit, q8_0, q4_0 with the rotation llama.cpp
