@@ -16,13 +16,14 @@ values apart. Every quantizer costs the same norm bits (a float16 scale per vect
 bits column are equal bytes. TurboQuant's own codebook (`kvpq.turboquant_codebook`: fixed Lloyd-Max
 levels, no centering, no smoothing) is the untrained reference.
 
-Quantizers, by bits per element of codes (head_dim d):
+Quantizers, by bits per element of codes (head_dim d); "/vrot" on a scalar row rotates its values too:
+  1: d8b8 (M = d/8: the PQ preset; and /vrot) | scalar (M = d, 2 levels per coordinate; and /vrot) | tq1
   2: d4b8 (M = d/4, 256 centroids: the PQ preset) | the same with values Hadamard-rotated too ("/vrot",
      `calibrate --value-rotate 1`; keys always are) | scalar (M = d, 4 levels), one table shared by all
-     coordinates / one per coordinate ("subspace") | tq2
+     coordinates / one per coordinate ("subspace"; and /vrot) | tq2
   3: d4b8+d8b8 (keys only: the allocation's 3-bit residual candidate) | d2b6 (M = d/2, 64 centroids:
-     needs nbits 6; and /vrot) | scalar 8 levels (shared / per coordinate) | tq3
-  4: d2b8 (the PQ preset; and /vrot) | scalar 16 levels (shared / per coordinate) | tq4
+     needs nbits 6; and /vrot) | scalar 8 levels (shared / per coordinate; and /vrot) | tq3
+  4: d2b8 (the PQ preset; and /vrot) | scalar 16 levels (shared / per coordinate; and /vrot) | tq4
 
 usage: python3 bench/scalar_vs_pq.py MODEL.gguf [--cal data/text/emma.txt] [--eval data/text/persuasion.txt]
            [--ctx 2048] [--cal-chunks 2] [--threads 2] [--json OUT]
@@ -43,21 +44,29 @@ import kvpq  # noqa: E402
 def quantizers(d):
     """(name, bits, Codebook kwargs or ("tq", bits)) for head_dim d."""
     return [
+        ("d8b8", 1, dict(keys="d8b8")),
+        ("d8b8/vrot", 1, dict(keys="d8b8", value_rotate=True)),
+        ("scalar1/coord", 1, dict(keys=(d, 1), granularity="subspace")),
+        ("scalar1/coord/vrot", 1, dict(keys=(d, 1), granularity="subspace", value_rotate=True)),
+        ("tq1", 1, ("tq", 1)),
         ("d4b8", 2, dict(keys="d4b8")),
         ("d4b8/vrot", 2, dict(keys="d4b8", value_rotate=True)),
         ("scalar2", 2, dict(keys=(d, 2))),
         ("scalar2/coord", 2, dict(keys=(d, 2), granularity="subspace")),
+        ("scalar2/coord/vrot", 2, dict(keys=(d, 2), granularity="subspace", value_rotate=True)),
         ("tq2", 2, ("tq", 2)),
         ("d4b8+d8b8", 3, dict(keys="d4b8", keys2="d8b8", values=(d // 2, 6))),
         ("d2b6", 3, dict(keys=(d // 2, 6))),
         ("d2b6/vrot", 3, dict(keys=(d // 2, 6), value_rotate=True)),
         ("scalar3", 3, dict(keys=(d, 3))),
         ("scalar3/coord", 3, dict(keys=(d, 3), granularity="subspace")),
+        ("scalar3/coord/vrot", 3, dict(keys=(d, 3), granularity="subspace", value_rotate=True)),
         ("tq3", 3, ("tq", 3)),
         ("d2b8", 4, dict(keys="d2b8")),
         ("d2b8/vrot", 4, dict(keys="d2b8", value_rotate=True)),
         ("scalar4", 4, dict(keys=(d, 4))),
         ("scalar4/coord", 4, dict(keys=(d, 4), granularity="subspace")),
+        ("scalar4/coord/vrot", 4, dict(keys=(d, 4), granularity="subspace", value_rotate=True)),
         ("tq4", 4, ("tq", 4)),
     ]
 
@@ -131,7 +140,7 @@ def main():
           f"(keys / values); layers where the quantizer beats its bits' PQ preset")
     for name, bits, _ in qs:
         sel = [r for r in rows if r["quantizer"] == name]
-        base = {2: "d4b8", 3: "d4b8+d8b8", 4: "d2b8"}[bits]
+        base = {1: "d8b8", 2: "d4b8", 3: "d4b8+d8b8", 4: "d2b8"}[bits]
         ref = {r["layer"]: r for r in rows if r["quantizer"] == base}
         wk = sum(r["key_err"] < ref[r["layer"]]["key_err"] for r in sel)
         wv = sum(r["value_err"] < ref[r["layer"]]["value_err"] for r in sel)
