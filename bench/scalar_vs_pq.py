@@ -41,34 +41,23 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 import kvpq  # noqa: E402
 
 
+def scalar_rows(d, b):
+    """Scalar codes at b bits: levels shared by the coordinates (from 2 bits), one table per coordinate,
+    the same with values rotated, and TurboQuant's fixed levels."""
+    coord = dict(keys=(d, b), granularity="subspace")
+    shared = [(f"scalar{b}", b, dict(keys=(d, b)))] if b > 1 else []
+    return shared + [(f"scalar{b}/coord", b, coord), (f"scalar{b}/coord/vrot", b, dict(coord, value_rotate=True)),
+                     (f"tq{b}", b, ("tq", b))]
+
+
 def quantizers(d):
-    """(name, bits, Codebook kwargs or ("tq", bits)) for head_dim d."""
-    return [
-        ("d8b8", 1, dict(keys="d8b8")),
-        ("d8b8/vrot", 1, dict(keys="d8b8", value_rotate=True)),
-        ("scalar1/coord", 1, dict(keys=(d, 1), granularity="subspace")),
-        ("scalar1/coord/vrot", 1, dict(keys=(d, 1), granularity="subspace", value_rotate=True)),
-        ("tq1", 1, ("tq", 1)),
-        ("d4b8", 2, dict(keys="d4b8")),
-        ("d4b8/vrot", 2, dict(keys="d4b8", value_rotate=True)),
-        ("scalar2", 2, dict(keys=(d, 2))),
-        ("scalar2/coord", 2, dict(keys=(d, 2), granularity="subspace")),
-        ("scalar2/coord/vrot", 2, dict(keys=(d, 2), granularity="subspace", value_rotate=True)),
-        ("tq2", 2, ("tq", 2)),
-        ("d4b8+d8b8", 3, dict(keys="d4b8", keys2="d8b8", values=(d // 2, 6))),
-        ("d2b6", 3, dict(keys=(d // 2, 6))),
-        ("d2b6/vrot", 3, dict(keys=(d // 2, 6), value_rotate=True)),
-        ("scalar3", 3, dict(keys=(d, 3))),
-        ("scalar3/coord", 3, dict(keys=(d, 3), granularity="subspace")),
-        ("scalar3/coord/vrot", 3, dict(keys=(d, 3), granularity="subspace", value_rotate=True)),
-        ("tq3", 3, ("tq", 3)),
-        ("d2b8", 4, dict(keys="d2b8")),
-        ("d2b8/vrot", 4, dict(keys="d2b8", value_rotate=True)),
-        ("scalar4", 4, dict(keys=(d, 4))),
-        ("scalar4/coord", 4, dict(keys=(d, 4), granularity="subspace")),
-        ("scalar4/coord/vrot", 4, dict(keys=(d, 4), granularity="subspace", value_rotate=True)),
-        ("tq4", 4, ("tq", 4)),
-    ]
+    """(name, bits, Codebook kwargs or ("tq", bits)) for head_dim d: per bits, the PQ rows, then scalar_rows."""
+    pq = {1: [("d8b8", dict(keys="d8b8")), ("d8b8/vrot", dict(keys="d8b8", value_rotate=True))],
+          2: [("d4b8", dict(keys="d4b8")), ("d4b8/vrot", dict(keys="d4b8", value_rotate=True))],
+          3: [("d4b8+d8b8", dict(keys="d4b8", keys2="d8b8", values=(d // 2, 6))), ("d2b6", dict(keys=(d // 2, 6))),
+              ("d2b6/vrot", dict(keys=(d // 2, 6), value_rotate=True))],
+          4: [("d2b8", dict(keys="d2b8")), ("d2b8/vrot", dict(keys="d2b8", value_rotate=True))]}
+    return [row for b in sorted(pq) for row in [(n, b, kw) for n, kw in pq[b]] + scalar_rows(d, b)]
 
 
 def activations(model, tokens, ctx, threads):
